@@ -1,0 +1,48 @@
+"""aps: an asyncio parameter server for distributed deep-learning training.
+
+One ``aps serve`` process holds the weights and the optimizer state; training
+processes use :class:`Worker` to push gradients and pull weights under a
+synchronization paradigm (BSP, ASP, SSP).
+"""
+
+from .config import ServerConfig
+from .errors import (
+    APSConnectionError,
+    APSError,
+    APSTimeoutError,
+    ConfigurationError,
+    DTypeMismatch,
+    InitTimeout,
+    LayoutMismatch,
+    NonFiniteGradient,
+    ProtocolError,
+    RankOutOfRange,
+    RankTaken,
+    ServerError,
+)
+from .layout import Layout
+from .server import Server
+from .worker import AsyncWorker, Worker
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "APSConnectionError",
+    "APSError",
+    "APSTimeoutError",
+    "AsyncWorker",
+    "ConfigurationError",
+    "DTypeMismatch",
+    "InitTimeout",
+    "Layout",
+    "LayoutMismatch",
+    "NonFiniteGradient",
+    "ProtocolError",
+    "RankOutOfRange",
+    "RankTaken",
+    "Server",
+    "ServerConfig",
+    "ServerError",
+    "Worker",
+    "__version__",
+]

@@ -1,0 +1,355 @@
+"""Plain-Python twin of the native module ``aps._core``: the test oracle.
+
+Every class and function here has the same name, signature and behaviour as
+its native counterpart in ``native/_core.pyx``; the tests run the same
+scenarios on both and compare them step by step. It favours being obviously
+right over being fast.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+__all__ = [
+    "StalenessWindow",
+    "accumulate",
+    "adam_step",
+    "all_finite",
+    "dssp_controller",
+    "sgd_step",
+]
+
+_F32 = np.float32
+
+
+def _check_len(what: str, got: int, want: int) -> None:
+    if got != want:
+        raise ValueError(f"{what} has {got} elements, expected {want}")
+
+
+def all_finite(x: np.ndarray) -> bool:
+    """True when no element of the float32 vector ``x`` is NaN or infinite."""
+    return bool(np.isfinite(np.asarray(x, dtype=_F32)).all())
+
+
+def accumulate(acc: np.ndarray, grad: np.ndarray, scale: float = 1.0, first: bool = False) -> None:
+    """``acc = scale * grad`` when ``first``, else ``acc += scale * grad``."""
+    _check_len("grad", len(grad), len(acc))
+    term = grad.astype(_F32) * _F32(scale)
+    if first:
+        acc[:] = term
+    else:
+        acc[:] = acc + term
+
+
+def sgd_step(
+    w_out: np.ndarray,
+    w_in: np.ndarray,
+    grad: np.ndarray,
+    momentum_buffer: np.ndarray | None,
+    lr: float,
+    momentum: float = 0.0,
+    dampening: float = 0.0,
+    weight_decay: float = 0.0,
+    nesterov: bool = False,
+    first: bool = False,
+    scale: float = 1.0,
+) -> None:
+    """One SGD step, exactly as ``torch.optim.SGD`` computes it (see the native twin)."""
+    n = len(w_in)
+    _check_len("w_out", len(w_out), n)
+    _check_len("grad", len(grad), n)
+    w = np.array(w_in, dtype=_F32)
+    d = grad.astype(_F32) * _F32(scale)
+    if weight_decay != 0.0:
+        d = d + _F32(weight_decay) * w
+    if momentum != 0.0:
+        if momentum_buffer is None:
+            raise ValueError("momentum needs a momentum buffer")
+        _check_len("momentum_buffer", len(momentum_buffer), n)
+        if first:
+            buf = d.copy()
+        else:
+            buf = momentum_buffer * _F32(momentum) + _F32(1.0 - dampening) * d
+        momentum_buffer[:] = buf
+        d = d + _F32(momentum) * buf if nesterov else buf
+    w_out[:] = w + _F32(-lr) * d
+
+
+def adam_step(
+    w_out: np.ndarray,
+    w_in: np.ndarray,
+    grad: np.ndarray,
+    exp_avg: np.ndarray,
+    exp_avg_sq: np.ndarray,
+    step: int,
+    lr: float,
+    beta1: float = 0.9,
+    beta2: float = 0.999,
+    eps: float = 1e-8,
+    weight_decay: float = 0.0,
+    decoupled: bool = False,
+    scale: float = 1.0,
+) -> None:
+    """One Adam or AdamW step, exactly as ``torch.optim.Adam[W]`` computes it."""
+    n = len(w_in)
+    for what, arr in (("w_out", w_out), ("grad", grad), ("exp_avg", exp_avg), ("exp_avg_sq", exp_avg_sq)):
+        _check_len(what, len(arr), n)
+    if step < 1:
+        raise ValueError("step counts from 1")
+    g = grad.astype(_F32) * _F32(scale)
+    w = np.array(w_in, dtype=_F32)
+    if decoupled:
+        if weight_decay != 0.0:
+            w = w * _F32(1.0 - lr * weight_decay)
+    elif weight_decay != 0.0:
+        g = g + _F32(weight_decay) * w
+    weight = 1.0 - beta1
+    if weight < 0.5:
+        m = exp_avg + _F32(weight) * (g - exp_avg)
+    else:
+        m = g - (g - exp_avg) * _F32(1.0 - weight)
+    v = exp_avg_sq * _F32(beta2) + _F32(1.0 - beta2) * g * g
+    exp_avg[:] = m
+    exp_avg_sq[:] = v
+    bias1 = 1.0 - beta1**step
+    bias2 = 1.0 - beta2**step
+    denom = np.sqrt(v) / _F32(math.sqrt(bias2)) + _F32(eps)
+    w_out[:] = w + _F32(-(lr / bias1)) * (m / denom)
+
+
+def dssp_controller(
+    fast_newest: float,
+    fast_previous: float,
+    slow_newest: float,
+    slow_previous: float,
+    r_max: int,
+) -> int:
+    """DSSP's synchronization controller: the extra iterations ``r*`` to grant.
+
+    With the fast worker's last interval ``I_p`` and the slowest worker's
+    ``I_s``, the predicted push times are ``Sim_p[r] = A_p[0] + r * I_p`` for
+    ``r = 0..r_max`` and ``Sim_s[k] = A_s[0] + (k + 1) * I_s`` for
+    ``k = 0..r_max``; ``r*`` minimizes ``min_k |Sim_s[k] - Sim_p[r]|``, ties
+    going to the smaller ``r``. A NaN arrival time means "fewer than two
+    pushes": then ``r* = 0``.
+    """
+    if r_max <= 0:
+        return 0
+    if math.isnan(fast_previous) or math.isnan(slow_previous):
+        return 0
+    interval_p = fast_newest - fast_previous
+    interval_s = slow_newest - slow_previous
+    best_r, best = 0, math.inf
+    for r in range(r_max + 1):
+        sim_p = fast_newest + r * interval_p
+        nearest = min(abs(slow_newest + (k + 1) * interval_s - sim_p) for k in range(r_max + 1))
+        if nearest < best:
+            best_r, best = r, nearest
+    return best_r
+
+
+class StalenessWindow:
+    """Clocks, live set and gate decisions for the staleness-bounded policies.
+
+    ``lower < 0`` leaves the window unbounded (ASP: every push releases its
+    worker). Otherwise a worker is released after a push while its gap
+    ``t_i - min_j t_j`` (over live workers) is at most ``lower``; with
+    ``upper > lower`` (DSSP) the fastest worker may be granted up to
+    ``upper - lower`` extra iterations by the controller, never beyond a gap of
+    ``upper``. ``lower == upper`` is SSP. See docs/algorithms.md.
+    """
+
+    def __init__(self, num_workers: int, lower: int = -1, upper: int | None = None) -> None:
+        if num_workers < 1:
+            raise ValueError("num_workers must be at least 1")
+        if upper is None:
+            upper = lower
+        if lower >= 0 and upper < lower:
+            raise ValueError("upper must be at least lower")
+        self._n = num_workers
+        self._lower = lower
+        self._upper = upper if lower >= 0 else -1
+        self._clock = [0] * num_workers
+        self._live = [False] * num_workers
+        self._held = [False] * num_workers
+        self._credit = [0] * num_workers
+        self._newest = [math.nan] * num_workers
+        self._previous = [math.nan] * num_workers
+        self._min = 0
+        self._last_r_star = -1
+
+    # Read-only views -----------------------------------------------------
+    @property
+    def num_workers(self) -> int:
+        return self._n
+
+    @property
+    def lower(self) -> int:
+        return self._lower
+
+    @property
+    def upper(self) -> int:
+        return self._upper
+
+    @property
+    def bounded(self) -> bool:
+        return self._lower >= 0
+
+    @property
+    def num_live(self) -> int:
+        return sum(self._live)
+
+    @property
+    def min_clock(self) -> int:
+        return self._min
+
+    @property
+    def max_clock(self) -> int:
+        clocks = [c for c, live in zip(self._clock, self._live) if live]
+        return max(clocks) if clocks else self._min
+
+    @property
+    def last_r_star(self) -> int:
+        """The controller's ``r*`` at its most recent call (-1 before any)."""
+        return self._last_r_star
+
+    def clock(self, rank: int) -> int:
+        return self._clock[self._rank(rank)]
+
+    def gap(self, rank: int) -> int:
+        return self._clock[self._rank(rank)] - self._min
+
+    def is_live(self, rank: int) -> bool:
+        return self._live[self._rank(rank)]
+
+    def is_held(self, rank: int) -> bool:
+        return self._held[self._rank(rank)]
+
+    def credit(self, rank: int) -> int:
+        return self._credit[self._rank(rank)]
+
+    def arrivals(self, rank: int) -> tuple[float, float]:
+        rank = self._rank(rank)
+        return self._newest[rank], self._previous[rank]
+
+    def state(self) -> tuple:
+        """Everything the window knows, for step-by-step comparison with its twin."""
+        return (
+            tuple(self._clock),
+            tuple(self._live),
+            tuple(self._held),
+            tuple(self._credit),
+            self._min,
+            self._last_r_star,
+        )
+
+    # Transitions ----------------------------------------------------------
+    def join(self, rank: int) -> int:
+        """Make ``rank`` live at the slowest live worker's clock; returns that clock."""
+        rank = self._rank(rank)
+        if self._live[rank]:
+            raise ValueError(f"rank {rank} is already live")
+        # A (re)joining worker starts at the slowest live clock, so it can never
+        # hold the others back retroactively. With nobody live, it starts where
+        # the slowest worker was when the last one left.
+        self._clock[rank] = self._min
+        self._live[rank] = True
+        self._held[rank] = False
+        self._credit[rank] = 0
+        self._newest[rank] = math.nan
+        self._previous[rank] = math.nan
+        return self._min
+
+    def leave(self, rank: int) -> list[int]:
+        """Remove ``rank`` from the live set; returns the workers this releases."""
+        rank = self._rank(rank)
+        if not self._live[rank]:
+            raise ValueError(f"rank {rank} is not live")
+        self._live[rank] = False
+        self._held[rank] = False
+        self._credit[rank] = 0
+        old_min = self._min
+        self._recompute_min()
+        return self._release_caught_up() if self._min != old_min else []
+
+    def push(self, rank: int, now: float) -> list[int]:
+        """Count one push from ``rank`` at time ``now``; returns the released workers.
+
+        ``rank`` itself comes first in the list when it is released at once.
+        """
+        rank = self._rank(rank)
+        if not self._live[rank]:
+            raise ValueError(f"rank {rank} is not live")
+        if self._held[rank]:
+            raise ValueError(f"rank {rank} is held at the gate and cannot push")
+        was_min = self._clock[rank] == self._min
+        self._clock[rank] += 1
+        self._previous[rank] = self._newest[rank]
+        self._newest[rank] = now
+        old_min = self._min
+        if was_min:
+            self._recompute_min()
+        released = [rank] if self._decide(rank) else []
+        if self._min != old_min:
+            released.extend(self._release_caught_up())
+        return released
+
+    # Internals ------------------------------------------------------------
+    def _rank(self, rank: int) -> int:
+        if not 0 <= rank < self._n:
+            raise IndexError(f"rank {rank} out of range 0..{self._n - 1}")
+        return rank
+
+    def _recompute_min(self) -> None:
+        clocks = [c for c, live in zip(self._clock, self._live) if live]
+        if clocks:
+            self._min = min(clocks)
+
+    def _decide(self, rank: int) -> bool:
+        """The gate after a push by ``rank`` (docs/algorithms.md, DSSP steps 2-5)."""
+        if self._lower < 0:
+            return True
+        gap = self._clock[rank] - self._min
+        if self._credit[rank] > 0:
+            self._credit[rank] -= 1
+            return True
+        if gap <= self._lower:
+            return True
+        if gap <= self._upper and self._clock[rank] == self.max_clock:
+            r_star = self._controller(rank)
+            self._last_r_star = r_star
+            # The release now spends one unit of r*; the grant is cut to the
+            # room left below the upper bound so the gap never exceeds it.
+            grant = min(r_star, self._upper - gap + 1)
+            if grant > 0:
+                self._credit[rank] = grant - 1
+                return True
+        self._held[rank] = True
+        return False
+
+    def _slowest(self) -> int:
+        for rank in range(self._n):
+            if self._live[rank] and self._clock[rank] == self._min:
+                return rank
+        raise AssertionError("no live worker")
+
+    def _controller(self, rank: int) -> int:
+        slow = self._slowest()
+        return dssp_controller(
+            self._newest[rank],
+            self._previous[rank],
+            self._newest[slow],
+            self._previous[slow],
+            self._upper - self._lower,
+        )
+
+    def _release_caught_up(self) -> list[int]:
+        released = []
+        for rank in range(self._n):
+            if self._held[rank] and self._clock[rank] - self._min <= self._lower:
+                self._held[rank] = False
+                released.append(rank)
+        return released

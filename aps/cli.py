@@ -1,0 +1,69 @@
+"""The ``aps`` command: ``aps serve`` and ``aps bench``."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+
+from . import __version__
+from .config import add_server_arguments, config_from_args
+from .errors import ConfigurationError
+
+__all__ = ["main"]
+
+
+def _setup_logging(level: str) -> None:
+    logging.basicConfig(
+        level=getattr(logging, level.upper()),
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+        stream=sys.stderr,
+    )
+
+
+def _serve(args: argparse.Namespace) -> int:
+    from .server import Server
+
+    config = config_from_args(args)
+    _setup_logging(config.log_level)
+    return Server(config).run()
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="aps",
+        description="aps: an asyncio parameter server for distributed deep-learning training.",
+    )
+    parser.add_argument("--version", action="version", version=f"aps {__version__}")
+    commands = parser.add_subparsers(dest="command", metavar="COMMAND")
+    commands.required = True
+
+    serve = commands.add_parser(
+        "serve",
+        help="run a parameter server",
+        description="Run a parameter server. Every flag also reads an APS_* environment variable.",
+    )
+    add_server_arguments(serve)
+    serve.set_defaults(run=_serve)
+
+    from .bench import add_bench_arguments, run_bench
+
+    bench = commands.add_parser(
+        "bench",
+        help="measure push/pull throughput against a raw-socket bound",
+        description="Benchmark push_pull round trips over TCP against a blocking-socket ping-pong of the same payloads.",
+    )
+    add_bench_arguments(bench)
+    bench.set_defaults(run=run_bench)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        return args.run(args)
+    except ConfigurationError as exc:
+        parser.exit(2, f"aps: error: {exc}\n")
+    except KeyboardInterrupt:
+        return 130

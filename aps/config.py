@@ -1,0 +1,189 @@
+"""Server options: one definition for ``aps serve`` flags, ``APS_*`` variables and ``aps.Server``.
+
+Every field of :class:`ServerConfig` is an ``aps serve`` flag (``--max-staleness``
+for ``max_staleness``) and has an environment variable twin (``APS_MAX_STALENESS``).
+A flag on the command line wins over the variable, which wins over the default.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from .errors import ConfigurationError
+
+__all__ = ["ServerConfig", "add_server_arguments", "config_from_args", "env_name"]
+
+SYNC_CHOICES = ("bsp", "asp", "ssp")
+OPTIMIZER_CHOICES = ("sgd", "adam", "adamw")
+LOG_LEVELS = ("debug", "info", "warning", "error")
+DEFAULT_PORT = 7450
+
+
+def _opt(help: str, *, choices: tuple[str, ...] | None = None, metavar: str | None = None) -> dict:
+    return {"help": help, "choices": choices, "metavar": metavar}
+
+
+def _parse_betas(text: str) -> tuple[float, float]:
+    try:
+        beta1, beta2 = (float(part) for part in text.split(","))
+    except ValueError:
+        raise ConfigurationError(f"betas must be two comma-separated numbers, got {text!r}") from None
+    return beta1, beta2
+
+
+def _parse_bool(text: str) -> bool:
+    value = text.strip().lower()
+    if value in ("1", "true", "yes", "on"):
+        return True
+    if value in ("0", "false", "no", "off", ""):
+        return False
+    raise ConfigurationError(f"expected a boolean (1/0, true/false), got {text!r}")
+
+
+def _parse_size(text: str) -> int:
+    """An integer byte count, with an optional K/M/G (binary) suffix."""
+    value = text.strip().upper().removesuffix("B").removesuffix("I")
+    scale = 1
+    for suffix, factor in (("K", 1 << 10), ("M", 1 << 20), ("G", 1 << 30)):
+        if value.endswith(suffix):
+            value, scale = value[:-1], factor
+            break
+    try:
+        return int(float(value) * scale)
+    except ValueError:
+        raise ConfigurationError(f"expected a size in bytes (e.g. 512M), got {text!r}") from None
+
+
+@dataclass
+class ServerConfig:
+    """Options of an aps server (``aps serve --help`` describes each)."""
+
+    host: str = field(default="127.0.0.1", metadata=_opt("address to listen on (0.0.0.0 for every interface)"))
+    port: int = field(default=DEFAULT_PORT, metadata=_opt("TCP port; 0 picks a free one and prints it"))
+    workers: int = field(default=1, metadata=_opt("number of workers P; training starts when all have joined"))
+    sync: str = field(default="bsp", metadata=_opt("synchronization paradigm", choices=SYNC_CHOICES))
+    staleness: int = field(
+        default=3, metadata=_opt("SSP threshold s: a worker may run at most s iterations ahead of the slowest")
+    )
+    backup_workers: int = field(
+        default=0, metadata=_opt("BSP backup workers k: a round closes on the first P-k gradients")
+    )
+    optimizer: str = field(default="sgd", metadata=_opt("server-side optimizer", choices=OPTIMIZER_CHOICES))
+    lr: float = field(default=0.01, metadata=_opt("learning rate"))
+    momentum: float = field(default=0.0, metadata=_opt("SGD momentum"))
+    nesterov: bool = field(default=False, metadata=_opt("use Nesterov momentum (SGD)"))
+    weight_decay: float = field(default=0.0, metadata=_opt("weight decay (L2 for sgd/adam, decoupled for adamw)"))
+    betas: tuple[float, float] = field(
+        default=(0.9, 0.999), metadata=_opt("Adam coefficients beta1,beta2", metavar="B1,B2")
+    )
+    eps: float = field(default=1e-8, metadata=_opt("Adam epsilon"))
+    max_frame_bytes: int = field(
+        default=4 << 30, metadata=_opt("largest frame payload accepted (K/M/G suffixes)", metavar="SIZE")
+    )
+    log_level: str = field(default="info", metadata=_opt("logging level", choices=LOG_LEVELS))
+
+    def __post_init__(self) -> None:
+        self.validate()
+
+    def validate(self) -> None:
+        """Raise ConfigurationError if an option is out of range."""
+        if not 0 <= self.port <= 65535:
+            raise ConfigurationError(f"port {self.port} is out of range 0..65535")
+        if self.workers < 1:
+            raise ConfigurationError(f"workers must be at least 1, got {self.workers}")
+        if self.sync not in SYNC_CHOICES:
+            raise ConfigurationError(f"unknown sync paradigm {self.sync!r}: choose from {', '.join(SYNC_CHOICES)}")
+        if self.staleness < 0:
+            raise ConfigurationError(f"staleness must be >= 0, got {self.staleness}")
+        if not 0 <= self.backup_workers < self.workers:
+            raise ConfigurationError(
+                f"backup workers must be in 0..{self.workers - 1} for {self.workers} workers, got {self.backup_workers}"
+            )
+        if self.backup_workers and self.sync != "bsp":
+            raise ConfigurationError("--backup-workers applies to --sync bsp only")
+        if self.optimizer not in OPTIMIZER_CHOICES:
+            raise ConfigurationError(
+                f"unknown optimizer {self.optimizer!r}: choose from {', '.join(OPTIMIZER_CHOICES)}"
+            )
+        if self.max_frame_bytes < 1 << 16:
+            raise ConfigurationError("max frame bytes must be at least 64K")
+        if self.log_level not in LOG_LEVELS:
+            raise ConfigurationError(f"unknown log level {self.log_level!r}")
+
+    def replace(self, **changes: Any) -> ServerConfig:
+        return dataclasses.replace(self, **changes)
+
+
+def env_name(field_name: str) -> str:
+    """The environment variable twin of an option: ``max_staleness`` -> ``APS_MAX_STALENESS``."""
+    return "APS_" + field_name.upper()
+
+
+def _flag(field_name: str) -> str:
+    return "--" + field_name.replace("_", "-")
+
+
+def _converter(f: dataclasses.Field):
+    if f.name == "betas":
+        return _parse_betas
+    if f.name == "max_frame_bytes":
+        return _parse_size
+    kind = f.type if isinstance(f.type, str) else f.type.__name__
+    return {"int": int, "float": float, "str": str, "bool": _parse_bool}[kind]
+
+
+def add_server_arguments(parser: argparse.ArgumentParser, *, skip: tuple[str, ...] = ()) -> None:
+    """Add one flag per ServerConfig field to ``parser`` (defaults stay unset, see config_from_args)."""
+    for f in dataclasses.fields(ServerConfig):
+        if f.name in skip:
+            continue
+        meta = f.metadata
+        default = f.default
+        shown = ",".join(str(b) for b in default) if isinstance(default, tuple) else default
+        help_text = f"{meta['help']} (default {shown}; env {env_name(f.name)})"
+        if _converter(f) is _parse_bool:
+            parser.add_argument(_flag(f.name), action="store_const", const=True, default=None, help=help_text)
+            continue
+
+        def convert(text: str, _conv=_converter(f)):
+            try:
+                return _conv(text)
+            except (ValueError, ConfigurationError) as exc:
+                raise argparse.ArgumentTypeError(str(exc)) from None
+
+        parser.add_argument(
+            _flag(f.name),
+            type=convert,
+            default=None,
+            choices=meta.get("choices"),
+            metavar=meta.get("metavar") or f.name.upper(),
+            help=help_text,
+        )
+
+
+def config_from_args(args: argparse.Namespace | None = None, environ: Mapping[str, str] | None = None) -> ServerConfig:
+    """A ServerConfig from parsed flags, falling back to ``APS_*`` variables, then defaults."""
+    environ = os.environ if environ is None else environ
+    values: dict[str, Any] = {}
+    for f in dataclasses.fields(ServerConfig):
+        given = getattr(args, f.name, None) if args is not None else None
+        if given is not None:
+            values[f.name] = given
+            continue
+        raw = environ.get(env_name(f.name))
+        if raw is None or raw == "":
+            continue
+        try:
+            value = _converter(f)(raw)
+        except (ValueError, ConfigurationError) as exc:
+            raise ConfigurationError(f"{env_name(f.name)}={raw!r}: {exc}") from None
+        choices = f.metadata.get("choices")
+        if choices and value not in choices:
+            raise ConfigurationError(f"{env_name(f.name)}={raw!r}: choose from {', '.join(choices)}")
+        values[f.name] = value
+    return ServerConfig(**values)

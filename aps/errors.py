@@ -1,0 +1,234 @@
+"""The exception tree of aps.
+
+Everything aps raises on purpose derives from :class:`APSError`. Classes also
+derive from the builtin a caller would naturally catch: configuration mistakes
+are ``ValueError``, waits that run out are ``TimeoutError``, a lost connection
+is ``ConnectionError``. Errors the server reports travel on the wire as an
+error frame with a numeric code; :data:`ERROR_CODES` maps each code to its
+class, so the client raises the same type the server meant.
+"""
+
+from __future__ import annotations
+
+from enum import IntEnum
+
+__all__ = [
+    "APSError",
+    "APSConnectionError",
+    "APSTimeoutError",
+    "BadMagic",
+    "ConfigurationError",
+    "DTypeMismatch",
+    "ERROR_CODES",
+    "ErrorCode",
+    "FrameTooLarge",
+    "InitTimeout",
+    "InternalServerError",
+    "LayoutMismatch",
+    "MalformedFrame",
+    "NonFiniteGradient",
+    "NotInitialized",
+    "OutOfOrder",
+    "PayloadSizeMismatch",
+    "ProtocolError",
+    "RankOutOfRange",
+    "RankTaken",
+    "ServerError",
+    "ShuttingDown",
+    "UnknownOp",
+    "UnsupportedVersion",
+    "WorkerCountMismatch",
+    "error_from_code",
+]
+
+
+class ErrorCode(IntEnum):
+    """Numeric codes carried by error frames (docs/protocol.md lists them)."""
+
+    BAD_MAGIC = 1
+    UNSUPPORTED_VERSION = 2
+    UNKNOWN_OP = 3
+    FRAME_TOO_LARGE = 4
+    MALFORMED_FRAME = 5
+    PAYLOAD_SIZE_MISMATCH = 6
+    DTYPE_MISMATCH = 7
+    LAYOUT_MISMATCH = 8
+    RANK_OUT_OF_RANGE = 9
+    RANK_TAKEN = 10
+    WORKER_COUNT_MISMATCH = 11
+    NON_FINITE_GRADIENT = 12
+    NOT_INITIALIZED = 13
+    OUT_OF_ORDER = 14
+    SHUTTING_DOWN = 15
+    INTERNAL = 16
+
+
+class APSError(Exception):
+    """Base class of every error aps raises on purpose."""
+
+
+class ConfigurationError(APSError, ValueError):
+    """An option or argument is invalid (bad flag value, bad address, ...)."""
+
+
+class APSTimeoutError(APSError, TimeoutError):
+    """A wait ran out of time."""
+
+
+class InitTimeout(APSTimeoutError):
+    """``Worker.init`` waited longer than its timeout for all workers to join."""
+
+
+class APSConnectionError(APSError, ConnectionError):
+    """The connection to the server failed or was lost. Recoverable: reconnect."""
+
+
+class ServerError(APSError):
+    """An error the server reported in an error frame.
+
+    Attributes:
+        code: the :class:`ErrorCode` from the frame.
+        message: the server's explanation.
+    """
+
+    code: ErrorCode = ErrorCode.INTERNAL
+
+    def __init__(self, message: str, code: ErrorCode | None = None) -> None:
+        super().__init__(message)
+        self.message = message
+        if code is not None:
+            self.code = code
+
+    def __reduce__(self):  # keep the code across pickling (multiprocessing)
+        return (type(self), (self.message, self.code))
+
+
+class ProtocolError(ServerError):
+    """A frame broke the wire protocol (see docs/protocol.md)."""
+
+    code = ErrorCode.MALFORMED_FRAME
+
+
+class BadMagic(ProtocolError):
+    """The frame does not start with the aps magic number."""
+
+    code = ErrorCode.BAD_MAGIC
+
+
+class UnsupportedVersion(ProtocolError):
+    """The peer speaks a protocol version this side does not."""
+
+    code = ErrorCode.UNSUPPORTED_VERSION
+
+
+class UnknownOp(ProtocolError):
+    """The frame's operation code is not one this side knows."""
+
+    code = ErrorCode.UNKNOWN_OP
+
+
+class FrameTooLarge(ProtocolError):
+    """The frame's payload length is over the configured limit."""
+
+    code = ErrorCode.FRAME_TOO_LARGE
+
+
+class MalformedFrame(ProtocolError):
+    """The frame's payload cannot be parsed."""
+
+    code = ErrorCode.MALFORMED_FRAME
+
+
+class PayloadSizeMismatch(ServerError, ValueError):
+    """The payload's size does not match the registered model layout."""
+
+    code = ErrorCode.PAYLOAD_SIZE_MISMATCH
+
+
+class DTypeMismatch(ServerError, TypeError):
+    """The payload's dtype is not the model's (float32)."""
+
+    code = ErrorCode.DTYPE_MISMATCH
+
+
+class LayoutMismatch(ServerError, ValueError):
+    """Tensor names or shapes differ from the registered model."""
+
+    code = ErrorCode.LAYOUT_MISMATCH
+
+
+class RankOutOfRange(ServerError, ValueError):
+    """The rank is not in ``0..num_workers-1``."""
+
+    code = ErrorCode.RANK_OUT_OF_RANGE
+
+
+class RankTaken(ServerError):
+    """Another live connection already holds this rank."""
+
+    code = ErrorCode.RANK_TAKEN
+
+
+class WorkerCountMismatch(ServerError, ValueError):
+    """The worker's ``num_workers`` differs from the server's ``--workers``."""
+
+    code = ErrorCode.WORKER_COUNT_MISMATCH
+
+
+class NonFiniteGradient(ServerError, ValueError):
+    """The gradient holds NaN or infinity; it was rejected and changed nothing."""
+
+    code = ErrorCode.NON_FINITE_GRADIENT
+
+
+class NotInitialized(ServerError):
+    """The connection sent a request that needs ``init`` first."""
+
+    code = ErrorCode.NOT_INITIALIZED
+
+
+class OutOfOrder(ServerError):
+    """The request breaks the iteration order (e.g. a push while held at the gate)."""
+
+    code = ErrorCode.OUT_OF_ORDER
+
+
+class ShuttingDown(ServerError):
+    """The server is shutting down."""
+
+    code = ErrorCode.SHUTTING_DOWN
+
+
+class InternalServerError(ServerError):
+    """The server failed unexpectedly while handling the request."""
+
+    code = ErrorCode.INTERNAL
+
+
+ERROR_CODES: dict[ErrorCode, type[ServerError]] = {
+    ErrorCode.BAD_MAGIC: BadMagic,
+    ErrorCode.UNSUPPORTED_VERSION: UnsupportedVersion,
+    ErrorCode.UNKNOWN_OP: UnknownOp,
+    ErrorCode.FRAME_TOO_LARGE: FrameTooLarge,
+    ErrorCode.MALFORMED_FRAME: MalformedFrame,
+    ErrorCode.PAYLOAD_SIZE_MISMATCH: PayloadSizeMismatch,
+    ErrorCode.DTYPE_MISMATCH: DTypeMismatch,
+    ErrorCode.LAYOUT_MISMATCH: LayoutMismatch,
+    ErrorCode.RANK_OUT_OF_RANGE: RankOutOfRange,
+    ErrorCode.RANK_TAKEN: RankTaken,
+    ErrorCode.WORKER_COUNT_MISMATCH: WorkerCountMismatch,
+    ErrorCode.NON_FINITE_GRADIENT: NonFiniteGradient,
+    ErrorCode.NOT_INITIALIZED: NotInitialized,
+    ErrorCode.OUT_OF_ORDER: OutOfOrder,
+    ErrorCode.SHUTTING_DOWN: ShuttingDown,
+    ErrorCode.INTERNAL: InternalServerError,
+}
+
+
+def error_from_code(code: int, message: str) -> ServerError:
+    """The exception instance for a wire error ``code`` (unknown codes map to ServerError)."""
+    try:
+        known = ErrorCode(code)
+    except ValueError:
+        return ServerError(f"[code {code}] {message}", ErrorCode.INTERNAL)
+    return ERROR_CODES[known](message, known)

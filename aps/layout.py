@@ -1,0 +1,127 @@
+"""The flat layout of a model: named float32 tensors laid end to end.
+
+At ``init`` the named tensors are placed one after another in a single
+float32 vector, in the order the first worker gave them. The server keeps and
+updates that vector; workers keep one flat weight buffer and one flat gradient
+buffer and expose each tensor as a view into them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from .errors import DTypeMismatch, LayoutMismatch
+
+__all__ = ["Layout"]
+
+_MAX_NAME_BYTES = 0xFFFF
+_MAX_NDIM = 32
+
+
+@dataclass(frozen=True)
+class Layout:
+    """Names and shapes of a model's tensors, in flat order.
+
+    Attributes:
+        names: tensor names, in flat order.
+        shapes: one shape tuple per name.
+    """
+
+    names: tuple[str, ...]
+    shapes: tuple[tuple[int, ...], ...]
+    offsets: tuple[int, ...] = field(init=False, repr=False, compare=False)
+    sizes: tuple[int, ...] = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        if len(self.names) != len(self.shapes):
+            raise ValueError("names and shapes differ in length")
+        if len(set(self.names)) != len(self.names):
+            raise LayoutMismatch("tensor names must be unique")
+        sizes, offsets, offset = [], [], 0
+        for name, shape in zip(self.names, self.shapes):
+            if not name or len(name.encode("utf-8")) > _MAX_NAME_BYTES:
+                raise LayoutMismatch(f"tensor name {name!r} is empty or too long")
+            if len(shape) > _MAX_NDIM or any(int(d) < 0 for d in shape):
+                raise LayoutMismatch(f"tensor {name!r} has an invalid shape {shape}")
+            size = int(np.prod(shape, dtype=np.int64)) if shape else 1
+            offsets.append(offset)
+            sizes.append(size)
+            offset += size
+        object.__setattr__(self, "offsets", tuple(offsets))
+        object.__setattr__(self, "sizes", tuple(sizes))
+
+    @classmethod
+    def from_arrays(cls, params: Mapping[str, object]) -> Layout:
+        """The layout of a mapping of name to array-like, in the mapping's order."""
+        shapes = []
+        for name, value in params.items():
+            shapes.append(tuple(int(d) for d in np.shape(value)))
+        return cls(tuple(str(n) for n in params), tuple(shapes))
+
+    @property
+    def numel(self) -> int:
+        """Number of float32 elements in the flat vector."""
+        return (self.offsets[-1] + self.sizes[-1]) if self.names else 0
+
+    @property
+    def nbytes(self) -> int:
+        return 4 * self.numel
+
+    def __len__(self) -> int:
+        return len(self.names)
+
+    def views(self, flat: np.ndarray) -> dict[str, np.ndarray]:
+        """Each tensor as a view (shaped like the tensor) into the flat vector ``flat``."""
+        return {
+            name: flat[offset : offset + size].reshape(shape)
+            for name, shape, offset, size in zip(self.names, self.shapes, self.offsets, self.sizes)
+        }
+
+    def flatten_into(self, params: Mapping[str, object], flat: np.ndarray) -> None:
+        """Copy ``params`` into ``flat`` (float32, converting as needed), checking names and shapes."""
+        self.check(params, what="init values", strict_dtype=False)
+        for name, offset, size in zip(self.names, self.offsets, self.sizes):
+            flat[offset : offset + size] = np.asarray(params[name], dtype=np.float32).reshape(-1)
+
+    def check(self, tensors: Mapping[str, object], *, what: str = "gradients", strict_dtype: bool = True) -> None:
+        """Raise LayoutMismatch or DTypeMismatch unless ``tensors`` matches this layout."""
+        if len(tensors) != len(self.names) or any(name not in tensors for name in self.names):
+            self._raise_name_mismatch(tensors.keys(), what)
+        for name, shape in zip(self.names, self.shapes):
+            value = tensors[name]
+            got = tuple(np.shape(value))
+            if got != shape:
+                raise LayoutMismatch(f"{what}: tensor {name!r} has shape {got}, the model's is {shape}")
+            if strict_dtype:
+                dtype = getattr(value, "dtype", None)
+                if dtype != np.float32:
+                    raise DTypeMismatch(f"{what}: tensor {name!r} is {dtype}, the model is float32")
+
+    def _raise_name_mismatch(self, names: Iterable[str], what: str) -> None:
+        given = list(names)
+        missing = [n for n in self.names if n not in given]
+        extra = [n for n in given if n not in self.names]
+        parts = []
+        if missing:
+            parts.append(f"missing {missing[:5]}{' ...' if len(missing) > 5 else ''}")
+        if extra:
+            parts.append(f"unexpected {extra[:5]}{' ...' if len(extra) > 5 else ''}")
+        raise LayoutMismatch(f"{what}: tensor names differ from the model's: {'; '.join(parts)}")
+
+    def difference(self, other: Layout) -> str | None:
+        """None when equal, else a sentence naming the first difference."""
+        if self == other:
+            return None
+        if self.names != other.names:
+            if set(self.names) == set(other.names):
+                return "the same tensor names in a different order"
+            missing = [n for n in self.names if n not in other.names]
+            extra = [n for n in other.names if n not in self.names]
+            return f"tensor names differ (missing {missing[:5]}, unexpected {extra[:5]})"
+        for name, mine, theirs in zip(self.names, self.shapes, other.shapes):
+            if mine != theirs:
+                return f"tensor {name!r} has shape {theirs}, the model's is {mine}"
+        return "layouts differ"

@@ -1,0 +1,237 @@
+"""The aps wire protocol: frame header, op codes, flags, dtypes, payload codecs.
+
+No I/O happens here. Every frame is a fixed 40-byte little-endian header
+followed by ``length`` payload bytes; array payloads are the raw bytes of a
+flat float32 vector, never serialized objects. docs/protocol.md is the
+written specification; this module is its only implementation.
+"""
+
+from __future__ import annotations
+
+import struct
+from enum import IntEnum, IntFlag
+from typing import NamedTuple
+
+import numpy as np
+
+from .errors import BadMagic, FrameTooLarge, MalformedFrame, PayloadSizeMismatch, UnsupportedVersion
+from .layout import Layout
+
+__all__ = [
+    "DType",
+    "Flag",
+    "HEADER_SIZE",
+    "Header",
+    "InitRequest",
+    "MAGIC",
+    "Op",
+    "PROTOCOL_VERSION",
+    "decode_error",
+    "decode_init",
+    "encode_error",
+    "encode_init",
+    "is_known_op",
+    "pack_header",
+    "unpack_header",
+]
+
+MAGIC = 0x31535041  # b"APS1" read as a little-endian uint32
+PROTOCOL_VERSION = 1
+
+# magic u32, protocol version u16, op u8, flags u8, dtype u8, 3 reserved bytes,
+# request id u32, clock u64, version u64, payload length u64.
+_HEADER = struct.Struct("<IHBBB3xIQQQ")
+HEADER_SIZE = _HEADER.size
+assert HEADER_SIZE == 40
+
+
+class Op(IntEnum):
+    """Operation codes. A reply carries the request's op with the REPLY bit set."""
+
+    INIT = 1
+    PULL = 2
+    PUSH = 3
+    PUSH_PULL = 4
+    LEAVE = 5
+    PING = 6
+
+    REPLY = 0x80
+    INIT_REPLY = 0x81
+    PULL_REPLY = 0x82
+    PUSH_REPLY = 0x83
+    PUSH_PULL_REPLY = 0x84
+    LEAVE_REPLY = 0x85
+    PING_REPLY = 0x86
+    ERROR = 0xFF
+
+
+REQUEST_OPS = frozenset({Op.INIT, Op.PULL, Op.PUSH, Op.PUSH_PULL, Op.LEAVE, Op.PING})
+_KNOWN_OPS = frozenset(int(op) for op in Op)
+
+
+class Flag(IntFlag):
+    """Frame flags."""
+
+    NONE = 0
+    #: PUSH/PUSH_PULL reply: the gradient arrived for a closed BSP round and was
+    #: dropped (backup workers), not applied.
+    DROPPED = 1
+
+
+class DType(IntEnum):
+    """Element type of an array payload. aps models are float32; the other codes
+    exist so a peer can say what it sent and get a precise error back."""
+
+    NONE = 0
+    FLOAT32 = 1
+    FLOAT64 = 2
+    FLOAT16 = 3
+    BFLOAT16 = 4
+    INT32 = 5
+    INT64 = 6
+    UINT8 = 7
+
+    @classmethod
+    def of(cls, dtype: np.dtype) -> DType:
+        return _NUMPY_DTYPES.get(np.dtype(dtype).str, cls.NONE)
+
+
+_NUMPY_DTYPES = {
+    "<f4": DType.FLOAT32,
+    "<f8": DType.FLOAT64,
+    "<f2": DType.FLOAT16,
+    "<i4": DType.INT32,
+    "<i8": DType.INT64,
+    "|u1": DType.UINT8,
+}
+
+
+class Header(NamedTuple):
+    """A decoded frame header."""
+
+    op: int
+    flags: int
+    dtype: int
+    request_id: int
+    clock: int
+    version: int
+    length: int
+
+
+def pack_header(
+    op: int,
+    flags: int = 0,
+    dtype: int = 0,
+    request_id: int = 0,
+    clock: int = 0,
+    version: int = 0,
+    length: int = 0,
+) -> bytes:
+    """The 40 header bytes of a frame (hot paths pass the fields positionally)."""
+    return _HEADER.pack(MAGIC, PROTOCOL_VERSION, op, flags, dtype, request_id, clock, version, length)
+
+
+def unpack_header(data, max_payload: int | None = None) -> Header:
+    """Decode and check a header from the first 40 bytes of ``data``.
+
+    Raises:
+        BadMagic, UnsupportedVersion: framing is lost; the connection must close.
+        FrameTooLarge: ``length`` is over ``max_payload``; the connection must close.
+
+    An unknown op code is not an error here: the frame is intact and can be
+    skipped; the receiver decides (see :func:`is_known_op`).
+    """
+    magic, version, op, flags, dtype, request_id, clock, weights_version, length = _HEADER.unpack_from(data)
+    if magic != MAGIC:
+        raise BadMagic(f"bad magic 0x{magic:08x}: not an aps frame (expected 0x{MAGIC:08x})")
+    if version != PROTOCOL_VERSION:
+        raise UnsupportedVersion(f"protocol version {version} is not supported (this side speaks {PROTOCOL_VERSION})")
+    header = Header(op, flags, dtype, request_id, clock, weights_version, length)
+    if max_payload is not None and length > max_payload:
+        raise FrameTooLarge(f"frame payload of {length} bytes is over the limit of {max_payload} bytes")
+    return header
+
+
+def is_known_op(op: int) -> bool:
+    return op in _KNOWN_OPS
+
+
+# Error payload: u32 code, then the UTF-8 message.
+_ERROR = struct.Struct("<I")
+
+
+def encode_error(code: int, message: str) -> bytes:
+    return _ERROR.pack(int(code)) + message.encode("utf-8", "replace")
+
+
+def decode_error(payload) -> tuple[int, str]:
+    if len(payload) < _ERROR.size:
+        return 0, "malformed error frame"
+    (code,) = _ERROR.unpack_from(payload)
+    return code, bytes(payload[_ERROR.size :]).decode("utf-8", "replace")
+
+
+# INIT payload: the layout block, zero padding to a multiple of 8, then the
+# initial float32 values. Layout block: u32 rank, u32 num_workers,
+# u32 tensor count, u32 reserved; per tensor: u16 name length, u8 ndim,
+# u8 reserved, the UTF-8 name, then ndim u64 dimensions.
+_INIT_HEAD = struct.Struct("<IIII")
+_TENSOR_HEAD = struct.Struct("<HBx")
+_MAX_TENSORS = 1 << 24
+
+
+class InitRequest(NamedTuple):
+    """A decoded INIT payload."""
+
+    rank: int
+    num_workers: int
+    layout: Layout
+    values_offset: int
+
+
+def encode_init(rank: int, num_workers: int, layout: Layout) -> bytes:
+    """The layout block of an INIT payload, padded so the values that follow are 8-aligned."""
+    parts = [_INIT_HEAD.pack(rank, num_workers, len(layout), 0)]
+    for name, shape in zip(layout.names, layout.shapes):
+        raw = name.encode("utf-8")
+        parts.append(_TENSOR_HEAD.pack(len(raw), len(shape)))
+        parts.append(raw)
+        parts.append(struct.pack(f"<{len(shape)}Q", *shape))
+    block = b"".join(parts)
+    return block + b"\0" * (-len(block) % 8)
+
+
+def decode_init(payload) -> InitRequest:
+    """Parse an INIT payload; checks that the values that follow have the layout's size.
+
+    Raises:
+        MalformedFrame: the layout block is truncated or inconsistent.
+        PayloadSizeMismatch: the values do not have the layout's size.
+        LayoutMismatch: the layout itself is invalid (duplicate names, bad shapes).
+    """
+    view = memoryview(payload)
+    try:
+        rank, num_workers, count, _ = _INIT_HEAD.unpack_from(view, 0)
+        if count > _MAX_TENSORS:
+            raise MalformedFrame(f"INIT declares {count} tensors")
+        offset = _INIT_HEAD.size
+        names, shapes = [], []
+        for _ in range(count):
+            name_len, ndim = _TENSOR_HEAD.unpack_from(view, offset)
+            offset += _TENSOR_HEAD.size
+            if offset + name_len > len(view):
+                raise MalformedFrame("INIT layout block is truncated")
+            names.append(bytes(view[offset : offset + name_len]).decode("utf-8"))
+            offset += name_len
+            shapes.append(tuple(struct.unpack_from(f"<{ndim}Q", view, offset)))
+            offset += 8 * ndim
+    except (struct.error, UnicodeDecodeError) as exc:
+        raise MalformedFrame(f"INIT layout block cannot be parsed: {exc}") from None
+    offset += -offset % 8
+    layout = Layout(tuple(names), tuple(shapes))
+    values = len(view) - offset
+    if values != layout.nbytes:
+        raise PayloadSizeMismatch(
+            f"INIT carries {max(values, 0)} bytes of values; its layout needs {layout.nbytes}"
+        )
+    return InitRequest(rank, num_workers, layout, offset)

@@ -1,0 +1,230 @@
+"""The aps server: listeners, the connection registry, the event loop.
+
+One asyncio loop (uvloop when importable) runs everything: the TCP listener,
+every worker connection and the engine's bookkeeping. Large update kernels
+run on one helper thread (they release the GIL) so the loop keeps reading
+sockets meanwhile.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+import sys
+import threading
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+from ._engine import Engine, _run_kernel
+from .config import ServerConfig
+from .errors import APSError, ConfigurationError
+from .transport.address import format_address
+from .transport.tcp import ServerConnection
+
+__all__ = ["Server", "new_event_loop"]
+
+log = logging.getLogger("aps.server")
+
+
+def new_event_loop() -> asyncio.AbstractEventLoop:
+    """A uvloop event loop when uvloop is installed, else the stock asyncio loop."""
+    try:
+        import uvloop
+    except ImportError:  # pragma: no cover - uvloop is a dependency on POSIX
+        return asyncio.new_event_loop()
+    return uvloop.new_event_loop()
+
+
+class Server:
+    """An aps parameter server.
+
+    Takes a :class:`~aps.config.ServerConfig` and/or its fields as keyword
+    arguments (the same options as ``aps serve``).
+
+    Example::
+
+        with aps.Server(workers=2, sync="ssp", staleness=3, port=0).run_in_background() as server:
+            print(server.address)  # tcp://127.0.0.1:PORT
+    """
+
+    def __init__(self, config: ServerConfig | None = None, **options: Any) -> None:
+        if config is None:
+            config = ServerConfig(**options)
+        elif options:
+            config = config.replace(**options)
+        self.config = config
+        self.engine: Engine | None = None
+        self.connections: set[ServerConnection] = set()
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._listener: asyncio.base_events.Server | None = None
+        self._executor: ThreadPoolExecutor | None = None
+        self._stopping: asyncio.Event | None = None
+        self._port: int | None = None
+
+    @property
+    def address(self) -> str:
+        """``tcp://HOST:PORT`` the server listens on (after it started)."""
+        if self._port is None:
+            raise APSError("the server is not running")
+        return format_address(self.config.host, self._port)
+
+    @property
+    def port(self) -> int | None:
+        return self._port
+
+    # Lifecycle ------------------------------------------------------------
+    async def start(self) -> None:
+        """Bind the listener and get ready to serve (inside a running loop)."""
+        loop = self._loop = asyncio.get_running_loop()
+        self._stopping = asyncio.Event()
+        self._executor = ThreadPoolExecutor(1, thread_name_prefix="aps-update")
+        self.engine = Engine(self.config, offload=self._offload)
+        max_payload = self.config.max_frame_bytes
+        try:
+            self._listener = await loop.create_server(
+                lambda: ServerConnection(self.engine, max_payload, self.connections),
+                self.config.host,
+                self.config.port,
+                reuse_address=True,
+            )
+        except OSError as exc:
+            self._executor.shutdown(wait=False)
+            raise ConfigurationError(
+                f"cannot listen on {self.config.host}:{self.config.port}: {exc.strerror or exc}"
+            ) from None
+        self._port = self._listener.sockets[0].getsockname()[1]
+        log.info(
+            "listening on %s: %d workers, sync %s, optimizer %s lr=%g",
+            self.address,
+            self.config.workers,
+            self.config.sync,
+            self.config.optimizer,
+            self.config.lr,
+        )
+
+    async def wait_stopped(self) -> None:
+        """Wait until :meth:`stop` is called."""
+        await self._stopping.wait()
+
+    def stop(self) -> None:
+        """Ask the server to shut down (thread-safe, idempotent)."""
+        loop, stopping = self._loop, self._stopping
+        if loop is None or stopping is None or loop.is_closed():
+            return
+        try:
+            loop.call_soon_threadsafe(stopping.set)
+        except RuntimeError:  # the loop closed meanwhile
+            pass
+
+    async def close(self) -> None:
+        """Stop listening, close every connection, stop the helper thread."""
+        if self._listener is not None:
+            self._listener.close()
+        for conn in list(self.connections):
+            conn.close()
+        if self._listener is not None:
+            await self._listener.wait_closed()
+            self._listener = None
+        # Let the transports deliver their connection_lost callbacks.
+        for _ in range(3):
+            await asyncio.sleep(0)
+        if self._executor is not None:
+            self._executor.shutdown(wait=True)
+            self._executor = None
+        log.info("server stopped")
+
+    async def serve(self, announce: Callable[[str], None] | None = None) -> None:
+        """Start, call ``announce(address)``, serve until :meth:`stop`, then close."""
+        await self.start()
+        try:
+            if announce is not None:
+                announce(self.address)
+            await self.wait_stopped()
+        finally:
+            await self.close()
+
+    def run(self, *, handle_signals: bool = True, announce: bool = True) -> int:
+        """Serve in this thread until SIGINT/SIGTERM (or :meth:`stop`); returns the exit status 0.
+
+        With ``announce``, prints ``aps: serving on tcp://HOST:PORT`` to
+        stdout as the first line of output once the listener is bound.
+        """
+
+        async def main() -> None:
+            loop = asyncio.get_running_loop()
+            if handle_signals:
+                for signum in (signal.SIGINT, signal.SIGTERM):
+                    loop.add_signal_handler(signum, self.stop)
+            await self.serve(_print_address if announce else None)
+
+        with asyncio.Runner(loop_factory=new_event_loop) as runner:
+            runner.run(main())
+        return 0
+
+    def run_in_background(self) -> _Background:
+        """Serve on a background thread; use as a context manager (see the class example)."""
+        return _Background(self)
+
+    # Internals ------------------------------------------------------------
+    def _offload(self, kernel, done) -> None:
+        loop = self._loop
+        future = self._executor.submit(_run_kernel, kernel)
+
+        def finished(fut) -> None:
+            try:
+                loop.call_soon_threadsafe(done, fut.result())
+            except RuntimeError:  # the loop is closed: shutting down
+                pass
+
+        future.add_done_callback(finished)
+
+
+def _print_address(address: str) -> None:
+    sys.stdout.write(f"aps: serving on {address}\n")
+    sys.stdout.flush()
+
+
+class _Background:
+    """A server running on its own thread and loop (from ``Server.run_in_background``)."""
+
+    def __init__(self, server: Server) -> None:
+        self.server = server
+        self._ready = threading.Event()
+        self._error: BaseException | None = None
+        self._thread = threading.Thread(target=self._main, name="aps-server", daemon=True)
+
+    @property
+    def address(self) -> str:
+        return self.server.address
+
+    def start(self, timeout: float = 30.0) -> _Background:
+        self._thread.start()
+        if not self._ready.wait(timeout):
+            raise APSError("the server did not start in time")
+        if self._error is not None:
+            raise self._error
+        return self
+
+    def stop(self, timeout: float = 30.0) -> None:
+        self.server.stop()
+        self._thread.join(timeout)
+
+    def _main(self) -> None:
+        async def main() -> None:
+            await self.server.serve(lambda _address: self._ready.set())
+
+        try:
+            with asyncio.Runner(loop_factory=new_event_loop) as runner:
+                runner.run(main())
+        except BaseException as exc:  # reported to the starting thread
+            self._error = exc
+        finally:
+            self._ready.set()
+
+    def __enter__(self) -> _Background:
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()

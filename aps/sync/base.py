@@ -1,0 +1,120 @@
+"""The interface every sync policy implements, and the policies that apply on arrival.
+
+A policy decides two things (docs/algorithms.md): what happens to each gradient
+(applied at once, added to an aggregate, or dropped) and when each worker may
+start its next iteration (the gate). It never touches arrays: the server's
+engine asks it for a :class:`Plan` before a gradient's kernel runs and tells it
+the outcome after, in one strict order, so a policy is plain bookkeeping.
+Clocks, the live set and staleness-bounded gate decisions live in the native
+``StalenessWindow``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from enum import Enum
+from typing import ClassVar
+
+from .. import _core
+from ..config import ServerConfig
+
+__all__ = ["ApplyOnArrival", "Outcome", "Plan", "PlanKind", "SyncPolicy"]
+
+
+class PlanKind(Enum):
+    APPLY = "apply"  # one update with this gradient alone
+    ACCUMULATE = "accumulate"  # add to the aggregate buffer
+    DROP = "drop"  # count it, apply nothing
+
+
+@dataclass(slots=True)
+class Plan:
+    """What to do with one gradient.
+
+    Attributes:
+        kind: apply, accumulate or drop.
+        scale: factor the gradient is multiplied by before the optimizer sees it.
+        first: for ACCUMULATE, the gradient starts a new aggregate.
+        staleness: ``V - v_g`` in server versions when the gradient is applied.
+    """
+
+    kind: PlanKind
+    scale: float = 1.0
+    first: bool = False
+    staleness: int = 0
+
+
+class Outcome:
+    """What a push (or a leave) changed.
+
+    Attributes:
+        released: workers released by this event (the pusher first, if released).
+        aggregate_scale: when not None, apply the aggregate buffer now as one
+            update, scaled by this factor (a BSP round closed).
+    """
+
+    __slots__ = ("released", "aggregate_scale")
+
+    def __init__(self, released: list[int] | tuple[int, ...] = (), aggregate_scale: float | None = None) -> None:
+        self.released = released
+        self.aggregate_scale = aggregate_scale
+
+
+class SyncPolicy:
+    """Base class of the sync policies (see the module docstring)."""
+
+    name: ClassVar[str] = ""
+    #: True when the policy sums gradients into an aggregate buffer.
+    aggregates: ClassVar[bool] = False
+
+    def __init__(self, config: ServerConfig, window_type: type = _core.StalenessWindow) -> None:
+        self.config = config
+        self.num_workers = config.workers
+        self.window = self._make_window(window_type)
+        self.dropped = 0
+
+    def _make_window(self, window_type: type):
+        return window_type(self.num_workers)
+
+    @property
+    def num_live(self) -> int:
+        return self.window.num_live
+
+    def clock(self, rank: int) -> int:
+        return self.window.clock(rank)
+
+    def is_held(self, rank: int) -> bool:
+        """True while ``rank`` must not start its next iteration (its pull waits)."""
+        return self.window.is_held(rank)
+
+    def join(self, rank: int) -> int:
+        """``rank`` joins (or rejoins) the live set; returns its clock."""
+        return self.window.join(rank)
+
+    def leave(self, rank: int) -> Outcome:
+        """``rank`` leaves the live set; nobody waits for it any more."""
+        return Outcome(self.window.leave(rank))
+
+    def plan(self, rank: int, grad_version: int, version: int) -> Plan:
+        """What to do with a gradient ``rank`` computed on ``grad_version`` when the server is at ``version``."""
+        raise NotImplementedError
+
+    def commit(self, rank: int, plan: Plan, now: float) -> Outcome:
+        """The gradient was accepted and ``plan`` carried out; count the push."""
+        raise NotImplementedError
+
+    def aggregate_applied(self) -> None:
+        """The update requested by ``Outcome.aggregate_scale`` has been published."""
+
+    def describe(self) -> str:
+        return self.name
+
+
+class ApplyOnArrival(SyncPolicy):
+    """Policies that apply every gradient on arrival, alone (ASP, SSP)."""
+
+    def plan(self, rank: int, grad_version: int, version: int) -> Plan:
+        return Plan(PlanKind.APPLY, staleness=version - grad_version)
+
+    def commit(self, rank: int, plan: Plan, now: float) -> Outcome:
+        return Outcome(self.window.push(rank, now))

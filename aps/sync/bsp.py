@@ -1,0 +1,77 @@
+"""BSP, bulk synchronous parallel, with optional backup workers."""
+
+from __future__ import annotations
+
+from .. import _core
+from ..config import ServerConfig
+from .base import Outcome, Plan, PlanKind, SyncPolicy
+
+__all__ = ["BSP"]
+
+
+class BSP(SyncPolicy):
+    """One update per round with the mean of the round's gradients (docs/algorithms.md, BSP).
+
+    A round is identified by the server version its gradients were computed
+    on. A worker that pushed into the open round is held until the round
+    closes: when every live worker has pushed into it, or, with ``k`` backup
+    workers, when ``max(1, P - k)`` live workers have. The round's gradients
+    (including any from workers that pushed and then left) are summed in the
+    aggregate buffer and applied as one update with their mean. A gradient
+    computed on an older version arrives for a closed round: it is dropped,
+    counted, and its worker released at once to pull the newest weights.
+    """
+
+    name = "bsp"
+    aggregates = True
+
+    def __init__(self, config: ServerConfig, window_type: type = _core.StalenessWindow) -> None:
+        super().__init__(config, window_type)
+        self.backup = config.backup_workers
+        self._pushed: set[int] = set()  # ranks whose gradient is in the open round
+        self._count = 0  # gradients in the open round (including departed workers')
+        self._closed = False  # the round closed; its update is pending
+        self._held: set[int] = set()
+
+    def is_held(self, rank: int) -> bool:
+        return rank in self._held
+
+    def plan(self, rank: int, grad_version: int, version: int) -> Plan:
+        if self._closed or grad_version != version:
+            return Plan(PlanKind.DROP, staleness=version - grad_version)
+        return Plan(PlanKind.ACCUMULATE, first=self._count == 0)
+
+    def commit(self, rank: int, plan: Plan, now: float) -> Outcome:
+        self.window.push(rank, now)
+        if plan.kind is PlanKind.DROP:
+            self.dropped += 1
+            return Outcome([rank])
+        self._count += 1
+        self._pushed.add(rank)
+        self._held.add(rank)
+        return self._maybe_close()
+
+    def leave(self, rank: int) -> Outcome:
+        self.window.leave(rank)
+        self._held.discard(rank)
+        return self._maybe_close()
+
+    def aggregate_applied(self) -> None:
+        self._closed = False
+        self._count = 0
+        self._pushed.clear()
+
+    def _maybe_close(self) -> Outcome:
+        if self._closed or self._count == 0:
+            return Outcome()
+        live = self.window.num_live
+        pushed_live = sum(1 for r in self._pushed if self.window.is_live(r))
+        if pushed_live < max(1, live - self.backup):
+            return Outcome()
+        self._closed = True
+        released = sorted(self._held)
+        self._held.clear()
+        return Outcome(released, aggregate_scale=1.0 / self._count)
+
+    def describe(self) -> str:
+        return f"bsp backup={self.backup}" if self.backup else "bsp"

@@ -1,0 +1,150 @@
+"""The flat parameter table: the model's weights, versioned, in snapshot slots.
+
+The weights of every version live in a *slot*, one flat float32 vector. An
+update never writes the slot readers may be looking at: the optimizer reads
+the current slot and writes the next version into a free one, in the same
+single pass an in-place update would take, and only then is the new slot
+published as current. A pull takes a *lease* on the current slot and holds it
+until its reply has left the process (a slow socket may still be draining it
+after several more updates); a leased slot is never reused. So every pull
+returns the weights of exactly one version, whatever else is going on
+(docs/algorithms.md, "Snapshot consistency").
+
+Slots are allocated on demand and recycled; their number is bounded by two
+plus the number of pulls whose replies are still in flight.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import numpy as np
+
+from .layout import Layout
+from .optim import Optimizer
+
+__all__ = ["ParameterTable", "Snapshot"]
+
+
+class _Slot:
+    __slots__ = ("array", "bytes", "leases", "index")
+
+    def __init__(self, array: np.ndarray, index: int) -> None:
+        self.array = array
+        self.bytes = memoryview(array).cast("B")
+        self.leases = 0
+        self.index = index
+
+
+class Snapshot:
+    """A lease on the weights of one version. Call :meth:`release` when done reading.
+
+    Attributes:
+        version: the version these weights are.
+        array: the flat float32 weights (read-only by contract).
+        bytes: the same memory as a byte view, for sending.
+    """
+
+    __slots__ = ("version", "_slot")
+
+    def __init__(self, slot: _Slot, version: int) -> None:
+        self._slot = slot
+        self.version = version
+        slot.leases += 1
+
+    @property
+    def array(self) -> np.ndarray:
+        return self._slot.array
+
+    @property
+    def bytes(self) -> memoryview:
+        return self._slot.bytes
+
+    def release(self) -> None:
+        """End the lease (idempotent)."""
+        slot, self._slot = self._slot, None
+        if slot is not None:
+            slot.leases -= 1
+
+    def __enter__(self) -> Snapshot:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.release()
+
+
+class ParameterTable:
+    """Versioned flat weights with out-of-place updates.
+
+    Args:
+        layout: the model's layout.
+        initial: the initial flat weights (copied).
+        optimizer: the update rule and its state.
+        allocate: returns a new float32 vector of the given length (the default
+            allocates process memory; the shared-memory transport passes its own).
+    """
+
+    def __init__(
+        self,
+        layout: Layout,
+        initial: np.ndarray,
+        optimizer: Optimizer,
+        allocate: Callable[[int], np.ndarray] | None = None,
+    ) -> None:
+        if initial.shape != (layout.numel,):
+            raise ValueError(f"initial weights have shape {initial.shape}, the layout needs ({layout.numel},)")
+        self.layout = layout
+        self.optimizer = optimizer
+        self._allocate = allocate or (lambda n: np.empty(n, np.float32))
+        self._slots: list[_Slot] = []
+        self._current = self._new_slot()
+        np.copyto(self._current.array, initial)
+        self.version = 0
+
+    @property
+    def numel(self) -> int:
+        return self.layout.numel
+
+    @property
+    def slot_count(self) -> int:
+        return len(self._slots)
+
+    @property
+    def weights(self) -> np.ndarray:
+        """The current weights (a read-only view; changes on the next publish)."""
+        view = self._current.array.view()
+        view.flags.writeable = False
+        return view
+
+    def snapshot(self) -> Snapshot:
+        """Lease the current version."""
+        return Snapshot(self._current, self.version)
+
+    def current_array(self) -> np.ndarray:
+        return self._current.array
+
+    def begin_update(self) -> _Slot:
+        """A free slot to write the next version into (not current, not leased)."""
+        for slot in self._slots:
+            if slot.leases == 0 and slot is not self._current:
+                slot.leases = 1  # reserved for the writer until publish/abandon
+                return slot
+        slot = self._new_slot()
+        slot.leases = 1
+        return slot
+
+    def publish(self, slot: _Slot) -> int:
+        """Make ``slot`` (from :meth:`begin_update`) the current version; returns the new version."""
+        slot.leases -= 1
+        self._current = slot
+        self.version += 1
+        return self.version
+
+    def abandon(self, slot: _Slot) -> None:
+        """Give back a slot from :meth:`begin_update` without publishing it."""
+        slot.leases -= 1
+
+    def _new_slot(self) -> _Slot:
+        slot = _Slot(self._allocate(self.layout.numel), len(self._slots))
+        self._slots.append(slot)
+        return slot

@@ -1,0 +1,164 @@
+"""The one frame parser of aps, shared by every transport and by both ends.
+
+:class:`FrameReader` is sans-I/O: a driver asks it for a buffer to read into
+(:meth:`FrameReader.get_buffer`), reads from its socket straight into that
+buffer, then reports how many bytes arrived (:meth:`FrameReader.buffer_updated`).
+The same two calls serve an ``asyncio.BufferedProtocol`` (the server), a
+blocking ``socket.recv_into`` loop (``aps.Worker``) and
+``loop.sock_recv_into`` (``aps.AsyncWorker``).
+
+Small frames are read through a staging buffer, so one read can deliver a
+header and its payload, or several frames. A large payload is read straight
+into the destination its handler chose: no intermediate copy.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+from ..protocol import HEADER_SIZE, Header, unpack_header
+
+__all__ = ["FrameHandler", "FrameReader"]
+
+_EMPTY = memoryview(b"")
+
+
+class FrameHandler(Protocol):
+    def frame_buffer(self, header: Header) -> memoryview | None:
+        """Where the payload of ``header`` goes: a writable byte view of exactly
+        ``header.length`` bytes, or None to read and discard it. Raising here
+        is fatal for the connection."""
+
+    def frame_received(self, header: Header, payload: memoryview) -> None:
+        """A whole frame arrived; ``payload`` is the view ``frame_buffer`` gave
+        (or an empty view)."""
+
+    # Optional: ``payload_progress(filled)`` is called whenever the first
+    # ``filled`` bytes of the current payload have landed in its destination,
+    # while they are still warm in the cache (the server checks gradients for
+    # NaN there, chunk by chunk, instead of in a separate pass).
+
+
+class FrameReader:
+    """Incremental frame parser (see the module docstring).
+
+    Args:
+        handler: chooses payload destinations and receives whole frames.
+        max_payload: frames announcing a longer payload raise FrameTooLarge.
+        staging_size: size of the staging buffer for headers and small payloads.
+    """
+
+    __slots__ = (
+        "_handler", "_progress", "_max", "_buf", "_view", "_start", "_end", "_header", "_dest", "_got", "_direct", "_held"
+    )
+
+    def __init__(self, handler: FrameHandler, *, max_payload: int | None = None, staging_size: int = 1 << 16) -> None:
+        if staging_size < HEADER_SIZE:
+            raise ValueError("staging buffer smaller than a header")
+        self._handler = handler
+        self._progress = getattr(handler, "payload_progress", None)
+        self._max = max_payload
+        self._buf = bytearray(staging_size)
+        self._view = memoryview(self._buf)
+        self._start = 0
+        self._end = 0
+        self._header: Header | None = None
+        self._dest: memoryview | None = None
+        self._got = 0
+        self._direct = False
+        self._held = False
+
+    @property
+    def held(self) -> bool:
+        """True while parsing is suspended (the handler is busy with a frame)."""
+        return self._held
+
+    @property
+    def idle(self) -> bool:
+        """True between frames with nothing buffered."""
+        return self._header is None and self._start == self._end
+
+    @property
+    def in_frame(self) -> bool:
+        """True when part of a frame has arrived but not all of it."""
+        return self._header is not None or self._start != self._end
+
+    def hold(self) -> None:
+        """Stop delivering frames (bytes keep accumulating in the staging buffer)."""
+        self._held = True
+
+    def release(self, parse: bool = True) -> None:
+        """Resume delivering frames, starting with any already buffered.
+
+        With ``parse=False`` buffered frames wait for the next read or
+        ``release()``: for a handler finishing a frame from inside
+        ``frame_received``, whose parse loop then simply goes on.
+        """
+        self._held = False
+        if parse:
+            self._parse()
+
+    def staging_full(self) -> bool:
+        """True when the staging buffer has no room left: the driver must stop reading."""
+        return self._end - self._start >= len(self._buf)
+
+    def get_buffer(self, sizehint: int = -1) -> memoryview:
+        """The buffer the next read must fill (never empty unless ``staging_full``)."""
+        if self._dest is not None and self._start == self._end and not self._held:
+            self._direct = True
+            return self._dest[self._got :]
+        self._direct = False
+        if self._start == self._end:
+            self._start = self._end = 0
+        elif self._end == len(self._buf):
+            size = self._end - self._start
+            self._buf[:size] = self._view[self._start : self._end]
+            self._start, self._end = 0, size
+        return self._view[self._end :]
+
+    def buffer_updated(self, nbytes: int) -> None:
+        """Account for ``nbytes`` read into the last buffer; delivers complete frames."""
+        if self._direct:
+            self._direct = False
+            self._got += nbytes
+            if self._progress is not None:
+                self._progress(self._got)
+            if self._got == self._header.length:
+                self._finish()
+            return
+        self._end += nbytes
+        self._parse()
+
+    def _parse(self) -> None:
+        view = self._view
+        while not self._held:
+            header = self._header
+            if header is None:
+                if self._end - self._start < HEADER_SIZE:
+                    return
+                header = unpack_header(view[self._start : self._start + HEADER_SIZE], self._max)
+                self._start += HEADER_SIZE
+                self._header = header
+                self._got = 0
+                dest = self._handler.frame_buffer(header)
+                if dest is not None and len(dest) != header.length:
+                    raise ValueError(f"frame buffer of {len(dest)} bytes for a {header.length}-byte payload")
+                self._dest = dest
+            take = min(header.length - self._got, self._end - self._start)
+            if take:
+                self._got += take
+                self._start += take
+                if self._dest is not None:
+                    self._dest[self._got - take : self._got] = view[self._start - take : self._start]
+                    if self._progress is not None:
+                        self._progress(self._got)
+            if self._got < header.length:
+                return
+            self._finish()
+
+    def _finish(self) -> None:
+        header, dest = self._header, self._dest
+        self._header = None
+        self._dest = None
+        self._got = 0
+        self._handler.frame_received(header, _EMPTY if dest is None else dest)

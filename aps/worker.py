@@ -1,0 +1,479 @@
+"""Workers: the client side of aps.
+
+:class:`Worker` is the blocking client for training scripts;
+:class:`AsyncWorker` is the same client for asyncio programs. Both are thin
+drivers around :class:`_ClientCore`, which builds every request and parses
+every reply without doing I/O, so there is one implementation of the
+protocol and the transports only move bytes.
+
+Zero copy: a worker keeps one flat float32 weight buffer, which replies are
+received into directly, and exposes each tensor as a view into it; gradients
+are sent straight from the caller's arrays (or from the worker's own flat
+gradient buffer) with vectored writes, never joined into one payload.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping
+from typing import Any
+
+import numpy as np
+
+from .errors import (
+    APSConnectionError,
+    APSError,
+    APSTimeoutError,
+    ConfigurationError,
+    DTypeMismatch,
+    InitTimeout,
+    LayoutMismatch,
+    MalformedFrame,
+    NotInitialized,
+    ProtocolError,
+    error_from_code,
+)
+from .layout import Layout
+from .protocol import DType, Flag, Header, Op, decode_error, encode_init, pack_header
+from .transport.address import parse_address
+from .transport.framing import FrameReader
+from .transport.tcp import AsyncConnection, BlockingConnection
+
+__all__ = ["AsyncWorker", "Worker"]
+
+log = logging.getLogger("aps.worker")
+
+_TRANSPORTS = ("auto", "tcp", "shm")
+_MAX_ERROR_PAYLOAD = 1 << 20
+_REQUEST_ID_MASK = 0xFFFFFFFF
+
+
+def _check_transport(transport: str) -> None:
+    if transport not in _TRANSPORTS:
+        raise ConfigurationError(f"unknown transport {transport!r}: choose from {', '.join(_TRANSPORTS)}")
+    if transport == "shm":
+        raise ConfigurationError("the shared-memory transport is not available in this version; use 'tcp' or 'auto'")
+
+
+class _ClientCore:
+    """Requests and replies of one worker, without I/O (see the module docstring)."""
+
+    def __init__(self, rank: int, num_workers: int) -> None:
+        if not isinstance(rank, (int, np.integer)) or not isinstance(num_workers, (int, np.integer)):
+            raise ConfigurationError("rank and num_workers must be integers")
+        if num_workers < 1:
+            raise ConfigurationError(f"num_workers must be at least 1, got {num_workers}")
+        if not 0 <= rank < num_workers:
+            raise ConfigurationError(f"rank {rank} is out of range 0..{num_workers - 1}")
+        self.rank = int(rank)
+        self.num_workers = int(num_workers)
+        self.layout: Layout | None = None
+        self.flat_weights: np.ndarray | None = None
+        self.flat_grad: np.ndarray | None = None
+        self.weights: dict[str, np.ndarray] = {}
+        self.grads: dict[str, np.ndarray] = {}
+        self.version = 0
+        self.clock = 0
+        self.dropped = False
+        self.reader = FrameReader(self, max_payload=None)
+        self._weights_bytes: memoryview | None = None
+        self._request_id = 0
+        self._expect: int | None = None
+        self._reply: Header | None = None
+        self._payload: memoryview | None = None
+        self._init_block: bytes = b""
+
+    # Requests -------------------------------------------------------------
+    def _header(self, op: Op, length: int = 0, dtype: int = DType.NONE) -> bytes:
+        self._request_id = (self._request_id + 1) & _REQUEST_ID_MASK
+        self._expect = op | Op.REPLY
+        self._reply = None
+        return pack_header(
+            op, dtype=dtype, request_id=self._request_id, clock=self.clock, version=self.version, length=length
+        )
+
+    def init_request(self, params: Mapping[str, Any] | None) -> list:
+        if params is not None:
+            if not isinstance(params, Mapping) or not params:
+                raise ConfigurationError("init takes a non-empty mapping of name to float32 array")
+            layout = Layout.from_arrays(params)
+            if self.layout is not None and layout != self.layout:
+                raise LayoutMismatch(f"init with a different model than before: {self.layout.difference(layout)}")
+            self._set_layout(layout)
+            self.layout.flatten_into(params, self.flat_weights)
+            self._init_block = encode_init(self.rank, self.num_workers, self.layout)
+        elif self.layout is None:
+            raise NotInitialized("no model to join with: call init(params) first")
+        block = self._init_block
+        return [self._header(Op.INIT, len(block) + self.layout.nbytes, DType.FLOAT32), block, self._weights_bytes]
+
+    def pull_request(self) -> list:
+        self._require_layout()
+        return [self._header(Op.PULL)]
+
+    def push_request(self, grads: Any, then_pull: bool) -> list:
+        self._require_layout()
+        buffers = self._gradient_buffers(grads)
+        op = Op.PUSH_PULL if then_pull else Op.PUSH
+        return [self._header(op, self.layout.nbytes, DType.FLOAT32), *buffers]
+
+    def simple_request(self, op: Op) -> list:
+        return [self._header(op)]
+
+    def _gradient_buffers(self, grads: Any) -> list:
+        layout = self.layout
+        if grads is self.flat_grad or grads is self.grads:
+            return [memoryview(self.flat_grad).cast("B")]
+        if isinstance(grads, np.ndarray):
+            if grads.shape != (layout.numel,):
+                raise LayoutMismatch(f"a flat gradient must have shape ({layout.numel},), got {grads.shape}")
+            return [self._contiguous(grads, "flat gradient")]
+        if not isinstance(grads, Mapping):
+            raise ConfigurationError("push takes a mapping of name to array, or a flat float32 array")
+        layout.check(grads)
+        return [self._contiguous(grads[name], name) for name in layout.names]
+
+    @staticmethod
+    def _contiguous(array: np.ndarray, name: str) -> memoryview:
+        if array.dtype != np.float32:
+            raise DTypeMismatch(f"{name} is {array.dtype}, the model is float32")
+        if not array.flags.c_contiguous:
+            array = np.ascontiguousarray(array)
+        return memoryview(array).cast("B")
+
+    def _require_layout(self) -> None:
+        if self.layout is None:
+            raise NotInitialized("call init(params) before pull or push")
+
+    def _set_layout(self, layout: Layout) -> None:
+        if self.layout is not None:
+            return
+        self.layout = layout
+        self.flat_weights = np.zeros(layout.numel, np.float32)
+        self.flat_grad = np.zeros(layout.numel, np.float32)
+        self._weights_bytes = memoryview(self.flat_weights).cast("B")
+        self.weights = layout.views(self.flat_weights)
+        self.grads = layout.views(self.flat_grad)
+
+    # Replies (FrameHandler) -------------------------------------------------
+    def frame_buffer(self, header: Header) -> memoryview | None:
+        if header.op == Op.ERROR:
+            if header.length > _MAX_ERROR_PAYLOAD:
+                raise MalformedFrame(f"error frame of {header.length} bytes")
+            return memoryview(bytearray(header.length))
+        if header.op in (Op.INIT_REPLY, Op.PULL_REPLY, Op.PUSH_PULL_REPLY):
+            if header.dtype != DType.FLOAT32 or header.length != len(self._weights_bytes):
+                raise MalformedFrame(
+                    f"weights reply of {header.length} bytes; the model has {len(self._weights_bytes)}"
+                )
+            return self._weights_bytes
+        if header.length:
+            raise MalformedFrame(f"unexpected {header.length}-byte payload on op {header.op}")
+        return None
+
+    def frame_received(self, header: Header, payload: memoryview) -> None:
+        if header.op != Op.ERROR or header.request_id != 0:
+            if header.request_id != self._request_id:
+                raise ProtocolError(f"reply to request {header.request_id}, expected {self._request_id}")
+            if header.op not in (self._expect, Op.ERROR):
+                raise ProtocolError(f"reply op {header.op} to a request expecting {self._expect}")
+        self._reply = header
+        self._payload = payload
+
+    def has_reply(self) -> bool:
+        return self._reply is not None
+
+    def finish(self) -> Header:
+        """Check the reply that arrived: raise the server's error, or record version and clock."""
+        header, self._reply = self._reply, None
+        if header.op == Op.ERROR:
+            code, message = decode_error(self._payload)
+            self._payload = None
+            raise error_from_code(code, message)
+        self._payload = None
+        if header.op in (Op.INIT_REPLY, Op.PULL_REPLY, Op.PUSH_PULL_REPLY, Op.PUSH_REPLY):
+            self.version = header.version
+            self.clock = header.clock
+        if header.op in (Op.PUSH_REPLY, Op.PUSH_PULL_REPLY):
+            self.dropped = bool(header.flags & Flag.DROPPED)
+        return header
+
+
+class _WorkerBase:
+    """What the blocking and the asyncio worker share: state and read-only views."""
+
+    _core: _ClientCore
+
+    @property
+    def rank(self) -> int:
+        return self._core.rank
+
+    @property
+    def num_workers(self) -> int:
+        return self._core.num_workers
+
+    @property
+    def version(self) -> int:
+        """Version of the weights last received (the version a push says its gradient used)."""
+        return self._core.version
+
+    @property
+    def clock(self) -> int:
+        """This worker's clock at the server: how many gradients it has pushed."""
+        return self._core.clock
+
+    @property
+    def layout(self) -> Layout | None:
+        return self._core.layout
+
+    @property
+    def weights(self) -> dict[str, np.ndarray]:
+        """The last weights received, as views into :attr:`flat_weights` (updated in place by every pull)."""
+        return self._core.weights
+
+    @property
+    def grads(self) -> dict[str, np.ndarray]:
+        """Gradient buffers, as views into :attr:`flat_grad`: write gradients here and ``push(worker.grads)``."""
+        return self._core.grads
+
+    @property
+    def flat_weights(self) -> np.ndarray | None:
+        return self._core.flat_weights
+
+    @property
+    def flat_grad(self) -> np.ndarray | None:
+        return self._core.flat_grad
+
+    @property
+    def last_push_dropped(self) -> bool:
+        """True when the server dropped the last gradient (it arrived for a closed BSP round)."""
+        return self._core.dropped
+
+
+class Worker(_WorkerBase):
+    """A blocking client for one training process.
+
+    Args:
+        address: the server, ``tcp://HOST:PORT``.
+        rank: this worker's rank, ``0 <= rank < num_workers``.
+        num_workers: the number of workers P (must equal the server's ``--workers``).
+        transport: ``"auto"`` (shared memory when co-located, when available;
+            TCP otherwise) or ``"tcp"``.
+        connect_timeout: seconds to wait for the TCP connection.
+        timeout: seconds to wait for each reply after ``init`` (None: forever;
+            a sync policy may hold a pull for as long as slower workers need).
+
+    Raises:
+        ConfigurationError: bad address, rank or transport.
+        APSConnectionError: the server cannot be reached.
+
+    Example::
+
+        with aps.Worker("tcp://127.0.0.1:7450", rank=0, num_workers=2) as worker:
+            weights = worker.init({"w": np.zeros(10, np.float32)})
+            for step in range(100):
+                grads = {"w": compute_gradient(weights)}
+                weights = worker.push_pull(grads)
+    """
+
+    def __init__(
+        self,
+        address: str,
+        rank: int,
+        num_workers: int,
+        transport: str = "auto",
+        *,
+        connect_timeout: float | None = 30.0,
+        timeout: float | None = None,
+    ) -> None:
+        _check_transport(transport)
+        self.address = str(parse_address(address))
+        self._parsed = parse_address(address)
+        self._core = _ClientCore(rank, num_workers)
+        self._connect_timeout = connect_timeout
+        self.timeout = timeout
+        self._conn: BlockingConnection | None = BlockingConnection(
+            self._parsed.host, self._parsed.port, connect_timeout
+        )
+
+    # Requests -------------------------------------------------------------
+    def init(self, params: Mapping[str, Any], *, timeout: float | None = 300.0) -> dict[str, np.ndarray]:
+        """Join the training and return the server's initial weights.
+
+        The first worker to join provides the initial weights; later workers
+        must send the same names, shapes and order. Blocks until all
+        ``num_workers`` workers have joined (at once when training is already
+        running: a rejoin).
+
+        Args:
+            params: mapping of tensor name to float32 array, in a fixed order.
+            timeout: seconds to wait for every worker to join.
+
+        Returns:
+            The weights, as views into :attr:`flat_weights`.
+
+        Raises:
+            InitTimeout: not every worker joined in time (the connection is closed).
+            LayoutMismatch, RankTaken, RankOutOfRange, WorkerCountMismatch:
+                the server refused the join.
+        """
+        try:
+            self._roundtrip(self._core.init_request(params), timeout)
+        except APSTimeoutError:
+            raise InitTimeout(
+                f"not all {self.num_workers} workers joined {self.address} within {timeout} s"
+            ) from None
+        return self._core.weights
+
+    def pull(self) -> dict[str, np.ndarray]:
+        """Wait until the sync policy releases this worker; return the newest weights (views)."""
+        self._roundtrip(self._core.pull_request())
+        return self._core.weights
+
+    def push(self, grads: Mapping[str, np.ndarray] | np.ndarray) -> None:
+        """Send one gradient (ends this worker's iteration).
+
+        Args:
+            grads: mapping of name to float32 array matching the model, a flat
+                float32 array of the model's size, or :attr:`grads` itself.
+        """
+        self._roundtrip(self._core.push_request(grads, then_pull=False))
+
+    def push_pull(self, grads: Mapping[str, np.ndarray] | np.ndarray) -> dict[str, np.ndarray]:
+        """:meth:`push` then :meth:`pull` in one round trip."""
+        self._roundtrip(self._core.push_request(grads, then_pull=True))
+        return self._core.weights
+
+    def ping(self) -> int:
+        """One empty round trip; returns the server's version."""
+        return self._roundtrip(self._core.simple_request(Op.PING)).version
+
+    def reconnect(self, *, timeout: float | None = 60.0) -> dict[str, np.ndarray]:
+        """Open a new connection and rejoin under the same rank; returns the newest weights."""
+        self._disconnect()
+        self._conn = BlockingConnection(self._parsed.host, self._parsed.port, self._connect_timeout)
+        return self.init(None, timeout=timeout)  # type: ignore[arg-type]
+
+    def close(self) -> None:
+        """Leave the training (the server stops counting this worker) and disconnect."""
+        if self._conn is None:
+            return
+        if self._core.layout is not None:
+            try:
+                self._roundtrip(self._core.simple_request(Op.LEAVE), 5.0)
+            except APSError:
+                pass
+        self._disconnect()
+
+    def __enter__(self) -> Worker:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    # Internals ------------------------------------------------------------
+    def _roundtrip(self, buffers: list, timeout: float | None = ...) -> Header:
+        if self._conn is None:
+            raise APSConnectionError("the worker is closed; call reconnect()")
+        if timeout is ...:
+            timeout = self.timeout
+        core = self._core
+        try:
+            self._conn.send(buffers)
+            self._conn.receive(core.reader, core.has_reply, timeout)
+        except (APSConnectionError, APSTimeoutError, ProtocolError):
+            # The stream is no longer in step with the server: drop it.
+            self._disconnect()
+            raise
+        return core.finish()
+
+    def _disconnect(self) -> None:
+        conn, self._conn = self._conn, None
+        if conn is not None:
+            conn.close()
+        self._core.reader = FrameReader(self._core, max_payload=None)
+
+
+class AsyncWorker(_WorkerBase):
+    """The asyncio twin of :class:`Worker`: same arguments, awaitable methods.
+
+    Create it with ``await AsyncWorker.connect(address, rank, num_workers)``.
+    """
+
+    def __init__(self, conn: AsyncConnection, core: _ClientCore, address: str, timeout: float | None) -> None:
+        self._conn: AsyncConnection | None = conn
+        self._core = core
+        self.address = address
+        self.timeout = timeout
+
+    @classmethod
+    async def connect(
+        cls,
+        address: str,
+        rank: int,
+        num_workers: int,
+        transport: str = "auto",
+        *,
+        connect_timeout: float | None = 30.0,
+        timeout: float | None = None,
+    ) -> AsyncWorker:
+        _check_transport(transport)
+        parsed = parse_address(address)
+        core = _ClientCore(rank, num_workers)
+        conn = await AsyncConnection.open(parsed.host, parsed.port, connect_timeout)
+        return cls(conn, core, str(parsed), timeout)
+
+    async def init(self, params: Mapping[str, Any], *, timeout: float | None = 300.0) -> dict[str, np.ndarray]:
+        """See :meth:`Worker.init`."""
+        try:
+            await self._roundtrip(self._core.init_request(params), timeout)
+        except APSTimeoutError:
+            raise InitTimeout(f"not all {self.num_workers} workers joined {self.address} within {timeout} s") from None
+        return self._core.weights
+
+    async def pull(self) -> dict[str, np.ndarray]:
+        await self._roundtrip(self._core.pull_request())
+        return self._core.weights
+
+    async def push(self, grads) -> None:
+        await self._roundtrip(self._core.push_request(grads, then_pull=False))
+
+    async def push_pull(self, grads) -> dict[str, np.ndarray]:
+        await self._roundtrip(self._core.push_request(grads, then_pull=True))
+        return self._core.weights
+
+    async def ping(self) -> int:
+        return (await self._roundtrip(self._core.simple_request(Op.PING))).version
+
+    async def close(self) -> None:
+        if self._conn is None:
+            return
+        if self._core.layout is not None:
+            try:
+                await self._roundtrip(self._core.simple_request(Op.LEAVE), 5.0)
+            except APSError:
+                pass
+        conn, self._conn = self._conn, None
+        if conn is not None:
+            conn.close()
+
+    async def __aenter__(self) -> AsyncWorker:
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        await self.close()
+
+    async def _roundtrip(self, buffers: list, timeout: float | None = ...) -> Header:
+        if self._conn is None:
+            raise APSConnectionError("the worker is closed")
+        if timeout is ...:
+            timeout = self.timeout
+        core = self._core
+        try:
+            await self._conn.send(buffers)
+            await self._conn.receive(core.reader, core.has_reply, timeout)
+        except (APSConnectionError, APSTimeoutError, ProtocolError):
+            conn, self._conn = self._conn, None
+            conn.close()
+            raise
+        return core.finish()

@@ -1,0 +1,280 @@
+# StalenessWindow: per-worker clocks, the live set and the gate decisions of
+# the staleness-bounded policies (SSP, DSSP, and ASP as the unbounded case).
+# The plain-Python twin in aps/_reference.py is the specification; tests run
+# both on the same operations and compare their state after every step.
+
+from libc.math cimport NAN, isnan, fabs, INFINITY
+from libc.stdlib cimport calloc, free
+from libc.stdint cimport int64_t
+
+
+cdef long _controller(double fast_newest, double fast_previous,
+                      double slow_newest, double slow_previous,
+                      long r_max) noexcept nogil:
+    cdef long r, k, best_r = 0
+    cdef double interval_p, interval_s, sim_p, nearest, dist, best = INFINITY
+    if r_max <= 0 or isnan(fast_previous) or isnan(slow_previous):
+        return 0
+    interval_p = fast_newest - fast_previous
+    interval_s = slow_newest - slow_previous
+    for r in range(r_max + 1):
+        sim_p = fast_newest + r * interval_p
+        nearest = INFINITY
+        for k in range(r_max + 1):
+            dist = fabs(slow_newest + (k + 1) * interval_s - sim_p)
+            if dist < nearest:
+                nearest = dist
+        if nearest < best:
+            best = nearest
+            best_r = r
+    return best_r
+
+
+def dssp_controller(double fast_newest, double fast_previous,
+                    double slow_newest, double slow_previous,
+                    long r_max) -> int:
+    """DSSP's synchronization controller ``r*`` (see ``aps._reference``)."""
+    return _controller(fast_newest, fast_previous, slow_newest, slow_previous, r_max)
+
+
+cdef class StalenessWindow:
+    """Clocks, live set and gate decisions for the staleness-bounded policies.
+
+    ``lower < 0``: unbounded (ASP). ``lower == upper``: SSP with threshold
+    ``lower``. ``upper > lower``: DSSP. The plain-Python twin
+    ``aps._reference.StalenessWindow`` documents every rule.
+    """
+
+    cdef int _n
+    cdef long _lower, _upper
+    cdef int64_t* _clock
+    cdef char* _live
+    cdef char* _held
+    cdef int64_t* _credit
+    cdef double* _newest
+    cdef double* _previous
+    cdef int64_t _min
+    cdef long _last_r_star
+
+    def __cinit__(self, int num_workers, long lower=-1, upper=None):
+        cdef int i
+        if num_workers < 1:
+            raise ValueError("num_workers must be at least 1")
+        cdef long up = lower if upper is None else upper
+        if lower >= 0 and up < lower:
+            raise ValueError("upper must be at least lower")
+        self._n = num_workers
+        self._lower = lower
+        self._upper = up if lower >= 0 else -1
+        self._clock = <int64_t*> calloc(num_workers, sizeof(int64_t))
+        self._credit = <int64_t*> calloc(num_workers, sizeof(int64_t))
+        self._live = <char*> calloc(num_workers, sizeof(char))
+        self._held = <char*> calloc(num_workers, sizeof(char))
+        self._newest = <double*> calloc(num_workers, sizeof(double))
+        self._previous = <double*> calloc(num_workers, sizeof(double))
+        if (self._clock == NULL or self._credit == NULL or self._live == NULL
+                or self._held == NULL or self._newest == NULL or self._previous == NULL):
+            raise MemoryError()
+        for i in range(num_workers):
+            self._newest[i] = NAN
+            self._previous[i] = NAN
+        self._min = 0
+        self._last_r_star = -1
+
+    def __dealloc__(self):
+        free(self._clock)
+        free(self._credit)
+        free(self._live)
+        free(self._held)
+        free(self._newest)
+        free(self._previous)
+
+    # Read-only views -----------------------------------------------------
+    @property
+    def num_workers(self):
+        return self._n
+
+    @property
+    def lower(self):
+        return self._lower
+
+    @property
+    def upper(self):
+        return self._upper
+
+    @property
+    def bounded(self):
+        return self._lower >= 0
+
+    @property
+    def num_live(self):
+        cdef int i, count = 0
+        for i in range(self._n):
+            count += self._live[i]
+        return count
+
+    @property
+    def min_clock(self):
+        return self._min
+
+    @property
+    def max_clock(self):
+        return self._max_clock()
+
+    @property
+    def last_r_star(self):
+        """The controller's ``r*`` at its most recent call (-1 before any)."""
+        return self._last_r_star
+
+    def clock(self, int rank):
+        return self._clock[self._rank(rank)]
+
+    def gap(self, int rank):
+        return self._clock[self._rank(rank)] - self._min
+
+    def is_live(self, int rank):
+        return bool(self._live[self._rank(rank)])
+
+    def is_held(self, int rank):
+        return bool(self._held[self._rank(rank)])
+
+    def credit(self, int rank):
+        return self._credit[self._rank(rank)]
+
+    def arrivals(self, int rank):
+        rank = self._rank(rank)
+        return self._newest[rank], self._previous[rank]
+
+    def state(self):
+        """Everything the window knows, for step-by-step comparison with its twin."""
+        cdef int i
+        return (
+            tuple([self._clock[i] for i in range(self._n)]),
+            tuple([bool(self._live[i]) for i in range(self._n)]),
+            tuple([bool(self._held[i]) for i in range(self._n)]),
+            tuple([self._credit[i] for i in range(self._n)]),
+            self._min,
+            self._last_r_star,
+        )
+
+    # Transitions ----------------------------------------------------------
+    def join(self, int rank):
+        """Make ``rank`` live at the slowest live worker's clock; returns that clock."""
+        rank = self._rank(rank)
+        if self._live[rank]:
+            raise ValueError(f"rank {rank} is already live")
+        self._clock[rank] = self._min
+        self._live[rank] = 1
+        self._held[rank] = 0
+        self._credit[rank] = 0
+        self._newest[rank] = NAN
+        self._previous[rank] = NAN
+        return self._min
+
+    def leave(self, int rank):
+        """Remove ``rank`` from the live set; returns the workers this releases."""
+        rank = self._rank(rank)
+        if not self._live[rank]:
+            raise ValueError(f"rank {rank} is not live")
+        self._live[rank] = 0
+        self._held[rank] = 0
+        self._credit[rank] = 0
+        cdef int64_t old_min = self._min
+        self._recompute_min()
+        if self._min != old_min:
+            return self._release_caught_up()
+        return []
+
+    def push(self, int rank, double now):
+        """Count one push from ``rank`` at time ``now``; returns the released workers.
+
+        ``rank`` itself comes first in the list when it is released at once.
+        """
+        rank = self._rank(rank)
+        if not self._live[rank]:
+            raise ValueError(f"rank {rank} is not live")
+        if self._held[rank]:
+            raise ValueError(f"rank {rank} is held at the gate and cannot push")
+        cdef bint was_min = self._clock[rank] == self._min
+        cdef int64_t old_min = self._min
+        self._clock[rank] += 1
+        self._previous[rank] = self._newest[rank]
+        self._newest[rank] = now
+        if was_min:
+            self._recompute_min()
+        released = [rank] if self._decide(rank) else []
+        if self._min != old_min:
+            released.extend(self._release_caught_up())
+        return released
+
+    # Internals ------------------------------------------------------------
+    cdef int _rank(self, int rank) except -1:
+        if rank < 0 or rank >= self._n:
+            raise IndexError(f"rank {rank} out of range 0..{self._n - 1}")
+        return rank
+
+    cdef int64_t _max_clock(self) noexcept:
+        cdef int i
+        cdef bint found = False
+        cdef int64_t best = self._min
+        for i in range(self._n):
+            if self._live[i] and (not found or self._clock[i] > best):
+                best = self._clock[i]
+                found = True
+        return best
+
+    cdef void _recompute_min(self) noexcept:
+        cdef int i
+        cdef bint found = False
+        cdef int64_t best = 0
+        for i in range(self._n):
+            if self._live[i] and (not found or self._clock[i] < best):
+                best = self._clock[i]
+                found = True
+        if found:
+            self._min = best
+
+    cdef bint _decide(self, int rank) noexcept:
+        cdef int64_t gap
+        cdef long r_star, grant
+        cdef int slow
+        if self._lower < 0:
+            return True
+        gap = self._clock[rank] - self._min
+        if self._credit[rank] > 0:
+            self._credit[rank] -= 1
+            return True
+        if gap <= self._lower:
+            return True
+        if gap <= self._upper and self._clock[rank] == self._max_clock():
+            slow = self._slowest()
+            r_star = _controller(self._newest[rank], self._previous[rank],
+                                 self._newest[slow], self._previous[slow],
+                                 self._upper - self._lower)
+            self._last_r_star = r_star
+            # The release now spends one unit of r*; the grant is cut to the
+            # room left below the upper bound so the gap never exceeds it.
+            grant = r_star
+            if grant > self._upper - gap + 1:
+                grant = self._upper - gap + 1
+            if grant > 0:
+                self._credit[rank] = grant - 1
+                return True
+        self._held[rank] = 1
+        return False
+
+    cdef int _slowest(self) noexcept:
+        cdef int i
+        for i in range(self._n):
+            if self._live[i] and self._clock[i] == self._min:
+                return i
+        return 0
+
+    cdef list _release_caught_up(self):
+        cdef int i
+        cdef list released = []
+        for i in range(self._n):
+            if self._held[i] and self._clock[i] - self._min <= self._lower:
+                self._held[i] = 0
+                released.append(i)
+        return released

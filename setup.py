@@ -1,0 +1,17 @@
+"""Build the one native extension, aps._core, from native/_core.pyx."""
+
+from Cython.Build import cythonize
+from setuptools import Extension, setup
+
+extension = Extension(
+    "aps._core",
+    sources=["native/_core.pyx"],
+    include_dirs=["native"],
+    depends=["native/_optim.pxi", "native/_window.pxi", "native/_stream.h"],
+    extra_compile_args=["-O3", "-fno-math-errno", "-fno-trapping-math"],
+)
+
+setup(
+    # Compiler directives live at the top of native/_core.pyx.
+    ext_modules=cythonize([extension]),
+)

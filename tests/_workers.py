@@ -1,0 +1,82 @@
+"""Bodies of worker processes used by the integration tests (importable by spawned children)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+import numpy as np
+
+import aps
+
+
+def regression_data(seed: int = 7, n: int = 600, d: int = 8):
+    rng = np.random.default_rng(seed)
+    x = rng.standard_normal((n, d)).astype(np.float32)
+    w_true = rng.standard_normal(d).astype(np.float32)
+    y = (x @ w_true + 0.1 * rng.standard_normal(n)).astype(np.float32)
+    return x, y
+
+
+def regression_gradient(w: np.ndarray, b: np.ndarray, x: np.ndarray, y: np.ndarray):
+    """Gradient of the mean squared error 0.5 * mean((x w + b - y)^2)."""
+    residual = x @ w + b - y
+    return (x.T @ residual / len(y)).astype(np.float32), np.array([residual.mean()], np.float32)
+
+
+def batch_indices(rank: int, workers: int, step: int, batch: int, n: int) -> np.ndarray:
+    """Worker ``rank``'s batch at ``step``: the workers' batches tile one large batch."""
+    start = (step * workers + rank) * batch
+    return np.arange(start, start + batch) % n
+
+
+def bsp_regression_worker(address: str, rank: int, workers: int, steps: int, batch: int):
+    x, y = regression_data()
+    with aps.Worker(address, rank, workers) as worker:
+        params = worker.init({"w": np.zeros(x.shape[1], np.float32), "b": np.zeros(1, np.float32)})
+        for step in range(steps):
+            idx = batch_indices(rank, workers, step, batch, len(y))
+            gw, gb = regression_gradient(params["w"], params["b"], x[idx], y[idx])
+            params = worker.push_pull({"w": gw, "b": gb})
+        return rank, worker.version, params["w"].copy(), params["b"].copy()
+
+
+def constant_pusher(address: str, rank: int, workers: int, numel: int, pushes: int):
+    """Pushes gradients that are constant vectors: every consistent snapshot is constant."""
+    with aps.Worker(address, rank, workers) as worker:
+        worker.init({"w": np.zeros(numel, np.float32)})
+        grad = worker.flat_grad
+        for i in range(pushes):
+            grad.fill(1.0 if (i + rank) % 2 else -0.5)
+            worker.push_pull(grad)
+        return rank, worker.clock
+
+
+def snapshot_checker(address: str, rank: int, workers: int, numel: int, seconds: float):
+    """Pulls in a loop; counts pulls, distinct versions, and torn (non-constant) snapshots."""
+    torn, pulls, versions = 0, 0, set()
+    with aps.Worker(address, rank, workers) as worker:
+        weights = worker.init({"w": np.zeros(numel, np.float32)})["w"]
+        deadline = time.monotonic() + seconds
+        while time.monotonic() < deadline:
+            worker.pull()
+            pulls += 1
+            versions.add(worker.version)
+            if not (weights == weights[0]).all():
+                torn += 1
+        return rank, pulls, len(versions), torn
+
+
+def idle_worker(address: str, rank: int, workers: int, numel: int, ready_path: str):
+    """Joins, says so by creating ``ready_path``, then waits to be killed."""
+    worker = aps.Worker(address, rank, workers)
+    worker.init({"w": np.zeros(numel, np.float32)})
+    with open(ready_path, "w") as fh:
+        fh.write(str(os.getpid()))
+    signal.pause()
+
+
+def run_role(role: str, args: tuple):
+    """One process of a mixed test: ``push`` runs constant_pusher, ``check`` snapshot_checker."""
+    return (constant_pusher if role == "push" else snapshot_checker)(*args)

@@ -1,0 +1,41 @@
+"""Shared fixtures: both kernel implementations, and real server processes."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+from hypothesis import HealthCheck, settings
+
+from aps import _core, _reference
+
+settings.register_profile(
+    "aps",
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
+)
+settings.register_profile("ci", parent=settings.get_profile("aps"), print_blob=True)
+settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "aps"))
+
+
+@pytest.fixture(params=[_core, _reference], ids=["native", "reference"])
+def kernels(request):
+    """The native module and its plain-Python twin: every test using this runs on both."""
+    return request.param
+
+
+@pytest.fixture
+def server_process():
+    """Factory for real ``aps serve`` processes; every one started is stopped at teardown."""
+    from tests.helpers import ServerProcess
+
+    started: list[ServerProcess] = []
+
+    def start(*args: str, env: dict[str, str] | None = None) -> ServerProcess:
+        proc = ServerProcess(*args, env=env)
+        started.append(proc)
+        return proc
+
+    yield start
+    for proc in started:
+        proc.stop()

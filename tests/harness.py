@@ -1,0 +1,132 @@
+"""Drive the server's engine directly, without sockets, on a virtual clock."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from aps import _core
+from aps._engine import Engine
+from aps.config import ServerConfig
+from aps.errors import ServerError
+from aps.layout import Layout
+
+
+class Worker:
+    """What the harness knows about one rank."""
+
+    def __init__(self, rank: int) -> None:
+        self.rank = rank
+        self.member = None
+        self.version = 0  # version of the weights it last received
+        self.weights: np.ndarray | None = None
+        self.waiting = False  # a pull or init is pending
+        self.released = 0  # how many times it was answered
+        self.errors: list[ServerError] = []
+        self.results = []  # push results
+
+
+class Harness:
+    """An Engine with P workers, a virtual clock and a log of every release.
+
+    ``on_release(harness, rank, snapshot_version)`` is called at each release
+    (inside the engine), so invariants can be checked at that very moment.
+    """
+
+    def __init__(self, kernels=_core, numel: int | None = None, on_release=None, offload=None, **options) -> None:
+        options.setdefault("lr", 1.0)
+        self.config = ServerConfig(**options)
+        self.P = self.config.workers
+        self.numel = numel or self.P
+        self.layout = Layout(("w",), ((self.numel,),))
+        self.now = 0.0
+        self.engine = Engine(self.config, now=lambda: self.now, kernels=kernels, offload=offload)
+        self.workers = [Worker(r) for r in range(self.P)]
+        self.on_release = on_release
+        self.releases: list[tuple[int, int, int]] = []  # (rank, version, clock)
+
+    @property
+    def policy(self):
+        return self.engine.policy
+
+    @property
+    def window(self):
+        return self.engine.policy.window
+
+    def tick(self, dt: float = 1.0) -> None:
+        self.now += dt
+
+    def _ready(self, worker: Worker):
+        def ready(snapshot, clock):
+            worker.weights = snapshot.array.copy()
+            worker.version = snapshot.version
+            snapshot.release()
+            worker.waiting = False
+            worker.released += 1
+            self.releases.append((worker.rank, worker.version, clock))
+            if self.on_release is not None:
+                self.on_release(self, worker.rank, worker.version)
+
+        return ready
+
+    def join(self, rank: int, values: np.ndarray | None = None) -> None:
+        worker = self.workers[rank]
+        if values is None:
+            values = np.zeros(self.numel, np.float32)
+        worker.waiting = True
+        worker.member = self.engine.join(
+            rank, self.P, self.layout, values, self._ready(worker), lambda exc: worker.errors.append(exc)
+        )
+
+    def join_all(self, values: np.ndarray | None = None) -> None:
+        for rank in range(self.P):
+            self.join(rank, values)
+
+    def leave(self, rank: int) -> None:
+        worker = self.workers[rank]
+        self.engine.leave(worker.member)
+        worker.member = None
+        worker.waiting = False
+
+    def pull(self, rank: int) -> None:
+        worker = self.workers[rank]
+        worker.waiting = True
+        self.engine.pull(worker.member, self._ready(worker))
+
+    def push(self, rank: int, grad, *, version: int | None = None, finite=None, then_pull: bool = False) -> None:
+        worker = self.workers[rank]
+        member = worker.member
+        member.grad[:] = grad
+        self.tick(0.0)
+
+        def done(result):
+            worker.results.append(result)
+            if then_pull:
+                self.pull(rank)
+
+        self.engine.push(
+            member,
+            worker.version if version is None else version,
+            done,
+            lambda exc: worker.errors.append(exc),
+            finite=finite,
+        )
+
+    def held(self, rank: int) -> bool:
+        return self.policy.is_held(rank)
+
+    def live(self, rank: int) -> bool:
+        member = self.workers[rank].member
+        return member is not None and member.joined
+
+    def state(self):
+        """Everything that must agree between the native and reference engines."""
+        engine = self.engine
+        return (
+            engine.version,
+            engine.decided_version,
+            engine.pushes,
+            engine.rejected,
+            engine.policy.dropped,
+            engine.policy.window.state(),
+            tuple(engine.policy.is_held(r) for r in range(self.P)),
+        )

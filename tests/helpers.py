@@ -1,0 +1,180 @@
+"""Test helpers: a real ``aps serve`` subprocess, raw frames, worker processes."""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import queue
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+
+import numpy as np
+
+from aps.protocol import HEADER_SIZE, DType, Op, decode_error, encode_init, pack_header, unpack_header
+from aps.layout import Layout
+
+SPAWN = mp.get_context("spawn")
+
+
+class ServerProcess:
+    """``python -m aps serve --port 0 ...`` on 127.0.0.1, with its log captured to a file."""
+
+    def __init__(self, *args: str, env: dict[str, str] | None = None, timeout: float = 30.0) -> None:
+        self.log_file = tempfile.NamedTemporaryFile("w+", prefix="aps-serve-", suffix=".log", delete=False)
+        cmd = [sys.executable, "-m", "aps", "serve", "--host", "127.0.0.1"]
+        if "--port" not in args:
+            cmd += ["--port", "0"]
+        cmd += list(args)
+        full_env = dict(os.environ)
+        full_env.update(env or {})
+        self.proc = subprocess.Popen(
+            cmd, stdout=subprocess.PIPE, stderr=self.log_file, text=True, env=full_env
+        )
+        self.first_line = self._read_first_line(timeout)
+        prefix = "aps: serving on "
+        if not self.first_line.startswith(prefix):
+            self.stop()
+            raise RuntimeError(f"aps serve did not start: {self.first_line!r}\n{self.log()}")
+        self.address = self.first_line[len(prefix) :].strip()
+        self.port = int(self.address.rsplit(":", 1)[1])
+
+    def _read_first_line(self, timeout: float) -> str:
+        lines: queue.Queue[str] = queue.Queue()
+        threading.Thread(target=lambda: lines.put(self.proc.stdout.readline()), daemon=True).start()
+        try:
+            return lines.get(timeout=timeout)
+        except queue.Empty:
+            return ""
+
+    def log(self) -> str:
+        self.log_file.flush()
+        with open(self.log_file.name) as fh:
+            return fh.read()
+
+    def wait_for_log(self, text: str, timeout: float = 10.0) -> str:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            log = self.log()
+            if text in log:
+                return log
+            time.sleep(0.02)
+        raise AssertionError(f"{text!r} not in the server log:\n{self.log()}")
+
+    def alive(self) -> bool:
+        return self.proc.poll() is None
+
+    def signal(self, signum: int) -> None:
+        self.proc.send_signal(signum)
+
+    def stop(self, timeout: float = 10.0) -> int | None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        if self.proc.stdout is not None:
+            self.proc.stdout.close()
+        self.log_file.close()
+        try:
+            os.unlink(self.log_file.name)
+        except OSError:
+            pass
+        return self.proc.returncode
+
+
+class RawClient:
+    """Hand-made frames over a plain socket, for bad-input tests."""
+
+    def __init__(self, port: int, timeout: float = 10.0) -> None:
+        self.sock = socket.create_connection(("127.0.0.1", port), timeout=timeout)
+
+    def send(self, *parts: bytes) -> None:
+        self.sock.sendall(b"".join(bytes(p) for p in parts))
+
+    def frame(self, op: int, payload: bytes = b"", **fields) -> None:
+        fields.setdefault("length", len(payload))
+        self.send(pack_header(op, **fields), payload)
+
+    def init(self, rank: int, num_workers: int, params: dict[str, np.ndarray], **fields) -> None:
+        layout = Layout.from_arrays(params)
+        values = b"".join(np.ascontiguousarray(v, np.float32).tobytes() for v in params.values())
+        block = encode_init(rank, num_workers, layout)
+        fields.setdefault("dtype", DType.FLOAT32)
+        self.frame(Op.INIT, block + values, **fields)
+
+    def recv_exact(self, n: int) -> bytes:
+        data = bytearray()
+        while len(data) < n:
+            chunk = self.sock.recv(n - len(data))
+            if not chunk:
+                raise EOFError(f"connection closed after {len(data)} of {n} bytes")
+            data += chunk
+        return bytes(data)
+
+    def reply(self):
+        header = unpack_header(self.recv_exact(HEADER_SIZE))
+        payload = self.recv_exact(header.length) if header.length else b""
+        return header, payload
+
+    def error(self) -> tuple[int, str]:
+        header, payload = self.reply()
+        assert header.op == Op.ERROR, f"expected an error frame, got op {header.op}"
+        return decode_error(payload)
+
+    def closed_by_peer(self, timeout: float = 5.0) -> bool:
+        """True when the server closed this connection (EOF or reset) within ``timeout``."""
+        self.sock.settimeout(timeout)
+        try:
+            while True:
+                if not self.sock.recv(65536):
+                    return True
+        except (ConnectionResetError, BrokenPipeError):
+            return True
+        except TimeoutError:
+            return False
+
+    def close(self) -> None:
+        self.sock.close()
+
+
+def run_processes(target, args_list, timeout: float = 60.0) -> list:
+    """Run ``target(*args, results)`` in one spawned process per args; return their results.
+
+    Each process puts exactly one item on ``results``; an exception instance
+    counts as a failure and is raised here. Processes still alive at the
+    deadline are killed (by their pid) and reported.
+    """
+    results = SPAWN.Queue()
+    procs = [SPAWN.Process(target=_guarded, args=(target, args, results), daemon=True) for args in args_list]
+    for proc in procs:
+        proc.start()
+    out = []
+    deadline = time.monotonic() + timeout
+    try:
+        for _ in procs:
+            remaining = max(0.1, deadline - time.monotonic())
+            item = results.get(timeout=remaining)
+            if isinstance(item, BaseException):
+                raise item
+            out.append(item)
+    finally:
+        for proc in procs:
+            proc.join(max(0.1, deadline - time.monotonic()))
+            if proc.is_alive():
+                os.kill(proc.pid, signal.SIGKILL)
+                proc.join(5)
+    return out
+
+
+def _guarded(target, args, results) -> None:
+    try:
+        results.put(target(*args))
+    except BaseException as exc:  # reported to the test
+        results.put(RuntimeError(f"{type(exc).__name__}: {exc}"))

@@ -1,0 +1,269 @@
+"""Bad input gets a clear error, changes nothing, and never stops the server.
+
+Rank 0 is a well-behaved ``aps.Worker``; rank 1 (or a stranger) sends the bad
+frames by hand. After each case rank 0 keeps training and the weights show
+only its own updates.
+"""
+
+import struct
+import threading
+
+import numpy as np
+import pytest
+
+import aps
+from aps.errors import ErrorCode
+from aps.protocol import HEADER_SIZE, DType, Op, pack_header
+from tests.helpers import RawClient
+
+N = 4
+
+
+class Cluster:
+    def __init__(self, server, good, raw):
+        self.server, self.good, self.raw = server, good, raw
+        self.good_pushes = 0
+
+    def train(self, steps=2):
+        """Rank 0 keeps training; with lr=1 and gradients of ones, w = -pushes."""
+        for _ in range(steps):
+            self.good.push_pull({"w": np.ones(N, np.float32)})
+            self.good_pushes += 1
+        assert self.good.weights["w"].tolist() == [-float(self.good_pushes)] * N
+
+
+def join_pair(server, raw_params=None):
+    good = aps.Worker(server.address, 0, 2)
+    thread = threading.Thread(target=good.init, args=({"w": np.zeros(N, np.float32)},), daemon=True)
+    thread.start()
+    raw = RawClient(server.port)
+    raw.init(1, 2, raw_params or {"w": np.zeros(N, np.float32)})
+    header, _ = raw.reply()
+    assert header.op == Op.INIT_REPLY
+    thread.join(10)
+    return good, raw
+
+
+@pytest.fixture
+def cluster(server_process):
+    server = server_process("--workers", "2", "--sync", "asp", "--lr", "1", "--max-frame-bytes", "1M")
+    good, raw = join_pair(server)
+    c = Cluster(server, good, raw)
+    yield c
+    assert server.alive(), "the server must never crash"
+    c.train()  # and keeps serving the good worker
+    good.close()
+    raw.close()
+
+
+def push_frame(payload: bytes, dtype=DType.FLOAT32, version=0, op=Op.PUSH):
+    return pack_header(op, dtype=dtype, version=version, length=len(payload)) + payload
+
+
+def assert_error(raw, code, text=None):
+    got, message = raw.error()
+    assert got == code, f"expected {code.name}, got {got}: {message}"
+    if text:
+        assert text in message
+    return message
+
+
+def test_bad_magic_closes_only_that_connection(cluster):
+    cluster.raw.send(b"GET / HTTP/1.1\r\nHost: x\r\n\r\n" + b"\0" * HEADER_SIZE)
+    assert_error(cluster.raw, ErrorCode.BAD_MAGIC, "magic")
+    assert cluster.raw.closed_by_peer()
+    cluster.server.wait_for_log("BAD_MAGIC")
+    cluster.server.wait_for_log("worker 1 left")
+    cluster.train()
+
+
+def test_unsupported_protocol_version(cluster):
+    header = bytearray(pack_header(Op.PING))
+    struct.pack_into("<H", header, 4, 7)
+    cluster.raw.send(bytes(header))
+    assert_error(cluster.raw, ErrorCode.UNSUPPORTED_VERSION, "version 7")
+    assert cluster.raw.closed_by_peer()
+
+
+def test_unknown_op_keeps_the_connection(cluster):
+    cluster.raw.frame(0x42, b"skipped payload")
+    assert_error(cluster.raw, ErrorCode.UNKNOWN_OP, "66")
+    cluster.raw.frame(Op.PULL_REPLY)  # a reply is not a request either
+    assert_error(cluster.raw, ErrorCode.UNKNOWN_OP)
+    cluster.raw.frame(Op.PING)
+    assert cluster.raw.reply()[0].op == Op.PING_REPLY
+
+
+def test_frame_over_the_limit(cluster):
+    cluster.raw.send(pack_header(Op.PUSH, dtype=DType.FLOAT32, length=(1 << 20) + 1))
+    assert_error(cluster.raw, ErrorCode.FRAME_TOO_LARGE, "limit")
+    assert cluster.raw.closed_by_peer()
+    cluster.train()
+
+
+def test_payload_that_does_not_match_the_layout(cluster):
+    cluster.train(1)
+    cluster.raw.send(push_frame(np.ones(N + 1, np.float32).tobytes(), version=1))
+    assert_error(cluster.raw, ErrorCode.PAYLOAD_SIZE_MISMATCH, f"{4 * N} bytes")
+    cluster.train(1)  # nothing was applied for rank 1
+
+
+def test_wrong_dtype(cluster):
+    cluster.raw.send(push_frame(np.ones(N // 2, np.float64).tobytes(), dtype=DType.FLOAT64))
+    assert_error(cluster.raw, ErrorCode.DTYPE_MISMATCH, "float64")
+    cluster.raw.send(push_frame(np.ones(N, np.float32).tobytes(), dtype=99))
+    assert_error(cluster.raw, ErrorCode.DTYPE_MISMATCH, "unknown dtype")
+    cluster.train()
+
+
+@pytest.mark.parametrize("bad", [np.nan, np.inf, -np.inf])
+def test_non_finite_gradient_is_rejected_and_changes_nothing(cluster, bad):
+    grad = np.ones(N, np.float32)
+    grad[2] = bad
+    cluster.raw.send(push_frame(grad.tobytes()))
+    assert_error(cluster.raw, ErrorCode.NON_FINITE_GRADIENT, "NaN or infinity")
+    cluster.train(1)
+    # The rejected push did not count: rank 1's next push is its first.
+    cluster.raw.send(push_frame(np.zeros(N, np.float32).tobytes()))
+    header, _ = cluster.raw.reply()
+    assert header.op == Op.PUSH_REPLY and header.clock == 1
+
+
+def test_non_finite_gradient_raises_a_typed_error_in_the_client(cluster):
+    with pytest.raises(aps.NonFiniteGradient) as info:
+        cluster.good.push({"w": np.array([1, np.nan, 1, 1], np.float32)})
+    assert isinstance(info.value, ValueError) and info.value.code == ErrorCode.NON_FINITE_GRADIENT
+    cluster.train()
+
+
+def test_half_a_frame_then_vanish(cluster):
+    cluster.raw.send(pack_header(Op.PUSH, dtype=DType.FLOAT32, length=4 * N) + b"\0" * 6)
+    cluster.raw.close()
+    cluster.server.wait_for_log("middle of a frame")
+    cluster.server.wait_for_log("worker 1 left")
+    cluster.train()
+
+
+def test_requests_with_unexpected_payloads_or_order(cluster):
+    cluster.raw.frame(Op.PULL, b"xyz")
+    assert_error(cluster.raw, ErrorCode.MALFORMED_FRAME, "no payload")
+    cluster.raw.init(1, 2, {"w": np.zeros(N, np.float32)})
+    assert_error(cluster.raw, ErrorCode.OUT_OF_ORDER, "already joined")
+    cluster.raw.frame(Op.PING)
+    assert cluster.raw.reply()[0].op == Op.PING_REPLY
+
+
+@pytest.fixture
+def waiting_server(server_process):
+    """A 3-worker server where only rank 0 has joined (training has not started)."""
+    server = server_process("--workers", "3", "--sync", "asp")
+    good = aps.Worker(server.address, 0, 3)
+    result = {}
+
+    def init():
+        try:
+            result["w"] = good.init({"w": np.zeros(N, np.float32)})
+        except aps.APSError as exc:  # the test ended before training started
+            result["error"] = exc
+
+    thread = threading.Thread(target=init, daemon=True)
+    thread.start()
+    server.wait_for_log("worker 0 joined")
+    yield server, good, thread, result
+    assert server.alive()
+    if thread.is_alive():
+        good._conn.sock.shutdown(2)
+    thread.join(10)
+    good.close()
+
+
+@pytest.mark.parametrize(
+    "rank, workers, params, code, text",
+    [
+        (1, 3, {"v": np.zeros(N, np.float32)}, ErrorCode.LAYOUT_MISMATCH, "names"),
+        (1, 3, {"w": np.zeros(N + 1, np.float32)}, ErrorCode.LAYOUT_MISMATCH, "shape"),
+        (5, 3, {"w": np.zeros(N, np.float32)}, ErrorCode.RANK_OUT_OF_RANGE, "out of range"),
+        (0, 3, {"w": np.zeros(N, np.float32)}, ErrorCode.RANK_TAKEN, "already connected"),
+        (1, 4, {"w": np.zeros(N, np.float32)}, ErrorCode.WORKER_COUNT_MISMATCH, "--workers 3"),
+    ],
+    ids=["names", "shapes", "rank-range", "rank-taken", "worker-count"],
+)
+def test_init_refusals(waiting_server, rank, workers, params, code, text):
+    server = waiting_server[0]
+    raw = RawClient(server.port)
+    raw.init(rank, workers, params)
+    assert_error(raw, code, text)
+    # The refused connection may try again, correctly this time.
+    raw.init(1, 3, {"w": np.zeros(N, np.float32)})
+    raw.sock.settimeout(0.3)
+    with pytest.raises(TimeoutError):
+        raw.reply()  # joined: waiting for rank 2, like rank 0
+    raw.close()
+
+
+def test_malformed_init_and_requests_before_init(waiting_server):
+    server = waiting_server[0]
+    raw = RawClient(server.port)
+    raw.frame(Op.INIT, b"\x01" * 20, dtype=DType.FLOAT32)
+    assert_error(raw, ErrorCode.MALFORMED_FRAME)
+    raw.frame(Op.INIT, b"\x01" * 8, dtype=DType.FLOAT32)
+    assert_error(raw, ErrorCode.MALFORMED_FRAME, "too short")
+    raw.frame(Op.INIT, b"\x01" * 64, dtype=DType.FLOAT64)
+    assert_error(raw, ErrorCode.DTYPE_MISMATCH)
+    raw.send(push_frame(np.zeros(N, np.float32).tobytes()))
+    assert_error(raw, ErrorCode.NOT_INITIALIZED)
+    raw.frame(Op.PULL)
+    assert_error(raw, ErrorCode.NOT_INITIALIZED)
+    raw.close()
+
+
+def test_typed_exceptions_through_the_client(waiting_server):
+    server, good, thread, result = waiting_server
+    with aps.Worker(server.address, 1, 3) as w:
+        with pytest.raises(aps.LayoutMismatch, match="shape"):
+            w.init({"w": np.zeros(N + 2, np.float32)})
+    with aps.Worker(server.address, 0, 3) as w:
+        with pytest.raises(aps.RankTaken):
+            w.init({"w": np.zeros(N, np.float32)})
+    with pytest.raises(aps.ConfigurationError):
+        aps.Worker(server.address, 3, 3)
+    # Training still starts once everyone is there.
+    others = [aps.Worker(server.address, r, 3) for r in (1, 2)]
+    threads = [threading.Thread(target=o.init, args=({"w": np.ones(N, np.float32)},)) for o in others]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(10)
+    thread.join(10)
+    assert result["w"]["w"].tolist() == [0.0] * N  # rank 0's values are the initial weights
+    for o in others:
+        assert o.weights["w"].tolist() == [0.0] * N
+        o.close()
+
+
+def test_push_while_held_is_out_of_order(server_process):
+    server = server_process("--workers", "2", "--sync", "ssp", "--staleness", "0")
+    good, raw = join_pair(server)
+    raw.send(push_frame(np.ones(N, np.float32).tobytes()))
+    assert raw.reply()[0].op == Op.PUSH_REPLY  # now held: rank 0 has not pushed
+    raw.send(push_frame(np.ones(N, np.float32).tobytes()))
+    assert_error(raw, ErrorCode.OUT_OF_ORDER, "held")
+    good.push_pull({"w": np.ones(N, np.float32)})
+    raw.frame(Op.PULL)
+    header, payload = raw.reply()
+    assert header.op == Op.PULL_REPLY and header.version == 2
+    np.testing.assert_allclose(np.frombuffer(payload, np.float32), [-0.02] * N, rtol=1e-6)  # default lr 0.01
+    good.close()
+    raw.close()
+
+
+def test_client_side_validation_sends_nothing(cluster):
+    with pytest.raises(aps.DTypeMismatch):
+        cluster.good.push({"w": np.ones(N, np.float64)})
+    with pytest.raises(aps.LayoutMismatch):
+        cluster.good.push({"w": np.ones(N + 1, np.float32)})
+    with pytest.raises(aps.LayoutMismatch):
+        cluster.good.push({"x": np.ones(N, np.float32)})
+    with pytest.raises(aps.LayoutMismatch):
+        cluster.good.push(np.ones(N + 1, np.float32))
+    cluster.train()

@@ -1,0 +1,95 @@
+"""The ``aps`` command as users run it."""
+
+import json
+import signal
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+import aps
+from tests.helpers import ServerProcess
+
+
+def run_aps(*args, env=None, timeout=60):
+    return subprocess.run([sys.executable, "-m", "aps", *args], capture_output=True, text=True, timeout=timeout, env=env)
+
+
+def test_first_line_is_the_address(server_process):
+    server = server_process("--workers", "1")
+    assert server.first_line.startswith("aps: serving on tcp://127.0.0.1:")
+    assert 0 < server.port < 65536
+
+
+@pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM], ids=["SIGINT", "SIGTERM"])
+def test_signals_close_connections_and_exit_zero(signum):
+    server = ServerProcess("--workers", "1", "--sync", "asp")
+    try:
+        worker = aps.Worker(server.address, 0, 1)
+        worker.init({"w": np.zeros(3, np.float32)})
+        server.signal(signum)
+        assert server.proc.wait(10) == 0
+        with pytest.raises(aps.APSConnectionError):
+            worker.pull()
+        assert "server stopped" in server.log()
+    finally:
+        server.stop()
+
+
+def test_environment_twins_configure_the_server(server_process):
+    import os
+
+    env = dict(os.environ, APS_WORKERS="3", APS_SYNC="ssp", APS_STALENESS="2", APS_LOG_LEVEL="debug")
+    server = server_process(env=env)
+    log = server.wait_for_log("listening on")
+    assert "3 workers, sync ssp" in log
+    with aps.Worker(server.address, 0, 2) as worker:
+        with pytest.raises(aps.ServerError, match="--workers 3"):
+            worker.init({"w": np.zeros(2, np.float32)})
+    server.wait_for_log("DEBUG")
+
+
+def test_bad_configuration_exits_2_with_a_message():
+    result = run_aps("serve", "--port", "0", "--workers", "2", "--backup-workers", "2")
+    assert result.returncode == 2 and "backup workers" in result.stderr
+    import os
+
+    result = run_aps("serve", "--port", "0", env=dict(os.environ, APS_SYNC="gossip"))
+    assert result.returncode == 2 and "APS_SYNC" in result.stderr
+    result = run_aps("serve", "--sync", "gossip")
+    assert result.returncode == 2 and "invalid choice" in result.stderr
+
+
+def test_port_in_use_is_a_clear_error(server_process):
+    server = server_process("--workers", "1")
+    result = run_aps("serve", "--port", str(server.port))
+    assert result.returncode == 2 and "cannot listen" in result.stderr
+
+
+def test_log_level_warning_is_quiet(server_process):
+    server = server_process("--workers", "1", "--sync", "asp", "--log-level", "warning")
+    with aps.Worker(server.address, 0, 1) as worker:
+        worker.init({"w": np.zeros(2, np.float32)})
+    assert "INFO" not in server.log()
+
+
+def test_help_lists_every_flag_with_its_variable():
+    result = run_aps("serve", "--help")
+    assert result.returncode == 0
+    for flag in ("--workers", "--sync", "--staleness", "--backup-workers", "--optimizer", "--lr", "--momentum",
+                 "--nesterov", "--weight-decay", "--betas", "--eps", "--max-frame-bytes", "--log-level"):
+        assert flag in result.stdout
+    assert "APS_MAX_FRAME_BYTES" in result.stdout
+
+
+def test_bench_runs_and_writes_json(tmp_path):
+    out = tmp_path / "bench.json"
+    result = run_aps("bench", "--sizes", "4K", "--workers", "1", "--seconds", "0.1", "--min-iters", "2", "--repeats", "1", "--out", str(out), timeout=120)
+    assert result.returncode == 0, result.stderr
+    report = json.loads(out.read_text())
+    systems = {row["system"] for row in report["rows"]}
+    assert systems == {"socket ping-pong", "aps"}
+    for row in report["rows"]:
+        assert row["round_trips"] >= 2 and row["gbps"] > 0
+    assert "x bound" in result.stdout

@@ -1,0 +1,111 @@
+"""Workers leaving, dying and rejoining (docs/algorithms.md, Membership)."""
+
+import os
+import signal
+import threading
+import time
+
+import numpy as np
+import pytest
+
+import aps
+from tests import _workers
+from tests.helpers import SPAWN
+
+
+def start_idle_worker(address, rank, workers, numel, tmp_path):
+    ready = tmp_path / f"ready-{rank}"
+    proc = SPAWN.Process(target=_workers.idle_worker, args=(address, rank, workers, numel, str(ready)), daemon=True)
+    proc.start()
+    return proc, ready
+
+
+def wait_for(path, timeout=30.0):
+    deadline = time.monotonic() + timeout
+    while not path.exists():
+        assert time.monotonic() < deadline, f"{path} never appeared"
+        time.sleep(0.02)
+
+
+def init_in_thread(worker, params):
+    thread = threading.Thread(target=worker.init, args=(params,), daemon=True)
+    thread.start()
+    return thread
+
+
+def test_a_killed_worker_leaves_at_once_and_nobody_waits_for_it(server_process, tmp_path):
+    server = server_process("--workers", "2", "--sync", "ssp", "--staleness", "0")
+    idle, ready = start_idle_worker(server.address, 1, 2, 4, tmp_path)
+    with aps.Worker(server.address, 0, 2) as worker:
+        worker.init({"w": np.zeros(4, np.float32)})
+        wait_for(ready)
+        worker.push({"w": np.ones(4, np.float32)})
+        released = threading.Event()
+        thread = threading.Thread(target=lambda: (worker.pull(), released.set()), daemon=True)
+        thread.start()
+        assert not released.wait(0.5), "s=0: rank 0 must wait for rank 1"
+        os.kill(idle.pid, signal.SIGKILL)
+        assert released.wait(10), "rank 0 still waits for a dead worker"
+        thread.join()
+        server.wait_for_log("worker 1 left")
+        # With rank 1 gone, rank 0 trains alone.
+        for _ in range(3):
+            worker.push_pull({"w": np.ones(4, np.float32)})
+        assert worker.clock == 4
+    idle.join(5)
+
+
+def test_rejoin_under_the_same_rank_resumes_at_the_slowest_clock(server_process, tmp_path):
+    server = server_process("--workers", "2", "--sync", "ssp", "--staleness", "3", "--lr", "1")
+    idle, ready = start_idle_worker(server.address, 1, 2, 2, tmp_path)
+    with aps.Worker(server.address, 0, 2) as worker:
+        worker.init({"w": np.zeros(2, np.float32)})
+        wait_for(ready)
+        os.kill(idle.pid, signal.SIGKILL)
+        server.wait_for_log("worker 1 left")
+        for _ in range(5):
+            worker.push_pull({"w": np.ones(2, np.float32)})
+        # Training has started: a rejoining worker's init returns at once with the newest weights.
+        with aps.Worker(server.address, 1, 2) as again:
+            weights = again.init({"w": np.zeros(2, np.float32)}, timeout=5)
+            assert weights["w"].tolist() == [-5.0, -5.0] and again.version == 5
+            assert again.clock == 5  # the slowest live worker's clock
+            again.push_pull({"w": np.ones(2, np.float32)})
+            assert again.clock == 6
+    idle.join(5)
+
+
+def test_init_times_out_with_a_clear_error(server_process):
+    server = server_process("--workers", "2")
+    worker = aps.Worker(server.address, 0, 2)
+    with pytest.raises(aps.InitTimeout, match="2 workers"):
+        worker.init({"w": np.zeros(2, np.float32)}, timeout=0.5)
+    worker.close()
+    server.wait_for_log("worker 0 left")
+
+
+def test_close_leaves_gracefully(server_process):
+    server = server_process("--workers", "1", "--sync", "asp")
+    worker = aps.Worker(server.address, 0, 1)
+    worker.init({"w": np.zeros(2, np.float32)})
+    worker.close()
+    server.wait_for_log("worker 0 left")
+    worker.close()  # idempotent
+    with pytest.raises(aps.APSConnectionError):
+        worker.pull()
+
+
+def test_reconnect_after_losing_the_connection(server_process):
+    server = server_process("--workers", "1", "--sync", "asp", "--lr", "1")
+    worker = aps.Worker(server.address, 0, 1)
+    worker.init({"w": np.zeros(2, np.float32)})
+    worker.push_pull({"w": np.ones(2, np.float32)})
+    worker._conn.sock.shutdown(2)  # the network drops the connection
+    with pytest.raises(aps.APSConnectionError):
+        worker.pull()
+    server.wait_for_log("worker 0 left")
+    weights = worker.reconnect()
+    assert weights["w"].tolist() == [-1.0, -1.0] and worker.version == 1
+    worker.push_pull({"w": np.ones(2, np.float32)})
+    assert worker.version == 2
+    worker.close()

@@ -1,0 +1,98 @@
+"""The worker clients against an embedded server."""
+
+import asyncio
+
+import numpy as np
+import pytest
+
+import aps
+
+
+@pytest.fixture
+def server():
+    with aps.Server(workers=1, sync="asp", lr=1.0, port=0, log_level="warning").run_in_background() as background:
+        yield background
+
+
+def test_weights_are_views_updated_in_place(server):
+    with aps.Worker(server.address, 0, 1) as worker:
+        params = {"a": np.arange(6, dtype=np.float32).reshape(2, 3), "b": np.ones(2, np.float32)}
+        weights = worker.init(params)
+        assert weights["a"].shape == (2, 3) and weights["a"].base is worker.flat_weights
+        a = weights["a"]
+        worker.grads["a"][:] = 1.0
+        worker.grads["b"][:] = 0.5
+        same = worker.push_pull(worker.grads)
+        assert same is weights
+        np.testing.assert_array_equal(a, np.arange(6).reshape(2, 3) - 1.0)  # updated in place
+        np.testing.assert_array_equal(worker.weights["b"], [0.5, 0.5])
+        assert (worker.version, worker.clock) == (1, 1)
+
+
+def test_push_forms(server):
+    with aps.Worker(server.address, 0, 1) as worker:
+        worker.init({"a": np.zeros(2, np.float32), "b": np.zeros(3, np.float32)})
+        worker.push({"b": np.ones(3, np.float32), "a": np.ones(2, np.float32)})  # any mapping order
+        worker.push(np.full(5, 2.0, np.float32))  # flat, in layout order
+        strided = np.ones(6, np.float32)[::2]
+        worker.push({"a": np.ones(2, np.float32), "b": strided})  # non-contiguous is copied
+        weights = worker.pull()
+        np.testing.assert_array_equal(weights["a"], [-4.0, -4.0])
+        np.testing.assert_array_equal(weights["b"], [-4.0, -4.0, -4.0])
+        assert worker.ping() == 3
+
+
+def test_requests_before_init_are_refused_locally(server):
+    worker = aps.Worker(server.address, 0, 1)
+    with pytest.raises(aps.errors.NotInitialized):
+        worker.pull()
+    with pytest.raises(aps.ConfigurationError):
+        worker.init({})
+    worker.close()
+
+
+def test_configuration_errors():
+    with pytest.raises(aps.ConfigurationError):
+        aps.Worker("http://x:1", 0, 1)
+    with pytest.raises(aps.ConfigurationError, match="transport"):
+        aps.Worker("tcp://127.0.0.1:1", 0, 1, transport="carrier-pigeon")
+    with pytest.raises(aps.ConfigurationError, match="shared-memory"):
+        aps.Worker("tcp://127.0.0.1:1", 0, 1, transport="shm")
+    with pytest.raises(aps.ConfigurationError):
+        aps.Worker("tcp://127.0.0.1:1", 2, 2)
+
+
+def test_unreachable_server_is_a_connection_error():
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]  # bound, not listening
+        with pytest.raises(aps.APSConnectionError):
+            aps.Worker(f"tcp://127.0.0.1:{port}", 0, 1)
+
+
+def test_async_worker_shares_the_protocol(server):
+    async def main():
+        async with await aps.AsyncWorker.connect(server.address, 0, 1) as worker:
+            weights = await worker.init({"w": np.zeros(1000, np.float32)})
+            for _ in range(3):
+                weights = await worker.push_pull({"w": np.ones(1000, np.float32)})
+            assert (weights["w"] == -3).all() and worker.version == 3
+            await worker.push(worker.flat_grad)
+            await worker.pull()
+            assert await worker.ping() == 4
+            with pytest.raises(aps.NonFiniteGradient):
+                await worker.push({"w": np.full(1000, np.inf, np.float32)})
+            assert worker.clock == 4
+
+    asyncio.run(main())
+
+
+def test_large_model_round_trip(server):
+    n = 3 << 20  # 12 MiB: received in place, updated on the helper thread
+    with aps.Worker(server.address, 0, 1) as worker:
+        worker.init({"w": np.zeros(n, np.float32)})
+        worker.flat_grad[:] = np.linspace(-1, 1, n, dtype=np.float32)
+        worker.push_pull(worker.grads)
+        np.testing.assert_array_equal(worker.flat_weights, -worker.flat_grad)

@@ -1,0 +1,78 @@
+import argparse
+import dataclasses
+
+import pytest
+
+from aps.config import ServerConfig, add_server_arguments, config_from_args, env_name
+from aps.errors import ConfigurationError
+
+
+def parse(argv, environ=None):
+    parser = argparse.ArgumentParser()
+    add_server_arguments(parser)
+    return config_from_args(parser.parse_args(argv), environ or {})
+
+
+def test_defaults():
+    config = parse([])
+    assert config == ServerConfig()
+    assert config.sync == "bsp" and config.host == "127.0.0.1"
+
+
+def test_flags():
+    config = parse(
+        ["--workers", "4", "--sync", "ssp", "--staleness", "5", "--optimizer", "adam", "--betas", "0.8,0.99",
+         "--nesterov", "--momentum", "0.9", "--max-frame-bytes", "16M", "--port", "0"]
+    )
+    assert (config.workers, config.sync, config.staleness, config.optimizer) == (4, "ssp", 5, "adam")
+    assert config.betas == (0.8, 0.99) and config.nesterov and config.max_frame_bytes == 16 << 20
+
+
+EXAMPLES = {
+    "host": ("0.0.0.0", "0.0.0.0"),
+    "port": ("0", 0),
+    "workers": ("3", 3),
+    "sync": ("asp", "asp"),
+    "staleness": ("7", 7),
+    "backup_workers": ("0", 0),
+    "optimizer": ("adamw", "adamw"),
+    "lr": ("0.5", 0.5),
+    "momentum": ("0.9", 0.9),
+    "nesterov": ("1", True),
+    "weight_decay": ("0.001", 0.001),
+    "betas": ("0.5,0.6", (0.5, 0.6)),
+    "eps": ("1e-6", 1e-6),
+    "max_frame_bytes": ("1G", 1 << 30),
+    "log_level": ("debug", "debug"),
+}
+
+
+def test_every_option_has_an_environment_twin():
+    fields = {f.name for f in dataclasses.fields(ServerConfig)}
+    assert fields == set(EXAMPLES), "add an example for each new option"
+    for name, (raw, value) in EXAMPLES.items():
+        config = parse([], {env_name(name): raw})
+        assert getattr(config, name) == value, name
+
+
+def test_flag_beats_environment():
+    assert parse(["--workers", "2"], {"APS_WORKERS": "5"}).workers == 2
+
+
+@pytest.mark.parametrize(
+    "environ",
+    [{"APS_WORKERS": "many"}, {"APS_SYNC": "gossip"}, {"APS_NESTEROV": "maybe"}, {"APS_BETAS": "0.9"}, {"APS_WORKERS": "0"}],
+)
+def test_bad_environment_values(environ):
+    with pytest.raises(ConfigurationError, match="APS_|workers"):
+        parse([], environ)
+
+
+@pytest.mark.parametrize(
+    "options",
+    [{"workers": 0}, {"staleness": -1}, {"backup_workers": 2, "workers": 2}, {"backup_workers": 1, "workers": 3, "sync": "asp"},
+     {"port": 70000}, {"sync": "nope"}, {"max_frame_bytes": 10}],
+)
+def test_validation(options):
+    with pytest.raises(ConfigurationError):
+        ServerConfig(**options)

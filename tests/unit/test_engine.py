@@ -1,0 +1,286 @@
+"""The server's engine, driven directly: every rule of docs/algorithms.md without sockets."""
+
+import numpy as np
+import pytest
+
+from aps.errors import (
+    LayoutMismatch,
+    NonFiniteGradient,
+    NotInitialized,
+    OutOfOrder,
+    RankOutOfRange,
+    RankTaken,
+    WorkerCountMismatch,
+)
+from aps._engine import Member
+from aps.layout import Layout
+from tests.harness import Harness
+
+
+def e(rank, n):
+    g = np.zeros(n, np.float32)
+    g[rank] = 1.0
+    return g
+
+
+def test_init_waits_for_every_worker_then_starts():
+    h = Harness(workers=3, sync="asp")
+    h.join(0, np.arange(3, dtype=np.float32))
+    h.join(1)
+    assert not h.engine.started and h.workers[0].waiting
+    h.join(2)
+    assert h.engine.started
+    # The first worker's values are the initial weights, for everyone.
+    for w in h.workers:
+        assert not w.waiting and w.weights.tolist() == [0.0, 1.0, 2.0]
+
+
+def test_join_validation():
+    h = Harness(workers=2, sync="asp")
+    with pytest.raises(WorkerCountMismatch):
+        h.engine.join(0, 3, h.layout, np.zeros(2, np.float32), None, None)
+    with pytest.raises(RankOutOfRange):
+        h.engine.join(2, 2, h.layout, np.zeros(2, np.float32), None, None)
+    h.join(0)
+    with pytest.raises(RankTaken):
+        h.join(0)
+    errors = []
+    h.engine.join(1, 2, Layout(("w",), ((3,),)), np.zeros(3, np.float32), None, errors.append)
+    assert isinstance(errors[0], LayoutMismatch) and 1 not in h.engine.members
+    h.join(1)  # the seat is free again
+    assert h.engine.started
+
+
+def test_non_finite_initial_weights_are_refused():
+    h = Harness(workers=1, sync="asp")
+    errors = []
+    h.engine.join(0, 1, h.layout, np.array([np.nan], np.float32), None, errors.append)
+    assert isinstance(errors[0], NonFiniteGradient) and h.engine.table is None
+
+
+def test_bsp_equals_large_batch_sgd():
+    P, n, rounds, lr = 3, 5, 6, 0.1
+    rng = np.random.default_rng(0)
+    w0 = rng.standard_normal(n).astype(np.float32)
+    grads = rng.standard_normal((rounds, P, n)).astype(np.float32)
+    h = Harness(workers=P, sync="bsp", numel=n, lr=lr)
+    h.join_all(w0)
+    for t in range(rounds):
+        for r in range(P):
+            h.push(r, grads[t, r], then_pull=True)
+        assert h.engine.version == t + 1
+        assert {w.version for w in h.workers} == {t + 1}
+    expected = w0.copy()
+    for t in range(rounds):
+        expected = expected - np.float32(lr) * grads[t].mean(axis=0)
+    np.testing.assert_allclose(h.engine.weights, expected, rtol=1e-6, atol=1e-6)
+
+
+def test_bsp_holds_until_the_round_closes():
+    h = Harness(workers=3, sync="bsp")
+    h.join_all()
+    h.push(0, e(0, 3), then_pull=True)
+    h.push(1, e(1, 3), then_pull=True)
+    assert h.held(0) and h.workers[0].waiting and h.engine.version == 0
+    with pytest.raises(OutOfOrder):
+        h.push(0, e(0, 3))
+    h.push(2, e(2, 3), then_pull=True)
+    assert h.engine.version == 1 and not any(w.waiting for w in h.workers)
+    np.testing.assert_allclose(h.engine.weights, [-1 / 3] * 3, rtol=1e-6)
+
+
+def test_bsp_backup_workers_drop_late_gradients():
+    h = Harness(workers=3, sync="bsp", backup_workers=1)
+    h.join_all()
+    h.push(0, e(0, 3), then_pull=True)
+    h.push(1, e(1, 3), then_pull=True)  # P - k = 2 gradients close the round
+    assert h.engine.version == 1
+    h.push(2, e(2, 3), then_pull=True)  # computed on version 0: dropped
+    assert h.workers[2].results[-1].dropped and h.policy.dropped == 1
+    assert h.workers[2].version == 1  # released at once with the newest weights
+    np.testing.assert_allclose(h.engine.weights, [-0.5, -0.5, 0.0])
+
+
+def test_bsp_leave_closes_the_round_without_the_leaver():
+    h = Harness(workers=3, sync="bsp")
+    h.join_all()
+    h.push(0, e(0, 3), then_pull=True)
+    h.push(1, e(1, 3), then_pull=True)
+    h.leave(2)
+    assert h.engine.version == 1 and not h.workers[0].waiting
+    np.testing.assert_allclose(h.engine.weights, [-0.5, -0.5, 0.0])
+    # Rejoining, rank 2 resumes at the slowest live clock and the next round waits for it.
+    h.join(2)
+    assert h.window.clock(2) == h.window.min_clock == 1
+    h.push(0, e(0, 3), then_pull=True)
+    h.push(1, e(1, 3), then_pull=True)
+    assert h.engine.version == 1
+    h.push(2, e(2, 3), then_pull=True)
+    assert h.engine.version == 2
+
+
+def test_asp_applies_every_gradient_once_and_answers_at_once():
+    h = Harness(workers=2, sync="asp")
+    h.join_all()
+    for _ in range(5):
+        h.push(0, e(0, 2), then_pull=True)
+        assert not h.workers[0].waiting
+    h.push(1, e(1, 2), then_pull=True)
+    assert h.engine.version == 6
+    assert h.engine.weights.tolist() == [-5.0, -1.0]
+    assert [r.staleness for r in h.workers[0].results] == [0] * 5
+    assert h.workers[1].results[0].staleness == 5  # computed on version 0, applied at 5
+
+
+def test_ssp_gate():
+    h = Harness(workers=2, sync="ssp", staleness=1)
+    h.join_all()
+    h.push(0, e(0, 2), then_pull=True)
+    assert not h.workers[0].waiting
+    h.push(0, e(0, 2), then_pull=True)  # gap 2 > 1
+    assert h.workers[0].waiting and h.held(0)
+    h.push(1, e(1, 2), then_pull=True)
+    assert not h.workers[0].waiting
+    # Released by rank 1's push, rank 0 sees it (and its own updates).
+    assert h.workers[0].version == 3
+
+
+def test_leave_releases_held_workers():
+    h = Harness(workers=2, sync="ssp", staleness=0)
+    h.join_all()
+    h.push(0, e(0, 2), then_pull=True)
+    assert h.workers[0].waiting
+    h.leave(1)
+    assert not h.workers[0].waiting
+
+
+def test_non_finite_gradient_changes_nothing(kernels):
+    h = Harness(kernels=kernels, workers=1, sync="asp", momentum=0.9)
+    h.join_all(np.ones(1, np.float32))
+    h.push(0, np.array([0.5], np.float32))
+    before = (h.engine.version, h.window.clock(0), h.engine.weights.copy(), h.engine.table.optimizer.momentum_buffer.copy())
+    for bad in (np.nan, np.inf, -np.inf):
+        h.push(0, np.array([bad], np.float32))
+        assert isinstance(h.workers[0].errors[-1], NonFiniteGradient)
+    with pytest.raises(NonFiniteGradient):
+        h.push(0, np.array([1.0], np.float32), finite=False)
+    after = (h.engine.version, h.window.clock(0), h.engine.weights, h.engine.table.optimizer.momentum_buffer)
+    assert before[:2] == after[:2]
+    np.testing.assert_array_equal(before[2], after[2])
+    np.testing.assert_array_equal(before[3], after[3])
+    assert h.engine.rejected == 4
+    h.push(0, np.array([0.5], np.float32))  # and it keeps working
+    assert h.engine.version == 2
+
+
+def test_requests_need_a_joined_member():
+    h = Harness(workers=2, sync="asp")
+    stranger = Member(1)
+    with pytest.raises(NotInitialized):
+        h.engine.pull(stranger, None)
+    with pytest.raises(NotInitialized):
+        h.engine.push(stranger, 0, None, None)
+
+
+def test_a_gradient_from_the_future_is_refused():
+    h = Harness(workers=2, sync="asp")
+    h.join_all()
+    with pytest.raises(OutOfOrder):
+        h.push(0, e(0, 2), version=7)
+    assert h.engine.version == 0 and h.engine.pushes == 0
+
+
+def test_offloaded_kernels_keep_order():
+    """Kernels finishing later (a helper thread) still commit in arrival order."""
+    pending = []
+    h = Harness(workers=2, sync="asp", offload=lambda kernel, done: pending.append((kernel, done)))
+    h.engine._lane._threshold = 0
+    h.join_all()
+    h.push(0, e(0, 2), then_pull=True)
+    h.push(1, e(1, 2), then_pull=True)
+    assert h.engine.version == 0 and len(pending) == 1  # one kernel at a time
+    while pending:
+        kernel, done = pending.pop(0)
+        done(kernel())
+    assert h.engine.version == 2 and h.engine.weights.tolist() == [-1.0, -1.0]
+    assert h.workers[0].version >= 1 and h.workers[1].version == 2
+
+
+class TestStreamingPush:
+    """Applying a large gradient piece by piece while it arrives."""
+
+    N = 1000
+
+    def stream_in(self, h, rank, grad, pieces=4, finish=True):
+        member = h.workers[rank].member
+        stream = h.engine.begin_streaming_push(member, h.workers[rank].version)
+        assert stream is not None
+        bounds = np.linspace(0, self.N, pieces + 1).astype(int)
+        for start, stop in zip(bounds[:-1], bounds[1:]):
+            member.grad[start:stop] = grad[start:stop]
+            stream.feed(int(stop))
+        if finish:
+            h.engine.push(member, h.workers[rank].version, h.workers[rank].results.append, h.workers[rank].errors.append, finite=True, stream=stream)
+        return stream
+
+    def test_equals_the_ordinary_path(self, kernels):
+        rng = np.random.default_rng(3)
+        grads = rng.standard_normal((3, self.N)).astype(np.float32)
+        results = []
+        for streaming in (False, True):
+            h = Harness(kernels=kernels, workers=1, sync="asp", numel=self.N, lr=0.1, weight_decay=0.01)
+            h.join_all(np.ones(self.N, np.float32))
+            for g in grads:
+                if streaming:
+                    self.stream_in(h, 0, g)
+                else:
+                    h.push(0, g)
+            results.append(h.engine.weights.copy())
+            assert h.engine.version == 3 and h.window.clock(0) == 3 and h.engine.idle
+        np.testing.assert_array_equal(results[0], results[1])
+
+    def test_other_work_cancels_the_reservation(self):
+        h = Harness(workers=2, sync="asp", numel=self.N)
+        h.join_all()
+        stream = self.stream_in(h, 0, np.ones(self.N, np.float32), finish=False)
+        assert not h.engine.idle
+        h.push(1, np.full(self.N, 2.0, np.float32))  # arrives first: not blocked by the stream
+        assert not stream.active and h.engine.version == 1
+        w0 = h.workers[0]
+        h.engine.push(w0.member, 0, w0.results.append, w0.errors.append, finite=True, stream=stream)
+        assert h.engine.version == 2 and h.engine.idle
+        np.testing.assert_array_equal(h.engine.weights, np.full(self.N, -3.0))
+        assert w0.results[0].staleness == 1
+
+    def test_abort_leaves_nothing_behind(self):
+        h = Harness(workers=1, sync="asp", numel=self.N)
+        h.join_all()
+        stream = self.stream_in(h, 0, np.ones(self.N, np.float32), pieces=2, finish=False)
+        stream.abort()  # the connection died mid-frame
+        assert h.engine.idle and h.engine.version == 0 and (h.engine.weights == 0).all()
+        slots = h.engine.table.slot_count
+        self.stream_in(h, 0, np.ones(self.N, np.float32))
+        assert h.engine.version == 1 and h.engine.table.slot_count == slots
+
+    def test_refused_gradient_aborts_the_stream(self):
+        h = Harness(workers=1, sync="asp", numel=self.N)
+        h.join_all()
+        member = h.workers[0].member
+        stream = h.engine.begin_streaming_push(member, 0)
+        stream.feed(self.N // 2)
+        with pytest.raises(NonFiniteGradient):
+            h.engine.push(member, 0, None, None, finite=False, stream=stream)
+        assert h.engine.idle and h.engine.version == 0 and h.engine.rejected == 1
+
+    @pytest.mark.parametrize("options", [{"sync": "bsp"}, {"sync": "asp", "momentum": 0.9}, {"sync": "asp", "optimizer": "adam"}])
+    def test_only_when_safe(self, options):
+        h = Harness(workers=1, numel=self.N, **options)
+        h.join_all()
+        assert h.engine.begin_streaming_push(h.workers[0].member, 0) is None
+
+    def test_not_for_a_held_worker(self):
+        h = Harness(workers=2, sync="ssp", staleness=0, numel=self.N)
+        h.join_all()
+        h.push(0, np.ones(self.N, np.float32))
+        assert h.held(0)
+        assert h.engine.begin_streaming_push(h.workers[0].member, 0) is None

@@ -1,0 +1,119 @@
+"""The native kernels against their plain-Python twins."""
+
+import numpy as np
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from aps import _core, _reference
+
+sizes = st.integers(0, 300)
+seeds = st.integers(0, 2**32 - 1)
+
+
+def vectors(seed, n, count):
+    rng = np.random.default_rng(seed)
+    return [rng.standard_normal(n).astype(np.float32) for _ in range(count)]
+
+
+@given(seeds, sizes, st.integers(0, 299), st.sampled_from([np.nan, np.inf, -np.inf]))
+def test_all_finite(seed, n, where, bad):
+    (x,) = vectors(seed, n, 1)
+    assert _core.all_finite(x) is True
+    if n:
+        x[where % n] = bad
+        assert _core.all_finite(x) is False
+        assert _reference.all_finite(x) is False
+
+
+def test_all_finite_large_and_extremes():
+    x = np.full(200_003, np.finfo(np.float32).max, np.float32)
+    x[::2] = -np.finfo(np.float32).tiny
+    assert _core.all_finite(x)
+    x[-1] = np.nan
+    assert not _core.all_finite(x)
+
+
+@given(seeds, sizes, st.floats(-2, 2, width=32), st.booleans())
+def test_accumulate(seed, n, scale, first):
+    acc, grad = vectors(seed, n, 2)
+    expected = acc.copy()
+    _reference.accumulate(expected, grad, scale, first)
+    _core.accumulate(acc, grad, scale, first)
+    np.testing.assert_array_equal(acc, expected)
+
+
+sgd_options = st.fixed_dictionaries(
+    {
+        "lr": st.floats(0, 1),
+        "momentum": st.sampled_from([0.0, 0.5, 0.9]),
+        "dampening": st.sampled_from([0.0, 0.1]),
+        "weight_decay": st.sampled_from([0.0, 1e-2]),
+        "nesterov": st.booleans(),
+        "scale": st.sampled_from([1.0, 0.25, 1 / 3]),
+    }
+)
+
+
+@given(seeds, sizes, sgd_options, st.booleans(), st.integers(0, 3))
+def test_sgd_matches_reference(seed, n, opts, in_place, offset):
+    if opts["nesterov"] and (opts["momentum"] == 0 or opts["dampening"]):
+        opts["nesterov"] = False
+    w, g, buf = vectors(seed, n + offset, 3)
+    # Unaligned starts exercise the streaming-store prologue.
+    w, g, buf = w[offset:], g[offset:], buf[offset:]
+    scale = opts.pop("scale")
+    results = []
+    for kernels in (_core, _reference):
+        wk, bk = w.copy(), buf.copy()
+        out = wk if in_place else np.empty_like(wk)
+        momentum_buffer = bk if opts["momentum"] else None
+        for step in range(3):
+            kernels.sgd_step(out, wk, g, momentum_buffer, first=step == 0, scale=scale, **opts)
+            wk = out if in_place else out.copy()
+        results.append((wk, bk))
+    np.testing.assert_allclose(results[0][0], results[1][0], rtol=1e-6, atol=1e-7)
+    np.testing.assert_allclose(results[0][1], results[1][1], rtol=1e-6, atol=1e-7)
+
+
+@given(
+    seeds,
+    sizes,
+    st.floats(1e-4, 1e-1),
+    st.sampled_from([(0.9, 0.999), (0.5, 0.9), (0.2, 0.99)]),
+    st.sampled_from([0.0, 1e-2]),
+    st.booleans(),
+    st.sampled_from([1.0, 0.5]),
+)
+def test_adam_matches_reference(seed, n, lr, betas, weight_decay, decoupled, scale):
+    w, g = vectors(seed, n, 2)
+    results = []
+    for kernels in (_core, _reference):
+        wk = w.copy()
+        m, v = np.zeros_like(w), np.zeros_like(w)
+        out = np.empty_like(w)
+        for step in range(1, 4):
+            kernels.adam_step(out, wk, g, m, v, step, lr, betas[0], betas[1], 1e-8, weight_decay, decoupled, scale)
+            wk = out.copy()
+        results.append((wk, m, v))
+    for native, reference in zip(*results):
+        np.testing.assert_allclose(native, reference, rtol=2e-6, atol=1e-7)
+
+
+@pytest.mark.parametrize("kernels", [_core, _reference], ids=["native", "reference"])
+def test_argument_errors(kernels):
+    w = np.zeros(4, np.float32)
+    with pytest.raises(ValueError):
+        kernels.sgd_step(w, w, np.zeros(3, np.float32), None, 0.1)
+    with pytest.raises(ValueError):
+        kernels.sgd_step(w, w, w, None, 0.1, momentum=0.9)
+    with pytest.raises(ValueError):
+        kernels.adam_step(w, w, w, w.copy(), w.copy(), 0, 0.1)
+    with pytest.raises(ValueError):
+        kernels.accumulate(w, np.zeros(5, np.float32))
+
+
+def test_kernels_reject_other_dtypes():
+    w = np.zeros(4, np.float64)
+    with pytest.raises((ValueError, TypeError)):
+        _core.sgd_step(w, w, w, None, 0.1)
