@@ -295,9 +295,7 @@ def run(sizes: list[int], worker_counts: list[int], seconds: float, min_iters: i
     report = {
         "benchmark": "pushpull",
         "command": " ".join(["aps", "bench", *sys.argv[2:]]) if sys.argv[1:2] == ["bench"] else " ".join(sys.argv),
-        "host": platform.node(),
-        "cpus": os.cpu_count(),
-        "python": platform.python_version(),
+        **machine_info(),
         "seconds_per_window": seconds,
         "repeats": repeats,
         "rows": rows,
@@ -310,6 +308,20 @@ def run(sizes: list[int], worker_counts: list[int], seconds: float, min_iters: i
             json.dump(report, fh, indent=2)
         print(f"\nwrote {out}")
     return report
+
+
+def machine_info() -> dict:
+    """What a reader needs to judge the figures: the host, its CPUs and how busy it was."""
+    import psutil
+
+    return {
+        "host": platform.node(),
+        "machine": platform.machine(),
+        "cpus": psutil.cpu_count(logical=True),
+        "physical_cpus": psutil.cpu_count(logical=False),
+        "load_average": [round(x, 2) for x in os.getloadavg()],
+        "python": platform.python_version(),
+    }
 
 
 def _print_row(row: dict) -> None:

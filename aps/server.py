@@ -145,11 +145,18 @@ class Server:
         finally:
             await self.close()
 
-    def run(self, *, handle_signals: bool = True, announce: bool = True) -> int:
+    def run(
+        self,
+        *,
+        handle_signals: bool = True,
+        announce: bool = True,
+        loop_factory: Callable[[], asyncio.AbstractEventLoop] = new_event_loop,
+    ) -> int:
         """Serve in this thread until SIGINT/SIGTERM (or :meth:`stop`); returns the exit status 0.
 
         With ``announce``, prints ``aps: serving on tcp://HOST:PORT`` to
         stdout as the first line of output once the listener is bound.
+        ``loop_factory`` makes the event loop (uvloop when installed).
         """
 
         async def main() -> None:
@@ -159,13 +166,15 @@ class Server:
                     loop.add_signal_handler(signum, self.stop)
             await self.serve(_print_address if announce else None)
 
-        with asyncio.Runner(loop_factory=new_event_loop) as runner:
+        with asyncio.Runner(loop_factory=loop_factory) as runner:
             runner.run(main())
         return 0
 
-    def run_in_background(self) -> _Background:
+    def run_in_background(
+        self, *, loop_factory: Callable[[], asyncio.AbstractEventLoop] = new_event_loop
+    ) -> _Background:
         """Serve on a background thread; use as a context manager (see the class example)."""
-        return _Background(self)
+        return _Background(self, loop_factory)
 
     # Internals ------------------------------------------------------------
     def _offload(self, kernel, done) -> None:
@@ -189,8 +198,9 @@ def _print_address(address: str) -> None:
 class _Background:
     """A server running on its own thread and loop (from ``Server.run_in_background``)."""
 
-    def __init__(self, server: Server) -> None:
+    def __init__(self, server: Server, loop_factory: Callable[[], asyncio.AbstractEventLoop]) -> None:
         self.server = server
+        self._loop_factory = loop_factory
         self._ready = threading.Event()
         self._error: BaseException | None = None
         self._thread = threading.Thread(target=self._main, name="aps-server", daemon=True)
@@ -216,7 +226,7 @@ class _Background:
             await self.server.serve(lambda _address: self._ready.set())
 
         try:
-            with asyncio.Runner(loop_factory=new_event_loop) as runner:
+            with asyncio.Runner(loop_factory=self._loop_factory) as runner:
                 runner.run(main())
         except BaseException as exc:  # reported to the starting thread
             self._error = exc

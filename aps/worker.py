@@ -44,6 +44,13 @@ __all__ = ["AsyncWorker", "Worker"]
 log = logging.getLogger("aps.worker")
 
 _TRANSPORTS = ("auto", "tcp", "shm")
+_WEIGHT_REPLIES = frozenset({Op.INIT_REPLY, Op.PULL_REPLY, Op.PUSH_PULL_REPLY})
+_COUNTED_REPLIES = _WEIGHT_REPLIES | {Op.PUSH_REPLY}
+_PUSH_REPLIES = frozenset({Op.PUSH_REPLY, Op.PUSH_PULL_REPLY})
+_ERROR = int(Op.ERROR)
+_REPLY = int(Op.REPLY)
+_DROPPED = int(Flag.DROPPED)
+_FLOAT32 = int(DType.FLOAT32)
 _MAX_ERROR_PAYLOAD = 1 << 20
 _REQUEST_ID_MASK = 0xFFFFFFFF
 
@@ -77,6 +84,7 @@ class _ClientCore:
         self.dropped = False
         self.reader = FrameReader(self, max_payload=None)
         self._weights_bytes: memoryview | None = None
+        self._grad_bytes: memoryview | None = None
         self._request_id = 0
         self._expect: int | None = None
         self._reply: Header | None = None
@@ -84,13 +92,11 @@ class _ClientCore:
         self._init_block: bytes = b""
 
     # Requests -------------------------------------------------------------
-    def _header(self, op: Op, length: int = 0, dtype: int = DType.NONE) -> bytes:
-        self._request_id = (self._request_id + 1) & _REQUEST_ID_MASK
-        self._expect = op | Op.REPLY
+    def _header(self, op: int, length: int = 0, dtype: int = 0) -> bytes:
+        self._request_id = rid = (self._request_id + 1) & _REQUEST_ID_MASK
+        self._expect = op | _REPLY
         self._reply = None
-        return pack_header(
-            op, dtype=dtype, request_id=self._request_id, clock=self.clock, version=self.version, length=length
-        )
+        return pack_header(op, 0, dtype, rid, self.clock, self.version, length)
 
     def init_request(self, params: Mapping[str, Any] | None) -> list:
         if params is not None:
@@ -123,7 +129,7 @@ class _ClientCore:
     def _gradient_buffers(self, grads: Any) -> list:
         layout = self.layout
         if grads is self.flat_grad or grads is self.grads:
-            return [memoryview(self.flat_grad).cast("B")]
+            return [self._grad_bytes]
         if isinstance(grads, np.ndarray):
             if grads.shape != (layout.numel,):
                 raise LayoutMismatch(f"a flat gradient must have shape ({layout.numel},), got {grads.shape}")
@@ -152,17 +158,18 @@ class _ClientCore:
         self.flat_weights = np.zeros(layout.numel, np.float32)
         self.flat_grad = np.zeros(layout.numel, np.float32)
         self._weights_bytes = memoryview(self.flat_weights).cast("B")
+        self._grad_bytes = memoryview(self.flat_grad).cast("B")
         self.weights = layout.views(self.flat_weights)
         self.grads = layout.views(self.flat_grad)
 
     # Replies (FrameHandler) -------------------------------------------------
     def frame_buffer(self, header: Header) -> memoryview | None:
-        if header.op == Op.ERROR:
+        if header.op == _ERROR:
             if header.length > _MAX_ERROR_PAYLOAD:
                 raise MalformedFrame(f"error frame of {header.length} bytes")
             return memoryview(bytearray(header.length))
-        if header.op in (Op.INIT_REPLY, Op.PULL_REPLY, Op.PUSH_PULL_REPLY):
-            if header.dtype != DType.FLOAT32 or header.length != len(self._weights_bytes):
+        if header.op in _WEIGHT_REPLIES:
+            if header.dtype != _FLOAT32 or header.length != len(self._weights_bytes):
                 raise MalformedFrame(
                     f"weights reply of {header.length} bytes; the model has {len(self._weights_bytes)}"
                 )
@@ -172,10 +179,10 @@ class _ClientCore:
         return None
 
     def frame_received(self, header: Header, payload: memoryview) -> None:
-        if header.op != Op.ERROR or header.request_id != 0:
+        if header.op != _ERROR or header.request_id != 0:
             if header.request_id != self._request_id:
                 raise ProtocolError(f"reply to request {header.request_id}, expected {self._request_id}")
-            if header.op not in (self._expect, Op.ERROR):
+            if header.op != self._expect and header.op != _ERROR:
                 raise ProtocolError(f"reply op {header.op} to a request expecting {self._expect}")
         self._reply = header
         self._payload = payload
@@ -186,16 +193,17 @@ class _ClientCore:
     def finish(self) -> Header:
         """Check the reply that arrived: raise the server's error, or record version and clock."""
         header, self._reply = self._reply, None
-        if header.op == Op.ERROR:
+        op = header.op
+        if op == _ERROR:
             code, message = decode_error(self._payload)
             self._payload = None
             raise error_from_code(code, message)
         self._payload = None
-        if header.op in (Op.INIT_REPLY, Op.PULL_REPLY, Op.PUSH_PULL_REPLY, Op.PUSH_REPLY):
+        if op in _COUNTED_REPLIES:
             self.version = header.version
             self.clock = header.clock
-        if header.op in (Op.PUSH_REPLY, Op.PUSH_PULL_REPLY):
-            self.dropped = bool(header.flags & Flag.DROPPED)
+            if op in _PUSH_REPLIES:
+                self.dropped = bool(header.flags & _DROPPED)
         return header
 
 
@@ -243,6 +251,9 @@ class _WorkerBase:
     @property
     def flat_grad(self) -> np.ndarray | None:
         return self._core.flat_grad
+
+    def _init_timeout(self, timeout: float | None) -> InitTimeout:
+        return InitTimeout(f"not all {self.num_workers} workers joined {self.address} within {timeout} s")
 
     @property
     def last_push_dropped(self) -> bool:
@@ -320,9 +331,7 @@ class Worker(_WorkerBase):
         try:
             self._roundtrip(self._core.init_request(params), timeout)
         except APSTimeoutError:
-            raise InitTimeout(
-                f"not all {self.num_workers} workers joined {self.address} within {timeout} s"
-            ) from None
+            raise self._init_timeout(timeout) from None
         return self._core.weights
 
     def pull(self) -> dict[str, np.ndarray]:
@@ -428,7 +437,7 @@ class AsyncWorker(_WorkerBase):
         try:
             await self._roundtrip(self._core.init_request(params), timeout)
         except APSTimeoutError:
-            raise InitTimeout(f"not all {self.num_workers} workers joined {self.address} within {timeout} s") from None
+            raise self._init_timeout(timeout) from None
         return self._core.weights
 
     async def pull(self) -> dict[str, np.ndarray]:

@@ -53,6 +53,8 @@ _INIT_HEAD_BYTES = 16
 # Gradients at least this large are applied while they arrive, when the
 # engine allows it (Engine.begin_streaming_push).
 _STREAM_MIN_BYTES = 1 << 20
+_GRADIENT_OPS = frozenset({Op.PUSH, Op.PUSH_PULL})
+_FLOAT32 = int(DType.FLOAT32)
 
 
 def _set_nodelay(sock: socket.socket | None) -> None:
@@ -165,11 +167,11 @@ class ServerConnection(asyncio.BufferedProtocol):
         if op not in REQUEST_OPS:
             kind = "a reply" if is_known_op(op) else "unknown"
             error = UnknownOp(f"op code {op} is {kind}, not a request")
-        elif op in (Op.PUSH, Op.PUSH_PULL):
+        elif op in _GRADIENT_OPS:
             member = self.member
             if member is None or member.grad is None:
                 error = NotInitialized(f"{Op(op).name} before a successful INIT")
-            elif header.dtype != DType.FLOAT32:
+            elif header.dtype != _FLOAT32:
                 error = DTypeMismatch(f"gradient dtype is {_dtype_name(header.dtype)}; the model is float32")
             elif length != member.grad.nbytes:
                 error = PayloadSizeMismatch(
@@ -401,7 +403,29 @@ def _advance(views: list[memoryview], sent: int) -> list[memoryview]:
     return views[index:]
 
 
-class BlockingConnection:
+class _ClientSocket:
+    """What both client drivers share: the socket, its errors, closing."""
+
+    sock: socket.socket
+    address: str
+
+    def _lost(self, exc: OSError) -> APSConnectionError:
+        return APSConnectionError(f"lost the connection to {self.address}: {exc.strerror or exc}")
+
+    def _closed_by_server(self) -> APSConnectionError:
+        return APSConnectionError(f"the server at {self.address} closed the connection")
+
+    def _no_reply(self, timeout: float | None) -> APSTimeoutError:
+        return APSTimeoutError(f"no reply from {self.address} within {timeout} s")
+
+    def close(self) -> None:
+        try:
+            self.sock.close()
+        except OSError:
+            pass
+
+
+class BlockingConnection(_ClientSocket):
     """A blocking TCP socket to the server, driving a FrameReader.
 
     Raises APSConnectionError when the server cannot be reached or the
@@ -421,16 +445,23 @@ class BlockingConnection:
         self.address = f"tcp://{host}:{port}"
 
     def send(self, buffers: Sequence) -> None:
-        """Send every buffer, in order, with vectored writes (no joining)."""
-        views = [memoryview(b).cast("B") for b in buffers if len(b)]
+        """Send every buffer (bytes or byte views), in order, with vectored writes (no joining)."""
         sock = self.sock
         try:
+            if len(buffers) <= _IOV_MAX:
+                sent = sock.sendmsg(buffers)
+                total = sum(map(len, buffers))
+                if sent == total:
+                    return
+                views = _advance([memoryview(b).cast("B") for b in buffers], sent)
+            else:
+                views = [memoryview(b).cast("B") for b in buffers if len(b)]
             while views:
                 views = _advance(views, sock.sendmsg(views[:_IOV_MAX]))
         except TimeoutError:
             raise APSTimeoutError("sending to the server timed out") from None
         except OSError as exc:
-            raise APSConnectionError(f"lost the connection to {self.address}: {exc.strerror or exc}") from None
+            raise self._lost(exc) from None
 
     def receive(self, reader: FrameReader, done: Callable[[], bool], timeout: float | None = None) -> None:
         """Read into ``reader`` until ``done()``."""
@@ -442,21 +473,15 @@ class BlockingConnection:
             while not done():
                 nbytes = sock.recv_into(reader.get_buffer())
                 if not nbytes:
-                    raise APSConnectionError(f"the server at {self.address} closed the connection")
+                    raise self._closed_by_server()
                 reader.buffer_updated(nbytes)
         except TimeoutError:
-            raise APSTimeoutError(f"no reply from {self.address} within {timeout} s") from None
+            raise self._no_reply(timeout) from None
         except OSError as exc:
-            raise APSConnectionError(f"lost the connection to {self.address}: {exc.strerror or exc}") from None
-
-    def close(self) -> None:
-        try:
-            self.sock.close()
-        except OSError:
-            pass
+            raise self._lost(exc) from None
 
 
-class AsyncConnection:
+class AsyncConnection(_ClientSocket):
     """A non-blocking TCP socket driven by the running asyncio loop."""
 
     def __init__(self, sock: socket.socket, address: str) -> None:
@@ -496,7 +521,7 @@ class AsyncConnection:
             for view in views:
                 await loop.sock_sendall(self.sock, view)
         except OSError as exc:
-            raise APSConnectionError(f"lost the connection to {self.address}: {exc.strerror or exc}") from None
+            raise self._lost(exc) from None
 
     async def receive(self, reader: FrameReader, done: Callable[[], bool], timeout: float | None = None) -> None:
         loop = asyncio.get_running_loop()
@@ -505,18 +530,12 @@ class AsyncConnection:
             while not done():
                 nbytes = await loop.sock_recv_into(self.sock, reader.get_buffer())
                 if not nbytes:
-                    raise APSConnectionError(f"the server at {self.address} closed the connection")
+                    raise self._closed_by_server()
                 reader.buffer_updated(nbytes)
 
         try:
             await asyncio.wait_for(read(), timeout)
         except asyncio.TimeoutError:
-            raise APSTimeoutError(f"no reply from {self.address} within {timeout} s") from None
+            raise self._no_reply(timeout) from None
         except OSError as exc:
-            raise APSConnectionError(f"lost the connection to {self.address}: {exc.strerror or exc}") from None
-
-    def close(self) -> None:
-        try:
-            self.sock.close()
-        except OSError:
-            pass
+            raise self._lost(exc) from None

@@ -60,17 +60,20 @@ def push_frame(payload: bytes, dtype=DType.FLOAT32, version=0, op=Op.PUSH):
     return pack_header(op, dtype=dtype, version=version, length=len(payload)) + payload
 
 
-def assert_error(raw, code, text=None):
+def assert_error(raw, code, text=None, server=None):
+    """The next frame is an error with ``code`` (and ``text``); the server logged it."""
     got, message = raw.error()
     assert got == code, f"expected {code.name}, got {got}: {message}"
     if text:
         assert text in message
+    if server is not None:
+        server.wait_for_log(f"{code.name}: {message}")
     return message
 
 
 def test_bad_magic_closes_only_that_connection(cluster):
     cluster.raw.send(b"GET / HTTP/1.1\r\nHost: x\r\n\r\n" + b"\0" * HEADER_SIZE)
-    assert_error(cluster.raw, ErrorCode.BAD_MAGIC, "magic")
+    assert_error(cluster.raw, ErrorCode.BAD_MAGIC, "magic", server=cluster.server)
     assert cluster.raw.closed_by_peer()
     cluster.server.wait_for_log("BAD_MAGIC")
     cluster.server.wait_for_log("worker 1 left")
@@ -81,22 +84,22 @@ def test_unsupported_protocol_version(cluster):
     header = bytearray(pack_header(Op.PING))
     struct.pack_into("<H", header, 4, 7)
     cluster.raw.send(bytes(header))
-    assert_error(cluster.raw, ErrorCode.UNSUPPORTED_VERSION, "version 7")
+    assert_error(cluster.raw, ErrorCode.UNSUPPORTED_VERSION, "version 7", server=cluster.server)
     assert cluster.raw.closed_by_peer()
 
 
 def test_unknown_op_keeps_the_connection(cluster):
     cluster.raw.frame(0x42, b"skipped payload")
-    assert_error(cluster.raw, ErrorCode.UNKNOWN_OP, "66")
+    assert_error(cluster.raw, ErrorCode.UNKNOWN_OP, "66", server=cluster.server)
     cluster.raw.frame(Op.PULL_REPLY)  # a reply is not a request either
-    assert_error(cluster.raw, ErrorCode.UNKNOWN_OP)
+    assert_error(cluster.raw, ErrorCode.UNKNOWN_OP, server=cluster.server)
     cluster.raw.frame(Op.PING)
     assert cluster.raw.reply()[0].op == Op.PING_REPLY
 
 
 def test_frame_over_the_limit(cluster):
     cluster.raw.send(pack_header(Op.PUSH, dtype=DType.FLOAT32, length=(1 << 20) + 1))
-    assert_error(cluster.raw, ErrorCode.FRAME_TOO_LARGE, "limit")
+    assert_error(cluster.raw, ErrorCode.FRAME_TOO_LARGE, "limit", server=cluster.server)
     assert cluster.raw.closed_by_peer()
     cluster.train()
 
@@ -104,15 +107,15 @@ def test_frame_over_the_limit(cluster):
 def test_payload_that_does_not_match_the_layout(cluster):
     cluster.train(1)
     cluster.raw.send(push_frame(np.ones(N + 1, np.float32).tobytes(), version=1))
-    assert_error(cluster.raw, ErrorCode.PAYLOAD_SIZE_MISMATCH, f"{4 * N} bytes")
+    assert_error(cluster.raw, ErrorCode.PAYLOAD_SIZE_MISMATCH, f"{4 * N} bytes", server=cluster.server)
     cluster.train(1)  # nothing was applied for rank 1
 
 
 def test_wrong_dtype(cluster):
     cluster.raw.send(push_frame(np.ones(N // 2, np.float64).tobytes(), dtype=DType.FLOAT64))
-    assert_error(cluster.raw, ErrorCode.DTYPE_MISMATCH, "float64")
+    assert_error(cluster.raw, ErrorCode.DTYPE_MISMATCH, "float64", server=cluster.server)
     cluster.raw.send(push_frame(np.ones(N, np.float32).tobytes(), dtype=99))
-    assert_error(cluster.raw, ErrorCode.DTYPE_MISMATCH, "unknown dtype")
+    assert_error(cluster.raw, ErrorCode.DTYPE_MISMATCH, "unknown dtype", server=cluster.server)
     cluster.train()
 
 
@@ -121,7 +124,7 @@ def test_non_finite_gradient_is_rejected_and_changes_nothing(cluster, bad):
     grad = np.ones(N, np.float32)
     grad[2] = bad
     cluster.raw.send(push_frame(grad.tobytes()))
-    assert_error(cluster.raw, ErrorCode.NON_FINITE_GRADIENT, "NaN or infinity")
+    assert_error(cluster.raw, ErrorCode.NON_FINITE_GRADIENT, "NaN or infinity", server=cluster.server)
     cluster.train(1)
     # The rejected push did not count: rank 1's next push is its first.
     cluster.raw.send(push_frame(np.zeros(N, np.float32).tobytes()))
@@ -146,9 +149,9 @@ def test_half_a_frame_then_vanish(cluster):
 
 def test_requests_with_unexpected_payloads_or_order(cluster):
     cluster.raw.frame(Op.PULL, b"xyz")
-    assert_error(cluster.raw, ErrorCode.MALFORMED_FRAME, "no payload")
+    assert_error(cluster.raw, ErrorCode.MALFORMED_FRAME, "no payload", server=cluster.server)
     cluster.raw.init(1, 2, {"w": np.zeros(N, np.float32)})
-    assert_error(cluster.raw, ErrorCode.OUT_OF_ORDER, "already joined")
+    assert_error(cluster.raw, ErrorCode.OUT_OF_ORDER, "already joined", server=cluster.server)
     cluster.raw.frame(Op.PING)
     assert cluster.raw.reply()[0].op == Op.PING_REPLY
 
@@ -192,7 +195,7 @@ def test_init_refusals(waiting_server, rank, workers, params, code, text):
     server = waiting_server[0]
     raw = RawClient(server.port)
     raw.init(rank, workers, params)
-    assert_error(raw, code, text)
+    assert_error(raw, code, text, server=server)
     # The refused connection may try again, correctly this time.
     raw.init(1, 3, {"w": np.zeros(N, np.float32)})
     raw.sock.settimeout(0.3)
@@ -205,15 +208,15 @@ def test_malformed_init_and_requests_before_init(waiting_server):
     server = waiting_server[0]
     raw = RawClient(server.port)
     raw.frame(Op.INIT, b"\x01" * 20, dtype=DType.FLOAT32)
-    assert_error(raw, ErrorCode.MALFORMED_FRAME)
+    assert_error(raw, ErrorCode.MALFORMED_FRAME, server=server)
     raw.frame(Op.INIT, b"\x01" * 8, dtype=DType.FLOAT32)
-    assert_error(raw, ErrorCode.MALFORMED_FRAME, "too short")
+    assert_error(raw, ErrorCode.MALFORMED_FRAME, "too short", server=server)
     raw.frame(Op.INIT, b"\x01" * 64, dtype=DType.FLOAT64)
-    assert_error(raw, ErrorCode.DTYPE_MISMATCH)
+    assert_error(raw, ErrorCode.DTYPE_MISMATCH, server=server)
     raw.send(push_frame(np.zeros(N, np.float32).tobytes()))
-    assert_error(raw, ErrorCode.NOT_INITIALIZED)
+    assert_error(raw, ErrorCode.NOT_INITIALIZED, server=server)
     raw.frame(Op.PULL)
-    assert_error(raw, ErrorCode.NOT_INITIALIZED)
+    assert_error(raw, ErrorCode.NOT_INITIALIZED, server=server)
     raw.close()
 
 
@@ -247,7 +250,7 @@ def test_push_while_held_is_out_of_order(server_process):
     raw.send(push_frame(np.ones(N, np.float32).tobytes()))
     assert raw.reply()[0].op == Op.PUSH_REPLY  # now held: rank 0 has not pushed
     raw.send(push_frame(np.ones(N, np.float32).tobytes()))
-    assert_error(raw, ErrorCode.OUT_OF_ORDER, "held")
+    assert_error(raw, ErrorCode.OUT_OF_ORDER, "held", server=server)
     good.push_pull({"w": np.ones(N, np.float32)})
     raw.frame(Op.PULL)
     header, payload = raw.reply()
@@ -267,3 +270,31 @@ def test_client_side_validation_sends_nothing(cluster):
     with pytest.raises(aps.LayoutMismatch):
         cluster.good.push(np.ones(N + 1, np.float32))
     cluster.train()
+
+
+def test_pipelined_requests_are_answered_in_order(cluster):
+    """A client may send requests without waiting; each is answered in turn."""
+    count = 3000  # more than the server's staging buffer holds: reading pauses and resumes
+    cluster.raw.send(b"".join(pack_header(Op.PING, request_id=i) for i in range(count)))
+    for i in range(count):
+        header, _ = cluster.raw.reply()
+        assert (header.op, header.request_id) == (Op.PING_REPLY, i)
+
+
+def test_pipelined_pull_waits_for_the_gate(server_process):
+    server = server_process("--workers", "2", "--sync", "ssp", "--staleness", "0")
+    good, raw = join_pair(server)
+    grad = np.ones(N, np.float32).tobytes()
+    raw.send(
+        pack_header(Op.PUSH, 0, DType.FLOAT32, 1, 0, 0, len(grad)) + grad
+        + pack_header(Op.PULL, request_id=2) + pack_header(Op.PING, request_id=3)
+    )
+    assert raw.reply()[0].request_id == 1
+    raw.sock.settimeout(0.3)
+    with pytest.raises(TimeoutError):
+        raw.reply()  # the pull waits for rank 0; the ping waits behind it
+    raw.sock.settimeout(10)
+    good.push_pull({"w": np.ones(N, np.float32)})
+    assert [raw.reply()[0].request_id for _ in range(2)] == [2, 3]
+    good.close()
+    raw.close()

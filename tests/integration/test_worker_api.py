@@ -96,3 +96,34 @@ def test_large_model_round_trip(server):
         worker.flat_grad[:] = np.linspace(-1, 1, n, dtype=np.float32)
         worker.push_pull(worker.grads)
         np.testing.assert_array_equal(worker.flat_weights, -worker.flat_grad)
+
+
+def test_stock_asyncio_loop_serves_too():
+    """Without uvloop the server runs on the stock loop (no vectored writes)."""
+    server = aps.Server(workers=2, sync="asp", lr=1.0, port=0, log_level="warning")
+    with server.run_in_background(loop_factory=asyncio.new_event_loop) as background:
+        n = 1 << 20
+        workers = [aps.Worker(background.address, r, 2) for r in range(2)]
+        import threading
+
+        threads = [threading.Thread(target=w.init, args=({"w": np.zeros(n, np.float32)},)) for w in workers]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(30)
+        assert "uvloop" not in type(server._loop).__module__
+        for step in range(1, 4):
+            for w in workers:
+                w.push_pull({"w": np.ones(n, np.float32)})
+        workers[0].pull()
+        assert (workers[0].flat_weights == -6).all() and workers[0].version == 6
+        for w in workers:
+            w.close()
+
+
+def test_the_server_never_imports_torch():
+    import subprocess
+    import sys
+
+    code = "import sys, aps, aps.server, aps.bench; aps.Server(port=0); assert 'torch' not in sys.modules"
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
