@@ -41,6 +41,7 @@ from .errors import (
 )
 from .layout import Layout
 from .optim import make_optimizer
+from .stats import ServerStats
 from .sync import Outcome, Plan, PlanKind, make_policy
 from .table import ParameterTable, Snapshot
 
@@ -57,12 +58,22 @@ Offload = Callable[[Kernel, Callable[[object], None]], None]
 
 @dataclass(slots=True)
 class PushResult:
-    """The answer to an accepted push."""
+    """The answer to an accepted push.
+
+    Attributes:
+        version: the server's version after the push.
+        clock: the worker's clock after the push.
+        dropped: the gradient arrived for a closed BSP round and was not applied.
+        staleness: ``V - v_g`` when the gradient was applied or accumulated.
+        scale: the factor the gradient was multiplied by before the optimizer
+            (staleness-aware learning rate, ``--async-scale mean``).
+    """
 
     version: int
     clock: int
     dropped: bool
     staleness: int
+    scale: float
 
 
 class Member:
@@ -73,7 +84,7 @@ class Member:
         grad: the flat float32 buffer its pushes are received into.
     """
 
-    __slots__ = ("rank", "grad", "grad_bytes", "connected", "joined", "waiter", "required_version", "pushes")
+    __slots__ = ("rank", "grad", "grad_bytes", "connected", "joined", "waiter", "waiting_since", "required_version")
 
     def __init__(self, rank: int) -> None:
         self.rank = rank
@@ -82,8 +93,8 @@ class Member:
         self.connected = True
         self.joined = False
         self.waiter: ReadyCallback | None = None
+        self.waiting_since: float | None = None  # when its pull began (None for init)
         self.required_version = 0
-        self.pushes = 0
 
 
 class _Job:
@@ -219,7 +230,7 @@ class Engine:
         self.members: dict[int, Member] = {}
         self.started = False
         self.pushes = 0
-        self.rejected = 0
+        self.stats = ServerStats(config.workers, now)
         self._now = now
         self._kernels = kernels
         self._allocate = allocate
@@ -247,6 +258,64 @@ class Engine:
     @property
     def weights(self) -> np.ndarray | None:
         return self.table.weights if self.table is not None else None
+
+    @property
+    def rejected(self) -> int:
+        """Gradients refused for holding NaN or infinity."""
+        return self.stats.rejected
+
+    def stats_snapshot(self) -> dict:
+        """Everything :mod:`aps.stats` counts, as a JSON-able dict (see ``aps status``)."""
+        stats, policy, window, config = self.stats, self.policy, self.policy.window, self.config
+        version = self.version
+        recent, mean = stats.update_rates(version)
+        workers = []
+        for rank, ws in enumerate(stats.workers):
+            live = window.is_live(rank)
+            newest, previous = window.arrivals(rank)
+            interval = newest - previous
+            workers.append(
+                {
+                    "rank": rank,
+                    "live": live,
+                    "clock": window.clock(rank),
+                    "gap": window.gap(rank) if live else None,
+                    "held": policy.is_held(rank),
+                    "credit": window.credit(rank),
+                    "pushes": ws.pushes,
+                    "dropped": ws.dropped,
+                    "rejected": ws.rejected,
+                    "staleness_mean": ws.staleness.mean,
+                    "staleness_hist": ws.staleness.to_dict(),
+                    "pulls": ws.pulls,
+                    "waits": ws.waits,
+                    "wait_s_total": ws.wait_total,
+                    "wait_s_mean": ws.wait_total / ws.pulls if ws.pulls else None,
+                    "wait_s_max": ws.wait_max,
+                    "r_star_hist": ws.r_star.to_dict(),
+                    "last_interval_s": interval if interval == interval else None,  # NaN: fewer than 2 pushes
+                }
+            )
+        return {
+            "server": {
+                "sync": policy.describe(),
+                "optimizer": self.table.optimizer.describe() if self.table is not None else config.optimizer,
+                "workers": self.num_workers,
+                "live": window.num_live,
+                "started": self.started,
+                "uptime_s": self._now() - stats.created,
+                "version": version,
+                "updates_per_s": recent,
+                "updates_per_s_mean": mean,
+                "pushes": self.pushes,
+                "dropped": policy.dropped,
+                "rejected": stats.rejected,
+                "bytes_in": stats.bytes_in,
+                "bytes_out": stats.bytes_out,
+                "parameters": self.layout.numel if self.layout is not None else 0,
+            },
+            "workers": workers,
+        }
 
     # Membership ------------------------------------------------------------
     def join(
@@ -310,9 +379,10 @@ class Engine:
         member.joined = True
         member.required_version = self.decided_version
         log.info("worker %d joined at clock %d (%d/%d live)", member.rank, clock, self.policy.num_live, self.num_workers)
-        self._wait(member, on_ready)
+        self._wait(member, on_ready, gate=False)
         if not self.started and self.policy.num_live == self.num_workers:
             self.started = True
+            self.stats.training_started = self._now()
             log.info("all %d workers joined: training starts", self.num_workers)
             self._serve_waiting()
 
@@ -357,7 +427,7 @@ class Engine:
         """Answer with the weights once the policy releases ``member``."""
         if not member.joined:
             raise NotInitialized("pull before init")
-        self._wait(member, on_ready)
+        self._wait(member, on_ready, gate=True)
 
     def push(
         self,
@@ -426,7 +496,7 @@ class Engine:
         if not member.joined:
             raise NotInitialized("push before init")
         if finite is False:
-            self.rejected += 1
+            self._count_rejected(member.rank)
             raise NonFiniteGradient("the gradient holds NaN or infinity; it was rejected and changed nothing")
         if self.policy.is_held(member.rank):
             raise OutOfOrder(
@@ -438,8 +508,13 @@ class Engine:
             )
 
     # Internals -------------------------------------------------------------
-    def _wait(self, member: Member, on_ready: ReadyCallback) -> None:
+    def _count_rejected(self, rank: int) -> None:
+        self.stats.rejected += 1
+        self.stats.workers[rank].rejected += 1
+
+    def _wait(self, member: Member, on_ready: ReadyCallback, *, gate: bool) -> None:
         member.waiter = on_ready
+        member.waiting_since = self._now() if gate else None
         self._waiting[member.rank] = member
         self._try_serve(member)
 
@@ -453,23 +528,32 @@ class Engine:
             return
         waiter, member.waiter = member.waiter, None
         del self._waiting[member.rank]
+        if member.waiting_since is not None:
+            self.stats.workers[member.rank].waited(self._now() - member.waiting_since)
         waiter(self.table.snapshot(), self.policy.clock(member.rank))
 
     def _serve_waiting(self) -> None:
+        """Try every waiting worker (after a publish that waiters may need, or the start)."""
         if self._waiting:
             for member in list(self._waiting.values()):
                 self._try_serve(member)
 
     def _after(self, outcome: Outcome) -> None:
+        """Apply what a push or a leave changed: queue an aggregate update, serve the released."""
         if outcome.aggregate_scale is not None:
             self._pending_aggregates += 1
             self._lane.submit(_AggregateJob(self, outcome.aggregate_scale), front=True)
+        if not outcome.released:
+            return
+        # A released worker must see every update decided so far.
         required = self.table.version + self._pending_aggregates
+        members, waiting = self.members, self._waiting
         for rank in outcome.released:
-            member = self.members.get(rank)
+            member = members.get(rank)
             if member is not None:
                 member.required_version = required
-        self._serve_waiting()
+                if rank in waiting:
+                    self._try_serve(member)
 
 
 class StreamingPush:
@@ -563,7 +647,7 @@ class _PushJob(_Job):
         if result is not True:
             if self.slot is not None:
                 table.abandon(self.slot)
-            engine.rejected += 1
+            engine._count_rejected(rank)
             if isinstance(result, BaseException):
                 log.error("update for worker %d failed", rank, exc_info=result)
                 self.on_error(InternalServerError(f"the update failed: {result}"))
@@ -572,12 +656,22 @@ class _PushJob(_Job):
                 self.on_error(NonFiniteGradient("the gradient holds NaN or infinity; it was rejected and changed nothing"))
             return
         if self.slot is not None:
-            table.publish(self.slot)
-        plan = self.plan
-        outcome = engine.policy.commit(rank, plan, self.now)
+            engine.stats.published(table.publish(self.slot))
+        plan, policy = self.plan, engine.policy
+        window = policy.window
+        consulted = window.controller_calls
+        outcome = policy.commit(rank, plan, self.now)
         engine.pushes += 1
-        self.member.pushes += 1
-        result = PushResult(table.version, engine.policy.clock(rank), plan.kind is PlanKind.DROP, plan.staleness)
+        ws = engine.stats.workers[rank]
+        ws.pushes += 1
+        dropped = plan.kind is PlanKind.DROP
+        if dropped:
+            ws.dropped += 1
+        else:
+            ws.staleness.add(plan.staleness)
+        if window.controller_calls != consulted:
+            ws.r_star.add(window.last_r_star)
+        result = PushResult(table.version, policy.clock(rank), dropped, plan.staleness, plan.scale)
         engine._after(outcome)
         self.on_done(result)
 
@@ -605,7 +699,7 @@ class _AggregateJob(_Job):
         engine = self.engine
         engine._pending_aggregates -= 1
         if result is True:
-            engine.table.publish(self.slot)
+            engine.stats.published(engine.table.publish(self.slot))
         else:
             engine.table.abandon(self.slot)
             log.error("aggregate update failed; the round's gradients are lost", exc_info=result)

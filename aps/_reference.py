@@ -180,6 +180,7 @@ class StalenessWindow:
         self._previous = [math.nan] * num_workers
         self._min = 0
         self._last_r_star = -1
+        self._controller_calls = 0
 
     # Read-only views -----------------------------------------------------
     @property
@@ -216,6 +217,11 @@ class StalenessWindow:
         """The controller's ``r*`` at its most recent call (-1 before any)."""
         return self._last_r_star
 
+    @property
+    def controller_calls(self) -> int:
+        """How many times the controller has been consulted."""
+        return self._controller_calls
+
     def clock(self, rank: int) -> int:
         return self._clock[self._rank(rank)]
 
@@ -244,6 +250,7 @@ class StalenessWindow:
             tuple(self._credit),
             self._min,
             self._last_r_star,
+            self._controller_calls,
         )
 
     # Transitions ----------------------------------------------------------
@@ -321,6 +328,7 @@ class StalenessWindow:
         if gap <= self._upper and self._clock[rank] == self.max_clock:
             r_star = self._controller(rank)
             self._last_r_star = r_star
+            self._controller_calls += 1
             # The release now spends one unit of r*; the grant is cut to the
             # room left below the upper bound so the gap never exceeds it.
             grant = min(r_star, self._upper - gap + 1)

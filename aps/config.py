@@ -18,7 +18,11 @@ from .errors import ConfigurationError
 
 __all__ = ["ServerConfig", "add_server_arguments", "config_from_args", "env_name"]
 
-SYNC_CHOICES = ("bsp", "asp", "ssp")
+SYNC_CHOICES = ("bsp", "asp", "ssp", "dssp", "softsync")
+LR_STALENESS_CHOICES = ("none", "inverse")
+ASYNC_SCALE_CHOICES = ("sum", "mean")
+DEFAULT_STALENESS = 3
+DEFAULT_MAX_STALENESS = 15
 OPTIMIZER_CHOICES = ("sgd", "adam", "adamw")
 LOG_LEVELS = ("debug", "info", "warning", "error")
 DEFAULT_PORT = 7450
@@ -67,11 +71,32 @@ class ServerConfig:
     port: int = field(default=DEFAULT_PORT, metadata=_opt("TCP port; 0 picks a free one and prints it"))
     workers: int = field(default=1, metadata=_opt("number of workers P; training starts when all have joined"))
     sync: str = field(default="bsp", metadata=_opt("synchronization paradigm", choices=SYNC_CHOICES))
-    staleness: int = field(
-        default=3, metadata=_opt("SSP threshold s: a worker may run at most s iterations ahead of the slowest")
+    staleness: int | None = field(
+        default=None,
+        metadata=_opt(
+            "SSP threshold s (a worker runs at most s iterations ahead of the slowest; ssp default 3), "
+            "DSSP lower bound s_L (default 3), or an optional SSP bound for softsync",
+            metavar="S",
+        ),
+    )
+    max_staleness: int | None = field(
+        default=None, metadata=_opt("DSSP upper bound s_U (default max(15, s_L))", metavar="S_U")
+    )
+    softsync_n: int | None = field(
+        default=None, metadata=_opt("n-softsync: one update per max(1, P // n) gradients (default 1)", metavar="N")
     )
     backup_workers: int = field(
         default=0, metadata=_opt("BSP backup workers k: a round closes on the first P-k gradients")
+    )
+    lr_staleness: str = field(
+        default="none",
+        metadata=_opt("staleness-aware learning rate: inverse divides lr by each gradient's staleness",
+                      choices=LR_STALENESS_CHOICES),
+    )
+    async_scale: str = field(
+        default="sum",
+        metadata=_opt("asp/ssp/dssp: mean scales each gradient by 1/P, so a round of pushes moves "
+                      "the weights about as far as one BSP step", choices=ASYNC_SCALE_CHOICES),
     )
     optimizer: str = field(default="sgd", metadata=_opt("server-side optimizer", choices=OPTIMIZER_CHOICES))
     lr: float = field(default=0.01, metadata=_opt("learning rate"))
@@ -98,8 +123,28 @@ class ServerConfig:
             raise ConfigurationError(f"workers must be at least 1, got {self.workers}")
         if self.sync not in SYNC_CHOICES:
             raise ConfigurationError(f"unknown sync paradigm {self.sync!r}: choose from {', '.join(SYNC_CHOICES)}")
-        if self.staleness < 0:
-            raise ConfigurationError(f"staleness must be >= 0, got {self.staleness}")
+        if self.staleness is not None:
+            if self.staleness < 0:
+                raise ConfigurationError(f"staleness must be >= 0, got {self.staleness}")
+            if self.sync in ("bsp", "asp"):
+                raise ConfigurationError(f"--staleness applies to ssp, dssp and softsync, not {self.sync}")
+        if self.max_staleness is not None:
+            if self.sync != "dssp":
+                raise ConfigurationError("--max-staleness applies to --sync dssp only")
+            lower = DEFAULT_STALENESS if self.staleness is None else self.staleness
+            if self.max_staleness < lower:
+                raise ConfigurationError(
+                    f"--max-staleness ({self.max_staleness}) must be at least --staleness ({lower})"
+                )
+        if self.softsync_n is not None:
+            if self.sync != "softsync":
+                raise ConfigurationError("--softsync-n applies to --sync softsync only")
+            if not 1 <= self.softsync_n <= self.workers:
+                raise ConfigurationError(f"--softsync-n must be in 1..{self.workers}, got {self.softsync_n}")
+        if self.lr_staleness not in LR_STALENESS_CHOICES:
+            raise ConfigurationError(f"unknown --lr-staleness {self.lr_staleness!r}")
+        if self.async_scale not in ASYNC_SCALE_CHOICES:
+            raise ConfigurationError(f"unknown --async-scale {self.async_scale!r}")
         if not 0 <= self.backup_workers < self.workers:
             raise ConfigurationError(
                 f"backup workers must be in 0..{self.workers - 1} for {self.workers} workers, got {self.backup_workers}"
@@ -118,6 +163,37 @@ class ServerConfig:
     def replace(self, **changes: Any) -> ServerConfig:
         return dataclasses.replace(self, **changes)
 
+    def staleness_bounds(self) -> tuple[int, int] | None:
+        """The window's ``(lower, upper)`` for this sync policy, or None when unbounded."""
+        if self.sync == "ssp":
+            s = DEFAULT_STALENESS if self.staleness is None else self.staleness
+            return s, s
+        if self.sync == "dssp":
+            lower = DEFAULT_STALENESS if self.staleness is None else self.staleness
+            upper = max(DEFAULT_MAX_STALENESS, lower) if self.max_staleness is None else self.max_staleness
+            return lower, upper
+        if self.sync == "softsync" and self.staleness is not None:
+            return self.staleness, self.staleness
+        return None
+
+    def describe_sync(self) -> str:
+        """The sync policy and its parameters, e.g. ``dssp s_L=3 s_U=15 lr/staleness``."""
+        bounds = self.staleness_bounds()
+        text = self.sync
+        if self.sync == "bsp" and self.backup_workers:
+            text += f" backup={self.backup_workers}"
+        elif self.sync == "dssp":
+            text += f" s_L={bounds[0]} s_U={bounds[1]}"
+        elif self.sync == "ssp":
+            text += f" s={bounds[0]}"
+        elif self.sync == "softsync":
+            text += f" n={self.softsync_n or 1}" + (f" s={bounds[0]}" if bounds else "")
+        if self.lr_staleness == "inverse" and self.sync != "bsp":
+            text += " lr/staleness"
+        if self.async_scale == "mean" and self.sync in ("asp", "ssp", "dssp"):
+            text += " mean-scaled"
+        return text
+
 
 def env_name(field_name: str) -> str:
     """The environment variable twin of an option: ``max_staleness`` -> ``APS_MAX_STALENESS``."""
@@ -134,6 +210,7 @@ def _converter(f: dataclasses.Field):
     if f.name == "max_frame_bytes":
         return _parse_size
     kind = f.type if isinstance(f.type, str) else f.type.__name__
+    kind = kind.split("|")[0].strip()  # "int | None" -> "int"
     return {"int": int, "float": float, "str": str, "bool": _parse_bool}[kind]
 
 
@@ -145,7 +222,7 @@ def add_server_arguments(parser: argparse.ArgumentParser, *, skip: tuple[str, ..
         meta = f.metadata
         default = f.default
         shown = ",".join(str(b) for b in default) if isinstance(default, tuple) else default
-        help_text = f"{meta['help']} (default {shown}; env {env_name(f.name)})"
+        help_text = f"{meta['help']} ({'' if default is None else f'default {shown}; '}env {env_name(f.name)})"
         if _converter(f) is _parse_bool:
             parser.add_argument(_flag(f.name), action="store_const", const=True, default=None, help=help_text)
             continue

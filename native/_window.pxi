@@ -54,7 +54,9 @@ cdef class StalenessWindow:
     cdef double* _newest
     cdef double* _previous
     cdef int64_t _min
+    cdef int _num_live
     cdef long _last_r_star
+    cdef long _controller_calls
 
     def __cinit__(self, int num_workers, long lower=-1, upper=None):
         cdef int i
@@ -79,7 +81,9 @@ cdef class StalenessWindow:
             self._newest[i] = NAN
             self._previous[i] = NAN
         self._min = 0
+        self._num_live = 0
         self._last_r_star = -1
+        self._controller_calls = 0
 
     def __dealloc__(self):
         free(self._clock)
@@ -108,10 +112,7 @@ cdef class StalenessWindow:
 
     @property
     def num_live(self):
-        cdef int i, count = 0
-        for i in range(self._n):
-            count += self._live[i]
-        return count
+        return self._num_live
 
     @property
     def min_clock(self):
@@ -125,6 +126,11 @@ cdef class StalenessWindow:
     def last_r_star(self):
         """The controller's ``r*`` at its most recent call (-1 before any)."""
         return self._last_r_star
+
+    @property
+    def controller_calls(self):
+        """How many times the controller has been consulted."""
+        return self._controller_calls
 
     def clock(self, int rank):
         return self._clock[self._rank(rank)]
@@ -155,6 +161,7 @@ cdef class StalenessWindow:
             tuple([self._credit[i] for i in range(self._n)]),
             self._min,
             self._last_r_star,
+            self._controller_calls,
         )
 
     # Transitions ----------------------------------------------------------
@@ -165,6 +172,7 @@ cdef class StalenessWindow:
             raise ValueError(f"rank {rank} is already live")
         self._clock[rank] = self._min
         self._live[rank] = 1
+        self._num_live += 1
         self._held[rank] = 0
         self._credit[rank] = 0
         self._newest[rank] = NAN
@@ -177,6 +185,7 @@ cdef class StalenessWindow:
         if not self._live[rank]:
             raise ValueError(f"rank {rank} is not live")
         self._live[rank] = 0
+        self._num_live -= 1
         self._held[rank] = 0
         self._credit[rank] = 0
         cdef int64_t old_min = self._min
@@ -252,6 +261,7 @@ cdef class StalenessWindow:
                                  self._newest[slow], self._previous[slow],
                                  self._upper - self._lower)
             self._last_r_star = r_star
+            self._controller_calls += 1
             # The release now spends one unit of r*; the grant is cut to the
             # room left below the upper bound so the gap never exceeds it.
             grant = r_star

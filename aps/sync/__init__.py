@@ -8,11 +8,15 @@ from ..errors import ConfigurationError
 from .asp import ASP
 from .base import Outcome, Plan, PlanKind, SyncPolicy
 from .bsp import BSP
+from .dssp import DSSP
+from .softsync import Softsync
 from .ssp import SSP
 
-__all__ = ["ASP", "BSP", "POLICIES", "Outcome", "Plan", "PlanKind", "SSP", "SyncPolicy", "make_policy"]
+__all__ = [
+    "ASP", "BSP", "DSSP", "POLICIES", "Outcome", "Plan", "PlanKind", "SSP", "Softsync", "SyncPolicy", "make_policy"
+]
 
-POLICIES: dict[str, type[SyncPolicy]] = {cls.name: cls for cls in (BSP, ASP, SSP)}
+POLICIES: dict[str, type[SyncPolicy]] = {cls.name: cls for cls in (BSP, ASP, SSP, DSSP, Softsync)}
 
 
 def make_policy(config: ServerConfig, window_type: type = _core.StalenessWindow) -> SyncPolicy:

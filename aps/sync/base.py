@@ -70,11 +70,16 @@ class SyncPolicy:
     def __init__(self, config: ServerConfig, window_type: type = _core.StalenessWindow) -> None:
         self.config = config
         self.num_workers = config.workers
-        self.window = self._make_window(window_type)
+        bounds = config.staleness_bounds()
+        self.window = window_type(self.num_workers, *bounds) if bounds else window_type(self.num_workers)
         self.dropped = 0
+        self._inverse_lr = config.lr_staleness == "inverse"
 
-    def _make_window(self, window_type: type):
-        return window_type(self.num_workers)
+    def staleness_scale(self, staleness: int) -> float:
+        """``alpha(tau) / lr``: 1, or ``1 / tau`` for ``--lr-staleness inverse`` and ``tau >= 1``."""
+        if self._inverse_lr and staleness >= 1:
+            return 1.0 / staleness
+        return 1.0
 
     @property
     def num_live(self) -> int:
@@ -107,14 +112,26 @@ class SyncPolicy:
         """The update requested by ``Outcome.aggregate_scale`` has been published."""
 
     def describe(self) -> str:
-        return self.name
+        return self.config.describe_sync()
 
 
 class ApplyOnArrival(SyncPolicy):
-    """Policies that apply every gradient on arrival, alone (ASP, SSP)."""
+    """Policies that apply every gradient on arrival, alone (ASP, SSP, DSSP).
+
+    The gradient is scaled by ``alpha(tau) / lr`` (``--lr-staleness``) and,
+    with ``--async-scale mean``, by ``1 / P`` over the live workers.
+    """
+
+    def __init__(self, config: ServerConfig, window_type: type = _core.StalenessWindow) -> None:
+        super().__init__(config, window_type)
+        self._mean = config.async_scale == "mean"
 
     def plan(self, rank: int, grad_version: int, version: int) -> Plan:
-        return Plan(PlanKind.APPLY, staleness=version - grad_version)
+        staleness = version - grad_version
+        scale = self.staleness_scale(staleness)
+        if self._mean:
+            scale /= max(1, self.window.num_live)
+        return Plan(PlanKind.APPLY, scale=scale, staleness=staleness)
 
     def commit(self, rank: int, plan: Plan, now: float) -> Outcome:
         return Outcome(self.window.push(rank, now))

@@ -28,7 +28,7 @@ class BSP(SyncPolicy):
     def __init__(self, config: ServerConfig, window_type: type = _core.StalenessWindow) -> None:
         super().__init__(config, window_type)
         self.backup = config.backup_workers
-        self._pushed: set[int] = set()  # ranks whose gradient is in the open round
+        self._pushed: set[int] = set()  # live ranks whose gradient is in the open round
         self._count = 0  # gradients in the open round (including departed workers')
         self._closed = False  # the round closed; its update is pending
         self._held: set[int] = set()
@@ -54,6 +54,7 @@ class BSP(SyncPolicy):
     def leave(self, rank: int) -> Outcome:
         self.window.leave(rank)
         self._held.discard(rank)
+        self._pushed.discard(rank)  # its gradient stays in the round's sum
         return self._maybe_close()
 
     def aggregate_applied(self) -> None:
@@ -64,14 +65,10 @@ class BSP(SyncPolicy):
     def _maybe_close(self) -> Outcome:
         if self._closed or self._count == 0:
             return Outcome()
-        live = self.window.num_live
-        pushed_live = sum(1 for r in self._pushed if self.window.is_live(r))
-        if pushed_live < max(1, live - self.backup):
+        if len(self._pushed) < max(1, self.window.num_live - self.backup):
             return Outcome()
         self._closed = True
         released = sorted(self._held)
         self._held.clear()
         return Outcome(released, aggregate_scale=1.0 / self._count)
 
-    def describe(self) -> str:
-        return f"bsp backup={self.backup}" if self.backup else "bsp"

@@ -13,9 +13,3 @@ class SSP(ApplyOnArrival):
     (docs/algorithms.md, SSP). ``s = 0`` gives lockstep iterations."""
 
     name = "ssp"
-
-    def _make_window(self, window_type: type):
-        return window_type(self.num_workers, self.config.staleness, self.config.staleness)
-
-    def describe(self) -> str:
-        return f"ssp s={self.config.staleness}"

@@ -2,25 +2,48 @@
 
 Two engines run every step in lockstep, one on the native module and one on
 its plain-Python twin; after each step their whole state must agree. Checked
-at every release: the policy's bound (SSP gap, BSP lockstep), that a worker
-sees its own updates, and (ASP/SSP) that it gets the newest weights. Checked
-after every step: every accepted gradient applied exactly once, and no lost
-wake-up or deadlock (a waiting worker is one the policy holds, and some live
-worker can always push).
+at every release: the policy's bound (SSP and softsync gap <= s, DSSP gap <=
+s_U, BSP lockstep), that a worker sees its own updates and gets the newest
+weights. Checked after every step: every accepted gradient applied exactly
+once (with its staleness-aware scale), a held worker is always one beyond
+the lower bound, DSSP's r* within [0, r_max], and no lost wake-up or
+deadlock (a waiting worker is one the policy holds, and some live worker can
+always push).
 """
 
 import numpy as np
 from hypothesis import settings
 from hypothesis import strategies as st
-from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
+from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
 
 from aps import _core, _reference
 from tests.harness import Harness
 
+workers = st.integers(1, 4)
+lr_staleness = st.sampled_from(["none", "inverse"])
+
 configs = st.one_of(
-    st.builds(lambda P, k: {"workers": P, "sync": "bsp", "backup_workers": min(k, P - 1)}, st.integers(1, 4), st.integers(0, 2)),
-    st.builds(lambda P: {"workers": P, "sync": "asp"}, st.integers(1, 4)),
-    st.builds(lambda P, s: {"workers": P, "sync": "ssp", "staleness": s}, st.integers(1, 4), st.integers(0, 3)),
+    st.builds(
+        lambda P, k: {"workers": P, "sync": "bsp", "backup_workers": min(k, P - 1)}, workers, st.integers(0, 2)
+    ),
+    st.builds(
+        lambda P, lr, mean: {"workers": P, "sync": "asp", "lr_staleness": lr, "async_scale": mean},
+        workers, lr_staleness, st.sampled_from(["sum", "mean"]),
+    ),
+    st.builds(
+        lambda P, s, lr: {"workers": P, "sync": "ssp", "staleness": s, "lr_staleness": lr},
+        workers, st.integers(0, 3), lr_staleness,
+    ),
+    st.builds(
+        lambda P, lo, extra, lr: {"workers": P, "sync": "dssp", "staleness": lo, "max_staleness": lo + extra,
+                                  "lr_staleness": lr},
+        workers, st.integers(0, 2), st.integers(0, 4), lr_staleness,
+    ),
+    st.builds(
+        lambda P, n, s, lr: {"workers": P, "sync": "softsync", "softsync_n": min(n, P), "staleness": s,
+                             "lr_staleness": lr},
+        workers, st.integers(1, 4), st.one_of(st.none(), st.integers(0, 2)), lr_staleness,
+    ),
 )
 ranks = st.integers(0, 3)
 
@@ -31,13 +54,16 @@ class PolicyMachine(RuleBasedStateMachine):
         self.config = config
         self.P = config["workers"]
         self.sync = config["sync"]
+        self.aggregating = self.sync in ("bsp", "softsync")
         self.expected = np.zeros(self.P)
-        self.open_round: list[int] = []
-        self.rounds = 0
+        self.aggregate: list[tuple[int, float]] = []  # (rank, scale) in the open round / buffer
+        self.updates = 0
         self.own_version = [0] * self.P  # version that includes each worker's last applied push
         self.pulled = [True] * self.P  # pulled since its last push
         self.native = Harness(_core, on_release=self.check_release, **config)
         self.reference = Harness(_reference, **config)
+        bounds = self.native.engine.config.staleness_bounds()
+        self.lower, self.upper = bounds if bounds else (None, None)
         self.engines = (self.native, self.reference)
         for h in self.engines:
             h.join_all()
@@ -54,17 +80,17 @@ class PolicyMachine(RuleBasedStateMachine):
 
     def account(self):
         """Update the expected weights from what the native engine reports."""
-        if self.sync == "bsp" and self.native.engine.version > self.rounds:
-            assert self.native.engine.version == self.rounds + 1
-            for r in self.open_round:
-                self.expected[r] -= 1.0 / len(self.open_round)
-            self.open_round = []
-            self.rounds += 1
+        if self.aggregating and self.native.engine.version > self.updates:
+            assert self.native.engine.version == self.updates + 1
+            for rank, scale in self.aggregate:
+                self.expected[rank] -= scale / len(self.aggregate)
+            self.aggregate = []
+            self.updates += 1
 
     def check_release(self, h, rank, version):
         window = h.window
-        if self.sync == "ssp":
-            assert window.gap(rank) <= self.config["staleness"], "SSP bound broken at a release"
+        if self.upper is not None:
+            assert window.gap(rank) <= self.upper, f"gap {window.gap(rank)} > {self.upper} at a release"
         if self.sync == "bsp" and self.config["backup_workers"] == 0:
             # Lockstep: nobody is released while ahead of a live worker.
             assert window.gap(rank) == 0, f"BSP not in lockstep: rank {rank} released at gap {window.gap(rank)}"
@@ -75,24 +101,39 @@ class PolicyMachine(RuleBasedStateMachine):
         return rank < self.P and self.native.live(rank)
 
     # Rules ----------------------------------------------------------------
-    @rule(rank=ranks, then_pull=st.booleans())
-    def push(self, rank, then_pull):
+    @rule(rank=ranks, then_pull=st.booleans(), dt=st.sampled_from([0.0, 0.3, 1.0, 2.5]))
+    def push(self, rank, then_pull, dt):
         if not self.live(rank) or self.native.held(rank) or self.native.workers[rank].waiting:
             return
         if self.sync == "bsp" and self.config["backup_workers"] == 0 and not self.pulled[rank]:
             return  # lockstep assumes well-behaved workers: pull before the next push
+        self.both("tick", dt)
         self.both("push", rank, self.gradient(rank), then_pull=then_pull)
         result = self.native.workers[rank].results[-1]
-        if self.sync == "bsp":
+        expected_scale = 1.0
+        if self.config.get("lr_staleness") == "inverse" and result.staleness >= 1 and self.sync != "bsp":
+            expected_scale = 1.0 / result.staleness
+        if self.config.get("async_scale") == "mean":
+            expected_scale /= self.native.window.num_live
+        assert result.scale == expected_scale
+        if self.aggregating:
             if not result.dropped:
-                self.open_round.append(rank)
+                self.aggregate.append((rank, result.scale))
         else:
-            self.expected[rank] -= 1.0
+            self.expected[rank] -= result.scale
             self.own_version[rank] = result.version
         self.pulled[rank] = False
         self.account()
         if then_pull and not self.native.workers[rank].waiting:
             self.pulled[rank] = True
+
+    @rule(rank=ranks, count=st.integers(2, 6), dt=st.sampled_from([0.2, 1.0]))
+    def burst(self, rank, count, dt):
+        """A fast worker: several iterations in a row, for as long as the gate lets it."""
+        for _ in range(count):
+            if not self.live(rank) or self.native.held(rank) or self.native.workers[rank].waiting:
+                return
+            self.push(rank, True, dt)
 
     @rule(rank=ranks)
     def pull(self, rank):
@@ -116,9 +157,9 @@ class PolicyMachine(RuleBasedStateMachine):
         self.pulled[rank] = True
         self.own_version[rank] = 0
 
-    @rule()
-    def time_passes(self):
-        self.both("tick", 0.5)
+    @rule(dt=st.sampled_from([0.1, 0.5, 3.0]))
+    def time_passes(self, dt):
+        self.both("tick", dt)
 
     # Invariants -------------------------------------------------------------
     @invariant()
@@ -136,6 +177,18 @@ class PolicyMachine(RuleBasedStateMachine):
         assert self.native.engine.pushes == sum(len(w.results) for w in self.native.workers)
 
     @invariant()
+    def bounds_hold(self):
+        if not hasattr(self, "native") or self.lower is None:
+            return
+        window = self.native.window
+        for rank in range(self.P):
+            if window.is_live(rank) and window.is_held(rank):
+                assert window.gap(rank) > self.lower, f"rank {rank} held at gap {window.gap(rank)} <= {self.lower}"
+        if self.sync == "dssp":
+            assert -1 <= window.last_r_star <= self.upper - self.lower
+            assert window.last_r_star >= 0 or window.controller_calls == 0
+
+    @invariant()
     def no_lost_wakeup_and_no_deadlock(self):
         if not hasattr(self, "native"):
             return
@@ -150,5 +203,5 @@ class PolicyMachine(RuleBasedStateMachine):
             assert any(not h.held(r) for r in live), "every live worker is held: deadlock"
 
 
-PolicyMachine.TestCase.settings = settings(max_examples=150, stateful_step_count=60, deadline=None)
+PolicyMachine.TestCase.settings = settings(max_examples=300, stateful_step_count=60, deadline=None)
 TestPolicies = PolicyMachine.TestCase

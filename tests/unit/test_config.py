@@ -16,42 +16,66 @@ def parse(argv, environ=None):
 def test_defaults():
     config = parse([])
     assert config == ServerConfig()
-    assert config.sync == "bsp" and config.host == "127.0.0.1"
+    assert config.sync == "bsp" and config.host == "127.0.0.1" and config.staleness is None
 
 
 def test_flags():
     config = parse(
-        ["--workers", "4", "--sync", "ssp", "--staleness", "5", "--optimizer", "adam", "--betas", "0.8,0.99",
+        ["--workers", "4", "--sync", "ssp", "--staleness", "5", "--optimizer", "sgd", "--betas", "0.8,0.99",
          "--nesterov", "--momentum", "0.9", "--max-frame-bytes", "16M", "--port", "0"]
     )
-    assert (config.workers, config.sync, config.staleness, config.optimizer) == (4, "ssp", 5, "adam")
+    assert (config.workers, config.sync, config.staleness, config.optimizer) == (4, "ssp", 5, "sgd")
     assert config.betas == (0.8, 0.99) and config.nesterov and config.max_frame_bytes == 16 << 20
 
 
+@pytest.mark.parametrize(
+    "options, bounds, text",
+    [
+        ({"sync": "bsp"}, None, "bsp"),
+        ({"sync": "asp", "lr_staleness": "inverse"}, None, "asp lr/staleness"),
+        ({"sync": "ssp"}, (3, 3), "ssp s=3"),
+        ({"sync": "dssp"}, (3, 15), "dssp s_L=3 s_U=15"),
+        ({"sync": "dssp", "staleness": 20}, (20, 20), "dssp s_L=20 s_U=20"),
+        ({"sync": "dssp", "staleness": 2, "max_staleness": 6}, (2, 6), "dssp s_L=2 s_U=6"),
+        ({"sync": "softsync", "workers": 4, "softsync_n": 2}, None, "softsync n=2"),
+        ({"sync": "softsync", "staleness": 1}, (1, 1), "softsync n=1 s=1"),
+    ],
+)
+def test_staleness_bounds(options, bounds, text):
+    config = ServerConfig(**options)
+    assert config.staleness_bounds() == bounds
+    assert config.describe_sync() == text
+
+
+# option: (raw value, parsed value, other variables it needs to make sense)
 EXAMPLES = {
-    "host": ("0.0.0.0", "0.0.0.0"),
-    "port": ("0", 0),
-    "workers": ("3", 3),
-    "sync": ("asp", "asp"),
-    "staleness": ("7", 7),
-    "backup_workers": ("0", 0),
-    "optimizer": ("adamw", "adamw"),
-    "lr": ("0.5", 0.5),
-    "momentum": ("0.9", 0.9),
-    "nesterov": ("1", True),
-    "weight_decay": ("0.001", 0.001),
-    "betas": ("0.5,0.6", (0.5, 0.6)),
-    "eps": ("1e-6", 1e-6),
-    "max_frame_bytes": ("1G", 1 << 30),
-    "log_level": ("debug", "debug"),
+    "host": ("0.0.0.0", "0.0.0.0", {}),
+    "port": ("0", 0, {}),
+    "workers": ("3", 3, {}),
+    "sync": ("asp", "asp", {}),
+    "staleness": ("7", 7, {"APS_SYNC": "ssp"}),
+    "max_staleness": ("9", 9, {"APS_SYNC": "dssp"}),
+    "softsync_n": ("2", 2, {"APS_SYNC": "softsync", "APS_WORKERS": "4"}),
+    "backup_workers": ("1", 1, {"APS_WORKERS": "3"}),
+    "lr_staleness": ("inverse", "inverse", {}),
+    "async_scale": ("mean", "mean", {}),
+    "optimizer": ("adamw", "adamw", {}),
+    "lr": ("0.5", 0.5, {}),
+    "momentum": ("0.9", 0.9, {}),
+    "nesterov": ("1", True, {}),
+    "weight_decay": ("0.001", 0.001, {}),
+    "betas": ("0.5,0.6", (0.5, 0.6), {}),
+    "eps": ("1e-6", 1e-6, {}),
+    "max_frame_bytes": ("1G", 1 << 30, {}),
+    "log_level": ("debug", "debug", {}),
 }
 
 
 def test_every_option_has_an_environment_twin():
     fields = {f.name for f in dataclasses.fields(ServerConfig)}
     assert fields == set(EXAMPLES), "add an example for each new option"
-    for name, (raw, value) in EXAMPLES.items():
-        config = parse([], {env_name(name): raw})
+    for name, (raw, value, context) in EXAMPLES.items():
+        config = parse([], {env_name(name): raw, **context})
         assert getattr(config, name) == value, name
 
 
@@ -70,8 +94,11 @@ def test_bad_environment_values(environ):
 
 @pytest.mark.parametrize(
     "options",
-    [{"workers": 0}, {"staleness": -1}, {"backup_workers": 2, "workers": 2}, {"backup_workers": 1, "workers": 3, "sync": "asp"},
-     {"port": 70000}, {"sync": "nope"}, {"max_frame_bytes": 10}],
+    [{"workers": 0}, {"staleness": -1, "sync": "ssp"}, {"backup_workers": 2, "workers": 2},
+     {"backup_workers": 1, "workers": 3, "sync": "asp"}, {"port": 70000}, {"sync": "nope"}, {"max_frame_bytes": 10},
+     {"staleness": 2, "sync": "asp"}, {"max_staleness": 5, "sync": "ssp"}, {"sync": "dssp", "staleness": 5, "max_staleness": 4},
+     {"softsync_n": 2, "sync": "asp", "workers": 2}, {"softsync_n": 3, "sync": "softsync", "workers": 2},
+     {"lr_staleness": "half"}, {"async_scale": "median"}],
 )
 def test_validation(options):
     with pytest.raises(ConfigurationError):

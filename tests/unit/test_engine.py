@@ -284,3 +284,82 @@ class TestStreamingPush:
         h.push(0, np.ones(self.N, np.float32))
         assert h.held(0)
         assert h.engine.begin_streaming_push(h.workers[0].member, 0) is None
+
+
+def test_softsync_numerics_by_hand():
+    """4 workers, n = 2: one update per c = 2 gradients, w -= lr/c * sum(alpha(tau)/lr * g)."""
+    h = Harness(workers=4, sync="softsync", softsync_n=2, lr=0.5, lr_staleness="inverse", numel=4)
+    h.join_all(np.zeros(4, np.float32))
+    g = [np.full(4, float(r + 1), np.float32) for r in range(4)]
+    h.push(0, g[0])  # computed on v0, tau = 0: scale 1
+    assert h.engine.version == 0  # one gradient buffered
+    h.push(1, g[1])  # tau = 0; the buffer holds c = 2: update 1
+    assert h.engine.version == 1
+    expected = -0.5 / 2 * (1.0 * g[0] + 1.0 * g[1])
+    np.testing.assert_allclose(h.engine.weights, expected)
+    h.push(2, g[2])  # computed on v0, applied at v1: tau = 1, scale 1
+    h.push(0, g[0], version=1)  # tau = 0
+    expected = expected - 0.5 / 2 * (g[2] + g[0])
+    np.testing.assert_allclose(h.engine.weights, expected)
+    assert h.engine.version == 2
+    h.push(3, g[3])  # computed on v0 at v2: tau = 2, scale 1/2
+    h.push(1, g[1])  # computed on v0 at v2: tau = 2, scale 1/2
+    expected = expected - 0.5 / 2 * (0.5 * g[3] + 0.5 * g[1])
+    np.testing.assert_allclose(h.engine.weights, expected, rtol=1e-6)
+    assert [r.staleness for r in h.workers[1].results] == [0, 2]
+    assert [r.scale for r in h.workers[3].results] == [0.5]
+    # No barrier: every push was answered at once.
+    assert not any(h.held(r) for r in range(4))
+
+
+def test_softsync_group_follows_the_live_workers():
+    h = Harness(workers=4, sync="softsync", softsync_n=1, numel=4)  # c = P
+    h.join_all()
+    for r in range(3):
+        h.push(r, np.ones(4, np.float32))
+    assert h.engine.version == 0  # 3 of 4
+    h.leave(3)  # c becomes 3: the buffer is complete
+    assert h.engine.version == 1
+    np.testing.assert_allclose(h.engine.weights, np.full(4, -1.0))  # the mean of three ones, lr 1
+
+
+def test_softsync_with_an_ssp_bound():
+    h = Harness(workers=2, sync="softsync", softsync_n=2, staleness=1, numel=2)
+    h.join_all()
+    h.push(0, np.ones(2, np.float32), then_pull=True)
+    h.push(0, np.ones(2, np.float32), then_pull=True)  # gap 2 > 1
+    assert h.held(0) and h.workers[0].waiting
+    h.push(1, np.ones(2, np.float32), then_pull=True)
+    assert not h.workers[0].waiting
+
+
+@pytest.mark.parametrize("sync, extra", [("asp", {}), ("ssp", {"staleness": 10}), ("dssp", {})])
+def test_inverse_learning_rate_divides_by_staleness(sync, extra):
+    h = Harness(workers=2, sync=sync, lr=1.0, lr_staleness="inverse", numel=2, **extra)
+    h.join_all()
+    for _ in range(3):
+        h.push(0, np.array([1.0, 0.0], np.float32), then_pull=True)
+    h.push(1, np.array([0.0, 1.0], np.float32))  # computed on v0, applied at v3: lr / 3
+    np.testing.assert_allclose(h.engine.weights, [-3.0, -1 / 3], rtol=1e-6)
+    assert h.workers[1].results[0].staleness == 3
+
+
+def test_async_scale_mean():
+    h = Harness(workers=4, sync="asp", async_scale="mean", lr=1.0, numel=4)
+    h.join_all()
+    h.push(0, np.ones(4, np.float32))
+    np.testing.assert_allclose(h.engine.weights, np.full(4, -0.25))
+    h.leave(1)
+    h.push(0, np.ones(4, np.float32), version=1)
+    np.testing.assert_allclose(h.engine.weights, np.full(4, -0.25 - 1 / 3), rtol=1e-6)
+
+
+def test_inverse_learning_rate_keeps_momentum_consistent():
+    """The optimizer sees alpha(tau)/lr * g: momentum accumulates the scaled gradient."""
+    h = Harness(workers=2, sync="asp", lr=1.0, momentum=0.5, lr_staleness="inverse", numel=1)
+    h.join_all()
+    h.push(0, np.array([1.0], np.float32))  # tau 0: buf = 1, w = -1
+    h.push(1, np.array([1.0], np.float32))  # tau 1 (v0 at v1): d = 1, buf = 0.5 + 1 = 1.5, w = -2.5
+    h.push(1, np.array([2.0], np.float32), version=0)  # tau 2: d = 1, buf = 0.75 + 1 = 1.75, w = -4.25
+    np.testing.assert_allclose(h.engine.weights, [-4.25])
+    np.testing.assert_allclose(h.engine.table.optimizer.momentum_buffer, [1.75])

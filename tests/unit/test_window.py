@@ -109,3 +109,74 @@ def test_controller_native_equals_reference(a_p, i_p, a_s, i_s, r_max):
 def test_controller_without_history_grants_nothing():
     assert _core.dssp_controller(5.0, math.nan, 3.0, 1.0, 5) == 0
     assert _core.dssp_controller(5.0, 4.0, 3.0, math.nan, 5) == 0
+
+
+def run_two_speeds(window, fast, slow, pushes=60):
+    """Event-driven: rank 0 needs ``fast`` seconds per iteration, rank 1 ``slow``.
+    Returns (time, rank, gap) at every release."""
+    next_push = {0: fast, 1: slow}
+    releases = []
+    for _ in range(pushes):
+        rank = min(next_push, key=next_push.get)
+        now = next_push[rank]
+        released = window.push(rank, now)
+        if rank not in released:
+            next_push[rank] = float("inf")  # held: waits for a release
+        for r in released:
+            releases.append((now, r, window.gap(r)))
+            next_push[r] = now + (fast if r == 0 else slow)
+    return releases
+
+
+@pytest.mark.parametrize("fast, slow", [(1, 10), (1, 5), (2, 9)])
+def test_dssp_never_releases_beyond_the_upper_bound(Window, fast, slow):
+    """A literal reading of DSSP's step 4 lets the fast worker, its credits spent,
+    ask the controller again and run ever further ahead (gaps 3, 4, 5, ... here);
+    the grant is cut to the room left below s_U (docs/design.md)."""
+    releases = run_two_speeds(joined(Window, 2, 0, 2), fast, slow)
+    gaps = [gap for _, rank, gap in releases if rank == 0]
+    assert max(gaps) == 2  # it runs beyond s_L = 0 ...
+    assert all(gap <= 2 for _, _, gap in releases)  # ... and never beyond s_U = 2
+
+
+def controller_as_written(a_p, a_p_prev, a_s, a_s_prev, r_max):
+    """docs/algorithms.md's controller, transcribed line by line."""
+    if math.isnan(a_p_prev) or math.isnan(a_s_prev):
+        return 0  # fewer than two pushes: no interval
+    i_p = a_p - a_p_prev
+    i_s = a_s - a_s_prev
+    sim_p = [a_p + r * i_p for r in range(r_max + 1)]
+    sim_s = [a_s + (k + 1) * i_s for k in range(r_max + 1)]
+    cost = [min(abs(s - p) for s in sim_s) for p in sim_p]
+    return cost.index(min(cost))  # ties go to the smaller r
+
+
+times = st.floats(0, 1e4, allow_nan=False)
+gaps = st.floats(1e-3, 100)
+
+
+@given(times, gaps, times, gaps, st.integers(0, 16), st.booleans(), st.booleans())
+def test_controller_against_a_transcription_of_the_formula(a_p, i_p, a_s, i_s, r_max, p_new, s_new):
+    args = (a_p + i_p, math.nan if p_new else a_p, a_s + i_s, math.nan if s_new else a_s, r_max)
+    expected = controller_as_written(*args)
+    assert _core.dssp_controller(*args) == expected
+    assert _reference.dssp_controller(*args) == expected
+
+
+@given(st.lists(st.tuples(st.integers(0, 2), st.floats(0.01, 5)), min_size=1, max_size=40))
+def test_window_consults_the_controller_with_the_right_histories(pushes):
+    """Whenever the window consults the controller, r* equals the formula applied to
+    the pusher's and the slowest worker's last two arrival times."""
+    window = joined(_core.StalenessWindow, 3, 1, 5)
+    now = 0.0
+    for rank, dt in pushes:
+        if window.is_held(rank):
+            continue
+        now += dt
+        slow = min((r for r in range(3) if window.is_live(r)), key=lambda r: (window.clock(r), r))
+        before = (window.arrivals(slow), window.controller_calls)
+        history = window.arrivals(rank)
+        window.push(rank, now)
+        if window.controller_calls != before[1]:
+            s_new, s_prev = before[0] if slow != rank else (now, history[0])
+            assert window.last_r_star == controller_as_written(now, history[0], s_new, s_prev, 4)

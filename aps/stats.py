@@ -1,0 +1,155 @@
+"""Server statistics: what the server counts per worker and overall.
+
+The engine records events as they happen (cheap counters and sparse
+histograms); :func:`format_stats` renders a snapshot for ``aps status``. A
+snapshot is a plain JSON-able dict (``Server.stats()``, and the payload of a
+STATS reply, see docs/protocol.md).
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+
+__all__ = ["Histogram", "ServerStats", "WorkerStats", "format_stats"]
+
+_RATE_WINDOW_S = 10.0
+_RATE_SAMPLE_S = 0.25
+
+
+class Histogram:
+    """Counts of non-negative integers (sparse)."""
+
+    __slots__ = ("counts", "total", "n")
+
+    def __init__(self) -> None:
+        self.counts: dict[int, int] = {}
+        self.total = 0
+        self.n = 0
+
+    def add(self, value: int) -> None:
+        self.counts[value] = self.counts.get(value, 0) + 1
+        self.total += value
+        self.n += 1
+
+    @property
+    def mean(self) -> float | None:
+        return self.total / self.n if self.n else None
+
+    def to_dict(self) -> dict[str, int]:
+        return {str(k): self.counts[k] for k in sorted(self.counts)}
+
+
+class WorkerStats:
+    """Counters for one rank (kept across reconnects)."""
+
+    __slots__ = ("pushes", "dropped", "rejected", "staleness", "r_star", "waits", "wait_total", "wait_max", "pulls")
+
+    def __init__(self) -> None:
+        self.pushes = 0  # gradients accepted (applied, accumulated or dropped)
+        self.dropped = 0
+        self.rejected = 0
+        self.staleness = Histogram()
+        self.r_star = Histogram()
+        self.pulls = 0
+        self.waits = 0  # pulls that had to wait at the gate
+        self.wait_total = 0.0
+        self.wait_max = 0.0
+
+    def waited(self, seconds: float) -> None:
+        self.pulls += 1
+        if seconds > 0.0:
+            self.waits += 1
+            self.wait_total += seconds
+            if seconds > self.wait_max:
+                self.wait_max = seconds
+
+
+class ServerStats:
+    """Server-wide counters and a recent update rate."""
+
+    def __init__(self, num_workers: int, now=time.monotonic) -> None:
+        self.workers = [WorkerStats() for _ in range(num_workers)]
+        self.bytes_in = 0
+        self.bytes_out = 0
+        self.rejected = 0
+        self._now = now
+        self.created = now()
+        self.training_started: float | None = None
+        self._samples: deque[tuple[float, int]] = deque()
+
+    def published(self, version: int) -> None:
+        """An update was published; keeps a sparse (time, version) trail for the rate."""
+        now = self._now()
+        samples = self._samples
+        if not samples or now - samples[-1][0] >= _RATE_SAMPLE_S:
+            samples.append((now, version))
+            while len(samples) > 2 and now - samples[1][0] > _RATE_WINDOW_S:
+                samples.popleft()
+
+    def update_rates(self, version: int) -> tuple[float, float]:
+        """(recent updates/s over about the last 10 s, mean updates/s since training started)."""
+        now = self._now()
+        recent = 0.0
+        if self._samples:
+            t0, v0 = self._samples[0]
+            if now > t0:
+                recent = (version - v0) / (now - t0)
+        mean = 0.0
+        if self.training_started is not None and now > self.training_started:
+            mean = version / (now - self.training_started)
+        return recent, mean
+
+
+def _fmt_bytes(n: int) -> str:
+    for unit, size in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
+        if n >= size:
+            return f"{n / size:.1f} {unit}"
+    return f"{n} B"
+
+
+def _fmt_seconds(s: float | None) -> str:
+    if s is None:
+        return "-"
+    if s >= 1.0:
+        return f"{s:.2f}s"
+    if s >= 1e-3:
+        return f"{s * 1e3:.1f}ms"
+    return f"{s * 1e6:.0f}us"
+
+
+def _fmt_hist(hist: dict[str, int], limit: int = 6) -> str:
+    if not hist:
+        return "-"
+    items = sorted(hist.items(), key=lambda kv: -kv[1])[:limit]
+    text = " ".join(f"{k}:{v}" for k, v in sorted(items, key=lambda kv: int(kv[0])))
+    return text + (" ..." if len(hist) > limit else "")
+
+
+def format_stats(stats: dict) -> str:
+    """A readable table of a stats snapshot (what ``aps status`` prints)."""
+    s = stats["server"]
+    uptime = int(s["uptime_s"])
+    lines = [
+        f"aps {s['address']}  sync {s['sync']}  optimizer {s['optimizer']}",
+        f"version {s['version']}  updates/s {s['updates_per_s']:.1f} (mean {s['updates_per_s_mean']:.1f})  "
+        f"live {s['live']}/{s['workers']}{'' if s['started'] else ' (waiting for workers)'}  "
+        f"pushes {s['pushes']}  rejected {s['rejected']}  "
+        f"in {_fmt_bytes(s['bytes_in'])}  out {_fmt_bytes(s['bytes_out'])}  "
+        f"up {uptime // 3600:d}:{uptime // 60 % 60:02d}:{uptime % 60:02d}",
+        "",
+        f"{'rank':>4} {'live':>4} {'clock':>7} {'gap':>4} {'held':>4} {'pushes':>7} {'dropped':>7} "
+        f"{'stale':>6} {'wait mean':>9} {'wait max':>9} {'interval':>9}  staleness / r*",
+    ]
+    for w in stats["workers"]:
+        stale = "-" if w["staleness_mean"] is None else f"{w['staleness_mean']:.2f}"
+        hists = _fmt_hist(w["staleness_hist"])
+        if w["r_star_hist"]:
+            hists += "  /  r* " + _fmt_hist(w["r_star_hist"])
+        lines.append(
+            f"{w['rank']:>4} {'yes' if w['live'] else 'no':>4} {w['clock']:>7} {w['gap'] if w['live'] else '-':>4} "
+            f"{'yes' if w['held'] else 'no':>4} {w['pushes']:>7} {w['dropped']:>7} {stale:>6} "
+            f"{_fmt_seconds(w['wait_s_mean']):>9} {_fmt_seconds(w['wait_s_max'] or None):>9} "
+            f"{_fmt_seconds(w['last_interval_s']):>9}  {hists}"
+        )
+    return "\n".join(lines)
