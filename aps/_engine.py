@@ -180,21 +180,29 @@ class _Lane:
         try:
             while self._jobs and not self._busy:
                 job = self._jobs.popleft()
-                size = job.prepare()
-                if size is None:
-                    job.commit(True)
-                elif self._offload is not None and size >= self._threshold:
-                    self._busy = True
-                    self._offload(job.run, lambda result, job=job: self._finished(job, result))
-                else:
-                    job.commit(_run_kernel(job.run))
+                try:
+                    size = job.prepare()
+                    if size is None:
+                        job.commit(True)
+                    elif self._offload is not None and size >= self._threshold:
+                        self._busy = True
+                        self._offload(job.run, lambda result, job=job: self._finished(job, result))
+                    else:
+                        job.commit(_run_kernel(job.run))
+                except Exception:  # a bug in one job must not stall the others
+                    self._busy = False
+                    log.exception("internal error in the update lane (%s)", type(job).__name__)
         finally:
             self._running = False
 
     def _finished(self, job: _Job, result: object) -> None:
         self._busy = False
-        job.commit(result)
-        self._run()
+        try:
+            job.commit(result)
+        except Exception:
+            log.exception("internal error in the update lane (%s)", type(job).__name__)
+        finally:
+            self._run()
 
 
 class Engine:
@@ -230,6 +238,7 @@ class Engine:
         self.members: dict[int, Member] = {}
         self.started = False
         self.pushes = 0
+        self.address = ""  # set by the server, for statistics
         self.stats = ServerStats(config.workers, now)
         self._now = now
         self._kernels = kernels
@@ -298,6 +307,7 @@ class Engine:
             )
         return {
             "server": {
+                "address": self.address,
                 "sync": policy.describe(),
                 "optimizer": self.table.optimizer.describe() if self.table is not None else config.optimizer,
                 "workers": self.num_workers,

@@ -1,4 +1,4 @@
-"""The ``aps`` command: ``aps serve`` and ``aps bench``."""
+"""The ``aps`` command: ``aps serve``, ``aps status``, ``aps bench``."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import sys
 
 from . import __version__
 from .config import add_server_arguments, config_from_args
-from .errors import ConfigurationError
+from .errors import APSError, ConfigurationError
 
 __all__ = ["main"]
 
@@ -55,6 +55,17 @@ def build_parser() -> argparse.ArgumentParser:
     )
     add_bench_arguments(bench)
     bench.set_defaults(run=run_bench)
+
+    from .status import add_status_arguments, run_status
+
+    status = commands.add_parser(
+        "status",
+        help="print a running server's statistics",
+        description="Print a running server's statistics: version, update rate, and per worker its clock, "
+        "staleness, time waited at the gate and DSSP grants.",
+    )
+    add_status_arguments(status)
+    status.set_defaults(run=run_status)
     return parser
 
 
@@ -65,5 +76,7 @@ def main(argv: list[str] | None = None) -> int:
         return args.run(args)
     except ConfigurationError as exc:
         parser.exit(2, f"aps: error: {exc}\n")
+    except APSError as exc:
+        parser.exit(1, f"aps: {exc}\n")
     except KeyboardInterrupt:
         return 130

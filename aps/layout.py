@@ -8,6 +8,7 @@ buffer and expose each tensor as a view into them.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 
@@ -19,6 +20,7 @@ __all__ = ["Layout"]
 
 _MAX_NAME_BYTES = 0xFFFF
 _MAX_NDIM = 32
+_MAX_NUMEL = 1 << 40  # 4 TiB of float32: beyond any single server
 
 
 @dataclass(frozen=True)
@@ -46,10 +48,12 @@ class Layout:
                 raise LayoutMismatch(f"tensor name {name!r} is empty or too long")
             if len(shape) > _MAX_NDIM or any(int(d) < 0 for d in shape):
                 raise LayoutMismatch(f"tensor {name!r} has an invalid shape {shape}")
-            size = int(np.prod(shape, dtype=np.int64)) if shape else 1
+            size = math.prod(int(d) for d in shape)  # Python ints: no wrap-around
             offsets.append(offset)
             sizes.append(size)
             offset += size
+            if offset > _MAX_NUMEL:
+                raise LayoutMismatch(f"the model has more than {_MAX_NUMEL} parameters")
         object.__setattr__(self, "offsets", tuple(offsets))
         object.__setattr__(self, "sizes", tuple(sizes))
 

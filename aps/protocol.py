@@ -54,6 +54,7 @@ class Op(IntEnum):
     PUSH_PULL = 4
     LEAVE = 5
     PING = 6
+    STATS = 7
 
     REPLY = 0x80
     INIT_REPLY = 0x81
@@ -62,10 +63,11 @@ class Op(IntEnum):
     PUSH_PULL_REPLY = 0x84
     LEAVE_REPLY = 0x85
     PING_REPLY = 0x86
+    STATS_REPLY = 0x87
     ERROR = 0xFF
 
 
-REQUEST_OPS = frozenset({Op.INIT, Op.PULL, Op.PUSH, Op.PUSH_PULL, Op.LEAVE, Op.PING})
+REQUEST_OPS = frozenset({Op.INIT, Op.PULL, Op.PUSH, Op.PUSH_PULL, Op.LEAVE, Op.PING, Op.STATS})
 _KNOWN_OPS = frozenset(int(op) for op in Op)
 
 

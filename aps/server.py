@@ -95,6 +95,7 @@ class Server:
                 f"cannot listen on {self.config.host}:{self.config.port}: {exc.strerror or exc}"
             ) from None
         self._port = self._listener.sockets[0].getsockname()[1]
+        self.engine.address = self.address
         log.info(
             "listening on %s: %d workers, sync %s, optimizer %s lr=%g",
             self.address,
@@ -107,6 +108,30 @@ class Server:
     async def wait_stopped(self) -> None:
         """Wait until :meth:`stop` is called."""
         await self._stopping.wait()
+
+    def stats(self, timeout: float = 10.0) -> dict:
+        """A snapshot of the server's statistics (see ``aps status``); safe from any thread.
+
+        Returns:
+            ``{"server": {...}, "workers": [{...}, ...]}``: version, update rate,
+            bytes in and out, and per worker its clock, gap, pushes, staleness
+            histogram, time waited at the gate, DSSP ``r*`` histogram and last
+            iteration interval.
+        """
+        loop, engine = self._loop, self.engine
+        if loop is None or engine is None:
+            raise APSError("the server is not running")
+        try:
+            running = asyncio.get_running_loop()
+        except RuntimeError:
+            running = None
+        if running is loop:
+            return engine.stats_snapshot()
+
+        async def snapshot() -> dict:
+            return engine.stats_snapshot()
+
+        return asyncio.run_coroutine_threadsafe(snapshot(), loop).result(timeout)
 
     def stop(self) -> None:
         """Ask the server to shut down (thread-safe, idempotent)."""

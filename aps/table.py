@@ -10,8 +10,9 @@ after several more updates); a leased slot is never reused. So every pull
 returns the weights of exactly one version, whatever else is going on
 (docs/algorithms.md, "Snapshot consistency").
 
-Slots are allocated on demand and recycled; their number is bounded by two
-plus the number of pulls whose replies are still in flight.
+Slots are allocated on demand and recycled; there are at most three plus
+the number of replies still in flight (each connection has at most one: it
+reads no further request until its reply has left).
 """
 
 from __future__ import annotations
@@ -27,13 +28,12 @@ __all__ = ["ParameterTable", "Snapshot"]
 
 
 class _Slot:
-    __slots__ = ("array", "bytes", "leases", "index")
+    __slots__ = ("array", "bytes", "leases")
 
-    def __init__(self, array: np.ndarray, index: int) -> None:
+    def __init__(self, array: np.ndarray) -> None:
         self.array = array
         self.bytes = memoryview(array).cast("B")
         self.leases = 0
-        self.index = index
 
 
 class Snapshot:
@@ -124,13 +124,17 @@ class ParameterTable:
         return self._current.array
 
     def begin_update(self) -> _Slot:
-        """A free slot to write the next version into (not current, not leased)."""
-        for slot in self._slots:
-            if slot.leases == 0 and slot is not self._current:
-                slot.leases = 1  # reserved for the writer until publish/abandon
-                return slot
-        slot = self._new_slot()
-        slot.leases = 1
+        """A free slot to write the next version into (not current, not leased).
+
+        Free slots beyond one spare are given back, so a burst of slow readers
+        does not keep its memory.
+        """
+        free = [slot for slot in self._slots if slot.leases == 0 and slot is not self._current]
+        if len(free) > 2:
+            for extra in free[2:]:
+                self._slots.remove(extra)
+        slot = free[0] if free else self._new_slot()
+        slot.leases = 1  # reserved for the writer until publish/abandon
         return slot
 
     def publish(self, slot: _Slot) -> int:
@@ -145,6 +149,6 @@ class ParameterTable:
         slot.leases -= 1
 
     def _new_slot(self) -> _Slot:
-        slot = _Slot(self._allocate(self.layout.numel), len(self._slots))
+        slot = _Slot(self._allocate(self.layout.numel))
         self._slots.append(slot)
         return slot

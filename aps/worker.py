@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Mapping
+from types import MappingProxyType
 from typing import Any
 
 import numpy as np
@@ -77,8 +78,8 @@ class _ClientCore:
         self.layout: Layout | None = None
         self.flat_weights: np.ndarray | None = None
         self.flat_grad: np.ndarray | None = None
-        self.weights: dict[str, np.ndarray] = {}
-        self.grads: dict[str, np.ndarray] = {}
+        self.weights: Mapping[str, np.ndarray] = MappingProxyType({})
+        self.grads: Mapping[str, np.ndarray] = MappingProxyType({})
         self.version = 0
         self.clock = 0
         self.dropped = False
@@ -159,8 +160,9 @@ class _ClientCore:
         self.flat_grad = np.zeros(layout.numel, np.float32)
         self._weights_bytes = memoryview(self.flat_weights).cast("B")
         self._grad_bytes = memoryview(self.flat_grad).cast("B")
-        self.weights = layout.views(self.flat_weights)
-        self.grads = layout.views(self.flat_grad)
+        # Read-only mappings: the views are fixed; write into them, never replace them.
+        self.weights = MappingProxyType(layout.views(self.flat_weights))
+        self.grads = MappingProxyType(layout.views(self.flat_grad))
 
     # Replies (FrameHandler) -------------------------------------------------
     def frame_buffer(self, header: Header) -> memoryview | None:
@@ -187,6 +189,12 @@ class _ClientCore:
         self._reply = header
         self._payload = payload
 
+    def reset_stream(self) -> None:
+        """Forget any half-read reply: the next bytes come from a new connection."""
+        self.reader = FrameReader(self, max_payload=None)
+        self._reply = None
+        self._payload = None
+
     def has_reply(self) -> bool:
         return self._reply is not None
 
@@ -200,8 +208,9 @@ class _ClientCore:
             raise error_from_code(code, message)
         self._payload = None
         if op in _COUNTED_REPLIES:
-            self.version = header.version
             self.clock = header.clock
+            if op in _WEIGHT_REPLIES:  # the version of the weights this worker holds
+                self.version = header.version
             if op in _PUSH_REPLIES:
                 self.dropped = bool(header.flags & _DROPPED)
         return header
@@ -235,12 +244,12 @@ class _WorkerBase:
         return self._core.layout
 
     @property
-    def weights(self) -> dict[str, np.ndarray]:
+    def weights(self) -> Mapping[str, np.ndarray]:
         """The last weights received, as views into :attr:`flat_weights` (updated in place by every pull)."""
         return self._core.weights
 
     @property
-    def grads(self) -> dict[str, np.ndarray]:
+    def grads(self) -> Mapping[str, np.ndarray]:
         """Gradient buffers, as views into :attr:`flat_grad`: write gradients here and ``push(worker.grads)``."""
         return self._core.grads
 
@@ -251,6 +260,12 @@ class _WorkerBase:
     @property
     def flat_grad(self) -> np.ndarray | None:
         return self._core.flat_grad
+
+    def _disconnect(self) -> None:
+        conn, self._conn = self._conn, None
+        if conn is not None:
+            conn.close()
+        self._core.reset_stream()
 
     def _init_timeout(self, timeout: float | None) -> InitTimeout:
         return InitTimeout(f"not all {self.num_workers} workers joined {self.address} within {timeout} s")
@@ -308,7 +323,7 @@ class Worker(_WorkerBase):
         )
 
     # Requests -------------------------------------------------------------
-    def init(self, params: Mapping[str, Any], *, timeout: float | None = 300.0) -> dict[str, np.ndarray]:
+    def init(self, params: Mapping[str, Any], *, timeout: float | None = 300.0) -> Mapping[str, np.ndarray]:
         """Join the training and return the server's initial weights.
 
         The first worker to join provides the initial weights; later workers
@@ -334,7 +349,7 @@ class Worker(_WorkerBase):
             raise self._init_timeout(timeout) from None
         return self._core.weights
 
-    def pull(self) -> dict[str, np.ndarray]:
+    def pull(self) -> Mapping[str, np.ndarray]:
         """Wait until the sync policy releases this worker; return the newest weights (views)."""
         self._roundtrip(self._core.pull_request())
         return self._core.weights
@@ -348,7 +363,7 @@ class Worker(_WorkerBase):
         """
         self._roundtrip(self._core.push_request(grads, then_pull=False))
 
-    def push_pull(self, grads: Mapping[str, np.ndarray] | np.ndarray) -> dict[str, np.ndarray]:
+    def push_pull(self, grads: Mapping[str, np.ndarray] | np.ndarray) -> Mapping[str, np.ndarray]:
         """:meth:`push` then :meth:`pull` in one round trip."""
         self._roundtrip(self._core.push_request(grads, then_pull=True))
         return self._core.weights
@@ -357,7 +372,7 @@ class Worker(_WorkerBase):
         """One empty round trip; returns the server's version."""
         return self._roundtrip(self._core.simple_request(Op.PING)).version
 
-    def reconnect(self, *, timeout: float | None = 60.0) -> dict[str, np.ndarray]:
+    def reconnect(self, *, timeout: float | None = 60.0) -> Mapping[str, np.ndarray]:
         """Open a new connection and rejoin under the same rank; returns the newest weights."""
         self._disconnect()
         self._conn = BlockingConnection(self._parsed.host, self._parsed.port, self._connect_timeout)
@@ -390,18 +405,12 @@ class Worker(_WorkerBase):
         try:
             self._conn.send(buffers)
             self._conn.receive(core.reader, core.has_reply, timeout)
-        except (APSConnectionError, APSTimeoutError, ProtocolError):
-            # The stream is no longer in step with the server: drop it.
+        except BaseException:
+            # Interrupted mid-request (an error, a timeout, Ctrl-C): the stream
+            # is no longer in step with the server, so drop it.
             self._disconnect()
             raise
         return core.finish()
-
-    def _disconnect(self) -> None:
-        conn, self._conn = self._conn, None
-        if conn is not None:
-            conn.close()
-        self._core.reader = FrameReader(self._core, max_payload=None)
-
 
 class AsyncWorker(_WorkerBase):
     """The asyncio twin of :class:`Worker`: same arguments, awaitable methods.
@@ -409,11 +418,15 @@ class AsyncWorker(_WorkerBase):
     Create it with ``await AsyncWorker.connect(address, rank, num_workers)``.
     """
 
-    def __init__(self, conn: AsyncConnection, core: _ClientCore, address: str, timeout: float | None) -> None:
+    def __init__(
+        self, conn: AsyncConnection, core: _ClientCore, address: str, timeout: float | None, connect_timeout: float | None
+    ) -> None:
         self._conn: AsyncConnection | None = conn
         self._core = core
         self.address = address
+        self._parsed = parse_address(address)
         self.timeout = timeout
+        self._connect_timeout = connect_timeout
 
     @classmethod
     async def connect(
@@ -430,9 +443,9 @@ class AsyncWorker(_WorkerBase):
         parsed = parse_address(address)
         core = _ClientCore(rank, num_workers)
         conn = await AsyncConnection.open(parsed.host, parsed.port, connect_timeout)
-        return cls(conn, core, str(parsed), timeout)
+        return cls(conn, core, str(parsed), timeout, connect_timeout)
 
-    async def init(self, params: Mapping[str, Any], *, timeout: float | None = 300.0) -> dict[str, np.ndarray]:
+    async def init(self, params: Mapping[str, Any], *, timeout: float | None = 300.0) -> Mapping[str, np.ndarray]:
         """See :meth:`Worker.init`."""
         try:
             await self._roundtrip(self._core.init_request(params), timeout)
@@ -440,19 +453,25 @@ class AsyncWorker(_WorkerBase):
             raise self._init_timeout(timeout) from None
         return self._core.weights
 
-    async def pull(self) -> dict[str, np.ndarray]:
+    async def pull(self) -> Mapping[str, np.ndarray]:
         await self._roundtrip(self._core.pull_request())
         return self._core.weights
 
     async def push(self, grads) -> None:
         await self._roundtrip(self._core.push_request(grads, then_pull=False))
 
-    async def push_pull(self, grads) -> dict[str, np.ndarray]:
+    async def push_pull(self, grads) -> Mapping[str, np.ndarray]:
         await self._roundtrip(self._core.push_request(grads, then_pull=True))
         return self._core.weights
 
     async def ping(self) -> int:
         return (await self._roundtrip(self._core.simple_request(Op.PING))).version
+
+    async def reconnect(self, *, timeout: float | None = 60.0) -> Mapping[str, np.ndarray]:
+        """See :meth:`Worker.reconnect`."""
+        self._disconnect()
+        self._conn = await AsyncConnection.open(self._parsed.host, self._parsed.port, self._connect_timeout)
+        return await self.init(None, timeout=timeout)  # type: ignore[arg-type]
 
     async def close(self) -> None:
         if self._conn is None:
@@ -462,9 +481,7 @@ class AsyncWorker(_WorkerBase):
                 await self._roundtrip(self._core.simple_request(Op.LEAVE), 5.0)
             except APSError:
                 pass
-        conn, self._conn = self._conn, None
-        if conn is not None:
-            conn.close()
+        self._disconnect()
 
     async def __aenter__(self) -> AsyncWorker:
         return self
@@ -481,8 +498,9 @@ class AsyncWorker(_WorkerBase):
         try:
             await self._conn.send(buffers)
             await self._conn.receive(core.reader, core.has_reply, timeout)
-        except (APSConnectionError, APSTimeoutError, ProtocolError):
-            conn, self._conn = self._conn, None
-            conn.close()
+        except BaseException:
+            # Interrupted mid-request (an error, a timeout, cancellation): the
+            # stream is no longer in step with the server, so drop it.
+            self._disconnect()
             raise
         return core.finish()

@@ -17,9 +17,12 @@ class BSP(SyncPolicy):
     closes: when every live worker has pushed into it, or, with ``k`` backup
     workers, when ``max(1, P - k)`` live workers have. The round's gradients
     (including any from workers that pushed and then left) are summed in the
-    aggregate buffer and applied as one update with their mean. A gradient
-    computed on an older version arrives for a closed round: it is dropped,
-    counted, and its worker released at once to pull the newest weights.
+    aggregate buffer and applied as one update with their mean; each rank
+    contributes at most one gradient per round. A gradient computed on an
+    older version arrives for a closed round: it is dropped, counted, and its
+    worker released at once to pull the newest weights. A worker that left
+    after pushing and rejoined before its round closed counts as having
+    pushed; a second gradient from it is dropped and it waits for the round.
     """
 
     name = "bsp"
@@ -28,8 +31,8 @@ class BSP(SyncPolicy):
     def __init__(self, config: ServerConfig, window_type: type = _core.StalenessWindow) -> None:
         super().__init__(config, window_type)
         self.backup = config.backup_workers
-        self._pushed: set[int] = set()  # live ranks whose gradient is in the open round
-        self._count = 0  # gradients in the open round (including departed workers')
+        self._contributed: set[int] = set()  # ranks whose gradient is in the open round
+        self._pushed: set[int] = set()  # the live ones among them
         self._closed = False  # the round closed; its update is pending
         self._held: set[int] = set()
 
@@ -37,19 +40,31 @@ class BSP(SyncPolicy):
         return rank in self._held
 
     def plan(self, rank: int, grad_version: int, version: int) -> Plan:
-        if self._closed or grad_version != version:
+        # A closed round, an older round, or a second gradient from a rank that
+        # already contributed to this one (it left and rejoined): dropped.
+        if self._closed or grad_version != version or rank in self._contributed:
             return Plan(PlanKind.DROP, staleness=version - grad_version)
-        return Plan(PlanKind.ACCUMULATE, first=self._count == 0)
+        return Plan(PlanKind.ACCUMULATE, first=not self._contributed)
 
     def commit(self, rank: int, plan: Plan, now: float) -> Outcome:
         self.window.push(rank, now)
         if plan.kind is PlanKind.DROP:
             self.dropped += 1
+            if rank in self._pushed and not self._closed:
+                # Its gradient for this round is in already: it waits for the round.
+                self._held.add(rank)
+                return Outcome()
             return Outcome([rank])
-        self._count += 1
+        self._contributed.add(rank)
         self._pushed.add(rank)
         self._held.add(rank)
         return self._maybe_close()
+
+    def join(self, rank: int) -> int:
+        clock = self.window.join(rank)
+        if rank in self._contributed and not self._closed:
+            self._pushed.add(rank)  # back before its round closed: it counts as having pushed
+        return clock
 
     def leave(self, rank: int) -> Outcome:
         self.window.leave(rank)
@@ -59,16 +74,16 @@ class BSP(SyncPolicy):
 
     def aggregate_applied(self) -> None:
         self._closed = False
-        self._count = 0
+        self._contributed.clear()
         self._pushed.clear()
 
     def _maybe_close(self) -> Outcome:
-        if self._closed or self._count == 0:
+        if self._closed or not self._contributed:
             return Outcome()
         if len(self._pushed) < max(1, self.window.num_live - self.backup):
             return Outcome()
         self._closed = True
         released = sorted(self._held)
         self._held.clear()
-        return Outcome(released, aggregate_scale=1.0 / self._count)
+        return Outcome(released, aggregate_scale=1.0 / len(self._contributed))
 

@@ -17,6 +17,7 @@ code in ``aps.worker``.
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import socket
 from collections.abc import Callable, Sequence
@@ -37,7 +38,18 @@ from ..errors import (
     ServerError,
     UnknownOp,
 )
-from ..protocol import REQUEST_OPS, DType, Flag, Header, Op, decode_init, encode_error, is_known_op, pack_header
+from ..protocol import (
+    HEADER_SIZE,
+    REQUEST_OPS,
+    DType,
+    Flag,
+    Header,
+    Op,
+    decode_init,
+    encode_error,
+    is_known_op,
+    pack_header,
+)
 from .framing import FrameReader
 
 if TYPE_CHECKING:
@@ -73,6 +85,7 @@ class ServerConnection(asyncio.BufferedProtocol):
 
     def __init__(self, engine: Engine, max_payload: int, registry: set[ServerConnection]) -> None:
         self.engine = engine
+        self._stats = engine.stats
         self.registry = registry
         self.reader = FrameReader(self, max_payload=max_payload)
         self.transport: asyncio.Transport | None = None
@@ -84,7 +97,10 @@ class ServerConnection(asyncio.BufferedProtocol):
         self._pending_error: ServerError | None = None
         self._dispatching = False
         self._reading_paused = False
+        self._writing = False  # the transport still holds unsent output
+        self._deferred = False  # a request finished while writing: resume after the drain
         self._fatal_sent = False
+        self._lost = False
         # NaN check of the gradient being received, chunk by chunk, and its
         # update computed as it arrives when the engine allows it.
         self._checking: np.ndarray | None = None
@@ -101,6 +117,7 @@ class ServerConnection(asyncio.BufferedProtocol):
             Op.PUSH: self._on_push,
             Op.PUSH_PULL: self._on_push_pull,
             Op.LEAVE: self._on_leave,
+            Op.STATS: self._on_stats,
         }
 
     # asyncio callbacks ----------------------------------------------------
@@ -119,6 +136,7 @@ class ServerConnection(asyncio.BufferedProtocol):
         return self.reader.get_buffer(sizehint)
 
     def buffer_updated(self, nbytes: int) -> None:
+        self._stats.bytes_in += nbytes
         try:
             self.reader.buffer_updated(nbytes)
         except ServerError as exc:
@@ -146,14 +164,21 @@ class ServerConnection(asyncio.BufferedProtocol):
         if self.member is not None:
             self.engine.leave(self.member)
             self.member = None
+        self._lost = True
         self._release_leases()
         self.registry.discard(self)
 
     def pause_writing(self) -> None:
-        pass
+        self._writing = True
 
     def resume_writing(self) -> None:
+        # Everything written so far has left: leases end, and a request that
+        # finished meanwhile lets the next frame in.
+        self._writing = False
         self._release_leases()
+        if self._deferred:
+            self._deferred = False
+            self._loop.call_soon(self._resume)
 
     def close(self) -> None:
         if self.transport is not None and not self.transport.is_closing():
@@ -271,6 +296,10 @@ class ServerConnection(asyncio.BufferedProtocol):
         self.engine.leave(member)
         self._reply(Op.LEAVE_REPLY)
 
+    def _on_stats(self, header: Header, payload: memoryview, stream) -> None:
+        snapshot = self.engine.stats_snapshot()
+        self._reply(Op.STATS_REPLY, version=self.engine.version, payload=json.dumps(snapshot).encode())
+
     def _require_member(self) -> Member:
         if self.member is None:
             raise NotInitialized("request before a successful INIT")
@@ -278,6 +307,9 @@ class ServerConnection(asyncio.BufferedProtocol):
 
     # Replies: each one ends the current request -----------------------------------
     def _pushed_then_pull(self, result: PushResult) -> None:
+        if self.member is None:  # the connection went away while the push was in the lane
+            self._done()
+            return
         self._dropped = result.dropped
         self.engine.pull(self.member, self._send_push_pull_reply)
 
@@ -302,10 +334,12 @@ class ServerConnection(asyncio.BufferedProtocol):
         self._reply_error(self._rid, exc)
         self._done()
 
-    def _reply(self, op: int, *, clock: int = 0, version: int = 0, flags: int = 0) -> None:
+    def _reply(self, op: int, *, clock: int = 0, version: int = 0, flags: int = 0, payload: bytes = b"") -> None:
         transport = self.transport
         if transport is not None and not transport.is_closing():
-            transport.write(pack_header(op, flags, 0, self._rid, clock, version, 0))
+            frame = pack_header(op, flags, 0, self._rid, clock, version, len(payload)) + payload
+            self._stats.bytes_out += len(frame)
+            transport.write(frame)
         self._done()
 
     def _reply_weights(self, op: int, snap: Snapshot, clock: int, flags: int) -> None:
@@ -316,6 +350,7 @@ class ServerConnection(asyncio.BufferedProtocol):
             return
         data = snap.bytes
         header = pack_header(op, flags, DType.FLOAT32, self._rid, clock, snap.version, len(data))
+        self._stats.bytes_out += HEADER_SIZE + len(data)
         if self._vectored:
             transport.writelines((header, data))
         else:
@@ -334,6 +369,7 @@ class ServerConnection(asyncio.BufferedProtocol):
         transport = self.transport
         if transport is not None and not transport.is_closing():
             payload = encode_error(exc.code, exc.message)
+            self._stats.bytes_out += HEADER_SIZE + len(payload)
             transport.write(pack_header(Op.ERROR, 0, 0, rid, 0, 0, len(payload)) + payload)
 
     def _fatal(self, exc: ServerError) -> None:
@@ -346,14 +382,20 @@ class ServerConnection(asyncio.BufferedProtocol):
         self.close()
 
     def _done(self) -> None:
-        """The current request is answered: go on with the next frame."""
-        if self._dispatching:
+        """The current request is answered: go on with the next frame.
+
+        Not before the reply has left, though: a client that sends requests
+        without reading replies would otherwise pin a snapshot slot per reply.
+        """
+        if self._writing:
+            self._deferred = True
+        elif self._dispatching:
             self.reader.release(parse=False)
         else:
             self._loop.call_soon(self._resume)
 
     def _resume(self) -> None:
-        if self.transport is None or self.transport.is_closing() or not self.reader.held:
+        if self._lost or self.transport is None or self.transport.is_closing() or not self.reader.held:
             return
         try:
             self.reader.release()

@@ -127,3 +127,47 @@ def test_the_server_never_imports_torch():
 
     code = "import sys, aps, aps.server, aps.bench; aps.Server(port=0); assert 'torch' not in sys.modules"
     subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
+
+
+def test_views_cannot_be_replaced(server):
+    with aps.Worker(server.address, 0, 1) as worker:
+        worker.init({"w": np.zeros(3, np.float32)})
+        with pytest.raises(TypeError):
+            worker.grads["w"] = np.ones(3, np.float32)  # would be silently ignored by push(worker.grads)
+        with pytest.raises(TypeError):
+            worker.weights["w"] = np.ones(3, np.float32)
+        worker.grads["w"][:] = 1.0  # writing into the view is the way
+        worker.push(worker.grads)
+        assert worker.pull()["w"].tolist() == [-1.0] * 3
+
+
+def test_version_is_the_version_of_the_weights_held(server):
+    with aps.Worker(server.address, 0, 1) as worker:
+        worker.init({"w": np.zeros(3, np.float32)})
+        worker.push(worker.grads)
+        worker.push(worker.grads)  # both computed on version 0
+        assert (worker.version, worker.clock) == (0, 2)
+        worker.pull()
+        assert (worker.version, worker.clock) == (2, 2)
+
+
+def test_a_cancelled_request_never_corrupts_the_model(server):
+    """Cancelled mid-send, the worker drops its connection rather than finish the
+    frame with the next request's bytes."""
+    n = 4 << 20
+
+    async def main():
+        worker = await aps.AsyncWorker.connect(server.address, 0, 1)
+        await worker.init({"w": np.zeros(n, np.float32)})
+        with pytest.raises(asyncio.TimeoutError):
+            await asyncio.wait_for(worker.push({"w": np.ones(n, np.float32)}), 0.0005)
+        with pytest.raises(aps.APSConnectionError):
+            await worker.push({"w": np.full(n, 2.0, np.float32)})
+        weights = await worker.reconnect()
+        values = np.unique(weights["w"])
+        assert len(values) == 1 and values[0] in (0.0, -1.0)  # all of a gradient or none of it
+        await worker.push_pull({"w": np.ones(n, np.float32)})
+        assert len(np.unique(worker.weights["w"])) == 1
+        await worker.close()
+
+    asyncio.run(main())

@@ -363,3 +363,27 @@ def test_inverse_learning_rate_keeps_momentum_consistent():
     h.push(1, np.array([2.0], np.float32), version=0)  # tau 2: d = 1, buf = 0.75 + 1 = 1.75, w = -4.25
     np.testing.assert_allclose(h.engine.weights, [-4.25])
     np.testing.assert_allclose(h.engine.table.optimizer.momentum_buffer, [1.75])
+
+
+def test_bsp_counts_each_rank_once_per_round_across_a_rejoin():
+    h = Harness(workers=2, sync="bsp", numel=1)
+    h.join_all()
+    h.push(0, np.array([10.0], np.float32), then_pull=True)
+    h.leave(0)
+    h.join(0)  # back before the round closed: its gradient is in already
+    h.push(0, np.array([10.0], np.float32), then_pull=True)
+    assert h.workers[0].results[-1].dropped and h.held(0)  # dropped, and it waits for the round
+    h.push(1, np.array([1.0], np.float32), then_pull=True)
+    assert h.engine.version == 1 and not h.held(0)
+    np.testing.assert_allclose(h.engine.weights, [-5.5])  # the mean of one gradient per rank
+
+
+def test_bsp_rejoined_worker_does_not_hold_the_round():
+    h = Harness(workers=2, sync="bsp", numel=1)
+    h.join_all()
+    h.push(0, np.array([2.0], np.float32), then_pull=True)
+    h.leave(0)
+    h.join(0)
+    h.push(1, np.array([4.0], np.float32), then_pull=True)  # rank 0 counts as pushed: the round closes
+    assert h.engine.version == 1
+    np.testing.assert_allclose(h.engine.weights, [-3.0])

@@ -48,3 +48,10 @@ def test_invalid_layouts():
         Layout(("a", "a"), ((1,), (1,)))
     with pytest.raises(LayoutMismatch):
         Layout(("",), ((1,),))
+
+
+def test_sizes_never_wrap_around():
+    with pytest.raises(LayoutMismatch, match="more than"):
+        Layout(("w",), ((2**62 + 1, 4),))
+    with pytest.raises(LayoutMismatch):
+        Layout(("w",), ((-1, 4),))

@@ -155,7 +155,8 @@ times = st.floats(0, 1e4, allow_nan=False)
 gaps = st.floats(1e-3, 100)
 
 
-@given(times, gaps, times, gaps, st.integers(0, 16), st.booleans(), st.booleans())
+@given(times, gaps, times, st.one_of(gaps, st.just(0.0)), st.one_of(st.integers(0, 16), st.integers(17, 300)),
+       st.booleans(), st.booleans())
 def test_controller_against_a_transcription_of_the_formula(a_p, i_p, a_s, i_s, r_max, p_new, s_new):
     args = (a_p + i_p, math.nan if p_new else a_p, a_s + i_s, math.nan if s_new else a_s, r_max)
     expected = controller_as_written(*args)
