@@ -107,6 +107,14 @@ class ServerConfig:
         default=(0.9, 0.999), metadata=_opt("Adam coefficients beta1,beta2", metavar="B1,B2")
     )
     eps: float = field(default=1e-8, metadata=_opt("Adam epsilon"))
+    heartbeat_timeout: float = field(
+        default=30.0,
+        metadata=_opt(
+            "a worker that sends nothing for this many seconds while no request of its is pending "
+            "leaves the live set (aps.Worker pings when idle); 0 disables",
+            metavar="SECONDS",
+        ),
+    )
     max_frame_bytes: int = field(
         default=4 << 30, metadata=_opt("largest frame payload accepted (K/M/G suffixes)", metavar="SIZE")
     )
@@ -155,6 +163,8 @@ class ServerConfig:
             raise ConfigurationError(
                 f"unknown optimizer {self.optimizer!r}: choose from {', '.join(OPTIMIZER_CHOICES)}"
             )
+        if self.heartbeat_timeout < 0:
+            raise ConfigurationError(f"heartbeat timeout must be >= 0, got {self.heartbeat_timeout}")
         if self.max_frame_bytes < 1 << 16:
             raise ConfigurationError("max frame bytes must be at least 64K")
         if self.log_level not in LOG_LEVELS:

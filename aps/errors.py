@@ -193,8 +193,8 @@ class OutOfOrder(ServerError):
     code = ErrorCode.OUT_OF_ORDER
 
 
-class ShuttingDown(ServerError):
-    """The server is shutting down."""
+class ShuttingDown(ServerError, APSConnectionError):
+    """The server is shutting down (a ConnectionError: reconnect to a new one)."""
 
     code = ErrorCode.SHUTTING_DOWN
 

@@ -61,6 +61,7 @@ class Server:
         self._listener: asyncio.base_events.Server | None = None
         self._executor: ThreadPoolExecutor | None = None
         self._stopping: asyncio.Event | None = None
+        self._watchdog: asyncio.Task | None = None
         self._port: int | None = None
 
     @property
@@ -96,6 +97,8 @@ class Server:
             ) from None
         self._port = self._listener.sockets[0].getsockname()[1]
         self.engine.address = self.address
+        if self.config.heartbeat_timeout > 0:
+            self._watchdog = loop.create_task(self._watch_heartbeats(self.config.heartbeat_timeout))
         log.info(
             "listening on %s: %d workers, sync %s, optimizer %s lr=%g",
             self.address,
@@ -144,11 +147,14 @@ class Server:
             pass
 
     async def close(self) -> None:
-        """Stop listening, close every connection, stop the helper thread."""
+        """Stop listening, tell every connection and close it, stop the helper thread."""
+        if self._watchdog is not None:
+            self._watchdog.cancel()
+            self._watchdog = None
         if self._listener is not None:
             self._listener.close()
         for conn in list(self.connections):
-            conn.close()
+            conn.shut_down()
         if self._listener is not None:
             await self._listener.wait_closed()
             self._listener = None
@@ -202,6 +208,14 @@ class Server:
         return _Background(self, loop_factory)
 
     # Internals ------------------------------------------------------------
+    async def _watch_heartbeats(self, timeout: float) -> None:
+        loop = asyncio.get_running_loop()
+        while True:
+            await asyncio.sleep(max(0.05, timeout / 4))
+            now = loop.time()
+            for conn in list(self.connections):
+                conn.check_heartbeat(now, timeout)
+
     def _offload(self, kernel, done) -> None:
         loop = self._loop
         future = self._executor.submit(_run_kernel, kernel)

@@ -14,7 +14,11 @@ gradient buffer) with vectored writes, never joined into one payload.
 
 from __future__ import annotations
 
+import asyncio
 import logging
+import threading
+import time
+import weakref
 from collections.abc import Mapping
 from types import MappingProxyType
 from typing import Any
@@ -32,6 +36,7 @@ from .errors import (
     MalformedFrame,
     NotInitialized,
     ProtocolError,
+    RankTaken,
     error_from_code,
 )
 from .layout import Layout
@@ -53,7 +58,13 @@ _REPLY = int(Op.REPLY)
 _DROPPED = int(Flag.DROPPED)
 _FLOAT32 = int(DType.FLOAT32)
 _MAX_ERROR_PAYLOAD = 1 << 20
+_REJOIN_PATIENCE = 5.0  # seconds reconnect() waits for the server to let the old connection go
 _REQUEST_ID_MASK = 0xFFFFFFFF
+
+
+def _check_heartbeat(heartbeat: float | None) -> None:
+    if heartbeat is not None and heartbeat <= 0:
+        raise ConfigurationError(f"heartbeat must be a positive number of seconds or None, got {heartbeat}")
 
 
 def _check_transport(transport: str) -> None:
@@ -91,6 +102,7 @@ class _ClientCore:
         self._reply: Header | None = None
         self._payload: memoryview | None = None
         self._init_block: bytes = b""
+        self.connection_lost = False
 
     # Requests -------------------------------------------------------------
     def _header(self, op: int, length: int = 0, dtype: int = 0) -> bytes:
@@ -194,6 +206,7 @@ class _ClientCore:
         self.reader = FrameReader(self, max_payload=None)
         self._reply = None
         self._payload = None
+        self.connection_lost = False
 
     def has_reply(self) -> bool:
         return self._reply is not None
@@ -205,7 +218,11 @@ class _ClientCore:
         if op == _ERROR:
             code, message = decode_error(self._payload)
             self._payload = None
-            raise error_from_code(code, message)
+            error = error_from_code(code, message)
+            # An error answering no request (id 0) means the server is closing
+            # this connection: framing was lost, or it is shutting down.
+            self.connection_lost = header.request_id == 0 or isinstance(error, APSConnectionError)
+            raise error
         self._payload = None
         if op in _COUNTED_REPLIES:
             self.clock = header.clock
@@ -311,16 +328,25 @@ class Worker(_WorkerBase):
         *,
         connect_timeout: float | None = 30.0,
         timeout: float | None = None,
+        heartbeat: float | None = 5.0,
     ) -> None:
         _check_transport(transport)
-        self.address = str(parse_address(address))
+        _check_heartbeat(heartbeat)
         self._parsed = parse_address(address)
+        self.address = str(self._parsed)
         self._core = _ClientCore(rank, num_workers)
         self._connect_timeout = connect_timeout
         self.timeout = timeout
+        self._lock = threading.RLock()  # one request at a time, heartbeats included
+        self._last_io = time.monotonic()
         self._conn: BlockingConnection | None = BlockingConnection(
             self._parsed.host, self._parsed.port, connect_timeout
         )
+        self._stop = threading.Event()
+        if heartbeat is not None:
+            threading.Thread(
+                target=_heartbeats, args=(weakref.ref(self), self._stop, heartbeat), name="aps-heartbeat", daemon=True
+            ).start()
 
     # Requests -------------------------------------------------------------
     def init(self, params: Mapping[str, Any], *, timeout: float | None = 300.0) -> Mapping[str, np.ndarray]:
@@ -373,13 +399,26 @@ class Worker(_WorkerBase):
         return self._roundtrip(self._core.simple_request(Op.PING)).version
 
     def reconnect(self, *, timeout: float | None = 60.0) -> Mapping[str, np.ndarray]:
-        """Open a new connection and rejoin under the same rank; returns the newest weights."""
-        self._disconnect()
-        self._conn = BlockingConnection(self._parsed.host, self._parsed.port, self._connect_timeout)
-        return self.init(None, timeout=timeout)  # type: ignore[arg-type]
+        """Open a new connection and rejoin under the same rank; returns the newest weights.
+
+        Retries for a few seconds while the server still holds the rank (it has
+        not yet noticed the old connection go).
+        """
+        deadline = time.monotonic() + _REJOIN_PATIENCE
+        while True:
+            with self._lock:
+                self._disconnect()
+                self._conn = BlockingConnection(self._parsed.host, self._parsed.port, self._connect_timeout)
+            try:
+                return self.init(None, timeout=timeout)  # type: ignore[arg-type]
+            except RankTaken:
+                if time.monotonic() > deadline:
+                    raise
+                time.sleep(0.05)
 
     def close(self) -> None:
         """Leave the training (the server stops counting this worker) and disconnect."""
+        self._stop.set()
         if self._conn is None:
             return
         if self._core.layout is not None:
@@ -387,7 +426,8 @@ class Worker(_WorkerBase):
                 self._roundtrip(self._core.simple_request(Op.LEAVE), 5.0)
             except APSError:
                 pass
-        self._disconnect()
+        with self._lock:
+            self._disconnect()
 
     def __enter__(self) -> Worker:
         return self
@@ -397,20 +437,53 @@ class Worker(_WorkerBase):
 
     # Internals ------------------------------------------------------------
     def _roundtrip(self, buffers: list, timeout: float | None = ...) -> Header:
-        if self._conn is None:
-            raise APSConnectionError("the worker is closed; call reconnect()")
         if timeout is ...:
             timeout = self.timeout
-        core = self._core
+        with self._lock:
+            conn, core = self._conn, self._core
+            if conn is None:
+                raise APSConnectionError("the worker is disconnected; call reconnect()")
+            try:
+                conn.send(buffers)
+                conn.receive(core.reader, core.has_reply, timeout)
+            except BaseException:
+                # Interrupted mid-request (an error, a timeout, Ctrl-C): the
+                # stream is no longer in step with the server, so drop it.
+                self._disconnect()
+                raise
+            finally:
+                self._last_io = time.monotonic()
+            try:
+                return core.finish()
+            except APSError:
+                if core.connection_lost:
+                    self._disconnect()
+                raise
+
+    def _ping_if_idle(self, interval: float) -> bool:
+        """Heartbeat: one PING when nothing was sent for ``interval`` seconds. False: stop."""
+        if self._conn is None:
+            return False
+        if not self._lock.acquire(blocking=False):
+            return True  # a request is in flight: the server knows we are here
         try:
-            self._conn.send(buffers)
-            self._conn.receive(core.reader, core.has_reply, timeout)
-        except BaseException:
-            # Interrupted mid-request (an error, a timeout, Ctrl-C): the stream
-            # is no longer in step with the server, so drop it.
-            self._disconnect()
-            raise
-        return core.finish()
+            if self._conn is not None and time.monotonic() - self._last_io >= interval:
+                self._roundtrip(self._core.simple_request(Op.PING), max(interval, 1.0) * 6)
+        except APSError as exc:
+            log.warning("rank %d: heartbeat failed: %s", self.rank, exc)
+            return False
+        finally:
+            self._lock.release()
+        return True
+
+
+def _heartbeats(ref: weakref.ref, stop: threading.Event, interval: float) -> None:
+    """The heartbeat thread of a Worker (holds it only weakly)."""
+    while not stop.wait(interval / 2):
+        worker = ref()
+        if worker is None or not worker._ping_if_idle(interval):
+            return
+        del worker
 
 class AsyncWorker(_WorkerBase):
     """The asyncio twin of :class:`Worker`: same arguments, awaitable methods.
@@ -427,6 +500,9 @@ class AsyncWorker(_WorkerBase):
         self._parsed = parse_address(address)
         self.timeout = timeout
         self._connect_timeout = connect_timeout
+        self._lock = asyncio.Lock()  # one request at a time, heartbeats included
+        self._last_io = time.monotonic()
+        self._heartbeat_task: asyncio.Task | None = None
 
     @classmethod
     async def connect(
@@ -438,12 +514,17 @@ class AsyncWorker(_WorkerBase):
         *,
         connect_timeout: float | None = 30.0,
         timeout: float | None = None,
+        heartbeat: float | None = 5.0,
     ) -> AsyncWorker:
         _check_transport(transport)
+        _check_heartbeat(heartbeat)
         parsed = parse_address(address)
         core = _ClientCore(rank, num_workers)
         conn = await AsyncConnection.open(parsed.host, parsed.port, connect_timeout)
-        return cls(conn, core, str(parsed), timeout, connect_timeout)
+        worker = cls(conn, core, str(parsed), timeout, connect_timeout)
+        if heartbeat is not None:
+            worker._heartbeat_task = asyncio.get_running_loop().create_task(worker._heartbeats(heartbeat))
+        return worker
 
     async def init(self, params: Mapping[str, Any], *, timeout: float | None = 300.0) -> Mapping[str, np.ndarray]:
         """See :meth:`Worker.init`."""
@@ -469,11 +550,22 @@ class AsyncWorker(_WorkerBase):
 
     async def reconnect(self, *, timeout: float | None = 60.0) -> Mapping[str, np.ndarray]:
         """See :meth:`Worker.reconnect`."""
-        self._disconnect()
-        self._conn = await AsyncConnection.open(self._parsed.host, self._parsed.port, self._connect_timeout)
-        return await self.init(None, timeout=timeout)  # type: ignore[arg-type]
+        deadline = time.monotonic() + _REJOIN_PATIENCE
+        while True:
+            async with self._lock:
+                self._disconnect()
+                self._conn = await AsyncConnection.open(self._parsed.host, self._parsed.port, self._connect_timeout)
+            try:
+                return await self.init(None, timeout=timeout)  # type: ignore[arg-type]
+            except RankTaken:
+                if time.monotonic() > deadline:
+                    raise
+                await asyncio.sleep(0.05)
 
     async def close(self) -> None:
+        if self._heartbeat_task is not None:
+            self._heartbeat_task.cancel()
+            self._heartbeat_task = None
         if self._conn is None:
             return
         if self._core.layout is not None:
@@ -490,17 +582,34 @@ class AsyncWorker(_WorkerBase):
         await self.close()
 
     async def _roundtrip(self, buffers: list, timeout: float | None = ...) -> Header:
-        if self._conn is None:
-            raise APSConnectionError("the worker is closed")
         if timeout is ...:
             timeout = self.timeout
-        core = self._core
+        async with self._lock:
+            conn, core = self._conn, self._core
+            if conn is None:
+                raise APSConnectionError("the worker is disconnected; call reconnect()")
+            try:
+                await conn.send(buffers)
+                await conn.receive(core.reader, core.has_reply, timeout)
+            except BaseException:
+                # Interrupted mid-request (an error, a timeout, cancellation):
+                # the stream is no longer in step with the server, so drop it.
+                self._disconnect()
+                raise
+            finally:
+                self._last_io = time.monotonic()
+            try:
+                return core.finish()
+            except APSError:
+                if core.connection_lost:
+                    self._disconnect()
+                raise
+
+    async def _heartbeats(self, interval: float) -> None:
         try:
-            await self._conn.send(buffers)
-            await self._conn.receive(core.reader, core.has_reply, timeout)
-        except BaseException:
-            # Interrupted mid-request (an error, a timeout, cancellation): the
-            # stream is no longer in step with the server, so drop it.
-            self._disconnect()
-            raise
-        return core.finish()
+            while self._conn is not None:
+                await asyncio.sleep(interval / 2)
+                if not self._lock.locked() and time.monotonic() - self._last_io >= interval:
+                    await self._roundtrip(self._core.simple_request(Op.PING), max(interval, 1.0) * 6)
+        except APSError as exc:
+            log.warning("rank %d: heartbeat failed: %s", self.rank, exc)

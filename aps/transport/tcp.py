@@ -36,6 +36,7 @@ from ..errors import (
     OutOfOrder,
     PayloadSizeMismatch,
     ServerError,
+    ShuttingDown,
     UnknownOp,
 )
 from ..protocol import (
@@ -101,6 +102,7 @@ class ServerConnection(asyncio.BufferedProtocol):
         self._deferred = False  # a request finished while writing: resume after the drain
         self._fatal_sent = False
         self._lost = False
+        self.last_heard = self._loop.time()
         # NaN check of the gradient being received, chunk by chunk, and its
         # update computed as it arrives when the engine allows it.
         self._checking: np.ndarray | None = None
@@ -136,6 +138,7 @@ class ServerConnection(asyncio.BufferedProtocol):
         return self.reader.get_buffer(sizehint)
 
     def buffer_updated(self, nbytes: int) -> None:
+        self.last_heard = self._loop.time()
         self._stats.bytes_in += nbytes
         try:
             self.reader.buffer_updated(nbytes)
@@ -183,6 +186,21 @@ class ServerConnection(asyncio.BufferedProtocol):
     def close(self) -> None:
         if self.transport is not None and not self.transport.is_closing():
             self.transport.close()
+
+    def shut_down(self) -> None:
+        """The server is stopping: say so, then close."""
+        if self.transport is not None and not self.transport.is_closing():
+            self._reply_error(0, ShuttingDown("the server is shutting down"))
+            self.close()
+
+    def check_heartbeat(self, now: float, timeout: float) -> None:
+        """Close the connection if the peer has been silent for ``timeout`` seconds
+        while none of its requests is pending (a request waiting at the gate counts
+        as alive: the wait is the server's)."""
+        if self.reader.held or self._lost or now - self.last_heard <= timeout:
+            return
+        log.warning("%s: nothing heard for %.0f s (missed heartbeats): closing", self._who(), now - self.last_heard)
+        self.close()
 
     # FrameHandler ---------------------------------------------------------
     def frame_buffer(self, header: Header) -> memoryview | None:

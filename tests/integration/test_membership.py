@@ -109,3 +109,66 @@ def test_reconnect_after_losing_the_connection(server_process):
     worker.push_pull({"w": np.ones(2, np.float32)})
     assert worker.version == 2
     worker.close()
+
+
+def test_a_silent_worker_misses_its_heartbeats_and_leaves(server_process):
+    from tests.helpers import RawClient
+
+    server = server_process("--workers", "2", "--sync", "ssp", "--staleness", "0", "--heartbeat-timeout", "1")
+    with aps.Worker(server.address, 0, 2, heartbeat=0.2) as worker:
+        thread = init_in_thread(worker, {"w": np.zeros(4, np.float32)})
+        silent = RawClient(server.port)
+        silent.init(1, 2, {"w": np.zeros(4, np.float32)})
+        silent.reply()  # joined; then it hangs without closing its socket
+        thread.join(10)
+        worker.push({"w": np.ones(4, np.float32)})
+        start = time.monotonic()
+        worker.pull()  # held by rank 1 until the server gives up on it
+        assert 0.5 < time.monotonic() - start < 10
+        server.wait_for_log("missed heartbeats")
+        server.wait_for_log("worker 1 left")
+        assert silent.closed_by_peer()
+        silent.close()
+
+
+def test_heartbeats_keep_an_idle_worker_seated(server_process):
+    server = server_process("--workers", "2", "--sync", "asp", "--heartbeat-timeout", "0.6")
+    pinging = aps.Worker(server.address, 0, 2, heartbeat=0.1)
+    mute = aps.Worker(server.address, 1, 2, heartbeat=None)
+    threads = [init_in_thread(w, {"w": np.zeros(2, np.float32)}) for w in (pinging, mute)]
+    for t in threads:
+        t.join(10)
+    time.sleep(2.0)  # a long iteration
+    pinging.push_pull({"w": np.ones(2, np.float32)})
+    with pytest.raises(aps.APSConnectionError):
+        mute.push_pull({"w": np.ones(2, np.float32)})
+    assert "rank 0" not in "".join(line for line in server.log().splitlines() if "missed heartbeats" in line)
+    pinging.close()
+    mute.close()
+
+
+def test_a_waiting_worker_learns_that_the_server_shuts_down(server_process):
+    server = server_process("--workers", "2", "--sync", "ssp", "--staleness", "0")
+    workers = [aps.Worker(server.address, r, 2) for r in range(2)]
+    threads = [init_in_thread(w, {"w": np.zeros(2, np.float32)}) for w in workers]
+    for t in threads:
+        t.join(10)
+    workers[0].push({"w": np.ones(2, np.float32)})
+    errors = []
+    thread = threading.Thread(target=lambda: _record(errors, workers[0].pull), daemon=True)
+    thread.start()
+    time.sleep(0.3)
+    server.signal(signal.SIGTERM)
+    thread.join(10)
+    assert len(errors) == 1 and isinstance(errors[0], aps.errors.ShuttingDown)
+    assert isinstance(errors[0], ConnectionError)
+    assert server.proc.wait(10) == 0
+    for w in workers:
+        w.close()
+
+
+def _record(errors, call):
+    try:
+        call()
+    except aps.APSError as exc:
+        errors.append(exc)
