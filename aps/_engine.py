@@ -84,7 +84,9 @@ class Member:
         grad: the flat float32 buffer its pushes are received into.
     """
 
-    __slots__ = ("rank", "grad", "grad_bytes", "connected", "joined", "waiter", "waiting_since", "required_version")
+    __slots__ = (
+        "rank", "grad", "grad_bytes", "connected", "joined", "waiter", "gate", "waiting_since", "required_version"
+    )
 
     def __init__(self, rank: int) -> None:
         self.rank = rank
@@ -93,7 +95,8 @@ class Member:
         self.connected = True
         self.joined = False
         self.waiter: ReadyCallback | None = None
-        self.waiting_since: float | None = None  # when its pull began (None for init)
+        self.gate = False  # the pending request is a pull (counted), not an init
+        self.waiting_since: float | None = None  # when its pull began to wait
         self.required_version = 0
 
 
@@ -302,6 +305,8 @@ class Engine:
                     "wait_s_mean": ws.wait_total / ws.pulls if ws.pulls else None,
                     "wait_s_max": ws.wait_max,
                     "r_star_hist": ws.r_star.to_dict(),
+                    "release_gap_hist": ws.release_gap.to_dict(),
+                    "max_release_gap": max(ws.release_gap.counts) if ws.release_gap.counts else None,
                     "last_interval_s": interval if interval == interval else None,  # NaN: fewer than 2 pushes
                 }
             )
@@ -523,24 +528,30 @@ class Engine:
         self.stats.workers[rank].rejected += 1
 
     def _wait(self, member: Member, on_ready: ReadyCallback, *, gate: bool) -> None:
+        """Answer ``on_ready`` once ``member`` may go on (``gate``: a pull, counted in the stats)."""
         member.waiter = on_ready
-        member.waiting_since = self._now() if gate else None
+        member.gate = gate
+        member.waiting_since = None
         self._waiting[member.rank] = member
-        self._try_serve(member)
+        if not self._try_serve(member) and gate:
+            member.waiting_since = self._now()
 
-    def _try_serve(self, member: Member) -> None:
+    def _try_serve(self, member: Member) -> bool:
         if (
             not self.started
             or member.waiter is None
             or self.policy.is_held(member.rank)
             or self.table.version < member.required_version
         ):
-            return
+            return False
         waiter, member.waiter = member.waiter, None
         del self._waiting[member.rank]
-        if member.waiting_since is not None:
-            self.stats.workers[member.rank].waited(self._now() - member.waiting_since)
+        if member.gate:
+            ws = self.stats.workers[member.rank]
+            ws.waited(0.0 if member.waiting_since is None else self._now() - member.waiting_since)
+            ws.release_gap.add(self.policy.window.gap(member.rank))
         waiter(self.table.snapshot(), self.policy.clock(member.rank))
+        return True
 
     def _serve_waiting(self) -> None:
         """Try every waiting worker (after a publish that waiters may need, or the start)."""

@@ -1,4 +1,4 @@
-"""The ``aps`` command: ``aps serve``, ``aps status``, ``aps bench``."""
+"""The ``aps`` command: ``aps serve``, ``aps status``, ``aps simulate``, ``aps bench``."""
 
 from __future__ import annotations
 
@@ -66,6 +66,17 @@ def build_parser() -> argparse.ArgumentParser:
     )
     add_status_arguments(status)
     status.set_defaults(run=run_status)
+
+    from .simulate import add_simulate_arguments, run_simulate
+
+    simulate = commands.add_parser(
+        "simulate",
+        help="compare sync paradigms on a simulated cluster",
+        description="Discrete-event simulation of P workers of given speeds, driving the real sync policies on "
+        "a virtual clock: iterations per second, gate waits, staleness and the largest gap, per paradigm.",
+    )
+    add_simulate_arguments(simulate)
+    simulate.set_defaults(run=run_simulate)
     return parser
 
 

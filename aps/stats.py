@@ -43,7 +43,9 @@ class Histogram:
 class WorkerStats:
     """Counters for one rank (kept across reconnects)."""
 
-    __slots__ = ("pushes", "dropped", "rejected", "staleness", "r_star", "waits", "wait_total", "wait_max", "pulls")
+    __slots__ = (
+        "pushes", "dropped", "rejected", "staleness", "r_star", "release_gap", "waits", "wait_total", "wait_max", "pulls"
+    )
 
     def __init__(self) -> None:
         self.pushes = 0  # gradients accepted (applied, accumulated or dropped)
@@ -51,6 +53,7 @@ class WorkerStats:
         self.rejected = 0
         self.staleness = Histogram()
         self.r_star = Histogram()
+        self.release_gap = Histogram()  # t_i - min_j t_j each time a pull was answered
         self.pulls = 0
         self.waits = 0  # pulls that had to wait at the gate
         self.wait_total = 0.0
@@ -138,7 +141,7 @@ def format_stats(stats: dict) -> str:
         f"in {_fmt_bytes(s['bytes_in'])}  out {_fmt_bytes(s['bytes_out'])}  "
         f"up {uptime // 3600:d}:{uptime // 60 % 60:02d}:{uptime % 60:02d}",
         "",
-        f"{'rank':>4} {'live':>4} {'clock':>7} {'gap':>4} {'held':>4} {'pushes':>7} {'dropped':>7} "
+        f"{'rank':>4} {'live':>4} {'clock':>7} {'gap':>4} {'max':>4} {'held':>4} {'pushes':>7} {'dropped':>7} "
         f"{'stale':>6} {'wait mean':>9} {'wait max':>9} {'interval':>9}  staleness / r*",
     ]
     for w in stats["workers"]:
@@ -148,6 +151,7 @@ def format_stats(stats: dict) -> str:
             hists += "  /  r* " + _fmt_hist(w["r_star_hist"])
         lines.append(
             f"{w['rank']:>4} {'yes' if w['live'] else 'no':>4} {w['clock']:>7} {w['gap'] if w['live'] else '-':>4} "
+            f"{w['max_release_gap'] if w['max_release_gap'] is not None else '-':>4} "
             f"{'yes' if w['held'] else 'no':>4} {w['pushes']:>7} {w['dropped']:>7} {stale:>6} "
             f"{_fmt_seconds(w['wait_s_mean']):>9} {_fmt_seconds(w['wait_s_max'] or None):>9} "
             f"{_fmt_seconds(w['last_interval_s']):>9}  {hists}"

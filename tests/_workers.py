@@ -80,3 +80,17 @@ def idle_worker(address: str, rank: int, workers: int, numel: int, ready_path: s
 def run_role(role: str, args: tuple):
     """One process of a mixed test: ``push`` runs constant_pusher, ``check`` snapshot_checker."""
     return (constant_pusher if role == "push" else snapshot_checker)(*args)
+
+
+def paced_worker(address: str, rank: int, workers: int, step_time: float, seconds: float):
+    """Iterates for ``seconds``, each iteration taking ``step_time`` (an uneven cluster)."""
+    iterations = 0
+    with aps.Worker(address, rank, workers) as worker:
+        worker.init({"w": np.zeros(16, np.float32)})
+        deadline = time.monotonic() + seconds
+        while time.monotonic() < deadline:
+            time.sleep(step_time)
+            worker.grads["w"][:] = 0.01
+            worker.push_pull(worker.grads)
+            iterations += 1
+    return rank, iterations

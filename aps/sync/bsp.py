@@ -21,8 +21,9 @@ class BSP(SyncPolicy):
     contributes at most one gradient per round. A gradient computed on an
     older version arrives for a closed round: it is dropped, counted, and its
     worker released at once to pull the newest weights. A worker that left
-    after pushing and rejoined before its round closed counts as having
-    pushed; a second gradient from it is dropped and it waits for the round.
+    after pushing and rejoined before its round closed pushes again like the
+    others (so clocks stay in lockstep), but that second gradient is dropped:
+    its first one is in the round already.
     """
 
     name = "bsp"
@@ -50,21 +51,17 @@ class BSP(SyncPolicy):
         self.window.push(rank, now)
         if plan.kind is PlanKind.DROP:
             self.dropped += 1
-            if rank in self._pushed and not self._closed:
-                # Its gradient for this round is in already: it waits for the round.
+            if rank in self._contributed and not self._closed:
+                # It rejoined after contributing to this round: its gradient is in
+                # already, so this one only marks it present; it waits for the round.
+                self._pushed.add(rank)
                 self._held.add(rank)
-                return Outcome()
+                return self._maybe_close()
             return Outcome([rank])
         self._contributed.add(rank)
         self._pushed.add(rank)
         self._held.add(rank)
         return self._maybe_close()
-
-    def join(self, rank: int) -> int:
-        clock = self.window.join(rank)
-        if rank in self._contributed and not self._closed:
-            self._pushed.add(rank)  # back before its round closed: it counts as having pushed
-        return clock
 
     def leave(self, rank: int) -> Outcome:
         self.window.leave(rank)

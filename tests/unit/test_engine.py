@@ -378,12 +378,15 @@ def test_bsp_counts_each_rank_once_per_round_across_a_rejoin():
     np.testing.assert_allclose(h.engine.weights, [-5.5])  # the mean of one gradient per rank
 
 
-def test_bsp_rejoined_worker_does_not_hold_the_round():
+def test_bsp_rejoined_worker_takes_part_in_the_round_again():
     h = Harness(workers=2, sync="bsp", numel=1)
     h.join_all()
     h.push(0, np.array([2.0], np.float32), then_pull=True)
     h.leave(0)
     h.join(0)
-    h.push(1, np.array([4.0], np.float32), then_pull=True)  # rank 0 counts as pushed: the round closes
+    h.push(1, np.array([4.0], np.float32), then_pull=True)
+    assert h.engine.version == 0  # the round waits for the rejoined worker to push again
+    h.push(0, np.array([8.0], np.float32), then_pull=True)  # dropped: its first gradient counts
     assert h.engine.version == 1
     np.testing.assert_allclose(h.engine.weights, [-3.0])
+    assert h.window.clock(0) == h.window.clock(1) == 1  # lockstep
