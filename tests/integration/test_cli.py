@@ -93,3 +93,40 @@ def test_bench_runs_and_writes_json(tmp_path):
     for row in report["rows"]:
         assert row["round_trips"] >= 2 and row["gbps"] > 0
     assert "x bound" in result.stdout
+
+
+def test_status_prints_a_table_and_json(server_process):
+    server = server_process("--workers", "1", "--sync", "asp")
+    with aps.Worker(server.address, 0, 1) as worker:
+        worker.init({"w": np.zeros(8, np.float32)})
+        for _ in range(3):
+            worker.push_pull(worker.grads)
+        table = run_aps("status", server.address)
+        assert table.returncode == 0, table.stderr
+        assert f"aps {server.address}  sync asp" in table.stdout
+        assert "version 3" in table.stdout and "live 1/1" in table.stdout
+        result = run_aps("status", server.address, "--json")
+        stats = json.loads(result.stdout)
+        assert stats["server"]["version"] == 3 and stats["server"]["bytes_in"] > 3 * 32
+        assert stats["workers"][0]["pushes"] == 3 and stats["workers"][0]["clock"] == 3
+
+
+def test_status_of_nothing_is_a_clear_error():
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+        result = run_aps("status", f"tcp://127.0.0.1:{port}", "--timeout", "2")
+    assert result.returncode == 1 and "cannot connect" in result.stderr
+
+
+def test_server_stats_in_python():
+    with aps.Server(workers=1, sync="dssp", port=0, log_level="warning").run_in_background() as background:
+        with aps.Worker(background.address, 0, 1) as worker:
+            worker.init({"w": np.zeros(4, np.float32)})
+            worker.push_pull(worker.grads)
+            stats = background.server.stats()
+        assert stats["server"]["sync"] == "dssp s_L=3 s_U=15"
+        assert stats["server"]["address"] == background.address
+        assert stats["workers"][0]["pushes"] == 1

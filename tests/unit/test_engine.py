@@ -390,3 +390,46 @@ def test_bsp_rejoined_worker_takes_part_in_the_round_again():
     assert h.engine.version == 1
     np.testing.assert_allclose(h.engine.weights, [-3.0])
     assert h.window.clock(0) == h.window.clock(1) == 1  # lockstep
+
+
+def test_statistics_count_what_happened():
+    h = Harness(workers=2, sync="ssp", staleness=0, numel=1)
+    h.join_all()
+    h.tick(1.0)
+    h.push(0, np.ones(1, np.float32), then_pull=True)  # held: rank 1 has not pushed
+    h.tick(5.0)
+    h.push(1, np.ones(1, np.float32), version=0, then_pull=True)  # releases rank 0 after 5 s
+    h.tick(1.0)
+    with pytest.raises(NonFiniteGradient):
+        h.push(0, np.ones(1, np.float32), finite=False)
+    stats = h.engine.stats_snapshot()
+    w0, w1 = stats["workers"]
+    assert (w0["pushes"], w0["rejected"], w0["waits"], w0["pulls"]) == (1, 1, 1, 1)
+    assert w0["wait_s_total"] == pytest.approx(5.0) and w0["wait_s_max"] == pytest.approx(5.0)
+    assert w0["staleness_hist"] == {"0": 1} and w1["staleness_hist"] == {"1": 1}
+    assert w0["max_release_gap"] == 0 and w1["waits"] == 0 and w1["pulls"] == 1
+    assert w1["last_interval_s"] is None  # one push: no interval yet
+    server = stats["server"]
+    assert (server["version"], server["pushes"], server["rejected"], server["live"]) == (2, 2, 1, 2)
+    assert server["sync"] == "ssp s=0"
+    h.tick(2.0)
+    h.push(1, np.ones(1, np.float32), then_pull=True)
+    assert h.engine.stats_snapshot()["workers"][1]["last_interval_s"] == pytest.approx(3.0)
+
+
+def test_statistics_record_dssp_grants():
+    h = Harness(workers=2, sync="dssp", staleness=0, max_staleness=3, numel=1)
+    h.join_all()
+    for t in (10.0, 20.0):  # the slow worker: one push every 10 s
+        h.tick(10.0)
+        h.push(1, np.ones(1, np.float32), then_pull=True)
+        while not h.held(0):  # the fast one, every 1 s, as far as the gate lets it
+            h.tick(1.0)
+            h.push(0, np.ones(1, np.float32), then_pull=True)
+            if h.workers[0].waiting:
+                break
+    workers = h.engine.stats_snapshot()["workers"]
+    fast = workers[0]
+    assert fast["r_star_hist"] and all(0 <= int(r) <= 3 for r in fast["r_star_hist"])
+    assert sum(sum(w["r_star_hist"].values()) for w in workers) == h.window.controller_calls
+    assert 0 < fast["max_release_gap"] <= 3
