@@ -246,7 +246,7 @@ class Engine:
         self._now = now
         self._kernels = kernels
         self._allocate = allocate
-        self._aggregate: np.ndarray | None = None
+        self._aggregates: list[np.ndarray] | None = None  # the running sum and a spare (BSP, softsync)
         self._pending_aggregates = 0
         self._waiting: dict[int, Member] = {}
         self._lane = _Lane(offload, offload_threshold)
@@ -388,7 +388,7 @@ class Engine:
             member.connected = False
             on_error(exc)
             return
-        member.grad = np.empty(self.layout.numel, np.float32)
+        member.grad = np.zeros(self.layout.numel, np.float32)
         member.grad_bytes = memoryview(member.grad).cast("B")
         clock = self.policy.join(member.rank)
         member.joined = True
@@ -427,7 +427,7 @@ class Engine:
         self.table = ParameterTable(layout, values, optimizer, self._allocate)
         self.layout = layout
         if self.policy.aggregates:
-            self._aggregate = np.zeros(layout.numel, np.float32)
+            self._aggregates = [np.zeros(layout.numel, np.float32), np.zeros(layout.numel, np.float32)]
         log.info(
             "model registered: %d tensors, %d parameters (%.1f MiB); %s; %s",
             len(layout),
@@ -451,7 +451,6 @@ class Engine:
         on_done: Callable[[PushResult], None],
         on_error: ErrorCallback,
         *,
-        finite: bool | None = None,
         stream: StreamingPush | None = None,
     ) -> None:
         """Handle the gradient in ``member.grad``, computed on weights of ``grad_version``.
@@ -459,24 +458,23 @@ class Engine:
         ``on_done`` gets the result once the gradient is committed (applied,
         accumulated or dropped); ``on_error`` gets the reason it was refused
         (nothing changed then). ``member.grad`` must stay untouched until then.
-        ``finite`` says whether the transport already checked the gradient for
-        NaN and infinity as it arrived (None: not checked; the kernel checks).
-        ``stream`` is the update already computed while it arrived, if any.
+        The update kernel checks every element as it applies it: a gradient
+        holding NaN or infinity is refused and changes nothing. ``stream`` is
+        the update already computed while it arrived, if any.
         """
         try:
-            self._check_push(member, grad_version, finite)
+            self._check_push(member, grad_version)
         except ServerError:
             if stream is not None:
                 stream.abort()
             raise
-        job = _PushJob(self, member, grad_version, self._now(), finite is True, on_done, on_error)
+        job = _PushJob(self, member, grad_version, self._now(), on_done, on_error)
         if stream is not None:
             if stream.complete:
                 # The update is computed and the lane was reserved for it all
                 # along: commit in place of running the job's kernel.
                 self._lane.unreserve(stream)
                 job.plan, job.slot = stream.plan, stream.slot
-                self.table.optimizer.count_step()
                 job.commit(True)
                 return
             stream.abort()
@@ -486,16 +484,17 @@ class Engine:
         """Start applying a gradient piece by piece as it arrives, when that is safe.
 
         Safe means: the lane is idle (it is reserved for this gradient; any
-        other change cancels the reservation), the gradient will be applied
-        alone, and the optimizer keeps no state, so a cancelled or refused
-        gradient leaves nothing behind but an unpublished slot. Returns None
-        otherwise; the gradient then takes the ordinary path.
+        other change cancels the reservation) and the gradient will be applied
+        alone. Updates are transactions (next weights and next optimizer
+        state are written aside), so a cancelled or refused gradient leaves
+        nothing behind. Returns None otherwise; the gradient then takes the
+        ordinary path.
         """
         table = self.table
-        if table is None or not table.optimizer.stateless:
+        if table is None:
             return None
         try:
-            self._check_push(member, grad_version, None)
+            self._check_push(member, grad_version)
         except ServerError:
             return None
         plan = self.policy.plan(member.rank, grad_version, table.version)
@@ -507,12 +506,9 @@ class Engine:
         stream.start()
         return stream
 
-    def _check_push(self, member: Member, grad_version: int, finite: bool | None) -> None:
+    def _check_push(self, member: Member, grad_version: int) -> None:
         if not member.joined:
             raise NotInitialized("push before init")
-        if finite is False:
-            self._count_rejected(member.rank)
-            raise NonFiniteGradient("the gradient holds NaN or infinity; it was rejected and changed nothing")
         if self.policy.is_held(member.rank):
             raise OutOfOrder(
                 f"rank {member.rank} is held at the {self.policy.name} gate: pull before pushing again"
@@ -580,8 +576,9 @@ class Engine:
 class StreamingPush:
     """A gradient being applied piece by piece while it arrives.
 
-    The transport calls :meth:`feed` as each checked piece lands; the update
-    of that piece is written into a fresh, unpublished slot. Finished, the
+    The transport calls :meth:`feed` as each piece lands; the update of that
+    piece (and the next optimizer state) is written aside, into a fresh,
+    unpublished slot. Finished, the
     push commits like any other (:meth:`Engine.push` with ``stream=``).
     Cancelled (the lane is needed elsewhere) or aborted (the gradient was
     refused, or the connection died), the slot is simply given back.
@@ -609,12 +606,14 @@ class StreamingPush:
         return self.active and self.filled == len(self.member.grad)
 
     def feed(self, stop: int) -> None:
-        """Elements ``[0, stop)`` of the gradient have arrived and are finite."""
+        """Elements ``[0, stop)`` of the gradient have arrived."""
         if self.active and stop > self.filled:
-            self.engine.table.optimizer.step_slice(
+            ok = self.engine.table.optimizer.step_slice(
                 self.slot.array, self.w_in, self.member.grad, self.plan.scale, self.filled, stop
             )
             self.filled = stop
+            if not ok:  # the ordinary path will refuse it properly
+                self.abort()
 
     def cancel(self) -> None:
         """Give the slot back (called by the lane, which has already dropped the reservation)."""
@@ -629,14 +628,13 @@ class StreamingPush:
 
 
 class _PushJob(_Job):
-    __slots__ = ("engine", "member", "grad_version", "now", "checked", "on_done", "on_error", "plan", "slot", "w_in")
+    __slots__ = ("engine", "member", "grad_version", "now", "on_done", "on_error", "plan", "slot", "w_in")
 
-    def __init__(self, engine, member, grad_version, now, checked, on_done, on_error) -> None:
+    def __init__(self, engine, member, grad_version, now, on_done, on_error) -> None:
         self.engine = engine
         self.member = member
         self.grad_version = grad_version
         self.now = now
-        self.checked = checked
         self.on_done = on_done
         self.on_error = on_error
         self.plan: Plan | None = None
@@ -652,14 +650,15 @@ class _PushJob(_Job):
         return len(self.member.grad)
 
     def run(self) -> bool:
+        # One pass that reads each gradient element once and writes every
+        # result aside: False means nothing changed (see aps/optim.py).
         engine, grad, plan = self.engine, self.member.grad, self.plan
-        if not self.checked and not engine._kernels.all_finite(grad):
-            return False
         if plan.kind is PlanKind.APPLY:
-            engine.table.optimizer.step(self.slot.array, self.w_in, grad, plan.scale)
-        elif plan.kind is PlanKind.ACCUMULATE:
-            engine._kernels.accumulate(engine._aggregate, grad, plan.scale, plan.first)
-        return True
+            return engine.table.optimizer.step(self.slot.array, self.w_in, grad, plan.scale)
+        if plan.kind is PlanKind.ACCUMULATE:
+            current, spare = engine._aggregates
+            return engine._kernels.accumulate(spare, current, grad, plan.scale, plan.first)
+        return engine._kernels.all_finite(grad)
 
     def commit(self, result: object) -> None:
         engine = self.engine
@@ -674,11 +673,19 @@ class _PushJob(_Job):
                 self.on_error(InternalServerError(f"the update failed: {result}"))
             else:
                 log.warning("worker %d: rejected a gradient holding NaN or infinity", rank)
-                self.on_error(NonFiniteGradient("the gradient holds NaN or infinity; it was rejected and changed nothing"))
+                self.on_error(
+                    NonFiniteGradient(
+                        "the gradient holds NaN or infinity (or would make the weights overflow); "
+                        "it was rejected and changed nothing"
+                    )
+                )
             return
-        if self.slot is not None:
-            engine.stats.published(table.publish(self.slot))
         plan, policy = self.plan, engine.policy
+        if plan.kind is PlanKind.APPLY:
+            table.optimizer.commit()
+            engine.stats.published(table.publish(self.slot))
+        elif plan.kind is PlanKind.ACCUMULATE:
+            engine._aggregates.reverse()
         window = policy.window
         consulted = window.controller_calls
         outcome = policy.commit(rank, plan, self.now)
@@ -713,16 +720,19 @@ class _AggregateJob(_Job):
         return len(self.w_in)
 
     def run(self) -> bool:
-        self.engine.table.optimizer.step(self.slot.array, self.w_in, self.engine._aggregate, self.scale)
-        return True
+        return self.engine.table.optimizer.step(self.slot.array, self.w_in, self.engine._aggregates[0], self.scale)
 
     def commit(self, result: object) -> None:
         engine = self.engine
         engine._pending_aggregates -= 1
         if result is True:
+            engine.table.optimizer.commit()
             engine.stats.published(engine.table.publish(self.slot))
         else:
             engine.table.abandon(self.slot)
-            log.error("aggregate update failed; the round's gradients are lost", exc_info=result)
+            if isinstance(result, BaseException):
+                log.error("aggregate update failed; the round's gradients are lost", exc_info=result)
+            else:
+                log.error("the aggregated gradient would make the weights overflow: update skipped")
         engine.policy.aggregate_applied()
         engine._serve_waiting()

@@ -34,21 +34,31 @@ def all_finite(x: np.ndarray) -> bool:
     return bool(np.isfinite(np.asarray(x, dtype=_F32)).all())
 
 
-def accumulate(acc: np.ndarray, grad: np.ndarray, scale: float = 1.0, first: bool = False) -> None:
-    """``acc = scale * grad`` when ``first``, else ``acc += scale * grad``."""
-    _check_len("grad", len(grad), len(acc))
-    term = grad.astype(_F32) * _F32(scale)
-    if first:
-        acc[:] = term
-    else:
-        acc[:] = acc + term
+def _finite(*arrays: np.ndarray) -> bool:
+    return all(bool(np.isfinite(a).all()) for a in arrays)
 
 
+@np.errstate(all="ignore")  # non-finite values are reported, not warned about
+def accumulate(out: np.ndarray, inp: np.ndarray | None, grad: np.ndarray, scale: float = 1.0, first: bool = False) -> bool:
+    """``out = scale * grad`` when ``first``, else ``out = inp + scale * grad``; False if not finite."""
+    _check_len("grad", len(grad), len(out))
+    g = np.array(grad, dtype=_F32)
+    if not first:
+        if inp is None:
+            raise ValueError("accumulate needs the running sum unless first")
+        _check_len("inp", len(inp), len(out))
+    result = g * _F32(scale) if first else inp + g * _F32(scale)
+    out[:] = result
+    return _finite(g, result)
+
+
+@np.errstate(all="ignore")
 def sgd_step(
     w_out: np.ndarray,
     w_in: np.ndarray,
     grad: np.ndarray,
-    momentum_buffer: np.ndarray | None,
+    buf_out: np.ndarray | None,
+    buf_in: np.ndarray | None,
     lr: float,
     momentum: float = 0.0,
     dampening: float = 0.0,
@@ -56,34 +66,41 @@ def sgd_step(
     nesterov: bool = False,
     first: bool = False,
     scale: float = 1.0,
-) -> None:
-    """One SGD step, exactly as ``torch.optim.SGD`` computes it (see the native twin)."""
+) -> bool:
+    """One SGD step, out of place, exactly as ``torch.optim.SGD`` computes it (see the native twin)."""
     n = len(w_in)
     _check_len("w_out", len(w_out), n)
     _check_len("grad", len(grad), n)
     w = np.array(w_in, dtype=_F32)
-    d = grad.astype(_F32) * _F32(scale)
+    g = np.array(grad, dtype=_F32)
+    d = g * _F32(scale)
     if weight_decay != 0.0:
         d = d + _F32(weight_decay) * w
     if momentum != 0.0:
-        if momentum_buffer is None:
-            raise ValueError("momentum needs a momentum buffer")
-        _check_len("momentum_buffer", len(momentum_buffer), n)
+        if buf_out is None or (buf_in is None and not first):
+            raise ValueError("momentum needs momentum buffers")
+        _check_len("buf_out", len(buf_out), n)
         if first:
             buf = d.copy()
         else:
-            buf = momentum_buffer * _F32(momentum) + _F32(1.0 - dampening) * d
-        momentum_buffer[:] = buf
+            _check_len("buf_in", len(buf_in), n)
+            buf = buf_in * _F32(momentum) + _F32(1.0 - dampening) * d
+        buf_out[:] = buf
         d = d + _F32(momentum) * buf if nesterov else buf
-    w_out[:] = w + _F32(-lr) * d
+    result = w + _F32(-lr) * d
+    w_out[:] = result
+    return _finite(g, result)
 
 
+@np.errstate(all="ignore")
 def adam_step(
     w_out: np.ndarray,
     w_in: np.ndarray,
     grad: np.ndarray,
-    exp_avg: np.ndarray,
-    exp_avg_sq: np.ndarray,
+    m_out: np.ndarray,
+    m_in: np.ndarray,
+    v_out: np.ndarray,
+    v_in: np.ndarray,
     step: int,
     lr: float,
     beta1: float = 0.9,
@@ -92,15 +109,18 @@ def adam_step(
     weight_decay: float = 0.0,
     decoupled: bool = False,
     scale: float = 1.0,
-) -> None:
-    """One Adam or AdamW step, exactly as ``torch.optim.Adam[W]`` computes it."""
+) -> bool:
+    """One Adam or AdamW step, out of place, exactly as ``torch.optim.Adam[W]`` computes it."""
     n = len(w_in)
-    for what, arr in (("w_out", w_out), ("grad", grad), ("exp_avg", exp_avg), ("exp_avg_sq", exp_avg_sq)):
+    for what, arr in (("w_out", w_out), ("grad", grad), ("m_out", m_out), ("m_in", m_in), ("v_out", v_out),
+                      ("v_in", v_in)):
         _check_len(what, len(arr), n)
     if step < 1:
         raise ValueError("step counts from 1")
-    g = grad.astype(_F32) * _F32(scale)
+    raw = np.array(grad, dtype=_F32)
+    g = raw * _F32(scale)
     w = np.array(w_in, dtype=_F32)
+    m_prev, v_prev = np.array(m_in, dtype=_F32), np.array(v_in, dtype=_F32)
     if decoupled:
         if weight_decay != 0.0:
             w = w * _F32(1.0 - lr * weight_decay)
@@ -108,16 +128,18 @@ def adam_step(
         g = g + _F32(weight_decay) * w
     weight = 1.0 - beta1
     if weight < 0.5:
-        m = exp_avg + _F32(weight) * (g - exp_avg)
+        m = m_prev + _F32(weight) * (g - m_prev)
     else:
-        m = g - (g - exp_avg) * _F32(1.0 - weight)
-    v = exp_avg_sq * _F32(beta2) + _F32(1.0 - beta2) * g * g
-    exp_avg[:] = m
-    exp_avg_sq[:] = v
+        m = g - (g - m_prev) * _F32(1.0 - weight)
+    v = v_prev * _F32(beta2) + _F32(1.0 - beta2) * g * g
+    m_out[:] = m
+    v_out[:] = v
     bias1 = 1.0 - beta1**step
     bias2 = 1.0 - beta2**step
     denom = np.sqrt(v) / _F32(math.sqrt(bias2)) + _F32(eps)
-    w_out[:] = w + _F32(-(lr / bias1)) * (m / denom)
+    result = w + _F32(-(lr / bias1)) * (m / denom)
+    w_out[:] = result
+    return _finite(raw, result)
 
 
 def dssp_controller(

@@ -1,11 +1,16 @@
 """Server-side optimizers over the flat parameter vector.
 
-Each optimizer owns its state (momentum buffer, Adam moments, step count) and
-applies one update with a fused native kernel: ``step(w_out, w_in, grad,
-scale)`` reads the current weights ``w_in`` and writes the next version into
-``w_out`` in a single pass, with the gradient multiplied by ``scale`` first
-(the mean over a BSP round, or a staleness-aware learning rate). The kernels
-release the GIL, and the parameter table only ever runs one step at a time.
+Each optimizer owns its state (momentum buffer, Adam moments, step count),
+kept twice: the current state and a spare. ``step(w_out, w_in, grad, scale)``
+reads the current weights and state and writes the next weights into
+``w_out`` and the next state into the spare, in a single fused native pass
+(the gradient multiplied by ``scale`` first: the mean over a BSP round, or a
+staleness-aware learning rate). It returns False when the gradient or a new
+weight is not finite; then nothing changed. :meth:`Optimizer.commit` adopts
+the new state. So every update is a transaction, which is what lets the
+server refuse a bad gradient without a separate checking pass, and apply a
+gradient piece by piece while it arrives. The kernels release the GIL, and
+the parameter table only ever runs one step at a time.
 """
 
 from __future__ import annotations
@@ -26,7 +31,7 @@ def _require(condition: bool, message: str) -> None:
 
 
 class Optimizer:
-    """Base class: an update rule with its state for a vector of ``numel`` floats."""
+    """Base class: an update rule with its (double-buffered) state for ``numel`` floats."""
 
     name = "optimizer"
 
@@ -37,21 +42,17 @@ class Optimizer:
         self.steps = 0
         self._kernels = kernels
 
-    @property
-    def stateless(self) -> bool:
-        """True when a step reads no optimizer state, so it can run piece by piece
-        (``step_slice``) while a gradient is still arriving."""
-        return False
+    def step(self, w_out: np.ndarray, w_in: np.ndarray, grad: np.ndarray, scale: float = 1.0) -> bool:
+        """Write ``w_in`` updated with ``scale * grad`` into ``w_out`` and the next state
+        into the spare; False (nothing to commit) when anything is not finite."""
+        return self.step_slice(w_out, w_in, grad, scale, 0, self.numel)
 
-    def step(self, w_out: np.ndarray, w_in: np.ndarray, grad: np.ndarray, scale: float = 1.0) -> None:
-        """Write ``w_in`` updated with ``scale * grad`` into ``w_out`` (may be ``w_in``)."""
+    def step_slice(self, w_out, w_in, grad, scale: float, start: int, stop: int) -> bool:
+        """The part ``[start, stop)`` of :meth:`step` (for a gradient still arriving)."""
         raise NotImplementedError
 
-    def step_slice(self, w_out, w_in, grad, scale: float, start: int, stop: int) -> None:
-        """The part ``[start, stop)`` of a stateless step; call ``count_step()`` once it is whole."""
-        raise NotImplementedError(f"{self.name} keeps state and cannot step piece by piece")
-
-    def count_step(self) -> None:
+    def commit(self) -> None:
+        """Adopt the state the last step(s) wrote: the update is applied."""
         self.steps += 1
 
     def describe(self) -> str:
@@ -85,14 +86,23 @@ class SGD(Optimizer):
         self.dampening = float(dampening)
         self.weight_decay = float(weight_decay)
         self.nesterov = bool(nesterov)
-        self.momentum_buffer = np.zeros(numel, np.float32) if momentum else None
+        self._buffers = [np.zeros(numel, np.float32), np.zeros(numel, np.float32)] if momentum else None
 
-    def step(self, w_out, w_in, grad, scale=1.0):
-        self._kernels.sgd_step(
-            w_out,
-            w_in,
-            grad,
-            self.momentum_buffer,
+    @property
+    def momentum_buffer(self) -> np.ndarray | None:
+        """The current momentum buffer (None without momentum)."""
+        return self._buffers[0] if self._buffers is not None else None
+
+    def step_slice(self, w_out, w_in, grad, scale, start, stop):
+        buf_in = buf_out = None
+        if self._buffers is not None:
+            buf_in, buf_out = self._buffers[0][start:stop], self._buffers[1][start:stop]
+        return self._kernels.sgd_step(
+            w_out[start:stop],
+            w_in[start:stop],
+            grad[start:stop],
+            buf_out,
+            buf_in,
             self.lr,
             self.momentum,
             self.dampening,
@@ -101,18 +111,11 @@ class SGD(Optimizer):
             self.steps == 0,
             scale,
         )
-        self.steps += 1
 
-    @property
-    def stateless(self) -> bool:
-        return self.momentum_buffer is None
-
-    def step_slice(self, w_out, w_in, grad, scale, start, stop):
-        if not self.stateless:
-            return super().step_slice(w_out, w_in, grad, scale, start, stop)
-        self._kernels.sgd_step(
-            w_out[start:stop], w_in[start:stop], grad[start:stop], None, self.lr, 0.0, 0.0, self.weight_decay, False, False, scale
-        )
+    def commit(self) -> None:
+        if self._buffers is not None:
+            self._buffers.reverse()
+        super().commit()
 
     def describe(self) -> str:
         extra = []
@@ -147,16 +150,26 @@ class Adam(Optimizer):
         self.betas = (beta1, beta2)
         self.eps = float(eps)
         self.weight_decay = float(weight_decay)
-        self.exp_avg = np.zeros(numel, np.float32)
-        self.exp_avg_sq = np.zeros(numel, np.float32)
+        self._m = [np.zeros(numel, np.float32), np.zeros(numel, np.float32)]
+        self._v = [np.zeros(numel, np.float32), np.zeros(numel, np.float32)]
 
-    def step(self, w_out, w_in, grad, scale=1.0):
-        self._kernels.adam_step(
-            w_out,
-            w_in,
-            grad,
-            self.exp_avg,
-            self.exp_avg_sq,
+    @property
+    def exp_avg(self) -> np.ndarray:
+        return self._m[0]
+
+    @property
+    def exp_avg_sq(self) -> np.ndarray:
+        return self._v[0]
+
+    def step_slice(self, w_out, w_in, grad, scale, start, stop):
+        return self._kernels.adam_step(
+            w_out[start:stop],
+            w_in[start:stop],
+            grad[start:stop],
+            self._m[1][start:stop],
+            self._m[0][start:stop],
+            self._v[1][start:stop],
+            self._v[0][start:stop],
             self.steps + 1,
             self.lr,
             self.betas[0],
@@ -166,7 +179,11 @@ class Adam(Optimizer):
             self.decoupled,
             scale,
         )
-        self.steps += 1
+
+    def commit(self) -> None:
+        self._m.reverse()
+        self._v.reverse()
+        super().commit()
 
     def describe(self) -> str:
         text = f"{self.name} lr={self.lr:g} betas=({self.betas[0]:g},{self.betas[1]:g}) eps={self.eps:g}"

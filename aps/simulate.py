@@ -207,7 +207,7 @@ def simulate(setting: Setting, speeds: list[float], *, iterations: int, jitter: 
         now, _, rank = heapq.heappop(events)
         sim_now[0] = now
         pushed_at[rank] = now
-        engine.push(members[rank], version[rank], done_callbacks[rank], errors.append, finite=True)
+        engine.push(members[rank], version[rank], done_callbacks[rank], errors.append)
         total += 1
         if errors:
             raise SimulationError(f"{setting.label}: {errors[0]}")

@@ -1,27 +1,34 @@
-# Fused update kernels over flat float32 vectors.
+# Python entry points of the fused update kernels (native/_kernels.h).
 #
-# Every kernel is one pass that reads the old weights, the gradient and the
-# optimizer state and writes the new weights, so the parameter table can write
-# a new version out of place (into a free snapshot slot) at the cost of an
-# in-place update. The loops run without the GIL: a large update may run on a
-# helper thread while the server's event loop keeps reading sockets.
+# Each kernel is one pass that reads the current weights, the gradient and the
+# optimizer state and writes the next weights and the next state out of place
+# (a free snapshot slot, a spare state buffer), reading every gradient element
+# once and refusing the update (returning False) when a gradient element or a
+# new weight is not finite. So an update is a transaction: the caller adopts
+# the outputs, or throws them away and nothing changed. The loops run without
+# the GIL: a large update may run on a helper thread while the server's event
+# loop keeps reading sockets.
 #
 # Arithmetic follows torch.optim's single-tensor code path operation by
 # operation, in float32, so a run here equals a torch.optim run on the same
 # gradient sequence to float rounding (tests/unit/test_kernels_torch.py).
 
-from libc.math cimport sqrt, pow, sqrtf
+from libc.math cimport sqrt, pow
 from libc.stdint cimport uint32_t
 
-cdef extern from "_stream.h" nogil:
-    void aps_sgd_stream(float* out, const float* w, const float* g, float a, float s, Py_ssize_t n)
+cdef extern from "_kernels.h" nogil:
+    int aps_sgd_plain(float* out, const float* w, const float* g, float a, float s, Py_ssize_t n)
+    int aps_sgd(float* w_out, const float* w_in, const float* g, float* buf_out, const float* buf_in,
+                Py_ssize_t n, float a, float s, float wd, float mu, float keep, int nesterov, int first)
+    int aps_adam(float* w_out, const float* w_in, const float* g, float* m_out, const float* m_in,
+                 float* v_out, const float* v_in, Py_ssize_t n, float s, float neg_step_size,
+                 float bias2_sqrt, float w1, int lerp_low, float w1c, float b2, float c2, float eps,
+                 float wd, float shrink, int decoupled, int decay)
+    int aps_accumulate(float* out, const float* inp, const float* g, float s, int first, Py_ssize_t n)
 
-# A float32 is NaN or infinite exactly when all bits of its exponent field
-# are set.
+
 cdef enum:
     _FINITE_BLOCK = 65536
-
-
 
 
 cdef inline int _check_len(str what, Py_ssize_t got, Py_ssize_t want) except -1:
@@ -35,7 +42,8 @@ cdef bint _all_finite(const float* x, Py_ssize_t n) noexcept nogil:
     cdef Py_ssize_t start = 0, stop, i
     cdef uint32_t bad
     cdef uint32_t exponent = 0x7f800000u, exponent_one = 0x00800000u, sign = 0x80000000u
-    # Adding 1 to the exponent field carries into the sign bit exactly when
+    # A float32 is NaN or infinite exactly when its exponent field is all
+    # ones. Adding 1 to the exponent field carries into the sign bit exactly when
     # the field is all ones (NaN or infinity). And/add/or only: the inner loop
     # vectorizes with baseline SSE2. Blocks let a bad gradient stop the scan.
     while start < n:
@@ -61,125 +69,97 @@ def all_finite(const float[::1] x not None) -> bool:
     return ok
 
 
-def accumulate(float[::1] acc not None, const float[::1] grad not None,
-               float scale=1.0, bint first=False) -> None:
-    """``acc = scale * grad`` when ``first``, else ``acc += scale * grad``."""
-    cdef Py_ssize_t i, n = acc.shape[0]
+def accumulate(float[::1] out not None, const float[::1] inp, const float[::1] grad not None,
+               float scale=1.0, bint first=False) -> bool:
+    """``out = scale * grad`` when ``first``, else ``out = inp + scale * grad``.
+
+    Returns False (``out`` is then scratch) when ``grad`` or the sum is not finite.
+    ``out`` may be ``inp``.
+    """
+    cdef Py_ssize_t n = out.shape[0]
     _check_len("grad", grad.shape[0], n)
+    if not first:
+        if inp is None:
+            raise ValueError("accumulate needs the running sum unless first")
+        _check_len("inp", inp.shape[0], n)
     if n == 0:
-        return
-    cdef float* a = &acc[0]
-    cdef const float* g = &grad[0]
+        return True
+    cdef const float* src = NULL if first else &inp[0]
+    cdef int ok
     with nogil:
-        if first:
-            if scale == 1.0:
-                for i in range(n):
-                    a[i] = g[i]
-            else:
-                for i in range(n):
-                    a[i] = g[i] * scale
-        elif scale == 1.0:
-            for i in range(n):
-                a[i] = a[i] + g[i]
-        else:
-            for i in range(n):
-                a[i] = a[i] + g[i] * scale
+        ok = aps_accumulate(&out[0], src, &grad[0], scale, first, n)
+    return bool(ok)
 
 
 def sgd_step(float[::1] w_out not None, const float[::1] w_in not None,
-             const float[::1] grad not None, float[::1] momentum_buffer,
+             const float[::1] grad not None, float[::1] buf_out, const float[::1] buf_in,
              double lr, double momentum=0.0, double dampening=0.0,
              double weight_decay=0.0, bint nesterov=False, bint first=False,
-             float scale=1.0) -> None:
-    """One SGD step: ``w_out = w_in - lr * d`` as ``torch.optim.SGD`` computes ``d``.
+             float scale=1.0) -> bool:
+    """One SGD step, as ``torch.optim.SGD`` computes it, out of place.
 
-    ``d`` starts as ``scale * grad`` plus ``weight_decay * w_in``; with
-    momentum, the buffer becomes ``d`` on the ``first`` step and
-    ``momentum * buf + (1 - dampening) * d`` after, and ``d`` becomes the
-    buffer (or ``d + momentum * buf`` with Nesterov). ``w_out`` may be
-    ``w_in`` (in place) or another vector of the same size (out of place).
+    ``d`` is ``scale * grad`` plus ``weight_decay * w_in``; with momentum, the
+    next buffer ``buf_out`` is ``d`` on the ``first`` step and
+    ``momentum * buf_in + (1 - dampening) * d`` after, and ``d`` becomes the
+    buffer (or ``d + momentum * buf`` with Nesterov); ``w_out = w_in - lr * d``.
+    Returns False (the outputs are then scratch) when ``grad`` or a new weight
+    is not finite. Outputs may alias their inputs.
     """
-    cdef Py_ssize_t i, n = w_in.shape[0]
+    cdef Py_ssize_t n = w_in.shape[0]
     _check_len("w_out", w_out.shape[0], n)
     _check_len("grad", grad.shape[0], n)
     if momentum != 0.0:
-        if momentum_buffer is None:
-            raise ValueError("momentum needs a momentum buffer")
-        _check_len("momentum_buffer", momentum_buffer.shape[0], n)
+        if buf_out is None or (buf_in is None and not first):
+            raise ValueError("momentum needs momentum buffers")
+        _check_len("buf_out", buf_out.shape[0], n)
+        if not first:
+            _check_len("buf_in", buf_in.shape[0], n)
     if n == 0:
-        return
-    cdef float* wo = &w_out[0]
-    cdef const float* wi = &w_in[0]
-    cdef const float* g = &grad[0]
-    cdef float* buf = NULL
+        return True
+    cdef float* bo = NULL
+    cdef const float* bi = NULL
     if momentum != 0.0:
-        buf = &momentum_buffer[0]
-    cdef float neg_lr = <float> -lr
+        bo = &buf_out[0]
+        if not first:
+            bi = &buf_in[0]
+    cdef float a = <float> -lr
     cdef float wd = <float> weight_decay
     cdef float mu = <float> momentum
     cdef float keep = <float> (1.0 - dampening)
-    cdef float d, b
+    cdef int ok
     with nogil:
-        if buf == NULL:
-            if wd == 0.0:
-                aps_sgd_stream(wo, wi, g, neg_lr, scale, n)
-            else:
-                for i in range(n):
-                    d = g[i] * scale + wd * wi[i]
-                    wo[i] = wi[i] + neg_lr * d
-        elif first:
-            for i in range(n):
-                d = g[i] * scale
-                if wd != 0.0:
-                    d = d + wd * wi[i]
-                buf[i] = d
-                if nesterov:
-                    d = d + mu * d
-                wo[i] = wi[i] + neg_lr * d
-        elif nesterov:
-            for i in range(n):
-                d = g[i] * scale
-                if wd != 0.0:
-                    d = d + wd * wi[i]
-                b = buf[i] * mu + keep * d
-                buf[i] = b
-                wo[i] = wi[i] + neg_lr * (d + mu * b)
+        if bo == NULL and wd == 0.0:
+            ok = aps_sgd_plain(&w_out[0], &w_in[0], &grad[0], a, scale, n)
         else:
-            for i in range(n):
-                d = g[i] * scale
-                if wd != 0.0:
-                    d = d + wd * wi[i]
-                b = buf[i] * mu + keep * d
-                buf[i] = b
-                wo[i] = wi[i] + neg_lr * b
+            ok = aps_sgd(&w_out[0], &w_in[0], &grad[0], bo, bi, n, a, scale, wd, mu, keep, nesterov, first)
+    return bool(ok)
 
 
 def adam_step(float[::1] w_out not None, const float[::1] w_in not None,
-              const float[::1] grad not None, float[::1] exp_avg not None,
-              float[::1] exp_avg_sq not None, long step, double lr,
+              const float[::1] grad not None, float[::1] m_out not None, const float[::1] m_in not None,
+              float[::1] v_out not None, const float[::1] v_in not None, long step, double lr,
               double beta1=0.9, double beta2=0.999, double eps=1e-8,
               double weight_decay=0.0, bint decoupled=False,
-              float scale=1.0) -> None:
-    """One Adam (``decoupled=False``) or AdamW (``decoupled=True``) step.
+              float scale=1.0) -> bool:
+    """One Adam (``decoupled=False``) or AdamW (``decoupled=True``) step, out of place.
 
     ``step`` is the 1-based step count after this step, as ``torch.optim.Adam``
-    counts it for bias correction. The moment vectors are updated in place;
-    ``w_out`` may be ``w_in`` or another vector of the same size.
+    counts it for bias correction. Reads the moments ``m_in``/``v_in`` and writes
+    the next ones to ``m_out``/``v_out``. Returns False (the outputs are then
+    scratch) when ``grad`` or a new weight is not finite. Outputs may alias
+    their inputs.
     """
-    cdef Py_ssize_t i, n = w_in.shape[0]
+    cdef Py_ssize_t n = w_in.shape[0]
     _check_len("w_out", w_out.shape[0], n)
     _check_len("grad", grad.shape[0], n)
-    _check_len("exp_avg", exp_avg.shape[0], n)
-    _check_len("exp_avg_sq", exp_avg_sq.shape[0], n)
+    _check_len("m_out", m_out.shape[0], n)
+    _check_len("m_in", m_in.shape[0], n)
+    _check_len("v_out", v_out.shape[0], n)
+    _check_len("v_in", v_in.shape[0], n)
     if step < 1:
         raise ValueError("step counts from 1")
     if n == 0:
-        return
-    cdef float* wo = &w_out[0]
-    cdef const float* wi = &w_in[0]
-    cdef const float* g = &grad[0]
-    cdef float* m = &exp_avg[0]
-    cdef float* v = &exp_avg_sq[0]
+        return True
     # Scalars as torch computes them: in double on the host, then used as
     # float32 by the tensor ops.
     cdef double bias1 = 1.0 - pow(beta1, <double> step)
@@ -187,31 +167,12 @@ def adam_step(float[::1] w_out not None, const float[::1] w_in not None,
     cdef float neg_step_size = <float> -(lr / bias1)
     cdef float bias2_sqrt = <float> sqrt(bias2)
     cdef float w1 = <float> (1.0 - beta1)
-    cdef bint lerp_low = (1.0 - beta1) < 0.5
+    cdef int lerp_low = (1.0 - beta1) < 0.5
     cdef float w1c = <float> (1.0 - (1.0 - beta1))
-    cdef float b2 = <float> beta2
-    cdef float c2 = <float> (1.0 - beta2)
-    cdef float epsf = <float> eps
-    cdef float wd = <float> weight_decay
-    cdef float shrink = <float> (1.0 - lr * weight_decay)
-    cdef float gi, wv, mi, vi, denom
+    cdef int ok
     with nogil:
-        for i in range(n):
-            gi = g[i] * scale
-            wv = wi[i]
-            if decoupled:
-                if weight_decay != 0.0:
-                    wv = wv * shrink
-            elif weight_decay != 0.0:
-                gi = gi + wd * wv
-            # torch.lerp(m, g, w): m + w * (g - m) for |w| < 0.5, else
-            # g - (g - m) * (1 - w).
-            if lerp_low:
-                mi = m[i] + w1 * (gi - m[i])
-            else:
-                mi = gi - (gi - m[i]) * w1c
-            vi = v[i] * b2 + c2 * gi * gi
-            m[i] = mi
-            v[i] = vi
-            denom = sqrtf(vi) / bias2_sqrt + epsf
-            wo[i] = wv + neg_step_size * (mi / denom)
+        ok = aps_adam(&w_out[0], &w_in[0], &grad[0], &m_out[0], &m_in[0], &v_out[0], &v_in[0], n, scale,
+                      neg_step_size, bias2_sqrt, w1, lerp_low, w1c, <float> beta2, <float> (1.0 - beta2),
+                      <float> eps, <float> weight_decay, <float> (1.0 - lr * weight_decay), decoupled,
+                      weight_decay != 0.0)
+    return bool(ok)

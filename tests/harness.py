@@ -92,7 +92,7 @@ class Harness:
         worker.waiting = True
         self.engine.pull(worker.member, self._ready(worker))
 
-    def push(self, rank: int, grad, *, version: int | None = None, finite=None, then_pull: bool = False) -> None:
+    def push(self, rank: int, grad, *, version: int | None = None, then_pull: bool = False) -> None:
         worker = self.workers[rank]
         member = worker.member
         member.grad[:] = grad
@@ -108,7 +108,6 @@ class Harness:
             worker.version if version is None else version,
             done,
             lambda exc: worker.errors.append(exc),
-            finite=finite,
         )
 
     def held(self, rank: int) -> bool:

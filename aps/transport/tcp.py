@@ -25,7 +25,6 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from .._core import all_finite
 from ..errors import (
     APSConnectionError,
     APSTimeoutError,
@@ -103,11 +102,7 @@ class ServerConnection(asyncio.BufferedProtocol):
         self._fatal_sent = False
         self._lost = False
         self.last_heard = self._loop.time()
-        # NaN check of the gradient being received, chunk by chunk, and its
-        # update computed as it arrives when the engine allows it.
-        self._checking: np.ndarray | None = None
-        self._checked = 0
-        self._finite = True
+        # A large gradient's update, computed while it arrives when the engine allows it.
         self._stream: StreamingPush | None = None
         # The request being handled (a connection handles one at a time).
         self._rid = 0
@@ -222,9 +217,6 @@ class ServerConnection(asyncio.BufferedProtocol):
                 )
             else:
                 dest = member.grad_bytes
-                self._checking = member.grad
-                self._checked = 0
-                self._finite = True
                 if length >= _STREAM_MIN_BYTES:
                     self._stream = self.engine.begin_streaming_push(member, header.version)
         elif op == Op.INIT:
@@ -242,23 +234,11 @@ class ServerConnection(asyncio.BufferedProtocol):
         return dest
 
     def payload_progress(self, filled: int) -> None:
-        grad = self._checking
-        if grad is None:
-            return
-        stop = filled >> 2
-        if self._finite and stop > self._checked:
-            self._finite = all_finite(grad[self._checked : stop])
-            stream = self._stream
-            if stream is not None:
-                if self._finite:
-                    stream.feed(stop)
-                else:
-                    stream.abort()
-                    self._stream = None
-        self._checked = stop
+        stream = self._stream
+        if stream is not None:
+            stream.feed(filled >> 2)  # whole floats only; the update checks each one
 
     def frame_received(self, header: Header, payload: memoryview) -> None:
-        self._checking = None
         stream, self._stream = self._stream, None
         error = self._pending_error
         if error is not None:
@@ -300,12 +280,12 @@ class ServerConnection(asyncio.BufferedProtocol):
 
     def _on_push(self, header: Header, payload: memoryview, stream) -> None:
         self.engine.push(
-            self._require_member(), header.version, self._send_push_reply, self._fail, finite=self._finite, stream=stream
+            self._require_member(), header.version, self._send_push_reply, self._fail, stream=stream
         )
 
     def _on_push_pull(self, header: Header, payload: memoryview, stream) -> None:
         self.engine.push(
-            self._require_member(), header.version, self._pushed_then_pull, self._fail, finite=self._finite, stream=stream
+            self._require_member(), header.version, self._pushed_then_pull, self._fail, stream=stream
         )
 
     def _on_leave(self, header: Header, payload: memoryview, stream) -> None:

@@ -1,4 +1,4 @@
-"""The native kernels against their plain-Python twins."""
+"""The native kernels against their plain-Python twins, and their transactions."""
 
 import numpy as np
 import pytest
@@ -34,13 +34,16 @@ def test_all_finite_large_and_extremes():
     assert not _core.all_finite(x)
 
 
-@given(seeds, sizes, st.floats(-2, 2, width=32), st.booleans())
-def test_accumulate(seed, n, scale, first):
+@given(seeds, sizes, st.floats(-2, 2, width=32), st.booleans(), st.booleans())
+def test_accumulate(seed, n, scale, first, in_place):
     acc, grad = vectors(seed, n, 2)
-    expected = acc.copy()
-    _reference.accumulate(expected, grad, scale, first)
-    _core.accumulate(acc, grad, scale, first)
-    np.testing.assert_array_equal(acc, expected)
+    results = []
+    for kernels in (_core, _reference):
+        current = acc.copy()
+        out = current if in_place else np.empty_like(current)
+        assert kernels.accumulate(out, current, grad, scale, first) is True
+        results.append(out)
+    np.testing.assert_array_equal(results[0], results[1])
 
 
 sgd_options = st.fixed_dictionaries(
@@ -66,11 +69,15 @@ def test_sgd_matches_reference(seed, n, opts, in_place, offset):
     results = []
     for kernels in (_core, _reference):
         wk, bk = w.copy(), buf.copy()
-        out = wk if in_place else np.empty_like(wk)
-        momentum_buffer = bk if opts["momentum"] else None
         for step in range(3):
-            kernels.sgd_step(out, wk, g, momentum_buffer, first=step == 0, scale=scale, **opts)
-            wk = out if in_place else out.copy()
+            out = wk if in_place else np.empty_like(wk)
+            spare = np.empty_like(bk) if opts["momentum"] else None
+            ok = kernels.sgd_step(out, wk, g, spare, bk if opts["momentum"] else None, first=step == 0,
+                                  scale=scale, **opts)
+            assert ok is True
+            wk = out
+            if opts["momentum"]:
+                bk = spare
         results.append((wk, bk))
     np.testing.assert_allclose(results[0][0], results[1][0], rtol=1e-6, atol=1e-7)
     np.testing.assert_allclose(results[0][1], results[1][1], rtol=1e-6, atol=1e-7)
@@ -91,29 +98,63 @@ def test_adam_matches_reference(seed, n, lr, betas, weight_decay, decoupled, sca
     for kernels in (_core, _reference):
         wk = w.copy()
         m, v = np.zeros_like(w), np.zeros_like(w)
-        out = np.empty_like(w)
         for step in range(1, 4):
-            kernels.adam_step(out, wk, g, m, v, step, lr, betas[0], betas[1], 1e-8, weight_decay, decoupled, scale)
-            wk = out.copy()
+            out, m2, v2 = np.empty_like(w), np.empty_like(w), np.empty_like(w)
+            assert kernels.adam_step(out, wk, g, m2, m, v2, v, step, lr, betas[0], betas[1], 1e-8, weight_decay,
+                                     decoupled, scale)
+            wk, m, v = out, m2, v2
         results.append((wk, m, v))
     for native, reference in zip(*results):
         np.testing.assert_allclose(native, reference, rtol=2e-6, atol=1e-7)
 
 
 @pytest.mark.parametrize("kernels", [_core, _reference], ids=["native", "reference"])
+@pytest.mark.parametrize("bad", [np.nan, np.inf, -np.inf])
+@pytest.mark.parametrize("n, where", [(1, 0), (37, 36), (1000, 3), (1000, 999)])
+def test_a_refused_update_touches_no_input(kernels, bad, n, where):
+    """Every kernel reports a non-finite gradient and writes nothing but its outputs."""
+    rng = np.random.default_rng(n)
+    w, g = rng.standard_normal(n).astype(np.float32), rng.standard_normal(n).astype(np.float32)
+    g[where] = bad
+    m, v = np.abs(rng.standard_normal((2, n))).astype(np.float32)
+    before = [a.copy() for a in (w, g, m, v)]
+    scratch = [np.empty_like(w) for _ in range(3)]
+    assert kernels.sgd_step(scratch[0], w, g, None, None, 0.1) is False
+    assert kernels.sgd_step(scratch[0], w, g, scratch[1], m, 0.1, momentum=0.9) is False
+    assert kernels.sgd_step(scratch[0], w, g, None, None, 0.1, weight_decay=0.1) is False
+    assert kernels.adam_step(scratch[0], w, g, scratch[1], m, scratch[2], v, 3, 1e-3) is False
+    assert kernels.accumulate(scratch[0], m, g, 1.0, False) is False
+    assert kernels.accumulate(scratch[0], None, g, 0.5, True) is False
+    for a, b in zip((w, g, m, v), before):
+        np.testing.assert_array_equal(a, b)
+
+
+@pytest.mark.parametrize("kernels", [_core, _reference], ids=["native", "reference"])
+def test_an_update_that_would_overflow_is_refused(kernels):
+    w = np.full(8, 3e38, np.float32)
+    g = np.full(8, -1e38, np.float32)  # finite, but w - 10 * g overflows
+    out = np.empty_like(w)
+    assert kernels.sgd_step(out, w, g, None, None, 10.0) is False
+    acc = np.full(8, 3e38, np.float32)
+    assert kernels.accumulate(out, acc, np.full(8, 3e38, np.float32), 1.0, False) is False
+
+
+@pytest.mark.parametrize("kernels", [_core, _reference], ids=["native", "reference"])
 def test_argument_errors(kernels):
     w = np.zeros(4, np.float32)
     with pytest.raises(ValueError):
-        kernels.sgd_step(w, w, np.zeros(3, np.float32), None, 0.1)
+        kernels.sgd_step(w, w, np.zeros(3, np.float32), None, None, 0.1)
     with pytest.raises(ValueError):
-        kernels.sgd_step(w, w, w, None, 0.1, momentum=0.9)
+        kernels.sgd_step(w, w, w, None, None, 0.1, momentum=0.9)
     with pytest.raises(ValueError):
-        kernels.adam_step(w, w, w, w.copy(), w.copy(), 0, 0.1)
+        kernels.adam_step(w, w, w, w.copy(), w.copy(), w.copy(), w.copy(), 0, 0.1)
     with pytest.raises(ValueError):
-        kernels.accumulate(w, np.zeros(5, np.float32))
+        kernels.accumulate(w, w, np.zeros(5, np.float32))
+    with pytest.raises(ValueError):
+        kernels.accumulate(w, None, w, 1.0, False)
 
 
 def test_kernels_reject_other_dtypes():
     w = np.zeros(4, np.float64)
     with pytest.raises((ValueError, TypeError)):
-        _core.sgd_step(w, w, w, None, 0.1)
+        _core.sgd_step(w, w, w, None, None, 0.1)

@@ -17,7 +17,8 @@ def run_aps(optimizer_cls, kernels, w0, grads, out_of_place=True, **options):
     w = w0.copy()
     for g in grads:
         out = np.empty_like(w) if out_of_place else w
-        opt.step(out, w, g)
+        assert opt.step(out, w, g)
+        opt.commit()
         w = out
     return w
 
@@ -88,7 +89,8 @@ def test_scale_is_applied_before_the_optimizer(problem):
         w = w0.copy()
         for g, s in zip(grads, scales):
             out = np.empty_like(w)
-            opt.step(out, w, g, s)
+            assert opt.step(out, w, g, s)
+            opt.commit()
             w = out
         expected = run_torch(torch_cls, w0, [g * np.float32(s) for g, s in zip(grads, scales)], **options)
         np.testing.assert_allclose(w, expected, rtol=1e-5, atol=1e-6)
@@ -109,3 +111,27 @@ def test_make_optimizer_validates():
     with pytest.raises(ConfigurationError):
         make_optimizer("adam", 3, lr=0.1, momentum=0.9)
     assert _reference is not None
+
+
+def test_a_refused_step_leaves_the_optimizer_as_it_was(problem):
+    """Steps that are not committed (a refused gradient) change no state: the run
+    still equals torch.optim fed only the accepted gradients."""
+    w0, grads = problem
+    for cls, torch_cls, options in [
+        (SGD, torch.optim.SGD, {"lr": 0.05, "momentum": 0.9}),
+        (Adam, torch.optim.Adam, {"lr": 1e-3}),
+    ]:
+        opt = cls(N, kernels=_core, **options)
+        w = w0.copy()
+        for i, g in enumerate(grads):
+            out = np.empty_like(w)
+            if i % 5 == 2:
+                bad = g.copy()
+                bad[i] = np.nan
+                assert not opt.step(out, w, bad)  # not committed
+                continue
+            assert opt.step(out, w, g)
+            opt.commit()
+            w = out
+        accepted = [g for i, g in enumerate(grads) if i % 5 != 2]
+        np.testing.assert_allclose(w, run_torch(torch_cls, w0, accepted, **options), rtol=1e-5, atol=1e-6)

@@ -12,7 +12,8 @@ def make_table(n=8):
 
 def update(table, value):
     slot = table.begin_update()
-    table.optimizer.step(slot.array, table.current_array(), np.full(table.numel, -value, np.float32))
+    assert table.optimizer.step(slot.array, table.current_array(), np.full(table.numel, -value, np.float32))
+    table.optimizer.commit()
     return table.publish(slot)
 
 
