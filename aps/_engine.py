@@ -341,13 +341,17 @@ class Engine:
         values: np.ndarray,
         on_ready: ReadyCallback,
         on_error: ErrorCallback,
+        *,
+        grad: np.ndarray | None = None,
     ) -> Member:
         """Seat ``rank``; ``on_ready`` fires once training has started (at once on a rejoin).
 
         ``values`` are the worker's initial weights, used if it is the first
-        to join. Raises a ServerError (and seats nobody) when the rank or the
-        worker count is wrong; a layout that differs from the model's is
-        reported through ``on_error``.
+        to join. ``grad`` is where the worker's gradients will be (its shared
+        segment, for the shared-memory transport); by default the engine
+        allocates a buffer the transport receives into. Raises a ServerError
+        (and seats nobody) when the rank or the worker count is wrong; a
+        layout that differs from the model's is reported through ``on_error``.
         """
         if num_workers != self.num_workers:
             raise WorkerCountMismatch(
@@ -359,7 +363,7 @@ class Engine:
             raise RankTaken(f"rank {rank} is already connected")
         member = Member(rank)
         self.members[rank] = member
-        self._lane.submit(_Call(lambda: self._commit_join(member, layout, values, on_ready, on_error)))
+        self._lane.submit(_Call(lambda: self._commit_join(member, layout, values, grad, on_ready, on_error)))
         return member
 
     def leave(self, member: Member) -> None:
@@ -373,7 +377,7 @@ class Engine:
             del self.members[member.rank]
         self._lane.submit(_Call(lambda: self._commit_leave(member)))
 
-    def _commit_join(self, member, layout, values, on_ready, on_error) -> None:
+    def _commit_join(self, member, layout, values, grad, on_ready, on_error) -> None:
         if not member.connected:
             return
         try:
@@ -388,7 +392,7 @@ class Engine:
             member.connected = False
             on_error(exc)
             return
-        member.grad = np.zeros(self.layout.numel, np.float32)
+        member.grad = np.zeros(self.layout.numel, np.float32) if grad is None else grad
         member.grad_bytes = memoryview(member.grad).cast("B")
         clock = self.policy.join(member.rank)
         member.joined = True

@@ -29,7 +29,12 @@ __all__ = [
     "decode_error",
     "decode_init",
     "encode_error",
+    "decode_hello",
+    "decode_slot",
+    "encode_hello",
     "encode_init",
+    "encode_slot",
+    "host_identity",
     "is_known_op",
     "pack_header",
     "unpack_header",
@@ -55,6 +60,7 @@ class Op(IntEnum):
     LEAVE = 5
     PING = 6
     STATS = 7
+    HELLO = 8
 
     REPLY = 0x80
     INIT_REPLY = 0x81
@@ -64,10 +70,11 @@ class Op(IntEnum):
     LEAVE_REPLY = 0x85
     PING_REPLY = 0x86
     STATS_REPLY = 0x87
+    HELLO_REPLY = 0x88
     ERROR = 0xFF
 
 
-REQUEST_OPS = frozenset({Op.INIT, Op.PULL, Op.PUSH, Op.PUSH_PULL, Op.LEAVE, Op.PING, Op.STATS})
+REQUEST_OPS = frozenset({Op.INIT, Op.PULL, Op.PUSH, Op.PUSH_PULL, Op.LEAVE, Op.PING, Op.STATS, Op.HELLO})
 _KNOWN_OPS = frozenset(int(op) for op in Op)
 
 
@@ -78,6 +85,10 @@ class Flag(IntFlag):
     #: PUSH/PUSH_PULL reply: the gradient arrived for a closed BSP round and was
     #: dropped (backup workers), not applied.
     DROPPED = 1
+    #: Shared-memory transport: the array is not in the payload. On PUSH, the
+    #: gradient is in the worker's shared gradient segment; on a weights reply,
+    #: the payload is a slot descriptor (see encode_slot).
+    SHM = 2
 
 
 class DType(IntEnum):
@@ -237,3 +248,66 @@ def decode_init(payload) -> InitRequest:
             f"INIT carries {max(values, 0)} bytes of values; its layout needs {layout.nbytes}"
         )
     return InitRequest(rank, num_workers, layout, offset)
+
+
+# HELLO reply payload: u16 length + UTF-8 host identity, u16 length + UTF-8
+# path of the server's Unix socket ("" when it has none).
+_U16 = struct.Struct("<H")
+
+
+def host_identity() -> str:
+    """Who this host is, this boot: equal on both ends exactly when they share a kernel."""
+    import socket
+
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as fh:
+            boot = fh.read().strip()
+    except OSError:
+        boot = ""
+    return f"{socket.gethostname()}/{boot}"
+
+
+def encode_hello(host: str, unix_path: str) -> bytes:
+    parts = []
+    for text in (host, unix_path):
+        raw = text.encode("utf-8")
+        parts += [_U16.pack(len(raw)), raw]
+    return b"".join(parts)
+
+
+def decode_hello(payload) -> tuple[str, str]:
+    view = memoryview(payload)
+    fields, offset = [], 0
+    try:
+        for _ in range(2):
+            (size,) = _U16.unpack_from(view, offset)
+            offset += 2
+            if offset + size > len(view):
+                raise MalformedFrame("HELLO reply is truncated")
+            fields.append(bytes(view[offset : offset + size]).decode("utf-8"))
+            offset += size
+    except (struct.error, UnicodeDecodeError) as exc:
+        raise MalformedFrame(f"HELLO reply cannot be parsed: {exc}") from None
+    return fields[0], fields[1]
+
+
+# Shared-memory weights reply payload: u64 slot id, u64 slot bytes, u32 flags
+# (bit 0: the slot's file descriptor comes with this frame), u32 n, then n u64
+# ids of slots the worker may unmap.
+_SLOT = struct.Struct("<QQII")
+SLOT_HAS_FD = 1
+
+
+def encode_slot(slot_id: int, nbytes: int, has_fd: bool, dropped: list[int]) -> bytes:
+    return _SLOT.pack(slot_id, nbytes, SLOT_HAS_FD if has_fd else 0, len(dropped)) + struct.pack(
+        f"<{len(dropped)}Q", *dropped
+    )
+
+
+def decode_slot(payload) -> tuple[int, int, bool, list[int]]:
+    try:
+        slot_id, nbytes, flags, count = _SLOT.unpack_from(payload, 0)
+        dropped = list(struct.unpack_from(f"<{count}Q", payload, _SLOT.size))
+    except struct.error as exc:
+        raise MalformedFrame(f"slot descriptor cannot be parsed: {exc}") from None
+    return slot_id, nbytes, bool(flags & SLOT_HAS_FD), dropped

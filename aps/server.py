@@ -21,7 +21,7 @@ from ._engine import Engine, _run_kernel
 from .config import ServerConfig
 from .errors import APSError, ConfigurationError
 from .transport.address import format_address
-from .transport.tcp import ServerConnection
+from .transport.tcp import TcpSession
 
 __all__ = ["Server", "new_event_loop"]
 
@@ -56,7 +56,7 @@ class Server:
             config = config.replace(**options)
         self.config = config
         self.engine: Engine | None = None
-        self.connections: set[ServerConnection] = set()
+        self.connections: set = set()
         self._loop: asyncio.AbstractEventLoop | None = None
         self._listener: asyncio.base_events.Server | None = None
         self._executor: ThreadPoolExecutor | None = None
@@ -85,7 +85,7 @@ class Server:
         max_payload = self.config.max_frame_bytes
         try:
             self._listener = await loop.create_server(
-                lambda: ServerConnection(self.engine, max_payload, self.connections),
+                lambda: TcpSession(self.engine, max_payload, self.connections),
                 self.config.host,
                 self.config.port,
                 reuse_address=True,

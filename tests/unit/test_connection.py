@@ -9,7 +9,7 @@ from aps._engine import Engine
 from aps.config import ServerConfig
 from aps.layout import Layout
 from aps.protocol import HEADER_SIZE, DType, Op, encode_init, pack_header, unpack_header
-from aps.transport.tcp import ServerConnection
+from aps.transport.tcp import TcpSession
 
 
 class FakeTransport:
@@ -65,7 +65,7 @@ def loop():
 
 
 def connect(engine, loop):
-    conn = ServerConnection(engine, 1 << 30, set())
+    conn = TcpSession(engine, 1 << 30, set())
     transport = FakeTransport()
     conn.connection_made(transport)
     return conn, transport

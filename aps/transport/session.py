@@ -1,0 +1,408 @@
+"""The server side of one worker connection, whatever carries its frames.
+
+:class:`ServerSession` parses frames (with the one :class:`FrameReader`),
+answers each request through the engine, and writes replies; a subclass
+supplies the byte transport: TCP (``aps.transport.tcp``) or a Unix socket
+with shared memory (``aps.transport.shm``). A session handles one request at
+a time, in order (a worker never has two in flight): bytes a peer sends
+early wait in the reader's staging buffer, and reading pauses if that fills.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from ..errors import (
+    DTypeMismatch,
+    InternalServerError,
+    MalformedFrame,
+    NotInitialized,
+    OutOfOrder,
+    ServerError,
+    ShuttingDown,
+    UnknownOp,
+)
+from ..protocol import (
+    REQUEST_OPS,
+    DType,
+    Flag,
+    Header,
+    InitRequest,
+    Op,
+    decode_init,
+    encode_error,
+    encode_hello,
+    host_identity,
+    is_known_op,
+    pack_header,
+)
+from .framing import FrameReader
+
+if TYPE_CHECKING:
+    from .._engine import Engine, Member, PushResult, StreamingPush
+    from ..table import Snapshot
+
+__all__ = ["ServerSession", "dtype_name"]
+
+log = logging.getLogger("aps.server")
+
+_INIT_HEAD_BYTES = 16
+_GRADIENT_OPS = frozenset({Op.PUSH, Op.PUSH_PULL})
+_FLOAT32 = int(DType.FLOAT32)
+
+
+def dtype_name(code: int) -> str:
+    try:
+        return DType(code).name.lower()
+    except ValueError:
+        return f"unknown dtype code {code}"
+
+
+class ServerSession:
+    """Requests and replies of one connection; subclasses move the bytes.
+
+    Subclasses implement :meth:`_can_write`, :meth:`_write`,
+    :meth:`_send_weights`, :meth:`close`, :meth:`_pause_reading`,
+    :meth:`_resume_reading` and :meth:`_gradient_destination`, and call
+    :meth:`_bytes_arrived` and :meth:`_connection_lost`.
+
+    Args:
+        engine: the server's engine.
+        max_payload: the frame limit.
+        registry: the server's set of open sessions (this adds and removes itself).
+        unix_path: the server's Unix socket for co-located workers ("" if none),
+            announced in HELLO replies.
+    """
+
+    #: The transport's name, in logs.
+    kind = "?"
+
+    def __init__(self, engine: Engine, max_payload: int, registry: set, unix_path: str = "") -> None:
+        self.engine = engine
+        self._stats = engine.stats
+        self.registry = registry
+        self.unix_path = unix_path
+        self.reader = FrameReader(self, max_payload=max_payload)
+        self.member: Member | None = None
+        self.peer = "?"
+        self._loop = asyncio.get_event_loop()
+        self._pending_error: ServerError | None = None
+        self._dispatching = False
+        self._reading_paused = False
+        self._writing = False  # the transport still holds unsent output
+        self._deferred = False  # a request finished while writing: resume after the drain
+        self._fatal_sent = False
+        self._lost = False
+        self.last_heard = self._loop.time()
+        # A large gradient's update, computed while it arrives when the engine allows it.
+        self._stream: StreamingPush | None = None
+        # The request being handled (a session handles one at a time).
+        self._rid = 0
+        self._dropped = False
+        self._handlers = {
+            Op.PING: self._on_ping,
+            Op.HELLO: self._on_hello,
+            Op.INIT: self._on_init,
+            Op.PULL: self._on_pull,
+            Op.PUSH: self._on_push,
+            Op.PUSH_PULL: self._on_push_pull,
+            Op.LEAVE: self._on_leave,
+            Op.STATS: self._on_stats,
+        }
+
+    # Transport interface ------------------------------------------------------
+    def _can_write(self) -> bool:
+        raise NotImplementedError
+
+    def _write(self, data: bytes) -> None:
+        """Write a small frame (header and short payload)."""
+        raise NotImplementedError
+
+    def _send_weights(self, op: int, snap: Snapshot, clock: int, flags: int) -> None:
+        """Send the weights of ``snap``, keeping or releasing the lease as the transport needs."""
+        raise NotImplementedError
+
+    def _gradient_destination(self, member: Member, header: Header) -> memoryview | None:
+        """Where a PUSH payload goes (None: there is none); raises a ServerError if malformed."""
+        raise NotImplementedError
+
+    def _gradient_buffer(self, request: InitRequest) -> np.ndarray | None:
+        """The buffer this worker's gradients will be in (None: the engine allocates one)."""
+        return None
+
+    def _pause_reading(self) -> None:
+        raise NotImplementedError
+
+    def _resume_reading(self) -> None:
+        raise NotImplementedError
+
+    def close(self) -> None:
+        raise NotImplementedError
+
+    def _release_leases(self) -> None:
+        """End every lease the transport still holds."""
+
+    # Events from the transport ------------------------------------------------
+    def _bytes_arrived(self, nbytes: int) -> None:
+        self.last_heard = self._loop.time()
+        self._stats.bytes_in += nbytes
+        try:
+            self.reader.buffer_updated(nbytes)
+        except ServerError as exc:
+            self._fatal(exc)
+            return
+        except Exception as exc:
+            log.exception("%s: internal error while reading", self._who())
+            self._fatal(InternalServerError(f"internal error: {exc}"))
+            return
+        self._maybe_pause_reading()
+
+    def _connection_lost(self, exc: Exception | None) -> None:
+        if self._lost:
+            return
+        if self.reader.in_frame and not self._fatal_sent:
+            log.warning("%s: connection lost in the middle of a frame; the partial frame is discarded", self._who())
+        elif exc is not None:
+            log.info("%s: connection lost: %s", self._who(), exc)
+        else:
+            log.debug("%s: disconnected", self._who())
+        if self._stream is not None:
+            self._stream.abort()
+            self._stream = None
+        if self.member is not None:
+            self.engine.leave(self.member)
+            self.member = None
+        self._lost = True
+        self._release_leases()
+        self.registry.discard(self)
+
+    def _output_drained(self) -> None:
+        """Everything written so far has left: a request that finished meanwhile lets the next frame in."""
+        self._writing = False
+        self._release_leases()
+        if self._deferred:
+            self._deferred = False
+            self._loop.call_soon(self._resume)
+
+    # Server control -------------------------------------------------------------
+    def shut_down(self) -> None:
+        """The server is stopping: say so, then close."""
+        if self._can_write():
+            self._reply_error(0, ShuttingDown("the server is shutting down"))
+        self.close()
+
+    def check_heartbeat(self, now: float, timeout: float) -> None:
+        """Close the connection if the peer has been silent for ``timeout`` seconds
+        while none of its requests is pending (a request waiting at the gate counts
+        as alive: the wait is the server's)."""
+        if self.reader.held or self._lost or now - self.last_heard <= timeout:
+            return
+        log.warning("%s: nothing heard for %.0f s (missed heartbeats): closing", self._who(), now - self.last_heard)
+        self.close()
+
+    # FrameHandler ---------------------------------------------------------
+    def frame_buffer(self, header: Header) -> memoryview | None:
+        op, length = header.op, header.length
+        dest: memoryview | None = None
+        try:
+            if op not in REQUEST_OPS:
+                kind = "a reply" if is_known_op(op) else "unknown"
+                raise UnknownOp(f"op code {op} is {kind}, not a request")
+            if op in _GRADIENT_OPS:
+                member = self.member
+                if member is None or member.grad is None:
+                    raise NotInitialized(f"{Op(op).name} before a successful INIT")
+                if header.dtype != _FLOAT32:
+                    raise DTypeMismatch(f"gradient dtype is {dtype_name(header.dtype)}; the model is float32")
+                dest = self._gradient_destination(member, header)
+            elif op == Op.INIT:
+                if self.member is not None:
+                    raise OutOfOrder(f"this connection already joined as rank {self.member.rank}")
+                if header.dtype != _FLOAT32:
+                    raise DTypeMismatch(f"initial weights dtype is {dtype_name(header.dtype)}; models are float32")
+                if length < _INIT_HEAD_BYTES:
+                    raise MalformedFrame(f"INIT payload of {length} bytes is too short")
+                dest = memoryview(np.empty(length, np.uint8))
+            elif length:
+                raise MalformedFrame(f"{Op(op).name} carries no payload, got {length} bytes")
+        except ServerError as exc:
+            self._pending_error = exc
+            return None
+        self._pending_error = None
+        return dest
+
+    def payload_progress(self, filled: int) -> None:
+        stream = self._stream
+        if stream is not None:
+            stream.feed(filled >> 2)  # whole floats only; the update checks each one
+
+    def frame_received(self, header: Header, payload: memoryview) -> None:
+        stream, self._stream = self._stream, None
+        error = self._pending_error
+        if error is not None:
+            self._pending_error = None
+            self._reply_error(header.request_id, error)
+            return
+        # One request at a time: later frames wait in the reader until _done().
+        self.reader.hold()
+        self._rid = header.request_id
+        self._dispatching = True
+        try:
+            self._handlers[header.op](header, payload, stream)
+        except ServerError as exc:
+            if stream is not None:
+                stream.abort()
+            self._fail(exc)
+        except Exception as exc:
+            log.exception("%s: internal error handling %s", self._who(), Op(header.op).name)
+            self._fail(InternalServerError(f"internal error: {exc}"))
+        finally:
+            self._dispatching = False
+
+    # Requests (the current one's id is self._rid) ------------------------------
+    def _on_ping(self, header: Header, payload: memoryview, stream) -> None:
+        self._reply(Op.PING_REPLY, version=self.engine.version)
+
+    def _on_hello(self, header: Header, payload: memoryview, stream) -> None:
+        self._reply(Op.HELLO_REPLY, payload=encode_hello(host_identity(), self.unix_path))
+
+    def _on_init(self, header: Header, payload: memoryview, stream) -> None:
+        request = decode_init(payload)
+        values = np.frombuffer(payload, np.float32, count=request.layout.numel, offset=request.values_offset)
+        member = self.engine.join(
+            request.rank,
+            request.num_workers,
+            request.layout,
+            values,
+            self._send_init_reply,
+            self._init_failed,
+            grad=self._gradient_buffer(request),
+        )
+        if member.connected:  # not refused while joining
+            self.member = member
+            log.debug("%s: INIT as rank %d over %s", self.peer, member.rank, self.kind)
+
+    def _on_pull(self, header: Header, payload: memoryview, stream) -> None:
+        self.engine.pull(self._require_member(), self._send_pull_reply)
+
+    def _on_push(self, header: Header, payload: memoryview, stream) -> None:
+        self.engine.push(self._require_member(), header.version, self._send_push_reply, self._fail, stream=stream)
+
+    def _on_push_pull(self, header: Header, payload: memoryview, stream) -> None:
+        self.engine.push(self._require_member(), header.version, self._pushed_then_pull, self._fail, stream=stream)
+
+    def _on_leave(self, header: Header, payload: memoryview, stream) -> None:
+        member = self._require_member()
+        self.member = None
+        self.engine.leave(member)
+        self._reply(Op.LEAVE_REPLY)
+
+    def _on_stats(self, header: Header, payload: memoryview, stream) -> None:
+        snapshot = self.engine.stats_snapshot()
+        self._reply(Op.STATS_REPLY, version=self.engine.version, payload=json.dumps(snapshot).encode())
+
+    def _require_member(self) -> Member:
+        if self.member is None:
+            raise NotInitialized("request before a successful INIT")
+        return self.member
+
+    # Replies: each one ends the current request -----------------------------------
+    def _pushed_then_pull(self, result: PushResult) -> None:
+        if self.member is None:  # the connection went away while the push was in the lane
+            self._done()
+            return
+        self._dropped = result.dropped
+        self.engine.pull(self.member, self._send_push_pull_reply)
+
+    def _send_push_reply(self, result: PushResult) -> None:
+        flags = Flag.DROPPED if result.dropped else 0
+        self._reply(Op.PUSH_REPLY, clock=result.clock, version=result.version, flags=flags)
+
+    def _send_init_reply(self, snap: Snapshot, clock: int) -> None:
+        self._reply_weights(Op.INIT_REPLY, snap, clock, 0)
+
+    def _send_pull_reply(self, snap: Snapshot, clock: int) -> None:
+        self._reply_weights(Op.PULL_REPLY, snap, clock, 0)
+
+    def _send_push_pull_reply(self, snap: Snapshot, clock: int) -> None:
+        self._reply_weights(Op.PUSH_PULL_REPLY, snap, clock, Flag.DROPPED if self._dropped else 0)
+
+    def _init_failed(self, exc: ServerError) -> None:
+        self.member = None
+        self._fail(exc)
+
+    def _fail(self, exc: ServerError) -> None:
+        self._reply_error(self._rid, exc)
+        self._done()
+
+    def _reply(self, op: int, *, clock: int = 0, version: int = 0, flags: int = 0, payload: bytes = b"") -> None:
+        if self._can_write():
+            frame = pack_header(op, flags, 0, self._rid, clock, version, len(payload)) + payload
+            self._stats.bytes_out += len(frame)
+            self._write(frame)
+        self._done()
+
+    def _reply_weights(self, op: int, snap: Snapshot, clock: int, flags: int) -> None:
+        if not self._can_write():
+            snap.release()
+        else:
+            self._send_weights(op, snap, clock, flags)
+        self._done()
+
+    def _reply_error(self, rid: int, exc: ServerError) -> None:
+        """Send an error frame (does not end the request: callers decide)."""
+        log.warning("%s: %s: %s", self._who(), exc.code.name, exc.message)
+        if self._can_write():
+            payload = encode_error(exc.code, exc.message)
+            frame = pack_header(Op.ERROR, 0, 0, rid, 0, 0, len(payload)) + payload
+            self._stats.bytes_out += len(frame)
+            self._write(frame)
+
+    def _fatal(self, exc: ServerError) -> None:
+        """Framing is lost: say why, then close this connection (only this one)."""
+        if self._fatal_sent:
+            return
+        self._fatal_sent = True
+        self._reply_error(0, exc)
+        self.reader.hold()
+        self.close()
+
+    def _done(self) -> None:
+        """The current request is answered: go on with the next frame.
+
+        Not before the reply has left, though: a client that sends requests
+        without reading replies would otherwise pin a snapshot slot per reply.
+        """
+        if self._writing:
+            self._deferred = True
+        elif self._dispatching:
+            self.reader.release(parse=False)
+        else:
+            self._loop.call_soon(self._resume)
+
+    def _resume(self) -> None:
+        if self._lost or not self._can_write() or not self.reader.held:
+            return
+        try:
+            self.reader.release()
+        except ServerError as exc:
+            self._fatal(exc)
+            return
+        if self._reading_paused and not self.reader.staging_full():
+            self._reading_paused = False
+            self._resume_reading()
+        self._maybe_pause_reading()
+
+    def _maybe_pause_reading(self) -> None:
+        if not self._reading_paused and self.reader.held and self.reader.staging_full():
+            self._reading_paused = True
+            self._pause_reading()
+
+    def _who(self, member: Member | None = None) -> str:
+        member = member or self.member
+        return f"{self.peer} (rank {member.rank})" if member is not None else self.peer
