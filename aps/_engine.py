@@ -219,7 +219,8 @@ class Engine:
         offload_threshold: kernels over at least this many elements are offloaded.
         kernels: the native module or its reference twin.
         window_type: the StalenessWindow implementation (defaults to ``kernels``').
-        allocate: allocator for the table's snapshot slots.
+        allocate: allocator of the table's snapshot slots (memory blocks, see
+            :class:`aps.table.HeapBlock`).
     """
 
     def __init__(
@@ -231,7 +232,7 @@ class Engine:
         offload_threshold: int = 1 << 18,
         kernels: ModuleType = _core,
         window_type: type | None = None,
-        allocate: Callable[[int], np.ndarray] | None = None,
+        allocate: Callable[[int], object] | None = None,
     ) -> None:
         self.config = config
         self.num_workers = config.workers

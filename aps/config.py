@@ -107,6 +107,14 @@ class ServerConfig:
         default=(0.9, 0.999), metadata=_opt("Adam coefficients beta1,beta2", metavar="B1,B2")
     )
     eps: float = field(default=1e-8, metadata=_opt("Adam epsilon"))
+    unix_socket: str = field(
+        default="auto",
+        metadata=_opt(
+            "Unix socket for co-located workers (shared memory): a path, auto "
+            "($XDG_RUNTIME_DIR or the temp dir, /aps-UID/PORT.sock), or none",
+            metavar="PATH",
+        ),
+    )
     heartbeat_timeout: float = field(
         default=30.0,
         metadata=_opt(

@@ -21,6 +21,7 @@ from ._engine import Engine, _run_kernel
 from .config import ServerConfig
 from .errors import APSError, ConfigurationError
 from .transport.address import format_address
+from .transport.shm import Segment, ShmSession, UnixListener, default_socket_path, shm_available
 from .transport.tcp import TcpSession
 
 __all__ = ["Server", "new_event_loop"]
@@ -62,7 +63,10 @@ class Server:
         self._executor: ThreadPoolExecutor | None = None
         self._stopping: asyncio.Event | None = None
         self._watchdog: asyncio.Task | None = None
+        self._unix: UnixListener | None = None
         self._port: int | None = None
+        #: The Unix socket co-located workers reach the server by ("" without one).
+        self.unix_path = ""
 
     @property
     def address(self) -> str:
@@ -81,27 +85,40 @@ class Server:
         loop = self._loop = asyncio.get_running_loop()
         self._stopping = asyncio.Event()
         self._executor = ThreadPoolExecutor(1, thread_name_prefix="aps-update")
-        self.engine = Engine(self.config, offload=self._offload)
-        max_payload = self.config.max_frame_bytes
+        config = self.config
+        shared = config.unix_socket != "none" and shm_available()
+        allocate = (lambda numel: Segment.create(numel, "aps-slot")) if shared else None
+        self.engine = Engine(config, offload=self._offload, allocate=allocate)
+        max_payload = config.max_frame_bytes
         try:
             self._listener = await loop.create_server(
-                lambda: TcpSession(self.engine, max_payload, self.connections),
-                self.config.host,
-                self.config.port,
+                lambda: TcpSession(self.engine, max_payload, self.connections, self.unix_path),
+                config.host,
+                config.port,
                 reuse_address=True,
             )
         except OSError as exc:
             self._executor.shutdown(wait=False)
-            raise ConfigurationError(
-                f"cannot listen on {self.config.host}:{self.config.port}: {exc.strerror or exc}"
-            ) from None
+            raise ConfigurationError(f"cannot listen on {config.host}:{config.port}: {exc.strerror or exc}") from None
         self._port = self._listener.sockets[0].getsockname()[1]
         self.engine.address = self.address
+        if shared:
+            path = default_socket_path(self._port) if config.unix_socket == "auto" else config.unix_socket
+            try:
+                self._unix = UnixListener(
+                    path, lambda sock: ShmSession(self.engine, max_payload, self.connections, sock)
+                )
+            except (OSError, ConfigurationError) as exc:
+                self._listener.close()
+                self._executor.shutdown(wait=False)
+                raise ConfigurationError(f"cannot listen on {path}: {exc}") from None
+            self.unix_path = path
         if self.config.heartbeat_timeout > 0:
             self._watchdog = loop.create_task(self._watch_heartbeats(self.config.heartbeat_timeout))
         log.info(
-            "listening on %s: %d workers, sync %s, optimizer %s lr=%g",
+            "listening on %s%s: %d workers, sync %s, optimizer %s lr=%g",
             self.address,
+            f" and {self.unix_path} (shared memory)" if self.unix_path else "",
             self.config.workers,
             self.config.sync,
             self.config.optimizer,
@@ -153,8 +170,14 @@ class Server:
             self._watchdog = None
         if self._listener is not None:
             self._listener.close()
-        for conn in list(self.connections):
-            conn.shut_down()
+        if self._unix is not None:
+            self._unix.close()
+            self._unix = None
+        sessions = list(self.connections)
+        for conn in sessions:
+            conn.announce_shutdown()
+        for conn in sessions:
+            conn.close()
         if self._listener is not None:
             await self._listener.wait_closed()
             self._listener = None
@@ -164,6 +187,8 @@ class Server:
         if self._executor is not None:
             self._executor.shutdown(wait=True)
             self._executor = None
+        if self.engine is not None and self.engine.table is not None:
+            self.engine.table.close()
         log.info("server stopped")
 
     async def serve(self, announce: Callable[[str], None] | None = None) -> None:

@@ -6,48 +6,22 @@ import argparse
 import json
 import time
 
-from .errors import MalformedFrame, error_from_code
-from .protocol import Header, Op, decode_error, pack_header
+from .protocol import Op
 from .stats import format_stats
 from .transport.address import parse_address
-from .transport.framing import FrameReader
-from .transport.tcp import BlockingConnection
+from .transport.tcp import BlockingConnection, exchange
 
 __all__ = ["fetch_stats", "main"]
-
-_MAX_STATS_BYTES = 64 << 20
-
-
-class _StatsReply:
-    def __init__(self) -> None:
-        self.header: Header | None = None
-        self.payload = b""
-
-    def frame_buffer(self, header: Header) -> memoryview:
-        if header.length > _MAX_STATS_BYTES:
-            raise MalformedFrame(f"stats reply of {header.length} bytes")
-        return memoryview(bytearray(header.length))
-
-    def frame_received(self, header: Header, payload: memoryview) -> None:
-        self.header, self.payload = header, bytes(payload)
-
 
 def fetch_stats(address: str, timeout: float = 10.0) -> dict:
     """The statistics of the server at ``address`` (``tcp://HOST:PORT``), as ``Server.stats()`` returns them."""
     parsed = parse_address(address)
     conn = BlockingConnection(parsed.host, parsed.port, timeout)
     try:
-        reply = _StatsReply()
-        reader = FrameReader(reply)
-        conn.send([pack_header(Op.STATS, request_id=1)])
-        conn.receive(reader, lambda: reply.header is not None, timeout)
+        _, payload = exchange(conn, Op.STATS, timeout)
     finally:
         conn.close()
-    if reply.header.op == Op.ERROR:
-        raise error_from_code(*decode_error(reply.payload))
-    if reply.header.op != Op.STATS_REPLY:
-        raise MalformedFrame(f"unexpected reply op {reply.header.op} to STATS")
-    return json.loads(reply.payload)
+    return json.loads(payload)
 
 
 def add_status_arguments(parser: argparse.ArgumentParser) -> None:

@@ -17,6 +17,7 @@ reads no further request until its reply has left).
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Callable
 
 import numpy as np
@@ -27,12 +28,33 @@ from .optim import Optimizer
 __all__ = ["ParameterTable", "Snapshot"]
 
 
-class _Slot:
-    __slots__ = ("array", "bytes", "leases")
+class HeapBlock:
+    """A slot's memory when nothing needs to share it: a plain array.
 
-    def __init__(self, array: np.ndarray) -> None:
-        self.array = array
-        self.bytes = memoryview(array).cast("B")
+    The table accepts any block with the same attributes; the shared-memory
+    transport gives it :class:`aps.transport.shm.Segment` (a memfd).
+    """
+
+    __slots__ = ("id", "fd", "array", "nbytes")
+    _ids = itertools.count(1)
+
+    def __init__(self, numel: int) -> None:
+        self.id = next(self._ids)
+        self.fd = -1
+        self.array = np.empty(numel, np.float32)
+        self.nbytes = self.array.nbytes
+
+    def close(self) -> None:
+        pass
+
+
+class _Slot:
+    __slots__ = ("block", "array", "bytes", "leases")
+
+    def __init__(self, block) -> None:
+        self.block = block
+        self.array = block.array
+        self.bytes = memoryview(block.array).cast("B")
         self.leases = 0
 
 
@@ -60,6 +82,11 @@ class Snapshot:
     def bytes(self) -> memoryview:
         return self._slot.bytes
 
+    @property
+    def segment(self):
+        """The memory block holding these weights (its ``id``, and ``fd`` when shared)."""
+        return self._slot.block
+
     def release(self) -> None:
         """End the lease (idempotent)."""
         slot, self._slot = self._slot, None
@@ -80,8 +107,9 @@ class ParameterTable:
         layout: the model's layout.
         initial: the initial flat weights (copied).
         optimizer: the update rule and its state.
-        allocate: returns a new float32 vector of the given length (the default
-            allocates process memory; the shared-memory transport passes its own).
+        allocate: returns a new memory block of the given length in float32
+            elements (:class:`HeapBlock` by default; the shared-memory
+            transport allocates memfd segments that workers can map).
     """
 
     def __init__(
@@ -89,13 +117,13 @@ class ParameterTable:
         layout: Layout,
         initial: np.ndarray,
         optimizer: Optimizer,
-        allocate: Callable[[int], np.ndarray] | None = None,
+        allocate: Callable[[int], object] | None = None,
     ) -> None:
         if initial.shape != (layout.numel,):
             raise ValueError(f"initial weights have shape {initial.shape}, the layout needs ({layout.numel},)")
         self.layout = layout
         self.optimizer = optimizer
-        self._allocate = allocate or (lambda n: np.empty(n, np.float32))
+        self._allocate = allocate or HeapBlock
         self._slots: list[_Slot] = []
         self._current = self._new_slot()
         np.copyto(self._current.array, initial)
@@ -133,6 +161,7 @@ class ParameterTable:
         if len(free) > 2:
             for extra in free[2:]:
                 self._slots.remove(extra)
+                extra.block.close()
         slot = free[0] if free else self._new_slot()
         slot.leases = 1  # reserved for the writer until publish/abandon
         return slot
@@ -147,6 +176,15 @@ class ParameterTable:
     def abandon(self, slot: _Slot) -> None:
         """Give back a slot from :meth:`begin_update` without publishing it."""
         slot.leases -= 1
+
+    def slot_ids(self) -> set[int]:
+        """The ids of the blocks of every slot the table keeps."""
+        return {slot.block.id for slot in self._slots}
+
+    def close(self) -> None:
+        """Give back every block (the server is stopping)."""
+        for slot in self._slots:
+            slot.block.close()
 
     def _new_slot(self) -> _Slot:
         slot = _Slot(self._allocate(self.layout.numel))

@@ -37,13 +37,15 @@ from .errors import (
     NotInitialized,
     ProtocolError,
     RankTaken,
+    ServerError,
     error_from_code,
 )
 from .layout import Layout
-from .protocol import DType, Flag, Header, Op, decode_error, encode_init, pack_header
+from .protocol import DType, Flag, Header, Op, decode_error, decode_hello, decode_slot, encode_init, host_identity, pack_header
 from .transport.address import parse_address
 from .transport.framing import FrameReader
-from .transport.tcp import AsyncConnection, BlockingConnection
+from .transport.shm import ShmConnection, shm_available
+from .transport.tcp import AsyncConnection, BlockingConnection, exchange
 
 __all__ = ["AsyncWorker", "Worker"]
 
@@ -57,6 +59,7 @@ _ERROR = int(Op.ERROR)
 _REPLY = int(Op.REPLY)
 _DROPPED = int(Flag.DROPPED)
 _FLOAT32 = int(DType.FLOAT32)
+_SHM = int(Flag.SHM)
 _MAX_ERROR_PAYLOAD = 1 << 20
 _REJOIN_PATIENCE = 5.0  # seconds reconnect() waits for the server to let the old connection go
 _REQUEST_ID_MASK = 0xFFFFFFFF
@@ -70,8 +73,16 @@ def _check_heartbeat(heartbeat: float | None) -> None:
 def _check_transport(transport: str) -> None:
     if transport not in _TRANSPORTS:
         raise ConfigurationError(f"unknown transport {transport!r}: choose from {', '.join(_TRANSPORTS)}")
-    if transport == "shm":
-        raise ConfigurationError("the shared-memory transport is not available in this version; use 'tcp' or 'auto'")
+
+
+def _server_unix_path(tcp: BlockingConnection, timeout: float | None) -> str:
+    """The server's Unix socket when it shares this host (asked with HELLO), else ""."""
+    try:
+        _, payload = exchange(tcp, Op.HELLO, timeout)
+    except ServerError:  # a server that does not know HELLO has no shared memory either
+        return ""
+    host, path = decode_hello(payload)
+    return path if host == host_identity() else ""
 
 
 class _ClientCore:
@@ -103,13 +114,24 @@ class _ClientCore:
         self._payload: memoryview | None = None
         self._init_block: bytes = b""
         self.connection_lost = False
+        #: The shared-memory connection, when the worker shares the server's host.
+        self.shm: ShmConnection | None = None
+        self._fds: tuple[int, ...] = ()
+
+    def take_fds(self) -> tuple[int, ...]:
+        """Descriptors the last request must carry (its gradient segment, for INIT over shm)."""
+        fds, self._fds = self._fds, ()
+        return fds
 
     # Requests -------------------------------------------------------------
-    def _header(self, op: int, length: int = 0, dtype: int = 0) -> bytes:
+    def _next_request(self, op: int) -> int:
         self._request_id = rid = (self._request_id + 1) & _REQUEST_ID_MASK
         self._expect = op | _REPLY
         self._reply = None
-        return pack_header(op, 0, dtype, rid, self.clock, self.version, length)
+        return rid
+
+    def _header(self, op: int, length: int = 0, dtype: int = 0) -> bytes:
+        return pack_header(op, 0, dtype, self._next_request(op), self.clock, self.version, length)
 
     def init_request(self, params: Mapping[str, Any] | None) -> list:
         if params is not None:
@@ -124,6 +146,8 @@ class _ClientCore:
         elif self.layout is None:
             raise NotInitialized("no model to join with: call init(params) first")
         block = self._init_block
+        if self.shm is not None:
+            self._fds = (self.shm.grad_segment.fd,)
         return [self._header(Op.INIT, len(block) + self.layout.nbytes, DType.FLOAT32), block, self._weights_bytes]
 
     def pull_request(self) -> list:
@@ -134,6 +158,15 @@ class _ClientCore:
         self._require_layout()
         buffers = self._gradient_buffers(grads)
         op = Op.PUSH_PULL if then_pull else Op.PUSH
+        if self.shm is not None:
+            # The gradient must be in the shared segment: it is, unless the
+            # caller computed it elsewhere (then one copy puts it there).
+            if buffers[0] is not self._grad_bytes:
+                offset = 0
+                for view in buffers:
+                    self._grad_bytes[offset : offset + len(view)] = view
+                    offset += len(view)
+            return [pack_header(op, _SHM, _FLOAT32, self._next_request(op), self.clock, self.version, 0)]
         return [self._header(op, self.layout.nbytes, DType.FLOAT32), *buffers]
 
     def simple_request(self, op: Op) -> list:
@@ -169,7 +202,10 @@ class _ClientCore:
             return
         self.layout = layout
         self.flat_weights = np.zeros(layout.numel, np.float32)
-        self.flat_grad = np.zeros(layout.numel, np.float32)
+        if self.shm is not None:  # gradients are written straight into shared memory
+            self.flat_grad = self.shm.gradient_buffer(layout.numel, self.rank)
+        else:
+            self.flat_grad = np.zeros(layout.numel, np.float32)
         self._weights_bytes = memoryview(self.flat_weights).cast("B")
         self._grad_bytes = memoryview(self.flat_grad).cast("B")
         # Read-only mappings: the views are fixed; write into them, never replace them.
@@ -183,6 +219,10 @@ class _ClientCore:
                 raise MalformedFrame(f"error frame of {header.length} bytes")
             return memoryview(bytearray(header.length))
         if header.op in _WEIGHT_REPLIES:
+            if header.flags & _SHM:  # a slot descriptor: the weights are in shared memory
+                if self.shm is None or header.length > _MAX_ERROR_PAYLOAD:
+                    raise MalformedFrame("unexpected shared-memory weights reply")
+                return memoryview(bytearray(header.length))
             if header.dtype != _FLOAT32 or header.length != len(self._weights_bytes):
                 raise MalformedFrame(
                     f"weights reply of {header.length} bytes; the model has {len(self._weights_bytes)}"
@@ -198,6 +238,12 @@ class _ClientCore:
                 raise ProtocolError(f"reply to request {header.request_id}, expected {self._request_id}")
             if header.op != self._expect and header.op != _ERROR:
                 raise ProtocolError(f"reply op {header.op} to a request expecting {self._expect}")
+        if header.flags & _SHM and header.op in _WEIGHT_REPLIES:
+            # One copy out of the leased snapshot slot into this worker's weights.
+            slot_id, nbytes, has_fd, dropped = decode_slot(payload)
+            if nbytes != self.flat_weights.nbytes:
+                raise MalformedFrame(f"slot of {nbytes} bytes; the model has {self.flat_weights.nbytes}")
+            np.copyto(self.flat_weights, self.shm.slot(slot_id, nbytes, has_fd, dropped))
         self._reply = header
         self._payload = payload
 
@@ -339,9 +385,9 @@ class Worker(_WorkerBase):
         self.timeout = timeout
         self._lock = threading.RLock()  # one request at a time, heartbeats included
         self._last_io = time.monotonic()
-        self._conn: BlockingConnection | None = BlockingConnection(
-            self._parsed.host, self._parsed.port, connect_timeout
-        )
+        self._conn: BlockingConnection | ShmConnection | None = self._open(transport)
+        #: "shm" or "tcp": what this worker uses (``transport="auto"`` decides at connection).
+        self.transport = "shm" if self._core.shm is not None else "tcp"
         self._stop = threading.Event()
         if heartbeat is not None:
             threading.Thread(
@@ -408,7 +454,7 @@ class Worker(_WorkerBase):
         while True:
             with self._lock:
                 self._disconnect()
-                self._conn = BlockingConnection(self._parsed.host, self._parsed.port, self._connect_timeout)
+                self._conn = self._open(self.transport)
             try:
                 return self.init(None, timeout=timeout)  # type: ignore[arg-type]
             except RankTaken:
@@ -444,7 +490,7 @@ class Worker(_WorkerBase):
             if conn is None:
                 raise APSConnectionError("the worker is disconnected; call reconnect()")
             try:
-                conn.send(buffers)
+                conn.send(buffers, core.take_fds())
                 conn.receive(core.reader, core.has_reply, timeout)
             except BaseException:
                 # Interrupted mid-request (an error, a timeout, Ctrl-C): the
@@ -459,6 +505,39 @@ class Worker(_WorkerBase):
                 if core.connection_lost:
                     self._disconnect()
                 raise
+
+    def _open(self, transport: str) -> BlockingConnection | ShmConnection:
+        """Connect by ``transport``: shared memory when asked or when ``auto`` finds
+        the server on this host, TCP otherwise."""
+        tcp = BlockingConnection(self._parsed.host, self._parsed.port, self._connect_timeout)
+        if transport == "tcp":
+            self._core.shm = None
+            return tcp
+        path = ""
+        if shm_available():
+            try:
+                path = _server_unix_path(tcp, self._connect_timeout)
+            except APSError:
+                tcp.close()
+                raise
+        if path:
+            try:
+                shm = ShmConnection(path, self._connect_timeout)
+            except APSConnectionError:
+                if transport == "shm":
+                    tcp.close()
+                    raise
+            else:
+                tcp.close()
+                if self._core.shm is not None:
+                    shm.adopt(self._core.shm)
+                self._core.shm = shm
+                return shm
+        if transport == "shm":
+            tcp.close()
+            where = "does not share this host" if shm_available() else "cannot be reached by shared memory here"
+            raise ConfigurationError(f"the server at {self.address} {where}: use transport='tcp' or 'auto'")
+        return tcp
 
     def _ping_if_idle(self, interval: float) -> bool:
         """Heartbeat: one PING when nothing was sent for ``interval`` seconds. False: stop."""

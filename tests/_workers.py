@@ -31,9 +31,9 @@ def batch_indices(rank: int, workers: int, step: int, batch: int, n: int) -> np.
     return np.arange(start, start + batch) % n
 
 
-def bsp_regression_worker(address: str, rank: int, workers: int, steps: int, batch: int):
+def bsp_regression_worker(address: str, rank: int, workers: int, steps: int, batch: int, transport: str = "auto"):
     x, y = regression_data()
-    with aps.Worker(address, rank, workers) as worker:
+    with aps.Worker(address, rank, workers, transport=transport) as worker:
         params = worker.init({"w": np.zeros(x.shape[1], np.float32), "b": np.zeros(1, np.float32)})
         for step in range(steps):
             idx = batch_indices(rank, workers, step, batch, len(y))
@@ -42,9 +42,9 @@ def bsp_regression_worker(address: str, rank: int, workers: int, steps: int, bat
         return rank, worker.version, params["w"].copy(), params["b"].copy()
 
 
-def constant_pusher(address: str, rank: int, workers: int, numel: int, pushes: int):
+def constant_pusher(address: str, rank: int, workers: int, numel: int, pushes: int, transport: str = "auto"):
     """Pushes gradients that are constant vectors: every consistent snapshot is constant."""
-    with aps.Worker(address, rank, workers) as worker:
+    with aps.Worker(address, rank, workers, transport=transport) as worker:
         worker.init({"w": np.zeros(numel, np.float32)})
         grad = worker.flat_grad
         for i in range(pushes):
@@ -53,10 +53,11 @@ def constant_pusher(address: str, rank: int, workers: int, numel: int, pushes: i
         return rank, worker.clock
 
 
-def snapshot_checker(address: str, rank: int, workers: int, numel: int, seconds: float):
+def snapshot_checker(address: str, rank: int, workers: int, numel: int, seconds: float, transport: str = "auto"):
     """Pulls in a loop; counts pulls, distinct versions, and torn (non-constant) snapshots."""
     torn, pulls, versions = 0, 0, set()
-    with aps.Worker(address, rank, workers) as worker:
+    with aps.Worker(address, rank, workers, transport=transport) as worker:
+        assert transport == "auto" or worker.transport == transport
         weights = worker.init({"w": np.zeros(numel, np.float32)})["w"]
         deadline = time.monotonic() + seconds
         while time.monotonic() < deadline:
@@ -68,9 +69,9 @@ def snapshot_checker(address: str, rank: int, workers: int, numel: int, seconds:
         return rank, pulls, len(versions), torn
 
 
-def idle_worker(address: str, rank: int, workers: int, numel: int, ready_path: str):
+def idle_worker(address: str, rank: int, workers: int, numel: int, ready_path: str, transport: str = "auto"):
     """Joins, says so by creating ``ready_path``, then waits to be killed."""
-    worker = aps.Worker(address, rank, workers)
+    worker = aps.Worker(address, rank, workers, transport=transport)
     worker.init({"w": np.zeros(numel, np.float32)})
     with open(ready_path, "w") as fh:
         fh.write(str(os.getpid()))
@@ -82,10 +83,10 @@ def run_role(role: str, args: tuple):
     return (constant_pusher if role == "push" else snapshot_checker)(*args)
 
 
-def paced_worker(address: str, rank: int, workers: int, step_time: float, seconds: float):
+def paced_worker(address: str, rank: int, workers: int, step_time: float, seconds: float, transport: str = "auto"):
     """Iterates for ``seconds``, each iteration taking ``step_time`` (an uneven cluster)."""
     iterations = 0
-    with aps.Worker(address, rank, workers) as worker:
+    with aps.Worker(address, rank, workers, transport=transport) as worker:
         worker.init({"w": np.zeros(16, np.float32)})
         deadline = time.monotonic() + seconds
         while time.monotonic() < deadline:

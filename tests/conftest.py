@@ -24,6 +24,12 @@ def kernels(request):
     return request.param
 
 
+@pytest.fixture(params=["tcp", "shm"])
+def transport(request):
+    """Both worker transports: every test using this runs over TCP and over shared memory."""
+    return request.param
+
+
 @pytest.fixture
 def server_process():
     """Factory for real ``aps serve`` processes; every one started is stopped at teardown."""

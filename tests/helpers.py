@@ -15,8 +15,9 @@ import time
 
 import numpy as np
 
-from aps.protocol import HEADER_SIZE, DType, Op, decode_error, encode_init, pack_header, unpack_header
 from aps.layout import Layout
+from aps.protocol import HEADER_SIZE, DType, Flag, Op, decode_error, decode_hello, encode_init, pack_header, unpack_header
+from aps.transport.shm import Segment, _rights
 
 SPAWN = mp.get_context("spawn")
 
@@ -65,6 +66,17 @@ class ServerProcess:
             time.sleep(0.02)
         raise AssertionError(f"{text!r} not in the server log:\n{self.log()}")
 
+    @property
+    def unix_path(self) -> str:
+        """The server's Unix socket for shared memory, as its HELLO reply says."""
+        from aps.transport.tcp import BlockingConnection, exchange
+
+        conn = BlockingConnection("127.0.0.1", self.port)
+        try:
+            return decode_hello(exchange(conn, Op.HELLO, 10)[1])[1]
+        finally:
+            conn.close()
+
     def alive(self) -> bool:
         return self.proc.poll() is None
 
@@ -90,13 +102,26 @@ class ServerProcess:
 
 
 class RawClient:
-    """Hand-made frames over a plain socket, for bad-input tests."""
+    """Hand-made frames over a plain TCP socket, for bad-input tests."""
+
+    transport = "tcp"
 
     def __init__(self, port: int, timeout: float = 10.0) -> None:
         self.sock = socket.create_connection(("127.0.0.1", port), timeout=timeout)
 
+    @classmethod
+    def to(cls, server: ServerProcess, transport: str) -> RawClient:
+        """A raw client of ``server`` over ``transport`` ("tcp" or "shm")."""
+        return RawClient(server.port) if transport == "tcp" else RawShmClient(server.unix_path)
+
     def send(self, *parts: bytes) -> None:
         self.sock.sendall(b"".join(bytes(p) for p in parts))
+
+    def push(self, grad: np.ndarray, *, op: int = Op.PUSH, dtype: int = DType.FLOAT32, version: int = 0,
+             request_id: int = 0) -> None:
+        """Send a gradient the way this transport does."""
+        payload = np.ascontiguousarray(grad).tobytes()
+        self.send(pack_header(op, 0, dtype, request_id, 0, version, len(payload)), payload)
 
     def frame(self, op: int, payload: bytes = b"", **fields) -> None:
         fields.setdefault("length", len(payload))
@@ -142,6 +167,49 @@ class RawClient:
 
     def close(self) -> None:
         self.sock.close()
+
+
+class RawShmClient(RawClient):
+    """Hand-made frames over the server's Unix socket, with a shared gradient segment."""
+
+    transport = "shm"
+
+    def __init__(self, path: str, timeout: float = 10.0) -> None:
+        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self.sock.settimeout(timeout)
+        self.sock.connect(path)
+        self.segment: Segment | None = None
+
+    def init(self, rank: int, num_workers: int, params: dict[str, np.ndarray], *, segment_numel: int | None = None,
+             with_segment: bool = True, **fields) -> None:
+        layout = Layout.from_arrays(params)
+        values = b"".join(np.ascontiguousarray(v, np.float32).tobytes() for v in params.values())
+        block = encode_init(rank, num_workers, layout)
+        fields.setdefault("dtype", DType.FLOAT32)
+        payload = block + values
+        if self.segment is None or segment_numel is not None:
+            self.segment = Segment.create(layout.numel if segment_numel is None else segment_numel, "test-grad")
+        fds = [self.segment.fd] if with_segment else []
+        self.sock.sendmsg([pack_header(Op.INIT, length=len(payload), **fields) + payload], _rights(fds))
+
+    def push(self, grad: np.ndarray, *, op: int = Op.PUSH, dtype: int = DType.FLOAT32, version: int = 0,
+             request_id: int = 0) -> None:
+        self.segment.array[: grad.size] = np.asarray(grad, np.float32).ravel()
+        self.send(pack_header(op, int(Flag.SHM), dtype, request_id, 0, version, 0))
+
+    def close(self) -> None:
+        super().close()
+        if self.segment is not None:
+            self.segment.close()
+
+
+def mapped_memfds(pid: int, name: str) -> list[str]:
+    """Lines of /proc/PID/maps for memfd segments whose name contains ``name``."""
+    try:
+        with open(f"/proc/{pid}/maps") as fh:
+            return [line for line in fh if "memfd:" in line and name in line]
+    except FileNotFoundError:
+        return []
 
 
 def run_processes(target, args_list, timeout: float = 60.0) -> list:

@@ -98,6 +98,7 @@ class ServerSession:
         self._deferred = False  # a request finished while writing: resume after the drain
         self._fatal_sent = False
         self._lost = False
+        self._silenced = False  # the server is shutting down: no more replies
         self.last_heard = self._loop.time()
         # A large gradient's update, computed while it arrives when the engine allows it.
         self._stream: StreamingPush | None = None
@@ -190,11 +191,15 @@ class ServerSession:
             self._loop.call_soon(self._resume)
 
     # Server control -------------------------------------------------------------
-    def shut_down(self) -> None:
-        """The server is stopping: say so, then close."""
+    def announce_shutdown(self) -> None:
+        """The server is stopping: say so, and send nothing after (see :meth:`close`).
+
+        The server announces to every session before closing any, so no
+        worker is released by another's departure in between.
+        """
         if self._can_write():
             self._reply_error(0, ShuttingDown("the server is shutting down"))
-        self.close()
+        self._silenced = True
 
     def check_heartbeat(self, now: float, timeout: float) -> None:
         """Close the connection if the peer has been silent for ``timeout`` seconds
@@ -341,14 +346,14 @@ class ServerSession:
         self._done()
 
     def _reply(self, op: int, *, clock: int = 0, version: int = 0, flags: int = 0, payload: bytes = b"") -> None:
-        if self._can_write():
+        if self._can_write() and not self._silenced:
             frame = pack_header(op, flags, 0, self._rid, clock, version, len(payload)) + payload
             self._stats.bytes_out += len(frame)
             self._write(frame)
         self._done()
 
     def _reply_weights(self, op: int, snap: Snapshot, clock: int, flags: int) -> None:
-        if not self._can_write():
+        if not self._can_write() or self._silenced:
             snap.release()
         else:
             self._send_weights(op, snap, clock, flags)
@@ -357,7 +362,7 @@ class ServerSession:
     def _reply_error(self, rid: int, exc: ServerError) -> None:
         """Send an error frame (does not end the request: callers decide)."""
         log.warning("%s: %s: %s", self._who(), exc.code.name, exc.message)
-        if self._can_write():
+        if self._can_write() and not self._silenced:
             payload = encode_error(exc.code, exc.message)
             frame = pack_header(Op.ERROR, 0, 0, rid, 0, 0, len(payload)) + payload
             self._stats.bytes_out += len(frame)

@@ -21,8 +21,8 @@ import socket
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
-from ..errors import APSConnectionError, APSTimeoutError, PayloadSizeMismatch
-from ..protocol import HEADER_SIZE, DType, Header, pack_header
+from ..errors import APSConnectionError, APSTimeoutError, MalformedFrame, PayloadSizeMismatch, error_from_code
+from ..protocol import HEADER_SIZE, DType, Header, Op, decode_error, pack_header
 from .framing import FrameReader
 from .session import ServerSession
 
@@ -30,7 +30,7 @@ if TYPE_CHECKING:
     from .._engine import Engine, Member
     from ..table import Snapshot
 
-__all__ = ["AsyncConnection", "BlockingConnection", "TcpSession"]
+__all__ = ["AsyncConnection", "BlockingConnection", "TcpSession", "exchange"]
 
 log = logging.getLogger("aps.server")
 
@@ -190,8 +190,10 @@ class BlockingConnection(_ClientSocket):
         self._timeout: float | None = None
         self.address = f"tcp://{host}:{port}"
 
-    def send(self, buffers: Sequence) -> None:
+    def send(self, buffers: Sequence, fds: Sequence[int] = ()) -> None:
         """Send every buffer (bytes or byte views), in order, with vectored writes (no joining)."""
+        if fds:
+            raise ValueError("TCP cannot carry file descriptors")
         sock = self.sock
         try:
             if len(buffers) <= _IOV_MAX:
@@ -285,3 +287,34 @@ class AsyncConnection(_ClientSocket):
             raise self._no_reply(timeout) from None
         except OSError as exc:
             raise self._lost(exc) from None
+
+
+class _OneReply:
+    """FrameHandler collecting a single small reply."""
+
+    _LIMIT = 64 << 20
+
+    def __init__(self) -> None:
+        self.header: Header | None = None
+        self.payload = b""
+
+    def frame_buffer(self, header: Header) -> memoryview:
+        if header.length > self._LIMIT:
+            raise MalformedFrame(f"reply of {header.length} bytes to a control request")
+        return memoryview(bytearray(header.length))
+
+    def frame_received(self, header: Header, payload: memoryview) -> None:
+        self.header, self.payload = header, bytes(payload)
+
+
+def exchange(conn, op: int, timeout: float | None) -> tuple[Header, bytes]:
+    """Send one payload-less request on ``conn`` and return its reply; raises the
+    server's error if the reply is an error frame."""
+    reply = _OneReply()
+    conn.send([pack_header(op, request_id=1)])
+    conn.receive(FrameReader(reply), lambda: reply.header is not None, timeout)
+    if reply.header.op == Op.ERROR:
+        raise error_from_code(*decode_error(reply.payload))
+    if reply.header.op != op | Op.REPLY:
+        raise MalformedFrame(f"reply op {reply.header.op} to request op {op}")
+    return reply.header, reply.payload

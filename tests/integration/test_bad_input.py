@@ -2,7 +2,7 @@
 
 Rank 0 is a well-behaved ``aps.Worker``; rank 1 (or a stranger) sends the bad
 frames by hand. After each case rank 0 keeps training and the weights show
-only its own updates.
+only its own updates. Every test runs over TCP and over shared memory.
 """
 
 import struct
@@ -32,11 +32,11 @@ class Cluster:
         assert self.good.weights["w"].tolist() == [-float(self.good_pushes)] * N
 
 
-def join_pair(server, raw_params=None):
-    good = aps.Worker(server.address, 0, 2)
+def join_pair(server, transport, raw_params=None):
+    good = aps.Worker(server.address, 0, 2, transport=transport)
     thread = threading.Thread(target=good.init, args=({"w": np.zeros(N, np.float32)},), daemon=True)
     thread.start()
-    raw = RawClient(server.port)
+    raw = RawClient.to(server, transport)
     raw.init(1, 2, raw_params or {"w": np.zeros(N, np.float32)})
     header, _ = raw.reply()
     assert header.op == Op.INIT_REPLY
@@ -45,19 +45,15 @@ def join_pair(server, raw_params=None):
 
 
 @pytest.fixture
-def cluster(server_process):
+def cluster(server_process, transport):
     server = server_process("--workers", "2", "--sync", "asp", "--lr", "1", "--max-frame-bytes", "1M")
-    good, raw = join_pair(server)
+    good, raw = join_pair(server, transport)
     c = Cluster(server, good, raw)
     yield c
     assert server.alive(), "the server must never crash"
     c.train()  # and keeps serving the good worker
     good.close()
     raw.close()
-
-
-def push_frame(payload: bytes, dtype=DType.FLOAT32, version=0, op=Op.PUSH):
-    return pack_header(op, dtype=dtype, version=version, length=len(payload)) + payload
 
 
 def assert_error(raw, code, text=None, server=None):
@@ -106,15 +102,20 @@ def test_frame_over_the_limit(cluster):
 
 def test_payload_that_does_not_match_the_layout(cluster):
     cluster.train(1)
-    cluster.raw.send(push_frame(np.ones(N + 1, np.float32).tobytes(), version=1))
-    assert_error(cluster.raw, ErrorCode.PAYLOAD_SIZE_MISMATCH, f"{4 * N} bytes", server=cluster.server)
+    if cluster.raw.transport == "tcp":
+        cluster.raw.push(np.ones(N + 1, np.float32), version=1)
+        assert_error(cluster.raw, ErrorCode.PAYLOAD_SIZE_MISMATCH, f"{4 * N} bytes", server=cluster.server)
+    else:  # over shared memory a push carries no payload at all
+        payload = np.ones(N, np.float32).tobytes()
+        cluster.raw.send(pack_header(Op.PUSH, 0, DType.FLOAT32, 0, 0, 1, len(payload)) + payload)
+        assert_error(cluster.raw, ErrorCode.MALFORMED_FRAME, "no payload", server=cluster.server)
     cluster.train(1)  # nothing was applied for rank 1
 
 
 def test_wrong_dtype(cluster):
-    cluster.raw.send(push_frame(np.ones(N // 2, np.float64).tobytes(), dtype=DType.FLOAT64))
+    cluster.raw.push(np.ones(N // 2, np.float64), dtype=DType.FLOAT64)
     assert_error(cluster.raw, ErrorCode.DTYPE_MISMATCH, "float64", server=cluster.server)
-    cluster.raw.send(push_frame(np.ones(N, np.float32).tobytes(), dtype=99))
+    cluster.raw.push(np.ones(N, np.float32), dtype=99)
     assert_error(cluster.raw, ErrorCode.DTYPE_MISMATCH, "unknown dtype", server=cluster.server)
     cluster.train()
 
@@ -123,11 +124,11 @@ def test_wrong_dtype(cluster):
 def test_non_finite_gradient_is_rejected_and_changes_nothing(cluster, bad):
     grad = np.ones(N, np.float32)
     grad[2] = bad
-    cluster.raw.send(push_frame(grad.tobytes()))
+    cluster.raw.push(grad)
     assert_error(cluster.raw, ErrorCode.NON_FINITE_GRADIENT, "NaN or infinity", server=cluster.server)
     cluster.train(1)
     # The rejected push did not count: rank 1's next push is its first.
-    cluster.raw.send(push_frame(np.zeros(N, np.float32).tobytes()))
+    cluster.raw.push(np.zeros(N, np.float32))
     header, _ = cluster.raw.reply()
     assert header.op == Op.PUSH_REPLY and header.clock == 1
 
@@ -140,7 +141,7 @@ def test_non_finite_gradient_raises_a_typed_error_in_the_client(cluster):
 
 
 def test_half_a_frame_then_vanish(cluster):
-    cluster.raw.send(pack_header(Op.PUSH, dtype=DType.FLOAT32, length=4 * N) + b"\0" * 6)
+    cluster.raw.send(pack_header(Op.PUSH, dtype=DType.FLOAT32, length=4 * N)[:22])
     cluster.raw.close()
     cluster.server.wait_for_log("middle of a frame")
     cluster.server.wait_for_log("worker 1 left")
@@ -157,10 +158,11 @@ def test_requests_with_unexpected_payloads_or_order(cluster):
 
 
 @pytest.fixture
-def waiting_server(server_process):
+def waiting_server(server_process, transport):
     """A 3-worker server where only rank 0 has joined (training has not started)."""
     server = server_process("--workers", "3", "--sync", "asp")
-    good = aps.Worker(server.address, 0, 3)
+    server.transport = transport
+    good = aps.Worker(server.address, 0, 3, transport=transport)
     result = {}
 
     def init():
@@ -193,7 +195,7 @@ def waiting_server(server_process):
 )
 def test_init_refusals(waiting_server, rank, workers, params, code, text):
     server = waiting_server[0]
-    raw = RawClient(server.port)
+    raw = RawClient.to(server, server.transport)
     raw.init(rank, workers, params)
     assert_error(raw, code, text, server=server)
     # The refused connection may try again, correctly this time.
@@ -206,14 +208,14 @@ def test_init_refusals(waiting_server, rank, workers, params, code, text):
 
 def test_malformed_init_and_requests_before_init(waiting_server):
     server = waiting_server[0]
-    raw = RawClient(server.port)
+    raw = RawClient.to(server, server.transport)
     raw.frame(Op.INIT, b"\x01" * 20, dtype=DType.FLOAT32)
     assert_error(raw, ErrorCode.MALFORMED_FRAME, server=server)
     raw.frame(Op.INIT, b"\x01" * 8, dtype=DType.FLOAT32)
     assert_error(raw, ErrorCode.MALFORMED_FRAME, "too short", server=server)
     raw.frame(Op.INIT, b"\x01" * 64, dtype=DType.FLOAT64)
     assert_error(raw, ErrorCode.DTYPE_MISMATCH, server=server)
-    raw.send(push_frame(np.zeros(N, np.float32).tobytes()))
+    raw.frame(Op.PUSH, dtype=DType.FLOAT32)
     assert_error(raw, ErrorCode.NOT_INITIALIZED, server=server)
     raw.frame(Op.PULL)
     assert_error(raw, ErrorCode.NOT_INITIALIZED, server=server)
@@ -222,16 +224,16 @@ def test_malformed_init_and_requests_before_init(waiting_server):
 
 def test_typed_exceptions_through_the_client(waiting_server):
     server, good, thread, result = waiting_server
-    with aps.Worker(server.address, 1, 3) as w:
+    with aps.Worker(server.address, 1, 3, transport=server.transport) as w:
         with pytest.raises(aps.LayoutMismatch, match="shape"):
             w.init({"w": np.zeros(N + 2, np.float32)})
-    with aps.Worker(server.address, 0, 3) as w:
+    with aps.Worker(server.address, 0, 3, transport=server.transport) as w:
         with pytest.raises(aps.RankTaken):
             w.init({"w": np.zeros(N, np.float32)})
     with pytest.raises(aps.ConfigurationError):
         aps.Worker(server.address, 3, 3)
     # Training still starts once everyone is there.
-    others = [aps.Worker(server.address, r, 3) for r in (1, 2)]
+    others = [aps.Worker(server.address, r, 3, transport=server.transport) for r in (1, 2)]
     threads = [threading.Thread(target=o.init, args=({"w": np.ones(N, np.float32)},)) for o in others]
     for t in threads:
         t.start()
@@ -244,18 +246,18 @@ def test_typed_exceptions_through_the_client(waiting_server):
         o.close()
 
 
-def test_push_while_held_is_out_of_order(server_process):
+def test_push_while_held_is_out_of_order(server_process, transport):
     server = server_process("--workers", "2", "--sync", "ssp", "--staleness", "0")
-    good, raw = join_pair(server)
-    raw.send(push_frame(np.ones(N, np.float32).tobytes()))
+    good, raw = join_pair(server, transport)
+    raw.push(np.ones(N, np.float32))
     assert raw.reply()[0].op == Op.PUSH_REPLY  # now held: rank 0 has not pushed
-    raw.send(push_frame(np.ones(N, np.float32).tobytes()))
+    raw.push(np.ones(N, np.float32))
     assert_error(raw, ErrorCode.OUT_OF_ORDER, "held", server=server)
     good.push_pull({"w": np.ones(N, np.float32)})
     raw.frame(Op.PULL)
-    header, payload = raw.reply()
+    header, _ = raw.reply()
     assert header.op == Op.PULL_REPLY and header.version == 2
-    np.testing.assert_allclose(np.frombuffer(payload, np.float32), [-0.02] * N, rtol=1e-6)  # default lr 0.01
+    np.testing.assert_allclose(good.weights["w"], [-0.02] * N, rtol=1e-6)  # default lr 0.01
     good.close()
     raw.close()
 
@@ -281,14 +283,11 @@ def test_pipelined_requests_are_answered_in_order(cluster):
         assert (header.op, header.request_id) == (Op.PING_REPLY, i)
 
 
-def test_pipelined_pull_waits_for_the_gate(server_process):
+def test_pipelined_pull_waits_for_the_gate(server_process, transport):
     server = server_process("--workers", "2", "--sync", "ssp", "--staleness", "0")
-    good, raw = join_pair(server)
-    grad = np.ones(N, np.float32).tobytes()
-    raw.send(
-        pack_header(Op.PUSH, 0, DType.FLOAT32, 1, 0, 0, len(grad)) + grad
-        + pack_header(Op.PULL, request_id=2) + pack_header(Op.PING, request_id=3)
-    )
+    good, raw = join_pair(server, transport)
+    raw.push(np.ones(N, np.float32), request_id=1)
+    raw.send(pack_header(Op.PULL, request_id=2) + pack_header(Op.PING, request_id=3))
     assert raw.reply()[0].request_id == 1
     raw.sock.settimeout(0.3)
     with pytest.raises(TimeoutError):

@@ -13,9 +13,11 @@ from tests import _workers
 from tests.helpers import SPAWN
 
 
-def start_idle_worker(address, rank, workers, numel, tmp_path):
+def start_idle_worker(address, rank, workers, numel, tmp_path, transport="auto"):
     ready = tmp_path / f"ready-{rank}"
-    proc = SPAWN.Process(target=_workers.idle_worker, args=(address, rank, workers, numel, str(ready)), daemon=True)
+    proc = SPAWN.Process(
+        target=_workers.idle_worker, args=(address, rank, workers, numel, str(ready), transport), daemon=True
+    )
     proc.start()
     return proc, ready
 
@@ -33,10 +35,10 @@ def init_in_thread(worker, params):
     return thread
 
 
-def test_a_killed_worker_leaves_at_once_and_nobody_waits_for_it(server_process, tmp_path):
+def test_a_killed_worker_leaves_at_once_and_nobody_waits_for_it(server_process, tmp_path, transport):
     server = server_process("--workers", "2", "--sync", "ssp", "--staleness", "0")
-    idle, ready = start_idle_worker(server.address, 1, 2, 4, tmp_path)
-    with aps.Worker(server.address, 0, 2) as worker:
+    idle, ready = start_idle_worker(server.address, 1, 2, 4, tmp_path, transport)
+    with aps.Worker(server.address, 0, 2, transport=transport) as worker:
         worker.init({"w": np.zeros(4, np.float32)})
         wait_for(ready)
         worker.push({"w": np.ones(4, np.float32)})
@@ -55,10 +57,10 @@ def test_a_killed_worker_leaves_at_once_and_nobody_waits_for_it(server_process, 
     idle.join(5)
 
 
-def test_rejoin_under_the_same_rank_resumes_at_the_slowest_clock(server_process, tmp_path):
+def test_rejoin_under_the_same_rank_resumes_at_the_slowest_clock(server_process, tmp_path, transport):
     server = server_process("--workers", "2", "--sync", "ssp", "--staleness", "3", "--lr", "1")
-    idle, ready = start_idle_worker(server.address, 1, 2, 2, tmp_path)
-    with aps.Worker(server.address, 0, 2) as worker:
+    idle, ready = start_idle_worker(server.address, 1, 2, 2, tmp_path, transport)
+    with aps.Worker(server.address, 0, 2, transport=transport) as worker:
         worker.init({"w": np.zeros(2, np.float32)})
         wait_for(ready)
         os.kill(idle.pid, signal.SIGKILL)
@@ -66,7 +68,7 @@ def test_rejoin_under_the_same_rank_resumes_at_the_slowest_clock(server_process,
         for _ in range(5):
             worker.push_pull({"w": np.ones(2, np.float32)})
         # Training has started: a rejoining worker's init returns at once with the newest weights.
-        with aps.Worker(server.address, 1, 2) as again:
+        with aps.Worker(server.address, 1, 2, transport=transport) as again:
             weights = again.init({"w": np.zeros(2, np.float32)}, timeout=5)
             assert weights["w"].tolist() == [-5.0, -5.0] and again.version == 5
             assert again.clock == 5  # the slowest live worker's clock
@@ -95,29 +97,31 @@ def test_close_leaves_gracefully(server_process):
         worker.pull()
 
 
-def test_reconnect_after_losing_the_connection(server_process):
+def test_reconnect_after_losing_the_connection(server_process, transport):
     server = server_process("--workers", "1", "--sync", "asp", "--lr", "1")
-    worker = aps.Worker(server.address, 0, 1)
+    worker = aps.Worker(server.address, 0, 1, transport=transport)
     worker.init({"w": np.zeros(2, np.float32)})
     worker.push_pull({"w": np.ones(2, np.float32)})
     worker._conn.sock.shutdown(2)  # the network drops the connection
     with pytest.raises(aps.APSConnectionError):
         worker.pull()
     server.wait_for_log("worker 0 left")
+    grads = worker.grads["w"]
     weights = worker.reconnect()
     assert weights["w"].tolist() == [-1.0, -1.0] and worker.version == 1
+    assert worker.grads["w"] is grads and worker.transport == transport  # the same buffers, the same way
     worker.push_pull({"w": np.ones(2, np.float32)})
     assert worker.version == 2
     worker.close()
 
 
-def test_a_silent_worker_misses_its_heartbeats_and_leaves(server_process):
+def test_a_silent_worker_misses_its_heartbeats_and_leaves(server_process, transport):
     from tests.helpers import RawClient
 
     server = server_process("--workers", "2", "--sync", "ssp", "--staleness", "0", "--heartbeat-timeout", "1")
-    with aps.Worker(server.address, 0, 2, heartbeat=0.2) as worker:
+    with aps.Worker(server.address, 0, 2, heartbeat=0.2, transport=transport) as worker:
         thread = init_in_thread(worker, {"w": np.zeros(4, np.float32)})
-        silent = RawClient(server.port)
+        silent = RawClient.to(server, transport)
         silent.init(1, 2, {"w": np.zeros(4, np.float32)})
         silent.reply()  # joined; then it hangs without closing its socket
         thread.join(10)
@@ -131,10 +135,10 @@ def test_a_silent_worker_misses_its_heartbeats_and_leaves(server_process):
         silent.close()
 
 
-def test_heartbeats_keep_an_idle_worker_seated(server_process):
+def test_heartbeats_keep_an_idle_worker_seated(server_process, transport):
     server = server_process("--workers", "2", "--sync", "asp", "--heartbeat-timeout", "0.6")
-    pinging = aps.Worker(server.address, 0, 2, heartbeat=0.1)
-    mute = aps.Worker(server.address, 1, 2, heartbeat=None)
+    pinging = aps.Worker(server.address, 0, 2, heartbeat=0.1, transport=transport)
+    mute = aps.Worker(server.address, 1, 2, heartbeat=None, transport=transport)
     threads = [init_in_thread(w, {"w": np.zeros(2, np.float32)}) for w in (pinging, mute)]
     for t in threads:
         t.join(10)
@@ -147,9 +151,9 @@ def test_heartbeats_keep_an_idle_worker_seated(server_process):
     mute.close()
 
 
-def test_a_waiting_worker_learns_that_the_server_shuts_down(server_process):
+def test_a_waiting_worker_learns_that_the_server_shuts_down(server_process, transport):
     server = server_process("--workers", "2", "--sync", "ssp", "--staleness", "0")
-    workers = [aps.Worker(server.address, r, 2) for r in range(2)]
+    workers = [aps.Worker(server.address, r, 2, transport=transport) for r in range(2)]
     threads = [init_in_thread(w, {"w": np.zeros(2, np.float32)}) for w in workers]
     for t in threads:
         t.join(10)

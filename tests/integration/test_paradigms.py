@@ -17,10 +17,11 @@ FAST, SLOW = 0.004, 0.04  # seconds per iteration: a cluster with one 10x slower
     ],
     ids=["dssp-1-4", "ssp-2"],
 )
-def test_a_fast_worker_runs_ahead_within_the_bounds(server_process, flags, lower, upper):
+def test_a_fast_worker_runs_ahead_within_the_bounds(server_process, flags, lower, upper, transport):
     server = server_process("--workers", "2", *flags)
     results = run_processes(
-        _workers.paced_worker, [(server.address, 0, 2, FAST, 2.0), (server.address, 1, 2, SLOW, 2.0)]
+        _workers.paced_worker,
+        [(server.address, 0, 2, FAST, 2.0, transport), (server.address, 1, 2, SLOW, 2.0, transport)],
     )
     iterations = dict(results)
     assert iterations[0] > iterations[1]  # the fast worker did more, but boundedly

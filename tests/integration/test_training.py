@@ -6,11 +6,11 @@ from tests import _workers
 from tests.helpers import run_processes
 
 
-def test_bsp_equals_single_process_large_batch_sgd(server_process):
+def test_bsp_equals_single_process_large_batch_sgd(server_process, transport):
     P, steps, batch, lr = 3, 25, 10, 0.1
     server = server_process("--workers", str(P), "--sync", "bsp", "--lr", str(lr))
     results = run_processes(
-        _workers.bsp_regression_worker, [(server.address, r, P, steps, batch) for r in range(P)]
+        _workers.bsp_regression_worker, [(server.address, r, P, steps, batch, transport) for r in range(P)]
     )
 
     # The same training in one process, with the P batches of a step as one batch of P * b.
@@ -28,13 +28,14 @@ def test_bsp_equals_single_process_large_batch_sgd(server_process):
     assert np.abs(w).sum() > 0.1  # it really trained
 
 
-def test_asp_pulls_are_consistent_snapshots_under_concurrent_updates(server_process):
-    """Gradients are constant vectors, so a torn read would show two values."""
+def test_asp_pulls_are_consistent_snapshots_under_concurrent_updates(server_process, transport):
+    """Gradients are constant vectors, so a torn read would show two values. Three
+    pullers read while two pushers update."""
     numel = 2 << 20  # 8 MiB: updates run on the helper thread while replies drain
     P = 5
     server = server_process("--workers", str(P), "--sync", "asp", "--lr", "1.0")
-    args = [(server.address, r, P, numel, 40) for r in range(2)]
-    checkers = [(server.address, r, P, numel, 3.0) for r in range(2, P)]
+    args = [(server.address, r, P, numel, 40, transport) for r in range(2)]
+    checkers = [(server.address, r, P, numel, 3.0, transport) for r in range(2, P)]
     jobs = [("push", a) for a in args] + [("check", c) for c in checkers]
     results = run_processes(_workers.run_role, jobs, timeout=120)
     pushes = [r for r in results if len(r) == 2]

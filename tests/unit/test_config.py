@@ -66,6 +66,7 @@ EXAMPLES = {
     "weight_decay": ("0.001", 0.001, {}),
     "betas": ("0.5,0.6", (0.5, 0.6), {}),
     "eps": ("1e-6", 1e-6, {}),
+    "unix_socket": ("none", "none", {}),
     "heartbeat_timeout": ("2.5", 2.5, {}),
     "max_frame_bytes": ("1G", 1 << 30, {}),
     "log_level": ("debug", "debug", {}),
