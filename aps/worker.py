@@ -478,6 +478,14 @@ class Worker(_WorkerBase):
     def __enter__(self) -> Worker:
         return self
 
+    def __del__(self) -> None:
+        # Dropped without close(): free the socket (the server sees the worker leave).
+        stop, conn = getattr(self, "_stop", None), getattr(self, "_conn", None)
+        if stop is not None:
+            stop.set()
+        if conn is not None:
+            conn.close()
+
     def __exit__(self, *exc) -> None:
         self.close()
 

@@ -39,8 +39,9 @@ class ServerProcess:
         self.first_line = self._read_first_line(timeout)
         prefix = "aps: serving on "
         if not self.first_line.startswith(prefix):
+            log = self.log()
             self.stop()
-            raise RuntimeError(f"aps serve did not start: {self.first_line!r}\n{self.log()}")
+            raise RuntimeError(f"aps serve did not start: {self.first_line!r}\n{log}")
         self.address = self.first_line[len(prefix) :].strip()
         self.port = int(self.address.rsplit(":", 1)[1])
 
