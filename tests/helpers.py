@@ -204,6 +204,11 @@ class RawShmClient(RawClient):
             self.segment.close()
 
 
+def memfd_inodes(pid: int, name: str) -> set[str]:
+    """The inodes of the memfd segments named like ``name`` that process ``pid`` maps."""
+    return {line.split()[4] for line in mapped_memfds(pid, name)}
+
+
 def mapped_memfds(pid: int, name: str) -> list[str]:
     """Lines of /proc/PID/maps for memfd segments whose name contains ``name``."""
     try:

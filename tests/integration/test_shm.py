@@ -14,7 +14,7 @@ from aps.errors import ErrorCode
 from aps.protocol import DType, Flag, Op, pack_header
 from aps.transport.shm import Segment, _rights
 from tests import _workers
-from tests.helpers import SPAWN, RawShmClient, ServerProcess, mapped_memfds, run_processes
+from tests.helpers import SPAWN, RawShmClient, ServerProcess, mapped_memfds, memfd_inodes, run_processes
 
 N = 8
 
@@ -169,15 +169,17 @@ def test_a_killed_server_leaves_no_shared_memory_behind(tmp_path):
     """kill -9 of the server: its workers learn it and let go of its slots."""
     server = ServerProcess("--workers", "1", "--sync", "asp")
     try:
+        others = memfd_inodes(os.getpid(), "aps-slot")  # other tests' servers in this process
         worker = aps.Worker(server.address, 0, 1, transport="shm", heartbeat=None)
         worker.init({"w": np.zeros(1 << 16, np.float32)})
-        assert mapped_memfds(os.getpid(), "aps-slot")
+        slots = memfd_inodes(os.getpid(), "aps-slot") - others
+        assert slots
         server.proc.kill()
         server.proc.wait()
         with pytest.raises(aps.APSConnectionError):
             worker.pull()
         worker.close()
-        assert not mapped_memfds(os.getpid(), "aps-slot")
+        assert not slots & memfd_inodes(os.getpid(), "aps-slot")
         assert not [name for name in os.listdir("/dev/shm") if "aps" in name]
     finally:
         server.stop()
