@@ -1,16 +1,21 @@
-"""``aps bench`` (also ``bench/pushpull.py``): push_pull throughput against a raw-socket bound.
+"""``aps bench`` (also ``bench/pushpull.py``): push_pull throughput against bounds measured in the same run.
 
-For each payload size and worker count, a real ``aps serve`` process (ASP,
-plain SGD, so every push is applied) serves that many worker processes doing
-``push_pull`` round trips on 127.0.0.1. In the same run the benchmark
-measures the bound: a plain blocking-socket ping-pong of the same payload
-between two processes (send N bytes, receive N bytes back), which is what
-moving the bytes costs with no server logic at all.
+For each payload size, transport and worker count, a real ``aps serve``
+process (ASP, plain SGD, so every push is applied) serves that many worker
+processes doing ``push_pull`` round trips. In the same run the benchmark
+measures what each transport cannot beat:
+
+- TCP: a plain blocking-socket ping-pong of the same payload between two
+  processes on 127.0.0.1 (send N bytes, receive N bytes back);
+- shared memory: one memcpy plus one fused update pass of the same size
+  (what a push_pull costs when no byte crosses a socket), and, for the round
+  trip of small payloads, a 1-byte pipe ping-pong between two processes (what
+  waking the other side costs).
 
 The machine is shared and noisy, so measurements are interleaved: every
-repeat measures the bound and then each aps configuration back to back, and
-a configuration's ratio to the bound is the median of its per-repeat ratios.
-Every figure that matters is such a ratio; absolute numbers mean little.
+repeat measures the bounds and then each aps configuration back to back, and
+a configuration's ratio is the median of its per-repeat ratios. Every
+figure that matters is such a ratio; absolute numbers mean little.
 """
 
 from __future__ import annotations
@@ -24,6 +29,7 @@ import socket
 import statistics
 import subprocess
 import sys
+import threading
 import time
 
 import numpy as np
@@ -82,7 +88,10 @@ class _Session:
     def measure(self, seconds: float, min_iters: int) -> list[tuple[int, float]]:
         for _ in self.procs:
             self._control.put((seconds, min_iters))
-        self._go.wait(timeout=300)
+        try:
+            self._go.wait(timeout=300)
+        except threading.BrokenBarrierError:
+            raise RuntimeError(f"a measuring process failed: {self._results.get(timeout=10)}") from None
         out = [self._results.get(timeout=300 + 10 * seconds) for _ in self.procs]
         for item in out:
             if isinstance(item, str):
@@ -172,14 +181,15 @@ def _echo_server(listener: socket.socket, nbytes: int) -> None:
 class _PushPullClient:
     """Context manager yielding one aps push_pull step on a model of ``nbytes``."""
 
-    def __init__(self, address: str, rank: int, workers: int, nbytes: int) -> None:
+    def __init__(self, address: str, rank: int, workers: int, nbytes: int, transport: str) -> None:
         self.args = (address, rank, workers)
+        self.transport = transport
         self.numel = nbytes // 4
 
     def __enter__(self):
         from .worker import Worker
 
-        self.worker = worker = Worker(*self.args, transport="tcp")
+        self.worker = worker = Worker(*self.args, transport=self.transport)
         worker.init({"w": np.zeros(self.numel, np.float32)})
         grad = worker.flat_grad  # zeros: the weights stay finite whatever the lr
         return lambda: worker.push_pull(grad)
@@ -208,13 +218,95 @@ class BoundSession:
             self.echo.kill()
 
 
-class ApsSession:
-    """A real ``aps serve`` process and ``workers`` worker processes."""
+class _PipePingPong:
+    """Context manager yielding a 1-byte ping-pong over two pipes to an echo process."""
 
-    def __init__(self, nbytes: int, workers: int) -> None:
+    def __enter__(self):
+        down_read, down_write = os.pipe()
+        up_read, up_write = os.pipe()
+        # A plain fork: this runs inside a (daemonic) measuring process.
+        self.child = os.fork()
+        if self.child == 0:
+            os.close(down_write)
+            os.close(up_read)
+            while os.read(down_read, 1):
+                os.write(up_write, b"x")
+            os._exit(0)
+        os.close(down_read)
+        os.close(up_write)
+        self.fds = (down_write, up_read)
+
+        def step() -> None:
+            os.write(down_write, b"x")
+            os.read(up_read, 1)
+
+        return step
+
+    def __exit__(self, *exc) -> None:
+        for fd in self.fds:
+            os.close(fd)
+        os.waitpid(self.child, 0)
+
+
+class PipeBound:
+    """The wake-up bound: a 1-byte pipe ping-pong between two processes."""
+
+    def __init__(self) -> None:
+        self.session = _Session(_PipePingPong, [()])
+
+    def measure(self, seconds: float, min_iters: int) -> list[tuple[int, float]]:
+        return self.session.measure(seconds, min_iters)
+
+    def close(self) -> None:
+        self.session.close()
+
+
+class _CopyUpdate:
+    """Context manager yielding one memcpy plus one fused SGD pass over ``nbytes``."""
+
+    def __init__(self, nbytes: int) -> None:
+        self.numel = nbytes // 4
+
+    def __enter__(self):
+        from . import _core
+
+        w = np.ones(self.numel, np.float32)
+        g = np.zeros(self.numel, np.float32)
+        slot = np.empty_like(w)
+        out = np.empty_like(w)
+
+        def step() -> None:
+            _core.sgd_step(slot, w, g, None, None, 0.01)  # the server's update, out of place
+            np.copyto(out, slot)  # the worker's copy out of the slot
+
+        return step
+
+    def __exit__(self, *exc) -> None:
+        pass
+
+
+class CopyUpdateBound:
+    """The shared-memory bound: a memcpy and a fused update pass, in one process."""
+
+    def __init__(self, nbytes: int) -> None:
+        self.session = _Session(_CopyUpdate, [(nbytes,)])
+
+    def measure(self, seconds: float, min_iters: int) -> list[tuple[int, float]]:
+        return self.session.measure(seconds, min_iters)
+
+    def close(self) -> None:
+        self.session.close()
+
+
+class ApsSession:
+    """A real ``aps serve`` process and ``workers`` worker processes on ``transport``."""
+
+    def __init__(self, nbytes: int, workers: int, transport: str) -> None:
         self.server, address = start_server(workers)
         try:
-            self.session = _Session(_PushPullClient, [(address, r, workers, nbytes) for r in range(workers)])
+            self.session = _Session(
+                _PushPullClient, [(address, r, workers, nbytes, transport) for r in range(workers)]
+            )
         except BaseException:
             stop_server(self.server)
             raise
@@ -264,34 +356,63 @@ def _summarize(samples: list[list[tuple[int, float]]], nbytes: int) -> dict:
             "rtt_samples_us": [r * 1e6 for r in rtts], "gbps_samples": rates}
 
 
-def run(sizes: list[int], worker_counts: list[int], seconds: float, min_iters: int, repeats: int, out: str | None) -> dict:
+_SMALL = 64 << 10  # payloads up to this size also get the pipe bound for their round trip
+
+
+def run(
+    sizes: list[int],
+    worker_counts: list[int],
+    seconds: float,
+    min_iters: int,
+    repeats: int,
+    out: str | None,
+    transports: list[str] = ("tcp", "shm"),
+) -> dict:
     rows = []
     for nbytes in sizes:
-        bound = BoundSession(nbytes)
-        sessions = {}
+        bounds = {"socket ping-pong": BoundSession(nbytes)} if "tcp" in transports else {}
+        if "shm" in transports:
+            bounds["memcpy+update"] = CopyUpdateBound(nbytes)
+            if nbytes <= _SMALL:
+                bounds["pipe ping-pong"] = PipeBound()
+        sessions: dict[tuple[str, int], ApsSession] = {}
+        samples: dict = {key: [] for key in bounds}
         try:
-            for workers in worker_counts:
-                sessions[workers] = ApsSession(nbytes, workers)
-            bound_samples: list = []
-            aps_samples: dict[int, list] = {w: [] for w in worker_counts}
+            for transport in transports:
+                for workers in worker_counts:
+                    sessions[transport, workers] = ApsSession(nbytes, workers, transport)
+                    samples[transport, workers] = []
             for _ in range(repeats):
-                bound_samples.append(bound.measure(seconds, min_iters))
-                for workers, session in sessions.items():
-                    aps_samples[workers].append(session.measure(seconds, min_iters))
+                for key, bound in bounds.items():
+                    samples[key].append(bound.measure(seconds, min_iters))
+                for key, session in sessions.items():
+                    samples[key].append(session.measure(seconds, min_iters))
         finally:
-            bound.close()
+            for bound in bounds.values():
+                bound.close()
             for session in sessions.values():
                 session.close()
-        b = _summarize(bound_samples, nbytes)
-        rows.append({"system": "socket ping-pong", "transport": "tcp", "payload_bytes": nbytes, "workers": 1, **b,
-                     "ratio_throughput": 1.0, "ratio_rtt": 1.0})
-        for workers in worker_counts:
-            a = _summarize(aps_samples[workers], nbytes)
-            ratio_gbps = statistics.median(x / y for x, y in zip(a["gbps_samples"], b["gbps_samples"]))
-            ratio_rtt = statistics.median(x / y for x, y in zip(a["rtt_samples_us"], b["rtt_samples_us"]))
-            rows.append({"system": "aps", "transport": "tcp", "payload_bytes": nbytes, "workers": workers, **a,
-                         "ratio_throughput": ratio_gbps, "ratio_rtt": ratio_rtt})
-            _print_row(rows[-1])
+        summary = {key: _summarize(values, nbytes) for key, values in samples.items()}
+        for name in bounds:
+            kind = "tcp" if name == "socket ping-pong" else "shm"
+            rows.append({"system": name, "transport": kind, "payload_bytes": nbytes, "workers": 1,
+                         **summary[name], "ratio_throughput": None, "ratio_rtt": None, "ratio_to_tcp": None})
+            if name == "pipe ping-pong":
+                rows[-1]["gbps"] = rows[-1]["gbps_samples"] = None  # a wake-up bound: its bytes mean nothing
+        for (transport, workers), a in ((k, summary[k]) for k in sessions):
+            if transport == "tcp":
+                throughput_bound = rtt_bound = summary["socket ping-pong"]
+            else:
+                throughput_bound = summary["memcpy+update"]
+                rtt_bound = summary.get("pipe ping-pong", throughput_bound)
+            row = {"system": "aps", "transport": transport, "payload_bytes": nbytes, "workers": workers, **a,
+                   "ratio_throughput": _median_ratio(a["gbps_samples"], throughput_bound["gbps_samples"]),
+                   "ratio_rtt": _median_ratio(a["rtt_samples_us"], rtt_bound["rtt_samples_us"]),
+                   "ratio_to_tcp": None}
+            if transport == "shm" and ("tcp", workers) in sessions:
+                row["ratio_to_tcp"] = _median_ratio(a["gbps_samples"], summary["tcp", workers]["gbps_samples"])
+            rows.append(row)
+            _print_row(row)
     report = {
         "benchmark": "pushpull",
         "command": " ".join(["aps", "bench", *sys.argv[2:]]) if sys.argv[1:2] == ["bench"] else " ".join(sys.argv),
@@ -310,6 +431,10 @@ def run(sizes: list[int], worker_counts: list[int], seconds: float, min_iters: i
     return report
 
 
+def _median_ratio(values: list[float], bounds: list[float]) -> float:
+    return statistics.median(x / y for x, y in zip(values, bounds))
+
+
 def machine_info() -> dict:
     """What a reader needs to judge the figures: the host, its CPUs and how busy it was."""
     import psutil
@@ -325,22 +450,29 @@ def machine_info() -> dict:
 
 
 def _print_row(row: dict) -> None:
+    extra = f", {row['ratio_to_tcp']:.1f}x tcp" if row["ratio_to_tcp"] else ""
     print(
-        f"  {_format_size(row['payload_bytes']):>5} x{row['workers']}: {row['gbps']:.2f} GB/s "
-        f"({row['ratio_throughput']:.2f} of bound), rtt {row['rtt_us']:.0f} us ({row['ratio_rtt']:.2f}x bound)",
+        f"  {_format_size(row['payload_bytes']):>5} {row['transport']} x{row['workers']}: {row['gbps']:.2f} GB/s "
+        f"({row['ratio_throughput']:.2f} of bound{extra}), rtt {row['rtt_us']:.0f} us ({row['ratio_rtt']:.2f}x bound)",
         flush=True,
     )
 
 
+def _cell(value, spec: str, width: int) -> str:
+    return f"{'-':>{width}}" if value is None else f"{value:>{width}{spec}}"
+
+
 def format_table(rows: list[dict]) -> str:
     header = (
-        f"{'payload':>8} {'system':<17} {'workers':>7} {'rtt us':>10} {'GB/s':>7} {'x bound GB/s':>12} {'x bound rtt':>11}"
+        f"{'payload':>8} {'system':<17} {'via':<4} {'workers':>7} {'rtt us':>10} {'GB/s':>7} "
+        f"{'x bound GB/s':>12} {'x bound rtt':>11} {'x tcp':>6}"
     )
     lines = [header, "-" * len(header)]
     for row in rows:
         lines.append(
-            f"{_format_size(row['payload_bytes']):>8} {row['system']:<17} {row['workers']:>7} "
-            f"{row['rtt_us']:>10.1f} {row['gbps']:>7.2f} {row['ratio_throughput']:>12.2f} {row['ratio_rtt']:>11.2f}"
+            f"{_format_size(row['payload_bytes']):>8} {row['system']:<17} {row['transport']:<4} {row['workers']:>7} "
+            f"{row['rtt_us']:>10.1f} {_cell(row['gbps'], '.2f', 7)} {_cell(row['ratio_throughput'], '.2f', 12)} "
+            f"{_cell(row['ratio_rtt'], '.2f', 11)} {_cell(row['ratio_to_tcp'], '.1f', 6)}"
         )
     return "\n".join(lines)
 
@@ -351,6 +483,7 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seconds", type=float, default=1.0, help="length of one measuring window (default 1.0)")
     parser.add_argument("--min-iters", type=int, default=5, help="least round trips per window (default 5)")
     parser.add_argument("--repeats", type=int, default=5, help="interleaved windows per point (default 5)")
+    parser.add_argument("--transports", default="tcp,shm", help="tcp, shm or both (default tcp,shm)")
     parser.add_argument("--out", default="bench/results/pushpull.json", help="JSON report path ('' for none)")
 
 
@@ -359,7 +492,10 @@ def run_bench(args: argparse.Namespace) -> int:
     if any(n <= 0 or n % 4 for n in sizes):
         raise SystemExit("aps bench: sizes must be positive multiples of 4 bytes")
     counts = [int(c) for c in args.workers.split(",")]
-    run(sizes, counts, args.seconds, args.min_iters, max(1, args.repeats), args.out or None)
+    transports = [t.strip() for t in args.transports.split(",")]
+    if not transports or any(t not in ("tcp", "shm") for t in transports):
+        raise SystemExit("aps bench: --transports takes tcp, shm or tcp,shm")
+    run(sizes, counts, args.seconds, args.min_iters, max(1, args.repeats), args.out or None, transports)
     return 0
 
 
