@@ -576,6 +576,8 @@ class AsyncWorker(_WorkerBase):
     """The asyncio twin of :class:`Worker`: same arguments, awaitable methods.
 
     Create it with ``await AsyncWorker.connect(address, rank, num_workers)``.
+    It speaks TCP (``transport="auto"`` means TCP here): asyncio's socket
+    calls cannot pass the file descriptors the shared-memory transport needs.
     """
 
     def __init__(
@@ -604,6 +606,8 @@ class AsyncWorker(_WorkerBase):
         heartbeat: float | None = 5.0,
     ) -> AsyncWorker:
         _check_transport(transport)
+        if transport == "shm":
+            raise ConfigurationError("AsyncWorker speaks TCP only; use aps.Worker for shared memory")
         _check_heartbeat(heartbeat)
         parsed = parse_address(address)
         core = _ClientCore(rank, num_workers)
