@@ -88,10 +88,15 @@ def test_bench_runs_and_writes_json(tmp_path):
     result = run_aps("bench", "--sizes", "4K", "--workers", "1", "--seconds", "0.1", "--min-iters", "2", "--repeats", "1", "--out", str(out), timeout=120)
     assert result.returncode == 0, result.stderr
     report = json.loads(out.read_text())
-    systems = {row["system"] for row in report["rows"]}
-    assert systems == {"socket ping-pong", "aps"}
+    systems = {(row["system"], row["transport"]) for row in report["rows"]}
+    assert systems == {("socket ping-pong", "tcp"), ("memcpy+update", "shm"), ("pipe ping-pong", "shm"),
+                       ("aps", "tcp"), ("aps", "shm")}
     for row in report["rows"]:
-        assert row["round_trips"] >= 2 and row["gbps"] > 0
+        assert row["round_trips"] >= 2 and row["rtt_us"] > 0
+        if row["system"] == "aps":
+            assert row["gbps"] > 0 and row["ratio_throughput"] > 0 and row["ratio_rtt"] > 0
+    shm = next(r for r in report["rows"] if r["system"] == "aps" and r["transport"] == "shm")
+    assert shm["ratio_to_tcp"] > 0
     assert "x bound" in result.stdout
 
 
