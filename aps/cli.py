@@ -1,4 +1,4 @@
-"""The ``aps`` command: ``aps serve``, ``aps status``, ``aps simulate``, ``aps bench``."""
+"""The ``aps`` command and its subcommands."""
 
 from __future__ import annotations
 
@@ -77,6 +77,36 @@ def build_parser() -> argparse.ArgumentParser:
     )
     add_simulate_arguments(simulate)
     simulate.set_defaults(run=run_simulate)
+
+    from .launch import add_launch_arguments, run_launch
+
+    launch = commands.add_parser(
+        "launch",
+        help="run an embedded server and N local workers of a training script",
+        description="Run an embedded server (any aps serve flag) and --workers local processes of SCRIPT, "
+        "with APS_ADDRESS, RANK and WORLD_SIZE set; --step-time and --slowdown emulate devices of different speeds.",
+    )
+    add_launch_arguments(launch)
+    launch.set_defaults(run=run_launch)
+
+    from .compare import add_compare_arguments, run_compare
+
+    compare = commands.add_parser(
+        "compare",
+        help="train one model under every paradigm and compare time to accuracy (needs the torch extra)",
+        description="Train the same model under each sync paradigm on emulated homogeneous and heterogeneous "
+        "clusters; write DIR/results.json, results.md and accuracy.png.",
+    )
+    add_compare_arguments(compare)
+    compare.set_defaults(run=run_compare)
+
+    demo = commands.add_parser(
+        "demo",
+        help="the comparison on small defaults: a few minutes on 2 cores (needs the torch extra)",
+        description="aps compare with small defaults: the heterogeneous cluster, BSP, ASP, SSP s=3 and DSSP [3,15].",
+    )
+    add_compare_arguments(demo, demo=True)
+    demo.set_defaults(run=run_compare)
     return parser
 
 

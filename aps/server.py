@@ -17,6 +17,8 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
+import numpy as np
+
 from ._engine import Engine, _run_kernel
 from .config import ServerConfig
 from .errors import APSError, ConfigurationError
@@ -138,20 +140,35 @@ class Server:
             histogram, time waited at the gate, DSSP ``r*`` histogram and last
             iteration interval.
         """
-        loop, engine = self._loop, self.engine
-        if loop is None or engine is None:
+        return self._on_loop(lambda: self.engine.stats_snapshot(), timeout)
+
+    def weights(self, timeout: float = 10.0) -> tuple[int, np.ndarray | None]:
+        """A copy of the current weights (flat float32, in the model's order) and their version.
+
+        Safe from any thread; ``(0, None)`` before the first worker joined.
+        """
+
+        def grab() -> tuple[int, np.ndarray | None]:
+            table = self.engine.table
+            return (0, None) if table is None else (table.version, table.current_array().copy())
+
+        return self._on_loop(grab, timeout)
+
+    def _on_loop(self, fn, timeout: float):
+        loop = self._loop
+        if loop is None or self.engine is None:
             raise APSError("the server is not running")
         try:
             running = asyncio.get_running_loop()
         except RuntimeError:
             running = None
         if running is loop:
-            return engine.stats_snapshot()
+            return fn()
 
-        async def snapshot() -> dict:
-            return engine.stats_snapshot()
+        async def call():
+            return fn()
 
-        return asyncio.run_coroutine_threadsafe(snapshot(), loop).result(timeout)
+        return asyncio.run_coroutine_threadsafe(call(), loop).result(timeout)
 
     def stop(self) -> None:
         """Ask the server to shut down (thread-safe, idempotent)."""

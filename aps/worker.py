@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import threading
 import time
 import weakref
@@ -63,6 +64,22 @@ _SHM = int(Flag.SHM)
 _MAX_ERROR_PAYLOAD = 1 << 20
 _REJOIN_PATIENCE = 5.0  # seconds reconnect() waits for the server to let the old connection go
 _REQUEST_ID_MASK = 0xFFFFFFFF
+
+
+def _from_env(address: str | None, rank: int | None, num_workers: int | None) -> tuple[str, int, int]:
+    """Fill in what was not given from ``APS_ADDRESS``, ``RANK`` and ``WORLD_SIZE``."""
+    values = []
+    for given, variable, convert in ((address, "APS_ADDRESS", str), (rank, "RANK", int), (num_workers, "WORLD_SIZE", int)):
+        if given is None:
+            raw = os.environ.get(variable)
+            if raw is None:
+                raise ConfigurationError(f"no {variable.lower().replace('aps_', '')} given and ${variable} is not set")
+            try:
+                given = convert(raw)
+            except ValueError:
+                raise ConfigurationError(f"${variable}={raw!r} is not valid") from None
+        values.append(given)
+    return values[0], values[1], values[2]
 
 
 def _check_heartbeat(heartbeat: float | None) -> None:
@@ -343,9 +360,10 @@ class Worker(_WorkerBase):
     """A blocking client for one training process.
 
     Args:
-        address: the server, ``tcp://HOST:PORT``.
-        rank: this worker's rank, ``0 <= rank < num_workers``.
-        num_workers: the number of workers P (must equal the server's ``--workers``).
+        address: the server, ``tcp://HOST:PORT`` (default: ``$APS_ADDRESS``).
+        rank: this worker's rank, ``0 <= rank < num_workers`` (default: ``$RANK``).
+        num_workers: the number of workers P, which must equal the server's
+            ``--workers`` (default: ``$WORLD_SIZE``).
         transport: ``"auto"`` (shared memory when co-located, when available;
             TCP otherwise) or ``"tcp"``.
         connect_timeout: seconds to wait for the TCP connection.
@@ -367,9 +385,9 @@ class Worker(_WorkerBase):
 
     def __init__(
         self,
-        address: str,
-        rank: int,
-        num_workers: int,
+        address: str | None = None,
+        rank: int | None = None,
+        num_workers: int | None = None,
         transport: str = "auto",
         *,
         connect_timeout: float | None = 30.0,
@@ -378,6 +396,7 @@ class Worker(_WorkerBase):
     ) -> None:
         _check_transport(transport)
         _check_heartbeat(heartbeat)
+        address, rank, num_workers = _from_env(address, rank, num_workers)
         self._parsed = parse_address(address)
         self.address = str(self._parsed)
         self._core = _ClientCore(rank, num_workers)
@@ -393,6 +412,11 @@ class Worker(_WorkerBase):
             threading.Thread(
                 target=_heartbeats, args=(weakref.ref(self), self._stop, heartbeat), name="aps-heartbeat", daemon=True
             ).start()
+
+    @classmethod
+    def from_env(cls, **options: Any) -> Worker:
+        """A worker for ``APS_ADDRESS``, ``RANK`` and ``WORLD_SIZE`` (set by ``torchrun`` or ``aps launch``)."""
+        return cls(None, None, None, **options)
 
     # Requests -------------------------------------------------------------
     def init(self, params: Mapping[str, Any], *, timeout: float | None = 300.0) -> Mapping[str, np.ndarray]:

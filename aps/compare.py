@@ -1,0 +1,352 @@
+"""``aps compare`` (also ``bench/paradigms.py``) and ``aps demo``: which paradigm reaches a target accuracy first.
+
+Trains the same model (same seeds, data split, learning rate and batch size)
+under each sync paradigm, with and without the staleness-aware learning rate,
+on an emulated homogeneous and an emulated heterogeneous cluster, and
+evaluates the server's weights on the held-out test set on a fixed wall-clock
+cadence. Each worker pads its iterations to its multiple of a step time
+(``aps launch --step-time``): emulated devices of different speeds, not
+different computations.
+
+The worker processes are started once and reused for every run; each run
+gets its own embedded server. Results: ``DIR/results.json`` (one object per
+run, with the accuracy curve), ``DIR/results.md`` (the tables) and
+``DIR/accuracy.png`` (test accuracy against wall time, one panel per cluster).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing as mp
+import os
+import sys
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from .config import ServerConfig
+from .errors import ConfigurationError
+from .server import Server
+from .simulate import parse_setting
+
+__all__ = ["DEFAULT_PARADIGMS", "Run", "compare", "main"]
+
+DEFAULT_PARADIGMS = ("bsp", "asp", "ssp:3", "ssp:15", "dssp:3:15", "softsync:1")
+LABELS = {"bsp": "BSP", "asp": "ASP", "ssp": "SSP", "dssp": "DSSP", "softsync": "softsync"}
+
+
+def label(setting: str, lr_staleness: str = "none") -> str:
+    """A readable name: ``dssp:3:15`` -> ``DSSP [3,15]``, ``ssp:3`` -> ``SSP s=3``."""
+    name, *numbers = setting.split(":")
+    text = LABELS.get(name, name)
+    if name == "ssp":
+        text += f" s={numbers[0]}"
+    elif name == "dssp":
+        text += f" [{numbers[0]},{numbers[1]}]"
+    elif name == "softsync":
+        text += f" n={numbers[0]}"
+    elif name == "bsp" and numbers:
+        text += f" k={numbers[0]}"
+    return text + (" lr/tau" if lr_staleness == "inverse" else "")
+
+
+@dataclass
+class Run:
+    """One training run of the comparison."""
+
+    setting: str
+    lr_staleness: str
+    cluster: str
+    speeds: list[float]
+    curve: list[list[float]] = field(default_factory=list)
+    stats: dict = field(default_factory=dict)
+
+
+# Worker processes -----------------------------------------------------------------------------
+
+
+def _pool_main(rank: int, workers: int, dataset_name: str, seed: int, conn) -> None:
+    """A worker process: load once, then train one run per order until told to stop."""
+    import torch
+
+    from . import workloads
+    from .torch import Pacer
+    from .train import train
+
+    torch.set_num_threads(1)
+    dataset = workloads.load(dataset_name, seed=seed)
+    conn.send("ready")
+    while True:
+        order = conn.recv()
+        if order is None:
+            return
+        try:
+            pacer = Pacer(order["step_time"], order["speeds"][rank], order["jitter"], seed=seed + 7 * rank)
+            result = train(dataset, order["address"], rank, workers, batch_size=order["batch_size"],
+                           deadline=order["deadline"], seed=seed, pacer=pacer)
+            conn.send(result)
+        except Exception as exc:  # reported, and the comparison stops
+            conn.send({"rank": rank, "error": f"{type(exc).__name__}: {exc}"})
+
+
+class _Pool:
+    def __init__(self, workers: int, dataset: str, seed: int) -> None:
+        ctx = mp.get_context("spawn")
+        self.pipes, self.procs = [], []
+        for rank in range(workers):
+            parent, child = ctx.Pipe()
+            proc = ctx.Process(target=_pool_main, args=(rank, workers, dataset, seed, child), daemon=True)
+            proc.start()
+            self.pipes.append(parent)
+            self.procs.append(proc)
+        for pipe in self.pipes:
+            if not pipe.poll(300):
+                raise RuntimeError("a worker process did not start")
+            pipe.recv()
+
+    def dispatch(self, order: dict) -> None:
+        for pipe in self.pipes:
+            pipe.send(order)
+
+    def results(self, timeout: float) -> list[dict]:
+        out = []
+        for pipe in self.pipes:
+            if not pipe.poll(timeout):
+                raise RuntimeError("a worker process did not finish its run")
+            result = pipe.recv()
+            if "error" in result:
+                raise RuntimeError(f"worker {result['rank']} failed: {result['error']}")
+            out.append(result)
+        return out
+
+    def close(self) -> None:
+        for pipe in self.pipes:
+            try:
+                pipe.send(None)
+            except OSError:
+                pass
+        for proc in self.procs:
+            proc.join(10)
+            if proc.is_alive():
+                proc.kill()
+                proc.join()
+
+
+# The driver -------------------------------------------------------------------------------------
+
+
+def _evaluator(dataset_name: str, seed: int):
+    import torch
+
+    from . import workloads
+
+    dataset = workloads.load(dataset_name, seed=seed)
+    model = workloads.make_model(dataset.side, seed=seed)
+    params = [p for p in model.parameters() if p.requires_grad]
+
+    def evaluate(flat: np.ndarray) -> float:
+        offset = 0
+        with torch.no_grad():
+            for p in params:
+                p.copy_(torch.from_numpy(flat[offset : offset + p.numel()]).view_as(p))
+                offset += p.numel()
+        return workloads.accuracy(model, dataset.x_test, dataset.y_test)
+
+    return evaluate
+
+
+def _run_one(run: Run, pool: _Pool, evaluate, args, out=sys.stdout) -> None:
+    options = parse_setting(run.setting).options
+    config = ServerConfig(
+        workers=len(run.speeds), port=0, lr=args.lr, momentum=args.momentum, lr_staleness=run.lr_staleness,
+        log_level="warning", **options,
+    )
+    eval_every = args.eval_every or max(0.5, args.budget / 25)
+    with Server(config).run_in_background() as background:
+        server = background.server
+        slack = 3.0  # to join, before the clock starts
+        pool.dispatch({
+            "address": background.address, "deadline": time.monotonic() + slack + args.budget,
+            "speeds": run.speeds, "step_time": args.step_time, "jitter": args.jitter, "batch_size": args.batch_size,
+        })
+        started = None
+        while started is None:
+            time.sleep(0.02)
+            started = server.engine.stats.training_started
+        stop = started + args.budget
+        next_eval = started
+        while True:
+            now = time.monotonic()
+            if now >= next_eval:
+                version, flat = server.weights()
+                run.curve.append([round(now - started, 3), evaluate(flat)])
+                next_eval += eval_every
+                if now >= stop:
+                    break
+            time.sleep(max(0.0, min(next_eval, stop) - time.monotonic()))
+        stats = server.stats()
+        results = pool.results(timeout=60 + slack)
+    workers = stats["workers"]
+    pulls = sum(w["pulls"] for w in workers)
+    applied = [(w["staleness_mean"], sum(w["staleness_hist"].values())) for w in workers if w["staleness_mean"] is not None]
+    run.stats = {
+        "updates": stats["server"]["version"],
+        "iterations": sum(r["iterations"] for r in results),
+        "iterations_per_s": stats["server"]["pushes"] / args.budget,
+        "mean_wait_s": sum(w["wait_s_total"] for w in workers) / pulls if pulls else 0.0,
+        "mean_staleness": (sum(m * n for m, n in applied) / sum(n for _, n in applied)) if applied else 0.0,
+        "max_gap": max((w["max_release_gap"] or 0) for w in workers),
+    }
+    best = max(acc for _, acc in run.curve)
+    print(
+        f"  {run.cluster:<13} {label(run.setting, run.lr_staleness):<22} best {best:.3f}  "
+        f"{run.stats['iterations_per_s']:.1f} it/s  wait {run.stats['mean_wait_s'] * 1e3:.0f} ms  "
+        f"staleness {run.stats['mean_staleness']:.2f}",
+        file=out, flush=True,
+    )
+
+
+def summarize(run: Run, target: float, budget: float) -> dict:
+    """The record of one run in results.json."""
+    reached = next((t for t, acc in run.curve if acc >= target), None)
+    return {
+        "sync": run.setting,
+        "label": label(run.setting, run.lr_staleness),
+        "lr_staleness": run.lr_staleness,
+        "cluster": run.cluster,
+        "speeds": run.speeds,
+        "budget_s": budget,
+        "target": target,
+        "time_to_target_s": reached,
+        "best_accuracy": max(acc for _, acc in run.curve),
+        "final_accuracy": run.curve[-1][1],
+        **run.stats,
+        "curve": run.curve,
+    }
+
+
+def markdown(records: list[dict], target: float) -> str:
+    lines = []
+    for cluster in dict.fromkeys(r["cluster"] for r in records):
+        rows = [r for r in records if r["cluster"] == cluster]
+        speeds = ",".join(f"{s:g}" for s in rows[0]["speeds"])
+        lines += [f"### {cluster} cluster (speeds {speeds})", "",
+                  f"| paradigm | time to {target:g} | best accuracy | iterations/s | mean wait | mean staleness |",
+                  "|---|---:|---:|---:|---:|---:|"]
+        for r in sorted(rows, key=lambda r: (r["time_to_target_s"] is None, r["time_to_target_s"] or 0)):
+            reached = "never" if r["time_to_target_s"] is None else f"{r['time_to_target_s']:.1f} s"
+            lines.append(f"| {r['label']} | {reached} | {r['best_accuracy']:.3f} | {r['iterations_per_s']:.1f} | "
+                         f"{r['mean_wait_s'] * 1e3:.0f} ms | {r['mean_staleness']:.2f} |")
+        lines.append("")
+    return "\n".join(lines)
+
+
+def plot(records: list[dict], path: str, target: float, command: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    clusters = list(dict.fromkeys(r["cluster"] for r in records))
+    fig, axes = plt.subplots(1, len(clusters), figsize=(6.2 * len(clusters), 4.4), dpi=110, squeeze=False)
+    colors = {}
+    for ax, cluster in zip(axes[0], clusters):
+        for r in (r for r in records if r["cluster"] == cluster):
+            key = r["sync"]
+            color = colors.setdefault(key, f"C{len(colors) % 10}")
+            t, acc = zip(*r["curve"])
+            ax.plot(t, acc, "--" if r["lr_staleness"] == "inverse" else "-", color=color, label=r["label"], lw=1.5)
+        ax.axhline(target, color="gray", lw=0.8, ls=":")
+        speeds = ",".join(f"{s:g}" for s in records[[r["cluster"] for r in records].index(cluster)]["speeds"])
+        ax.set_title(f"{cluster} cluster (speeds {speeds})", fontsize=10)
+        ax.set_xlabel("wall time, s")
+        ax.set_ylabel("test accuracy")
+        low = min(min(acc for _, acc in r["curve"][1:] or r["curve"]) for r in records)
+        ax.set_ylim(max(0.0, min(low, target - 0.1)), 1.0)
+        ax.grid(alpha=0.3)
+    axes[0][-1].legend(fontsize=7, loc="lower right", ncol=2)
+    fig.text(0.01, 0.01, command, fontsize=6, color="gray")
+    fig.tight_layout(rect=(0, 0.03, 1, 1))
+    fig.savefig(path)
+
+
+def compare(args, out=sys.stdout) -> list[dict]:
+    """Run the whole comparison described by ``args``; returns the records."""
+    paradigms = [p.strip() for p in args.paradigms.split(",") if p.strip()]
+    for setting in paradigms:
+        parse_setting(setting)  # fail early on a typo
+    modes = {"both": ("none", "inverse"), "none": ("none",), "inverse": ("inverse",)}[args.lr_staleness]
+    speeds = [float(s) for s in args.speeds.split(",")]
+    if len(speeds) != args.workers:
+        raise ConfigurationError(f"--speeds gives {len(speeds)} workers, --workers says {args.workers}")
+    clusters = {"homogeneous": [1.0] * args.workers, "heterogeneous": speeds}
+    chosen = [c.strip() for c in args.clusters.split(",")]
+    runs = [
+        Run(setting, mode, cluster, clusters[cluster])
+        for cluster in chosen
+        for setting in paradigms
+        for mode in (("none",) if setting.startswith("bsp") else modes)
+    ]
+    print(f"{len(runs)} runs of {args.budget:g} s on {args.workers} workers ({args.dataset}, step time "
+          f"{args.step_time * 1e3:.0f} ms, target accuracy {args.target:g})", file=out, flush=True)
+    os.makedirs(args.out, exist_ok=True)
+    evaluate = _evaluator(args.dataset, args.seed)
+    pool = _Pool(args.workers, args.dataset, args.seed)
+    try:
+        for run in runs:
+            _run_one(run, pool, evaluate, args, out)
+    finally:
+        pool.close()
+    records = [summarize(run, args.target, args.budget) for run in runs]
+    command = " ".join(["aps", *sys.argv[1:]]) if os.path.basename(sys.argv[0]) in ("aps", "__main__.py") else " ".join(sys.argv)
+    with open(os.path.join(args.out, "results.json"), "w") as fh:
+        json.dump(records, fh, indent=2)
+    with open(os.path.join(args.out, "results.md"), "w") as fh:
+        fh.write(f"Command: `{command}`\n\n" + markdown(records, args.target))
+    plot(records, os.path.join(args.out, "accuracy.png"), args.target, command)
+    print("", file=out)
+    print(markdown(records, args.target), file=out)
+    print(f"wrote {args.out}/results.json, results.md and accuracy.png", file=out)
+    return records
+
+
+def add_compare_arguments(parser: argparse.ArgumentParser, *, demo: bool = False) -> None:
+    parser.add_argument("--out", default="demo-results" if demo else "compare-results", help="output directory")
+    parser.add_argument("--target", type=float, default=0.95, help="test accuracy to reach (default 0.95)")
+    parser.add_argument("--paradigms", default="bsp,asp,ssp:3,dssp:3:15" if demo else ",".join(DEFAULT_PARADIGMS),
+                        help="sync settings, as aps simulate takes them")
+    parser.add_argument("--lr-staleness", default="none" if demo else "both", choices=("both", "none", "inverse"),
+                        help="run the asynchronous paradigms without/with the staleness-aware learning rate")
+    parser.add_argument("--workers", type=int, default=4)
+    parser.add_argument("--speeds", default="1,1,1,2.5", help="the heterogeneous cluster's relative speeds")
+    parser.add_argument("--clusters", default="heterogeneous" if demo else "homogeneous,heterogeneous")
+    parser.add_argument("--budget", type=float, default=20.0, help="seconds of training per run (default 20)")
+    parser.add_argument("--step-time", type=float, default=0.04, help="emulated iteration time of a speed-1 worker")
+    parser.add_argument("--jitter", type=float, default=0.1, help="random variation of iteration times")
+    parser.add_argument("--dataset", default="mnist", choices=("mnist", "digits"))
+    parser.add_argument("--lr", type=float, default=0.05)
+    parser.add_argument("--momentum", type=float, default=0.0)
+    parser.add_argument("--batch-size", type=int, default=32)
+    parser.add_argument("--eval-every", type=float, default=0.0, help="seconds between evaluations (default budget/25)")
+    parser.add_argument("--seed", type=int, default=0)
+
+
+def run_compare(args: argparse.Namespace) -> int:
+    import importlib.util
+
+    missing = [name for name in ("torch", "matplotlib") if importlib.util.find_spec(name) is None]
+    if missing:
+        raise ConfigurationError(
+            f"aps compare and aps demo train PyTorch models: install the extras ({', '.join(missing)} missing): "
+            "pip install 'aps[torch,examples]'"
+        )
+    compare(args)
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="aps compare", description=__doc__.splitlines()[0])
+    add_compare_arguments(parser)
+    return run_compare(parser.parse_args(argv))

@@ -1,0 +1,264 @@
+"""PyTorch integration: an aps-backed drop-in for the optimizer of a standard loop.
+
+::
+
+    model = Net()
+    opt = aps.torch.Optimizer(model, "tcp://ps-host:7450", rank=0, num_workers=4)
+    for x, y in loader:
+        opt.zero_grad()
+        loss_fn(model(x), y).backward()
+        opt.step()  # push the gradients, wait for the gate, load the new weights
+
+The server applies the update (its ``--optimizer``, ``--lr`` ...); this object
+only moves gradients and weights. On the CPU, the model's parameters and their
+``.grad`` become views into the worker's flat buffers (the gradient buffer is
+shared memory when the server shares the host), so ``backward()`` writes the
+gradients where the push reads them and a pull writes the new weights straight
+into the model: ``step()`` copies nothing it does not have to. A model on a
+GPU keeps its tensors there; ``step()`` then stages through the worker's host
+buffers (pinned memory): one device-to-host copy of the gradients and one
+host-to-device copy of the weights per step.
+
+Only trainable parameters go through the server, and they must be float32.
+Buffers (BatchNorm running statistics and the like) stay local to each worker.
+
+Address, rank and worker count default to ``APS_ADDRESS``, ``RANK`` and
+``WORLD_SIZE`` (what ``torchrun`` and ``aps launch`` set). Under ``aps
+launch --step-time T --slowdown ...``, ``step()`` also pads each iteration to
+this worker's multiple of ``T`` to emulate GPUs of different speeds: the
+padding is sleep, not work.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+import time
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import numpy as np
+import torch
+
+from .errors import ConfigurationError
+from .worker import Worker
+
+__all__ = ["Optimizer", "Pacer"]
+
+log = logging.getLogger("aps.torch")
+
+
+def _pin(*tensors: torch.Tensor) -> None:
+    """Page-lock host buffers so copies to and from the GPU run at full speed (best effort)."""
+    cudart = torch.cuda.cudart()
+    for tensor in tensors:
+        status = cudart.cudaHostRegister(tensor.data_ptr(), tensor.numel() * tensor.element_size(), 0)
+        if int(status) != 0:
+            log.warning("could not pin a %d-byte host buffer (CUDA error %s): copies will be slower",
+                        tensor.numel() * tensor.element_size(), int(status))
+
+
+class Pacer:
+    """Pads iterations to emulate a slower device (``aps launch --step-time``).
+
+    Each iteration (from the end of one ``step()`` to the start of the next
+    push) is stretched by sleeping to ``step_time * slowdown``, times a
+    lognormal factor of spread ``jitter`` and mean 1. Work that already takes
+    longer is not shortened.
+    """
+
+    def __init__(self, step_time: float, slowdown: float = 1.0, jitter: float = 0.0, seed: int = 0) -> None:
+        if step_time < 0 or slowdown <= 0 or jitter < 0:
+            raise ConfigurationError("step time and jitter must be >= 0 and the slowdown > 0")
+        self.target = step_time * slowdown
+        self.jitter = jitter
+        self._rng = np.random.default_rng(seed)
+        self._since = time.monotonic()
+
+    @classmethod
+    def from_env(cls, rank: int) -> Pacer | None:
+        """The pacing ``aps launch`` asked for (``APS_STEP_TIME``, ``APS_SLOWDOWN``, ``APS_JITTER``), if any."""
+        step_time = float(os.environ.get("APS_STEP_TIME", "0") or 0)
+        if step_time <= 0:
+            return None
+        slowdown = float(os.environ.get("APS_SLOWDOWN", "1") or 1)
+        jitter = float(os.environ.get("APS_JITTER", "0") or 0)
+        return cls(step_time, slowdown, jitter, seed=rank)
+
+    def wait(self) -> None:
+        """Sleep out the rest of this iteration's emulated time."""
+        target = self.target
+        if self.jitter:
+            target *= math.exp(self._rng.normal(-0.5 * self.jitter**2, self.jitter))
+        remaining = target - (time.monotonic() - self._since)
+        if remaining > 0:
+            time.sleep(remaining)
+
+    def restart(self) -> None:
+        """The next iteration starts now."""
+        self._since = time.monotonic()
+
+
+class Optimizer:
+    """Train ``model`` with an aps server; use it like a ``torch.optim`` optimizer.
+
+    Args:
+        model: an ``nn.Module``, or an iterable of ``(name, parameter)``.
+            Trainable parameters must be float32 and on one device.
+        address: the server (``tcp://HOST:PORT``); default ``APS_ADDRESS``.
+        rank: this worker's rank; default ``RANK``.
+        num_workers: the number of workers; default ``WORLD_SIZE``.
+        transport: ``"auto"``, ``"shm"`` or ``"tcp"`` (see :class:`aps.Worker`).
+        init_timeout: seconds to wait for every worker to join.
+        worker: an existing :class:`aps.Worker` to use instead of connecting.
+        staging: stage through host buffers even on the CPU (the GPU code
+            path; meant for tests). Default: only for models not on the CPU.
+        pacer: iteration pacing; default: what ``aps launch`` asked for.
+
+    The first worker to join provides the initial weights (its model's);
+    every worker's model then holds the server's weights.
+    """
+
+    def __init__(
+        self,
+        model: torch.nn.Module | Iterable[tuple[str, torch.nn.Parameter]],
+        address: str | None = None,
+        rank: int | None = None,
+        num_workers: int | None = None,
+        *,
+        transport: str = "auto",
+        init_timeout: float | None = 300.0,
+        worker: Worker | None = None,
+        staging: bool | None = None,
+        pacer: Pacer | None = None,
+    ) -> None:
+        named = model.named_parameters() if isinstance(model, torch.nn.Module) else model
+        self.names: list[str] = []
+        self.params: list[torch.nn.Parameter] = []
+        for name, param in named:
+            if param.requires_grad:
+                self.names.append(name)
+                self.params.append(param)
+        if not self.params:
+            raise ConfigurationError("the model has no trainable parameters")
+        wrong = [f"{n} ({p.dtype})" for n, p in zip(self.names, self.params) if p.dtype != torch.float32]
+        if wrong:
+            raise ConfigurationError(
+                f"aps trains float32 parameters; these are not: {', '.join(wrong[:5])}"
+                + (" ..." if len(wrong) > 5 else "")
+                + " (convert the model with .float(), or freeze them with requires_grad_(False))"
+            )
+        devices = {p.device for p in self.params}
+        if len(devices) != 1:
+            raise ConfigurationError(f"the parameters are on several devices: {sorted(map(str, devices))}")
+        self.device = devices.pop()
+        if torch_threads := os.environ.get("APS_TORCH_THREADS"):
+            torch.set_num_threads(int(torch_threads))
+        self.worker = worker or Worker(address, rank, num_workers, transport=transport)
+        with torch.no_grad():
+            initial = {n: p.detach().to("cpu").contiguous().numpy() for n, p in zip(self.names, self.params)}
+        self.worker.init(initial, timeout=init_timeout)
+        self.staging = (self.device.type != "cpu") if staging is None else bool(staging)
+        self._host_weights = torch.from_numpy(self.worker.flat_weights)
+        self._host_grads = torch.from_numpy(self.worker.flat_grad)
+        if self.device.type == "cuda":
+            _pin(self._host_weights, self._host_grads)
+        self._weight_views = self._views(self._host_weights)
+        self._grad_views = self._views(self._host_grads)
+        if self.staging:
+            self._load_weights()
+        else:
+            for param, weights, grads in zip(self.params, self._weight_views, self._grad_views):
+                param.data = weights  # the model's storage is the worker's weight buffer
+                param.grad = grads  # backward() accumulates into the (shared) gradient buffer
+        self.pacer = pacer if pacer is not None else Pacer.from_env(self.worker.rank)
+
+    def _views(self, flat: torch.Tensor) -> list[torch.Tensor]:
+        layout = self.worker.layout
+        return [flat[o : o + s].view(p.shape) for p, o, s in zip(self.params, layout.offsets, layout.sizes)]
+
+    # The optimizer interface ------------------------------------------------------
+    def zero_grad(self, set_to_none: bool = False) -> None:
+        """Zero the gradients, in place (``set_to_none`` is accepted and ignored:
+        the gradients must stay views into the worker's buffer)."""
+        if self.staging:
+            for param in self.params:
+                if param.grad is not None:
+                    param.grad.zero_()
+        else:
+            self._host_grads.zero_()
+
+    def step(self, closure: Callable[[], Any] | None = None) -> Any:
+        """Push this iteration's gradients, wait for the gate, load the new weights.
+
+        Returns what ``closure`` returns, if given (it is called first, with
+        gradients enabled, as ``torch.optim`` does).
+        """
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        if self.pacer is not None:
+            self.pacer.wait()
+        with torch.no_grad():
+            if self.staging:
+                self._gather_grads()
+                self.worker.push_pull(self.worker.grads)
+                self._load_weights()
+            else:
+                self._adopt_stray_grads()
+                self.worker.push_pull(self.worker.grads)  # the weights land in the model's storage
+        if self.pacer is not None:
+            self.pacer.restart()
+        return loss
+
+    # Introspection ------------------------------------------------------------------
+    @property
+    def version(self) -> int:
+        """Version of the weights the model holds."""
+        return self.worker.version
+
+    @property
+    def clock(self) -> int:
+        """How many gradients this worker has pushed."""
+        return self.worker.clock
+
+    def close(self) -> None:
+        """Leave the training and disconnect."""
+        self.worker.close()
+
+    def __enter__(self) -> Optimizer:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    # Internals ----------------------------------------------------------------------
+    def _adopt_stray_grads(self) -> None:
+        # model.zero_grad() (set_to_none, the torch default) or other code may
+        # have replaced a .grad: copy it back into the buffer and re-attach.
+        for param, grads in zip(self.params, self._grad_views):
+            grad = param.grad
+            if grad is grads:
+                continue
+            if grad is None:
+                grads.zero_()
+            elif grad.data_ptr() != grads.data_ptr():
+                grads.copy_(grad)
+            param.grad = grads
+
+    def _gather_grads(self) -> None:
+        for param, grads in zip(self.params, self._grad_views):
+            if param.grad is None:
+                grads.zero_()
+            else:
+                grads.copy_(param.grad, non_blocking=True)
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
+    def _load_weights(self) -> None:
+        for param, weights in zip(self.params, self._weight_views):
+            param.data.copy_(weights, non_blocking=True)
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)

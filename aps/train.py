@@ -1,0 +1,99 @@
+"""The built-in training example: a small CNN on a bundled dataset, one aps worker.
+
+``aps launch --example mnist`` runs it on every worker; ``aps compare`` and
+``aps demo`` use :func:`train` in their worker processes. It is a standard
+PyTorch loop with :class:`aps.torch.Optimizer` in place of ``torch.optim``::
+
+    python -m aps.train --address tcp://HOST:7450 --rank 0 --workers 4 --epochs 3
+
+(address, rank and worker count default to ``APS_ADDRESS``, ``RANK`` and
+``WORLD_SIZE``, as ``aps launch`` and ``torchrun`` set them).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+
+import numpy as np
+import torch
+from torch.nn import functional as F
+
+from . import workloads
+from .torch import Optimizer, Pacer
+
+__all__ = ["main", "train"]
+
+
+def train(
+    dataset: workloads.Dataset,
+    address: str | None,
+    rank: int | None,
+    workers: int | None,
+    *,
+    batch_size: int = 32,
+    epochs: float | None = None,
+    deadline: float | None = None,
+    seed: int = 0,
+    pacer: Pacer | None = None,
+    on_epoch=None,
+) -> dict:
+    """Train on this worker's shard until ``epochs`` are done or the monotonic ``deadline``.
+
+    Returns ``{"rank", "iterations", "version"}``. ``on_epoch(epoch, optimizer,
+    model)`` is called after each pass over the shard.
+    """
+    model = workloads.make_model(dataset.side, seed=seed)
+    optimizer = Optimizer(model, address, rank, workers, pacer=pacer)
+    rank, workers = optimizer.worker.rank, optimizer.worker.num_workers
+    x, y = workloads.shard(dataset, rank, workers)
+    rng = np.random.default_rng(seed + 1 + rank)
+    steps_per_epoch = max(1, len(y) // batch_size)
+    total = None if epochs is None else int(round(epochs * steps_per_epoch))
+    iterations = 0
+    try:
+        while (total is None or iterations < total) and (deadline is None or time.monotonic() < deadline):
+            if iterations % steps_per_epoch == 0:
+                order = torch.from_numpy(rng.permutation(len(y)))
+            start = (iterations % steps_per_epoch) * batch_size
+            batch = order[start : start + batch_size]
+            optimizer.zero_grad()
+            F.cross_entropy(model(x[batch]), y[batch]).backward()
+            optimizer.step()
+            iterations += 1
+            if on_epoch is not None and iterations % steps_per_epoch == 0:
+                on_epoch(iterations // steps_per_epoch, optimizer, model)
+        return {"rank": rank, "iterations": iterations, "version": optimizer.version}
+    finally:
+        optimizer.close()
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--address", help="the server (default $APS_ADDRESS)")
+    parser.add_argument("--rank", type=int, help="this worker's rank (default $RANK)")
+    parser.add_argument("--workers", type=int, help="number of workers (default $WORLD_SIZE)")
+    parser.add_argument("--dataset", default="mnist", choices=workloads.DATASETS)
+    parser.add_argument("--epochs", type=float, default=3.0)
+    parser.add_argument("--batch-size", type=int, default=32)
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args(argv)
+    torch.set_num_threads(1)
+    dataset = workloads.load(args.dataset, seed=args.seed)
+    start = time.monotonic()
+
+    def report(epoch, optimizer, model) -> None:
+        if optimizer.worker.rank == 0:
+            acc = workloads.accuracy(model, dataset.x_test, dataset.y_test)
+            print(f"epoch {epoch}: test accuracy {acc:.3f}, version {optimizer.version}, "
+                  f"{time.monotonic() - start:.1f} s", flush=True)
+
+    result = train(dataset, args.address, args.rank, args.workers, batch_size=args.batch_size,
+                   epochs=args.epochs, seed=args.seed, on_epoch=report)
+    print(f"rank {result['rank']}: {result['iterations']} iterations", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
