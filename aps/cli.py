@@ -103,7 +103,7 @@ def build_parser() -> argparse.ArgumentParser:
     demo = commands.add_parser(
         "demo",
         help="the comparison on small defaults: a few minutes on 2 cores (needs the torch extra)",
-        description="aps compare with small defaults: the heterogeneous cluster, BSP, ASP, SSP s=3 and DSSP [3,15].",
+        description="aps compare with small defaults: the heterogeneous cluster, BSP, ASP, SSP s=3, SSP s=15 and DSSP [3,15].",
     )
     add_compare_arguments(demo, demo=True)
     demo.set_defaults(run=run_compare)

@@ -18,8 +18,10 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import multiprocessing as mp
 import os
+import statistics
 import sys
 import time
 from dataclasses import dataclass, field
@@ -31,7 +33,7 @@ from .errors import ConfigurationError
 from .server import Server
 from .simulate import parse_setting
 
-__all__ = ["DEFAULT_PARADIGMS", "Run", "compare", "main"]
+__all__ = ["DEFAULT_PARADIGMS", "Run", "add_compare_arguments", "compare", "run_compare"]
 
 DEFAULT_PARADIGMS = ("bsp", "asp", "ssp:3", "ssp:15", "dssp:3:15", "softsync:1")
 LABELS = {"bsp": "BSP", "asp": "ASP", "ssp": "SSP", "dssp": "DSSP", "softsync": "softsync"}
@@ -60,6 +62,7 @@ class Run:
     lr_staleness: str
     cluster: str
     speeds: list[float]
+    repeat: int = 0
     curve: list[list[float]] = field(default_factory=list)
     stats: dict = field(default_factory=dict)
 
@@ -83,9 +86,11 @@ def _pool_main(rank: int, workers: int, dataset_name: str, seed: int, conn) -> N
         if order is None:
             return
         try:
-            pacer = Pacer(order["step_time"], order["speeds"][rank], order["jitter"], seed=seed + 7 * rank)
+            run_seed = order["seed"]  # data order and pacing; the split and the initial weights keep `seed`
+            pacer = Pacer(order["step_time"], order["speeds"][rank], order["jitter"], seed=1000 * run_seed + rank)
             result = train(dataset, order["address"], rank, workers, batch_size=order["batch_size"],
-                           deadline=order["deadline"], seed=seed, pacer=pacer)
+                           duration=order["duration"], seed=seed, data_seed=run_seed, pacer=pacer,
+                           stop_on_divergence=True)
             conn.send(result)
         except Exception as exc:  # reported, and the comparison stops
             conn.send({"rank": rank, "error": f"{type(exc).__name__}: {exc}"})
@@ -166,9 +171,8 @@ def _run_one(run: Run, pool: _Pool, evaluate, args, out=sys.stdout) -> None:
     eval_every = args.eval_every or max(0.5, args.budget / 25)
     with Server(config).run_in_background() as background:
         server = background.server
-        slack = 3.0  # to join, before the clock starts
         pool.dispatch({
-            "address": background.address, "deadline": time.monotonic() + slack + args.budget,
+            "address": background.address, "duration": args.budget, "seed": args.seed + run.repeat,
             "speeds": run.speeds, "step_time": args.step_time, "jitter": args.jitter, "batch_size": args.batch_size,
         })
         started = None
@@ -187,7 +191,7 @@ def _run_one(run: Run, pool: _Pool, evaluate, args, out=sys.stdout) -> None:
                     break
             time.sleep(max(0.0, min(next_eval, stop) - time.monotonic()))
         stats = server.stats()
-        results = pool.results(timeout=60 + slack)
+        results = pool.results(timeout=60)
     workers = stats["workers"]
     pulls = sum(w["pulls"] for w in workers)
     applied = [(w["staleness_mean"], sum(w["staleness_hist"].values())) for w in workers if w["staleness_mean"] is not None]
@@ -198,12 +202,13 @@ def _run_one(run: Run, pool: _Pool, evaluate, args, out=sys.stdout) -> None:
         "mean_wait_s": sum(w["wait_s_total"] for w in workers) / pulls if pulls else 0.0,
         "mean_staleness": (sum(m * n for m, n in applied) / sum(n for _, n in applied)) if applied else 0.0,
         "max_gap": max((w["max_release_gap"] or 0) for w in workers),
+        "diverged": any(r["diverged"] for r in results),
     }
     best = max(acc for _, acc in run.curve)
     print(
         f"  {run.cluster:<13} {label(run.setting, run.lr_staleness):<22} best {best:.3f}  "
         f"{run.stats['iterations_per_s']:.1f} it/s  wait {run.stats['mean_wait_s'] * 1e3:.0f} ms  "
-        f"staleness {run.stats['mean_staleness']:.2f}",
+        f"staleness {run.stats['mean_staleness']:.2f}" + ("  (diverged)" if run.stats["diverged"] else ""),
         file=out, flush=True,
     )
 
@@ -217,6 +222,7 @@ def summarize(run: Run, target: float, budget: float) -> dict:
         "lr_staleness": run.lr_staleness,
         "cluster": run.cluster,
         "speeds": run.speeds,
+        "repeat": run.repeat,
         "budget_s": budget,
         "target": target,
         "time_to_target_s": reached,
@@ -227,18 +233,51 @@ def summarize(run: Run, target: float, budget: float) -> dict:
     }
 
 
+def _groups(records: list[dict]) -> dict[tuple[str, str], list[dict]]:
+    """Records by (cluster, paradigm label), in the order they first appear."""
+    groups: dict[tuple[str, str], list[dict]] = {}
+    for r in records:
+        groups.setdefault((r["cluster"], r["label"]), []).append(r)
+    return groups
+
+
+def _median_time(rows: list[dict]) -> float | None:
+    """Median time to target over repeats, a run that never reached it counting as infinitely slow."""
+    times = sorted(math.inf if r["time_to_target_s"] is None else r["time_to_target_s"] for r in rows)
+    middle = len(times) // 2
+    median = times[middle] if len(times) % 2 else (times[middle - 1] + times[middle]) / 2
+    return None if math.isinf(median) else median
+
+
 def markdown(records: list[dict], target: float) -> str:
+    """The results as one table per cluster (medians and means over repeats), fastest first."""
+    groups = _groups(records)
+    repeats = max(len(rows) for rows in groups.values())
     lines = []
     for cluster in dict.fromkeys(r["cluster"] for r in records):
-        rows = [r for r in records if r["cluster"] == cluster]
-        speeds = ",".join(f"{s:g}" for s in rows[0]["speeds"])
-        lines += [f"### {cluster} cluster (speeds {speeds})", "",
-                  f"| paradigm | time to {target:g} | best accuracy | iterations/s | mean wait | mean staleness |",
-                  "|---|---:|---:|---:|---:|---:|"]
-        for r in sorted(rows, key=lambda r: (r["time_to_target_s"] is None, r["time_to_target_s"] or 0)):
-            reached = "never" if r["time_to_target_s"] is None else f"{r['time_to_target_s']:.1f} s"
-            lines.append(f"| {r['label']} | {reached} | {r['best_accuracy']:.3f} | {r['iterations_per_s']:.1f} | "
-                         f"{r['mean_wait_s'] * 1e3:.0f} ms | {r['mean_staleness']:.2f} |")
+        speeds = ",".join(f"{s:g}" for s in next(r["speeds"] for r in records if r["cluster"] == cluster))
+        title = f"### {cluster} cluster (speeds {speeds})"
+        lines += [title + (f", {repeats} runs each: median time, mean of the rest" if repeats > 1 else ""), ""]
+        head = f"| paradigm | time to {target:g} |" + (" reached |" if repeats > 1 else "")
+        lines += [head + " best accuracy | iterations/s | mean wait | mean staleness |",
+                  "|---|---:|" + ("---:|" if repeats > 1 else "") + "---:|---:|---:|---:|"]
+        rows = [(name, rows) for (c, name), rows in groups.items() if c == cluster]
+        rows.sort(key=lambda item: (_median_time(item[1]) is None, _median_time(item[1]) or 0))
+        for name, runs in rows:
+            median = _median_time(runs)
+            cells = [name, "never" if median is None else f"{median:.1f} s"]
+            if repeats > 1:
+                cells.append(f"{sum(r['time_to_target_s'] is not None for r in runs)}/{len(runs)}")
+            best = [r["best_accuracy"] for r in runs]
+            spread = f" ± {statistics.stdev(best):.3f}" if len(best) > 1 else ""
+            diverged = sum(r.get("diverged", False) for r in runs)
+            cells += [
+                f"{statistics.fmean(best):.3f}{spread}" + (f" ({diverged} diverged)" if diverged else ""),
+                f"{statistics.fmean(r['iterations_per_s'] for r in runs):.1f}",
+                f"{statistics.fmean(r['mean_wait_s'] for r in runs) * 1e3:.0f} ms",
+                f"{statistics.fmean(r['mean_staleness'] for r in runs):.2f}",
+            ]
+            lines.append("| " + " | ".join(cells) + " |")
         lines.append("")
     return "\n".join(lines)
 
@@ -251,13 +290,17 @@ def plot(records: list[dict], path: str, target: float, command: str) -> None:
 
     clusters = list(dict.fromkeys(r["cluster"] for r in records))
     fig, axes = plt.subplots(1, len(clusters), figsize=(6.2 * len(clusters), 4.4), dpi=110, squeeze=False)
-    colors = {}
+    colors: dict[str, str] = {}
     for ax, cluster in zip(axes[0], clusters):
-        for r in (r for r in records if r["cluster"] == cluster):
-            key = r["sync"]
-            color = colors.setdefault(key, f"C{len(colors) % 10}")
-            t, acc = zip(*r["curve"])
-            ax.plot(t, acc, "--" if r["lr_staleness"] == "inverse" else "-", color=color, label=r["label"], lw=1.5)
+        for (c, name), runs in _groups(records).items():
+            if c != cluster:
+                continue
+            color = colors.setdefault(runs[0]["sync"], f"C{len(colors) % 10}")
+            # repeats evaluate on the same cadence: average them point by point
+            length = min(len(r["curve"]) for r in runs)
+            t = [statistics.fmean(r["curve"][i][0] for r in runs) for i in range(length)]
+            acc = [statistics.fmean(r["curve"][i][1] for r in runs) for i in range(length)]
+            ax.plot(t, acc, "--" if runs[0]["lr_staleness"] == "inverse" else "-", color=color, label=name, lw=1.5)
         ax.axhline(target, color="gray", lw=0.8, ls=":")
         speeds = ",".join(f"{s:g}" for s in records[[r["cluster"] for r in records].index(cluster)]["speeds"])
         ax.set_title(f"{cluster} cluster (speeds {speeds})", fontsize=10)
@@ -272,6 +315,14 @@ def plot(records: list[dict], path: str, target: float, command: str) -> None:
     fig.savefig(path)
 
 
+def _command_line() -> str:
+    """How this comparison was started, to print beside its results."""
+    program = os.path.basename(sys.argv[0])
+    if program in ("aps", "__main__.py"):
+        return " ".join(["aps", *sys.argv[1:]])
+    return " ".join(["python", *sys.argv] if program.endswith(".py") else sys.argv)
+
+
 def compare(args, out=sys.stdout) -> list[dict]:
     """Run the whole comparison described by ``args``; returns the records."""
     paradigms = [p.strip() for p in args.paradigms.split(",") if p.strip()]
@@ -283,8 +334,11 @@ def compare(args, out=sys.stdout) -> list[dict]:
         raise ConfigurationError(f"--speeds gives {len(speeds)} workers, --workers says {args.workers}")
     clusters = {"homogeneous": [1.0] * args.workers, "heterogeneous": speeds}
     chosen = [c.strip() for c in args.clusters.split(",")]
+    if args.repeats < 1:
+        raise ConfigurationError("--repeats must be at least 1")
     runs = [
-        Run(setting, mode, cluster, clusters[cluster])
+        Run(setting, mode, cluster, clusters[cluster], repeat)
+        for repeat in range(args.repeats)  # repeats outermost: slow drifts of a shared machine hit every paradigm alike
         for cluster in chosen
         for setting in paradigms
         for mode in (("none",) if setting.startswith("bsp") else modes)
@@ -300,7 +354,7 @@ def compare(args, out=sys.stdout) -> list[dict]:
     finally:
         pool.close()
     records = [summarize(run, args.target, args.budget) for run in runs]
-    command = " ".join(["aps", *sys.argv[1:]]) if os.path.basename(sys.argv[0]) in ("aps", "__main__.py") else " ".join(sys.argv)
+    command = _command_line()
     with open(os.path.join(args.out, "results.json"), "w") as fh:
         json.dump(records, fh, indent=2)
     with open(os.path.join(args.out, "results.md"), "w") as fh:
@@ -315,14 +369,15 @@ def compare(args, out=sys.stdout) -> list[dict]:
 def add_compare_arguments(parser: argparse.ArgumentParser, *, demo: bool = False) -> None:
     parser.add_argument("--out", default="demo-results" if demo else "compare-results", help="output directory")
     parser.add_argument("--target", type=float, default=0.95, help="test accuracy to reach (default 0.95)")
-    parser.add_argument("--paradigms", default="bsp,asp,ssp:3,dssp:3:15" if demo else ",".join(DEFAULT_PARADIGMS),
+    parser.add_argument("--paradigms", default="bsp,asp,ssp:3,ssp:15,dssp:3:15" if demo else ",".join(DEFAULT_PARADIGMS),
                         help="sync settings, as aps simulate takes them")
     parser.add_argument("--lr-staleness", default="none" if demo else "both", choices=("both", "none", "inverse"),
                         help="run the asynchronous paradigms without/with the staleness-aware learning rate")
     parser.add_argument("--workers", type=int, default=4)
     parser.add_argument("--speeds", default="1,1,1,2.5", help="the heterogeneous cluster's relative speeds")
     parser.add_argument("--clusters", default="heterogeneous" if demo else "homogeneous,heterogeneous")
-    parser.add_argument("--budget", type=float, default=20.0, help="seconds of training per run (default 20)")
+    budget = 30.0 if demo else 20.0
+    parser.add_argument("--budget", type=float, default=budget, help=f"seconds of training per run (default {budget:g})")
     parser.add_argument("--step-time", type=float, default=0.04, help="emulated iteration time of a speed-1 worker")
     parser.add_argument("--jitter", type=float, default=0.1, help="random variation of iteration times")
     parser.add_argument("--dataset", default="mnist", choices=("mnist", "digits"))
@@ -330,7 +385,9 @@ def add_compare_arguments(parser: argparse.ArgumentParser, *, demo: bool = False
     parser.add_argument("--momentum", type=float, default=0.0)
     parser.add_argument("--batch-size", type=int, default=32)
     parser.add_argument("--eval-every", type=float, default=0.0, help="seconds between evaluations (default budget/25)")
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--seed", type=int, default=0, help="data split and initial weights")
+    parser.add_argument("--repeats", type=int, default=1,
+                        help="run everything N times with different data orders and pacing (default 1)")
 
 
 def run_compare(args: argparse.Namespace) -> int:
@@ -344,9 +401,3 @@ def run_compare(args: argparse.Namespace) -> int:
         )
     compare(args)
     return 0
-
-
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="aps compare", description=__doc__.splitlines()[0])
-    add_compare_arguments(parser)
-    return run_compare(parser.parse_args(argv))

@@ -76,6 +76,8 @@ def run_launch(args: argparse.Namespace) -> int:
     os.makedirs(args.log_dir, exist_ok=True)
 
     previous = signal.signal(signal.SIGTERM, _raise_stop)
+    # Ctrl-C must work even when started with SIGINT ignored (a background job of a shell script)
+    previous_int = signal.signal(signal.SIGINT, signal.default_int_handler)
     background = Server(config).run_in_background().start()
     procs: list[subprocess.Popen] = []
     try:
@@ -109,6 +111,7 @@ def run_launch(args: argparse.Namespace) -> int:
         _stop_all(procs)
         background.stop()
         signal.signal(signal.SIGTERM, previous)
+        signal.signal(signal.SIGINT, previous_int)
 
 
 def _raise_stop(signum, frame) -> None:

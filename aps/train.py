@@ -13,6 +13,7 @@ PyTorch loop with :class:`aps.torch.Optimizer` in place of ``torch.optim``::
 from __future__ import annotations
 
 import argparse
+import math
 import sys
 import time
 
@@ -21,6 +22,7 @@ import torch
 from torch.nn import functional as F
 
 from . import workloads
+from .errors import NonFiniteGradient
 from .torch import Optimizer, Pacer
 
 __all__ = ["main", "train"]
@@ -35,23 +37,35 @@ def train(
     batch_size: int = 32,
     epochs: float | None = None,
     deadline: float | None = None,
+    duration: float | None = None,
     seed: int = 0,
+    data_seed: int | None = None,
     pacer: Pacer | None = None,
     on_epoch=None,
+    stop_on_divergence: bool = False,
 ) -> dict:
-    """Train on this worker's shard until ``epochs`` are done or the monotonic ``deadline``.
+    """Train on this worker's shard until ``epochs`` are done, the monotonic
+    ``deadline`` passes, or ``duration`` seconds after every worker joined.
 
-    Returns ``{"rank", "iterations", "version"}``. ``on_epoch(epoch, optimizer,
-    model)`` is called after each pass over the shard.
+    Returns ``{"rank", "iterations", "version", "diverged"}``. ``on_epoch(epoch,
+    optimizer, model)`` is called after each pass over the shard. ``seed`` sets
+    the initial weights and, unless ``data_seed`` is given, the order in which
+    the shard is visited. When the
+    server refuses a gradient as non-finite (the training diverged), this
+    raises :class:`aps.errors.NonFiniteGradient`, or with
+    ``stop_on_divergence`` stops and reports ``"diverged": True``.
     """
     model = workloads.make_model(dataset.side, seed=seed)
     optimizer = Optimizer(model, address, rank, workers, pacer=pacer)
     rank, workers = optimizer.worker.rank, optimizer.worker.num_workers
+    if duration is not None:  # the clock starts when everyone has joined
+        deadline = min(deadline or math.inf, time.monotonic() + duration)
     x, y = workloads.shard(dataset, rank, workers)
-    rng = np.random.default_rng(seed + 1 + rank)
+    rng = np.random.default_rng(1000 * (seed if data_seed is None else data_seed) + 1 + rank)
     steps_per_epoch = max(1, len(y) // batch_size)
     total = None if epochs is None else int(round(epochs * steps_per_epoch))
     iterations = 0
+    diverged = False
     try:
         while (total is None or iterations < total) and (deadline is None or time.monotonic() < deadline):
             if iterations % steps_per_epoch == 0:
@@ -60,11 +74,17 @@ def train(
             batch = order[start : start + batch_size]
             optimizer.zero_grad()
             F.cross_entropy(model(x[batch]), y[batch]).backward()
-            optimizer.step()
+            try:
+                optimizer.step()
+            except NonFiniteGradient:
+                if not stop_on_divergence:
+                    raise
+                diverged = True
+                break
             iterations += 1
             if on_epoch is not None and iterations % steps_per_epoch == 0:
                 on_epoch(iterations // steps_per_epoch, optimizer, model)
-        return {"rank": rank, "iterations": iterations, "version": optimizer.version}
+        return {"rank": rank, "iterations": iterations, "version": optimizer.version, "diverged": diverged}
     finally:
         optimizer.close()
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import os
 import signal
 import time
@@ -95,3 +96,42 @@ def paced_worker(address: str, rank: int, workers: int, step_time: float, second
             worker.push_pull(worker.grads)
             iterations += 1
     return rank, iterations
+
+
+# PyTorch -----------------------------------------------------------------------------------------
+
+
+@functools.lru_cache(maxsize=1)
+def digits():
+    from aps import workloads
+
+    return workloads.load("digits", seed=0)
+
+
+def digits_batches(rank: int, workers: int, step: int, batch: int):
+    """Worker ``rank``'s batch of the bundled digits at ``step`` (the workers' batches tile one large batch)."""
+    import torch
+
+    data = digits()
+    idx = torch.from_numpy(batch_indices(rank, workers, step, batch, len(data.y_train)))
+    return data.x_train[idx], data.y_train[idx]
+
+
+def torch_bsp_worker(address: str, rank: int, workers: int, steps: int, batch: int, transport: str = "auto",
+                     staging: bool = False):
+    """Trains the digits CNN through ``aps.torch.Optimizer``; returns its final parameters."""
+    import torch
+    from torch.nn import functional as F
+
+    import aps.torch
+    from aps import workloads
+
+    torch.set_num_threads(1)
+    model = workloads.make_model(8, seed=0)
+    with aps.torch.Optimizer(model, address, rank, workers, transport=transport, staging=staging) as opt:
+        for step in range(steps):
+            x, y = digits_batches(rank, workers, step, batch)
+            opt.zero_grad()
+            F.cross_entropy(model(x), y).backward()
+            opt.step()
+        return rank, opt.version, [p.detach().numpy().copy() for p in model.parameters()]

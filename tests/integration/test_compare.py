@@ -1,0 +1,66 @@
+"""``aps compare``: every paradigm on both emulated clusters, results as JSON, Markdown and a PNG."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+pytest.importorskip("torch")
+pytest.importorskip("matplotlib")
+
+KEYS = {"sync", "label", "lr_staleness", "cluster", "speeds", "repeat", "time_to_target_s", "best_accuracy",
+        "final_accuracy", "iterations_per_s", "mean_wait_s", "mean_staleness", "updates", "diverged", "curve"}
+
+
+def test_compare_on_a_tiny_budget_writes_well_formed_results(tmp_path):
+    budget = 2.0
+    out = tmp_path / "results"
+    done = subprocess.run(
+        [sys.executable, "-m", "aps", "compare", "--workers", "2", "--speeds", "1,2", "--paradigms", "bsp,ssp:2,asp",
+         "--budget", str(budget), "--step-time", "0.02", "--dataset", "digits", "--target", "0.3",
+         "--out", str(out)],
+        capture_output=True, text=True, timeout=240,
+    )
+    assert done.returncode == 0, done.stderr
+    records = json.loads((out / "results.json").read_text())
+    # BSP once, each asynchronous paradigm without and with lr/tau, on each cluster
+    assert len(records) == 2 * (1 + 2 + 2)
+    assert {(r["cluster"], r["sync"], r["lr_staleness"]) for r in records} == {
+        (cluster, sync, mode)
+        for cluster in ("homogeneous", "heterogeneous")
+        for sync, modes in (("bsp", ["none"]), ("ssp:2", ["none", "inverse"]), ("asp", ["none", "inverse"]))
+        for mode in modes
+    }
+    for r in records:
+        assert KEYS <= r.keys()
+        assert r["speeds"] == ([1.0, 1.0] if r["cluster"] == "homogeneous" else [1.0, 2.0])
+        times = [t for t, _ in r["curve"]]
+        assert times == sorted(times) and times[0] < 0.5 and budget <= times[-1] < budget + 1.0
+        assert all(0.0 <= acc <= 1.0 for _, acc in r["curve"])
+        assert r["best_accuracy"] == max(acc for _, acc in r["curve"])
+        reached, accuracy_at = r["time_to_target_s"], dict(map(tuple, r["curve"]))
+        if reached is None:
+            assert r["best_accuracy"] < 0.3
+        else:  # the first evaluation at or above the target
+            assert accuracy_at[reached] >= 0.3 and all(acc < 0.3 for t, acc in r["curve"] if t < reached)
+        assert r["iterations_per_s"] > 0 and r["updates"] > 0
+        assert r["mean_staleness"] == 0.0 if r["sync"] == "bsp" else r["mean_staleness"] >= 0.0
+        assert r["diverged"] is False
+    bsp = {r["cluster"]: r for r in records if r["sync"] == "bsp"}
+    assert bsp["heterogeneous"]["mean_wait_s"] > 0  # the fast worker waits for the slow one
+    png = (out / "accuracy.png").read_bytes()
+    assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 10_000
+    table = (out / "results.md").read_text()
+    assert "### heterogeneous cluster (speeds 1,2)" in table and "| SSP s=2 lr/tau |" in table
+    assert "| BSP |" in done.stdout
+
+
+def test_compare_refuses_inconsistent_arguments(tmp_path):
+    for args, message in [
+        (["--workers", "3", "--speeds", "1,2"], "--speeds gives 2 workers, --workers says 3"),
+        (["--paradigms", "bsp,sspp:3"], "sspp"),
+    ]:
+        done = subprocess.run([sys.executable, "-m", "aps", "compare", "--out", str(tmp_path), *args],
+                              capture_output=True, text=True, timeout=60)
+        assert done.returncode == 2 and message in done.stderr, done.stderr

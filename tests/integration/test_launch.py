@@ -1,0 +1,122 @@
+"""``aps launch``: an embedded server and N worker processes, torn down completely."""
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+
+import psutil
+import pytest
+
+pytest.importorskip("torch")
+
+SCRIPTS = os.path.join(os.path.dirname(os.path.dirname(__file__)), "scripts")
+
+
+def launch(*args, log_dir, env=None, **popen):
+    cmd = [sys.executable, "-m", "aps", "launch", "--host", "127.0.0.1", "--no-progress", "--log-dir", str(log_dir),
+           *args]
+    return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env=dict(os.environ, **(env or {})), **popen)
+
+
+def finish(proc, timeout=120):
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        out, err = proc.communicate()
+        raise AssertionError(f"aps launch did not finish:\n{out}\n{err}") from None
+    return proc.returncode, out, err
+
+
+def read_pids(pid_dir, workers, timeout=60.0):
+    """The pids the stubborn workers recorded: each worker and the child it started."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        files = [os.path.join(pid_dir, f"{rank}.pids") for rank in range(workers)]
+        if all(os.path.exists(f) for f in files):
+            return [int(pid) for f in files for pid in open(f).read().split()]
+        time.sleep(0.05)
+    raise AssertionError(f"the workers did not start: {os.listdir(pid_dir)}")
+
+
+def gone(pid: int) -> bool:
+    try:
+        return psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return True
+
+
+def assert_all_gone(pids, timeout=10.0):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline and not all(gone(pid) for pid in pids):
+        time.sleep(0.05)
+    left = [pid for pid in pids if not gone(pid)]
+    for pid in left:  # do not leak them into the rest of the suite
+        os.kill(pid, signal.SIGKILL)
+    assert not left, f"orphans left behind: {left}"
+
+
+def test_launch_runs_the_builtin_example(tmp_path):
+    proc = launch("--workers", "2", "--sync", "bsp", "--lr", "0.05", "--example", "digits", "--epochs", "1",
+                  log_dir=tmp_path)
+    code, out, err = finish(proc)
+    assert code == 0, err
+    assert re.match(r"aps: serving on tcp://127\.0\.0\.1:\d+; 2 workers", out)
+    assert "all 2 workers finished" in out
+    for rank in range(2):
+        log = (tmp_path / f"worker-{rank}.log").read_text()
+        assert re.search(rf"rank {rank}: \d+ iterations", log), log
+    assert "test accuracy" in (tmp_path / "worker-0.log").read_text()
+
+
+def test_step_time_and_slowdown_emulate_uneven_devices(tmp_path):
+    proc = launch("--workers", "2", "--sync", "asp", "--step-time", "0.05", "--slowdown", "1,3",
+                  os.path.join(SCRIPTS, "paced.py"), log_dir=tmp_path)
+    code, out, err = finish(proc)
+    assert code == 0, err
+    clocks = [int(re.search(r"clock (\d+)", (tmp_path / f"worker-{r}.log").read_text()).group(1)) for r in range(2)]
+    # 1.5 s at 50 ms and at 150 ms an iteration: about 30 and 10 (sleeping never shortens an iteration)
+    assert clocks[0] <= 31 and clocks[1] <= 11
+    assert clocks[0] > 1.8 * clocks[1], clocks
+
+
+def test_a_crashing_worker_stops_everything(tmp_path):
+    pid_dir = tmp_path / "pids"
+    pid_dir.mkdir()
+    proc = launch("--workers", "3", "--sync", "asp", os.path.join(SCRIPTS, "stubborn.py"), log_dir=tmp_path,
+                  env={"PID_DIR": str(pid_dir), "CRASH_RANK": "1"})
+    pids = read_pids(pid_dir, 3)
+    code, out, err = finish(proc, timeout=60)
+    assert code == 3
+    assert "worker 1 exited with status 3; stopping the others" in err
+    assert "crashing on purpose" in err  # the tail of its log
+    assert_all_gone(pids)
+
+
+@pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM], ids=["ctrl-c", "sigterm"])
+def test_interrupting_the_launcher_leaves_no_process_behind(tmp_path, signum):
+    pid_dir = tmp_path / "pids"
+    pid_dir.mkdir()
+    proc = launch("--workers", "2", "--sync", "asp", os.path.join(SCRIPTS, "stubborn.py"), log_dir=tmp_path,
+                  env={"PID_DIR": str(pid_dir)})
+    pids = read_pids(pid_dir, 2)
+    proc.send_signal(signum)
+    code, out, err = finish(proc, timeout=60)
+    assert code == 130
+    assert "interrupted: stopping the workers and the server" in err
+    assert_all_gone(pids)
+
+
+def test_bad_launch_arguments_are_refused(tmp_path):
+    for args, message in [
+        (["--workers", "2", "--slowdown", "1,2,3", "--example", "digits"], "--slowdown needs 2 positive numbers"),
+        (["--workers", "2", "--example", "cifar"], "--example takes one of"),
+        (["--workers", "2", str(tmp_path / "missing.py")], "no such script"),
+        (["--workers", "2"], "give a training script, or --example NAME"),
+    ]:
+        code, out, err = finish(launch(*args, log_dir=tmp_path), timeout=30)
+        assert code == 2 and message in err, (args, err)
