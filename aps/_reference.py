@@ -18,6 +18,7 @@ __all__ = [
     "adam_step",
     "all_finite",
     "dssp_controller",
+    "fused_multiply_add",
     "sgd_step",
 ]
 
@@ -36,6 +37,40 @@ def all_finite(x: np.ndarray) -> bool:
 
 def _finite(*arrays: np.ndarray) -> bool:
     return all(bool(np.isfinite(a).all()) for a in arrays)
+
+
+def fused_multiply_add() -> bool:
+    """Whether ``x*y + z`` in the SGD kernels is rounded once or twice.
+
+    A property of the CPU, not of the code under test: torch's vectorized CPU
+    kernels fuse it when the CPU has FMA, and the native kernels choose the
+    same at run time; the twin follows the native module's choice.
+    """
+    try:
+        from aps import _core
+    except ImportError:
+        return False
+    return _core.fused_multiply_add()
+
+
+@np.errstate(all="ignore")
+def _madd(x: np.ndarray, y: np.float32, z: np.ndarray, fused: bool) -> np.ndarray:
+    """``x*y + z`` in float32, rounded twice, or once as a fused multiply-add.
+
+    The fused form is exact: the product of two float32 is exact in float64,
+    TwoSum gives the double sum and its exact error, and rounding that sum to
+    odd before rounding to float32 makes the double rounding correct.
+    """
+    if not fused:
+        return x * y + z
+    p = np.asarray(x, dtype=np.float64) * np.float64(y)
+    z64 = np.asarray(z, dtype=np.float64)
+    s = np.atleast_1d(p + z64)
+    bb = s - p
+    err = (p - (s - bb)) + (z64 - bb)
+    even = (s.view(np.uint64) & 1) == 0
+    s = np.where((err != 0) & even, np.nextafter(s, np.where(err > 0, np.inf, -np.inf)), s)
+    return s.astype(_F32)
 
 
 @np.errstate(all="ignore")  # non-finite values are reported, not warned about
@@ -73,9 +108,10 @@ def sgd_step(
     _check_len("grad", len(grad), n)
     w = np.array(w_in, dtype=_F32)
     g = np.array(grad, dtype=_F32)
+    fused = fused_multiply_add()
     d = g * _F32(scale)
     if weight_decay != 0.0:
-        d = d + _F32(weight_decay) * w
+        d = _madd(w, _F32(weight_decay), d, fused)
     if momentum != 0.0:
         if buf_out is None or (buf_in is None and not first):
             raise ValueError("momentum needs momentum buffers")
@@ -84,10 +120,10 @@ def sgd_step(
             buf = d.copy()
         else:
             _check_len("buf_in", len(buf_in), n)
-            buf = buf_in * _F32(momentum) + _F32(1.0 - dampening) * d
+            buf = _madd(d, _F32(1.0 - dampening), buf_in * _F32(momentum), fused)
         buf_out[:] = buf
-        d = d + _F32(momentum) * buf if nesterov else buf
-    result = w + _F32(-lr) * d
+        d = _madd(buf, _F32(momentum), d, fused) if nesterov else buf
+    result = _madd(d, _F32(-lr), w, fused)
     w_out[:] = result
     return _finite(g, result)
 

@@ -36,82 +36,79 @@
 #define APS_IVDEP
 #endif
 
-/* out[i] = w[i] + a * (g[i] * s): plain SGD, the hot path of asynchronous
- * training. With SSE2 and a separate output, streaming stores write the fresh
- * snapshot slot around the cache (it is read next by a socket or another
- * process, not by this core), saving the read-for-ownership traffic. */
-static inline int aps_sgd_plain(float *out, const float *w, const float *g, float a, float s, ptrdiff_t n) {
-    ptrdiff_t i = 0;
-    int bad = 0;
-#if defined(__SSE2__)
-    if (out != w) {
-        while (i < n && ((uintptr_t)(out + i) & 15u)) {
-            float gi = g[i], wo = w[i] + a * (gi * s);
-            bad |= APS_BAD(gi) | APS_BAD(wo);
-            out[i] = wo;
-            i++;
-        }
-        const __m128 va = _mm_set1_ps(a), vs = _mm_set1_ps(s), zero = _mm_setzero_ps();
-        __m128 mask = _mm_setzero_ps();
-        for (; i + 4 <= n; i += 4) {
-            __m128 gi = _mm_loadu_ps(g + i);
-            __m128 wo = _mm_add_ps(_mm_loadu_ps(w + i), _mm_mul_ps(va, _mm_mul_ps(gi, vs)));
-            mask = _mm_or_ps(mask, _mm_cmpneq_ps(_mm_sub_ps(gi, gi), zero));
-            mask = _mm_or_ps(mask, _mm_cmpneq_ps(_mm_sub_ps(wo, wo), zero));
-            _mm_stream_ps(out + i, wo);
-        }
-        _mm_sfence();
-        bad |= _mm_movemask_ps(mask) != 0;
-    }
+/* The SGD kernels (native/_sgd.inc) come in two flavours that differ in one
+ * thing: how x*y + z is rounded where torch.optim computes it with
+ * ``add(..., alpha=)`` (weight decay, momentum, Nesterov, the weight update).
+ * torch's vectorized CPU kernels use a fused multiply-add there (one
+ * rounding) when the CPU has one, and a multiply then an add (two roundings)
+ * when it has not (torch's AVX2 level needs AVX2 and FMA). aps does the same, choosing at run time, so that an aps
+ * run equals a torch.optim run bit for bit on the same machine.
+ * Everything else is compiled with -ffp-contract=off: no other expression is
+ * fused behind our back. */
+#if defined(__GNUC__) && (defined(__x86_64__) || defined(__i386__))
+#define APS_FMA_DISPATCH 1
+#include <immintrin.h>
 #endif
-    APS_IVDEP
-    for (; i < n; i++) {
-        float gi = g[i], wo = w[i] + a * (gi * s);
-        bad |= APS_BAD(gi) | APS_BAD(wo);
-        out[i] = wo;
+
+#define APS_SUFFIX(name) name##_unfused
+#define APS_TARGET
+#if !defined(APS_FMA_DISPATCH) && defined(__FP_FAST_FMAF)
+#define APS_MADD(x, y, z) __builtin_fmaf((x), (y), (z))
+#else
+#define APS_MADD(x, y, z) ((x) * (y) + (z))
+#endif
+#if defined(__SSE2__)
+#define APS_MADD4(x, y, z) _mm_add_ps(_mm_mul_ps((x), (y)), (z))
+#endif
+#include "_sgd.inc"
+#undef APS_SUFFIX
+#undef APS_TARGET
+#undef APS_MADD
+#undef APS_MADD4
+
+#if defined(APS_FMA_DISPATCH)
+#define APS_SUFFIX(name) name##_fused
+#define APS_TARGET __attribute__((target("avx,fma")))
+#define APS_MADD(x, y, z) __builtin_fmaf((x), (y), (z))
+#define APS_MADD4(x, y, z) _mm_fmadd_ps((x), (y), (z))
+#include "_sgd.inc"
+#undef APS_SUFFIX
+#undef APS_TARGET
+#undef APS_MADD
+#undef APS_MADD4
+#endif
+
+/* 1 when the SGD kernels round x*y + z once (a fused multiply-add), else 0. */
+static inline int aps_fused_multiply_add(void) {
+#if defined(APS_FMA_DISPATCH)
+    static int fused = -1; /* a benign race: every thread computes the same answer */
+    if (fused < 0) {
+        __builtin_cpu_init();
+        fused = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
     }
-    return !bad;
+    return fused;
+#elif defined(__FP_FAST_FMAF)
+    return 1;
+#else
+    return 0;
+#endif
 }
 
-/* SGD with weight decay and/or momentum, as torch.optim.SGD: d = s*g + wd*w;
- * buf' = d on the first step, else mu*buf + keep*d; w' = w + a*(nesterov ?
- * d + mu*buf' : buf'). buf_in may be NULL (no momentum). */
+static inline int aps_sgd_plain(float *out, const float *w, const float *g, float a, float s, ptrdiff_t n) {
+#if defined(APS_FMA_DISPATCH)
+    if (aps_fused_multiply_add())
+        return aps_sgd_plain_fused(out, w, g, a, s, n);
+#endif
+    return aps_sgd_plain_unfused(out, w, g, a, s, n);
+}
+
 static inline int aps_sgd(float *w_out, const float *w_in, const float *g, float *buf_out, const float *buf_in,
                           ptrdiff_t n, float a, float s, float wd, float mu, float keep, int nesterov, int first) {
-    int bad = 0;
-    ptrdiff_t i;
-    if (buf_out == NULL) {
-        APS_IVDEP
-        for (i = 0; i < n; i++) {
-            float gi = g[i], d = gi * s + wd * w_in[i], wo = w_in[i] + a * d;
-            bad |= APS_BAD(gi) | APS_BAD(wo);
-            w_out[i] = wo;
-        }
-    } else if (first) {
-        APS_IVDEP
-        for (i = 0; i < n; i++) {
-            float gi = g[i], d = gi * s;
-            if (wd != 0.0f)
-                d = d + wd * w_in[i];
-            float wo = w_in[i] + a * (nesterov ? d + mu * d : d);
-            bad |= APS_BAD(gi) | APS_BAD(wo);
-            buf_out[i] = d;
-            w_out[i] = wo;
-        }
-    } else {
-        APS_IVDEP
-        for (i = 0; i < n; i++) {
-            float gi = g[i], d = gi * s;
-            if (wd != 0.0f)
-                d = d + wd * w_in[i];
-            float b = buf_in[i] * mu + keep * d;
-            float wo = w_in[i] + a * (nesterov ? d + mu * b : b);
-            bad |= APS_BAD(gi) | APS_BAD(wo);
-            buf_out[i] = b;
-            w_out[i] = wo;
-        }
-    }
-    return !bad;
+#if defined(APS_FMA_DISPATCH)
+    if (aps_fused_multiply_add())
+        return aps_sgd_fused(w_out, w_in, g, buf_out, buf_in, n, a, s, wd, mu, keep, nesterov, first);
+#endif
+    return aps_sgd_unfused(w_out, w_in, g, buf_out, buf_in, n, a, s, wd, mu, keep, nesterov, first);
 }
 
 /* Adam / AdamW (decoupled weight decay), as torch.optim.Adam[W]. The scalars

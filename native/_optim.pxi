@@ -11,7 +11,9 @@
 #
 # Arithmetic follows torch.optim's single-tensor code path operation by
 # operation, in float32, so a run here equals a torch.optim run on the same
-# gradient sequence to float rounding (tests/unit/test_kernels_torch.py).
+# gradient sequence: SGD bit for bit (fused multiply-adds where torch uses
+# them, chosen at run time), Adam to float rounding
+# (tests/unit/test_kernels_torch.py).
 
 from libc.math cimport sqrt, pow
 from libc.stdint cimport uint32_t
@@ -25,6 +27,14 @@ cdef extern from "_kernels.h" nogil:
                  float bias2_sqrt, float w1, int lerp_low, float w1c, float b2, float c2, float eps,
                  float wd, float shrink, int decoupled, int decay)
     int aps_accumulate(float* out, const float* inp, const float* g, float s, int first, Py_ssize_t n)
+    int aps_fused_multiply_add()
+
+
+def fused_multiply_add():
+    """True when the SGD kernels round ``x*y + z`` once, as torch's vectorized
+    CPU kernels do on this machine (a CPU with FMA), False when they round it
+    twice (as torch does without FMA)."""
+    return bool(aps_fused_multiply_add())
 
 
 cdef enum:

@@ -6,6 +6,7 @@ import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import psutil
 import pytest
@@ -38,7 +39,7 @@ def read_pids(pid_dir, workers, timeout=60.0):
     while time.monotonic() < deadline:
         files = [os.path.join(pid_dir, f"{rank}.pids") for rank in range(workers)]
         if all(os.path.exists(f) for f in files):
-            return [int(pid) for f in files for pid in open(f).read().split()]
+            return [int(pid) for f in files for pid in Path(f).read_text().split()]
         time.sleep(0.05)
     raise AssertionError(f"the workers did not start: {os.listdir(pid_dir)}")
 
