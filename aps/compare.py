@@ -30,6 +30,7 @@ import numpy as np
 
 from .config import ServerConfig
 from .errors import ConfigurationError
+from .launch import parse_speeds
 from .server import Server
 from .simulate import parse_setting
 
@@ -97,34 +98,54 @@ def _pool_main(rank: int, workers: int, dataset_name: str, seed: int, conn) -> N
 
 
 class _Pool:
+    """The worker processes, each at the end of a pipe: an order in, a result out."""
+
     def __init__(self, workers: int, dataset: str, seed: int) -> None:
         ctx = mp.get_context("spawn")
         self.pipes, self.procs = [], []
-        for rank in range(workers):
-            parent, child = ctx.Pipe()
-            proc = ctx.Process(target=_pool_main, args=(rank, workers, dataset, seed, child), daemon=True)
-            proc.start()
-            self.pipes.append(parent)
-            self.procs.append(proc)
-        for pipe in self.pipes:
-            if not pipe.poll(300):
-                raise RuntimeError("a worker process did not start")
-            pipe.recv()
+        self._early: dict[int, dict] = {}
+        try:
+            for rank in range(workers):
+                parent, child = ctx.Pipe()
+                proc = ctx.Process(target=_pool_main, args=(rank, workers, dataset, seed, child), daemon=True)
+                proc.start()
+                child.close()  # the worker holds the other end: EOF here when it dies
+                self.pipes.append(parent)
+                self.procs.append(proc)
+            for rank in range(workers):
+                self._receive(rank, 300, "start")
+        except BaseException:
+            self.close()
+            raise
 
     def dispatch(self, order: dict) -> None:
         for pipe in self.pipes:
             pipe.send(order)
 
+    def check(self) -> None:
+        """Raise if a worker has died or reported an error (while a run is going on);
+        keep a result that arrives early for :meth:`results`."""
+        for rank, (pipe, proc) in enumerate(zip(self.pipes, self.procs)):
+            if rank not in self._early and (pipe.poll(0) or not proc.is_alive()):
+                self._early[rank] = self._receive(rank, 0, "finish its run")
+
     def results(self, timeout: float) -> list[dict]:
-        out = []
-        for pipe in self.pipes:
+        early, self._early = self._early, {}
+        return [early[rank] if rank in early else self._receive(rank, timeout, "finish its run")
+                for rank in range(len(self.pipes))]
+
+    def _receive(self, rank: int, timeout: float, what: str):
+        pipe, proc = self.pipes[rank], self.procs[rank]
+        try:
             if not pipe.poll(timeout):
-                raise RuntimeError("a worker process did not finish its run")
+                raise RuntimeError(f"worker {rank} did not {what} within {timeout:g} s")
             result = pipe.recv()
-            if "error" in result:
-                raise RuntimeError(f"worker {result['rank']} failed: {result['error']}")
-            out.append(result)
-        return out
+        except (EOFError, OSError):
+            proc.join(1)
+            raise RuntimeError(f"worker {rank} died (exit code {proc.exitcode})") from None
+        if isinstance(result, dict) and "error" in result:
+            raise RuntimeError(f"worker {rank} failed: {result['error']}")
+        return result
 
     def close(self) -> None:
         for pipe in self.pipes:
@@ -147,6 +168,7 @@ def _evaluator(dataset_name: str, seed: int):
 
     from . import workloads
 
+    torch.set_num_threads(1)  # the workers have the other cores
     dataset = workloads.load(dataset_name, seed=seed)
     model = workloads.make_model(dataset.side, seed=seed)
     params = [p for p in model.parameters() if p.requires_grad]
@@ -162,12 +184,19 @@ def _evaluator(dataset_name: str, seed: int):
     return evaluate
 
 
+def _server_config(setting: str, lr_staleness: str, workers: int, args) -> ServerConfig:
+    options = parse_setting(setting).options
+    if "lr_staleness" in options:
+        raise ConfigurationError(f"{setting!r}: choose the learning rate with --lr-staleness, not a +suffix")
+    return ServerConfig(workers=workers, port=0, lr=args.lr, momentum=args.momentum, lr_staleness=lr_staleness,
+                        log_level="warning", **options)
+
+
+_START_TIMEOUT = 120.0  # seconds for every worker to join a run's server
+
+
 def _run_one(run: Run, pool: _Pool, evaluate, args, out=sys.stdout) -> None:
-    options = parse_setting(run.setting).options
-    config = ServerConfig(
-        workers=len(run.speeds), port=0, lr=args.lr, momentum=args.momentum, lr_staleness=run.lr_staleness,
-        log_level="warning", **options,
-    )
+    config = _server_config(run.setting, run.lr_staleness, len(run.speeds), args)
     eval_every = args.eval_every or max(0.5, args.budget / 25)
     with Server(config).run_in_background() as background:
         server = background.server
@@ -175,10 +204,13 @@ def _run_one(run: Run, pool: _Pool, evaluate, args, out=sys.stdout) -> None:
             "address": background.address, "duration": args.budget, "seed": args.seed + run.repeat,
             "speeds": run.speeds, "step_time": args.step_time, "jitter": args.jitter, "batch_size": args.batch_size,
         })
-        started = None
-        while started is None:
+        deadline = time.monotonic() + _START_TIMEOUT
+        while (started := server.engine.stats.training_started) is None:
+            pool.check()
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"the workers did not all join within {_START_TIMEOUT:g} s")
             time.sleep(0.02)
-            started = server.engine.stats.training_started
+        # evaluate at started, started + eval_every, ... and once more at the end of the budget
         stop = started + args.budget
         next_eval = started
         while True:
@@ -186,10 +218,11 @@ def _run_one(run: Run, pool: _Pool, evaluate, args, out=sys.stdout) -> None:
             if now >= next_eval:
                 version, flat = server.weights()
                 run.curve.append([round(now - started, 3), evaluate(flat)])
-                next_eval += eval_every
-                if now >= stop:
+                if next_eval >= stop:
                     break
-            time.sleep(max(0.0, min(next_eval, stop) - time.monotonic()))
+                next_eval = min(next_eval + eval_every, stop)
+            pool.check()
+            time.sleep(max(0.0, next_eval - time.monotonic()))
         stats = server.stats()
         results = pool.results(timeout=60)
     workers = stats["workers"]
@@ -315,6 +348,12 @@ def plot(records: list[dict], path: str, target: float, command: str) -> None:
     fig.savefig(path)
 
 
+def _write_json(records: list[dict], path: str) -> None:
+    with open(path + ".tmp", "w") as fh:
+        json.dump(records, fh, indent=2)
+    os.replace(path + ".tmp", path)
+
+
 def _command_line() -> str:
     """How this comparison was started, to print beside its results."""
     program = os.path.basename(sys.argv[0])
@@ -326,37 +365,54 @@ def _command_line() -> str:
 def compare(args, out=sys.stdout) -> list[dict]:
     """Run the whole comparison described by ``args``; returns the records."""
     paradigms = [p.strip() for p in args.paradigms.split(",") if p.strip()]
-    for setting in paradigms:
-        parse_setting(setting)  # fail early on a typo
+    if not paradigms:
+        raise ConfigurationError("--paradigms names no sync setting")
     modes = {"both": ("none", "inverse"), "none": ("none",), "inverse": ("inverse",)}[args.lr_staleness]
-    speeds = [float(s) for s in args.speeds.split(",")]
-    if len(speeds) != args.workers:
-        raise ConfigurationError(f"--speeds gives {len(speeds)} workers, --workers says {args.workers}")
+    chosen = [c.strip() for c in args.clusters.split(",") if c.strip()]
+    unknown = [c for c in chosen if c not in ("homogeneous", "heterogeneous")]
+    if unknown or not chosen:
+        raise ConfigurationError(f"--clusters takes homogeneous and/or heterogeneous, got {args.clusters!r}")
+    if args.workers < 1:
+        raise ConfigurationError(f"--workers must be at least 1, got {args.workers}")
+    speeds = parse_speeds(args.speeds, args.workers, "--speeds") if "heterogeneous" in chosen else []
     clusters = {"homogeneous": [1.0] * args.workers, "heterogeneous": speeds}
-    chosen = [c.strip() for c in args.clusters.split(",")]
+    for value, flag, low in [(args.budget, "--budget", 0.0), (args.step_time, "--step-time", 0.0),
+                             (args.jitter, "--jitter", 0.0), (args.eval_every, "--eval-every", 0.0)]:
+        if not (math.isfinite(value) and value >= low) or (flag == "--budget" and value == 0):
+            raise ConfigurationError(f"{flag} must be {'> 0' if flag == '--budget' else '>= 0'}, got {value}")
+    if args.batch_size < 1:
+        raise ConfigurationError(f"--batch-size must be at least 1, got {args.batch_size}")
+    if not 0 < args.target <= 1:
+        raise ConfigurationError(f"--target is a test accuracy in (0, 1], got {args.target}")
     if args.repeats < 1:
         raise ConfigurationError("--repeats must be at least 1")
+    def modes_of(setting: str) -> tuple[str, ...]:
+        return ("none",) if setting.startswith("bsp") else modes
+
+    for setting in paradigms:  # every server this comparison will start, checked before any of them
+        for mode in modes_of(setting):
+            _server_config(setting, mode, args.workers, args)
     runs = [
         Run(setting, mode, cluster, clusters[cluster], repeat)
         for repeat in range(args.repeats)  # repeats outermost: slow drifts of a shared machine hit every paradigm alike
         for cluster in chosen
         for setting in paradigms
-        for mode in (("none",) if setting.startswith("bsp") else modes)
+        for mode in modes_of(setting)
     ]
     print(f"{len(runs)} runs of {args.budget:g} s on {args.workers} workers ({args.dataset}, step time "
           f"{args.step_time * 1e3:.0f} ms, target accuracy {args.target:g})", file=out, flush=True)
     os.makedirs(args.out, exist_ok=True)
     evaluate = _evaluator(args.dataset, args.seed)
     pool = _Pool(args.workers, args.dataset, args.seed)
+    records: list[dict] = []
     try:
         for run in runs:
             _run_one(run, pool, evaluate, args, out)
+            records.append(summarize(run, args.target, args.budget))
+            _write_json(records, os.path.join(args.out, "results.json"))  # an interrupted comparison keeps its runs
     finally:
         pool.close()
-    records = [summarize(run, args.target, args.budget) for run in runs]
     command = _command_line()
-    with open(os.path.join(args.out, "results.json"), "w") as fh:
-        json.dump(records, fh, indent=2)
     with open(os.path.join(args.out, "results.md"), "w") as fh:
         fh.write(f"Command: `{command}`\n\n" + markdown(records, args.target))
     plot(records, os.path.join(args.out, "accuracy.png"), args.target, command)
@@ -374,7 +430,8 @@ def add_compare_arguments(parser: argparse.ArgumentParser, *, demo: bool = False
     parser.add_argument("--lr-staleness", default="none" if demo else "both", choices=("both", "none", "inverse"),
                         help="run the asynchronous paradigms without/with the staleness-aware learning rate")
     parser.add_argument("--workers", type=int, default=4)
-    parser.add_argument("--speeds", default="1,1,1,2.5", help="the heterogeneous cluster's relative speeds")
+    parser.add_argument("--speeds", default="1,1,1,2.5",
+                        help="the heterogeneous cluster's iteration times, as multiples of --step-time (bigger is slower)")
     parser.add_argument("--clusters", default="heterogeneous" if demo else "homogeneous,heterogeneous")
     budget = 30.0 if demo else 20.0
     parser.add_argument("--budget", type=float, default=budget, help=f"seconds of training per run (default {budget:g})")

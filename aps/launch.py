@@ -11,32 +11,32 @@ Each worker runs the script with ``APS_ADDRESS``, ``RANK``, ``WORLD_SIZE`` and
 ``--step-time T --slowdown ...`` each worker's iterations are padded to its
 multiple of ``T`` by ``aps.torch.Optimizer`` (``APS_STEP_TIME``,
 ``APS_SLOWDOWN``, ``APS_JITTER``): emulated devices of different speeds, by
-sleeping rather than by burning CPU. Ctrl-C, SIGTERM or any worker exiting
-with an error stops every worker (each in its own process group) and the
-server; no process is left behind.
+sleeping rather than by burning CPU. Ctrl-C, SIGTERM, SIGHUP or any worker
+exiting with an error stops every worker (each in its own process group,
+children included: SIGTERM, then SIGKILL after a grace period or a second
+signal) and the server, and exits with 128 + the signal's number (130 for
+Ctrl-C) or the failing worker's status; no process is left behind.
 """
 
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import signal
 import subprocess
 import sys
 import time
+from concurrent.futures import CancelledError
 
 from .config import add_server_arguments, config_from_args
-from .errors import ConfigurationError
+from .errors import APSError, ConfigurationError
 from .server import Server
 
-__all__ = ["add_launch_arguments", "run_launch"]
+__all__ = ["add_launch_arguments", "parse_speeds", "run_launch"]
 
 EXAMPLES = ("mnist", "digits")
 _GRACE = 5.0  # seconds between SIGTERM and SIGKILL
-
-
-class _Stop(Exception):
-    """SIGTERM, turned into an exception in the launcher's main thread."""
 
 
 def add_launch_arguments(parser: argparse.ArgumentParser) -> None:
@@ -64,9 +64,13 @@ def run_launch(args: argparse.Namespace) -> int:
         args.port = 0
     config = config_from_args(args)
     workers = config.workers
-    slowdown = [float(s) for s in args.slowdown.split(",")] if args.slowdown else [1.0] * workers
-    if len(slowdown) != workers or any(s <= 0 for s in slowdown):
-        raise ConfigurationError(f"--slowdown needs {workers} positive numbers, got {args.slowdown!r}")
+    slowdown = parse_speeds(args.slowdown, workers, "--slowdown") if args.slowdown else [1.0] * workers
+    if not (math.isfinite(args.step_time) and args.step_time >= 0):
+        raise ConfigurationError(f"--step-time must be a number of seconds >= 0, got {args.step_time}")
+    if not (math.isfinite(args.jitter) and args.jitter >= 0):
+        raise ConfigurationError(f"--jitter must be >= 0, got {args.jitter}")
+    if args.step_time == 0 and (args.slowdown or args.jitter):
+        raise ConfigurationError("--slowdown and --jitter pad iterations to multiples of --step-time: give it too")
     if args.example:
         command = [sys.executable, "-m", "aps.train", "--dataset", args.example[0], *args.example[1:]]
     else:
@@ -75,14 +79,15 @@ def run_launch(args: argparse.Namespace) -> int:
         command = [sys.executable, args.script, *args.script_args]
     os.makedirs(args.log_dir, exist_ok=True)
 
-    previous = signal.signal(signal.SIGTERM, _raise_stop)
-    # Ctrl-C must work even when started with SIGINT ignored (a background job of a shell script)
-    previous_int = signal.signal(signal.SIGINT, signal.default_int_handler)
-    background = Server(config).run_in_background().start()
+    stop = _Signals()
+    background = None
     procs: list[subprocess.Popen] = []
     try:
+        background = Server(config).run_in_background().start()
         print(f"aps: serving on {background.address}; {workers} workers; logs in {args.log_dir}/", flush=True)
         for rank in range(workers):
+            if stop.received:
+                break
             env = dict(
                 os.environ,
                 APS_ADDRESS=background.address,
@@ -97,32 +102,65 @@ def run_launch(args: argparse.Namespace) -> int:
                 APS_SLOWDOWN=str(slowdown[rank]),
                 APS_JITTER=str(args.jitter),
             )
-            log = open(os.path.join(args.log_dir, f"worker-{rank}.log"), "w")
-            try:
+            with open(os.path.join(args.log_dir, f"worker-{rank}.log"), "w") as log:
                 procs.append(subprocess.Popen(command, env=env, stdout=log, stderr=subprocess.STDOUT,
                                               stdin=subprocess.DEVNULL, start_new_session=True))
-            finally:
-                log.close()
-        return _watch(procs, background.server, args)
-    except (KeyboardInterrupt, _Stop):
-        print("\naps: interrupted: stopping the workers and the server", file=sys.stderr, flush=True)
-        return 130
+        status = _watch(procs, background.server, args, stop)
+        if stop.received:
+            name = signal.Signals(stop.received).name
+            print(f"\naps: {name}: stopping the workers and the server", file=sys.stderr, flush=True)
+            return 128 + stop.received
+        return status
     finally:
-        _stop_all(procs)
-        background.stop()
-        signal.signal(signal.SIGTERM, previous)
-        signal.signal(signal.SIGINT, previous_int)
+        _stop_all(procs, stop)
+        if background is not None:
+            background.stop()
+        stop.restore()
 
 
-def _raise_stop(signum, frame) -> None:
-    raise _Stop()
+def parse_speeds(text: str, workers: int, flag: str) -> list[float]:
+    """``1,1,1,2.5``: one positive multiple per worker."""
+    try:
+        values = [float(part) for part in text.split(",")]
+    except ValueError:
+        values = []
+    if len(values) != workers or not all(math.isfinite(v) and v > 0 for v in values):
+        raise ConfigurationError(f"{flag} needs {workers} positive numbers separated by commas, got {text!r}")
+    return values
 
 
-def _watch(procs: list[subprocess.Popen], server: Server, args) -> int:
-    """Wait for every worker; stop at the first failure. Returns the exit status."""
+class _Signals:
+    """SIGINT, SIGTERM and SIGHUP, recorded rather than raised.
+
+    A handler that raises can interrupt the launcher anywhere: between a fork
+    and the bookkeeping of the child, or halfway through the teardown. This
+    one only notes the first signal; the launcher looks at it between steps,
+    and a second signal during the teardown cuts the grace period short.
+    SIGINT is caught even when the launcher was started with it ignored (a
+    background job of a shell script).
+    """
+
+    SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+
+    def __init__(self) -> None:
+        self.received = 0
+        self.count = 0
+        self._previous = {signum: signal.signal(signum, self._handle) for signum in self.SIGNALS}
+
+    def _handle(self, signum, frame) -> None:
+        self.received = self.received or signum
+        self.count += 1
+
+    def restore(self) -> None:
+        for signum, handler in self._previous.items():
+            signal.signal(signum, handler)
+
+
+def _watch(procs: list[subprocess.Popen], server: Server, args, stop: _Signals) -> int:
+    """Wait for every worker; stop at the first failure or signal. Returns the exit status."""
     bar = _progress(len(procs)) if not args.no_progress else None
     try:
-        while True:
+        while not stop.received:
             codes = [p.poll() for p in procs]
             failed = [(rank, code) for rank, code in enumerate(codes) if code not in (None, 0)]
             if failed:
@@ -137,7 +175,8 @@ def _watch(procs: list[subprocess.Popen], server: Server, args) -> int:
                 return 0
             if bar is not None:
                 _update(bar, server)
-            time.sleep(0.2)
+            time.sleep(0.1)
+        return 128 + stop.received
     finally:
         if bar is not None:
             bar.close()
@@ -154,7 +193,7 @@ def _progress(workers: int):
 def _update(bar, server: Server) -> None:
     try:
         stats = server.stats(timeout=2.0)
-    except Exception:
+    except (APSError, RuntimeError, TimeoutError, CancelledError):  # the server is stopping: the bar just stays
         return
     version = stats["server"]["version"]
     bar.update(version - bar.n)
@@ -172,17 +211,16 @@ def _show_tail(path: str, lines: int = 15) -> None:
     sys.stderr.writelines(tail)
 
 
-def _stop_all(procs: list[subprocess.Popen]) -> None:
-    """SIGTERM every worker's process group, then SIGKILL what is left after a grace period."""
+def _stop_all(procs: list[subprocess.Popen], stop: _Signals) -> None:
+    """SIGTERM every worker's process group, then SIGKILL what is left after a
+    grace period, or at once when another signal arrives meanwhile."""
     alive = [p for p in procs if p.poll() is None]
     for p in alive:
         _signal_group(p, signal.SIGTERM)
+    signals_before = stop.count
     deadline = time.monotonic() + _GRACE
-    for p in alive:
-        try:
-            p.wait(max(0.0, deadline - time.monotonic()))
-        except subprocess.TimeoutExpired:
-            pass
+    while any(p.poll() is None for p in alive) and time.monotonic() < deadline and stop.count == signals_before:
+        time.sleep(0.02)
     for p in procs:
         _signal_group(p, signal.SIGKILL)  # the group, too: children the script started
         if p.poll() is None:

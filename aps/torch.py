@@ -49,14 +49,25 @@ __all__ = ["Optimizer", "Pacer"]
 log = logging.getLogger("aps.torch")
 
 
-def _pin(*tensors: torch.Tensor) -> None:
-    """Page-lock host buffers so copies to and from the GPU run at full speed (best effort)."""
+def _pin(*tensors: torch.Tensor) -> list[int]:
+    """Page-lock host buffers so copies to and from the GPU run at full speed
+    (best effort). Returns the addresses pinned, for :func:`_unpin`."""
     cudart = torch.cuda.cudart()
+    pinned = []
     for tensor in tensors:
         status = cudart.cudaHostRegister(tensor.data_ptr(), tensor.numel() * tensor.element_size(), 0)
-        if int(status) != 0:
+        if int(status) == 0:
+            pinned.append(tensor.data_ptr())
+        else:
             log.warning("could not pin a %d-byte host buffer (CUDA error %s): copies will be slower",
                         tensor.numel() * tensor.element_size(), int(status))
+    return pinned
+
+
+def _unpin(addresses: list[int]) -> None:
+    cudart = torch.cuda.cudart()
+    for address in addresses:
+        cudart.cudaHostUnregister(address)
 
 
 class Pacer:
@@ -155,15 +166,24 @@ class Optimizer:
         self.device = devices.pop()
         if torch_threads := os.environ.get("APS_TORCH_THREADS"):
             torch.set_num_threads(int(torch_threads))
-        self.worker = worker or Worker(address, rank, num_workers, transport=transport)
-        with torch.no_grad():
-            initial = {n: p.detach().to("cpu").contiguous().numpy() for n, p in zip(self.names, self.params)}
-        self.worker.init(initial, timeout=init_timeout)
         self.staging = (self.device.type != "cpu") if staging is None else bool(staging)
+        if not self.staging and self.device.type != "cpu":
+            raise ConfigurationError(f"staging=False needs a model on the CPU, not on {self.device}")
+        self._pinned: list[int] = []
+        own_worker = worker is None
+        self.worker = worker or Worker(address, rank, num_workers, transport=transport)
+        try:
+            with torch.no_grad():
+                initial = {n: p.detach().to("cpu").contiguous().numpy() for n, p in zip(self.names, self.params)}
+            self.worker.init(initial, timeout=init_timeout)
+        except BaseException:
+            if own_worker:
+                self.worker.close()
+            raise
         self._host_weights = torch.from_numpy(self.worker.flat_weights)
         self._host_grads = torch.from_numpy(self.worker.flat_grad)
         if self.device.type == "cuda":
-            _pin(self._host_weights, self._host_grads)
+            self._pinned = _pin(self._host_weights, self._host_grads)
         self._weight_views = self._views(self._host_weights)
         self._grad_views = self._views(self._host_grads)
         if self.staging:
@@ -226,6 +246,9 @@ class Optimizer:
 
     def close(self) -> None:
         """Leave the training and disconnect."""
+        if self._pinned:
+            _unpin(self._pinned)
+            self._pinned = []
         self.worker.close()
 
     def __enter__(self) -> Optimizer:
@@ -253,12 +276,12 @@ class Optimizer:
             if param.grad is None:
                 grads.zero_()
             else:
-                grads.copy_(param.grad, non_blocking=True)
-        if self.device.type == "cuda":
+                grads.copy_(param.grad, non_blocking=self.device.type == "cuda")
+        if self.device.type == "cuda":  # the push reads the host buffer next
             torch.cuda.synchronize(self.device)
 
     def _load_weights(self) -> None:
         for param, weights in zip(self.params, self._weight_views):
-            param.data.copy_(weights, non_blocking=True)
-        if self.device.type == "cuda":
+            param.data.copy_(weights, non_blocking=self.device.type == "cuda")
+        if self.device.type == "cuda":  # the next pull overwrites the host buffer
             torch.cuda.synchronize(self.device)

@@ -13,7 +13,9 @@ each worker trains on its own shard of the training set.
 
 from __future__ import annotations
 
+import contextlib
 import os
+import zipfile
 from dataclasses import dataclass
 
 import numpy as np
@@ -83,17 +85,18 @@ def _mnist_arrays() -> tuple[np.ndarray, np.ndarray]:
     try:
         with np.load(cache) as saved:
             return saved["x"], saved["y"]
-    except (OSError, KeyError, ValueError):
-        pass
+    except (OSError, KeyError, ValueError, EOFError, zipfile.BadZipFile):
+        pass  # missing or damaged: parse again and rewrite it
     x, y = mnist_data()
     x, y = np.asarray(x, np.uint8), np.asarray(y, np.int64)
+    partial = f"{cache}.{os.getpid()}.tmp.npz"
     try:
         os.makedirs(os.path.dirname(cache), exist_ok=True)
-        partial = f"{cache}.{os.getpid()}.tmp.npz"
         np.savez(partial, x=x, y=y)
         os.replace(partial, cache)
-    except OSError:
-        pass  # no cache, then: parse again next time
+    except OSError:  # no cache, then: parse again next time
+        with contextlib.suppress(OSError):
+            os.remove(partial)
     return x, y
 
 

@@ -26,6 +26,7 @@ Against any server, one process per rank::
 from __future__ import annotations
 
 import argparse
+import os
 import time
 
 import torch
@@ -90,7 +91,9 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=0, help="stop after this many steps (0: no limit)")
     parser.add_argument("--batch-size", type=int, default=128)
     parser.add_argument("--loader-workers", type=int, default=2)
-    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))  # set by aps launch and torchrun: one GPU per worker
+    gpus = torch.cuda.device_count()
+    parser.add_argument("--device", default=f"cuda:{local_rank % gpus}" if gpus else "cpu")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
 

@@ -63,7 +63,7 @@ def main() -> None:
                 total += loss.item()
                 batches += 1
             accuracy = workloads.accuracy(model, data.x_test, data.y_test)
-            print(f"rank {rank} epoch {epoch}: loss {total / batches:.3f}, test accuracy {accuracy:.3f}, "
+            print(f"rank {rank} epoch {epoch}: loss {total / max(batches, 1):.3f}, test accuracy {accuracy:.3f}, "
                   f"weights version {optimizer.version}, {time.monotonic() - start:.1f} s", flush=True)
 
 

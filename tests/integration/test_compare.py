@@ -58,8 +58,18 @@ def test_compare_on_a_tiny_budget_writes_well_formed_results(tmp_path):
 
 def test_compare_refuses_inconsistent_arguments(tmp_path):
     for args, message in [
-        (["--workers", "3", "--speeds", "1,2"], "--speeds gives 2 workers, --workers says 3"),
+        (["--workers", "3", "--speeds", "1,2"], "--speeds needs 3 positive numbers"),
+        (["--workers", "2", "--speeds", "1,x"], "--speeds needs 2 positive numbers"),
         (["--paradigms", "bsp,sspp:3"], "sspp"),
+        (["--paradigms", "asp+inverse"], "with --lr-staleness, not a +suffix"),
+        (["--workers", "2", "--speeds", "1,2", "--paradigms", "bsp:2"], "backup"),
+        (["--workers", "2", "--speeds", "1,2", "--paradigms", "dssp:15:3"], "max"),
+        (["--clusters", "heterogenous"], "--clusters takes homogeneous and/or heterogeneous"),
+        (["--budget", "0"], "--budget must be > 0"),
+        (["--jitter", "-0.1"], "--jitter must be >= 0"),
+        (["--batch-size", "0"], "--batch-size must be at least 1"),
+        (["--target", "95"], "--target is a test accuracy"),
+        (["--paradigms", ","], "--paradigms names no sync setting"),
     ]:
         done = subprocess.run([sys.executable, "-m", "aps", "compare", "--out", str(tmp_path), *args],
                               capture_output=True, text=True, timeout=60)

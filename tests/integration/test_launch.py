@@ -98,7 +98,7 @@ def test_a_crashing_worker_stops_everything(tmp_path):
     assert_all_gone(pids)
 
 
-@pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM], ids=["ctrl-c", "sigterm"])
+@pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM, signal.SIGHUP], ids=["ctrl-c", "sigterm", "sighup"])
 def test_interrupting_the_launcher_leaves_no_process_behind(tmp_path, signum):
     pid_dir = tmp_path / "pids"
     pid_dir.mkdir()
@@ -107,17 +107,37 @@ def test_interrupting_the_launcher_leaves_no_process_behind(tmp_path, signum):
     pids = read_pids(pid_dir, 2)
     proc.send_signal(signum)
     code, out, err = finish(proc, timeout=60)
-    assert code == 130
-    assert "interrupted: stopping the workers and the server" in err
+    assert code == 128 + signum  # 130 for Ctrl-C
+    assert f"{signal.Signals(signum).name}: stopping the workers and the server" in err
+    assert_all_gone(pids)
+
+
+def test_workers_that_ignore_sigterm_are_killed_and_a_second_signal_hurries(tmp_path):
+    pid_dir = tmp_path / "pids"
+    pid_dir.mkdir()
+    proc = launch("--workers", "2", "--sync", "asp", os.path.join(SCRIPTS, "stubborn.py"), log_dir=tmp_path,
+                  env={"PID_DIR": str(pid_dir), "IGNORE_SIGTERM": "1"})
+    pids = read_pids(pid_dir, 2)
+    proc.send_signal(signal.SIGTERM)
+    time.sleep(0.5)  # the launcher is in its grace period: the workers ignore SIGTERM
+    assert proc.poll() is None and not any(gone(pid) for pid in pids)
+    proc.send_signal(signal.SIGINT)  # a second signal: SIGKILL now, not after the grace period
+    code, out, err = finish(proc, timeout=60)
+    assert code == 128 + signal.SIGTERM
     assert_all_gone(pids)
 
 
 def test_bad_launch_arguments_are_refused(tmp_path):
     for args, message in [
-        (["--workers", "2", "--slowdown", "1,2,3", "--example", "digits"], "--slowdown needs 2 positive numbers"),
+        (["--workers", "2", "--step-time", "0.1", "--slowdown", "1,2,3", "--example", "digits"],
+         "--slowdown needs 2 positive numbers"),
         (["--workers", "2", "--example", "cifar"], "--example takes one of"),
         (["--workers", "2", str(tmp_path / "missing.py")], "no such script"),
         (["--workers", "2"], "give a training script, or --example NAME"),
+        (["--workers", "2", "--step-time", "0.1", "--slowdown", "1,x", "--example", "digits"],
+         "--slowdown needs 2 positive numbers"),
+        (["--workers", "2", "--step-time", "0.1", "--jitter", "-1", "--example", "digits"], "--jitter must be >= 0"),
+        (["--workers", "2", "--slowdown", "1,2", "--example", "digits"], "give it too"),
     ]:
         code, out, err = finish(launch(*args, log_dir=tmp_path), timeout=30)
         assert code == 2 and message in err, (args, err)

@@ -10,6 +10,7 @@ from torch import nn  # noqa: E402
 from torch.nn import functional as F  # noqa: E402
 
 import aps  # noqa: E402
+import aps.errors  # noqa: E402
 import aps.torch  # noqa: E402
 from aps import workloads  # noqa: E402
 from tests._workers import digits_batches, torch_bsp_worker  # noqa: E402
@@ -108,6 +109,23 @@ def test_bad_models_get_clear_errors_before_connecting():
         aps.torch.Optimizer(nn.Sequential(nn.Linear(2, 2).double()), "tcp://127.0.0.1:1", 0, 1)
     with pytest.raises(aps.ConfigurationError, match="no trainable parameters"):
         aps.torch.Optimizer(nn.Linear(2, 2).requires_grad_(False), "tcp://127.0.0.1:1", 0, 1)
+    with pytest.raises(aps.ConfigurationError, match="staging=False needs a model on the CPU, not on meta"):
+        aps.torch.Optimizer(nn.Linear(2, 2, device="meta"), "tcp://127.0.0.1:1", 0, 1, staging=False)
+
+
+def test_a_failed_init_closes_the_worker_it_opened(server_process, transport):
+    server = server_process("--workers", "2", "--sync", "asp")
+    with pytest.raises(aps.errors.InitTimeout):  # rank 1 never joins
+        aps.torch.Optimizer(nn.Linear(2, 2), server.address, 0, 2, transport=transport, init_timeout=0.3)
+    # the optimizer closed the connection it opened: rank 0 is free again (once the server has seen it go)
+    deadline = time.monotonic() + 10
+    while True:
+        try:
+            aps.Worker(server.address, 0, 2, transport=transport).close()
+            break
+        except aps.errors.RankTaken:
+            assert time.monotonic() < deadline, "rank 0 is still taken: the failed optimizer kept its connection"
+            time.sleep(0.05)
 
 
 def test_address_rank_and_world_size_come_from_the_environment(server_process, monkeypatch):

@@ -2,10 +2,12 @@
 
 Joins an ASP server, records its pid and the pid of a child process it starts
 (``$PID_DIR/RANK.pids``), then pushes forever; the rank given by ``$CRASH_RANK``
-exits with status 3 instead.
+exits with status 3 instead. With ``$IGNORE_SIGTERM`` set, the worker and its
+child ignore SIGTERM: only SIGKILL stops them.
 """
 
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -15,6 +17,8 @@ import numpy as np
 import aps
 
 rank = int(os.environ["RANK"])
+if os.environ.get("IGNORE_SIGTERM"):
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)  # inherited by the child: an ignored signal stays ignored
 child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])
 with aps.Worker.from_env() as worker:
     worker.init({"w": np.zeros(16, np.float32)})
