@@ -418,7 +418,8 @@ def compare(args, out=sys.stdout) -> list[dict]:
     plot(records, os.path.join(args.out, "accuracy.png"), args.target, command)
     print("", file=out)
     print(markdown(records, args.target), file=out)
-    print(f"wrote {args.out}/results.json, results.md and accuracy.png", file=out)
+    print(f"wrote {os.path.join(args.out, 'results.json')} and results.md; "
+          f"the plot is {os.path.join(args.out, 'accuracy.png')}", file=out)
     return records
 
 

@@ -54,6 +54,7 @@ def test_compare_on_a_tiny_budget_writes_well_formed_results(tmp_path):
     table = (out / "results.md").read_text()
     assert "### heterogeneous cluster (speeds 1,2)" in table and "| SSP s=2 lr/tau |" in table
     assert "| BSP |" in done.stdout
+    assert f"the plot is {out / 'accuracy.png'}" in done.stdout
 
 
 def test_compare_refuses_inconsistent_arguments(tmp_path):
