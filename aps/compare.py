@@ -30,9 +30,8 @@ import numpy as np
 
 from .config import ServerConfig
 from .errors import ConfigurationError
-from .launch import parse_speeds
 from .server import Server
-from .simulate import parse_setting
+from .simulate import non_negative, parse_setting, parse_speeds
 
 __all__ = ["DEFAULT_PARADIGMS", "Run", "add_compare_arguments", "compare", "run_compare"]
 
@@ -376,10 +375,10 @@ def compare(args, out=sys.stdout) -> list[dict]:
         raise ConfigurationError(f"--workers must be at least 1, got {args.workers}")
     speeds = parse_speeds(args.speeds, args.workers, "--speeds") if "heterogeneous" in chosen else []
     clusters = {"homogeneous": [1.0] * args.workers, "heterogeneous": speeds}
-    for value, flag, low in [(args.budget, "--budget", 0.0), (args.step_time, "--step-time", 0.0),
-                             (args.jitter, "--jitter", 0.0), (args.eval_every, "--eval-every", 0.0)]:
-        if not (math.isfinite(value) and value >= low) or (flag == "--budget" and value == 0):
-            raise ConfigurationError(f"{flag} must be {'> 0' if flag == '--budget' else '>= 0'}, got {value}")
+    if not (math.isfinite(args.budget) and args.budget > 0):
+        raise ConfigurationError(f"--budget must be > 0, got {args.budget}")
+    for value, flag in [(args.step_time, "--step-time"), (args.jitter, "--jitter"), (args.eval_every, "--eval-every")]:
+        non_negative(value, flag)
     if args.batch_size < 1:
         raise ConfigurationError(f"--batch-size must be at least 1, got {args.batch_size}")
     if not 0 < args.target <= 1:

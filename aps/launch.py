@@ -21,7 +21,6 @@ Ctrl-C) or the failing worker's status; no process is left behind.
 from __future__ import annotations
 
 import argparse
-import math
 import os
 import signal
 import subprocess
@@ -32,8 +31,9 @@ from concurrent.futures import CancelledError
 from .config import add_server_arguments, config_from_args
 from .errors import APSError, ConfigurationError
 from .server import Server
+from .simulate import non_negative, parse_speeds
 
-__all__ = ["add_launch_arguments", "parse_speeds", "run_launch"]
+__all__ = ["add_launch_arguments", "run_launch"]
 
 EXAMPLES = ("mnist", "digits")
 _GRACE = 5.0  # seconds between SIGTERM and SIGKILL
@@ -65,10 +65,8 @@ def run_launch(args: argparse.Namespace) -> int:
     config = config_from_args(args)
     workers = config.workers
     slowdown = parse_speeds(args.slowdown, workers, "--slowdown") if args.slowdown else [1.0] * workers
-    if not (math.isfinite(args.step_time) and args.step_time >= 0):
-        raise ConfigurationError(f"--step-time must be a number of seconds >= 0, got {args.step_time}")
-    if not (math.isfinite(args.jitter) and args.jitter >= 0):
-        raise ConfigurationError(f"--jitter must be >= 0, got {args.jitter}")
+    non_negative(args.step_time, "--step-time")
+    non_negative(args.jitter, "--jitter")
     if args.step_time == 0 and (args.slowdown or args.jitter):
         raise ConfigurationError("--slowdown and --jitter pad iterations to multiples of --step-time: give it too")
     if args.example:
@@ -116,17 +114,6 @@ def run_launch(args: argparse.Namespace) -> int:
         if background is not None:
             background.stop()
         stop.restore()
-
-
-def parse_speeds(text: str, workers: int, flag: str) -> list[float]:
-    """``1,1,1,2.5``: one positive multiple per worker."""
-    try:
-        values = [float(part) for part in text.split(",")]
-    except ValueError:
-        values = []
-    if len(values) != workers or not all(math.isfinite(v) and v > 0 for v in values):
-        raise ConfigurationError(f"{flag} needs {workers} positive numbers separated by commas, got {text!r}")
-    return values
 
 
 class _Signals:

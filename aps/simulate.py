@@ -34,7 +34,7 @@ from .config import ServerConfig
 from .errors import APSError, ConfigurationError
 from .layout import Layout
 
-__all__ = ["Setting", "SimulationError", "parse_setting", "simulate", "worker_speeds"]
+__all__ = ["Setting", "SimulationError", "non_negative", "parse_setting", "parse_speeds", "simulate", "worker_speeds"]
 
 DEFAULT_SETTINGS = ("bsp", "asp", "ssp:3", "ssp:15", "dssp:3:15", "softsync:1")
 
@@ -86,15 +86,29 @@ def parse_setting(text: str) -> Setting:
     return Setting(label, options)
 
 
+def parse_speeds(text: str, workers: int | None, flag: str = "--speeds") -> list[float]:
+    """``1,1,1,2.5``: one positive multiple per worker (any number when ``workers`` is None)."""
+    try:
+        values = [float(part) for part in text.split(",")]
+    except ValueError:
+        values = []
+    if not values or (workers is not None and len(values) != workers) or \
+            not all(math.isfinite(v) and v > 0 for v in values):
+        count = "" if workers is None else f"{workers} "
+        raise ConfigurationError(f"{flag} needs {count}positive numbers separated by commas, got {text!r}")
+    return values
+
+
+def non_negative(value: float, flag: str) -> None:
+    """A command-line number that must be finite and >= 0."""
+    if not (math.isfinite(value) and value >= 0):
+        raise ConfigurationError(f"{flag} must be >= 0, got {value}")
+
+
 def worker_speeds(speeds: str | None, workers: int | None, hetero: str | None, seed: int) -> list[float]:
     """Mean iteration time per worker, from ``--speeds`` or ``--workers`` with ``--hetero``."""
     if speeds:
-        try:
-            values = [float(v) for v in speeds.split(",")]
-        except ValueError:
-            raise ConfigurationError(f"--speeds takes comma-separated numbers, got {speeds!r}") from None
-        if workers is not None and workers != len(values):
-            raise ConfigurationError("--workers and --speeds disagree on the number of workers")
+        values = parse_speeds(speeds, workers)
     else:
         if not workers:
             raise ConfigurationError("give --speeds, or --workers (with --hetero for uneven speeds)")
