@@ -1,4 +1,4 @@
-"""The server's core without I/O: membership, the sync policy, the table, the update lane.
+"""The server's core without I/O: membership, the sync policy, releases.
 
 Transports turn frames into calls on :class:`Engine` (``join``, ``pull``,
 ``push``, ``leave``) and get answers through callbacks. Keeping the core free
@@ -6,20 +6,19 @@ of sockets lets the tests drive every policy through random interleavings
 directly, and the simulator run it on a virtual clock.
 
 Ordering. Every change of state (a join, a leave, a gradient's plan and
-commit, an aggregate update) goes through one FIFO, the *update lane*, and
-runs in arrival order. A gradient's job asks the policy for a plan, runs its
-kernel (inline, or on a helper thread for large models, while the event loop
-keeps reading sockets), then commits: only a gradient that passed the finite
-check changes anything. A pull is answered when the policy no longer holds
-its worker and the table has published every update decided before the
-worker's release, so a worker always sees its own updates.
+commit, an aggregate update) goes through one FIFO, the update lane
+(``aps._lane``), and runs in arrival order; the jobs that compute live in
+``aps._updates`` and report back through the engine's
+``gradient_committed``, ``gradient_refused`` and ``aggregate_committed``.
+A pull is answered when the policy no longer holds its worker and the table
+has published every update decided before the worker's release, so a worker
+always sees its own updates.
 """
 
 from __future__ import annotations
 
 import logging
 import time
-from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 from types import ModuleType
@@ -39,21 +38,21 @@ from .errors import (
     ServerError,
     WorkerCountMismatch,
 )
+from ._lane import CallJob, Offload, UpdateLane
+from ._updates import Aggregate, AggregateJob, PushJob, StreamingPush
 from .layout import Layout
 from .optim import make_optimizer
 from .stats import ServerStats
 from .sync import Outcome, Plan, PlanKind, make_policy
 from .table import ParameterTable, Snapshot
 
-__all__ = ["Engine", "Member", "PushResult", "StreamingPush"]
+__all__ = ["Engine", "Member", "PushResult"]
 
 log = logging.getLogger("aps.server")
 
 #: ``on_ready(snapshot, clock)``: the worker is released; send it these weights.
 ReadyCallback = Callable[[Snapshot, int], None]
 ErrorCallback = Callable[[ServerError], None]
-Kernel = Callable[[], bool]
-Offload = Callable[[Kernel, Callable[[object], None]], None]
 
 
 @dataclass(slots=True)
@@ -100,114 +99,6 @@ class Member:
         self.required_version = 0
 
 
-class _Job:
-    """One entry of the update lane: ``prepare`` and ``commit`` run on the loop;
-    ``run``, the kernel, may run on the helper thread in between."""
-
-    __slots__ = ()
-
-    def prepare(self) -> int | None:
-        """Plan the work; returns its size in elements, or None when there is no kernel."""
-        return None
-
-    def run(self) -> bool:
-        """The kernel: touches only the arrays ``prepare`` chose. False: refused."""
-        return True
-
-    def commit(self, result: object) -> None:
-        raise NotImplementedError
-
-
-class _Call(_Job):
-    __slots__ = ("fn",)
-
-    def __init__(self, fn: Callable[[], None]) -> None:
-        self.fn = fn
-
-    def commit(self, result: object) -> None:
-        self.fn()
-
-
-def _run_kernel(kernel: Kernel) -> object:
-    try:
-        return kernel()
-    except Exception as exc:  # reported by the job's commit
-        return exc
-
-
-class _Lane:
-    """The FIFO of state changes (see the module docstring).
-
-    While a gradient streams in, the lane may be *reserved* for it (see
-    :class:`StreamingPush`); any other submission cancels the reservation
-    first, so a slow sender never holds up anyone else.
-    """
-
-    def __init__(self, offload: Offload | None, threshold: int) -> None:
-        self._jobs: deque[_Job] = deque()
-        self._offload = offload
-        self._threshold = threshold
-        self._running = False
-        self._busy = False
-        self._reserved: StreamingPush | None = None
-
-    @property
-    def idle(self) -> bool:
-        return not self._jobs and not self._busy and self._reserved is None
-
-    def reserve(self, holder: StreamingPush) -> bool:
-        if self._jobs or self._busy or self._running or self._reserved is not None:
-            return False
-        self._reserved = holder
-        return True
-
-    def unreserve(self, holder: StreamingPush) -> None:
-        if self._reserved is holder:
-            self._reserved = None
-            self._run()
-
-    def submit(self, job: _Job, *, front: bool = False) -> None:
-        if self._reserved is not None:
-            holder, self._reserved = self._reserved, None
-            holder.cancel()
-        if front:
-            self._jobs.appendleft(job)
-        else:
-            self._jobs.append(job)
-        self._run()
-
-    def _run(self) -> None:
-        if self._running or self._busy or self._reserved is not None:
-            return
-        self._running = True
-        try:
-            while self._jobs and not self._busy:
-                job = self._jobs.popleft()
-                try:
-                    size = job.prepare()
-                    if size is None:
-                        job.commit(True)
-                    elif self._offload is not None and size >= self._threshold:
-                        self._busy = True
-                        self._offload(job.run, lambda result, job=job: self._finished(job, result))
-                    else:
-                        job.commit(_run_kernel(job.run))
-                except Exception:  # a bug in one job must not stall the others
-                    self._busy = False
-                    log.exception("internal error in the update lane (%s)", type(job).__name__)
-        finally:
-            self._running = False
-
-    def _finished(self, job: _Job, result: object) -> None:
-        self._busy = False
-        try:
-            job.commit(result)
-        except Exception:
-            log.exception("internal error in the update lane (%s)", type(job).__name__)
-        finally:
-            self._run()
-
-
 class Engine:
     """The server's state machine (see the module docstring).
 
@@ -244,13 +135,15 @@ class Engine:
         self.pushes = 0
         self.address = ""  # set by the server, for statistics
         self.stats = ServerStats(config.workers, now)
+        #: The native module or its reference twin: what the kernels run on.
+        self.kernels = kernels
+        #: The running sum of gradients (BSP, softsync), once the model exists.
+        self.aggregate: Aggregate | None = None
         self._now = now
-        self._kernels = kernels
         self._allocate = allocate
-        self._aggregates: list[np.ndarray] | None = None  # the running sum and a spare (BSP, softsync)
         self._pending_aggregates = 0
         self._waiting: dict[int, Member] = {}
-        self._lane = _Lane(offload, offload_threshold)
+        self._lane = UpdateLane(offload, offload_threshold)
 
     # Introspection ---------------------------------------------------------
     @property
@@ -279,59 +172,7 @@ class Engine:
 
     def stats_snapshot(self) -> dict:
         """Everything :mod:`aps.stats` counts, as a JSON-able dict (see ``aps status``)."""
-        stats, policy, window, config = self.stats, self.policy, self.policy.window, self.config
-        version = self.version
-        recent, mean = stats.update_rates(version)
-        workers = []
-        for rank, ws in enumerate(stats.workers):
-            live = window.is_live(rank)
-            newest, previous = window.arrivals(rank)
-            interval = newest - previous
-            workers.append(
-                {
-                    "rank": rank,
-                    "live": live,
-                    "clock": window.clock(rank),
-                    "gap": window.gap(rank) if live else None,
-                    "held": policy.is_held(rank),
-                    "credit": window.credit(rank),
-                    "pushes": ws.pushes,
-                    "dropped": ws.dropped,
-                    "rejected": ws.rejected,
-                    "staleness_mean": ws.staleness.mean,
-                    "staleness_hist": ws.staleness.to_dict(),
-                    "pulls": ws.pulls,
-                    "waits": ws.waits,
-                    "wait_s_total": ws.wait_total,
-                    "wait_s_mean": ws.wait_total / ws.pulls if ws.pulls else None,
-                    "wait_s_max": ws.wait_max,
-                    "r_star_hist": ws.r_star.to_dict(),
-                    "release_gap_hist": ws.release_gap.to_dict(),
-                    "max_release_gap": max(ws.release_gap.counts) if ws.release_gap.counts else None,
-                    "last_interval_s": interval if interval == interval else None,  # NaN: fewer than 2 pushes
-                }
-            )
-        return {
-            "server": {
-                "address": self.address,
-                "sync": policy.describe(),
-                "optimizer": self.table.optimizer.describe() if self.table is not None else config.optimizer,
-                "workers": self.num_workers,
-                "live": window.num_live,
-                "started": self.started,
-                "uptime_s": self._now() - stats.created,
-                "version": version,
-                "updates_per_s": recent,
-                "updates_per_s_mean": mean,
-                "pushes": self.pushes,
-                "dropped": policy.dropped,
-                "rejected": stats.rejected,
-                "bytes_in": stats.bytes_in,
-                "bytes_out": stats.bytes_out,
-                "parameters": self.layout.numel if self.layout is not None else 0,
-            },
-            "workers": workers,
-        }
+        return self.stats.snapshot(self)
 
     # Membership ------------------------------------------------------------
     def join(
@@ -364,7 +205,7 @@ class Engine:
             raise RankTaken(f"rank {rank} is already connected")
         member = Member(rank)
         self.members[rank] = member
-        self._lane.submit(_Call(lambda: self._commit_join(member, layout, values, grad, on_ready, on_error)))
+        self._lane.submit(CallJob(lambda: self._commit_join(member, layout, values, grad, on_ready, on_error)))
         return member
 
     def leave(self, member: Member) -> None:
@@ -376,7 +217,7 @@ class Engine:
         self._waiting.pop(member.rank, None)
         if self.members.get(member.rank) is member:
             del self.members[member.rank]
-        self._lane.submit(_Call(lambda: self._commit_leave(member)))
+        self._lane.submit(CallJob(lambda: self._commit_leave(member)))
 
     def _commit_join(self, member, layout, values, grad, on_ready, on_error) -> None:
         if not member.connected:
@@ -415,7 +256,7 @@ class Engine:
         self._after(outcome)
 
     def _create_table(self, layout: Layout, values: np.ndarray) -> None:
-        if not self._kernels.all_finite(values):
+        if not self.kernels.all_finite(values):
             raise NonFiniteGradient("the initial weights hold NaN or infinity")
         config = self.config
         optimizer = make_optimizer(
@@ -427,12 +268,12 @@ class Engine:
             weight_decay=config.weight_decay,
             betas=config.betas,
             eps=config.eps,
-            kernels=self._kernels,
+            kernels=self.kernels,
         )
         self.table = ParameterTable(layout, values, optimizer, self._allocate)
         self.layout = layout
         if self.policy.aggregates:
-            self._aggregates = [np.zeros(layout.numel, np.float32), np.zeros(layout.numel, np.float32)]
+            self.aggregate = Aggregate(layout.numel)
         log.info(
             "model registered: %d tensors, %d parameters (%.1f MiB); %s; %s",
             len(layout),
@@ -473,14 +314,12 @@ class Engine:
             if stream is not None:
                 stream.abort()
             raise
-        job = _PushJob(self, member, grad_version, self._now(), on_done, on_error)
+        job = PushJob(self, member, grad_version, self._now(), on_done, on_error)
         if stream is not None:
             if stream.complete:
                 # The update is computed and the lane was reserved for it all
                 # along: commit in place of running the job's kernel.
-                self._lane.unreserve(stream)
-                job.plan, job.slot = stream.plan, stream.slot
-                job.commit(True)
+                stream.finish(job)
                 return
             stream.abort()
         self._lane.submit(job)
@@ -505,11 +344,8 @@ class Engine:
         plan = self.policy.plan(member.rank, grad_version, table.version)
         if plan.kind is not PlanKind.APPLY:
             return None
-        stream = StreamingPush(self, member, plan)
-        if not self._lane.reserve(stream):
-            return None
-        stream.start()
-        return stream
+        stream = StreamingPush(table, self._lane, member, plan)
+        return stream if stream.start() else None
 
     def _check_push(self, member: Member, grad_version: int) -> None:
         if not member.joined:
@@ -523,10 +359,51 @@ class Engine:
                 f"the gradient claims weights of version {grad_version}, but the server is at {self.decided_version}"
             )
 
-    # Internals -------------------------------------------------------------
-    def _count_rejected(self, rank: int) -> None:
+    # Reports from the update lane's jobs (aps._updates.UpdateOwner) -----------
+    def gradient_committed(self, rank: int, plan: Plan, arrived: float) -> PushResult:
+        """A gradient was applied (and published), accumulated or dropped."""
+        policy, stats = self.policy, self.stats
+        if plan.kind is PlanKind.APPLY:
+            stats.published(self.table.version)
+        window = policy.window
+        consulted = window.controller_calls
+        outcome = policy.commit(rank, plan, arrived)
+        self.pushes += 1
+        ws = stats.workers[rank]
+        ws.pushes += 1
+        dropped = plan.kind is PlanKind.DROP
+        if dropped:
+            ws.dropped += 1
+        else:
+            ws.staleness.add(plan.staleness)
+        if window.controller_calls != consulted:
+            ws.r_star.add(window.last_r_star)
+        result = PushResult(self.table.version, policy.clock(rank), dropped, plan.staleness, plan.scale)
+        self._after(outcome)
+        return result
+
+    def gradient_refused(self, rank: int, reason: object) -> ServerError:
+        """A gradient's kernel refused it (``reason`` False) or failed (an exception)."""
         self.stats.rejected += 1
         self.stats.workers[rank].rejected += 1
+        if isinstance(reason, BaseException):
+            log.error("update for worker %d failed", rank, exc_info=reason)
+            return InternalServerError(f"the update failed: {reason}")
+        log.warning("worker %d: rejected a gradient holding NaN or infinity", rank)
+        return NonFiniteGradient(
+            "the gradient holds NaN or infinity (or would make the weights overflow); "
+            "it was rejected and changed nothing"
+        )
+
+    def aggregate_committed(self, applied: bool) -> None:
+        """An aggregate update finished; waiters may need its version."""
+        self._pending_aggregates -= 1
+        if applied:
+            self.stats.published(self.table.version)
+        self.policy.aggregate_applied()
+        self._serve_waiting()
+
+    # Internals -------------------------------------------------------------
 
     def _wait(self, member: Member, on_ready: ReadyCallback, *, gate: bool) -> None:
         """Answer ``on_ready`` once ``member`` may go on (``gate``: a pull, counted in the stats)."""
@@ -564,7 +441,7 @@ class Engine:
         """Apply what a push or a leave changed: queue an aggregate update, serve the released."""
         if outcome.aggregate_scale is not None:
             self._pending_aggregates += 1
-            self._lane.submit(_AggregateJob(self, outcome.aggregate_scale), front=True)
+            self._lane.submit(AggregateJob(self, outcome.aggregate_scale), front=True)
         if not outcome.released:
             return
         # A released worker must see every update decided so far.
@@ -576,168 +453,3 @@ class Engine:
                 member.required_version = required
                 if rank in waiting:
                     self._try_serve(member)
-
-
-class StreamingPush:
-    """A gradient being applied piece by piece while it arrives.
-
-    The transport calls :meth:`feed` as each piece lands; the update of that
-    piece (and the next optimizer state) is written aside, into a fresh,
-    unpublished slot. Finished, the
-    push commits like any other (:meth:`Engine.push` with ``stream=``).
-    Cancelled (the lane is needed elsewhere) or aborted (the gradient was
-    refused, or the connection died), the slot is simply given back.
-    """
-
-    __slots__ = ("engine", "member", "plan", "slot", "w_in", "filled", "active")
-
-    def __init__(self, engine: Engine, member: Member, plan: Plan) -> None:
-        self.engine = engine
-        self.member = member
-        self.plan = plan
-        self.slot = None
-        self.w_in = None
-        self.filled = 0
-        self.active = False
-
-    def start(self) -> None:
-        table = self.engine.table
-        self.slot = table.begin_update()
-        self.w_in = table.current_array()
-        self.active = True
-
-    @property
-    def complete(self) -> bool:
-        return self.active and self.filled == len(self.member.grad)
-
-    def feed(self, stop: int) -> None:
-        """Elements ``[0, stop)`` of the gradient have arrived."""
-        if self.active and stop > self.filled:
-            ok = self.engine.table.optimizer.step_slice(
-                self.slot.array, self.w_in, self.member.grad, self.plan.scale, self.filled, stop
-            )
-            self.filled = stop
-            if not ok:  # the ordinary path will refuse it properly
-                self.abort()
-
-    def cancel(self) -> None:
-        """Give the slot back (called by the lane, which has already dropped the reservation)."""
-        if self.active:
-            self.active = False
-            self.engine.table.abandon(self.slot)
-
-    def abort(self) -> None:
-        """Give the slot back and free the lane."""
-        self.cancel()
-        self.engine._lane.unreserve(self)
-
-
-class _PushJob(_Job):
-    __slots__ = ("engine", "member", "grad_version", "now", "on_done", "on_error", "plan", "slot", "w_in")
-
-    def __init__(self, engine, member, grad_version, now, on_done, on_error) -> None:
-        self.engine = engine
-        self.member = member
-        self.grad_version = grad_version
-        self.now = now
-        self.on_done = on_done
-        self.on_error = on_error
-        self.plan: Plan | None = None
-        self.slot = None
-        self.w_in = None
-
-    def prepare(self) -> int:
-        table = self.engine.table
-        plan = self.plan = self.engine.policy.plan(self.member.rank, self.grad_version, table.version)
-        if plan.kind is PlanKind.APPLY:
-            self.slot = table.begin_update()
-            self.w_in = table.current_array()
-        return len(self.member.grad)
-
-    def run(self) -> bool:
-        # One pass that reads each gradient element once and writes every
-        # result aside: False means nothing changed (see aps/optim.py).
-        engine, grad, plan = self.engine, self.member.grad, self.plan
-        if plan.kind is PlanKind.APPLY:
-            return engine.table.optimizer.step(self.slot.array, self.w_in, grad, plan.scale)
-        if plan.kind is PlanKind.ACCUMULATE:
-            current, spare = engine._aggregates
-            return engine._kernels.accumulate(spare, current, grad, plan.scale, plan.first)
-        return engine._kernels.all_finite(grad)
-
-    def commit(self, result: object) -> None:
-        engine = self.engine
-        table = engine.table
-        rank = self.member.rank
-        if result is not True:
-            if self.slot is not None:
-                table.abandon(self.slot)
-            engine._count_rejected(rank)
-            if isinstance(result, BaseException):
-                log.error("update for worker %d failed", rank, exc_info=result)
-                self.on_error(InternalServerError(f"the update failed: {result}"))
-            else:
-                log.warning("worker %d: rejected a gradient holding NaN or infinity", rank)
-                self.on_error(
-                    NonFiniteGradient(
-                        "the gradient holds NaN or infinity (or would make the weights overflow); "
-                        "it was rejected and changed nothing"
-                    )
-                )
-            return
-        plan, policy = self.plan, engine.policy
-        if plan.kind is PlanKind.APPLY:
-            table.optimizer.commit()
-            engine.stats.published(table.publish(self.slot))
-        elif plan.kind is PlanKind.ACCUMULATE:
-            engine._aggregates.reverse()
-        window = policy.window
-        consulted = window.controller_calls
-        outcome = policy.commit(rank, plan, self.now)
-        engine.pushes += 1
-        ws = engine.stats.workers[rank]
-        ws.pushes += 1
-        dropped = plan.kind is PlanKind.DROP
-        if dropped:
-            ws.dropped += 1
-        else:
-            ws.staleness.add(plan.staleness)
-        if window.controller_calls != consulted:
-            ws.r_star.add(window.last_r_star)
-        result = PushResult(table.version, policy.clock(rank), dropped, plan.staleness, plan.scale)
-        engine._after(outcome)
-        self.on_done(result)
-
-
-class _AggregateJob(_Job):
-    __slots__ = ("engine", "scale", "slot", "w_in")
-
-    def __init__(self, engine: Engine, scale: float) -> None:
-        self.engine = engine
-        self.scale = scale
-        self.slot = None
-        self.w_in = None
-
-    def prepare(self) -> int:
-        table = self.engine.table
-        self.slot = table.begin_update()
-        self.w_in = table.current_array()
-        return len(self.w_in)
-
-    def run(self) -> bool:
-        return self.engine.table.optimizer.step(self.slot.array, self.w_in, self.engine._aggregates[0], self.scale)
-
-    def commit(self, result: object) -> None:
-        engine = self.engine
-        engine._pending_aggregates -= 1
-        if result is True:
-            engine.table.optimizer.commit()
-            engine.stats.published(engine.table.publish(self.slot))
-        else:
-            engine.table.abandon(self.slot)
-            if isinstance(result, BaseException):
-                log.error("aggregate update failed; the round's gradients are lost", exc_info=result)
-            else:
-                log.error("the aggregated gradient would make the weights overflow: update skipped")
-        engine.policy.aggregate_applied()
-        engine._serve_waiting()

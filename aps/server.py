@@ -19,12 +19,14 @@ from typing import Any
 
 import numpy as np
 
-from ._engine import Engine, _run_kernel
+from ._engine import Engine
+from ._lane import run_kernel
 from .config import ServerConfig
 from .errors import APSError, ConfigurationError
 from .transport.address import format_address
-from .transport.shm import Segment, ShmSession, UnixListener, default_socket_path, shm_available
-from .transport.tcp import TcpSession
+from .transport.segments import Segment, default_socket_path, shm_available
+from .transport.shm_server import ShmSession, UnixListener
+from .transport.tcp_server import TcpSession
 
 __all__ = ["Server", "new_event_loop"]
 
@@ -260,7 +262,7 @@ class Server:
 
     def _offload(self, kernel, done) -> None:
         loop = self._loop
-        future = self._executor.submit(_run_kernel, kernel)
+        future = self._executor.submit(run_kernel, kernel)
 
         def finished(fut) -> None:
             try:

@@ -10,6 +10,10 @@ from __future__ import annotations
 
 import time
 from collections import deque
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from ._engine import Engine
 
 __all__ = ["Histogram", "ServerStats", "WorkerStats", "format_stats"]
 
@@ -102,6 +106,63 @@ class ServerStats:
         if self.training_started is not None and now > self.training_started:
             mean = version / (now - self.training_started)
         return recent, mean
+
+    def snapshot(self, engine: Engine) -> dict:
+        """Everything counted about ``engine``, as a JSON-able dict (``Server.stats()``,
+        the STATS reply, ``aps status``)."""
+        policy, window, config = engine.policy, engine.policy.window, engine.config
+        version = engine.version
+        recent, mean = self.update_rates(version)
+        workers = []
+        for rank, ws in enumerate(self.workers):
+            live = window.is_live(rank)
+            newest, previous = window.arrivals(rank)
+            interval = newest - previous
+            workers.append(
+                {
+                    "rank": rank,
+                    "live": live,
+                    "clock": window.clock(rank),
+                    "gap": window.gap(rank) if live else None,
+                    "held": policy.is_held(rank),
+                    "credit": window.credit(rank),
+                    "pushes": ws.pushes,
+                    "dropped": ws.dropped,
+                    "rejected": ws.rejected,
+                    "staleness_mean": ws.staleness.mean,
+                    "staleness_hist": ws.staleness.to_dict(),
+                    "pulls": ws.pulls,
+                    "waits": ws.waits,
+                    "wait_s_total": ws.wait_total,
+                    "wait_s_mean": ws.wait_total / ws.pulls if ws.pulls else None,
+                    "wait_s_max": ws.wait_max,
+                    "r_star_hist": ws.r_star.to_dict(),
+                    "release_gap_hist": ws.release_gap.to_dict(),
+                    "max_release_gap": max(ws.release_gap.counts) if ws.release_gap.counts else None,
+                    "last_interval_s": interval if interval == interval else None,  # NaN: fewer than 2 pushes
+                }
+            )
+        return {
+            "server": {
+                "address": engine.address,
+                "sync": policy.describe(),
+                "optimizer": engine.table.optimizer.describe() if engine.table is not None else config.optimizer,
+                "workers": engine.num_workers,
+                "live": window.num_live,
+                "started": engine.started,
+                "uptime_s": self._now() - self.created,
+                "version": version,
+                "updates_per_s": recent,
+                "updates_per_s_mean": mean,
+                "pushes": engine.pushes,
+                "dropped": policy.dropped,
+                "rejected": self.rejected,
+                "bytes_in": self.bytes_in,
+                "bytes_out": self.bytes_out,
+                "parameters": engine.layout.numel if engine.layout is not None else 0,
+            },
+            "workers": workers,
+        }
 
 
 def _fmt_bytes(n: int) -> str:

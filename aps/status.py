@@ -9,7 +9,8 @@ import time
 from .protocol import Op
 from .stats import format_stats
 from .transport.address import parse_address
-from .transport.tcp import BlockingConnection, exchange
+from .transport._client import exchange
+from .transport.tcp_client import BlockingConnection
 
 __all__ = ["fetch_stats", "main"]
 

@@ -32,7 +32,7 @@ class HeapBlock:
     """A slot's memory when nothing needs to share it: a plain array.
 
     The table accepts any block with the same attributes; the shared-memory
-    transport gives it :class:`aps.transport.shm.Segment` (a memfd).
+    transport gives it :class:`aps.transport.segments.Segment` (a memfd).
     """
 
     __slots__ = ("id", "fd", "array", "nbytes")

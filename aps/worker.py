@@ -45,8 +45,10 @@ from .layout import Layout
 from .protocol import DType, Flag, Header, Op, decode_error, decode_hello, decode_slot, encode_init, host_identity, pack_header
 from .transport.address import parse_address
 from .transport.framing import FrameReader
-from .transport.shm import ShmConnection, shm_available
-from .transport.tcp import AsyncConnection, BlockingConnection, exchange
+from .transport._client import exchange
+from .transport.segments import shm_available
+from .transport.shm_client import ShmConnection
+from .transport.tcp_client import AsyncConnection, BlockingConnection
 
 __all__ = ["AsyncWorker", "Worker"]
 

@@ -17,7 +17,7 @@ import numpy as np
 
 from aps.layout import Layout
 from aps.protocol import HEADER_SIZE, DType, Flag, Op, decode_error, decode_hello, encode_init, pack_header, unpack_header
-from aps.transport.shm import Segment, _rights
+from aps.transport.segments import Segment, scm_rights
 
 SPAWN = mp.get_context("spawn")
 
@@ -70,7 +70,8 @@ class ServerProcess:
     @property
     def unix_path(self) -> str:
         """The server's Unix socket for shared memory, as its HELLO reply says."""
-        from aps.transport.tcp import BlockingConnection, exchange
+        from aps.transport._client import exchange
+        from aps.transport.tcp_client import BlockingConnection
 
         conn = BlockingConnection("127.0.0.1", self.port)
         try:
@@ -191,7 +192,7 @@ class RawShmClient(RawClient):
         if self.segment is None or segment_numel is not None:
             self.segment = Segment.create(layout.numel if segment_numel is None else segment_numel, "test-grad")
         fds = [self.segment.fd] if with_segment else []
-        self.sock.sendmsg([pack_header(Op.INIT, length=len(payload), **fields) + payload], _rights(fds))
+        self.sock.sendmsg([pack_header(Op.INIT, length=len(payload), **fields) + payload], scm_rights(fds))
 
     def push(self, grad: np.ndarray, *, op: int = Op.PUSH, dtype: int = DType.FLOAT32, version: int = 0,
              request_id: int = 0) -> None:

@@ -2,8 +2,8 @@
 
 :class:`ServerSession` parses frames (with the one :class:`FrameReader`),
 answers each request through the engine, and writes replies; a subclass
-supplies the byte transport: TCP (``aps.transport.tcp``) or a Unix socket
-with shared memory (``aps.transport.shm``). A session handles one request at
+supplies the byte transport: TCP (``aps.transport.tcp_server``) or a Unix socket
+with shared memory (``aps.transport.shm_server``). A session handles one request at
 a time, in order (a worker never has two in flight): bytes a peer sends
 early wait in the reader's staging buffer, and reading pauses if that fills.
 """
@@ -44,7 +44,8 @@ from ..protocol import (
 from .framing import FrameReader
 
 if TYPE_CHECKING:
-    from .._engine import Engine, Member, PushResult, StreamingPush
+    from .._engine import Engine, Member, PushResult
+    from .._updates import StreamingPush
     from ..table import Snapshot
 
 __all__ = ["ServerSession", "dtype_name"]

@@ -11,7 +11,7 @@ import pytest
 import aps
 from aps.errors import ErrorCode
 from aps.protocol import DType, Flag, Op, pack_header
-from aps.transport.shm import Segment, _rights
+from aps.transport.segments import Segment, scm_rights
 from tests import _workers
 from tests.helpers import SPAWN, RawShmClient, ServerProcess, mapped_memfds, memfd_inodes, run_processes
 
@@ -137,7 +137,7 @@ def test_init_needs_a_big_enough_segment(server_process):
 def test_a_flood_of_descriptors_closes_the_connection(shm_cluster):
     server, good, raw = shm_cluster
     segments = [Segment.create(4, "flood") for _ in range(8)]
-    raw.sock.sendmsg([pack_header(Op.PING)], _rights([s.fd for s in segments]))
+    raw.sock.sendmsg([pack_header(Op.PING)], scm_rights([s.fd for s in segments]))
     assert raw.closed_by_peer()
     server.wait_for_log("too many file descriptors")
     server.wait_for_log("worker 1 left")

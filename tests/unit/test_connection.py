@@ -9,7 +9,7 @@ from aps._engine import Engine
 from aps.config import ServerConfig
 from aps.layout import Layout
 from aps.protocol import HEADER_SIZE, DType, Op, encode_init, pack_header, unpack_header
-from aps.transport.tcp import TcpSession
+from aps.transport.tcp_server import TcpSession
 
 
 class FakeTransport:

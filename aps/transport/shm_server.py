@@ -1,9 +1,7 @@
-"""Shared-memory transport for workers on the server's host.
+"""Shared-memory transport, server side: the Unix listener and a co-located worker's session.
 
 Control frames (the same protocol as TCP) travel over a Unix socket; the
-arrays never do. Memory is anonymous (``memfd_create``) and passed as file
-descriptors over the socket (``SCM_RIGHTS``), so it has no name to leak: the
-kernel frees a segment when the last process holding it closes it or dies.
+arrays never do (see ``segments``).
 
 - Each worker creates its gradient segment and sends it with its INIT. It
   computes gradients straight into it; a PUSH is a bare header, and the
@@ -13,133 +11,40 @@ kernel frees a segment when the last process holding it closes it or dies.
   slot (with its descriptor, the first time this worker sees it); the worker
   copies the weights out: one copy. The slot stays leased to the worker until
   its next request, so the copy always reads exactly one version.
+
+asyncio transports cannot pass descriptors, so the sessions drive their
+sockets with ``loop.add_reader`` and ``recvmsg_into``/``sendmsg``.
 """
 
 from __future__ import annotations
 
-import array
 import asyncio
-import itertools
 import logging
-import mmap
 import os
 import socket
 import stat
 import sys
-import tempfile
 from collections import deque
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
 import numpy as np
 
-from ..errors import APSConnectionError, APSTimeoutError, ConfigurationError, MalformedFrame, PayloadSizeMismatch
+from ..errors import ConfigurationError, MalformedFrame
 from ..protocol import HEADER_SIZE, DType, Flag, Header, InitRequest, encode_slot, pack_header
+from .segments import ANCILLARY_SPACE, fds_from, map_received, scm_rights
 from .session import ServerSession
-from .tcp import _IOV_MAX, _advance, _ClientSocket
 
 if TYPE_CHECKING:
     from .._engine import Engine, Member
     from ..table import Snapshot
 
-__all__ = [
-    "Segment",
-    "ShmConnection",
-    "ShmSession",
-    "UnixListener",
-    "default_socket_path",
-    "shm_available",
-]
+__all__ = ["ShmSession", "UnixListener"]
 
 log = logging.getLogger("aps.server")
 
-_MAX_FDS = 16  # descriptors accepted with one message
 _MAX_HELD_FDS = 4  # descriptors waiting for an INIT to claim them
-_ANCILLARY = socket.CMSG_SPACE(_MAX_FDS * array.array("i").itemsize) if hasattr(socket, "CMSG_SPACE") else 0
 _SHM = int(Flag.SHM)
-_segment_ids = itertools.count(1)
-
-
-def shm_available() -> bool:
-    """True where the shared-memory transport works (Linux: memfd and Unix sockets)."""
-    return hasattr(os, "memfd_create") and hasattr(socket, "AF_UNIX") and hasattr(socket, "SCM_RIGHTS")
-
-
-def default_socket_path(port: int) -> str:
-    """Where a server on TCP ``port`` puts its Unix socket unless told otherwise."""
-    base = os.environ.get("XDG_RUNTIME_DIR") or tempfile.gettempdir()
-    return os.path.join(base, f"aps-{os.getuid()}", f"{port}.sock")
-
-
-class Segment:
-    """A float32 vector in anonymous shared memory (a memfd), with its descriptor.
-
-    Attributes:
-        id: unique within this process, for naming slots in replies.
-        fd: the memfd (closed with :meth:`close`; the mapping lives on until
-            every view of ``array`` is gone).
-        array: the flat float32 view of the mapping.
-    """
-
-    __slots__ = ("id", "fd", "array", "nbytes")
-
-    def __init__(self, fd: int, array: np.ndarray) -> None:
-        self.id = next(_segment_ids)
-        self.fd = fd
-        self.array = array
-        self.nbytes = array.nbytes
-
-    @classmethod
-    def create(cls, numel: int, name: str) -> Segment:
-        fd = os.memfd_create(name, os.MFD_CLOEXEC)
-        try:
-            nbytes = 4 * numel
-            os.ftruncate(fd, nbytes)
-            return cls(fd, _map(fd, nbytes, writable=True))
-        except BaseException:
-            os.close(fd)
-            raise
-
-    def close(self) -> None:
-        fd, self.fd = self.fd, -1
-        if fd >= 0:
-            os.close(fd)
-
-
-def _map(fd: int, nbytes: int, *, writable: bool) -> np.ndarray:
-    if nbytes == 0:
-        return np.zeros(0, np.float32)
-    prot = mmap.PROT_READ | (mmap.PROT_WRITE if writable else 0)
-    mapping = mmap.mmap(fd, nbytes, flags=mmap.MAP_SHARED, prot=prot)
-    return np.frombuffer(mapping, np.float32)
-
-
-def map_received(fd: int, nbytes: int, *, writable: bool) -> np.ndarray:
-    """Map a segment that came over the socket; checks its size; closes ``fd``."""
-    try:
-        size = os.fstat(fd).st_size
-        if size < nbytes:
-            raise PayloadSizeMismatch(f"shared segment of {size} bytes; {nbytes} needed")
-        return _map(fd, nbytes, writable=writable)
-    finally:
-        os.close(fd)
-
-
-def _fds_from(ancdata) -> list[int]:
-    fds: list[int] = []
-    for level, kind, data in ancdata:
-        if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
-            received = array.array("i")
-            received.frombytes(data[: len(data) - len(data) % received.itemsize])
-            fds.extend(received)
-    return fds
-
-
-def _rights(fds: Sequence[int]):
-    return [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", fds))] if fds else []
-
-
-# Server side -------------------------------------------------------------------------
 
 
 class UnixListener:
@@ -229,13 +134,13 @@ class ShmSession(ServerSession):
     # Socket events ---------------------------------------------------------------
     def _readable(self) -> None:
         try:
-            nbytes, ancdata, msg_flags, _ = self.sock.recvmsg_into([self.reader.get_buffer()], _ANCILLARY)
+            nbytes, ancdata, msg_flags, _ = self.sock.recvmsg_into([self.reader.get_buffer()], ANCILLARY_SPACE)
         except (BlockingIOError, InterruptedError):
             return
         except OSError as exc:
             self._teardown(exc)
             return
-        self._fds.extend(_fds_from(ancdata))
+        self._fds.extend(fds_from(ancdata))
         if msg_flags & socket.MSG_CTRUNC or len(self._fds) > _MAX_HELD_FDS:
             self._fatal(MalformedFrame("too many file descriptors: only INIT carries one"))
             return
@@ -255,7 +160,7 @@ class ShmSession(ServerSession):
         try:
             while self._out:
                 data, fds = self._out[0]
-                sent = self.sock.sendmsg([data], _rights(fds))
+                sent = self.sock.sendmsg([data], scm_rights(fds))
                 if sent < len(data):
                     self._out[0] = (data[sent:], ())
                     return
@@ -339,90 +244,3 @@ class ShmSession(ServerSession):
         lease, self._lease = self._lease, None
         if lease is not None:
             lease.release()
-
-
-# Client side -----------------------------------------------------------------------------
-
-
-class ShmConnection(_ClientSocket):
-    """A worker's Unix socket to a co-located server, with its shared segments.
-
-    Keeps the worker's gradient segment and the server's slots it has mapped.
-    """
-
-    def __init__(self, path: str, connect_timeout: float | None = 30.0) -> None:
-        self.address = f"unix:{path}"
-        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        try:
-            self.sock.settimeout(connect_timeout)
-            self.sock.connect(path)
-        except TimeoutError:
-            self.sock.close()
-            raise APSTimeoutError(f"connecting to {self.address} timed out") from None
-        except OSError as exc:
-            self.sock.close()
-            raise APSConnectionError(f"cannot connect to {self.address}: {exc.strerror or exc}") from None
-        self.sock.settimeout(None)
-        self._timeout: float | None = None
-        self._fds: deque[int] = deque()
-        self.slots: dict[int, np.ndarray] = {}
-        self.grad_segment: Segment | None = None
-
-    def gradient_buffer(self, numel: int, rank: int) -> np.ndarray:
-        """The worker's gradient vector, in a new shared segment (created once)."""
-        if self.grad_segment is None or self.grad_segment.array.size != numel:
-            self.grad_segment = Segment.create(numel, f"aps-grad-rank{rank}")
-        return self.grad_segment.array
-
-    def adopt(self, previous: ShmConnection) -> None:
-        """Keep the gradient segment and mapped slots of a connection being replaced."""
-        self.grad_segment, previous.grad_segment = previous.grad_segment, None
-
-    def slot(self, slot_id: int, nbytes: int, has_fd: bool, dropped: Sequence[int]) -> np.ndarray:
-        """The server's slot ``slot_id``, mapping it if its descriptor came with this reply."""
-        for sid in dropped:
-            self.slots.pop(sid, None)
-        if has_fd:
-            if not self._fds:
-                raise MalformedFrame("a weights reply announced a slot descriptor that did not come")
-            self.slots[slot_id] = map_received(self._fds.popleft(), nbytes, writable=False)
-        try:
-            return self.slots[slot_id]
-        except KeyError:
-            raise MalformedFrame(f"weights in slot {slot_id}, which this worker has not mapped") from None
-
-    def send(self, buffers: Sequence, fds: Sequence[int] = ()) -> None:
-        views = [memoryview(b).cast("B") for b in buffers if len(b)]
-        sock = self.sock
-        try:
-            sent = sock.sendmsg(views[:_IOV_MAX], _rights(fds))
-            views = _advance(views, sent)
-            while views:
-                views = _advance(views, sock.sendmsg(views[:_IOV_MAX]))
-        except TimeoutError:
-            raise APSTimeoutError("sending to the server timed out") from None
-        except OSError as exc:
-            raise self._lost(exc) from None
-
-    def receive(self, reader, done: Callable[[], bool], timeout: float | None = None) -> None:
-        sock = self.sock
-        if timeout != self._timeout:
-            sock.settimeout(timeout)
-            self._timeout = timeout
-        try:
-            while not done():
-                nbytes, ancdata, msg_flags, _ = sock.recvmsg_into([reader.get_buffer()], _ANCILLARY)
-                self._fds.extend(_fds_from(ancdata))
-                if not nbytes:
-                    raise self._closed_by_server()
-                reader.buffer_updated(nbytes)
-        except TimeoutError:
-            raise self._no_reply(timeout) from None
-        except OSError as exc:
-            raise self._lost(exc) from None
-
-    def close(self) -> None:
-        super().close()
-        while self._fds:
-            os.close(self._fds.popleft())
-        self.slots.clear()

@@ -1,0 +1,156 @@
+"""The update lane: one FIFO for every change of the server's state.
+
+A join, a leave, a gradient and an aggregate update each become a
+:class:`Job` and run in arrival order. A job runs in three steps:
+
+1. ``prepare`` (event loop): decide what to compute and claim the memory
+   (a free snapshot slot);
+2. ``run`` (the kernel): inline for small models, or on a helper thread for
+   large ones while the event loop keeps reading sockets;
+3. ``commit`` (event loop): adopt the results, or throw them away.
+
+Only ``prepare`` and ``commit`` touch bookkeeping, and only on the loop; the
+kernel touches nothing but the arrays ``prepare`` chose. While a large
+gradient streams in, the lane may be *reserved* for it (see
+``aps._updates.StreamingPush``); any other submission cancels the
+reservation first, so a slow sender never holds up anyone else.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import deque
+from collections.abc import Callable
+from typing import Protocol
+
+__all__ = ["CallJob", "Job", "Kernel", "Offload", "Reservation", "UpdateLane", "run_kernel"]
+
+log = logging.getLogger("aps.server")
+
+#: A kernel: computes into memory set aside by ``prepare``; False means refused.
+Kernel = Callable[[], bool]
+#: ``offload(kernel, done)``: runs ``kernel`` off the loop and calls ``done(result)`` back on it.
+Offload = Callable[[Kernel, Callable[[object], None]], None]
+
+
+class Job:
+    """One entry of the update lane (see the module docstring)."""
+
+    __slots__ = ()
+
+    def prepare(self) -> int | None:
+        """Plan the work; returns its size in elements, or None when there is no kernel."""
+        return None
+
+    def run(self) -> bool:
+        """The kernel: touches only the arrays ``prepare`` chose. False: refused."""
+        return True
+
+    def commit(self, result: object) -> None:
+        """Adopt or discard what ``run`` computed: ``result`` is its return value,
+        or the exception it raised."""
+        raise NotImplementedError
+
+
+class CallJob(Job):
+    """A state change without a kernel (a join, a leave): ``fn`` runs at its turn."""
+
+    __slots__ = ("fn",)
+
+    def __init__(self, fn: Callable[[], None]) -> None:
+        self.fn = fn
+
+    def commit(self, result: object) -> None:
+        self.fn()
+
+
+class Reservation(Protocol):
+    """Who holds the lane between jobs (a gradient applied while it arrives)."""
+
+    def cancel(self) -> None:
+        """The lane is needed: give back whatever was claimed (the lane is already free)."""
+
+
+def run_kernel(kernel: Kernel) -> object:
+    """``kernel()``, or the exception it raised (reported by the job's commit)."""
+    try:
+        return kernel()
+    except Exception as exc:
+        return exc
+
+
+class UpdateLane:
+    """The FIFO of state changes.
+
+    Args:
+        offload: runs a kernel off the loop (None: every kernel runs inline).
+        threshold: jobs of at least this many elements are offloaded.
+    """
+
+    def __init__(self, offload: Offload | None, threshold: int) -> None:
+        self._jobs: deque[Job] = deque()
+        self._offload = offload
+        self._threshold = threshold
+        self._running = False
+        self._busy = False
+        self._reserved: Reservation | None = None
+
+    @property
+    def idle(self) -> bool:
+        """True when nothing is queued, running or holding the lane."""
+        return not self._jobs and not self._busy and self._reserved is None
+
+    def reserve(self, holder: Reservation) -> bool:
+        """Hold the idle lane for ``holder``; False when the lane is not idle."""
+        if self._jobs or self._busy or self._running or self._reserved is not None:
+            return False
+        self._reserved = holder
+        return True
+
+    def unreserve(self, holder: Reservation) -> None:
+        """``holder`` is done with the lane: run what queued meanwhile."""
+        if self._reserved is holder:
+            self._reserved = None
+            self._run()
+
+    def submit(self, job: Job, *, front: bool = False) -> None:
+        """Queue ``job`` (``front``: ahead of everything queued) and run what can run."""
+        if self._reserved is not None:
+            holder, self._reserved = self._reserved, None
+            holder.cancel()
+        if front:
+            self._jobs.appendleft(job)
+        else:
+            self._jobs.append(job)
+        self._run()
+
+    def _run(self) -> None:
+        if self._running or self._busy or self._reserved is not None:
+            return
+        self._running = True
+        try:
+            while self._jobs and not self._busy:
+                job = self._jobs.popleft()
+                try:
+                    size = job.prepare()
+                    if size is None:
+                        job.commit(True)
+                    elif self._offload is not None and size >= self._threshold:
+                        self._busy = True
+                        self._offload(job.run, lambda result, job=job: self._finished(job, result))
+                    else:
+                        job.commit(run_kernel(job.run))
+                except Exception:  # a bug in one job must not stall the others
+                    self._busy = False
+                    log.exception("internal error in the update lane (%s)", type(job).__name__)
+        finally:
+            self._running = False
+
+    def _finished(self, job: Job, result: object) -> None:
+        self._busy = False
+        try:
+            job.commit(result)
+        except Exception:
+            log.exception("internal error in the update lane (%s)", type(job).__name__)
+        finally:
+            self._run()

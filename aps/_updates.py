@@ -1,0 +1,230 @@
+"""The jobs of the update lane that compute: a gradient, an aggregate update,
+and a gradient applied while it arrives.
+
+A job sees the engine only through :class:`UpdateOwner`: the pieces it
+computes with (table, policy, running sum, kernels) and three reports back
+(a gradient committed or refused, an aggregate update done). The engine does
+the bookkeeping behind those reports (counters, releases, statistics); the
+jobs do the arithmetic and keep it transactional: every kernel writes its
+results aside (a free slot, the optimizer's spare state, the spare sum), so a
+refusal or a cancellation simply throws them away.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from types import ModuleType
+from typing import TYPE_CHECKING, Protocol
+
+import numpy as np
+
+from ._lane import Job, UpdateLane
+from .sync import Plan, PlanKind, SyncPolicy
+from .table import ParameterTable
+
+if TYPE_CHECKING:
+    from ._engine import Member, PushResult
+    from .errors import ServerError
+
+__all__ = ["Aggregate", "AggregateJob", "PushJob", "StreamingPush", "UpdateOwner"]
+
+log = logging.getLogger("aps.server")
+
+
+class Aggregate:
+    """BSP's and softsync's running sum of gradients, kept twice: the accumulate
+    kernel reads :attr:`current` and writes the next sum into :attr:`spare`."""
+
+    __slots__ = ("_buffers",)
+
+    def __init__(self, numel: int) -> None:
+        self._buffers = [np.zeros(numel, np.float32), np.zeros(numel, np.float32)]
+
+    @property
+    def current(self) -> np.ndarray:
+        return self._buffers[0]
+
+    @property
+    def spare(self) -> np.ndarray:
+        return self._buffers[1]
+
+    def adopt(self) -> None:
+        """The spare holds the new sum: make it current."""
+        self._buffers.reverse()
+
+
+class UpdateOwner(Protocol):
+    """What a job may see of the engine."""
+
+    table: ParameterTable
+    policy: SyncPolicy
+    aggregate: Aggregate | None
+    kernels: ModuleType
+
+    def gradient_committed(self, rank: int, plan: Plan, arrived: float) -> PushResult:
+        """The gradient was applied, accumulated or dropped: count it, release whom it releases."""
+
+    def gradient_refused(self, rank: int, reason: object) -> ServerError:
+        """The kernel refused the gradient (``reason``: False, or the exception it
+        raised): count it; returns the error for the worker."""
+
+    def aggregate_committed(self, applied: bool) -> None:
+        """An aggregate update finished (``applied``: it was published)."""
+
+
+class PushJob(Job):
+    """One gradient: plan it (apply, accumulate or drop), run its kernel, commit."""
+
+    __slots__ = ("owner", "member", "grad_version", "arrived", "on_done", "on_error", "plan", "slot", "w_in")
+
+    def __init__(
+        self,
+        owner: UpdateOwner,
+        member: Member,
+        grad_version: int,
+        arrived: float,
+        on_done: Callable[[PushResult], None],
+        on_error: Callable[[ServerError], None],
+    ) -> None:
+        self.owner = owner
+        self.member = member
+        self.grad_version = grad_version
+        self.arrived = arrived
+        self.on_done = on_done
+        self.on_error = on_error
+        self.plan: Plan | None = None
+        self.slot = None
+        self.w_in = None
+
+    def prepare(self) -> int:
+        table = self.owner.table
+        plan = self.plan = self.owner.policy.plan(self.member.rank, self.grad_version, table.version)
+        if plan.kind is PlanKind.APPLY:
+            self.slot = table.begin_update()
+            self.w_in = table.current_array()
+        return len(self.member.grad)
+
+    def run(self) -> bool:
+        # One pass that reads each gradient element once and writes every
+        # result aside: False means nothing changed (see aps/optim.py).
+        owner, grad, plan = self.owner, self.member.grad, self.plan
+        if plan.kind is PlanKind.APPLY:
+            return owner.table.optimizer.step(self.slot.array, self.w_in, grad, plan.scale)
+        if plan.kind is PlanKind.ACCUMULATE:
+            aggregate = owner.aggregate
+            return owner.kernels.accumulate(aggregate.spare, aggregate.current, grad, plan.scale, plan.first)
+        return owner.kernels.all_finite(grad)
+
+    def commit(self, result: object) -> None:
+        owner, table, plan = self.owner, self.owner.table, self.plan
+        if result is not True:
+            if self.slot is not None:
+                table.abandon(self.slot)
+            self.on_error(owner.gradient_refused(self.member.rank, result))
+            return
+        if plan.kind is PlanKind.APPLY:
+            table.optimizer.commit()
+            table.publish(self.slot)
+        elif plan.kind is PlanKind.ACCUMULATE:
+            owner.aggregate.adopt()
+        self.on_done(owner.gradient_committed(self.member.rank, plan, self.arrived))
+
+
+class AggregateJob(Job):
+    """Apply the running sum (a closed BSP round, a full softsync buffer), times ``scale``."""
+
+    __slots__ = ("owner", "scale", "slot", "w_in")
+
+    def __init__(self, owner: UpdateOwner, scale: float) -> None:
+        self.owner = owner
+        self.scale = scale
+        self.slot = None
+        self.w_in = None
+
+    def prepare(self) -> int:
+        table = self.owner.table
+        self.slot = table.begin_update()
+        self.w_in = table.current_array()
+        return len(self.w_in)
+
+    def run(self) -> bool:
+        owner = self.owner
+        return owner.table.optimizer.step(self.slot.array, self.w_in, owner.aggregate.current, self.scale)
+
+    def commit(self, result: object) -> None:
+        table = self.owner.table
+        if result is True:
+            table.optimizer.commit()
+            table.publish(self.slot)
+        else:
+            table.abandon(self.slot)
+            if isinstance(result, BaseException):
+                log.error("aggregate update failed; the round's gradients are lost", exc_info=result)
+            else:
+                log.error("the aggregated gradient would make the weights overflow: update skipped")
+        self.owner.aggregate_committed(result is True)
+
+
+class StreamingPush:
+    """A gradient being applied piece by piece while it arrives.
+
+    The transport calls :meth:`feed` as each piece lands; the update of that
+    piece (and the next optimizer state) is written aside, into a fresh,
+    unpublished slot, while the lane is reserved for it. Finished, the push
+    commits like any other (``Engine.push`` with ``stream=``). Cancelled (the
+    lane is needed elsewhere) or aborted (the gradient was refused, or the
+    connection died), the slot is simply given back.
+    """
+
+    __slots__ = ("table", "lane", "member", "plan", "slot", "w_in", "filled", "active")
+
+    def __init__(self, table: ParameterTable, lane: UpdateLane, member: Member, plan: Plan) -> None:
+        self.table = table
+        self.lane = lane
+        self.member = member
+        self.plan = plan
+        self.slot = None
+        self.w_in = None
+        self.filled = 0
+        self.active = False
+
+    def start(self) -> bool:
+        """Reserve the lane and claim a slot; False when the lane is busy."""
+        if not self.lane.reserve(self):
+            return False
+        self.slot = self.table.begin_update()
+        self.w_in = self.table.current_array()
+        self.active = True
+        return True
+
+    @property
+    def complete(self) -> bool:
+        return self.active and self.filled == len(self.member.grad)
+
+    def feed(self, stop: int) -> None:
+        """Elements ``[0, stop)`` of the gradient have arrived."""
+        if self.active and stop > self.filled:
+            ok = self.table.optimizer.step_slice(
+                self.slot.array, self.w_in, self.member.grad, self.plan.scale, self.filled, stop
+            )
+            self.filled = stop
+            if not ok:  # the ordinary path will refuse it properly
+                self.abort()
+
+    def cancel(self) -> None:
+        """Give the slot back (called by the lane, which has already dropped the reservation)."""
+        if self.active:
+            self.active = False
+            self.table.abandon(self.slot)
+
+    def abort(self) -> None:
+        """Give the slot back and free the lane."""
+        self.cancel()
+        self.lane.unreserve(self)
+
+    def finish(self, job: PushJob) -> None:
+        """All of it arrived and was applied: commit ``job`` with this result, free the lane."""
+        self.lane.unreserve(self)
+        job.plan, job.slot = self.plan, self.slot
+        job.commit(True)

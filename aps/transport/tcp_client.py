@@ -1,0 +1,138 @@
+"""TCP transport, client side: the sockets of ``aps.Worker`` and ``aps.AsyncWorker``.
+
+:class:`BlockingConnection` (for ``aps.Worker``) and :class:`AsyncConnection`
+(for ``aps.AsyncWorker``) only move bytes: both feed the same
+:class:`~aps.transport.framing.FrameReader` and the same request code in
+``aps.worker``. The server side is ``tcp_server``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+from collections.abc import Callable, Sequence
+
+from ..errors import APSConnectionError, APSTimeoutError
+from ._client import IOV_MAX, ClientSocket, advance
+from ._sockets import set_nodelay
+from .framing import FrameReader
+
+__all__ = ["AsyncConnection", "BlockingConnection"]
+
+
+class BlockingConnection(ClientSocket):
+    """A blocking TCP socket to the server, driving a FrameReader.
+
+    Raises APSConnectionError when the server cannot be reached or the
+    connection drops, and APSTimeoutError when a wait runs out.
+    """
+
+    def __init__(self, host: str, port: int, connect_timeout: float | None = 30.0) -> None:
+        try:
+            self.sock = socket.create_connection((host, port), timeout=connect_timeout)
+        except TimeoutError:
+            raise APSTimeoutError(f"connecting to tcp://{host}:{port} timed out") from None
+        except OSError as exc:
+            raise APSConnectionError(f"cannot connect to tcp://{host}:{port}: {exc.strerror or exc}") from None
+        set_nodelay(self.sock)
+        self.sock.settimeout(None)
+        self._timeout: float | None = None
+        self.address = f"tcp://{host}:{port}"
+
+    def send(self, buffers: Sequence, fds: Sequence[int] = ()) -> None:
+        """Send every buffer (bytes or byte views), in order, with vectored writes (no joining)."""
+        if fds:
+            raise ValueError("TCP cannot carry file descriptors")
+        sock = self.sock
+        try:
+            if len(buffers) <= IOV_MAX:
+                sent = sock.sendmsg(buffers)
+                total = sum(map(len, buffers))
+                if sent == total:
+                    return
+                views = advance([memoryview(b).cast("B") for b in buffers], sent)
+            else:
+                views = [memoryview(b).cast("B") for b in buffers if len(b)]
+            while views:
+                views = advance(views, sock.sendmsg(views[:IOV_MAX]))
+        except TimeoutError:
+            raise APSTimeoutError("sending to the server timed out") from None
+        except OSError as exc:
+            raise self._lost(exc) from None
+
+    def receive(self, reader: FrameReader, done: Callable[[], bool], timeout: float | None = None) -> None:
+        """Read into ``reader`` until ``done()``."""
+        sock = self.sock
+        if timeout != self._timeout:  # settimeout costs system calls: only on change
+            sock.settimeout(timeout)
+            self._timeout = timeout
+        try:
+            while not done():
+                nbytes = sock.recv_into(reader.get_buffer())
+                if not nbytes:
+                    raise self._closed_by_server()
+                reader.buffer_updated(nbytes)
+        except TimeoutError:
+            raise self._no_reply(timeout) from None
+        except OSError as exc:
+            raise self._lost(exc) from None
+
+
+class AsyncConnection(ClientSocket):
+    """A non-blocking TCP socket driven by the running asyncio loop."""
+
+    def __init__(self, sock: socket.socket, address: str) -> None:
+        self.sock = sock
+        self.address = address
+
+    @classmethod
+    async def open(cls, host: str, port: int, connect_timeout: float | None = 30.0) -> AsyncConnection:
+        loop = asyncio.get_running_loop()
+        try:
+            infos = await loop.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+            family, kind, proto, _, sockaddr = infos[0]
+            sock = socket.socket(family, kind, proto)
+            sock.setblocking(False)
+            try:
+                await asyncio.wait_for(loop.sock_connect(sock, sockaddr), connect_timeout)
+            except BaseException:
+                sock.close()
+                raise
+        except asyncio.TimeoutError:
+            raise APSTimeoutError(f"connecting to tcp://{host}:{port} timed out") from None
+        except OSError as exc:
+            raise APSConnectionError(f"cannot connect to tcp://{host}:{port}: {exc.strerror or exc}") from None
+        set_nodelay(sock)
+        return cls(sock, f"tcp://{host}:{port}")
+
+    async def send(self, buffers: Sequence) -> None:
+        loop = asyncio.get_running_loop()
+        views = [memoryview(b).cast("B") for b in buffers if len(b)]
+        try:
+            # Try one vectored write first; the loop finishes what the socket
+            # buffer could not take.
+            try:
+                views = advance(views, self.sock.sendmsg(views[:IOV_MAX]))
+            except (BlockingIOError, InterruptedError):
+                pass
+            for view in views:
+                await loop.sock_sendall(self.sock, view)
+        except OSError as exc:
+            raise self._lost(exc) from None
+
+    async def receive(self, reader: FrameReader, done: Callable[[], bool], timeout: float | None = None) -> None:
+        loop = asyncio.get_running_loop()
+
+        async def read() -> None:
+            while not done():
+                nbytes = await loop.sock_recv_into(self.sock, reader.get_buffer())
+                if not nbytes:
+                    raise self._closed_by_server()
+                reader.buffer_updated(nbytes)
+
+        try:
+            await asyncio.wait_for(read(), timeout)
+        except asyncio.TimeoutError:
+            raise self._no_reply(timeout) from None
+        except OSError as exc:
+            raise self._lost(exc) from None

@@ -1,0 +1,121 @@
+"""TCP transport, server side: one worker's connection.
+
+:class:`TcpSession` is an ``asyncio.BufferedProtocol`` over the
+transport-independent :class:`~aps.transport.session.ServerSession`: the
+event loop reads straight into the buffer the frame parser hands out, so a
+gradient lands directly in its worker's receive buffer (and is applied while
+it arrives, when the engine allows), and a reply goes out as one vectored
+write of the header and a view of a snapshot slot, leased until sent. The
+client side is ``tcp_client``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from typing import TYPE_CHECKING
+
+from ..errors import PayloadSizeMismatch
+from ..protocol import HEADER_SIZE, DType, Header, pack_header
+from ._sockets import set_nodelay
+from .session import ServerSession
+
+if TYPE_CHECKING:
+    from .._engine import Engine, Member
+    from ..table import Snapshot
+
+__all__ = ["TcpSession"]
+
+log = logging.getLogger("aps.server")
+
+# Gradients at least this large are applied while they arrive, when the
+# engine allows it (Engine.begin_streaming_push).
+_STREAM_MIN_BYTES = 1 << 20
+
+
+class TcpSession(ServerSession, asyncio.BufferedProtocol):
+    """One worker's TCP connection to the server (see the module docstring)."""
+
+    kind = "tcp"
+
+    def __init__(self, engine: Engine, max_payload: int, registry: set, unix_path: str = "") -> None:
+        super().__init__(engine, max_payload, registry, unix_path)
+        self.transport: asyncio.Transport | None = None
+        self._vectored = type(self._loop).__module__.startswith("uvloop")
+        self._leases: list[Snapshot] = []
+
+    # asyncio callbacks ----------------------------------------------------
+    def connection_made(self, transport: asyncio.Transport) -> None:
+        self.transport = transport
+        set_nodelay(transport.get_extra_info("socket"))
+        # A high-water mark of 0 turns pause_writing/resume_writing into an
+        # "everything sent" signal: leases on snapshot slots end there.
+        transport.set_write_buffer_limits(high=0)
+        peer = transport.get_extra_info("peername")
+        self.peer = f"{peer[0]}:{peer[1]}" if isinstance(peer, tuple) else str(peer)
+        self.registry.add(self)
+        log.debug("%s: connected", self.peer)
+
+    def get_buffer(self, sizehint: int) -> memoryview:
+        return self.reader.get_buffer(sizehint)
+
+    def buffer_updated(self, nbytes: int) -> None:
+        self._bytes_arrived(nbytes)
+
+    def eof_received(self) -> bool:
+        return False
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._connection_lost(exc)
+
+    def pause_writing(self) -> None:
+        self._writing = True
+
+    def resume_writing(self) -> None:
+        self._output_drained()
+
+    # ServerSession transport interface ----------------------------------------------
+    def close(self) -> None:
+        if self.transport is not None and not self.transport.is_closing():
+            self.transport.close()
+
+    def _can_write(self) -> bool:
+        return self.transport is not None and not self.transport.is_closing()
+
+    def _write(self, data: bytes) -> None:
+        self.transport.write(data)
+
+    def _pause_reading(self) -> None:
+        self.transport.pause_reading()
+
+    def _resume_reading(self) -> None:
+        self.transport.resume_reading()
+
+    def _gradient_destination(self, member: Member, header: Header) -> memoryview:
+        if header.length != member.grad.nbytes:
+            raise PayloadSizeMismatch(
+                f"gradient of {header.length} bytes; the registered model has {member.grad.nbytes} bytes"
+            )
+        if header.length >= _STREAM_MIN_BYTES:
+            self._stream = self.engine.begin_streaming_push(member, header.version)
+        return member.grad_bytes
+
+    def _send_weights(self, op: int, snap: Snapshot, clock: int, flags: int) -> None:
+        transport, data = self.transport, snap.bytes
+        header = pack_header(op, flags, DType.FLOAT32, self._rid, clock, snap.version, len(data))
+        self._stats.bytes_out += HEADER_SIZE + len(data)
+        if self._vectored:
+            transport.writelines((header, data))
+        else:
+            transport.write(header)
+            transport.write(data)
+        # The transport may still hold a view of the slot: lease it until sent.
+        if transport.get_write_buffer_size() == 0:
+            snap.release()
+        else:
+            self._leases.append(snap)
+
+    def _release_leases(self) -> None:
+        leases, self._leases = self._leases, []
+        for snap in leases:
+            snap.release()
