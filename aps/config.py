@@ -2,21 +2,19 @@
 
 Every field of :class:`ServerConfig` is an ``aps serve`` flag (``--max-staleness``
 for ``max_staleness``) and has an environment variable twin (``APS_MAX_STALENESS``).
-A flag on the command line wins over the variable, which wins over the default.
+A flag on the command line wins over the variable, which wins over the default
+(the command-line side is ``aps.cli._args``).
 """
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
-import os
-from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 from .errors import ConfigurationError
 
-__all__ = ["ServerConfig", "add_server_arguments", "config_from_args", "env_name"]
+__all__ = ["ServerConfig", "env_name"]
 
 SYNC_CHOICES = ("bsp", "asp", "ssp", "dssp", "softsync")
 LR_STALENESS_CHOICES = ("none", "inverse")
@@ -30,37 +28,6 @@ DEFAULT_PORT = 7450
 
 def _opt(help: str, *, choices: tuple[str, ...] | None = None, metavar: str | None = None) -> dict:
     return {"help": help, "choices": choices, "metavar": metavar}
-
-
-def _parse_betas(text: str) -> tuple[float, float]:
-    try:
-        beta1, beta2 = (float(part) for part in text.split(","))
-    except ValueError:
-        raise ConfigurationError(f"betas must be two comma-separated numbers, got {text!r}") from None
-    return beta1, beta2
-
-
-def _parse_bool(text: str) -> bool:
-    value = text.strip().lower()
-    if value in ("1", "true", "yes", "on"):
-        return True
-    if value in ("0", "false", "no", "off", ""):
-        return False
-    raise ConfigurationError(f"expected a boolean (1/0, true/false), got {text!r}")
-
-
-def _parse_size(text: str) -> int:
-    """An integer byte count, with an optional K/M/G (binary) suffix."""
-    value = text.strip().upper().removesuffix("B").removesuffix("I")
-    scale = 1
-    for suffix, factor in (("K", 1 << 10), ("M", 1 << 20), ("G", 1 << 30)):
-        if value.endswith(suffix):
-            value, scale = value[:-1], factor
-            break
-    try:
-        return int(float(value) * scale)
-    except ValueError:
-        raise ConfigurationError(f"expected a size in bytes (e.g. 512M), got {text!r}") from None
 
 
 @dataclass
@@ -126,6 +93,14 @@ class ServerConfig:
     max_frame_bytes: int = field(
         default=4 << 30, metadata=_opt("largest frame payload accepted (K/M/G suffixes)", metavar="SIZE")
     )
+    stream_min_bytes: int = field(
+        default=1 << 20,
+        metadata=_opt(
+            "TCP gradients of at least this size are applied while they arrive, when the sync policy "
+            "applies them alone (K/M/G suffixes; 0: never)",
+            metavar="SIZE",
+        ),
+    )
     log_level: str = field(default="info", metadata=_opt("logging level", choices=LOG_LEVELS))
 
     def __post_init__(self) -> None:
@@ -175,6 +150,8 @@ class ServerConfig:
             raise ConfigurationError(f"heartbeat timeout must be >= 0, got {self.heartbeat_timeout}")
         if self.max_frame_bytes < 1 << 16:
             raise ConfigurationError("max frame bytes must be at least 64K")
+        if self.stream_min_bytes < 0:
+            raise ConfigurationError(f"stream min bytes must be >= 0, got {self.stream_min_bytes}")
         if self.log_level not in LOG_LEVELS:
             raise ConfigurationError(f"unknown log level {self.log_level!r}")
 
@@ -216,69 +193,3 @@ class ServerConfig:
 def env_name(field_name: str) -> str:
     """The environment variable twin of an option: ``max_staleness`` -> ``APS_MAX_STALENESS``."""
     return "APS_" + field_name.upper()
-
-
-def _flag(field_name: str) -> str:
-    return "--" + field_name.replace("_", "-")
-
-
-def _converter(f: dataclasses.Field):
-    if f.name == "betas":
-        return _parse_betas
-    if f.name == "max_frame_bytes":
-        return _parse_size
-    kind = f.type if isinstance(f.type, str) else f.type.__name__
-    kind = kind.split("|")[0].strip()  # "int | None" -> "int"
-    return {"int": int, "float": float, "str": str, "bool": _parse_bool}[kind]
-
-
-def add_server_arguments(parser: argparse.ArgumentParser, *, skip: tuple[str, ...] = ()) -> None:
-    """Add one flag per ServerConfig field to ``parser`` (defaults stay unset, see config_from_args)."""
-    for f in dataclasses.fields(ServerConfig):
-        if f.name in skip:
-            continue
-        meta = f.metadata
-        default = f.default
-        shown = ",".join(str(b) for b in default) if isinstance(default, tuple) else default
-        help_text = f"{meta['help']} ({'' if default is None else f'default {shown}; '}env {env_name(f.name)})"
-        if _converter(f) is _parse_bool:
-            parser.add_argument(_flag(f.name), action="store_const", const=True, default=None, help=help_text)
-            continue
-
-        def convert(text: str, _conv=_converter(f)):
-            try:
-                return _conv(text)
-            except (ValueError, ConfigurationError) as exc:
-                raise argparse.ArgumentTypeError(str(exc)) from None
-
-        parser.add_argument(
-            _flag(f.name),
-            type=convert,
-            default=None,
-            choices=meta.get("choices"),
-            metavar=meta.get("metavar") or f.name.upper(),
-            help=help_text,
-        )
-
-
-def config_from_args(args: argparse.Namespace | None = None, environ: Mapping[str, str] | None = None) -> ServerConfig:
-    """A ServerConfig from parsed flags, falling back to ``APS_*`` variables, then defaults."""
-    environ = os.environ if environ is None else environ
-    values: dict[str, Any] = {}
-    for f in dataclasses.fields(ServerConfig):
-        given = getattr(args, f.name, None) if args is not None else None
-        if given is not None:
-            values[f.name] = given
-            continue
-        raw = environ.get(env_name(f.name))
-        if raw is None or raw == "":
-            continue
-        try:
-            value = _converter(f)(raw)
-        except (ValueError, ConfigurationError) as exc:
-            raise ConfigurationError(f"{env_name(f.name)}={raw!r}: {exc}") from None
-        choices = f.metadata.get("choices")
-        if choices and value not in choices:
-            raise ConfigurationError(f"{env_name(f.name)}={raw!r}: choose from {', '.join(choices)}")
-        values[f.name] = value
-    return ServerConfig(**values)

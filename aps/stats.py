@@ -1,9 +1,9 @@
 """Server statistics: what the server counts per worker and overall.
 
 The engine records events as they happen (cheap counters and sparse
-histograms); :func:`format_stats` renders a snapshot for ``aps status``. A
-snapshot is a plain JSON-able dict (``Server.stats()``, and the payload of a
-STATS reply, see docs/protocol.md).
+histograms); :meth:`ServerStats.snapshot` turns them into a plain JSON-able
+dict (``Server.stats()``, the payload of a STATS reply, see
+docs/protocol.md), which ``aps status`` renders.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     from ._engine import Engine
 
-__all__ = ["Histogram", "ServerStats", "WorkerStats", "format_stats"]
+__all__ = ["Histogram", "ServerStats", "WorkerStats"]
 
 _RATE_WINDOW_S = 10.0
 _RATE_SAMPLE_S = 0.25
@@ -163,58 +163,3 @@ class ServerStats:
             },
             "workers": workers,
         }
-
-
-def _fmt_bytes(n: int) -> str:
-    for unit, size in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
-        if n >= size:
-            return f"{n / size:.1f} {unit}"
-    return f"{n} B"
-
-
-def _fmt_seconds(s: float | None) -> str:
-    if s is None:
-        return "-"
-    if s >= 1.0:
-        return f"{s:.2f}s"
-    if s >= 1e-3:
-        return f"{s * 1e3:.1f}ms"
-    return f"{s * 1e6:.0f}us"
-
-
-def _fmt_hist(hist: dict[str, int], limit: int = 6) -> str:
-    if not hist:
-        return "-"
-    items = sorted(hist.items(), key=lambda kv: -kv[1])[:limit]
-    text = " ".join(f"{k}:{v}" for k, v in sorted(items, key=lambda kv: int(kv[0])))
-    return text + (" ..." if len(hist) > limit else "")
-
-
-def format_stats(stats: dict) -> str:
-    """A readable table of a stats snapshot (what ``aps status`` prints)."""
-    s = stats["server"]
-    uptime = int(s["uptime_s"])
-    lines = [
-        f"aps {s['address']}  sync {s['sync']}  optimizer {s['optimizer']}",
-        f"version {s['version']}  updates/s {s['updates_per_s']:.1f} (mean {s['updates_per_s_mean']:.1f})  "
-        f"live {s['live']}/{s['workers']}{'' if s['started'] else ' (waiting for workers)'}  "
-        f"pushes {s['pushes']}  rejected {s['rejected']}  "
-        f"in {_fmt_bytes(s['bytes_in'])}  out {_fmt_bytes(s['bytes_out'])}  "
-        f"up {uptime // 3600:d}:{uptime // 60 % 60:02d}:{uptime % 60:02d}",
-        "",
-        f"{'rank':>4} {'live':>4} {'clock':>7} {'gap':>4} {'max':>4} {'held':>4} {'pushes':>7} {'dropped':>7} "
-        f"{'stale':>6} {'wait mean':>9} {'wait max':>9} {'interval':>9}  staleness / r*",
-    ]
-    for w in stats["workers"]:
-        stale = "-" if w["staleness_mean"] is None else f"{w['staleness_mean']:.2f}"
-        hists = _fmt_hist(w["staleness_hist"])
-        if w["r_star_hist"]:
-            hists += "  /  r* " + _fmt_hist(w["r_star_hist"])
-        lines.append(
-            f"{w['rank']:>4} {'yes' if w['live'] else 'no':>4} {w['clock']:>7} {w['gap'] if w['live'] else '-':>4} "
-            f"{w['max_release_gap'] if w['max_release_gap'] is not None else '-':>4} "
-            f"{'yes' if w['held'] else 'no':>4} {w['pushes']:>7} {w['dropped']:>7} {stale:>6} "
-            f"{_fmt_seconds(w['wait_s_mean']):>9} {_fmt_seconds(w['wait_s_max'] or None):>9} "
-            f"{_fmt_seconds(w['last_interval_s']):>9}  {hists}"
-        )
-    return "\n".join(lines)

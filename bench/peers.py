@@ -20,7 +20,6 @@ Needs the ``bench`` extra (torch, matplotlib):
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import socket
@@ -29,7 +28,8 @@ import sys
 
 import numpy as np
 
-from aps.bench import ApsSession, _format_size, _parse_size, _Session, _summarize, machine_info
+from aps.cli._args import ArgumentParser, format_size, size_list
+from aps.cli.bench import ApsSession, Session, machine_info, summarize
 
 
 def _free_port() -> int:
@@ -96,7 +96,7 @@ class RpcSession:
         port = _free_port()
         self.server = mp.get_context("fork").Process(target=_rpc_server, args=(port, nbytes // 4), daemon=True)
         self.server.start()
-        self.session = _Session(_RpcWorker, [(port, nbytes // 4)])
+        self.session = Session(_RpcWorker, [(port, nbytes // 4)])
 
     def measure(self, seconds, min_iters):
         return self.session.measure(seconds, min_iters)
@@ -133,7 +133,7 @@ class _GlooRank:
 class GlooSession:
     def __init__(self, nbytes: int) -> None:
         port = _free_port()
-        self.session = _Session(_GlooRank, [(port, rank, nbytes // 4) for rank in range(2)])
+        self.session = Session(_GlooRank, [(port, rank, nbytes // 4) for rank in range(2)])
         self._iterations: int | None = None
 
     def measure(self, seconds, min_iters):
@@ -172,7 +172,7 @@ def run(sizes: list[int], seconds: float, min_iters: int, repeats: int, out: str
         finally:
             for session in sessions.values():
                 session.close()
-        summary = {name: _summarize(values, nbytes) for name, values in samples.items()}
+        summary = {name: summarize(values, nbytes) for name, values in samples.items()}
         for name, s in summary.items():
             row = {"system": name, "payload_bytes": nbytes, **s}
             for peer in ("torch rpc", "gloo all_reduce"):
@@ -203,7 +203,7 @@ def format_table(rows: list[dict]) -> str:
         rpc = f"{r['x_torch']:>11.2f}" if r.get("x_torch") is not None else f"{'':>11}"
         gloo = f"{r['x_gloo']:>7.2f}" if r.get("x_gloo") is not None else f"{'':>7}"
         lines.append(
-            f"{_format_size(r['payload_bytes']):>8} {r['system']:<16} {r['rtt_us']:>10.1f} {r['gbps']:>7.2f} {rpc} {gloo}"
+            f"{format_size(r['payload_bytes']):>8} {r['system']:<16} {r['rtt_us']:>10.1f} {r['gbps']:>7.2f} {rpc} {gloo}"
         )
     return "\n".join(lines)
 
@@ -224,7 +224,7 @@ def chart(rows: list[dict], path: str, command: str) -> None:
     ax.set_xscale("log", base=2)
     ax.set_yscale("log")
     sizes = sorted({r["payload_bytes"] for r in rows})
-    ax.set_xticks(sizes, [_format_size(s) + "iB" if s >= 1024 else f"{s} B" for s in sizes])
+    ax.set_xticks(sizes, [format_size(s) + "iB" if s >= 1024 else f"{s} B" for s in sizes])
     ax.set_xlabel("payload (one push and one pull per step)")
     ax.set_ylabel("throughput, GB/s (2 x payload per step)")
     ax.set_title("push + pull, one worker, 2 cores, loopback", fontsize=10)
@@ -236,15 +236,15 @@ def chart(rows: list[dict], path: str, command: str) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--sizes", default="4K,64K,1M,16M,64M")
-    parser.add_argument("--seconds", type=float, default=1.0)
-    parser.add_argument("--min-iters", type=int, default=3)
-    parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--out", default="bench/results/peers", help="writes OUT.json and OUT.png ('' for none)")
+    parser = ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--sizes", type=size_list, default=size_list("4K,64K,1M,16M,64M"),
+                        help="payload sizes (default 4K,64K,1M,16M,64M)")
+    parser.add_argument("--seconds", type=float, default=1.0, help="length of one measuring window (default 1)")
+    parser.add_argument("--min-iters", type=int, default=3, help="least steps per window (default 3)")
+    parser.add_argument("--repeats", type=int, default=3, help="interleaved windows per point (default 3)")
+    parser.add_argument("--out", help="also write OUT.json and OUT.png (default: print only)")
     args = parser.parse_args(argv)
-    sizes = [_parse_size(s) for s in args.sizes.split(",")]
-    run(sizes, args.seconds, args.min_iters, max(1, args.repeats), args.out or None)
+    run(args.sizes, args.seconds, args.min_iters, max(1, args.repeats), args.out)
     return 0
 
 

@@ -1,13 +1,13 @@
 #!/usr/bin/env python
-"""push_pull round trips over TCP against a blocking-socket ping-pong bound.
+"""push_pull round trips against bounds measured in the same run: ``aps bench`` as a script.
 
-The same benchmark as ``aps bench``; see ``aps/bench.py`` for the method.
-Example: ``python bench/pushpull.py --sizes 4K,64M --workers 1,2,4``.
+Same arguments as ``aps bench`` (``--help``); the code is ``aps/cli/bench.py``.
+Example: ``python bench/pushpull.py --sizes 4K,64M --workers 1,2,4 --out bench/results/pushpull.json``.
 """
 
 import sys
 
-from aps.bench import main
+from aps.cli import main
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(main(["bench", *sys.argv[1:]]))

@@ -11,7 +11,6 @@ Example: ``python bench/simulate.py --workers 1024 --iterations 10000``.
 
 from __future__ import annotations
 
-import argparse
 import heapq
 import json
 import os
@@ -20,8 +19,9 @@ import time
 
 import numpy as np
 
-from aps.bench import machine_info
-from aps.simulate import DEFAULT_SETTINGS, parse_setting, simulate, worker_speeds
+from aps.cli._args import ArgumentParser, parse_setting
+from aps.cli.bench import machine_info
+from aps.cli.simulate import DEFAULT_SETTINGS, simulate, worker_speeds
 
 
 def bare_event_loop(speeds: list[float], iterations: int, jitter: float, seed: int) -> float:
@@ -38,13 +38,13 @@ def bare_event_loop(speeds: list[float], iterations: int, jitter: float, seed: i
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--workers", type=int, default=1024)
+    parser = ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--workers", type=int, default=1024, help="simulated workers")
     parser.add_argument("--iterations", type=int, default=10000)
     parser.add_argument("--hetero", default="lognormal:0.5")
     parser.add_argument("--jitter", type=float, default=0.2)
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--out", default="bench/results/simulate.json")
+    parser.add_argument("--out", help="also write the JSON report to this file")
     args = parser.parse_args(argv)
     speeds = worker_speeds(None, args.workers, args.hetero, args.seed)
     rows = []

@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import socket
+from collections.abc import Callable, Sequence
 
 from ..errors import APSConnectionError, APSTimeoutError, MalformedFrame, error_from_code
 from ..protocol import Header, Op, decode_error, pack_header
 from .framing import FrameReader
+from .segments import scm_rights
 
-__all__ = ["IOV_MAX", "ClientSocket", "advance", "exchange"]
+__all__ = ["IOV_MAX", "BlockingSocket", "ClientSocket", "advance", "exchange"]
 
 #: Buffers one ``sendmsg`` call may take.
 IOV_MAX = 1024
@@ -48,6 +50,61 @@ class ClientSocket:
             self.sock.close()
         except OSError:
             pass
+
+
+class BlockingSocket(ClientSocket):
+    """A connected blocking socket driving a FrameReader: what ``aps.Worker`` talks
+    through, over TCP or a Unix socket.
+
+    Raises APSConnectionError when the connection drops, and APSTimeoutError
+    when a wait runs out.
+    """
+
+    def __init__(self, sock: socket.socket, address: str) -> None:
+        self.sock = sock
+        self.address = address
+        sock.settimeout(None)
+        self._timeout: float | None = None
+
+    def send(self, buffers: Sequence, fds: Sequence[int] = ()) -> None:
+        """Send every buffer (bytes or byte views), in order, with vectored writes (no
+        joining); ``fds`` travel with the first byte (Unix sockets only)."""
+        sock = self.sock
+        ancillary = scm_rights(fds)
+        try:
+            if len(buffers) <= IOV_MAX:
+                sent = sock.sendmsg(buffers, ancillary)
+                if sent == sum(map(len, buffers)):
+                    return
+                views = advance([memoryview(b).cast("B") for b in buffers], sent)
+            else:
+                views = [memoryview(b).cast("B") for b in buffers if len(b)]
+                views = advance(views, sock.sendmsg(views[:IOV_MAX], ancillary))
+            while views:
+                views = advance(views, sock.sendmsg(views[:IOV_MAX]))
+        except TimeoutError:
+            raise APSTimeoutError("sending to the server timed out") from None
+        except OSError as exc:
+            raise self._lost(exc) from None
+
+    def receive(self, reader: FrameReader, done: Callable[[], bool], timeout: float | None = None) -> None:
+        """Read into ``reader`` until ``done()``."""
+        if timeout != self._timeout:  # settimeout costs system calls: only on change
+            self.sock.settimeout(timeout)
+            self._timeout = timeout
+        try:
+            while not done():
+                nbytes = self._recv_into(reader.get_buffer())
+                if not nbytes:
+                    raise self._closed_by_server()
+                reader.buffer_updated(nbytes)
+        except TimeoutError:
+            raise self._no_reply(timeout) from None
+        except OSError as exc:
+            raise self._lost(exc) from None
+
+    def _recv_into(self, buffer: memoryview) -> int:
+        return self.sock.recv_into(buffer)
 
 
 class _OneReply:

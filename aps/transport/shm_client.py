@@ -5,37 +5,36 @@ from __future__ import annotations
 import os
 import socket
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 
 import numpy as np
 
 from ..errors import APSConnectionError, APSTimeoutError, MalformedFrame
-from ._client import IOV_MAX, ClientSocket, advance
-from .segments import ANCILLARY_SPACE, Segment, fds_from, map_received, scm_rights
+from ._client import BlockingSocket
+from .segments import ANCILLARY_SPACE, Segment, fds_from, map_received
 
 __all__ = ["ShmConnection"]
 
 
-class ShmConnection(ClientSocket):
+class ShmConnection(BlockingSocket):
     """A worker's Unix socket to a co-located server, with its shared segments.
 
     Keeps the worker's gradient segment and the server's slots it has mapped.
     """
 
     def __init__(self, path: str, connect_timeout: float | None = 30.0) -> None:
-        self.address = f"unix:{path}"
-        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        address = f"unix:{path}"
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         try:
-            self.sock.settimeout(connect_timeout)
-            self.sock.connect(path)
+            sock.settimeout(connect_timeout)
+            sock.connect(path)
         except TimeoutError:
-            self.sock.close()
-            raise APSTimeoutError(f"connecting to {self.address} timed out") from None
+            sock.close()
+            raise APSTimeoutError(f"connecting to {address} timed out") from None
         except OSError as exc:
-            self.sock.close()
-            raise APSConnectionError(f"cannot connect to {self.address}: {exc.strerror or exc}") from None
-        self.sock.settimeout(None)
-        self._timeout: float | None = None
+            sock.close()
+            raise APSConnectionError(f"cannot connect to {address}: {exc.strerror or exc}") from None
+        super().__init__(sock, address)
         self._fds: deque[int] = deque()
         self.slots: dict[int, np.ndarray] = {}
         self.grad_segment: Segment | None = None
@@ -63,35 +62,10 @@ class ShmConnection(ClientSocket):
         except KeyError:
             raise MalformedFrame(f"weights in slot {slot_id}, which this worker has not mapped") from None
 
-    def send(self, buffers: Sequence, fds: Sequence[int] = ()) -> None:
-        views = [memoryview(b).cast("B") for b in buffers if len(b)]
-        sock = self.sock
-        try:
-            sent = sock.sendmsg(views[:IOV_MAX], scm_rights(fds))
-            views = advance(views, sent)
-            while views:
-                views = advance(views, sock.sendmsg(views[:IOV_MAX]))
-        except TimeoutError:
-            raise APSTimeoutError("sending to the server timed out") from None
-        except OSError as exc:
-            raise self._lost(exc) from None
-
-    def receive(self, reader, done: Callable[[], bool], timeout: float | None = None) -> None:
-        sock = self.sock
-        if timeout != self._timeout:
-            sock.settimeout(timeout)
-            self._timeout = timeout
-        try:
-            while not done():
-                nbytes, ancdata, msg_flags, _ = sock.recvmsg_into([reader.get_buffer()], ANCILLARY_SPACE)
-                self._fds.extend(fds_from(ancdata))
-                if not nbytes:
-                    raise self._closed_by_server()
-                reader.buffer_updated(nbytes)
-        except TimeoutError:
-            raise self._no_reply(timeout) from None
-        except OSError as exc:
-            raise self._lost(exc) from None
+    def _recv_into(self, buffer: memoryview) -> int:
+        nbytes, ancdata, _, _ = self.sock.recvmsg_into([buffer], ANCILLARY_SPACE)
+        self._fds.extend(fds_from(ancdata))
+        return nbytes
 
     def close(self) -> None:
         super().close()

@@ -13,14 +13,14 @@ import socket
 from collections.abc import Callable, Sequence
 
 from ..errors import APSConnectionError, APSTimeoutError
-from ._client import IOV_MAX, ClientSocket, advance
+from ._client import IOV_MAX, BlockingSocket, ClientSocket, advance
 from ._sockets import set_nodelay
 from .framing import FrameReader
 
 __all__ = ["AsyncConnection", "BlockingConnection"]
 
 
-class BlockingConnection(ClientSocket):
+class BlockingConnection(BlockingSocket):
     """A blocking TCP socket to the server, driving a FrameReader.
 
     Raises APSConnectionError when the server cannot be reached or the
@@ -29,53 +29,13 @@ class BlockingConnection(ClientSocket):
 
     def __init__(self, host: str, port: int, connect_timeout: float | None = 30.0) -> None:
         try:
-            self.sock = socket.create_connection((host, port), timeout=connect_timeout)
+            sock = socket.create_connection((host, port), timeout=connect_timeout)
         except TimeoutError:
             raise APSTimeoutError(f"connecting to tcp://{host}:{port} timed out") from None
         except OSError as exc:
             raise APSConnectionError(f"cannot connect to tcp://{host}:{port}: {exc.strerror or exc}") from None
-        set_nodelay(self.sock)
-        self.sock.settimeout(None)
-        self._timeout: float | None = None
-        self.address = f"tcp://{host}:{port}"
-
-    def send(self, buffers: Sequence, fds: Sequence[int] = ()) -> None:
-        """Send every buffer (bytes or byte views), in order, with vectored writes (no joining)."""
-        if fds:
-            raise ValueError("TCP cannot carry file descriptors")
-        sock = self.sock
-        try:
-            if len(buffers) <= IOV_MAX:
-                sent = sock.sendmsg(buffers)
-                total = sum(map(len, buffers))
-                if sent == total:
-                    return
-                views = advance([memoryview(b).cast("B") for b in buffers], sent)
-            else:
-                views = [memoryview(b).cast("B") for b in buffers if len(b)]
-            while views:
-                views = advance(views, sock.sendmsg(views[:IOV_MAX]))
-        except TimeoutError:
-            raise APSTimeoutError("sending to the server timed out") from None
-        except OSError as exc:
-            raise self._lost(exc) from None
-
-    def receive(self, reader: FrameReader, done: Callable[[], bool], timeout: float | None = None) -> None:
-        """Read into ``reader`` until ``done()``."""
-        sock = self.sock
-        if timeout != self._timeout:  # settimeout costs system calls: only on change
-            sock.settimeout(timeout)
-            self._timeout = timeout
-        try:
-            while not done():
-                nbytes = sock.recv_into(reader.get_buffer())
-                if not nbytes:
-                    raise self._closed_by_server()
-                reader.buffer_updated(nbytes)
-        except TimeoutError:
-            raise self._no_reply(timeout) from None
-        except OSError as exc:
-            raise self._lost(exc) from None
+        set_nodelay(sock)
+        super().__init__(sock, f"tcp://{host}:{port}")
 
 
 class AsyncConnection(ClientSocket):

@@ -28,11 +28,6 @@ __all__ = ["TcpSession"]
 
 log = logging.getLogger("aps.server")
 
-# Gradients at least this large are applied while they arrive, when the
-# engine allows it (Engine.begin_streaming_push).
-_STREAM_MIN_BYTES = 1 << 20
-
-
 class TcpSession(ServerSession, asyncio.BufferedProtocol):
     """One worker's TCP connection to the server (see the module docstring)."""
 
@@ -43,6 +38,9 @@ class TcpSession(ServerSession, asyncio.BufferedProtocol):
         self.transport: asyncio.Transport | None = None
         self._vectored = type(self._loop).__module__.startswith("uvloop")
         self._leases: list[Snapshot] = []
+        # Gradients at least this large are applied while they arrive, when the
+        # engine allows it (Engine.begin_streaming_push).
+        self._stream_min = engine.config.stream_min_bytes or None
 
     # asyncio callbacks ----------------------------------------------------
     def connection_made(self, transport: asyncio.Transport) -> None:
@@ -96,7 +94,7 @@ class TcpSession(ServerSession, asyncio.BufferedProtocol):
             raise PayloadSizeMismatch(
                 f"gradient of {header.length} bytes; the registered model has {member.grad.nbytes} bytes"
             )
-        if header.length >= _STREAM_MIN_BYTES:
+        if self._stream_min is not None and header.length >= self._stream_min:
             self._stream = self.engine.begin_streaming_push(member, header.version)
         return member.grad_bytes
 

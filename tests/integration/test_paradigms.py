@@ -2,7 +2,7 @@
 
 import pytest
 
-from aps.status import fetch_stats
+from aps.cli.status import fetch_stats
 from tests import _workers
 from tests.helpers import run_processes
 

@@ -126,7 +126,7 @@ def test_the_server_never_imports_torch():
     import subprocess
     import sys
 
-    code = "import sys, aps, aps.server, aps.bench; aps.Server(port=0); assert 'torch' not in sys.modules"
+    code = "import sys, aps, aps.server, aps.cli; aps.Server(port=0); assert 'torch' not in sys.modules"
     subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
 
 

@@ -3,7 +3,8 @@ import dataclasses
 
 import pytest
 
-from aps.config import ServerConfig, add_server_arguments, config_from_args, env_name
+from aps.cli._args import add_server_arguments, config_from_args
+from aps.config import ServerConfig, env_name
 from aps.errors import ConfigurationError
 
 
@@ -69,6 +70,7 @@ EXAMPLES = {
     "unix_socket": ("none", "none", {}),
     "heartbeat_timeout": ("2.5", 2.5, {}),
     "max_frame_bytes": ("1G", 1 << 30, {}),
+    "stream_min_bytes": ("0", 0, {}),
     "log_level": ("debug", "debug", {}),
 }
 

@@ -7,7 +7,8 @@ import sys
 import pytest
 
 from aps.errors import ConfigurationError
-from aps.simulate import DEFAULT_SETTINGS, parse_setting, simulate, worker_speeds
+from aps.cli._args import parse_setting
+from aps.cli.simulate import DEFAULT_SETTINGS, simulate, worker_speeds
 
 
 def run(setting, speeds, iterations=2000, jitter=0.0, seed=0):

@@ -25,87 +25,29 @@ import math
 import statistics
 import sys
 import time
-from dataclasses import dataclass, field
 
 import numpy as np
 
-from ._engine import Engine
-from .config import ServerConfig
-from .errors import APSError, ConfigurationError
-from .layout import Layout
+from .._engine import Engine
+from ..config import ServerConfig
+from ..errors import APSError, ConfigurationError
+from ..layout import Layout
+from ._args import Setting, number, parse_setting, parse_speeds, require, sync_setting
 
-__all__ = ["Setting", "SimulationError", "non_negative", "parse_setting", "parse_speeds", "simulate", "worker_speeds"]
+__all__ = ["DEFAULT_SETTINGS", "SimulationError", "register", "simulate", "worker_speeds"]
 
 DEFAULT_SETTINGS = ("bsp", "asp", "ssp:3", "ssp:15", "dssp:3:15", "softsync:1")
+#: The cluster ``aps simulate`` runs without --speeds or --workers: four workers, one three times slower.
+DEFAULT_SPEEDS = (1.0, 1.0, 1.0, 3.0)
 
 
 class SimulationError(APSError):
     """The simulated cluster stopped making progress (a deadlock)."""
 
 
-@dataclass(frozen=True)
-class Setting:
-    """One sync configuration to simulate: a label and its ``ServerConfig`` options."""
-
-    label: str
-    options: dict = field(hash=False, compare=False)
-
-
-def parse_setting(text: str) -> Setting:
-    """``bsp[:K]``, ``asp``, ``ssp:S``, ``dssp:S_L:S_U``, ``softsync:N[:S]``; append
-    ``+inverse`` for ``--lr-staleness inverse`` (it changes no timing, only labels)."""
-    label = text.strip()
-    body, _, extra = label.partition("+")
-    name, *args = body.split(":")
-    try:
-        numbers = [int(a) for a in args]
-    except ValueError:
-        raise ConfigurationError(f"bad sync setting {text!r}: parameters must be integers") from None
-    options: dict = {"sync": name}
-    if name == "bsp" and len(numbers) <= 1:
-        if numbers:
-            options["backup_workers"] = numbers[0]
-    elif name == "asp" and not numbers:
-        pass
-    elif name == "ssp" and len(numbers) == 1:
-        options["staleness"] = numbers[0]
-    elif name == "dssp" and len(numbers) == 2:
-        options["staleness"], options["max_staleness"] = numbers
-    elif name == "softsync" and 1 <= len(numbers) <= 2:
-        options["softsync_n"] = numbers[0]
-        if len(numbers) == 2:
-            options["staleness"] = numbers[1]
-    else:
-        raise ConfigurationError(
-            f"bad sync setting {text!r}: use bsp[:K], asp, ssp:S, dssp:S_L:S_U or softsync:N[:S]"
-        )
-    if extra:
-        if extra != "inverse":
-            raise ConfigurationError(f"bad sync setting {text!r}: the only suffix is +inverse")
-        options["lr_staleness"] = "inverse"
-    return Setting(label, options)
-
-
-def parse_speeds(text: str, workers: int | None, flag: str = "--speeds") -> list[float]:
-    """``1,1,1,2.5``: one positive multiple per worker (any number when ``workers`` is None)."""
-    try:
-        values = [float(part) for part in text.split(",")]
-    except ValueError:
-        values = []
-    if not values or (workers is not None and len(values) != workers) or \
-            not all(math.isfinite(v) and v > 0 for v in values):
-        count = "" if workers is None else f"{workers} "
-        raise ConfigurationError(f"{flag} needs {count}positive numbers separated by commas, got {text!r}")
-    return values
-
-
-def non_negative(value: float, flag: str) -> None:
-    """A command-line number that must be finite and >= 0."""
-    if not (math.isfinite(value) and value >= 0):
-        raise ConfigurationError(f"{flag} must be >= 0, got {value}")
-
-
-def worker_speeds(speeds: str | None, workers: int | None, hetero: str | None, seed: int) -> list[float]:
+def worker_speeds(
+    speeds: str | None, workers: int | None, hetero: str | None, seed: int
+) -> list[float]:
     """Mean iteration time per worker, from ``--speeds`` or ``--workers`` with ``--hetero``."""
     if speeds:
         values = parse_speeds(speeds, workers)
@@ -272,34 +214,45 @@ def format_table(results: list[dict]) -> str:
     return "\n".join(lines)
 
 
-def add_simulate_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--speeds", help="mean iteration time per worker, e.g. 1,1,1,3 (sets P)")
-    parser.add_argument("--workers", type=int, help="number of workers (with --hetero, or all at speed 1)")
+def register(commands) -> None:
+    parser = commands.add_parser(
+        "simulate",
+        help="compare sync paradigms on a simulated cluster",
+        description="Discrete-event simulation of P workers of given speeds, driving the real sync policies on "
+        "a virtual clock: iterations per second, gate waits, staleness and the largest gap, per paradigm. "
+        "Without --speeds or --workers it simulates four workers, one three times slower (--speeds 1,1,1,3).",
+    )
+    parser.add_argument("--speeds", metavar="S,S,...",
+                        help="mean iteration time per worker, e.g. 1,1,1,3 (sets P; default 1,1,1,3)")
+    parser.add_argument("--workers", type=int, help="number of workers, all at speed 1 unless --hetero")
     parser.add_argument("--hetero", metavar="lognormal:SIGMA", help="draw each worker's mean iteration time")
-    parser.add_argument("--jitter", type=float, default=0.0, help="lognormal spread of each iteration's time")
-    parser.add_argument("--iterations", type=int, default=10000, help="total iterations, all workers (default 10000)")
+    parser.add_argument("--jitter", type=number, default=0.0, help="lognormal spread of each iteration's time")
+    parser.add_argument("--iterations", type=int, default=10000, help="total iterations, all workers together")
     parser.add_argument(
-        "--sync", action="append", metavar="SETTING",
+        "--sync", action="append", type=sync_setting, metavar="SETTING",
         help=f"bsp[:K], asp, ssp:S, dssp:S_L:S_U, softsync:N[:S] (repeatable; default {' '.join(DEFAULT_SETTINGS)})",
     )
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--seed", type=int, default=0, help="seed of the random iteration times")
     parser.add_argument("--json", action="store_true", help="print JSON (one object per setting) instead of a table")
-    parser.add_argument("--out", help="also write the JSON to this file")
+    parser.add_argument("--out", metavar="FILE", help="also write the JSON to FILE (default: print only)")
+    parser.set_defaults(run=run)
 
 
-def run_simulate(args: argparse.Namespace) -> int:
-    if args.iterations < 1:
-        raise ConfigurationError("--iterations must be at least 1")
-    if args.jitter < 0:
-        raise ConfigurationError("--jitter must be >= 0")
+def run(args: argparse.Namespace) -> int:
+    require(args.iterations >= 1, f"--iterations must be at least 1, got {args.iterations}")
+    require(args.jitter >= 0, f"--jitter must be >= 0, got {args.jitter:g}")
+    require(args.workers is None or args.workers >= 1, f"--workers must be at least 1, got {args.workers}")
+    if args.speeds is None and args.workers is None:
+        require(args.hetero is None, "--hetero draws the speeds of --workers workers: give --workers too")
+        args.speeds = ",".join(f"{s:g}" for s in DEFAULT_SPEEDS)
     speeds = worker_speeds(args.speeds, args.workers, args.hetero, args.seed)
-    settings = [parse_setting(text) for text in (args.sync or DEFAULT_SETTINGS)]
+    settings = args.sync or [parse_setting(text) for text in DEFAULT_SETTINGS]
     results = []
-    for setting in settings:
+    for item in settings:
         try:
-            results.append(simulate(setting, speeds, iterations=args.iterations, jitter=args.jitter, seed=args.seed))
+            results.append(simulate(item, speeds, iterations=args.iterations, jitter=args.jitter, seed=args.seed))
         except ConfigurationError as exc:
-            raise ConfigurationError(f"{setting.label}: {exc}") from None
+            raise ConfigurationError(f"--sync {item.label}: {exc}") from None
     if args.out:
         with open(args.out, "w") as fh:
             json.dump(results, fh, indent=2)
@@ -313,9 +266,3 @@ def run_simulate(args: argparse.Namespace) -> int:
         print(f"{len(speeds)} workers, {spread}, jitter {args.jitter:g}, {args.iterations} iterations per setting")
         print(format_table(results))
     return 0
-
-
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="aps simulate", description=__doc__.splitlines()[0])
-    add_simulate_arguments(parser)
-    return run_simulate(parser.parse_args(argv))

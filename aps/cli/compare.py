@@ -28,12 +28,12 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from .config import ServerConfig
-from .errors import ConfigurationError
-from .server import Server
-from .simulate import non_negative, parse_setting, parse_speeds
+from ..config import ServerConfig
+from ..errors import ConfigurationError
+from ..server import Server
+from ._args import command_line, number, parse_setting, parse_speeds, require
 
-__all__ = ["DEFAULT_PARADIGMS", "Run", "add_compare_arguments", "compare", "run_compare"]
+__all__ = ["DEFAULT_PARADIGMS", "Run", "compare", "register"]
 
 DEFAULT_PARADIGMS = ("bsp", "asp", "ssp:3", "ssp:15", "dssp:3:15", "softsync:1")
 LABELS = {"bsp": "BSP", "asp": "ASP", "ssp": "SSP", "dssp": "DSSP", "softsync": "softsync"}
@@ -74,9 +74,8 @@ def _pool_main(rank: int, workers: int, dataset_name: str, seed: int, conn) -> N
     """A worker process: load once, then train one run per order until told to stop."""
     import torch
 
-    from . import workloads
-    from .torch import Pacer
-    from .train import train
+    from .. import workloads
+    from ..torch import Pacer
 
     torch.set_num_threads(1)
     dataset = workloads.load(dataset_name, seed=seed)
@@ -88,7 +87,7 @@ def _pool_main(rank: int, workers: int, dataset_name: str, seed: int, conn) -> N
         try:
             run_seed = order["seed"]  # data order and pacing; the split and the initial weights keep `seed`
             pacer = Pacer(order["step_time"], order["speeds"][rank], order["jitter"], seed=1000 * run_seed + rank)
-            result = train(dataset, order["address"], rank, workers, batch_size=order["batch_size"],
+            result = workloads.train(dataset, order["address"], rank, workers, batch_size=order["batch_size"],
                            duration=order["duration"], seed=seed, data_seed=run_seed, pacer=pacer,
                            stop_on_divergence=True)
             conn.send(result)
@@ -165,7 +164,7 @@ class _Pool:
 def _evaluator(dataset_name: str, seed: int):
     import torch
 
-    from . import workloads
+    from .. import workloads
 
     torch.set_num_threads(1)  # the workers have the other cores
     dataset = workloads.load(dataset_name, seed=seed)
@@ -353,14 +352,6 @@ def _write_json(records: list[dict], path: str) -> None:
     os.replace(path + ".tmp", path)
 
 
-def _command_line() -> str:
-    """How this comparison was started, to print beside its results."""
-    program = os.path.basename(sys.argv[0])
-    if program in ("aps", "__main__.py"):
-        return " ".join(["aps", *sys.argv[1:]])
-    return " ".join(["python", *sys.argv] if program.endswith(".py") else sys.argv)
-
-
 def compare(args, out=sys.stdout) -> list[dict]:
     """Run the whole comparison described by ``args``; returns the records."""
     paradigms = [p.strip() for p in args.paradigms.split(",") if p.strip()]
@@ -375,10 +366,9 @@ def compare(args, out=sys.stdout) -> list[dict]:
         raise ConfigurationError(f"--workers must be at least 1, got {args.workers}")
     speeds = parse_speeds(args.speeds, args.workers, "--speeds") if "heterogeneous" in chosen else []
     clusters = {"homogeneous": [1.0] * args.workers, "heterogeneous": speeds}
-    if not (math.isfinite(args.budget) and args.budget > 0):
-        raise ConfigurationError(f"--budget must be > 0, got {args.budget}")
+    require(args.budget > 0, f"--budget must be > 0, got {args.budget:g}")
     for value, flag in [(args.step_time, "--step-time"), (args.jitter, "--jitter"), (args.eval_every, "--eval-every")]:
-        non_negative(value, flag)
+        require(value >= 0, f"{flag} must be >= 0, got {value:g}")
     if args.batch_size < 1:
         raise ConfigurationError(f"--batch-size must be at least 1, got {args.batch_size}")
     if not 0 < args.target <= 1:
@@ -411,7 +401,7 @@ def compare(args, out=sys.stdout) -> list[dict]:
             _write_json(records, os.path.join(args.out, "results.json"))  # an interrupted comparison keeps its runs
     finally:
         pool.close()
-    command = _command_line()
+    command = command_line()
     with open(os.path.join(args.out, "results.md"), "w") as fh:
         fh.write(f"Command: `{command}`\n\n" + markdown(records, args.target))
     plot(records, os.path.join(args.out, "accuracy.png"), args.target, command)
@@ -422,32 +412,53 @@ def compare(args, out=sys.stdout) -> list[dict]:
     return records
 
 
-def add_compare_arguments(parser: argparse.ArgumentParser, *, demo: bool = False) -> None:
+def register(commands) -> None:
+    for demo in (False, True):
+        if demo:
+            parser = commands.add_parser(
+                "demo",
+                help="the comparison on small defaults: a few minutes on 2 cores (needs the torch extra)",
+                description="aps compare with small defaults: the heterogeneous cluster, BSP, ASP, SSP s=3, "
+                "SSP s=15 and DSSP [3,15].",
+            )
+        else:
+            parser = commands.add_parser(
+                "compare",
+                help="train one model under every paradigm and compare time to accuracy (needs the torch extra)",
+                description="Train the same model under each sync paradigm on emulated homogeneous and "
+                "heterogeneous clusters; write DIR/results.json, results.md and accuracy.png.",
+            )
+        _add_arguments(parser, demo=demo)
+        parser.set_defaults(run=run)
+
+
+def _add_arguments(parser: argparse.ArgumentParser, *, demo: bool = False) -> None:
     parser.add_argument("--out", default="demo-results" if demo else "compare-results", help="output directory")
-    parser.add_argument("--target", type=float, default=0.95, help="test accuracy to reach (default 0.95)")
+    parser.add_argument("--target", type=number, default=0.95, help="test accuracy to reach")
     parser.add_argument("--paradigms", default="bsp,asp,ssp:3,ssp:15,dssp:3:15" if demo else ",".join(DEFAULT_PARADIGMS),
                         help="sync settings, as aps simulate takes them")
     parser.add_argument("--lr-staleness", default="none" if demo else "both", choices=("both", "none", "inverse"),
                         help="run the asynchronous paradigms without/with the staleness-aware learning rate")
-    parser.add_argument("--workers", type=int, default=4)
+    parser.add_argument("--workers", type=int, default=4, help="worker processes")
     parser.add_argument("--speeds", default="1,1,1,2.5",
                         help="the heterogeneous cluster's iteration times, as multiples of --step-time (bigger is slower)")
-    parser.add_argument("--clusters", default="heterogeneous" if demo else "homogeneous,heterogeneous")
-    budget = 30.0 if demo else 20.0
-    parser.add_argument("--budget", type=float, default=budget, help=f"seconds of training per run (default {budget:g})")
-    parser.add_argument("--step-time", type=float, default=0.04, help="emulated iteration time of a speed-1 worker")
-    parser.add_argument("--jitter", type=float, default=0.1, help="random variation of iteration times")
-    parser.add_argument("--dataset", default="mnist", choices=("mnist", "digits"))
-    parser.add_argument("--lr", type=float, default=0.05)
-    parser.add_argument("--momentum", type=float, default=0.0)
-    parser.add_argument("--batch-size", type=int, default=32)
-    parser.add_argument("--eval-every", type=float, default=0.0, help="seconds between evaluations (default budget/25)")
+    parser.add_argument("--clusters", default="heterogeneous" if demo else "homogeneous,heterogeneous",
+                        help="homogeneous and/or heterogeneous")
+    parser.add_argument("--budget", type=number, default=30.0 if demo else 20.0, help="seconds of training per run")
+    parser.add_argument("--step-time", type=number, default=0.04, help="emulated iteration time of a speed-1 worker")
+    parser.add_argument("--jitter", type=number, default=0.1, help="random variation of iteration times")
+    parser.add_argument("--dataset", default="mnist", choices=("mnist", "digits"), help="the bundled dataset")
+    parser.add_argument("--lr", type=number, default=0.05, help="learning rate (server-side SGD)")
+    parser.add_argument("--momentum", type=number, default=0.0, help="SGD momentum")
+    parser.add_argument("--batch-size", type=int, default=32, help="each worker's batch size")
+    parser.add_argument("--eval-every", type=number, default=0.0,
+                        help="seconds between evaluations (default 0: budget/25, at least 0.5)")
     parser.add_argument("--seed", type=int, default=0, help="data split and initial weights")
     parser.add_argument("--repeats", type=int, default=1,
-                        help="run everything N times with different data orders and pacing (default 1)")
+                        help="run everything N times with different data orders and pacing")
 
 
-def run_compare(args: argparse.Namespace) -> int:
+def run(args: argparse.Namespace) -> int:
     import importlib.util
 
     missing = [name for name in ("torch", "matplotlib") if importlib.util.find_spec(name) is None]

@@ -28,34 +28,40 @@ import sys
 import time
 from concurrent.futures import CancelledError
 
-from .config import add_server_arguments, config_from_args
-from .errors import APSError, ConfigurationError
-from .server import Server
-from .simulate import non_negative, parse_speeds
+from ..errors import APSError, ConfigurationError
+from ..server import Server
+from ._args import add_server_arguments, config_from_args, number, parse_speeds, require
 
-__all__ = ["add_launch_arguments", "run_launch"]
+__all__ = ["register", "run"]
 
 EXAMPLES = ("mnist", "digits")
 _GRACE = 5.0  # seconds between SIGTERM and SIGKILL
 
 
-def add_launch_arguments(parser: argparse.ArgumentParser) -> None:
+def register(commands) -> None:
+    parser = commands.add_parser(
+        "launch",
+        help="run an embedded server and N local workers of a training script",
+        description="Run an embedded server (any aps serve flag) and --workers local processes of SCRIPT, "
+        "with APS_ADDRESS, RANK and WORLD_SIZE set; --step-time and --slowdown emulate devices of different speeds.",
+    )
     add_server_arguments(parser)
-    parser.add_argument("--step-time", type=float, default=0.0,
+    parser.add_argument("--step-time", type=number, default=0.0,
                         help="emulated iteration time T of a speed-1 worker, in seconds (0: no emulation)")
     parser.add_argument("--slowdown", default="", help="per-worker multiples of T, e.g. 1,1,1,3 (default all 1)")
-    parser.add_argument("--jitter", type=float, default=0.0, help="random variation of emulated iteration times")
+    parser.add_argument("--jitter", type=number, default=0.0, help="random variation of emulated iteration times")
     parser.add_argument("--log-dir", default="aps-logs", help="where worker-RANK.log go (default ./aps-logs)")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
     parser.add_argument(
         "--example", nargs=argparse.REMAINDER, metavar="NAME [ARGS]",
-        help=f"last: run the built-in example ({' or '.join(EXAMPLES)}: python -m aps.train) with ARGS instead of a script",
+        help=f"last: run the built-in example ({' or '.join(EXAMPLES)}: python -m aps.workloads) with ARGS instead of a script",
     )
     parser.add_argument("script", nargs="?", help="the training script each worker runs")
     parser.add_argument("script_args", nargs=argparse.REMAINDER, help="arguments for the script")
+    parser.set_defaults(run=run)
 
 
-def run_launch(args: argparse.Namespace) -> int:
+def run(args: argparse.Namespace) -> int:
     if (args.script is None) == (args.example is None):
         raise ConfigurationError("give a training script, or --example NAME")
     if args.example is not None and (not args.example or args.example[0] not in EXAMPLES):
@@ -65,12 +71,12 @@ def run_launch(args: argparse.Namespace) -> int:
     config = config_from_args(args)
     workers = config.workers
     slowdown = parse_speeds(args.slowdown, workers, "--slowdown") if args.slowdown else [1.0] * workers
-    non_negative(args.step_time, "--step-time")
-    non_negative(args.jitter, "--jitter")
+    require(args.step_time >= 0, f"--step-time must be >= 0, got {args.step_time:g}")
+    require(args.jitter >= 0, f"--jitter must be >= 0, got {args.jitter:g}")
     if args.step_time == 0 and (args.slowdown or args.jitter):
         raise ConfigurationError("--slowdown and --jitter pad iterations to multiples of --step-time: give it too")
     if args.example:
-        command = [sys.executable, "-m", "aps.train", "--dataset", args.example[0], *args.example[1:]]
+        command = [sys.executable, "-m", "aps.workloads", "--dataset", args.example[0], *args.example[1:]]
     else:
         if not os.path.exists(args.script):
             raise ConfigurationError(f"no such script: {args.script}")

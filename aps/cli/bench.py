@@ -16,6 +16,13 @@ The machine is shared and noisy, so measurements are interleaved: every
 repeat measures the bounds and then each aps configuration back to back, and
 a configuration's ratio is the median of its per-repeat ratios. Every
 figure that matters is such a ratio; absolute numbers mean little.
+
+``--streaming both`` also runs each TCP configuration against a server that
+applies gradients only once they have fully arrived (``--stream-min-bytes
+0``), to show what applying them while they arrive is worth.
+
+The measuring machinery (:class:`Session` and the bound and aps sessions)
+is public for ``bench/peers.py``, which puts other systems beside aps.
 """
 
 from __future__ import annotations
@@ -34,25 +41,15 @@ import time
 
 import numpy as np
 
-__all__ = ["add_bench_arguments", "main", "run_bench"]
+from ._args import choice_list, command_line, format_size, int_list, number, require, size_list
+
+__all__ = [
+    "ApsSession", "BoundSession", "CopyUpdateBound", "PipeBound", "Session", "machine_info", "register", "run",
+    "summarize",
+]
 
 _DEFAULT_SIZES = "4K,64K,1M,16M,64M"
 _CTX = mp.get_context("fork")
-
-
-def _parse_size(text: str) -> int:
-    text = text.strip().upper()
-    for suffix, factor in (("K", 1 << 10), ("M", 1 << 20), ("G", 1 << 30)):
-        if text.endswith(suffix):
-            return int(text[:-1]) * factor
-    return int(text)
-
-
-def _format_size(nbytes: int) -> str:
-    for suffix, factor in (("G", 1 << 30), ("M", 1 << 20), ("K", 1 << 10)):
-        if nbytes >= factor and nbytes % factor == 0:
-            return f"{nbytes // factor}{suffix}"
-    return str(nbytes)
 
 
 def _timed_loop(step, seconds: float, min_iters: int) -> tuple[int, float]:
@@ -71,8 +68,13 @@ def _timed_loop(step, seconds: float, min_iters: int) -> tuple[int, float]:
 # Sessions: processes that stay up across repeats; each measure() is one window.
 
 
-class _Session:
-    """Child processes that each run one timed window per ``measure`` call."""
+class Session:
+    """Child processes that each run one timed window per ``measure`` call.
+
+    ``target(*args)`` is a context manager yielding one step (a callable);
+    each process enters one, and every :meth:`measure` runs all of them for
+    one window at once.
+    """
 
     def __init__(self, target, args_list) -> None:
         self._go = _CTX.Barrier(len(args_list) + 1)
@@ -187,7 +189,7 @@ class _PushPullClient:
         self.numel = nbytes // 4
 
     def __enter__(self):
-        from .worker import Worker
+        from ..worker import Worker
 
         self.worker = worker = Worker(*self.args, transport=self.transport)
         worker.init({"w": np.zeros(self.numel, np.float32)})
@@ -205,7 +207,7 @@ class BoundSession:
         listener = socket.create_server(("127.0.0.1", 0))
         self.echo = _CTX.Process(target=_echo_server, args=(listener, nbytes), daemon=True)
         self.echo.start()
-        self.session = _Session(_PingPongClient, [(listener.getsockname()[1], nbytes)])
+        self.session = Session(_PingPongClient, [(listener.getsockname()[1], nbytes)])
         listener.close()
 
     def measure(self, seconds: float, min_iters: int) -> list[tuple[int, float]]:
@@ -252,7 +254,7 @@ class PipeBound:
     """The wake-up bound: a 1-byte pipe ping-pong between two processes."""
 
     def __init__(self) -> None:
-        self.session = _Session(_PipePingPong, [()])
+        self.session = Session(_PipePingPong, [()])
 
     def measure(self, seconds: float, min_iters: int) -> list[tuple[int, float]]:
         return self.session.measure(seconds, min_iters)
@@ -268,7 +270,7 @@ class _CopyUpdate:
         self.numel = nbytes // 4
 
     def __enter__(self):
-        from . import _core
+        from .. import _core
 
         w = np.ones(self.numel, np.float32)
         g = np.zeros(self.numel, np.float32)
@@ -289,7 +291,7 @@ class CopyUpdateBound:
     """The shared-memory bound: a memcpy and a fused update pass, in one process."""
 
     def __init__(self, nbytes: int) -> None:
-        self.session = _Session(_CopyUpdate, [(nbytes,)])
+        self.session = Session(_CopyUpdate, [(nbytes,)])
 
     def measure(self, seconds: float, min_iters: int) -> list[tuple[int, float]]:
         return self.session.measure(seconds, min_iters)
@@ -299,12 +301,14 @@ class CopyUpdateBound:
 
 
 class ApsSession:
-    """A real ``aps serve`` process and ``workers`` worker processes on ``transport``."""
+    """A real ``aps serve`` process and ``workers`` worker processes on ``transport``
+    (``streaming``: TCP gradients are applied while they arrive)."""
 
-    def __init__(self, nbytes: int, workers: int, transport: str) -> None:
-        self.server, address = start_server(workers)
+    def __init__(self, nbytes: int, workers: int, transport: str, streaming: bool = True) -> None:
+        extra = ["--sync", "asp", "--lr", "0.01", "--log-level", "warning"]
+        self.server, address = start_server(workers, extra + ([] if streaming else ["--stream-min-bytes", "0"]))
         try:
-            self.session = _Session(
+            self.session = Session(
                 _PushPullClient, [(address, r, workers, nbytes, transport) for r in range(workers)]
             )
         except BaseException:
@@ -344,7 +348,7 @@ def stop_server(proc: subprocess.Popen) -> None:
         proc.stdout.close()
 
 
-def _summarize(samples: list[list[tuple[int, float]]], nbytes: int) -> dict:
+def summarize(samples: list[list[tuple[int, float]]], nbytes: int) -> dict:
     """Per-repeat round-trip time (mean over workers) and aggregate throughput."""
     rtts, rates, trips = [], [], 0
     for windows in samples:
@@ -359,7 +363,10 @@ def _summarize(samples: list[list[tuple[int, float]]], nbytes: int) -> dict:
 _SMALL = 64 << 10  # payloads up to this size also get the pipe bound for their round trip
 
 
-def run(
+_SYSTEMS = {True: "aps", False: "aps no-stream"}
+
+
+def measure(
     sizes: list[int],
     worker_counts: list[int],
     seconds: float,
@@ -367,7 +374,9 @@ def run(
     repeats: int,
     out: str | None,
     transports: list[str] = ("tcp", "shm"),
+    streaming: tuple[bool, ...] = (True,),
 ) -> dict:
+    """Measure every configuration; print the table; write the JSON report to ``out`` (if given)."""
     rows = []
     for nbytes in sizes:
         bounds = {"socket ping-pong": BoundSession(nbytes)} if "tcp" in transports else {}
@@ -375,13 +384,14 @@ def run(
             bounds["memcpy+update"] = CopyUpdateBound(nbytes)
             if nbytes <= _SMALL:
                 bounds["pipe ping-pong"] = PipeBound()
-        sessions: dict[tuple[str, int], ApsSession] = {}
+        sessions: dict[tuple[str, int, bool], ApsSession] = {}
         samples: dict = {key: [] for key in bounds}
         try:
             for transport in transports:
                 for workers in worker_counts:
-                    sessions[transport, workers] = ApsSession(nbytes, workers, transport)
-                    samples[transport, workers] = []
+                    for stream in streaming if transport == "tcp" else (True,):
+                        sessions[transport, workers, stream] = ApsSession(nbytes, workers, transport, stream)
+                        samples[transport, workers, stream] = []
             for _ in range(repeats):
                 for key, bound in bounds.items():
                     samples[key].append(bound.measure(seconds, min_iters))
@@ -392,30 +402,30 @@ def run(
                 bound.close()
             for session in sessions.values():
                 session.close()
-        summary = {key: _summarize(values, nbytes) for key, values in samples.items()}
+        summary = {key: summarize(values, nbytes) for key, values in samples.items()}
         for name in bounds:
             kind = "tcp" if name == "socket ping-pong" else "shm"
             rows.append({"system": name, "transport": kind, "payload_bytes": nbytes, "workers": 1,
                          **summary[name], "ratio_throughput": None, "ratio_rtt": None, "ratio_to_tcp": None})
             if name == "pipe ping-pong":
                 rows[-1]["gbps"] = rows[-1]["gbps_samples"] = None  # a wake-up bound: its bytes mean nothing
-        for (transport, workers), a in ((k, summary[k]) for k in sessions):
+        for (transport, workers, stream), a in ((k, summary[k]) for k in sessions):
             if transport == "tcp":
                 throughput_bound = rtt_bound = summary["socket ping-pong"]
             else:
                 throughput_bound = summary["memcpy+update"]
                 rtt_bound = summary.get("pipe ping-pong", throughput_bound)
-            row = {"system": "aps", "transport": transport, "payload_bytes": nbytes, "workers": workers, **a,
+            row = {"system": _SYSTEMS[stream], "transport": transport, "payload_bytes": nbytes, "workers": workers, **a,
                    "ratio_throughput": _median_ratio(a["gbps_samples"], throughput_bound["gbps_samples"]),
                    "ratio_rtt": _median_ratio(a["rtt_samples_us"], rtt_bound["rtt_samples_us"]),
                    "ratio_to_tcp": None}
-            if transport == "shm" and ("tcp", workers) in sessions:
-                row["ratio_to_tcp"] = _median_ratio(a["gbps_samples"], summary["tcp", workers]["gbps_samples"])
+            if ("tcp", workers, True) in sessions and (transport, stream) != ("tcp", True):
+                row["ratio_to_tcp"] = _median_ratio(a["gbps_samples"], summary["tcp", workers, True]["gbps_samples"])
             rows.append(row)
             _print_row(row)
     report = {
         "benchmark": "pushpull",
-        "command": " ".join(["aps", "bench", *sys.argv[2:]]) if sys.argv[1:2] == ["bench"] else " ".join(sys.argv),
+        "command": command_line(),
         **machine_info(),
         "seconds_per_window": seconds,
         "repeats": repeats,
@@ -450,9 +460,10 @@ def machine_info() -> dict:
 
 
 def _print_row(row: dict) -> None:
-    extra = f", {row['ratio_to_tcp']:.1f}x tcp" if row["ratio_to_tcp"] else ""
+    extra = f", {row['ratio_to_tcp']:.2f}x aps tcp" if row["ratio_to_tcp"] else ""
+    system = "" if row["system"] == "aps" else f" ({row['system']})"
     print(
-        f"  {_format_size(row['payload_bytes']):>5} {row['transport']} x{row['workers']}: {row['gbps']:.2f} GB/s "
+        f"  {format_size(row['payload_bytes']):>5} {row['transport']}{system} x{row['workers']}: {row['gbps']:.2f} GB/s "
         f"({row['ratio_throughput']:.2f} of bound{extra}), rtt {row['rtt_us']:.0f} us ({row['ratio_rtt']:.2f}x bound)",
         flush=True,
     )
@@ -470,36 +481,42 @@ def format_table(rows: list[dict]) -> str:
     lines = [header, "-" * len(header)]
     for row in rows:
         lines.append(
-            f"{_format_size(row['payload_bytes']):>8} {row['system']:<17} {row['transport']:<4} {row['workers']:>7} "
+            f"{format_size(row['payload_bytes']):>8} {row['system']:<17} {row['transport']:<4} {row['workers']:>7} "
             f"{row['rtt_us']:>10.1f} {_cell(row['gbps'], '.2f', 7)} {_cell(row['ratio_throughput'], '.2f', 12)} "
             f"{_cell(row['ratio_rtt'], '.2f', 11)} {_cell(row['ratio_to_tcp'], '.1f', 6)}"
         )
     return "\n".join(lines)
 
 
-def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--sizes", default=_DEFAULT_SIZES, help=f"payload sizes (default {_DEFAULT_SIZES})")
-    parser.add_argument("--workers", default="1,2,4", help="worker process counts (default 1,2,4)")
-    parser.add_argument("--seconds", type=float, default=1.0, help="length of one measuring window (default 1.0)")
-    parser.add_argument("--min-iters", type=int, default=5, help="least round trips per window (default 5)")
-    parser.add_argument("--repeats", type=int, default=5, help="interleaved windows per point (default 5)")
-    parser.add_argument("--transports", default="tcp,shm", help="tcp, shm or both (default tcp,shm)")
-    parser.add_argument("--out", default="bench/results/pushpull.json", help="JSON report path ('' for none)")
+def register(commands) -> None:
+    parser = commands.add_parser(
+        "bench",
+        help="measure push/pull throughput against a raw-socket bound",
+        description="Benchmark push_pull round trips over TCP and shared memory against bounds measured in the "
+        "same run (a blocking-socket ping-pong of the same payload; a memcpy plus one update pass). "
+        "Prints a table; writes JSON only with --out.",
+    )
+    parser.add_argument("--sizes", type=size_list, default=size_list(_DEFAULT_SIZES), metavar="SIZES",
+                        help="payload sizes, multiples of 4 bytes")
+    parser.add_argument("--workers", type=int_list, default=[1, 2, 4], metavar="COUNTS", help="worker process counts")
+    parser.add_argument("--seconds", type=number, default=1.0, help="length of one measuring window")
+    parser.add_argument("--min-iters", type=int, default=5, help="least round trips per window")
+    parser.add_argument("--repeats", type=int, default=5, help="interleaved windows per point")
+    parser.add_argument("--transports", type=choice_list(("tcp", "shm")), default=["tcp", "shm"], metavar="LIST",
+                        help="tcp, shm or both")
+    parser.add_argument("--streaming", choices=("on", "off", "both"), default="on",
+                        help="TCP: apply gradients while they arrive (on), only once complete (off), or both")
+    parser.add_argument("--out", metavar="FILE", help="also write the JSON report to FILE (default: print only)")
+    parser.set_defaults(run=run)
 
 
-def run_bench(args: argparse.Namespace) -> int:
-    sizes = [_parse_size(s) for s in args.sizes.split(",")]
-    if any(n <= 0 or n % 4 for n in sizes):
-        raise SystemExit("aps bench: sizes must be positive multiples of 4 bytes")
-    counts = [int(c) for c in args.workers.split(",")]
-    transports = [t.strip() for t in args.transports.split(",")]
-    if not transports or any(t not in ("tcp", "shm") for t in transports):
-        raise SystemExit("aps bench: --transports takes tcp, shm or tcp,shm")
-    run(sizes, counts, args.seconds, args.min_iters, max(1, args.repeats), args.out or None, transports)
+def run(args: argparse.Namespace) -> int:
+    require(all(n > 0 and n % 4 == 0 for n in args.sizes),
+            f"--sizes must be positive multiples of 4 bytes, got {','.join(map(format_size, args.sizes))}")
+    require(all(c >= 1 for c in args.workers), f"--workers takes counts of at least 1, got {args.workers}")
+    require(args.seconds > 0, f"--seconds must be > 0, got {args.seconds:g}")
+    require(args.min_iters >= 1, f"--min-iters must be at least 1, got {args.min_iters}")
+    require(args.repeats >= 1, f"--repeats must be at least 1, got {args.repeats}")
+    streaming = {"on": (True,), "off": (False,), "both": (True, False)}[args.streaming]
+    measure(args.sizes, args.workers, args.seconds, args.min_iters, args.repeats, args.out, args.transports, streaming)
     return 0
-
-
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    add_bench_arguments(parser)
-    return run_bench(parser.parse_args(argv))

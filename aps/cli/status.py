@@ -1,0 +1,119 @@
+"""``aps status``: a running server's statistics, as a table or JSON."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+
+from ..errors import ConfigurationError
+from ..protocol import Op
+from ..transport._client import exchange
+from ..transport.address import parse_address
+from ..transport.tcp_client import BlockingConnection
+from ._args import number, require
+
+__all__ = ["fetch_stats", "format_stats", "register"]
+
+
+def register(commands) -> None:
+    parser = commands.add_parser(
+        "status",
+        help="print a running server's statistics",
+        description="Print a running server's statistics: version, update rate, and per worker its clock, "
+        "staleness, time waited at the gate and DSSP grants.",
+    )
+    parser.add_argument("address", type=_address, help="the server, tcp://HOST:PORT")
+    parser.add_argument("--json", action="store_true", help="print the raw statistics as JSON")
+    parser.add_argument("--watch", type=number, metavar="SECONDS", help="refresh every SECONDS until interrupted")
+    parser.add_argument("--timeout", type=number, default=10.0, help="seconds to wait for the server")
+    parser.set_defaults(run=run)
+
+
+def _address(text: str) -> str:
+    try:
+        return str(parse_address(text))
+    except ConfigurationError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def fetch_stats(address: str, timeout: float = 10.0) -> dict:
+    """The statistics of the server at ``address`` (``tcp://HOST:PORT``), as ``Server.stats()`` returns them."""
+    parsed = parse_address(address)
+    conn = BlockingConnection(parsed.host, parsed.port, timeout)
+    try:
+        _, payload = exchange(conn, Op.STATS, timeout)
+    finally:
+        conn.close()
+    return json.loads(payload)
+
+
+def run(args: argparse.Namespace) -> int:
+    require(args.watch is None or args.watch > 0, f"--watch must be > 0 seconds, got {args.watch}")
+    require(args.timeout > 0, f"--timeout must be > 0 seconds, got {args.timeout}")
+    while True:
+        stats = fetch_stats(args.address, args.timeout)
+        if args.json:
+            print(json.dumps(stats, indent=2), flush=True)
+        else:
+            if args.watch:
+                print("\033[2J\033[H", end="")
+            print(format_stats(stats), flush=True)
+        if not args.watch:
+            return 0
+        time.sleep(args.watch)
+
+
+def _fmt_bytes(n: int) -> str:
+    for unit, size in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
+        if n >= size:
+            return f"{n / size:.1f} {unit}"
+    return f"{n} B"
+
+
+def _fmt_seconds(s: float | None) -> str:
+    if s is None:
+        return "-"
+    if s >= 1.0:
+        return f"{s:.2f}s"
+    if s >= 1e-3:
+        return f"{s * 1e3:.1f}ms"
+    return f"{s * 1e6:.0f}us"
+
+
+def _fmt_hist(hist: dict[str, int], limit: int = 6) -> str:
+    if not hist:
+        return "-"
+    items = sorted(hist.items(), key=lambda kv: -kv[1])[:limit]
+    text = " ".join(f"{k}:{v}" for k, v in sorted(items, key=lambda kv: int(kv[0])))
+    return text + (" ..." if len(hist) > limit else "")
+
+
+def format_stats(stats: dict) -> str:
+    """A readable table of a stats snapshot (what ``aps status`` prints)."""
+    s = stats["server"]
+    uptime = int(s["uptime_s"])
+    lines = [
+        f"aps {s['address']}  sync {s['sync']}  optimizer {s['optimizer']}",
+        f"version {s['version']}  updates/s {s['updates_per_s']:.1f} (mean {s['updates_per_s_mean']:.1f})  "
+        f"live {s['live']}/{s['workers']}{'' if s['started'] else ' (waiting for workers)'}  "
+        f"pushes {s['pushes']}  rejected {s['rejected']}  "
+        f"in {_fmt_bytes(s['bytes_in'])}  out {_fmt_bytes(s['bytes_out'])}  "
+        f"up {uptime // 3600:d}:{uptime // 60 % 60:02d}:{uptime % 60:02d}",
+        "",
+        f"{'rank':>4} {'live':>4} {'clock':>7} {'gap':>4} {'max':>4} {'held':>4} {'pushes':>7} {'dropped':>7} "
+        f"{'stale':>6} {'wait mean':>9} {'wait max':>9} {'interval':>9}  staleness / r*",
+    ]
+    for w in stats["workers"]:
+        stale = "-" if w["staleness_mean"] is None else f"{w['staleness_mean']:.2f}"
+        hists = _fmt_hist(w["staleness_hist"])
+        if w["r_star_hist"]:
+            hists += "  /  r* " + _fmt_hist(w["r_star_hist"])
+        lines.append(
+            f"{w['rank']:>4} {'yes' if w['live'] else 'no':>4} {w['clock']:>7} {w['gap'] if w['live'] else '-':>4} "
+            f"{w['max_release_gap'] if w['max_release_gap'] is not None else '-':>4} "
+            f"{'yes' if w['held'] else 'no':>4} {w['pushes']:>7} {w['dropped']:>7} {stale:>6} "
+            f"{_fmt_seconds(w['wait_s_mean']):>9} {_fmt_seconds(w['wait_s_max'] or None):>9} "
+            f"{_fmt_seconds(w['last_interval_s']):>9}  {hists}"
+        )
+    return "\n".join(lines)
