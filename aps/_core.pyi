@@ -1,17 +1,25 @@
 """Type stubs for the native module built from native/_core.pyx."""
 
-from typing import Any
+from typing import Any, Self
 
 import numpy as np
+from typing_extensions import disjoint_base
 
-def all_finite(x: np.ndarray) -> bool: ...
-def accumulate(acc: np.ndarray, grad: np.ndarray, scale: float = ..., first: bool = ...) -> None: ...
 def fused_multiply_add() -> bool: ...
+def all_finite(x: np.ndarray) -> bool: ...
+def accumulate(
+    out: np.ndarray,
+    inp: np.ndarray | None,
+    grad: np.ndarray,
+    scale: float = ...,
+    first: bool = ...,
+) -> bool: ...
 def sgd_step(
     w_out: np.ndarray,
     w_in: np.ndarray,
     grad: np.ndarray,
-    momentum_buffer: np.ndarray | None,
+    buf_out: np.ndarray | None,
+    buf_in: np.ndarray | None,
     lr: float,
     momentum: float = ...,
     dampening: float = ...,
@@ -19,13 +27,15 @@ def sgd_step(
     nesterov: bool = ...,
     first: bool = ...,
     scale: float = ...,
-) -> None: ...
+) -> bool: ...
 def adam_step(
     w_out: np.ndarray,
     w_in: np.ndarray,
     grad: np.ndarray,
-    exp_avg: np.ndarray,
-    exp_avg_sq: np.ndarray,
+    m_out: np.ndarray,
+    m_in: np.ndarray,
+    v_out: np.ndarray,
+    v_in: np.ndarray,
     step: int,
     lr: float,
     beta1: float = ...,
@@ -34,13 +44,15 @@ def adam_step(
     weight_decay: float = ...,
     decoupled: bool = ...,
     scale: float = ...,
-) -> None: ...
+) -> bool: ...
 def dssp_controller(
     fast_newest: float, fast_previous: float, slow_newest: float, slow_previous: float, r_max: int
 ) -> int: ...
 
+@disjoint_base
 class StalenessWindow:
-    def __init__(self, num_workers: int, lower: int = ..., upper: int | None = ...) -> None: ...
+    # The arguments go to __cinit__, run by tp_new: the constructor is __new__.
+    def __new__(cls, num_workers: int, lower: int = ..., upper: int | None = ...) -> Self: ...
     @property
     def num_workers(self) -> int: ...
     @property

@@ -84,7 +84,8 @@ class Member:
     """
 
     __slots__ = (
-        "rank", "grad", "grad_bytes", "connected", "joined", "waiter", "gate", "waiting_since", "required_version"
+        "rank", "grad", "grad_bytes", "connected", "joined", "joined_running", "waiter", "gate", "waiting_since",
+        "required_version",
     )
 
     def __init__(self, rank: int) -> None:
@@ -93,6 +94,7 @@ class Member:
         self.grad_bytes: memoryview | None = None
         self.connected = True
         self.joined = False
+        self.joined_running = False  # it joined a model that was already training
         self.waiter: ReadyCallback | None = None
         self.gate = False  # the pending request is a pull (counted), not an init
         self.waiting_since: float | None = None  # when its pull began to wait
@@ -134,6 +136,9 @@ class Engine:
         self.started = False
         self.pushes = 0
         self.address = ""  # set by the server, for statistics
+        #: Called when a worker joins or leaves before training starts (the server
+        #: then tells the workers waiting in INIT who has joined).
+        self.on_membership_change: Callable[[], None] | None = None
         self.stats = ServerStats(config.workers, now)
         #: The native module or its reference twin: what the kernels run on.
         self.kernels = kernels
@@ -173,6 +178,15 @@ class Engine:
     def stats_snapshot(self) -> dict:
         """Everything :mod:`aps.stats` counts, as a JSON-able dict (see ``aps status``)."""
         return self.stats.snapshot(self)
+
+    def join_progress(self) -> tuple[int, list[int]]:
+        """How many workers have joined, and the ranks that have not (before training starts)."""
+        joined = {rank for rank, member in self.members.items() if member.joined}
+        return len(joined), [rank for rank in range(self.num_workers) if rank not in joined]
+
+    def waiting_to_start(self, member: Member) -> bool:
+        """True while ``member`` has joined and its INIT waits for the others."""
+        return not self.started and member.joined and member.waiter is not None and not member.gate
 
     # Membership ------------------------------------------------------------
     def join(
@@ -222,6 +236,7 @@ class Engine:
     def _commit_join(self, member, layout, values, grad, on_ready, on_error) -> None:
         if not member.connected:
             return
+        member.joined_running = self.started and self.table is not None
         try:
             if self.table is None:
                 self._create_table(layout, values)
@@ -246,6 +261,8 @@ class Engine:
             self.stats.training_started = self._now()
             log.info("all %d workers joined: training starts", self.num_workers)
             self._serve_waiting()
+        elif not self.started and self.on_membership_change is not None:
+            self.on_membership_change()
 
     def _commit_leave(self, member: Member) -> None:
         if not member.joined:
@@ -253,6 +270,8 @@ class Engine:
         member.joined = False
         outcome = self.policy.leave(member.rank)
         log.info("worker %d left (%d/%d live)", member.rank, self.policy.num_live, self.num_workers)
+        if not self.started and self.on_membership_change is not None:
+            self.on_membership_change()
         self._after(outcome)
 
     def _create_table(self, layout: Layout, values: np.ndarray) -> None:

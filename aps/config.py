@@ -109,14 +109,14 @@ class ServerConfig:
     def validate(self) -> None:
         """Raise ConfigurationError if an option is out of range."""
         if not 0 <= self.port <= 65535:
-            raise ConfigurationError(f"port {self.port} is out of range 0..65535")
+            raise ConfigurationError(f"--port {self.port} is out of range 0..65535")
         if self.workers < 1:
-            raise ConfigurationError(f"workers must be at least 1, got {self.workers}")
+            raise ConfigurationError(f"--workers must be at least 1, got {self.workers}")
         if self.sync not in SYNC_CHOICES:
             raise ConfigurationError(f"unknown sync paradigm {self.sync!r}: choose from {', '.join(SYNC_CHOICES)}")
         if self.staleness is not None:
             if self.staleness < 0:
-                raise ConfigurationError(f"staleness must be >= 0, got {self.staleness}")
+                raise ConfigurationError(f"--staleness must be >= 0, got {self.staleness}")
             if self.sync in ("bsp", "asp"):
                 raise ConfigurationError(f"--staleness applies to ssp, dssp and softsync, not {self.sync}")
         if self.max_staleness is not None:
@@ -147,11 +147,11 @@ class ServerConfig:
                 f"unknown optimizer {self.optimizer!r}: choose from {', '.join(OPTIMIZER_CHOICES)}"
             )
         if self.heartbeat_timeout < 0:
-            raise ConfigurationError(f"heartbeat timeout must be >= 0, got {self.heartbeat_timeout}")
+            raise ConfigurationError(f"--heartbeat-timeout must be >= 0, got {self.heartbeat_timeout}")
         if self.max_frame_bytes < 1 << 16:
-            raise ConfigurationError("max frame bytes must be at least 64K")
+            raise ConfigurationError(f"--max-frame-bytes must be at least 64K, got {self.max_frame_bytes}")
         if self.stream_min_bytes < 0:
-            raise ConfigurationError(f"stream min bytes must be >= 0, got {self.stream_min_bytes}")
+            raise ConfigurationError(f"--stream-min-bytes must be >= 0, got {self.stream_min_bytes}")
         if self.log_level not in LOG_LEVELS:
             raise ConfigurationError(f"unknown log level {self.log_level!r}")
 

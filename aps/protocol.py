@@ -28,11 +28,14 @@ __all__ = [
     "PROTOCOL_VERSION",
     "decode_error",
     "decode_init",
+    "decode_join_progress",
     "encode_error",
     "decode_hello",
     "decode_slot",
+    "describe_join_progress",
     "encode_hello",
     "encode_init",
+    "encode_join_progress",
     "encode_slot",
     "host_identity",
     "is_known_op",
@@ -71,6 +74,9 @@ class Op(IntEnum):
     PING_REPLY = 0x86
     STATS_REPLY = 0x87
     HELLO_REPLY = 0x88
+    #: Not a reply: a notice the server sends while an INIT waits for the other
+    #: workers (same request id as the INIT); the INIT_REPLY follows later.
+    JOIN_PROGRESS = 0xFE
     ERROR = 0xFF
 
 
@@ -89,6 +95,9 @@ class Flag(IntFlag):
     #: gradient is in the worker's shared gradient segment; on a weights reply,
     #: the payload is a slot descriptor (see encode_slot).
     SHM = 2
+    #: INIT_REPLY: the worker joined a model that was already training; the
+    #: weights are the server's and the values it sent were not used.
+    RUNNING = 4
 
 
 class DType(IntEnum):
@@ -311,3 +320,45 @@ def decode_slot(payload) -> tuple[int, int, bool, list[int]]:
     except struct.error as exc:
         raise MalformedFrame(f"slot descriptor cannot be parsed: {exc}") from None
     return slot_id, nbytes, bool(flags & SLOT_HAS_FD), dropped
+
+
+# JOIN_PROGRESS payload: u32 workers joined, u32 workers expected, u32 n,
+# then n u32 ranks that have not joined (the lowest, at most _MAX_MISSING).
+_PROGRESS = struct.Struct("<III")
+_MAX_MISSING = 1024
+
+
+def encode_join_progress(joined: int, workers: int, missing: list[int]) -> bytes:
+    missing = missing[:_MAX_MISSING]
+    return _PROGRESS.pack(joined, workers, len(missing)) + struct.pack(f"<{len(missing)}I", *missing)
+
+
+def decode_join_progress(payload) -> tuple[int, int, list[int]]:
+    """``(joined, workers, missing ranks)``; the list may be cut short (``workers - joined`` say how many)."""
+    try:
+        joined, workers, count = _PROGRESS.unpack_from(payload, 0)
+        missing = list(struct.unpack_from(f"<{count}I", payload, _PROGRESS.size))
+    except struct.error as exc:
+        raise MalformedFrame(f"JOIN_PROGRESS notice cannot be parsed: {exc}") from None
+    return joined, workers, missing
+
+
+def _ranks(ranks: list[int]) -> str:
+    """``[0, 1, 2, 5, 7, 8]`` -> ``"0-2, 5, 7-8"``."""
+    runs: list[list[int]] = []
+    for rank in ranks:
+        if runs and rank == runs[-1][1] + 1:
+            runs[-1][1] = rank
+        else:
+            runs.append([rank, rank])
+    return ", ".join(str(a) if a == b else f"{a}-{b}" for a, b in runs)
+
+
+def describe_join_progress(joined: int, workers: int, missing: list[int]) -> str:
+    """``"2 of 4 workers joined; missing ranks 1, 3"`` (for log lines and error messages)."""
+    text = f"{joined} of {workers} workers joined"
+    if missing:
+        more = workers - joined - len(missing)
+        text += f"; missing rank{'s' if workers - joined > 1 else ''} {_ranks(missing)}"
+        text += f" and {more} more" if more > 0 else ""
+    return text

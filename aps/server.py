@@ -23,6 +23,7 @@ from ._engine import Engine
 from ._lane import run_kernel
 from .config import ServerConfig
 from .errors import APSError, ConfigurationError
+from .protocol import encode_join_progress
 from .transport.address import format_address
 from .transport.segments import Segment, default_socket_path, shm_available
 from .transport.shm_server import ShmSession, UnixListener
@@ -31,6 +32,11 @@ from .transport.tcp_server import TcpSession
 __all__ = ["Server", "new_event_loop"]
 
 log = logging.getLogger("aps.server")
+
+# Workers waiting in INIT hear who has joined soon after each change (changes
+# close together are told once) and every few seconds in any case.
+_JOIN_PROGRESS_EVERY_S = 2.0
+_JOIN_PROGRESS_COALESCE_S = 0.2
 
 
 def new_event_loop() -> asyncio.AbstractEventLoop:
@@ -67,6 +73,7 @@ class Server:
         self._executor: ThreadPoolExecutor | None = None
         self._stopping: asyncio.Event | None = None
         self._watchdog: asyncio.Task | None = None
+        self._progress: asyncio.Task | None = None
         self._unix: UnixListener | None = None
         self._port: int | None = None
         #: The Unix socket co-located workers reach the server by ("" without one).
@@ -119,6 +126,7 @@ class Server:
             self.unix_path = path
         if self.config.heartbeat_timeout > 0:
             self._watchdog = loop.create_task(self._watch_heartbeats(self.config.heartbeat_timeout))
+        self._progress = loop.create_task(self._report_join_progress())
         log.info(
             "listening on %s%s: %d workers, sync %s, optimizer %s lr=%g",
             self.address,
@@ -184,9 +192,10 @@ class Server:
 
     async def close(self) -> None:
         """Stop listening, tell every connection and close it, stop the helper thread."""
-        if self._watchdog is not None:
-            self._watchdog.cancel()
-            self._watchdog = None
+        for task in (self._watchdog, self._progress):
+            if task is not None:
+                task.cancel()
+        self._watchdog = self._progress = None
         if self._listener is not None:
             self._listener.close()
         if self._unix is not None:
@@ -259,6 +268,27 @@ class Server:
             now = loop.time()
             for conn in list(self.connections):
                 conn.check_heartbeat(now, timeout)
+
+    async def _report_join_progress(self) -> None:
+        """Until training starts, tell the workers waiting in INIT who has joined."""
+        engine = self.engine
+        changed = asyncio.Event()
+        engine.on_membership_change = changed.set
+        try:
+            while not engine.started:
+                try:
+                    await asyncio.wait_for(changed.wait(), _JOIN_PROGRESS_EVERY_S)
+                except TimeoutError:
+                    pass
+                await asyncio.sleep(_JOIN_PROGRESS_COALESCE_S)
+                changed.clear()
+                joined, missing = engine.join_progress()
+                if joined and not engine.started:
+                    payload = encode_join_progress(joined, engine.num_workers, missing)
+                    for conn in list(self.connections):
+                        conn.notify_join_progress(payload)
+        finally:
+            engine.on_membership_change = None
 
     def _offload(self, kernel, done) -> None:
         loop = self._loop

@@ -8,17 +8,22 @@ docs/protocol.md), which ``aps status`` renders.
 
 from __future__ import annotations
 
+import os
 import time
 from collections import deque
 from typing import TYPE_CHECKING
 
+import psutil
+
 if TYPE_CHECKING:
     from ._engine import Engine
 
-__all__ = ["Histogram", "ServerStats", "WorkerStats"]
+__all__ = ["Histogram", "ServerStats", "Traffic", "WorkerStats"]
 
-_RATE_WINDOW_S = 10.0
-_RATE_SAMPLE_S = 0.25
+#: The recent update rate counts the updates of the last this many seconds.
+RATE_WINDOW_S = 10
+#: The transports, as statistics name them.
+TRANSPORTS = ("tcp", "shm")
 
 
 class Histogram:
@@ -72,36 +77,58 @@ class WorkerStats:
                 self.wait_max = seconds
 
 
+class Traffic:
+    """Bytes one transport moved: over its sockets, and (shared memory) through
+    its segments: a gradient read in place, weights copied out of a slot."""
+
+    __slots__ = ("bytes_in", "bytes_out")
+
+    def __init__(self) -> None:
+        self.bytes_in = 0
+        self.bytes_out = 0
+
+
 class ServerStats:
     """Server-wide counters and a recent update rate."""
 
     def __init__(self, num_workers: int, now=time.monotonic) -> None:
         self.workers = [WorkerStats() for _ in range(num_workers)]
-        self.bytes_in = 0
-        self.bytes_out = 0
+        self.traffic = {name: Traffic() for name in TRANSPORTS}
         self.rejected = 0
         self._now = now
         self.created = now()
         self.training_started: float | None = None
-        self._samples: deque[tuple[float, int]] = deque()
+        # Updates per whole second of the clock, for the last RATE_WINDOW_S seconds.
+        self._recent: deque[list[int]] = deque()
+
+    @property
+    def bytes_in(self) -> int:
+        return sum(t.bytes_in for t in self.traffic.values())
+
+    @property
+    def bytes_out(self) -> int:
+        return sum(t.bytes_out for t in self.traffic.values())
 
     def published(self, version: int) -> None:
-        """An update was published; keeps a sparse (time, version) trail for the rate."""
-        now = self._now()
-        samples = self._samples
-        if not samples or now - samples[-1][0] >= _RATE_SAMPLE_S:
-            samples.append((now, version))
-            while len(samples) > 2 and now - samples[1][0] > _RATE_WINDOW_S:
-                samples.popleft()
+        """An update was published (counted for the recent rate)."""
+        second = int(self._now())
+        recent = self._recent
+        if recent and recent[-1][0] == second:
+            recent[-1][1] += 1
+            return
+        recent.append([second, 1])
+        while recent[0][0] <= second - RATE_WINDOW_S:
+            recent.popleft()
 
     def update_rates(self, version: int) -> tuple[float, float]:
-        """(recent updates/s over about the last 10 s, mean updates/s since training started)."""
+        """(updates/s over the last RATE_WINDOW_S seconds, mean updates/s since training started).
+
+        The recent rate falls to 0 once nothing has been published for a whole window."""
         now = self._now()
-        recent = 0.0
-        if self._samples:
-            t0, v0 = self._samples[0]
-            if now > t0:
-                recent = (version - v0) / (now - t0)
+        first = int(now) - (RATE_WINDOW_S - 1)  # the window: this second and the RATE_WINDOW_S - 1 before
+        counted = sum(n for second, n in self._recent if second >= first)
+        span = now - max(first, self.created)
+        recent = counted / span if counted and span > 0 else 0.0
         mean = 0.0
         if self.training_started is not None and now > self.training_started:
             mean = version / (now - self.training_started)
@@ -159,7 +186,29 @@ class ServerStats:
                 "rejected": self.rejected,
                 "bytes_in": self.bytes_in,
                 "bytes_out": self.bytes_out,
+                "transports": {
+                    name: {"bytes_in": t.bytes_in, "bytes_out": t.bytes_out} for name, t in self.traffic.items()
+                },
+                "process": _process(),
                 "parameters": engine.layout.numel if engine.layout is not None else 0,
             },
             "workers": workers,
+        }
+
+
+_PROCESS: psutil.Process | None = None
+
+
+def _process() -> dict:
+    """This (the server's) process: resident memory, CPU time, threads."""
+    global _PROCESS
+    if _PROCESS is None or _PROCESS.pid != os.getpid():
+        _PROCESS = psutil.Process()
+    with _PROCESS.oneshot():
+        cpu = _PROCESS.cpu_times()
+        return {
+            "pid": _PROCESS.pid,
+            "rss_bytes": _PROCESS.memory_info().rss,
+            "cpu_s": cpu.user + cpu.system,
+            "threads": _PROCESS.num_threads(),
         }

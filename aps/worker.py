@@ -42,7 +42,20 @@ from .errors import (
     error_from_code,
 )
 from .layout import Layout
-from .protocol import DType, Flag, Header, Op, decode_error, decode_hello, decode_slot, encode_init, host_identity, pack_header
+from .protocol import (
+    DType,
+    Flag,
+    Header,
+    Op,
+    decode_error,
+    decode_hello,
+    decode_join_progress,
+    decode_slot,
+    describe_join_progress,
+    encode_init,
+    host_identity,
+    pack_header,
+)
 from .transport.address import parse_address
 from .transport.framing import FrameReader
 from .transport._client import exchange
@@ -60,12 +73,18 @@ _COUNTED_REPLIES = _WEIGHT_REPLIES | {Op.PUSH_REPLY}
 _PUSH_REPLIES = frozenset({Op.PUSH_REPLY, Op.PUSH_PULL_REPLY})
 _ERROR = int(Op.ERROR)
 _REPLY = int(Op.REPLY)
+_INIT_REPLY = int(Op.INIT_REPLY)
+_JOIN_PROGRESS = int(Op.JOIN_PROGRESS)
 _DROPPED = int(Flag.DROPPED)
+_RUNNING = int(Flag.RUNNING)
 _FLOAT32 = int(DType.FLOAT32)
 _SHM = int(Flag.SHM)
 _MAX_ERROR_PAYLOAD = 1 << 20
 _REJOIN_PATIENCE = 5.0  # seconds reconnect() waits for the server to let the old connection go
 _REQUEST_ID_MASK = 0xFFFFFFFF
+_FIRST_WAIT_NOTE = 5.0  # seconds init waits in silence before it says what it waits for
+_WAIT_NOTE_EVERY = 30.0  # and then how often it says it again
+_FAREWELL_S = 0.5  # how long to look for the server's last words when a send fails
 
 
 def _from_env(address: str | None, rank: int | None, num_workers: int | None) -> tuple[str, int, int]:
@@ -104,6 +123,52 @@ def _server_unix_path(tcp: BlockingConnection, timeout: float | None) -> str:
     return path if host == host_identity() else ""
 
 
+class _Patience:
+    """A long wait cut into slices, so that the waiter can say what it waits for:
+    ``waiting(seconds so far)`` is called after a few seconds, then every half
+    minute, until ``timeout`` (None: no end). A receive that times out at the
+    end of a slice leaves any partly read frame in the reader, to be finished
+    by the next slice."""
+
+    def __init__(self, timeout: float | None, waiting) -> None:
+        self._waiting = waiting
+        self._start = time.monotonic()
+        self._deadline = None if timeout is None else self._start + timeout
+        self._note_at = self._start + _FIRST_WAIT_NOTE
+
+    def next_wait(self) -> float:
+        """Seconds the next slice may wait."""
+        until = self._note_at if self._deadline is None else min(self._note_at, self._deadline)
+        return max(until - time.monotonic(), 1e-3)
+
+    def expired(self) -> bool:
+        """A slice ran out: True when the whole wait did; otherwise says what we wait for, when due."""
+        now = time.monotonic()
+        if self._deadline is not None and now >= self._deadline:
+            return True
+        if now >= self._note_at:
+            self._waiting(now - self._start)
+            self._note_at = now + _WAIT_NOTE_EVERY
+        return False
+
+
+def _describe_progress(progress: tuple[int, int, list[int]] | None) -> str:
+    if progress is None:
+        return "the server has not said who joined yet"
+    return describe_join_progress(*progress)
+
+
+def _farewell(conn, core: _ClientCore) -> None:
+    """A send failed: raise what the server said before it closed, if anything
+    (a Unix socket refuses a send as soon as the server has closed, while TCP
+    takes it and reports later, so without this the two would differ)."""
+    try:
+        conn.receive(core.reader, core.has_reply, _FAREWELL_S)
+    except APSError:
+        return
+    core.finish()  # raises the error frame that explains the close
+
+
 class _ClientCore:
     """Requests and replies of one worker, without I/O (see the module docstring)."""
 
@@ -124,6 +189,12 @@ class _ClientCore:
         self.version = 0
         self.clock = 0
         self.dropped = False
+        #: The server answered INIT: it counts this worker until it leaves or disconnects.
+        self.joined = False
+        #: The INIT_REPLY said the model was already training (the values sent were not used).
+        self.joined_running = False
+        #: The last JOIN_PROGRESS notice while INIT waited: (joined, workers, missing ranks).
+        self.join_progress: tuple[int, int, list[int]] | None = None
         self.reader = FrameReader(self, max_payload=None)
         self._weights_bytes: memoryview | None = None
         self._grad_bytes: memoryview | None = None
@@ -165,6 +236,7 @@ class _ClientCore:
         elif self.layout is None:
             raise NotInitialized("no model to join with: call init(params) first")
         block = self._init_block
+        self.join_progress = None
         if self.shm is not None:
             self._fds = (self.shm.grad_segment.fd,)
         return [self._header(Op.INIT, len(block) + self.layout.nbytes, DType.FLOAT32), block, self._weights_bytes]
@@ -233,7 +305,7 @@ class _ClientCore:
 
     # Replies (FrameHandler) -------------------------------------------------
     def frame_buffer(self, header: Header) -> memoryview | None:
-        if header.op == _ERROR:
+        if header.op == _ERROR or header.op == _JOIN_PROGRESS:
             if header.length > _MAX_ERROR_PAYLOAD:
                 raise MalformedFrame(f"error frame of {header.length} bytes")
             return memoryview(bytearray(header.length))
@@ -252,6 +324,10 @@ class _ClientCore:
         return None
 
     def frame_received(self, header: Header, payload: memoryview) -> None:
+        if header.op == _JOIN_PROGRESS:  # a notice while INIT waits, not its reply
+            if header.request_id == self._request_id and self._expect == _INIT_REPLY:
+                self.join_progress = decode_join_progress(payload)
+            return
         if header.op != _ERROR or header.request_id != 0:
             if header.request_id != self._request_id:
                 raise ProtocolError(f"reply to request {header.request_id}, expected {self._request_id}")
@@ -272,6 +348,7 @@ class _ClientCore:
         self._reply = None
         self._payload = None
         self.connection_lost = False
+        self.joined = False
 
     def has_reply(self) -> bool:
         return self._reply is not None
@@ -289,6 +366,9 @@ class _ClientCore:
             self.connection_lost = header.request_id == 0 or isinstance(error, APSConnectionError)
             raise error
         self._payload = None
+        if op == _INIT_REPLY:
+            self.joined = True
+            self.joined_running = bool(header.flags & _RUNNING)
         if op in _COUNTED_REPLIES:
             self.clock = header.clock
             if op in _WEIGHT_REPLIES:  # the version of the weights this worker holds
@@ -343,14 +423,36 @@ class _WorkerBase:
     def flat_grad(self) -> np.ndarray | None:
         return self._core.flat_grad
 
-    def _disconnect(self) -> None:
+    def _disconnect(self, reason: BaseException | None = None) -> None:
         conn, self._conn = self._conn, None
         if conn is not None:
             conn.close()
+            self._lost_because = reason
         self._core.reset_stream()
 
+    def _disconnected(self) -> APSConnectionError:
+        """The error for a request on a dropped connection: why it was dropped, when known."""
+        reason = getattr(self, "_lost_because", None)
+        if isinstance(reason, ServerError) and isinstance(reason, APSConnectionError):  # ShuttingDown
+            return error_from_code(reason.code, f"{reason.message}; call reconnect() once it is back")
+        why = f" ({reason})" if isinstance(reason, APSError) else ""
+        return APSConnectionError(f"the worker is disconnected{why}; call reconnect()")
+
     def _init_timeout(self, timeout: float | None) -> InitTimeout:
-        return InitTimeout(f"not all {self.num_workers} workers joined {self.address} within {timeout} s")
+        return InitTimeout(
+            f"not all {self.num_workers} workers joined {self.address} within {timeout} s: "
+            f"{_describe_progress(self._core.join_progress)}"
+        )
+
+    def _note_init_wait(self, waited: float) -> None:
+        """``init`` has waited ``waited`` seconds: say for what (one line, now and then)."""
+        log.warning("rank %d: waiting for the other workers at %s for %.0f s: %s", self.rank, self.address,
+                    waited, _describe_progress(self._core.join_progress))
+
+    def _note_joined(self, params: Any) -> None:
+        if params is not None and self._core.joined_running:
+            log.warning("rank %d joined a running model at %s at version %d: the values passed to init() were "
+                        "not used; the server's weights were returned", self.rank, self.address, self.version)
 
     @property
     def last_push_dropped(self) -> bool:
@@ -442,9 +544,10 @@ class Worker(_WorkerBase):
                 the server refused the join.
         """
         try:
-            self._roundtrip(self._core.init_request(params), timeout)
+            self._roundtrip(self._core.init_request(params), timeout, waiting=self._note_init_wait)
         except APSTimeoutError:
             raise self._init_timeout(timeout) from None
+        self._note_joined(params)
         return self._core.weights
 
     def pull(self) -> Mapping[str, np.ndarray]:
@@ -493,7 +596,7 @@ class Worker(_WorkerBase):
         self._stop.set()
         if self._conn is None:
             return
-        if self._core.layout is not None:
+        if self._core.joined:
             try:
                 self._roundtrip(self._core.simple_request(Op.LEAVE), 5.0)
             except APSError:
@@ -516,29 +619,48 @@ class Worker(_WorkerBase):
         self.close()
 
     # Internals ------------------------------------------------------------
-    def _roundtrip(self, buffers: list, timeout: float | None = ...) -> Header:
+    def _roundtrip(self, buffers: list, timeout: float | None = ..., *, waiting=None) -> Header:
+        """Send a request and return its reply. ``waiting(seconds)`` is called now
+        and then while the reply takes long (see :meth:`_receive_patiently`)."""
         if timeout is ...:
             timeout = self.timeout
         with self._lock:
             conn, core = self._conn, self._core
             if conn is None:
-                raise APSConnectionError("the worker is disconnected; call reconnect()")
+                raise self._disconnected()
             try:
-                conn.send(buffers, core.take_fds())
-                conn.receive(core.reader, core.has_reply, timeout)
-            except BaseException:
+                try:
+                    conn.send(buffers, core.take_fds())
+                except APSConnectionError:
+                    _farewell(conn, core)
+                    raise
+                if waiting is None:
+                    conn.receive(core.reader, core.has_reply, timeout)
+                else:
+                    self._receive_patiently(conn, timeout, waiting)
+            except BaseException as exc:
                 # Interrupted mid-request (an error, a timeout, Ctrl-C): the
                 # stream is no longer in step with the server, so drop it.
-                self._disconnect()
+                self._disconnect(exc)
                 raise
             finally:
                 self._last_io = time.monotonic()
             try:
                 return core.finish()
-            except APSError:
+            except APSError as exc:
                 if core.connection_lost:
-                    self._disconnect()
+                    self._disconnect(exc)
                 raise
+
+    def _receive_patiently(self, conn, timeout: float | None, waiting) -> None:
+        """Receive the reply within ``timeout``, saying now and then what we wait for (see :class:`_Patience`)."""
+        patience = _Patience(timeout, waiting)
+        while True:
+            try:
+                return conn.receive(self._core.reader, self._core.has_reply, patience.next_wait())
+            except APSTimeoutError:
+                if patience.expired():
+                    raise
 
     def _open(self, transport: str) -> BlockingConnection | ShmConnection:
         """Connect by ``transport``: shared memory when asked or when ``auto`` finds
@@ -646,9 +768,10 @@ class AsyncWorker(_WorkerBase):
     async def init(self, params: Mapping[str, Any], *, timeout: float | None = 300.0) -> Mapping[str, np.ndarray]:
         """See :meth:`Worker.init`."""
         try:
-            await self._roundtrip(self._core.init_request(params), timeout)
+            await self._roundtrip(self._core.init_request(params), timeout, waiting=self._note_init_wait)
         except APSTimeoutError:
             raise self._init_timeout(timeout) from None
+        self._note_joined(params)
         return self._core.weights
 
     async def pull(self) -> Mapping[str, np.ndarray]:
@@ -685,7 +808,7 @@ class AsyncWorker(_WorkerBase):
             self._heartbeat_task = None
         if self._conn is None:
             return
-        if self._core.layout is not None:
+        if self._core.joined:
             try:
                 await self._roundtrip(self._core.simple_request(Op.LEAVE), 5.0)
             except APSError:
@@ -698,29 +821,42 @@ class AsyncWorker(_WorkerBase):
     async def __aexit__(self, *exc) -> None:
         await self.close()
 
-    async def _roundtrip(self, buffers: list, timeout: float | None = ...) -> Header:
+    async def _roundtrip(self, buffers: list, timeout: float | None = ..., *, waiting=None) -> Header:
         if timeout is ...:
             timeout = self.timeout
         async with self._lock:
             conn, core = self._conn, self._core
             if conn is None:
-                raise APSConnectionError("the worker is disconnected; call reconnect()")
+                raise self._disconnected()
             try:
                 await conn.send(buffers)
-                await conn.receive(core.reader, core.has_reply, timeout)
-            except BaseException:
+                if waiting is None:
+                    await conn.receive(core.reader, core.has_reply, timeout)
+                else:
+                    await self._receive_patiently(conn, timeout, waiting)
+            except BaseException as exc:
                 # Interrupted mid-request (an error, a timeout, cancellation):
                 # the stream is no longer in step with the server, so drop it.
-                self._disconnect()
+                self._disconnect(exc)
                 raise
             finally:
                 self._last_io = time.monotonic()
             try:
                 return core.finish()
-            except APSError:
+            except APSError as exc:
                 if core.connection_lost:
-                    self._disconnect()
+                    self._disconnect(exc)
                 raise
+
+    async def _receive_patiently(self, conn, timeout: float | None, waiting) -> None:
+        """See :meth:`Worker._receive_patiently`."""
+        patience = _Patience(timeout, waiting)
+        while True:
+            try:
+                return await conn.receive(self._core.reader, self._core.has_reply, patience.next_wait())
+            except APSTimeoutError:
+                if patience.expired():
+                    raise
 
     async def _heartbeats(self, interval: float) -> None:
         try:

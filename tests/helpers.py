@@ -146,9 +146,12 @@ class RawClient:
         return bytes(data)
 
     def reply(self):
-        header = unpack_header(self.recv_exact(HEADER_SIZE))
-        payload = self.recv_exact(header.length) if header.length else b""
-        return header, payload
+        """The next reply or error frame (JOIN_PROGRESS notices, which are neither, are skipped)."""
+        while True:
+            header = unpack_header(self.recv_exact(HEADER_SIZE))
+            payload = self.recv_exact(header.length) if header.length else b""
+            if header.op != Op.JOIN_PROGRESS:
+                return header, payload
 
     def error(self) -> tuple[int, str]:
         header, payload = self.reply()

@@ -60,7 +60,9 @@ class HelpFormatter(argparse.HelpFormatter):
             "default" not in text
             and "%(default)" not in text
             and action.option_strings
-            and default not in (None, False, argparse.SUPPRESS)
+            and default is not None
+            and default is not False
+            and default != argparse.SUPPRESS
             and not isinstance(action, (argparse._HelpAction, argparse._VersionAction))
         ):
             shown = ",".join(map(str, default)) if isinstance(default, (list, tuple)) else "%(default)s"

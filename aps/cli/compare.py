@@ -23,6 +23,7 @@ import multiprocessing as mp
 import os
 import statistics
 import sys
+import tempfile
 import time
 from dataclasses import dataclass, field
 
@@ -193,7 +194,11 @@ def _server_config(setting: str, lr_staleness: str, workers: int, args) -> Serve
 _START_TIMEOUT = 120.0  # seconds for every worker to join a run's server
 
 
-def _run_one(run: Run, pool: _Pool, evaluate, args, out=sys.stdout) -> None:
+_OVERHEAD_S = 3.0  # per run beyond its budget: a server starts, workers join, the last evaluation
+_STARTUP_S = 10.0  # worker processes start (PyTorch, the dataset), once
+
+
+def _run_one(run: Run, pool: _Pool, evaluate, args, out=sys.stdout, bar=None) -> None:
     config = _server_config(run.setting, run.lr_staleness, len(run.speeds), args)
     eval_every = args.eval_every or max(0.5, args.budget / 25)
     with Server(config).run_in_background() as background:
@@ -216,6 +221,9 @@ def _run_one(run: Run, pool: _Pool, evaluate, args, out=sys.stdout) -> None:
             if now >= next_eval:
                 version, flat = server.weights()
                 run.curve.append([round(now - started, 3), evaluate(flat)])
+                if bar is not None:
+                    bar.update(min(now - started, args.budget) - bar.n)
+                    bar.set_postfix_str(f"accuracy {run.curve[-1][1]:.3f}  updates {version}", refresh=True)
                 if next_eval >= stop:
                     break
                 next_eval = min(next_eval + eval_every, stop)
@@ -236,6 +244,8 @@ def _run_one(run: Run, pool: _Pool, evaluate, args, out=sys.stdout) -> None:
         "diverged": any(r["diverged"] for r in results),
     }
     best = max(acc for _, acc in run.curve)
+    if bar is not None:
+        bar.close()
     print(
         f"  {run.cluster:<13} {label(run.setting, run.lr_staleness):<22} best {best:.3f}  "
         f"{run.stats['iterations_per_s']:.1f} it/s  wait {run.stats['mean_wait_s'] * 1e3:.0f} ms  "
@@ -388,15 +398,28 @@ def compare(args, out=sys.stdout) -> list[dict]:
         for setting in paradigms
         for mode in modes_of(setting)
     ]
-    print(f"{len(runs)} runs of {args.budget:g} s on {args.workers} workers ({args.dataset}, step time "
-          f"{args.step_time * 1e3:.0f} ms, target accuracy {args.target:g})", file=out, flush=True)
+    if args.out is None:
+        args.out = tempfile.mkdtemp(prefix=f"aps-{getattr(args, 'command', 'compare')}-")
     os.makedirs(args.out, exist_ok=True)
+    estimate = _STARTUP_S + len(runs) * (args.budget + _OVERHEAD_S)
+    print(f"{len(runs)} runs of {args.budget:g} s on {args.workers} workers ({args.dataset}, step time "
+          f"{args.step_time * 1e3:.0f} ms, target accuracy {args.target:g}): about {_duration(estimate)} in all; "
+          f"results in {args.out}", file=out, flush=True)
+    print(f"starting {args.workers} worker processes (PyTorch and the {args.dataset} data)...", file=out, flush=True)
+    begun = time.monotonic()
     evaluate = _evaluator(args.dataset, args.seed)
     pool = _Pool(args.workers, args.dataset, args.seed)
+    print(f"workers ready in {time.monotonic() - begun:.0f} s", file=out, flush=True)
     records: list[dict] = []
     try:
-        for run in runs:
-            _run_one(run, pool, evaluate, args, out)
+        for index, run in enumerate(runs, 1):
+            bar = _run_bar(f"{index}/{len(runs)} {run.cluster} {label(run.setting, run.lr_staleness)}",
+                           args.budget, getattr(args, "no_progress", False))
+            try:
+                _run_one(run, pool, evaluate, args, out, bar)
+            finally:
+                if bar is not None:
+                    bar.close()
             records.append(summarize(run, args.target, args.budget))
             _write_json(records, os.path.join(args.out, "results.json"))  # an interrupted comparison keeps its runs
     finally:
@@ -410,6 +433,23 @@ def compare(args, out=sys.stdout) -> list[dict]:
     print(f"wrote {os.path.join(args.out, 'results.json')} and results.md; "
           f"the plot is {os.path.join(args.out, 'accuracy.png')}", file=out)
     return records
+
+
+def _duration(seconds: float) -> str:
+    minutes = round(seconds / 60)
+    return f"{seconds:.0f} s" if seconds < 90 else f"{minutes} min"
+
+
+def _run_bar(description: str, budget: float, disabled: bool):
+    """A progress bar over one run's budget (on a terminal, unless --no-progress)."""
+    if disabled:
+        return None
+    try:
+        from tqdm import tqdm
+    except ImportError:
+        return None
+    return tqdm(total=budget, desc=description, unit="s", dynamic_ncols=True, leave=False, disable=None,
+                bar_format="{desc}: {percentage:3.0f}%|{bar}| {n:.0f}/{total:.0f} s{postfix}")
 
 
 def register(commands) -> None:
@@ -433,7 +473,9 @@ def register(commands) -> None:
 
 
 def _add_arguments(parser: argparse.ArgumentParser, *, demo: bool = False) -> None:
-    parser.add_argument("--out", default="demo-results" if demo else "compare-results", help="output directory")
+    parser.add_argument("--out", metavar="DIR",
+                        help="where results.json, results.md and accuracy.png go (default: a new temporary directory, "
+                        "printed)")
     parser.add_argument("--target", type=number, default=0.95, help="test accuracy to reach")
     parser.add_argument("--paradigms", default="bsp,asp,ssp:3,ssp:15,dssp:3:15" if demo else ",".join(DEFAULT_PARADIGMS),
                         help="sync settings, as aps simulate takes them")
@@ -456,6 +498,7 @@ def _add_arguments(parser: argparse.ArgumentParser, *, demo: bool = False) -> No
     parser.add_argument("--seed", type=int, default=0, help="data split and initial weights")
     parser.add_argument("--repeats", type=int, default=1,
                         help="run everything N times with different data orders and pacing")
+    parser.add_argument("--no-progress", action="store_true", help="no progress bar during each run")
 
 
 def run(args: argparse.Namespace) -> int:

@@ -25,10 +25,12 @@ import os
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from concurrent.futures import CancelledError
 
 from ..errors import APSError, ConfigurationError
+from ..protocol import describe_join_progress
 from ..server import Server
 from ._args import add_server_arguments, config_from_args, number, parse_speeds, require
 
@@ -50,7 +52,7 @@ def register(commands) -> None:
                         help="emulated iteration time T of a speed-1 worker, in seconds (0: no emulation)")
     parser.add_argument("--slowdown", default="", help="per-worker multiples of T, e.g. 1,1,1,3 (default all 1)")
     parser.add_argument("--jitter", type=number, default=0.0, help="random variation of emulated iteration times")
-    parser.add_argument("--log-dir", default="aps-logs", help="where worker-RANK.log go (default ./aps-logs)")
+    parser.add_argument("--log-dir", help="where worker-RANK.log go (default: a new temporary directory, printed)")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
     parser.add_argument(
         "--example", nargs=argparse.REMAINDER, metavar="NAME [ARGS]",
@@ -81,6 +83,8 @@ def run(args: argparse.Namespace) -> int:
         if not os.path.exists(args.script):
             raise ConfigurationError(f"no such script: {args.script}")
         command = [sys.executable, args.script, *args.script_args]
+    if args.log_dir is None:
+        args.log_dir = tempfile.mkdtemp(prefix="aps-logs-")
     os.makedirs(args.log_dir, exist_ok=True)
 
     stop = _Signals()
@@ -88,7 +92,7 @@ def run(args: argparse.Namespace) -> int:
     procs: list[subprocess.Popen] = []
     try:
         background = Server(config).run_in_background().start()
-        print(f"aps: serving on {background.address}; {workers} workers; logs in {args.log_dir}/", flush=True)
+        print(f"aps: serving on {background.address}; {workers} workers; logs in {args.log_dir}", flush=True)
         for rank in range(workers):
             if stop.received:
                 break
@@ -151,7 +155,7 @@ class _Signals:
 
 def _watch(procs: list[subprocess.Popen], server: Server, args, stop: _Signals) -> int:
     """Wait for every worker; stop at the first failure or signal. Returns the exit status."""
-    bar = _progress(len(procs)) if not args.no_progress else None
+    monitor = _Monitor(server, len(procs), args.log_dir, bar=not args.no_progress)
     try:
         while not stop.received:
             codes = [p.poll() for p in procs]
@@ -162,17 +166,66 @@ def _watch(procs: list[subprocess.Popen], server: Server, args, stop: _Signals) 
                 _show_tail(os.path.join(args.log_dir, f"worker-{rank}.log"))
                 return code if 0 < code < 128 else 1
             if all(code == 0 for code in codes):
-                if bar is not None:
-                    _update(bar, server)
-                print(f"\naps: all {len(procs)} workers finished; logs in {args.log_dir}/", flush=True)
+                monitor.tick()
+                print(f"\naps: all {len(procs)} workers finished; logs in {args.log_dir}", flush=True)
                 return 0
-            if bar is not None:
-                _update(bar, server)
+            monitor.tick()
             time.sleep(0.1)
         return 128 + stop.received
     finally:
-        if bar is not None:
-            bar.close()
+        monitor.close()
+
+
+class _Monitor:
+    """What the launcher shows while the workers run: a progress bar of the
+    server's updates (unless --no-progress), and, while workers are still
+    joining, a line now and then saying which have not (a worker that fails
+    to start would otherwise leave the others waiting in silence)."""
+
+    FIRST_NOTE_S = 5.0
+    NOTE_EVERY_S = 30.0
+
+    def __init__(self, server: Server, workers: int, log_dir: str, *, bar: bool) -> None:
+        self.server = server
+        self.log_dir = log_dir
+        self.bar = _progress(workers) if bar else None
+        self.started = False
+        self._note_at = time.monotonic() + self.FIRST_NOTE_S
+        self._check_at = 0.0
+
+    def tick(self) -> None:
+        now = time.monotonic()
+        if self.bar is None and (self.started or now < self._check_at):
+            return
+        self._check_at = now + 1.0
+        try:
+            stats = self.server.stats(timeout=2.0)
+        except (APSError, RuntimeError, TimeoutError, CancelledError):  # the server is stopping
+            return
+        self.started = stats["server"]["started"]
+        if not self.started and now >= self._note_at:
+            self._note_at = now + self.NOTE_EVERY_S
+            self._note_waiting(stats)
+        if self.bar is not None:
+            version = stats["server"]["version"]
+            self.bar.update(version - self.bar.n)
+            clocks = " ".join(str(w["clock"]) for w in stats["workers"])
+            self.bar.set_postfix_str(f"clocks {clocks}  live {stats['server']['live']}", refresh=True)
+
+    def _note_waiting(self, stats: dict) -> None:
+        workers = stats["workers"]
+        missing = [w["rank"] for w in workers if not w["live"]]
+        line = f"aps: waiting for workers to join: {describe_join_progress(len(workers) - len(missing), len(workers), missing)}"
+        if missing:
+            line += f" (see {os.path.join(self.log_dir, f'worker-{missing[0]}.log')})"
+        if self.bar is not None:
+            self.bar.write(line, file=sys.stderr)
+        else:
+            print(line, file=sys.stderr, flush=True)
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
 
 
 def _progress(workers: int):
@@ -181,17 +234,6 @@ def _progress(workers: int):
     except ImportError:
         return None
     return tqdm(total=None, unit=" updates", dynamic_ncols=True, leave=True, desc=f"{workers} workers")
-
-
-def _update(bar, server: Server) -> None:
-    try:
-        stats = server.stats(timeout=2.0)
-    except (APSError, RuntimeError, TimeoutError, CancelledError):  # the server is stopping: the bar just stays
-        return
-    version = stats["server"]["version"]
-    bar.update(version - bar.n)
-    clocks = " ".join(str(w["clock"]) for w in stats["workers"])
-    bar.set_postfix_str(f"clocks {clocks}  live {stats['server']['live']}", refresh=True)
 
 
 def _show_tail(path: str, lines: int = 15) -> None:

@@ -224,8 +224,9 @@ def register(commands) -> None:
     )
     parser.add_argument("--speeds", metavar="S,S,...",
                         help="mean iteration time per worker, e.g. 1,1,1,3 (sets P; default 1,1,1,3)")
-    parser.add_argument("--workers", type=int, help="number of workers, all at speed 1 unless --hetero")
-    parser.add_argument("--hetero", metavar="lognormal:SIGMA", help="draw each worker's mean iteration time")
+    parser.add_argument("--workers", type=int,
+                        help="number of workers, all at speed 1 unless --hetero (default: as many as --speeds gives)")
+    parser.add_argument("--hetero", metavar="lognormal:SIGMA", help="draw each worker's mean iteration time from a lognormal distribution (default: all 1)")
     parser.add_argument("--jitter", type=number, default=0.0, help="lognormal spread of each iteration's time")
     parser.add_argument("--iterations", type=int, default=10000, help="total iterations, all workers together")
     parser.add_argument(

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import socket
+import time
 from collections.abc import Callable, Sequence
 
 from ..errors import APSConnectionError, APSTimeoutError, MalformedFrame, error_from_code
@@ -88,12 +89,19 @@ class BlockingSocket(ClientSocket):
             raise self._lost(exc) from None
 
     def receive(self, reader: FrameReader, done: Callable[[], bool], timeout: float | None = None) -> None:
-        """Read into ``reader`` until ``done()``."""
-        if timeout != self._timeout:  # settimeout costs system calls: only on change
-            self.sock.settimeout(timeout)
-            self._timeout = timeout
+        """Read into ``reader`` until ``done()``, for at most ``timeout`` seconds in all."""
+        sock = self.sock
+        deadline = None if timeout is None else time.monotonic() + timeout
         try:
             while not done():
+                if deadline is not None:  # the whole wait is bounded, not each read
+                    self._timeout = remaining = deadline - time.monotonic()
+                    if remaining <= 0:
+                        raise TimeoutError
+                    sock.settimeout(remaining)
+                elif self._timeout is not None:  # settimeout costs a system call: only on change
+                    sock.settimeout(None)
+                    self._timeout = None
                 nbytes = self._recv_into(reader.get_buffer())
                 if not nbytes:
                     raise self._closed_by_server()

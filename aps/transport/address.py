@@ -45,7 +45,7 @@ def parse_address(text: str) -> Address:
     try:
         port = int(port_text)
     except ValueError:
-        raise ConfigurationError(f"invalid port {port_text!r} in {text!r}") from None
+        raise ConfigurationError(f"invalid port {port_text!r} in {text!r}: expected tcp://HOST:PORT") from None
     if not 0 < port <= 65535:
-        raise ConfigurationError(f"port {port} out of range in {text!r}")
+        raise ConfigurationError(f"port {port} out of range 1..65535 in {text!r}: expected tcp://HOST:PORT")
     return Address(scheme, host, port)

@@ -85,7 +85,7 @@ class ServerSession:
 
     def __init__(self, engine: Engine, max_payload: int, registry: set, unix_path: str = "") -> None:
         self.engine = engine
-        self._stats = engine.stats
+        self._traffic = engine.stats.traffic[self.kind]
         self.registry = registry
         self.unix_path = unix_path
         self.reader = FrameReader(self, max_payload=max_payload)
@@ -106,6 +106,7 @@ class ServerSession:
         # The request being handled (a session handles one at a time).
         self._rid = 0
         self._dropped = False
+        self._init_rank = -1
         self._handlers = {
             Op.PING: self._on_ping,
             Op.HELLO: self._on_hello,
@@ -152,7 +153,7 @@ class ServerSession:
     # Events from the transport ------------------------------------------------
     def _bytes_arrived(self, nbytes: int) -> None:
         self.last_heard = self._loop.time()
-        self._stats.bytes_in += nbytes
+        self._traffic.bytes_in += nbytes
         try:
             self.reader.buffer_updated(nbytes)
         except ServerError as exc:
@@ -201,6 +202,15 @@ class ServerSession:
         if self._can_write():
             self._reply_error(0, ShuttingDown("the server is shutting down"))
         self._silenced = True
+
+    def notify_join_progress(self, payload: bytes) -> None:
+        """Tell a worker whose INIT waits for the others how many have joined (a JOIN_PROGRESS notice)."""
+        member = self.member
+        if member is None or not self.engine.waiting_to_start(member) or not self._can_write() or self._silenced:
+            return
+        frame = pack_header(Op.JOIN_PROGRESS, 0, 0, self._rid, 0, 0, len(payload)) + payload
+        self._traffic.bytes_out += len(frame)
+        self._write(frame)
 
     def check_heartbeat(self, now: float, timeout: float) -> None:
         """Close the connection if the peer has been silent for ``timeout`` seconds
@@ -279,6 +289,7 @@ class ServerSession:
 
     def _on_init(self, header: Header, payload: memoryview, stream) -> None:
         request = decode_init(payload)
+        self._init_rank = request.rank
         values = np.frombuffer(payload, np.float32, count=request.layout.numel, offset=request.values_offset)
         member = self.engine.join(
             request.rank,
@@ -330,7 +341,9 @@ class ServerSession:
         self._reply(Op.PUSH_REPLY, clock=result.clock, version=result.version, flags=flags)
 
     def _send_init_reply(self, snap: Snapshot, clock: int) -> None:
-        self._reply_weights(Op.INIT_REPLY, snap, clock, 0)
+        # The reply may come before engine.join() returns: find the member by rank.
+        member = self.engine.members.get(self._init_rank)
+        self._reply_weights(Op.INIT_REPLY, snap, clock, Flag.RUNNING if member and member.joined_running else 0)
 
     def _send_pull_reply(self, snap: Snapshot, clock: int) -> None:
         self._reply_weights(Op.PULL_REPLY, snap, clock, 0)
@@ -349,7 +362,7 @@ class ServerSession:
     def _reply(self, op: int, *, clock: int = 0, version: int = 0, flags: int = 0, payload: bytes = b"") -> None:
         if self._can_write() and not self._silenced:
             frame = pack_header(op, flags, 0, self._rid, clock, version, len(payload)) + payload
-            self._stats.bytes_out += len(frame)
+            self._traffic.bytes_out += len(frame)
             self._write(frame)
         self._done()
 
@@ -366,7 +379,7 @@ class ServerSession:
         if self._can_write() and not self._silenced:
             payload = encode_error(exc.code, exc.message)
             frame = pack_header(Op.ERROR, 0, 0, rid, 0, 0, len(payload)) + payload
-            self._stats.bytes_out += len(frame)
+            self._traffic.bytes_out += len(frame)
             self._write(frame)
 
     def _fatal(self, exc: ServerError) -> None:

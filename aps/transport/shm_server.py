@@ -210,6 +210,7 @@ class ShmSession(ServerSession):
     def _gradient_destination(self, member: Member, header: Header) -> None:
         if not header.flags & _SHM or header.length:
             raise MalformedFrame("over shared memory a push carries no payload: set the SHM flag")
+        self._traffic.bytes_in += member.grad.nbytes  # read in place from the worker's segment
         return None
 
     def _gradient_buffer(self, request: InitRequest) -> np.ndarray:
@@ -233,7 +234,8 @@ class ShmSession(ServerSession):
         fresh = segment.id not in self._sent_slots
         payload = encode_slot(segment.id, segment.nbytes, fresh, dropped)
         frame = pack_header(op, flags | _SHM, DType.FLOAT32, self._rid, clock, snap.version, len(payload)) + payload
-        self._stats.bytes_out += HEADER_SIZE + len(payload)
+        # The frame crosses the socket; the weights are copied out of the slot.
+        self._traffic.bytes_out += HEADER_SIZE + len(payload) + segment.nbytes
         # The slot stays leased to this worker until its next request, which is
         # read only once this frame has left: its descriptor stays valid meanwhile.
         self._write(frame, [segment.fd] if fresh else ())

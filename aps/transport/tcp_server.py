@@ -101,7 +101,7 @@ class TcpSession(ServerSession, asyncio.BufferedProtocol):
     def _send_weights(self, op: int, snap: Snapshot, clock: int, flags: int) -> None:
         transport, data = self.transport, snap.bytes
         header = pack_header(op, flags, DType.FLOAT32, self._rid, clock, snap.version, len(data))
-        self._stats.bytes_out += HEADER_SIZE + len(data)
+        self._traffic.bytes_out += HEADER_SIZE + len(data)
         if self._vectored:
             transport.writelines((header, data))
         else:

@@ -4,6 +4,7 @@ import json
 import signal
 import subprocess
 import sys
+import threading
 
 import numpy as np
 import pytest
@@ -135,3 +136,43 @@ def test_server_stats_in_python():
         assert stats["server"]["sync"] == "dssp s_L=3 s_U=15"
         assert stats["server"]["address"] == background.address
         assert stats["workers"][0]["pushes"] == 1
+
+
+def test_status_counts_both_transports_and_the_server_process(server_process):
+    import psutil
+
+    server = server_process("--workers", "2", "--sync", "asp")
+    shm, tcp = aps.Worker(server.address, 0, 2, transport="shm"), aps.Worker(server.address, 1, 2, transport="tcp")
+    joining = threading.Thread(target=shm.init, args=({"w": np.zeros(1000, np.float32)},))
+    joining.start()
+    tcp.init({"w": np.zeros(1000, np.float32)})
+    joining.join(10)
+    for _ in range(3):
+        shm.push_pull(shm.grads)
+        tcp.push_pull(tcp.grads)
+    stats = json.loads(run_aps("status", server.address, "--json").stdout)["server"]
+    moved = stats["transports"]
+    # shared memory: the initial values and 3 gradients read in place in, 4 weight copies (init and 3 pulls)
+    # out of the slots; the control frames are small
+    assert 4 * 4000 <= moved["shm"]["bytes_in"] < 4 * 4000 + 4096
+    assert 4 * 4000 <= moved["shm"]["bytes_out"] < 4 * 4000 + 4096
+    assert 3 * 4000 <= moved["tcp"]["bytes_in"] and 4 * 4000 <= moved["tcp"]["bytes_out"]
+    assert stats["bytes_in"] == moved["shm"]["bytes_in"] + moved["tcp"]["bytes_in"]
+    assert stats["process"]["pid"] == server.proc.pid
+    rss = psutil.Process(server.proc.pid).memory_info().rss
+    assert 0.5 * rss < stats["process"]["rss_bytes"] < 2 * rss
+    table = run_aps("status", server.address).stdout
+    assert "(tcp " in table and "shm " in table and "server memory " in table
+    shm.close()
+    tcp.close()
+
+
+def test_bench_measures_what_applying_gradients_while_they_arrive_is_worth(tmp_path):
+    out = tmp_path / "bench.json"
+    result = run_aps("bench", "--sizes", "1M", "--workers", "1", "--transports", "tcp", "--streaming", "both",
+                     "--seconds", "0.1", "--min-iters", "2", "--repeats", "1", "--out", str(out), timeout=120)
+    assert result.returncode == 0, result.stderr
+    rows = {row["system"]: row for row in json.loads(out.read_text())["rows"]}
+    assert set(rows) == {"socket ping-pong", "aps", "aps no-stream"}
+    assert rows["aps no-stream"]["ratio_to_tcp"] > 0 and rows["aps"]["ratio_to_tcp"] is None
+    assert "aps no-stream" in result.stdout

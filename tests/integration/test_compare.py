@@ -3,6 +3,7 @@
 import json
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -75,3 +76,55 @@ def test_compare_refuses_inconsistent_arguments(tmp_path):
         done = subprocess.run([sys.executable, "-m", "aps", "compare", "--out", str(tmp_path), *args],
                               capture_output=True, text=True, timeout=60)
         assert done.returncode == 2 and message in done.stderr, done.stderr
+
+
+def _run_on_a_terminal(cmd, cwd, timeout=240):
+    """Run ``cmd`` with a pseudo-terminal (120 columns) as its stdout and stderr; returns (status, output)."""
+    import fcntl
+    import os
+    import struct
+    import termios
+    import time
+
+    master, slave = os.openpty()
+    fcntl.ioctl(slave, termios.TIOCSWINSZ, struct.pack("HHHH", 40, 120, 0, 0))
+    proc = subprocess.Popen(cmd, cwd=cwd, stdin=subprocess.DEVNULL, stdout=slave, stderr=slave)
+    os.close(slave)
+    chunks, deadline = [], time.monotonic() + timeout
+    try:
+        while time.monotonic() < deadline:
+            try:
+                data = os.read(master, 65536)
+            except OSError:  # EIO: every writer has closed the terminal
+                break
+            if not data:
+                break
+            chunks.append(data)
+    finally:
+        os.close(master)
+        if proc.poll() is None:
+            proc.kill()
+    return proc.wait(30), b"".join(chunks).decode(errors="replace")
+
+
+def test_demo_shows_progress_and_writes_only_where_it_says(tmp_path):
+    import os
+    import re
+    import shutil
+    import tempfile
+
+    status, output = _run_on_a_terminal(
+        [sys.executable, "-m", "aps", "demo", "--workers", "2", "--speeds", "1,2", "--paradigms", "asp",
+         "--budget", "2", "--step-time", "0.02", "--dataset", "digits"], cwd=tmp_path)
+    assert status == 0, output
+    first = output.splitlines()[0]
+    assert re.match(r"1 runs of 2 s on 2 workers \(digits, .*\): about \d+ s in all; results in ", first), first
+    out = first.rsplit("results in ", 1)[1].strip()
+    try:
+        assert os.listdir(tmp_path) == [] and os.path.dirname(out) == tempfile.gettempdir()
+        assert (Path(out) / "results.json").exists() and f"the plot is {out}/accuracy.png" in output
+        assert "workers ready in" in output
+        bars = re.findall(r"1/1 heterogeneous ASP: +\d+%\|[^|]*\| \d/2 s, accuracy (0\.\d{3})  updates \d+", output)
+        assert bars, output  # the bar shows the run's paradigm, its accuracy and the server's version
+    finally:
+        shutil.rmtree(out)

@@ -2,9 +2,11 @@
 
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -141,3 +143,29 @@ def test_bad_launch_arguments_are_refused(tmp_path):
     ]:
         code, out, err = finish(launch(*args, log_dir=tmp_path), timeout=30)
         assert code == 2 and message in err, (args, err)
+
+
+def test_launch_says_which_workers_have_not_joined(tmp_path):
+    """A worker that is slow to join leaves the others waiting: the launcher and the workers say who is missing."""
+    proc = launch("--workers", "2", "--sync", "asp", os.path.join(SCRIPTS, "late.py"), log_dir=tmp_path,
+                  env={"LATE_S": "7"})
+    code, out, err = finish(proc)
+    assert code == 0, err
+    assert f"aps: waiting for workers to join: 1 of 2 workers joined; missing rank 1 (see {tmp_path}/worker-1.log)" in err
+    log = (tmp_path / "worker-0.log").read_text()
+    assert "rank 0: waiting for the other workers at tcp://127.0.0.1:" in log
+    assert "1 of 2 workers joined; missing rank 1" in log and "rank 0 done" in log
+
+
+def test_launch_writes_its_logs_where_asked_or_to_a_new_temporary_directory(tmp_path):
+    cmd = [sys.executable, "-m", "aps", "launch", "--host", "127.0.0.1", "--no-progress", "--workers", "1",
+           "--sync", "asp", os.path.join(SCRIPTS, "late.py")]
+    done = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    assert os.listdir(tmp_path) == []  # nothing in the working directory
+    log_dir = re.search(r"logs in (\S+)", done.stdout).group(1)
+    try:
+        assert os.path.dirname(log_dir) == tempfile.gettempdir()
+        assert "rank 0 done" in Path(log_dir, "worker-0.log").read_text()
+    finally:
+        shutil.rmtree(log_dir)

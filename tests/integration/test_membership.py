@@ -176,3 +176,77 @@ def _record(errors, call):
         call()
     except aps.APSError as exc:
         errors.append(exc)
+
+
+def test_a_waiting_worker_says_who_is_missing(server_process, transport, monkeypatch, caplog):
+    """init() waits in silence no longer: a log line names who has not joined, and so does InitTimeout."""
+    monkeypatch.setattr(aps.worker, "_FIRST_WAIT_NOTE", 1.0)
+    server = server_process("--workers", "4", "--sync", "asp")
+    early = aps.Worker(server.address, 2, 4, transport=transport)
+    errors = []
+    thread = threading.Thread(target=_record, args=(errors, lambda: early.init({"w": np.zeros(2, np.float32)},
+                                                                               timeout=4.0)), daemon=True)
+    thread.start()
+    worker = aps.Worker(server.address, 0, 4, transport=transport)
+    with caplog.at_level("WARNING", logger="aps.worker"):
+        with pytest.raises(aps.InitTimeout, match=r"2 of 4 workers joined; missing ranks 1, 3$"):
+            worker.init({"w": np.zeros(2, np.float32)}, timeout=2.5)
+    notes = [r.getMessage() for r in caplog.records if r.getMessage().startswith("rank 0: waiting")]
+    assert len(notes) == 1, notes  # one line after the first second, not one per notice
+    assert notes[0].startswith(f"rank 0: waiting for the other workers at {server.address} for 1 s: ")
+    assert notes[0].endswith("2 of 4 workers joined; missing ranks 1, 3")
+    thread.join(10)
+    assert isinstance(errors[0], aps.InitTimeout) and "1 of 4 workers joined; missing ranks 0-1, 3" in str(errors[0])
+    worker.close()
+    early.close()
+
+
+def test_joining_a_running_model_says_the_values_were_not_used(server_process, transport, caplog):
+    server = server_process("--workers", "2", "--sync", "asp", "--lr", "1")
+    first = aps.Worker(server.address, 0, 2, transport=transport)
+    second = aps.Worker(server.address, 1, 2, transport=transport)
+    with caplog.at_level("WARNING", logger="aps.worker"):
+        thread = init_in_thread(first, {"w": np.zeros(2, np.float32)})
+        second.init({"w": np.zeros(2, np.float32)})  # a fresh model: nothing to say
+        thread.join(10)
+        assert not [r for r in caplog.records if "running model" in r.getMessage()]
+        first.push_pull({"w": np.ones(2, np.float32)})
+        second.close()
+        again = aps.Worker(server.address, 1, 2, transport=transport)
+        weights = again.init({"w": np.full(2, 7.0, np.float32)})
+        np.testing.assert_array_equal(weights["w"], [-1.0, -1.0])  # the server's weights, as before
+        notes = [r.getMessage() for r in caplog.records if "running model" in r.getMessage()]
+        assert notes == [f"rank 1 joined a running model at {server.address} at version 1: the values passed "
+                         "to init() were not used; the server's weights were returned"]
+        again.reconnect()  # a rejoin passes no values: nothing to say
+        assert len([r for r in caplog.records if "running model" in r.getMessage()]) == 1
+    again.close()
+    first.close()
+
+
+def test_a_failed_init_leaves_no_spurious_warning(server_process, transport):
+    server = server_process("--workers", "2", "--sync", "asp")
+    worker = aps.Worker(server.address, 0, 3, transport=transport)
+    with pytest.raises(aps.errors.WorkerCountMismatch):
+        worker.init({"w": np.zeros(2, np.float32)})
+    worker.close()
+    with aps.Worker(server.address, 0, 2, transport=transport) as probe:
+        probe.ping()  # the server has handled everything the first worker sent
+    log = server.log()
+    assert "WORKER_COUNT_MISMATCH" in log and "NOT_INITIALIZED" not in log
+
+
+def test_shutdown_mid_training_is_the_same_error_on_both_transports(server_process, transport):
+    """A worker busy pushing when the server stops learns why: ShuttingDown, not a broken pipe."""
+    server = server_process("--workers", "1", "--sync", "asp")
+    worker = aps.Worker(server.address, 0, 1, transport=transport, heartbeat=0.2)
+    worker.init({"w": np.zeros(1000, np.float32)})
+    server.signal(signal.SIGTERM)
+    with pytest.raises(aps.APSConnectionError) as raised:
+        for _ in range(1_000_000):
+            worker.push_pull(worker.grads)
+    assert isinstance(raised.value, aps.errors.ShuttingDown), repr(raised.value)
+    with pytest.raises(aps.errors.ShuttingDown, match="call reconnect"):  # and so does every later call
+        worker.pull()
+    assert server.proc.wait(10) == 0
+    worker.close()

@@ -136,3 +136,17 @@ def test_no_new_request_is_read_while_a_reply_is_still_leaving(loop):
         loop.run_until_complete(asyncio.sleep(0))
     assert len(transport.replies()) == 41
     assert engine.version == 20 and engine.table.slot_count <= 3
+
+
+@pytest.mark.parametrize("threshold, streams", [(1 << 10, True), (0, False), (1 << 20, False)])
+def test_stream_min_bytes_decides_which_gradients_are_applied_while_they_arrive(loop, threshold, streams):
+    engine = Engine(ServerConfig(workers=1, sync="asp", lr=1.0, stream_min_bytes=threshold))
+    conn, transport = connect(engine, loop)
+    n = 4096  # 16 KiB
+    feed(conn, init_frame(0, 1, n))
+    frame = push_frame(Op.PUSH, n, value=1.0)
+    feed(conn, frame[: HEADER_SIZE + 8 * 1024])  # half of the gradient has arrived
+    assert (conn._stream is not None) == streams
+    feed(conn, frame[HEADER_SIZE + 8 * 1024 :])
+    loop.run_until_complete(asyncio.sleep(0))
+    assert engine.version == 1 and (engine.weights == -1.0).all()  # the same update either way

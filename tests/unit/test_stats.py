@@ -1,0 +1,60 @@
+"""Server statistics: the recent update rate and the bytes each transport moved."""
+
+import pytest
+
+from aps.stats import RATE_WINDOW_S, ServerStats
+from tests.harness import Harness
+
+
+class Clock:
+    def __init__(self, now: float = 1000.0) -> None:
+        self.now = now
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_the_recent_rate_is_windowed_and_falls_to_zero():
+    clock = Clock()
+    stats = ServerStats(1, clock)
+    stats.training_started = clock.now
+    version = 0
+    for _ in range(20 * 50):  # 50 updates a second for 20 s
+        clock.now += 0.02
+        version += 1
+        stats.published(version)
+    recent, mean = stats.update_rates(version)
+    assert recent == pytest.approx(50, rel=0.05) and mean == pytest.approx(50, rel=0.01)
+    for _ in range(5 * 10):  # then 10 a second for 5 s: the recent rate follows, the mean does not
+        clock.now += 0.1
+        version += 1
+        stats.published(version)
+    recent, mean = stats.update_rates(version)
+    assert recent == pytest.approx((5 * 10 + (RATE_WINDOW_S - 5) * 50) / RATE_WINDOW_S, rel=0.1)
+    clock.now += RATE_WINDOW_S + 1  # training ended: nothing for a whole window
+    recent, mean = stats.update_rates(version)
+    assert recent == 0.0 and mean > 0
+    clock.now += 3600  # and long after
+    assert stats.update_rates(version)[0] == 0.0
+
+
+def test_the_rate_of_a_young_server_counts_from_its_start():
+    clock = Clock()
+    stats = ServerStats(1, clock)
+    for version in range(1, 11):  # 10 updates in its first 2 s
+        clock.now += 0.2
+        stats.published(version)
+    assert stats.update_rates(10)[0] == pytest.approx(5.0, rel=0.01)
+
+
+def test_the_snapshot_counts_bytes_per_transport_and_reports_the_process():
+    h = Harness(workers=1, sync="asp")
+    h.engine.stats.traffic["tcp"].bytes_in += 100
+    h.engine.stats.traffic["shm"].bytes_in += 4000
+    h.engine.stats.traffic["shm"].bytes_out += 8000
+    server = h.engine.stats_snapshot()["server"]
+    assert (server["bytes_in"], server["bytes_out"]) == (4100, 8000)
+    assert server["transports"] == {"tcp": {"bytes_in": 100, "bytes_out": 0},
+                                    "shm": {"bytes_in": 4000, "bytes_out": 8000}}
+    process = server["process"]
+    assert process["rss_bytes"] > 1 << 20 and process["cpu_s"] > 0 and process["threads"] >= 1
