@@ -219,7 +219,8 @@ class Engine:
             raise RankTaken(f"rank {rank} is already connected")
         member = Member(rank)
         self.members[rank] = member
-        self._lane.submit(CallJob(lambda: self._commit_join(member, layout, values, grad, on_ready, on_error)))
+        self._lane.submit(CallJob(lambda: self._commit_join(member, layout, values, grad, on_ready, on_error),
+                                  lambda exc: self._join_failed(member, exc, on_error)))
         return member
 
     def leave(self, member: Member) -> None:
@@ -244,13 +245,19 @@ class Engine:
                 difference = self.layout.difference(layout)
                 if difference is not None:
                     raise LayoutMismatch(f"the model differs from the registered one: {difference}")
-        except ServerError as exc:
-            del self.members[member.rank]
+            if grad is None:
+                grad = np.zeros(self.layout.numel, np.float32)
+        except Exception as exc:  # refused (a ServerError), or out of memory and the like
+            if not isinstance(exc, ServerError):
+                log.error("could not seat worker %d", member.rank, exc_info=exc)
+                exc = InternalServerError(f"the server could not seat rank {member.rank}: {type(exc).__name__}: {exc}")
+            if self.members.get(member.rank) is member:
+                del self.members[member.rank]
             member.connected = False
             on_error(exc)
             return
-        member.grad = np.zeros(self.layout.numel, np.float32) if grad is None else grad
-        member.grad_bytes = memoryview(member.grad).cast("B")
+        member.grad = grad
+        member.grad_bytes = memoryview(grad).cast("B")
         clock = self.policy.join(member.rank)
         member.joined = True
         member.required_version = self.decided_version
@@ -263,6 +270,18 @@ class Engine:
             self._serve_waiting()
         elif not self.started and self.on_membership_change is not None:
             self.on_membership_change()
+
+    def _join_failed(self, member: Member, exc: BaseException, on_error: ErrorCallback) -> None:
+        """Seating ``member`` raised half-way: take back what was done, refuse the INIT."""
+        answered = member.joined and member.waiter is None  # its INIT reply has gone out
+        if member.joined:  # seated in the policy already: it leaves like any other
+            self.leave(member)
+        elif self.members.get(member.rank) is member:
+            del self.members[member.rank]
+            member.connected = False
+        if answered:  # no second reply to one request: the worker learns at its next one
+            return
+        on_error(InternalServerError(f"the server could not seat rank {member.rank}: {type(exc).__name__}: {exc}"))
 
     def _commit_leave(self, member: Member) -> None:
         if not member.joined:
@@ -289,10 +308,15 @@ class Engine:
             eps=config.eps,
             kernels=self.kernels,
         )
-        self.table = ParameterTable(layout, values, optimizer, self._allocate)
-        self.layout = layout
-        if self.policy.aggregates:
-            self.aggregate = Aggregate(layout.numel)
+        # Everything is allocated before anything is kept: a failure (out of
+        # memory) leaves the server without a model, as before.
+        table = ParameterTable(layout, values, optimizer, self._allocate)
+        try:
+            aggregate = Aggregate(layout.numel) if self.policy.aggregates else None
+        except BaseException:
+            table.close()
+            raise
+        self.table, self.layout, self.aggregate = table, layout, aggregate
         log.info(
             "model registered: %d tensors, %d parameters (%.1f MiB); %s; %s",
             len(layout),
@@ -402,12 +426,14 @@ class Engine:
         return result
 
     def gradient_refused(self, rank: int, reason: object) -> ServerError:
-        """A gradient's kernel refused it (``reason`` False) or failed (an exception)."""
+        """A gradient's kernel refused it (``reason`` False), or its job failed (an
+        exception at any step: nothing of it was adopted)."""
         self.stats.rejected += 1
         self.stats.workers[rank].rejected += 1
         if isinstance(reason, BaseException):
-            log.error("update for worker %d failed", rank, exc_info=reason)
-            return InternalServerError(f"the update failed: {reason}")
+            cause = f"{type(reason).__name__}: {reason}"
+            log.error("worker %d: its update failed and changed nothing (%s)", rank, cause)
+            return InternalServerError(f"the update failed and changed nothing: {cause}")
         log.warning("worker %d: rejected a gradient holding NaN or infinity", rank)
         return NonFiniteGradient(
             "the gradient holds NaN or infinity (or would make the weights overflow); "
@@ -419,6 +445,10 @@ class Engine:
         self._pending_aggregates -= 1
         if applied:
             self.stats.published(self.table.version)
+        else:  # the version its workers were promised will not come: the one before it will do
+            decided = self.decided_version
+            for member in self.members.values():
+                member.required_version = min(member.required_version, decided)
         self.policy.aggregate_applied()
         self._serve_waiting()
 

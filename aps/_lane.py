@@ -10,7 +10,11 @@ A join, a leave, a gradient and an aggregate update each become a
 3. ``commit`` (event loop): adopt the results, or throw them away.
 
 Only ``prepare`` and ``commit`` touch bookkeeping, and only on the loop; the
-kernel touches nothing but the arrays ``prepare`` chose. While a large
+kernel touches nothing but the arrays ``prepare`` chose. Every job has a
+failure path the lane always takes: when ``prepare`` or ``commit`` raises
+(a kernel's exception reaches ``commit`` as its result), the lane calls
+``fail``, which gives back what the job claimed and answers whoever waits
+for it; then the next job runs. Nothing a job does can stall the lane. While a large
 gradient streams in, the lane may be *reserved* for it (see
 ``aps._updates.StreamingPush``); any other submission cancels the
 reservation first, so a slow sender never holds up anyone else.
@@ -51,17 +55,26 @@ class Job:
         or the exception it raised."""
         raise NotImplementedError
 
+    def fail(self, exc: BaseException) -> None:
+        """``prepare`` or ``commit`` raised ``exc``: give back what was claimed, answer the waiters."""
+
 
 class CallJob(Job):
-    """A state change without a kernel (a join, a leave): ``fn`` runs at its turn."""
+    """A state change without a kernel (a join, a leave): ``fn`` runs at its turn;
+    ``on_failure(exc)`` if it raises."""
 
-    __slots__ = ("fn",)
+    __slots__ = ("fn", "on_failure")
 
-    def __init__(self, fn: Callable[[], None]) -> None:
+    def __init__(self, fn: Callable[[], None], on_failure: Callable[[BaseException], None] | None = None) -> None:
         self.fn = fn
+        self.on_failure = on_failure
 
     def commit(self, result: object) -> None:
         self.fn()
+
+    def fail(self, exc: BaseException) -> None:
+        if self.on_failure is not None:
+            self.on_failure(exc)
 
 
 class Reservation(Protocol):
@@ -72,10 +85,11 @@ class Reservation(Protocol):
 
 
 def run_kernel(kernel: Kernel) -> object:
-    """``kernel()``, or the exception it raised (reported by the job's commit)."""
+    """``kernel()``, or the exception it raised (logged here; reported by the job's commit)."""
     try:
         return kernel()
     except Exception as exc:
+        log.error("an update kernel failed", exc_info=exc)
         return exc
 
 
@@ -140,9 +154,9 @@ class UpdateLane:
                         self._offload(job.run, lambda result, job=job: self._finished(job, result))
                     else:
                         job.commit(run_kernel(job.run))
-                except Exception:  # a bug in one job must not stall the others
+                except Exception as exc:  # one job's failure must not stall the others
                     self._busy = False
-                    log.exception("internal error in the update lane (%s)", type(job).__name__)
+                    self._fail(job, exc)
         finally:
             self._running = False
 
@@ -150,7 +164,16 @@ class UpdateLane:
         self._busy = False
         try:
             job.commit(result)
-        except Exception:
-            log.exception("internal error in the update lane (%s)", type(job).__name__)
+        except Exception as exc:
+            self._fail(job, exc)
         finally:
             self._run()
+
+    @staticmethod
+    def _fail(job: Job, exc: Exception) -> None:
+        log.error("%s failed in the update lane: %s: %s", type(job).__name__, type(exc).__name__, exc,
+                  exc_info=exc)
+        try:
+            job.fail(exc)
+        except Exception:  # its failure path failed too: what is left of it is lost, the lane goes on
+            log.exception("the failure path of %s failed", type(job).__name__)

@@ -8,6 +8,13 @@ the bookkeeping behind those reports (counters, releases, statistics); the
 jobs do the arithmetic and keep it transactional: every kernel writes its
 results aside (a free slot, the optimizer's spare state, the spare sum), so a
 refusal or a cancellation simply throws them away.
+
+Failure discipline: until a job adopts its results (publishes the slot and
+the optimizer's state, or swaps in the new sum), a failure at any step
+(prepare, kernel, adoption) gives back what it claimed and answers its
+worker with an error; nothing of it remains. An aggregate update that fails
+is reported done but not applied, so the policy's round closes and the next
+one proceeds.
 """
 
 from __future__ import annotations
@@ -76,7 +83,9 @@ class UpdateOwner(Protocol):
 class PushJob(Job):
     """One gradient: plan it (apply, accumulate or drop), run its kernel, commit."""
 
-    __slots__ = ("owner", "member", "grad_version", "arrived", "on_done", "on_error", "plan", "slot", "w_in")
+    __slots__ = (
+        "owner", "member", "grad_version", "arrived", "on_done", "on_error", "plan", "slot", "w_in", "answered"
+    )
 
     def __init__(
         self,
@@ -96,6 +105,7 @@ class PushJob(Job):
         self.plan: Plan | None = None
         self.slot = None
         self.w_in = None
+        self.answered = False
 
     def prepare(self) -> int:
         table = self.owner.table
@@ -119,28 +129,41 @@ class PushJob(Job):
     def commit(self, result: object) -> None:
         owner, table, plan = self.owner, self.owner.table, self.plan
         if result is not True:
-            if self.slot is not None:
-                table.abandon(self.slot)
-            self.on_error(owner.gradient_refused(self.member.rank, result))
+            self.fail(result)
             return
+        # Adoption: the publish comes first (it raises before it changes
+        # anything, if at all); the optimizer's swap of its state cannot fail.
         if plan.kind is PlanKind.APPLY:
-            table.optimizer.commit()
             table.publish(self.slot)
+            self.slot = None  # the table's now
+            table.optimizer.commit()
         elif plan.kind is PlanKind.ACCUMULATE:
             owner.aggregate.adopt()
-        self.on_done(owner.gradient_committed(self.member.rank, plan, self.arrived))
+        result = owner.gradient_committed(self.member.rank, plan, self.arrived)
+        self.answered = True
+        self.on_done(result)
+
+    def fail(self, exc: object) -> None:
+        """Refused (``exc`` False) or failed: give the slot back, tell the worker (once)."""
+        if self.slot is not None:
+            self.owner.table.abandon(self.slot)
+            self.slot = None
+        if not self.answered:
+            self.answered = True
+            self.on_error(self.owner.gradient_refused(self.member.rank, exc))
 
 
 class AggregateJob(Job):
     """Apply the running sum (a closed BSP round, a full softsync buffer), times ``scale``."""
 
-    __slots__ = ("owner", "scale", "slot", "w_in")
+    __slots__ = ("owner", "scale", "slot", "w_in", "reported")
 
     def __init__(self, owner: UpdateOwner, scale: float) -> None:
         self.owner = owner
         self.scale = scale
         self.slot = None
         self.w_in = None
+        self.reported = False
 
     def prepare(self) -> int:
         table = self.owner.table
@@ -154,16 +177,27 @@ class AggregateJob(Job):
 
     def commit(self, result: object) -> None:
         table = self.owner.table
-        if result is True:
-            table.optimizer.commit()
-            table.publish(self.slot)
+        if result is not True:
+            self.fail(result)
+            return
+        table.publish(self.slot)
+        self.slot = None
+        table.optimizer.commit()
+        self.reported = True
+        self.owner.aggregate_committed(True)
+
+    def fail(self, exc: object) -> None:
+        """The update is not applied; the round still ends, so the policy goes on."""
+        if self.slot is not None:
+            self.owner.table.abandon(self.slot)
+            self.slot = None
+        if isinstance(exc, BaseException):
+            log.error("aggregate update failed (%s: %s); the round's gradients are lost", type(exc).__name__, exc)
         else:
-            table.abandon(self.slot)
-            if isinstance(result, BaseException):
-                log.error("aggregate update failed; the round's gradients are lost", exc_info=result)
-            else:
-                log.error("the aggregated gradient would make the weights overflow: update skipped")
-        self.owner.aggregate_committed(result is True)
+            log.error("the aggregated gradient would make the weights overflow: update skipped")
+        if not self.reported:
+            self.reported = True
+            self.owner.aggregate_committed(False)
 
 
 class StreamingPush:
@@ -227,4 +261,8 @@ class StreamingPush:
         """All of it arrived and was applied: commit ``job`` with this result, free the lane."""
         self.lane.unreserve(self)
         job.plan, job.slot = self.plan, self.slot
-        job.commit(True)
+        try:
+            job.commit(True)
+        except Exception as exc:
+            log.error("a streamed push failed to commit: %s: %s", type(exc).__name__, exc, exc_info=exc)
+            job.fail(exc)
