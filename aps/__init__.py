@@ -12,6 +12,7 @@ from .errors import (
     APSTimeoutError,
     ConfigurationError,
     DTypeMismatch,
+    Evicted,
     InitTimeout,
     LayoutMismatch,
     NonFiniteGradient,
@@ -19,6 +20,8 @@ from .errors import (
     RankOutOfRange,
     RankTaken,
     ServerError,
+    ServerSilent,
+    ShuttingDown,
 )
 from .layout import Layout
 from .server import Server
@@ -33,6 +36,7 @@ __all__ = [
     "AsyncWorker",
     "ConfigurationError",
     "DTypeMismatch",
+    "Evicted",
     "InitTimeout",
     "Layout",
     "LayoutMismatch",
@@ -43,6 +47,8 @@ __all__ = [
     "Server",
     "ServerConfig",
     "ServerError",
+    "ServerSilent",
+    "ShuttingDown",
     "Worker",
     "__version__",
 ]

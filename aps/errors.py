@@ -21,6 +21,7 @@ __all__ = [
     "DTypeMismatch",
     "ERROR_CODES",
     "ErrorCode",
+    "Evicted",
     "FrameTooLarge",
     "InitTimeout",
     "InternalServerError",
@@ -34,6 +35,7 @@ __all__ = [
     "RankOutOfRange",
     "RankTaken",
     "ServerError",
+    "ServerSilent",
     "ShuttingDown",
     "UnknownOp",
     "UnsupportedVersion",
@@ -61,6 +63,7 @@ class ErrorCode(IntEnum):
     OUT_OF_ORDER = 14
     SHUTTING_DOWN = 15
     INTERNAL = 16
+    EVICTED = 17
 
 
 class APSError(Exception):
@@ -81,6 +84,12 @@ class InitTimeout(APSTimeoutError):
 
 class APSConnectionError(APSError, ConnectionError):
     """The connection to the server failed or was lost. Recoverable: reconnect."""
+
+
+class ServerSilent(APSTimeoutError, APSConnectionError):
+    """The server sent nothing for ``server_timeout`` seconds while a reply was due:
+    it hung, or its host or the network is gone. The connection is dropped
+    (a ConnectionError: reconnect when it is back)."""
 
 
 class ServerError(APSError):
@@ -199,6 +208,14 @@ class ShuttingDown(ServerError, APSConnectionError):
     code = ErrorCode.SHUTTING_DOWN
 
 
+class Evicted(ServerError, APSConnectionError):
+    """The server dropped this connection: it heard nothing from the worker for
+    ``--heartbeat-timeout`` seconds, or the worker did not read its reply (a
+    frozen or stuck process). ``reconnect()`` rejoins."""
+
+    code = ErrorCode.EVICTED
+
+
 class InternalServerError(ServerError):
     """The server failed unexpectedly while handling the request."""
 
@@ -222,6 +239,7 @@ ERROR_CODES: dict[ErrorCode, type[ServerError]] = {
     ErrorCode.OUT_OF_ORDER: OutOfOrder,
     ErrorCode.SHUTTING_DOWN: ShuttingDown,
     ErrorCode.INTERNAL: InternalServerError,
+    ErrorCode.EVICTED: Evicted,
 }
 
 

@@ -74,6 +74,9 @@ class Op(IntEnum):
     PING_REPLY = 0x86
     STATS_REPLY = 0x87
     HELLO_REPLY = 0x88
+    #: Not a reply: a notice the server sends while it holds a request (a pull
+    #: at the gate, a push in the lane) to say it is alive; no payload.
+    ALIVE = 0xFD
     #: Not a reply: a notice the server sends while an INIT waits for the other
     #: workers (same request id as the INIT); the INIT_REPLY follows later.
     JOIN_PROGRESS = 0xFE

@@ -124,8 +124,7 @@ class Server:
                 self._executor.shutdown(wait=False)
                 raise ConfigurationError(f"cannot listen on {path}: {exc}") from None
             self.unix_path = path
-        if self.config.heartbeat_timeout > 0:
-            self._watchdog = loop.create_task(self._watch_heartbeats(self.config.heartbeat_timeout))
+        self._watchdog = loop.create_task(self._watch_connections(self.config.heartbeat_timeout))
         self._progress = loop.create_task(self._report_join_progress())
         log.info(
             "listening on %s%s: %d workers, sync %s, optimizer %s lr=%g",
@@ -261,13 +260,17 @@ class Server:
         return _Background(self, loop_factory)
 
     # Internals ------------------------------------------------------------
-    async def _watch_heartbeats(self, timeout: float) -> None:
+    async def _watch_connections(self, timeout: float) -> None:
+        """Every second (or a quarter of the heartbeat timeout): notices for held
+        requests, and workers that went silent or stopped reading are dropped
+        (see ServerSession.watch)."""
         loop = asyncio.get_running_loop()
+        period = min(1.0, timeout / 4) if timeout > 0 else 1.0
         while True:
-            await asyncio.sleep(max(0.05, timeout / 4))
+            await asyncio.sleep(max(0.05, period))
             now = loop.time()
             for conn in list(self.connections):
-                conn.check_heartbeat(now, timeout)
+                conn.watch(now, timeout)
 
     async def _report_join_progress(self) -> None:
         """Until training starts, tell the workers waiting in INIT who has joined."""

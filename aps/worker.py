@@ -39,6 +39,7 @@ from .errors import (
     ProtocolError,
     RankTaken,
     ServerError,
+    ServerSilent,
     error_from_code,
 )
 from .layout import Layout
@@ -75,6 +76,7 @@ _ERROR = int(Op.ERROR)
 _REPLY = int(Op.REPLY)
 _INIT_REPLY = int(Op.INIT_REPLY)
 _JOIN_PROGRESS = int(Op.JOIN_PROGRESS)
+_ALIVE = int(Op.ALIVE)
 _DROPPED = int(Flag.DROPPED)
 _RUNNING = int(Flag.RUNNING)
 _FLOAT32 = int(DType.FLOAT32)
@@ -85,6 +87,8 @@ _REQUEST_ID_MASK = 0xFFFFFFFF
 _FIRST_WAIT_NOTE = 5.0  # seconds init waits in silence before it says what it waits for
 _WAIT_NOTE_EVERY = 30.0  # and then how often it says it again
 _FAREWELL_S = 0.5  # how long to look for the server's last words when a send fails
+#: Seconds without a byte from the server, while a reply is due, after which it is taken to be gone.
+DEFAULT_SERVER_TIMEOUT = 60.0
 
 
 def _from_env(address: str | None, rank: int | None, num_workers: int | None) -> tuple[str, int, int]:
@@ -103,9 +107,11 @@ def _from_env(address: str | None, rank: int | None, num_workers: int | None) ->
     return values[0], values[1], values[2]
 
 
-def _check_heartbeat(heartbeat: float | None) -> None:
+def _check_heartbeat(heartbeat: float | None, server_timeout: float | None = None) -> None:
     if heartbeat is not None and heartbeat <= 0:
         raise ConfigurationError(f"heartbeat must be a positive number of seconds or None, got {heartbeat}")
+    if server_timeout is not None and server_timeout <= 0:
+        raise ConfigurationError(f"server_timeout must be a positive number of seconds or None, got {server_timeout}")
 
 
 def _check_transport(transport: str) -> None:
@@ -305,6 +311,10 @@ class _ClientCore:
 
     # Replies (FrameHandler) -------------------------------------------------
     def frame_buffer(self, header: Header) -> memoryview | None:
+        if header.op == _ALIVE:  # the server holds our request and says it is alive
+            if header.length:
+                raise MalformedFrame(f"ALIVE notice with a {header.length}-byte payload")
+            return None
         if header.op == _ERROR or header.op == _JOIN_PROGRESS:
             if header.length > _MAX_ERROR_PAYLOAD:
                 raise MalformedFrame(f"error frame of {header.length} bytes")
@@ -327,6 +337,8 @@ class _ClientCore:
         if header.op == _JOIN_PROGRESS:  # a notice while INIT waits, not its reply
             if header.request_id == self._request_id and self._expect == _INIT_REPLY:
                 self.join_progress = decode_join_progress(payload)
+            return
+        if header.op == _ALIVE:  # its bytes have reset the receive's silence timer: nothing else to do
             return
         if header.op != _ERROR or header.request_id != 0:
             if header.request_id != self._request_id:
@@ -433,8 +445,10 @@ class _WorkerBase:
     def _disconnected(self) -> APSConnectionError:
         """The error for a request on a dropped connection: why it was dropped, when known."""
         reason = getattr(self, "_lost_because", None)
-        if isinstance(reason, ServerError) and isinstance(reason, APSConnectionError):  # ShuttingDown
-            return error_from_code(reason.code, f"{reason.message}; call reconnect() once it is back")
+        if isinstance(reason, ServerError) and isinstance(reason, APSConnectionError):  # ShuttingDown, Evicted
+            return error_from_code(reason.code, f"{reason.message}; call reconnect()")
+        if isinstance(reason, APSConnectionError):  # the same kind of error as when it happened
+            return type(reason)(f"{reason}; call reconnect()")
         why = f" ({reason})" if isinstance(reason, APSError) else ""
         return APSConnectionError(f"the worker is disconnected{why}; call reconnect()")
 
@@ -471,8 +485,17 @@ class Worker(_WorkerBase):
         transport: ``"auto"`` (shared memory when co-located, when available;
             TCP otherwise) or ``"tcp"``.
         connect_timeout: seconds to wait for the TCP connection.
-        timeout: seconds to wait for each reply after ``init`` (None: forever;
-            a sync policy may hold a pull for as long as slower workers need).
+        timeout: seconds to wait for each reply after ``init`` (None: as long as
+            the server is alive; a sync policy may hold a pull for as long as
+            slower workers need).
+        heartbeat: seconds between pings while idle, so the server keeps this
+            worker's seat (None: no pings).
+        server_timeout: seconds without a byte from the server while a reply is
+            due, after which it is taken to have hung or gone: the request
+            raises :class:`aps.ServerSilent` (a ``TimeoutError`` and a
+            ``ConnectionError``) instead of blocking forever. The server says
+            it is alive every few seconds while it holds a request (None: wait
+            forever).
 
     Raises:
         ConfigurationError: bad address, rank or transport.
@@ -497,25 +520,28 @@ class Worker(_WorkerBase):
         connect_timeout: float | None = 30.0,
         timeout: float | None = None,
         heartbeat: float | None = 5.0,
+        server_timeout: float | None = DEFAULT_SERVER_TIMEOUT,
     ) -> None:
         _check_transport(transport)
-        _check_heartbeat(heartbeat)
+        _check_heartbeat(heartbeat, server_timeout)
         address, rank, num_workers = _from_env(address, rank, num_workers)
         self._parsed = parse_address(address)
         self.address = str(self._parsed)
         self._core = _ClientCore(rank, num_workers)
         self._connect_timeout = connect_timeout
         self.timeout = timeout
-        self._lock = threading.RLock()  # one request at a time, heartbeats included
+        self.server_timeout = server_timeout
+        # One request at a time, heartbeats included: a request is built (its id
+        # taken) and sent and answered under this lock.
+        self._lock = threading.RLock()
         self._last_io = time.monotonic()
         self._conn: BlockingConnection | ShmConnection | None = self._open(transport)
         #: "shm" or "tcp": what this worker uses (``transport="auto"`` decides at connection).
         self.transport = "shm" if self._core.shm is not None else "tcp"
         self._stop = threading.Event()
-        if heartbeat is not None:
-            threading.Thread(
-                target=_heartbeats, args=(weakref.ref(self), self._stop, heartbeat), name="aps-heartbeat", daemon=True
-            ).start()
+        self._heartbeat = heartbeat
+        self._heartbeat_thread: threading.Thread | None = None
+        self._start_heartbeat()
 
     @classmethod
     def from_env(cls, **options: Any) -> Worker:
@@ -544,7 +570,7 @@ class Worker(_WorkerBase):
                 the server refused the join.
         """
         try:
-            self._roundtrip(self._core.init_request(params), timeout, waiting=self._note_init_wait)
+            self._roundtrip(lambda: self._core.init_request(params), timeout, waiting=self._note_init_wait)
         except APSTimeoutError:
             raise self._init_timeout(timeout) from None
         self._note_joined(params)
@@ -552,7 +578,7 @@ class Worker(_WorkerBase):
 
     def pull(self) -> Mapping[str, np.ndarray]:
         """Wait until the sync policy releases this worker; return the newest weights (views)."""
-        self._roundtrip(self._core.pull_request())
+        self._roundtrip(lambda: self._core.pull_request())
         return self._core.weights
 
     def push(self, grads: Mapping[str, np.ndarray] | np.ndarray) -> None:
@@ -562,16 +588,16 @@ class Worker(_WorkerBase):
             grads: mapping of name to float32 array matching the model, a flat
                 float32 array of the model's size, or :attr:`grads` itself.
         """
-        self._roundtrip(self._core.push_request(grads, then_pull=False))
+        self._roundtrip(lambda: self._core.push_request(grads, then_pull=False))
 
     def push_pull(self, grads: Mapping[str, np.ndarray] | np.ndarray) -> Mapping[str, np.ndarray]:
         """:meth:`push` then :meth:`pull` in one round trip."""
-        self._roundtrip(self._core.push_request(grads, then_pull=True))
+        self._roundtrip(lambda: self._core.push_request(grads, then_pull=True))
         return self._core.weights
 
     def ping(self) -> int:
         """One empty round trip; returns the server's version."""
-        return self._roundtrip(self._core.simple_request(Op.PING)).version
+        return self._roundtrip(lambda: self._core.simple_request(Op.PING)).version
 
     def reconnect(self, *, timeout: float | None = 60.0) -> Mapping[str, np.ndarray]:
         """Open a new connection and rejoin under the same rank; returns the newest weights.
@@ -585,11 +611,14 @@ class Worker(_WorkerBase):
                 self._disconnect()
                 self._conn = self._open(self.transport)
             try:
-                return self.init(None, timeout=timeout)  # type: ignore[arg-type]
+                weights = self.init(None, timeout=timeout)  # type: ignore[arg-type]
             except RankTaken:
                 if time.monotonic() > deadline:
                     raise
                 time.sleep(0.05)
+                continue
+            self._start_heartbeat()  # the old connection's heartbeat stopped with it
+            return weights
 
     def close(self) -> None:
         """Leave the training (the server stops counting this worker) and disconnect."""
@@ -598,7 +627,7 @@ class Worker(_WorkerBase):
             return
         if self._core.joined:
             try:
-                self._roundtrip(self._core.simple_request(Op.LEAVE), 5.0)
+                self._roundtrip(lambda: self._core.simple_request(Op.LEAVE), 5.0)
             except APSError:
                 pass
         with self._lock:
@@ -619,15 +648,16 @@ class Worker(_WorkerBase):
         self.close()
 
     # Internals ------------------------------------------------------------
-    def _roundtrip(self, buffers: list, timeout: float | None = ..., *, waiting=None) -> Header:
-        """Send a request and return its reply. ``waiting(seconds)`` is called now
-        and then while the reply takes long (see :meth:`_receive_patiently`)."""
+    def _roundtrip(self, request, timeout: float | None = ..., *, waiting=None) -> Header:
+        """Build a request with ``request()``, send it, return its reply. ``waiting(seconds)``
+        is called now and then while the reply takes long (see :meth:`_receive_patiently`)."""
         if timeout is ...:
             timeout = self.timeout
         with self._lock:
             conn, core = self._conn, self._core
             if conn is None:
                 raise self._disconnected()
+            buffers = request()  # under the lock: its request id is the one the reply will carry
             try:
                 try:
                     conn.send(buffers, core.take_fds())
@@ -635,7 +665,7 @@ class Worker(_WorkerBase):
                     _farewell(conn, core)
                     raise
                 if waiting is None:
-                    conn.receive(core.reader, core.has_reply, timeout)
+                    conn.receive(core.reader, core.has_reply, timeout, self.server_timeout)
                 else:
                     self._receive_patiently(conn, timeout, waiting)
             except BaseException as exc:
@@ -657,7 +687,9 @@ class Worker(_WorkerBase):
         patience = _Patience(timeout, waiting)
         while True:
             try:
-                return conn.receive(self._core.reader, self._core.has_reply, patience.next_wait())
+                return conn.receive(self._core.reader, self._core.has_reply, patience.next_wait(), self.server_timeout)
+            except ServerSilent:
+                raise
             except APSTimeoutError:
                 if patience.expired():
                     raise
@@ -665,7 +697,7 @@ class Worker(_WorkerBase):
     def _open(self, transport: str) -> BlockingConnection | ShmConnection:
         """Connect by ``transport``: shared memory when asked or when ``auto`` finds
         the server on this host, TCP otherwise."""
-        tcp = BlockingConnection(self._parsed.host, self._parsed.port, self._connect_timeout)
+        tcp = BlockingConnection(self._parsed.host, self._parsed.port, self._connect_timeout, self.server_timeout)
         if transport == "tcp":
             self._core.shm = None
             return tcp
@@ -695,6 +727,17 @@ class Worker(_WorkerBase):
             raise ConfigurationError(f"the server at {self.address} {where}: use transport='tcp' or 'auto'")
         return tcp
 
+    def _start_heartbeat(self) -> None:
+        """Start the heartbeat thread, unless there is none to run or it still runs."""
+        thread = self._heartbeat_thread
+        if self._heartbeat is None or self._stop.is_set() or (thread is not None and thread.is_alive()):
+            return
+        self._heartbeat_thread = threading.Thread(
+            target=_heartbeats, args=(weakref.ref(self), self._stop, self._heartbeat), name="aps-heartbeat",
+            daemon=True,
+        )
+        self._heartbeat_thread.start()
+
     def _ping_if_idle(self, interval: float) -> bool:
         """Heartbeat: one PING when nothing was sent for ``interval`` seconds. False: stop."""
         if self._conn is None:
@@ -703,7 +746,7 @@ class Worker(_WorkerBase):
             return True  # a request is in flight: the server knows we are here
         try:
             if self._conn is not None and time.monotonic() - self._last_io >= interval:
-                self._roundtrip(self._core.simple_request(Op.PING), max(interval, 1.0) * 6)
+                self._roundtrip(lambda: self._core.simple_request(Op.PING), max(interval, 1.0) * 6)
         except APSError as exc:
             log.warning("rank %d: heartbeat failed: %s", self.rank, exc)
             return False
@@ -729,17 +772,26 @@ class AsyncWorker(_WorkerBase):
     """
 
     def __init__(
-        self, conn: AsyncConnection, core: _ClientCore, address: str, timeout: float | None, connect_timeout: float | None
+        self,
+        conn: AsyncConnection,
+        core: _ClientCore,
+        address: str,
+        timeout: float | None,
+        connect_timeout: float | None,
+        server_timeout: float | None = DEFAULT_SERVER_TIMEOUT,
     ) -> None:
         self._conn: AsyncConnection | None = conn
         self._core = core
         self.address = address
         self._parsed = parse_address(address)
         self.timeout = timeout
+        self.server_timeout = server_timeout
         self._connect_timeout = connect_timeout
         self._lock = asyncio.Lock()  # one request at a time, heartbeats included
         self._last_io = time.monotonic()
+        self._heartbeat: float | None = None
         self._heartbeat_task: asyncio.Task | None = None
+        self._closed = False
 
     @classmethod
     async def connect(
@@ -752,41 +804,42 @@ class AsyncWorker(_WorkerBase):
         connect_timeout: float | None = 30.0,
         timeout: float | None = None,
         heartbeat: float | None = 5.0,
+        server_timeout: float | None = DEFAULT_SERVER_TIMEOUT,
     ) -> AsyncWorker:
         _check_transport(transport)
         if transport == "shm":
             raise ConfigurationError("AsyncWorker speaks TCP only; use aps.Worker for shared memory")
-        _check_heartbeat(heartbeat)
+        _check_heartbeat(heartbeat, server_timeout)
         parsed = parse_address(address)
         core = _ClientCore(rank, num_workers)
-        conn = await AsyncConnection.open(parsed.host, parsed.port, connect_timeout)
-        worker = cls(conn, core, str(parsed), timeout, connect_timeout)
-        if heartbeat is not None:
-            worker._heartbeat_task = asyncio.get_running_loop().create_task(worker._heartbeats(heartbeat))
+        conn = await AsyncConnection.open(parsed.host, parsed.port, connect_timeout, server_timeout)
+        worker = cls(conn, core, str(parsed), timeout, connect_timeout, server_timeout)
+        worker._heartbeat = heartbeat
+        worker._start_heartbeat()
         return worker
 
     async def init(self, params: Mapping[str, Any], *, timeout: float | None = 300.0) -> Mapping[str, np.ndarray]:
         """See :meth:`Worker.init`."""
         try:
-            await self._roundtrip(self._core.init_request(params), timeout, waiting=self._note_init_wait)
+            await self._roundtrip(lambda: self._core.init_request(params), timeout, waiting=self._note_init_wait)
         except APSTimeoutError:
             raise self._init_timeout(timeout) from None
         self._note_joined(params)
         return self._core.weights
 
     async def pull(self) -> Mapping[str, np.ndarray]:
-        await self._roundtrip(self._core.pull_request())
+        await self._roundtrip(lambda: self._core.pull_request())
         return self._core.weights
 
     async def push(self, grads) -> None:
-        await self._roundtrip(self._core.push_request(grads, then_pull=False))
+        await self._roundtrip(lambda: self._core.push_request(grads, then_pull=False))
 
     async def push_pull(self, grads) -> Mapping[str, np.ndarray]:
-        await self._roundtrip(self._core.push_request(grads, then_pull=True))
+        await self._roundtrip(lambda: self._core.push_request(grads, then_pull=True))
         return self._core.weights
 
     async def ping(self) -> int:
-        return (await self._roundtrip(self._core.simple_request(Op.PING))).version
+        return (await self._roundtrip(lambda: self._core.simple_request(Op.PING))).version
 
     async def reconnect(self, *, timeout: float | None = 60.0) -> Mapping[str, np.ndarray]:
         """See :meth:`Worker.reconnect`."""
@@ -794,15 +847,21 @@ class AsyncWorker(_WorkerBase):
         while True:
             async with self._lock:
                 self._disconnect()
-                self._conn = await AsyncConnection.open(self._parsed.host, self._parsed.port, self._connect_timeout)
+                self._conn = await AsyncConnection.open(
+                    self._parsed.host, self._parsed.port, self._connect_timeout, self.server_timeout
+                )
             try:
-                return await self.init(None, timeout=timeout)  # type: ignore[arg-type]
+                weights = await self.init(None, timeout=timeout)  # type: ignore[arg-type]
             except RankTaken:
                 if time.monotonic() > deadline:
                     raise
                 await asyncio.sleep(0.05)
+                continue
+            self._start_heartbeat()
+            return weights
 
     async def close(self) -> None:
+        self._closed = True
         if self._heartbeat_task is not None:
             self._heartbeat_task.cancel()
             self._heartbeat_task = None
@@ -810,7 +869,7 @@ class AsyncWorker(_WorkerBase):
             return
         if self._core.joined:
             try:
-                await self._roundtrip(self._core.simple_request(Op.LEAVE), 5.0)
+                await self._roundtrip(lambda: self._core.simple_request(Op.LEAVE), 5.0)
             except APSError:
                 pass
         self._disconnect()
@@ -821,17 +880,18 @@ class AsyncWorker(_WorkerBase):
     async def __aexit__(self, *exc) -> None:
         await self.close()
 
-    async def _roundtrip(self, buffers: list, timeout: float | None = ..., *, waiting=None) -> Header:
+    async def _roundtrip(self, request, timeout: float | None = ..., *, waiting=None) -> Header:
         if timeout is ...:
             timeout = self.timeout
         async with self._lock:
             conn, core = self._conn, self._core
             if conn is None:
                 raise self._disconnected()
+            buffers = request()  # under the lock: its request id is the one the reply will carry
             try:
                 await conn.send(buffers)
                 if waiting is None:
-                    await conn.receive(core.reader, core.has_reply, timeout)
+                    await conn.receive(core.reader, core.has_reply, timeout, self.server_timeout)
                 else:
                     await self._receive_patiently(conn, timeout, waiting)
             except BaseException as exc:
@@ -853,16 +913,27 @@ class AsyncWorker(_WorkerBase):
         patience = _Patience(timeout, waiting)
         while True:
             try:
-                return await conn.receive(self._core.reader, self._core.has_reply, patience.next_wait())
+                return await conn.receive(
+                    self._core.reader, self._core.has_reply, patience.next_wait(), self.server_timeout
+                )
+            except ServerSilent:
+                raise
             except APSTimeoutError:
                 if patience.expired():
                     raise
+
+    def _start_heartbeat(self) -> None:
+        """Start the heartbeat task, unless there is none to run or it still runs."""
+        task = self._heartbeat_task
+        if self._heartbeat is None or self._closed or (task is not None and not task.done()):
+            return
+        self._heartbeat_task = asyncio.get_running_loop().create_task(self._heartbeats(self._heartbeat))
 
     async def _heartbeats(self, interval: float) -> None:
         try:
             while self._conn is not None:
                 await asyncio.sleep(interval / 2)
                 if not self._lock.locked() and time.monotonic() - self._last_io >= interval:
-                    await self._roundtrip(self._core.simple_request(Op.PING), max(interval, 1.0) * 6)
+                    await self._roundtrip(lambda: self._core.simple_request(Op.PING), max(interval, 1.0) * 6)
         except APSError as exc:
             log.warning("rank %d: heartbeat failed: %s", self.rank, exc)

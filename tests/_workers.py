@@ -135,3 +135,20 @@ def torch_bsp_worker(address: str, rank: int, workers: int, steps: int, batch: i
             F.cross_entropy(model(x), y).backward()
             opt.step()
         return rank, opt.version, [p.detach().numpy().copy() for p in model.parameters()]
+
+
+def steady_worker(address: str, rank: int, workers: int, numel: int, transport: str, steps, errors, stop):
+    """Pushes and pulls until ``stop`` is set, counting its steps in ``steps[rank]``. An error
+    (the server dropped it) is put on ``errors`` as ``(rank, class name, message)``; then it
+    rejoins with reconnect() and goes on."""
+    worker = aps.Worker(address, rank, workers, transport=transport, heartbeat=0.2)
+    worker.init({"w": np.zeros(numel, np.float32)})
+    while not stop.is_set():
+        try:
+            worker.push_pull(worker.grads)
+            steps[rank] += 1
+            time.sleep(0.01)
+        except aps.APSError as exc:
+            errors.put((rank, type(exc).__name__, str(exc)))
+            worker.reconnect()
+    worker.close()

@@ -6,7 +6,7 @@ import socket
 import time
 from collections.abc import Callable, Sequence
 
-from ..errors import APSConnectionError, APSTimeoutError, MalformedFrame, error_from_code
+from ..errors import APSConnectionError, APSError, APSTimeoutError, MalformedFrame, ServerSilent, error_from_code
 from ..protocol import Header, Op, decode_error, pack_header
 from .framing import FrameReader
 from .segments import scm_rights
@@ -45,6 +45,12 @@ class ClientSocket:
 
     def _no_reply(self, timeout: float | None) -> APSTimeoutError:
         return APSTimeoutError(f"no reply from {self.address} within {timeout} s")
+
+    def _silent(self, idle: float | None) -> ServerSilent:
+        return ServerSilent(
+            f"the server at {self.address} has sent nothing for {idle:g} s while a reply was due: "
+            "it hung, or its host or the network is gone"
+        )
 
     def close(self) -> None:
         try:
@@ -88,26 +94,35 @@ class BlockingSocket(ClientSocket):
         except OSError as exc:
             raise self._lost(exc) from None
 
-    def receive(self, reader: FrameReader, done: Callable[[], bool], timeout: float | None = None) -> None:
-        """Read into ``reader`` until ``done()``, for at most ``timeout`` seconds in all."""
+    def receive(
+        self, reader: FrameReader, done: Callable[[], bool], timeout: float | None = None, idle: float | None = None
+    ) -> None:
+        """Read into ``reader`` until ``done()``: for at most ``timeout`` seconds in all
+        (APSTimeoutError), and with at most ``idle`` seconds without a byte (ServerSilent)."""
         sock = self.sock
         deadline = None if timeout is None else time.monotonic() + timeout
         try:
             while not done():
+                wait = idle
                 if deadline is not None:  # the whole wait is bounded, not each read
-                    self._timeout = remaining = deadline - time.monotonic()
+                    remaining = deadline - time.monotonic()
                     if remaining <= 0:
-                        raise TimeoutError
-                    sock.settimeout(remaining)
-                elif self._timeout is not None:  # settimeout costs a system call: only on change
-                    sock.settimeout(None)
-                    self._timeout = None
-                nbytes = self._recv_into(reader.get_buffer())
+                        raise self._no_reply(timeout)
+                    wait = remaining if wait is None else min(wait, remaining)
+                if wait != self._timeout:  # settimeout costs a system call: only on change
+                    sock.settimeout(wait)
+                    self._timeout = wait
+                try:
+                    nbytes = self._recv_into(reader.get_buffer())
+                except TimeoutError:
+                    if deadline is not None and time.monotonic() >= deadline:
+                        raise self._no_reply(timeout) from None
+                    raise self._silent(idle) from None
                 if not nbytes:
                     raise self._closed_by_server()
                 reader.buffer_updated(nbytes)
-        except TimeoutError:
-            raise self._no_reply(timeout) from None
+        except APSError:  # ours already (timeouts, a closed connection)
+            raise
         except OSError as exc:
             raise self._lost(exc) from None
 

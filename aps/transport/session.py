@@ -19,6 +19,7 @@ import numpy as np
 
 from ..errors import (
     DTypeMismatch,
+    Evicted,
     InternalServerError,
     MalformedFrame,
     NotInitialized,
@@ -52,6 +53,11 @@ __all__ = ["ServerSession", "dtype_name"]
 
 log = logging.getLogger("aps.server")
 
+#: While the server holds a request (a pull at the gate, a push in the lane),
+#: it tells the worker this often that it is alive (an ALIVE notice), or every
+#: third of the heartbeat timeout if that is shorter.
+ALIVE_EVERY_S = 5.0
+
 _INIT_HEAD_BYTES = 16
 _GRADIENT_OPS = frozenset({Op.PUSH, Op.PUSH_PULL})
 _FLOAT32 = int(DType.FLOAT32)
@@ -68,9 +74,10 @@ class ServerSession:
     """Requests and replies of one connection; subclasses move the bytes.
 
     Subclasses implement :meth:`_can_write`, :meth:`_write`,
-    :meth:`_send_weights`, :meth:`close`, :meth:`_pause_reading`,
-    :meth:`_resume_reading` and :meth:`_gradient_destination`, and call
-    :meth:`_bytes_arrived` and :meth:`_connection_lost`.
+    :meth:`_send_weights`, :meth:`close`, :meth:`abort`, :meth:`_unsent`,
+    :meth:`_pause_reading`, :meth:`_resume_reading` and
+    :meth:`_gradient_destination`, and call :meth:`_bytes_arrived`,
+    :meth:`_output_drained` and :meth:`_connection_lost`.
 
     Args:
         engine: the server's engine.
@@ -100,7 +107,14 @@ class ServerSession:
         self._fatal_sent = False
         self._lost = False
         self._silenced = False  # the server is shutting down: no more replies
-        self.last_heard = self._loop.time()
+        now = self._loop.time()
+        # Liveness (see watch()): when the worker last sent a byte or was answered,
+        # whether the server holds one of its requests, and how its reply drains.
+        self.last_heard = now
+        self._open_request = False
+        self._last_notice = now
+        self._unsent_seen = -1
+        self._drain_seen = now
         # A large gradient's update, computed while it arrives when the engine allows it.
         self._stream: StreamingPush | None = None
         # The request being handled (a session handles one at a time).
@@ -145,6 +159,15 @@ class ServerSession:
         raise NotImplementedError
 
     def close(self) -> None:
+        """Close after what is written has left."""
+        raise NotImplementedError
+
+    def abort(self) -> None:
+        """Close at once, dropping whatever is still unsent."""
+        raise NotImplementedError
+
+    def _unsent(self) -> int:
+        """Bytes written and not yet taken by the socket."""
         raise NotImplementedError
 
     def _release_leases(self) -> None:
@@ -187,6 +210,8 @@ class ServerSession:
     def _output_drained(self) -> None:
         """Everything written so far has left: a request that finished meanwhile lets the next frame in."""
         self._writing = False
+        if not self._open_request:  # the worker has its reply: its own time starts now
+            self.last_heard = self._loop.time()
         self._release_leases()
         if self._deferred:
             self._deferred = False
@@ -206,20 +231,57 @@ class ServerSession:
     def notify_join_progress(self, payload: bytes) -> None:
         """Tell a worker whose INIT waits for the others how many have joined (a JOIN_PROGRESS notice)."""
         member = self.member
-        if member is None or not self.engine.waiting_to_start(member) or not self._can_write() or self._silenced:
-            return
-        frame = pack_header(Op.JOIN_PROGRESS, 0, 0, self._rid, 0, 0, len(payload)) + payload
-        self._traffic.bytes_out += len(frame)
-        self._write(frame)
+        if member is not None and self.engine.waiting_to_start(member) and not self._writing:
+            self._notice(Op.JOIN_PROGRESS, payload)
 
-    def check_heartbeat(self, now: float, timeout: float) -> None:
-        """Close the connection if the peer has been silent for ``timeout`` seconds
-        while none of its requests is pending (a request waiting at the gate counts
-        as alive: the wait is the server's)."""
-        if self.reader.held or self._lost or now - self.last_heard <= timeout:
+    def watch(self, now: float, timeout: float) -> None:
+        """Liveness, checked by the server every second or so (``timeout``: the
+        heartbeat timeout, 0 for none).
+
+        - While the server holds a request of this worker (its wait is the
+          server's: a pull at the gate, a push in the lane, an INIT waiting for
+          the others), it says it is alive every ALIVE_EVERY_S seconds.
+        - A reply that has made no progress leaving for ``timeout`` seconds: the
+          worker does not read (stopped, hung, or its host is gone): it is
+          dropped, whatever the reply's size.
+        - A worker that sent nothing for ``timeout`` seconds since its last
+          reply is dropped. A dropped worker leaves the live set at once.
+        """
+        if self._lost:
             return
-        log.warning("%s: nothing heard for %.0f s (missed heartbeats): closing", self._who(), now - self.last_heard)
+        if self._open_request:
+            every = min(ALIVE_EVERY_S, timeout / 3) if timeout > 0 else ALIVE_EVERY_S
+            if now - self._last_notice >= every and not self._writing:
+                self._notice(Op.ALIVE)
+            return
+        if timeout <= 0:
+            return
+        if self._writing:
+            unsent = self._unsent()
+            if unsent != self._unsent_seen:
+                self._unsent_seen, self._drain_seen = unsent, now
+            elif now - self._drain_seen > timeout:
+                self._evict(f"read nothing of its reply for {now - self._drain_seen:.0f} s", abort=True)
+            return
+        if now - self.last_heard > timeout:
+            self._evict(f"sent nothing for {now - self.last_heard:.0f} s (missed heartbeats)", abort=False)
+
+    def _evict(self, reason: str, *, abort: bool) -> None:
+        log.warning("%s: %s: dropping it (it may rejoin)", self._who(), reason)
+        if abort:  # its socket takes nothing more: telling it is impossible
+            self.abort()
+            return
+        self._reply_error(0, Evicted(f"the server dropped this connection: the worker {reason}; reconnect() rejoins"))
         self.close()
+
+    def _notice(self, op: int, payload: bytes = b"") -> None:
+        """A frame for the open request that does not answer it (ALIVE, JOIN_PROGRESS)."""
+        if not self._can_write() or self._silenced:
+            return
+        frame = pack_header(op, 0, 0, self._rid, 0, 0, len(payload)) + payload
+        self._traffic.bytes_out += len(frame)
+        self._last_notice = self._loop.time()
+        self._write(frame)
 
     # FrameHandler ---------------------------------------------------------
     def frame_buffer(self, header: Header) -> memoryview | None:
@@ -266,6 +328,8 @@ class ServerSession:
             return
         # One request at a time: later frames wait in the reader until _done().
         self.reader.hold()
+        self._open_request = True
+        self._last_notice = self._loop.time()
         self._rid = header.request_id
         self._dispatching = True
         try:
@@ -397,6 +461,9 @@ class ServerSession:
         Not before the reply has left, though: a client that sends requests
         without reading replies would otherwise pin a snapshot slot per reply.
         """
+        self._open_request = False
+        self.last_heard = self._loop.time()  # answered: the worker's own time starts now
+        self._unsent_seen = -1
         if self._writing:
             self._deferred = True
         elif self._dispatching:

@@ -183,7 +183,14 @@ class ShmSession(ServerSession):
 
     # ServerSession transport interface ------------------------------------------------
     def close(self) -> None:
+        self._flush()  # what the socket can still take (a last error frame)
         self._teardown(None)
+
+    def abort(self) -> None:
+        self._teardown(None)
+
+    def _unsent(self) -> int:
+        return sum(len(data) for data, _ in self._out)
 
     def _can_write(self) -> bool:
         return not self._lost and self.sock.fileno() >= 0

@@ -12,9 +12,9 @@ import asyncio
 import socket
 from collections.abc import Callable, Sequence
 
-from ..errors import APSConnectionError, APSTimeoutError
+from ..errors import APSConnectionError, APSError, APSTimeoutError
 from ._client import IOV_MAX, BlockingSocket, ClientSocket, advance
-from ._sockets import set_nodelay
+from ._sockets import set_keepalive, set_nodelay
 from .framing import FrameReader
 
 __all__ = ["AsyncConnection", "BlockingConnection"]
@@ -27,7 +27,9 @@ class BlockingConnection(BlockingSocket):
     connection drops, and APSTimeoutError when a wait runs out.
     """
 
-    def __init__(self, host: str, port: int, connect_timeout: float | None = 30.0) -> None:
+    def __init__(
+        self, host: str, port: int, connect_timeout: float | None = 30.0, keepalive: float | None = None
+    ) -> None:
         try:
             sock = socket.create_connection((host, port), timeout=connect_timeout)
         except TimeoutError:
@@ -35,6 +37,7 @@ class BlockingConnection(BlockingSocket):
         except OSError as exc:
             raise APSConnectionError(f"cannot connect to tcp://{host}:{port}: {exc.strerror or exc}") from None
         set_nodelay(sock)
+        set_keepalive(sock, keepalive)
         super().__init__(sock, f"tcp://{host}:{port}")
 
 
@@ -46,7 +49,9 @@ class AsyncConnection(ClientSocket):
         self.address = address
 
     @classmethod
-    async def open(cls, host: str, port: int, connect_timeout: float | None = 30.0) -> AsyncConnection:
+    async def open(
+        cls, host: str, port: int, connect_timeout: float | None = 30.0, keepalive: float | None = None
+    ) -> AsyncConnection:
         loop = asyncio.get_running_loop()
         try:
             infos = await loop.getaddrinfo(host, port, type=socket.SOCK_STREAM)
@@ -63,6 +68,7 @@ class AsyncConnection(ClientSocket):
         except OSError as exc:
             raise APSConnectionError(f"cannot connect to tcp://{host}:{port}: {exc.strerror or exc}") from None
         set_nodelay(sock)
+        set_keepalive(sock, keepalive)
         return cls(sock, f"tcp://{host}:{port}")
 
     async def send(self, buffers: Sequence) -> None:
@@ -80,19 +86,30 @@ class AsyncConnection(ClientSocket):
         except OSError as exc:
             raise self._lost(exc) from None
 
-    async def receive(self, reader: FrameReader, done: Callable[[], bool], timeout: float | None = None) -> None:
+    async def receive(
+        self, reader: FrameReader, done: Callable[[], bool], timeout: float | None = None, idle: float | None = None
+    ) -> None:
+        """See :meth:`aps.transport._client.BlockingSocket.receive`."""
         loop = asyncio.get_running_loop()
-
-        async def read() -> None:
+        deadline = None if timeout is None else loop.time() + timeout
+        try:
             while not done():
-                nbytes = await loop.sock_recv_into(self.sock, reader.get_buffer())
+                wait = idle
+                if deadline is not None:
+                    remaining = deadline - loop.time()
+                    if remaining <= 0:
+                        raise self._no_reply(timeout)
+                    wait = remaining if wait is None else min(wait, remaining)
+                try:
+                    nbytes = await asyncio.wait_for(loop.sock_recv_into(self.sock, reader.get_buffer()), wait)
+                except TimeoutError:
+                    if deadline is not None and loop.time() >= deadline:
+                        raise self._no_reply(timeout) from None
+                    raise self._silent(idle) from None
                 if not nbytes:
                     raise self._closed_by_server()
                 reader.buffer_updated(nbytes)
-
-        try:
-            await asyncio.wait_for(read(), timeout)
-        except asyncio.TimeoutError:
-            raise self._no_reply(timeout) from None
+        except APSError:  # ours already (timeouts, a closed connection)
+            raise
         except OSError as exc:
             raise self._lost(exc) from None

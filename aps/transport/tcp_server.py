@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING
 
 from ..errors import PayloadSizeMismatch
 from ..protocol import HEADER_SIZE, DType, Header, pack_header
-from ._sockets import set_nodelay
+from ._sockets import set_keepalive, set_nodelay
 from .session import ServerSession
 
 if TYPE_CHECKING:
@@ -45,7 +45,9 @@ class TcpSession(ServerSession, asyncio.BufferedProtocol):
     # asyncio callbacks ----------------------------------------------------
     def connection_made(self, transport: asyncio.Transport) -> None:
         self.transport = transport
-        set_nodelay(transport.get_extra_info("socket"))
+        sock = transport.get_extra_info("socket")
+        set_nodelay(sock)
+        set_keepalive(sock, self.engine.config.heartbeat_timeout)
         # A high-water mark of 0 turns pause_writing/resume_writing into an
         # "everything sent" signal: leases on snapshot slots end there.
         transport.set_write_buffer_limits(high=0)
@@ -76,6 +78,13 @@ class TcpSession(ServerSession, asyncio.BufferedProtocol):
     def close(self) -> None:
         if self.transport is not None and not self.transport.is_closing():
             self.transport.close()
+
+    def abort(self) -> None:
+        if self.transport is not None:
+            self.transport.abort()
+
+    def _unsent(self) -> int:
+        return self.transport.get_write_buffer_size() if self.transport is not None else 0
 
     def _can_write(self) -> bool:
         return self.transport is not None and not self.transport.is_closing()

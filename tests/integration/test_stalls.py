@@ -1,0 +1,122 @@
+"""Nobody stalls on a stuck peer: a frozen worker (SIGSTOP), a reader that never drains its
+reply, a worker killed in the middle of a reply. Real server and worker processes."""
+
+import os
+import signal
+import threading
+import time
+
+import numpy as np
+import pytest
+
+import aps
+from aps.protocol import Op
+from tests import _workers
+from tests.helpers import SPAWN, RawClient
+
+HEARTBEAT = 2.0
+
+
+class Cluster:
+    """A real server and ``workers`` steady worker processes."""
+
+    def __init__(self, server_process, sync: list[str], workers: int, numel: int, transport: str) -> None:
+        self.server = server_process("--workers", str(workers), *sync, "--heartbeat-timeout", str(HEARTBEAT),
+                                     "--lr", "0")
+        self.steps = SPAWN.Array("q", workers, lock=False)
+        self.errors = SPAWN.Queue()
+        self.stop = SPAWN.Event()
+        self.procs = [
+            SPAWN.Process(target=_workers.steady_worker, daemon=True,
+                          args=(self.server.address, r, workers, numel, transport, self.steps, self.errors, self.stop))
+            for r in range(workers)
+        ]
+        for p in self.procs:
+            p.start()
+
+    def wait_steps(self, ranks, more: int, timeout: float) -> float:
+        """Seconds until every rank in ``ranks`` has taken ``more`` further steps (AssertionError after ``timeout``)."""
+        start = time.monotonic()
+        goal = {r: self.steps[r] + more for r in ranks}
+        while not all(self.steps[r] >= goal[r] for r in ranks):
+            assert time.monotonic() - start < timeout, f"steps {list(self.steps)}, goal {goal}"
+            time.sleep(0.01)
+        return time.monotonic() - start
+
+    def close(self) -> None:
+        self.stop.set()
+        for p in self.procs:
+            if p.is_alive():
+                os.kill(p.pid, signal.SIGCONT)
+            p.join(10)
+            if p.is_alive():
+                p.kill()
+                p.join()
+
+
+@pytest.mark.parametrize("sync", [["--sync", "bsp"], ["--sync", "ssp", "--staleness", "1"]], ids=["bsp", "ssp"])
+@pytest.mark.parametrize("numel, transport", [(1024, "tcp"), (1024, "shm"), (16 << 20, "tcp")],
+                         ids=["4KiB-tcp", "4KiB-shm", "64MiB-tcp"])
+def test_a_frozen_worker_is_dropped_and_the_others_go_on(server_process, sync, numel, transport):
+    cluster = Cluster(server_process, sync, 3, numel, transport)
+    try:
+        cluster.wait_steps(range(3), 3, timeout=60)
+        os.kill(cluster.procs[2].pid, signal.SIGSTOP)
+        frozen = time.monotonic()
+        # the others stop (BSP, SSP: they wait for the slowest) until the server drops the frozen one
+        waited = cluster.wait_steps([0, 1], 10, timeout=HEARTBEAT + 10)
+        log = cluster.server.log()
+        assert "dropping it (it may rejoin)" in log and "worker 2 left" in log
+        print(f"the others went on {waited:.2f} s after the freeze (heartbeat timeout {HEARTBEAT} s)")
+        os.kill(cluster.procs[2].pid, signal.SIGCONT)  # it wakes up, hears why, and rejoins
+        rank, kind, message = cluster.errors.get(timeout=30)
+        assert rank == 2 and kind in ("Evicted", "APSConnectionError"), (kind, message)
+        cluster.wait_steps([0, 1, 2], 3, timeout=30)
+        assert time.monotonic() - frozen > HEARTBEAT  # it was not dropped before its time
+    finally:
+        cluster.close()
+
+
+def test_a_reader_that_never_drains_its_reply_is_dropped(server_process):
+    """A client asks for 64 MiB of weights and reads none of it (its window stays shut):
+    the server drops it after the heartbeat timeout and a real worker goes on."""
+    server = server_process("--workers", "2", "--sync", "ssp", "--staleness", "0",
+                            "--heartbeat-timeout", str(HEARTBEAT))
+    numel = 16 << 20
+    raw = RawClient(server.port)
+    worker = aps.Worker(server.address, 1, 2, transport="tcp")
+    joining = threading.Thread(target=worker.init, args=({"w": np.zeros(numel, np.float32)},))
+    joining.start()
+    raw.init(0, 2, {"w": np.zeros(numel, np.float32)})
+    assert raw.reply()[0].op == Op.INIT_REPLY  # it reads this one
+    joining.join(30)
+    worker.push(worker.grads)
+    raw.push(np.zeros(numel, np.float32), op=Op.PUSH_PULL, request_id=2)  # and then never reads again
+    worker.pull()
+    start = time.monotonic()
+    worker.push(worker.grads)  # ahead of rank 0 by one: held until rank 0 pushes, which it never will
+    worker.pull()  # goes on once the server has dropped the reader that stopped reading
+    assert time.monotonic() - start > HEARTBEAT
+    log = server.wait_for_log("worker 0 left")
+    # the server's drain deadline, or the kernel's user timeout on a window that stayed shut
+    assert "read nothing of its reply" in log or "Connection timed out" in log, log
+    raw.close()
+    worker.close()
+
+
+def test_a_worker_killed_in_the_middle_of_a_reply_leaves_and_nobody_waits(server_process, tmp_path):
+    server = server_process("--workers", "2", "--sync", "bsp", "--heartbeat-timeout", str(HEARTBEAT))
+    numel = 16 << 20
+    victim = SPAWN.Process(target=_workers.idle_worker,
+                           args=(server.address, 0, 2, numel, str(tmp_path / "ready"), "tcp"), daemon=True)
+    victim.start()
+    worker = aps.Worker(server.address, 1, 2, transport="tcp")
+    worker.init({"w": np.zeros(numel, np.float32)})  # both joined: the victim's INIT reply (64 MiB) is leaving
+    while not (tmp_path / "ready").exists():
+        time.sleep(0.01)
+    os.kill(victim.pid, signal.SIGKILL)
+    victim.join(10)
+    worker.push(worker.grads)  # BSP: the round closes without the dead one
+    worker.pull()
+    assert worker.version == 1 and "worker 0 left" in server.log()
+    worker.close()
