@@ -148,6 +148,11 @@ class Engine:
         self._allocate = allocate
         self._pending_aggregates = 0
         self._waiting: dict[int, Member] = {}
+        # The worker sending the initial weights, while no model exists (see claim_registration),
+        # and the joins that wait for its model.
+        self._registrar: object | None = None
+        self._registering_layout: Layout | None = None
+        self._parked: list[Callable[[], None]] = []
         self._lane = UpdateLane(offload, offload_threshold)
 
     # Introspection ---------------------------------------------------------
@@ -189,26 +194,11 @@ class Engine:
         return not self.started and member.joined and member.waiter is not None and not member.gate
 
     # Membership ------------------------------------------------------------
-    def join(
-        self,
-        rank: int,
-        num_workers: int,
-        layout: Layout,
-        values: np.ndarray,
-        on_ready: ReadyCallback,
-        on_error: ErrorCallback,
-        *,
-        grad: np.ndarray | None = None,
-    ) -> Member:
-        """Seat ``rank``; ``on_ready`` fires once training has started (at once on a rejoin).
-
-        ``values`` are the worker's initial weights, used if it is the first
-        to join. ``grad`` is where the worker's gradients will be (its shared
-        segment, for the shared-memory transport); by default the engine
-        allocates a buffer the transport receives into. Raises a ServerError
-        (and seats nobody) when the rank or the worker count is wrong; a
-        layout that differs from the model's is reported through ``on_error``.
-        """
+    def check_join(self, rank: int, num_workers: int, layout: Layout | None = None) -> None:
+        """Raise the ServerError a join of ``rank`` would meet (worker count, rank, a
+        rank taken, a layout other than the model's or the one being registered);
+        linear in the layout's size. Transports call it before they read a
+        joining worker's values."""
         if num_workers != self.num_workers:
             raise WorkerCountMismatch(
                 f"the worker says num_workers={num_workers}, but this server runs --workers {self.num_workers}"
@@ -217,6 +207,52 @@ class Engine:
             raise RankOutOfRange(f"rank {rank} is out of range 0..{self.num_workers - 1}")
         if rank in self.members:
             raise RankTaken(f"rank {rank} is already connected")
+        expected = self.layout if self.layout is not None else self._registering_layout
+        if layout is not None and expected is not None:
+            difference = expected.difference(layout)
+            if difference is not None:
+                raise LayoutMismatch(f"the model differs from the registered one: {difference}")
+
+    def claim_registration(self, layout: Layout, owner: object) -> bool:
+        """True when ``owner`` is to provide the initial weights: no model exists and
+        nobody else is sending one. Until it joins (or :meth:`release_registration`),
+        other joins of the same layout need no values: they wait for this one."""
+        if self.table is not None or self._registrar is not None:
+            return False
+        self._registrar, self._registering_layout = owner, layout
+        return True
+
+    def release_registration(self, owner: object) -> None:
+        """``owner``'s values will not come (its INIT failed, its connection died)."""
+        if self._registrar is owner:
+            self._registrar = self._registering_layout = None
+            parked, self._parked = self._parked, []
+            for job in parked:
+                job()  # with no model and nobody registering one, each is refused
+
+    def join(
+        self,
+        rank: int,
+        num_workers: int,
+        layout: Layout,
+        values: np.ndarray | None,
+        on_ready: ReadyCallback,
+        on_error: ErrorCallback,
+        *,
+        grad: np.ndarray | None = None,
+    ) -> Member:
+        """Seat ``rank``; ``on_ready`` fires once training has started (at once on a rejoin).
+
+        ``values`` are the worker's initial weights, used if it is the first
+        to join; None when the transport did not keep them (the model exists,
+        or another worker's are on their way: this join then waits for it).
+        ``grad`` is where the worker's gradients will be (its shared segment,
+        for the shared-memory transport); by default the engine allocates a
+        buffer the transport receives into. Raises a ServerError (and seats
+        nobody) when the rank or the worker count is wrong; a layout that
+        differs from the model's is reported through ``on_error``.
+        """
+        self.check_join(rank, num_workers)
         member = Member(rank)
         self.members[rank] = member
         self._lane.submit(CallJob(lambda: self._commit_join(member, layout, values, grad, on_ready, on_error),
@@ -238,9 +274,18 @@ class Engine:
         if not member.connected:
             return
         member.joined_running = self.started and self.table is not None
+        if self.table is None and values is None and self._registrar is not None:
+            # Another worker is sending the initial weights: join once they are in.
+            self._parked.append(lambda: self._commit_join(member, layout, values, grad, on_ready, on_error))
+            return
         try:
             if self.table is None:
+                if values is None:
+                    raise InternalServerError(
+                        "the worker that was sending the initial weights left before they arrived: init again"
+                    )
                 self._create_table(layout, values)
+                self._registrar = self._registering_layout = None
             else:
                 difference = self.layout.difference(layout)
                 if difference is not None:
@@ -270,6 +315,10 @@ class Engine:
             self._serve_waiting()
         elif not self.started and self.on_membership_change is not None:
             self.on_membership_change()
+        if self._parked:  # the model is in: the joins that waited for it go on
+            parked, self._parked = self._parked, []
+            for job in parked:
+                job()
 
     def _join_failed(self, member: Member, exc: BaseException, on_error: ErrorCallback) -> None:
         """Seating ``member`` raised half-way: take back what was done, refuse the INIT."""

@@ -106,8 +106,9 @@ class Layout:
 
     def _raise_name_mismatch(self, names: Iterable[str], what: str) -> None:
         given = list(names)
-        missing = [n for n in self.names if n not in given]
-        extra = [n for n in given if n not in self.names]
+        mine, theirs = set(self.names), set(given)
+        missing = [n for n in self.names if n not in theirs]
+        extra = [n for n in given if n not in mine]
         parts = []
         if missing:
             parts.append(f"missing {missing[:5]}{' ...' if len(missing) > 5 else ''}")
@@ -119,11 +120,12 @@ class Layout:
         """None when equal, else a sentence naming the first difference."""
         if self == other:
             return None
-        if self.names != other.names:
-            if set(self.names) == set(other.names):
+        if self.names != other.names:  # linear in the number of tensors, whatever they hold
+            mine, theirs = set(self.names), set(other.names)
+            if mine == theirs:
                 return "the same tensor names in a different order"
-            missing = [n for n in self.names if n not in other.names]
-            extra = [n for n in other.names if n not in self.names]
+            missing = [n for n in self.names if n not in theirs]
+            extra = [n for n in other.names if n not in mine]
             return f"tensor names differ (missing {missing[:5]}, unexpected {extra[:5]})"
         for name, mine, theirs in zip(self.names, self.shapes, other.shapes):
             if mine != theirs:

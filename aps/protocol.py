@@ -28,6 +28,7 @@ __all__ = [
     "PROTOCOL_VERSION",
     "decode_error",
     "decode_init",
+    "decode_layout_block",
     "decode_join_progress",
     "encode_error",
     "decode_hello",
@@ -199,10 +200,17 @@ def decode_error(payload) -> tuple[int, str]:
 # INIT payload: the layout block, zero padding to a multiple of 8, then the
 # initial float32 values. Layout block: u32 rank, u32 num_workers,
 # u32 tensor count, u32 reserved; per tensor: u16 name length, u8 ndim,
-# u8 reserved, the UTF-8 name, then ndim u64 dimensions.
+# u8 reserved, the UTF-8 name, then ndim u64 dimensions. The INIT header's
+# ``version`` field carries the layout block's length (padding included), so
+# the server can read and check the block before it makes room for the values.
 _INIT_HEAD = struct.Struct("<IIII")
 _TENSOR_HEAD = struct.Struct("<HBx")
-_MAX_TENSORS = 1 << 24
+#: Limits of an INIT's layout block, checked before the server allocates anything for it.
+MAX_TENSORS = 1 << 16
+MAX_NAME_BYTES = 1024
+MAX_NDIM = 32
+MAX_LAYOUT_BYTES = 4 << 20
+INIT_HEAD_BYTES = _INIT_HEAD.size
 
 
 class InitRequest(NamedTuple):
@@ -215,7 +223,8 @@ class InitRequest(NamedTuple):
 
 
 def encode_init(rank: int, num_workers: int, layout: Layout) -> bytes:
-    """The layout block of an INIT payload, padded so the values that follow are 8-aligned."""
+    """The layout block of an INIT payload, padded so the values that follow are 8-aligned
+    (its length goes in the INIT header's ``version`` field)."""
     parts = [_INIT_HEAD.pack(rank, num_workers, len(layout), 0)]
     for name, shape in zip(layout.names, layout.shapes):
         raw = name.encode("utf-8")
@@ -226,8 +235,23 @@ def encode_init(rank: int, num_workers: int, layout: Layout) -> bytes:
     return block + b"\0" * (-len(block) % 8)
 
 
+def decode_layout_block(block) -> InitRequest:
+    """Parse an INIT's layout block (``block`` holds it and nothing else, padding included).
+
+    Raises:
+        MalformedFrame: the block is truncated, too long, or over the limits
+            (MAX_TENSORS tensors, names of MAX_NAME_BYTES, MAX_NDIM dimensions).
+        LayoutMismatch: the layout itself is invalid (duplicate names, bad shapes).
+    """
+    view = memoryview(block)
+    rank, num_workers, layout, end = _parse_layout(view)
+    if len(view) != end + (-end % 8):
+        raise MalformedFrame(f"INIT layout block of {len(view)} bytes holds {end} bytes of layout")
+    return InitRequest(rank, num_workers, layout, len(view))
+
+
 def decode_init(payload) -> InitRequest:
-    """Parse an INIT payload; checks that the values that follow have the layout's size.
+    """Parse a whole INIT payload; checks that the values that follow have the layout's size.
 
     Raises:
         MalformedFrame: the layout block is truncated or inconsistent.
@@ -235,16 +259,33 @@ def decode_init(payload) -> InitRequest:
         LayoutMismatch: the layout itself is invalid (duplicate names, bad shapes).
     """
     view = memoryview(payload)
+    rank, num_workers, layout, offset = _parse_layout(view)
+    offset += -offset % 8
+    values = len(view) - offset
+    if values != layout.nbytes:
+        raise PayloadSizeMismatch(
+            f"INIT carries {max(values, 0)} bytes of values; its layout needs {layout.nbytes}"
+        )
+    return InitRequest(rank, num_workers, layout, offset)
+
+
+def _parse_layout(view: memoryview) -> tuple[int, int, Layout, int]:
+    """``(rank, num_workers, layout, end)`` from the start of ``view``; linear in its length."""
     try:
         rank, num_workers, count, _ = _INIT_HEAD.unpack_from(view, 0)
-        if count > _MAX_TENSORS:
-            raise MalformedFrame(f"INIT declares {count} tensors")
+        if count > MAX_TENSORS:
+            raise MalformedFrame(f"INIT declares {count} tensors; at most {MAX_TENSORS} are accepted")
         offset = _INIT_HEAD.size
         names, shapes = [], []
         for _ in range(count):
             name_len, ndim = _TENSOR_HEAD.unpack_from(view, offset)
             offset += _TENSOR_HEAD.size
-            if offset + name_len > len(view):
+            if name_len > MAX_NAME_BYTES or ndim > MAX_NDIM:
+                raise MalformedFrame(
+                    f"INIT tensor name of {name_len} bytes or {ndim} dimensions; at most {MAX_NAME_BYTES} bytes "
+                    f"and {MAX_NDIM} dimensions are accepted"
+                )
+            if offset + name_len + 8 * ndim > len(view):
                 raise MalformedFrame("INIT layout block is truncated")
             names.append(bytes(view[offset : offset + name_len]).decode("utf-8"))
             offset += name_len
@@ -252,14 +293,7 @@ def decode_init(payload) -> InitRequest:
             offset += 8 * ndim
     except (struct.error, UnicodeDecodeError) as exc:
         raise MalformedFrame(f"INIT layout block cannot be parsed: {exc}") from None
-    offset += -offset % 8
-    layout = Layout(tuple(names), tuple(shapes))
-    values = len(view) - offset
-    if values != layout.nbytes:
-        raise PayloadSizeMismatch(
-            f"INIT carries {max(values, 0)} bytes of values; its layout needs {layout.nbytes}"
-        )
-    return InitRequest(rank, num_workers, layout, offset)
+    return rank, num_workers, Layout(tuple(names), tuple(shapes)), offset
 
 
 # HELLO reply payload: u16 length + UTF-8 host identity, u16 length + UTF-8

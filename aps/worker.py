@@ -245,7 +245,10 @@ class _ClientCore:
         self.join_progress = None
         if self.shm is not None:
             self._fds = (self.shm.grad_segment.fd,)
-        return [self._header(Op.INIT, len(block) + self.layout.nbytes, DType.FLOAT32), block, self._weights_bytes]
+        # The header's version field carries the layout block's length (docs/protocol.md, INIT).
+        header = pack_header(Op.INIT, 0, _FLOAT32, self._next_request(Op.INIT), self.clock, len(block),
+                             len(block) + self.layout.nbytes)
+        return [header, block, self._weights_bytes]
 
     def pull_request(self) -> list:
         self._require_layout()

@@ -134,6 +134,7 @@ class RawClient:
         values = b"".join(np.ascontiguousarray(v, np.float32).tobytes() for v in params.values())
         block = encode_init(rank, num_workers, layout)
         fields.setdefault("dtype", DType.FLOAT32)
+        fields.setdefault("version", len(block))  # the layout block's length
         self.frame(Op.INIT, block + values, **fields)
 
     def recv_exact(self, n: int) -> bytes:
@@ -191,6 +192,7 @@ class RawShmClient(RawClient):
         values = b"".join(np.ascontiguousarray(v, np.float32).tobytes() for v in params.values())
         block = encode_init(rank, num_workers, layout)
         fields.setdefault("dtype", DType.FLOAT32)
+        fields.setdefault("version", len(block))  # the layout block's length
         payload = block + values
         if self.segment is None or segment_numel is not None:
             self.segment = Segment.create(layout.numel if segment_numel is None else segment_numel, "test-grad")

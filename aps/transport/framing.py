@@ -9,7 +9,11 @@ blocking ``socket.recv_into`` loop (``aps.Worker``) and
 
 Small frames are read through a staging buffer, so one read can deliver a
 header and its payload, or several frames. A large payload is read straight
-into the destination its handler chose: no intermediate copy.
+into the destination its handler chose: no intermediate copy. A handler may
+take a payload in parts: it gives a destination for the first part, looks at
+it when it has arrived, and only then decides where the rest goes (the
+server reads an INIT's layout block, checks it, and only then allocates room
+for the values, or none).
 """
 
 from __future__ import annotations
@@ -25,14 +29,18 @@ _EMPTY = memoryview(b"")
 
 class FrameHandler(Protocol):
     def frame_buffer(self, header: Header) -> memoryview | None:
-        """Where the payload of ``header`` goes: a writable byte view of exactly
-        ``header.length`` bytes, or None to read and discard it. Raising here
-        is fatal for the connection."""
+        """Where the payload of ``header`` goes: a writable byte view of
+        ``header.length`` bytes, or None to read and discard it. A shorter view
+        takes the first part only; then ``frame_more`` is called when it is
+        full. Raising here is fatal for the connection."""
 
     def frame_received(self, header: Header, payload: memoryview) -> None:
         """A whole frame arrived; ``payload`` is the view ``frame_buffer`` gave
         (or an empty view)."""
 
+    # Optional: ``frame_more(header, got)`` is called when the destination of
+    # the first ``got`` payload bytes is full and more are to come: it returns
+    # where the next part goes (at most the rest), or None to discard the rest.
     # Optional: ``payload_progress(filled)`` is called whenever the first
     # ``filled`` bytes of the current payload have landed in its destination,
     # while they are still warm in the cache (the server checks gradients for
@@ -49,7 +57,8 @@ class FrameReader:
     """
 
     __slots__ = (
-        "_handler", "_progress", "_max", "_buf", "_view", "_start", "_end", "_header", "_dest", "_got", "_direct", "_held"
+        "_handler", "_progress", "_more", "_max", "_buf", "_view", "_start", "_end", "_header", "_dest", "_base", "_got",
+        "_direct", "_held",
     )
 
     def __init__(self, handler: FrameHandler, *, max_payload: int | None = None, staging_size: int = 1 << 16) -> None:
@@ -57,6 +66,7 @@ class FrameReader:
             raise ValueError("staging buffer smaller than a header")
         self._handler = handler
         self._progress = getattr(handler, "payload_progress", None)
+        self._more = getattr(handler, "frame_more", None)
         self._max = max_payload
         self._buf = bytearray(staging_size)
         self._view = memoryview(self._buf)
@@ -64,6 +74,7 @@ class FrameReader:
         self._end = 0
         self._header: Header | None = None
         self._dest: memoryview | None = None
+        self._base = 0  # payload offset at which _dest begins
         self._got = 0
         self._direct = False
         self._held = False
@@ -106,7 +117,7 @@ class FrameReader:
         """The buffer the next read must fill (never empty unless ``staging_full``)."""
         if self._dest is not None and self._start == self._end and not self._held:
             self._direct = True
-            return self._dest[self._got :]
+            return self._dest[self._got - self._base :]
         self._direct = False
         if self._start == self._end:
             self._start = self._end = 0
@@ -125,6 +136,8 @@ class FrameReader:
                 self._progress(self._got)
             if self._got == self._header.length:
                 self._finish()
+            elif self._got - self._base == len(self._dest):
+                self._next_part()
             return
         self._end += nbytes
         self._parse()
@@ -140,25 +153,46 @@ class FrameReader:
                 self._start += HEADER_SIZE
                 self._header = header
                 self._got = 0
-                dest = self._handler.frame_buffer(header)
-                if dest is not None and len(dest) != header.length:
-                    raise ValueError(f"frame buffer of {len(dest)} bytes for a {header.length}-byte payload")
-                self._dest = dest
+                self._base = 0
+                self._dest = self._checked(self._handler.frame_buffer(header), header.length)
+                if self._dest is not None and not len(self._dest) and header.length:
+                    self._next_part()
             take = min(header.length - self._got, self._end - self._start)
+            dest = self._dest
+            if dest is not None:
+                take = min(take, len(dest) - (self._got - self._base))
             if take:
                 self._got += take
                 self._start += take
-                if self._dest is not None:
-                    self._dest[self._got - take : self._got] = view[self._start - take : self._start]
+                if dest is not None:
+                    at = self._got - self._base
+                    dest[at - take : at] = view[self._start - take : self._start]
                     if self._progress is not None:
                         self._progress(self._got)
             if self._got < header.length:
+                if dest is not None and self._got - self._base == len(dest):
+                    self._next_part()
+                    continue
                 return
             self._finish()
+
+    def _checked(self, dest: memoryview | None, room: int) -> memoryview | None:
+        if dest is not None and (len(dest) > room or (len(dest) < room and self._more is None)):
+            raise ValueError(f"frame buffer of {len(dest)} bytes for {room} bytes of payload")
+        return dest
+
+    def _next_part(self) -> None:
+        """The current destination is full and more payload is to come: ask where it goes."""
+        header = self._header
+        while True:
+            self._base = self._got
+            self._dest = self._checked(self._more(header, self._got), header.length - self._got)
+            if self._dest is None or len(self._dest):
+                return
 
     def _finish(self) -> None:
         header, dest = self._header, self._dest
         self._header = None
         self._dest = None
-        self._got = 0
+        self._got = self._base = 0
         self._handler.frame_received(header, _EMPTY if dest is None else dest)

@@ -24,18 +24,21 @@ from ..errors import (
     MalformedFrame,
     NotInitialized,
     OutOfOrder,
+    PayloadSizeMismatch,
     ServerError,
     ShuttingDown,
     UnknownOp,
 )
 from ..protocol import (
+    INIT_HEAD_BYTES,
+    MAX_LAYOUT_BYTES,
     REQUEST_OPS,
     DType,
     Flag,
     Header,
     InitRequest,
     Op,
-    decode_init,
+    decode_layout_block,
     encode_error,
     encode_hello,
     host_identity,
@@ -58,7 +61,6 @@ log = logging.getLogger("aps.server")
 #: third of the heartbeat timeout if that is shorter.
 ALIVE_EVERY_S = 5.0
 
-_INIT_HEAD_BYTES = 16
 _GRADIENT_OPS = frozenset({Op.PUSH, Op.PUSH_PULL})
 _FLOAT32 = int(DType.FLOAT32)
 
@@ -121,6 +123,7 @@ class ServerSession:
         self._rid = 0
         self._dropped = False
         self._init_rank = -1
+        self._intake: _InitIntake | None = None  # the INIT being read
         self._handlers = {
             Op.PING: self._on_ping,
             Op.HELLO: self._on_hello,
@@ -200,6 +203,7 @@ class ServerSession:
         if self._stream is not None:
             self._stream.abort()
             self._stream = None
+        self._end_intake()
         if self.member is not None:
             self.engine.leave(self.member)
             self.member = None
@@ -303,9 +307,18 @@ class ServerSession:
                     raise OutOfOrder(f"this connection already joined as rank {self.member.rank}")
                 if header.dtype != _FLOAT32:
                     raise DTypeMismatch(f"initial weights dtype is {dtype_name(header.dtype)}; models are float32")
-                if length < _INIT_HEAD_BYTES:
+                if length < INIT_HEAD_BYTES:
                     raise MalformedFrame(f"INIT payload of {length} bytes is too short")
-                dest = memoryview(np.empty(length, np.uint8))
+                block = header.version  # the INIT header's version field: the layout block's length
+                if not INIT_HEAD_BYTES <= block <= min(length, MAX_LAYOUT_BYTES) or block % 8:
+                    raise MalformedFrame(
+                        f"INIT layout block of {block} bytes in a {length}-byte payload: it must be a multiple "
+                        f"of 8 from {INIT_HEAD_BYTES} to {MAX_LAYOUT_BYTES} bytes"
+                    )
+                # Only the layout block, for now: room for the values is made once
+                # the block is checked, and only if they are needed (frame_more).
+                self._intake = _InitIntake(block)
+                dest = memoryview(self._intake.block)
             elif length:
                 raise MalformedFrame(f"{Op(op).name} carries no payload, got {length} bytes")
         except ServerError as exc:
@@ -313,6 +326,21 @@ class ServerSession:
             return None
         self._pending_error = None
         return dest
+
+    def frame_more(self, header: Header, got: int) -> memoryview | None:
+        """An INIT's layout block has arrived: check it, then make room for the values
+        only if this worker provides the model's initial weights; else discard them."""
+        intake = self._intake
+        try:
+            request = intake.check(self.engine, header.length)
+        except ServerError as exc:
+            self._pending_error = exc
+            return None
+        if not self.engine.claim_registration(request.layout, self):
+            return None  # the model exists, or another worker's values are on their way
+        intake.registering = True
+        intake.values = np.empty(request.layout.numel, np.float32)
+        return memoryview(intake.values).cast("B")
 
     def payload_progress(self, filled: int) -> None:
         stream = self._stream
@@ -324,6 +352,8 @@ class ServerSession:
         error = self._pending_error
         if error is not None:
             self._pending_error = None
+            if header.op == Op.INIT:
+                self._end_intake()
             self._reply_error(header.request_id, error)
             return
         # One request at a time: later frames wait in the reader until _done().
@@ -352,18 +382,23 @@ class ServerSession:
         self._reply(Op.HELLO_REPLY, payload=encode_hello(host_identity(), self.unix_path))
 
     def _on_init(self, header: Header, payload: memoryview, stream) -> None:
-        request = decode_init(payload)
-        self._init_rank = request.rank
-        values = np.frombuffer(payload, np.float32, count=request.layout.numel, offset=request.values_offset)
-        member = self.engine.join(
-            request.rank,
-            request.num_workers,
-            request.layout,
-            values,
-            self._send_init_reply,
-            self._init_failed,
-            grad=self._gradient_buffer(request),
-        )
+        intake = self._intake
+        try:
+            request = intake.check(self.engine, header.length)  # checked already, unless there were no values
+            self._init_rank = request.rank
+            values, intake.values = intake.values, None  # the engine's now: not kept here while INIT waits
+            member = self.engine.join(
+                request.rank,
+                request.num_workers,
+                request.layout,
+                values,
+                self._send_init_reply,
+                self._init_failed,
+                grad=self._gradient_buffer(request),
+            )
+        except BaseException:
+            self._end_intake()
+            raise
         if member.connected:  # not refused while joining
             self.member = member
             log.debug("%s: INIT as rank %d over %s", self.peer, member.rank, self.kind)
@@ -407,6 +442,7 @@ class ServerSession:
     def _send_init_reply(self, snap: Snapshot, clock: int) -> None:
         # The reply may come before engine.join() returns: find the member by rank.
         member = self.engine.members.get(self._init_rank)
+        self._intake = None
         self._reply_weights(Op.INIT_REPLY, snap, clock, Flag.RUNNING if member and member.joined_running else 0)
 
     def _send_pull_reply(self, snap: Snapshot, clock: int) -> None:
@@ -417,7 +453,15 @@ class ServerSession:
 
     def _init_failed(self, exc: ServerError) -> None:
         self.member = None
+        self._end_intake()
         self._fail(exc)
+
+    def _end_intake(self) -> None:
+        """The INIT is over, one way or another: if this worker was to provide the
+        initial weights and they did not make it in, others may now."""
+        intake, self._intake = self._intake, None
+        if intake is not None and intake.registering and self.engine.table is None:
+            self.engine.release_registration(self)
 
     def _fail(self, exc: ServerError) -> None:
         self._reply_error(self._rid, exc)
@@ -492,3 +536,28 @@ class ServerSession:
     def _who(self, member: Member | None = None) -> str:
         member = member or self.member
         return f"{self.peer} (rank {member.rank})" if member is not None else self.peer
+
+
+class _InitIntake:
+    """An INIT being read: its layout block first, its values only if needed."""
+
+    __slots__ = ("block", "request", "values", "registering")
+
+    def __init__(self, block_bytes: int) -> None:
+        self.block = bytearray(block_bytes)
+        self.request: InitRequest | None = None
+        self.values: np.ndarray | None = None
+        self.registering = False
+
+    def check(self, engine: Engine, payload_bytes: int) -> InitRequest:
+        """Parse the layout block and check the join it asks for (raises a ServerError)."""
+        if self.request is None:
+            request = decode_layout_block(self.block)
+            values = payload_bytes - len(self.block)
+            if values != request.layout.nbytes:
+                raise PayloadSizeMismatch(
+                    f"INIT carries {values} bytes of values; its layout needs {request.layout.nbytes}"
+                )
+            engine.check_join(request.rank, request.num_workers, request.layout)
+            self.request = request
+        return self.request

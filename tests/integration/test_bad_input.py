@@ -7,6 +7,7 @@ only its own updates. Every test runs over TCP and over shared memory.
 
 import struct
 import threading
+import time
 
 import numpy as np
 import pytest
@@ -296,4 +297,49 @@ def test_pipelined_pull_waits_for_the_gate(server_process, transport):
     good.push_pull({"w": np.ones(N, np.float32)})
     assert [raw.reply()[0].request_id for _ in range(2)] == [2, 3]
     good.close()
+    raw.close()
+
+
+def _server_memory(server) -> int:
+    """The server's virtual memory: what it has reserved, touched or not."""
+    import psutil
+
+    return psutil.Process(server.proc.pid).memory_info().vms
+
+
+@pytest.mark.parametrize("case", ["rank", "count", "taken", "layout"])
+def test_an_init_is_checked_before_its_values_get_room(waiting_server, case):
+    """An INIT declaring 2 GiB of values is refused on its layout block alone: the server
+    reserves nothing for values it would refuse (and reads what follows into nothing)."""
+    server = waiting_server[0]
+    rank, workers, names = {"rank": (7, 3, "w"), "count": (1, 4, "w"), "taken": (0, 3, "w"),
+                            "layout": (1, 3, "v")}[case]
+    layout = aps.Layout((names,), ((1 << 29,),))  # 2 GiB of float32
+    from aps.protocol import encode_init
+
+    block = encode_init(rank, workers, layout)
+    before = _server_memory(server)
+    raw = RawClient.to(server, server.transport)
+    raw.send(pack_header(Op.INIT, 0, DType.FLOAT32, 1, 0, len(block), len(block) + layout.nbytes), block)
+    raw.send(b"\0" * (1 << 20))  # some of the values: they are read, and dropped
+    time.sleep(0.3)
+    assert server.alive() and _server_memory(server) - before < 256 << 20
+    raw.close()
+
+
+def test_init_limits_are_checked_before_parsing_grows(waiting_server):
+    server = waiting_server[0]
+    raw = RawClient.to(server, server.transport)
+    from aps.protocol import MAX_LAYOUT_BYTES, MAX_NAME_BYTES, MAX_TENSORS
+
+    too_many = struct.pack("<IIII", 1, 3, MAX_TENSORS + 1, 0)
+    raw.frame(Op.INIT, too_many, dtype=DType.FLOAT32, version=len(too_many))
+    assert_error(raw, ErrorCode.MALFORMED_FRAME, f"at most {MAX_TENSORS}", server=server)
+    long_name = struct.pack("<IIII", 1, 3, 1, 0) + struct.pack("<HBx", MAX_NAME_BYTES + 1, 1)
+    long_name += b"n" * (MAX_NAME_BYTES + 1) + struct.pack("<Q", 1)
+    long_name += b"\0" * (-len(long_name) % 8)
+    raw.frame(Op.INIT, long_name + b"\0" * 4, dtype=DType.FLOAT32, version=len(long_name))
+    assert_error(raw, ErrorCode.MALFORMED_FRAME, f"at most {MAX_NAME_BYTES} bytes", server=server)
+    raw.frame(Op.INIT, b"\0" * 64, dtype=DType.FLOAT32, version=MAX_LAYOUT_BYTES + 8)
+    assert_error(raw, ErrorCode.MALFORMED_FRAME, "layout block", server=server)
     raw.close()

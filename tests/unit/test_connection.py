@@ -84,7 +84,7 @@ def feed(conn, data):
 def init_frame(rank, workers, n):
     layout = Layout(("w",), ((n,),))
     block = encode_init(rank, workers, layout)
-    return pack_header(Op.INIT, 0, DType.FLOAT32, 1, 0, 0, len(block) + 4 * n) + block + bytes(4 * n)
+    return pack_header(Op.INIT, 0, DType.FLOAT32, 1, 0, len(block), len(block) + 4 * n) + block + bytes(4 * n)
 
 
 def push_frame(op, n, value=1.0, rid=2, version=0):

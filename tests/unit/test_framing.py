@@ -150,3 +150,47 @@ def test_partial_frame_is_visible():
     buf[: len(data)] = data
     reader.buffer_updated(len(data))
     assert reader.in_frame
+
+
+class InParts:
+    """Takes a payload in parts: the first ``head`` bytes, then (by what they say) the
+    rest into a buffer of its own, or nowhere (read and discarded)."""
+
+    def __init__(self, head: int) -> None:
+        self.head = head
+        self.frames = []
+        self.parts = []
+        self.rest = None
+
+    def frame_buffer(self, header):
+        self.rest = None
+        return memoryview(bytearray(min(self.head, header.length)))
+
+    def frame_more(self, header, got):
+        if got == self.head and self.parts_wanted(header):
+            self.rest = memoryview(bytearray(header.length - got))
+            return self.rest
+        return None
+
+    def parts_wanted(self, header):
+        return header.op == Op.PUSH  # PULL frames here carry a payload nobody wants
+
+    def frame_received(self, header, payload):
+        self.frames.append((header.op, bytes(payload), None if self.rest is None else bytes(self.rest)))
+
+
+@given(st.lists(st.tuples(st.sampled_from([Op.PUSH, Op.PULL]), st.binary(min_size=1, max_size=300)), max_size=6),
+       st.lists(st.integers(0, 3000), max_size=20), st.sampled_from([40, 64, 4096]), st.integers(0, 40))
+def test_a_payload_taken_in_parts_arrives_whole_or_is_discarded(frames, cuts, staging, head):
+    handler = InParts(head)
+    reader = FrameReader(handler, staging_size=staging)
+    feed(reader, stream_of(frames), cuts)
+    assert len(handler.frames) == len(frames)
+    for (op, payload), (got_op, last, rest) in zip(frames, handler.frames):
+        assert got_op == op
+        if len(payload) <= head:  # it all fit in the first part
+            assert last == payload and rest is None
+        elif op == Op.PUSH:  # the rest went where frame_more said
+            assert rest == payload[head:] and last == payload[head:]
+        else:  # the rest was read and dropped
+            assert rest is None
