@@ -93,6 +93,16 @@ class ServerConfig:
     max_frame_bytes: int = field(
         default=4 << 30, metadata=_opt("largest frame payload accepted (K/M/G suffixes)", metavar="SIZE")
     )
+    max_connections: int = field(
+        default=1024,
+        metadata=_opt("connections accepted at once; more are refused with an error (the server raises its "
+                      "descriptor limit to fit)", metavar="N"),
+    )
+    handshake_timeout: float = field(
+        default=10.0,
+        metadata=_opt("seconds a connection that has not joined has to complete a frame (slow peers are closed)",
+                      metavar="SECONDS"),
+    )
     stream_min_bytes: int = field(
         default=1 << 20,
         metadata=_opt(
@@ -150,6 +160,10 @@ class ServerConfig:
             raise ConfigurationError(f"--heartbeat-timeout must be >= 0, got {self.heartbeat_timeout}")
         if self.max_frame_bytes < 1 << 16:
             raise ConfigurationError(f"--max-frame-bytes must be at least 64K, got {self.max_frame_bytes}")
+        if self.max_connections < 1:
+            raise ConfigurationError(f"--max-connections must be at least 1, got {self.max_connections}")
+        if not self.handshake_timeout > 0:
+            raise ConfigurationError(f"--handshake-timeout must be > 0, got {self.handshake_timeout}")
         if self.stream_min_bytes < 0:
             raise ConfigurationError(f"--stream-min-bytes must be >= 0, got {self.stream_min_bytes}")
         if self.log_level not in LOG_LEVELS:

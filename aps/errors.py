@@ -35,6 +35,7 @@ __all__ = [
     "RankOutOfRange",
     "RankTaken",
     "ServerError",
+    "ServerOverloaded",
     "ServerSilent",
     "ShuttingDown",
     "UnknownOp",
@@ -64,6 +65,7 @@ class ErrorCode(IntEnum):
     SHUTTING_DOWN = 15
     INTERNAL = 16
     EVICTED = 17
+    OVERLOADED = 18
 
 
 class APSError(Exception):
@@ -216,6 +218,13 @@ class Evicted(ServerError, APSConnectionError):
     code = ErrorCode.EVICTED
 
 
+class ServerOverloaded(ServerError, APSConnectionError):
+    """The server refused the connection: it already has ``--max-connections``
+    connections. Try again later."""
+
+    code = ErrorCode.OVERLOADED
+
+
 class InternalServerError(ServerError):
     """The server failed unexpectedly while handling the request."""
 
@@ -240,6 +249,7 @@ ERROR_CODES: dict[ErrorCode, type[ServerError]] = {
     ErrorCode.SHUTTING_DOWN: ShuttingDown,
     ErrorCode.INTERNAL: InternalServerError,
     ErrorCode.EVICTED: Evicted,
+    ErrorCode.OVERLOADED: ServerOverloaded,
 }
 
 

@@ -93,6 +93,7 @@ class Server:
     # Lifecycle ------------------------------------------------------------
     async def start(self) -> None:
         """Bind the listener and get ready to serve (inside a running loop)."""
+        _raise_descriptor_limit(self.config.max_connections)
         loop = self._loop = asyncio.get_running_loop()
         self._stopping = asyncio.Event()
         self._executor = ThreadPoolExecutor(1, thread_name_prefix="aps-update")
@@ -117,7 +118,8 @@ class Server:
             path = default_socket_path(self._port) if config.unix_socket == "auto" else config.unix_socket
             try:
                 self._unix = UnixListener(
-                    path, lambda sock: ShmSession(self.engine, max_payload, self.connections, sock)
+                    path, lambda sock: ShmSession(self.engine, max_payload, self.connections, sock),
+                    sweep=config.unix_socket == "auto",
                 )
             except (OSError, ConfigurationError) as exc:
                 self._listener.close()
@@ -304,6 +306,25 @@ class Server:
                 pass
 
         future.add_done_callback(finished)
+
+
+def _raise_descriptor_limit(connections: int) -> None:
+    """Let the process hold ``connections`` sockets and the rest it needs (the soft
+    descriptor limit is raised as far as the hard one allows)."""
+    try:
+        import resource
+    except ImportError:  # pragma: no cover - not POSIX
+        return
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    wanted = connections * 2 + 256  # a shared-memory worker holds a segment too; and files, the loop
+    if soft != resource.RLIM_INFINITY and soft < wanted:
+        target = wanted if hard == resource.RLIM_INFINITY else min(wanted, hard)
+        if target > soft:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
+            soft = target
+    if soft != resource.RLIM_INFINITY and soft < connections + 64:
+        log.warning("the descriptor limit (%d) is below --max-connections %d: some connections will fail",
+                    soft, connections)
 
 
 def _print_address(address: str) -> None:

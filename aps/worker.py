@@ -40,6 +40,7 @@ from .errors import (
     RankTaken,
     ServerError,
     ServerSilent,
+    UnknownOp,
     error_from_code,
 )
 from .layout import Layout
@@ -123,7 +124,7 @@ def _server_unix_path(tcp: BlockingConnection, timeout: float | None) -> str:
     """The server's Unix socket when it shares this host (asked with HELLO), else ""."""
     try:
         _, payload = exchange(tcp, Op.HELLO, timeout)
-    except ServerError:  # a server that does not know HELLO has no shared memory either
+    except UnknownOp:  # a server that does not know HELLO has no shared memory either
         return ""
     host, path = decode_hello(payload)
     return path if host == host_identity() else ""

@@ -109,6 +109,18 @@ class FrameReader:
         if parse:
             self._parse()
 
+    def detach(self) -> None:
+        """The connection is gone: let go of the handler and every buffer at once
+        (a reader and its handler refer to each other; without this, a dropped
+        connection's payload buffers would live until the garbage collector ran)."""
+        self._handler = self._progress = self._more = None
+        self._dest = None
+        self._header = None
+        self._buf = bytearray()
+        self._view = memoryview(self._buf)
+        self._start = self._end = self._got = self._base = 0
+        self._held = True
+
     def staging_full(self) -> bool:
         """True when the staging buffer has no room left: the driver must stop reading."""
         return self._end - self._start >= len(self._buf)

@@ -26,6 +26,7 @@ from ..errors import (
     OutOfOrder,
     PayloadSizeMismatch,
     ServerError,
+    ServerOverloaded,
     ShuttingDown,
     UnknownOp,
 )
@@ -55,6 +56,36 @@ if TYPE_CHECKING:
 __all__ = ["ServerSession", "dtype_name"]
 
 log = logging.getLogger("aps.server")
+
+#: A connection whose frames are refused this many times in a row is closed.
+MAX_BAD_FRAMES = 16
+#: Warnings about one connection: at most this many per window; the rest are counted and summarized.
+WARNINGS_PER_WINDOW = 5
+WARNING_WINDOW_S = 60.0
+
+
+
+class RateLimitedLog:
+    """Warnings about events that come in floods (refused connections, accept
+    failures): at most ``limit`` per ``window`` seconds, then one summary."""
+
+    def __init__(self, limit: int = 5, window: float = 60.0) -> None:
+        self.limit, self.window = limit, window
+        self._since, self._count, self._dropped = float("-inf"), 0, 0
+
+    def warning(self, now: float, message: str, *args) -> None:
+        if now - self._since >= self.window:
+            if self._dropped:
+                log.warning("... and %d more like it in the last %.0f s", self._dropped, now - self._since)
+            self._since, self._count, self._dropped = now, 0, 0
+        if self._count < self.limit:
+            self._count += 1
+            log.warning(message, *args)
+        else:
+            self._dropped += 1
+
+
+_refusals = RateLimitedLog()
 
 #: While the server holds a request (a pull at the gate, a push in the lane),
 #: it tells the worker this often that it is alive (an ALIVE notice), or every
@@ -124,16 +155,13 @@ class ServerSession:
         self._dropped = False
         self._init_rank = -1
         self._intake: _InitIntake | None = None  # the INIT being read
-        self._handlers = {
-            Op.PING: self._on_ping,
-            Op.HELLO: self._on_hello,
-            Op.INIT: self._on_init,
-            Op.PULL: self._on_pull,
-            Op.PUSH: self._on_push,
-            Op.PUSH_PULL: self._on_push_pull,
-            Op.LEAVE: self._on_leave,
-            Op.STATS: self._on_stats,
-        }
+        self._bad_in_row = 0  # refused frames since the last request that was answered
+        self._connected_at = now
+        self._frame_started = now  # when the first byte of the frame being read arrived
+        self._frames = 0  # frames read in all
+        self._warned = 0  # warnings logged in the current window, and since when
+        self._warn_window = now
+        self._unlogged = 0  # warnings kept out of the log
 
     # Transport interface ------------------------------------------------------
     def _can_write(self) -> bool:
@@ -177,8 +205,25 @@ class ServerSession:
         """End every lease the transport still holds."""
 
     # Events from the transport ------------------------------------------------
+    def _admit(self) -> bool:
+        """Take the connection, unless the server has ``--max-connections`` already:
+        then it is told so and closed (the caller stops there)."""
+        limit = self.engine.config.max_connections
+        if len(self.registry) < limit:
+            return True
+        _refusals.warning(self._loop.time(), "refused a connection from %s: --max-connections %d reached",
+                          self.peer, limit)
+        payload = encode_error(ServerOverloaded.code, f"the server has {limit} connections already "
+                               "(--max-connections); try again later")
+        self._write(pack_header(Op.ERROR, 0, 0, 0, 0, 0, len(payload)) + payload)
+        self._silenced = True
+        self.close()
+        return False
+
     def _bytes_arrived(self, nbytes: int) -> None:
-        self.last_heard = self._loop.time()
+        now = self.last_heard = self._loop.time()
+        if not self.reader.in_frame:
+            self._frame_started = now
         self._traffic.bytes_in += nbytes
         try:
             self.reader.buffer_updated(nbytes)
@@ -195,7 +240,7 @@ class ServerSession:
         if self._lost:
             return
         if self.reader.in_frame and not self._fatal_sent:
-            log.warning("%s: connection lost in the middle of a frame; the partial frame is discarded", self._who())
+            self._warn("connection lost in the middle of a frame; the partial frame is discarded")
         elif exc is not None:
             log.info("%s: connection lost: %s", self._who(), exc)
         else:
@@ -208,6 +253,9 @@ class ServerSession:
             self.engine.leave(self.member)
             self.member = None
         self._lost = True
+        self.reader.detach()
+        if self._unlogged:
+            log.warning("%s: closed; %d more warnings about it were not logged", self._who(), self._unlogged)
         self._release_leases()
         self.registry.discard(self)
 
@@ -253,6 +301,13 @@ class ServerSession:
         """
         if self._lost:
             return
+        if self.member is None and not self._open_request:
+            # Not joined: each frame, the first one included, has a deadline (slow peers are closed).
+            begun = self._frame_started if self.reader.in_frame else (None if self._frames else self._connected_at)
+            deadline = self.engine.config.handshake_timeout
+            if begun is not None and now - begun > deadline:
+                self._evict(f"completed no frame within {deadline:g} s (--handshake-timeout)", abort=False)
+                return
         if self._open_request:
             every = min(ALIVE_EVERY_S, timeout / 3) if timeout > 0 else ALIVE_EVERY_S
             if now - self._last_notice >= every and not self._writing:
@@ -271,7 +326,7 @@ class ServerSession:
             self._evict(f"sent nothing for {now - self.last_heard:.0f} s (missed heartbeats)", abort=False)
 
     def _evict(self, reason: str, *, abort: bool) -> None:
-        log.warning("%s: %s: dropping it (it may rejoin)", self._who(), reason)
+        self._warn("%s: dropping it (it may rejoin)", reason)
         if abort:  # its socket takes nothing more: telling it is impossible
             self.abort()
             return
@@ -348,13 +403,27 @@ class ServerSession:
             stream.feed(filled >> 2)  # whole floats only; the update checks each one
 
     def frame_received(self, header: Header, payload: memoryview) -> None:
+        self._frames += 1
         stream, self._stream = self._stream, None
         error = self._pending_error
         if error is not None:
             self._pending_error = None
             if header.op == Op.INIT:
                 self._end_intake()
+            self._bad_in_row += 1
+            if self._bad_in_row >= MAX_BAD_FRAMES:
+                log.warning("%s: %d refused frames in a row: closing the connection", self._who(), self._bad_in_row)
+                self._fatal(error.__class__(
+                    f"{error.message} ({self._bad_in_row} refused frames in a row: closing the connection)"
+                ))
+                return
+            # An error is a reply like any other: the next frame waits until it has left,
+            # so a peer that sends bad frames and reads nothing fills no queue.
+            self.reader.hold()
+            self._open_request = True
+            self._rid = header.request_id
             self._reply_error(header.request_id, error)
+            self._done(ok=False)
             return
         # One request at a time: later frames wait in the reader until _done().
         self.reader.hold()
@@ -363,10 +432,11 @@ class ServerSession:
         self._rid = header.request_id
         self._dispatching = True
         try:
-            self._handlers[header.op](header, payload, stream)
+            _HANDLERS[header.op](self, header, payload, stream)
         except ServerError as exc:
             if stream is not None:
                 stream.abort()
+            self._bad_in_row += 1
             self._fail(exc)
         except Exception as exc:
             log.exception("%s: internal error handling %s", self._who(), Op(header.op).name)
@@ -465,7 +535,7 @@ class ServerSession:
 
     def _fail(self, exc: ServerError) -> None:
         self._reply_error(self._rid, exc)
-        self._done()
+        self._done(ok=False)
 
     def _reply(self, op: int, *, clock: int = 0, version: int = 0, flags: int = 0, payload: bytes = b"") -> None:
         if self._can_write() and not self._silenced:
@@ -483,7 +553,7 @@ class ServerSession:
 
     def _reply_error(self, rid: int, exc: ServerError) -> None:
         """Send an error frame (does not end the request: callers decide)."""
-        log.warning("%s: %s: %s", self._who(), exc.code.name, exc.message)
+        self._warn("%s: %s", exc.code.name, exc.message)
         if self._can_write() and not self._silenced:
             payload = encode_error(exc.code, exc.message)
             frame = pack_header(Op.ERROR, 0, 0, rid, 0, 0, len(payload)) + payload
@@ -499,12 +569,15 @@ class ServerSession:
         self.reader.hold()
         self.close()
 
-    def _done(self) -> None:
-        """The current request is answered: go on with the next frame.
+    def _done(self, ok: bool = True) -> None:
+        """The current request is answered (``ok``: not with an error): go on with the next frame.
 
         Not before the reply has left, though: a client that sends requests
-        without reading replies would otherwise pin a snapshot slot per reply.
+        without reading replies would otherwise pin a snapshot slot per reply,
+        or pile up error frames.
         """
+        if ok:
+            self._bad_in_row = 0
         self._open_request = False
         self.last_heard = self._loop.time()  # answered: the worker's own time starts now
         self._unsent_seen = -1
@@ -532,6 +605,21 @@ class ServerSession:
         if not self._reading_paused and self.reader.held and self.reader.staging_full():
             self._reading_paused = True
             self._pause_reading()
+
+    def _warn(self, message: str, *args) -> None:
+        """Log a warning about this connection, at most WARNINGS_PER_WINDOW a window
+        (a peer sending garbage cannot flood the log); the rest are counted."""
+        now = self._loop.time()
+        if now - self._warn_window >= WARNING_WINDOW_S:
+            if self._unlogged:
+                log.warning("%s: %d more warnings about it in the last %.0f s were not logged",
+                            self._who(), self._unlogged, now - self._warn_window)
+            self._warn_window, self._warned, self._unlogged = now, 0, 0
+        if self._warned < WARNINGS_PER_WINDOW:
+            self._warned += 1
+            log.warning("%s: " + message, self._who(), *args)
+        else:
+            self._unlogged += 1
 
     def _who(self, member: Member | None = None) -> str:
         member = member or self.member
@@ -561,3 +649,16 @@ class _InitIntake:
             engine.check_join(request.rank, request.num_workers, request.layout)
             self.request = request
         return self.request
+
+
+#: The request handlers by op (functions, not bound methods: no reference cycle through the session).
+_HANDLERS = {
+    Op.PING: ServerSession._on_ping,
+    Op.HELLO: ServerSession._on_hello,
+    Op.INIT: ServerSession._on_init,
+    Op.PULL: ServerSession._on_pull,
+    Op.PUSH: ServerSession._on_push,
+    Op.PUSH_PULL: ServerSession._on_push_pull,
+    Op.LEAVE: ServerSession._on_leave,
+    Op.STATS: ServerSession._on_stats,
+}

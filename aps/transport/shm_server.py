@@ -33,7 +33,7 @@ import numpy as np
 from ..errors import ConfigurationError, MalformedFrame
 from ..protocol import HEADER_SIZE, DType, Flag, Header, InitRequest, encode_slot, pack_header
 from .segments import ANCILLARY_SPACE, fds_from, map_received, scm_rights
-from .session import ServerSession
+from .session import RateLimitedLog, ServerSession
 
 if TYPE_CHECKING:
     from .._engine import Engine, Member
@@ -44,13 +44,21 @@ __all__ = ["ShmSession", "UnixListener"]
 log = logging.getLogger("aps.server")
 
 _MAX_HELD_FDS = 4  # descriptors waiting for an INIT to claim them
+#: After a failed accept (out of descriptors), the listener rests this long.
+ACCEPT_RETRY_S = 0.5
+_accept_failures = RateLimitedLog()
 _SHM = int(Flag.SHM)
 
 
 class UnixListener:
-    """The server's Unix socket for co-located workers: owner-only, removed on close."""
+    """The server's Unix socket for co-located workers: owner-only, removed on close.
 
-    def __init__(self, path: str, on_connection: Callable[[socket.socket], None]) -> None:
+    A socket file left behind by a server that was killed is replaced (a live
+    one is not); with ``sweep``, stale ones beside it in the server's private
+    directory are removed too (servers on port 0 get a new name every time).
+    """
+
+    def __init__(self, path: str, on_connection: Callable[[socket.socket], None], *, sweep: bool = False) -> None:
         self.path = path
         self._on_connection = on_connection
         directory = os.path.dirname(path)
@@ -58,6 +66,8 @@ class UnixListener:
         info = os.stat(directory)
         if info.st_uid != os.getuid() or stat.S_IMODE(info.st_mode) & 0o077:
             raise ConfigurationError(f"{directory} must belong to this user and be private (mode 0700)")
+        if sweep:
+            _sweep_stale_sockets(directory, keep=path)
         if os.path.exists(path):
             if not stat.S_ISSOCK(os.stat(path).st_mode):
                 raise ConfigurationError(f"{path} exists and is not a socket")
@@ -74,6 +84,7 @@ class UnixListener:
         self.sock.listen(128)
         self.sock.setblocking(False)
         self._loop = asyncio.get_running_loop()
+        self._paused: asyncio.TimerHandle | None = None
         self._loop.add_reader(self.sock.fileno(), self._accept)
 
     def _accept(self) -> None:
@@ -83,18 +94,48 @@ class UnixListener:
             except (BlockingIOError, InterruptedError):
                 return
             except OSError as exc:
-                log.warning("unix socket accept failed: %s", exc)
+                # Out of descriptors (or memory): the pending connection stays pending and
+                # the socket stays readable, so retrying at once would spin. Pause instead.
+                _accept_failures.warning(self._loop.time(), "%s: accepting a connection failed (%s): "
+                                         "pausing the listener for %.1f s", self.path, exc, ACCEPT_RETRY_S)
+                self._loop.remove_reader(self.sock.fileno())
+                self._paused = self._loop.call_later(ACCEPT_RETRY_S, self._resume)
                 return
             conn.setblocking(False)
             self._on_connection(conn)
 
+    def _resume(self) -> None:
+        self._paused = None
+        if self.sock.fileno() >= 0:
+            self._loop.add_reader(self.sock.fileno(), self._accept)
+
     def close(self) -> None:
+        if self._paused is not None:
+            self._paused.cancel()
         self._loop.remove_reader(self.sock.fileno())
         self.sock.close()
         try:
             os.unlink(self.path)
         except FileNotFoundError:
             pass
+
+
+def _sweep_stale_sockets(directory: str, keep: str) -> None:
+    """Remove the socket files in ``directory`` that no server listens on."""
+    try:
+        names = os.listdir(directory)
+    except OSError:
+        return
+    for name in names:
+        path = os.path.join(directory, name)
+        try:
+            if not name.endswith(".sock") or path == keep or not stat.S_ISSOCK(os.lstat(path).st_mode):
+                continue
+            if not _live(path):
+                os.unlink(path)
+                log.info("removed %s, left behind by a server that is gone", path)
+        except OSError:
+            continue
 
 
 def _live(path: str) -> bool:
@@ -127,6 +168,8 @@ class ShmSession(ServerSession):
         self._sent_slots: set[int] = set()  # slots this worker has mapped
         self._lease: Snapshot | None = None  # the slot the worker is copying from
         self._reading = True
+        if not self._admit():
+            return
         registry.add(self)
         self._loop.add_reader(sock.fileno(), self._readable)
         log.debug("%s: connected (shared memory)", self.peer)

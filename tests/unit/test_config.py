@@ -71,6 +71,8 @@ EXAMPLES = {
     "heartbeat_timeout": ("2.5", 2.5, {}),
     "max_frame_bytes": ("1G", 1 << 30, {}),
     "stream_min_bytes": ("0", 0, {}),
+    "max_connections": ("64", 64, {}),
+    "handshake_timeout": ("2.5", 2.5, {}),
     "log_level": ("debug", "debug", {}),
 }
 
