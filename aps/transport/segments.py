@@ -5,11 +5,21 @@ the socket (``SCM_RIGHTS``), so it has no name to leak: the kernel frees a
 segment when the last process holding it closes it or dies. The server keeps
 its snapshot slots in segments; each worker keeps its gradient buffer in one
 (see ``shm_server`` and ``shm_client``).
+
+Every segment is sealed against shrinking and growing (and against further
+seals) as soon as it has its size, so a peer holding it cannot truncate it
+under a reader (which would kill the reader with SIGBUS); a received
+descriptor is refused unless it carries those seals and the size promised.
+Slots go to workers through a read-only descriptor: mapping one writable
+fails. (A process of the same user can always reach another's memory, with
+ptrace or /proc; the seals and read-only descriptors stop accidents and
+buggy peers, not that user.)
 """
 
 from __future__ import annotations
 
 import array
+import fcntl
 import itertools
 import mmap
 import os
@@ -19,11 +29,13 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from ..errors import PayloadSizeMismatch
+from ..errors import MalformedFrame, PayloadSizeMismatch
 
 __all__ = [
     "ANCILLARY_SPACE",
+    "SEALS",
     "Segment",
+    "check_sealed",
     "default_socket_path",
     "fds_from",
     "map_received",
@@ -35,6 +47,8 @@ MAX_FDS = 16  # descriptors accepted with one message
 #: Room for the ancillary data of one message (``recvmsg``'s ``ancbufsize``).
 ANCILLARY_SPACE = socket.CMSG_SPACE(MAX_FDS * array.array("i").itemsize) if hasattr(socket, "CMSG_SPACE") else 0
 _segment_ids = itertools.count(1)
+#: The seals every segment carries: no shrinking, no growing, no further seals.
+SEALS = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL if hasattr(fcntl, "F_SEAL_SHRINK") else 0
 
 
 def shm_available() -> bool:
@@ -58,29 +72,41 @@ class Segment:
         array: the flat float32 view of the mapping.
     """
 
-    __slots__ = ("id", "fd", "array", "nbytes")
+    __slots__ = ("id", "fd", "array", "nbytes", "_read_only_fd")
 
     def __init__(self, fd: int, array: np.ndarray) -> None:
         self.id = next(_segment_ids)
         self.fd = fd
         self.array = array
         self.nbytes = array.nbytes
+        self._read_only_fd = -1
 
     @classmethod
     def create(cls, numel: int, name: str) -> Segment:
-        fd = os.memfd_create(name, os.MFD_CLOEXEC)
+        """A new sealed segment of ``numel`` float32 elements, mapped writable here."""
+        fd = os.memfd_create(name, os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
         try:
             nbytes = 4 * numel
             os.ftruncate(fd, nbytes)
+            fcntl.fcntl(fd, fcntl.F_ADD_SEALS, SEALS)
             return cls(fd, _map(fd, nbytes, writable=True))
         except BaseException:
             os.close(fd)
             raise
 
+    def read_only_fd(self) -> int:
+        """A descriptor of this segment opened read-only (to hand to a reader): a
+        mapping of it cannot be writable. Opened once, closed with the segment."""
+        if self._read_only_fd < 0:
+            self._read_only_fd = os.open(f"/proc/self/fd/{self.fd}", os.O_RDONLY | os.O_CLOEXEC)
+        return self._read_only_fd
+
     def close(self) -> None:
         fd, self.fd = self.fd, -1
-        if fd >= 0:
-            os.close(fd)
+        ro, self._read_only_fd = self._read_only_fd, -1
+        for each in (fd, ro):
+            if each >= 0:
+                os.close(each)
 
 
 def _map(fd: int, nbytes: int, *, writable: bool) -> np.ndarray:
@@ -91,12 +117,24 @@ def _map(fd: int, nbytes: int, *, writable: bool) -> np.ndarray:
     return np.frombuffer(mapping, np.float32)
 
 
-def map_received(fd: int, nbytes: int, *, writable: bool) -> np.ndarray:
-    """Map a segment that came over the socket; checks its size; closes ``fd``."""
+def check_sealed(fd: int, nbytes: int) -> None:
+    """Raise unless ``fd`` is a memory segment sealed against resizing, of ``nbytes`` at least."""
     try:
-        size = os.fstat(fd).st_size
-        if size < nbytes:
-            raise PayloadSizeMismatch(f"shared segment of {size} bytes; {nbytes} needed")
+        seals = fcntl.fcntl(fd, fcntl.F_GET_SEALS)
+    except OSError:
+        raise MalformedFrame("the descriptor is not a sealable memory segment (memfd)") from None
+    needed = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW
+    if seals & needed != needed:
+        raise MalformedFrame("the shared segment is not sealed against shrinking and growing")
+    size = os.fstat(fd).st_size
+    if size < nbytes:
+        raise PayloadSizeMismatch(f"shared segment of {size} bytes; {nbytes} needed")
+
+
+def map_received(fd: int, nbytes: int, *, writable: bool) -> np.ndarray:
+    """Map a segment that came over the socket; checks its seals and size; closes ``fd``."""
+    try:
+        check_sealed(fd, nbytes)
         return _map(fd, nbytes, writable=writable)
     finally:
         os.close(fd)

@@ -288,7 +288,7 @@ class ShmSession(ServerSession):
         self._traffic.bytes_out += HEADER_SIZE + len(payload) + segment.nbytes
         # The slot stays leased to this worker until its next request, which is
         # read only once this frame has left: its descriptor stays valid meanwhile.
-        self._write(frame, [segment.fd] if fresh else ())
+        self._write(frame, [segment.read_only_fd()] if fresh else ())
         self._sent_slots.add(segment.id)
         self._lease = snap
 

@@ -206,3 +206,60 @@ def test_a_worker_killed_mid_push_changes_nothing_it_should_not(server_process):
     with aps.Worker(server.address, 2, 3, transport="shm") as again:
         weights = again.init({"w": np.zeros(numel, np.float32)})["w"]
         assert (weights == weights[0]).all()
+
+
+def test_segments_are_sealed_and_slots_are_read_only(server_process):
+    """A co-located process can neither shrink a segment under the server's kernel (which
+    would kill it with SIGBUS) nor write into a published snapshot."""
+    import mmap
+
+    from aps.protocol import decode_slot
+    from aps.transport.segments import ANCILLARY_SPACE, fds_from
+
+    server = server_process("--workers", "1", "--sync", "asp", "--lr", "1")
+    with aps.Worker(server.address, 0, 1, transport="shm") as worker:
+        worker.init({"w": np.zeros(N, np.float32)})
+        for size in (0, 4 * N + 4096):
+            with pytest.raises(PermissionError):  # the worker's own gradient segment: sealed
+                os.ftruncate(worker._conn.grad_segment.fd, size)
+    raw = RawShmClient(server.unix_path)  # rejoins as rank 0 and keeps the slot's descriptor as sent
+    raw.init(0, 1, {"w": np.zeros(N, np.float32)})
+    data, ancdata, _, _ = raw.sock.recvmsg(4096, ANCILLARY_SPACE)
+    (slot_fd,) = fds_from(ancdata)
+    assert decode_slot(data[40:])[2]  # the reply said a descriptor came with it
+    try:
+        with pytest.raises(PermissionError):
+            mmap.mmap(slot_fd, 4 * N, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+        with pytest.raises(OSError):
+            os.write(slot_fd, b"\xff" * 16)
+        with pytest.raises(OSError):
+            os.ftruncate(slot_fd, 0)
+        readable = mmap.mmap(slot_fd, 4 * N, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ)  # reading is what it is for
+        assert np.frombuffer(readable, np.float32).tolist() == [0.0] * N
+        readable.close()
+    finally:
+        os.close(slot_fd)
+        raw.close()
+
+
+def test_the_server_refuses_an_unsealed_or_foreign_descriptor(server_process):
+    server = server_process("--workers", "1", "--sync", "asp")
+    raw = RawShmClient(server.unix_path)
+    unsealed = os.memfd_create("unsealed", os.MFD_CLOEXEC)
+    os.ftruncate(unsealed, 4 * N)
+    raw.segment = Segment(unsealed, np.zeros(N, np.float32))
+    raw.init(0, 1, {"w": np.zeros(N, np.float32)})
+    code, message = raw.error()
+    assert code == ErrorCode.MALFORMED_FRAME and "not sealed" in message
+    read_end, write_end = os.pipe()
+    raw.segment.close()
+    raw.segment = Segment(read_end, np.zeros(N, np.float32))
+    raw.init(0, 1, {"w": np.zeros(N, np.float32)})
+    code, message = raw.error()
+    assert code == ErrorCode.MALFORMED_FRAME and "not a sealable memory segment" in message
+    os.close(write_end)
+    raw.segment.close()
+    raw.segment = None
+    raw.init(0, 1, {"w": np.zeros(N, np.float32)})  # a proper one is taken
+    assert raw.reply()[0].op == Op.INIT_REPLY
+    raw.close()
