@@ -14,7 +14,7 @@ from typing import Any
 
 from .errors import ConfigurationError
 
-__all__ = ["ServerConfig", "env_name"]
+__all__ = ["ServerConfig", "env_name", "resolve_token"]
 
 SYNC_CHOICES = ("bsp", "asp", "ssp", "dssp", "softsync")
 LR_STALENESS_CHOICES = ("none", "inverse")
@@ -111,6 +111,23 @@ class ServerConfig:
             metavar="SIZE",
         ),
     )
+    token: str | None = field(
+        default=None,
+        repr=False,
+        metadata=_opt(
+            "shared secret every connection must prove it knows before anything is served (a challenge-"
+            "response: it never crosses the wire); needed to listen beyond loopback",
+            metavar="TOKEN",
+        ),
+    )
+    token_file: str | None = field(
+        default=None, metadata=_opt("read the token from the first line of this file instead", metavar="PATH")
+    )
+    insecure: bool = field(
+        default=False,
+        metadata=_opt("listen on a non-loopback address without a token: anyone who reaches the port can "
+                      "join, push, pull and read the model"),
+    )
     log_level: str = field(default="info", metadata=_opt("logging level", choices=LOG_LEVELS))
 
     def __post_init__(self) -> None:
@@ -166,6 +183,16 @@ class ServerConfig:
             raise ConfigurationError(f"--handshake-timeout must be > 0, got {self.handshake_timeout}")
         if self.stream_min_bytes < 0:
             raise ConfigurationError(f"--stream-min-bytes must be >= 0, got {self.stream_min_bytes}")
+        if self.token is not None and not self.token:
+            raise ConfigurationError("--token must not be empty")
+        if self.token is not None and self.token_file is not None:
+            raise ConfigurationError("give --token or --token-file, not both")
+        if not self.insecure and self.token is None and self.token_file is None and not _loopback(self.host):
+            raise ConfigurationError(
+                f"refusing to listen on {self.host} without a token: anyone who reaches the port could join, "
+                "push gradients, pull and read the model. Give --token or --token-file (or APS_TOKEN), "
+                "or --insecure to accept that"
+            )
         if self.log_level not in LOG_LEVELS:
             raise ConfigurationError(f"unknown log level {self.log_level!r}")
 
@@ -202,6 +229,34 @@ class ServerConfig:
         if self.async_scale == "mean" and self.sync in ("asp", "ssp", "dssp"):
             text += " mean-scaled"
         return text
+
+
+def resolve_token(config: ServerConfig) -> bytes | None:
+    """The token as bytes (read from ``token_file`` if given), or None without one."""
+    if config.token is not None:
+        return config.token.encode("utf-8")
+    if config.token_file is None:
+        return None
+    try:
+        with open(config.token_file, encoding="utf-8") as fh:
+            token = fh.readline().strip()
+    except OSError as exc:
+        raise ConfigurationError(f"cannot read --token-file {config.token_file}: {exc.strerror or exc}") from None
+    if not token:
+        raise ConfigurationError(f"--token-file {config.token_file} holds no token")
+    return token.encode("utf-8")
+
+
+def _loopback(host: str) -> bool:
+    """True for an address only this machine can reach."""
+    import ipaddress
+
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False  # a name: it may resolve beyond this machine
 
 
 def env_name(field_name: str) -> str:

@@ -16,6 +16,7 @@ __all__ = [
     "APSError",
     "APSConnectionError",
     "APSTimeoutError",
+    "AuthenticationError",
     "BadMagic",
     "ConfigurationError",
     "DTypeMismatch",
@@ -66,6 +67,7 @@ class ErrorCode(IntEnum):
     INTERNAL = 16
     EVICTED = 17
     OVERLOADED = 18
+    AUTHENTICATION = 19
 
 
 class APSError(Exception):
@@ -225,6 +227,14 @@ class ServerOverloaded(ServerError, APSConnectionError):
     code = ErrorCode.OVERLOADED
 
 
+class AuthenticationError(ServerError, APSConnectionError):
+    """The handshake failed: a missing or wrong token (the server closes the
+    connection), or a server that cannot prove it knows the token (the worker
+    refuses it)."""
+
+    code = ErrorCode.AUTHENTICATION
+
+
 class InternalServerError(ServerError):
     """The server failed unexpectedly while handling the request."""
 
@@ -250,6 +260,7 @@ ERROR_CODES: dict[ErrorCode, type[ServerError]] = {
     ErrorCode.INTERNAL: InternalServerError,
     ErrorCode.EVICTED: Evicted,
     ErrorCode.OVERLOADED: ServerOverloaded,
+    ErrorCode.AUTHENTICATION: AuthenticationError,
 }
 
 

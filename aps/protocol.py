@@ -26,15 +26,22 @@ __all__ = [
     "MAGIC",
     "Op",
     "PROTOCOL_VERSION",
+    "HANDSHAKE_OPS",
+    "NONCE_BYTES",
+    "auth_proof",
+    "decode_auth_reply",
     "decode_error",
     "decode_init",
     "decode_layout_block",
     "decode_join_progress",
+    "encode_auth_reply",
     "encode_error",
     "decode_hello",
+    "decode_hello_reply",
     "decode_slot",
     "describe_join_progress",
     "encode_hello",
+    "encode_hello_reply",
     "encode_init",
     "encode_join_progress",
     "encode_slot",
@@ -65,6 +72,7 @@ class Op(IntEnum):
     PING = 6
     STATS = 7
     HELLO = 8
+    AUTH = 9
 
     REPLY = 0x80
     INIT_REPLY = 0x81
@@ -75,6 +83,7 @@ class Op(IntEnum):
     PING_REPLY = 0x86
     STATS_REPLY = 0x87
     HELLO_REPLY = 0x88
+    AUTH_REPLY = 0x89
     #: Not a reply: a notice the server sends while it holds a request (a pull
     #: at the gate, a push in the lane) to say it is alive; no payload.
     ALIVE = 0xFD
@@ -84,7 +93,9 @@ class Op(IntEnum):
     ERROR = 0xFF
 
 
-REQUEST_OPS = frozenset({Op.INIT, Op.PULL, Op.PUSH, Op.PUSH_PULL, Op.LEAVE, Op.PING, Op.STATS, Op.HELLO})
+REQUEST_OPS = frozenset({Op.INIT, Op.PULL, Op.PUSH, Op.PUSH_PULL, Op.LEAVE, Op.PING, Op.STATS, Op.HELLO, Op.AUTH})
+#: What a connection may ask before it has authenticated (when the server has a token).
+HANDSHAKE_OPS = frozenset({Op.HELLO, Op.AUTH})
 _KNOWN_OPS = frozenset(int(op) for op in Op)
 
 
@@ -335,6 +346,57 @@ def decode_hello(payload) -> tuple[str, str]:
     except (struct.error, UnicodeDecodeError) as exc:
         raise MalformedFrame(f"HELLO reply cannot be parsed: {exc}") from None
     return fields[0], fields[1]
+
+
+# The handshake. HELLO carries the client's nonce (NONCE_BYTES, or nothing);
+# HELLO_REPLY: u8 flags (bit 0: a token is required), 7 reserved bytes, the
+# server's nonce, then (when no token is required) the HELLO fields above.
+# AUTH carries the client's proof; AUTH_REPLY the server's proof, then the
+# HELLO fields. A proof is HMAC-SHA256(token, role || server nonce || client
+# nonce): the token never crosses the wire, each connection's nonces are fresh
+# (a proof from one connection is worthless on another), and the worker
+# checks the server's proof too (a server without the token cannot pass for
+# the real one).
+NONCE_BYTES = 32
+_HELLO_REPLY = struct.Struct("<B7x")
+_AUTH_REQUIRED = 1
+
+
+def auth_proof(token: bytes, role: str, server_nonce: bytes, client_nonce: bytes) -> bytes:
+    """``role`` is "client" or "server"."""
+    import hashlib
+    import hmac
+
+    return hmac.new(token, f"aps/1 {role}".encode() + server_nonce + client_nonce, hashlib.sha256).digest()
+
+
+def encode_hello_reply(auth_required: bool, server_nonce: bytes, host: str, unix_path: str) -> bytes:
+    head = _HELLO_REPLY.pack(_AUTH_REQUIRED if auth_required else 0) + server_nonce
+    return head if auth_required else head + encode_hello(host, unix_path)
+
+
+def decode_hello_reply(payload) -> tuple[bool, bytes, tuple[str, str] | None]:
+    """``(auth_required, server_nonce, (host, unix_path) or None)``."""
+    view = memoryview(payload)
+    if len(view) < _HELLO_REPLY.size + NONCE_BYTES:
+        raise MalformedFrame(f"HELLO reply of {len(view)} bytes is too short")
+    (flags,) = _HELLO_REPLY.unpack_from(view, 0)
+    nonce = bytes(view[_HELLO_REPLY.size : _HELLO_REPLY.size + NONCE_BYTES])
+    rest = view[_HELLO_REPLY.size + NONCE_BYTES :]
+    required = bool(flags & _AUTH_REQUIRED)
+    return required, nonce, None if required else decode_hello(rest)
+
+
+def encode_auth_reply(server_proof: bytes, host: str, unix_path: str) -> bytes:
+    return server_proof + encode_hello(host, unix_path)
+
+
+def decode_auth_reply(payload) -> tuple[bytes, tuple[str, str]]:
+    """``(server proof, (host, unix_path))``."""
+    view = memoryview(payload)
+    if len(view) < 32:
+        raise MalformedFrame(f"AUTH reply of {len(view)} bytes is too short")
+    return bytes(view[:32]), decode_hello(view[32:])
 
 
 # Shared-memory weights reply payload: u64 slot id, u64 slot bytes, u32 flags

@@ -21,7 +21,7 @@ import numpy as np
 
 from ._engine import Engine
 from ._lane import run_kernel
-from .config import ServerConfig
+from .config import ServerConfig, resolve_token
 from .errors import APSError, ConfigurationError
 from .protocol import encode_join_progress
 from .transport.address import format_address
@@ -94,6 +94,7 @@ class Server:
     async def start(self) -> None:
         """Bind the listener and get ready to serve (inside a running loop)."""
         _raise_descriptor_limit(self.config.max_connections)
+        token = resolve_token(self.config)
         loop = self._loop = asyncio.get_running_loop()
         self._stopping = asyncio.Event()
         self._executor = ThreadPoolExecutor(1, thread_name_prefix="aps-update")
@@ -104,7 +105,7 @@ class Server:
         max_payload = config.max_frame_bytes
         try:
             self._listener = await loop.create_server(
-                lambda: TcpSession(self.engine, max_payload, self.connections, self.unix_path),
+                lambda: TcpSession(self.engine, max_payload, self.connections, self.unix_path, token),
                 config.host,
                 config.port,
                 reuse_address=True,
@@ -118,7 +119,7 @@ class Server:
             path = default_socket_path(self._port) if config.unix_socket == "auto" else config.unix_socket
             try:
                 self._unix = UnixListener(
-                    path, lambda sock: ShmSession(self.engine, max_payload, self.connections, sock),
+                    path, lambda sock: ShmSession(self.engine, max_payload, self.connections, sock, token),
                     sweep=config.unix_socket == "auto",
                 )
             except (OSError, ConfigurationError) as exc:
@@ -129,9 +130,10 @@ class Server:
         self._watchdog = loop.create_task(self._watch_connections(self.config.heartbeat_timeout))
         self._progress = loop.create_task(self._report_join_progress())
         log.info(
-            "listening on %s%s: %d workers, sync %s, optimizer %s lr=%g",
+            "listening on %s%s%s: %d workers, sync %s, optimizer %s lr=%g",
             self.address,
             f" and {self.unix_path} (shared memory)" if self.unix_path else "",
+            " (a token is required)" if token is not None else "",
             self.config.workers,
             self.config.sync,
             self.config.optimizer,

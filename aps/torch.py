@@ -126,6 +126,7 @@ class Optimizer:
         staging: stage through host buffers even on the CPU (the GPU code
             path; meant for tests). Default: only for models not on the CPU.
         pacer: iteration pacing; default: what ``aps launch`` asked for.
+        token: the server's token, if it has one (default ``$APS_TOKEN``).
 
     The first worker to join provides the initial weights (its model's);
     every worker's model then holds the server's weights.
@@ -143,6 +144,7 @@ class Optimizer:
         worker: Worker | None = None,
         staging: bool | None = None,
         pacer: Pacer | None = None,
+        token: str | None = None,
     ) -> None:
         named = model.named_parameters() if isinstance(model, torch.nn.Module) else model
         self.names: list[str] = []
@@ -171,7 +173,7 @@ class Optimizer:
             raise ConfigurationError(f"staging=False needs a model on the CPU, not on {self.device}")
         self._pinned: list[int] = []
         own_worker = worker is None
-        self.worker = worker or Worker(address, rank, num_workers, transport=transport)
+        self.worker = worker or Worker(address, rank, num_workers, transport=transport, token=token)
         try:
             with torch.no_grad():
                 initial = {n: p.detach().to("cpu").contiguous().numpy() for n, p in zip(self.names, self.params)}

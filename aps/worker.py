@@ -40,7 +40,6 @@ from .errors import (
     RankTaken,
     ServerError,
     ServerSilent,
-    UnknownOp,
     error_from_code,
 )
 from .layout import Layout
@@ -50,7 +49,6 @@ from .protocol import (
     Header,
     Op,
     decode_error,
-    decode_hello,
     decode_join_progress,
     decode_slot,
     describe_join_progress,
@@ -60,7 +58,7 @@ from .protocol import (
 )
 from .transport.address import parse_address
 from .transport.framing import FrameReader
-from .transport._client import exchange
+from .transport._client import handshake, handshake_async
 from .transport.segments import shm_available
 from .transport.shm_client import ShmConnection
 from .transport.tcp_client import AsyncConnection, BlockingConnection
@@ -120,14 +118,15 @@ def _check_transport(transport: str) -> None:
         raise ConfigurationError(f"unknown transport {transport!r}: choose from {', '.join(_TRANSPORTS)}")
 
 
-def _server_unix_path(tcp: BlockingConnection, timeout: float | None) -> str:
-    """The server's Unix socket when it shares this host (asked with HELLO), else ""."""
-    try:
-        _, payload = exchange(tcp, Op.HELLO, timeout)
-    except UnknownOp:  # a server that does not know HELLO has no shared memory either
-        return ""
-    host, path = decode_hello(payload)
-    return path if host == host_identity() else ""
+def _token(token: str | bytes | None) -> bytes | None:
+    """The worker's token: as given, else ``$APS_TOKEN``, else none."""
+    if token is None:
+        token = os.environ.get("APS_TOKEN") or None
+    if token is None or isinstance(token, bytes):
+        return token
+    if not isinstance(token, str) or not token:
+        raise ConfigurationError("token must be a non-empty string")
+    return token.encode("utf-8")
 
 
 class _Patience:
@@ -494,6 +493,9 @@ class Worker(_WorkerBase):
             slower workers need).
         heartbeat: seconds between pings while idle, so the server keeps this
             worker's seat (None: no pings).
+        token: the server's shared secret, when it has one (``--token``); the
+            worker proves it knows it and checks that the server does too
+            (default: ``$APS_TOKEN``).
         server_timeout: seconds without a byte from the server while a reply is
             due, after which it is taken to have hung or gone: the request
             raises :class:`aps.ServerSilent` (a ``TimeoutError`` and a
@@ -525,9 +527,11 @@ class Worker(_WorkerBase):
         timeout: float | None = None,
         heartbeat: float | None = 5.0,
         server_timeout: float | None = DEFAULT_SERVER_TIMEOUT,
+        token: str | None = None,
     ) -> None:
         _check_transport(transport)
         _check_heartbeat(heartbeat, server_timeout)
+        self._token = _token(token)
         address, rank, num_workers = _from_env(address, rank, num_workers)
         self._parsed = parse_address(address)
         self.address = str(self._parsed)
@@ -702,16 +706,16 @@ class Worker(_WorkerBase):
         """Connect by ``transport``: shared memory when asked or when ``auto`` finds
         the server on this host, TCP otherwise."""
         tcp = BlockingConnection(self._parsed.host, self._parsed.port, self._connect_timeout, self.server_timeout)
+        try:
+            host, path = handshake(tcp, self._token, self._connect_timeout)
+        except BaseException:
+            tcp.close()
+            raise
         if transport == "tcp":
             self._core.shm = None
             return tcp
-        path = ""
-        if shm_available():
-            try:
-                path = _server_unix_path(tcp, self._connect_timeout)
-            except APSError:
-                tcp.close()
-                raise
+        if not shm_available() or host != host_identity():
+            path = ""
         if path:
             try:
                 shm = ShmConnection(path, self._connect_timeout)
@@ -721,6 +725,11 @@ class Worker(_WorkerBase):
                     raise
             else:
                 tcp.close()
+                try:
+                    handshake(shm, self._token, self._connect_timeout)  # the Unix socket asks the same
+                except BaseException:
+                    shm.close()
+                    raise
                 if self._core.shm is not None:
                     shm.adopt(self._core.shm)
                 self._core.shm = shm
@@ -809,15 +818,18 @@ class AsyncWorker(_WorkerBase):
         timeout: float | None = None,
         heartbeat: float | None = 5.0,
         server_timeout: float | None = DEFAULT_SERVER_TIMEOUT,
+        token: str | None = None,
     ) -> AsyncWorker:
         _check_transport(transport)
         if transport == "shm":
             raise ConfigurationError("AsyncWorker speaks TCP only; use aps.Worker for shared memory")
         _check_heartbeat(heartbeat, server_timeout)
+        secret = _token(token)
         parsed = parse_address(address)
         core = _ClientCore(rank, num_workers)
-        conn = await AsyncConnection.open(parsed.host, parsed.port, connect_timeout, server_timeout)
+        conn = await cls._open(parsed.host, parsed.port, connect_timeout, server_timeout, secret)
         worker = cls(conn, core, str(parsed), timeout, connect_timeout, server_timeout)
+        worker._token = secret
         worker._heartbeat = heartbeat
         worker._start_heartbeat()
         return worker
@@ -851,8 +863,8 @@ class AsyncWorker(_WorkerBase):
         while True:
             async with self._lock:
                 self._disconnect()
-                self._conn = await AsyncConnection.open(
-                    self._parsed.host, self._parsed.port, self._connect_timeout, self.server_timeout
+                self._conn = await self._open(
+                    self._parsed.host, self._parsed.port, self._connect_timeout, self.server_timeout, self._token
                 )
             try:
                 weights = await self.init(None, timeout=timeout)  # type: ignore[arg-type]
@@ -925,6 +937,16 @@ class AsyncWorker(_WorkerBase):
             except APSTimeoutError:
                 if patience.expired():
                     raise
+
+    @staticmethod
+    async def _open(host: str, port: int, connect_timeout, server_timeout, token) -> AsyncConnection:
+        conn = await AsyncConnection.open(host, port, connect_timeout, server_timeout)
+        try:
+            await handshake_async(conn, token, connect_timeout)
+        except BaseException:
+            conn.close()
+            raise
+        return conn
 
     def _start_heartbeat(self) -> None:
         """Start the heartbeat task, unless there is none to run or it still runs."""

@@ -16,7 +16,7 @@ import time
 import numpy as np
 
 from aps.layout import Layout
-from aps.protocol import HEADER_SIZE, DType, Flag, Op, decode_error, decode_hello, encode_init, pack_header, unpack_header
+from aps.protocol import HEADER_SIZE, DType, Flag, Op, decode_error, encode_init, pack_header, unpack_header
 from aps.transport.segments import Segment, scm_rights
 
 SPAWN = mp.get_context("spawn")
@@ -43,6 +43,9 @@ class ServerProcess:
             self.stop()
             raise RuntimeError(f"aps serve did not start: {self.first_line!r}\n{log}")
         self.address = self.first_line[len(prefix) :].strip()
+        # the server's token, when the test gave it one (for the helper's own requests)
+        token = args[args.index("--token") + 1] if "--token" in args else full_env.get("APS_TOKEN")
+        self.token = token.encode() if token else None
         self.port = int(self.address.rsplit(":", 1)[1])
 
     def _read_first_line(self, timeout: float) -> str:
@@ -70,12 +73,12 @@ class ServerProcess:
     @property
     def unix_path(self) -> str:
         """The server's Unix socket for shared memory, as its HELLO reply says."""
-        from aps.transport._client import exchange
+        from aps.transport._client import handshake
         from aps.transport.tcp_client import BlockingConnection
 
         conn = BlockingConnection("127.0.0.1", self.port)
         try:
-            return decode_hello(exchange(conn, Op.HELLO, 10)[1])[1]
+            return handshake(conn, self.token, 10)[1]
         finally:
             conn.close()
 

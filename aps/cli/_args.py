@@ -293,7 +293,11 @@ def add_server_arguments(parser: argparse.ArgumentParser, *, skip: tuple[str, ..
         meta = f.metadata
         default = f.default
         shown = ",".join(str(b) for b in default) if isinstance(default, tuple) else default
-        help_text = f"{meta['help']} ({'' if default is None else f'default {shown}; '}env {env_name(f.name)})"
+        if default is None:
+            shown = "" if "default" in meta["help"] else "default none; "
+        else:
+            shown = f"default {shown}; "
+        help_text = f"{meta['help']} ({shown}env {env_name(f.name)})"
         if _converter(f) is _parse_bool:
             parser.add_argument(_flag(f.name), action="store_const", const=True, default=None, help=help_text)
             continue

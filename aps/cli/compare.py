@@ -187,8 +187,9 @@ def _server_config(setting: str, lr_staleness: str, workers: int, args) -> Serve
     options = parse_setting(setting).options
     if "lr_staleness" in options:
         raise ConfigurationError(f"{setting!r}: choose the learning rate with --lr-staleness, not a +suffix")
+    # The workers take $APS_TOKEN if it is set: the server then asks for the same one.
     return ServerConfig(workers=workers, port=0, lr=args.lr, momentum=args.momentum, lr_staleness=lr_staleness,
-                        log_level="warning", **options)
+                        log_level="warning", token=os.environ.get("APS_TOKEN") or None, **options)
 
 
 _START_TIMEOUT = 120.0  # seconds for every worker to join a run's server

@@ -32,6 +32,7 @@ from concurrent.futures import CancelledError
 from ..errors import APSError, ConfigurationError
 from ..protocol import describe_join_progress
 from ..server import Server
+from ..config import resolve_token
 from ._args import add_server_arguments, config_from_args, number, parse_speeds, require
 
 __all__ = ["register", "run"]
@@ -71,6 +72,7 @@ def run(args: argparse.Namespace) -> int:
     if args.port is None:
         args.port = 0
     config = config_from_args(args)
+    token = resolve_token(config)
     workers = config.workers
     slowdown = parse_speeds(args.slowdown, workers, "--slowdown") if args.slowdown else [1.0] * workers
     require(args.step_time >= 0, f"--step-time must be >= 0, got {args.step_time:g}")
@@ -110,6 +112,8 @@ def run(args: argparse.Namespace) -> int:
                 APS_SLOWDOWN=str(slowdown[rank]),
                 APS_JITTER=str(args.jitter),
             )
+            if token is not None:  # the workers prove they know the embedded server's token
+                env["APS_TOKEN"] = token.decode("utf-8")
             with open(os.path.join(args.log_dir, f"worker-{rank}.log"), "w") as log:
                 procs.append(subprocess.Popen(command, env=env, stdout=log, stderr=subprocess.STDOUT,
                                               stdin=subprocess.DEVNULL, start_new_session=True))

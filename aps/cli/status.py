@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import time
 
 from ..errors import ConfigurationError
 from ..protocol import Op
-from ..transport._client import exchange
+from ..transport._client import exchange, handshake
 from ..transport.address import parse_address
 from ..transport.tcp_client import BlockingConnection
 from ._args import number, require
@@ -27,6 +28,7 @@ def register(commands) -> None:
     parser.add_argument("--json", action="store_true", help="print the raw statistics as JSON")
     parser.add_argument("--watch", type=number, metavar="SECONDS", help="refresh every SECONDS until interrupted (default: print once)")
     parser.add_argument("--timeout", type=number, default=10.0, help="seconds to wait for the server")
+    parser.add_argument("--token", help="the server's token, if it has one (default: $APS_TOKEN)")
     parser.set_defaults(run=run)
 
 
@@ -37,11 +39,14 @@ def _address(text: str) -> str:
         raise argparse.ArgumentTypeError(str(exc)) from None
 
 
-def fetch_stats(address: str, timeout: float = 10.0) -> dict:
-    """The statistics of the server at ``address`` (``tcp://HOST:PORT``), as ``Server.stats()`` returns them."""
+def fetch_stats(address: str, timeout: float = 10.0, token: str | None = None) -> dict:
+    """The statistics of the server at ``address`` (``tcp://HOST:PORT``), as ``Server.stats()``
+    returns them. ``token``: the server's, if it has one (default ``$APS_TOKEN``)."""
     parsed = parse_address(address)
+    secret = token or os.environ.get("APS_TOKEN") or None
     conn = BlockingConnection(parsed.host, parsed.port, timeout)
     try:
+        handshake(conn, secret.encode("utf-8") if secret else None, timeout)
         _, payload = exchange(conn, Op.STATS, timeout)
     finally:
         conn.close()
@@ -52,7 +57,7 @@ def run(args: argparse.Namespace) -> int:
     require(args.watch is None or args.watch > 0, f"--watch must be > 0 seconds, got {args.watch}")
     require(args.timeout > 0, f"--timeout must be > 0 seconds, got {args.timeout}")
     while True:
-        stats = fetch_stats(args.address, args.timeout)
+        stats = fetch_stats(args.address, args.timeout, args.token)
         if args.json:
             print(json.dumps(stats, indent=2), flush=True)
         else:

@@ -2,16 +2,37 @@
 
 from __future__ import annotations
 
+import hmac
+import os
 import socket
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Generator, Sequence
 
-from ..errors import APSConnectionError, APSError, APSTimeoutError, MalformedFrame, ServerSilent, error_from_code
-from ..protocol import Header, Op, decode_error, pack_header
+from ..errors import (
+    APSConnectionError,
+    APSError,
+    APSTimeoutError,
+    AuthenticationError,
+    MalformedFrame,
+    ServerSilent,
+    error_from_code,
+)
+from ..protocol import (
+    NONCE_BYTES,
+    Header,
+    Op,
+    auth_proof,
+    decode_auth_reply,
+    decode_error,
+    decode_hello_reply,
+    pack_header,
+)
 from .framing import FrameReader
 from .segments import scm_rights
 
-__all__ = ["IOV_MAX", "BlockingSocket", "ClientSocket", "advance", "exchange"]
+__all__ = [
+    "IOV_MAX", "BlockingSocket", "ClientSocket", "advance", "exchange", "exchange_async", "handshake", "handshake_async"
+]
 
 #: Buffers one ``sendmsg`` call may take.
 IOV_MAX = 1024
@@ -148,14 +169,78 @@ class _OneReply:
         self.header, self.payload = header, bytes(payload)
 
 
-def exchange(conn, op: int, timeout: float | None) -> tuple[Header, bytes]:
-    """Send one payload-less request on ``conn`` and return its reply; raises the
+def exchange(conn, op: int, timeout: float | None, payload: bytes = b"") -> tuple[Header, bytes]:
+    """Send one request on a blocking connection and return its reply; raises the
     server's error if the reply is an error frame."""
     reply = _OneReply()
-    conn.send([pack_header(op, request_id=1)])
+    conn.send([pack_header(op, request_id=1, length=len(payload)), payload])
     conn.receive(FrameReader(reply), lambda: reply.header is not None, timeout)
+    return _checked(reply, op)
+
+
+async def exchange_async(conn, op: int, timeout: float | None, payload: bytes = b"") -> tuple[Header, bytes]:
+    """:func:`exchange` on an asyncio connection."""
+    reply = _OneReply()
+    await conn.send([pack_header(op, request_id=1, length=len(payload)), payload])
+    await conn.receive(FrameReader(reply), lambda: reply.header is not None, timeout)
+    return _checked(reply, op)
+
+
+def _checked(reply: _OneReply, op: int) -> tuple[Header, bytes]:
     if reply.header.op == Op.ERROR:
         raise error_from_code(*decode_error(reply.payload))
     if reply.header.op != op | Op.REPLY:
         raise MalformedFrame(f"reply op {reply.header.op} to request op {op}")
     return reply.header, reply.payload
+
+
+# The handshake (docs/protocol.md, Handshake): one generator of requests for the
+# blocking and the asyncio drivers, so the logic exists once.
+_Steps = Generator[tuple[int, bytes], bytes, tuple[str, str]]
+
+
+def _handshake_steps(token: bytes | None, address: str) -> _Steps:
+    client_nonce = os.urandom(NONCE_BYTES)
+    required, server_nonce, info = decode_hello_reply((yield Op.HELLO, client_nonce))
+    if not required:
+        if token is not None:
+            raise AuthenticationError(
+                f"the server at {address} asks for no token, but this worker has one: it may not be the server "
+                "you meant (start it with --token, or give the worker no token)"
+            )
+        return info
+    if token is None:
+        raise AuthenticationError(f"the server at {address} needs a token: pass token= or set $APS_TOKEN")
+    reply = yield Op.AUTH, auth_proof(token, "client", server_nonce, client_nonce)
+    proof, info = decode_auth_reply(reply)
+    if not hmac.compare_digest(proof, auth_proof(token, "server", server_nonce, client_nonce)):
+        raise AuthenticationError(f"the server at {address} could not prove it knows the token: refused")
+    return info
+
+
+def handshake(conn, token: bytes | None, timeout: float | None) -> tuple[str, str]:
+    """HELLO, and AUTH when the server asks for a token (each side proves it knows
+    it; the token never crosses the wire). Returns the server's ``(host identity,
+    Unix socket path)``. Raises AuthenticationError."""
+    steps = _handshake_steps(token, conn.address)
+    request = next(steps)
+    while True:
+        op, payload = request
+        _, payload = exchange(conn, op, timeout, payload)
+        try:
+            request = steps.send(payload)
+        except StopIteration as done:
+            return done.value
+
+
+async def handshake_async(conn, token: bytes | None, timeout: float | None) -> tuple[str, str]:
+    """:func:`handshake` on an asyncio connection."""
+    steps = _handshake_steps(token, conn.address)
+    request = next(steps)
+    while True:
+        op, payload = request
+        _, payload = await exchange_async(conn, op, timeout, payload)
+        try:
+            request = steps.send(payload)
+        except StopIteration as done:
+            return done.value

@@ -11,13 +11,16 @@ early wait in the reader's staging buffer, and reading pauses if that fills.
 from __future__ import annotations
 
 import asyncio
+import hmac
 import json
 import logging
-from typing import TYPE_CHECKING
+import os
+from typing import TYPE_CHECKING, NoReturn
 
 import numpy as np
 
 from ..errors import (
+    AuthenticationError,
     DTypeMismatch,
     Evicted,
     InternalServerError,
@@ -31,7 +34,9 @@ from ..errors import (
     UnknownOp,
 )
 from ..protocol import (
+    HANDSHAKE_OPS,
     INIT_HEAD_BYTES,
+    NONCE_BYTES,
     MAX_LAYOUT_BYTES,
     REQUEST_OPS,
     DType,
@@ -41,7 +46,9 @@ from ..protocol import (
     Op,
     decode_layout_block,
     encode_error,
-    encode_hello,
+    auth_proof,
+    encode_auth_reply,
+    encode_hello_reply,
     host_identity,
     is_known_op,
     pack_header,
@@ -86,6 +93,7 @@ class RateLimitedLog:
 
 
 _refusals = RateLimitedLog()
+_auth_failures = RateLimitedLog()
 
 #: While the server holds a request (a pull at the gate, a push in the lane),
 #: it tells the worker this often that it is alive (an ALIVE notice), or every
@@ -118,13 +126,22 @@ class ServerSession:
         registry: the server's set of open sessions (this adds and removes itself).
         unix_path: the server's Unix socket for co-located workers ("" if none),
             announced in HELLO replies.
+        token: the shared secret a peer must prove it knows (HELLO, AUTH)
+            before anything else is served; None: no authentication.
     """
 
     #: The transport's name, in logs.
     kind = "?"
 
-    def __init__(self, engine: Engine, max_payload: int, registry: set, unix_path: str = "") -> None:
+    def __init__(
+        self, engine: Engine, max_payload: int, registry: set, unix_path: str = "", token: bytes | None = None
+    ) -> None:
         self.engine = engine
+        # With a token, nothing but the handshake is served until the peer has proved it knows it.
+        self._token = token
+        self._authenticated = token is None
+        self._server_nonce = b""
+        self._client_nonce = b""
         self._traffic = engine.stats.traffic[self.kind]
         self.registry = registry
         self.unix_path = unix_path
@@ -227,6 +244,9 @@ class ServerSession:
         self._traffic.bytes_in += nbytes
         try:
             self.reader.buffer_updated(nbytes)
+        except AuthenticationError as exc:  # logged already, rate-limited across connections
+            self._fatal(exc, warn=False)
+            return
         except ServerError as exc:
             self._fatal(exc)
             return
@@ -346,6 +366,9 @@ class ServerSession:
     def frame_buffer(self, header: Header) -> memoryview | None:
         op, length = header.op, header.length
         dest: memoryview | None = None
+        if not self._authenticated and op not in HANDSHAKE_OPS:
+            # Fatal (the reader closes the connection): nothing is served, read or kept for a stranger.
+            self._auth_failed(f"a {_op_name(op)} request before the handshake")
         try:
             if op not in REQUEST_OPS:
                 kind = "a reply" if is_known_op(op) else "unknown"
@@ -374,6 +397,11 @@ class ServerSession:
                 # the block is checked, and only if they are needed (frame_more).
                 self._intake = _InitIntake(block)
                 dest = memoryview(self._intake.block)
+            elif op in HANDSHAKE_OPS:
+                limit = NONCE_BYTES
+                if length > limit or (op == Op.AUTH and length != limit):
+                    raise MalformedFrame(f"{Op(op).name} carries {limit} bytes at most, got {length}")
+                dest = memoryview(bytearray(length)) if length else None
             elif length:
                 raise MalformedFrame(f"{Op(op).name} carries no payload, got {length} bytes")
         except ServerError as exc:
@@ -433,6 +461,8 @@ class ServerSession:
         self._dispatching = True
         try:
             _HANDLERS[header.op](self, header, payload, stream)
+        except AuthenticationError as exc:
+            self._fatal(exc, warn=False)
         except ServerError as exc:
             if stream is not None:
                 stream.abort()
@@ -449,7 +479,32 @@ class ServerSession:
         self._reply(Op.PING_REPLY, version=self.engine.version)
 
     def _on_hello(self, header: Header, payload: memoryview, stream) -> None:
-        self._reply(Op.HELLO_REPLY, payload=encode_hello(host_identity(), self.unix_path))
+        self._client_nonce = bytes(payload)
+        self._server_nonce = os.urandom(NONCE_BYTES)  # fresh for every HELLO: no proof is reused
+        required = not self._authenticated
+        self._reply(Op.HELLO_REPLY, payload=encode_hello_reply(required, self._server_nonce, host_identity(),
+                                                              self.unix_path))
+
+    def _on_auth(self, header: Header, payload: memoryview, stream) -> None:
+        if self._token is None:
+            raise AuthenticationError("this server has no token (it was started without --token)")
+        if not self._server_nonce or len(self._client_nonce) != NONCE_BYTES:
+            self._auth_failed("AUTH without a HELLO carrying a nonce first")
+        expected = auth_proof(self._token, "client", self._server_nonce, self._client_nonce)
+        if not hmac.compare_digest(expected, bytes(payload)):
+            self._auth_failed("a wrong token")
+        self._authenticated = True
+        proof = auth_proof(self._token, "server", self._server_nonce, self._client_nonce)
+        self._server_nonce = b""  # one AUTH per nonce
+        self._reply(Op.AUTH_REPLY, payload=encode_auth_reply(proof, host_identity(), self.unix_path))
+
+    def _auth_failed(self, what: str) -> NoReturn:
+        """The peer failed the handshake: log it (rate-limited, with its address), refuse, close."""
+        _auth_failures.warning(self._loop.time(), "%s: authentication failed: %s; closing the connection",
+                               self.peer, what)
+        raise AuthenticationError(
+            f"authentication failed: {what}; the server needs its token (aps.Worker(token=...) or $APS_TOKEN)"
+        )
 
     def _on_init(self, header: Header, payload: memoryview, stream) -> None:
         intake = self._intake
@@ -551,21 +606,23 @@ class ServerSession:
             self._send_weights(op, snap, clock, flags)
         self._done()
 
-    def _reply_error(self, rid: int, exc: ServerError) -> None:
+    def _reply_error(self, rid: int, exc: ServerError, *, warn: bool = True) -> None:
         """Send an error frame (does not end the request: callers decide)."""
-        self._warn("%s: %s", exc.code.name, exc.message)
+        if warn:
+            self._warn("%s: %s", exc.code.name, exc.message)
         if self._can_write() and not self._silenced:
             payload = encode_error(exc.code, exc.message)
             frame = pack_header(Op.ERROR, 0, 0, rid, 0, 0, len(payload)) + payload
             self._traffic.bytes_out += len(frame)
             self._write(frame)
 
-    def _fatal(self, exc: ServerError) -> None:
-        """Framing is lost: say why, then close this connection (only this one)."""
+    def _fatal(self, exc: ServerError, *, warn: bool = True) -> None:
+        """Framing is lost (or the peer failed the handshake): say why, then close
+        this connection (only this one)."""
         if self._fatal_sent:
             return
         self._fatal_sent = True
-        self._reply_error(0, exc)
+        self._reply_error(0, exc, warn=warn)
         self.reader.hold()
         self.close()
 
@@ -655,6 +712,7 @@ class _InitIntake:
 _HANDLERS = {
     Op.PING: ServerSession._on_ping,
     Op.HELLO: ServerSession._on_hello,
+    Op.AUTH: ServerSession._on_auth,
     Op.INIT: ServerSession._on_init,
     Op.PULL: ServerSession._on_pull,
     Op.PUSH: ServerSession._on_push,
@@ -662,3 +720,10 @@ _HANDLERS = {
     Op.LEAVE: ServerSession._on_leave,
     Op.STATS: ServerSession._on_stats,
 }
+
+
+def _op_name(op: int) -> str:
+    try:
+        return Op(op).name
+    except ValueError:
+        return f"op {op}"

@@ -154,8 +154,10 @@ class ShmSession(ServerSession):
 
     kind = "shm"
 
-    def __init__(self, engine: Engine, max_payload: int, registry: set, sock: socket.socket) -> None:
-        super().__init__(engine, max_payload, registry)
+    def __init__(
+        self, engine: Engine, max_payload: int, registry: set, sock: socket.socket, token: bytes | None = None
+    ) -> None:
+        super().__init__(engine, max_payload, registry, token=token)
         self.sock = sock
         self.peer = f"unix:{sock.fileno()}"
         try:

@@ -33,8 +33,10 @@ class TcpSession(ServerSession, asyncio.BufferedProtocol):
 
     kind = "tcp"
 
-    def __init__(self, engine: Engine, max_payload: int, registry: set, unix_path: str = "") -> None:
-        super().__init__(engine, max_payload, registry, unix_path)
+    def __init__(
+        self, engine: Engine, max_payload: int, registry: set, unix_path: str = "", token: bytes | None = None
+    ) -> None:
+        super().__init__(engine, max_payload, registry, unix_path, token)
         self.transport: asyncio.Transport | None = None
         self._vectored = type(self._loop).__module__.startswith("uvloop")
         self._leases: list[Snapshot] = []

@@ -50,7 +50,7 @@ def test_staleness_bounds(options, bounds, text):
 
 # option: (raw value, parsed value, other variables it needs to make sense)
 EXAMPLES = {
-    "host": ("0.0.0.0", "0.0.0.0", {}),
+    "host": ("0.0.0.0", "0.0.0.0", {"APS_INSECURE": "1"}),
     "port": ("0", 0, {}),
     "workers": ("3", 3, {}),
     "sync": ("asp", "asp", {}),
@@ -72,6 +72,9 @@ EXAMPLES = {
     "max_frame_bytes": ("1G", 1 << 30, {}),
     "stream_min_bytes": ("0", 0, {}),
     "max_connections": ("64", 64, {}),
+    "token": ("s3cret", "s3cret", {}),
+    "token_file": ("/etc/aps/token", "/etc/aps/token", {}),
+    "insecure": ("1", True, {}),
     "handshake_timeout": ("2.5", 2.5, {}),
     "log_level": ("debug", "debug", {}),
 }

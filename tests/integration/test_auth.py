@@ -1,0 +1,178 @@
+"""Authentication: with --token, nothing but the handshake is served until a peer proves it
+knows the token (HMAC over fresh nonces; the token never crosses the wire), and a worker
+checks that the server knows it too. Real server processes, loopback only."""
+
+import os
+import socket
+import subprocess
+import sys
+import threading
+
+import numpy as np
+import pytest
+
+import aps
+from aps.config import ServerConfig
+from aps.errors import ErrorCode
+from aps.protocol import NONCE_BYTES, Op, auth_proof, decode_hello_reply, encode_hello, encode_hello_reply, pack_header
+from tests.helpers import HEADER_SIZE, RawClient, RawShmClient, unpack_header
+
+TOKEN = "correct horse battery staple"
+SCRIPTS = os.path.join(os.path.dirname(os.path.dirname(__file__)), "scripts")
+
+
+@pytest.fixture
+def secured(server_process):
+    return server_process("--workers", "1", "--sync", "asp", "--lr", "1", "--token", TOKEN)
+
+
+def test_the_right_token_trains(secured, transport, monkeypatch):
+    with aps.Worker(secured.address, 0, 1, transport=transport, token=TOKEN) as worker:
+        assert worker.transport == transport
+        worker.init({"w": np.zeros(4, np.float32)})
+        worker.push_pull({"w": np.ones(4, np.float32)})
+        assert worker.weights["w"].tolist() == [-1.0] * 4
+    monkeypatch.setenv("APS_TOKEN", TOKEN)  # or from the environment, as aps launch and torchrun pass it
+    with aps.Worker(secured.address, 0, 1, transport=transport) as worker:
+        worker.init({"w": np.zeros(4, np.float32)})
+        assert worker.pull()["w"].tolist() == [-1.0] * 4
+    assert "a token is required" in secured.log()
+
+
+@pytest.mark.parametrize("token", [None, "wrong horse"], ids=["missing", "wrong"])
+def test_a_missing_or_wrong_token_is_refused_with_a_clear_error(secured, transport, token, monkeypatch):
+    monkeypatch.delenv("APS_TOKEN", raising=False)
+    with pytest.raises(aps.AuthenticationError, match="token") as raised:
+        aps.Worker(secured.address, 0, 1, transport=transport, token=token)
+    assert isinstance(raised.value, ConnectionError)
+    if token is not None:  # the server saw it, and says who it was
+        assert "authentication failed: a wrong token" in secured.wait_for_log("authentication failed")
+    assert trains(secured)
+
+
+def trains(server) -> bool:
+    with aps.Worker(server.address, 0, 1, token=TOKEN) as worker:
+        worker.init({"w": np.zeros(4, np.float32)})
+        worker.push_pull(worker.grads)
+        return True
+
+
+def hello(raw: RawClient, nonce: bytes) -> bytes:
+    raw.frame(Op.HELLO, nonce)
+    header, payload = raw.reply()
+    assert header.op == Op.HELLO_REPLY
+    required, server_nonce, info = decode_hello_reply(payload)
+    assert required and info is None  # nothing about the server before the handshake
+    return server_nonce
+
+
+def test_a_replayed_proof_is_refused(secured, transport):
+    """A proof seen on one connection is worthless on another: the server's nonce is fresh."""
+    first = RawClient.to(secured, transport)
+    client_nonce = os.urandom(NONCE_BYTES)
+    server_nonce = hello(first, client_nonce)
+    proof = auth_proof(TOKEN.encode(), "client", server_nonce, client_nonce)
+    first.frame(Op.AUTH, proof)
+    assert first.reply()[0].op == Op.AUTH_REPLY  # the genuine exchange
+    first.close()
+    replay = RawClient.to(secured, transport)
+    assert hello(replay, client_nonce) != server_nonce
+    replay.frame(Op.AUTH, proof)  # an eavesdropper sends what it saw
+    code, message = replay.error()
+    assert code == ErrorCode.AUTHENTICATION and "wrong token" in message
+    assert replay.closed_by_peer()
+    replay.close()
+
+
+@pytest.mark.parametrize("op", [Op.INIT, Op.STATS, Op.PULL, Op.PUSH, Op.PING, Op.AUTH])
+def test_a_stranger_is_served_nothing(secured, transport, op):
+    """Without the handshake: no INIT (choosing the weights), no rank, no push, pull or stats."""
+    raw = RawClient.to(secured, transport)
+    if op == Op.INIT:
+        raw.init(0, 1, {"w": np.full(4, 666.0, np.float32)})
+    elif op == Op.PUSH:
+        payload = np.full(4, 1e6, np.float32).tobytes()
+        raw.send(pack_header(Op.PUSH, dtype=1, length=len(payload)), payload)
+    elif op == Op.AUTH:
+        raw.frame(Op.AUTH, b"\0" * NONCE_BYTES)  # a proof with no challenge behind it
+    else:
+        raw.frame(op)
+    code, message = raw.error()
+    assert code == ErrorCode.AUTHENTICATION, message
+    assert raw.closed_by_peer()
+    raw.close()
+    with aps.Worker(secured.address, 0, 1, token=TOKEN) as worker:  # the stranger chose nothing
+        weights = worker.init({"w": np.zeros(4, np.float32)})
+        assert weights["w"].tolist() == [0.0] * 4
+
+
+def test_the_worker_checks_the_server_too(server_process, monkeypatch):
+    """A server without the token cannot pass for the real one: the worker refuses to train with it."""
+    monkeypatch.delenv("APS_TOKEN", raising=False)
+    plain = server_process("--workers", "1", "--sync", "asp")
+    with pytest.raises(aps.AuthenticationError, match="asks for no token"):
+        aps.Worker(plain.address, 0, 1, token=TOKEN)
+    impostor = socket.create_server(("127.0.0.1", 0))  # asks for a token, then cannot prove it knows it
+    port = impostor.getsockname()[1]
+
+    def serve_one():
+        conn, _ = impostor.accept()
+        with conn:
+            for op, payload in [(Op.HELLO_REPLY, encode_hello_reply(True, os.urandom(NONCE_BYTES), "", "")),
+                                (Op.AUTH_REPLY, b"\0" * 32 + encode_hello("h", ""))]:
+                header = unpack_header(conn.recv(HEADER_SIZE, socket.MSG_WAITALL))
+                if header.length:
+                    conn.recv(header.length, socket.MSG_WAITALL)
+                conn.sendall(pack_header(op, request_id=header.request_id, length=len(payload)) + payload)
+
+    thread = threading.Thread(target=serve_one, daemon=True)
+    thread.start()
+    with pytest.raises(aps.AuthenticationError, match="could not prove it knows the token"):
+        aps.Worker(f"tcp://127.0.0.1:{port}", 0, 1, transport="tcp", token=TOKEN)
+    thread.join(10)
+    impostor.close()
+
+
+def test_aps_status_and_launch_pass_the_token(secured, tmp_path, monkeypatch):
+    monkeypatch.delenv("APS_TOKEN", raising=False)
+    run = [sys.executable, "-m", "aps"]
+    done = subprocess.run(run + ["status", secured.address, "--token", TOKEN], capture_output=True, text=True,
+                          timeout=60)
+    assert done.returncode == 0 and "sync asp" in done.stdout, done.stderr
+    refused = subprocess.run(run + ["status", secured.address], capture_output=True, text=True, timeout=60)
+    assert refused.returncode == 1 and "needs a token" in refused.stderr
+    launched = subprocess.run(run + ["launch", "--host", "127.0.0.1", "--no-progress", "--workers", "2", "--sync",
+                                     "asp", "--token", TOKEN, "--log-dir", str(tmp_path),
+                                     os.path.join(SCRIPTS, "late.py")],
+                              capture_output=True, text=True, timeout=120, env=dict(os.environ, LATE_S="0"))
+    assert launched.returncode == 0, launched.stderr
+    assert all("done" in (tmp_path / f"worker-{r}.log").read_text() for r in range(2))
+
+
+def test_listening_beyond_loopback_needs_a_token_or_insecure():
+    with pytest.raises(aps.ConfigurationError, match="refusing to listen on 0.0.0.0 without a token"):
+        ServerConfig(host="0.0.0.0")
+    assert ServerConfig(host="0.0.0.0", token=TOKEN).token == TOKEN  # a token: fine
+    assert ServerConfig(host="0.0.0.0", insecure=True).insecure  # said aloud: fine
+    assert ServerConfig(host="::1").host == "::1" and ServerConfig(host="localhost").host == "localhost"
+    assert TOKEN not in repr(ServerConfig(token=TOKEN))  # never printed
+    done = subprocess.run([sys.executable, "-m", "aps", "serve", "--host", "0.0.0.0", "--port", "0"],
+                          capture_output=True, text=True, timeout=60)
+    assert done.returncode == 2 and "--insecure" in done.stderr and "anyone who reaches the port" in done.stderr
+
+
+def test_a_token_file(server_process, tmp_path):
+    path = tmp_path / "token"
+    path.write_text(TOKEN + "\n")
+    server = server_process("--workers", "1", "--sync", "asp", "--token-file", str(path))
+    assert trains(server)
+    with pytest.raises(aps.AuthenticationError):
+        aps.Worker(server.address, 0, 1, token="nope")
+
+
+def test_the_shared_memory_socket_asks_for_the_token_too(secured):
+    raw = RawShmClient(secured.unix_path)
+    raw.init(0, 1, {"w": np.zeros(4, np.float32)})
+    assert raw.error()[0] == ErrorCode.AUTHENTICATION
+    assert raw.closed_by_peer()
+    raw.close()
