@@ -123,6 +123,16 @@ class ServerConfig:
     token_file: str | None = field(
         default=None, metadata=_opt("read the token from the first line of this file instead", metavar="PATH")
     )
+    tls_cert: str | None = field(
+        default=None,
+        metadata=_opt("serve TCP over TLS with this certificate (PEM; its chain, and the key unless --tls-key)",
+                      metavar="PATH"),
+    )
+    tls_key: str | None = field(default=None, metadata=_opt("the private key of --tls-cert (PEM)", metavar="PATH"))
+    tls_ca: str | None = field(
+        default=None,
+        metadata=_opt("require client certificates signed by these CAs (PEM) on TLS connections", metavar="PATH"),
+    )
     insecure: bool = field(
         default=False,
         metadata=_opt("listen on a non-loopback address without a token: anyone who reaches the port can "
@@ -193,6 +203,8 @@ class ServerConfig:
                 "push gradients, pull and read the model. Give --token or --token-file (or APS_TOKEN), "
                 "or --insecure to accept that"
             )
+        if (self.tls_key or self.tls_ca) and not self.tls_cert:
+            raise ConfigurationError("--tls-key and --tls-ca go with --tls-cert")
         if self.log_level not in LOG_LEVELS:
             raise ConfigurationError(f"unknown log level {self.log_level!r}")
 

@@ -24,6 +24,7 @@ from ._lane import run_kernel
 from .config import ServerConfig, resolve_token
 from .errors import APSError, ConfigurationError
 from .protocol import encode_join_progress
+from .transport._tls import server_context
 from .transport.address import format_address
 from .transport.segments import Segment, default_socket_path, shm_available
 from .transport.shm_server import ShmSession, UnixListener
@@ -81,10 +82,10 @@ class Server:
 
     @property
     def address(self) -> str:
-        """``tcp://HOST:PORT`` the server listens on (after it started)."""
+        """``tcp://HOST:PORT`` (``tls://`` with TLS) the server listens on (after it started)."""
         if self._port is None:
             raise APSError("the server is not running")
-        return format_address(self.config.host, self._port)
+        return format_address(self.config.host, self._port, "tls" if self.config.tls_cert else "tcp")
 
     @property
     def port(self) -> int | None:
@@ -103,12 +104,15 @@ class Server:
         allocate = (lambda numel: Segment.create(numel, "aps-slot")) if shared else None
         self.engine = Engine(config, offload=self._offload, allocate=allocate)
         max_payload = config.max_frame_bytes
+        tls = server_context(config.tls_cert, config.tls_key, config.tls_ca) if config.tls_cert else None
         try:
             self._listener = await loop.create_server(
                 lambda: TcpSession(self.engine, max_payload, self.connections, self.unix_path, token),
                 config.host,
                 config.port,
                 reuse_address=True,
+                ssl=tls,
+                ssl_handshake_timeout=config.handshake_timeout if tls else None,
             )
         except OSError as exc:
             self._executor.shutdown(wait=False)

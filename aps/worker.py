@@ -17,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import ssl
 import threading
 import time
 import weakref
@@ -56,7 +57,8 @@ from .protocol import (
     host_identity,
     pack_header,
 )
-from .transport.address import parse_address
+from .transport._tls import client_context
+from .transport.address import Address, parse_address
 from .transport.framing import FrameReader
 from .transport._client import handshake, handshake_async
 from .transport.segments import shm_available
@@ -116,6 +118,13 @@ def _check_heartbeat(heartbeat: float | None, server_timeout: float | None = Non
 def _check_transport(transport: str) -> None:
     if transport not in _TRANSPORTS:
         raise ConfigurationError(f"unknown transport {transport!r}: choose from {', '.join(_TRANSPORTS)}")
+
+
+def _with_scheme(address: Address, tls: bool | ssl.SSLContext | None) -> Address:
+    """The address as the worker will use it: ``tls://`` when it speaks TLS."""
+    if tls is False and address.scheme == "tls":
+        raise ConfigurationError(f"{address} is a TLS address, but tls=False")
+    return address._replace(scheme="tls") if tls else address
 
 
 def _token(token: str | bytes | None) -> bytes | None:
@@ -496,6 +505,9 @@ class Worker(_WorkerBase):
         token: the server's shared secret, when it has one (``--token``); the
             worker proves it knows it and checks that the server does too
             (default: ``$APS_TOKEN``).
+        tls: TCP over TLS: True (the system's CAs, or ``$APS_TLS_CA``; a client
+            certificate from ``$APS_TLS_CERT``/``$APS_TLS_KEY`` when set), or an
+            ``ssl.SSLContext``. A ``tls://`` address implies True.
         server_timeout: seconds without a byte from the server while a reply is
             due, after which it is taken to have hung or gone: the request
             raises :class:`aps.ServerSilent` (a ``TimeoutError`` and a
@@ -528,12 +540,14 @@ class Worker(_WorkerBase):
         heartbeat: float | None = 5.0,
         server_timeout: float | None = DEFAULT_SERVER_TIMEOUT,
         token: str | None = None,
+        tls: bool | ssl.SSLContext | None = None,
     ) -> None:
         _check_transport(transport)
         _check_heartbeat(heartbeat, server_timeout)
         self._token = _token(token)
         address, rank, num_workers = _from_env(address, rank, num_workers)
-        self._parsed = parse_address(address)
+        self._parsed = _with_scheme(parse_address(address), tls)
+        self._tls = client_context(tls if tls is not None else self._parsed.scheme == "tls")
         self.address = str(self._parsed)
         self._core = _ClientCore(rank, num_workers)
         self._connect_timeout = connect_timeout
@@ -705,7 +719,8 @@ class Worker(_WorkerBase):
     def _open(self, transport: str) -> BlockingConnection | ShmConnection:
         """Connect by ``transport``: shared memory when asked or when ``auto`` finds
         the server on this host, TCP otherwise."""
-        tcp = BlockingConnection(self._parsed.host, self._parsed.port, self._connect_timeout, self.server_timeout)
+        tcp = BlockingConnection(self._parsed.host, self._parsed.port, self._connect_timeout, self.server_timeout,
+                                 self._tls)
         try:
             host, path = handshake(tcp, self._token, self._connect_timeout)
         except BaseException:
@@ -819,17 +834,19 @@ class AsyncWorker(_WorkerBase):
         heartbeat: float | None = 5.0,
         server_timeout: float | None = DEFAULT_SERVER_TIMEOUT,
         token: str | None = None,
+        tls: bool | ssl.SSLContext | None = None,
     ) -> AsyncWorker:
         _check_transport(transport)
         if transport == "shm":
             raise ConfigurationError("AsyncWorker speaks TCP only; use aps.Worker for shared memory")
         _check_heartbeat(heartbeat, server_timeout)
         secret = _token(token)
-        parsed = parse_address(address)
+        parsed = _with_scheme(parse_address(address), tls)
+        context = client_context(tls if tls is not None else parsed.scheme == "tls")
         core = _ClientCore(rank, num_workers)
-        conn = await cls._open(parsed.host, parsed.port, connect_timeout, server_timeout, secret)
+        conn = await cls._open(parsed.host, parsed.port, connect_timeout, server_timeout, secret, context)
         worker = cls(conn, core, str(parsed), timeout, connect_timeout, server_timeout)
-        worker._token = secret
+        worker._token, worker._tls = secret, context
         worker._heartbeat = heartbeat
         worker._start_heartbeat()
         return worker
@@ -864,7 +881,8 @@ class AsyncWorker(_WorkerBase):
             async with self._lock:
                 self._disconnect()
                 self._conn = await self._open(
-                    self._parsed.host, self._parsed.port, self._connect_timeout, self.server_timeout, self._token
+                    self._parsed.host, self._parsed.port, self._connect_timeout, self.server_timeout, self._token,
+                    self._tls,
                 )
             try:
                 weights = await self.init(None, timeout=timeout)  # type: ignore[arg-type]
@@ -939,8 +957,8 @@ class AsyncWorker(_WorkerBase):
                     raise
 
     @staticmethod
-    async def _open(host: str, port: int, connect_timeout, server_timeout, token) -> AsyncConnection:
-        conn = await AsyncConnection.open(host, port, connect_timeout, server_timeout)
+    async def _open(host: str, port: int, connect_timeout, server_timeout, token, tls) -> AsyncConnection:
+        conn = await AsyncConnection.open(host, port, connect_timeout, server_timeout, tls)
         try:
             await handshake_async(conn, token, connect_timeout)
         except BaseException:

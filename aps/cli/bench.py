@@ -41,11 +41,12 @@ import time
 
 import numpy as np
 
+from ..errors import ConfigurationError
 from ._args import choice_list, command_line, format_size, int_list, number, require, size_list
 
 __all__ = [
-    "ApsSession", "BoundSession", "CopyUpdateBound", "PipeBound", "Session", "machine_info", "register", "run",
-    "summarize",
+    "VARIANTS", "ApsSession", "BoundSession", "CopyUpdateBound", "PipeBound", "Session", "TlsFiles", "machine_info",
+    "measure", "register", "run", "summarize",
 ]
 
 _DEFAULT_SIZES = "4K,64K,1M,16M,64M"
@@ -183,15 +184,20 @@ def _echo_server(listener: socket.socket, nbytes: int) -> None:
 class _PushPullClient:
     """Context manager yielding one aps push_pull step on a model of ``nbytes``."""
 
-    def __init__(self, address: str, rank: int, workers: int, nbytes: int, transport: str) -> None:
+    def __init__(self, address: str, rank: int, workers: int, nbytes: int, transport: str,
+                 tls_ca: str | None = None) -> None:
         self.args = (address, rank, workers)
         self.transport = transport
         self.numel = nbytes // 4
+        self.tls_ca = tls_ca
 
     def __enter__(self):
+        import ssl
+
         from ..worker import Worker
 
-        self.worker = worker = Worker(*self.args, transport=self.transport)
+        tls = ssl.create_default_context(cafile=self.tls_ca) if self.tls_ca else None
+        self.worker = worker = Worker(*self.args, transport=self.transport, tls=tls)
         worker.init({"w": np.zeros(self.numel, np.float32)})
         grad = worker.flat_grad  # zeros: the weights stay finite whatever the lr
         return lambda: worker.push_pull(grad)
@@ -300,16 +306,26 @@ class CopyUpdateBound:
         self.session.close()
 
 
-class ApsSession:
-    """A real ``aps serve`` process and ``workers`` worker processes on ``transport``
-    (``streaming``: TCP gradients are applied while they arrive)."""
+#: What an aps row measures, by its system name: the server's extra flags.
+VARIANTS = {"aps": [], "aps no-stream": ["--stream-min-bytes", "0"], "aps tls": ["--tls-cert"]}
 
-    def __init__(self, nbytes: int, workers: int, transport: str, streaming: bool = True) -> None:
-        extra = ["--sync", "asp", "--lr", "0.01", "--log-level", "warning"]
-        self.server, address = start_server(workers, extra + ([] if streaming else ["--stream-min-bytes", "0"]))
+
+class ApsSession:
+    """A real ``aps serve`` process and ``workers`` worker processes on ``transport``;
+    ``variant`` (see VARIANTS): as it comes, applying TCP gradients only once they
+    have arrived, or over TLS (with a throwaway certificate, see :class:`TlsFiles`)."""
+
+    def __init__(self, nbytes: int, workers: int, transport: str, variant: str = "aps",
+                 tls: TlsFiles | None = None) -> None:
+        extra = ["--sync", "asp", "--lr", "0.01", "--log-level", "warning"] + VARIANTS[variant]
+        if variant == "aps tls":
+            extra.append(tls.server)
+        self.server, address = start_server(workers, extra)
         try:
             self.session = Session(
-                _PushPullClient, [(address, r, workers, nbytes, transport) for r in range(workers)]
+                _PushPullClient,
+                [(address, r, workers, nbytes, transport, tls.ca if variant == "aps tls" else None)
+                 for r in range(workers)],
             )
         except BaseException:
             stop_server(self.server)
@@ -363,7 +379,30 @@ def summarize(samples: list[list[tuple[int, float]]], nbytes: int) -> dict:
 _SMALL = 64 << 10  # payloads up to this size also get the pipe bound for their round trip
 
 
-_SYSTEMS = {True: "aps", False: "aps no-stream"}
+class TlsFiles:
+    """A throwaway CA and a server certificate for 127.0.0.1 (``aps bench --tls``), in a
+    temporary directory; the worker processes trust the CA."""
+
+    def __init__(self) -> None:
+        try:
+            import trustme
+        except ImportError:
+            raise ConfigurationError("aps bench --tls makes a throwaway certificate with trustme: "
+                                     "pip install 'aps[bench]'") from None
+        import tempfile
+
+        self.directory = tempfile.mkdtemp(prefix="aps-bench-tls-")
+        ca = trustme.CA()
+        self.server = os.path.join(self.directory, "server.pem")
+        self.ca = os.path.join(self.directory, "ca.pem")
+        ca.issue_cert("127.0.0.1").private_key_and_cert_chain_pem.write_to_path(self.server)
+        ca.cert_pem.write_to_path(self.ca)
+
+    def close(self) -> None:
+        import shutil
+
+        shutil.rmtree(self.directory, ignore_errors=True)
+
 
 
 def measure(
@@ -374,24 +413,51 @@ def measure(
     repeats: int,
     out: str | None,
     transports: list[str] = ("tcp", "shm"),
-    streaming: tuple[bool, ...] = (True,),
+    tcp_variants: tuple[str, ...] = ("aps",),
 ) -> dict:
-    """Measure every configuration; print the table; write the JSON report to ``out`` (if given)."""
+    """Measure every configuration; print the table; write the JSON report to ``out`` (if given).
+
+    ``tcp_variants``: the systems of VARIANTS measured over TCP (shared memory runs "aps")."""
     rows = []
+    tls = TlsFiles() if "aps tls" in tcp_variants else None
+    try:
+        _measure(sizes, worker_counts, seconds, min_iters, repeats, transports, tcp_variants, tls, rows)
+    finally:
+        if tls is not None:
+            tls.close()
+    report = {
+        "benchmark": "pushpull",
+        "command": command_line(),
+        **machine_info(),
+        "seconds_per_window": seconds,
+        "repeats": repeats,
+        "rows": rows,
+    }
+    print()
+    print(format_table(rows))
+    if out:
+        os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
+        with open(out, "w") as fh:
+            json.dump(report, fh, indent=2)
+        print(f"\nwrote {out}")
+    return report
+
+
+def _measure(sizes, worker_counts, seconds, min_iters, repeats, transports, tcp_variants, tls, rows) -> None:
     for nbytes in sizes:
         bounds = {"socket ping-pong": BoundSession(nbytes)} if "tcp" in transports else {}
         if "shm" in transports:
             bounds["memcpy+update"] = CopyUpdateBound(nbytes)
             if nbytes <= _SMALL:
                 bounds["pipe ping-pong"] = PipeBound()
-        sessions: dict[tuple[str, int, bool], ApsSession] = {}
+        sessions: dict[tuple[str, int, str], ApsSession] = {}
         samples: dict = {key: [] for key in bounds}
         try:
             for transport in transports:
                 for workers in worker_counts:
-                    for stream in streaming if transport == "tcp" else (True,):
-                        sessions[transport, workers, stream] = ApsSession(nbytes, workers, transport, stream)
-                        samples[transport, workers, stream] = []
+                    for variant in tcp_variants if transport == "tcp" else ("aps",):
+                        sessions[transport, workers, variant] = ApsSession(nbytes, workers, transport, variant, tls)
+                        samples[transport, workers, variant] = []
             for _ in range(repeats):
                 for key, bound in bounds.items():
                     samples[key].append(bound.measure(seconds, min_iters))
@@ -409,36 +475,20 @@ def measure(
                          **summary[name], "ratio_throughput": None, "ratio_rtt": None, "ratio_to_tcp": None})
             if name == "pipe ping-pong":
                 rows[-1]["gbps"] = rows[-1]["gbps_samples"] = None  # a wake-up bound: its bytes mean nothing
-        for (transport, workers, stream), a in ((k, summary[k]) for k in sessions):
+        for (transport, workers, variant), a in ((k, summary[k]) for k in sessions):
             if transport == "tcp":
                 throughput_bound = rtt_bound = summary["socket ping-pong"]
             else:
                 throughput_bound = summary["memcpy+update"]
                 rtt_bound = summary.get("pipe ping-pong", throughput_bound)
-            row = {"system": _SYSTEMS[stream], "transport": transport, "payload_bytes": nbytes, "workers": workers, **a,
+            row = {"system": variant, "transport": transport, "payload_bytes": nbytes, "workers": workers, **a,
                    "ratio_throughput": _median_ratio(a["gbps_samples"], throughput_bound["gbps_samples"]),
                    "ratio_rtt": _median_ratio(a["rtt_samples_us"], rtt_bound["rtt_samples_us"]),
                    "ratio_to_tcp": None}
-            if ("tcp", workers, True) in sessions and (transport, stream) != ("tcp", True):
-                row["ratio_to_tcp"] = _median_ratio(a["gbps_samples"], summary["tcp", workers, True]["gbps_samples"])
+            if ("tcp", workers, "aps") in sessions and (transport, variant) != ("tcp", "aps"):
+                row["ratio_to_tcp"] = _median_ratio(a["gbps_samples"], summary["tcp", workers, "aps"]["gbps_samples"])
             rows.append(row)
             _print_row(row)
-    report = {
-        "benchmark": "pushpull",
-        "command": command_line(),
-        **machine_info(),
-        "seconds_per_window": seconds,
-        "repeats": repeats,
-        "rows": rows,
-    }
-    print()
-    print(format_table(rows))
-    if out:
-        os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
-        with open(out, "w") as fh:
-            json.dump(report, fh, indent=2)
-        print(f"\nwrote {out}")
-    return report
 
 
 def _median_ratio(values: list[float], bounds: list[float]) -> float:
@@ -506,6 +556,8 @@ def register(commands) -> None:
                         help="tcp, shm or both")
     parser.add_argument("--streaming", choices=("on", "off", "both"), default="on",
                         help="TCP: apply gradients while they arrive (on), only once complete (off), or both")
+    parser.add_argument("--tls", action="store_true",
+                        help="also measure TCP over TLS (a throwaway certificate; needs the bench extra)")
     parser.add_argument("--out", metavar="FILE", help="also write the JSON report to FILE (default: print only)")
     parser.set_defaults(run=run)
 
@@ -517,6 +569,8 @@ def run(args: argparse.Namespace) -> int:
     require(args.seconds > 0, f"--seconds must be > 0, got {args.seconds:g}")
     require(args.min_iters >= 1, f"--min-iters must be at least 1, got {args.min_iters}")
     require(args.repeats >= 1, f"--repeats must be at least 1, got {args.repeats}")
-    streaming = {"on": (True,), "off": (False,), "both": (True, False)}[args.streaming]
-    measure(args.sizes, args.workers, args.seconds, args.min_iters, args.repeats, args.out, args.transports, streaming)
+    variants = {"on": ("aps",), "off": ("aps no-stream",), "both": ("aps", "aps no-stream")}[args.streaming]
+    if args.tls:
+        variants += ("aps tls",)
+    measure(args.sizes, args.workers, args.seconds, args.min_iters, args.repeats, args.out, args.transports, variants)
     return 0

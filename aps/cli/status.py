@@ -10,6 +10,7 @@ import time
 from ..errors import ConfigurationError
 from ..protocol import Op
 from ..transport._client import exchange, handshake
+from ..transport._tls import client_context
 from ..transport.address import parse_address
 from ..transport.tcp_client import BlockingConnection
 from ._args import number, require
@@ -40,11 +41,12 @@ def _address(text: str) -> str:
 
 
 def fetch_stats(address: str, timeout: float = 10.0, token: str | None = None) -> dict:
-    """The statistics of the server at ``address`` (``tcp://HOST:PORT``), as ``Server.stats()``
-    returns them. ``token``: the server's, if it has one (default ``$APS_TOKEN``)."""
+    """The statistics of the server at ``address`` (``tcp://HOST:PORT``, or ``tls://`` with
+    ``$APS_TLS_CA`` and the like), as ``Server.stats()`` returns them. ``token``: the
+    server's, if it has one (default ``$APS_TOKEN``)."""
     parsed = parse_address(address)
     secret = token or os.environ.get("APS_TOKEN") or None
-    conn = BlockingConnection(parsed.host, parsed.port, timeout)
+    conn = BlockingConnection(parsed.host, parsed.port, timeout, tls=client_context(parsed.scheme == "tls"))
     try:
         handshake(conn, secret.encode("utf-8") if secret else None, timeout)
         _, payload = exchange(conn, Op.STATS, timeout)

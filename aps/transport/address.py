@@ -1,4 +1,4 @@
-"""Server addresses: ``tcp://HOST:PORT``."""
+"""Server addresses: ``tcp://HOST:PORT``, or ``tls://HOST:PORT`` for TCP with TLS."""
 
 from __future__ import annotations
 
@@ -6,7 +6,9 @@ from typing import NamedTuple
 
 from ..errors import ConfigurationError
 
-__all__ = ["Address", "format_address", "parse_address"]
+__all__ = ["SCHEMES", "Address", "format_address", "parse_address"]
+
+SCHEMES = ("tcp", "tls")
 
 
 class Address(NamedTuple):
@@ -25,14 +27,16 @@ def format_address(host: str, port: int, scheme: str = "tcp") -> str:
 
 
 def parse_address(text: str) -> Address:
-    """Parse ``tcp://host:port`` (the scheme may be omitted; IPv6 hosts go in brackets)."""
+    """Parse ``tcp://host:port`` or ``tls://host:port`` (the scheme may be omitted: tcp;
+    IPv6 hosts go in brackets)."""
     if not isinstance(text, str) or not text:
         raise ConfigurationError(f"invalid server address {text!r}: expected tcp://HOST:PORT")
     scheme, sep, rest = text.partition("://")
     if not sep:
         scheme, rest = "tcp", text
-    if scheme != "tcp":
-        raise ConfigurationError(f"unsupported address scheme {scheme!r} in {text!r}: expected tcp://HOST:PORT")
+    if scheme not in SCHEMES:
+        raise ConfigurationError(f"unsupported address scheme {scheme!r} in {text!r}: expected tcp://HOST:PORT "
+                                 "or tls://HOST:PORT")
     if rest.startswith("["):
         host, bracket, tail = rest[1:].partition("]")
         if not bracket or not tail.startswith(":"):

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import socket
+import ssl
 from collections.abc import Callable, Sequence
 
 from ..errors import APSConnectionError, APSError, APSTimeoutError
@@ -28,17 +29,41 @@ class BlockingConnection(BlockingSocket):
     """
 
     def __init__(
-        self, host: str, port: int, connect_timeout: float | None = 30.0, keepalive: float | None = None
+        self,
+        host: str,
+        port: int,
+        connect_timeout: float | None = 30.0,
+        keepalive: float | None = None,
+        tls: ssl.SSLContext | None = None,
     ) -> None:
+        address = f"{'tls' if tls else 'tcp'}://{host}:{port}"
         try:
             sock = socket.create_connection((host, port), timeout=connect_timeout)
         except TimeoutError:
-            raise APSTimeoutError(f"connecting to tcp://{host}:{port} timed out") from None
+            raise APSTimeoutError(f"connecting to {address} timed out") from None
         except OSError as exc:
-            raise APSConnectionError(f"cannot connect to tcp://{host}:{port}: {exc.strerror or exc}") from None
+            raise APSConnectionError(f"cannot connect to {address}: {exc.strerror or exc}") from None
         set_nodelay(sock)
         set_keepalive(sock, keepalive)
-        super().__init__(sock, f"tcp://{host}:{port}")
+        if tls is not None:
+            try:
+                sock = tls.wrap_socket(sock, server_hostname=host)
+            except (ssl.SSLError, OSError) as exc:
+                sock.close()
+                raise APSConnectionError(f"the TLS handshake with {address} failed: {exc}") from None
+        self._tls = tls is not None
+        super().__init__(sock, address)
+
+    def send(self, buffers: Sequence, fds: Sequence[int] = ()) -> None:
+        if not self._tls:
+            return super().send(buffers, fds)
+        try:  # TLS sockets have no vectored write: one record per buffer
+            for buffer in buffers:
+                self.sock.sendall(buffer)
+        except TimeoutError:
+            raise APSTimeoutError("sending to the server timed out") from None
+        except OSError as exc:
+            raise self._lost(exc) from None
 
 
 class AsyncConnection(ClientSocket):
@@ -50,8 +75,15 @@ class AsyncConnection(ClientSocket):
 
     @classmethod
     async def open(
-        cls, host: str, port: int, connect_timeout: float | None = 30.0, keepalive: float | None = None
+        cls,
+        host: str,
+        port: int,
+        connect_timeout: float | None = 30.0,
+        keepalive: float | None = None,
+        tls: ssl.SSLContext | None = None,
     ) -> AsyncConnection:
+        if tls is not None:
+            return await AsyncTlsConnection.open_tls(host, port, connect_timeout, keepalive, tls)
         loop = asyncio.get_running_loop()
         try:
             infos = await loop.getaddrinfo(host, port, type=socket.SOCK_STREAM)
@@ -101,7 +133,7 @@ class AsyncConnection(ClientSocket):
                         raise self._no_reply(timeout)
                     wait = remaining if wait is None else min(wait, remaining)
                 try:
-                    nbytes = await asyncio.wait_for(loop.sock_recv_into(self.sock, reader.get_buffer()), wait)
+                    nbytes = await asyncio.wait_for(self._recv_into(reader.get_buffer()), wait)
                 except TimeoutError:
                     if deadline is not None and loop.time() >= deadline:
                         raise self._no_reply(timeout) from None
@@ -113,3 +145,47 @@ class AsyncConnection(ClientSocket):
             raise
         except OSError as exc:
             raise self._lost(exc) from None
+
+    async def _recv_into(self, buffer: memoryview) -> int:
+        return await asyncio.get_running_loop().sock_recv_into(self.sock, buffer)
+
+
+class AsyncTlsConnection(AsyncConnection):
+    """An asyncio TLS connection (the loop's socket calls cannot do TLS: streams can)."""
+
+    def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, address: str) -> None:
+        super().__init__(writer.get_extra_info("socket"), address)
+        self._reader, self._writer = reader, writer
+
+    @classmethod
+    async def open_tls(cls, host, port, connect_timeout, keepalive, tls: ssl.SSLContext) -> AsyncTlsConnection:
+        address = f"tls://{host}:{port}"
+        try:
+            reader, writer = await asyncio.wait_for(
+                asyncio.open_connection(host, port, ssl=tls, server_hostname=host), connect_timeout
+            )
+        except asyncio.TimeoutError:
+            raise APSTimeoutError(f"connecting to {address} timed out") from None
+        except ssl.SSLError as exc:
+            raise APSConnectionError(f"the TLS handshake with {address} failed: {exc}") from None
+        except OSError as exc:
+            raise APSConnectionError(f"cannot connect to {address}: {exc.strerror or exc}") from None
+        sock = writer.get_extra_info("socket")
+        set_nodelay(sock)
+        set_keepalive(sock, keepalive)
+        return cls(reader, writer, address)
+
+    async def send(self, buffers: Sequence) -> None:
+        try:
+            self._writer.writelines([b for b in buffers if len(b)])
+            await self._writer.drain()
+        except OSError as exc:
+            raise self._lost(exc) from None
+
+    async def _recv_into(self, buffer: memoryview) -> int:
+        data = await self._reader.read(len(buffer))
+        buffer[: len(data)] = data
+        return len(data)
+
+    def close(self) -> None:
+        self._writer.close()

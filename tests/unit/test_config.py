@@ -75,6 +75,9 @@ EXAMPLES = {
     "token": ("s3cret", "s3cret", {}),
     "token_file": ("/etc/aps/token", "/etc/aps/token", {}),
     "insecure": ("1", True, {}),
+    "tls_cert": ("/etc/aps/cert.pem", "/etc/aps/cert.pem", {}),
+    "tls_key": ("/etc/aps/key.pem", "/etc/aps/key.pem", {"APS_TLS_CERT": "/etc/aps/cert.pem"}),
+    "tls_ca": ("/etc/aps/ca.pem", "/etc/aps/ca.pem", {"APS_TLS_CERT": "/etc/aps/cert.pem"}),
     "handshake_timeout": ("2.5", 2.5, {}),
     "log_level": ("debug", "debug", {}),
 }
