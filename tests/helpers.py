@@ -261,3 +261,42 @@ def _guarded(target, args, results) -> None:
         results.put(target(*args))
     except BaseException as exc:  # reported to the test
         results.put(RuntimeError(f"{type(exc).__name__}: {exc}"))
+
+
+class SteadyCluster:
+    """``server`` (a ServerProcess for ``workers`` workers) and that many steady worker
+    processes (``tests._workers.steady_worker``), their steps counted in ``steps``."""
+
+    def __init__(self, server: ServerProcess, workers: int, numel: int, transport: str) -> None:
+        from tests import _workers
+
+        self.server = server
+        self.steps = SPAWN.Array("q", workers, lock=False)
+        self.errors = SPAWN.Queue()
+        self.stop = SPAWN.Event()
+        self.procs = [
+            SPAWN.Process(target=_workers.steady_worker, daemon=True,
+                          args=(self.server.address, r, workers, numel, transport, self.steps, self.errors, self.stop))
+            for r in range(workers)
+        ]
+        for p in self.procs:
+            p.start()
+
+    def wait_steps(self, ranks, more: int, timeout: float) -> float:
+        """Seconds until every rank in ``ranks`` has taken ``more`` further steps (AssertionError after ``timeout``)."""
+        start = time.monotonic()
+        goal = {r: self.steps[r] + more for r in ranks}
+        while not all(self.steps[r] >= goal[r] for r in ranks):
+            assert time.monotonic() - start < timeout, f"steps {list(self.steps)}, goal {goal}"
+            time.sleep(0.01)
+        return time.monotonic() - start
+
+    def close(self) -> None:
+        self.stop.set()
+        for p in self.procs:
+            if p.is_alive():
+                os.kill(p.pid, signal.SIGCONT)
+            p.join(10)
+            if p.is_alive():
+                p.kill()
+                p.join()

@@ -94,6 +94,9 @@ class RateLimitedLog:
 
 _refusals = RateLimitedLog()
 _auth_failures = RateLimitedLog()
+# Warnings about connections that have not joined (strangers, probes, fuzzers), all of them
+# together: many connections must not flood the log any more than one may.
+_strangers = RateLimitedLog(limit=50)
 
 #: While the server holds a request (a pull at the gate, a push in the lane),
 #: it tells the worker this often that it is alive (an ALIVE notice), or every
@@ -262,7 +265,7 @@ class ServerSession:
         if self.reader.in_frame and not self._fatal_sent:
             self._warn("connection lost in the middle of a frame; the partial frame is discarded")
         elif exc is not None:
-            log.info("%s: connection lost: %s", self._who(), exc)
+            (log.info if self.member is not None else log.debug)("%s: connection lost: %s", self._who(), exc)
         else:
             log.debug("%s: disconnected", self._who())
         if self._stream is not None:
@@ -274,8 +277,11 @@ class ServerSession:
             self.member = None
         self._lost = True
         self.reader.detach()
-        if self._unlogged:
+        if self._unlogged and self.member is not None:
             log.warning("%s: closed; %d more warnings about it were not logged", self._who(), self._unlogged)
+        elif self._unlogged:
+            _strangers.warning(self._loop.time(), "%s: closed; %d more warnings about it were not logged",
+                               self._who(), self._unlogged)
         self._release_leases()
         self.registry.discard(self)
 
@@ -674,7 +680,10 @@ class ServerSession:
             self._warn_window, self._warned, self._unlogged = now, 0, 0
         if self._warned < WARNINGS_PER_WINDOW:
             self._warned += 1
-            log.warning("%s: " + message, self._who(), *args)
+            if self.member is None:
+                _strangers.warning(now, "%s: " + message, self._who(), *args)
+            else:
+                log.warning("%s: " + message, self._who(), *args)
         else:
             self._unlogged += 1
 

@@ -12,53 +12,17 @@ import pytest
 import aps
 from aps.protocol import Op
 from tests import _workers
-from tests.helpers import SPAWN, RawClient
+from tests.helpers import SPAWN, RawClient, SteadyCluster
 
 HEARTBEAT = 2.0
-
-
-class Cluster:
-    """A real server and ``workers`` steady worker processes."""
-
-    def __init__(self, server_process, sync: list[str], workers: int, numel: int, transport: str) -> None:
-        self.server = server_process("--workers", str(workers), *sync, "--heartbeat-timeout", str(HEARTBEAT),
-                                     "--lr", "0")
-        self.steps = SPAWN.Array("q", workers, lock=False)
-        self.errors = SPAWN.Queue()
-        self.stop = SPAWN.Event()
-        self.procs = [
-            SPAWN.Process(target=_workers.steady_worker, daemon=True,
-                          args=(self.server.address, r, workers, numel, transport, self.steps, self.errors, self.stop))
-            for r in range(workers)
-        ]
-        for p in self.procs:
-            p.start()
-
-    def wait_steps(self, ranks, more: int, timeout: float) -> float:
-        """Seconds until every rank in ``ranks`` has taken ``more`` further steps (AssertionError after ``timeout``)."""
-        start = time.monotonic()
-        goal = {r: self.steps[r] + more for r in ranks}
-        while not all(self.steps[r] >= goal[r] for r in ranks):
-            assert time.monotonic() - start < timeout, f"steps {list(self.steps)}, goal {goal}"
-            time.sleep(0.01)
-        return time.monotonic() - start
-
-    def close(self) -> None:
-        self.stop.set()
-        for p in self.procs:
-            if p.is_alive():
-                os.kill(p.pid, signal.SIGCONT)
-            p.join(10)
-            if p.is_alive():
-                p.kill()
-                p.join()
 
 
 @pytest.mark.parametrize("sync", [["--sync", "bsp"], ["--sync", "ssp", "--staleness", "1"]], ids=["bsp", "ssp"])
 @pytest.mark.parametrize("numel, transport", [(1024, "tcp"), (1024, "shm"), (16 << 20, "tcp")],
                          ids=["4KiB-tcp", "4KiB-shm", "64MiB-tcp"])
 def test_a_frozen_worker_is_dropped_and_the_others_go_on(server_process, sync, numel, transport):
-    cluster = Cluster(server_process, sync, 3, numel, transport)
+    cluster = SteadyCluster(server_process("--workers", "3", *sync, "--heartbeat-timeout", str(HEARTBEAT), "--lr", "0"),
+                            3, numel, transport)
     try:
         cluster.wait_steps(range(3), 3, timeout=60)
         os.kill(cluster.procs[2].pid, signal.SIGSTOP)
