@@ -73,6 +73,19 @@ class ClientSocket:
             "it hung, or its host or the network is gone"
         )
 
+    def _next_wait(self, deadline: float | None, now: float, timeout: float | None, idle: float | None):
+        """How long the next read may wait: the silence allowed, cut to the time left."""
+        if deadline is None:
+            return idle
+        remaining = deadline - now
+        if remaining <= 0:
+            raise self._no_reply(timeout)
+        return remaining if idle is None else min(idle, remaining)
+
+    def _waited_out(self, deadline: float | None, now: float, timeout: float | None, idle: float | None):
+        """A read timed out: the whole wait (APSTimeoutError) or the server's silence (ServerSilent)."""
+        return self._no_reply(timeout) if deadline is not None and now >= deadline else self._silent(idle)
+
     def close(self) -> None:
         try:
             self.sock.close()
@@ -124,21 +137,14 @@ class BlockingSocket(ClientSocket):
         deadline = None if timeout is None else time.monotonic() + timeout
         try:
             while not done():
-                wait = idle
-                if deadline is not None:  # the whole wait is bounded, not each read
-                    remaining = deadline - time.monotonic()
-                    if remaining <= 0:
-                        raise self._no_reply(timeout)
-                    wait = remaining if wait is None else min(wait, remaining)
+                wait = self._next_wait(deadline, time.monotonic(), timeout, idle)  # the whole wait is bounded
                 if wait != self._timeout:  # settimeout costs a system call: only on change
                     sock.settimeout(wait)
                     self._timeout = wait
                 try:
                     nbytes = self._recv_into(reader.get_buffer())
                 except TimeoutError:
-                    if deadline is not None and time.monotonic() >= deadline:
-                        raise self._no_reply(timeout) from None
-                    raise self._silent(idle) from None
+                    raise self._waited_out(deadline, time.monotonic(), timeout, idle) from None
                 if not nbytes:
                     raise self._closed_by_server()
                 reader.buffer_updated(nbytes)

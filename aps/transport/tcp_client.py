@@ -126,18 +126,11 @@ class AsyncConnection(ClientSocket):
         deadline = None if timeout is None else loop.time() + timeout
         try:
             while not done():
-                wait = idle
-                if deadline is not None:
-                    remaining = deadline - loop.time()
-                    if remaining <= 0:
-                        raise self._no_reply(timeout)
-                    wait = remaining if wait is None else min(wait, remaining)
+                wait = self._next_wait(deadline, loop.time(), timeout, idle)
                 try:
                     nbytes = await asyncio.wait_for(self._recv_into(reader.get_buffer()), wait)
                 except TimeoutError:
-                    if deadline is not None and loop.time() >= deadline:
-                        raise self._no_reply(timeout) from None
-                    raise self._silent(idle) from None
+                    raise self._waited_out(deadline, loop.time(), timeout, idle) from None
                 if not nbytes:
                     raise self._closed_by_server()
                 reader.buffer_updated(nbytes)
