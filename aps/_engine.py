@@ -526,7 +526,10 @@ class Engine:
             ws = self.stats.workers[member.rank]
             ws.waited(0.0 if member.waiting_since is None else self._now() - member.waiting_since)
             ws.release_gap.add(self.policy.window.gap(member.rank))
-        waiter(self.table.snapshot(), self.policy.clock(member.rank))
+        try:
+            waiter(self.table.snapshot(), self.policy.clock(member.rank))
+        except Exception:  # one connection's failure must not keep the others waiting
+            log.exception("answering worker %d failed", member.rank)
         return True
 
     def _serve_waiting(self) -> None:

@@ -27,6 +27,7 @@ from typing import TYPE_CHECKING, Protocol
 import numpy as np
 
 from ._lane import Job, UpdateLane
+from .errors import InternalServerError
 from .sync import Plan, PlanKind, SyncPolicy
 from .table import ParameterTable
 
@@ -84,7 +85,8 @@ class PushJob(Job):
     """One gradient: plan it (apply, accumulate or drop), run its kernel, commit."""
 
     __slots__ = (
-        "owner", "member", "grad_version", "arrived", "on_done", "on_error", "plan", "slot", "w_in", "answered"
+        "owner", "member", "grad_version", "arrived", "on_done", "on_error", "plan", "slot", "w_in", "answered",
+        "adopted",
     )
 
     def __init__(
@@ -106,6 +108,7 @@ class PushJob(Job):
         self.slot = None
         self.w_in = None
         self.answered = False
+        self.adopted = False
 
     def prepare(self) -> int:
         table = self.owner.table
@@ -139,6 +142,7 @@ class PushJob(Job):
             table.optimizer.commit()
         elif plan.kind is PlanKind.ACCUMULATE:
             owner.aggregate.adopt()
+        self.adopted = True  # from here on the gradient is in: a failure must not say otherwise
         result = owner.gradient_committed(self.member.rank, plan, self.arrived)
         self.answered = True
         self.on_done(result)
@@ -148,9 +152,16 @@ class PushJob(Job):
         if self.slot is not None:
             self.owner.table.abandon(self.slot)
             self.slot = None
-        if not self.answered:
-            self.answered = True
-            self.on_error(self.owner.gradient_refused(self.member.rank, exc))
+        if self.answered:
+            return
+        self.answered = True
+        if self.adopted:  # applied (or accumulated) already: only the bookkeeping or the answer failed
+            log.error("worker %d: its gradient was taken, but answering it failed: %s", self.member.rank, exc)
+            self.on_error(InternalServerError(
+                f"the gradient was taken (do not send it again), but the server failed after: {exc}"
+            ))
+            return
+        self.on_error(self.owner.gradient_refused(self.member.rank, exc))
 
 
 class AggregateJob(Job):

@@ -101,7 +101,7 @@ class Server:
         self._executor = ThreadPoolExecutor(1, thread_name_prefix="aps-update")
         config = self.config
         shared = config.unix_socket != "none" and shm_available()
-        allocate = (lambda numel: Segment.create(numel, "aps-slot")) if shared else None
+        allocate = (lambda numel: Segment.create(numel, "aps-slot", shared_read_only=True)) if shared else None
         self.engine = Engine(config, offload=self._offload, allocate=allocate)
         max_payload = config.max_frame_bytes
         tls = server_context(config.tls_cert, config.tls_key, config.tls_ca) if config.tls_cert else None
@@ -322,7 +322,9 @@ def _raise_descriptor_limit(connections: int) -> None:
     except ImportError:  # pragma: no cover - not POSIX
         return
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-    wanted = connections * 2 + 256  # a shared-memory worker holds a segment too; and files, the loop
+    # a connection's socket, up to four descriptors waiting for an INIT (shared memory), and
+    # the server's own: listeners, slots, files
+    wanted = connections * 6 + 256
     if soft != resource.RLIM_INFINITY and soft < wanted:
         target = wanted if hard == resource.RLIM_INFINITY else min(wanted, hard)
         if target > soft:

@@ -26,20 +26,29 @@ RATE_WINDOW_S = 10
 TRANSPORTS = ("tcp", "shm")
 
 
-class Histogram:
-    """Counts of non-negative integers (sparse)."""
+#: Histograms count each value below this exactly; larger ones in power-of-two buckets
+#: (keyed by their lower end), so a histogram holds at most about 300 keys whatever it is fed.
+EXACT_BELOW = 256
 
-    __slots__ = ("counts", "total", "n")
+
+class Histogram:
+    """Counts of non-negative integers (sparse and bounded: see EXACT_BELOW)."""
+
+    __slots__ = ("counts", "total", "n", "max")
 
     def __init__(self) -> None:
         self.counts: dict[int, int] = {}
         self.total = 0
         self.n = 0
+        self.max: int | None = None
 
     def add(self, value: int) -> None:
-        self.counts[value] = self.counts.get(value, 0) + 1
+        key = value if value < EXACT_BELOW else 1 << (value.bit_length() - 1)
+        self.counts[key] = self.counts.get(key, 0) + 1
         self.total += value
         self.n += 1
+        if self.max is None or value > self.max:
+            self.max = value
 
     @property
     def mean(self) -> float | None:
@@ -165,7 +174,7 @@ class ServerStats:
                     "wait_s_max": ws.wait_max,
                     "r_star_hist": ws.r_star.to_dict(),
                     "release_gap_hist": ws.release_gap.to_dict(),
-                    "max_release_gap": max(ws.release_gap.counts) if ws.release_gap.counts else None,
+                    "max_release_gap": ws.release_gap.max,
                     "last_interval_s": interval if interval == interval else None,  # NaN: fewer than 2 pushes
                 }
             )

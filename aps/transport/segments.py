@@ -82,17 +82,26 @@ class Segment:
         self._read_only_fd = -1
 
     @classmethod
-    def create(cls, numel: int, name: str) -> Segment:
-        """A new sealed segment of ``numel`` float32 elements, mapped writable here."""
+    def create(cls, numel: int, name: str, *, shared_read_only: bool = False) -> Segment:
+        """A new sealed segment of ``numel`` float32 elements, mapped writable here
+        (``shared_read_only``: with a read-only descriptor for readers, opened now, so
+        that nothing can fail later while it is handed out)."""
         fd = os.memfd_create(name, os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
         try:
             nbytes = 4 * numel
             os.ftruncate(fd, nbytes)
             fcntl.fcntl(fd, fcntl.F_ADD_SEALS, SEALS)
-            return cls(fd, _map(fd, nbytes, writable=True))
+            segment = cls(fd, _map(fd, nbytes, writable=True))
         except BaseException:
             os.close(fd)
             raise
+        if shared_read_only:
+            try:
+                segment.read_only_fd()
+            except BaseException:
+                segment.close()
+                raise
+        return segment
 
     def read_only_fd(self) -> int:
         """A descriptor of this segment opened read-only (to hand to a reader): a

@@ -145,6 +145,7 @@ class ServerSession:
         self._authenticated = token is None
         self._server_nonce = b""
         self._client_nonce = b""
+        self._hellos = 0
         self._traffic = engine.stats.traffic[self.kind]
         self.registry = registry
         self.unix_path = unix_path
@@ -224,12 +225,27 @@ class ServerSession:
     def _release_leases(self) -> None:
         """End every lease the transport still holds."""
 
+    def _reply_left(self) -> None:
+        """The last reply's bytes have all left (TCP: the slot it was sent from is free;
+        shared memory: the worker still copies out of it until its next request)."""
+
     # Events from the transport ------------------------------------------------
+    @property
+    def trusted(self) -> bool:
+        """The peer has joined, or proved that it knows the server's token."""
+        return self.member is not None or (self._token is not None and self._authenticated)
+
     def _admit(self) -> bool:
-        """Take the connection, unless the server has ``--max-connections`` already:
-        then it is told so and closed (the caller stops there)."""
+        """Take the connection, unless the server has ``--max-connections`` already: then
+        the oldest stranger (see :attr:`trusted`) makes room for it, and when there is
+        none, it is told so and closed (the caller stops there)."""
         limit = self.engine.config.max_connections
         if len(self.registry) < limit:
+            return True
+        strangers = [c for c in self.registry if not c.trusted and not c._lost]
+        if strangers:
+            oldest = min(strangers, key=lambda c: c._connected_at)
+            oldest._evict("made room for a newer connection (--max-connections reached)", abort=True)
             return True
         _refusals.warning(self._loop.time(), "refused a connection from %s: --max-connections %d reached",
                           self.peer, limit)
@@ -272,14 +288,15 @@ class ServerSession:
             self._stream.abort()
             self._stream = None
         self._end_intake()
+        was_member = self.member is not None
+        if self._unlogged and was_member:
+            log.warning("%s: closed; %d more warnings about it were not logged", self._who(), self._unlogged)
         if self.member is not None:
             self.engine.leave(self.member)
             self.member = None
         self._lost = True
         self.reader.detach()
-        if self._unlogged and self.member is not None:
-            log.warning("%s: closed; %d more warnings about it were not logged", self._who(), self._unlogged)
-        elif self._unlogged:
+        if self._unlogged and not was_member:
             _strangers.warning(self._loop.time(), "%s: closed; %d more warnings about it were not logged",
                                self._who(), self._unlogged)
         self._release_leases()
@@ -290,7 +307,7 @@ class ServerSession:
         self._writing = False
         if not self._open_request:  # the worker has its reply: its own time starts now
             self.last_heard = self._loop.time()
-        self._release_leases()
+        self._reply_left()
         if self._deferred:
             self._deferred = False
             self._loop.call_soon(self._resume)
@@ -328,11 +345,17 @@ class ServerSession:
         if self._lost:
             return
         if self.member is None and not self._open_request:
-            # Not joined: each frame, the first one included, has a deadline (slow peers are closed).
-            begun = self._frame_started if self.reader.in_frame else (None if self._frames else self._connected_at)
+            # A stranger (not joined, and not proved the token): each frame, the first one
+            # included, has a deadline, and so has the stranger itself: slow peers, and
+            # peers that only keep a connection, are closed.
             deadline = self.engine.config.handshake_timeout
+            begun = self._frame_started if self.reader.in_frame else (None if self._frames else self._connected_at)
             if begun is not None and now - begun > deadline:
                 self._evict(f"completed no frame within {deadline:g} s (--handshake-timeout)", abort=False)
+                return
+            if not self.trusted and now - self._connected_at > deadline:
+                what = "authenticated" if self._token is not None else "joined"
+                self._evict(f"neither {what} nor left within {deadline:g} s (--handshake-timeout)", abort=False)
                 return
         if self._open_request:
             every = min(ALIVE_EVERY_S, timeout / 3) if timeout > 0 else ALIVE_EVERY_S
@@ -402,7 +425,7 @@ class ServerSession:
                 # Only the layout block, for now: room for the values is made once
                 # the block is checked, and only if they are needed (frame_more).
                 self._intake = _InitIntake(block)
-                dest = memoryview(self._intake.block)
+                dest = self._intake.next_piece(0)
             elif op in HANDSHAKE_OPS:
                 limit = NONCE_BYTES
                 if length > limit or (op == Op.AUTH and length != limit):
@@ -420,6 +443,10 @@ class ServerSession:
         """An INIT's layout block has arrived: check it, then make room for the values
         only if this worker provides the model's initial weights; else discard them."""
         intake = self._intake
+        if self._pending_error is not None:
+            return None
+        if got < intake.block_bytes:
+            return intake.next_piece(got)
         try:
             request = intake.check(self.engine, header.length)
         except ServerError as exc:
@@ -446,7 +473,7 @@ class ServerSession:
                 self._end_intake()
             self._bad_in_row += 1
             if self._bad_in_row >= MAX_BAD_FRAMES:
-                log.warning("%s: %d refused frames in a row: closing the connection", self._who(), self._bad_in_row)
+                self._warn("%d refused frames in a row: closing the connection", self._bad_in_row, force=True)
                 self._fatal(error.__class__(
                     f"{error.message} ({self._bad_in_row} refused frames in a row: closing the connection)"
                 ))
@@ -485,6 +512,10 @@ class ServerSession:
         self._reply(Op.PING_REPLY, version=self.engine.version)
 
     def _on_hello(self, header: Header, payload: memoryview, stream) -> None:
+        if not self._authenticated:
+            self._hellos += 1
+            if self._hellos > 2:
+                self._auth_failed("HELLO after HELLO without AUTH")
         self._client_nonce = bytes(payload)
         self._server_nonce = os.urandom(NONCE_BYTES)  # fresh for every HELLO: no proof is reused
         required = not self._authenticated
@@ -609,7 +640,13 @@ class ServerSession:
         if not self._can_write() or self._silenced:
             snap.release()
         else:
-            self._send_weights(op, snap, clock, flags)
+            try:
+                self._send_weights(op, snap, clock, flags)
+            except Exception:  # out of descriptors, say: this connection cannot be answered
+                log.exception("%s: sending weights failed; dropping the connection", self._who())
+                snap.release()
+                self.abort()
+                return
         self._done()
 
     def _reply_error(self, rid: int, exc: ServerError, *, warn: bool = True) -> None:
@@ -669,16 +706,18 @@ class ServerSession:
             self._reading_paused = True
             self._pause_reading()
 
-    def _warn(self, message: str, *args) -> None:
+    def _warn(self, message: str, *args, force: bool = False) -> None:
         """Log a warning about this connection, at most WARNINGS_PER_WINDOW a window
-        (a peer sending garbage cannot flood the log); the rest are counted."""
+        (a peer sending garbage cannot flood the log); the rest are counted. Warnings
+        about peers that have not joined also share one budget across connections;
+        ``force`` logs past this connection's budget (not past that one)."""
         now = self._loop.time()
         if now - self._warn_window >= WARNING_WINDOW_S:
             if self._unlogged:
                 log.warning("%s: %d more warnings about it in the last %.0f s were not logged",
                             self._who(), self._unlogged, now - self._warn_window)
             self._warn_window, self._warned, self._unlogged = now, 0, 0
-        if self._warned < WARNINGS_PER_WINDOW:
+        if self._warned < WARNINGS_PER_WINDOW or force:
             self._warned += 1
             if self.member is None:
                 _strangers.warning(now, "%s: " + message, self._who(), *args)
@@ -693,21 +732,32 @@ class ServerSession:
 
 
 class _InitIntake:
-    """An INIT being read: its layout block first, its values only if needed."""
+    """An INIT being read: its layout block first, in pieces that grow only as its
+    bytes arrive (a header alone costs nothing), then its values only if needed."""
 
-    __slots__ = ("block", "request", "values", "registering")
+    __slots__ = ("block_bytes", "pieces", "request", "values", "registering")
+
+    PIECE = 64 << 10
 
     def __init__(self, block_bytes: int) -> None:
-        self.block = bytearray(block_bytes)
+        self.block_bytes = block_bytes
+        self.pieces: list[bytearray] = []
         self.request: InitRequest | None = None
         self.values: np.ndarray | None = None
         self.registering = False
 
+    def next_piece(self, got: int) -> memoryview:
+        """Room for the next bytes of the layout block (``got`` of it have arrived)."""
+        piece = bytearray(min(self.PIECE, self.block_bytes - got))
+        self.pieces.append(piece)
+        return memoryview(piece)
+
     def check(self, engine: Engine, payload_bytes: int) -> InitRequest:
         """Parse the layout block and check the join it asks for (raises a ServerError)."""
         if self.request is None:
-            request = decode_layout_block(self.block)
-            values = payload_bytes - len(self.block)
+            block, self.pieces = b"".join(self.pieces), []
+            request = decode_layout_block(block)
+            values = payload_bytes - len(block)
             if values != request.layout.nbytes:
                 raise PayloadSizeMismatch(
                     f"INIT carries {values} bytes of values; its layout needs {request.layout.nbytes}"

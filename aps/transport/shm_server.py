@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from ..errors import ConfigurationError, MalformedFrame
+from ..errors import AuthenticationError, ConfigurationError, MalformedFrame
 from ..protocol import HEADER_SIZE, DType, Flag, Header, InitRequest, encode_slot, pack_header
 from .segments import ANCILLARY_SPACE, fds_from, map_received, scm_rights
 from .session import RateLimitedLog, ServerSession
@@ -186,6 +186,11 @@ class ShmSession(ServerSession):
             self._teardown(exc)
             return
         self._fds.extend(fds_from(ancdata))
+        if self._fds and not self._authenticated:  # nothing is kept for a stranger
+            while self._fds:
+                os.close(self._fds.popleft())
+            self._fatal(AuthenticationError("descriptors sent before the handshake"), warn=False)
+            return
         if msg_flags & socket.MSG_CTRUNC or len(self._fds) > _MAX_HELD_FDS:
             self._fatal(MalformedFrame("too many file descriptors: only INIT carries one"))
             return

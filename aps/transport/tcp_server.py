@@ -126,6 +126,9 @@ class TcpSession(ServerSession, asyncio.BufferedProtocol):
         else:
             self._leases.append(snap)
 
+    def _reply_left(self) -> None:
+        self._release_leases()
+
     def _release_leases(self) -> None:
         leases, self._leases = self._leases, []
         for snap in leases:

@@ -176,3 +176,21 @@ def test_the_shared_memory_socket_asks_for_the_token_too(secured):
     assert raw.error()[0] == ErrorCode.AUTHENTICATION
     assert raw.closed_by_peer()
     raw.close()
+
+
+def test_hello_after_hello_and_descriptors_before_the_handshake_are_refused(secured):
+    raw = RawClient(secured.port)
+    for _ in range(2):
+        hello(raw, os.urandom(NONCE_BYTES))
+    raw.frame(Op.HELLO, os.urandom(NONCE_BYTES))  # a third, still without AUTH: a connection kept for nothing
+    assert raw.error()[0] == ErrorCode.AUTHENTICATION and raw.closed_by_peer()
+    raw.close()
+    from aps.transport.segments import Segment, scm_rights
+
+    shm = RawShmClient(secured.unix_path)
+    segments = [Segment.create(4, "stranger") for _ in range(3)]
+    shm.sock.sendmsg([pack_header(Op.HELLO)], scm_rights([s.fd for s in segments]))
+    assert shm.error()[0] == ErrorCode.AUTHENTICATION and shm.closed_by_peer()
+    for s in segments:
+        s.close()
+    shm.close()

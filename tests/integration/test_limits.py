@@ -18,11 +18,15 @@ from aps.errors import ErrorCode
 from aps.protocol import DType, Op, encode_init, pack_header
 from aps.transport.segments import default_socket_path
 from aps.transport.session import MAX_BAD_FRAMES, WARNINGS_PER_WINDOW
+from tests.fuzzing import Target
 from tests.helpers import RawClient, RawShmClient
 
 
-def trained(server, transport="tcp", steps=3) -> bool:
-    with aps.Worker(server.address, 0, 1, transport=transport) as worker:
+TOKEN = "limits-token"
+
+
+def trained(server, transport="tcp", steps=3, token=None) -> bool:
+    with aps.Worker(server.address, 0, 1, transport=transport, token=token) as worker:
         worker.init({"w": np.zeros(4, np.float32)})
         for _ in range(steps):
             worker.push_pull(worker.grads)
@@ -70,29 +74,51 @@ def test_error_replies_wait_for_the_reader_like_any_reply(server_process):
 
 
 def test_connections_beyond_the_limit_are_refused_cleanly(server_process, transport):
-    server = server_process("--workers", "1", "--sync", "asp", "--max-connections", "4")
+    """When every connection is a trusted one (it proved the token), one more is refused."""
+    server = server_process("--workers", "1", "--sync", "asp", "--max-connections", "4", "--token", TOKEN)
     path = server.unix_path  # asked (over a connection of its own) before the server is full
     time.sleep(0.3)  # that connection's close reaches the server
 
-    def connect():
-        return RawClient(server.port) if transport == "tcp" else RawShmClient(path)
+    def connect(authenticate=True):
+        raw = RawClient(server.port) if transport == "tcp" else RawShmClient(path)
+        if authenticate:
+            Target(server.port, None, TOKEN.encode()).handshake(raw.sock)
+        return raw
 
     held = [connect() for _ in range(4)]
-    for raw in held:
-        raw.frame(Op.PING)
-        assert raw.reply()[0].op == Op.PING_REPLY
-    extra = connect()
+    extra = connect(authenticate=False)
     code, message = extra.error()
     assert code == ErrorCode.OVERLOADED and "--max-connections" in message
     assert extra.closed_by_peer()
     extra.close()
     with pytest.raises(aps.errors.ServerOverloaded):  # a worker hears it too, with a clear error
-        with aps.Worker(server.address, 0, 1, transport=transport) as worker:
+        with aps.Worker(server.address, 0, 1, transport=transport, token=TOKEN) as worker:
             worker.init({"w": np.zeros(4, np.float32)})
     for raw in held:
         raw.close()
     time.sleep(0.2)
-    assert trained(server, transport)
+    assert trained(server, transport, token=TOKEN)
+
+
+def test_strangers_make_room_for_newcomers(server_process, transport):
+    """Peers that only hold a connection (they never authenticate) cannot lock the workers out:
+    at the limit, the oldest of them is dropped to let a new connection in."""
+    server = server_process("--workers", "1", "--sync", "asp", "--max-connections", "4", "--token", TOKEN)
+    path = server.unix_path
+    time.sleep(0.3)
+    squatters = []
+    try:
+        for _ in range(4):
+            raw = RawClient(server.port) if transport == "tcp" else RawShmClient(path)
+            squatters.append(raw)
+            raw.frame(Op.HELLO, os.urandom(32))  # a HELLO now and then, never an AUTH
+            assert raw.reply()[0].op == Op.HELLO_REPLY
+        assert trained(server, transport, token=TOKEN)  # the worker gets in all the same
+        assert "made room for a newer connection" in server.log()  # at the cost of a squatter
+        assert sum(raw.closed_by_peer(timeout=1) for raw in squatters) >= 1
+    finally:
+        for raw in squatters:
+            raw.close()
 
 
 def test_slow_and_silent_peers_are_closed_at_the_handshake_deadline(server_process, transport):
@@ -193,3 +219,36 @@ def test_a_stale_unix_socket_is_replaced_and_a_live_one_kept(server_process):
     other = server_process("--workers", "1", "--sync", "asp")
     assert os.path.exists(live.unix_path) and os.path.exists(other.unix_path)
     assert trained(live, "shm") and trained(other, "shm")
+
+
+def test_a_stranger_that_only_keeps_its_connection_is_closed(server_process, transport):
+    """A peer that never joins (no token) is closed at the handshake deadline, however busy it keeps."""
+    server = server_process("--workers", "1", "--sync", "asp", "--handshake-timeout", "1")
+    raw = RawClient.to(server, transport)
+    start = time.monotonic()
+    try:
+        while time.monotonic() - start < 5:
+            raw.frame(Op.PING)
+            assert raw.reply()[0].op == Op.PING_REPLY
+            time.sleep(0.2)
+    except (OSError, EOFError, AssertionError):
+        pass
+    assert raw.closed_by_peer(timeout=2) and time.monotonic() - start < 4
+    assert "neither joined nor left within 1 s" in server.log()
+    raw.close()
+
+
+def test_init_headers_alone_cost_the_server_nothing(server_process):
+    """A header promising a 4 MiB layout block reserves nothing until the bytes arrive."""
+    server = server_process("--workers", "2", "--sync", "asp", "--max-connections", "300")
+    before = psutil.Process(server.proc.pid).memory_info().rss
+    promises = []
+    for _ in range(200):
+        raw = RawClient(server.port)
+        raw.send(pack_header(Op.INIT, 0, DType.FLOAT32, 1, 0, 4 << 20, 4 << 20))
+        promises.append(raw)
+    time.sleep(0.5)
+    grew = psutil.Process(server.proc.pid).memory_info().rss - before
+    assert grew < 64 << 20, f"{grew >> 20} MiB for 200 headers"
+    for raw in promises:
+        raw.close()

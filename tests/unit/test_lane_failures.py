@@ -186,3 +186,17 @@ def test_a_join_that_cannot_allocate_is_refused_and_the_rank_stays_free():
     engine._create_table = real
     h.join_all()  # the rank can be taken again, and training starts
     assert engine.started and not h.workers[0].waiting and engine.layout == Layout(("w",), ((N,),))
+
+
+def test_a_waiter_that_fails_does_not_keep_the_others_waiting():
+    """Answering one worker raises (its connection is broken): the others released with it are answered."""
+    h = Harness(workers=3, numel=N, sync="bsp")
+    h.join_all()
+    broken = h.workers[0]
+    h.push(0, grad(0, 0), then_pull=True)
+    h.workers[0].member.waiter = lambda snapshot, clock: (_ for _ in ()).throw(OSError("no descriptors left"))
+    h.push(1, grad(1, 0), then_pull=True)
+    h.push(2, grad(2, 0), then_pull=True)  # closes the round: all three are released
+    assert h.engine.version == 1 and h.engine.idle
+    assert not h.workers[1].waiting and not h.workers[2].waiting
+    assert broken.waiting  # only the broken one was not answered

@@ -58,3 +58,15 @@ def test_the_snapshot_counts_bytes_per_transport_and_reports_the_process():
                                     "shm": {"bytes_in": 4000, "bytes_out": 8000}}
     process = server["process"]
     assert process["rss_bytes"] > 1 << 20 and process["cpu_s"] > 0 and process["threads"] >= 1
+
+
+def test_histograms_stay_small_whatever_they_are_fed():
+    from aps.stats import EXACT_BELOW, Histogram
+
+    hist = Histogram()
+    values = list(range(100_000)) + [1 << 40]
+    for value in values:
+        hist.add(value)
+    assert len(hist.counts) < EXACT_BELOW + 64  # exact below EXACT_BELOW, power-of-two buckets above
+    assert hist.counts[3] == 1 and hist.counts[256] == 256 and hist.counts[1 << 16] == 100_000 - (1 << 16)
+    assert hist.mean == sum(values) / len(values) and hist.max == 1 << 40
