@@ -7,7 +7,8 @@ one byte a second of a frame that never ends, and then more connections than
 ``--max-connections`` allows (refused with an error frame). Reports the latency ratio
 (crowd / no crowd), the server's descriptors, and how the overflow was refused. The
 server is started with a long ``--handshake-timeout`` so the crowd stays for the whole
-measurement (by default it would be closed after 10 s). Example:
+measurement (by default it would be closed after 10 s); at the limit, a new connection
+closes the oldest of those strangers, or is refused when there is none. Example:
 ``python bench/crowd.py --out bench/results/crowd.json``.
 """
 
@@ -125,8 +126,9 @@ def main(argv: list[str] | None = None) -> int:
     print(f"push_pull {args.size >> 10} KiB: {statistics.median(quiet):.0f} us alone, "
           f"{statistics.median(crowded):.0f} us beside {args.idle} idle and {args.loris} slow-loris connections: "
           f"{ratio:.2f}x (median of {args.repeats} interleaved windows); server descriptors {fds_quiet} -> "
-          f"{fds_crowded}; {refused} of {args.overflow} connections beyond --max-connections {limit} refused "
-          f"with an error frame ({accepted_overflow} took the free seats before them)")
+          f"{fds_crowded}; of {args.overflow} connections beyond --max-connections {limit}, {refused} were refused "
+          f"with an error frame and {accepted_overflow - (limit - args.idle - args.loris - 1)} let in by closing "
+          f"the oldest stranger (the crowd never authenticated)")
     if args.out:
         with open(args.out, "w") as fh:
             json.dump(report, fh, indent=2)
