@@ -60,7 +60,7 @@ from .protocol import (
 from .transport._tls import client_context
 from .transport.address import Address, parse_address
 from .transport.framing import FrameReader
-from .transport._client import handshake, handshake_async
+from .transport._client import client_token, handshake, handshake_async
 from .transport.segments import shm_available
 from .transport.shm_client import ShmConnection
 from .transport.tcp_client import AsyncConnection, BlockingConnection
@@ -125,17 +125,6 @@ def _with_scheme(address: Address, tls: bool | ssl.SSLContext | None) -> Address
     if tls is False and address.scheme == "tls":
         raise ConfigurationError(f"{address} is a TLS address, but tls=False")
     return address._replace(scheme="tls") if tls else address
-
-
-def _token(token: str | bytes | None) -> bytes | None:
-    """The worker's token: as given, else ``$APS_TOKEN``, else none."""
-    if token is None:
-        token = os.environ.get("APS_TOKEN") or None
-    if token is None or isinstance(token, bytes):
-        return token
-    if not isinstance(token, str) or not token:
-        raise ConfigurationError("token must be a non-empty string")
-    return token.encode("utf-8")
 
 
 class _Patience:
@@ -544,7 +533,7 @@ class Worker(_WorkerBase):
     ) -> None:
         _check_transport(transport)
         _check_heartbeat(heartbeat, server_timeout)
-        self._token = _token(token)
+        self._token = client_token(token)
         address, rank, num_workers = _from_env(address, rank, num_workers)
         self._parsed = _with_scheme(parse_address(address), tls)
         self._tls = client_context(tls if tls is not None else self._parsed.scheme == "tls")
@@ -840,7 +829,7 @@ class AsyncWorker(_WorkerBase):
         if transport == "shm":
             raise ConfigurationError("AsyncWorker speaks TCP only; use aps.Worker for shared memory")
         _check_heartbeat(heartbeat, server_timeout)
-        secret = _token(token)
+        secret = client_token(token)
         parsed = _with_scheme(parse_address(address), tls)
         context = client_context(tls if tls is not None else parsed.scheme == "tls")
         core = _ClientCore(rank, num_workers)

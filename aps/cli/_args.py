@@ -41,7 +41,6 @@ __all__ = [
     "parse_size",
     "parse_speeds",
     "require",
-    "setting_list",
     "size_list",
     "sync_setting",
 ]
@@ -229,14 +228,6 @@ def sync_setting(text: str) -> Setting:
         return parse_setting(text)
     except ConfigurationError as exc:
         raise argparse.ArgumentTypeError(str(exc)) from None
-
-
-def setting_list(text: str) -> list[Setting]:
-    """An argparse type: sync settings separated by commas."""
-    parts = [part.strip() for part in text.split(",") if part.strip()]
-    if not parts:
-        raise argparse.ArgumentTypeError(f"names no sync setting: use {SETTING_FORM}, separated by commas")
-    return [sync_setting(part) for part in parts]
 
 
 # Ranges, checked after parsing --------------------------------------------------------------------------

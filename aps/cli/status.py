@@ -4,12 +4,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import time
 
 from ..errors import ConfigurationError
 from ..protocol import Op
-from ..transport._client import exchange, handshake
+from ..transport._client import client_token, exchange, handshake
 from ..transport._tls import client_context
 from ..transport.address import parse_address
 from ..transport.tcp_client import BlockingConnection
@@ -45,10 +44,9 @@ def fetch_stats(address: str, timeout: float = 10.0, token: str | None = None) -
     ``$APS_TLS_CA`` and the like), as ``Server.stats()`` returns them. ``token``: the
     server's, if it has one (default ``$APS_TOKEN``)."""
     parsed = parse_address(address)
-    secret = token or os.environ.get("APS_TOKEN") or None
     conn = BlockingConnection(parsed.host, parsed.port, timeout, tls=client_context(parsed.scheme == "tls"))
     try:
-        handshake(conn, secret.encode("utf-8") if secret else None, timeout)
+        handshake(conn, client_token(token or None), timeout)
         _, payload = exchange(conn, Op.STATS, timeout)
     finally:
         conn.close()

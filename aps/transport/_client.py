@@ -13,6 +13,7 @@ from ..errors import (
     APSError,
     APSTimeoutError,
     AuthenticationError,
+    ConfigurationError,
     MalformedFrame,
     ServerSilent,
     error_from_code,
@@ -31,7 +32,7 @@ from .framing import FrameReader
 from .segments import scm_rights
 
 __all__ = [
-    "IOV_MAX", "BlockingSocket", "ClientSocket", "advance", "exchange", "exchange_async", "handshake", "handshake_async"
+    "IOV_MAX", "BlockingSocket", "ClientSocket", "advance", "client_token", "exchange", "exchange_async", "handshake", "handshake_async"
 ]
 
 #: Buffers one ``sendmsg`` call may take.
@@ -222,6 +223,17 @@ def _handshake_steps(token: bytes | None, address: str) -> _Steps:
     if not hmac.compare_digest(proof, auth_proof(token, "server", server_nonce, client_nonce)):
         raise AuthenticationError(f"the server at {address} could not prove it knows the token: refused")
     return info
+
+
+def client_token(token: str | bytes | None) -> bytes | None:
+    """A client's token: as given, else ``$APS_TOKEN``, else none."""
+    if token is None:
+        token = os.environ.get("APS_TOKEN") or None
+    if token is None or isinstance(token, bytes):
+        return token
+    if not isinstance(token, str) or not token:
+        raise ConfigurationError("token must be a non-empty string")
+    return token.encode("utf-8")
 
 
 def handshake(conn, token: bytes | None, timeout: float | None) -> tuple[str, str]:
