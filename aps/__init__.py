@@ -5,6 +5,7 @@ processes use :class:`Worker` to push gradients and pull weights under a
 synchronization paradigm (BSP, ASP, SSP).
 """
 
+from .checkpoint import Checkpoint, load_checkpoint
 from .config import ServerConfig
 from .errors import (
     APSConnectionError,
@@ -36,6 +37,7 @@ __all__ = [
     "APSTimeoutError",
     "AsyncWorker",
     "AuthenticationError",
+    "Checkpoint",
     "ConfigurationError",
     "DTypeMismatch",
     "Evicted",
@@ -53,4 +55,5 @@ __all__ = [
     "ShuttingDown",
     "Worker",
     "__version__",
+    "load_checkpoint",
 ]

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import logging
 import time
+import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
 from types import ModuleType
@@ -26,8 +27,9 @@ from types import ModuleType
 import numpy as np
 
 from . import _core
-from .config import ServerConfig
+from .config import RUN_OPTIONS, ServerConfig
 from .errors import (
+    CheckpointError,
     InternalServerError,
     LayoutMismatch,
     NonFiniteGradient,
@@ -46,7 +48,7 @@ from .stats import ServerStats
 from .sync import Outcome, Plan, PlanKind, make_policy
 from .table import ParameterTable, Snapshot
 
-__all__ = ["Engine", "Member", "PushResult"]
+__all__ = ["Engine", "Member", "PushResult", "Seat"]
 
 log = logging.getLogger("aps.server")
 
@@ -75,6 +77,43 @@ class PushResult:
     scale: float
 
 
+class Seat:
+    """What the server remembers of a rank across its connections (and checkpoints):
+    its clock when it last left, and its last committed push, by which a push sent
+    again after a lost reply is recognised (docs/protocol.md, "Duplicates")."""
+
+    __slots__ = ("clock", "push_id", "push_clock", "result")
+
+    def __init__(self) -> None:
+        self.clock = -1
+        self.push_id = -1
+        self.push_clock = -1
+        self.result: PushResult | None = None
+
+    def is_duplicate(self, request_id: int | None, clock: int | None) -> bool:
+        # Request id 0 names no request (aps.Worker never uses it): never a duplicate.
+        return bool(request_id) and request_id == self.push_id and clock == self.push_clock
+
+    def to_json(self) -> dict:
+        result = self.result
+        return {
+            "clock": self.clock,
+            "push_id": self.push_id,
+            "push_clock": self.push_clock,
+            "push_result": None if result is None else [result.version, result.clock, result.dropped,
+                                                        result.staleness, result.scale],
+        }
+
+    @classmethod
+    def from_json(cls, data: dict) -> Seat:
+        seat = cls()
+        seat.clock, seat.push_id, seat.push_clock = int(data["clock"]), int(data["push_id"]), int(data["push_clock"])
+        if data.get("push_result") is not None:
+            version, clock, dropped, staleness, scale = data["push_result"]
+            seat.result = PushResult(int(version), int(clock), bool(dropped), int(staleness), float(scale))
+        return seat
+
+
 class Member:
     """One worker's seat at the server, held by its connection.
 
@@ -85,7 +124,7 @@ class Member:
 
     __slots__ = (
         "rank", "grad", "grad_bytes", "connected", "joined", "joined_running", "waiter", "gate", "waiting_since",
-        "required_version",
+        "required_version", "rejoin", "push_id", "push_clock",
     )
 
     def __init__(self, rank: int) -> None:
@@ -99,6 +138,9 @@ class Member:
         self.gate = False  # the pending request is a pull (counted), not an init
         self.waiting_since: float | None = None  # when its pull began to wait
         self.required_version = 0
+        self.rejoin = False  # a worker reconnecting: it goes on from the clock it had
+        self.push_id: int | None = None  # request id and clock of the push in the lane
+        self.push_clock: int | None = None
 
 
 class Engine:
@@ -154,6 +196,15 @@ class Engine:
         self._registering_layout: Layout | None = None
         self._parked: list[Callable[[], None]] = []
         self._lane = UpdateLane(offload, offload_threshold)
+        #: This run's identity: new for a new model, kept across checkpoints and resumes.
+        self.run_id = uuid.uuid4().hex
+        #: The checkpoint this engine resumed from (its path), if any.
+        self.resumed_from: str | None = None
+        self._seats: dict[int, Seat] = {}
+        # Where each rank that was live in the checkpoint goes when it rejoins (resume).
+        self._placements: dict[int, tuple[int, bool, int]] = {}
+        #: ``request_checkpoint(reason)`` -> a future of the path; set by a server that writes checkpoints.
+        self.request_checkpoint: Callable[[str], object] | None = None
 
     # Introspection ---------------------------------------------------------
     @property
@@ -240,6 +291,7 @@ class Engine:
         on_error: ErrorCallback,
         *,
         grad: np.ndarray | None = None,
+        rejoin: bool = False,
     ) -> Member:
         """Seat ``rank``; ``on_ready`` fires once training has started (at once on a rejoin).
 
@@ -251,9 +303,12 @@ class Engine:
         buffer the transport receives into. Raises a ServerError (and seats
         nobody) when the rank or the worker count is wrong; a layout that
         differs from the model's is reported through ``on_error``.
+        ``rejoin``: the worker reconnects after losing its connection, and goes
+        on from the clock it had (not the slowest worker's).
         """
         self.check_join(rank, num_workers)
         member = Member(rank)
+        member.rejoin = rejoin
         self.members[rank] = member
         self._lane.submit(CallJob(lambda: self._commit_join(member, layout, values, grad, on_ready, on_error),
                                   lambda exc: self._join_failed(member, exc, on_error)))
@@ -303,7 +358,7 @@ class Engine:
             return
         member.grad = grad
         member.grad_bytes = memoryview(grad).cast("B")
-        clock = self.policy.join(member.rank)
+        clock = self._place(member)
         member.joined = True
         member.required_version = self.decided_version
         log.info("worker %d joined at clock %d (%d/%d live)", member.rank, clock, self.policy.num_live, self.num_workers)
@@ -311,6 +366,7 @@ class Engine:
         if not self.started and self.policy.num_live == self.num_workers:
             self.started = True
             self.stats.training_started = self._now()
+            self.stats.start_version = self.version
             log.info("all %d workers joined: training starts", self.num_workers)
             self._serve_waiting()
         elif not self.started and self.on_membership_change is not None:
@@ -336,11 +392,38 @@ class Engine:
         if not member.joined:
             return
         member.joined = False
+        rank, policy = member.rank, self.policy
+        self._seat(rank).clock = policy.clock(rank)
+        if self.resumed_from is not None and not self.started:
+            # Resuming, before everyone is back: it returns to where the checkpoint had it.
+            self._placements[rank] = (policy.clock(rank), policy.window.is_held(rank), policy.window.credit(rank))
         outcome = self.policy.leave(member.rank)
         log.info("worker %d left (%d/%d live)", member.rank, self.policy.num_live, self.num_workers)
         if not self.started and self.on_membership_change is not None:
             self.on_membership_change()
         self._after(outcome)
+
+    def _place(self, member: Member) -> int:
+        """Seat ``member`` in the policy; returns its clock. A rank that was live in
+        the checkpoint resumes where it was; a worker that reconnects goes on from
+        the clock it had (if the others have not all passed it); anyone else starts
+        at the slowest live clock."""
+        rank, policy = member.rank, self.policy
+        placement = self._placements.pop(rank, None)
+        if placement is not None:
+            return policy.join(rank, *placement)
+        seat = self._seats.get(rank)
+        window = policy.window
+        if member.rejoin and seat is not None and seat.clock > window.min_clock:
+            held = window.bounded and seat.clock - window.min_clock > window.lower
+            return policy.join(rank, seat.clock, held)
+        return policy.join(rank)
+
+    def _seat(self, rank: int) -> Seat:
+        seat = self._seats.get(rank)
+        if seat is None:
+            seat = self._seats[rank] = Seat()
+        return seat
 
     def _create_table(self, layout: Layout, values: np.ndarray) -> None:
         if not self.kernels.all_finite(values):
@@ -375,6 +458,79 @@ class Engine:
             optimizer.describe(),
         )
 
+    # Checkpoints -----------------------------------------------------------
+    def capture_checkpoint(self, job) -> None:
+        """Queue ``job`` (an ``aps._checkpointer.CaptureJob``) in the update lane: it runs
+        between two updates, and sees every update decided before it."""
+        self._lane.submit(job)
+
+    def checkpoint_state(self) -> tuple[dict, dict[str, np.ndarray]]:
+        """The state to save, between two updates: a JSON-able manifest, and the live
+        arrays to copy (the optimizer's state; the running sum while a round is open).
+        The weights are the current snapshot (the caller leases it)."""
+        table, layout, policy, config = self.table, self.layout, self.policy, self.config
+        optimizer = table.optimizer
+        policy_state = policy.state()
+        arrays = dict(optimizer.state_arrays())
+        if self.aggregate is not None and (policy_state.get("contributed") or policy_state.get("count")):
+            arrays["aggregate"] = self.aggregate.current
+        for rank in self.members:  # the live ranks' clocks are in the policy's state
+            self._seat(rank)
+        manifest = {
+            "run_id": self.run_id,
+            "version": table.version,
+            "pushes": self.pushes,
+            "layout": {"names": list(layout.names), "shapes": [list(shape) for shape in layout.shapes]},
+            "config": {name: getattr(config, name) for name in RUN_OPTIONS},
+            "optimizer": {"name": optimizer.name, "steps": optimizer.steps, **optimizer.hyperparameters()},
+            "policy": policy_state,
+            "seats": {str(rank): seat.to_json() for rank, seat in sorted(self._seats.items())},
+            "counters": {"rejected": self.stats.rejected, "duplicates": self.stats.duplicates},
+        }
+        return manifest, arrays
+
+    def restore(self, checkpoint) -> None:
+        """Take up the state of ``checkpoint`` (an :class:`aps.checkpoint.Checkpoint`) before
+        anyone joins: weights, optimizer state, version, the policy's clocks and rounds,
+        and what each rank's last push was. Training starts again once every worker
+        has rejoined. Raises CheckpointError (and keeps nothing) if it does not fit."""
+        if self.table is not None or self.members:
+            raise CheckpointError("a checkpoint is restored before anyone joins")
+        manifest = checkpoint.manifest
+        try:
+            layout = checkpoint.layout
+            self._create_table(layout, checkpoint.flat_weights())
+            optimizer = self.table.optimizer
+            saved = manifest["optimizer"]
+            if saved["name"] != optimizer.name:
+                raise ValueError(f"it holds {saved['name']} state, this server runs {optimizer.name}")
+            state = {}
+            for key in optimizer.state_arrays():
+                flat = np.empty(layout.numel, np.float32)
+                layout.flatten_into({name: checkpoint.state[f"{key}/{name}"] for name in layout.names}, flat)
+                state[key] = flat
+            optimizer.load_state(state, int(saved["steps"]))
+            self.table.version = int(manifest["version"])
+            if self.aggregate is not None and "aggregate" in checkpoint.state:
+                np.copyto(self.aggregate.current, checkpoint.state["aggregate"])
+            self._placements = self.policy.restore(manifest["policy"])
+            self._seats = {int(rank): Seat.from_json(seat) for rank, seat in manifest["seats"].items()}
+            self.pushes = int(manifest["pushes"])
+            counters = manifest.get("counters", {})
+            self.stats.rejected = int(counters.get("rejected", 0))
+            self.stats.duplicates = int(counters.get("duplicates", 0))
+            self.run_id = str(manifest["run_id"])
+        except (KeyError, ValueError, TypeError, IndexError) as exc:
+            if self.table is not None:
+                self.table.close()
+            self.table = self.layout = self.aggregate = None
+            self._placements, self._seats = {}, {}
+            detail = f"missing {exc}" if isinstance(exc, KeyError) else str(exc)
+            raise CheckpointError(f"checkpoint {checkpoint.path} cannot be resumed: {detail}") from None
+        self.resumed_from = str(checkpoint.path)
+        log.info("resumed from %s: version %d, clocks %s; training goes on once all %d workers are back",
+                 checkpoint.path, self.version, manifest["policy"]["clocks"], self.num_workers)
+
     # Iterations ------------------------------------------------------------
     def pull(self, member: Member, on_ready: ReadyCallback) -> None:
         """Answer with the weights once the policy releases ``member``."""
@@ -390,6 +546,8 @@ class Engine:
         on_error: ErrorCallback,
         *,
         stream: StreamingPush | None = None,
+        request_id: int | None = None,
+        clock: int | None = None,
     ) -> None:
         """Handle the gradient in ``member.grad``, computed on weights of ``grad_version``.
 
@@ -399,7 +557,18 @@ class Engine:
         The update kernel checks every element as it applies it: a gradient
         holding NaN or infinity is refused and changes nothing. ``stream`` is
         the update already computed while it arrived, if any.
+
+        ``request_id`` and ``clock`` identify the push (the worker's request id,
+        and its clock when it sent it): the same push sent again after a lost
+        reply is answered with the first one's result and applied only once.
         """
+        seat = self._seats.get(member.rank)
+        if member.joined and seat is not None and seat.is_duplicate(request_id, clock):
+            if stream is not None:
+                stream.abort()
+            self._lane.submit(CallJob(lambda: self._answer_duplicate(member, on_done)))
+            return
+        member.push_id, member.push_clock = request_id, clock
         try:
             self._check_push(member, grad_version)
         except ServerError:
@@ -416,7 +585,9 @@ class Engine:
             stream.abort()
         self._lane.submit(job)
 
-    def begin_streaming_push(self, member: Member, grad_version: int) -> StreamingPush | None:
+    def begin_streaming_push(
+        self, member: Member, grad_version: int, request_id: int | None = None, clock: int | None = None
+    ) -> StreamingPush | None:
         """Start applying a gradient piece by piece as it arrives, when that is safe.
 
         Safe means: the lane is idle (it is reserved for this gradient; any
@@ -428,6 +599,9 @@ class Engine:
         """
         table = self.table
         if table is None:
+            return None
+        seat = self._seats.get(member.rank)
+        if seat is not None and seat.is_duplicate(request_id, clock):
             return None
         try:
             self._check_push(member, grad_version)
@@ -452,9 +626,9 @@ class Engine:
             )
 
     # Reports from the update lane's jobs (aps._updates.UpdateOwner) -----------
-    def gradient_committed(self, rank: int, plan: Plan, arrived: float) -> PushResult:
+    def gradient_committed(self, member: Member, plan: Plan, arrived: float) -> PushResult:
         """A gradient was applied (and published), accumulated or dropped."""
-        policy, stats = self.policy, self.stats
+        policy, stats, rank = self.policy, self.stats, member.rank
         if plan.kind is PlanKind.APPLY:
             stats.published(self.table.version)
         window = policy.window
@@ -471,8 +645,23 @@ class Engine:
         if window.controller_calls != consulted:
             ws.r_star.add(window.last_r_star)
         result = PushResult(self.table.version, policy.clock(rank), dropped, plan.staleness, plan.scale)
+        seat = self._seat(rank)
+        seat.push_id, seat.push_clock, seat.result = member.push_id, member.push_clock, result
         self._after(outcome)
         return result
+
+    def _answer_duplicate(self, member: Member, on_done: Callable[[PushResult], None]) -> None:
+        """A push committed already came again: answer as the first time, apply nothing."""
+        if not member.connected:
+            return
+        first = self._seats[member.rank].result
+        log.info("worker %d sent a push again that was applied already (its reply was lost): not applied twice",
+                 member.rank)
+        self.stats.duplicates += 1
+        outcome = self.policy.resume_push(member.rank)
+        on_done(PushResult(self.table.version, self.policy.clock(member.rank), first.dropped, first.staleness,
+                           first.scale))
+        self._after(outcome)
 
     def gradient_refused(self, rank: int, reason: object) -> ServerError:
         """A gradient's kernel refused it (``reason`` False), or its job failed (an
@@ -516,7 +705,7 @@ class Engine:
         if (
             not self.started
             or member.waiter is None
-            or self.policy.is_held(member.rank)
+            or (member.gate and self.policy.is_held(member.rank))
             or self.table.version < member.required_version
         ):
             return False

@@ -312,21 +312,46 @@ class StalenessWindow:
         )
 
     # Transitions ----------------------------------------------------------
-    def join(self, rank: int) -> int:
-        """Make ``rank`` live at the slowest live worker's clock; returns that clock."""
+    def join(self, rank: int, clock: int = -1, held: bool = False, credit: int = 0) -> int:
+        """Make ``rank`` live; returns its clock.
+
+        By default (``clock < 0``) a (re)joining worker starts at the slowest
+        live clock, so it can never hold the others back retroactively; with
+        nobody live, it starts where the slowest worker was when the last one
+        left. With ``clock >= 0`` it is placed exactly there, held at the gate
+        or not, with ``credit`` extra iterations (restoring a checkpoint, or a
+        worker that reconnects at the clock it had); the slowest clock is then
+        recomputed over the live workers.
+        """
         rank = self._rank(rank)
         if self._live[rank]:
             raise ValueError(f"rank {rank} is already live")
-        # A (re)joining worker starts at the slowest live clock, so it can never
-        # hold the others back retroactively. With nobody live, it starts where
-        # the slowest worker was when the last one left.
-        self._clock[rank] = self._min
+        if clock >= 0 and held and self._lower < 0:
+            raise ValueError("an unbounded window holds nobody")
+        if credit < 0:
+            raise ValueError("credit must be >= 0")
+        placed = clock >= 0
+        self._clock[rank] = clock if placed else self._min
         self._live[rank] = True
-        self._held[rank] = False
-        self._credit[rank] = 0
+        self._held[rank] = bool(held) if placed else False
+        self._credit[rank] = credit if placed else 0
         self._newest[rank] = math.nan
         self._previous[rank] = math.nan
-        return self._min
+        self._recompute_min()
+        return self._clock[rank]
+
+    def restore(self, min_clock: int, last_r_star: int = -1, controller_calls: int = 0) -> None:
+        """With nobody live, set the slowest clock (where workers joining at the
+        default clock start) and the controller's counters: resuming from a
+        checkpoint. The arrival times are not restored: they were measured on
+        another process's clock."""
+        if any(self._live):
+            raise ValueError("restore needs an empty live set")
+        if min_clock < 0:
+            raise ValueError("min_clock must be >= 0")
+        self._min = min_clock
+        self._last_r_star = last_r_star
+        self._controller_calls = controller_calls
 
     def leave(self, rank: int) -> list[int]:
         """Remove ``rank`` from the live set; returns the workers this releases."""

@@ -70,7 +70,7 @@ class UpdateOwner(Protocol):
     aggregate: Aggregate | None
     kernels: ModuleType
 
-    def gradient_committed(self, rank: int, plan: Plan, arrived: float) -> PushResult:
+    def gradient_committed(self, member: Member, plan: Plan, arrived: float) -> PushResult:
         """The gradient was applied, accumulated or dropped: count it, release whom it releases."""
 
     def gradient_refused(self, rank: int, reason: object) -> ServerError:
@@ -143,7 +143,7 @@ class PushJob(Job):
         elif plan.kind is PlanKind.ACCUMULATE:
             owner.aggregate.adopt()
         self.adopted = True  # from here on the gradient is in: a failure must not say otherwise
-        result = owner.gradient_committed(self.member.rank, plan, self.arrived)
+        result = owner.gradient_committed(self.member, plan, self.arrived)
         self.answered = True
         self.on_done(result)
 

@@ -14,7 +14,7 @@ from typing import Any
 
 from .errors import ConfigurationError
 
-__all__ = ["ServerConfig", "env_name", "resolve_token"]
+__all__ = ["RESUME_LATEST", "RUN_OPTIONS", "ServerConfig", "env_name", "resolve_token"]
 
 SYNC_CHOICES = ("bsp", "asp", "ssp", "dssp", "softsync")
 LR_STALENESS_CHOICES = ("none", "inverse")
@@ -24,6 +24,14 @@ DEFAULT_MAX_STALENESS = 15
 OPTIMIZER_CHOICES = ("sgd", "adam", "adamw")
 LOG_LEVELS = ("debug", "info", "warning", "error")
 DEFAULT_PORT = 7450
+#: ``--resume`` without a path: the newest complete checkpoint in ``--checkpoint-dir``.
+RESUME_LATEST = "latest"
+#: The options that define a run: a resumed server takes them from the checkpoint,
+#: and refuses a value given that differs (the others are the operator's to change).
+RUN_OPTIONS = (
+    "workers", "sync", "staleness", "max_staleness", "softsync_n", "backup_workers", "lr_staleness", "async_scale",
+    "optimizer", "lr", "momentum", "nesterov", "weight_decay", "betas", "eps",
+)
 
 
 def _opt(help: str, *, choices: tuple[str, ...] | None = None, metavar: str | None = None) -> dict:
@@ -138,6 +146,25 @@ class ServerConfig:
         metadata=_opt("listen on a non-loopback address without a token: anyone who reaches the port can "
                       "join, push, pull and read the model"),
     )
+    checkpoint_dir: str | None = field(
+        default=None,
+        metadata=_opt("write checkpoints (weights, optimizer state, version, clocks) into this directory: "
+                      "periodically, on request (aps checkpoint now), and at a clean shutdown", metavar="DIR"),
+    )
+    checkpoint_every: float = field(
+        default=60.0,
+        metadata=_opt("seconds between checkpoints (0: none on a timer)", metavar="SECONDS"),
+    )
+    checkpoint_every_updates: int = field(
+        default=0, metadata=_opt("also write a checkpoint every N updates (0: never)", metavar="N")
+    )
+    checkpoint_keep: int = field(default=3, metadata=_opt("checkpoints kept; older ones are deleted", metavar="K"))
+    resume: str | None = field(
+        default=None,
+        metadata=_opt("continue a run from a checkpoint: PATH, or the newest complete one in --checkpoint-dir "
+                      "when given without PATH (a new run when there is none); flags left out take the "
+                      "checkpoint's values, flags given must agree with them", metavar="PATH"),
+    )
     log_level: str = field(default="info", metadata=_opt("logging level", choices=LOG_LEVELS))
 
     def __post_init__(self) -> None:
@@ -205,6 +232,14 @@ class ServerConfig:
             )
         if (self.tls_key or self.tls_ca) and not self.tls_cert:
             raise ConfigurationError("--tls-key and --tls-ca go with --tls-cert")
+        if self.checkpoint_every < 0:
+            raise ConfigurationError(f"--checkpoint-every must be >= 0 seconds, got {self.checkpoint_every}")
+        if self.checkpoint_every_updates < 0:
+            raise ConfigurationError(f"--checkpoint-every-updates must be >= 0, got {self.checkpoint_every_updates}")
+        if self.checkpoint_keep < 1:
+            raise ConfigurationError(f"--checkpoint-keep must be at least 1, got {self.checkpoint_keep}")
+        if self.resume == RESUME_LATEST and self.checkpoint_dir is None:
+            raise ConfigurationError("--resume without a PATH resumes from --checkpoint-dir: give one of them")
         if self.log_level not in LOG_LEVELS:
             raise ConfigurationError(f"unknown log level {self.log_level!r}")
 

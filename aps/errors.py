@@ -18,6 +18,8 @@ __all__ = [
     "APSTimeoutError",
     "AuthenticationError",
     "BadMagic",
+    "CheckpointError",
+    "CheckpointFailed",
     "ConfigurationError",
     "DTypeMismatch",
     "ERROR_CODES",
@@ -35,6 +37,7 @@ __all__ = [
     "ProtocolError",
     "RankOutOfRange",
     "RankTaken",
+    "RunChanged",
     "ServerError",
     "ServerOverloaded",
     "ServerSilent",
@@ -68,6 +71,7 @@ class ErrorCode(IntEnum):
     EVICTED = 17
     OVERLOADED = 18
     AUTHENTICATION = 19
+    CHECKPOINT_FAILED = 20
 
 
 class APSError(Exception):
@@ -94,6 +98,18 @@ class ServerSilent(APSTimeoutError, APSConnectionError):
     """The server sent nothing for ``server_timeout`` seconds while a reply was due:
     it hung, or its host or the network is gone. The connection is dropped
     (a ConnectionError: reconnect when it is back)."""
+
+
+class CheckpointError(APSError, ValueError):
+    """A checkpoint cannot be written, read or used: a missing, corrupt or truncated
+    file, a checksum that does not hold, a configuration that conflicts with the
+    command line, or a directory that is read-only or full. The message says which."""
+
+
+class RunChanged(APSConnectionError):
+    """The worker reconnected, but the server at its address no longer serves its run
+    (it restarted without ``--resume``, or from another run's checkpoint): the
+    worker's weights, clock and version mean nothing there."""
 
 
 class ServerError(APSError):
@@ -235,6 +251,13 @@ class AuthenticationError(ServerError, APSConnectionError):
     code = ErrorCode.AUTHENTICATION
 
 
+class CheckpointFailed(ServerError):
+    """The server could not write the checkpoint it was asked for (no ``--checkpoint-dir``,
+    a full or read-only directory); training goes on."""
+
+    code = ErrorCode.CHECKPOINT_FAILED
+
+
 class InternalServerError(ServerError):
     """The server failed unexpectedly while handling the request."""
 
@@ -261,6 +284,7 @@ ERROR_CODES: dict[ErrorCode, type[ServerError]] = {
     ErrorCode.EVICTED: Evicted,
     ErrorCode.OVERLOADED: ServerOverloaded,
     ErrorCode.AUTHENTICATION: AuthenticationError,
+    ErrorCode.CHECKPOINT_FAILED: CheckpointFailed,
 }
 
 

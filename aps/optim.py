@@ -58,6 +58,26 @@ class Optimizer:
     def describe(self) -> str:
         return self.name
 
+    def hyperparameters(self) -> dict:
+        """The options this optimizer was made with (JSON-able, for checkpoints)."""
+        return {"lr": self.lr}
+
+    def state_arrays(self) -> dict[str, np.ndarray]:
+        """The current state by name (``momentum_buffer``; ``exp_avg``, ``exp_avg_sq``),
+        flat and live: they change at the next commit."""
+        return {}
+
+    def load_state(self, arrays: dict[str, np.ndarray], steps: int) -> None:
+        """Adopt a saved state (from :meth:`state_arrays` and :attr:`steps`)."""
+        own = self.state_arrays()
+        if set(arrays) != set(own):
+            raise ValueError(f"the {self.name} state holds {sorted(own)}, got {sorted(arrays)}")
+        for name, array in arrays.items():
+            if array.shape != own[name].shape:
+                raise ValueError(f"{name} has shape {array.shape}, the model needs {own[name].shape}")
+            np.copyto(own[name], array)
+        self.steps = int(steps)
+
 
 class SGD(Optimizer):
     """Stochastic gradient descent with optional momentum, Nesterov and weight decay,
@@ -116,6 +136,13 @@ class SGD(Optimizer):
         if self._buffers is not None:
             self._buffers.reverse()
         super().commit()
+
+    def hyperparameters(self) -> dict:
+        return {"lr": self.lr, "momentum": self.momentum, "dampening": self.dampening,
+                "weight_decay": self.weight_decay, "nesterov": self.nesterov}
+
+    def state_arrays(self) -> dict[str, np.ndarray]:
+        return {} if self._buffers is None else {"momentum_buffer": self._buffers[0]}
 
     def describe(self) -> str:
         extra = []
@@ -184,6 +211,12 @@ class Adam(Optimizer):
         self._m.reverse()
         self._v.reverse()
         super().commit()
+
+    def hyperparameters(self) -> dict:
+        return {"lr": self.lr, "betas": list(self.betas), "eps": self.eps, "weight_decay": self.weight_decay}
+
+    def state_arrays(self) -> dict[str, np.ndarray]:
+        return {"exp_avg": self._m[0], "exp_avg_sq": self._v[0]}
 
     def describe(self) -> str:
         text = f"{self.name} lr={self.lr:g} betas=({self.betas[0]:g},{self.betas[1]:g}) eps={self.eps:g}"

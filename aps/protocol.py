@@ -73,6 +73,7 @@ class Op(IntEnum):
     STATS = 7
     HELLO = 8
     AUTH = 9
+    CHECKPOINT = 10
 
     REPLY = 0x80
     INIT_REPLY = 0x81
@@ -84,6 +85,7 @@ class Op(IntEnum):
     STATS_REPLY = 0x87
     HELLO_REPLY = 0x88
     AUTH_REPLY = 0x89
+    CHECKPOINT_REPLY = 0x8A
     #: Not a reply: a notice the server sends while it holds a request (a pull
     #: at the gate, a push in the lane) to say it is alive; no payload.
     ALIVE = 0xFD
@@ -93,7 +95,9 @@ class Op(IntEnum):
     ERROR = 0xFF
 
 
-REQUEST_OPS = frozenset({Op.INIT, Op.PULL, Op.PUSH, Op.PUSH_PULL, Op.LEAVE, Op.PING, Op.STATS, Op.HELLO, Op.AUTH})
+REQUEST_OPS = frozenset(
+    {Op.INIT, Op.PULL, Op.PUSH, Op.PUSH_PULL, Op.LEAVE, Op.PING, Op.STATS, Op.HELLO, Op.AUTH, Op.CHECKPOINT}
+)
 #: What a connection may ask before it has authenticated (when the server has a token).
 HANDSHAKE_OPS = frozenset({Op.HELLO, Op.AUTH})
 _KNOWN_OPS = frozenset(int(op) for op in Op)
@@ -113,6 +117,10 @@ class Flag(IntFlag):
     #: INIT_REPLY: the worker joined a model that was already training; the
     #: weights are the server's and the values it sent were not used.
     RUNNING = 4
+    #: INIT: the worker reconnects after losing its connection (its header's
+    #: clock is the clock it had); it goes on from there, and a push it sends
+    #: again is recognised (docs/protocol.md, "Reconnecting").
+    REJOIN = 8
 
 
 class DType(IntEnum):
@@ -308,7 +316,9 @@ def _parse_layout(view: memoryview) -> tuple[int, int, Layout, int]:
 
 
 # HELLO reply payload: u16 length + UTF-8 host identity, u16 length + UTF-8
-# path of the server's Unix socket ("" when it has none).
+# path of the server's Unix socket ("" when it has none), u16 length + UTF-8
+# run id (the identity of the training run the server holds, kept across
+# checkpoints and resumes; absent from older servers: read as "").
 _U16 = struct.Struct("<H")
 
 
@@ -324,19 +334,23 @@ def host_identity() -> str:
     return f"{socket.gethostname()}/{boot}"
 
 
-def encode_hello(host: str, unix_path: str) -> bytes:
+def encode_hello(host: str, unix_path: str, run_id: str = "") -> bytes:
     parts = []
-    for text in (host, unix_path):
+    for text in (host, unix_path, run_id):
         raw = text.encode("utf-8")
         parts += [_U16.pack(len(raw)), raw]
     return b"".join(parts)
 
 
-def decode_hello(payload) -> tuple[str, str]:
+def decode_hello(payload) -> tuple[str, str, str]:
+    """``(host identity, Unix socket path, run id)``."""
     view = memoryview(payload)
     fields, offset = [], 0
     try:
-        for _ in range(2):
+        for index in range(3):
+            if index == 2 and offset == len(view):
+                fields.append("")  # an older server: no run id
+                break
             (size,) = _U16.unpack_from(view, offset)
             offset += 2
             if offset + size > len(view):
@@ -345,7 +359,7 @@ def decode_hello(payload) -> tuple[str, str]:
             offset += size
     except (struct.error, UnicodeDecodeError) as exc:
         raise MalformedFrame(f"HELLO reply cannot be parsed: {exc}") from None
-    return fields[0], fields[1]
+    return fields[0], fields[1], fields[2]
 
 
 # The handshake. HELLO carries the client's nonce (NONCE_BYTES, or nothing);
@@ -370,13 +384,13 @@ def auth_proof(token: bytes, role: str, server_nonce: bytes, client_nonce: bytes
     return hmac.new(token, f"aps/1 {role}".encode() + server_nonce + client_nonce, hashlib.sha256).digest()
 
 
-def encode_hello_reply(auth_required: bool, server_nonce: bytes, host: str, unix_path: str) -> bytes:
+def encode_hello_reply(auth_required: bool, server_nonce: bytes, host: str, unix_path: str, run_id: str = "") -> bytes:
     head = _HELLO_REPLY.pack(_AUTH_REQUIRED if auth_required else 0) + server_nonce
-    return head if auth_required else head + encode_hello(host, unix_path)
+    return head if auth_required else head + encode_hello(host, unix_path, run_id)
 
 
-def decode_hello_reply(payload) -> tuple[bool, bytes, tuple[str, str] | None]:
-    """``(auth_required, server_nonce, (host, unix_path) or None)``."""
+def decode_hello_reply(payload) -> tuple[bool, bytes, tuple[str, str, str] | None]:
+    """``(auth_required, server_nonce, (host, unix_path, run_id) or None)``."""
     view = memoryview(payload)
     if len(view) < _HELLO_REPLY.size + NONCE_BYTES:
         raise MalformedFrame(f"HELLO reply of {len(view)} bytes is too short")
@@ -387,12 +401,12 @@ def decode_hello_reply(payload) -> tuple[bool, bytes, tuple[str, str] | None]:
     return required, nonce, None if required else decode_hello(rest)
 
 
-def encode_auth_reply(server_proof: bytes, host: str, unix_path: str) -> bytes:
-    return server_proof + encode_hello(host, unix_path)
+def encode_auth_reply(server_proof: bytes, host: str, unix_path: str, run_id: str = "") -> bytes:
+    return server_proof + encode_hello(host, unix_path, run_id)
 
 
-def decode_auth_reply(payload) -> tuple[bytes, tuple[str, str]]:
-    """``(server proof, (host, unix_path))``."""
+def decode_auth_reply(payload) -> tuple[bytes, tuple[str, str, str]]:
+    """``(server proof, (host, unix_path, run_id))``."""
     view = memoryview(payload)
     if len(view) < 32:
         raise MalformedFrame(f"AUTH reply of {len(view)} bytes is too short")

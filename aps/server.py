@@ -19,10 +19,12 @@ from typing import Any
 
 import numpy as np
 
+from ._checkpointer import Checkpointer
 from ._engine import Engine
 from ._lane import run_kernel
-from .config import ServerConfig, resolve_token
-from .errors import APSError, ConfigurationError
+from .checkpoint import Checkpoint, find_resumable
+from .config import RESUME_LATEST, RUN_OPTIONS, ServerConfig, resolve_token
+from .errors import APSError, CheckpointError, ConfigurationError
 from .protocol import encode_join_progress
 from .transport._tls import server_context
 from .transport.address import format_address
@@ -53,7 +55,9 @@ class Server:
     """An aps parameter server.
 
     Takes a :class:`~aps.config.ServerConfig` and/or its fields as keyword
-    arguments (the same options as ``aps serve``).
+    arguments (the same options as ``aps serve``). With ``resume``, the run's
+    options (:data:`aps.config.RUN_OPTIONS`) come from the checkpoint; those
+    in ``given`` (default: those not at their default value) must agree with it.
 
     Example::
 
@@ -61,12 +65,14 @@ class Server:
             print(server.address)  # tcp://127.0.0.1:PORT
     """
 
-    def __init__(self, config: ServerConfig | None = None, **options: Any) -> None:
+    def __init__(self, config: ServerConfig | None = None, *, given: set[str] | None = None, **options: Any) -> None:
         if config is None:
             config = ServerConfig(**options)
         elif options:
             config = config.replace(**options)
         self.config = config
+        self._given = given
+        self.checkpointer: Checkpointer | None = None
         self.engine: Engine | None = None
         self.connections: set = set()
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -96,6 +102,7 @@ class Server:
         """Bind the listener and get ready to serve (inside a running loop)."""
         _raise_descriptor_limit(self.config.max_connections)
         token = resolve_token(self.config)
+        checkpoint = self._checkpoint_to_resume()  # before anything starts: a bad one changes nothing
         loop = self._loop = asyncio.get_running_loop()
         self._stopping = asyncio.Event()
         self._executor = ThreadPoolExecutor(1, thread_name_prefix="aps-update")
@@ -103,6 +110,18 @@ class Server:
         shared = config.unix_socket != "none" and shm_available()
         allocate = (lambda numel: Segment.create(numel, "aps-slot", shared_read_only=True)) if shared else None
         self.engine = Engine(config, offload=self._offload, allocate=allocate)
+        try:
+            if checkpoint is not None:
+                self.engine.restore(checkpoint)
+            if config.checkpoint_dir is not None:
+                self.checkpointer = Checkpointer(config, self.engine)
+                self.checkpointer.start()
+                self.engine.request_checkpoint = self.checkpointer.request
+        except BaseException:
+            self._executor.shutdown(wait=False)
+            if self.engine.table is not None:
+                self.engine.table.close()
+            raise
         max_payload = config.max_frame_bytes
         tls = server_context(config.tls_cert, config.tls_key, config.tls_ca) if config.tls_cert else None
         try:
@@ -115,7 +134,7 @@ class Server:
                 ssl_handshake_timeout=config.handshake_timeout if tls else None,
             )
         except OSError as exc:
-            self._executor.shutdown(wait=False)
+            await self._abandon_start()
             raise ConfigurationError(f"cannot listen on {config.host}:{config.port}: {exc.strerror or exc}") from None
         self._port = self._listener.sockets[0].getsockname()[1]
         self.engine.address = self.address
@@ -128,7 +147,7 @@ class Server:
                 )
             except (OSError, ConfigurationError) as exc:
                 self._listener.close()
-                self._executor.shutdown(wait=False)
+                await self._abandon_start()
                 raise ConfigurationError(f"cannot listen on {path}: {exc}") from None
             self.unix_path = path
         self._watchdog = loop.create_task(self._watch_connections(self.config.heartbeat_timeout))
@@ -143,6 +162,51 @@ class Server:
             self.config.optimizer,
             self.config.lr,
         )
+
+    async def _abandon_start(self) -> None:
+        if self.checkpointer is not None:
+            await self.checkpointer.close_without_checkpoint()
+            self.checkpointer = None
+        self._executor.shutdown(wait=False)
+
+    def _checkpoint_to_resume(self) -> Checkpoint | None:
+        """The checkpoint ``--resume`` names (None: a new run), with the run's options
+        taken from it into :attr:`config`. Raises CheckpointError."""
+        config = self.config
+        if config.resume is None:
+            return None
+        where = config.checkpoint_dir if config.resume == RESUME_LATEST else config.resume
+        checkpoint = find_resumable(where)
+        if checkpoint is None:
+            if config.resume != RESUME_LATEST:
+                raise CheckpointError(f"--resume {where}: no checkpoint there")
+            log.warning("--resume: %s holds no checkpoint yet: starting a new run", where)
+            return None
+        saved = checkpoint.manifest.get("config")
+        if not isinstance(saved, dict):
+            raise CheckpointError(f"checkpoint {checkpoint.path} has no configuration in its manifest")
+        given = self._given
+        if given is None:  # the Python API: what differs from the defaults was given
+            defaults = ServerConfig()
+            given = {name for name in RUN_OPTIONS if getattr(config, name) != getattr(defaults, name)}
+        changes = {}
+        for name in RUN_OPTIONS:
+            if name not in saved:
+                raise CheckpointError(f"checkpoint {checkpoint.path} does not say its --{name.replace('_', '-')}")
+            value = tuple(saved[name]) if isinstance(saved[name], list) else saved[name]
+            if name in given and getattr(config, name) != value:
+                flag = "--" + name.replace("_", "-")
+                raise CheckpointError(
+                    f"{flag} {_show(getattr(config, name))} conflicts with checkpoint {checkpoint.path}, whose run "
+                    f"has {flag} {_show(value)}: leave {flag} out to go on with the run's value (or start a new run "
+                    "without --resume)"
+                )
+            changes[name] = value
+        try:
+            self.config = config.replace(**changes)
+        except ConfigurationError as exc:
+            raise CheckpointError(f"checkpoint {checkpoint.path} holds an invalid configuration: {exc}") from None
+        return checkpoint
 
     async def wait_stopped(self) -> None:
         """Wait until :meth:`stop` is called."""
@@ -170,6 +234,26 @@ class Server:
             return (0, None) if table is None else (table.version, table.current_array().copy())
 
         return self._on_loop(grab, timeout)
+
+    def checkpoint(self, timeout: float = 60.0) -> str:
+        """Write a checkpoint now and return its path (see ``--checkpoint-dir``); safe from any thread.
+
+        Raises:
+            CheckpointFailed: the server has no ``--checkpoint-dir``, no model yet, or
+                the write failed (a full or read-only directory); training goes on.
+        """
+        loop = self._loop
+        if loop is None or self.engine is None:
+            raise APSError("the server is not running")
+
+        async def request() -> str:
+            if self.checkpointer is None:
+                from .errors import CheckpointFailed
+
+                raise CheckpointFailed("this server writes no checkpoints (start it with --checkpoint-dir)")
+            return await self.checkpointer.request("request")
+
+        return asyncio.run_coroutine_threadsafe(request(), loop).result(timeout)
 
     def _on_loop(self, fn, timeout: float):
         loop = self._loop
@@ -211,6 +295,12 @@ class Server:
         sessions = list(self.connections)
         for conn in sessions:
             conn.announce_shutdown()
+        if self.checkpointer is not None:
+            # After the announcement (nothing more is answered: a push taken from now on
+            # is in the checkpoint, or is sent again after the restart) and before the
+            # connections go (their leaving would empty the live set it saves).
+            await self.checkpointer.close()
+            self.checkpointer = None
         for conn in sessions:
             conn.close()
         if self._listener is not None:
@@ -333,6 +423,10 @@ def _raise_descriptor_limit(connections: int) -> None:
     if soft != resource.RLIM_INFINITY and soft < connections + 64:
         log.warning("the descriptor limit (%d) is below --max-connections %d: some connections will fail",
                     soft, connections)
+
+
+def _show(value: Any) -> str:
+    return ",".join(str(v) for v in value) if isinstance(value, tuple) else str(value)
 
 
 def _print_address(address: str) -> None:

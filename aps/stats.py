@@ -104,6 +104,12 @@ class ServerStats:
         self.workers = [WorkerStats() for _ in range(num_workers)]
         self.traffic = {name: Traffic() for name in TRANSPORTS}
         self.rejected = 0
+        #: Pushes sent again after a lost reply, recognised and not applied twice.
+        self.duplicates = 0
+        #: The version when training started (a resumed run starts at its checkpoint's).
+        self.start_version = 0
+        #: The last checkpoint written, as the checkpointer reports it (None before the first).
+        self.checkpoint: dict | None = None
         self._now = now
         self.created = now()
         self.training_started: float | None = None
@@ -140,7 +146,7 @@ class ServerStats:
         recent = counted / span if counted and span > 0 else 0.0
         mean = 0.0
         if self.training_started is not None and now > self.training_started:
-            mean = version / (now - self.training_started)
+            mean = (version - self.start_version) / (now - self.training_started)
         return recent, mean
 
     def snapshot(self, engine: Engine) -> dict:
@@ -193,6 +199,10 @@ class ServerStats:
                 "pushes": engine.pushes,
                 "dropped": policy.dropped,
                 "rejected": self.rejected,
+                "duplicates": self.duplicates,
+                "run_id": engine.run_id,
+                "resumed_from": engine.resumed_from,
+                "checkpoint": self.checkpoint,
                 "bytes_in": self.bytes_in,
                 "bytes_out": self.bytes_out,
                 "transports": {

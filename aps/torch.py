@@ -42,7 +42,7 @@ import numpy as np
 import torch
 
 from .errors import ConfigurationError
-from .worker import Worker
+from .worker import DEFAULT_RECONNECT_TIMEOUT, Worker
 
 __all__ = ["Optimizer", "Pacer"]
 
@@ -127,6 +127,8 @@ class Optimizer:
             path; meant for tests). Default: only for models not on the CPU.
         pacer: iteration pacing; default: what ``aps launch`` asked for.
         token: the server's token, if it has one (default ``$APS_TOKEN``).
+        reconnect, reconnect_timeout: get back to a lost server by itself and
+            go on (see :class:`aps.Worker`); ``reconnect=False`` raises at once.
 
     The first worker to join provides the initial weights (its model's);
     every worker's model then holds the server's weights.
@@ -145,6 +147,8 @@ class Optimizer:
         staging: bool | None = None,
         pacer: Pacer | None = None,
         token: str | None = None,
+        reconnect: bool = True,
+        reconnect_timeout: float | None = DEFAULT_RECONNECT_TIMEOUT,
     ) -> None:
         named = model.named_parameters() if isinstance(model, torch.nn.Module) else model
         self.names: list[str] = []
@@ -173,7 +177,8 @@ class Optimizer:
             raise ConfigurationError(f"staging=False needs a model on the CPU, not on {self.device}")
         self._pinned: list[int] = []
         own_worker = worker is None
-        self.worker = worker or Worker(address, rank, num_workers, transport=transport, token=token)
+        self.worker = worker or Worker(address, rank, num_workers, transport=transport, token=token,
+                                       reconnect=reconnect, reconnect_timeout=reconnect_timeout)
         try:
             with torch.no_grad():
                 initial = {n: p.detach().to("cpu").contiguous().numpy() for n, p in zip(self.names, self.params)}
@@ -287,3 +292,73 @@ class Optimizer:
             param.data.copy_(weights, non_blocking=self.device.type == "cuda")
         if self.device.type == "cuda":  # the next pull overwrites the host buffer
             torch.cuda.synchronize(self.device)
+
+
+# Checkpoints --------------------------------------------------------------------------
+
+from .checkpoint import Checkpoint, load_checkpoint  # noqa: E402  (kept apart from the training code above)
+from .errors import CheckpointError  # noqa: E402
+
+__all__.append("load_state_dict")
+
+
+def load_state_dict(model: torch.nn.Module, path: str | os.PathLike, *, strict: bool = True) -> Checkpoint:
+    """Load the weights of an aps checkpoint into ``model``, in place: no server needed.
+
+    The checkpoint names tensors as :class:`Optimizer` does, by
+    ``model.named_parameters()``, and holds the trainable parameters only;
+    buffers (BatchNorm running statistics ...) keep their values. Each
+    parameter keeps its own dtype and device (the values are copied into it).
+
+    Args:
+        model: the model the checkpoint was trained on (the same architecture).
+        path: a checkpoint (``ckpts/checkpoint-00000007-v70``) or a checkpoint
+            directory (its newest checkpoint).
+        strict: require that every trainable parameter of ``model`` is in the
+            checkpoint and every tensor of the checkpoint is a parameter of
+            ``model``. With ``strict=False`` the names in both are loaded and the
+            others left alone. Shapes must match either way.
+
+    Returns:
+        The checkpoint read (``.version``, ``.manifest``, ``.state`` ...).
+
+    Raises:
+        CheckpointError: the checkpoint is missing or damaged (see
+            :func:`aps.load_checkpoint`), a parameter's shape differs, or
+            (``strict``) names differ: the message lists the missing and
+            unexpected parameter names.
+
+    Example::
+
+        model = Net()
+        ckpt = aps.torch.load_state_dict(model, "ckpts")  # the newest checkpoint
+        model.eval()
+        with torch.no_grad():
+            accuracy = (model(x_test).argmax(1) == y_test).float().mean()
+        print(f"version {ckpt.version}: accuracy {accuracy:.3f}")
+        # or fine-tune it locally: torch.optim.SGD(model.parameters(), lr=1e-3) ...
+    """
+    checkpoint = load_checkpoint(path)
+    params = dict(model.named_parameters())
+    if strict:
+        missing = [name for name, param in params.items() if param.requires_grad and name not in checkpoint.weights]
+        unexpected = [name for name in checkpoint.weights if name not in params]
+        if missing or unexpected:
+            parts = []
+            if missing:
+                parts.append(f"missing from the checkpoint: {', '.join(missing[:10])}{' ...' if len(missing) > 10 else ''}")
+            if unexpected:
+                parts.append(f"not parameters of the model: {', '.join(unexpected[:10])}"
+                             f"{' ...' if len(unexpected) > 10 else ''}")
+            raise CheckpointError(f"checkpoint {checkpoint.path} does not fit the model ({'; '.join(parts)}); "
+                                  "pass strict=False to load the parameters both have")
+    state = {}
+    for name, array in checkpoint.weights.items():
+        if name not in params:
+            continue
+        if tuple(params[name].shape) != array.shape:
+            raise CheckpointError(f"checkpoint {checkpoint.path}: parameter {name!r} has shape {array.shape}, "
+                                  f"the model's is {tuple(params[name].shape)}")
+        state[name] = torch.from_numpy(array)
+    model.load_state_dict(state, strict=False)
+    return checkpoint

@@ -17,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import random
 import ssl
 import threading
 import time
@@ -31,6 +32,7 @@ from .errors import (
     APSConnectionError,
     APSError,
     APSTimeoutError,
+    AuthenticationError,
     ConfigurationError,
     DTypeMismatch,
     InitTimeout,
@@ -39,6 +41,7 @@ from .errors import (
     NotInitialized,
     ProtocolError,
     RankTaken,
+    RunChanged,
     ServerError,
     ServerSilent,
     error_from_code,
@@ -90,6 +93,11 @@ _WAIT_NOTE_EVERY = 30.0  # and then how often it says it again
 _FAREWELL_S = 0.5  # how long to look for the server's last words when a send fails
 #: Seconds without a byte from the server, while a reply is due, after which it is taken to be gone.
 DEFAULT_SERVER_TIMEOUT = 60.0
+#: Seconds a worker keeps trying to get back to a lost server (``reconnect_timeout``).
+DEFAULT_RECONNECT_TIMEOUT = 300.0
+_BACKOFF_FIRST_S = 0.1  # the first wait between attempts to reconnect; it doubles up to _BACKOFF_CAP_S
+_BACKOFF_CAP_S = 5.0
+_RETRY_NOTE_EVERY = 30.0  # how often a worker that keeps failing to reconnect says so
 
 
 def _from_env(address: str | None, rank: int | None, num_workers: int | None) -> tuple[str, int, int]:
@@ -113,6 +121,74 @@ def _check_heartbeat(heartbeat: float | None, server_timeout: float | None = Non
         raise ConfigurationError(f"heartbeat must be a positive number of seconds or None, got {heartbeat}")
     if server_timeout is not None and server_timeout <= 0:
         raise ConfigurationError(f"server_timeout must be a positive number of seconds or None, got {server_timeout}")
+
+
+def _check_reconnect(reconnect: bool, reconnect_timeout: float | None) -> float | None:
+    """Seconds to keep trying to reconnect (None: forever), or 0 when the worker does not."""
+    if reconnect_timeout is not None and reconnect_timeout <= 0:
+        raise ConfigurationError(f"reconnect_timeout must be a positive number of seconds or None, got "
+                                 f"{reconnect_timeout}")
+    return reconnect_timeout if reconnect else 0
+
+
+def _recoverable(exc: BaseException) -> bool:
+    """A lost connection that trying again may cure (not a refused token, not another run)."""
+    return isinstance(exc, APSConnectionError) and not isinstance(exc, (AuthenticationError, RunChanged))
+
+
+def _backoff(attempt: int) -> float:
+    """Capped exponential backoff with jitter: workers that lost one server do not all knock at once."""
+    delay = min(_BACKOFF_CAP_S, _BACKOFF_FIRST_S * 2 ** min(attempt, 16))
+    return random.uniform(delay / 2, delay)
+
+
+class _Reconnecting:
+    """One recovery: the deadline, the attempts, and what is said about them."""
+
+    def __init__(self, worker: _WorkerBase, lost: BaseException, timeout: float | None) -> None:
+        self.worker, self.lost = worker, lost
+        self.start = time.monotonic()
+        self.deadline = None if timeout is None else self.start + timeout
+        self.attempt = 0
+        self._note_at = self.start + _RETRY_NOTE_EVERY
+        log.warning("rank %d: lost the server at %s (%s); reconnecting%s", worker.rank, worker.address, lost,
+                    "" if timeout is None else f" for up to {timeout:g} s")
+
+    def remaining(self) -> float | None:
+        return None if self.deadline is None else max(self.deadline - time.monotonic(), 0.0)
+
+    def failed(self, exc: BaseException) -> float:
+        """An attempt failed with ``exc``: raise if it cannot be cured or time is up; else the seconds to wait."""
+        if not (_recoverable(exc) or isinstance(exc, (RankTaken, APSTimeoutError))) or self.worker._closing:
+            raise exc
+        now = time.monotonic()
+        if self.deadline is not None and now >= self.deadline:
+            raise APSConnectionError(
+                f"rank {self.worker.rank}: could not get back to the server at {self.worker.address} within "
+                f"{now - self.start:.0f} s (reconnect_timeout): {exc}"
+            ) from exc
+        if now >= self._note_at:
+            self._note_at = now + _RETRY_NOTE_EVERY
+            log.warning("rank %d: still reconnecting to %s after %.0f s: %s", self.worker.rank, self.worker.address,
+                        now - self.start, exc)
+        wait = _backoff(self.attempt)
+        self.attempt += 1
+        remaining = self.remaining()
+        return wait if remaining is None else min(wait, remaining)
+
+    def done(self) -> None:
+        core = self.worker._core
+        log.warning("rank %d: back at %s after %.1f s (version %d, clock %d)", self.worker.rank, self.worker.address,
+                    time.monotonic() - self.start, core.version, core.clock)
+
+
+def _note_dropped_after_resume(rank: int, core: _ClientCore) -> None:
+    """The server came back older than the weights the push in flight was computed on."""
+    log.warning("rank %d: the server resumed from a checkpoint at version %d, before the weights this gradient was "
+                "computed on (version %d): the gradient is dropped, and the updates made after that checkpoint are "
+                "lost; going on from the server's weights and clock (%d)", rank, core.version,
+                core.pending_push_version, core.clock)
+    core.forget_push()
 
 
 def _check_transport(transport: str) -> None:
@@ -208,6 +284,14 @@ class _ClientCore:
         self._payload: memoryview | None = None
         self._init_block: bytes = b""
         self.connection_lost = False
+        #: The server answered an INIT of this worker at least once (it has a place in a run).
+        self.ever_joined = False
+        #: The run the server holds (from the handshake): a worker that reconnects
+        #: to another run refuses to go on (see check_run).
+        self.run_id: str | None = None
+        # The push in flight (op, request id, clock, version, frames): what to send again
+        # if its reply is lost.
+        self._push: tuple | None = None
         #: The shared-memory connection, when the worker shares the server's host.
         self.shm: ShmConnection | None = None
         self._fds: tuple[int, ...] = ()
@@ -219,7 +303,7 @@ class _ClientCore:
 
     # Requests -------------------------------------------------------------
     def _next_request(self, op: int) -> int:
-        self._request_id = rid = (self._request_id + 1) & _REQUEST_ID_MASK
+        self._request_id = rid = (self._request_id & _REQUEST_ID_MASK) % _REQUEST_ID_MASK + 1  # 1..2^32-1
         self._expect = op | _REPLY
         self._reply = None
         return rid
@@ -227,7 +311,17 @@ class _ClientCore:
     def _header(self, op: int, length: int = 0, dtype: int = 0) -> bytes:
         return pack_header(op, 0, dtype, self._next_request(op), self.clock, self.version, length)
 
-    def init_request(self, params: Mapping[str, Any] | None) -> list:
+    def check_run(self, run_id: str, address: str) -> None:
+        """The server at ``address`` holds run ``run_id``: refuse to go on in another run."""
+        if self.ever_joined and self.run_id is not None and run_id != self.run_id:
+            raise RunChanged(
+                f"the server at {address} came back serving another run (run id {run_id or 'none'}, this worker's "
+                f"is {self.run_id}): it restarted without --resume, or from another run's checkpoint, so this "
+                "worker's weights and clock mean nothing there"
+            )
+        self.run_id = run_id
+
+    def init_request(self, params: Mapping[str, Any] | None, rejoin: bool = False) -> list:
         if params is not None:
             if not isinstance(params, Mapping) or not params:
                 raise ConfigurationError("init takes a non-empty mapping of name to float32 array")
@@ -244,7 +338,8 @@ class _ClientCore:
         if self.shm is not None:
             self._fds = (self.shm.grad_segment.fd,)
         # The header's version field carries the layout block's length (docs/protocol.md, INIT).
-        header = pack_header(Op.INIT, 0, _FLOAT32, self._next_request(Op.INIT), self.clock, len(block),
+        flags = Flag.REJOIN if rejoin and self.ever_joined else 0
+        header = pack_header(Op.INIT, flags, _FLOAT32, self._next_request(Op.INIT), self.clock, len(block),
                              len(block) + self.layout.nbytes)
         return [header, block, self._weights_bytes]
 
@@ -264,8 +359,35 @@ class _ClientCore:
                 for view in buffers:
                     self._grad_bytes[offset : offset + len(view)] = view
                     offset += len(view)
-            return [pack_header(op, _SHM, _FLOAT32, self._next_request(op), self.clock, self.version, 0)]
-        return [self._header(op, self.layout.nbytes, DType.FLOAT32), *buffers]
+            frames = [pack_header(op, _SHM, _FLOAT32, self._next_request(op), self.clock, self.version, 0)]
+        else:
+            frames = [self._header(op, self.layout.nbytes, DType.FLOAT32), *buffers]
+        self._push = (op, self._request_id, self.clock, self.version, frames[1:])
+        return frames
+
+    @property
+    def has_pending_push(self) -> bool:
+        """A push was sent and its reply has not come."""
+        return self._push is not None
+
+    @property
+    def pending_push_version(self) -> int:
+        """The version of the weights the push in flight was computed on."""
+        return self._push[3]
+
+    def forget_push(self) -> None:
+        """The push in flight will not be sent again (it was dropped)."""
+        self._push = None
+        self.dropped = True
+
+    def resend_push(self) -> list:
+        """The push in flight again, exactly as first sent (same request id and clock:
+        the server recognises it if it took it already, see docs/protocol.md)."""
+        op, rid, clock, version, buffers = self._push
+        self._request_id, self._expect, self._reply = rid, op | _REPLY, None
+        if self.shm is not None:
+            return [pack_header(op, _SHM, _FLOAT32, rid, clock, version, 0)]
+        return [pack_header(op, 0, _FLOAT32, rid, clock, version, self.layout.nbytes), *buffers]
 
     def simple_request(self, op: Op) -> list:
         return [self._header(op)]
@@ -380,7 +502,7 @@ class _ClientCore:
             raise error
         self._payload = None
         if op == _INIT_REPLY:
-            self.joined = True
+            self.joined = self.ever_joined = True
             self.joined_running = bool(header.flags & _RUNNING)
         if op in _COUNTED_REPLIES:
             self.clock = header.clock
@@ -388,6 +510,7 @@ class _ClientCore:
                 self.version = header.version
             if op in _PUSH_REPLIES:
                 self.dropped = bool(header.flags & _DROPPED)
+                self._push = None
         return header
 
 
@@ -503,6 +626,19 @@ class Worker(_WorkerBase):
             ``ConnectionError``) instead of blocking forever. The server says
             it is alive every few seconds while it holds a request (None: wait
             forever).
+        reconnect: when the server is lost (it crashed, restarted, dropped
+            this worker, or the network failed), keep trying to get back for
+            ``reconnect_timeout`` seconds (None: forever) with capped
+            exponential backoff, rejoin under the same rank and finish the
+            call in progress: a push whose reply never came is sent again and
+            the server applies it only once. A server that resumed from an
+            older checkpoint is taken as it is: its weights and this worker's
+            clock there; a gradient computed on weights it no longer has is
+            dropped (:attr:`last_push_dropped`). Raises
+            :class:`aps.RunChanged` if the server came back with another run,
+            and :class:`aps.APSConnectionError` when time is up. False: every
+            lost connection raises at once (call :meth:`reconnect` yourself).
+        reconnect_timeout: see ``reconnect``.
 
     Raises:
         ConfigurationError: bad address, rank or transport.
@@ -530,9 +666,13 @@ class Worker(_WorkerBase):
         server_timeout: float | None = DEFAULT_SERVER_TIMEOUT,
         token: str | None = None,
         tls: bool | ssl.SSLContext | None = None,
+        reconnect: bool = True,
+        reconnect_timeout: float | None = DEFAULT_RECONNECT_TIMEOUT,
     ) -> None:
         _check_transport(transport)
         _check_heartbeat(heartbeat, server_timeout)
+        self.reconnect_timeout = _check_reconnect(reconnect, reconnect_timeout)
+        self._closing = False
         self._token = client_token(token)
         address, rank, num_workers = _from_env(address, rank, num_workers)
         self._parsed = _with_scheme(parse_address(address), tls)
@@ -581,7 +721,7 @@ class Worker(_WorkerBase):
                 the server refused the join.
         """
         try:
-            self._roundtrip(lambda: self._core.init_request(params), timeout, waiting=self._note_init_wait)
+            self._call("init", lambda: self._core.init_request(params), timeout, waiting=self._note_init_wait)
         except APSTimeoutError:
             raise self._init_timeout(timeout) from None
         self._note_joined(params)
@@ -589,7 +729,7 @@ class Worker(_WorkerBase):
 
     def pull(self) -> Mapping[str, np.ndarray]:
         """Wait until the sync policy releases this worker; return the newest weights (views)."""
-        self._roundtrip(lambda: self._core.pull_request())
+        self._call("pull", lambda: self._core.pull_request())
         return self._core.weights
 
     def push(self, grads: Mapping[str, np.ndarray] | np.ndarray) -> None:
@@ -599,22 +739,23 @@ class Worker(_WorkerBase):
             grads: mapping of name to float32 array matching the model, a flat
                 float32 array of the model's size, or :attr:`grads` itself.
         """
-        self._roundtrip(lambda: self._core.push_request(grads, then_pull=False))
+        self._call("push", lambda: self._core.push_request(grads, then_pull=False))
 
     def push_pull(self, grads: Mapping[str, np.ndarray] | np.ndarray) -> Mapping[str, np.ndarray]:
         """:meth:`push` then :meth:`pull` in one round trip."""
-        self._roundtrip(lambda: self._core.push_request(grads, then_pull=True))
+        self._call("push_pull", lambda: self._core.push_request(grads, then_pull=True))
         return self._core.weights
 
     def ping(self) -> int:
         """One empty round trip; returns the server's version."""
-        return self._roundtrip(lambda: self._core.simple_request(Op.PING)).version
+        return self._call("ping", lambda: self._core.simple_request(Op.PING)).version
 
     def reconnect(self, *, timeout: float | None = 60.0) -> Mapping[str, np.ndarray]:
         """Open a new connection and rejoin under the same rank; returns the newest weights.
 
         Retries for a few seconds while the server still holds the rank (it has
-        not yet noticed the old connection go).
+        not yet noticed the old connection go). Workers made with
+        ``reconnect=True`` (the default) do this by themselves.
         """
         deadline = time.monotonic() + _REJOIN_PATIENCE
         while True:
@@ -622,7 +763,11 @@ class Worker(_WorkerBase):
                 self._disconnect()
                 self._conn = self._open(self.transport)
             try:
-                weights = self.init(None, timeout=timeout)  # type: ignore[arg-type]
+                self._roundtrip(lambda: self._core.init_request(None, rejoin=True), timeout,
+                                waiting=self._note_init_wait)
+                weights = self._core.weights
+            except APSTimeoutError:
+                raise self._init_timeout(timeout) from None
             except RankTaken:
                 if time.monotonic() > deadline:
                     raise
@@ -633,6 +778,7 @@ class Worker(_WorkerBase):
 
     def close(self) -> None:
         """Leave the training (the server stops counting this worker) and disconnect."""
+        self._closing = True
         self._stop.set()
         if self._conn is None:
             return
@@ -659,6 +805,45 @@ class Worker(_WorkerBase):
         self.close()
 
     # Internals ------------------------------------------------------------
+    def _call(self, kind: str, request, timeout: float | None = ..., *, waiting=None) -> Header | None:
+        """:meth:`_roundtrip`, getting back to a lost server and finishing the call when
+        the worker reconnects by itself (``kind``: init, pull, push, push_pull, ping)."""
+        try:
+            return self._roundtrip(request, timeout, waiting=waiting)
+        except APSError as exc:
+            if not (self.reconnect_timeout != 0 and _recoverable(exc) and not self._closing
+                    and (self._core.ever_joined or kind == "init")):
+                raise
+            lost = exc
+        self._recover(lost)
+        core = self._core
+        if kind == "init":
+            return None  # the rejoin was the init
+        if kind in ("push", "push_pull") and core.has_pending_push:
+            if core.pending_push_version > core.version:
+                _note_dropped_after_resume(self.rank, core)
+                return self._call("pull", core.pull_request, timeout) if kind == "push_pull" else None
+            return self._call(kind, core.resend_push, timeout)
+        return self._call(kind, request, timeout, waiting=waiting)
+
+    def _recover(self, lost: BaseException) -> None:
+        """Reconnect and rejoin under this rank (see ``reconnect`` in the class docstring)."""
+        attempt = _Reconnecting(self, lost, self.reconnect_timeout)
+        while True:
+            try:
+                with self._lock:
+                    self._disconnect(lost)
+                    self._conn = self._open(self.transport)
+                remaining = attempt.remaining()
+                self._roundtrip(lambda: self._core.init_request(None, rejoin=True), remaining,
+                                waiting=self._note_init_wait)
+                break
+            except APSError as exc:
+                lost = exc
+                time.sleep(attempt.failed(exc))
+        attempt.done()
+        self._start_heartbeat()
+
     def _roundtrip(self, request, timeout: float | None = ..., *, waiting=None) -> Header:
         """Build a request with ``request()``, send it, return its reply. ``waiting(seconds)``
         is called now and then while the reply takes long (see :meth:`_receive_patiently`)."""
@@ -711,7 +896,8 @@ class Worker(_WorkerBase):
         tcp = BlockingConnection(self._parsed.host, self._parsed.port, self._connect_timeout, self.server_timeout,
                                  self._tls)
         try:
-            host, path = handshake(tcp, self._token, self._connect_timeout)
+            host, path, run_id = handshake(tcp, self._token, self._connect_timeout)
+            self._core.check_run(run_id, self.address)
         except BaseException:
             tcp.close()
             raise
@@ -809,6 +995,8 @@ class AsyncWorker(_WorkerBase):
         self._heartbeat: float | None = None
         self._heartbeat_task: asyncio.Task | None = None
         self._closed = False
+        self.reconnect_timeout: float | None = 0
+        self._closing = False
 
     @classmethod
     async def connect(
@@ -824,18 +1012,22 @@ class AsyncWorker(_WorkerBase):
         server_timeout: float | None = DEFAULT_SERVER_TIMEOUT,
         token: str | None = None,
         tls: bool | ssl.SSLContext | None = None,
+        reconnect: bool = True,
+        reconnect_timeout: float | None = DEFAULT_RECONNECT_TIMEOUT,
     ) -> AsyncWorker:
         _check_transport(transport)
         if transport == "shm":
             raise ConfigurationError("AsyncWorker speaks TCP only; use aps.Worker for shared memory")
         _check_heartbeat(heartbeat, server_timeout)
+        retry = _check_reconnect(reconnect, reconnect_timeout)
         secret = client_token(token)
         parsed = _with_scheme(parse_address(address), tls)
         context = client_context(tls if tls is not None else parsed.scheme == "tls")
         core = _ClientCore(rank, num_workers)
-        conn = await cls._open(parsed.host, parsed.port, connect_timeout, server_timeout, secret, context)
+        conn = await cls._open(parsed.host, parsed.port, connect_timeout, server_timeout, secret, context, core)
         worker = cls(conn, core, str(parsed), timeout, connect_timeout, server_timeout)
         worker._token, worker._tls = secret, context
+        worker.reconnect_timeout = retry
         worker._heartbeat = heartbeat
         worker._start_heartbeat()
         return worker
@@ -843,25 +1035,25 @@ class AsyncWorker(_WorkerBase):
     async def init(self, params: Mapping[str, Any], *, timeout: float | None = 300.0) -> Mapping[str, np.ndarray]:
         """See :meth:`Worker.init`."""
         try:
-            await self._roundtrip(lambda: self._core.init_request(params), timeout, waiting=self._note_init_wait)
+            await self._call("init", lambda: self._core.init_request(params), timeout, waiting=self._note_init_wait)
         except APSTimeoutError:
             raise self._init_timeout(timeout) from None
         self._note_joined(params)
         return self._core.weights
 
     async def pull(self) -> Mapping[str, np.ndarray]:
-        await self._roundtrip(lambda: self._core.pull_request())
+        await self._call("pull", lambda: self._core.pull_request())
         return self._core.weights
 
     async def push(self, grads) -> None:
-        await self._roundtrip(lambda: self._core.push_request(grads, then_pull=False))
+        await self._call("push", lambda: self._core.push_request(grads, then_pull=False))
 
     async def push_pull(self, grads) -> Mapping[str, np.ndarray]:
-        await self._roundtrip(lambda: self._core.push_request(grads, then_pull=True))
+        await self._call("push_pull", lambda: self._core.push_request(grads, then_pull=True))
         return self._core.weights
 
     async def ping(self) -> int:
-        return (await self._roundtrip(lambda: self._core.simple_request(Op.PING))).version
+        return (await self._call("ping", lambda: self._core.simple_request(Op.PING))).version
 
     async def reconnect(self, *, timeout: float | None = 60.0) -> Mapping[str, np.ndarray]:
         """See :meth:`Worker.reconnect`."""
@@ -869,12 +1061,13 @@ class AsyncWorker(_WorkerBase):
         while True:
             async with self._lock:
                 self._disconnect()
-                self._conn = await self._open(
-                    self._parsed.host, self._parsed.port, self._connect_timeout, self.server_timeout, self._token,
-                    self._tls,
-                )
+                self._conn = await self._reopen()
             try:
-                weights = await self.init(None, timeout=timeout)  # type: ignore[arg-type]
+                await self._roundtrip(lambda: self._core.init_request(None, rejoin=True), timeout,
+                                      waiting=self._note_init_wait)
+                weights = self._core.weights
+            except APSTimeoutError:
+                raise self._init_timeout(timeout) from None
             except RankTaken:
                 if time.monotonic() > deadline:
                     raise
@@ -884,7 +1077,7 @@ class AsyncWorker(_WorkerBase):
             return weights
 
     async def close(self) -> None:
-        self._closed = True
+        self._closed = self._closing = True
         if self._heartbeat_task is not None:
             self._heartbeat_task.cancel()
             self._heartbeat_task = None
@@ -902,6 +1095,47 @@ class AsyncWorker(_WorkerBase):
 
     async def __aexit__(self, *exc) -> None:
         await self.close()
+
+    async def _call(self, kind: str, request, timeout: float | None = ..., *, waiting=None) -> Header | None:
+        """See :meth:`Worker._call`."""
+        try:
+            return await self._roundtrip(request, timeout, waiting=waiting)
+        except APSError as exc:
+            if not (self.reconnect_timeout != 0 and _recoverable(exc) and not self._closing
+                    and (self._core.ever_joined or kind == "init")):
+                raise
+            lost = exc
+        await self._recover(lost)
+        core = self._core
+        if kind == "init":
+            return None
+        if kind in ("push", "push_pull") and core.has_pending_push:
+            if core.pending_push_version > core.version:
+                _note_dropped_after_resume(self.rank, core)
+                return await self._call("pull", core.pull_request, timeout) if kind == "push_pull" else None
+            return await self._call(kind, core.resend_push, timeout)
+        return await self._call(kind, request, timeout, waiting=waiting)
+
+    async def _recover(self, lost: BaseException) -> None:
+        """See :meth:`Worker._recover`."""
+        attempt = _Reconnecting(self, lost, self.reconnect_timeout)
+        while True:
+            try:
+                async with self._lock:
+                    self._disconnect(lost)
+                    self._conn = await self._reopen()
+                await self._roundtrip(lambda: self._core.init_request(None, rejoin=True), attempt.remaining(),
+                                      waiting=self._note_init_wait)
+                break
+            except APSError as exc:
+                lost = exc
+                await asyncio.sleep(attempt.failed(exc))
+        attempt.done()
+        self._start_heartbeat()
+
+    async def _reopen(self) -> AsyncConnection:
+        return await self._open(self._parsed.host, self._parsed.port, self._connect_timeout, self.server_timeout,
+                                self._token, self._tls, self._core)
 
     async def _roundtrip(self, request, timeout: float | None = ..., *, waiting=None) -> Header:
         if timeout is ...:
@@ -946,10 +1180,11 @@ class AsyncWorker(_WorkerBase):
                     raise
 
     @staticmethod
-    async def _open(host: str, port: int, connect_timeout, server_timeout, token, tls) -> AsyncConnection:
+    async def _open(host: str, port: int, connect_timeout, server_timeout, token, tls, core) -> AsyncConnection:
         conn = await AsyncConnection.open(host, port, connect_timeout, server_timeout, tls)
         try:
-            await handshake_async(conn, token, connect_timeout)
+            _, _, run_id = await handshake_async(conn, token, connect_timeout)
+            core.check_run(run_id, str(conn.address))
         except BaseException:
             conn.close()
             raise

@@ -178,19 +178,35 @@ cdef class StalenessWindow:
         )
 
     # Transitions ----------------------------------------------------------
-    def join(self, int rank):
-        """Make ``rank`` live at the slowest live worker's clock; returns that clock."""
+    def join(self, int rank, long clock=-1, bint held=False, long credit=0):
+        """Make ``rank`` live; returns its clock. See the twin in ``aps._reference``."""
         rank = self._rank(rank)
         if self._live[rank]:
             raise ValueError(f"rank {rank} is already live")
-        self._clock[rank] = self._min
+        if clock >= 0 and held and self._lower < 0:
+            raise ValueError("an unbounded window holds nobody")
+        if credit < 0:
+            raise ValueError("credit must be >= 0")
+        self._clock[rank] = self._min if clock < 0 else clock
         self._live[rank] = 1
         self._num_live += 1
-        self._held[rank] = 0
-        self._credit[rank] = 0
+        self._held[rank] = held if clock >= 0 else 0
+        self._credit[rank] = credit if clock >= 0 else 0
         self._newest[rank] = NAN
         self._previous[rank] = NAN
-        return self._min
+        self._recompute_min()
+        return self._clock[rank]
+
+    def restore(self, long min_clock, long last_r_star=-1, long controller_calls=0):
+        """With nobody live, set the slowest clock and the controller's counters
+        (resuming from a checkpoint); see the twin in ``aps._reference``."""
+        if self._num_live:
+            raise ValueError("restore needs an empty live set")
+        if min_clock < 0:
+            raise ValueError("min_clock must be >= 0")
+        self._min = min_clock
+        self._last_r_star = last_r_star
+        self._controller_calls = controller_calls
 
     def leave(self, int rank):
         """Remove ``rank`` from the live set; returns the workers this releases."""

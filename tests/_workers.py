@@ -141,7 +141,7 @@ def steady_worker(address: str, rank: int, workers: int, numel: int, transport: 
     """Pushes and pulls until ``stop`` is set, counting its steps in ``steps[rank]``. An error
     (the server dropped it) is put on ``errors`` as ``(rank, class name, message)``; then it
     rejoins with reconnect() and goes on."""
-    worker = aps.Worker(address, rank, workers, transport=transport, heartbeat=0.2)
+    worker = aps.Worker(address, rank, workers, transport=transport, heartbeat=0.2, reconnect=False)
     worker.init({"w": np.zeros(numel, np.float32)})
     while not stop.is_set():
         try:
@@ -152,3 +152,24 @@ def steady_worker(address: str, rank: int, workers: int, numel: int, transport: 
             errors.put((rank, type(exc).__name__, str(exc)))
             worker.reconnect()
     worker.close()
+
+
+def resilient_worker(address: str, rank: int, workers: int, numel: int, steps: int, pause: float,
+                     transport: str = "auto"):
+    """Trains until its clock reaches ``steps``, whatever happens to the server meanwhile (the
+    worker reconnects by itself). Returns (rank, clock, version, pushes sent, pushes dropped)."""
+    sent = dropped = 0
+    with aps.Worker(address, rank, workers, transport=transport, reconnect_timeout=60, heartbeat=0.5) as worker:
+        worker.init({"w": np.zeros(numel, np.float32)})
+        grad = np.full(numel, 0.01 * (rank + 1), np.float32)
+        while worker.clock < steps:
+            worker.push_pull(grad)
+            sent += 1
+            dropped += worker.last_push_dropped
+            time.sleep(pause)
+        return rank, worker.clock, worker.version, sent, dropped
+
+
+def stepped_gradient(weights: np.ndarray, clock: int) -> np.ndarray:
+    """A gradient that depends on the weights and the step, the same in every run."""
+    return (0.1 * weights + np.sin(np.arange(weights.size, dtype=np.float32) + clock)).astype(np.float32)

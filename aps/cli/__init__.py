@@ -10,13 +10,13 @@ import argparse
 
 from .. import __version__
 from ..errors import APSError, ConfigurationError
-from . import bench, compare, launch, serve, simulate, status
+from . import bench, checkpoint, compare, launch, serve, simulate, status
 from ._args import ArgumentParser
 
 __all__ = ["build_parser", "main"]
 
 #: The subcommands, in the order ``aps --help`` lists them.
-COMMANDS = (serve, status, bench, simulate, launch, compare)
+COMMANDS = (serve, status, checkpoint, bench, simulate, launch, compare)
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -24,7 +24,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, NoReturn
 
-from ..config import ServerConfig, env_name
+from ..config import RESUME_LATEST, ServerConfig, env_name
 from ..errors import ConfigurationError
 
 __all__ = [
@@ -292,6 +292,10 @@ def add_server_arguments(parser: argparse.ArgumentParser, *, skip: tuple[str, ..
         if _converter(f) is _parse_bool:
             parser.add_argument(_flag(f.name), action="store_const", const=True, default=None, help=help_text)
             continue
+        if f.name == "resume":  # --resume alone: the newest checkpoint
+            parser.add_argument(_flag(f.name), nargs="?", const=RESUME_LATEST, default=None,
+                                metavar=meta["metavar"], help=help_text)
+            continue
 
         def convert(text: str, _conv=_converter(f)):
             try:
@@ -311,6 +315,11 @@ def add_server_arguments(parser: argparse.ArgumentParser, *, skip: tuple[str, ..
 
 def config_from_args(args: argparse.Namespace | None = None, environ: Mapping[str, str] | None = None) -> ServerConfig:
     """A ServerConfig from parsed flags, falling back to ``APS_*`` variables, then defaults."""
+    return ServerConfig(**given_options(args, environ))
+
+
+def given_options(args: argparse.Namespace | None = None, environ: Mapping[str, str] | None = None) -> dict[str, Any]:
+    """The options given by flag or ``APS_*`` variable (not left at their defaults)."""
     environ = os.environ if environ is None else environ
     values: dict[str, Any] = {}
     for f in dataclasses.fields(ServerConfig):
@@ -329,7 +338,7 @@ def config_from_args(args: argparse.Namespace | None = None, environ: Mapping[st
         if choices and value not in choices:
             raise ConfigurationError(f"{env_name(f.name)}={raw!r}: choose from {', '.join(choices)}")
         values[f.name] = value
-    return ServerConfig(**values)
+    return values
 
 
 def command_line() -> str:

@@ -6,7 +6,7 @@ import argparse
 import logging
 import sys
 
-from ._args import add_server_arguments, config_from_args
+from ._args import add_server_arguments, config_from_args, given_options
 
 __all__ = ["register"]
 
@@ -34,4 +34,4 @@ def run(args: argparse.Namespace) -> int:
 
     config = config_from_args(args)
     setup_logging(config.log_level)
-    return Server(config).run()
+    return Server(config, given=set(given_options(args))).run()

@@ -92,9 +92,51 @@ class SyncPolicy:
         """True while ``rank`` must not start its next iteration (its pull waits)."""
         return self.window.is_held(rank)
 
-    def join(self, rank: int) -> int:
-        """``rank`` joins (or rejoins) the live set; returns its clock."""
-        return self.window.join(rank)
+    def join(self, rank: int, clock: int = -1, held: bool = False, credit: int = 0) -> int:
+        """``rank`` joins (or rejoins) the live set; returns its clock. By default it
+        starts at the slowest live clock; ``clock >= 0`` places it there (see
+        ``StalenessWindow.join``)."""
+        return self.window.join(rank, clock, held, credit)
+
+    def resume_push(self, rank: int) -> Outcome:
+        """``rank`` sent again a push that was committed already (it lost the reply and
+        reconnected): nothing is applied again; the policy only takes note that the
+        rank is back with it (BSP counts it present in its round)."""
+        return Outcome()
+
+    def state(self) -> dict:
+        """The policy's state as plain data, for a checkpoint (taken between updates)."""
+        clocks, live, held, credits, minimum, r_star, calls = self.window.state()
+        return {
+            "name": self.name,
+            "min_clock": minimum,
+            "last_r_star": r_star,
+            "controller_calls": calls,
+            "dropped": self.dropped,
+            "clocks": list(clocks),
+            "live": [bool(x) for x in live],
+            "held": [bool(x) for x in held],
+            "credits": list(credits),
+        }
+
+    def restore(self, state: dict) -> dict[int, tuple[int, bool, int]]:
+        """Take up a :meth:`state` (nobody live yet); returns where each rank that
+        was live goes when it rejoins: ``{rank: (clock, held, credit)}``. The
+        DSSP controller's arrival times are not kept: they were measured on the
+        old process's clock, and refill within two pushes of each worker."""
+        if state.get("name") != self.name:
+            raise ValueError(f"the checkpoint's sync policy is {state.get('name')!r}, this server runs {self.name}")
+        columns = [state[key] for key in ("clocks", "live", "held", "credits")]
+        if any(len(column) != self.num_workers for column in columns):
+            raise ValueError(f"the checkpoint holds {len(columns[0])} workers' clocks, this server has "
+                             f"{self.num_workers} workers")
+        self.window.restore(int(state["min_clock"]), int(state["last_r_star"]), int(state["controller_calls"]))
+        self.dropped = int(state.get("dropped", 0))
+        return {
+            rank: (int(clock), bool(held) and self.window.bounded, int(credit))
+            for rank, (clock, live, held, credit) in enumerate(zip(*columns))
+            if live
+        }
 
     def leave(self, rank: int) -> Outcome:
         """``rank`` leaves the live set; nobody waits for it any more."""

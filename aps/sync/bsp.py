@@ -69,6 +69,28 @@ class BSP(SyncPolicy):
         self._pushed.discard(rank)  # its gradient stays in the round's sum
         return self._maybe_close()
 
+    def resume_push(self, rank: int) -> Outcome:
+        if rank in self._contributed and not self._closed and rank not in self._pushed:
+            self._pushed.add(rank)
+            self._held.add(rank)
+            return self._maybe_close()
+        return Outcome()
+
+    def state(self) -> dict:
+        if self._closed:
+            raise RuntimeError("BSP state taken while a round's update is pending")
+        return {**super().state(), "contributed": sorted(self._contributed), "pushed": sorted(self._pushed),
+                "round_held": sorted(self._held)}
+
+    def restore(self, state: dict) -> dict[int, tuple[int, bool, int]]:
+        placements = super().restore(state)
+        ranks = range(self.num_workers)
+        self._contributed = {int(r) for r in state["contributed"] if int(r) in ranks}
+        self._pushed = {int(r) for r in state["pushed"] if int(r) in ranks}
+        self._held = {int(r) for r in state["round_held"] if int(r) in ranks}
+        self._closed = False
+        return placements
+
     def aggregate_applied(self) -> None:
         self._closed = False
         self._contributed.clear()

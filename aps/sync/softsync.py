@@ -49,6 +49,17 @@ class Softsync(SyncPolicy):
     def leave(self, rank: int) -> Outcome:
         return self._maybe_apply(self.window.leave(rank))
 
+    def state(self) -> dict:
+        if self._closing:
+            raise RuntimeError("softsync state taken while an update is pending")
+        return {**super().state(), "count": self._count}
+
+    def restore(self, state: dict) -> dict[int, tuple[int, bool, int]]:
+        placements = super().restore(state)
+        self._count = int(state["count"])
+        self._closing = False
+        return placements
+
     def aggregate_applied(self) -> None:
         self._count = 0
         self._closing = False

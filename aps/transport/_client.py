@@ -173,6 +173,8 @@ class _OneReply:
         return memoryview(bytearray(header.length))
 
     def frame_received(self, header: Header, payload: memoryview) -> None:
+        if header.op == Op.ALIVE:  # the server holds the request and says it is alive
+            return
         self.header, self.payload = header, bytes(payload)
 
 
@@ -203,7 +205,7 @@ def _checked(reply: _OneReply, op: int) -> tuple[Header, bytes]:
 
 # The handshake (docs/protocol.md, Handshake): one generator of requests for the
 # blocking and the asyncio drivers, so the logic exists once.
-_Steps = Generator[tuple[int, bytes], bytes, tuple[str, str]]
+_Steps = Generator[tuple[int, bytes], bytes, tuple[str, str, str]]
 
 
 def _handshake_steps(token: bytes | None, address: str) -> _Steps:
@@ -236,10 +238,10 @@ def client_token(token: str | bytes | None) -> bytes | None:
     return token.encode("utf-8")
 
 
-def handshake(conn, token: bytes | None, timeout: float | None) -> tuple[str, str]:
+def handshake(conn, token: bytes | None, timeout: float | None) -> tuple[str, str, str]:
     """HELLO, and AUTH when the server asks for a token (each side proves it knows
     it; the token never crosses the wire). Returns the server's ``(host identity,
-    Unix socket path)``. Raises AuthenticationError."""
+    Unix socket path, run id)``. Raises AuthenticationError."""
     steps = _handshake_steps(token, conn.address)
     request = next(steps)
     while True:
@@ -251,7 +253,7 @@ def handshake(conn, token: bytes | None, timeout: float | None) -> tuple[str, st
             return done.value
 
 
-async def handshake_async(conn, token: bytes | None, timeout: float | None) -> tuple[str, str]:
+async def handshake_async(conn, token: bytes | None, timeout: float | None) -> tuple[str, str, str]:
     """:func:`handshake` on an asyncio connection."""
     steps = _handshake_steps(token, conn.address)
     request = next(steps)

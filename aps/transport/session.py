@@ -21,6 +21,7 @@ import numpy as np
 
 from ..errors import (
     AuthenticationError,
+    CheckpointFailed,
     DTypeMismatch,
     Evicted,
     InternalServerError,
@@ -520,7 +521,7 @@ class ServerSession:
         self._server_nonce = os.urandom(NONCE_BYTES)  # fresh for every HELLO: no proof is reused
         required = not self._authenticated
         self._reply(Op.HELLO_REPLY, payload=encode_hello_reply(required, self._server_nonce, host_identity(),
-                                                              self.unix_path))
+                                                              self.unix_path, self.engine.run_id))
 
     def _on_auth(self, header: Header, payload: memoryview, stream) -> None:
         if self._token is None:
@@ -533,7 +534,8 @@ class ServerSession:
         self._authenticated = True
         proof = auth_proof(self._token, "server", self._server_nonce, self._client_nonce)
         self._server_nonce = b""  # one AUTH per nonce
-        self._reply(Op.AUTH_REPLY, payload=encode_auth_reply(proof, host_identity(), self.unix_path))
+        self._reply(Op.AUTH_REPLY, payload=encode_auth_reply(proof, host_identity(), self.unix_path,
+                                                             self.engine.run_id))
 
     def _auth_failed(self, what: str) -> NoReturn:
         """The peer failed the handshake: log it (rate-limited, with its address), refuse, close."""
@@ -557,6 +559,7 @@ class ServerSession:
                 self._send_init_reply,
                 self._init_failed,
                 grad=self._gradient_buffer(request),
+                rejoin=bool(header.flags & Flag.REJOIN),
             )
         except BaseException:
             self._end_intake()
@@ -569,16 +572,37 @@ class ServerSession:
         self.engine.pull(self._require_member(), self._send_pull_reply)
 
     def _on_push(self, header: Header, payload: memoryview, stream) -> None:
-        self.engine.push(self._require_member(), header.version, self._send_push_reply, self._fail, stream=stream)
+        self.engine.push(self._require_member(), header.version, self._send_push_reply, self._fail, stream=stream,
+                         request_id=header.request_id, clock=header.clock)
 
     def _on_push_pull(self, header: Header, payload: memoryview, stream) -> None:
-        self.engine.push(self._require_member(), header.version, self._pushed_then_pull, self._fail, stream=stream)
+        self.engine.push(self._require_member(), header.version, self._pushed_then_pull, self._fail, stream=stream,
+                         request_id=header.request_id, clock=header.clock)
 
     def _on_leave(self, header: Header, payload: memoryview, stream) -> None:
         member = self._require_member()
         self.member = None
         self.engine.leave(member)
         self._reply(Op.LEAVE_REPLY)
+
+    def _on_checkpoint(self, header: Header, payload: memoryview, stream) -> None:
+        request = self.engine.request_checkpoint
+        if request is None:
+            raise CheckpointFailed("this server writes no checkpoints (start it with --checkpoint-dir)")
+        request("request").add_done_callback(self._checkpoint_written)
+
+    def _checkpoint_written(self, future) -> None:
+        if self._lost:
+            return
+        exc = future.exception()
+        if isinstance(exc, ServerError):
+            self._fail(exc)
+            return
+        if exc is not None:
+            self._fail(InternalServerError(f"the checkpoint failed: {exc}"))
+            return
+        info = {"path": future.result(), "version": self.engine.stats.checkpoint["version"]}
+        self._reply(Op.CHECKPOINT_REPLY, version=info["version"], payload=json.dumps(info).encode())
 
     def _on_stats(self, header: Header, payload: memoryview, stream) -> None:
         snapshot = self.engine.stats_snapshot()
@@ -778,6 +802,7 @@ _HANDLERS = {
     Op.PUSH_PULL: ServerSession._on_push_pull,
     Op.LEAVE: ServerSession._on_leave,
     Op.STATS: ServerSession._on_stats,
+    Op.CHECKPOINT: ServerSession._on_checkpoint,
 }
 
 

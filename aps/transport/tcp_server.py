@@ -108,7 +108,7 @@ class TcpSession(ServerSession, asyncio.BufferedProtocol):
                 f"gradient of {header.length} bytes; the registered model has {member.grad.nbytes} bytes"
             )
         if self._stream_min is not None and header.length >= self._stream_min:
-            self._stream = self.engine.begin_streaming_push(member, header.version)
+            self._stream = self.engine.begin_streaming_push(member, header.version, header.request_id, header.clock)
         return member.grad_bytes
 
     def _send_weights(self, op: int, snap: Snapshot, clock: int, flags: int) -> None:

@@ -163,7 +163,7 @@ def waiting_server(server_process, transport):
     """A 3-worker server where only rank 0 has joined (training has not started)."""
     server = server_process("--workers", "3", "--sync", "asp")
     server.transport = transport
-    good = aps.Worker(server.address, 0, 3, transport=transport)
+    good = aps.Worker(server.address, 0, 3, transport=transport, reconnect=False)
     result = {}
 
     def init():

@@ -27,7 +27,7 @@ def test_first_line_is_the_address(server_process):
 def test_signals_close_connections_and_exit_zero(signum):
     server = ServerProcess("--workers", "1", "--sync", "asp")
     try:
-        worker = aps.Worker(server.address, 0, 1)
+        worker = aps.Worker(server.address, 0, 1, reconnect=False)
         worker.init({"w": np.zeros(3, np.float32)})
         server.signal(signum)
         assert server.proc.wait(10) == 0

@@ -65,7 +65,7 @@ def test_a_worker_held_at_the_gate_hears_that_the_server_is_alive(server_process
 
 def test_a_hung_server_is_noticed_instead_of_blocking_forever(server_process, transport):
     server = server_process("--workers", "2", "--sync", "ssp", "--staleness", "0")
-    workers = [aps.Worker(server.address, r, 2, transport=transport, server_timeout=1.5) for r in range(2)]
+    workers = [aps.Worker(server.address, r, 2, transport=transport, server_timeout=1.5, reconnect=False) for r in range(2)]
     joining = threading.Thread(target=workers[1].init, args=({"w": np.zeros(4, np.float32)},))
     joining.start()
     workers[0].init({"w": np.zeros(4, np.float32)})

@@ -88,7 +88,7 @@ def test_init_times_out_with_a_clear_error(server_process):
 
 def test_close_leaves_gracefully(server_process):
     server = server_process("--workers", "1", "--sync", "asp")
-    worker = aps.Worker(server.address, 0, 1)
+    worker = aps.Worker(server.address, 0, 1, reconnect=False)
     worker.init({"w": np.zeros(2, np.float32)})
     worker.close()
     server.wait_for_log("worker 0 left")
@@ -99,7 +99,7 @@ def test_close_leaves_gracefully(server_process):
 
 def test_reconnect_after_losing_the_connection(server_process, transport):
     server = server_process("--workers", "1", "--sync", "asp", "--lr", "1")
-    worker = aps.Worker(server.address, 0, 1, transport=transport)
+    worker = aps.Worker(server.address, 0, 1, transport=transport, reconnect=False)
     worker.init({"w": np.zeros(2, np.float32)})
     worker.push_pull({"w": np.ones(2, np.float32)})
     worker._conn.sock.shutdown(2)  # the network drops the connection
@@ -137,8 +137,8 @@ def test_a_silent_worker_misses_its_heartbeats_and_leaves(server_process, transp
 
 def test_heartbeats_keep_an_idle_worker_seated(server_process, transport):
     server = server_process("--workers", "2", "--sync", "asp", "--heartbeat-timeout", "0.6")
-    pinging = aps.Worker(server.address, 0, 2, heartbeat=0.1, transport=transport)
-    mute = aps.Worker(server.address, 1, 2, heartbeat=None, transport=transport)
+    pinging = aps.Worker(server.address, 0, 2, heartbeat=0.1, transport=transport, reconnect=False)
+    mute = aps.Worker(server.address, 1, 2, heartbeat=None, transport=transport, reconnect=False)
     threads = [init_in_thread(w, {"w": np.zeros(2, np.float32)}) for w in (pinging, mute)]
     for t in threads:
         t.join(10)
@@ -153,7 +153,7 @@ def test_heartbeats_keep_an_idle_worker_seated(server_process, transport):
 
 def test_a_waiting_worker_learns_that_the_server_shuts_down(server_process, transport):
     server = server_process("--workers", "2", "--sync", "ssp", "--staleness", "0")
-    workers = [aps.Worker(server.address, r, 2, transport=transport) for r in range(2)]
+    workers = [aps.Worker(server.address, r, 2, transport=transport, reconnect=False) for r in range(2)]
     threads = [init_in_thread(w, {"w": np.zeros(2, np.float32)}) for w in workers]
     for t in threads:
         t.join(10)
@@ -239,7 +239,7 @@ def test_a_failed_init_leaves_no_spurious_warning(server_process, transport):
 def test_shutdown_mid_training_is_the_same_error_on_both_transports(server_process, transport):
     """A worker busy pushing when the server stops learns why: ShuttingDown, not a broken pipe."""
     server = server_process("--workers", "1", "--sync", "asp")
-    worker = aps.Worker(server.address, 0, 1, transport=transport, heartbeat=0.2)
+    worker = aps.Worker(server.address, 0, 1, transport=transport, heartbeat=0.2, reconnect=False)
     worker.init({"w": np.zeros(1000, np.float32)})
     server.signal(signal.SIGTERM)
     with pytest.raises(aps.APSConnectionError) as raised:

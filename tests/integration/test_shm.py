@@ -169,7 +169,7 @@ def test_a_killed_server_leaves_no_shared_memory_behind(tmp_path):
     server = ServerProcess("--workers", "1", "--sync", "asp")
     try:
         others = memfd_inodes(os.getpid(), "aps-slot")  # other tests' servers in this process
-        worker = aps.Worker(server.address, 0, 1, transport="shm", heartbeat=None)
+        worker = aps.Worker(server.address, 0, 1, transport="shm", heartbeat=None, reconnect=False)
         worker.init({"w": np.zeros(1 << 16, np.float32)})
         slots = memfd_inodes(os.getpid(), "aps-slot") - others
         assert slots

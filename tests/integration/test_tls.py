@@ -74,7 +74,7 @@ def test_a_server_the_worker_cannot_verify_is_refused(server_process, pki):
 def test_client_certificates_when_the_server_asks_for_them(server_process, pki, monkeypatch):
     server = server_process("--workers", "1", "--sync", "asp", "--tls-cert", pki["server"], "--tls-ca", pki["ca"])
     with pytest.raises(aps.APSConnectionError):
-        with aps.Worker(server.address, 0, 1, transport="tcp", tls=context(pki["ca"])) as worker:
+        with aps.Worker(server.address, 0, 1, transport="tcp", tls=context(pki["ca"]), reconnect=False) as worker:
             worker.init({"w": np.zeros(4, np.float32)}, timeout=10)
     monkeypatch.setenv("APS_TLS_CA", pki["ca"])
     monkeypatch.setenv("APS_TLS_CERT", pki["client"])  # the worker's certificate, from the environment

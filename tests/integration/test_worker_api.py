@@ -160,7 +160,7 @@ def test_a_cancelled_request_never_corrupts_the_model(server):
     n = 4 << 20
 
     async def main():
-        worker = await aps.AsyncWorker.connect(server.address, 0, 1)
+        worker = await aps.AsyncWorker.connect(server.address, 0, 1, reconnect=False)
         await worker.init({"w": np.zeros(n, np.float32)})
         with pytest.raises(asyncio.TimeoutError):
             await asyncio.wait_for(worker.push({"w": np.ones(n, np.float32)}), 0.0005)

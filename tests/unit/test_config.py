@@ -79,6 +79,11 @@ EXAMPLES = {
     "tls_key": ("/etc/aps/key.pem", "/etc/aps/key.pem", {"APS_TLS_CERT": "/etc/aps/cert.pem"}),
     "tls_ca": ("/etc/aps/ca.pem", "/etc/aps/ca.pem", {"APS_TLS_CERT": "/etc/aps/cert.pem"}),
     "handshake_timeout": ("2.5", 2.5, {}),
+    "checkpoint_dir": ("/var/aps", "/var/aps", {}),
+    "checkpoint_every": ("2.5", 2.5, {}),
+    "checkpoint_every_updates": ("100", 100, {}),
+    "checkpoint_keep": ("5", 5, {}),
+    "resume": ("/var/aps/checkpoint-00000001-v10", "/var/aps/checkpoint-00000001-v10", {}),
     "log_level": ("debug", "debug", {}),
 }
 

@@ -1,0 +1,286 @@
+"""Writing checkpoints while training goes on (``aps serve --checkpoint-dir``).
+
+A checkpoint is taken in two steps, so that neither the event loop nor the
+update lane waits for the disk:
+
+1. *Capture*, a job of the update lane (so it sees the state between two
+   updates, never half of one): the small state (version, clocks, the
+   policy's rounds, the optimizer's step count) is read on the loop, the
+   weights are a lease on the current snapshot slot (as a pull takes: no
+   copy, and no update writes into a leased slot), and the optimizer's
+   state (and BSP's or softsync's running sum, when a round is open) is
+   copied into buffers kept for the purpose, on the helper thread the update
+   kernels use: that copy is the only time the lane is held.
+2. *Write*, on a thread of its own: safetensors files and a JSON manifest
+   with their checksums, into a temporary directory, fsynced, then renamed
+   into place (:mod:`aps.checkpoint`); the oldest beyond ``--checkpoint-keep``
+   are deleted. Only then is the lease given back.
+
+At most one checkpoint is written at a time. A timer's checkpoint that falls
+due while one is being written is skipped; requests (``aps checkpoint now``,
+``Server.checkpoint()``) made meanwhile share the next one.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import datetime
+import logging
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from ._lane import Job
+from .checkpoint import checkpoint_name, check_writable, next_sequence, prune, remove_temporaries, write_checkpoint
+from .errors import CheckpointError, CheckpointFailed
+
+if TYPE_CHECKING:
+    from ._engine import Engine
+    from .config import ServerConfig
+    from .table import Snapshot
+
+__all__ = ["Checkpointer"]
+
+log = logging.getLogger("aps.server")
+
+_TICK_S = 0.25  # how often the timer looks whether a checkpoint is due
+
+
+@dataclass
+class Capture:
+    """The state of one moment, ready to be written off the loop."""
+
+    manifest: dict
+    snapshot: Snapshot
+    state: dict[str, np.ndarray]  # flat copies, by optimizer state name (and "aggregate")
+
+
+class CaptureJob(Job):
+    """The lane's part of a checkpoint (see the module docstring)."""
+
+    __slots__ = ("engine", "buffers", "done", "manifest", "snapshot", "pairs")
+
+    def __init__(self, engine: Engine, buffers: dict[str, np.ndarray], done) -> None:
+        self.engine = engine
+        self.buffers = buffers
+        self.done = done
+        self.manifest: dict | None = None
+        self.snapshot: Snapshot | None = None
+        self.pairs: list[tuple[str, np.ndarray, np.ndarray]] = []
+
+    def prepare(self) -> int | None:
+        engine = self.engine
+        if engine.table is None:
+            raise CheckpointFailed("there is no model to checkpoint yet (no worker has sent its initial weights)")
+        self.manifest, sources = engine.checkpoint_state()
+        for name, source in sources.items():
+            buffer = self.buffers.get(name)
+            if buffer is None or buffer.shape != source.shape:
+                buffer = self.buffers[name] = np.empty_like(source)
+            self.pairs.append((name, buffer, source))
+        self.snapshot = engine.table.snapshot()
+        return sum(source.size for _, _, source in self.pairs) or None
+
+    def run(self) -> bool:
+        for _, buffer, source in self.pairs:
+            np.copyto(buffer, source)  # numpy lets go of the GIL for a plain copy
+        return True
+
+    def commit(self, result: object) -> None:
+        if result is not True:
+            self.fail(result if isinstance(result, BaseException) else CheckpointFailed("copying the state failed"))
+            return
+        snapshot, self.snapshot = self.snapshot, None
+        self.done(Capture(self.manifest, snapshot, {name: buffer for name, buffer, _ in self.pairs}))
+
+    def fail(self, exc: BaseException) -> None:
+        if self.snapshot is not None:
+            self.snapshot.release()
+            self.snapshot = None
+        self.done(exc)
+
+
+class Checkpointer:
+    """The server's checkpoints: when, how, and what became of the last one.
+
+    Args:
+        config: the server's options (``checkpoint_*``).
+        engine: the engine whose state is saved.
+    """
+
+    def __init__(self, config: ServerConfig, engine: Engine) -> None:
+        self.config = config
+        self.engine = engine
+        self.directory = config.checkpoint_dir
+        self._buffers: dict[str, np.ndarray] = {}
+        self._executor: ThreadPoolExecutor | None = None
+        self._timer: asyncio.Task | None = None
+        self._busy = False
+        self._next: asyncio.Future | None = None  # what requests made while busy wait for
+        self._sequence = 1
+        self._last_time = time.monotonic()
+        self._last_version = 0
+        self.written = 0
+        self.failed = 0
+        self.skipped = 0
+
+    def start(self) -> None:
+        """Check the directory and start the timer (inside the running loop)."""
+        check_writable(self.directory)
+        for leftover in remove_temporaries(self.directory):
+            log.warning("removed %s, a checkpoint that was never finished (the server stopped while writing it)",
+                        leftover)
+        self._sequence = next_sequence(self.directory)
+        self._executor = ThreadPoolExecutor(1, thread_name_prefix="aps-checkpoint")
+        self._last_version = self.engine.version
+        if self.config.checkpoint_every > 0 or self.config.checkpoint_every_updates > 0:
+            self._timer = asyncio.get_running_loop().create_task(self._tick())
+
+    def request(self, reason: str = "request") -> asyncio.Future:
+        """Write a checkpoint as soon as possible; the future gets its path (or the error)."""
+        loop = asyncio.get_running_loop()
+        if self._executor is None:
+            future = loop.create_future()
+            future.set_exception(CheckpointFailed("this server writes no checkpoints (start it with --checkpoint-dir)"))
+            return future
+        if self._busy:  # share the next one
+            if self._next is None:
+                self._next = loop.create_future()
+            return self._next
+        future = loop.create_future()
+        self._begin(reason, future)
+        return future
+
+    async def close(self) -> None:
+        """Write the shutdown checkpoint (when there is a model) and wait for every write."""
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+        if self._executor is None:
+            return
+        if self.engine.table is not None:
+            try:
+                path = await self.request("shutdown")
+                log.info("checkpoint at shutdown: %s", path)
+            except (CheckpointError, CheckpointFailed) as exc:
+                log.error("no checkpoint at shutdown: %s", exc)
+        while self._busy:
+            await asyncio.sleep(0.01)
+        self._executor.shutdown(wait=True)
+        self._executor = None
+
+    async def close_without_checkpoint(self) -> None:
+        """Stop the timer and the writer (the server failed to start)."""
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+        if self._executor is not None:
+            self._executor.shutdown(wait=True)
+            self._executor = None
+
+    # Internals --------------------------------------------------------------
+    async def _tick(self) -> None:
+        config, engine = self.config, self.engine
+        while True:
+            await asyncio.sleep(min(_TICK_S, config.checkpoint_every or _TICK_S))
+            if engine.table is None or not engine.started:
+                continue
+            every_n = config.checkpoint_every_updates
+            due = (config.checkpoint_every > 0 and time.monotonic() - self._last_time >= config.checkpoint_every) \
+                or (every_n > 0 and engine.version - self._last_version >= every_n)
+            if not due or engine.version == self._last_version:
+                continue
+            if self._busy:
+                self.skipped += 1
+                continue
+            self._begin("periodic", None)
+
+    def _begin(self, reason: str, future: asyncio.Future | None) -> None:
+        loop = asyncio.get_running_loop()
+        self._busy = True
+        started = time.monotonic()
+
+        def captured(capture: Capture | BaseException) -> None:
+            if isinstance(capture, BaseException):
+                self._finished(reason, future, capture, started)
+                return
+            from . import __version__
+
+            capture.manifest.update(reason=reason, sequence=self._sequence, aps_version=__version__,
+                                    created=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+                                    created_unix=time.time())
+            name = checkpoint_name(self._sequence, capture.manifest["version"])
+            self._sequence += 1
+            work = self._executor.submit(self._write, name, capture)
+
+            def written(fut) -> None:
+                exc = fut.exception()
+                try:
+                    loop.call_soon_threadsafe(self._written, reason, future, capture, exc or fut.result(), started)
+                except RuntimeError:  # the loop is closed: shutting down
+                    pass
+
+            work.add_done_callback(written)
+
+        self.engine.capture_checkpoint(CaptureJob(self.engine, self._buffers, captured))
+
+    def _write(self, name: str, capture: Capture) -> str:
+        """On the writer thread: the files, then the pruning."""
+        layout = self.engine.layout
+        weights = layout.views(capture.snapshot.array)
+        state: dict[str, np.ndarray] = {}
+        for key, flat in capture.state.items():
+            if key == "aggregate":
+                state[key] = flat
+            else:
+                state.update((f"{key}/{tensor}", view) for tensor, view in layout.views(flat).items())
+        path = write_checkpoint(self.directory, name, capture.manifest, weights, state)
+        for old in prune(self.directory, self.config.checkpoint_keep):
+            log.debug("removed old checkpoint %s", old)
+        return str(path)
+
+    def _written(self, reason, future, capture: Capture, result, started: float) -> None:
+        capture.snapshot.release()
+        if isinstance(result, BaseException):
+            self._finished(reason, future, result, started)
+            return
+        self.written += 1
+        self._last_time = time.monotonic()
+        self._last_version = capture.manifest["version"]
+        self.engine.stats.checkpoint = {
+            "path": result,
+            "version": capture.manifest["version"],
+            "reason": reason,
+            "written_unix": time.time(),
+            "seconds": self._last_time - started,
+            "written": self.written,
+            "failed": self.failed,
+            "skipped": self.skipped,
+        }
+        log.log(logging.DEBUG if reason == "periodic" else logging.INFO, "checkpoint %s (version %d) written in %.2f s",
+                result, capture.manifest["version"], self._last_time - started)
+        self._finished(reason, future, result, started)
+
+    def _finished(self, reason: str, future: asyncio.Future | None, result, started: float) -> None:
+        if isinstance(result, BaseException):
+            self.failed += 1
+            self._last_time = time.monotonic()  # the timer waits a whole interval before it tries again
+            if not isinstance(result, (CheckpointError, CheckpointFailed)):
+                log.error("checkpoint failed", exc_info=result)
+                result = CheckpointFailed(f"the checkpoint failed: {type(result).__name__}: {result}")
+            else:
+                log.error("checkpoint failed: %s", result)
+            if isinstance(result, CheckpointError):  # a server error travels on the wire
+                result = CheckpointFailed(str(result))
+        if future is not None and not future.done():
+            if isinstance(result, BaseException):
+                future.set_exception(result)
+            else:
+                future.set_result(result)
+        self._busy = False
+        waiting, self._next = self._next, None
+        if waiting is not None:
+            self._begin("request", waiting)

@@ -1,0 +1,276 @@
+"""Durable training: a server killed with SIGKILL resumes from its newest checkpoint, and its
+workers get back to it by themselves and finish their run, with no gradient applied twice.
+
+Real ``aps serve`` processes and real worker processes, on 127.0.0.1.
+"""
+
+from __future__ import annotations
+
+import random
+import threading
+import time
+
+import numpy as np
+import pytest
+
+import aps
+from aps.checkpoint import list_checkpoints, read_checkpoint
+from aps.cli.checkpoint import request_checkpoint
+from aps.cli.status import fetch_stats
+from aps.protocol import DType, Flag, Op, pack_header
+
+from .._workers import resilient_worker, stepped_gradient
+from ..helpers import RawClient, ServerProcess, run_processes
+
+
+
+def wait_for(condition, timeout: float = 20.0, what: str = "condition"):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = condition()
+        if value:
+            return value
+        time.sleep(0.02)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+def newest(directory) -> int:
+    """The version of the newest complete checkpoint in ``directory`` (-1: none)."""
+    found = list_checkpoints(directory)
+    return read_checkpoint(found[0], verify=False).version if found else -1
+
+
+def kill(server: ServerProcess) -> None:
+    server.proc.kill()
+    server.proc.wait(10)
+    server.stop()
+
+
+@pytest.mark.parametrize("transport", ["tcp", "shm"])
+@pytest.mark.parametrize("sync", ["bsp", "ssp", "asp"])
+def test_kill_9_mid_training_then_resume_the_workers_finish_by_themselves(tmp_path, sync, transport):
+    workers, steps, numel = 3, 60, 1000
+    flags = ["--workers", str(workers), "--sync", sync, "--checkpoint-dir", str(tmp_path),
+             "--checkpoint-every", "0.1"]
+    server = ServerProcess(*flags)
+    port = str(server.port)
+    outcome: list = []
+    runner = threading.Thread(target=lambda: outcome.append(run_processes(
+        resilient_worker, [(server.address, r, workers, numel, steps, 0.01, transport) for r in range(workers)],
+        timeout=150)))
+    runner.start()
+    try:
+        wait_for(lambda: newest(tmp_path) >= 20, what="a checkpoint past version 20")
+        kill(server)
+        saved = newest(tmp_path)
+        time.sleep(0.3)  # the workers find the server gone
+        server = ServerProcess("--port", port, "--checkpoint-dir", str(tmp_path), "--resume")
+        log = server.wait_for_log("resumed from")
+        assert f"version {saved}," in log.split("resumed from", 1)[1].splitlines()[0]
+        runner.join(150)
+        assert not runner.is_alive()
+        results = outcome[0]
+    finally:
+        server.stop()
+        runner.join(5)
+    assert sorted(r[0] for r in results) == list(range(workers))
+    assert all(clock == steps for _, clock, _, _, _ in results)
+    final = read_checkpoint(list_checkpoints(tmp_path)[0])  # written at the clean shutdown
+    # One update per round under BSP, one per push otherwise: a gradient applied twice
+    # (or lost without its worker being told) would show in the version.
+    assert final.version == (steps if sync == "bsp" else workers * steps)
+    assert final.version > saved
+
+
+def one_worker_run(tmp_path, optimizer_flags, steps, interrupt_at=None, lose=3):
+    """A deterministic one-worker run; with ``interrupt_at``, a checkpoint is taken at that clock,
+    and ``lose`` updates later the server is killed (kill -9); a new one resumes from the
+    checkpoint, and the worker redoes the lost steps from the server's weights and clock."""
+    flags = ["--workers", "1", "--sync", "asp", "--checkpoint-dir", str(tmp_path), "--checkpoint-every", "0",
+             *optimizer_flags]
+    server = ServerProcess(*flags)
+    port = str(server.port)
+    restarted: list = []
+    try:
+        worker = aps.Worker(server.address, 0, 1, transport="tcp", reconnect_timeout=30)
+        weights = worker.init({"w": np.linspace(-1, 1, 257, dtype=np.float32)})
+        while worker.clock < steps:
+            if worker.clock == interrupt_at and not restarted:
+                request_checkpoint(server.address)
+            if interrupt_at is not None and worker.clock == interrupt_at + lose and not restarted:
+                kill(server)
+                # the next push finds the server gone, and gets back once it has resumed
+                threading.Timer(0.4, lambda: restarted.append(ServerProcess(
+                    "--port", port, "--checkpoint-dir", str(tmp_path), "--resume"))).start()
+                restarted.append(None)
+            weights = worker.push_pull({"w": stepped_gradient(weights["w"], worker.clock)})
+        result = weights["w"].copy(), worker.version
+        worker.close()
+        if interrupt_at is not None:  # it went back to the checkpoint, and said so
+            assert f"version {interrupt_at}, clocks [{interrupt_at}]" in restarted[-1].log()
+        return result
+    finally:
+        server.stop()
+        for other in restarted:
+            if other is not None:
+                assert "resumed from" in other.log()
+                other.stop()
+
+
+@pytest.mark.parametrize("optimizer_flags", [["--optimizer", "sgd", "--lr", "0.05", "--momentum", "0.9"],
+                                             ["--optimizer", "adam", "--lr", "0.01"]], ids=["sgd-momentum", "adam"])
+def test_interrupted_and_resumed_equals_uninterrupted_bit_for_bit(tmp_path, optimizer_flags):
+    straight, version = one_worker_run(tmp_path / "a", optimizer_flags, 30)
+    resumed, version_resumed = one_worker_run(tmp_path / "b", optimizer_flags, 30, interrupt_at=12)
+    assert version == version_resumed == 30
+    assert np.array_equal(straight, resumed)  # the optimizer's state was restored, not reset
+
+
+def test_a_push_sent_again_after_a_lost_reply_is_not_applied_twice(tmp_path):
+    """The duplicate rule on the wire: the push is applied, the server dies before the worker
+    reads the reply, and the same push (request id and clock) comes again after the resume."""
+    flags = ["--workers", "1", "--sync", "asp", "--lr", "1", "--checkpoint-dir", str(tmp_path),
+             "--checkpoint-every", "0"]
+    server = ServerProcess(*flags)
+    port = str(server.port)
+    w0 = np.zeros(8, np.float32)
+    grad = np.full(8, 0.25, np.float32)
+    try:
+        raw = RawClient(server.port)
+        raw.init(0, 1, {"w": w0})
+        assert raw.reply()[0].op == Op.INIT_REPLY
+        raw.frame(Op.PULL, request_id=2)
+        assert raw.reply()[0].op == Op.PULL_REPLY
+        raw.send(pack_header(Op.PUSH, 0, DType.FLOAT32, 77, 0, 0, grad.nbytes), grad.tobytes())
+        wait_for(lambda: fetch_stats(server.address)["server"]["version"] == 1, what="the push")
+        request_checkpoint(server.address)
+        kill(server)  # the reply was never read
+        raw.close()
+        server = ServerProcess("--port", port, "--checkpoint-dir", str(tmp_path), "--resume")
+        again = RawClient(server.port)
+        again.init(0, 1, {"w": w0}, flags=Flag.REJOIN, clock=0)
+        header, _ = again.reply()
+        assert header.op == Op.INIT_REPLY and header.version == 1 and header.clock == 1
+        again.send(pack_header(Op.PUSH, 0, DType.FLOAT32, 77, 0, 0, grad.nbytes), grad.tobytes())
+        header, _ = again.reply()
+        assert header.op == Op.PUSH_REPLY and header.version == 1 and header.clock == 1  # answered, not applied
+        again.frame(Op.PULL, request_id=78, clock=1, version=1)
+        header, payload = again.reply()
+        assert np.array_equal(np.frombuffer(payload, np.float32), w0 - grad)  # once, not twice
+        # a new push (another request id) is applied as usual
+        again.send(pack_header(Op.PUSH, 0, DType.FLOAT32, 79, 1, 1, grad.nbytes), grad.tobytes())
+        header, _ = again.reply()
+        assert header.op == Op.PUSH_REPLY and header.version == 2 and header.clock == 2
+        stats = fetch_stats(server.address)["server"]
+        assert stats["duplicates"] == 1 and stats["version"] == 2
+        again.close()
+    finally:
+        server.stop()
+
+
+def test_kill_9_while_writing_checkpoints_never_leaves_a_torn_one(tmp_path):
+    """SIGKILL at random moments while 16 MiB checkpoints are written back to back: the newest
+    complete checkpoint always loads with its checksums intact, and a resumed server never
+    takes a temporary directory for a checkpoint."""
+    rng = random.Random(11)
+    numel = 4 << 20
+    flags = ["--workers", "1", "--sync", "asp", "--optimizer", "adam", "--checkpoint-dir", str(tmp_path),
+             "--checkpoint-every", "0.02", "--checkpoint-keep", "2"]
+    server = ServerProcess(*flags)
+    port = str(server.port)
+    outcome: list = []
+    runner = threading.Thread(target=lambda: outcome.append(run_processes(
+        resilient_worker, [(server.address, 0, 1, numel, 10**9, 0.0, "tcp")], timeout=170)))
+    runner.daemon = True
+    runner.start()
+    versions = []
+    try:
+        wait_for(lambda: newest(tmp_path) >= 1, what="a first checkpoint")
+        for trial in range(20):
+            time.sleep(rng.uniform(0.05, 0.4))
+            kill(server)
+            found = list_checkpoints(tmp_path)
+            assert found and all(not p.name.startswith(".") for p in found)
+            checkpoint = read_checkpoint(found[0])  # verifies every checksum
+            assert checkpoint.weights["w"].shape == (numel,)
+            versions.append(checkpoint.version)
+            server = ServerProcess("--port", port, "--checkpoint-dir", str(tmp_path), "--resume", "--checkpoint-every",
+                                   "0.02", "--checkpoint-keep", "2")
+            line = server.wait_for_log("resumed from").split("resumed from", 1)[1].splitlines()[0]
+            assert f"{found[0].name}: version {checkpoint.version}," in line
+            wait_for(lambda: newest(tmp_path) > checkpoint.version, what="training to go on after the resume")
+    finally:
+        server.stop()
+    assert versions == sorted(versions)  # each resume went on from where the last left off
+
+
+def test_conflicting_flags_and_bad_checkpoints_refuse_to_start(tmp_path):
+    server = ServerProcess("--workers", "1", "--lr", "0.1", "--checkpoint-dir", str(tmp_path), "--checkpoint-every",
+                           "0")
+    try:
+        worker = aps.Worker(server.address, 0, 1, transport="tcp", reconnect=False)
+        worker.init({"w": np.zeros(4, np.float32)})
+        worker.push_pull({"w": np.ones(4, np.float32)})
+        first = request_checkpoint(server.address)["path"]
+        worker.push_pull({"w": np.ones(4, np.float32)})
+        second = request_checkpoint(server.address)["path"]
+        worker.close()
+    finally:
+        server.stop()
+    # a flag given that differs from the run's: refused, naming the flag
+    with pytest.raises(RuntimeError, match=r"--lr 0.5 conflicts with checkpoint .* --lr 0.1"):
+        ServerProcess("--lr", "0.5", "--checkpoint-dir", str(tmp_path), "--resume")
+    with pytest.raises(RuntimeError, match=r"--workers 2 conflicts"):
+        ServerProcess("--workers", "2", "--checkpoint-dir", str(tmp_path), "--resume")
+    # a corrupt newest checkpoint (the one written at shutdown): refused, and the intact older one offered
+    newest_path = list_checkpoints(tmp_path)[0]
+    assert str(newest_path) not in (first, second)
+    model = newest_path / "model.safetensors"
+    data = bytearray(model.read_bytes())
+    data[-1] ^= 0xFF
+    model.write_bytes(bytes(data))
+    with pytest.raises(RuntimeError, match=r"corrupt: checksum mismatch in model.safetensors.*--resume " + second):
+        ServerProcess("--checkpoint-dir", str(tmp_path), "--resume")
+    # truncated
+    model.write_bytes(bytes(data[: len(data) // 2]))
+    with pytest.raises(RuntimeError, match="truncated"):
+        ServerProcess("--resume", str(newest_path))
+    # the older one, named, resumes
+    resumed = ServerProcess("--resume", first)
+    try:
+        assert "version 1," in resumed.wait_for_log("resumed from")
+    finally:
+        resumed.stop()
+
+
+def test_a_checkpoint_directory_that_cannot_be_written_is_refused_at_start(tmp_path):
+    blocker = tmp_path / "file"
+    blocker.write_text("not a directory")
+    with pytest.raises(RuntimeError, match="cannot"):
+        ServerProcess("--checkpoint-dir", str(blocker / "checkpoints"))
+
+
+def test_a_full_checkpoint_directory_fails_the_checkpoint_not_the_training(tmp_path):
+    import subprocess
+
+    mount = tmp_path / "small"
+    mount.mkdir()
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=256k", "tmpfs", str(mount)],
+                      capture_output=True).returncode:
+        pytest.skip("cannot mount a small tmpfs here")
+    try:
+        server = ServerProcess("--workers", "1", "--checkpoint-dir", str(mount), "--checkpoint-every", "0")
+        try:
+            worker = aps.Worker(server.address, 0, 1, transport="tcp", reconnect=False)
+            worker.init({"w": np.zeros(1 << 18, np.float32)})  # 1 MiB: more than the directory holds
+            with pytest.raises(aps.errors.CheckpointFailed, match="No space left"):
+                request_checkpoint(server.address)
+            assert list_checkpoints(mount) == [] and not any(mount.iterdir())  # nothing half-written left
+            before = worker.version
+            worker.push_pull({"w": np.ones(1 << 18, np.float32)})  # training goes on
+            assert worker.version == before + 1
+            worker.close()
+        finally:
+            server.stop()
+    finally:
+        subprocess.run(["umount", str(mount)], check=False)
