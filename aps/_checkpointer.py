@@ -56,12 +56,13 @@ class Capture:
     manifest: dict
     snapshot: Snapshot
     state: dict[str, np.ndarray]  # flat copies, by optimizer state name (and "aggregate")
+    loop_seconds: float = 0.0  # time the event loop spent on this checkpoint so far
 
 
 class CaptureJob(Job):
     """The lane's part of a checkpoint (see the module docstring)."""
 
-    __slots__ = ("engine", "buffers", "done", "manifest", "snapshot", "pairs")
+    __slots__ = ("engine", "buffers", "done", "manifest", "snapshot", "pairs", "loop_seconds")
 
     def __init__(self, engine: Engine, buffers: dict[str, np.ndarray], done) -> None:
         self.engine = engine
@@ -70,8 +71,16 @@ class CaptureJob(Job):
         self.manifest: dict | None = None
         self.snapshot: Snapshot | None = None
         self.pairs: list[tuple[str, np.ndarray, np.ndarray]] = []
+        self.loop_seconds = 0.0
 
     def prepare(self) -> int | None:
+        started = time.perf_counter()
+        try:
+            return self._prepare()
+        finally:
+            self.loop_seconds += time.perf_counter() - started
+
+    def _prepare(self) -> int | None:
         engine = self.engine
         if engine.table is None:
             raise CheckpointFailed("there is no model to checkpoint yet (no worker has sent its initial weights)")
@@ -94,7 +103,7 @@ class CaptureJob(Job):
             self.fail(result if isinstance(result, BaseException) else CheckpointFailed("copying the state failed"))
             return
         snapshot, self.snapshot = self.snapshot, None
-        self.done(Capture(self.manifest, snapshot, {name: buffer for name, buffer, _ in self.pairs}))
+        self.done(Capture(self.manifest, snapshot, {name: buffer for name, buffer, _ in self.pairs}, self.loop_seconds))
 
     def fail(self, exc: BaseException) -> None:
         if self.snapshot is not None:
@@ -207,6 +216,7 @@ class Checkpointer:
             if isinstance(capture, BaseException):
                 self._finished(reason, future, capture, started)
                 return
+            began = time.perf_counter()
             from . import __version__
 
             capture.manifest.update(reason=reason, sequence=self._sequence, aps_version=__version__,
@@ -215,6 +225,7 @@ class Checkpointer:
             name = checkpoint_name(self._sequence, capture.manifest["version"])
             self._sequence += 1
             work = self._executor.submit(self._write, name, capture)
+            capture.loop_seconds += time.perf_counter() - began
 
             def written(fut) -> None:
                 exc = fut.exception()
@@ -243,6 +254,7 @@ class Checkpointer:
         return str(path)
 
     def _written(self, reason, future, capture: Capture, result, started: float) -> None:
+        began = time.perf_counter()
         capture.snapshot.release()
         if isinstance(result, BaseException):
             self._finished(reason, future, result, started)
@@ -256,6 +268,8 @@ class Checkpointer:
             "reason": reason,
             "written_unix": time.time(),
             "seconds": self._last_time - started,
+            # what this checkpoint cost the event loop (capture, hand-over, bookkeeping)
+            "loop_ms": 1e3 * (capture.loop_seconds + time.perf_counter() - began),
             "written": self.written,
             "failed": self.failed,
             "skipped": self.skipped,
