@@ -646,7 +646,9 @@ class Engine:
             ws.r_star.add(window.last_r_star)
         result = PushResult(self.table.version, policy.clock(rank), dropped, plan.staleness, plan.scale)
         seat = self._seat(rank)
-        seat.push_id, seat.push_clock, seat.result = member.push_id, member.push_clock, result
+        seat.push_id = -1 if member.push_id is None else member.push_id
+        seat.push_clock = -1 if member.push_clock is None else member.push_clock
+        seat.result = result
         self._after(outcome)
         return result
 

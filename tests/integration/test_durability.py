@@ -274,3 +274,103 @@ def test_a_full_checkpoint_directory_fails_the_checkpoint_not_the_training(tmp_p
             server.stop()
     finally:
         subprocess.run(["umount", str(mount)], check=False)
+
+
+def restart_soon(into: list, port: str, *flags: str, delay: float = 0.4) -> None:
+    """Start ``aps serve --port PORT FLAGS`` after ``delay`` seconds, on a timer: ``into``
+    gets the timer, then the server."""
+    timer = threading.Timer(delay, lambda: into.append(ServerProcess("--port", port, *flags)))
+    into.append(timer)
+    timer.start()
+
+
+def test_an_async_worker_gets_back_by_itself(tmp_path):
+    import asyncio
+
+    server = ServerProcess("--workers", "1", "--sync", "asp", "--checkpoint-dir", str(tmp_path), "--checkpoint-every",
+                           "0")
+    port = str(server.port)
+    restarted: list = []
+
+    async def main():
+        worker = await aps.AsyncWorker.connect(server.address, 0, 1, reconnect_timeout=30)
+        await worker.init({"w": np.zeros(16, np.float32)})
+        for _ in range(3):
+            await worker.push_pull({"w": np.ones(16, np.float32)})
+        request_checkpoint(server.address)
+        kill(server)
+        restart_soon(restarted, port, "--checkpoint-dir", str(tmp_path), "--resume")
+        weights = await worker.push_pull({"w": np.ones(16, np.float32)})  # waits for the server, then goes on
+        assert worker.version == 4 and worker.clock == 4
+        np.testing.assert_allclose(weights["w"], -0.04, rtol=1e-6)  # four updates, none twice (lr 0.01)
+        await worker.close()
+
+    try:
+        asyncio.run(main())
+    finally:
+        server.stop()
+        restarted[0].join()
+        for other in restarted[1:]:
+            other.stop()
+
+
+def test_the_torch_optimizer_gets_back_by_itself_and_a_checkpoint_loads_into_a_model(tmp_path):
+    torch = pytest.importorskip("torch")
+    import aps.torch
+
+    server = ServerProcess("--workers", "1", "--sync", "asp", "--lr", "0.1", "--checkpoint-dir", str(tmp_path),
+                           "--checkpoint-every", "0")
+    port = str(server.port)
+    restarted: list = []
+    try:
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.ReLU(), torch.nn.Linear(3, 1))
+        opt = aps.torch.Optimizer(model, server.address, 0, 1, transport="tcp", reconnect_timeout=30)
+        x, y = torch.randn(32, 4), torch.randn(32, 1)
+
+        def step():
+            opt.zero_grad()
+            torch.nn.functional.mse_loss(model(x), y).backward()
+            opt.step()
+
+        step()
+        request_checkpoint(server.address)
+        kill(server)
+        restart_soon(restarted, port, "--checkpoint-dir", str(tmp_path), "--resume")
+        step()  # waits for the server, then goes on
+        step()
+        assert opt.version == 3
+        path = request_checkpoint(restarted[1].address)["path"]
+        opt.close()
+        fresh = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.ReLU(), torch.nn.Linear(3, 1))
+        aps.torch.load_state_dict(fresh, path)  # no server needed
+        for (name, a), (_, b) in zip(model.named_parameters(), fresh.named_parameters()):
+            assert torch.equal(a, b), name
+    finally:
+        server.stop()
+        if restarted:
+            restarted[0].join()
+            for other in restarted[1:]:
+                other.stop()
+
+
+def test_a_server_restarted_without_its_checkpoint_is_another_run(tmp_path):
+    server = ServerProcess("--workers", "1", "--sync", "asp")
+    port = str(server.port)
+    restarted: list = []
+    try:
+        worker = aps.Worker(server.address, 0, 1, transport="tcp", reconnect_timeout=30)
+        worker.init({"w": np.zeros(4, np.float32)})
+        worker.push_pull({"w": np.ones(4, np.float32)})
+        kill(server)
+        restart_soon(restarted, port, "--workers", "1", "--sync", "asp")  # no --resume: a new run
+        with pytest.raises(aps.errors.RunChanged, match="another run.*--resume"):
+            worker.push_pull({"w": np.ones(4, np.float32)})
+        assert worker.version == 1  # nothing was taken from the new server
+        worker.close()
+    finally:
+        server.stop()
+        if restarted:
+            restarted[0].join()
+            for other in restarted[1:]:
+                other.stop()

@@ -181,3 +181,28 @@ def test_window_consults_the_controller_with_the_right_histories(pushes):
         if window.controller_calls != before[1]:
             s_new, s_prev = before[0] if slow != rank else (now, history[0])
             assert window.last_r_star == controller_as_written(now, history[0], s_new, s_prev, 4)
+
+
+def test_restore_then_join_at_the_saved_clocks(Window):
+    """Resuming: the slowest clock comes back first, then each rank where it was, held or not."""
+    window = Window(3, 1)
+    window.restore(5, 2, 7)
+    assert window.min_clock == 5 and window.last_r_star == 2 and window.controller_calls == 7
+    assert window.join(2) == 5  # a rank that was not live starts at the slowest clock
+    assert window.join(0, 7, True, 0) == 7 and window.is_held(0)
+    assert window.join(1, 5) == 5 and window.min_clock == 5
+    assert window.push(1, 1.0) == [1]  # rank 1 at 6: rank 0 still two ahead of rank 2
+    assert window.is_held(0)
+    assert window.push(2, 1.0) == [2, 0]  # the slowest moves to 6: rank 0 is released
+    with pytest.raises(ValueError):
+        window.restore(0)  # only with nobody live
+    with pytest.raises(ValueError):
+        Window(2).join(0, 3, True)  # an unbounded window holds nobody
+
+
+def test_a_rank_placed_below_the_others_becomes_the_slowest(Window):
+    window = joined(Window, 2, 1)
+    window.push(0, 1.0)
+    window.push(1, 1.0)
+    window.leave(1)
+    assert window.join(1, 0) == 0 and window.min_clock == 0 and window.gap(0) == 1

@@ -1,0 +1,181 @@
+"""Resume is exact: an engine restored from a checkpoint of another, with every worker
+rejoining, goes on exactly as the original would have (weights bit for bit, version,
+clocks, who is held), for every policy; and the duplicate rule answers a push sent
+again without applying it.
+
+The engines are driven directly (no sockets), with random schedules; the state goes
+through JSON as it does on disk.
+"""
+
+from __future__ import annotations
+
+import json
+import pathlib
+import random
+
+import numpy as np
+import pytest
+
+from aps.checkpoint import Checkpoint
+from aps.errors import CheckpointError
+
+from ..harness import Harness
+
+SETTINGS = [
+    {"sync": "bsp"},
+    {"sync": "bsp", "backup_workers": 1},
+    {"sync": "asp"},
+    {"sync": "asp", "lr_staleness": "inverse", "async_scale": "mean"},
+    {"sync": "ssp", "staleness": 1},
+    {"sync": "dssp", "staleness": 2, "max_staleness": 2},  # s_L == s_U: no timing-dependent grants
+    {"sync": "softsync", "softsync_n": 1},
+    {"sync": "softsync", "softsync_n": 2, "staleness": 1},
+]
+OPTIMIZERS = [
+    {"optimizer": "sgd", "momentum": 0.9, "lr": 0.1},
+    {"optimizer": "adam", "lr": 0.05},
+]
+
+
+def checkpoint_of(harness: Harness) -> Checkpoint:
+    """What the checkpointer would write and read back: the manifest through JSON, copies of the arrays."""
+    engine = harness.engine
+    manifest, arrays = engine.checkpoint_state()
+    manifest = json.loads(json.dumps(manifest))
+    layout = engine.layout
+    weights = {name: view.copy() for name, view in layout.views(engine.table.current_array()).items()}
+    state = {}
+    for key, flat in arrays.items():
+        if key == "aggregate":
+            state[key] = flat.copy()
+        else:
+            state.update((f"{key}/{name}", view.copy()) for name, view in layout.views(flat).items())
+    return Checkpoint(pathlib.Path("/nowhere/checkpoint-00000001-v0"), manifest, weights, state)
+
+
+class Driver:
+    """Workers that push (then pull) random gradients whenever they are free to."""
+
+    def __init__(self, harness: Harness, seed: int) -> None:
+        self.h = harness
+        self.rng = random.Random(seed)
+        self.grads = np.random.default_rng(seed).standard_normal((64, harness.numel)).astype(np.float32)
+
+    def step(self) -> None:
+        h = self.h
+        free = [r for r in range(h.P) if not h.workers[r].waiting]
+        assert free, "every worker is held: the policy deadlocked"
+        rank = self.rng.choice(free)
+        h.tick(self.rng.uniform(0.1, 2.0))
+        h.push(rank, self.grads[self.rng.randrange(64)], then_pull=True)
+        assert not h.workers[rank].errors, h.workers[rank].errors
+
+
+def observe(h: Harness):
+    window = h.window.state()
+    return (h.engine.version, h.engine.pushes, h.policy.dropped, window[0], window[2], window[3], window[4],
+            tuple(h.policy.is_held(r) for r in range(h.P)), tuple(w.waiting for w in h.workers),
+            h.engine.table.current_array().tobytes())
+
+
+@pytest.mark.parametrize("optimizer", OPTIMIZERS, ids=lambda o: o["optimizer"])
+@pytest.mark.parametrize("setting", SETTINGS, ids=lambda s: "-".join(f"{v}" for v in s.values()))
+@pytest.mark.parametrize("seed", [1, 2, 3])
+def test_a_resumed_engine_goes_on_exactly_as_the_original(setting, optimizer, seed):
+    options = {"workers": 3, "numel": 5, **setting, **optimizer}
+    original = Harness(**options)
+    original.join_all(np.linspace(-1, 1, 5, dtype=np.float32))
+    driver = Driver(original, seed)
+    cut = random.Random(seed).randrange(5, 40)
+    for _ in range(cut):
+        driver.step()
+    checkpoint = checkpoint_of(original)
+    waiting = [w.waiting for w in original.workers]
+
+    resumed = Harness(**options)
+    resumed.engine.restore(checkpoint)
+    assert resumed.engine.version == original.engine.version
+    assert not resumed.engine.started
+    for rank in range(resumed.P):  # everyone reconnects; those whose pull was held ask again
+        resumed.join(rank)
+        assert not resumed.workers[rank].errors
+    assert resumed.engine.started
+    for rank in range(resumed.P):
+        resumed.workers[rank].version = original.workers[rank].version
+        if waiting[rank]:
+            resumed.pull(rank)
+    resumed.now = original.now
+    assert observe(resumed)[:8] == observe(original)[:8]
+
+    twin = Driver(resumed, seed)
+    twin.rng.setstate(driver.rng.getstate())
+    for _ in range(40):
+        driver.step()
+        twin.step()
+        assert observe(resumed) == observe(original)
+
+
+def test_restore_refuses_a_checkpoint_of_another_policy_or_size():
+    original = Harness(workers=2, sync="ssp", staleness=1)
+    original.join_all()
+    checkpoint = checkpoint_of(original)
+    with pytest.raises(CheckpointError, match="sync policy is 'ssp'"):
+        Harness(workers=2, sync="asp").engine.restore(checkpoint)
+    with pytest.raises(CheckpointError, match="3 workers"):
+        Harness(workers=3, sync="ssp", staleness=1).engine.restore(checkpoint)
+    with pytest.raises(CheckpointError, match="sgd"):
+        Harness(workers=2, sync="ssp", staleness=1, optimizer="adam").engine.restore(checkpoint)
+    engine = Harness(workers=2, sync="ssp", staleness=1).engine
+    del checkpoint.state  # nothing half-restored is kept
+    checkpoint.state = {}
+    Harness(workers=2, sync="ssp", staleness=1, momentum=0.0).engine.restore(checkpoint)  # sgd without state: fine
+    momentum = checkpoint_of(_momentum_harness())
+    momentum.state = {}
+    with pytest.raises(CheckpointError, match="momentum_buffer"):
+        engine_m = Harness(workers=2, sync="ssp", staleness=1, momentum=0.9).engine
+        engine_m.restore(momentum)
+    assert engine_m.table is None and engine_m.layout is None
+    assert engine.table is None
+
+
+def _momentum_harness() -> Harness:
+    h = Harness(workers=2, sync="ssp", staleness=1, momentum=0.9)
+    h.join_all()
+    return h
+
+
+def test_a_push_sent_again_is_answered_and_not_applied_twice():
+    h = Harness(workers=1, sync="asp")
+    h.join_all()
+    member = h.workers[0].member
+    grad = np.ones(h.numel, np.float32)
+    member.grad[:] = grad
+    results = []
+    h.engine.push(member, 0, results.append, pytest.fail, request_id=7, clock=0)
+    h.engine.push(member, 0, results.append, pytest.fail, request_id=7, clock=0)  # the same push again
+    assert [r.version for r in results] == [1, 1] and h.engine.version == 1
+    assert h.engine.stats.duplicates == 1
+    np.testing.assert_array_equal(h.engine.table.current_array(), -grad)
+    h.engine.push(member, 1, results.append, pytest.fail, request_id=0, clock=1)  # id 0 names no request
+    h.engine.push(member, 2, results.append, pytest.fail, request_id=0, clock=1)
+    assert h.engine.version == 3
+
+
+def test_a_bsp_push_sent_again_after_a_rejoin_counts_its_worker_present_once():
+    """Rank 0's gradient is in the open round when its connection drops; it rejoins and
+    sends the push again: the round closes with each gradient once."""
+    h = Harness(workers=2, sync="bsp")
+    h.join_all()
+    w0, w1 = h.workers
+    g0, g1 = np.full(h.numel, 1.0, np.float32), np.full(h.numel, 3.0, np.float32)
+    w0.member.grad[:] = g0
+    h.engine.push(w0.member, 0, lambda r: None, pytest.fail, request_id=5, clock=0)
+    h.leave(0)  # the reply was lost with the connection
+    w0.member = h.engine.join(0, 2, h.layout, None, h._ready(w0), w0.errors.append, rejoin=True)
+    assert h.policy.clock(0) == 1  # it goes on from the clock it had
+    w0.member.grad[:] = g0
+    h.engine.push(w0.member, 0, lambda r: None, pytest.fail, request_id=5, clock=0)
+    assert h.engine.version == 0  # the round still waits for rank 1
+    h.push(1, g1)
+    assert h.engine.version == 1
+    np.testing.assert_allclose(h.engine.table.current_array(), -(g0 + g1) / 2)  # lr 1, the mean of two
