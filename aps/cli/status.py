@@ -100,6 +100,22 @@ def _fmt_hist(hist: dict[str, int], limit: int = 6) -> str:
     return text + (" ..." if len(hist) > limit else "")
 
 
+def _checkpoint_lines(server: dict) -> list[str]:
+    """The last checkpoint and where the run resumed from, when there is either."""
+    lines = []
+    last = server.get("checkpoint")
+    if last:
+        age = max(0.0, time.time() - last["written_unix"])
+        lines.append(
+            f"checkpoint version {last['version']} {_fmt_seconds(age)} ago ({last['reason']}, written in "
+            f"{_fmt_seconds(last['seconds'])}, loop {last['loop_ms']:.1f}ms)  {last['path']}  "
+            f"written {last['written']} failed {last['failed']} skipped {last['skipped']}"
+        )
+    if server.get("resumed_from"):
+        lines.append(f"resumed from {server['resumed_from']}")
+    return lines
+
+
 def format_stats(stats: dict) -> str:
     """A readable table of a stats snapshot (what ``aps status`` prints)."""
     s = stats["server"]
@@ -113,6 +129,7 @@ def format_stats(stats: dict) -> str:
         f"in {_fmt_bytes(s['bytes_in'])}{_by_transport(s, 'bytes_in')}  "
         f"out {_fmt_bytes(s['bytes_out'])}{_by_transport(s, 'bytes_out')}  "
         f"server memory {_fmt_bytes(s['process']['rss_bytes'])}  cpu {s['process']['cpu_s']:.1f} s",
+        *_checkpoint_lines(s),
         "",
         f"{'rank':>4} {'live':>4} {'clock':>7} {'gap':>4} {'max':>4} {'held':>4} {'pushes':>7} {'dropped':>7} "
         f"{'stale':>6} {'wait mean':>9} {'wait max':>9} {'interval':>9}  staleness / r*",

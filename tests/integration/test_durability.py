@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 
 import aps
+import aps.cli
 from aps.checkpoint import list_checkpoints, read_checkpoint
 from aps.cli.checkpoint import request_checkpoint
 from aps.cli.status import fetch_stats
@@ -204,14 +205,18 @@ def test_kill_9_while_writing_checkpoints_never_leaves_a_torn_one(tmp_path):
     assert versions == sorted(versions)  # each resume went on from where the last left off
 
 
-def test_conflicting_flags_and_bad_checkpoints_refuse_to_start(tmp_path):
+def test_conflicting_flags_and_bad_checkpoints_refuse_to_start(tmp_path, capsys):
     server = ServerProcess("--workers", "1", "--lr", "0.1", "--checkpoint-dir", str(tmp_path), "--checkpoint-every",
                            "0")
     try:
         worker = aps.Worker(server.address, 0, 1, transport="tcp", reconnect=False)
         worker.init({"w": np.zeros(4, np.float32)})
         worker.push_pull({"w": np.ones(4, np.float32)})
-        first = request_checkpoint(server.address)["path"]
+        assert aps.cli.main(["checkpoint", "now", server.address]) == 0
+        first = str(list_checkpoints(tmp_path)[0])
+        assert f"checkpoint {first} (version 1)" in capsys.readouterr().out
+        assert aps.cli.main(["status", server.address]) == 0
+        assert "checkpoint version 1 " in capsys.readouterr().out  # aps status shows the last one
         worker.push_pull({"w": np.ones(4, np.float32)})
         second = request_checkpoint(server.address)["path"]
         worker.close()
@@ -248,6 +253,21 @@ def test_a_checkpoint_directory_that_cannot_be_written_is_refused_at_start(tmp_p
     blocker.write_text("not a directory")
     with pytest.raises(RuntimeError, match="cannot"):
         ServerProcess("--checkpoint-dir", str(blocker / "checkpoints"))
+
+
+def test_a_read_only_checkpoint_directory_is_refused_at_start(tmp_path):
+    import subprocess
+
+    mount = tmp_path / "readonly"
+    mount.mkdir()
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64k,ro", "tmpfs", str(mount)],
+                      capture_output=True).returncode:
+        pytest.skip("cannot mount a read-only tmpfs here")
+    try:
+        with pytest.raises(RuntimeError, match="Read-only file system"):
+            ServerProcess("--checkpoint-dir", str(mount))
+    finally:
+        subprocess.run(["umount", str(mount)], check=False)
 
 
 def test_a_full_checkpoint_directory_fails_the_checkpoint_not_the_training(tmp_path):
