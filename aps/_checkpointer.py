@@ -151,9 +151,14 @@ class Checkpointer:
     def request(self, reason: str = "request") -> asyncio.Future:
         """Write a checkpoint as soon as possible; the future gets its path (or the error)."""
         loop = asyncio.get_running_loop()
+        refusal = None
         if self._executor is None:
+            refusal = "this server writes no checkpoints (start it with --checkpoint-dir)"
+        elif self.engine.table is None:
+            refusal = "there is no model to checkpoint yet (no worker has sent its initial weights)"
+        if refusal is not None:
             future = loop.create_future()
-            future.set_exception(CheckpointFailed("this server writes no checkpoints (start it with --checkpoint-dir)"))
+            future.set_exception(CheckpointFailed(refusal))
             return future
         if self._busy:  # share the next one
             if self._next is None:

@@ -17,6 +17,7 @@ always sees its own updates.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 import uuid
@@ -482,6 +483,9 @@ class Engine:
             "pushes": self.pushes,
             "layout": {"names": list(layout.names), "shapes": [list(shape) for shape in layout.shapes]},
             "config": {name: getattr(config, name) for name in RUN_OPTIONS},
+            # the rest, for the record (resume takes its own; never the token)
+            "server": {f.name: getattr(config, f.name) for f in dataclasses.fields(config)
+                       if f.name not in RUN_OPTIONS and f.name != "token"},
             "optimizer": {"name": optimizer.name, "steps": optimizer.steps, **optimizer.hyperparameters()},
             "policy": policy_state,
             "seats": {str(rank): seat.to_json() for rank, seat in sorted(self._seats.items())},
