@@ -46,7 +46,7 @@ __all__ = ["Checkpointer"]
 
 log = logging.getLogger("aps.server")
 
-_TICK_S = 0.25  # how often the timer looks whether a checkpoint is due
+_POLL_S = 0.25  # how often --checkpoint-every-updates looks at the version
 
 
 @dataclass
@@ -130,8 +130,8 @@ class Checkpointer:
         self._busy = False
         self._next: asyncio.Future | None = None  # what requests made while busy wait for
         self._sequence = 1
-        self._last_time = time.monotonic()
-        self._last_version = 0
+        self._due = time.monotonic()  # when the next timed checkpoint starts
+        self._last_version = 0  # the version of the last checkpoint taken
         self.written = 0
         self.failed = 0
         self.skipped = 0
@@ -145,6 +145,7 @@ class Checkpointer:
         self._sequence = next_sequence(self.directory)
         self._executor = ThreadPoolExecutor(1, thread_name_prefix="aps-checkpoint")
         self._last_version = self.engine.version
+        self._due = time.monotonic() + self.config.checkpoint_every
         if self.config.checkpoint_every > 0 or self.config.checkpoint_every_updates > 0:
             self._timer = asyncio.get_running_loop().create_task(self._tick())
 
@@ -197,16 +198,24 @@ class Checkpointer:
 
     # Internals --------------------------------------------------------------
     async def _tick(self) -> None:
+        """Timed checkpoints start every ``--checkpoint-every`` seconds, measured from one
+        start to the next (however long the writes take): the updates a crash can cost
+        are at most those of one interval and one write."""
         config, engine = self.config, self.engine
+        every, every_n = config.checkpoint_every, config.checkpoint_every_updates
         while True:
-            await asyncio.sleep(min(_TICK_S, config.checkpoint_every or _TICK_S))
-            if engine.table is None or not engine.started:
+            now = time.monotonic()
+            wait = self._due - now if every > 0 else _POLL_S
+            await asyncio.sleep(max(0.0, min(wait, _POLL_S) if every_n > 0 else wait))
+            now = time.monotonic()
+            timed = every > 0 and now >= self._due
+            if timed:
+                self._due = max(self._due + every, now)  # after a long stall: one, not a burst
+            counted = every_n > 0 and engine.version - self._last_version >= every_n
+            if not (timed or counted) or engine.table is None or not engine.started:
                 continue
-            every_n = config.checkpoint_every_updates
-            due = (config.checkpoint_every > 0 and time.monotonic() - self._last_time >= config.checkpoint_every) \
-                or (every_n > 0 and engine.version - self._last_version >= every_n)
-            if not due or engine.version == self._last_version:
-                continue
+            if engine.version == self._last_version:
+                continue  # nothing changed since the last one
             if self._busy:
                 self.skipped += 1
                 continue
@@ -224,6 +233,7 @@ class Checkpointer:
             began = time.perf_counter()
             from . import __version__
 
+            self._last_version = capture.manifest["version"]
             capture.manifest.update(reason=reason, sequence=self._sequence, aps_version=__version__,
                                     created=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
                                     created_unix=time.time())
@@ -265,14 +275,13 @@ class Checkpointer:
             self._finished(reason, future, result, started)
             return
         self.written += 1
-        self._last_time = time.monotonic()
-        self._last_version = capture.manifest["version"]
+        finished = time.monotonic()
         self.engine.stats.checkpoint = {
             "path": result,
             "version": capture.manifest["version"],
             "reason": reason,
             "written_unix": time.time(),
-            "seconds": self._last_time - started,
+            "seconds": finished - started,
             # what this checkpoint cost the event loop (capture, hand-over, bookkeeping)
             "loop_ms": 1e3 * (capture.loop_seconds + time.perf_counter() - began),
             "written": self.written,
@@ -280,13 +289,13 @@ class Checkpointer:
             "skipped": self.skipped,
         }
         log.log(logging.DEBUG if reason == "periodic" else logging.INFO, "checkpoint %s (version %d) written in %.2f s",
-                result, capture.manifest["version"], self._last_time - started)
+                result, capture.manifest["version"], finished - started)
         self._finished(reason, future, result, started)
 
     def _finished(self, reason: str, future: asyncio.Future | None, result, started: float) -> None:
         if isinstance(result, BaseException):
             self.failed += 1
-            self._last_time = time.monotonic()  # the timer waits a whole interval before it tries again
+            self._last_version = -1  # the next one is due even if nothing changed
             if not isinstance(result, (CheckpointError, CheckpointFailed)):
                 log.error("checkpoint failed", exc_info=result)
                 result = CheckpointFailed(f"the checkpoint failed: {type(result).__name__}: {result}")

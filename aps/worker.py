@@ -95,7 +95,12 @@ _FAREWELL_S = 0.5  # how long to look for the server's last words when a send fa
 DEFAULT_SERVER_TIMEOUT = 60.0
 #: Seconds a worker keeps trying to get back to a lost server (``reconnect_timeout``).
 DEFAULT_RECONNECT_TIMEOUT = 300.0
-_BACKOFF_FIRST_S = 0.1  # the first wait between attempts to reconnect; it doubles up to _BACKOFF_CAP_S
+# Reconnecting: for the first _EAGER_S seconds (a server restarting takes about one), an attempt
+# every 0.1-0.2 s (a refused connection costs the server nothing); then waits that double from
+# _BACKOFF_FIRST_S up to _BACKOFF_CAP_S, with jitter, so that many workers do not knock at once.
+_EAGER_S = 5.0
+_EAGER_WAIT_S = 0.2
+_BACKOFF_FIRST_S = 0.2
 _BACKOFF_CAP_S = 5.0
 _RETRY_NOTE_EVERY = 30.0  # how often a worker that keeps failing to reconnect says so
 
@@ -142,6 +147,14 @@ def _backoff(attempt: int) -> float:
     return random.uniform(delay / 2, delay)
 
 
+def _retry_wait(elapsed: float, attempt: int) -> float:
+    """How long to wait before the next attempt, ``elapsed`` seconds into a recovery; ``attempt``
+    counts the attempts since the eager phase ended."""
+    if elapsed < _EAGER_S:
+        return random.uniform(_EAGER_WAIT_S / 2, _EAGER_WAIT_S)
+    return _backoff(attempt)
+
+
 class _Reconnecting:
     """One recovery: the deadline, the attempts, and what is said about them."""
 
@@ -171,8 +184,10 @@ class _Reconnecting:
             self._note_at = now + _RETRY_NOTE_EVERY
             log.warning("rank %d: still reconnecting to %s after %.0f s: %s", self.worker.rank, self.worker.address,
                         now - self.start, exc)
-        wait = _backoff(self.attempt)
-        self.attempt += 1
+        elapsed = now - self.start
+        wait = _retry_wait(elapsed, self.attempt)
+        if elapsed >= _EAGER_S:
+            self.attempt += 1
         remaining = self.remaining()
         return wait if remaining is None else min(wait, remaining)
 

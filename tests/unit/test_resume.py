@@ -179,3 +179,13 @@ def test_a_bsp_push_sent_again_after_a_rejoin_counts_its_worker_present_once():
     h.push(1, g1)
     assert h.engine.version == 1
     np.testing.assert_allclose(h.engine.table.current_array(), -(g0 + g1) / 2)  # lr 1, the mean of two
+
+
+def test_reconnect_attempts_come_fast_at_first_then_back_off_with_jitter():
+    from aps.worker import _retry_wait
+
+    eager = [_retry_wait(t, 0) for t in (0.0, 1.0, 4.9) for _ in range(50)]
+    assert all(0.1 <= w <= 0.2 for w in eager) and len(set(eager)) > 1  # jittered
+    later = [max(_retry_wait(6.0, n) for _ in range(50)) for n in range(8)]
+    assert later == sorted(later) and later[0] <= 0.2 and later[2] > 0.4
+    assert max(_retry_wait(100.0, n) for n in range(40) for _ in range(20)) <= 5.0  # capped
