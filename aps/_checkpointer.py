@@ -34,7 +34,16 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from ._lane import Job
-from .checkpoint import checkpoint_name, check_writable, next_sequence, prune, remove_temporaries, write_checkpoint
+from .checkpoint import (
+    check_writable,
+    checkpoint_name,
+    list_checkpoints,
+    lock_directory,
+    next_sequence,
+    prune,
+    remove_temporaries,
+    write_checkpoint,
+)
 from .errors import CheckpointError, CheckpointFailed
 
 if TYPE_CHECKING:
@@ -47,6 +56,9 @@ __all__ = ["Checkpointer"]
 log = logging.getLogger("aps.server")
 
 _POLL_S = 0.25  # how often --checkpoint-every-updates looks at the version
+_REQUEST_SPACING_S = 1.0  # checkpoints asked for (CHECKPOINT) start at most this often
+_SHUTDOWN_WAIT_S = 120.0  # how long a shutdown waits for its checkpoint (a hung disk must not hang it)
+_WRITES_REMEMBERED = 5  # the write-time estimate is the longest of the last few
 
 
 @dataclass
@@ -132,16 +144,29 @@ class Checkpointer:
         self._sequence = 1
         self._due = time.monotonic()  # when the next timed checkpoint starts
         self._last_version = 0  # the version of the last checkpoint taken
+        self._last_start = float("-inf")  # when the last one was begun
+        self._writes: list[float] = []  # how long the last few took, capture to rename
+        self._lock = None  # the directory's lock file, held while the server runs
+        self._pending: asyncio.TimerHandle | None = None  # a request spaced out (_REQUEST_SPACING_S)
         self.written = 0
         self.failed = 0
         self.skipped = 0
 
     def start(self) -> None:
-        """Check the directory and start the timer (inside the running loop)."""
+        """Take the directory and start the timer (inside the running loop).
+
+        Raises:
+            CheckpointError: the directory cannot be written, another server writes
+                there, or it holds checkpoints of another run and this one is new.
+        """
         check_writable(self.directory)
-        for leftover in remove_temporaries(self.directory):
-            log.warning("removed %s, a checkpoint that was never finished (the server stopped while writing it)",
-                        leftover)
+        self._lock = lock_directory(self.directory)
+        try:
+            self._take_directory()
+        except BaseException:
+            self._lock.close()
+            self._lock = None
+            raise
         self._sequence = next_sequence(self.directory)
         self._executor = ThreadPoolExecutor(1, thread_name_prefix="aps-checkpoint")
         self._last_version = self.engine.version
@@ -149,25 +174,55 @@ class Checkpointer:
         if self.config.checkpoint_every > 0 or self.config.checkpoint_every_updates > 0:
             self._timer = asyncio.get_running_loop().create_task(self._tick())
 
+    def _take_directory(self) -> None:
+        engine = self.engine
+        for leftover in remove_temporaries(self.directory, every=True):  # ours alone now: all are stale
+            log.warning("removed %s, a checkpoint that was never finished (the server stopped while writing it)",
+                        leftover)
+        if engine.resumed_from is None:
+            found = list_checkpoints(self.directory)
+            if found:
+                raise CheckpointError(
+                    f"--checkpoint-dir {self.directory} holds checkpoints of another run (the newest is {found[0]}): "
+                    "give --resume to go on with it, or another --checkpoint-dir to start a new run"
+                )
+
     def request(self, reason: str = "request") -> asyncio.Future:
-        """Write a checkpoint as soon as possible; the future gets its path (or the error)."""
+        """Write a checkpoint as soon as possible; the future gets ``{"path", "version"}``
+        (or the error). Requests share a checkpoint being written or about to be, and
+        start at most one a second; while a resumed run waits for its workers, nothing
+        has changed since the checkpoint it resumed from, which is the answer."""
         loop = asyncio.get_running_loop()
+        future = loop.create_future()
+        engine = self.engine
         refusal = None
         if self._executor is None:
             refusal = "this server writes no checkpoints (start it with --checkpoint-dir)"
-        elif self.engine.table is None:
+        elif engine.table is None:
             refusal = "there is no model to checkpoint yet (no worker has sent its initial weights)"
         if refusal is not None:
-            future = loop.create_future()
             future.set_exception(CheckpointFailed(refusal))
             return future
-        if self._busy:  # share the next one
+        if engine.resumed_from is not None and not engine.started:
+            future.set_result({"path": engine.resumed_from, "version": engine.version})
+            return future
+        if self._busy or self._pending is not None:  # share the next one
             if self._next is None:
-                self._next = loop.create_future()
+                self._next = future
             return self._next
-        future = loop.create_future()
+        wait = self._last_start + _REQUEST_SPACING_S - time.monotonic()
+        if reason == "request" and wait > 0:
+            self._next = future
+            self._pending = loop.call_later(wait, self._begin_pending)
+            return future
         self._begin(reason, future)
         return future
+
+    def _begin_pending(self) -> None:
+        self._pending = None
+        if not self._busy and self._next is not None:
+            waiting, self._next = self._next, None
+            self._begin("request", waiting)
 
     async def close(self) -> None:
         """Write the shutdown checkpoint (when there is a model) and wait for every write."""
@@ -176,25 +231,39 @@ class Checkpointer:
             self._timer = None
         if self._executor is None:
             return
-        if self.engine.table is not None:
+        if self._pending is not None:
+            self._pending.cancel()
+            self._begin_pending()
+        engine = self.engine
+        if engine.table is not None and not (engine.resumed_from is not None and not engine.started):
             try:
-                path = await self.request("shutdown")
-                log.info("checkpoint at shutdown: %s", path)
+                written = await asyncio.wait_for(asyncio.shield(self.request("shutdown")), _SHUTDOWN_WAIT_S)
+                log.info("checkpoint at shutdown: %s", written["path"])
             except (CheckpointError, CheckpointFailed) as exc:
                 log.error("no checkpoint at shutdown: %s", exc)
+            except TimeoutError:
+                log.error("the checkpoint at shutdown is not written after %.0f s (a hung disk?): stopping without "
+                          "it; the newest complete checkpoint is still intact", _SHUTDOWN_WAIT_S)
+                self._release()
+                return
         while self._busy:
             await asyncio.sleep(0.01)
-        self._executor.shutdown(wait=True)
-        self._executor = None
+        self._release()
+
+    def _release(self, wait: bool = True) -> None:
+        if self._executor is not None:
+            self._executor.shutdown(wait=wait and not self._busy, cancel_futures=True)
+            self._executor = None
+        if self._lock is not None:
+            self._lock.close()
+            self._lock = None
 
     async def close_without_checkpoint(self) -> None:
         """Stop the timer and the writer (the server failed to start)."""
         if self._timer is not None:
             self._timer.cancel()
             self._timer = None
-        if self._executor is not None:
-            self._executor.shutdown(wait=True)
-            self._executor = None
+        self._release()
 
     # Internals --------------------------------------------------------------
     async def _tick(self) -> None:
@@ -209,22 +278,28 @@ class Checkpointer:
             await asyncio.sleep(max(0.0, min(wait, _POLL_S) if every_n > 0 else wait))
             now = time.monotonic()
             timed = every > 0 and now >= self._due
-            if timed:
-                self._due = max(self._due + every, now)  # after a long stall: one, not a burst
             counted = every_n > 0 and engine.version - self._last_version >= every_n
             if not (timed or counted) or engine.table is None or not engine.started:
                 continue
+            if timed:
+                # Begin the next one early by a write's time, so that one is complete (on disk)
+                # every interval: a crash loses at most one interval's updates.
+                self._due = max(now + every - self._write_estimate(), now + every / 4)
             if engine.version == self._last_version:
                 continue  # nothing changed since the last one
-            if self._busy:
-                self.skipped += 1
+            if self._busy or self._pending is not None:
+                self.skipped += timed
                 continue
             self._begin("periodic", None)
+
+    def _write_estimate(self) -> float:
+        """How long a checkpoint takes from capture to rename: the longest of the last few."""
+        return max(self._writes, default=0.0)
 
     def _begin(self, reason: str, future: asyncio.Future | None) -> None:
         loop = asyncio.get_running_loop()
         self._busy = True
-        started = time.monotonic()
+        started = self._last_start = time.monotonic()
 
         def captured(capture: Capture | BaseException) -> None:
             if isinstance(capture, BaseException):
@@ -264,7 +339,7 @@ class Checkpointer:
             else:
                 state.update((f"{key}/{tensor}", view) for tensor, view in layout.views(flat).items())
         path = write_checkpoint(self.directory, name, capture.manifest, weights, state)
-        for old in prune(self.directory, self.config.checkpoint_keep):
+        for old in prune(self.directory, self.config.checkpoint_keep, self.engine.run_id):
             log.debug("removed old checkpoint %s", old)
         return str(path)
 
@@ -276,6 +351,7 @@ class Checkpointer:
             return
         self.written += 1
         finished = time.monotonic()
+        self._writes = [*self._writes[1 - _WRITES_REMEMBERED:], finished - started]
         self.engine.stats.checkpoint = {
             "path": result,
             "version": capture.manifest["version"],
@@ -290,7 +366,7 @@ class Checkpointer:
         }
         log.log(logging.DEBUG if reason == "periodic" else logging.INFO, "checkpoint %s (version %d) written in %.2f s",
                 result, capture.manifest["version"], finished - started)
-        self._finished(reason, future, result, started)
+        self._finished(reason, future, {"path": result, "version": capture.manifest["version"]}, started)
 
     def _finished(self, reason: str, future: asyncio.Future | None, result, started: float) -> None:
         if isinstance(result, BaseException):
@@ -309,6 +385,6 @@ class Checkpointer:
             else:
                 future.set_result(result)
         self._busy = False
-        waiting, self._next = self._next, None
-        if waiting is not None:
-            self._begin("request", waiting)
+        if self._next is not None and self._executor is not None and self._pending is None:
+            wait = max(0.0, self._last_start + _REQUEST_SPACING_S - time.monotonic())
+            self._pending = asyncio.get_running_loop().call_later(wait, self._begin_pending)

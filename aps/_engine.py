@@ -83,10 +83,12 @@ class Seat:
     its clock when it last left, and its last committed push, by which a push sent
     again after a lost reply is recognised (docs/protocol.md, "Duplicates")."""
 
-    __slots__ = ("clock", "push_id", "push_clock", "result")
+    __slots__ = ("clock", "held", "credit", "push_id", "push_clock", "result")
 
     def __init__(self) -> None:
         self.clock = -1
+        self.held = False  # held at the gate when it left
+        self.credit = 0  # DSSP iterations it had been granted and not used
         self.push_id = -1
         self.push_clock = -1
         self.result: PushResult | None = None
@@ -99,6 +101,8 @@ class Seat:
         result = self.result
         return {
             "clock": self.clock,
+            "held": self.held,
+            "credit": self.credit,
             "push_id": self.push_id,
             "push_clock": self.push_clock,
             "push_result": None if result is None else [result.version, result.clock, result.dropped,
@@ -109,6 +113,7 @@ class Seat:
     def from_json(cls, data: dict) -> Seat:
         seat = cls()
         seat.clock, seat.push_id, seat.push_clock = int(data["clock"]), int(data["push_id"]), int(data["push_clock"])
+        seat.held, seat.credit = bool(data.get("held", False)), int(data.get("credit", 0))
         if data.get("push_result") is not None:
             version, clock, dropped, staleness, scale = data["push_result"]
             seat.result = PushResult(int(version), int(clock), bool(dropped), int(staleness), float(scale))
@@ -202,8 +207,10 @@ class Engine:
         #: The checkpoint this engine resumed from (its path), if any.
         self.resumed_from: str | None = None
         self._seats: dict[int, Seat] = {}
-        # Where each rank that was live in the checkpoint goes when it rejoins (resume).
+        # Where each rank that was live in the checkpoint goes when it reconnects (resume).
         self._placements: dict[int, tuple[int, bool, int]] = {}
+        # The ranks that must be back before training starts again (None: all of them).
+        self._start_ranks: set[int] | None = None
         #: ``request_checkpoint(reason)`` -> a future of the path; set by a server that writes checkpoints.
         self.request_checkpoint: Callable[[str], object] | None = None
 
@@ -236,10 +243,14 @@ class Engine:
         """Everything :mod:`aps.stats` counts, as a JSON-able dict (see ``aps status``)."""
         return self.stats.snapshot(self)
 
-    def join_progress(self) -> tuple[int, list[int]]:
-        """How many workers have joined, and the ranks that have not (before training starts)."""
+    def join_progress(self) -> tuple[int, int, list[int]]:
+        """Before training starts: how many of the workers it waits for have joined, how
+        many it waits for, and the ranks still missing. A run resumed from a checkpoint
+        waits for the ranks that were live in it; a new run, for all of them."""
         joined = {rank for rank, member in self.members.items() if member.joined}
-        return len(joined), [rank for rank in range(self.num_workers) if rank not in joined]
+        wanted = range(self.num_workers) if self._start_ranks is None else sorted(self._start_ranks)
+        missing = [rank for rank in wanted if rank not in joined]
+        return len(wanted) - len(missing), len(wanted), missing
 
     def waiting_to_start(self, member: Member) -> bool:
         """True while ``member`` has joined and its INIT waits for the others."""
@@ -364,11 +375,15 @@ class Engine:
         member.required_version = self.decided_version
         log.info("worker %d joined at clock %d (%d/%d live)", member.rank, clock, self.policy.num_live, self.num_workers)
         self._wait(member, on_ready, gate=False)
-        if not self.started and self.policy.num_live == self.num_workers:
+        if not self.started and not self.join_progress()[2]:
             self.started = True
+            self.policy.resuming = False
             self.stats.training_started = self._now()
             self.stats.start_version = self.version
-            log.info("all %d workers joined: training starts", self.num_workers)
+            if self.resumed_from is None:
+                log.info("all %d workers joined: training starts", self.num_workers)
+            else:
+                log.info("%d workers back: training goes on from version %d", self.policy.num_live, self.version)
             self._serve_waiting()
         elif not self.started and self.on_membership_change is not None:
             self.on_membership_change()
@@ -394,10 +409,12 @@ class Engine:
             return
         member.joined = False
         rank, policy = member.rank, self.policy
-        self._seat(rank).clock = policy.clock(rank)
+        window = policy.window
+        seat = self._seat(rank)
+        seat.clock, seat.held, seat.credit = policy.clock(rank), window.is_held(rank), window.credit(rank)
         if self.resumed_from is not None and not self.started:
             # Resuming, before everyone is back: it returns to where the checkpoint had it.
-            self._placements[rank] = (policy.clock(rank), policy.window.is_held(rank), policy.window.credit(rank))
+            self._placements[rank] = (seat.clock, seat.held, seat.credit)
         outcome = self.policy.leave(member.rank)
         log.info("worker %d left (%d/%d live)", member.rank, self.policy.num_live, self.num_workers)
         if not self.started and self.on_membership_change is not None:
@@ -405,19 +422,25 @@ class Engine:
         self._after(outcome)
 
     def _place(self, member: Member) -> int:
-        """Seat ``member`` in the policy; returns its clock. A rank that was live in
-        the checkpoint resumes where it was; a worker that reconnects goes on from
-        the clock it had (if the others have not all passed it); anyone else starts
-        at the slowest live clock."""
+        """Seat ``member`` in the policy; returns its clock. A worker that reconnects
+        (``rejoin``) goes on where it was: at its place in the checkpoint the server
+        resumed from, or at the clock, gate and DSSP credit it had when its connection
+        went (unless every live worker has passed that clock). Anyone else (a new
+        process for the rank) starts afresh at the slowest live clock, and its rank's
+        last push is forgotten: its request ids start over."""
         rank, policy = member.rank, self.policy
         placement = self._placements.pop(rank, None)
+        seat = self._seats.get(rank)
+        if not member.rejoin:
+            if seat is not None:
+                seat.push_id = seat.push_clock = -1
+            return policy.join(rank)
         if placement is not None:
             return policy.join(rank, *placement)
-        seat = self._seats.get(rank)
         window = policy.window
-        if member.rejoin and seat is not None and seat.clock > window.min_clock:
-            held = window.bounded and seat.clock - window.min_clock > window.lower
-            return policy.join(rank, seat.clock, held)
+        if seat is not None and seat.clock > window.min_clock:
+            held = seat.held and window.bounded and seat.clock - window.min_clock > window.lower
+            return policy.join(rank, seat.clock, held, seat.credit)
         return policy.join(rank)
 
     def _seat(self, rank: int) -> Seat:
@@ -518,6 +541,7 @@ class Engine:
             if self.aggregate is not None and "aggregate" in checkpoint.state:
                 np.copyto(self.aggregate.current, checkpoint.state["aggregate"])
             self._placements = self.policy.restore(manifest["policy"])
+            self._start_ranks = set(self._placements) or None
             self._seats = {int(rank): Seat.from_json(seat) for rank, seat in manifest["seats"].items()}
             self.pushes = int(manifest["pushes"])
             counters = manifest.get("counters", {})
@@ -528,7 +552,7 @@ class Engine:
             if self.table is not None:
                 self.table.close()
             self.table = self.layout = self.aggregate = None
-            self._placements, self._seats = {}, {}
+            self._placements, self._seats, self._start_ranks = {}, {}, None
             detail = f"missing {exc}" if isinstance(exc, KeyError) else str(exc)
             raise CheckpointError(f"checkpoint {checkpoint.path} cannot be resumed: {detail}") from None
         self.resumed_from = str(checkpoint.path)
@@ -567,7 +591,7 @@ class Engine:
         reply is answered with the first one's result and applied only once.
         """
         seat = self._seats.get(member.rank)
-        if member.joined and seat is not None and seat.is_duplicate(request_id, clock):
+        if member.joined and member.rejoin and seat is not None and seat.is_duplicate(request_id, clock):
             if stream is not None:
                 stream.abort()
             self._lane.submit(CallJob(lambda: self._answer_duplicate(member, on_done)))
@@ -605,7 +629,7 @@ class Engine:
         if table is None:
             return None
         seat = self._seats.get(member.rank)
-        if seat is not None and seat.is_duplicate(request_id, clock):
+        if member.rejoin and seat is not None and seat.is_duplicate(request_id, clock):
             return None
         try:
             self._check_push(member, grad_version)

@@ -57,6 +57,7 @@ __all__ = [
     "STATE_FILE",
     "check_writable",
     "checkpoint_name",
+    "lock_directory",
     "directory_bytes",
     "file_problems",
     "find_resumable",
@@ -587,8 +588,9 @@ def next_sequence(directory: StrPath) -> int:
     return max(taken, default=0) + 1
 
 
-def prune(directory: StrPath, keep: int) -> list[pathlib.Path]:
-    """Delete all but the newest ``keep`` complete checkpoints in ``directory``.
+def prune(directory: StrPath, keep: int, run_id: str | None = None) -> list[pathlib.Path]:
+    """Delete all but the newest ``keep`` complete checkpoints in ``directory`` (with
+    ``run_id``: of that run; other runs' checkpoints are left alone).
 
     Each is first renamed to a temporary name, so a crash part-way never leaves
     a checkpoint that looks complete and is not (:func:`remove_temporaries`
@@ -605,7 +607,10 @@ def prune(directory: StrPath, keep: int) -> list[pathlib.Path]:
         raise ValueError(f"keep must be >= 0, got {keep}")
     directory = pathlib.Path(directory)
     removed = []
-    for path in list_checkpoints(directory)[keep:]:
+    found = list_checkpoints(directory)
+    if run_id is not None:
+        found = [path for path in found if _run_of(path) == run_id]
+    for path in found[keep:]:
         doomed = directory / f".tmp-{path.name}-{os.getpid()}-{secrets.token_hex(4)}"
         try:
             os.rename(path, doomed)
@@ -614,6 +619,42 @@ def prune(directory: StrPath, keep: int) -> list[pathlib.Path]:
             raise CheckpointError(f"cannot remove old checkpoint {path}: {_reason(exc)}") from exc
         removed.append(path)
     return removed
+
+
+def _run_of(path: pathlib.Path) -> str | None:
+    try:
+        return read_manifest(path).get("run_id")
+    except CheckpointError:
+        return None
+
+
+def lock_directory(directory: StrPath):
+    """Take ``directory`` for this process alone (an exclusive ``flock`` on its ``.lock``
+    file, held until the returned file is closed or the process ends, even by kill -9).
+
+    Raises:
+        CheckpointError: another process holds it.
+    """
+    import fcntl
+
+    path = pathlib.Path(directory) / ".lock"
+    try:
+        handle = open(path, "a+")
+    except OSError as exc:
+        raise CheckpointError(f"cannot write checkpoints to {directory}: {_reason(exc)}") from None
+    try:
+        fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        handle.seek(0)
+        holder = handle.read().strip() or "?"
+        handle.close()
+        raise CheckpointError(f"another process (pid {holder}) is writing checkpoints into {directory}: "
+                              "give each server a --checkpoint-dir of its own") from None
+    handle.seek(0)
+    handle.truncate()
+    handle.write(f"{os.getpid()}\n")
+    handle.flush()
+    return handle
 
 
 def _pid_alive(pid: int) -> bool:
@@ -636,11 +677,12 @@ def list_temporaries(directory: StrPath) -> list[pathlib.Path]:
                   if _TEMPORARY.fullmatch(e.name) and e.is_dir(follow_symlinks=False))
 
 
-def remove_temporaries(directory: StrPath) -> list[pathlib.Path]:
+def remove_temporaries(directory: StrPath, *, every: bool = False) -> list[pathlib.Path]:
     """Delete the temporary directories a crashed checkpoint writer left in ``directory``.
 
     Temporaries whose writer (the process id in their name) is still running on
-    this host are kept: it may be writing them now.
+    this host are kept: it may be writing them now. With ``every`` (the caller
+    holds :func:`lock_directory`, so no one else writes there), all are removed.
 
     Returns:
         The directories removed.
@@ -648,7 +690,7 @@ def remove_temporaries(directory: StrPath) -> list[pathlib.Path]:
     removed = []
     for path in list_temporaries(directory):
         match = _TEMPORARY.fullmatch(path.name)
-        if match is None or _pid_alive(int(match.group(2))):
+        if match is None or (not every and _pid_alive(int(match.group(2)))):
             continue
         shutil.rmtree(path, ignore_errors=True)
         if not os.path.lexists(path):

@@ -24,7 +24,7 @@ from ._engine import Engine
 from ._lane import run_kernel
 from .checkpoint import Checkpoint, find_resumable
 from .config import RESUME_LATEST, RUN_OPTIONS, ServerConfig, resolve_token
-from .errors import APSError, CheckpointError, ConfigurationError
+from .errors import APSError, CheckpointError, CheckpointFailed, ConfigurationError
 from .protocol import encode_join_progress
 from .transport._tls import server_context
 from .transport.address import format_address
@@ -71,7 +71,9 @@ class Server:
         elif options:
             config = config.replace(**options)
         self.config = config
-        self._given = given
+        # The options given (resume checks them against the checkpoint): the keywords passed,
+        # or with a config object, the fields that differ from the defaults.
+        self._given = given if given is not None else (set(options) if options or config is None else None)
         self.checkpointer: Checkpointer | None = None
         self.engine: Engine | None = None
         self.connections: set = set()
@@ -176,6 +178,8 @@ class Server:
         if config.resume is None:
             return None
         where = config.checkpoint_dir if config.resume == RESUME_LATEST else config.resume
+        if config.checkpoint_dir is None:
+            log.warning("--resume without --checkpoint-dir: this run writes no checkpoints of its own")
         checkpoint = find_resumable(where)
         if checkpoint is None:
             if config.resume != RESUME_LATEST:
@@ -248,11 +252,16 @@ class Server:
 
         async def request() -> str:
             if self.checkpointer is None:
-                from .errors import CheckpointFailed
-
                 raise CheckpointFailed("this server writes no checkpoints (start it with --checkpoint-dir)")
-            return await self.checkpointer.request("request")
+            return (await self.checkpointer.request("request"))["path"]
 
+        try:
+            running = asyncio.get_running_loop()
+        except RuntimeError:
+            running = None
+        if running is loop:
+            raise APSError("Server.checkpoint() waits for the write, so it cannot run on the server's own loop: "
+                           "call it from another thread, or await server.checkpointer.request()")
         return asyncio.run_coroutine_threadsafe(request(), loop).result(timeout)
 
     def _on_loop(self, fn, timeout: float):
@@ -383,9 +392,9 @@ class Server:
                     pass
                 await asyncio.sleep(_JOIN_PROGRESS_COALESCE_S)
                 changed.clear()
-                joined, missing = engine.join_progress()
+                joined, wanted, missing = engine.join_progress()
                 if joined and not engine.started:
-                    payload = encode_join_progress(joined, engine.num_workers, missing)
+                    payload = encode_join_progress(joined, wanted, missing)
                     for conn in list(self.connections):
                         conn.notify_join_progress(payload)
         finally:

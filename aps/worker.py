@@ -170,9 +170,16 @@ class _Reconnecting:
     def remaining(self) -> float | None:
         return None if self.deadline is None else max(self.deadline - time.monotonic(), 0.0)
 
+    def check_closed(self) -> None:
+        """Raise if the worker was closed meanwhile (from another thread or task)."""
+        if self.worker._closing:
+            self.worker._disconnect()
+            raise APSConnectionError(f"rank {self.worker.rank}: the worker was closed while it reconnected")
+
     def failed(self, exc: BaseException) -> float:
         """An attempt failed with ``exc``: raise if it cannot be cured or time is up; else the seconds to wait."""
-        if not (_recoverable(exc) or isinstance(exc, (RankTaken, APSTimeoutError))) or self.worker._closing:
+        self.check_closed()
+        if not (_recoverable(exc) or isinstance(exc, (RankTaken, APSTimeoutError))):
             raise exc
         now = time.monotonic()
         if self.deadline is not None and now >= self.deadline:
@@ -197,13 +204,26 @@ class _Reconnecting:
                     time.monotonic() - self.start, core.version, core.clock)
 
 
+def _after_recovery(core: _ClientCore, kind: str, request):
+    """What finishes a call of ``kind`` once its worker has rejoined: ``(kind, request)``,
+    or ``(None, None)`` when nothing is left to send."""
+    if kind == "init":
+        return None, None  # the rejoin was the init
+    if kind in ("push", "push_pull") and core.has_pending_push:
+        if core.pending_push_version > core.version:
+            _note_dropped_after_resume(core.rank, core)
+            return ("pull", core.pull_request) if kind == "push_pull" else (None, None)
+        return kind, core.resend_push
+    return kind, request
+
+
 def _note_dropped_after_resume(rank: int, core: _ClientCore) -> None:
     """The server came back older than the weights the push in flight was computed on."""
     log.warning("rank %d: the server resumed from a checkpoint at version %d, before the weights this gradient was "
                 "computed on (version %d): the gradient is dropped, and the updates made after that checkpoint are "
                 "lost; going on from the server's weights and clock (%d)", rank, core.version,
                 core.pending_push_version, core.clock)
-    core.forget_push()
+    core.forget_push(dropped=True)
 
 
 def _check_transport(transport: str) -> None:
@@ -390,10 +410,11 @@ class _ClientCore:
         """The version of the weights the push in flight was computed on."""
         return self._push[3]
 
-    def forget_push(self) -> None:
-        """The push in flight will not be sent again (it was dropped)."""
+    def forget_push(self, dropped: bool = False) -> None:
+        """The push in flight will not be sent again (``dropped``: it was not applied)."""
         self._push = None
-        self.dropped = True
+        if dropped:
+            self.dropped = True
 
     def resend_push(self) -> list:
         """The push in flight again, exactly as first sent (same request id and clock:
@@ -607,6 +628,16 @@ class _WorkerBase:
             log.warning("rank %d joined a running model at %s at version %d: the values passed to init() were "
                         "not used; the server's weights were returned", self.rank, self.address, self.version)
 
+    def _reconnects(self, kind: str, exc: APSError) -> bool:
+        """Whether a call of ``kind`` that failed with ``exc`` gets back to the server by itself."""
+        return (self.reconnect_timeout != 0 and _recoverable(exc) and not self._closing
+                and (self._core.ever_joined or kind == "init"))
+
+    def _rejoin_timeout(self, attempt: _Reconnecting, exc: APSTimeoutError) -> APSTimeoutError:
+        """The rejoin's INIT waited in vain: say for whom."""
+        return APSTimeoutError(f"the server at {self.address} is back, but waits for the other workers: "
+                               f"{_describe_progress(self._core.join_progress)}")
+
     @property
     def last_push_dropped(self) -> bool:
         """True when the server dropped the last gradient (it arrived for a closed BSP round)."""
@@ -701,6 +732,7 @@ class Worker(_WorkerBase):
         # taken) and sent and answered under this lock.
         self._lock = threading.RLock()
         self._last_io = time.monotonic()
+        self._requested_transport = transport  # "auto" stays "auto" when the worker reconnects
         self._conn: BlockingConnection | ShmConnection | None = self._open(transport)
         #: "shm" or "tcp": what this worker uses (``transport="auto"`` decides at connection).
         self.transport = "shm" if self._core.shm is not None else "tcp"
@@ -795,15 +827,23 @@ class Worker(_WorkerBase):
         """Leave the training (the server stops counting this worker) and disconnect."""
         self._closing = True
         self._stop.set()
-        if self._conn is None:
-            return
-        if self._core.joined:
-            try:
-                self._roundtrip(lambda: self._core.simple_request(Op.LEAVE), 5.0)
-            except APSError:
-                pass
-        with self._lock:
+        if not self._lock.acquire(timeout=0.5):
+            # Another thread is in a call (reconnecting, or held at the gate): end its wait.
+            conn = self._conn
+            if conn is not None:
+                conn.shutdown()
+            self._lock.acquire()
+        try:
+            if self._conn is None:
+                return
+            if self._core.joined:
+                try:
+                    self._roundtrip(lambda: self._core.simple_request(Op.LEAVE), 5.0)
+                except APSError:
+                    pass
             self._disconnect()
+        finally:
+            self._lock.release()
 
     def __enter__(self) -> Worker:
         return self
@@ -822,24 +862,19 @@ class Worker(_WorkerBase):
     # Internals ------------------------------------------------------------
     def _call(self, kind: str, request, timeout: float | None = ..., *, waiting=None) -> Header | None:
         """:meth:`_roundtrip`, getting back to a lost server and finishing the call when
-        the worker reconnects by itself (``kind``: init, pull, push, push_pull, ping)."""
-        try:
-            return self._roundtrip(request, timeout, waiting=waiting)
-        except APSError as exc:
-            if not (self.reconnect_timeout != 0 and _recoverable(exc) and not self._closing
-                    and (self._core.ever_joined or kind == "init")):
-                raise
-            lost = exc
-        self._recover(lost)
-        core = self._core
-        if kind == "init":
-            return None  # the rejoin was the init
-        if kind in ("push", "push_pull") and core.has_pending_push:
-            if core.pending_push_version > core.version:
-                _note_dropped_after_resume(self.rank, core)
-                return self._call("pull", core.pull_request, timeout) if kind == "push_pull" else None
-            return self._call(kind, core.resend_push, timeout)
-        return self._call(kind, request, timeout, waiting=waiting)
+        the worker reconnects by itself (``kind``: init, pull, push, push_pull, ping).
+        Each loss of the server gets ``reconnect_timeout`` seconds."""
+        self._core.forget_push()  # only this call's push is ever sent again
+        while True:
+            try:
+                return self._roundtrip(request, timeout, waiting=waiting)
+            except APSError as exc:
+                if not self._reconnects(kind, exc):
+                    raise
+                self._recover(exc)
+            kind, request = _after_recovery(self._core, kind, request)
+            if kind is None:
+                return None
 
     def _recover(self, lost: BaseException) -> None:
         """Reconnect and rejoin under this rank (see ``reconnect`` in the class docstring)."""
@@ -848,14 +883,21 @@ class Worker(_WorkerBase):
             try:
                 with self._lock:
                     self._disconnect(lost)
-                    self._conn = self._open(self.transport)
-                remaining = attempt.remaining()
-                self._roundtrip(lambda: self._core.init_request(None, rejoin=True), remaining,
-                                waiting=self._note_init_wait)
+                    attempt.check_closed()
+                    self._conn = self._open(self._requested_transport)
+                    self.transport = "shm" if self._core.shm is not None else "tcp"
+                    attempt.check_closed()
+                try:
+                    self._roundtrip(lambda: self._core.init_request(None, rejoin=True), attempt.remaining(),
+                                    waiting=self._note_init_wait)
+                except APSTimeoutError as exc:
+                    raise self._rejoin_timeout(attempt, exc) from None
                 break
             except APSError as exc:
                 lost = exc
-                time.sleep(attempt.failed(exc))
+                wait = attempt.failed(exc)
+                if self._stop.wait(wait):  # close() was called meanwhile
+                    attempt.check_closed()
         attempt.done()
         self._start_heartbeat()
 
@@ -1096,6 +1138,10 @@ class AsyncWorker(_WorkerBase):
         if self._heartbeat_task is not None:
             self._heartbeat_task.cancel()
             self._heartbeat_task = None
+        if self._lock.locked() and self._conn is not None:
+            self._conn.close()  # another task is in a call (reconnecting, or held): end its wait
+        async with self._lock:
+            pass
         if self._conn is None:
             return
         if self._core.joined:
@@ -1113,23 +1159,17 @@ class AsyncWorker(_WorkerBase):
 
     async def _call(self, kind: str, request, timeout: float | None = ..., *, waiting=None) -> Header | None:
         """See :meth:`Worker._call`."""
-        try:
-            return await self._roundtrip(request, timeout, waiting=waiting)
-        except APSError as exc:
-            if not (self.reconnect_timeout != 0 and _recoverable(exc) and not self._closing
-                    and (self._core.ever_joined or kind == "init")):
-                raise
-            lost = exc
-        await self._recover(lost)
-        core = self._core
-        if kind == "init":
-            return None
-        if kind in ("push", "push_pull") and core.has_pending_push:
-            if core.pending_push_version > core.version:
-                _note_dropped_after_resume(self.rank, core)
-                return await self._call("pull", core.pull_request, timeout) if kind == "push_pull" else None
-            return await self._call(kind, core.resend_push, timeout)
-        return await self._call(kind, request, timeout, waiting=waiting)
+        self._core.forget_push()
+        while True:
+            try:
+                return await self._roundtrip(request, timeout, waiting=waiting)
+            except APSError as exc:
+                if not self._reconnects(kind, exc):
+                    raise
+                await self._recover(exc)
+            kind, request = _after_recovery(self._core, kind, request)
+            if kind is None:
+                return None
 
     async def _recover(self, lost: BaseException) -> None:
         """See :meth:`Worker._recover`."""
@@ -1138,9 +1178,14 @@ class AsyncWorker(_WorkerBase):
             try:
                 async with self._lock:
                     self._disconnect(lost)
+                    attempt.check_closed()
                     self._conn = await self._reopen()
-                await self._roundtrip(lambda: self._core.init_request(None, rejoin=True), attempt.remaining(),
-                                      waiting=self._note_init_wait)
+                    attempt.check_closed()
+                try:
+                    await self._roundtrip(lambda: self._core.init_request(None, rejoin=True), attempt.remaining(),
+                                          waiting=self._note_init_wait)
+                except APSTimeoutError as exc:
+                    raise self._rejoin_timeout(attempt, exc) from None
                 break
             except APSError as exc:
                 lost = exc

@@ -68,13 +68,14 @@ class Harness:
 
         return ready
 
-    def join(self, rank: int, values: np.ndarray | None = None) -> None:
+    def join(self, rank: int, values: np.ndarray | None = None, *, rejoin: bool = False) -> None:
         worker = self.workers[rank]
         if values is None:
             values = np.zeros(self.numel, np.float32)
         worker.waiting = True
         worker.member = self.engine.join(
-            rank, self.P, self.layout, values, self._ready(worker), lambda exc: worker.errors.append(exc)
+            rank, self.P, self.layout, values, self._ready(worker), lambda exc: worker.errors.append(exc),
+            rejoin=rejoin,
         )
 
     def join_all(self, values: np.ndarray | None = None) -> None:

@@ -73,6 +73,9 @@ class SyncPolicy:
         bounds = config.staleness_bounds()
         self.window = window_type(self.num_workers, *bounds) if bounds else window_type(self.num_workers)
         self.dropped = 0
+        #: Restored from a checkpoint, and not every worker is back yet: no round closes
+        #: (no update is formed from a part of the cluster); the engine clears it at the start.
+        self.resuming = False
         self._inverse_lr = config.lr_staleness == "inverse"
 
     def staleness_scale(self, staleness: int) -> float:
@@ -132,6 +135,7 @@ class SyncPolicy:
                              f"{self.num_workers} workers")
         self.window.restore(int(state["min_clock"]), int(state["last_r_star"]), int(state["controller_calls"]))
         self.dropped = int(state.get("dropped", 0))
+        self.resuming = True
         return {
             rank: (int(clock), bool(held) and self.window.bounded, int(credit))
             for rank, (clock, live, held, credit) in enumerate(zip(*columns))

@@ -36,6 +36,9 @@ class BSP(SyncPolicy):
         self._pushed: set[int] = set()  # the live ones among them
         self._closed = False  # the round closed; its update is pending
         self._held: set[int] = set()
+        # Restored from a checkpoint: ranks whose gradient is in the open round and that had not
+        # left; they count as present (and held) again once they reconnect.
+        self._restored_present: set[int] = set()
 
     def is_held(self, rank: int) -> bool:
         return rank in self._held
@@ -86,10 +89,20 @@ class BSP(SyncPolicy):
         placements = super().restore(state)
         ranks = range(self.num_workers)
         self._contributed = {int(r) for r in state["contributed"] if int(r) in ranks}
-        self._pushed = {int(r) for r in state["pushed"] if int(r) in ranks}
-        self._held = {int(r) for r in state["round_held"] if int(r) in ranks}
-        self._closed = False
-        return placements
+        self._restored_present = {int(r) for r in state["pushed"] if int(r) in placements}
+        self._pushed, self._held, self._closed = set(), set(), False
+        # BSP holds at its own gate (the window is unbounded): the placement's flag says so.
+        held = {int(r) for r in state["round_held"]}
+        return {rank: (clock, rank in held, credit) for rank, (clock, _, credit) in placements.items()}
+
+    def join(self, rank: int, clock: int = -1, held: bool = False, credit: int = 0) -> int:
+        present = rank in self._restored_present
+        self._restored_present.discard(rank)
+        if clock >= 0 and present:  # back where the checkpoint had it: present in the round
+            self._pushed.add(rank)
+            if held:
+                self._held.add(rank)
+        return self.window.join(rank, clock, False, credit)
 
     def aggregate_applied(self) -> None:
         self._closed = False
@@ -97,7 +110,7 @@ class BSP(SyncPolicy):
         self._pushed.clear()
 
     def _maybe_close(self) -> Outcome:
-        if self._closed or not self._contributed:
+        if self._closed or not self._contributed or self.resuming:
             return Outcome()
         if len(self._pushed) < max(1, self.window.num_live - self.backup):
             return Outcome()

@@ -65,7 +65,7 @@ class Softsync(SyncPolicy):
         self._closing = False
 
     def _maybe_apply(self, released: list[int]) -> Outcome:
-        if self._closing or self._count == 0 or self._count < self.group_size:
+        if self._closing or self._count == 0 or self._count < self.group_size or self.resuming:
             return Outcome(released)
         self._closing = True
         return Outcome(released, aggregate_scale=1.0 / self._count)

@@ -93,6 +93,13 @@ class ClientSocket:
         except OSError:
             pass
 
+    def shutdown(self) -> None:
+        """End the connection under a thread blocked on it (its call raises APSConnectionError)."""
+        try:
+            self.sock.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
+
 
 class BlockingSocket(ClientSocket):
     """A connected blocking socket driving a FrameReader: what ``aps.Worker`` talks

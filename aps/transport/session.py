@@ -601,7 +601,7 @@ class ServerSession:
         if exc is not None:
             self._fail(InternalServerError(f"the checkpoint failed: {exc}"))
             return
-        info = {"path": future.result(), "version": self.engine.stats.checkpoint["version"]}
+        info = future.result()
         self._reply(Op.CHECKPOINT_REPLY, version=info["version"], payload=json.dumps(info).encode())
 
     def _on_stats(self, header: Header, payload: memoryview, stream) -> None:

@@ -13,7 +13,7 @@ import socket
 import ssl
 from collections.abc import Callable, Sequence
 
-from ..errors import APSConnectionError, APSError, APSTimeoutError
+from ..errors import APSConnectionError, APSError, APSTimeoutError, AuthenticationError
 from ._client import IOV_MAX, BlockingSocket, ClientSocket, advance
 from ._sockets import set_keepalive, set_nodelay
 from .framing import FrameReader
@@ -50,7 +50,7 @@ class BlockingConnection(BlockingSocket):
                 sock = tls.wrap_socket(sock, server_hostname=host)
             except (ssl.SSLError, OSError) as exc:
                 sock.close()
-                raise APSConnectionError(f"the TLS handshake with {address} failed: {exc}") from None
+                raise _tls_failure(address, exc) from None
         self._tls = tls is not None
         super().__init__(sock, address)
 
@@ -160,7 +160,7 @@ class AsyncTlsConnection(AsyncConnection):
         except asyncio.TimeoutError:
             raise APSTimeoutError(f"connecting to {address} timed out") from None
         except ssl.SSLError as exc:
-            raise APSConnectionError(f"the TLS handshake with {address} failed: {exc}") from None
+            raise _tls_failure(address, exc) from None
         except OSError as exc:
             raise APSConnectionError(f"cannot connect to {address}: {exc.strerror or exc}") from None
         sock = writer.get_extra_info("socket")
@@ -182,3 +182,12 @@ class AsyncTlsConnection(AsyncConnection):
 
     def close(self) -> None:
         self._writer.close()
+
+
+def _tls_failure(address: str, exc: BaseException) -> APSConnectionError:
+    """A failed TLS handshake: a certificate that does not verify is an authentication
+    failure (trying again will not help), anything else a lost connection."""
+    message = f"the TLS handshake with {address} failed: {exc}"
+    if isinstance(exc, ssl.SSLCertVerificationError) or "CERTIFICATE" in str(exc).upper():
+        return AuthenticationError(message)
+    return APSConnectionError(message)

@@ -296,7 +296,7 @@ def test_a_full_checkpoint_directory_fails_the_checkpoint_not_the_training(tmp_p
             worker.init({"w": np.zeros(1 << 18, np.float32)})  # 1 MiB: more than the directory holds
             with pytest.raises(aps.errors.CheckpointFailed, match="No space left"):
                 request_checkpoint(server.address)
-            assert list_checkpoints(mount) == [] and not any(mount.iterdir())  # nothing half-written left
+            assert [p.name for p in mount.iterdir()] == [".lock"]  # nothing half-written left
             before = worker.version
             worker.push_pull({"w": np.ones(1 << 18, np.float32)})  # training goes on
             assert worker.version == before + 1
@@ -405,3 +405,72 @@ def test_a_server_restarted_without_its_checkpoint_is_another_run(tmp_path):
             restarted[0].join()
             for other in restarted[1:]:
                 other.stop()
+
+
+def test_one_directory_one_server_and_one_run(tmp_path):
+    """A second server cannot write into a directory another one uses, and a new run does not
+    start (and prune) in a directory that holds another run's checkpoints."""
+    server = ServerProcess("--workers", "1", "--checkpoint-dir", str(tmp_path), "--checkpoint-every", "0")
+    try:
+        said = refused_to_start("--checkpoint-dir", str(tmp_path))
+        assert f"pid {server.proc.pid}) is writing checkpoints into {tmp_path}" in said, said
+        worker = aps.Worker(server.address, 0, 1, transport="tcp", reconnect=False)
+        worker.init({"w": np.zeros(4, np.float32)})
+        request_checkpoint(server.address)
+        worker.close()
+    finally:
+        server.stop()
+    said = refused_to_start("--checkpoint-dir", str(tmp_path))  # forgot --resume
+    assert "holds checkpoints of another run" in said and "give --resume" in said, said
+    assert len(list_checkpoints(tmp_path)) == 2  # the one asked for, and the one at shutdown
+
+
+def test_a_call_that_failed_leaves_nothing_to_send_again(tmp_path):
+    """push_pull(g1) times out at the gate (its connection is dropped, the push was applied);
+    the next push_pull(g2) reconnects and sends g2, not g1 again."""
+    server = ServerProcess("--workers", "2", "--sync", "ssp", "--staleness", "0", "--lr", "1")
+    try:
+        fast = aps.Worker(server.address, 0, 2, transport="tcp", reconnect_timeout=30)
+        slow = aps.Worker(server.address, 1, 2, transport="tcp", reconnect=False)
+        joining = threading.Thread(target=slow.init, args=({"w": np.zeros(4, np.float32)},))
+        joining.start()
+        fast.init({"w": np.zeros(4, np.float32)})
+        joining.join(10)
+        fast.timeout = 0.5
+        with pytest.raises(aps.APSTimeoutError):
+            fast.push_pull({"w": np.full(4, 1.0, np.float32)})  # held: rank 1 has not pushed
+        fast.timeout = None
+        slow.push_pull({"w": np.full(4, 10.0, np.float32)})
+        fast.push({"w": np.full(4, 100.0, np.float32)})  # (then held again, until rank 1 pushes)
+        weights = slow.pull()["w"]
+        np.testing.assert_array_equal(weights, np.full(4, -111.0, np.float32))
+        assert fetch_stats(server.address)["server"]["duplicates"] == 0
+        fast.close()
+        slow.close()
+    finally:
+        server.stop()
+
+
+def test_close_ends_a_reconnect_in_another_thread(tmp_path):
+    server = ServerProcess("--workers", "1", "--sync", "asp")
+    worker = aps.Worker(server.address, 0, 1, transport="tcp", reconnect_timeout=60)
+    worker.init({"w": np.zeros(4, np.float32)})
+    kill(server)  # and it does not come back
+    outcome: list = []
+
+    def call():
+        try:
+            worker.push_pull({"w": np.ones(4, np.float32)})
+            outcome.append("returned")
+        except aps.APSError as exc:
+            outcome.append(exc)
+
+    caller = threading.Thread(target=call)
+    caller.start()
+    time.sleep(0.5)  # it is reconnecting
+    start = time.monotonic()
+    worker.close()
+    caller.join(5)
+    assert not caller.is_alive() and time.monotonic() - start < 3
+    assert isinstance(outcome[0], aps.APSConnectionError) and "closed" in str(outcome[0]), outcome
+    assert worker._conn is None
