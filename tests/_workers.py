@@ -155,14 +155,15 @@ def steady_worker(address: str, rank: int, workers: int, numel: int, transport: 
 
 
 def resilient_worker(address: str, rank: int, workers: int, numel: int, steps: int, pause: float,
-                     transport: str = "auto"):
-    """Trains until its clock reaches ``steps``, whatever happens to the server meanwhile (the
-    worker reconnects by itself). Returns (rank, clock, version, pushes sent, pushes dropped)."""
+                     transport: str = "auto", stop_path: str | None = None):
+    """Trains until its clock reaches ``steps`` (or the file ``stop_path`` exists), whatever
+    happens to the server meanwhile (the worker reconnects by itself). Returns (rank, clock,
+    version, pushes sent, pushes dropped)."""
     sent = dropped = 0
     with aps.Worker(address, rank, workers, transport=transport, reconnect_timeout=60, heartbeat=0.5) as worker:
         worker.init({"w": np.zeros(numel, np.float32)})
         grad = np.full(numel, 0.01 * (rank + 1), np.float32)
-        while worker.clock < steps:
+        while worker.clock < steps and not (stop_path and os.path.exists(stop_path)):
             worker.push_pull(grad)
             sent += 1
             dropped += worker.last_push_dropped

@@ -52,6 +52,29 @@ def refused_to_start(*flags: str) -> str:
     pytest.fail(f"aps serve {' '.join(flags)} started")
 
 
+class Workers:
+    """Worker processes training in the background (``run_processes`` on a thread)."""
+
+    def __init__(self, target, args_list, timeout: float) -> None:
+        self.results: list | None = None
+        self.error: BaseException | None = None
+        self.thread = threading.Thread(target=self._run, args=(target, args_list, timeout), daemon=True)
+        self.thread.start()
+
+    def _run(self, target, args_list, timeout) -> None:
+        try:
+            self.results = run_processes(target, args_list, timeout=timeout)
+        except BaseException as exc:  # reported by join()
+            self.error = exc
+
+    def join(self, timeout: float) -> list:
+        self.thread.join(timeout)
+        assert not self.thread.is_alive(), "the workers did not finish"
+        if self.error is not None:
+            raise self.error
+        return self.results
+
+
 def kill(server: ServerProcess) -> None:
     server.proc.kill()
     server.proc.wait(10)
@@ -66,11 +89,8 @@ def test_kill_9_mid_training_then_resume_the_workers_finish_by_themselves(tmp_pa
              "--checkpoint-every", "0.1"]
     server = ServerProcess(*flags)
     port = str(server.port)
-    outcome: list = []
-    runner = threading.Thread(target=lambda: outcome.append(run_processes(
-        resilient_worker, [(server.address, r, workers, numel, steps, 0.01, transport) for r in range(workers)],
-        timeout=150)))
-    runner.start()
+    runner = Workers(resilient_worker,
+                     [(server.address, r, workers, numel, steps, 0.01, transport) for r in range(workers)], 150)
     try:
         wait_for(lambda: newest(tmp_path) >= 20, what="a checkpoint past version 20")
         kill(server)
@@ -79,12 +99,9 @@ def test_kill_9_mid_training_then_resume_the_workers_finish_by_themselves(tmp_pa
         server = ServerProcess("--port", port, "--checkpoint-dir", str(tmp_path), "--resume")
         log = server.wait_for_log("resumed from")
         assert f"version {saved}," in log.split("resumed from", 1)[1].splitlines()[0]
-        runner.join(150)
-        assert not runner.is_alive()
-        results = outcome[0]
+        results = runner.join(150)
     finally:
         server.stop()
-        runner.join(5)
     assert sorted(r[0] for r in results) == list(range(workers))
     assert all(clock == steps for _, clock, _, _, _ in results)
     final = read_checkpoint(list_checkpoints(tmp_path)[0])  # written at the clean shutdown
@@ -190,11 +207,8 @@ def test_kill_9_while_writing_checkpoints_never_leaves_a_torn_one(tmp_path):
              "--checkpoint-every", "0.02", "--checkpoint-keep", "2"]
     server = ServerProcess(*flags)
     port = str(server.port)
-    outcome: list = []
-    runner = threading.Thread(target=lambda: outcome.append(run_processes(
-        resilient_worker, [(server.address, 0, 1, numel, 10**9, 0.0, "tcp")], timeout=170)))
-    runner.daemon = True
-    runner.start()
+    stop = tmp_path / "stop"
+    runner = Workers(resilient_worker, [(server.address, 0, 1, numel, 10**9, 0.0, "tcp", str(stop))], 170)
     versions = []
     try:
         wait_for(lambda: newest(tmp_path) >= 1, what="a first checkpoint")
@@ -211,7 +225,10 @@ def test_kill_9_while_writing_checkpoints_never_leaves_a_torn_one(tmp_path):
             line = server.wait_for_log("resumed from").split("resumed from", 1)[1].splitlines()[0]
             assert f"{found[0].name}: version {checkpoint.version}," in line
             wait_for(lambda: newest(tmp_path) > checkpoint.version, what="training to go on after the resume")
+        stop.touch()
+        runner.join(60)  # the worker finishes its step and leaves
     finally:
+        stop.touch()
         server.stop()
     assert versions == sorted(versions)  # each resume went on from where the last left off
 
