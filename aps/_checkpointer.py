@@ -58,7 +58,6 @@ log = logging.getLogger("aps.server")
 _POLL_S = 0.25  # how often --checkpoint-every-updates looks at the version
 _REQUEST_SPACING_S = 1.0  # checkpoints asked for (CHECKPOINT) start at most this often
 _SHUTDOWN_WAIT_S = 120.0  # how long a shutdown waits for its checkpoint (a hung disk must not hang it)
-_WRITES_REMEMBERED = 5  # the write-time estimate is the longest of the last few
 
 
 @dataclass
@@ -145,7 +144,6 @@ class Checkpointer:
         self._due = time.monotonic()  # when the next timed checkpoint starts
         self._last_version = 0  # the version of the last checkpoint taken
         self._last_start = float("-inf")  # when the last one was begun
-        self._writes: list[float] = []  # how long the last few took, capture to rename
         self._lock = None  # the directory's lock file, held while the server runs
         self._pending: asyncio.TimerHandle | None = None  # a request spaced out (_REQUEST_SPACING_S)
         self.written = 0
@@ -268,8 +266,8 @@ class Checkpointer:
     # Internals --------------------------------------------------------------
     async def _tick(self) -> None:
         """Timed checkpoints start every ``--checkpoint-every`` seconds, measured from one
-        start to the next (however long the writes take): the updates a crash can cost
-        are at most those of one interval and one write."""
+        start to the next (however long the writes take): a crash costs at most the
+        updates of one interval and one write."""
         config, engine = self.config, self.engine
         every, every_n = config.checkpoint_every, config.checkpoint_every_updates
         while True:
@@ -282,9 +280,10 @@ class Checkpointer:
             if not (timed or counted) or engine.table is None or not engine.started:
                 continue
             if timed:
-                # Begin the next one early by a write's time, so that one is complete (on disk)
-                # every interval: a crash loses at most one interval's updates.
-                self._due = max(now + every - self._write_estimate(), now + every / 4)
+                # From one start to the next, however long the writes take (beginning them
+                # earlier would bound the loss tighter, at the price of more writes: see
+                # docs/design.md, Checkpoints).
+                self._due = max(self._due + every, now)
             if engine.version == self._last_version:
                 continue  # nothing changed since the last one
             if self._busy or self._pending is not None:
@@ -292,9 +291,6 @@ class Checkpointer:
                 continue
             self._begin("periodic", None)
 
-    def _write_estimate(self) -> float:
-        """How long a checkpoint takes from capture to rename: the longest of the last few."""
-        return max(self._writes, default=0.0)
 
     def _begin(self, reason: str, future: asyncio.Future | None) -> None:
         loop = asyncio.get_running_loop()
@@ -351,7 +347,6 @@ class Checkpointer:
             return
         self.written += 1
         finished = time.monotonic()
-        self._writes = [*self._writes[1 - _WRITES_REMEMBERED:], finished - started]
         self.engine.stats.checkpoint = {
             "path": result,
             "version": capture.manifest["version"],
