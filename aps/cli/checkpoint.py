@@ -94,19 +94,9 @@ def request_checkpoint(address: str, token: str | None = None, timeout: float = 
     once it is on disk. Raises CheckpointFailed (no ``--checkpoint-dir``, no model yet,
     a full or read-only directory) or APSConnectionError."""
     from ..protocol import Op
-    from ..transport._client import client_token, exchange, handshake
-    from ..transport._tls import client_context
-    from ..transport.address import parse_address
-    from ..transport.tcp_client import BlockingConnection
+    from ..transport._client import control_request
 
-    parsed = parse_address(address)
-    conn = BlockingConnection(parsed.host, parsed.port, timeout, tls=client_context(parsed.scheme == "tls"))
-    try:
-        handshake(conn, client_token(token or None), timeout)
-        _, payload = exchange(conn, Op.CHECKPOINT, timeout)
-    finally:
-        conn.close()
-    return json.loads(payload)
+    return json.loads(control_request(address, Op.CHECKPOINT, token, timeout))
 
 
 def run_now(args: argparse.Namespace) -> int:

@@ -8,10 +8,8 @@ import time
 
 from ..errors import ConfigurationError
 from ..protocol import Op
-from ..transport._client import client_token, exchange, handshake
-from ..transport._tls import client_context
+from ..transport._client import control_request
 from ..transport.address import parse_address
-from ..transport.tcp_client import BlockingConnection
 from ._args import number, require
 
 __all__ = ["fetch_stats", "format_stats", "register"]
@@ -43,14 +41,7 @@ def fetch_stats(address: str, timeout: float = 10.0, token: str | None = None) -
     """The statistics of the server at ``address`` (``tcp://HOST:PORT``, or ``tls://`` with
     ``$APS_TLS_CA`` and the like), as ``Server.stats()`` returns them. ``token``: the
     server's, if it has one (default ``$APS_TOKEN``)."""
-    parsed = parse_address(address)
-    conn = BlockingConnection(parsed.host, parsed.port, timeout, tls=client_context(parsed.scheme == "tls"))
-    try:
-        handshake(conn, client_token(token or None), timeout)
-        _, payload = exchange(conn, Op.STATS, timeout)
-    finally:
-        conn.close()
-    return json.loads(payload)
+    return json.loads(control_request(address, Op.STATS, token, timeout))
 
 
 def run(args: argparse.Namespace) -> int:

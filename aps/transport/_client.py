@@ -194,6 +194,24 @@ def exchange(conn, op: int, timeout: float | None, payload: bytes = b"") -> tupl
     return _checked(reply, op)
 
 
+def control_request(address: str, op: int, token: str | bytes | None = None, timeout: float = 10.0) -> bytes:
+    """One request that needs no INIT (STATS, CHECKPOINT) to the server at ``address``
+    (``tcp://`` or ``tls://``), on a connection of its own: the handshake, the request,
+    its reply's payload. Raises the server's error, or APSConnectionError."""
+    from ._tls import client_context
+    from .address import parse_address
+    from .tcp_client import BlockingConnection
+
+    parsed = parse_address(address)
+    conn = BlockingConnection(parsed.host, parsed.port, timeout, tls=client_context(parsed.scheme == "tls"))
+    try:
+        handshake(conn, client_token(token or None), timeout)
+        _, payload = exchange(conn, op, timeout)
+    finally:
+        conn.close()
+    return payload
+
+
 async def exchange_async(conn, op: int, timeout: float | None, payload: bytes = b"") -> tuple[Header, bytes]:
     """:func:`exchange` on an asyncio connection."""
     reply = _OneReply()
