@@ -1149,7 +1149,10 @@ class AsyncWorker(_WorkerBase):
                 await self._roundtrip(lambda: self._core.simple_request(Op.LEAVE), 5.0)
             except APSError:
                 pass
+        conn = self._conn
         self._disconnect()
+        if conn is not None:
+            await conn.aclose()
 
     async def __aenter__(self) -> AsyncWorker:
         return self

@@ -73,6 +73,10 @@ class AsyncConnection(ClientSocket):
         self.sock = sock
         self.address = address
 
+    async def aclose(self) -> None:
+        """:meth:`close`, for a connection whose close takes the loop (TLS)."""
+        self.close()
+
     @classmethod
     async def open(
         cls,
@@ -182,6 +186,16 @@ class AsyncTlsConnection(AsyncConnection):
 
     def close(self) -> None:
         self._writer.close()
+
+    async def aclose(self, timeout: float = 1.0) -> None:
+        """Close and wait until the TLS transport has let go of its socket (a loop that
+        ends first would leave it open); a peer that does not answer the TLS close in
+        ``timeout`` seconds is cut off."""
+        self._writer.close()
+        try:
+            await asyncio.wait_for(self._writer.wait_closed(), timeout)
+        except (TimeoutError, OSError, ssl.SSLError):
+            self._writer.transport.abort()
 
 
 def _tls_failure(address: str, exc: BaseException) -> APSConnectionError:
