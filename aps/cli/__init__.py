@@ -7,6 +7,7 @@ Each module registers its subcommand (``register(commands)``) and runs it
 from __future__ import annotations
 
 import argparse
+import sys
 
 from .. import __version__
 from ..errors import APSError, ConfigurationError
@@ -34,7 +35,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
-    args = parser.parse_args(argv)
+    args = parser.parse_args(checkpoint.shorthand(sys.argv[1:] if argv is None else argv))
     prog = f"aps {args.command}"
     try:
         return args.run(args)

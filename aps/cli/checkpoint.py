@@ -1,7 +1,7 @@
 """``aps checkpoint``: look into the checkpoints ``aps serve --checkpoint-dir`` writes.
 
-``aps checkpoint now [ADDR]`` asks a running server to write one at once
-and prints where it went; ``aps checkpoint inspect PATH`` prints what a checkpoint holds (version,
+``aps checkpoint now [ADDR]`` (or ``aps checkpoint ADDR``) asks a running server
+to write one at once and prints where it went; ``aps checkpoint inspect PATH`` prints what a checkpoint holds (version,
 when and why it was written, the run, the sync policy and optimizer, the
 model's size) and verifies its files; ``aps checkpoint list DIR`` lists the
 complete checkpoints in a directory, newest first. A damaged checkpoint makes
@@ -80,6 +80,13 @@ def _add_now(actions) -> None:
     parser.add_argument("--timeout", type=float, default=120.0, help="seconds to wait for the checkpoint "
                         "(default 120)")
     parser.set_defaults(run=run_now)
+
+
+def shorthand(argv: list[str]) -> list[str]:
+    """``aps checkpoint ADDR`` is ``aps checkpoint now ADDR``."""
+    if len(argv) >= 2 and argv[0] == "checkpoint" and "://" in argv[1]:
+        return [argv[0], "now", *argv[1:]]
+    return argv
 
 
 #: The actions of ``aps checkpoint``, in the order its help lists them.

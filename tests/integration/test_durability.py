@@ -235,7 +235,7 @@ def test_kill_9_while_writing_checkpoints_never_leaves_a_torn_one(tmp_path):
 
 def test_conflicting_flags_and_bad_checkpoints_refuse_to_start(tmp_path, capsys):
     server = ServerProcess("--workers", "1", "--lr", "0.1", "--checkpoint-dir", str(tmp_path), "--checkpoint-every",
-                           "0")
+                           "0", "--checkpoint-keep", "5")
     try:
         worker = aps.Worker(server.address, 0, 1, transport="tcp", reconnect=False)
         worker.init({"w": np.zeros(4, np.float32)})
@@ -243,6 +243,8 @@ def test_conflicting_flags_and_bad_checkpoints_refuse_to_start(tmp_path, capsys)
         assert aps.cli.main(["checkpoint", "now", server.address]) == 0
         first = str(list_checkpoints(tmp_path)[0])
         assert f"checkpoint {first} (version 1)" in capsys.readouterr().out
+        assert aps.cli.main(["checkpoint", server.address]) == 0  # the short form
+        assert "checkpoint-00000002-v1 (version 1)" in capsys.readouterr().out
         assert aps.cli.main(["status", server.address]) == 0
         assert "checkpoint version 1 " in capsys.readouterr().out  # aps status shows the last one
         worker.push_pull({"w": np.ones(4, np.float32)})
