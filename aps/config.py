@@ -146,6 +146,11 @@ class ServerConfig:
         metadata=_opt("listen on a non-loopback address without a token: anyone who reaches the port can "
                       "join, push, pull and read the model"),
     )
+    http_port: int | None = field(
+        default=None,
+        metadata=_opt("serve Prometheus metrics (/metrics) and a JSON API (/api/stats, /api/config) over HTTP on "
+                      "this port of --host (0 picks a free one and prints it); off by default", metavar="PORT"),
+    )
     checkpoint_dir: str | None = field(
         default=None,
         metadata=_opt("write checkpoints (weights, optimizer state, version, clocks) into this directory: "
@@ -232,6 +237,8 @@ class ServerConfig:
             )
         if (self.tls_key or self.tls_ca) and not self.tls_cert:
             raise ConfigurationError("--tls-key and --tls-ca go with --tls-cert")
+        if self.http_port is not None and not 0 <= self.http_port <= 65535:
+            raise ConfigurationError(f"--http-port {self.http_port} is out of range 0..65535")
         if self.checkpoint_every < 0:
             raise ConfigurationError(f"--checkpoint-every must be >= 0 seconds, got {self.checkpoint_every}")
         if self.checkpoint_every_updates < 0:

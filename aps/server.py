@@ -75,6 +75,7 @@ class Server:
         # or with a config object, the fields that differ from the defaults.
         self._given = given if given is not None else (set(options) if options or config is None else None)
         self.checkpointer: Checkpointer | None = None
+        self.http = None  # the HTTP side (aps._http.HttpSide), with --http-port
         self.engine: Engine | None = None
         self.connections: set = set()
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -98,6 +99,14 @@ class Server:
     @property
     def port(self) -> int | None:
         return self._port
+
+    @property
+    def http_address(self) -> str | None:
+        """``http://HOST:PORT/`` of the HTTP side (``--http-port``), or None."""
+        if self.http is None or self.http.port is None:
+            return None
+        host = f"[{self.config.host}]" if ":" in self.config.host else self.config.host
+        return f"http://{host}:{self.http.port}/"
 
     # Lifecycle ------------------------------------------------------------
     async def start(self) -> None:
@@ -152,6 +161,19 @@ class Server:
                 await self._abandon_start()
                 raise ConfigurationError(f"cannot listen on {path}: {exc}") from None
             self.unix_path = path
+        if config.http_port is not None:
+            from ._http import HttpSide
+
+            self.http = HttpSide(config, self.engine.stats_snapshot, token)
+            try:
+                await self.http.start()
+            except OSError as exc:
+                self._listener.close()
+                if self._unix is not None:
+                    self._unix.close()
+                await self._abandon_start()
+                raise ConfigurationError(f"cannot listen on {config.host}:{config.http_port} (--http-port): "
+                                         f"{exc.strerror or exc}") from None
         self._watchdog = loop.create_task(self._watch_connections(self.config.heartbeat_timeout))
         self._progress = loop.create_task(self._report_join_progress())
         log.info(
@@ -295,6 +317,8 @@ class Server:
         for task in (self._watchdog, self._progress):
             if task is not None:
                 task.cancel()
+        if self.http is not None:
+            await self.http.close()
         self._watchdog = self._progress = None
         if self._listener is not None:
             self._listener.close()
@@ -354,7 +378,7 @@ class Server:
             if handle_signals:
                 for signum in (signal.SIGINT, signal.SIGTERM):
                     loop.add_signal_handler(signum, self.stop)
-            await self.serve(_print_address if announce else None)
+            await self.serve(self._announce if announce else None)
 
         with asyncio.Runner(loop_factory=loop_factory) as runner:
             runner.run(main())
@@ -367,6 +391,12 @@ class Server:
         return _Background(self, loop_factory)
 
     # Internals ------------------------------------------------------------
+    def _announce(self, address: str) -> None:
+        _print_address(address)
+        if self.http_address is not None:
+            sys.stdout.write(f"aps: dashboard on {self.http_address}\n")
+            sys.stdout.flush()
+
     async def _watch_connections(self, timeout: float) -> None:
         """Every second (or a quarter of the heartbeat timeout): notices for held
         requests, and workers that went silent or stopped reading are dropped

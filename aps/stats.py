@@ -29,6 +29,8 @@ TRANSPORTS = ("tcp", "shm")
 #: Histograms count each value below this exactly; larger ones in power-of-two buckets
 #: (keyed by their lower end), so a histogram holds at most about 300 keys whatever it is fed.
 EXACT_BELOW = 256
+#: Upper bounds (seconds) of the buckets that count how long pulls waited at the gate.
+WAIT_BUCKETS_S = (0.001, 0.005, 0.01, 0.05, 0.1, 0.5, 1.0, 5.0, 10.0, 60.0)
 
 
 class Histogram:
@@ -62,7 +64,8 @@ class WorkerStats:
     """Counters for one rank (kept across reconnects)."""
 
     __slots__ = (
-        "pushes", "dropped", "rejected", "staleness", "r_star", "release_gap", "waits", "wait_total", "wait_max", "pulls"
+        "pushes", "dropped", "rejected", "staleness", "r_star", "release_gap", "waits", "wait_total", "wait_max", "pulls",
+        "wait_buckets",
     )
 
     def __init__(self) -> None:
@@ -76,9 +79,14 @@ class WorkerStats:
         self.waits = 0  # pulls that had to wait at the gate
         self.wait_total = 0.0
         self.wait_max = 0.0
+        self.wait_buckets = [0] * len(WAIT_BUCKETS_S)  # pulls by wait, not cumulative (beyond the last: none)
 
     def waited(self, seconds: float) -> None:
         self.pulls += 1
+        for i, bound in enumerate(WAIT_BUCKETS_S):
+            if seconds <= bound:
+                self.wait_buckets[i] += 1
+                break
         if seconds > 0.0:
             self.waits += 1
             self.wait_total += seconds
@@ -178,6 +186,7 @@ class ServerStats:
                     "wait_s_total": ws.wait_total,
                     "wait_s_mean": ws.wait_total / ws.pulls if ws.pulls else None,
                     "wait_s_max": ws.wait_max,
+                    "wait_buckets": list(ws.wait_buckets),
                     "r_star_hist": ws.r_star.to_dict(),
                     "release_gap_hist": ws.release_gap.to_dict(),
                     "max_release_gap": ws.release_gap.max,

@@ -79,6 +79,7 @@ EXAMPLES = {
     "tls_key": ("/etc/aps/key.pem", "/etc/aps/key.pem", {"APS_TLS_CERT": "/etc/aps/cert.pem"}),
     "tls_ca": ("/etc/aps/ca.pem", "/etc/aps/ca.pem", {"APS_TLS_CERT": "/etc/aps/cert.pem"}),
     "handshake_timeout": ("2.5", 2.5, {}),
+    "http_port": ("9090", 9090, {}),
     "checkpoint_dir": ("/var/aps", "/var/aps", {}),
     "checkpoint_every": ("2.5", 2.5, {}),
     "checkpoint_every_updates": ("100", 100, {}),
