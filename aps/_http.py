@@ -159,7 +159,7 @@ class HttpSide:
         await self._runner.setup()
         site = web.TCPSite(self._runner, self.config.host, self.config.http_port, reuse_address=True)
         await site.start()
-        self.port = site._server.sockets[0].getsockname()[1]
+        self.port = self._runner.addresses[0][1]
 
     async def close(self) -> None:
         if self._runner is not None:
