@@ -17,7 +17,6 @@ always sees its own updates.
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import time
 import uuid
@@ -498,17 +497,14 @@ class Engine:
         arrays = dict(optimizer.state_arrays())
         if self.aggregate is not None and (policy_state.get("contributed") or policy_state.get("count")):
             arrays["aggregate"] = self.aggregate.current
-        for rank in self.members:  # the live ranks' clocks are in the policy's state
-            self._seat(rank)
         manifest = {
             "run_id": self.run_id,
             "version": table.version,
             "pushes": self.pushes,
             "layout": {"names": list(layout.names), "shapes": [list(shape) for shape in layout.shapes]},
             "config": {name: getattr(config, name) for name in RUN_OPTIONS},
-            # the rest, for the record (resume takes its own; never the token)
-            "server": {f.name: getattr(config, f.name) for f in dataclasses.fields(config)
-                       if f.name not in RUN_OPTIONS and f.name != "token"},
+            # the rest, for the record (resume takes its own)
+            "server": {name: value for name, value in config.public().items() if name not in RUN_OPTIONS},
             "optimizer": {"name": optimizer.name, "steps": optimizer.steps, **optimizer.hyperparameters()},
             "policy": policy_state,
             "seats": {str(rank): seat.to_json() for rank, seat in sorted(self._seats.items())},
@@ -590,8 +586,7 @@ class Engine:
         and its clock when it sent it): the same push sent again after a lost
         reply is answered with the first one's result and applied only once.
         """
-        seat = self._seats.get(member.rank)
-        if member.joined and member.rejoin and seat is not None and seat.is_duplicate(request_id, clock):
+        if self._is_duplicate(member, request_id, clock):
             if stream is not None:
                 stream.abort()
             self._lane.submit(CallJob(lambda: self._answer_duplicate(member, on_done)))
@@ -628,8 +623,7 @@ class Engine:
         table = self.table
         if table is None:
             return None
-        seat = self._seats.get(member.rank)
-        if member.rejoin and seat is not None and seat.is_duplicate(request_id, clock):
+        if self._is_duplicate(member, request_id, clock):
             return None
         try:
             self._check_push(member, grad_version)
@@ -679,6 +673,14 @@ class Engine:
         seat.result = result
         self._after(outcome)
         return result
+
+    def _is_duplicate(self, member: Member, request_id: int | None, clock: int | None) -> bool:
+        """The push is one ``member`` sent before it reconnected, and it was committed then
+        (only a worker that reconnected can send a push again)."""
+        if not (member.rejoin and member.joined):
+            return False
+        seat = self._seats.get(member.rank)
+        return seat is not None and seat.is_duplicate(request_id, clock)
 
     def _answer_duplicate(self, member: Member, on_done: Callable[[PushResult], None]) -> None:
         """A push committed already came again: answer as the first time, apply nothing."""

@@ -11,7 +11,6 @@ request must carry it as a bearer token (``Authorization: Bearer TOKEN``).
 
 from __future__ import annotations
 
-import dataclasses
 import hmac
 import json
 import logging
@@ -187,5 +186,4 @@ class HttpSide:
         return web.json_response(self._snapshot())
 
     async def _config(self, request: web.Request) -> web.Response:
-        config = {f.name: getattr(self.config, f.name) for f in dataclasses.fields(self.config) if f.name != "token"}
-        return web.Response(text=json.dumps(config), content_type="application/json")
+        return web.Response(text=json.dumps(self.config.public()), content_type="application/json")

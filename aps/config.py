@@ -250,6 +250,10 @@ class ServerConfig:
         if self.log_level not in LOG_LEVELS:
             raise ConfigurationError(f"unknown log level {self.log_level!r}")
 
+    def public(self) -> dict[str, Any]:
+        """Every option but the token, by field name (what may be shown or saved)."""
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "token"}
+
     def replace(self, **changes: Any) -> ServerConfig:
         return dataclasses.replace(self, **changes)
 

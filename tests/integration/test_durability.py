@@ -334,6 +334,14 @@ def restart_soon(into: list, port: str, *flags: str, delay: float = 0.4) -> None
     timer.start()
 
 
+def stop_restarted(restarted: list) -> None:
+    """Wait for ``restart_soon``'s timer, then stop the server it started."""
+    if restarted:
+        restarted[0].join()
+        for other in restarted[1:]:
+            other.stop()
+
+
 def test_an_async_worker_gets_back_by_itself(tmp_path):
     import asyncio
 
@@ -359,9 +367,7 @@ def test_an_async_worker_gets_back_by_itself(tmp_path):
         asyncio.run(main())
     finally:
         server.stop()
-        restarted[0].join()
-        for other in restarted[1:]:
-            other.stop()
+        stop_restarted(restarted)
 
 
 def test_the_torch_optimizer_gets_back_by_itself_and_a_checkpoint_loads_into_a_model(tmp_path):
@@ -398,10 +404,7 @@ def test_the_torch_optimizer_gets_back_by_itself_and_a_checkpoint_loads_into_a_m
             assert torch.equal(a, b), name
     finally:
         server.stop()
-        if restarted:
-            restarted[0].join()
-            for other in restarted[1:]:
-                other.stop()
+        stop_restarted(restarted)
 
 
 def test_a_server_restarted_without_its_checkpoint_is_another_run(tmp_path):
@@ -420,10 +423,7 @@ def test_a_server_restarted_without_its_checkpoint_is_another_run(tmp_path):
         worker.close()
     finally:
         server.stop()
-        if restarted:
-            restarted[0].join()
-            for other in restarted[1:]:
-                other.stop()
+        stop_restarted(restarted)
 
 
 def test_one_directory_one_server_and_one_run(tmp_path):
