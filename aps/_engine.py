@@ -325,8 +325,9 @@ class Engine:
                                   lambda exc: self._join_failed(member, exc, on_error)))
         return member
 
-    def leave(self, member: Member) -> None:
-        """``member``'s connection is gone: it leaves the live set, nobody waits for it."""
+    def leave(self, member: Member, how: str = "disconnected") -> None:
+        """``member``'s connection is gone: it leaves the live set, nobody waits for it.
+        ``how``: "left" (it said so), "disconnected" or "timed out" (dropped by the server)."""
         if not member.connected:
             return
         member.connected = False
@@ -334,7 +335,7 @@ class Engine:
         self._waiting.pop(member.rank, None)
         if self.members.get(member.rank) is member:
             del self.members[member.rank]
-        self._lane.submit(CallJob(lambda: self._commit_leave(member)))
+        self._lane.submit(CallJob(lambda: self._commit_leave(member, how)))
 
     def _commit_join(self, member, layout, values, grad, on_ready, on_error) -> None:
         if not member.connected:
@@ -373,6 +374,7 @@ class Engine:
         member.joined = True
         member.required_version = self.decided_version
         log.info("worker %d joined at clock %d (%d/%d live)", member.rank, clock, self.policy.num_live, self.num_workers)
+        self.stats.membership(member.rank, "rejoined" if member.rejoin else "joined", clock, self.policy.num_live)
         self._wait(member, on_ready, gate=False)
         if not self.started and not self.join_progress()[2]:
             self.started = True
@@ -403,7 +405,7 @@ class Engine:
             return
         on_error(InternalServerError(f"the server could not seat rank {member.rank}: {type(exc).__name__}: {exc}"))
 
-    def _commit_leave(self, member: Member) -> None:
+    def _commit_leave(self, member: Member, how: str = "disconnected") -> None:
         if not member.joined:
             return
         member.joined = False
@@ -416,6 +418,7 @@ class Engine:
             self._placements[rank] = (seat.clock, seat.held, seat.credit)
         outcome = self.policy.leave(member.rank)
         log.info("worker %d left (%d/%d live)", member.rank, self.policy.num_live, self.num_workers)
+        self.stats.membership(rank, how, seat.clock, self.policy.num_live)
         if not self.started and self.on_membership_change is not None:
             self.on_membership_change()
         self._after(outcome)

@@ -1,28 +1,49 @@
-"""The HTTP side of ``aps serve --http-port``: Prometheus metrics and a JSON API.
+"""The HTTP side of ``aps serve --http-port``: Prometheus metrics, a JSON API
+and a live dashboard.
 
 Served by aiohttp's web server on the server's own event loop. Each request
 reads one statistics snapshot (what ``aps status`` shows) and nothing else:
 it never waits for the update lane, and holds the loop no longer than the
 snapshot takes. ``/metrics`` is produced by the official ``prometheus_client``
 library from a collector that reads the snapshot at scrape time
-(docs/metrics.md lists the metrics). With a token (``--token``), every
-request must carry it as a bearer token (``Authorization: Bearer TOKEN``).
+(docs/metrics.md lists the metrics).
+
+The dashboard (``/``, its files under ``/static/``, shipped in ``aps/web``)
+gets its data over a WebSocket (``/ws``): a hello with the configuration and
+the last ten minutes of history, then at most two frames a second, built
+from one snapshot shared by every viewer. With a token (``--token``),
+``/metrics`` and ``/api`` need it as a bearer token (``Authorization: Bearer
+TOKEN``) and the WebSocket as its first message; the page and its files hold
+no data and need none.
+
+Nothing a client does reaches training: connections are capped
+(MAX_CONNECTIONS, then refused), viewers too (MAX_VIEWERS), requests and
+WebSocket messages are small, a viewer that does not read is cut off after
+SEND_TIMEOUT_S (its unsent frames are bounded by the transport's
+high-water mark, as aiohttp waits for the drain), and a slow one skips frames
+rather than queueing them.
 """
 
 from __future__ import annotations
 
+import asyncio
 import hmac
+import ipaddress
 import json
 import logging
+import os
 import time
+from collections import deque
 from collections.abc import Callable, Iterator
+from urllib.parse import urlsplit
 
-from aiohttp import web
+from aiohttp import WSCloseCode, web
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 
-from .config import ServerConfig
-from .stats import WAIT_BUCKETS_S
+from . import __version__
+from .config import ServerConfig, is_loopback
+from .stats import MEMBERSHIP_EVENTS, WAIT_BUCKETS_S
 
 __all__ = ["HttpSide", "StatsCollector", "STALENESS_BUCKETS"]
 
@@ -32,6 +53,29 @@ log = logging.getLogger("aps.server")
 STALENESS_BUCKETS = (0, 1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 64, 128, 255)
 #: Requests larger than this are refused (there is nothing to post).
 MAX_REQUEST_BYTES = 64 << 10
+#: Open HTTP connections (viewers included) beyond this are refused at once.
+MAX_CONNECTIONS = 128
+#: Dashboards open at once (WebSockets); one more is told so (close code 4429).
+MAX_VIEWERS = 32
+#: A viewer that takes longer than this to take one frame is cut off.
+SEND_TIMEOUT_S = 10.0
+#: A WebSocket must send the token message within this.
+HELLO_TIMEOUT_S = 5.0
+#: Frames to the dashboards: at most this many a second.
+FRAMES_PER_S = 2
+#: The history the dashboard draws: one point a second, this many kept (ten minutes).
+HISTORY_POINTS = 600
+#: Idle keep-alive connections are closed after this.
+KEEPALIVE_S = 15.0
+#: Where the dashboard's files are (inside the package).
+WEB_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "web")
+#: WebSocket close codes: no or wrong token; too many dashboards open.
+CLOSE_UNAUTHORIZED, CLOSE_TOO_MANY = 4401, 4429
+#: What a viewer gets of each worker (the per-gradient histograms stay out of the frames).
+_VIEWER_WORKER_KEYS = (
+    "rank", "live", "clock", "gap", "held", "credit", "pushes", "dropped", "rejected", "staleness_mean", "pulls",
+    "waits", "wait_s_total", "wait_s_mean", "wait_s_max", "r_star_hist", "max_release_gap", "last_interval_s",
+)
 
 
 class StatsCollector:
@@ -118,6 +162,13 @@ class StatsCollector:
                                     value=checkpoint["version"])
             yield CounterMetricFamily("aps_checkpoints_written", "Checkpoints written.", value=checkpoint["written"])
             yield CounterMetricFamily("aps_checkpoints_failed", "Checkpoints that failed.", value=checkpoint["failed"])
+        events = CounterMetricFamily("aps_membership_events", "Membership events by kind: joined, rejoined "
+                                     "(reconnected), left, disconnected, timed out (dropped for silence).",
+                                     labels=["event"])
+        counts = server.get("membership_events", {})
+        for event in MEMBERSHIP_EVENTS:
+            events.add_metric([event.replace(" ", "_")], counts.get(event, 0))
+        yield events
         process = server["process"]
         yield GaugeMetricFamily("aps_server_resident_memory_bytes", "Resident memory of the server process.",
                                 value=process["rss_bytes"])
@@ -132,51 +183,94 @@ class HttpSide:
         config: the server's options (``host``, ``http_port``).
         snapshot: returns a statistics snapshot (``Engine.stats_snapshot``).
         token: the server's token, if it has one: required as a bearer token.
+        totals: returns a few running totals (``ServerStats.totals``), sampled once a
+            second for the dashboard's history; None: no history.
+        events_after: returns the membership events after a sequence number
+            (``ServerStats.events_after``); None: no events.
     """
 
-    def __init__(self, config: ServerConfig, snapshot: Callable[[], dict], token: bytes | None) -> None:
+    def __init__(self, config: ServerConfig, snapshot: Callable[[], dict], token: bytes | None, *,
+                 totals: Callable[[], dict] | None = None,
+                 events_after: Callable[[int], list[dict]] | None = None) -> None:
         self.config = config
         self._snapshot = snapshot
         self._token = token
+        self._loopback = is_loopback(config.host)
+        self._totals = totals
+        self._events_after = events_after or (lambda seq: [])
         self._registry = CollectorRegistry(auto_describe=False)
         self._registry.register(StatsCollector(snapshot))
         self._runner: web.AppRunner | None = None
+        self._listener: asyncio.AbstractServer | None = None
+        self._ticker: asyncio.Task | None = None
+        self._viewers: set[_Viewer] = set()
+        self._sockets = 0  # WebSockets open, viewers or not yet
+        self._history: deque[dict] = deque(maxlen=HISTORY_POINTS)
+        self._last_totals: tuple[float, dict] | None = None
+        self._frame: dict | None = None  # the newest frame's shared part
         self.port: int | None = None
 
+    # the application ------------------------------------------------------
     def app(self) -> web.Application:
         """The aiohttp application (also what the tests drive with aiohttp's test client)."""
         app = web.Application(middlewares=[self._authorize], client_max_size=MAX_REQUEST_BYTES)
         app.router.add_get("/", self._index)
+        app.router.add_static("/static/", WEB_DIR, append_version=False)
+        app.router.add_get("/ws", self._websocket)
         app.router.add_get("/metrics", self._metrics)
         app.router.add_get("/api/stats", self._stats)
         app.router.add_get("/api/config", self._config)
+        app.router.add_get("/api/history", self._history_api)
+        app.on_startup.append(self._start_ticker)
+        app.on_shutdown.append(self._close_viewers)
+        app.on_cleanup.append(self._stop_ticker)
         return app
 
     async def start(self) -> None:
         """Listen on ``host:http_port`` (port 0: a free one, in :attr:`port`)."""
-        self._runner = web.AppRunner(self.app(), access_log=None, handle_signals=False)
+        self._runner = web.AppRunner(self.app(), access_log=None, handle_signals=False,
+                                     keepalive_timeout=KEEPALIVE_S, shutdown_timeout=1.0)
         await self._runner.setup()
-        site = web.TCPSite(self._runner, self.config.host, self.config.http_port, reuse_address=True)
-        await site.start()
-        self.port = self._runner.addresses[0][1]
+        try:
+            factory = _Capped(self._runner.server, MAX_CONNECTIONS)
+            self._listener = await asyncio.get_running_loop().create_server(
+                factory, self.config.host, self.config.http_port, reuse_address=True)
+        except BaseException:
+            await self._runner.cleanup()
+            self._runner = None
+            raise
+        self.port = self._listener.sockets[0].getsockname()[1]
 
     async def close(self) -> None:
+        if self._listener is not None:
+            self._listener.close()
+            self._listener = None
         if self._runner is not None:
             await self._runner.cleanup()
             self._runner = None
 
     @web.middleware
     async def _authorize(self, request: web.Request, handler):
-        if self._token is not None:
+        if self._token is None and self._loopback and not _local_name(request.host):
+            # Listening on loopback without a token: a page of another site that had its name
+            # resolve to 127.0.0.1 (DNS rebinding) would otherwise read the run.
+            return web.json_response({"error": f"unknown Host {request.host!r}: use an address, or localhost"},
+                                     status=403)
+        # The page and its files hold no data; the WebSocket proves the token itself.
+        if self._token is not None and not _is_public(request.path):
             given = request.headers.get("Authorization", "")
             scheme, _, credential = given.partition(" ")
-            if scheme.lower() != "bearer" or not hmac.compare_digest(credential.strip().encode(), self._token):
+            if scheme.lower() != "bearer" or not self._token_ok(credential.strip()):
                 return web.json_response({"error": "this server needs its token: Authorization: Bearer TOKEN"},
                                          status=401, headers={"WWW-Authenticate": 'Bearer realm="aps"'})
         return await handler(request)
 
-    async def _index(self, request: web.Request) -> web.Response:
-        return web.json_response({"endpoints": ["/metrics", "/api/stats", "/api/config"]})
+    def _token_ok(self, given: str) -> bool:
+        return self._token is None or hmac.compare_digest(given.encode("utf-8", "replace"), self._token)
+
+    # plain requests -------------------------------------------------------
+    async def _index(self, request: web.Request) -> web.StreamResponse:
+        return web.FileResponse(os.path.join(WEB_DIR, "index.html"), headers={"Cache-Control": "no-cache"})
 
     async def _metrics(self, request: web.Request) -> web.Response:
         body = generate_latest(self._registry)
@@ -187,3 +281,216 @@ class HttpSide:
 
     async def _config(self, request: web.Request) -> web.Response:
         return web.Response(text=json.dumps(self.config.public()), content_type="application/json")
+
+    async def _history_api(self, request: web.Request) -> web.Response:
+        return web.json_response({"every_s": 1, "points": list(self._history)})
+
+    # the dashboard's WebSocket ----------------------------------------------
+    async def _websocket(self, request: web.Request) -> web.StreamResponse:
+        origin = request.headers.get("Origin")
+        if origin is not None and urlsplit(origin).netloc != request.host:
+            # A page of another site in the viewer's browser may not read the run.
+            return web.json_response({"error": "cross-origin WebSocket refused"}, status=403)
+        ws = web.WebSocketResponse(heartbeat=20.0, max_msg_size=4096)
+        await ws.prepare(request)
+        self._sockets += 1
+        try:
+            if not await self._hello(ws):
+                return ws
+            viewer = _Viewer(ws, request.transport)
+            self._viewers.add(viewer)
+            sender = asyncio.create_task(self._send_frames(viewer))
+            try:
+                async for _ in ws:  # nothing to hear after the token; this notices the close
+                    pass
+            finally:
+                self._viewers.discard(viewer)
+                sender.cancel()
+        finally:
+            self._sockets -= 1
+        return ws
+
+    async def _hello(self, ws: web.WebSocketResponse) -> bool:
+        """Read the token message; answer with the hello (True) or refuse (False)."""
+        try:
+            message = await asyncio.wait_for(ws.receive(), HELLO_TIMEOUT_S)
+            token = json.loads(message.data).get("token", "") if message.type == web.WSMsgType.TEXT else None
+        except (asyncio.TimeoutError, ValueError, AttributeError):
+            token = None
+        if not isinstance(token, str) or not self._token_ok(token):
+            what = "this server needs its token" if self._token is not None else "send {\"token\": \"\"} first"
+            await _refuse(ws, CLOSE_UNAUTHORIZED, what)
+            return False
+        if len(self._viewers) >= MAX_VIEWERS:
+            await _refuse(ws, CLOSE_TOO_MANY, f"too many dashboards open (at most {MAX_VIEWERS})")
+            return False
+        hello = {
+            "type": "hello", "run_id": self._snapshot_run_id(), "aps_version": __version__,
+            "config": self.config.public(), "history": list(self._history),
+            "events": self._events_after(0), "history_every_s": 1,
+        }
+        try:
+            await asyncio.wait_for(ws.send_str(json.dumps(hello)), SEND_TIMEOUT_S)
+        except (asyncio.TimeoutError, ConnectionError):
+            return False
+        return True
+
+    def _snapshot_run_id(self) -> str | None:
+        frame = self._frame or self._build_frame()
+        return frame["server"].get("run_id")
+
+    async def _send_frames(self, viewer: _Viewer) -> None:
+        """One viewer's frames: the newest shared frame with the points and events it
+        has not had. A viewer that cannot take one within SEND_TIMEOUT_S is cut off."""
+        viewer.point_t = self._history[-1]["t"] if self._history else 0.0
+        viewer.event_seq = max((e["seq"] for e in self._events_after(0)), default=0)
+        try:
+            while True:
+                await viewer.wake.wait()
+                viewer.wake.clear()
+                frame = self._frame
+                if frame is None:
+                    continue
+                points = [p for p in self._history if p["t"] > viewer.point_t]
+                events = self._events_after(viewer.event_seq)
+                if points:
+                    viewer.point_t = points[-1]["t"]
+                if events:
+                    viewer.event_seq = events[-1]["seq"]
+                text = frame["text"][:-1] + f', "points": {json.dumps(points)}, "events": {json.dumps(events)}}}'
+                await asyncio.wait_for(viewer.ws.send_str(text), SEND_TIMEOUT_S)
+        except asyncio.TimeoutError:
+            log.info("a dashboard took no frame for %g s: cut off", SEND_TIMEOUT_S)
+            viewer.transport_abort()
+        except (ConnectionError, RuntimeError):  # closed meanwhile
+            viewer.transport_abort()
+        except Exception:
+            log.exception("the dashboard's frames failed")
+            viewer.transport_abort()
+
+    def _build_frame(self) -> dict:
+        stats = self._snapshot()
+        server = stats["server"]
+        workers = [{key: w.get(key) for key in _VIEWER_WORKER_KEYS} for w in stats["workers"]]
+        text = json.dumps({"type": "stats", "server": server, "workers": workers})
+        return {"server": server, "text": text}
+
+    async def _start_ticker(self, app: web.Application) -> None:
+        self._ticker = asyncio.create_task(self._tick())
+
+    async def _stop_ticker(self, app: web.Application) -> None:
+        if self._ticker is not None:
+            self._ticker.cancel()
+            self._ticker = None
+
+    async def _close_viewers(self, app: web.Application) -> None:
+        """The server stops: each dashboard is told so (close code 1001, "going away")."""
+        async def close(viewer: _Viewer) -> None:
+            try:
+                await asyncio.wait_for(viewer.ws.close(code=WSCloseCode.GOING_AWAY, message=b"the server stopped"),
+                                       1.0)
+            except (asyncio.TimeoutError, ConnectionError, RuntimeError):
+                pass
+            viewer.transport_abort()
+
+        await asyncio.gather(*(close(viewer) for viewer in list(self._viewers)))
+
+    async def _tick(self) -> None:
+        """Twice a second: a frame for the viewers (if any); once a second: a history point."""
+        period = 1.0 / FRAMES_PER_S
+        loop = asyncio.get_running_loop()
+        next_point = loop.time()
+        while True:
+            try:
+                now = loop.time()
+                if now >= next_point:
+                    next_point = now + 1.0
+                    self._sample()
+                if self._viewers:
+                    self._frame = self._build_frame()
+                    for viewer in self._viewers:
+                        viewer.wake.set()
+            except Exception:  # a bad snapshot must not end the dashboard for good
+                log.exception("the dashboard's statistics failed")
+            await asyncio.sleep(period)
+
+    def _sample(self) -> None:
+        """One history point: the rates since the previous sample."""
+        if self._totals is None:
+            return
+        now, totals = time.time(), self._totals()
+        previous, self._last_totals = self._last_totals, (now, totals)
+        if previous is None:
+            return
+        then, before = previous
+        span = max(now - then, 1e-6)
+        staleness_n = totals["staleness_n"] - before["staleness_n"]
+        pulls = totals["pulls"] - before["pulls"]
+        self._history.append({
+            "t": now,
+            "version": totals["version"],
+            "updates_per_s": max(0, totals["version"] - before["version"]) / span,
+            "staleness_mean": (totals["staleness_sum"] - before["staleness_sum"]) / staleness_n if staleness_n else None,
+            "gate_wait_ms": 1e3 * (totals["wait_s"] - before["wait_s"]) / pulls if pulls else None,
+            "live": totals["live"],
+        })
+
+
+class _Viewer:
+    """One dashboard's WebSocket: woken for each frame; where its points and events are."""
+
+    __slots__ = ("ws", "transport", "wake", "point_t", "event_seq")
+
+    def __init__(self, ws: web.WebSocketResponse, transport: asyncio.BaseTransport | None) -> None:
+        self.ws = ws
+        self.transport = transport
+        self.wake = asyncio.Event()
+        self.point_t = 0.0
+        self.event_seq = 0
+
+    def transport_abort(self) -> None:
+        if self.transport is not None and not self.transport.is_closing():
+            self.transport.abort()
+
+
+async def _refuse(ws: web.WebSocketResponse, code: int, error: str) -> None:
+    try:
+        await asyncio.wait_for(ws.send_str(json.dumps({"type": "error", "code": code, "error": error})), 1.0)
+        await asyncio.wait_for(ws.close(code=code, message=error.encode()[:120]), 1.0)
+    except (asyncio.TimeoutError, ConnectionError, RuntimeError):
+        pass
+
+
+def _local_name(host: str) -> bool:
+    """Whether a Host header names this machine by address or as localhost."""
+    name = urlsplit(f"//{host}").hostname or ""
+    if name == "localhost" or name.endswith(".localhost"):
+        return True
+    try:
+        ipaddress.ip_address(name)
+    except ValueError:
+        return False
+    return True
+
+
+def _is_public(path: str) -> bool:
+    return path in ("/", "/ws", "/favicon.ico") or path.startswith("/static/")
+
+
+class _Capped:
+    """aiohttp's protocol factory, refusing connections beyond ``limit`` (a 503, then closed)."""
+
+    def __init__(self, server: web.Server, limit: int) -> None:
+        self._server = server
+        self._limit = limit
+
+    def __call__(self) -> asyncio.BaseProtocol:
+        if len(self._server.connections) >= self._limit:
+            return _Refusal()
+        return self._server()
+
+
+class _Refusal(asyncio.Protocol):
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        transport.write(b"HTTP/1.1 503 Service Unavailable\r\nConnection: close\r\nContent-Length: 0\r\n\r\n")
+        transport.close()

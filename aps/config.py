@@ -148,8 +148,9 @@ class ServerConfig:
     )
     http_port: int | None = field(
         default=None,
-        metadata=_opt("serve Prometheus metrics (/metrics) and a JSON API (/api/stats, /api/config) over HTTP on "
-                      "this port of --host (0 picks a free one and prints it); off by default", metavar="PORT"),
+        metadata=_opt("serve a live dashboard (/), Prometheus metrics (/metrics) and a JSON API (/api/stats, "
+                      "/api/config) over HTTP on this port of --host (0 picks a free one and prints it); off by "
+                      "default (aps launch and aps demo: on, on a free port)", metavar="PORT"),
     )
     checkpoint_dir: str | None = field(
         default=None,
@@ -229,7 +230,7 @@ class ServerConfig:
             raise ConfigurationError("--token must not be empty")
         if self.token is not None and self.token_file is not None:
             raise ConfigurationError("give --token or --token-file, not both")
-        if not self.insecure and self.token is None and self.token_file is None and not _loopback(self.host):
+        if not self.insecure and self.token is None and self.token_file is None and not is_loopback(self.host):
             raise ConfigurationError(
                 f"refusing to listen on {self.host} without a token: anyone who reaches the port could join, "
                 "push gradients, pull and read the model. Give --token or --token-file (or APS_TOKEN), "
@@ -305,7 +306,7 @@ def resolve_token(config: ServerConfig) -> bytes | None:
     return token.encode("utf-8")
 
 
-def _loopback(host: str) -> bool:
+def is_loopback(host: str) -> bool:
     """True for an address only this machine can reach."""
     import ipaddress
 

@@ -164,7 +164,9 @@ class Server:
         if config.http_port is not None:
             from ._http import HttpSide
 
-            self.http = HttpSide(config, self.engine.stats_snapshot, token)
+            stats = self.engine.stats
+            self.http = HttpSide(config, self.engine.stats_snapshot, token,
+                                 totals=lambda: stats.totals(self.engine), events_after=stats.events_after)
             try:
                 await self.http.start()
             except OSError as exc:
@@ -512,7 +514,7 @@ class _Background:
             self._ready.set()
 
     def __enter__(self) -> _Background:
-        return self.start()
+        return self if self._thread.ident is not None else self.start()  # started already, or now
 
     def __exit__(self, *exc) -> None:
         self.stop()

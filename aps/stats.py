@@ -31,6 +31,12 @@ TRANSPORTS = ("tcp", "shm")
 EXACT_BELOW = 256
 #: Upper bounds (seconds) of the buckets that count how long pulls waited at the gate.
 WAIT_BUCKETS_S = (0.001, 0.005, 0.01, 0.05, 0.1, 0.5, 1.0, 5.0, 10.0, 60.0)
+#: Membership events kept (the newest; each kind is also counted for ever).
+EVENTS_KEPT = 200
+#: What can happen to a rank's membership: it joined (a new process, or the same one
+#: reconnecting), said goodbye, its connection was lost, or the server dropped it
+#: for silence (missed heartbeats, or a reply it never read).
+MEMBERSHIP_EVENTS = ("joined", "rejoined", "left", "disconnected", "timed out")
 
 
 class Histogram:
@@ -121,6 +127,11 @@ class ServerStats:
         self._now = now
         self.created = now()
         self.training_started: float | None = None
+        #: The newest membership events (dicts, see :meth:`membership`), oldest first.
+        self.events: deque[dict] = deque(maxlen=EVENTS_KEPT)
+        #: Every membership event since the server started, by kind.
+        self.event_counts = dict.fromkeys(MEMBERSHIP_EVENTS, 0)
+        self._event_seq = 0
         # Updates per whole second of the clock, for the last RATE_WINDOW_S seconds.
         self._recent: deque[list[int]] = deque()
 
@@ -131,6 +142,33 @@ class ServerStats:
     @property
     def bytes_out(self) -> int:
         return sum(t.bytes_out for t in self.traffic.values())
+
+    def membership(self, rank: int, event: str, clock: int | None, live: int) -> None:
+        """``rank`` joined, rejoined, left, was disconnected or timed out (MEMBERSHIP_EVENTS);
+        ``clock``: its clock then; ``live``: the live workers after it."""
+        self._event_seq += 1
+        self.event_counts[event] += 1
+        self.events.append({"seq": self._event_seq, "t": time.time(), "rank": rank, "event": event,
+                            "clock": clock, "live": live})
+
+    def events_after(self, seq: int) -> list[dict]:
+        """The kept membership events newer than ``seq`` (0: all kept), oldest first."""
+        if not self.events or self.events[-1]["seq"] <= seq:
+            return []
+        return [e for e in self.events if e["seq"] > seq]
+
+    def totals(self, engine: Engine) -> dict:
+        """A few running totals, cheap to read every second (the dashboard's history):
+        the version, the live workers, and staleness and gate-wait sums and counts."""
+        workers = self.workers
+        return {
+            "version": engine.version,
+            "live": engine.policy.window.num_live,
+            "staleness_sum": sum(w.staleness.total for w in workers),
+            "staleness_n": sum(w.staleness.n for w in workers),
+            "wait_s": sum(w.wait_total for w in workers),
+            "pulls": sum(w.pulls for w in workers),
+        }
 
     def published(self, version: int) -> None:
         """An update was published (counted for the recent rate)."""
@@ -219,8 +257,10 @@ class ServerStats:
                 },
                 "process": _process(),
                 "parameters": engine.layout.numel if engine.layout is not None else 0,
+                "membership_events": dict(self.event_counts),
             },
             "workers": workers,
+            "events": list(self.events),
         }
 
 

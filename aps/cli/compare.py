@@ -21,6 +21,7 @@ import json
 import math
 import multiprocessing as mp
 import os
+import socket
 import statistics
 import sys
 import tempfile
@@ -189,7 +190,32 @@ def _server_config(setting: str, lr_staleness: str, workers: int, args) -> Serve
         raise ConfigurationError(f"{setting!r}: choose the learning rate with --lr-staleness, not a +suffix")
     # The workers take $APS_TOKEN if it is set: the server then asks for the same one.
     return ServerConfig(workers=workers, port=0, lr=args.lr, momentum=args.momentum, lr_staleness=lr_staleness,
-                        log_level="warning", token=os.environ.get("APS_TOKEN") or None, **options)
+                        log_level="warning", token=os.environ.get("APS_TOKEN") or None,
+                        http_port=getattr(args, "http_port", None), **options)
+
+
+def _dashboard_port(args) -> None:
+    """With --http-port 0, choose the port once: every run's server takes it in turn, so an
+    open dashboard follows the whole comparison (it reconnects when a run's server stops)."""
+    if getattr(args, "no_dashboard", False):
+        args.http_port = None
+    if getattr(args, "http_port", None) == 0:
+        with socket.socket() as probe:
+            probe.bind(("127.0.0.1", 0))
+            args.http_port = probe.getsockname()[1]
+
+
+def _start_server(config: ServerConfig, args, out):
+    """Start a run's server; if its dashboard port was taken meanwhile, on another (printed)."""
+    try:
+        return Server(config).run_in_background().start()
+    except ConfigurationError as exc:
+        if config.http_port is None or "--http-port" not in str(exc):
+            raise
+    background = Server(config.replace(http_port=0)).run_in_background().start()
+    args.http_port = background.server.http.port
+    print(f"aps: the dashboard moved: {background.server.http_address}", file=out, flush=True)
+    return background
 
 
 _START_TIMEOUT = 120.0  # seconds for every worker to join a run's server
@@ -202,7 +228,7 @@ _STARTUP_S = 10.0  # worker processes start (PyTorch, the dataset), once
 def _run_one(run: Run, pool: _Pool, evaluate, args, out=sys.stdout, bar=None) -> None:
     config = _server_config(run.setting, run.lr_staleness, len(run.speeds), args)
     eval_every = args.eval_every or max(0.5, args.budget / 25)
-    with Server(config).run_in_background() as background:
+    with _start_server(config, args, out) as background:
         server = background.server
         pool.dispatch({
             "address": background.address, "duration": args.budget, "seed": args.seed + run.repeat,
@@ -406,6 +432,9 @@ def compare(args, out=sys.stdout) -> list[dict]:
     print(f"{len(runs)} runs of {args.budget:g} s on {args.workers} workers ({args.dataset}, step time "
           f"{args.step_time * 1e3:.0f} ms, target accuracy {args.target:g}): about {_duration(estimate)} in all; "
           f"results in {args.out}", file=out, flush=True)
+    _dashboard_port(args)
+    if args.http_port is not None:
+        print(f"aps: dashboard on http://127.0.0.1:{args.http_port}/ (each run's server in turn)", file=out, flush=True)
     print(f"starting {args.workers} worker processes (PyTorch and the {args.dataset} data)...", file=out, flush=True)
     begun = time.monotonic()
     evaluate = _evaluator(args.dataset, args.seed)
@@ -500,6 +529,10 @@ def _add_arguments(parser: argparse.ArgumentParser, *, demo: bool = False) -> No
     parser.add_argument("--repeats", type=int, default=1,
                         help="run everything N times with different data orders and pacing")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar during each run")
+    parser.add_argument("--http-port", type=int, default=0 if demo else None, metavar="PORT",
+                        help="serve the live dashboard and /metrics of each run's server on this port (0: a free "
+                        "one, printed)" + ("; on by default" if demo else "; off by default"))
+    parser.add_argument("--no-dashboard", action="store_true", help="no HTTP side")
 
 
 def run(args: argparse.Namespace) -> int:

@@ -55,6 +55,8 @@ def register(commands) -> None:
     parser.add_argument("--jitter", type=number, default=0.0, help="random variation of emulated iteration times")
     parser.add_argument("--log-dir", help="where worker-RANK.log go (default: a new temporary directory, printed)")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
+    parser.add_argument("--no-dashboard", action="store_true",
+                        help="no HTTP side (by default the dashboard and /metrics are on a free port, printed)")
     parser.add_argument(
         "--example", nargs=argparse.REMAINDER, metavar="NAME [ARGS]",
         help=f"last: run the built-in example ({' or '.join(EXAMPLES)}: python -m aps.workloads) with ARGS instead of a script",
@@ -71,6 +73,8 @@ def run(args: argparse.Namespace) -> int:
         raise ConfigurationError(f"--example takes one of {', '.join(EXAMPLES)}, then the example's arguments")
     if args.port is None:
         args.port = 0
+    if args.http_port is None and not args.no_dashboard:
+        args.http_port = 0
     config = config_from_args(args)
     token = resolve_token(config)
     workers = config.workers
@@ -95,6 +99,8 @@ def run(args: argparse.Namespace) -> int:
     try:
         background = Server(config).run_in_background().start()
         print(f"aps: serving on {background.address}; {workers} workers; logs in {args.log_dir}", flush=True)
+        if background.server.http_address is not None:
+            print(f"aps: dashboard on {background.server.http_address}", flush=True)
         for rank in range(workers):
             if stop.received:
                 break

@@ -161,6 +161,7 @@ class ServerSession:
         self._deferred = False  # a request finished while writing: resume after the drain
         self._fatal_sent = False
         self._lost = False
+        self._evicted = False  # dropped by the server (see _evict), not lost by the peer
         self._silenced = False  # the server is shutting down: no more replies
         now = self._loop.time()
         # Liveness (see watch()): when the worker last sent a byte or was answered,
@@ -293,7 +294,7 @@ class ServerSession:
         if self._unlogged and was_member:
             log.warning("%s: closed; %d more warnings about it were not logged", self._who(), self._unlogged)
         if self.member is not None:
-            self.engine.leave(self.member)
+            self.engine.leave(self.member, "timed out" if self._evicted else "disconnected")
             self.member = None
         self._lost = True
         self.reader.detach()
@@ -376,6 +377,7 @@ class ServerSession:
             self._evict(f"sent nothing for {now - self.last_heard:.0f} s (missed heartbeats)", abort=False)
 
     def _evict(self, reason: str, *, abort: bool) -> None:
+        self._evicted = True
         self._warn("%s: dropping it (it may rejoin)", reason)
         if abort:  # its socket takes nothing more: telling it is impossible
             self.abort()
@@ -582,7 +584,7 @@ class ServerSession:
     def _on_leave(self, header: Header, payload: memoryview, stream) -> None:
         member = self._require_member()
         self.member = None
-        self.engine.leave(member)
+        self.engine.leave(member, "left")
         self._reply(Op.LEAVE_REPLY)
 
     def _on_checkpoint(self, header: Header, payload: memoryview, stream) -> None:

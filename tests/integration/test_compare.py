@@ -124,6 +124,7 @@ def test_demo_shows_progress_and_writes_only_where_it_says(tmp_path):
         assert os.listdir(tmp_path) == [] and os.path.dirname(out) == tempfile.gettempdir()
         assert (Path(out) / "results.json").exists() and f"the plot is {out}/accuracy.png" in output
         assert "workers ready in" in output
+        assert re.search(r"aps: dashboard on http://127\.0\.0\.1:\d+/ \(each run's server in turn\)", output)
         bars = re.findall(r"1/1 heterogeneous ASP: +\d+%\|[^|]*\| \d/2 s, accuracy (0\.\d{3})  updates \d+", output)
         assert bars, output  # the bar shows the run's paradigm, its accuracy and the server's version
     finally:

@@ -4,7 +4,10 @@ real server process, read with aiohttp's client and parsed back with prometheus_
 from __future__ import annotations
 
 import asyncio
+import json
+import socket
 import threading
+import time
 
 import aiohttp
 import numpy as np
@@ -14,7 +17,9 @@ from prometheus_client.parser import text_string_to_metric_families
 import aps
 from aps.cli.status import fetch_stats
 
-from ..helpers import ServerProcess
+from aps.protocol import Op
+
+from ..helpers import RawClient, ServerProcess
 
 
 def http_address(server: ServerProcess) -> str:
@@ -69,11 +74,11 @@ def test_metrics_and_the_api_count_exactly_what_happened(server_process):
     assert metrics[("aps_server_resident_memory_bytes", ())] > 0
     stats = fetch_stats(server.address)
     status, text, _ = asyncio.run(get(base + "api/stats"))
-    api = __import__("json").loads(text)
+    api = json.loads(text)
     assert status == 200 and api["server"]["version"] == stats["server"]["version"] == 5
     assert [w["pushes"] for w in api["workers"]] == [w["pushes"] for w in stats["workers"]] == [3, 2]
     status, text, _ = asyncio.run(get(base + "api/config"))
-    config = __import__("json").loads(text)
+    config = json.loads(text)
     assert status == 200 and config["workers"] == 2 and config["sync"] == "ssp" and "token" not in config
     status, _, _ = asyncio.run(get(base + "nowhere"))
     assert status == 404
@@ -101,3 +106,119 @@ def test_the_http_port_must_be_free(server_process):
     port = http_address(first).rsplit(":", 1)[1].strip("/")
     with pytest.raises(RuntimeError, match="--http-port"):
         ServerProcess("--workers", "1", "--http-port", port)
+
+
+def test_membership_events_say_who_joined_left_was_disconnected_or_timed_out(server_process):
+    server = server_process("--workers", "3", "--sync", "asp", "--heartbeat-timeout", "1", "--http-port", "0")
+    base = http_address(server)
+    params = {"w": np.zeros(4, np.float32)}
+    steady = aps.Worker(server.address, 0, 3, transport="tcp", heartbeat=0.2)
+    leaving = aps.Worker(server.address, 1, 3, transport="tcp", heartbeat=0.2)
+    silent = RawClient(server.port)  # joins, then never sends a heartbeat
+    joins = [threading.Thread(target=w.init, args=(params,)) for w in (steady, leaving)]
+    for thread in joins:
+        thread.start()
+    silent.init(2, 3, params)
+    for thread in joins:
+        thread.join(10)
+    assert silent.reply()[0].op == Op.INIT_REPLY
+    leaving.close()  # says goodbye: left
+    steady._conn.sock.shutdown(socket.SHUT_RDWR)  # its connection breaks: disconnected
+    deadline = time.monotonic() + 10
+
+    def events() -> list[tuple[int, str]]:
+        status, text, _ = asyncio.run(get(base + "api/stats"))
+        return [(e["rank"], e["event"]) for e in json.loads(text)["events"]]
+
+    while (2, "timed out") not in events() or (0, "disconnected") not in events():
+        assert time.monotonic() < deadline, events()
+        time.sleep(0.1)
+    steady.reconnect()  # the same process comes back: rejoined
+    seen = events()
+    assert sorted(seen[:3]) == [(0, "joined"), (1, "joined"), (2, "joined")]
+    assert set(seen[3:]) == {(1, "left"), (0, "disconnected"), (2, "timed out"), (0, "rejoined")}
+    assert seen.index((0, "disconnected")) < seen.index((0, "rejoined"))
+    metrics = samples(asyncio.run(get(base + "metrics"))[1])
+    counts = {event: metrics[("aps_membership_events_total", (("event", event),))]
+              for event in ("joined", "rejoined", "left", "disconnected", "timed_out")}
+    assert counts == {"joined": 3, "rejoined": 1, "left": 1, "disconnected": 1, "timed_out": 1}
+    steady.close()
+    silent.sock.close()
+
+
+def test_hostile_http_clients_do_not_touch_training(server_process):
+    """Connections beyond the cap, dashboards beyond theirs that never read, huge headers,
+    a request dribbled byte by byte, unknown paths: training goes on at its pace, and the
+    HTTP side serves again once they are gone."""
+    server = server_process("--workers", "2", "--sync", "ssp", "--staleness", "2", "--http-port", "0")
+    base = http_address(server)
+    port = int(base.rsplit(":", 1)[1].strip("/"))
+    size = 1 << 18  # 1 MiB of float32
+    workers = [aps.Worker(server.address, rank, 2, transport="tcp", reconnect=False) for rank in range(2)]
+    joining = threading.Thread(target=workers[1].init, args=({"w": np.zeros(size, np.float32)},))
+    joining.start()
+    workers[0].init({"w": np.zeros(size, np.float32)})
+    joining.join(10)
+    stop = threading.Event()
+    slowest = [0.0, 0.0]
+    calls = [0, 0]
+
+    def train(rank: int) -> None:
+        grad = {"w": np.full(size, 1e-3, np.float32)}
+        while not stop.is_set():
+            began = time.monotonic()
+            workers[rank].push_pull(grad)
+            slowest[rank] = max(slowest[rank], time.monotonic() - began)
+            calls[rank] += 1
+
+    trainers = [threading.Thread(target=train, args=(rank,)) for rank in range(2)]
+    for thread in trainers:
+        thread.start()
+    held: list[socket.socket] = []
+    try:
+        upgrade = (f"GET /ws HTTP/1.1\r\nHost: 127.0.0.1:{port}\r\nUpgrade: websocket\r\nConnection: Upgrade\r\n"
+                   "Sec-WebSocket-Key: dGhlIHNhbXBsZSBub25jZQ==\r\nSec-WebSocket-Version: 13\r\n\r\n").encode()
+        hello = b'{"token": ""}'
+        masked = bytes([0x81, 0x80 | len(hello)]) + b"\0\0\0\0" + hello  # a zero mask leaves it as it is
+        dribble = socket.create_connection(("127.0.0.1", port))
+        held.append(dribble)
+        for byte in b"GET /metrics HTTP/1.1\r\nHost: x\r\n":  # a request dribbled, never finished
+            dribble.send(bytes([byte]))
+            time.sleep(0.01)
+        for _ in range(40):  # more dashboards than allowed, none of them ever reads
+            sock = socket.create_connection(("127.0.0.1", port))
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+            sock.sendall(upgrade + masked)
+            held.append(sock)
+        for _ in range(150):  # more connections than allowed, idle
+            held.append(socket.create_connection(("127.0.0.1", port)))
+        for path in ("nowhere", "api/../../etc/passwd", "static/%2e%2e/_http.py", "metrics?" + "x" * 10_000):
+            try:
+                asyncio.run(get(base + path, **{"X-Junk": "x" * (1 << 20)}))
+            except aiohttp.ClientError:
+                pass  # refused or cut: what matters is the training
+        time.sleep(2.0)
+        during = list(calls)
+        time.sleep(2.0)
+        assert all(calls[rank] > during[rank] for rank in range(2)), "training stalled under the attack"
+    finally:
+        for sock in held:
+            sock.close()
+        stop.set()
+        for thread in trainers:
+            thread.join(30)
+    assert max(slowest) < 5.0, slowest  # no worker was ever held up for long
+    deadline = time.monotonic() + 10
+    while True:  # the HTTP side serves again
+        try:
+            status, text, _ = asyncio.run(get(base + "metrics"))
+            if status == 200:
+                break
+        except aiohttp.ClientError:
+            pass
+        assert time.monotonic() < deadline
+        time.sleep(0.2)
+    assert samples(text)[("aps_updates_total", ())] == sum(calls)
+    assert "Traceback" not in server.log()
+    for worker in workers:
+        worker.close()

@@ -69,6 +69,7 @@ def test_launch_runs_the_builtin_example(tmp_path):
     code, out, err = finish(proc)
     assert code == 0, err
     assert re.match(r"aps: serving on tcp://127\.0\.0\.1:\d+; 2 workers", out)
+    assert re.search(r"^aps: dashboard on http://127\.0\.0\.1:\d+/$", out, re.M), out  # on by default
     assert "all 2 workers finished" in out
     for rank in range(2):
         log = (tmp_path / f"worker-{rank}.log").read_text()

@@ -1,0 +1,148 @@
+"""The live dashboard in a real browser: headless Chromium (Debian's ``chromium`` and
+``chromium-driver``, driven by Selenium) watches a real server while two real worker
+processes train a CNN under SSP.
+
+Skipped, with the reason, when the browser is not installed (``.ci/run`` installs it).
+Set ``APS_DASHBOARD_SCREENSHOT=PATH`` to keep the screenshot (the README's is one).
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from ..helpers import ServerProcess
+
+webdriver = pytest.importorskip("selenium.webdriver", reason="selenium is not installed (pip install -e '.[test]')")
+
+CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
+CHROMEDRIVER = shutil.which("chromedriver")
+
+
+@pytest.fixture
+def browser():
+    if CHROMIUM is None or CHROMEDRIVER is None:
+        pytest.skip("headless Chromium is not installed (apt-get install chromium chromium-driver)")
+    from selenium.webdriver.chrome.options import Options
+    from selenium.webdriver.chrome.service import Service
+
+    options = Options()
+    options.binary_location = CHROMIUM
+    for argument in ("--headless=new", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage",
+                     "--window-size=1440,1000", "--no-first-run", "--disable-extensions"):
+        options.add_argument(argument)
+    options.set_capability("goog:loggingPrefs", {"browser": "ALL"})
+    driver = webdriver.Chrome(service=Service(CHROMEDRIVER), options=options)
+    driver.set_page_load_timeout(30)
+    yield driver
+    driver.quit()
+
+
+def workers(address: str, count: int, slowdown: list[float], logs) -> list[subprocess.Popen]:
+    """Real training processes: the built-in example (a CNN on the digits), paced."""
+    procs = []
+    for rank in range(count):
+        env = dict(os.environ, APS_ADDRESS=address, RANK=str(rank), WORLD_SIZE=str(count), OMP_NUM_THREADS="1",
+                   APS_STEP_TIME="0.03", APS_SLOWDOWN=str(slowdown[rank]))
+        with open(logs / f"worker-{rank}.log", "w") as log:
+            procs.append(subprocess.Popen(
+                [sys.executable, "-m", "aps.workloads", "--dataset", "digits", "--epochs", "50"],
+                env=env, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL))
+    return procs
+
+
+def wait_until(condition, timeout: float, what: str):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = condition()
+        if value:
+            return value
+        time.sleep(0.1)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+def text_of(driver, element_id: str) -> str:
+    return driver.execute_script(f"const e = document.getElementById({element_id!r}); return e ? e.textContent : ''")
+
+
+def test_the_dashboard_follows_two_workers_training_under_ssp(browser, tmp_path):
+    server = ServerProcess("--workers", "2", "--sync", "ssp", "--staleness", "2", "--http-port", "0")
+    procs: list[subprocess.Popen] = []
+    try:
+        line = server.proc.stdout.readline()
+        assert line.startswith("aps: dashboard on http://127.0.0.1:"), line
+        url = line.split(" on ", 1)[1].strip()
+        browser.get(url)
+        wait_until(lambda: browser.execute_script("return document.body.dataset.state") == "live", 15,
+                   "the page to connect")
+        procs = workers(server.address, 2, [1.0, 2.0], tmp_path)
+
+        def version() -> int:
+            text = text_of(browser, "version").strip().replace(",", "")
+            return int(text) if text.isdigit() else -1
+
+        first = wait_until(lambda: version() > 0 and version(), 90, "the first update to show")
+        wait_until(lambda: version() >= first + 20, 60, "the version shown to increase")
+        ranks = wait_until(
+            lambda: sorted(browser.execute_script(
+                "return [...document.querySelectorAll('#workers tr[data-rank]')].map(r => r.dataset.rank)")) == ["0", "1"],
+            10, "both ranks in the workers table")
+        assert ranks
+        wait_until(lambda: "joined" in text_of(browser, "events"), 10, "the joins in the membership events")
+        assert "ssp" in text_of(browser, "config")
+        assert "slowest" in browser.execute_script("return document.body.innerText")
+        time.sleep(2.5)  # the line charts have a few points
+        shot = tmp_path / "dashboard.png"
+        assert browser.save_screenshot(str(shot)) and shot.stat().st_size > 10_000
+        keep = os.environ.get("APS_DASHBOARD_SCREENSHOT")
+        if keep:
+            shutil.copyfile(shot, keep)
+        errors = [entry for entry in browser.get_log("browser") if entry["level"] == "SEVERE"]
+        assert not errors, errors
+
+        # The server stops: the page says so, clearly, and keeps what it showed.
+        for proc in procs:
+            proc.send_signal(signal.SIGTERM)
+        server.stop()
+        wait_until(lambda: browser.execute_script("return document.body.dataset.state") == "disconnected", 15,
+                   "the page to notice the server stopped")
+        banner = browser.find_element("id", "banner")
+        assert banner.is_displayed() and "Lost the server" in banner.text and "it stopped" in banner.text
+        assert version() >= first + 20
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+            proc.wait(10)
+        server.stop()
+
+
+def test_the_dashboard_asks_for_the_token_or_takes_it_from_the_address(browser):
+    server = ServerProcess("--workers", "1", "--http-port", "0", "--token", "s3cret")
+    try:
+        url = server.proc.stdout.readline().split(" on ", 1)[1].strip()
+        state = lambda: browser.execute_script("return document.body.dataset.state")  # noqa: E731
+        browser.get(url)
+        wait_until(lambda: state() == "login", 15, "the page to ask for the token")
+        assert browser.find_element("id", "login").is_displayed()
+        assert text_of(browser, "version").strip() in ("", "–")  # nothing shown without it
+        field = browser.find_element("id", "token")
+        field.send_keys("wrong\n")
+        wait_until(lambda: state() == "login" and "refused" in text_of(browser, "login-error"), 15,
+                   "a wrong token to be refused")
+        browser.find_element("id", "token").send_keys("s3cret\n")
+        wait_until(lambda: state() == "live", 15, "the page to connect with the token")
+        wait_until(lambda: text_of(browser, "version").strip() == "0", 10, "the first frame")
+
+        browser.execute_script("sessionStorage.clear()")
+        browser.get(url + "#token=s3cret")  # a link that carries it
+        wait_until(lambda: state() == "live", 15, "the page to connect with the token from the address")
+        assert browser.execute_script("return location.hash") == ""  # taken out of the address bar
+    finally:
+        server.stop()

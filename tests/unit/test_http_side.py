@@ -1,0 +1,269 @@
+"""The HTTP side's application, driven by aiohttp's test client: every endpoint, the token,
+the dashboard's WebSocket (hello, frames, refusals), its history, and what it does to
+clients that misbehave (too many, never reading)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import socket
+import time
+
+import pytest
+from aiohttp import WSCloseCode, WSMsgType
+from aiohttp.test_utils import TestClient, TestServer
+from prometheus_client.parser import text_string_to_metric_families
+
+from aps import _http
+from aps._http import HttpSide
+from aps.config import ServerConfig
+
+
+def snapshot(version: int = 7, *, padding: str = "") -> dict:
+    """A statistics snapshot shaped as ``ServerStats.snapshot`` makes them (two ranks)."""
+    worker = {
+        "rank": 0, "live": True, "clock": 4, "gap": 1, "held": False, "credit": 0, "pushes": 4, "dropped": 0,
+        "rejected": 1, "staleness_mean": 0.5, "staleness_hist": {"0": 2, "1": 2}, "pulls": 4, "waits": 1,
+        "wait_s_total": 0.02, "wait_s_mean": 0.005, "wait_s_max": 0.02, "wait_buckets": [3, 0, 1] + [0] * 7,
+        "r_star_hist": {}, "release_gap_hist": {"0": 4}, "max_release_gap": 0, "last_interval_s": 0.01,
+    }
+    return {
+        "server": {
+            "address": "tcp://127.0.0.1:7450" + padding, "sync": "ssp s=3", "optimizer": "sgd lr=0.1",
+            "workers": 2, "live": 2, "started": True, "uptime_s": 3.0, "version": version, "updates_per_s": 2.0,
+            "updates_per_s_mean": 2.0, "pushes": 7, "dropped": 0, "rejected": 1, "duplicates": 0,
+            "run_id": "run-1", "resumed_from": None, "checkpoint": None, "bytes_in": 100, "bytes_out": 200,
+            "transports": {"tcp": {"bytes_in": 100, "bytes_out": 200}, "shm": {"bytes_in": 0, "bytes_out": 0}},
+            "process": {"pid": 1, "rss_bytes": 1 << 20, "cpu_s": 0.5, "threads": 3}, "parameters": 8,
+            "membership_events": {"joined": 2, "rejoined": 0, "left": 0, "disconnected": 0, "timed out": 0},
+        },
+        "workers": [worker, {**worker, "rank": 1, "clock": 3, "gap": 0, "pushes": 3, "rejected": 0}],
+        "events": [],
+    }
+
+
+EVENTS = [{"seq": 1, "t": 1.0, "rank": 0, "event": "joined", "clock": 0, "live": 1},
+          {"seq": 2, "t": 2.0, "rank": 1, "event": "joined", "clock": 0, "live": 2}]
+
+
+def side(token: bytes | None = None, snap=snapshot, events=EVENTS) -> HttpSide:
+    return HttpSide(ServerConfig(workers=2, sync="ssp", staleness=3, token=token), snap, token,
+                    events_after=lambda seq: [e for e in events if e["seq"] > seq])
+
+
+def drive(http: HttpSide, scenario) -> None:
+    async def main():
+        async with TestClient(TestServer(http.app())) as client:
+            await scenario(client)
+
+    asyncio.run(main())
+
+
+async def receive_json(ws, timeout: float = 5.0) -> dict:
+    message = await ws.receive(timeout)
+    assert message.type == WSMsgType.TEXT, message
+    return json.loads(message.data)
+
+
+def test_every_endpoint_answers():
+    async def scenario(client):
+        page = await client.get("/")
+        html = await page.text()
+        assert page.status == 200 and "static/dashboard.js" in html and "static/dashboard.css" in html
+        for name, kind in (("dashboard.js", "javascript"), ("dashboard.css", "text/css")):
+            asset = await client.get(f"/static/{name}")
+            assert asset.status == 200 and kind in asset.headers["Content-Type"]
+        metrics = await client.get("/metrics")
+        families = {f.name: f for f in text_string_to_metric_families(await metrics.text())}
+        assert families["aps_version"].samples[0].value == 7
+        assert {s.labels["event"]: s.value for s in families["aps_membership_events"].samples} == {
+            "joined": 2, "rejoined": 0, "left": 0, "disconnected": 0, "timed_out": 0}
+        stats = await client.get("/api/stats")
+        assert await stats.json() == snapshot()
+        config = await (await client.get("/api/config")).json()
+        assert config["sync"] == "ssp" and config["staleness"] == 3 and "token" not in config
+        history = await (await client.get("/api/history")).json()
+        assert history == {"every_s": 1, "points": []}
+        assert (await client.get("/nowhere")).status == 404
+        assert (await client.get("/static/../_http.py")).status in (403, 404)
+        assert (await client.post("/metrics", data=b"x" * (1 << 20))).status in (405, 413)
+
+    drive(side(), scenario)
+
+
+def test_the_token_guards_the_data_not_the_page():
+    async def scenario(client):
+        for path in ("/metrics", "/api/stats", "/api/config", "/api/history"):
+            assert (await client.get(path)).status == 401
+            assert (await client.get(path, headers={"Authorization": "Bearer wrong"})).status == 401
+            assert (await client.get(path, headers={"Authorization": "Bearer sesame"})).status == 200
+        assert (await client.get("/")).status == 200  # the page holds no data
+        assert (await client.get("/static/dashboard.js")).status == 200
+        async with client.ws_connect("/ws") as ws:
+            await ws.send_str(json.dumps({"token": "wrong"}))
+            refusal = await receive_json(ws)
+            assert refusal == {"type": "error", "code": 4401, "error": "this server needs its token"}
+            assert (await ws.receive(5)).type in (WSMsgType.CLOSE, WSMsgType.CLOSED)
+            assert ws.close_code == 4401
+        async with client.ws_connect("/ws") as ws:  # a stranger that says nothing
+            assert (await receive_json(ws, timeout=_http.HELLO_TIMEOUT_S + 5))["code"] == 4401
+        async with client.ws_connect("/ws") as ws:
+            await ws.send_str(json.dumps({"token": "sesame"}))
+            hello = await receive_json(ws)
+            assert hello["type"] == "hello" and hello["run_id"] == "run-1" and "token" not in hello["config"]
+
+    drive(side(token=b"sesame"), scenario)
+
+
+def test_the_websocket_says_hello_then_sends_frames_with_only_what_is_new():
+    versions = iter(range(10, 10_000))
+    events = list(EVENTS)
+    http = side(snap=lambda: snapshot(next(versions)), events=events)
+
+    async def scenario(client):
+        async with client.ws_connect("/ws") as ws:
+            await ws.send_str(json.dumps({"token": ""}))
+            hello = await receive_json(ws)
+            assert hello["type"] == "hello" and hello["config"]["workers"] == 2
+            assert [e["seq"] for e in hello["events"]] == [1, 2] and hello["history"] == []
+            began = time.monotonic()
+            frames = [await receive_json(ws) for _ in range(3)]
+            events.append({"seq": 3, "t": 3.0, "rank": 1, "event": "left", "clock": 3, "live": 1})
+            frames += [await receive_json(ws) for _ in range(2)]
+            elapsed = time.monotonic() - began
+        assert all(f["type"] == "stats" for f in frames)
+        versions_seen = [f["server"]["version"] for f in frames]
+        assert versions_seen == sorted(versions_seen) and versions_seen[0] < versions_seen[-1]
+        assert [w["rank"] for w in frames[0]["workers"]] == [0, 1]
+        assert "staleness_hist" not in frames[0]["workers"][0]  # the frames stay small
+        new_events = [e["seq"] for f in frames for e in f["events"]]
+        assert new_events == [3]  # each event once, and none the hello had
+        assert elapsed > (5 - 1) / _http.FRAMES_PER_S * 0.9  # no more than FRAMES_PER_S a second
+
+    drive(http, scenario)
+
+
+def test_history_points_are_rates_between_samples(monkeypatch):
+    totals = {"version": 0, "live": 2, "staleness_sum": 0, "staleness_n": 0, "wait_s": 0.0, "pulls": 0}
+    http = HttpSide(ServerConfig(workers=2), snapshot, None, totals=lambda: dict(totals))
+    clock = iter([100.0, 102.0, 103.0])
+    monkeypatch.setattr(_http.time, "time", lambda: next(clock))
+    http._sample()  # the first sample only sets the origin
+    totals.update(version=10, staleness_sum=6, staleness_n=4, wait_s=0.5, pulls=5)
+    http._sample()
+    http._sample()  # nothing happened in between
+    first, second = http._history
+    assert first == {"t": 102.0, "version": 10, "updates_per_s": 5.0, "staleness_mean": 1.5, "gate_wait_ms": 100.0,
+                     "live": 2}
+    assert second["updates_per_s"] == 0 and second["staleness_mean"] is None and second["gate_wait_ms"] is None
+
+
+def test_cross_origin_pages_and_one_dashboard_too_many_are_refused(monkeypatch):
+    monkeypatch.setattr(_http, "MAX_VIEWERS", 2)
+
+    async def scenario(client):
+        response = await client.get("/ws", headers={"Origin": "http://evil.example", "Connection": "Upgrade",
+                                                     "Upgrade": "websocket", "Sec-WebSocket-Version": "13",
+                                                     "Sec-WebSocket-Key": "dGhlIHNhbXBsZSBub25jZQ=="})
+        assert response.status == 403
+        same = f"http://{client.server.host}:{client.server.port}"
+        viewers = [await client.ws_connect("/ws", headers={"Origin": same}) for _ in range(2)]
+        for ws in viewers:
+            await ws.send_str(json.dumps({"token": ""}))
+            assert (await receive_json(ws))["type"] == "hello"
+        async with client.ws_connect("/ws") as extra:
+            await extra.send_str(json.dumps({"token": ""}))
+            assert (await receive_json(extra))["code"] == _http.CLOSE_TOO_MANY
+        await viewers[0].close()
+        await asyncio.sleep(0.1)
+        async with client.ws_connect("/ws") as again:  # room again
+            await again.send_str(json.dumps({"token": ""}))
+            assert (await receive_json(again))["type"] == "hello"
+        await viewers[1].close()
+
+    drive(side(), scenario)
+
+
+def test_a_viewer_that_never_reads_is_cut_off_and_the_others_go_on(monkeypatch):
+    monkeypatch.setattr(_http, "SEND_TIMEOUT_S", 0.5)
+    http = side(snap=lambda: snapshot(padding="x" * (1 << 20)))  # 1 MiB frames
+
+    async def scenario(client):
+        host, port = client.server.host, client.server.port
+        stuck = socket.socket()
+        stuck.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+        stuck.connect((host, port))
+        stuck.sendall(f"GET /ws HTTP/1.1\r\nHost: {host}:{port}\r\nUpgrade: websocket\r\nConnection: Upgrade\r\n"
+                      "Sec-WebSocket-Key: dGhlIHNhbXBsZSBub25jZQ==\r\nSec-WebSocket-Version: 13\r\n\r\n".encode())
+        # one masked text frame: the token message, then never a read
+        payload, mask = b'{"token": ""}', b"\x01\x02\x03\x04"
+        stuck.sendall(bytes([0x81, 0x80 | len(payload)]) + mask + bytes(b ^ mask[i % 4] for i, b in enumerate(payload)))
+        async with client.ws_connect("/ws", max_msg_size=0) as good:
+            await good.send_str(json.dumps({"token": ""}))
+            assert (await receive_json(good))["type"] == "hello"
+            deadline = time.monotonic() + 20
+            while len(http._viewers) > 1 and time.monotonic() < deadline:
+                await receive_json(good)  # the reading one keeps getting frames meanwhile
+            assert len(http._viewers) == 1, "the viewer that never reads is still served"
+            for _ in range(2):
+                assert (await receive_json(good))["type"] == "stats"
+        stuck.close()
+
+    drive(http, scenario)
+
+
+def test_connections_beyond_the_cap_are_refused_and_room_comes_back(monkeypatch):
+    monkeypatch.setattr(_http, "MAX_CONNECTIONS", 3)
+    http = HttpSide(ServerConfig(workers=2, http_port=0), snapshot, None)
+
+    async def main():
+        await http.start()
+        try:
+            idle = [socket.create_connection(("127.0.0.1", http.port)) for _ in range(3)]
+            await asyncio.sleep(0.2)
+            reader, writer = await asyncio.open_connection("127.0.0.1", http.port)
+            writer.write(b"GET /api/config HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n")
+            assert (await asyncio.wait_for(reader.read(), 5)).startswith(b"HTTP/1.1 503 ")
+            writer.close()
+            idle.pop().close()
+            await asyncio.sleep(0.2)
+            reader, writer = await asyncio.open_connection("127.0.0.1", http.port)
+            writer.write(b"GET /api/config HTTP/1.1\r\nHost: 127.0.0.1\r\nConnection: close\r\n\r\n")
+            assert (await asyncio.wait_for(reader.read(), 5)).startswith(b"HTTP/1.1 200 ")
+            writer.close()
+            for sock in idle:
+                sock.close()
+        finally:
+            await http.close()
+
+    asyncio.run(main())
+
+
+@pytest.mark.parametrize("message", ["not json", "[1, 2]", '{"token": 5}'])
+def test_a_malformed_hello_is_refused(message):
+    async def scenario(client):
+        async with client.ws_connect("/ws") as ws:
+            await ws.send_str(message)
+            assert (await receive_json(ws))["code"] == 4401
+            assert (await ws.receive(5)).type in (WSMsgType.CLOSE, WSMsgType.CLOSED)
+            assert ws.close_code not in (None, WSCloseCode.OK)
+
+    drive(side(), scenario)
+
+
+def test_on_loopback_without_a_token_only_local_names_are_served():
+    """A page of another site whose name resolves to 127.0.0.1 (DNS rebinding) reads nothing."""
+    async def scenario(client):
+        for host in ("evil.example", "evil.example:80", "127.0.0.1.evil.example"):
+            response = await client.get("/api/stats", headers={"Host": host})
+            assert response.status == 403 and "unknown Host" in (await response.json())["error"]
+        for host in ("localhost", "127.0.0.1:1234", "[::1]:80", "app.localhost"):
+            assert (await client.get("/api/config", headers={"Host": host})).status == 200
+
+    drive(side(), scenario)
+    beyond = HttpSide(ServerConfig(workers=2, host="0.0.0.0", insecure=True), snapshot, None)
+
+    async def anywhere(client):  # listening beyond loopback (--insecure): names are how hosts are reached
+        assert (await client.get("/api/config", headers={"Host": "gpu-node-3:8080"})).status == 200
+
+    drive(beyond, anywhere)
