@@ -31,8 +31,11 @@ import hmac
 import ipaddress
 import json
 import logging
+import math
 import os
+import ssl
 import time
+import weakref
 from collections import deque
 from collections.abc import Callable, Iterator
 from urllib.parse import urlsplit
@@ -43,6 +46,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Histo
 
 from . import __version__
 from .config import ServerConfig, is_loopback
+from .transport.session import RateLimitedLog
 from .stats import MEMBERSHIP_EVENTS, WAIT_BUCKETS_S
 
 __all__ = ["HttpSide", "StatsCollector", "STALENESS_BUCKETS"]
@@ -67,6 +71,11 @@ FRAMES_PER_S = 2
 HISTORY_POINTS = 600
 #: Idle keep-alive connections are closed after this.
 KEEPALIVE_S = 15.0
+#: Every scrape, /api/stats request and dashboard frame within this of the last one is served
+#: from the same statistics snapshot (scrapers in a loop cost one snapshot a second, not one each).
+SNAPSHOT_MAX_AGE_S = 0.5
+#: /metrics serves the same exposition for this long (a scrape costs ~0.4 ms per worker).
+METRICS_MAX_AGE_S = 1.0
 #: Where the dashboard's files are (inside the package).
 WEB_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "web")
 #: WebSocket close codes: no or wrong token; too many dashboards open.
@@ -191,29 +200,44 @@ class HttpSide:
 
     def __init__(self, config: ServerConfig, snapshot: Callable[[], dict], token: bytes | None, *,
                  totals: Callable[[], dict] | None = None,
-                 events_after: Callable[[int], list[dict]] | None = None) -> None:
+                 events_after: Callable[[int], list[dict]] | None = None,
+                 tls: ssl.SSLContext | None = None) -> None:
         self.config = config
-        self._snapshot = snapshot
+        self._read_snapshot = snapshot
         self._token = token
+        self._tls = tls
         self._loopback = is_loopback(config.host)
         self._totals = totals
         self._events_after = events_after or (lambda seq: [])
         self._registry = CollectorRegistry(auto_describe=False)
-        self._registry.register(StatsCollector(snapshot))
+        self._registry.register(StatsCollector(self._snapshot))
         self._runner: web.AppRunner | None = None
         self._listener: asyncio.AbstractServer | None = None
         self._ticker: asyncio.Task | None = None
-        self._viewers: set[_Viewer] = set()
-        self._sockets = 0  # WebSockets open, viewers or not yet
+        self._viewers: set[_Viewer] = set()  # admitted: from before their hello is sent
         self._history: deque[dict] = deque(maxlen=HISTORY_POINTS)
+        self._point_seq = 0
         self._last_totals: tuple[float, dict] | None = None
         self._frame: dict | None = None  # the newest frame's shared part
+        self._cached: tuple[float, dict] | None = None  # (monotonic time, snapshot)
+        self._exposition: tuple[float, bytes] | None = None
         self.port: int | None = None
+
+    @property
+    def scheme(self) -> str:
+        return "https" if self._tls is not None else "http"
+
+    def _snapshot(self) -> dict:
+        """The statistics, read at most once per SNAPSHOT_MAX_AGE_S whoever asks."""
+        now = time.monotonic()
+        if self._cached is None or now - self._cached[0] >= SNAPSHOT_MAX_AGE_S:
+            self._cached = (now, self._read_snapshot())
+        return self._cached[1]
 
     # the application ------------------------------------------------------
     def app(self) -> web.Application:
         """The aiohttp application (also what the tests drive with aiohttp's test client)."""
-        app = web.Application(middlewares=[self._authorize], client_max_size=MAX_REQUEST_BYTES)
+        app = web.Application(middlewares=[self._guard], client_max_size=MAX_REQUEST_BYTES)
         app.router.add_get("/", self._index)
         app.router.add_static("/static/", WEB_DIR, append_version=False)
         app.router.add_get("/ws", self._websocket)
@@ -228,13 +252,18 @@ class HttpSide:
 
     async def start(self) -> None:
         """Listen on ``host:http_port`` (port 0: a free one, in :attr:`port`)."""
-        self._runner = web.AppRunner(self.app(), access_log=None, handle_signals=False,
-                                     keepalive_timeout=KEEPALIVE_S, shutdown_timeout=1.0)
+        # aiohttp logs each malformed request with a traceback: a client could flood the log.
+        quiet = logging.getLogger("aps.http")
+        if not any(isinstance(f, _OneLine) for f in quiet.filters):
+            quiet.addFilter(_OneLine())
+        self._runner = web.AppRunner(self.app(), access_log=None, handle_signals=False, logger=quiet,
+                                     keepalive_timeout=KEEPALIVE_S, lingering_time=0, shutdown_timeout=1.0)
         await self._runner.setup()
         try:
             factory = _Capped(self._runner.server, MAX_CONNECTIONS)
             self._listener = await asyncio.get_running_loop().create_server(
-                factory, self.config.host, self.config.http_port, reuse_address=True)
+                factory, self.config.host, self.config.http_port, reuse_address=True, ssl=self._tls,
+                ssl_handshake_timeout=self.config.handshake_timeout if self._tls is not None else None)
         except BaseException:
             await self._runner.cleanup()
             self._runner = None
@@ -250,7 +279,11 @@ class HttpSide:
             self._runner = None
 
     @web.middleware
-    async def _authorize(self, request: web.Request, handler):
+    async def _guard(self, request: web.Request, handler):
+        if request.body_exists:  # nothing here takes a body: refused unread, and the connection closed
+            response = web.json_response({"error": "requests here have no body"}, status=413)
+            response.force_close()
+            return response
         if self._token is None and self._loopback and not _local_name(request.host):
             # Listening on loopback without a token: a page of another site that had its name
             # resolve to 127.0.0.1 (DNS rebinding) would otherwise read the run.
@@ -263,7 +296,10 @@ class HttpSide:
             if scheme.lower() != "bearer" or not self._token_ok(credential.strip()):
                 return web.json_response({"error": "this server needs its token: Authorization: Bearer TOKEN"},
                                          status=401, headers={"WWW-Authenticate": 'Bearer realm="aps"'})
-        return await handler(request)
+        response = await handler(request)
+        if not response.prepared:  # (a WebSocket's answer went out already)
+            response.headers.update(_SECURITY_HEADERS)
+        return response
 
     def _token_ok(self, given: str) -> bool:
         return self._token is None or hmac.compare_digest(given.encode("utf-8", "replace"), self._token)
@@ -273,17 +309,19 @@ class HttpSide:
         return web.FileResponse(os.path.join(WEB_DIR, "index.html"), headers={"Cache-Control": "no-cache"})
 
     async def _metrics(self, request: web.Request) -> web.Response:
-        body = generate_latest(self._registry)
-        return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})
+        now = time.monotonic()
+        if self._exposition is None or now - self._exposition[0] >= METRICS_MAX_AGE_S:
+            self._exposition = (now, generate_latest(self._registry))
+        return web.Response(body=self._exposition[1], headers={"Content-Type": CONTENT_TYPE_LATEST})
 
     async def _stats(self, request: web.Request) -> web.Response:
-        return web.json_response(self._snapshot())
+        return _json_response(self._snapshot())
 
     async def _config(self, request: web.Request) -> web.Response:
-        return web.Response(text=json.dumps(self.config.public()), content_type="application/json")
+        return _json_response(self.config.public())
 
     async def _history_api(self, request: web.Request) -> web.Response:
-        return web.json_response({"every_s": 1, "points": list(self._history)})
+        return _json_response({"every_s": 1, "points": list(self._history)})
 
     # the dashboard's WebSocket ----------------------------------------------
     async def _websocket(self, request: web.Request) -> web.StreamResponse:
@@ -293,57 +331,57 @@ class HttpSide:
             return web.json_response({"error": "cross-origin WebSocket refused"}, status=403)
         ws = web.WebSocketResponse(heartbeat=20.0, max_msg_size=4096)
         await ws.prepare(request)
-        self._sockets += 1
+        viewer = await self._admit(ws, request.transport)
+        if viewer is None:
+            return ws
+        sender = asyncio.create_task(self._send_frames(viewer))
         try:
-            if not await self._hello(ws):
-                return ws
-            viewer = _Viewer(ws, request.transport)
-            self._viewers.add(viewer)
-            sender = asyncio.create_task(self._send_frames(viewer))
-            try:
-                async for _ in ws:  # nothing to hear after the token; this notices the close
-                    pass
-            finally:
-                self._viewers.discard(viewer)
-                sender.cancel()
+            async for _ in ws:  # nothing is to be said after the token
+                await _refuse(ws, WSCloseCode.POLICY_VIOLATION, "the dashboard's socket takes no messages")
+                viewer.transport_abort()
+                break
         finally:
-            self._sockets -= 1
+            self._viewers.discard(viewer)
+            sender.cancel()
         return ws
 
-    async def _hello(self, ws: web.WebSocketResponse) -> bool:
-        """Read the token message; answer with the hello (True) or refuse (False)."""
+    async def _admit(self, ws: web.WebSocketResponse, transport) -> _Viewer | None:
+        """Read the token message; send the hello and return the new viewer, or refuse (None)."""
         try:
             message = await asyncio.wait_for(ws.receive(), HELLO_TIMEOUT_S)
-            token = json.loads(message.data).get("token", "") if message.type == web.WSMsgType.TEXT else None
-        except (asyncio.TimeoutError, ValueError, AttributeError):
+            data = message.data if message.type == web.WSMsgType.TEXT else ""
+            said = json.loads(data) if data.lstrip().startswith("{") else None  # no deep nesting to parse
+            token = said.get("token", "") if isinstance(said, dict) else None
+        except (asyncio.TimeoutError, ValueError, RecursionError):
             token = None
         if not isinstance(token, str) or not self._token_ok(token):
             what = "this server needs its token" if self._token is not None else "send {\"token\": \"\"} first"
             await _refuse(ws, CLOSE_UNAUTHORIZED, what)
-            return False
+            return None
         if len(self._viewers) >= MAX_VIEWERS:
             await _refuse(ws, CLOSE_TOO_MANY, f"too many dashboards open (at most {MAX_VIEWERS})")
-            return False
+            return None
+        viewer = _Viewer(ws, transport)
+        self._viewers.add(viewer)  # counted from now: hellos under way included
+        # what the hello holds: the frames go on from there
+        history, events = list(self._history), self._events_after(0)
+        viewer.point_seq = history[-1]["seq"] if history else self._point_seq
+        viewer.event_seq = events[-1]["seq"] if events else 0
         hello = {
-            "type": "hello", "run_id": self._snapshot_run_id(), "aps_version": __version__,
-            "config": self.config.public(), "history": list(self._history),
-            "events": self._events_after(0), "history_every_s": 1,
+            "type": "hello", "run_id": self._snapshot()["server"].get("run_id"), "aps_version": __version__,
+            "config": self.config.public(), "history": history, "events": events, "history_every_s": 1,
         }
         try:
-            await asyncio.wait_for(ws.send_str(json.dumps(hello)), SEND_TIMEOUT_S)
-        except (asyncio.TimeoutError, ConnectionError):
-            return False
-        return True
-
-    def _snapshot_run_id(self) -> str | None:
-        frame = self._frame or self._build_frame()
-        return frame["server"].get("run_id")
+            await asyncio.wait_for(ws.send_str(_dumps(hello)), SEND_TIMEOUT_S)
+        except (asyncio.TimeoutError, ConnectionError, RuntimeError):
+            self._viewers.discard(viewer)
+            viewer.transport_abort()
+            return None
+        return viewer
 
     async def _send_frames(self, viewer: _Viewer) -> None:
         """One viewer's frames: the newest shared frame with the points and events it
         has not had. A viewer that cannot take one within SEND_TIMEOUT_S is cut off."""
-        viewer.point_t = self._history[-1]["t"] if self._history else 0.0
-        viewer.event_seq = max((e["seq"] for e in self._events_after(0)), default=0)
         try:
             while True:
                 await viewer.wake.wait()
@@ -351,13 +389,13 @@ class HttpSide:
                 frame = self._frame
                 if frame is None:
                     continue
-                points = [p for p in self._history if p["t"] > viewer.point_t]
+                points = [p for p in self._history if p["seq"] > viewer.point_seq]
                 events = self._events_after(viewer.event_seq)
                 if points:
-                    viewer.point_t = points[-1]["t"]
+                    viewer.point_seq = points[-1]["seq"]
                 if events:
                     viewer.event_seq = events[-1]["seq"]
-                text = frame["text"][:-1] + f', "points": {json.dumps(points)}, "events": {json.dumps(events)}}}'
+                text = frame["text"][:-1] + f', "points": {_dumps(points)}, "events": {_dumps(events)}}}'
                 await asyncio.wait_for(viewer.ws.send_str(text), SEND_TIMEOUT_S)
         except asyncio.TimeoutError:
             log.info("a dashboard took no frame for %g s: cut off", SEND_TIMEOUT_S)
@@ -372,7 +410,7 @@ class HttpSide:
         stats = self._snapshot()
         server = stats["server"]
         workers = [{key: w.get(key) for key in _VIEWER_WORKER_KEYS} for w in stats["workers"]]
-        text = json.dumps({"type": "stats", "server": server, "workers": workers})
+        text = _dumps({"type": "stats", "server": server, "workers": workers})
         return {"server": server, "text": text}
 
     async def _start_ticker(self, app: web.Application) -> None:
@@ -415,10 +453,11 @@ class HttpSide:
             await asyncio.sleep(period)
 
     def _sample(self) -> None:
-        """One history point: the rates since the previous sample."""
+        """One history point: the rates since the previous sample (over the monotonic
+        clock; the wall clock only labels the point)."""
         if self._totals is None:
             return
-        now, totals = time.time(), self._totals()
+        now, totals = time.monotonic(), self._totals()
         previous, self._last_totals = self._last_totals, (now, totals)
         if previous is None:
             return
@@ -426,8 +465,10 @@ class HttpSide:
         span = max(now - then, 1e-6)
         staleness_n = totals["staleness_n"] - before["staleness_n"]
         pulls = totals["pulls"] - before["pulls"]
+        self._point_seq += 1
         self._history.append({
-            "t": now,
+            "seq": self._point_seq,
+            "t": time.time(),
             "version": totals["version"],
             "updates_per_s": max(0, totals["version"] - before["version"]) / span,
             "staleness_mean": (totals["staleness_sum"] - before["staleness_sum"]) / staleness_n if staleness_n else None,
@@ -439,18 +480,64 @@ class HttpSide:
 class _Viewer:
     """One dashboard's WebSocket: woken for each frame; where its points and events are."""
 
-    __slots__ = ("ws", "transport", "wake", "point_t", "event_seq")
+    __slots__ = ("ws", "transport", "wake", "point_seq", "event_seq")
 
     def __init__(self, ws: web.WebSocketResponse, transport: asyncio.BaseTransport | None) -> None:
         self.ws = ws
         self.transport = transport
         self.wake = asyncio.Event()
-        self.point_t = 0.0
+        self.point_seq = 0
         self.event_seq = 0
 
     def transport_abort(self) -> None:
         if self.transport is not None and not self.transport.is_closing():
             self.transport.abort()
+
+
+#: On every answer: no framing by other sites, no content sniffing, nothing loaded from elsewhere.
+_SECURITY_HEADERS = {
+    "Content-Security-Policy": "default-src 'self'; img-src 'self' data:; frame-ancestors 'none'; base-uri 'none'; form-action 'self'",
+    "X-Content-Type-Options": "nosniff",
+    "X-Frame-Options": "DENY",
+    "Referrer-Policy": "no-referrer",
+}
+
+
+def _finite(value):
+    """``value`` with every non-finite float as None (JSON has no NaN or infinity)."""
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    if isinstance(value, dict):
+        return {k: _finite(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_finite(v) for v in value]
+    return value
+
+
+def _dumps(value) -> str:
+    """Strict JSON (what browsers parse): non-finite floats become null."""
+    try:
+        return json.dumps(value, allow_nan=False)
+    except ValueError:
+        return json.dumps(_finite(value), allow_nan=False)
+
+
+def _json_response(value) -> web.Response:
+    return web.Response(text=_dumps(value), content_type="application/json")
+
+
+class _OneLine(logging.Filter):
+    """aiohttp's complaints about bad requests: one line each, at most a few a minute."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._limit = RateLimitedLog(logger=log)
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        error = record.exc_info[1] if record.exc_info else None
+        self._limit.warning(time.monotonic(), "HTTP side: %s%s", record.getMessage(),
+                            f": {type(error).__name__}: {str(error)[:200]}" if error is not None else "")
+        return False
 
 
 async def _refuse(ws: web.WebSocketResponse, code: int, error: str) -> None:
@@ -478,16 +565,50 @@ def _is_public(path: str) -> bool:
 
 
 class _Capped:
-    """aiohttp's protocol factory, refusing connections beyond ``limit`` (a 503, then closed)."""
+    """aiohttp's protocol factory, refusing connections beyond ``limit`` (a 503, then closed).
+
+    Connections are counted here, as they are made: aiohttp's own count moves only once
+    a connection is under way, after a burst of accepts in one pass of the loop."""
 
     def __init__(self, server: web.Server, limit: int) -> None:
         self._server = server
         self._limit = limit
+        # weak: a protocol whose connection never came about (a failed accept) leaves by itself
+        self.open: weakref.WeakSet[_Counted] = weakref.WeakSet()
 
     def __call__(self) -> asyncio.BaseProtocol:
-        if len(self._server.connections) >= self._limit:
+        if len(self.open) >= self._limit:
             return _Refusal()
-        return self._server()
+        protocol = _Counted(self._server(), self.open)
+        self.open.add(protocol)
+        return protocol
+
+
+class _Counted(asyncio.Protocol):
+    """aiohttp's protocol for one connection, which leaves the count when it ends."""
+
+    def __init__(self, inner, count: weakref.WeakSet) -> None:
+        self._inner = inner
+        self._count = count
+
+    def connection_made(self, transport) -> None:
+        self._inner.connection_made(transport)
+
+    def data_received(self, data: bytes) -> None:
+        self._inner.data_received(data)
+
+    def eof_received(self):
+        return self._inner.eof_received()
+
+    def pause_writing(self) -> None:
+        self._inner.pause_writing()
+
+    def resume_writing(self) -> None:
+        self._inner.resume_writing()
+
+    def connection_lost(self, exc) -> None:
+        self._count.discard(self)
+        self._inner.connection_lost(exc)
 
 
 class _Refusal(asyncio.Protocol):

@@ -9,6 +9,7 @@ A flag on the command line wins over the variable, which wins over the default
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -24,6 +25,8 @@ DEFAULT_MAX_STALENESS = 15
 OPTIMIZER_CHOICES = ("sgd", "adam", "adamw")
 LOG_LEVELS = ("debug", "info", "warning", "error")
 DEFAULT_PORT = 7450
+#: Options that must be finite (any float option must be a number: NaN is refused for all).
+_FINITE_OPTIONS = ("lr", "momentum", "weight_decay", "eps", "checkpoint_every")
 #: ``--resume`` without a path: the newest complete checkpoint in ``--checkpoint-dir``.
 RESUME_LATEST = "latest"
 #: The options that define a run: a resumed server takes them from the checkpoint,
@@ -178,6 +181,11 @@ class ServerConfig:
 
     def validate(self) -> None:
         """Raise ConfigurationError if an option is out of range."""
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            if isinstance(value, float) and not math.isfinite(value) and (
+                    math.isnan(value) or f.name in _FINITE_OPTIONS):
+                raise ConfigurationError(f"--{f.name.replace('_', '-')} must be a finite number, got {value}")
         if not 0 <= self.port <= 65535:
             raise ConfigurationError(f"--port {self.port} is out of range 0..65535")
         if self.workers < 1:

@@ -102,11 +102,12 @@ class Server:
 
     @property
     def http_address(self) -> str | None:
-        """``http://HOST:PORT/`` of the HTTP side (``--http-port``), or None."""
+        """``http://HOST:PORT/`` of the HTTP side (``--http-port``; ``https`` with
+        ``--tls-cert``), or None."""
         if self.http is None or self.http.port is None:
             return None
         host = f"[{self.config.host}]" if ":" in self.config.host else self.config.host
-        return f"http://{host}:{self.http.port}/"
+        return f"{self.http.scheme}://{host}:{self.http.port}/"
 
     # Lifecycle ------------------------------------------------------------
     async def start(self) -> None:
@@ -165,7 +166,7 @@ class Server:
             from ._http import HttpSide
 
             stats = self.engine.stats
-            self.http = HttpSide(config, self.engine.stats_snapshot, token,
+            self.http = HttpSide(config, self.engine.stats_snapshot, token, tls=tls,
                                  totals=lambda: stats.totals(self.engine), events_after=stats.events_after)
             try:
                 await self.http.start()

@@ -77,18 +77,19 @@ class RateLimitedLog:
     """Warnings about events that come in floods (refused connections, accept
     failures): at most ``limit`` per ``window`` seconds, then one summary."""
 
-    def __init__(self, limit: int = 5, window: float = 60.0) -> None:
+    def __init__(self, limit: int = 5, window: float = 60.0, logger: logging.Logger | None = None) -> None:
         self.limit, self.window = limit, window
+        self._log = logger or log
         self._since, self._count, self._dropped = float("-inf"), 0, 0
 
     def warning(self, now: float, message: str, *args) -> None:
         if now - self._since >= self.window:
             if self._dropped:
-                log.warning("... and %d more like it in the last %.0f s", self._dropped, now - self._since)
+                self._log.warning("... and %d more like it in the last %.0f s", self._dropped, now - self._since)
             self._since, self._count, self._dropped = now, 0, 0
         if self._count < self.limit:
             self._count += 1
-            log.warning(message, *args)
+            self._log.warning(message, *args)
         else:
             self._dropped += 1
 

@@ -215,7 +215,7 @@
 
   function handleMessage(raw) {
     let msg;
-    try { msg = JSON.parse(raw); } catch (_) { return; }
+    try { msg = JSON.parse(raw); } catch (err) { console.warn("aps dashboard: a message is not JSON", err); return; }
     if (!isObject(msg)) return;
     try {
       if (msg.type === "hello") onHello(msg);

@@ -91,3 +91,24 @@ def test_tls_and_a_token_together(server_process, pki):
         worker.push_pull(worker.grads)
     with pytest.raises(aps.AuthenticationError):
         aps.Worker(server.address, 0, 1, transport="tcp", tls=context(pki["ca"]), token="wrong")
+
+
+def test_the_http_side_speaks_https_with_the_same_certificate(server_process, pki):
+    """With --tls-cert, the dashboard, /metrics and the token they carry are encrypted too."""
+    import aiohttp
+
+    server = server_process("--workers", "1", "--tls-cert", pki["server"], "--token", "s3cret", "--http-port", "0")
+    line = server.proc.stdout.readline()
+    assert line.startswith("aps: dashboard on https://127.0.0.1:"), line
+    url = line.split(" on ", 1)[1].strip()
+
+    async def fetch(address: str, **kwargs) -> int:
+        async with aiohttp.ClientSession() as session, session.get(address, **kwargs) as response:
+            return response.status
+
+    bearer = {"Authorization": "Bearer s3cret"}
+    assert asyncio.run(fetch(url + "metrics", ssl=context(pki["ca"]), headers=bearer)) == 200
+    with pytest.raises(aiohttp.ClientError):  # plain HTTP is not spoken
+        asyncio.run(fetch(url.replace("https:", "http:") + "metrics", headers=bearer))
+    with pytest.raises(aiohttp.ClientError):  # nor to a client that does not trust the certificate
+        asyncio.run(fetch(url + "metrics", ssl=context(pki["other_ca"]), headers=bearer))

@@ -121,3 +121,10 @@ def test_bad_environment_values(environ):
 def test_validation(options):
     with pytest.raises(ConfigurationError):
         ServerConfig(**options)
+
+
+@pytest.mark.parametrize("option, value", [("lr", float("inf")), ("lr", float("nan")), ("momentum", float("nan")),
+                                           ("heartbeat_timeout", float("nan")), ("checkpoint_every", float("inf"))])
+def test_options_that_are_not_numbers_are_refused(option, value):
+    with pytest.raises(ConfigurationError, match=f"--{option.replace('_', '-')} must be a finite number"):
+        ServerConfig(**{option: value})

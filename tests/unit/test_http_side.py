@@ -6,8 +6,11 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
+import math
 import socket
 import time
+from types import SimpleNamespace
 
 import pytest
 from aiohttp import WSCloseCode, WSMsgType
@@ -85,13 +88,14 @@ def test_every_endpoint_answers():
         history = await (await client.get("/api/history")).json()
         assert history == {"every_s": 1, "points": []}
         assert (await client.get("/nowhere")).status == 404
-        assert (await client.get("/static/../_http.py")).status in (403, 404)
-        assert (await client.post("/metrics", data=b"x" * (1 << 20))).status in (405, 413)
+        assert "default-src 'self'" in page.headers["Content-Security-Policy"]
 
     drive(side(), scenario)
 
 
-def test_the_token_guards_the_data_not_the_page():
+def test_the_token_guards_the_data_not_the_page(monkeypatch):
+    monkeypatch.setattr(_http, "HELLO_TIMEOUT_S", 0.5)
+
     async def scenario(client):
         for path in ("/metrics", "/api/stats", "/api/config", "/api/history"):
             assert (await client.get(path)).status == 401
@@ -146,15 +150,16 @@ def test_the_websocket_says_hello_then_sends_frames_with_only_what_is_new():
 def test_history_points_are_rates_between_samples(monkeypatch):
     totals = {"version": 0, "live": 2, "staleness_sum": 0, "staleness_n": 0, "wait_s": 0.0, "pulls": 0}
     http = HttpSide(ServerConfig(workers=2), snapshot, None, totals=lambda: dict(totals))
-    clock = iter([100.0, 102.0, 103.0])
-    monkeypatch.setattr(_http.time, "time", lambda: next(clock))
+    monotonic, wall = iter([100.0, 102.0, 103.0]), iter([5000.0, 1000.0])  # the wall clock steps back an hour
+    monkeypatch.setattr(_http, "time", SimpleNamespace(monotonic=lambda: next(monotonic), time=lambda: next(wall)))
     http._sample()  # the first sample only sets the origin
     totals.update(version=10, staleness_sum=6, staleness_n=4, wait_s=0.5, pulls=5)
     http._sample()
     http._sample()  # nothing happened in between
     first, second = http._history
-    assert first == {"t": 102.0, "version": 10, "updates_per_s": 5.0, "staleness_mean": 1.5, "gate_wait_ms": 100.0,
-                     "live": 2}
+    assert first == {"seq": 1, "t": 5000.0, "version": 10, "updates_per_s": 5.0, "staleness_mean": 1.5,
+                     "gate_wait_ms": 100.0, "live": 2}
+    assert second["seq"] == 2 and second["t"] == 1000.0  # rates come from the monotonic clock alone
     assert second["updates_per_s"] == 0 and second["staleness_mean"] is None and second["gate_wait_ms"] is None
 
 
@@ -267,3 +272,134 @@ def test_on_loopback_without_a_token_only_local_names_are_served():
         assert (await client.get("/api/config", headers={"Host": "gpu-node-3:8080"})).status == 200
 
     drive(beyond, anywhere)
+
+
+async def raw_request(host: str, port: int, request: bytes, timeout: float = 5.0) -> bytes:
+    """Send ``request`` as it is (no client normalises it) and read the answer until closed."""
+    reader, writer = await asyncio.open_connection(host, port)
+    writer.write(request)
+    try:
+        return await asyncio.wait_for(reader.read(), timeout)
+    finally:
+        writer.close()
+
+
+def listening(http: HttpSide, scenario) -> None:
+    """Run ``scenario(host, port)`` against ``http`` listening as a server runs it."""
+    async def main():
+        await http.start()
+        try:
+            await scenario("127.0.0.1", http.port)
+        finally:
+            await http.close()
+
+    asyncio.run(main())
+
+
+def test_paths_out_of_the_static_directory_and_bodies_are_refused():
+    async def scenario(host, port):
+        for path in ("/static/../_http.py", "/static/%2e%2e/_http.py", "/static/..%2f_http.py", "/static//etc/passwd"):
+            answer = await raw_request(host, port, f"GET {path} HTTP/1.1\r\nHost: {host}\r\nConnection: close"
+                                       "\r\n\r\n".encode())
+            status = int(answer.split(b" ", 2)[1])
+            assert status in (403, 404) and b"StatsCollector" not in answer, (path, answer[:200])
+        began = time.monotonic()  # a body announced as 100 GB is not read: 413, and the connection closed
+        answer = await raw_request(host, port, f"GET /api/config HTTP/1.1\r\nHost: {host}\r\n"
+                                   "Content-Length: 100000000000\r\n\r\n".encode() + b"x" * 65536)
+        assert answer.startswith(b"HTTP/1.1 413 ") and time.monotonic() - began < 4
+
+    listening(HttpSide(ServerConfig(workers=2, http_port=0), snapshot, None), scenario)
+
+
+def test_non_finite_options_are_valid_json():
+    http = HttpSide(ServerConfig(workers=2, heartbeat_timeout=math.inf), snapshot, None)
+
+    async def scenario(client):
+        config = json.loads(await (await client.get("/api/config")).text())  # strict: no Infinity
+        assert config["heartbeat_timeout"] is None
+        async with client.ws_connect("/ws") as ws:
+            await ws.send_str(json.dumps({"token": ""}))
+            message = await ws.receive(5)
+            hello = json.loads(message.data, parse_constant=lambda name: pytest.fail(f"{name} in the hello"))
+            assert hello["config"]["heartbeat_timeout"] is None
+
+    drive(http, scenario)
+
+
+@pytest.mark.parametrize("message", ["[" * 4000, "{" * 2000])
+def test_a_deeply_nested_hello_is_refused_like_any_bad_one(message):
+    async def scenario(client):
+        async with client.ws_connect("/ws") as ws:
+            await ws.send_str(message)
+            assert (await receive_json(ws))["code"] == 4401
+
+    drive(side(), scenario)
+
+
+def test_a_dashboard_that_talks_after_its_hello_is_closed():
+    http = side()
+
+    async def scenario(client):
+        async with client.ws_connect("/ws") as ws:
+            await ws.send_str(json.dumps({"token": ""}))
+            assert (await receive_json(ws))["type"] == "hello"
+            await ws.send_str("x" * 4000)
+            while (message := await ws.receive(5)).type == WSMsgType.TEXT:
+                assert json.loads(message.data)["type"] in ("stats", "error")
+            assert message.type in (WSMsgType.CLOSE, WSMsgType.CLOSED)
+        await asyncio.sleep(0.1)
+        assert not http._viewers
+
+    drive(http, scenario)
+
+
+def test_viewers_arriving_together_are_held_to_the_cap(monkeypatch):
+    """Hellos under way count: a burst of dashboards, each with a long hello, gets no more
+    than the cap between them."""
+    monkeypatch.setattr(_http, "MAX_VIEWERS", 2)
+    http = side()
+    http._history.extend({"seq": i, "t": float(i), "version": i, "updates_per_s": 1.0, "staleness_mean": 0.5,
+                          "gate_wait_ms": 1.0, "live": 2} for i in range(1, _http.HISTORY_POINTS + 1))
+
+    async def scenario(client):
+        async def one():
+            async with client.ws_connect("/ws", compress=15) as ws:
+                await ws.send_str(json.dumps({"token": ""}))
+                first = await receive_json(ws)
+                if first["type"] == "hello":
+                    await asyncio.sleep(1.0)  # stay while the others arrive
+                return first["type"]
+
+        kinds = await asyncio.gather(*(one() for _ in range(10)))
+        assert kinds.count("hello") == 2 and kinds.count("error") == 8
+
+    drive(http, scenario)
+
+
+def test_a_burst_of_connections_is_held_to_the_cap(monkeypatch):
+    monkeypatch.setattr(_http, "MAX_CONNECTIONS", 8)
+
+    async def scenario(host, port):
+        opened = await asyncio.gather(*(asyncio.open_connection(host, port) for _ in range(100)))
+        request = f"GET /api/config HTTP/1.1\r\nHost: {host}\r\nConnection: close\r\n\r\n".encode()
+        for _, writer in opened:
+            writer.write(request)
+        answers = await asyncio.gather(*(asyncio.wait_for(reader.read(), 10) for reader, _ in opened))
+        served = sum(a.startswith(b"HTTP/1.1 200 ") for a in answers)
+        refused = sum(a.startswith(b"HTTP/1.1 503 ") for a in answers)
+        assert served <= 8 and served + refused == 100, (served, refused)
+        for _, writer in opened:
+            writer.close()
+
+    listening(HttpSide(ServerConfig(workers=2, http_port=0), snapshot, None), scenario)
+
+
+def test_bad_requests_do_not_flood_the_log(caplog):
+    async def scenario(host, port):
+        for _ in range(200):
+            await raw_request(host, port, b"GET /\x01 HTTP/1.1\r\nHost: x\r\n\r\n")
+
+    with caplog.at_level(logging.DEBUG):
+        listening(HttpSide(ServerConfig(workers=2, http_port=0), snapshot, None), scenario)
+    lines = [r for r in caplog.records if r.name.startswith(("aps", "aiohttp"))]
+    assert 1 <= len(lines) <= 10 and not any(r.exc_info for r in lines), [r.getMessage() for r in lines][:12]
