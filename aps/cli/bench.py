@@ -307,13 +307,15 @@ class CopyUpdateBound:
 
 
 #: What an aps row measures, by its system name: the server's extra flags.
-VARIANTS = {"aps": [], "aps no-stream": ["--stream-min-bytes", "0"], "aps tls": ["--tls-cert"]}
+VARIANTS = {"aps": [], "aps no-stream": ["--stream-min-bytes", "0"], "aps tls": ["--tls-cert"],
+            "aps dashboard": ["--http-port", "0"]}
 
 
 class ApsSession:
     """A real ``aps serve`` process and ``workers`` worker processes on ``transport``;
     ``variant`` (see VARIANTS): as it comes, applying TCP gradients only once they
-    have arrived, or over TLS (with a throwaway certificate, see :class:`TlsFiles`)."""
+    have arrived, over TLS (with a throwaway certificate, see :class:`TlsFiles`), or
+    with the HTTP side on a free port (its address in :attr:`http_address`)."""
 
     def __init__(self, nbytes: int, workers: int, transport: str, variant: str = "aps",
                  tls: TlsFiles | None = None) -> None:
@@ -321,7 +323,11 @@ class ApsSession:
         if variant == "aps tls":
             extra.append(tls.server)
         self.server, address = start_server(workers, extra)
+        #: ``http://HOST:PORT/`` of the server's HTTP side, or None without one.
+        self.http_address: str | None = None
         try:
+            if "--http-port" in extra:
+                self.http_address = _read_dashboard(self.server)
             self.session = Session(
                 _PushPullClient,
                 [(address, r, workers, nbytes, transport, tls.ca if variant == "aps tls" else None)
@@ -351,6 +357,15 @@ def start_server(workers: int, extra: list[str] | None = None) -> tuple[subproce
         proc.wait()
         raise RuntimeError(f"aps serve did not start: {line!r}")
     return proc, line[len(prefix) :]
+
+
+def _read_dashboard(proc: subprocess.Popen) -> str:
+    """The HTTP side's address, from the second line ``aps serve --http-port`` prints."""
+    line = proc.stdout.readline().strip()
+    prefix = "aps: dashboard on "
+    if not line.startswith(prefix):
+        raise RuntimeError(f"aps serve did not announce its HTTP side: {line!r}")
+    return line[len(prefix) :]
 
 
 def stop_server(proc: subprocess.Popen) -> None:
