@@ -17,6 +17,7 @@ always sees its own updates.
 
 from __future__ import annotations
 
+import json
 import logging
 import time
 import uuid
@@ -203,6 +204,8 @@ class Engine:
         self._lane = UpdateLane(offload, offload_threshold)
         #: This run's identity: new for a new model, kept across checkpoints and resumes.
         self.run_id = uuid.uuid4().hex
+        #: What the handshake tells workers of this shard (JSON; see ServerConfig.shard_description).
+        self.shard_description = json.dumps(config.shard_description(), separators=(",", ":"))
         #: The checkpoint this engine resumed from (its path), if any.
         self.resumed_from: str | None = None
         self._seats: dict[int, Seat] = {}

@@ -33,8 +33,10 @@ RESUME_LATEST = "latest"
 #: and refuses a value given that differs (the others are the operator's to change).
 RUN_OPTIONS = (
     "workers", "sync", "staleness", "max_staleness", "softsync_n", "backup_workers", "lr_staleness", "async_scale",
-    "optimizer", "lr", "momentum", "nesterov", "weight_decay", "betas", "eps",
+    "optimizer", "lr", "momentum", "nesterov", "weight_decay", "betas", "eps", "shard", "shards",
 )
+#: The options every shard of a model must share: workers check them across shards.
+SHARED_OPTIONS = tuple(name for name in RUN_OPTIONS if name != "shard")
 
 
 def _opt(help: str, *, choices: tuple[str, ...] | None = None, metavar: str | None = None) -> dict:
@@ -48,6 +50,12 @@ class ServerConfig:
     host: str = field(default="127.0.0.1", metadata=_opt("address to listen on (0.0.0.0 for every interface)"))
     port: int = field(default=DEFAULT_PORT, metadata=_opt("TCP port; 0 picks a free one and prints it"))
     workers: int = field(default=1, metadata=_opt("number of workers P; training starts when all have joined"))
+    shard: int = field(default=0, metadata=_opt("this server's shard I (0..K-1) of --shards K", metavar="I"))
+    shards: int = field(
+        default=1,
+        metadata=_opt("cut the model into K contiguous ranges, one per aps serve process (shard I holds range I); "
+                      "workers are given every shard's address", metavar="K"),
+    )
     sync: str = field(default="bsp", metadata=_opt("synchronization paradigm", choices=SYNC_CHOICES))
     staleness: int | None = field(
         default=None,
@@ -190,6 +198,11 @@ class ServerConfig:
             raise ConfigurationError(f"--port {self.port} is out of range 0..65535")
         if self.workers < 1:
             raise ConfigurationError(f"--workers must be at least 1, got {self.workers}")
+        if self.shards < 1:
+            raise ConfigurationError(f"--shards must be at least 1, got {self.shards}")
+        if not 0 <= self.shard < self.shards:
+            raise ConfigurationError(f"--shard must be in 0..{self.shards - 1} for --shards {self.shards}, "
+                                     f"got {self.shard}")
         if self.sync not in SYNC_CHOICES:
             raise ConfigurationError(f"unknown sync paradigm {self.sync!r}: choose from {', '.join(SYNC_CHOICES)}")
         if self.staleness is not None:
@@ -262,6 +275,11 @@ class ServerConfig:
     def public(self) -> dict[str, Any]:
         """Every option but the token, by field name (what may be shown or saved)."""
         return {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "token"}
+
+    def shard_description(self) -> dict[str, Any]:
+        """What a worker checks across shards: this shard's index, and the options all the
+        shards of a model must share (SHARED_OPTIONS), by name."""
+        return {"shard": self.shard, **{name: getattr(self, name) for name in SHARED_OPTIONS}}
 
     def replace(self, **changes: Any) -> ServerConfig:
         return dataclasses.replace(self, **changes)

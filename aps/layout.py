@@ -16,7 +16,10 @@ import numpy as np
 
 from .errors import DTypeMismatch, LayoutMismatch
 
-__all__ = ["Layout"]
+__all__ = ["Layout", "shard_bounds"]
+
+#: Shard boundaries fall on multiples of this many elements (64 bytes: whole cache lines).
+SHARD_ALIGN = 16
 
 _MAX_NAME_BYTES = 0xFFFF
 _MAX_NDIM = 32
@@ -77,6 +80,28 @@ class Layout:
     def __len__(self) -> int:
         return len(self.names)
 
+    def shard(self, index: int, shards: int) -> Layout:
+        """The layout shard ``index`` of ``shards`` holds: the pieces of the tensors that
+        fall in its range of the flat vector (see :func:`shard_bounds`), in flat order.
+        A whole tensor keeps its name and shape; a tensor cut at a boundary becomes a
+        flat piece named ``NAME[START:END]`` (elements of the flattened tensor), so every
+        party derives the same pieces from the same layout, and the pieces of all the
+        shards, in order, are the flat vector."""
+        start, end = shard_bounds(self.numel, shards)[index : index + 2]
+        names, shapes = [], []
+        for name, shape, offset, size in zip(self.names, self.shapes, self.offsets, self.sizes):
+            low, high = max(start, offset), min(end, offset + size)
+            empty_here = size == 0 and (start <= offset < end or offset == end == self.numel)
+            if low >= high and not empty_here:
+                continue
+            if (low, high) == (offset, offset + size):
+                names.append(name)
+                shapes.append(shape)
+            else:
+                names.append(f"{name}[{low - offset}:{high - offset}]")
+                shapes.append((high - low,))
+        return Layout(tuple(names), tuple(shapes))
+
     def views(self, flat: np.ndarray) -> dict[str, np.ndarray]:
         """Each tensor as a view (shaped like the tensor) into the flat vector ``flat``."""
         return {
@@ -131,3 +156,17 @@ class Layout:
             if mine != theirs:
                 return f"tensor {name!r} has shape {theirs}, the model's is {mine}"
         return "layouts differ"
+
+
+def shard_bounds(numel: int, shards: int) -> tuple[int, ...]:
+    """Where ``shards`` contiguous ranges of a flat vector of ``numel`` float32 elements
+    begin and end: ``shards + 1`` offsets, shard ``i`` holding ``[b[i], b[i + 1])``. The
+    ranges are as equal in bytes as SHARD_ALIGN-element boundaries allow; every party
+    (each shard, each worker) computes them the same way from the layout alone."""
+    if shards < 1:
+        raise ValueError(f"shards must be at least 1, got {shards}")
+    if numel < shards * SHARD_ALIGN and shards > 1:
+        raise LayoutMismatch(f"a model of {numel} parameters is too small for {shards} shards "
+                             f"(at least {SHARD_ALIGN} each)")
+    inner = [min(numel, round(numel * i / shards / SHARD_ALIGN) * SHARD_ALIGN) for i in range(1, shards)]
+    return (0, *inner, numel)

@@ -318,8 +318,20 @@ def _parse_layout(view: memoryview) -> tuple[int, int, Layout, int]:
 # HELLO reply payload: u16 length + UTF-8 host identity, u16 length + UTF-8
 # path of the server's Unix socket ("" when it has none), u16 length + UTF-8
 # run id (the identity of the training run the server holds, kept across
-# checkpoints and resumes; absent from older servers: read as "").
+# checkpoints and resumes; absent from older servers: read as ""), u16 length
+# + UTF-8 JSON object of the shard's index and the options every shard of a
+# model shares (ServerConfig.shard_description; absent from older servers).
 _U16 = struct.Struct("<H")
+_HELLO_FIELDS = 4
+
+
+class ServerInfo(NamedTuple):
+    """What a server says of itself in the handshake."""
+
+    host: str  # host identity: equal on both ends exactly when they share a kernel
+    unix_path: str  # its Unix socket ("" when it has none)
+    run_id: str
+    shard: str = ""  # JSON: its shard index and the options the shards share ("" from older servers)
 
 
 def host_identity() -> str:
@@ -334,23 +346,23 @@ def host_identity() -> str:
     return f"{socket.gethostname()}/{boot}"
 
 
-def encode_hello(host: str, unix_path: str, run_id: str = "") -> bytes:
+def encode_hello(host: str, unix_path: str, run_id: str = "", shard: str = "") -> bytes:
     parts = []
-    for text in (host, unix_path, run_id):
+    for text in (host, unix_path, run_id, shard):
         raw = text.encode("utf-8")
         parts += [_U16.pack(len(raw)), raw]
     return b"".join(parts)
 
 
-def decode_hello(payload) -> tuple[str, str, str]:
-    """``(host identity, Unix socket path, run id)``."""
+def decode_hello(payload) -> ServerInfo:
+    """The HELLO fields (the trailing ones an older server does not send read as "")."""
     view = memoryview(payload)
-    fields, offset = [], 0
+    fields: list[str] = []
+    offset = 0
     try:
-        for index in range(3):
-            if index == 2 and offset == len(view):
-                fields.append("")  # an older server: no run id
-                break
+        for index in range(_HELLO_FIELDS):
+            if index >= 2 and offset == len(view):
+                break  # an older server: no run id, no shard
             (size,) = _U16.unpack_from(view, offset)
             offset += 2
             if offset + size > len(view):
@@ -359,7 +371,7 @@ def decode_hello(payload) -> tuple[str, str, str]:
             offset += size
     except (struct.error, UnicodeDecodeError) as exc:
         raise MalformedFrame(f"HELLO reply cannot be parsed: {exc}") from None
-    return fields[0], fields[1], fields[2]
+    return ServerInfo(*fields, *[""] * (_HELLO_FIELDS - len(fields)))
 
 
 # The handshake. HELLO carries the client's nonce (NONCE_BYTES, or nothing);
@@ -384,13 +396,14 @@ def auth_proof(token: bytes, role: str, server_nonce: bytes, client_nonce: bytes
     return hmac.new(token, f"aps/1 {role}".encode() + server_nonce + client_nonce, hashlib.sha256).digest()
 
 
-def encode_hello_reply(auth_required: bool, server_nonce: bytes, host: str, unix_path: str, run_id: str = "") -> bytes:
+def encode_hello_reply(auth_required: bool, server_nonce: bytes, host: str, unix_path: str, run_id: str = "",
+                       shard: str = "") -> bytes:
     head = _HELLO_REPLY.pack(_AUTH_REQUIRED if auth_required else 0) + server_nonce
-    return head if auth_required else head + encode_hello(host, unix_path, run_id)
+    return head if auth_required else head + encode_hello(host, unix_path, run_id, shard)
 
 
-def decode_hello_reply(payload) -> tuple[bool, bytes, tuple[str, str, str] | None]:
-    """``(auth_required, server_nonce, (host, unix_path, run_id) or None)``."""
+def decode_hello_reply(payload) -> tuple[bool, bytes, ServerInfo | None]:
+    """``(auth_required, server_nonce, the server's ServerInfo or None)``."""
     view = memoryview(payload)
     if len(view) < _HELLO_REPLY.size + NONCE_BYTES:
         raise MalformedFrame(f"HELLO reply of {len(view)} bytes is too short")
@@ -401,12 +414,12 @@ def decode_hello_reply(payload) -> tuple[bool, bytes, tuple[str, str, str] | Non
     return required, nonce, None if required else decode_hello(rest)
 
 
-def encode_auth_reply(server_proof: bytes, host: str, unix_path: str, run_id: str = "") -> bytes:
-    return server_proof + encode_hello(host, unix_path, run_id)
+def encode_auth_reply(server_proof: bytes, host: str, unix_path: str, run_id: str = "", shard: str = "") -> bytes:
+    return server_proof + encode_hello(host, unix_path, run_id, shard)
 
 
-def decode_auth_reply(payload) -> tuple[bytes, tuple[str, str, str]]:
-    """``(server proof, (host, unix_path, run_id))``."""
+def decode_auth_reply(payload) -> tuple[bytes, ServerInfo]:
+    """``(server proof, the server's ServerInfo)``."""
     view = memoryview(payload)
     if len(view) < 32:
         raise MalformedFrame(f"AUTH reply of {len(view)} bytes is too short")

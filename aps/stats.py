@@ -234,6 +234,8 @@ class ServerStats:
         return {
             "server": {
                 "address": engine.address,
+                "shard": config.shard,
+                "shards": config.shards,
                 "sync": policy.describe(),
                 "optimizer": engine.table.optimizer.describe() if engine.table is not None else config.optimizer,
                 "workers": engine.num_workers,

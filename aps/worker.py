@@ -22,7 +22,7 @@ import ssl
 import threading
 import time
 import weakref
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from types import MappingProxyType
 from typing import Any
 
@@ -103,6 +103,13 @@ _EAGER_WAIT_S = 0.2
 _BACKOFF_FIRST_S = 0.2
 _BACKOFF_CAP_S = 5.0
 _RETRY_NOTE_EVERY = 30.0  # how often a worker that keeps failing to reconnect says so
+
+
+def _names_shards(address: Any) -> bool:
+    """Whether ``address`` names several servers: the shards of one model."""
+    if isinstance(address, (list, tuple)):
+        return len(address) > 1
+    return isinstance(address, str) and "," in address
 
 
 def _from_env(address: str | None, rank: int | None, num_workers: int | None) -> tuple[str, int, int]:
@@ -453,15 +460,21 @@ class _ClientCore:
         if self.layout is None:
             raise NotInitialized("call init(params) before pull or push")
 
+    def adopt(self, weights: np.ndarray, grad: np.ndarray) -> None:
+        """Keep the weights and (over TCP) the gradients in these buffers, not in buffers of
+        its own: the slices of one shard of a sharded worker's flat buffers."""
+        self._adopted = (weights, grad)
+
     def _set_layout(self, layout: Layout) -> None:
         if self.layout is not None:
             return
         self.layout = layout
-        self.flat_weights = np.zeros(layout.numel, np.float32)
+        adopted = getattr(self, "_adopted", None)
+        self.flat_weights = adopted[0] if adopted is not None else np.zeros(layout.numel, np.float32)
         if self.shm is not None:  # gradients are written straight into shared memory
             self.flat_grad = self.shm.gradient_buffer(layout.numel, self.rank)
         else:
-            self.flat_grad = np.zeros(layout.numel, np.float32)
+            self.flat_grad = adopted[1] if adopted is not None else np.zeros(layout.numel, np.float32)
         self._weights_bytes = memoryview(self.flat_weights).cast("B")
         self._grad_bytes = memoryview(self.flat_grad).cast("B")
         # Read-only mappings: the views are fixed; write into them, never replace them.
@@ -648,7 +661,10 @@ class Worker(_WorkerBase):
     """A blocking client for one training process.
 
     Args:
-        address: the server, ``tcp://HOST:PORT`` (default: ``$APS_ADDRESS``).
+        address: the server, ``tcp://HOST:PORT`` (default: ``$APS_ADDRESS``);
+            several servers (comma-separated, or a list) for a model sharded
+            across them (``aps serve --shard I --shards K``): the worker is then
+            an :class:`aps._sharded.ShardedWorker`.
         rank: this worker's rank, ``0 <= rank < num_workers`` (default: ``$RANK``).
         num_workers: the number of workers P, which must equal the server's
             ``--workers`` (default: ``$WORLD_SIZE``).
@@ -699,9 +715,16 @@ class Worker(_WorkerBase):
                 weights = worker.push_pull(grads)
     """
 
+    def __new__(cls, address: str | Sequence[str] | None = None, *args: Any, **kwargs: Any) -> Worker:
+        if cls is Worker and _names_shards(address if address is not None else os.environ.get("APS_ADDRESS", "")):
+            from ._sharded import ShardedWorker
+
+            return super().__new__(ShardedWorker)
+        return super().__new__(cls)
+
     def __init__(
         self,
-        address: str | None = None,
+        address: str | Sequence[str] | None = None,
         rank: int | None = None,
         num_workers: int | None = None,
         transport: str = "auto",
@@ -720,6 +743,8 @@ class Worker(_WorkerBase):
         self.reconnect_timeout = _check_reconnect(reconnect, reconnect_timeout)
         self._closing = False
         self._token = client_token(token)
+        if isinstance(address, (list, tuple)) and len(address) == 1:
+            address = address[0]
         address, rank, num_workers = _from_env(address, rank, num_workers)
         self._parsed = _with_scheme(parse_address(address), tls)
         self._tls = client_context(tls if tls is not None else self._parsed.scheme == "tls")
@@ -953,8 +978,10 @@ class Worker(_WorkerBase):
         tcp = BlockingConnection(self._parsed.host, self._parsed.port, self._connect_timeout, self.server_timeout,
                                  self._tls)
         try:
-            host, path, run_id = handshake(tcp, self._token, self._connect_timeout)
+            info = handshake(tcp, self._token, self._connect_timeout)
+            host, path, run_id = info.host, info.unix_path, info.run_id
             self._core.check_run(run_id, self.address)
+            self.server_info = info
         except BaseException:
             tcp.close()
             raise
@@ -1075,6 +1102,9 @@ class AsyncWorker(_WorkerBase):
         _check_transport(transport)
         if transport == "shm":
             raise ConfigurationError("AsyncWorker speaks TCP only; use aps.Worker for shared memory")
+        if _names_shards(address):
+            raise ConfigurationError("AsyncWorker serves one server; for a model sharded across several, use "
+                                     "aps.Worker")
         _check_heartbeat(heartbeat, server_timeout)
         retry = _check_reconnect(reconnect, reconnect_timeout)
         secret = client_token(token)
@@ -1246,8 +1276,8 @@ class AsyncWorker(_WorkerBase):
     async def _open(host: str, port: int, connect_timeout, server_timeout, token, tls, core) -> AsyncConnection:
         conn = await AsyncConnection.open(host, port, connect_timeout, server_timeout, tls)
         try:
-            _, _, run_id = await handshake_async(conn, token, connect_timeout)
-            core.check_run(run_id, str(conn.address))
+            info = await handshake_async(conn, token, connect_timeout)
+            core.check_run(info.run_id, str(conn.address))
         except BaseException:
             conn.close()
             raise

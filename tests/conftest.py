@@ -45,3 +45,14 @@ def server_process():
     yield start
     for proc in started:
         proc.stop()
+
+
+@pytest.fixture
+def network():
+    """A ``tests.netns.Network`` of separate hosts (skips where namespaces are unusable);
+    its processes and namespaces are gone after the test, whatever happened."""
+    from tests.netns import Network, require_netns
+
+    require_netns()
+    with Network() as net:
+        yield net

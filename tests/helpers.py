@@ -12,6 +12,7 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import Callable
 
 import numpy as np
 
@@ -23,19 +24,28 @@ SPAWN = mp.get_context("spawn")
 
 
 class ServerProcess:
-    """``python -m aps serve --port 0 ...`` on 127.0.0.1, with its log captured to a file."""
+    """``python -m aps serve --port 0 ...`` on 127.0.0.1, with its log captured to a file.
 
-    def __init__(self, *args: str, env: dict[str, str] | None = None, timeout: float = 30.0) -> None:
+    ``host`` is the default ``--host`` (a ``--host`` in ``args`` wins); ``popen``
+    starts the command (``subprocess.Popen``, or e.g. ``tests.netns.Host.popen``
+    to run the server inside a network namespace).
+    """
+
+    def __init__(self, *args: str, env: dict[str, str] | None = None, timeout: float = 30.0,
+                 host: str = "127.0.0.1", popen: Callable[..., subprocess.Popen] = subprocess.Popen) -> None:
         self.log_file = tempfile.NamedTemporaryFile("w+", prefix="aps-serve-", suffix=".log", delete=False)
-        cmd = [sys.executable, "-m", "aps", "serve", "--host", "127.0.0.1"]
+        cmd = [sys.executable, "-m", "aps", "serve", "--host", host]
         if "--port" not in args:
             cmd += ["--port", "0"]
         cmd += list(args)
         full_env = dict(os.environ)
         full_env.update(env or {})
-        self.proc = subprocess.Popen(
-            cmd, stdout=subprocess.PIPE, stderr=self.log_file, text=True, env=full_env
-        )
+        try:
+            self.proc = popen(cmd, stdout=subprocess.PIPE, stderr=self.log_file, text=True, env=full_env)
+        except BaseException:
+            self.log_file.close()
+            os.unlink(self.log_file.name)
+            raise
         self.first_line = self._read_first_line(timeout)
         prefix = "aps: serving on "
         if not self.first_line.startswith(prefix):

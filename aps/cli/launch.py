@@ -4,6 +4,7 @@
 
     aps launch --workers 4 --sync dssp --step-time 0.05 --slowdown 1,1,1,3 train.py --epochs 5
     aps launch --workers 4 --sync ssp --example mnist --epochs 3   (--example comes last)
+    aps launch --workers 4 --shards 2 --sync bsp --example digits   (two servers, half the model each)
 
 Each worker runs the script with ``APS_ADDRESS``, ``RANK``, ``WORLD_SIZE`` and
 ``LOCAL_RANK`` set (as ``torchrun`` would), one torch thread
@@ -32,7 +33,7 @@ from concurrent.futures import CancelledError
 from ..errors import APSError, ConfigurationError
 from ..protocol import describe_join_progress
 from ..server import Server
-from ..config import resolve_token
+from ..config import RESUME_LATEST, ServerConfig, resolve_token
 from ._args import add_server_arguments, config_from_args, number, parse_speeds, require
 
 __all__ = ["register", "run"]
@@ -93,20 +94,30 @@ def run(args: argparse.Namespace) -> int:
         args.log_dir = tempfile.mkdtemp(prefix="aps-logs-")
     os.makedirs(args.log_dir, exist_ok=True)
 
+    if config.shard != 0:
+        raise ConfigurationError("aps launch starts every shard itself: give --shards K, not --shard")
+    if config.shards > 1 and config.resume not in (None, RESUME_LATEST):
+        raise ConfigurationError("with --shards, give --resume without a PATH: each shard resumes from the newest "
+                                 "checkpoint in its own directory (--checkpoint-dir DIR/shard-I)")
     stop = _Signals()
-    background = None
+    backgrounds: list = []
     procs: list[subprocess.Popen] = []
     try:
-        background = Server(config).run_in_background().start()
-        print(f"aps: serving on {background.address}; {workers} workers; logs in {args.log_dir}", flush=True)
-        if background.server.http_address is not None:
-            print(f"aps: dashboard on {background.server.http_address}", flush=True)
+        for index in range(config.shards):
+            backgrounds.append(Server(_shard_config(config, index)).run_in_background().start())
+        address = ",".join(background.address for background in backgrounds)
+        shards = f" ({config.shards} shards)" if config.shards > 1 else ""
+        print(f"aps: serving on {address}{shards}; {workers} workers; logs in {args.log_dir}", flush=True)
+        for index, background in enumerate(backgrounds):
+            if background.server.http_address is not None:
+                which = f" (shard {index})" if config.shards > 1 else ""
+                print(f"aps: dashboard on {background.server.http_address}{which}", flush=True)
         for rank in range(workers):
             if stop.received:
                 break
             env = dict(
                 os.environ,
-                APS_ADDRESS=background.address,
+                APS_ADDRESS=address,
                 RANK=str(rank),
                 LOCAL_RANK=str(rank),
                 WORLD_SIZE=str(workers),
@@ -123,7 +134,7 @@ def run(args: argparse.Namespace) -> int:
             with open(os.path.join(args.log_dir, f"worker-{rank}.log"), "w") as log:
                 procs.append(subprocess.Popen(command, env=env, stdout=log, stderr=subprocess.STDOUT,
                                               stdin=subprocess.DEVNULL, start_new_session=True))
-        status = _watch(procs, background.server, args, stop)
+        status = _watch(procs, backgrounds[0].server, args, stop)
         if stop.received:
             name = signal.Signals(stop.received).name
             print(f"\naps: {name}: stopping the workers and the server", file=sys.stderr, flush=True)
@@ -131,9 +142,24 @@ def run(args: argparse.Namespace) -> int:
         return status
     finally:
         _stop_all(procs, stop)
-        if background is not None:
+        for background in backgrounds:
             background.stop()
         stop.restore()
+
+
+def _shard_config(config: ServerConfig, index: int) -> ServerConfig:
+    """Shard ``index``'s options: its own ports (a given HTTP port counts up from the
+    first shard's) and checkpoint directory (``DIR/shard-I``)."""
+    if config.shards == 1:
+        return config
+    changes: dict = {"shard": index}
+    if config.http_port:
+        changes["http_port"] = config.http_port + index
+    if config.port:
+        changes["port"] = config.port + index
+    if config.checkpoint_dir is not None:
+        changes["checkpoint_dir"] = os.path.join(config.checkpoint_dir, f"shard-{index}")
+    return config.replace(**changes)
 
 
 class _Signals:

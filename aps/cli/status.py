@@ -22,7 +22,8 @@ def register(commands) -> None:
         description="Print a running server's statistics: version, update rate, and per worker its clock, "
         "staleness, time waited at the gate and DSSP grants.",
     )
-    parser.add_argument("address", type=_address, help="the server, tcp://HOST:PORT")
+    parser.add_argument("address", type=_addresses,
+                        help="the server, tcp://HOST:PORT; the shards of a model, comma-separated")
     parser.add_argument("--json", action="store_true", help="print the raw statistics as JSON")
     parser.add_argument("--watch", type=number, metavar="SECONDS", help="refresh every SECONDS until interrupted (default: print once)")
     parser.add_argument("--timeout", type=number, default=10.0, help="seconds to wait for the server")
@@ -30,9 +31,9 @@ def register(commands) -> None:
     parser.set_defaults(run=run)
 
 
-def _address(text: str) -> str:
+def _addresses(text: str) -> list[str]:
     try:
-        return str(parse_address(text))
+        return [str(parse_address(one.strip())) for one in text.split(",")]
     except ConfigurationError as exc:
         raise argparse.ArgumentTypeError(str(exc)) from None
 
@@ -48,13 +49,13 @@ def run(args: argparse.Namespace) -> int:
     require(args.watch is None or args.watch > 0, f"--watch must be > 0 seconds, got {args.watch}")
     require(args.timeout > 0, f"--timeout must be > 0 seconds, got {args.timeout}")
     while True:
-        stats = fetch_stats(args.address, args.timeout, args.token)
+        every = [fetch_stats(address, args.timeout, args.token) for address in args.address]
         if args.json:
-            print(json.dumps(stats, indent=2), flush=True)
+            print(json.dumps(every[0] if len(every) == 1 else every, indent=2), flush=True)
         else:
             if args.watch:
                 print("\033[2J\033[H", end="")
-            print(format_stats(stats), flush=True)
+            print("\n\n".join(format_stats(stats) for stats in every), flush=True)
         if not args.watch:
             return 0
         time.sleep(args.watch)
@@ -107,12 +108,17 @@ def _checkpoint_lines(server: dict) -> list[str]:
     return lines
 
 
+def _shard(server: dict) -> str:
+    shards = server.get("shards", 1)
+    return f"  shard {server.get('shard', 0)} of {shards}" if shards > 1 else ""
+
+
 def format_stats(stats: dict) -> str:
     """A readable table of a stats snapshot (what ``aps status`` prints)."""
     s = stats["server"]
     uptime = int(s["uptime_s"])
     lines = [
-        f"aps {s['address']}  sync {s['sync']}  optimizer {s['optimizer']}",
+        f"aps {s['address']}{_shard(s)}  sync {s['sync']}  optimizer {s['optimizer']}",
         f"version {s['version']}  updates/s {s['updates_per_s']:.1f} (mean {s['updates_per_s_mean']:.1f})  "
         f"live {s['live']}/{s['workers']}{'' if s['started'] else ' (waiting for workers)'}  "
         f"pushes {s['pushes']}  rejected {s['rejected']}  "

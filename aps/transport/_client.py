@@ -22,6 +22,7 @@ from ..protocol import (
     NONCE_BYTES,
     Header,
     Op,
+    ServerInfo,
     auth_proof,
     decode_auth_reply,
     decode_error,
@@ -230,7 +231,7 @@ def _checked(reply: _OneReply, op: int) -> tuple[Header, bytes]:
 
 # The handshake (docs/protocol.md, Handshake): one generator of requests for the
 # blocking and the asyncio drivers, so the logic exists once.
-_Steps = Generator[tuple[int, bytes], bytes, tuple[str, str, str]]
+_Steps = Generator[tuple[int, bytes], bytes, ServerInfo]
 
 
 def _handshake_steps(token: bytes | None, address: str) -> _Steps:
@@ -263,10 +264,10 @@ def client_token(token: str | bytes | None) -> bytes | None:
     return token.encode("utf-8")
 
 
-def handshake(conn, token: bytes | None, timeout: float | None) -> tuple[str, str, str]:
+def handshake(conn, token: bytes | None, timeout: float | None) -> ServerInfo:
     """HELLO, and AUTH when the server asks for a token (each side proves it knows
-    it; the token never crosses the wire). Returns the server's ``(host identity,
-    Unix socket path, run id)``. Raises AuthenticationError."""
+    it; the token never crosses the wire). Returns what the server says of itself
+    (:class:`aps.protocol.ServerInfo`). Raises AuthenticationError."""
     steps = _handshake_steps(token, conn.address)
     request = next(steps)
     while True:
@@ -278,7 +279,7 @@ def handshake(conn, token: bytes | None, timeout: float | None) -> tuple[str, st
             return done.value
 
 
-async def handshake_async(conn, token: bytes | None, timeout: float | None) -> tuple[str, str, str]:
+async def handshake_async(conn, token: bytes | None, timeout: float | None) -> ServerInfo:
     """:func:`handshake` on an asyncio connection."""
     steps = _handshake_steps(token, conn.address)
     request = next(steps)

@@ -524,7 +524,8 @@ class ServerSession:
         self._server_nonce = os.urandom(NONCE_BYTES)  # fresh for every HELLO: no proof is reused
         required = not self._authenticated
         self._reply(Op.HELLO_REPLY, payload=encode_hello_reply(required, self._server_nonce, host_identity(),
-                                                              self.unix_path, self.engine.run_id))
+                                                              self.unix_path, self.engine.run_id,
+                                                              self.engine.shard_description))
 
     def _on_auth(self, header: Header, payload: memoryview, stream) -> None:
         if self._token is None:
@@ -538,7 +539,7 @@ class ServerSession:
         proof = auth_proof(self._token, "server", self._server_nonce, self._client_nonce)
         self._server_nonce = b""  # one AUTH per nonce
         self._reply(Op.AUTH_REPLY, payload=encode_auth_reply(proof, host_identity(), self.unix_path,
-                                                             self.engine.run_id))
+                                                             self.engine.run_id, self.engine.shard_description))
 
     def _auth_failed(self, what: str) -> NoReturn:
         """The peer failed the handshake: log it (rate-limited, with its address), refuse, close."""

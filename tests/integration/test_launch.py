@@ -170,3 +170,16 @@ def test_launch_writes_its_logs_where_asked_or_to_a_new_temporary_directory(tmp_
         assert "rank 0 done" in Path(log_dir, "worker-0.log").read_text()
     finally:
         shutil.rmtree(log_dir)
+
+
+def test_launch_with_shards_trains_across_several_servers(tmp_path):
+    proc = launch("--workers", "2", "--shards", "2", "--sync", "bsp", "--lr", "0.05", "--example", "digits",
+                  "--epochs", "1", log_dir=tmp_path)
+    code, out, err = finish(proc)
+    assert code == 0, err
+    assert re.match(r"aps: serving on tcp://127\.0\.0\.1:\d+,tcp://127\.0\.0\.1:\d+ \(2 shards\); 2 workers", out)
+    assert len(re.findall(r"^aps: dashboard on http://127\.0\.0\.1:\d+/ \(shard [01]\)$", out, re.M)) == 2
+    for rank in range(2):
+        log = (tmp_path / f"worker-{rank}.log").read_text()
+        assert re.search(rf"rank {rank}: \d+ iterations", log), log
+    assert "test accuracy" in (tmp_path / "worker-0.log").read_text()

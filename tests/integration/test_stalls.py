@@ -30,7 +30,9 @@ def test_a_frozen_worker_is_dropped_and_the_others_go_on(server_process, sync, n
         # the others stop (BSP, SSP: they wait for the slowest) until the server drops the frozen one
         waited = cluster.wait_steps([0, 1], 10, timeout=HEARTBEAT + 10)
         log = cluster.server.log()
-        assert "dropping it (it may rejoin)" in log and "worker 2 left" in log
+        # dropped by the server's heartbeat watch, or (a 64 MiB reply it stopped reading) by the kernel's
+        # user timeout on the shut window: either way at the heartbeat timeout
+        assert ("dropping it (it may rejoin)" in log or "Connection timed out" in log) and "worker 2 left" in log
         print(f"the others went on {waited:.2f} s after the freeze (heartbeat timeout {HEARTBEAT} s)")
         os.kill(cluster.procs[2].pid, signal.SIGCONT)  # it wakes up, hears why, and rejoins
         rank, kind, message = cluster.errors.get(timeout=30)

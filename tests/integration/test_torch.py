@@ -164,3 +164,26 @@ def test_pacer_from_the_environment(monkeypatch):
     monkeypatch.setenv("APS_JITTER", "0.1")
     pacer = aps.torch.Pacer.from_env(3)
     assert pacer.target == pytest.approx(0.05) and pacer.jitter == 0.1
+
+
+def test_a_sharded_model_trains_as_the_unsharded_one(server_process, transport):
+    """aps.torch with every shard's address: the parameters and gradients are views into the
+    sharded worker's one flat buffer, and one BSP worker equals torch.optim exactly."""
+    options = ("--workers", "1", "--sync", "bsp", "--lr", str(LR), "--momentum", str(MOMENTUM), "--shards", "3")
+    servers = [server_process(*options, "--shard", str(index)) for index in range(3)]
+    model = workloads.make_model(8, seed=0)
+    steps = 6
+    with aps.torch.Optimizer(model, [s.address for s in servers], 0, 1, transport=transport) as opt:
+        weights = opt.worker.flat_weights
+        assert len(opt.worker.shards) == 3 and opt.worker.transport == transport
+        for param in model.parameters():
+            assert weights.ctypes.data <= param.data_ptr() < weights.ctypes.data + weights.nbytes
+        for step in range(steps):
+            x, y = digits_batches(0, 1, step, BATCH)
+            opt.zero_grad()
+            F.cross_entropy(model(x), y).backward()
+            opt.step()
+        assert opt.version == steps
+        ours = [p.detach().numpy().copy() for p in model.parameters()]
+    for mine, theirs in zip(ours, reference_run(steps, 1, BATCH), strict=True):
+        np.testing.assert_array_equal(mine, theirs)

@@ -53,6 +53,8 @@ EXAMPLES = {
     "host": ("0.0.0.0", "0.0.0.0", {"APS_INSECURE": "1"}),
     "port": ("0", 0, {}),
     "workers": ("3", 3, {}),
+    "shard": ("1", 1, {"APS_SHARDS": "2"}),
+    "shards": ("2", 2, {}),
     "sync": ("asp", "asp", {}),
     "staleness": ("7", 7, {"APS_SYNC": "ssp"}),
     "max_staleness": ("9", 9, {"APS_SYNC": "dssp"}),

@@ -1,8 +1,10 @@
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from aps.errors import DTypeMismatch, LayoutMismatch
-from aps.layout import Layout
+from aps.layout import SHARD_ALIGN, Layout, shard_bounds
 
 
 def test_offsets_and_views_share_memory():
@@ -55,3 +57,42 @@ def test_sizes_never_wrap_around():
         Layout(("w",), ((2**62 + 1, 4),))
     with pytest.raises(LayoutMismatch):
         Layout(("w",), ((-1, 4),))
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.lists(st.integers(0, 40), min_size=0, max_size=3), min_size=1, max_size=8), st.integers(1, 5))
+def test_shards_cut_the_flat_vector_into_balanced_pieces_that_put_back_together(shapes, shards):
+    layout = Layout(tuple(f"t{i}" for i in range(len(shapes))), tuple(tuple(s) for s in shapes))
+    if layout.numel < shards * SHARD_ALIGN and shards > 1:
+        with pytest.raises(LayoutMismatch, match="too small"):
+            shard_bounds(layout.numel, shards)
+        return
+    bounds = shard_bounds(layout.numel, shards)
+    assert bounds[0] == 0 and bounds[-1] == layout.numel and list(bounds) == sorted(bounds)
+    assert all(b % SHARD_ALIGN == 0 for b in bounds[1:-1])
+    sizes = [b - a for a, b in zip(bounds, bounds[1:])]
+    assert max(sizes) - min(sizes) <= 2 * SHARD_ALIGN  # balanced in bytes
+    flat = np.arange(layout.numel, dtype=np.float32)
+    named = layout.views(flat)
+    pieces, names = [], []
+    for index in range(shards):
+        piece = layout.shard(index, shards)
+        assert piece.numel == sizes[index]
+        for name, shape in zip(piece.names, piece.shapes):
+            base, _, cut = name.partition("[")
+            whole = named[base].reshape(-1)
+            if cut:
+                start, end = (int(x) for x in cut.rstrip("]").split(":"))
+                assert shape == (end - start,) and 0 <= start < end <= whole.size
+                pieces.append(whole[start:end])
+            else:
+                assert shape == layout.shapes[layout.names.index(name)]
+                pieces.append(whole)
+            names.append(base)
+    assert np.array_equal(np.concatenate(pieces) if pieces else flat, flat)  # in order, nothing twice or lost
+    assert sorted(set(names)) == sorted(layout.names)  # every tensor (the empty ones too) is somewhere
+
+
+def test_one_shard_is_the_whole_layout():
+    layout = Layout(("w", "b"), ((4, 3), (3,)))
+    assert layout.shard(0, 1) == layout and shard_bounds(layout.numel, 1) == (0, 15)

@@ -1,0 +1,278 @@
+"""A worker of a model cut across several servers: ``aps.Worker("tcp://ps0:7450,tcp://ps1:7450", ...)``.
+
+Each server is one shard (``aps serve --shard I --shards K``) and holds one
+contiguous range of the flat vector (:func:`aps.layout.shard_bounds`, the same
+for every party). A :class:`ShardedWorker` is K plain workers, one per shard,
+whose weight and gradient buffers are slices of one flat weight buffer and one
+flat gradient buffer: its views (and ``aps.torch``'s in-place parameters) are
+views into those, exactly as for one server. Each request goes to every shard
+at once (one thread per shard beyond the first, each on its own connection), so
+no shard waits for another's transfer, and returns once every shard answered.
+
+Each shard runs the sync policy on its own clocks: BSP rounds close alike on
+every shard (a sharded BSP run equals an unsharded one), SSP and DSSP bound
+staleness on each shard and so overall, and under ASP each shard applies on
+arrival: :attr:`ShardedWorker.version` is the smallest of the shards' versions.
+At connection the worker checks that the servers are the shards ``0..K-1`` of
+one model, started with the same options (ServerConfig.shard_description).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import threading
+from collections.abc import Callable, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from types import MappingProxyType
+from typing import Any
+
+import numpy as np
+
+from .errors import ConfigurationError, DTypeMismatch, LayoutMismatch, NotInitialized
+from .layout import Layout, shard_bounds
+from .worker import Worker
+
+__all__ = ["ShardedWorker", "split_addresses"]
+
+
+def split_addresses(address: str | Sequence[str]) -> list[str]:
+    """The servers an address names: ``"tcp://a:1,tcp://b:2"`` or a list of addresses."""
+    parts = address.split(",") if isinstance(address, str) else list(address)
+    parts = [p.strip() for p in parts]
+    if not parts or any(not p for p in parts):
+        raise ConfigurationError(f"an empty server address in {address!r}")
+    return parts
+
+
+class ShardedWorker(Worker):
+    """A blocking worker for a model sharded across several ``aps serve`` processes.
+
+    Made by :class:`aps.Worker` when its address names more than one server
+    (a comma-separated string, or a list); takes the same arguments. See the
+    module docstring for what sharding means for each paradigm.
+    """
+
+    def __init__(self, address: str | Sequence[str] | None = None, rank: int | None = None,
+                 num_workers: int | None = None, transport: str = "auto", **options: Any) -> None:
+        self._shards: list[Worker] = []
+        self._pool: ThreadPoolExecutor | None = None
+        if address is None:
+            address = os.environ.get("APS_ADDRESS", "")
+        addresses = split_addresses(address)
+        try:
+            workers = [Worker(one, rank, num_workers, transport, **options) for one in addresses]
+            self._shards = workers
+            self._shards = _in_shard_order(workers)
+        except BaseException:
+            for worker in self._shards:
+                worker.close()
+            raise
+        self._closing = False
+        self.reconnect_timeout = self._shards[0].reconnect_timeout
+        self.address = ",".join(worker.address for worker in self._shards)
+        self.transport = "+".join(sorted({worker.transport for worker in self._shards}))
+        self._pool = ThreadPoolExecutor(max_workers=max(1, len(self._shards) - 1), thread_name_prefix="aps-shard")
+        self._lock = threading.RLock()
+        self._layout: Layout | None = None
+        self._bounds: tuple[int, ...] = ()
+        self._flat_weights: np.ndarray | None = None
+        self._flat_grad: np.ndarray | None = None
+        self._weights: Mapping[str, np.ndarray] = MappingProxyType({})
+        self._grads: Mapping[str, np.ndarray] = MappingProxyType({})
+
+    # What the shards share ------------------------------------------------
+    @property
+    def shards(self) -> Sequence[Worker]:
+        """The plain worker of each shard, in shard order."""
+        return tuple(self._shards)
+
+    @property
+    def rank(self) -> int:
+        return self._shards[0].rank
+
+    @property
+    def num_workers(self) -> int:
+        return self._shards[0].num_workers
+
+    @property
+    def version(self) -> int:
+        """The smallest of the shards' versions (each shard counts its own updates)."""
+        return min(worker.version for worker in self._shards)
+
+    @property
+    def clock(self) -> int:
+        return min(worker.clock for worker in self._shards)
+
+    @property
+    def layout(self) -> Layout | None:
+        return self._layout
+
+    @property
+    def weights(self) -> Mapping[str, np.ndarray]:
+        return self._weights
+
+    @property
+    def grads(self) -> Mapping[str, np.ndarray]:
+        return self._grads
+
+    @property
+    def flat_weights(self) -> np.ndarray | None:
+        return self._flat_weights
+
+    @property
+    def flat_grad(self) -> np.ndarray | None:
+        return self._flat_grad
+
+    @property
+    def last_push_dropped(self) -> bool:
+        return any(worker.last_push_dropped for worker in self._shards)
+
+    # Requests -------------------------------------------------------------
+    def init(self, params: Mapping[str, Any], *, timeout: float | None = 300.0) -> Mapping[str, np.ndarray]:
+        """Join every shard with its range of ``params``; returns the weights (views)."""
+        if not isinstance(params, Mapping) or not params:
+            raise ConfigurationError("init takes a non-empty mapping of name to float32 array")
+        layout = Layout.from_arrays(params)
+        if self._layout is not None and layout != self._layout:
+            raise LayoutMismatch(f"init with a different model than before: {self._layout.difference(layout)}")
+        if self._layout is None:
+            count = len(self._shards)
+            self._bounds = shard_bounds(layout.numel, count)
+            self._flat_weights = np.zeros(layout.numel, np.float32)
+            self._flat_grad = np.zeros(layout.numel, np.float32)
+            for index, worker in enumerate(self._shards):
+                worker._core.adopt(self._slice(self._flat_weights, index), self._slice(self._flat_grad, index))
+            self._layout = layout
+            self._weights = MappingProxyType(layout.views(self._flat_weights))
+            self._grads = MappingProxyType(layout.views(self._flat_grad))
+        layout.flatten_into(params, self._flat_weights)
+        count = len(self._shards)
+
+        def join(index: int, worker: Worker) -> None:
+            piece = layout.shard(index, count)
+            worker.init(piece.views(self._slice(self._flat_weights, index)), timeout=timeout)
+
+        self._each(join)
+        return self._weights
+
+    def pull(self) -> Mapping[str, np.ndarray]:
+        self._require_layout()
+        self._each(lambda index, worker: worker.pull())
+        return self._weights
+
+    def push(self, grads: Mapping[str, np.ndarray] | np.ndarray) -> None:
+        self._take(grads)
+        self._each(lambda index, worker: worker.push(self._slice(self._flat_grad, index)))
+
+    def push_pull(self, grads: Mapping[str, np.ndarray] | np.ndarray) -> Mapping[str, np.ndarray]:
+        self._take(grads)
+        self._each(lambda index, worker: worker.push_pull(self._slice(self._flat_grad, index)))
+        return self._weights
+
+    def ping(self) -> int:
+        versions = [0] * len(self._shards)
+
+        def one(index: int, worker: Worker) -> None:
+            versions[index] = worker.ping()
+
+        self._each(one)
+        return min(versions)
+
+    def reconnect(self, *, timeout: float | None = 60.0) -> Mapping[str, np.ndarray]:
+        self._each(lambda index, worker: worker.reconnect(timeout=timeout))
+        return self._weights
+
+    def close(self) -> None:
+        """Leave every shard and disconnect."""
+        self._closing = True
+        for worker in self._shards:
+            worker.close()
+        if self._pool is not None:
+            self._pool.shutdown(wait=False)
+
+    def __enter__(self) -> ShardedWorker:
+        return self
+
+    def __del__(self) -> None:
+        pass  # each shard's worker frees its own connection
+
+    # Helpers --------------------------------------------------------------
+    def _slice(self, flat: np.ndarray, index: int) -> np.ndarray:
+        return flat[self._bounds[index] : self._bounds[index + 1]]
+
+    def _require_layout(self) -> None:
+        if self._layout is None:
+            raise NotInitialized("call init(params) before pull or push")
+
+    def _take(self, grads: Mapping[str, np.ndarray] | np.ndarray) -> None:
+        """Put ``grads`` in the flat gradient buffer (nothing to do when they are in it)."""
+        self._require_layout()
+        flat, layout = self._flat_grad, self._layout
+        if grads is flat or grads is self._grads:
+            return
+        if isinstance(grads, np.ndarray):
+            if grads.shape != (layout.numel,):
+                raise LayoutMismatch(f"a flat gradient must have shape ({layout.numel},), got {grads.shape}")
+            if grads.dtype != np.float32:
+                raise DTypeMismatch(f"the flat gradient is {grads.dtype}, the model is float32")
+            flat[...] = grads
+            return
+        if not isinstance(grads, Mapping):
+            raise ConfigurationError("push takes a mapping of name to array, or a flat float32 array")
+        layout.check(grads)
+        for name, view in self._grads.items():
+            view[...] = grads[name]
+
+    def _each(self, call: Callable[[int, Worker], None]) -> None:
+        """``call(index, worker)`` for every shard at once; raises the first failure
+        (after every shard finished: none is left half-way in its request)."""
+        with self._lock:
+            futures = [self._pool.submit(call, index, worker) for index, worker in enumerate(self._shards) if index]
+            errors: list[BaseException] = []
+            try:
+                call(0, self._shards[0])
+            except BaseException as exc:
+                errors.append(exc)
+            for future in futures:
+                try:
+                    future.result()
+                except BaseException as exc:
+                    errors.append(exc)
+            if errors:
+                raise errors[0]
+
+
+def _in_shard_order(workers: list[Worker]) -> list[Worker]:
+    """``workers`` by their server's shard index, after checking that the servers are
+    the shards ``0..K-1`` of one model, started with the same options."""
+    count = len(workers)
+    described: list[dict] = []
+    for worker in workers:
+        text = worker.server_info.shard
+        if not text:
+            raise ConfigurationError(f"the server at {worker.address} does not say which shard it is "
+                                     "(an older aps): it cannot serve a sharded model")
+        described.append(json.loads(text))
+    by_index: dict[int, tuple[Worker, dict]] = {}
+    for worker, description in zip(workers, described):
+        index, shards = description.get("shard"), description.get("shards")
+        if shards != count:
+            raise ConfigurationError(
+                f"the server at {worker.address} is shard {index} of {shards} (--shard {index} --shards {shards}), "
+                f"but this worker was given {count} servers")
+        if index in by_index:
+            raise ConfigurationError(f"the servers at {by_index[index][0].address} and {worker.address} are both "
+                                     f"shard {index} (--shard {index})")
+        by_index[index] = (worker, description)
+    first_worker, first = by_index[0]
+    for index in range(1, count):
+        worker, description = by_index[index]
+        for name, value in first.items():
+            if name != "shard" and description.get(name) != value:
+                flag = "--" + name.replace("_", "-")
+                raise ConfigurationError(
+                    f"shard {index} at {worker.address} was started with {flag} {description.get(name)}, shard 0 "
+                    f"at {first_worker.address} with {flag} {value}: every shard must be started with the same "
+                    "options")
+    return [by_index[index][0] for index in range(count)]

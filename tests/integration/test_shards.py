@@ -1,0 +1,122 @@
+"""A model cut across several ``aps serve --shard I --shards K`` processes: a worker given
+every shard's address trains as with one server, and refuses servers that are not the
+shards of one model."""
+
+from __future__ import annotations
+
+import threading
+
+import numpy as np
+import pytest
+
+import aps
+from aps._sharded import ShardedWorker
+from aps.cli.status import fetch_stats
+from aps.errors import ConfigurationError
+from aps.layout import shard_bounds
+
+from ..helpers import ServerProcess
+
+PARAMS = {"conv": np.zeros((3, 5, 7), np.float32), "bias": np.zeros(5, np.float32), "fc": np.zeros((9, 11), np.float32)}
+
+
+def shards(server_process, count: int, *args: str) -> list[ServerProcess]:
+    return [server_process("--shard", str(index), "--shards", str(count), *args) for index in range(count)]
+
+
+def gradient(rank: int, step: int) -> dict[str, np.ndarray]:
+    """Dyadic values: their sums are exact in any order, so any arrival order gives the same update."""
+    rng = np.random.default_rng(1000 * rank + step)
+    return {name: rng.integers(-8, 9, value.shape).astype(np.float32) / 64 for name, value in PARAMS.items()}
+
+
+def train(address: str, workers: int, steps: int) -> dict[str, np.ndarray]:
+    """``workers`` threads of training under the server(s) at ``address``; rank 0's final weights."""
+    clients = [aps.Worker(address, rank, workers, transport="tcp", reconnect=False) for rank in range(workers)]
+    start = {name: np.linspace(-1, 1, value.size, dtype=np.float32).reshape(value.shape)
+             for name, value in PARAMS.items()}
+    errors: list[BaseException] = []
+
+    def run(rank: int) -> None:
+        try:
+            clients[rank].init(start)
+            for step in range(steps):
+                clients[rank].push_pull(gradient(rank, step))
+        except BaseException as exc:  # reported below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=run, args=(rank,)) for rank in range(workers)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(60)
+    assert not errors, errors
+    weights = {name: np.array(value) for name, value in clients[0].weights.items()}
+    for client in clients:
+        client.close()
+    return weights
+
+
+@pytest.mark.parametrize("count", [1, 2, 3])
+def test_a_sharded_bsp_run_equals_the_unsharded_one(server_process, count):
+    options = ("--workers", "3", "--sync", "bsp", "--lr", "0.5", "--momentum", "0.5")
+    reference = train(server_process(*options).address, 3, 5)
+    servers = shards(server_process, count, *options)
+    sharded = train(",".join(s.address for s in servers), 3, 5)
+    for name in PARAMS:
+        assert np.array_equal(sharded[name], reference[name]), name
+    assert not np.array_equal(reference["fc"], np.linspace(-1, 1, 99, dtype=np.float32).reshape(9, 11))
+
+
+def test_the_worker_is_one_flat_buffer_whatever_order_the_shards_are_given_in(server_process):
+    servers = shards(server_process, 3, "--workers", "1", "--sync", "asp", "--lr", "1")
+    addresses = [servers[2].address, servers[0].address, servers[1].address]
+    with aps.Worker(addresses, 0, 1, transport="tcp", reconnect=False) as worker:
+        assert isinstance(worker, ShardedWorker) and isinstance(worker, aps.Worker)
+        assert [w.address for w in worker.shards] == [s.address for s in servers]  # in shard order
+        weights = worker.init({name: np.ones(v.shape, np.float32) for name, v in PARAMS.items()})
+        for view in (*weights.values(), *worker.grads.values()):
+            assert view.base is worker.flat_weights or view.base is worker.flat_grad
+        worker.grads["fc"][...] = 0.5
+        worker.push_pull(worker.grads)  # the gradients written in place
+        assert np.all(weights["fc"] == 0.5) and np.all(weights["conv"] == 1.0)
+        worker.push_pull(np.full(worker.layout.numel, 0.25, np.float32))  # a flat gradient
+        assert np.all(weights["fc"] == 0.25) and np.all(weights["bias"] == 0.75)
+        assert worker.version == 2 and worker.clock == 2
+        numel = worker.layout.numel
+        bounds = shard_bounds(numel, 3)
+        held = [fetch_stats(s.address)["server"]["parameters"] for s in servers]
+        assert held == [b - a for a, b in zip(bounds, bounds[1:])] and sum(held) == numel  # each its range
+
+
+def test_servers_that_are_not_the_shards_of_one_model_are_refused(server_process):
+    two = shards(server_process, 2, "--workers", "1")
+    lone = server_process("--workers", "1")
+    with pytest.raises(ConfigurationError, match=r"is shard 0 of 2 \(--shard 0 --shards 2\), but this worker "
+                                                 r"was given 3 servers"):
+        aps.Worker([two[0].address, two[1].address, lone.address], 0, 1, transport="tcp")
+    with pytest.raises(ConfigurationError, match="are both shard 0"):
+        aps.Worker([two[0].address, two[0].address], 0, 1, transport="tcp")
+    other = server_process("--shard", "1", "--shards", "2", "--workers", "1", "--lr", "0.5")
+    with pytest.raises(ConfigurationError, match=r"shard 1 at .* was started with --lr 0.5, shard 0 at .* with "
+                                                 r"--lr 0.01"):
+        aps.Worker([two[0].address, other.address], 0, 1, transport="tcp")
+
+
+def test_status_shows_every_shard(server_process):
+    import subprocess
+    import sys
+
+    servers = shards(server_process, 2, "--workers", "1")
+    done = subprocess.run([sys.executable, "-m", "aps", "status", ",".join(s.address for s in servers)],
+                          capture_output=True, text=True, timeout=30)
+    assert done.returncode == 0, done.stderr
+    assert f"aps {servers[0].address}  shard 0 of 2" in done.stdout
+    assert f"aps {servers[1].address}  shard 1 of 2" in done.stdout
+
+
+def test_the_asyncio_worker_says_it_takes_one_server():
+    import asyncio
+
+    with pytest.raises(ConfigurationError, match="AsyncWorker serves one server"):
+        asyncio.run(aps.AsyncWorker.connect("tcp://127.0.0.1:1,tcp://127.0.0.1:2", 0, 1))
