@@ -31,9 +31,12 @@ import numpy as np
 
 from .errors import ConfigurationError, DTypeMismatch, LayoutMismatch, NotInitialized
 from .layout import Layout, shard_bounds
-from .worker import Worker
+from .worker import SEND_TURN, Worker
 
 __all__ = ["ShardedWorker", "split_addresses"]
+
+#: A push to one shard waits at most this long for the shards before it to have sent theirs.
+TURN_WAIT_S = 5.0
 
 
 def split_addresses(address: str | Sequence[str]) -> list[str]:
@@ -163,11 +166,11 @@ class ShardedWorker(Worker):
 
     def push(self, grads: Mapping[str, np.ndarray] | np.ndarray) -> None:
         self._take(grads)
-        self._each(lambda index, worker: worker.push(self._slice(self._flat_grad, index)))
+        self._each(lambda index, worker: worker.push(self._slice(self._flat_grad, index)), in_turn=True)
 
     def push_pull(self, grads: Mapping[str, np.ndarray] | np.ndarray) -> Mapping[str, np.ndarray]:
         self._take(grads)
-        self._each(lambda index, worker: worker.push_pull(self._slice(self._flat_grad, index)))
+        self._each(lambda index, worker: worker.push_pull(self._slice(self._flat_grad, index)), in_turn=True)
         return self._weights
 
     def ping(self) -> int:
@@ -224,14 +227,39 @@ class ShardedWorker(Worker):
         for name, view in self._grads.items():
             view[...] = grads[name]
 
-    def _each(self, call: Callable[[int, Worker], None]) -> None:
+    def _each(self, call: Callable[[int, Worker], None], *, in_turn: bool = False) -> None:
         """``call(index, worker)`` for every shard at once; raises the first failure
-        (after every shard finished: none is left half-way in its request)."""
+        (after every shard finished: none is left half-way in its request).
+
+        ``in_turn`` (pushes): the shards' requests leave this worker one after the
+        other, starting with shard ``rank % K`` (so workers start on different
+        shards), each as soon as the one before it is sent, while the replies of
+        the shards served first come in. Sent all at once, the pieces would share
+        the worker's link and arrive together, then their replies would come back
+        together: every link busy one way at a time."""
+        count = len(self._shards)
+        turns: list[_Turn | None] = [None] * count
+        if in_turn and count > 1:
+            order = [(self.rank + step) % count for step in range(count)]
+            turnstile = _Turnstile()
+            for position, index in enumerate(order):
+                turns[index] = _Turn(turnstile, position)
+
+        def run(index: int, worker: Worker) -> None:
+            turn = turns[index]
+            SEND_TURN.turn = turn
+            try:
+                call(index, worker)
+            finally:
+                SEND_TURN.turn = None
+                if turn is not None:
+                    turn.done()  # sent or failed: the next shard's turn
+
         with self._lock:
-            futures = [self._pool.submit(call, index, worker) for index, worker in enumerate(self._shards) if index]
+            futures = [self._pool.submit(run, index, worker) for index, worker in enumerate(self._shards) if index]
             errors: list[BaseException] = []
             try:
-                call(0, self._shards[0])
+                run(0, self._shards[0])
             except BaseException as exc:
                 errors.append(exc)
             for future in futures:
@@ -276,3 +304,38 @@ def _in_shard_order(workers: list[Worker]) -> list[Worker]:
                     f"at {first_worker.address} with {flag} {value}: every shard must be started with the same "
                     "options")
     return [by_index[index][0] for index in range(count)]
+
+
+class _Turnstile:
+    """Whose turn it is to send: positions 0, 1, ... in order."""
+
+    def __init__(self) -> None:
+        self.condition = threading.Condition()
+        self.next = 0
+
+
+class _Turn:
+    """One shard's place in a push's sending order: :meth:`wait` until the shards before
+    it have sent (or failed), :meth:`done` once it has (once; waiting again returns at once)."""
+
+    __slots__ = ("_turnstile", "_position", "_done")
+
+    def __init__(self, turnstile: _Turnstile, position: int) -> None:
+        self._turnstile = turnstile
+        self._position = position
+        self._done = False
+
+    def wait(self) -> None:
+        """Wait for the turn; at most TURN_WAIT_S (the order only saves time: a shard that takes
+        long to send, or is reconnecting, does not keep the others from their servers)."""
+        turnstile = self._turnstile
+        with turnstile.condition:
+            turnstile.condition.wait_for(lambda: self._done or turnstile.next >= self._position, TURN_WAIT_S)
+
+    def done(self) -> None:
+        turnstile = self._turnstile
+        with turnstile.condition:
+            if not self._done:
+                self._done = True
+                turnstile.next = max(turnstile.next, self._position + 1)
+                turnstile.condition.notify_all()

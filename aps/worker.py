@@ -105,6 +105,11 @@ _BACKOFF_CAP_S = 5.0
 _RETRY_NOTE_EVERY = 30.0  # how often a worker that keeps failing to reconnect says so
 
 
+#: Per thread: the turn a sharded worker's push to one shard waits for before it sends
+#: (see aps._sharded: one shard's gradient at a time leaves a worker, while replies come in).
+SEND_TURN = threading.local()
+
+
 def _names_shards(address: Any) -> bool:
     """Whether ``address`` names several servers: the shards of one model."""
     if isinstance(address, (list, tuple)):
@@ -936,12 +941,18 @@ class Worker(_WorkerBase):
             if conn is None:
                 raise self._disconnected()
             buffers = request()  # under the lock: its request id is the one the reply will carry
+            turn = getattr(SEND_TURN, "turn", None)  # a sharded worker's order of sending to its shards
             try:
                 try:
+                    if turn is not None:
+                        turn.wait()
                     conn.send(buffers, core.take_fds())
                 except APSConnectionError:
                     _farewell(conn, core)
                     raise
+                finally:
+                    if turn is not None:
+                        turn.done()
                 if waiting is None:
                     conn.receive(core.reader, core.has_reply, timeout, self.server_timeout)
                 else:
