@@ -33,6 +33,7 @@ from .errors import (
     CheckpointError,
     InternalServerError,
     LayoutMismatch,
+    MalformedFrame,
     NonFiniteGradient,
     NotInitialized,
     OutOfOrder,
@@ -204,8 +205,10 @@ class Engine:
         self._lane = UpdateLane(offload, offload_threshold)
         #: This run's identity: new for a new model, kept across checkpoints and resumes.
         self.run_id = uuid.uuid4().hex
-        #: What the handshake tells workers of this shard (JSON; see ServerConfig.shard_description).
-        self.shard_description = json.dumps(config.shard_description(), separators=(",", ":"))
+        #: The run id of every shard of this model, in shard order, as a sharded worker recorded
+        #: them (SHARDS): kept in checkpoints, so that shards resumed from the checkpoints of
+        #: different runs are told apart. None until recorded (and when unsharded).
+        self.shard_runs: list[str] | None = None
         #: The checkpoint this engine resumed from (its path), if any.
         self.resumed_from: str | None = None
         self._seats: dict[int, Seat] = {}
@@ -493,6 +496,26 @@ class Engine:
         between two updates, and sees every update decided before it."""
         self._lane.submit(job)
 
+    @property
+    def shard_description(self) -> str:
+        """What the handshake tells workers of this shard (JSON): its index, the options all
+        the shards share (ServerConfig.shard_description) and the shards' recorded run ids."""
+        return json.dumps({**self.config.shard_description(), "runs": self.shard_runs}, separators=(",", ":"))
+
+    def record_shard_runs(self, runs: list[str]) -> list[str]:
+        """A sharded worker says which run each shard holds; the first record stands (a
+        resumed shard has it from its checkpoint). Returns the record."""
+        shards = self.config.shards
+        if (not isinstance(runs, list) or len(runs) != shards
+                or not all(isinstance(r, str) and 0 < len(r) <= 64 for r in runs)):
+            raise MalformedFrame(f"SHARDS takes a JSON list of the {shards} shards' run ids")
+        if runs[self.config.shard] != self.run_id:
+            raise MalformedFrame(f"SHARDS gives shard {self.config.shard} run {runs[self.config.shard]}, but this "
+                                 f"shard holds run {self.run_id}")
+        if self.shard_runs is None:
+            self.shard_runs = list(runs)
+        return self.shard_runs
+
     def checkpoint_state(self) -> tuple[dict, dict[str, np.ndarray]]:
         """The state to save, between two updates: a JSON-able manifest, and the live
         arrays to copy (the optimizer's state; the running sum while a round is open).
@@ -505,6 +528,7 @@ class Engine:
             arrays["aggregate"] = self.aggregate.current
         manifest = {
             "run_id": self.run_id,
+            "shard_runs": self.shard_runs,
             "version": table.version,
             "pushes": self.pushes,
             "layout": {"names": list(layout.names), "shapes": [list(shape) for shape in layout.shapes]},
@@ -550,6 +574,8 @@ class Engine:
             self.stats.rejected = int(counters.get("rejected", 0))
             self.stats.duplicates = int(counters.get("duplicates", 0))
             self.run_id = str(manifest["run_id"])
+            runs = manifest.get("shard_runs")
+            self.shard_runs = [str(r) for r in runs] if isinstance(runs, list) else None
         except (KeyError, ValueError, TypeError, IndexError) as exc:
             if self.table is not None:
                 self.table.close()

@@ -101,6 +101,10 @@ class StatsCollector:
         yield CounterMetricFamily("aps_updates", "Updates applied to the weights.", value=server["version"])
         yield GaugeMetricFamily("aps_workers", "Workers the server was started for (--workers).",
                                 value=server["workers"])
+        yield GaugeMetricFamily("aps_shard", "This server's shard of the model (--shard; 0 when unsharded).",
+                                value=server.get("shard", 0))
+        yield GaugeMetricFamily("aps_shards", "Shards the model is cut into (--shards).",
+                                value=server.get("shards", 1))
         yield GaugeMetricFamily("aps_workers_live", "Workers connected and counted by the sync policy.",
                                 value=server["live"])
         yield GaugeMetricFamily("aps_training_started", "1 once every worker joined and training runs.",

@@ -157,6 +157,11 @@ class ShardedWorker(Worker):
             worker.init(piece.views(self._slice(self._flat_weights, index)), timeout=timeout)
 
         self._each(join)
+        # Every shard keeps the run id of every shard (and its checkpoints keep them): shards
+        # resumed later from the checkpoints of different runs are then told apart.
+        runs = [worker.server_info.run_id for worker in self._shards]
+        if all(runs):
+            self._each(lambda index, worker: worker._record_shard_runs(runs))
         return self._weights
 
     def pull(self) -> Mapping[str, np.ndarray]:
@@ -297,13 +302,31 @@ def _in_shard_order(workers: list[Worker]) -> list[Worker]:
     for index in range(1, count):
         worker, description = by_index[index]
         for name, value in first.items():
-            if name != "shard" and description.get(name) != value:
+            if name not in ("shard", "runs") and description.get(name) != value:
                 flag = "--" + name.replace("_", "-")
                 raise ConfigurationError(
                     f"shard {index} at {worker.address} was started with {flag} {description.get(name)}, shard 0 "
                     f"at {first_worker.address} with {flag} {value}: every shard must be started with the same "
                     "options")
-    return [by_index[index][0] for index in range(count)]
+    ordered = [by_index[index][0] for index in range(count)]
+    _check_runs(ordered, [by_index[index][1] for index in range(count)])
+    return ordered
+
+
+def _check_runs(workers: list[Worker], described: list[dict]) -> None:
+    """Each shard's run is the one the others recorded for it (when they recorded one): the
+    shards hold one model, not shards of different runs resumed side by side."""
+    runs = [worker.server_info.run_id for worker in workers]
+    for index, description in enumerate(described):
+        recorded = description.get("runs")
+        if not isinstance(recorded, list) or len(recorded) != len(workers):
+            continue
+        for other, (expected, actual) in enumerate(zip(recorded, runs)):
+            if expected != actual:
+                raise ConfigurationError(
+                    f"shard {other} at {workers[other].address} holds run {actual}, but shard {index} at "
+                    f"{workers[index].address} was trained beside run {expected} there: shard {other} was started "
+                    "without --resume, or resumed from another run's checkpoint")
 
 
 class _Turnstile:

@@ -74,6 +74,7 @@ class Op(IntEnum):
     HELLO = 8
     AUTH = 9
     CHECKPOINT = 10
+    SHARDS = 11
 
     REPLY = 0x80
     INIT_REPLY = 0x81
@@ -86,6 +87,7 @@ class Op(IntEnum):
     HELLO_REPLY = 0x88
     AUTH_REPLY = 0x89
     CHECKPOINT_REPLY = 0x8A
+    SHARDS_REPLY = 0x8B
     #: Not a reply: a notice the server sends while it holds a request (a pull
     #: at the gate, a push in the lane) to say it is alive; no payload.
     ALIVE = 0xFD
@@ -96,7 +98,8 @@ class Op(IntEnum):
 
 
 REQUEST_OPS = frozenset(
-    {Op.INIT, Op.PULL, Op.PUSH, Op.PUSH_PULL, Op.LEAVE, Op.PING, Op.STATS, Op.HELLO, Op.AUTH, Op.CHECKPOINT}
+    {Op.INIT, Op.PULL, Op.PUSH, Op.PUSH_PULL, Op.LEAVE, Op.PING, Op.STATS, Op.HELLO, Op.AUTH, Op.CHECKPOINT,
+     Op.SHARDS}
 )
 #: What a connection may ask before it has authenticated (when the server has a token).
 HANDSHAKE_OPS = frozenset({Op.HELLO, Op.AUTH})

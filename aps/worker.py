@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import json
 import os
 import random
 import ssl
@@ -440,6 +441,11 @@ class _ClientCore:
     def simple_request(self, op: Op) -> list:
         return [self._header(op)]
 
+    def shards_request(self, runs: list[str]) -> list:
+        """SHARDS: the run id of every shard of the model, for this one to keep."""
+        payload = json.dumps(runs).encode()
+        return [self._header(Op.SHARDS, len(payload)), payload]
+
     def _gradient_buffers(self, grads: Any) -> list:
         layout = self.layout
         if grads is self.flat_grad or grads is self.grads:
@@ -826,6 +832,10 @@ class Worker(_WorkerBase):
     def ping(self) -> int:
         """One empty round trip; returns the server's version."""
         return self._call("ping", lambda: self._core.simple_request(Op.PING)).version
+
+    def _record_shard_runs(self, runs: list[str]) -> None:
+        """Tell this shard's server the run id of every shard (see aps._sharded)."""
+        self._call("shards", lambda: self._core.shards_request(runs))
 
     def reconnect(self, *, timeout: float | None = 60.0) -> Mapping[str, np.ndarray]:
         """Open a new connection and rejoin under the same rank; returns the newest weights.

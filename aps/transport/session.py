@@ -106,6 +106,8 @@ _strangers = RateLimitedLog(limit=50)
 ALIVE_EVERY_S = 5.0
 
 _GRADIENT_OPS = frozenset({Op.PUSH, Op.PUSH_PULL})
+#: A SHARDS request (the shards' run ids, JSON) is at most this long.
+MAX_SHARDS_BYTES = 16 << 10
 _FLOAT32 = int(DType.FLOAT32)
 
 
@@ -430,6 +432,10 @@ class ServerSession:
                 # the block is checked, and only if they are needed (frame_more).
                 self._intake = _InitIntake(block)
                 dest = self._intake.next_piece(0)
+            elif op == Op.SHARDS:
+                if length > MAX_SHARDS_BYTES:
+                    raise MalformedFrame(f"SHARDS carries {MAX_SHARDS_BYTES} bytes at most, got {length}")
+                dest = memoryview(bytearray(length)) if length else None
             elif op in HANDSHAKE_OPS:
                 limit = NONCE_BYTES
                 if length > limit or (op == Op.AUTH and length != limit):
@@ -607,6 +613,15 @@ class ServerSession:
             return
         info = future.result()
         self._reply(Op.CHECKPOINT_REPLY, version=info["version"], payload=json.dumps(info).encode())
+
+    def _on_shards(self, header: Header, payload: memoryview, stream) -> None:
+        self._require_member()
+        try:
+            runs = json.loads(bytes(payload).decode("utf-8"))
+        except (ValueError, RecursionError):
+            raise MalformedFrame("SHARDS takes a JSON list of the shards' run ids") from None
+        self.engine.record_shard_runs(runs)
+        self._reply(Op.SHARDS_REPLY)
 
     def _on_stats(self, header: Header, payload: memoryview, stream) -> None:
         snapshot = self.engine.stats_snapshot()
@@ -807,6 +822,7 @@ _HANDLERS = {
     Op.LEAVE: ServerSession._on_leave,
     Op.STATS: ServerSession._on_stats,
     Op.CHECKPOINT: ServerSession._on_checkpoint,
+    Op.SHARDS: ServerSession._on_shards,
 }
 
 

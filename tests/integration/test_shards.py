@@ -120,3 +120,36 @@ def test_the_asyncio_worker_says_it_takes_one_server():
 
     with pytest.raises(ConfigurationError, match="AsyncWorker serves one server"):
         asyncio.run(aps.AsyncWorker.connect("tcp://127.0.0.1:1,tcp://127.0.0.1:2", 0, 1))
+
+
+def test_shards_resumed_from_different_runs_are_told_apart(server_process, tmp_path):
+    """Each shard keeps every shard's run id in its checkpoints: resumed side by side with
+    a shard of another run (or a fresh one), they are refused, naming the odd one."""
+    from aps.checkpoint import list_checkpoints, read_checkpoint
+
+    common = ("--workers", "1", "--sync", "asp", "--lr", "1", "--shards", "2")
+    dirs = [tmp_path / "s0", tmp_path / "s1"]
+    first = [server_process(*common, "--shard", str(i), "--checkpoint-dir", str(dirs[i])) for i in range(2)]
+    with aps.Worker([s.address for s in first], 0, 1, transport="tcp", reconnect=False) as worker:
+        worker.init({name: np.zeros(v.shape, np.float32) for name, v in PARAMS.items()})
+        worker.push_pull(np.ones(worker.layout.numel, np.float32))
+        runs = [w.server_info.run_id for w in worker.shards]
+    for server in first:
+        server.stop()  # a checkpoint at shutdown
+    for i in range(2):
+        manifest = read_checkpoint(list_checkpoints(str(dirs[i]))[-1]).manifest
+        assert manifest["shard_runs"] == runs and manifest["run_id"] == runs[i]
+
+    def resumed(i: int, *extra: str) -> ServerProcess:
+        return server_process(*common, "--shard", str(i), "--checkpoint-dir", str(dirs[i]), *extra)
+
+    both = [resumed(0, "--resume"), resumed(1, "--resume")]
+    with aps.Worker([s.address for s in both], 0, 1, transport="tcp", reconnect=False) as worker:
+        weights = worker.init({name: np.zeros(v.shape, np.float32) for name, v in PARAMS.items()})
+        assert all(np.all(w == -1.0) for w in weights.values())  # the resumed weights, from both shards
+    for server in both:
+        server.stop()
+    odd = [resumed(0, "--resume"), server_process(*common, "--shard", "1")]  # shard 1 starts a new run
+    with pytest.raises(ConfigurationError, match=rf"shard 1 at {odd[1].address} holds run \w+, but shard 0 at "
+                                                 rf"{odd[0].address} was trained beside run {runs[1]} there"):
+        aps.Worker([s.address for s in odd], 0, 1, transport="tcp", reconnect=False)

@@ -403,3 +403,16 @@ def test_bad_requests_do_not_flood_the_log(caplog):
         listening(HttpSide(ServerConfig(workers=2, http_port=0), snapshot, None), scenario)
     lines = [r for r in caplog.records if r.name.startswith(("aps", "aiohttp"))]
     assert 1 <= len(lines) <= 10 and not any(r.exc_info for r in lines), [r.getMessage() for r in lines][:12]
+
+
+def test_each_shard_says_which_it_is():
+    def sharded() -> dict:
+        stats = snapshot()
+        stats["server"].update(shard=1, shards=3)
+        return stats
+
+    async def scenario(client):
+        families = {f.name: f for f in text_string_to_metric_families(await (await client.get("/metrics")).text())}
+        assert families["aps_shard"].samples[0].value == 1 and families["aps_shards"].samples[0].value == 3
+
+    drive(side(snap=sharded), scenario)
