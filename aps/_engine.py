@@ -506,6 +506,8 @@ class Engine:
         """A sharded worker says which run each shard holds; the first record stands (a
         resumed shard has it from its checkpoint). Returns the record."""
         shards = self.config.shards
+        if shards == 1:
+            raise MalformedFrame("SHARDS is for a model sharded across servers (--shards > 1)")
         if (not isinstance(runs, list) or len(runs) != shards
                 or not all(isinstance(r, str) and 0 < len(r) <= 64 for r in runs)):
             raise MalformedFrame(f"SHARDS takes a JSON list of the {shards} shards' run ids")
@@ -514,6 +516,10 @@ class Engine:
                                  f"shard holds run {self.run_id}")
         if self.shard_runs is None:
             self.shard_runs = list(runs)
+        elif runs != self.shard_runs:
+            odd = next(i for i, (kept, given) in enumerate(zip(self.shard_runs, runs)) if kept != given)
+            raise LayoutMismatch(f"this model's shards are runs {self.shard_runs}, but shard {odd} now holds run "
+                                 f"{runs[odd]}: it was started without --resume, or from another run's checkpoint")
         return self.shard_runs
 
     def checkpoint_state(self) -> tuple[dict, dict[str, np.ndarray]]:

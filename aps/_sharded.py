@@ -20,6 +20,7 @@ one model, started with the same options (ServerConfig.shard_description).
 from __future__ import annotations
 
 import json
+import logging
 import os
 import threading
 from collections.abc import Callable, Mapping, Sequence
@@ -29,11 +30,13 @@ from typing import Any
 
 import numpy as np
 
-from .errors import ConfigurationError, DTypeMismatch, LayoutMismatch, NotInitialized
+from .errors import APSConnectionError, ConfigurationError, DTypeMismatch, LayoutMismatch, NotInitialized
 from .layout import Layout, shard_bounds
-from .worker import SEND_TURN, Worker
+from .worker import AS_SHARD, SEND_TURN, Worker
 
 __all__ = ["ShardedWorker", "split_addresses"]
+
+log = logging.getLogger("aps.worker")
 
 #: A push to one shard waits at most this long for the shards before it to have sent theirs.
 TURN_WAIT_S = 5.0
@@ -63,14 +66,17 @@ class ShardedWorker(Worker):
         if address is None:
             address = os.environ.get("APS_ADDRESS", "")
         addresses = split_addresses(address)
+        AS_SHARD.on = True
         try:
-            workers = [Worker(one, rank, num_workers, transport, **options) for one in addresses]
-            self._shards = workers
-            self._shards = _in_shard_order(workers)
+            for one in addresses:
+                self._shards.append(Worker(one, rank, num_workers, transport, **options))
+            self._shards = _in_shard_order(self._shards)
         except BaseException:
             for worker in self._shards:
                 worker.close()
             raise
+        finally:
+            AS_SHARD.on = False
         self._closing = False
         self.reconnect_timeout = self._shards[0].reconnect_timeout
         self.address = ",".join(worker.address for worker in self._shards)
@@ -157,8 +163,10 @@ class ShardedWorker(Worker):
             worker.init(piece.views(self._slice(self._flat_weights, index)), timeout=timeout)
 
         self._each(join)
-        # Every shard keeps the run id of every shard (and its checkpoints keep them): shards
-        # resumed later from the checkpoints of different runs are then told apart.
+        # A shard may have come back meanwhile (init reconnects): check again, then every shard
+        # keeps the run id of every shard (and its checkpoints keep them), so that shards
+        # resumed later from the checkpoints of different runs are told apart.
+        _check_runs(self._shards, [_description(worker) for worker in self._shards])
         runs = [worker.server_info.run_id for worker in self._shards]
         if all(runs):
             self._each(lambda index, worker: worker._record_shard_runs(runs))
@@ -261,32 +269,47 @@ class ShardedWorker(Worker):
                     turn.done()  # sent or failed: the next shard's turn
 
         with self._lock:
+            if self._closing:
+                raise APSConnectionError(f"the worker of {self.address} is closed")
             futures = [self._pool.submit(run, index, worker) for index, worker in enumerate(self._shards) if index]
             errors: list[BaseException] = []
             try:
-                run(0, self._shards[0])
-            except BaseException as exc:
-                errors.append(exc)
-            for future in futures:
                 try:
-                    future.result()
-                except BaseException as exc:
+                    run(0, self._shards[0])
+                except Exception as exc:
                     errors.append(exc)
+                for future in futures:
+                    try:
+                        future.result()
+                    except Exception as exc:
+                        errors.append(exc)
+            except BaseException:  # Ctrl-C: every shard's request ends, not the first one's only
+                self._interrupt(futures)
+                raise
             if errors:
+                for extra in errors[1:]:
+                    log.warning("rank %d: another shard failed too: %s: %s", self.rank, type(extra).__name__, extra)
                 raise errors[0]
+
+    def _interrupt(self, futures: list) -> None:
+        """End the requests still running on the other shards (their connections are shut,
+        as close() does), and wait for their threads a little."""
+        for worker in self._shards:
+            conn = worker._conn
+            if conn is not None:
+                conn.shutdown()
+        for future in futures:
+            try:
+                future.result(timeout=5.0)
+            except Exception:  # noqa: S110 - each ends with its connection's error
+                pass
 
 
 def _in_shard_order(workers: list[Worker]) -> list[Worker]:
     """``workers`` by their server's shard index, after checking that the servers are
     the shards ``0..K-1`` of one model, started with the same options."""
     count = len(workers)
-    described: list[dict] = []
-    for worker in workers:
-        text = worker.server_info.shard
-        if not text:
-            raise ConfigurationError(f"the server at {worker.address} does not say which shard it is "
-                                     "(an older aps): it cannot serve a sharded model")
-        described.append(json.loads(text))
+    described = [_description(worker) for worker in workers]
     by_index: dict[int, tuple[Worker, dict]] = {}
     for worker, description in zip(workers, described):
         index, shards = description.get("shard"), description.get("shards")
@@ -311,6 +334,19 @@ def _in_shard_order(workers: list[Worker]) -> list[Worker]:
     ordered = [by_index[index][0] for index in range(count)]
     _check_runs(ordered, [by_index[index][1] for index in range(count)])
     return ordered
+
+
+def _description(worker: Worker) -> dict:
+    """What ``worker``'s server said of its shard in the handshake."""
+    text = worker.server_info.shard
+    try:
+        described = json.loads(text) if text else None
+    except ValueError:
+        described = None
+    if not isinstance(described, dict) or not isinstance(described.get("shard"), int):
+        raise ConfigurationError(f"the server at {worker.address} does not say which shard it is "
+                                 "(an older aps?): it cannot serve a sharded model")
+    return described
 
 
 def _check_runs(workers: list[Worker], described: list[dict]) -> None:

@@ -53,6 +53,7 @@ from .protocol import (
     Flag,
     Header,
     Op,
+    ServerInfo,
     decode_error,
     decode_join_progress,
     decode_slot,
@@ -109,6 +110,24 @@ _RETRY_NOTE_EVERY = 30.0  # how often a worker that keeps failing to reconnect s
 #: Per thread: the turn a sharded worker's push to one shard waits for before it sends
 #: (see aps._sharded: one shard's gradient at a time leaves a worker, while replies come in).
 SEND_TURN = threading.local()
+
+
+#: Set while aps._sharded builds the workers of its shards: a plain worker of one shard is refused.
+AS_SHARD = threading.local()
+
+
+def _refuse_one_shard(info: ServerInfo, address: str) -> None:
+    """A worker given only one shard of a sharded model would train the whole model on it."""
+    try:
+        described = json.loads(info.shard) if info.shard else {}
+    except ValueError:
+        described = {}
+    shards = described.get("shards", 1) if isinstance(described, dict) else 1
+    if isinstance(shards, int) and shards > 1:
+        shard = described.get("shard")
+        raise ConfigurationError(
+            f"the server at {address} is shard {shard} of {shards} (--shard {shard} --shards {shards}): give the "
+            "worker every shard's address (comma-separated, or a list)")
 
 
 def _names_shards(address: Any) -> bool:
@@ -753,6 +772,7 @@ class Worker(_WorkerBase):
         _check_heartbeat(heartbeat, server_timeout)
         self.reconnect_timeout = _check_reconnect(reconnect, reconnect_timeout)
         self._closing = False
+        self._as_shard = getattr(AS_SHARD, "on", False)  # one of a sharded worker's
         self._token = client_token(token)
         if isinstance(address, (list, tuple)) and len(address) == 1:
             address = address[0]
@@ -1003,6 +1023,8 @@ class Worker(_WorkerBase):
             host, path, run_id = info.host, info.unix_path, info.run_id
             self._core.check_run(run_id, self.address)
             self.server_info = info
+            if not self._as_shard:
+                _refuse_one_shard(info, self.address)
         except BaseException:
             tcp.close()
             raise
@@ -1299,6 +1321,7 @@ class AsyncWorker(_WorkerBase):
         try:
             info = await handshake_async(conn, token, connect_timeout)
             core.check_run(info.run_id, str(conn.address))
+            _refuse_one_shard(info, str(conn.address))
         except BaseException:
             conn.close()
             raise

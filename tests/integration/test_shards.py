@@ -87,6 +87,8 @@ def test_the_worker_is_one_flat_buffer_whatever_order_the_shards_are_given_in(se
         bounds = shard_bounds(numel, 3)
         held = [fetch_stats(s.address)["server"]["parameters"] for s in servers]
         assert held == [b - a for a, b in zip(bounds, bounds[1:])] and sum(held) == numel  # each its range
+    with pytest.raises(aps.APSConnectionError, match="is closed"):
+        worker.push_pull(worker.grads)
 
 
 def test_servers_that_are_not_the_shards_of_one_model_are_refused(server_process):
@@ -153,3 +155,46 @@ def test_shards_resumed_from_different_runs_are_told_apart(server_process, tmp_p
     with pytest.raises(ConfigurationError, match=rf"shard 1 at {odd[1].address} holds run \w+, but shard 0 at "
                                                  rf"{odd[0].address} was trained beside run {runs[1]} there"):
         aps.Worker([s.address for s in odd], 0, 1, transport="tcp", reconnect=False)
+
+
+def test_a_worker_given_one_shard_only_is_refused(server_process):
+    import asyncio
+
+    servers = shards(server_process, 2, "--workers", "1")
+    with pytest.raises(ConfigurationError, match=r"is shard 1 of 2 \(--shard 1 --shards 2\): give the worker every "
+                                                 r"shard's address"):
+        aps.Worker(servers[1].address, 0, 1, transport="tcp")
+    with pytest.raises(ConfigurationError, match="is shard 0 of 2"):
+        asyncio.run(aps.AsyncWorker.connect(servers[0].address, 0, 1))
+
+
+def test_the_shards_record_is_checked_and_kept(server_process):
+    from aps.errors import LayoutMismatch, MalformedFrame
+    from aps.protocol import Op
+
+    from ..helpers import RawClient
+
+    servers = shards(server_process, 2, "--workers", "1")
+    with aps.Worker([s.address for s in servers], 0, 1, transport="tcp", reconnect=False) as worker:
+        worker.init({name: np.zeros(v.shape, np.float32) for name, v in PARAMS.items()})
+        runs = [w.server_info.run_id for w in worker.shards]
+        first = worker.shards[0]
+        first._record_shard_runs(runs)  # the same record again: fine
+        with pytest.raises(LayoutMismatch, match=rf"shard 1 now holds run {'f' * 32}: it was started without"):
+            first._record_shard_runs([runs[0], "f" * 32])
+        with pytest.raises(MalformedFrame, match="SHARDS gives shard 0 run"):
+            first._record_shard_runs(["e" * 32, runs[1]])
+        with pytest.raises(MalformedFrame, match="a JSON list of the 2 shards' run ids"):
+            first._record_shard_runs([runs[0]])
+        worker.push_pull(np.ones(worker.layout.numel, np.float32))  # and the shard goes on serving
+        assert worker.version == 1
+    stranger = RawClient(int(servers[0].address.rsplit(":", 1)[1]))
+    stranger.frame(Op.SHARDS, b'["a", "b"]', request_id=1)
+    code, message = stranger.error()
+    assert "before a successful INIT" in message, (code, message)
+    stranger.sock.close()
+    lone = server_process("--workers", "1")
+    with aps.Worker(lone.address, 0, 1, transport="tcp", reconnect=False) as plain:
+        plain.init({"w": np.zeros(4, np.float32)})
+        with pytest.raises(MalformedFrame, match="SHARDS is for a model sharded across servers"):
+            plain._record_shard_runs([plain.server_info.run_id])
