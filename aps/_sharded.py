@@ -101,6 +101,26 @@ class ShardedWorker(Worker):
         return self._shards[0].rank
 
     @property
+    def timeout(self) -> float | None:
+        """Seconds to wait for each reply (see :class:`aps.Worker`); setting it sets every shard's."""
+        return self._shards[0].timeout
+
+    @timeout.setter
+    def timeout(self, value: float | None) -> None:
+        for worker in self._shards:
+            worker.timeout = value
+
+    @property
+    def server_timeout(self) -> float | None:
+        """See :class:`aps.Worker`; setting it sets every shard's."""
+        return self._shards[0].server_timeout
+
+    @server_timeout.setter
+    def server_timeout(self, value: float | None) -> None:
+        for worker in self._shards:
+            worker.server_timeout = value
+
+    @property
     def num_workers(self) -> int:
         return self._shards[0].num_workers
 

@@ -25,7 +25,6 @@ two intervals after a checkpoint was seen written). Example:
 from __future__ import annotations
 
 import argparse
-import json
 import logging
 import math
 import multiprocessing as mp
@@ -48,7 +47,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import aps  # noqa: E402
 from aps.checkpoint import directory_bytes, list_checkpoints, read_checkpoint  # noqa: E402
 from aps.cli._args import ArgumentParser, format_size, parse_size  # noqa: E402
-from aps.cli.bench import machine_info  # noqa: E402
+from aps.cli.bench import machine_info, write_report  # noqa: E402
 from aps.cli.status import fetch_stats  # noqa: E402
 from aps.protocol import Op  # noqa: E402
 from aps.transport._client import exchange, handshake  # noqa: E402
@@ -466,9 +465,7 @@ def main(argv: list[str] | None = None) -> int:
         met = "-" if r["met"] is None else ("yes" if r["met"] else "NO")
         print(f"{r['figure']:<45} {r['value']:>9.3g} {r['unit']:<3} {r['target'] or '-':>22} {met:>4}  {r['note']}")
     print("machine:", ", ".join(f"{k} {v}" for k, v in machine_info().items()))
-    if args.out:
-        with open(args.out, "w") as fh:
-            json.dump(report, fh, indent=2)
+    write_report(report, args.out)
     return 0
 
 

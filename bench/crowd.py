@@ -14,7 +14,6 @@ closes the oldest of those strangers, or is refused when there is none. Example:
 
 from __future__ import annotations
 
-import json
 import os
 import socket
 import statistics
@@ -29,7 +28,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import aps  # noqa: E402
 from aps.cli._args import ArgumentParser  # noqa: E402
-from aps.cli.bench import machine_info  # noqa: E402
+from aps.cli.bench import machine_info, write_report  # noqa: E402
 from aps.protocol import Op, pack_header  # noqa: E402
 from tests.helpers import ServerProcess  # noqa: E402
 
@@ -129,9 +128,7 @@ def main(argv: list[str] | None = None) -> int:
           f"{fds_crowded}; of {args.overflow} connections beyond --max-connections {limit}, {refused} were refused "
           f"with an error frame and {accepted_overflow - (limit - args.idle - args.loris - 1)} let in by closing "
           f"the oldest stranger (the crowd never authenticated)")
-    if args.out:
-        with open(args.out, "w") as fh:
-            json.dump(report, fh, indent=2)
+    write_report(report, args.out)
     return 0
 
 

@@ -40,7 +40,6 @@ from __future__ import annotations
 import asyncio
 import json
 import multiprocessing as mp
-import os
 import statistics
 import sys
 import time
@@ -48,7 +47,7 @@ import time
 import psutil
 
 from aps.cli._args import ArgumentParser, command_line, format_size, parse_size
-from aps.cli.bench import ApsSession, machine_info, summarize
+from aps.cli.bench import ApsSession, machine_info, summarize, write_report
 
 SPAWN = mp.get_context("spawn")
 TARGET = 0.95  # throughput with the HTTP side watched / without, median over repeats
@@ -385,10 +384,8 @@ def main(argv: list[str] | None = None) -> int:
           f"idle server, this process, other processes): {other_cores['without']:.2f} and "
           f"{other_cores['with']:.2f} cores, median")
     print("machine:", ", ".join(f"{k} {v}" for k, v in machine_info().items()))
+    write_report(report, args.out)
     if args.out:
-        os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-        with open(args.out, "w") as fh:
-            json.dump(report, fh, indent=2)
         print(f"wrote {args.out}")
     return 0
 

@@ -12,7 +12,6 @@ before and after. Example: ``python bench/fuzz.py --frames 100000 --out bench/re
 
 from __future__ import annotations
 
-import json
 import os
 import random
 import sys
@@ -23,7 +22,7 @@ import psutil
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from aps.cli._args import ArgumentParser  # noqa: E402
-from aps.cli.bench import machine_info  # noqa: E402
+from aps.cli.bench import machine_info, write_report  # noqa: E402
 from tests.fuzzing import Tally, Target, Trainer, run_case  # noqa: E402
 from tests.helpers import ServerProcess  # noqa: E402
 
@@ -81,10 +80,7 @@ def main(argv: list[str] | None = None) -> int:
           f"{trainer.deviations} weight deviations in {trainer.steps} worker steps; {tally.error_frames} error "
           f"frames, {tally.closed_by_server} connections closed by the server; server memory "
           f"{report['server_rss_before_mib']:.0f} -> {report['server_rss_after_mib']:.0f} MiB; log {log_bytes} bytes")
-    if args.out:
-        os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-        with open(args.out, "w") as fh:
-            json.dump(report, fh, indent=2)
+    write_report(report, args.out)
     return 0 if not crashed and not trainer.deviations and trainer.error is None else 1
 
 

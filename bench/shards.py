@@ -44,7 +44,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import numpy as np  # noqa: E402
 
 from aps.cli._args import ArgumentParser, format_size, int_list, parse_size  # noqa: E402
-from aps.cli.bench import machine_info  # noqa: E402
+from aps.cli.bench import machine_info, write_report  # noqa: E402
 
 TOKEN = "shards bench token"
 WORKERS = 4
@@ -460,9 +460,7 @@ def main(argv: list[str] | None = None) -> int:
     print(json.dumps({"ratios": ratios, "ratios_per_repeat": per_repeat,
                       "medians_MB_per_s": {k: None if v is None else round(v / 1e6, 1) for k, v in medians.items()}},
                      indent=2))
-    if args.out:
-        with open(args.out, "w") as fh:
-            json.dump(report, fh, indent=2)
+    write_report(report, args.out)
     return 0
 
 

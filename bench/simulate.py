@@ -12,15 +12,13 @@ Example: ``python bench/simulate.py --workers 1024 --iterations 10000``.
 from __future__ import annotations
 
 import heapq
-import json
-import os
 import sys
 import time
 
 import numpy as np
 
 from aps.cli._args import ArgumentParser, parse_setting
-from aps.cli.bench import machine_info
+from aps.cli.bench import machine_info, write_report
 from aps.cli.simulate import DEFAULT_SETTINGS, simulate, worker_speeds
 
 
@@ -62,10 +60,8 @@ def main(argv: list[str] | None = None) -> int:
     print(f"all {len(rows)} settings: {total:.2f} s")
     report = {"benchmark": "simulate", "command": " ".join(["python", *sys.argv]), **machine_info(),
               "workers": args.workers, "iterations": args.iterations, "bound_s": bound, "total_s": total, "rows": rows}
+    write_report(report, args.out)
     if args.out:
-        os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-        with open(args.out, "w") as fh:
-            json.dump(report, fh, indent=2)
         print(f"wrote {args.out}")
     return 0
 

@@ -13,7 +13,6 @@ the heartbeat timeout plus one second. Example:
 from __future__ import annotations
 
 import datetime
-import json
 import os
 import re
 import signal
@@ -23,7 +22,7 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from aps.cli._args import ArgumentParser  # noqa: E402
-from aps.cli.bench import machine_info  # noqa: E402
+from aps.cli.bench import machine_info, write_report  # noqa: E402
 from tests.helpers import ServerProcess, SteadyCluster  # noqa: E402
 
 SYNCS = {"bsp": ["--sync", "bsp"], "ssp:1": ["--sync", "ssp", "--staleness", "1"]}
@@ -68,9 +67,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{sync:<6} {size:>7} {row['dropped_after_s']:>13.2f}s {row['beyond_timeout_s']:>14.2f}s "
                   f"{row['others_went_on_after_s']:>24.2f}s", flush=True)
     report = {"benchmark": "stalls", "command": " ".join(["python", *sys.argv]), **machine_info(), "rows": rows}
-    if args.out:
-        with open(args.out, "w") as fh:
-            json.dump(report, fh, indent=2)
+    write_report(report, args.out)
     return 0
 
 

@@ -46,7 +46,7 @@ from ._args import choice_list, command_line, format_size, int_list, number, req
 
 __all__ = [
     "VARIANTS", "ApsSession", "BoundSession", "CopyUpdateBound", "PipeBound", "Session", "TlsFiles", "machine_info",
-    "measure", "register", "run", "summarize",
+    "measure", "register", "run", "summarize", "write_report",
 ]
 
 _DEFAULT_SIZES = "4K,64K,1M,16M,64M"
@@ -450,10 +450,8 @@ def measure(
     }
     print()
     print(format_table(rows))
+    write_report(report, out)
     if out:
-        os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
-        with open(out, "w") as fh:
-            json.dump(report, fh, indent=2)
         print(f"\nwrote {out}")
     return report
 
@@ -508,6 +506,15 @@ def _measure(sizes, worker_counts, seconds, min_iters, repeats, transports, tcp_
 
 def _median_ratio(values: list[float], bounds: list[float]) -> float:
     return statistics.median(x / y for x, y in zip(values, bounds))
+
+
+def write_report(report: dict, path: str | None) -> None:
+    """Write a benchmark's JSON report to ``path`` (making its directory), when one is given."""
+    if not path:
+        return
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    with open(path, "w") as fh:
+        json.dump(report, fh, indent=2)
 
 
 def machine_info() -> dict:

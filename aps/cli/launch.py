@@ -96,6 +96,10 @@ def run(args: argparse.Namespace) -> int:
 
     if config.shard != 0:
         raise ConfigurationError("aps launch starts every shard itself: give --shards K, not --shard")
+    if config.shards > 1 and config.port and config.http_port and abs(config.port - config.http_port) < config.shards:
+        raise ConfigurationError(f"with --shards {config.shards}, the shards listen on --port {config.port} and up, "
+                                 f"and serve HTTP on --http-port {config.http_port} and up: keep them at least "
+                                 f"{config.shards} apart")
     if config.shards > 1 and config.resume not in (None, RESUME_LATEST):
         raise ConfigurationError("with --shards, give --resume without a PATH: each shard resumes from the newest "
                                  "checkpoint in its own directory (--checkpoint-dir DIR/shard-I)")

@@ -141,6 +141,9 @@ def test_bad_launch_arguments_are_refused(tmp_path):
          "--slowdown needs 2 positive numbers"),
         (["--workers", "2", "--step-time", "0.1", "--jitter", "-1", "--example", "digits"], "--jitter must be >= 0"),
         (["--workers", "2", "--slowdown", "1,2", "--example", "digits"], "give it too"),
+        (["--workers", "2", "--shards", "3", "--port", "7450", "--http-port", "7451", "--example", "digits"],
+         "keep them at least 3 apart"),
+        (["--workers", "2", "--shards", "2", "--shard", "1", "--example", "digits"], "give --shards K, not --shard"),
     ]:
         code, out, err = finish(launch(*args, log_dir=tmp_path), timeout=30)
         assert code == 2 and message in err, (args, err)

@@ -83,6 +83,8 @@ def test_the_worker_is_one_flat_buffer_whatever_order_the_shards_are_given_in(se
         worker.push_pull(np.full(worker.layout.numel, 0.25, np.float32))  # a flat gradient
         assert np.all(weights["fc"] == 0.25) and np.all(weights["bias"] == 0.75)
         assert worker.version == 2 and worker.clock == 2
+        worker.timeout = 7.5
+        assert worker.timeout == 7.5 and all(w.timeout == 7.5 for w in worker.shards)
         numel = worker.layout.numel
         bounds = shard_bounds(numel, 3)
         held = [fetch_stats(s.address)["server"]["parameters"] for s in servers]
