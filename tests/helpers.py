@@ -223,6 +223,18 @@ class RawShmClient(RawClient):
             self.segment.close()
 
 
+def wait_for(condition, timeout: float = 20.0, what: str = "condition", every: float = 0.02):
+    """Poll ``condition()`` every ``every`` seconds until it returns something true (returned),
+    or raise AssertionError after ``timeout`` seconds naming ``what``."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = condition()
+        if value:
+            return value
+        time.sleep(every)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
 def memfd_inodes(pid: int, name: str) -> set[str]:
     """The inodes of the memfd segments named like ``name`` that process ``pid`` maps."""
     return {line.split()[4] for line in mapped_memfds(pid, name)}

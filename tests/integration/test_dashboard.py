@@ -17,7 +17,7 @@ import time
 
 import pytest
 
-from ..helpers import ServerProcess
+from ..helpers import ServerProcess, wait_for
 
 webdriver = pytest.importorskip("selenium.webdriver", reason="selenium is not installed (pip install -e '.[test]')")
 
@@ -58,13 +58,7 @@ def workers(address: str, count: int, slowdown: list[float], logs) -> list[subpr
 
 
 def wait_until(condition, timeout: float, what: str):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = condition()
-        if value:
-            return value
-        time.sleep(0.1)
-    raise AssertionError(f"timed out waiting for {what}")
+    return wait_for(condition, timeout, what, every=0.1)  # the page updates at most twice a second
 
 
 def text_of(driver, element_id: str) -> str:

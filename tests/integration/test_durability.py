@@ -22,18 +22,7 @@ from aps.cli.status import fetch_stats
 from aps.protocol import DType, Flag, Op, pack_header
 
 from .._workers import resilient_worker, stepped_gradient
-from ..helpers import RawClient, ServerProcess, run_processes
-
-
-
-def wait_for(condition, timeout: float = 20.0, what: str = "condition"):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = condition()
-        if value:
-            return value
-        time.sleep(0.02)
-    raise AssertionError(f"timed out waiting for {what}")
+from ..helpers import RawClient, ServerProcess, run_processes, wait_for
 
 
 def newest(directory) -> int:

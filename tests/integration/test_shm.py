@@ -3,7 +3,6 @@
 import os
 import signal
 import stat
-import time
 
 import numpy as np
 import pytest
@@ -13,16 +12,9 @@ from aps.errors import ErrorCode
 from aps.protocol import DType, Flag, Op, pack_header
 from aps.transport.segments import Segment, scm_rights
 from tests import _workers
-from tests.helpers import SPAWN, RawShmClient, ServerProcess, mapped_memfds, memfd_inodes, run_processes
+from tests.helpers import SPAWN, RawShmClient, ServerProcess, mapped_memfds, memfd_inodes, run_processes, wait_for
 
 N = 8
-
-
-def wait_until(condition, timeout=10.0, message="condition"):
-    deadline = time.monotonic() + timeout
-    while not condition():
-        assert time.monotonic() < deadline, f"timed out waiting for {message}"
-        time.sleep(0.02)
 
 
 def test_auto_picks_shared_memory_on_the_same_host(server_process):
@@ -153,14 +145,14 @@ def test_a_killed_worker_leaves_no_shared_memory_behind(server_process, tmp_path
     victim.start()
     with aps.Worker(server.address, 0, 2, transport="shm") as worker:
         worker.init({"w": np.zeros(1 << 16, np.float32)})
-        wait_until(ready.exists, message="the worker to join")
+        wait_for(ready.exists, 10.0, "the worker to join")
         assert mapped_memfds(server.proc.pid, "aps-grad-rank1")
         assert mapped_memfds(victim.pid, "aps-slot")  # it maps the server's snapshot slots
         os.kill(victim.pid, signal.SIGKILL)
         victim.join(10)
         server.wait_for_log("worker 1 left")
         worker.push_pull(worker.grads)  # the server runs on, and lets go of the dead worker's memory
-        wait_until(lambda: not mapped_memfds(server.proc.pid, "aps-grad-rank1"), message="the segment to go")
+        wait_for(lambda: not mapped_memfds(server.proc.pid, "aps-grad-rank1"), 10.0, "the segment to go")
     assert not [name for name in os.listdir("/dev/shm") if "aps" in name]  # nothing named, ever
 
 
