@@ -5,14 +5,22 @@ from typing import Any, Self
 import numpy as np
 from typing_extensions import disjoint_base
 
+FLOAT32: int
+FLOAT16: int
+BFLOAT16: int
+
 def fused_multiply_add() -> bool: ...
-def all_finite(x: np.ndarray) -> bool: ...
+def use_f16c(allowed: bool = ...) -> bool: ...
+def narrow(out: np.ndarray, x: np.ndarray, dtype: int) -> int: ...
+def widen(out: np.ndarray, x: np.ndarray, dtype: int) -> None: ...
+def all_finite(x: np.ndarray, dtype: int = ...) -> bool: ...
 def accumulate(
     out: np.ndarray,
     inp: np.ndarray | None,
     grad: np.ndarray,
     scale: float = ...,
     first: bool = ...,
+    grad_dtype: int = ...,
 ) -> bool: ...
 def sgd_step(
     w_out: np.ndarray,
@@ -27,6 +35,7 @@ def sgd_step(
     nesterov: bool = ...,
     first: bool = ...,
     scale: float = ...,
+    grad_dtype: int = ...,
 ) -> bool: ...
 def adam_step(
     w_out: np.ndarray,
@@ -44,6 +53,7 @@ def adam_step(
     weight_decay: float = ...,
     decoupled: bool = ...,
     scale: float = ...,
+    grad_dtype: int = ...,
 ) -> bool: ...
 def dssp_controller(
     fast_newest: float, fast_previous: float, slow_newest: float, slow_previous: float, r_max: int

@@ -127,10 +127,13 @@ class Member:
     Attributes:
         rank: the worker's rank.
         grad: the flat float32 buffer its pushes are received into.
+        grad16: the buffer of its compressed pushes (16-bit words), made at the first one.
+        grad_dtype: the element type of the push being received (a ``_core`` dtype:
+            FLOAT32 in ``grad``, BFLOAT16 or FLOAT16 in ``grad16``).
     """
 
     __slots__ = (
-        "rank", "grad", "grad_bytes", "connected", "joined", "joined_running", "waiter", "gate", "waiting_since",
+        "rank", "grad", "grad_bytes", "grad16", "grad16_bytes", "grad_dtype", "connected", "joined", "joined_running", "waiter", "gate", "waiting_since",
         "required_version", "rejoin", "push_id", "push_clock",
     )
 
@@ -138,6 +141,9 @@ class Member:
         self.rank = rank
         self.grad: np.ndarray | None = None
         self.grad_bytes: memoryview | None = None
+        self.grad16: np.ndarray | None = None
+        self.grad16_bytes: memoryview | None = None
+        self.grad_dtype = _core.FLOAT32
         self.connected = True
         self.joined = False
         self.joined_running = False  # it joined a model that was already training
@@ -148,6 +154,22 @@ class Member:
         self.rejoin = False  # a worker reconnecting: it goes on from the clock it had
         self.push_id: int | None = None  # request id and clock of the push in the lane
         self.push_clock: int | None = None
+
+    def receive_gradient(self, dtype: int) -> memoryview:
+        """Where the next push's payload goes: ``grad``, or (for a compressed push,
+        ``dtype`` BFLOAT16 or FLOAT16) ``grad16``, made the first time."""
+        self.grad_dtype = dtype
+        if dtype == _core.FLOAT32:
+            return self.grad_bytes
+        if self.grad16 is None:
+            self.grad16 = np.zeros(len(self.grad), np.uint16)
+            self.grad16_bytes = memoryview(self.grad16).cast("B")
+        return self.grad16_bytes
+
+    @property
+    def gradient(self) -> np.ndarray:
+        """The push received last, as its kernel takes it (see :attr:`grad_dtype`)."""
+        return self.grad if self.grad_dtype == _core.FLOAT32 else self.grad16
 
 
 class Engine:
@@ -218,6 +240,8 @@ class Engine:
         self._start_ranks: set[int] | None = None
         #: ``request_checkpoint(reason)`` -> a future of the path; set by a server that writes checkpoints.
         self.request_checkpoint: Callable[[str], object] | None = None
+        # The newest weights narrowed for compressed pulls, per element type: (version, words).
+        self._narrowed: dict[int, tuple[int, np.ndarray]] = {}
 
     # Introspection ---------------------------------------------------------
     @property
@@ -243,6 +267,18 @@ class Engine:
     def rejected(self) -> int:
         """Gradients refused for holding NaN or infinity."""
         return self.stats.rejected
+
+    def narrowed_weights(self, snap: Snapshot, dtype: int) -> np.ndarray:
+        """The weights of ``snap`` rounded to 16 bits (``dtype`` BFLOAT16 or FLOAT16), for
+        a compressed pull: computed once per version and element type, in a buffer of
+        their own (a reply being sent keeps its buffer alive; a newer version gets a new one)."""
+        kept = self._narrowed.get(dtype)
+        if kept is not None and kept[0] == snap.version:
+            return kept[1]
+        words = np.empty(len(snap.array), np.uint16)
+        self.kernels.narrow(words, snap.array, dtype)
+        self._narrowed[dtype] = (snap.version, words)
+        return words
 
     def stats_snapshot(self) -> dict:
         """Everything :mod:`aps.stats` counts, as a JSON-able dict (see ``aps status``)."""

@@ -13,16 +13,69 @@ import math
 import numpy as np
 
 __all__ = [
+    "BFLOAT16",
+    "FLOAT16",
+    "FLOAT32",
     "StalenessWindow",
     "accumulate",
     "adam_step",
     "all_finite",
     "dssp_controller",
     "fused_multiply_add",
+    "narrow",
     "sgd_step",
+    "use_f16c",
+    "widen",
 ]
 
 _F32 = np.float32
+#: Element types of a gradient (aps.protocol.DType's numbers).
+FLOAT32, FLOAT16, BFLOAT16 = 1, 3, 4
+
+
+def use_f16c(allowed: bool = True) -> bool:
+    """The twin has one way to convert fp16 (numpy's): nothing to choose."""
+    return False
+
+
+def _check_16(dtype: int) -> None:
+    if dtype not in (FLOAT16, BFLOAT16):
+        raise ValueError(f"FLOAT16 or BFLOAT16, not dtype {dtype}")
+
+
+@np.errstate(all="ignore")
+def narrow(out: np.ndarray, x: np.ndarray, dtype: int) -> int:
+    """``out`` (uint16) = ``x`` rounded to 16 bits, to nearest even; returns how many
+    finite elements overflowed to infinity."""
+    _check_len("out", len(out), len(x))
+    _check_16(dtype)
+    x = np.asarray(x, dtype=_F32)
+    if dtype == FLOAT16:
+        out[:] = x.astype(np.float16).view(np.uint16)
+    else:
+        bits = x.view(np.uint32).astype(np.uint64)
+        rounded = ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16).astype(np.uint16)
+        nan = np.isnan(x)
+        out[:] = np.where(nan, ((bits >> 16) | 0x40).astype(np.uint16), rounded)
+    return int((~np.isfinite(widened(out, dtype)) & np.isfinite(x)).sum())
+
+
+def widened(x: np.ndarray, dtype: int) -> np.ndarray:
+    """A float32 copy of ``x``: float32 already, or 16-bit words of ``dtype``."""
+    if dtype == FLOAT32:
+        return np.array(x, dtype=_F32)
+    _check_16(dtype)
+    words = np.asarray(x, dtype=np.uint16)
+    if dtype == FLOAT16:
+        return words.view(np.float16).astype(_F32)
+    return (words.astype(np.uint32) << 16).view(_F32)
+
+
+def widen(out: np.ndarray, x: np.ndarray, dtype: int) -> None:
+    """``out`` = ``x`` (16-bit words of ``dtype``) as float32."""
+    _check_len("out", len(out), len(x))
+    _check_16(dtype)
+    out[:] = widened(x, dtype)
 
 
 def _check_len(what: str, got: int, want: int) -> None:
@@ -30,9 +83,9 @@ def _check_len(what: str, got: int, want: int) -> None:
         raise ValueError(f"{what} has {got} elements, expected {want}")
 
 
-def all_finite(x: np.ndarray) -> bool:
-    """True when no element of the float32 vector ``x`` is NaN or infinite."""
-    return bool(np.isfinite(np.asarray(x, dtype=_F32)).all())
+def all_finite(x: np.ndarray, dtype: int = FLOAT32) -> bool:
+    """True when no element of ``x`` (float32, or 16-bit words of ``dtype``) is NaN or infinite."""
+    return bool(np.isfinite(widened(x, dtype)).all())
 
 
 def _finite(*arrays: np.ndarray) -> bool:
@@ -74,10 +127,11 @@ def _madd(x: np.ndarray, y: np.float32, z: np.ndarray, fused: bool) -> np.ndarra
 
 
 @np.errstate(all="ignore")  # non-finite values are reported, not warned about
-def accumulate(out: np.ndarray, inp: np.ndarray | None, grad: np.ndarray, scale: float = 1.0, first: bool = False) -> bool:
+def accumulate(out: np.ndarray, inp: np.ndarray | None, grad: np.ndarray, scale: float = 1.0, first: bool = False,
+               grad_dtype: int = FLOAT32) -> bool:
     """``out = scale * grad`` when ``first``, else ``out = inp + scale * grad``; False if not finite."""
     _check_len("grad", len(grad), len(out))
-    g = np.array(grad, dtype=_F32)
+    g = widened(grad, grad_dtype)
     if not first:
         if inp is None:
             raise ValueError("accumulate needs the running sum unless first")
@@ -101,13 +155,14 @@ def sgd_step(
     nesterov: bool = False,
     first: bool = False,
     scale: float = 1.0,
+    grad_dtype: int = FLOAT32,
 ) -> bool:
     """One SGD step, out of place, exactly as ``torch.optim.SGD`` computes it (see the native twin)."""
     n = len(w_in)
     _check_len("w_out", len(w_out), n)
     _check_len("grad", len(grad), n)
     w = np.array(w_in, dtype=_F32)
-    g = np.array(grad, dtype=_F32)
+    g = widened(grad, grad_dtype)
     fused = fused_multiply_add()
     d = g * _F32(scale)
     if weight_decay != 0.0:
@@ -145,6 +200,7 @@ def adam_step(
     weight_decay: float = 0.0,
     decoupled: bool = False,
     scale: float = 1.0,
+    grad_dtype: int = FLOAT32,
 ) -> bool:
     """One Adam or AdamW step, out of place, exactly as ``torch.optim.Adam[W]`` computes it."""
     n = len(w_in)
@@ -153,7 +209,7 @@ def adam_step(
         _check_len(what, len(arr), n)
     if step < 1:
         raise ValueError("step counts from 1")
-    raw = np.array(grad, dtype=_F32)
+    raw = widened(grad, grad_dtype)
     g = raw * _F32(scale)
     w = np.array(w_in, dtype=_F32)
     m_prev, v_prev = np.array(m_in, dtype=_F32), np.array(v_in, dtype=_F32)

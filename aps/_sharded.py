@@ -19,11 +19,12 @@ one model, started with the same options (ServerConfig.shard_description).
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import os
 import threading
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from types import MappingProxyType
 from typing import Any
@@ -32,9 +33,9 @@ import numpy as np
 
 from .errors import APSConnectionError, ConfigurationError, DTypeMismatch, LayoutMismatch, NotInitialized
 from .layout import Layout, shard_bounds
-from .worker import AS_SHARD, SEND_TURN, Worker
+from .worker import AS_SHARD, ASYNC_AS_SHARD, ASYNC_SEND_TURN, SEND_TURN, AsyncWorker, Worker
 
-__all__ = ["ShardedWorker", "split_addresses"]
+__all__ = ["AsyncShardedWorker", "ShardedWorker", "split_addresses"]
 
 log = logging.getLogger("aps.worker")
 
@@ -51,38 +52,14 @@ def split_addresses(address: str | Sequence[str]) -> list[str]:
     return parts
 
 
-class ShardedWorker(Worker):
-    """A blocking worker for a model sharded across several ``aps serve`` processes.
+class _ShardedViews:
+    """What the blocking and the asyncio sharded workers share: the flat buffers and
+    their views, the properties that combine the shards', and the checks."""
 
-    Made by :class:`aps.Worker` when its address names more than one server
-    (a comma-separated string, or a list); takes the same arguments. See the
-    module docstring for what sharding means for each paradigm.
-    """
+    _shards: list
 
-    def __init__(self, address: str | Sequence[str] | None = None, rank: int | None = None,
-                 num_workers: int | None = None, transport: str = "auto", **options: Any) -> None:
-        self._shards: list[Worker] = []
-        self._pool: ThreadPoolExecutor | None = None
-        if address is None:
-            address = os.environ.get("APS_ADDRESS", "")
-        addresses = split_addresses(address)
-        AS_SHARD.on = True
-        try:
-            for one in addresses:
-                self._shards.append(Worker(one, rank, num_workers, transport, **options))
-            self._shards = _in_shard_order(self._shards)
-        except BaseException:
-            for worker in self._shards:
-                worker.close()
-            raise
-        finally:
-            AS_SHARD.on = False
-        self._closing = False
-        self.reconnect_timeout = self._shards[0].reconnect_timeout
-        self.address = ",".join(worker.address for worker in self._shards)
-        self.transport = "+".join(sorted({worker.transport for worker in self._shards}))
-        self._pool = ThreadPoolExecutor(max_workers=max(1, len(self._shards) - 1), thread_name_prefix="aps-shard")
-        self._lock = threading.RLock()
+    def _no_layout(self) -> None:
+        """No model yet: the flat buffers come with the first init."""
         self._layout: Layout | None = None
         self._bounds: tuple[int, ...] = ()
         self._flat_weights: np.ndarray | None = None
@@ -92,7 +69,7 @@ class ShardedWorker(Worker):
 
     # What the shards share ------------------------------------------------
     @property
-    def shards(self) -> Sequence[Worker]:
+    def shards(self) -> Sequence:
         """The plain worker of each shard, in shard order."""
         return tuple(self._shards)
 
@@ -154,12 +131,44 @@ class ShardedWorker(Worker):
         return self._flat_grad
 
     @property
+    def compression(self) -> str | None:
+        """As :attr:`Worker.compression`; with shards on both transports, the TCP shards'."""
+        return next((worker.compression for worker in self._shards if worker.compression), None)
+
+    @property
     def last_push_dropped(self) -> bool:
         return any(worker.last_push_dropped for worker in self._shards)
 
-    # Requests -------------------------------------------------------------
-    def init(self, params: Mapping[str, Any], *, timeout: float | None = 300.0) -> Mapping[str, np.ndarray]:
-        """Join every shard with its range of ``params``; returns the weights (views)."""
+    # Helpers --------------------------------------------------------------
+    def _slice(self, flat: np.ndarray, index: int) -> np.ndarray:
+        return flat[self._bounds[index] : self._bounds[index + 1]]
+
+    def _require_layout(self) -> None:
+        if self._layout is None:
+            raise NotInitialized("call init(params) before pull or push")
+
+    def _take(self, grads: Mapping[str, np.ndarray] | np.ndarray) -> None:
+        """Put ``grads`` in the flat gradient buffer (nothing to do when they are in it)."""
+        self._require_layout()
+        flat, layout = self._flat_grad, self._layout
+        if grads is flat or grads is self._grads:
+            return
+        if isinstance(grads, np.ndarray):
+            if grads.shape != (layout.numel,):
+                raise LayoutMismatch(f"a flat gradient must have shape ({layout.numel},), got {grads.shape}")
+            if grads.dtype != np.float32:
+                raise DTypeMismatch(f"the flat gradient is {grads.dtype}, the model is float32")
+            flat[...] = grads
+            return
+        if not isinstance(grads, Mapping):
+            raise ConfigurationError("push takes a mapping of name to array, or a flat float32 array")
+        layout.check(grads)
+        for name, view in self._grads.items():
+            view[...] = grads[name]
+
+    def _adopt_layout(self, params: Mapping[str, Any]) -> Layout:
+        """The model ``params`` describes, in the flat buffers (made, and their slices
+        given to the shards' workers, at the first init)."""
         if not isinstance(params, Mapping) or not params:
             raise ConfigurationError("init takes a non-empty mapping of name to float32 array")
         layout = Layout.from_arrays(params)
@@ -176,19 +185,71 @@ class ShardedWorker(Worker):
             self._weights = MappingProxyType(layout.views(self._flat_weights))
             self._grads = MappingProxyType(layout.views(self._flat_grad))
         layout.flatten_into(params, self._flat_weights)
-        count = len(self._shards)
+        return layout
 
-        def join(index: int, worker: Worker) -> None:
-            piece = layout.shard(index, count)
-            worker.init(piece.views(self._slice(self._flat_weights, index)), timeout=timeout)
+    def _piece(self, layout: Layout, index: int) -> Mapping[str, np.ndarray]:
+        """Shard ``index``'s range of the weights, as the tensors (and pieces) of its layout."""
+        return layout.shard(index, len(self._shards)).views(self._slice(self._flat_weights, index))
 
-        self._each(join)
-        # A shard may have come back meanwhile (init reconnects): check again, then every shard
-        # keeps the run id of every shard (and its checkpoints keep them), so that shards
-        # resumed later from the checkpoints of different runs are told apart.
+    def _checked_runs(self) -> list[str] | None:
+        """After init: a shard may have come back meanwhile (init reconnects), so check again;
+        then the run id of every shard, for every shard to keep (its checkpoints keep them),
+        so that shards resumed later from the checkpoints of different runs are told apart."""
         _check_runs(self._shards, [_description(worker) for worker in self._shards])
         runs = [worker.server_info.run_id for worker in self._shards]
-        if all(runs):
+        return runs if all(runs) else None
+
+    def _send_order(self) -> list[int]:
+        """The order a push leaves this worker in, shard by shard: from shard ``rank % K`` on,
+        so that workers start on different shards."""
+        count = len(self._shards)
+        return [(self.rank + step) % count for step in range(count)]
+
+class ShardedWorker(_ShardedViews, Worker):
+    """A blocking worker for a model sharded across several ``aps serve`` processes.
+
+    Made by :class:`aps.Worker` when its address names more than one server
+    (a comma-separated string, or a list); takes the same arguments. See the
+    module docstring for what sharding means for each paradigm.
+    """
+
+    def __init__(self, address: str | Sequence[str] | None = None, rank: int | None = None,
+                 num_workers: int | None = None, transport: str = "auto", **options: Any) -> None:
+        self._shards: list[Worker] = []
+        self._pool: ThreadPoolExecutor | None = None
+        if address is None:
+            address = os.environ.get("APS_ADDRESS", "")
+        addresses = split_addresses(address)
+        AS_SHARD.on = True
+        try:
+            for one in addresses:
+                self._shards.append(Worker(one, rank, num_workers, transport, **options))
+            self._shards = _in_shard_order(self._shards)
+        except BaseException:
+            for worker in self._shards:
+                worker.close()
+            raise
+        finally:
+            AS_SHARD.on = False
+        self._closing = False
+        self.reconnect_timeout = self._shards[0].reconnect_timeout
+        self.address = ",".join(worker.address for worker in self._shards)
+        self.transport = "+".join(sorted({worker.transport for worker in self._shards}))
+        self._pool = ThreadPoolExecutor(max_workers=max(1, len(self._shards) - 1), thread_name_prefix="aps-shard")
+        self._lock = threading.RLock()
+        self._no_layout()
+
+    # Requests -------------------------------------------------------------
+    def init(self, params: Mapping[str, Any], *, timeout: float | None = 300.0) -> Mapping[str, np.ndarray]:
+        """Join every shard with its range of ``params``; returns the weights (views)."""
+        layout = self._adopt_layout(params)
+
+        def join(index: int, worker: Worker) -> None:
+            worker.init(self._piece(layout, index), timeout=timeout)
+
+        self._each(join)
+        runs = self._checked_runs()
+        if runs:
             self._each(lambda index, worker: worker._record_shard_runs(runs))
         return self._weights
 
@@ -233,33 +294,6 @@ class ShardedWorker(Worker):
     def __del__(self) -> None:
         pass  # each shard's worker frees its own connection
 
-    # Helpers --------------------------------------------------------------
-    def _slice(self, flat: np.ndarray, index: int) -> np.ndarray:
-        return flat[self._bounds[index] : self._bounds[index + 1]]
-
-    def _require_layout(self) -> None:
-        if self._layout is None:
-            raise NotInitialized("call init(params) before pull or push")
-
-    def _take(self, grads: Mapping[str, np.ndarray] | np.ndarray) -> None:
-        """Put ``grads`` in the flat gradient buffer (nothing to do when they are in it)."""
-        self._require_layout()
-        flat, layout = self._flat_grad, self._layout
-        if grads is flat or grads is self._grads:
-            return
-        if isinstance(grads, np.ndarray):
-            if grads.shape != (layout.numel,):
-                raise LayoutMismatch(f"a flat gradient must have shape ({layout.numel},), got {grads.shape}")
-            if grads.dtype != np.float32:
-                raise DTypeMismatch(f"the flat gradient is {grads.dtype}, the model is float32")
-            flat[...] = grads
-            return
-        if not isinstance(grads, Mapping):
-            raise ConfigurationError("push takes a mapping of name to array, or a flat float32 array")
-        layout.check(grads)
-        for name, view in self._grads.items():
-            view[...] = grads[name]
-
     def _each(self, call: Callable[[int, Worker], None], *, in_turn: bool = False) -> None:
         """``call(index, worker)`` for every shard at once; raises the first failure
         (after every shard finished: none is left half-way in its request).
@@ -273,7 +307,7 @@ class ShardedWorker(Worker):
         count = len(self._shards)
         turns: list[_Turn | None] = [None] * count
         if in_turn and count > 1:
-            order = [(self.rank + step) % count for step in range(count)]
+            order = self._send_order()
             turnstile = _Turnstile()
             for position, index in enumerate(order):
                 turns[index] = _Turn(turnstile, position)
@@ -323,6 +357,137 @@ class ShardedWorker(Worker):
                 future.result(timeout=5.0)
             except Exception:  # noqa: S110 - each ends with its connection's error
                 pass
+
+
+class AsyncShardedWorker(_ShardedViews, AsyncWorker):
+    """The asyncio twin of :class:`ShardedWorker`: made by ``await AsyncWorker.connect(...)``
+    when the address names more than one server; one :class:`aps.AsyncWorker` per shard,
+    every request on every shard at once (``asyncio.gather``), pushes sent in turn."""
+
+    def __init__(self, shards: list[AsyncWorker]) -> None:  # see open()
+        self._shards = shards
+        self._closing = False
+        self.reconnect_timeout = shards[0].reconnect_timeout
+        self.address = ",".join(worker.address for worker in shards)
+        self.transport = "tcp"
+        self._lock = asyncio.Lock()
+        self._no_layout()
+
+    @classmethod
+    async def open(cls, address: str | Sequence[str], rank: int, num_workers: int, transport: str = "auto",
+                   **options: Any) -> AsyncShardedWorker:
+        """Connect to every shard (at once) and check that they are the shards of one model."""
+        shards: list[AsyncWorker] = []
+        token = ASYNC_AS_SHARD.set(True)
+        try:
+            results = await asyncio.gather(
+                *(AsyncWorker.connect(one, rank, num_workers, transport, **options)
+                  for one in split_addresses(address)), return_exceptions=True)
+            shards = [r for r in results if isinstance(r, AsyncWorker)]
+            failed = next((r for r in results if isinstance(r, BaseException)), None)
+            if failed is not None:
+                raise failed
+            return cls(_in_shard_order(shards))
+        except BaseException:
+            for worker in shards:
+                await worker.close()
+            raise
+        finally:
+            ASYNC_AS_SHARD.reset(token)
+
+    @property
+    def connected(self) -> bool:
+        return all(worker._conn is not None for worker in self._shards)
+
+    # Requests -------------------------------------------------------------
+    async def init(self, params: Mapping[str, Any], *, timeout: float | None = 300.0) -> Mapping[str, np.ndarray]:
+        """See :meth:`ShardedWorker.init`."""
+        layout = self._adopt_layout(params)
+        await self._each(lambda index, worker: worker.init(self._piece(layout, index), timeout=timeout))
+        runs = self._checked_runs()
+        if runs:
+            await self._each(lambda index, worker: worker._record_shard_runs(runs))
+        return self._weights
+
+    async def pull(self) -> Mapping[str, np.ndarray]:
+        self._require_layout()
+        await self._each(lambda index, worker: worker.pull())
+        return self._weights
+
+    async def push(self, grads) -> None:
+        self._take(grads)
+        await self._each(lambda index, worker: worker.push(self._slice(self._flat_grad, index)), in_turn=True)
+
+    async def push_pull(self, grads) -> Mapping[str, np.ndarray]:
+        self._take(grads)
+        await self._each(lambda index, worker: worker.push_pull(self._slice(self._flat_grad, index)), in_turn=True)
+        return self._weights
+
+    async def ping(self) -> int:
+        versions = await self._each(lambda index, worker: worker.ping())
+        return min(versions)
+
+    async def reconnect(self, *, timeout: float | None = 60.0) -> Mapping[str, np.ndarray]:
+        await self._each(lambda index, worker: worker.reconnect(timeout=timeout))
+        return self._weights
+
+    async def close(self) -> None:
+        """Leave every shard and disconnect."""
+        self._closing = True
+        await asyncio.gather(*(worker.close() for worker in self._shards), return_exceptions=True)
+
+    async def __aenter__(self) -> AsyncShardedWorker:
+        return self
+
+    async def _each(self, call: Callable[[int, AsyncWorker], Awaitable], *, in_turn: bool = False) -> list:
+        """Await ``call(index, worker)`` for every shard at once; returns their results in
+        shard order, or raises the first failure once every shard finished. ``in_turn``:
+        see :meth:`ShardedWorker._each`."""
+        count = len(self._shards)
+        turns: list[_AsyncTurn | None] = [None] * count
+        if in_turn and count > 1:
+            events = [asyncio.Event() for _ in range(count)]
+            for position, index in enumerate(self._send_order()):
+                turns[index] = _AsyncTurn(events[position - 1] if position else None, events[position])
+
+        async def run(index: int, worker: AsyncWorker):
+            turn = turns[index]
+            ASYNC_SEND_TURN.set(turn)  # this task's own context
+            try:
+                return await call(index, worker)
+            finally:
+                if turn is not None:
+                    turn.done()
+
+        async with self._lock:
+            if self._closing:
+                raise APSConnectionError(f"the worker of {self.address} is closed")
+            results = await asyncio.gather(*(run(i, w) for i, w in enumerate(self._shards)), return_exceptions=True)
+        errors = [r for r in results if isinstance(r, BaseException)]
+        if errors:
+            for extra in errors[1:]:
+                log.warning("rank %d: another shard failed too: %s: %s", self.rank, type(extra).__name__, extra)
+            raise errors[0]
+        return results
+
+
+class _AsyncTurn:
+    """One shard's place in an asyncio push's sending order (see :class:`_Turn`)."""
+
+    __slots__ = ("_before", "_mine")
+
+    def __init__(self, before: asyncio.Event | None, mine: asyncio.Event) -> None:
+        self._before, self._mine = before, mine
+
+    async def wait(self) -> None:
+        if self._before is not None and not self._mine.is_set():
+            try:
+                await asyncio.wait_for(self._before.wait(), TURN_WAIT_S)
+            except asyncio.TimeoutError:
+                pass
+
+    def done(self) -> None:
+        self._mine.set()
 
 
 def _in_shard_order(workers: list[Worker]) -> list[Worker]:

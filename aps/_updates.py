@@ -121,13 +121,14 @@ class PushJob(Job):
     def run(self) -> bool:
         # One pass that reads each gradient element once and writes every
         # result aside: False means nothing changed (see aps/optim.py).
-        owner, grad, plan = self.owner, self.member.grad, self.plan
+        owner, member, plan = self.owner, self.member, self.plan
+        grad, dtype = member.gradient, member.grad_dtype
         if plan.kind is PlanKind.APPLY:
-            return owner.table.optimizer.step(self.slot.array, self.w_in, grad, plan.scale)
+            return owner.table.optimizer.step(self.slot.array, self.w_in, grad, plan.scale, dtype)
         if plan.kind is PlanKind.ACCUMULATE:
             aggregate = owner.aggregate
-            return owner.kernels.accumulate(aggregate.spare, aggregate.current, grad, plan.scale, plan.first)
-        return owner.kernels.all_finite(grad)
+            return owner.kernels.accumulate(aggregate.spare, aggregate.current, grad, plan.scale, plan.first, dtype)
+        return owner.kernels.all_finite(grad, dtype)
 
     def commit(self, result: object) -> None:
         owner, table, plan = self.owner, self.owner.table, self.plan
@@ -250,8 +251,9 @@ class StreamingPush:
     def feed(self, stop: int) -> None:
         """Elements ``[0, stop)`` of the gradient have arrived."""
         if self.active and stop > self.filled:
+            member = self.member
             ok = self.table.optimizer.step_slice(
-                self.slot.array, self.w_in, self.member.grad, self.plan.scale, self.filled, stop
+                self.slot.array, self.w_in, member.gradient, self.plan.scale, self.filled, stop, member.grad_dtype
             )
             self.filled = stop
             if not ok:  # the ordinary path will refuse it properly

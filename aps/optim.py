@@ -42,12 +42,15 @@ class Optimizer:
         self.steps = 0
         self._kernels = kernels
 
-    def step(self, w_out: np.ndarray, w_in: np.ndarray, grad: np.ndarray, scale: float = 1.0) -> bool:
+    def step(self, w_out: np.ndarray, w_in: np.ndarray, grad: np.ndarray, scale: float = 1.0,
+             grad_dtype: int = _core.FLOAT32) -> bool:
         """Write ``w_in`` updated with ``scale * grad`` into ``w_out`` and the next state
-        into the spare; False (nothing to commit) when anything is not finite."""
-        return self.step_slice(w_out, w_in, grad, scale, 0, self.numel)
+        into the spare; False (nothing to commit) when anything is not finite. ``grad``
+        is float32, or 16-bit words of ``grad_dtype`` (a compressed push)."""
+        return self.step_slice(w_out, w_in, grad, scale, 0, self.numel, grad_dtype)
 
-    def step_slice(self, w_out, w_in, grad, scale: float, start: int, stop: int) -> bool:
+    def step_slice(self, w_out, w_in, grad, scale: float, start: int, stop: int,
+                   grad_dtype: int = _core.FLOAT32) -> bool:
         """The part ``[start, stop)`` of :meth:`step` (for a gradient still arriving)."""
         raise NotImplementedError
 
@@ -113,7 +116,7 @@ class SGD(Optimizer):
         """The current momentum buffer (None without momentum)."""
         return self._buffers[0] if self._buffers is not None else None
 
-    def step_slice(self, w_out, w_in, grad, scale, start, stop):
+    def step_slice(self, w_out, w_in, grad, scale, start, stop, grad_dtype=_core.FLOAT32):
         buf_in = buf_out = None
         if self._buffers is not None:
             buf_in, buf_out = self._buffers[0][start:stop], self._buffers[1][start:stop]
@@ -130,6 +133,7 @@ class SGD(Optimizer):
             self.nesterov,
             self.steps == 0,
             scale,
+            grad_dtype,
         )
 
     def commit(self) -> None:
@@ -188,7 +192,7 @@ class Adam(Optimizer):
     def exp_avg_sq(self) -> np.ndarray:
         return self._v[0]
 
-    def step_slice(self, w_out, w_in, grad, scale, start, stop):
+    def step_slice(self, w_out, w_in, grad, scale, start, stop, grad_dtype=_core.FLOAT32):
         return self._kernels.adam_step(
             w_out[start:stop],
             w_in[start:stop],
@@ -205,6 +209,7 @@ class Adam(Optimizer):
             self.weight_decay,
             self.decoupled,
             scale,
+            grad_dtype,
         )
 
     def commit(self) -> None:

@@ -124,11 +124,16 @@ class Flag(IntFlag):
     #: clock is the clock it had); it goes on from there, and a push it sends
     #: again is recognised (docs/protocol.md, "Reconnecting").
     REJOIN = 8
+    #: PULL/PUSH_PULL over TCP: send the weights as the request's dtype
+    #: (BFLOAT16 or FLOAT16, rounded to nearest even) rather than float32; the
+    #: reply's dtype says what it carries (a compressed pull).
+    NARROW = 16
 
 
 class DType(IntEnum):
-    """Element type of an array payload. aps models are float32; the other codes
-    exist so a peer can say what it sent and get a precise error back."""
+    """Element type of an array payload. aps models are float32; gradients and
+    weights may cross TCP as BFLOAT16 or FLOAT16 (wire compression); the other
+    codes exist so a peer can say what it sent and get a precise error back."""
 
     NONE = 0
     FLOAT32 = 1

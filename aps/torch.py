@@ -129,6 +129,8 @@ class Optimizer:
         token: the server's token, if it has one (default ``$APS_TOKEN``).
         reconnect, reconnect_timeout: get back to a lost server by itself and
             go on (see :class:`aps.Worker`); ``reconnect=False`` raises at once.
+        compression, compress_pulls: send gradients (and receive weights) over
+            TCP as ``"bf16"`` or ``"fp16"`` (see :class:`aps.Worker`).
 
     The first worker to join provides the initial weights (its model's);
     every worker's model then holds the server's weights.
@@ -149,6 +151,8 @@ class Optimizer:
         token: str | None = None,
         reconnect: bool = True,
         reconnect_timeout: float | None = DEFAULT_RECONNECT_TIMEOUT,
+        compression: str | None = None,
+        compress_pulls: bool = False,
     ) -> None:
         named = model.named_parameters() if isinstance(model, torch.nn.Module) else model
         self.names: list[str] = []
@@ -178,7 +182,8 @@ class Optimizer:
         self._pinned: list[int] = []
         own_worker = worker is None
         self.worker = worker or Worker(address, rank, num_workers, transport=transport, token=token,
-                                       reconnect=reconnect, reconnect_timeout=reconnect_timeout)
+                                       reconnect=reconnect, reconnect_timeout=reconnect_timeout,
+                                       compression=compression, compress_pulls=compress_pulls)
         try:
             with torch.no_grad():
                 initial = {n: p.detach().to("cpu").contiguous().numpy() for n, p in zip(self.names, self.params)}

@@ -15,6 +15,7 @@ gradient buffer) with vectored writes, never joined into one payload.
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import logging
 import json
 import os
@@ -29,6 +30,7 @@ from typing import Any
 
 import numpy as np
 
+from . import _core
 from .errors import (
     APSConnectionError,
     APSError,
@@ -39,6 +41,7 @@ from .errors import (
     InitTimeout,
     LayoutMismatch,
     MalformedFrame,
+    NonFiniteGradient,
     NotInitialized,
     ProtocolError,
     RankTaken,
@@ -61,6 +64,7 @@ from .protocol import (
     encode_init,
     host_identity,
     pack_header,
+    unpack_header,
 )
 from .transport._tls import client_context
 from .transport.address import Address, parse_address
@@ -87,6 +91,10 @@ _DROPPED = int(Flag.DROPPED)
 _RUNNING = int(Flag.RUNNING)
 _FLOAT32 = int(DType.FLOAT32)
 _SHM = int(Flag.SHM)
+_NARROW = int(Flag.NARROW)
+#: ``compression=`` names and the element types they send.
+COMPRESSION = {"bf16": int(DType.BFLOAT16), "fp16": int(DType.FLOAT16)}
+_HALF = frozenset(COMPRESSION.values())
 _MAX_ERROR_PAYLOAD = 1 << 20
 _REJOIN_PATIENCE = 5.0  # seconds reconnect() waits for the server to let the old connection go
 _REQUEST_ID_MASK = 0xFFFFFFFF
@@ -114,6 +122,10 @@ SEND_TURN = threading.local()
 
 #: Set while aps._sharded builds the workers of its shards: a plain worker of one shard is refused.
 AS_SHARD = threading.local()
+
+#: The asyncio counterparts (per task): set by aps._sharded's AsyncShardedWorker.
+ASYNC_SEND_TURN: contextvars.ContextVar = contextvars.ContextVar("aps_send_turn", default=None)
+ASYNC_AS_SHARD: contextvars.ContextVar = contextvars.ContextVar("aps_as_shard", default=False)
 
 
 def _refuse_one_shard(info: ServerInfo, address: str) -> None:
@@ -258,6 +270,20 @@ def _note_dropped_after_resume(rank: int, core: _ClientCore) -> None:
     core.forget_push(dropped=True)
 
 
+def _compression(compression: str | None, compress_pulls: bool) -> int:
+    """The element type ``compression=`` sends gradients as (FLOAT32: none)."""
+    if compression is None or compression == "none":
+        if compress_pulls:
+            raise ConfigurationError("compress_pulls needs compression='bf16' or 'fp16'")
+        return _FLOAT32
+    try:
+        return COMPRESSION[compression]
+    except (KeyError, TypeError):
+        raise ConfigurationError(
+            f"unknown compression {compression!r}: choose 'bf16', 'fp16' or None"
+        ) from None
+
+
 def _check_transport(transport: str) -> None:
     if transport not in _TRANSPORTS:
         raise ConfigurationError(f"unknown transport {transport!r}: choose from {', '.join(_TRANSPORTS)}")
@@ -362,6 +388,20 @@ class _ClientCore:
         #: The shared-memory connection, when the worker shares the server's host.
         self.shm: ShmConnection | None = None
         self._fds: tuple[int, ...] = ()
+        #: Over TCP, gradients go as this element type (FLOAT32, or BFLOAT16/FLOAT16:
+        #: narrowed here, widened by the server's kernel), and with ``compress_pulls``
+        #: the weights come back as it too (see docs/design.md, "Wire compression").
+        self.compression = _FLOAT32
+        self.compress_pulls = False
+        self._half_grad: np.ndarray | None = None  # the narrowed gradient being sent
+        self._half_weights: np.ndarray | None = None  # narrowed weights being received
+        self._reply_dtype = _FLOAT32  # what the weights reply of the request in flight carries
+
+    @property
+    def compressing(self) -> bool:
+        """Gradients go narrowed: compression is on and the transport is TCP (shared
+        memory moves no bytes a narrower type would save)."""
+        return self.compression != _FLOAT32 and self.shm is None
 
     def take_fds(self) -> tuple[int, ...]:
         """Descriptors the last request must carry (its gradient segment, for INIT over shm)."""
@@ -375,8 +415,19 @@ class _ClientCore:
         self._reply = None
         return rid
 
-    def _header(self, op: int, length: int = 0, dtype: int = 0) -> bytes:
-        return pack_header(op, 0, dtype, self._next_request(op), self.clock, self.version, length)
+    def _header(self, op: int, length: int = 0, dtype: int = 0, flags: int = 0) -> bytes:
+        return pack_header(op, flags, dtype, self._next_request(op), self.clock, self.version, length)
+
+    def _weights_request(self) -> tuple[int, int]:
+        """(flags, dtype) asking for the weights narrowed, when pulls are compressed;
+        notes what the reply will carry."""
+        if self.compressing and self.compress_pulls:
+            self._reply_dtype = self.compression
+            if self._half_weights is None:
+                self._half_weights = np.zeros(self.layout.numel, np.uint16)
+            return _NARROW, self.compression
+        self._reply_dtype = _FLOAT32
+        return 0, 0
 
     def check_run(self, run_id: str, address: str) -> None:
         """The server at ``address`` holds run ``run_id``: refuse to go on in another run."""
@@ -408,11 +459,13 @@ class _ClientCore:
         flags = Flag.REJOIN if rejoin and self.ever_joined else 0
         header = pack_header(Op.INIT, flags, _FLOAT32, self._next_request(Op.INIT), self.clock, len(block),
                              len(block) + self.layout.nbytes)
+        self._reply_dtype = _FLOAT32
         return [header, block, self._weights_bytes]
 
     def pull_request(self) -> list:
         self._require_layout()
-        return [self._header(Op.PULL)]
+        flags, dtype = self._weights_request()
+        return [self._header(Op.PULL, 0, dtype, flags)]
 
     def push_request(self, grads: Any, then_pull: bool) -> list:
         self._require_layout()
@@ -427,10 +480,34 @@ class _ClientCore:
                     self._grad_bytes[offset : offset + len(view)] = view
                     offset += len(view)
             frames = [pack_header(op, _SHM, _FLOAT32, self._next_request(op), self.clock, self.version, 0)]
+        elif self.compressing:
+            half = self._narrowed(buffers)
+            flags, _ = self._weights_request() if then_pull else (0, 0)
+            frames = [self._header(op, half.nbytes, self.compression, flags), memoryview(half).cast("B")]
         else:
+            if then_pull:
+                self._weights_request()
             frames = [self._header(op, self.layout.nbytes, DType.FLOAT32), *buffers]
-        self._push = (op, self._request_id, self.clock, self.version, frames[1:])
+        head = unpack_header(frames[0])
+        self._push = (op, self._request_id, self.clock, self.version, frames[1:], head.flags, head.dtype)
         return frames
+
+    def _narrowed(self, buffers: list) -> np.ndarray:
+        """The gradient in ``buffers`` rounded to the compression's 16 bits (to nearest
+        even), in this worker's half buffer; refuses one that overflows fp16."""
+        if self._half_grad is None:
+            self._half_grad = np.zeros(self.layout.numel, np.uint16)
+        half, offset, overflowed = self._half_grad, 0, 0
+        for view in buffers:
+            values = np.frombuffer(view, np.float32)
+            overflowed += _core.narrow(half[offset : offset + len(values)], values, self.compression)
+            offset += len(values)
+        if overflowed:
+            raise NonFiniteGradient(
+                f"{overflowed} gradient element(s) beyond fp16's range (|x| > 65504): nothing was sent; "
+                "scale the loss down, or use compression='bf16' (float32's range)"
+            )
+        return half
 
     @property
     def has_pending_push(self) -> bool:
@@ -451,11 +528,13 @@ class _ClientCore:
     def resend_push(self) -> list:
         """The push in flight again, exactly as first sent (same request id and clock:
         the server recognises it if it took it already, see docs/protocol.md)."""
-        op, rid, clock, version, buffers = self._push
+        op, rid, clock, version, buffers, flags, dtype = self._push
         self._request_id, self._expect, self._reply = rid, op | _REPLY, None
         if self.shm is not None:
             return [pack_header(op, _SHM, _FLOAT32, rid, clock, version, 0)]
-        return [pack_header(op, 0, _FLOAT32, rid, clock, version, self.layout.nbytes), *buffers]
+        self._reply_dtype = dtype if flags & _NARROW else _FLOAT32
+        nbytes = sum(len(b) for b in buffers)
+        return [pack_header(op, flags, dtype, rid, clock, version, nbytes), *buffers]
 
     def simple_request(self, op: Op) -> list:
         return [self._header(op)]
@@ -526,11 +605,15 @@ class _ClientCore:
                 if self.shm is None or header.length > _MAX_ERROR_PAYLOAD:
                     raise MalformedFrame("unexpected shared-memory weights reply")
                 return memoryview(bytearray(header.length))
-            if header.dtype != _FLOAT32 or header.length != len(self._weights_bytes):
-                raise MalformedFrame(
-                    f"weights reply of {header.length} bytes; the model has {len(self._weights_bytes)}"
-                )
-            return self._weights_bytes
+            if header.dtype in _HALF and header.dtype == self._reply_dtype and header.op != _INIT_REPLY:
+                target = memoryview(self._half_weights).cast("B")  # widened into the weights once all here
+            elif header.dtype == _FLOAT32:
+                target = self._weights_bytes
+            else:
+                raise MalformedFrame(f"weights reply of dtype {header.dtype}; asked for {self._reply_dtype}")
+            if header.length != len(target):
+                raise MalformedFrame(f"weights reply of {header.length} bytes; the model has {len(target)}")
+            return target
         if header.length:
             raise MalformedFrame(f"unexpected {header.length}-byte payload on op {header.op}")
         return None
@@ -553,6 +636,8 @@ class _ClientCore:
             if nbytes != self.flat_weights.nbytes:
                 raise MalformedFrame(f"slot of {nbytes} bytes; the model has {self.flat_weights.nbytes}")
             np.copyto(self.flat_weights, self.shm.slot(slot_id, nbytes, has_fd, dropped))
+        elif header.dtype in _HALF and header.op in _WEIGHT_REPLIES:
+            _core.widen(self.flat_weights, self._half_weights, header.dtype)
         self._reply = header
         self._payload = payload
 
@@ -682,6 +767,14 @@ class _WorkerBase:
                                f"{_describe_progress(self._core.join_progress)}")
 
     @property
+    def compression(self) -> str | None:
+        """``"bf16"``/``"fp16"`` when pushes go compressed (over TCP), else None."""
+        core = self._core
+        if not core.compressing:
+            return None
+        return next(name for name, dtype in COMPRESSION.items() if dtype == core.compression)
+
+    @property
     def last_push_dropped(self) -> bool:
         """True when the server dropped the last gradient (it arrived for a closed BSP round)."""
         return self._core.dropped
@@ -731,6 +824,17 @@ class Worker(_WorkerBase):
             and :class:`aps.APSConnectionError` when time is up. False: every
             lost connection raises at once (call :meth:`reconnect` yourself).
         reconnect_timeout: see ``reconnect``.
+        compression: ``"bf16"`` or ``"fp16"``: over TCP, send gradients as 16-bit
+            values (rounded to nearest even; the server widens them to float32
+            in its update kernel, and the update stays float32), halving the
+            bytes a push moves (default: ``$APS_COMPRESSION``, else None: float32).
+            fp16 keeps 3 more bits of precision but overflows beyond 65504 (such a
+            push raises :class:`aps.NonFiniteGradient`, nothing sent); bf16 has
+            float32's range. Over shared memory gradients stay float32.
+        compress_pulls: with ``compression``, the weights come back as 16-bit
+            values too (the server keeps float32 master weights; the worker
+            computes on weights rounded to 16 bits: see docs/design.md, "Wire
+            compression", for the cost).
 
     Raises:
         ConfigurationError: bad address, rank or transport.
@@ -767,9 +871,14 @@ class Worker(_WorkerBase):
         tls: bool | ssl.SSLContext | None = None,
         reconnect: bool = True,
         reconnect_timeout: float | None = DEFAULT_RECONNECT_TIMEOUT,
+        compression: str | None = None,
+        compress_pulls: bool = False,
     ) -> None:
         _check_transport(transport)
         _check_heartbeat(heartbeat, server_timeout)
+        if compression is None:
+            compression = os.environ.get("APS_COMPRESSION") or None
+        narrow = _compression(compression, compress_pulls)
         self.reconnect_timeout = _check_reconnect(reconnect, reconnect_timeout)
         self._closing = False
         self._as_shard = getattr(AS_SHARD, "on", False)  # one of a sharded worker's
@@ -781,6 +890,7 @@ class Worker(_WorkerBase):
         self._tls = client_context(tls if tls is not None else self._parsed.scheme == "tls")
         self.address = str(self._parsed)
         self._core = _ClientCore(rank, num_workers)
+        self._core.compression, self._core.compress_pulls = narrow, bool(compress_pulls)
         self._connect_timeout = connect_timeout
         self.timeout = timeout
         self.server_timeout = server_timeout
@@ -1124,6 +1234,9 @@ class AsyncWorker(_WorkerBase):
         self._closed = False
         self.reconnect_timeout: float | None = 0
         self._closing = False
+        self._as_shard = False  # one of a sharded worker's
+        #: What the server said of itself in the handshake.
+        self.server_info: ServerInfo | None = None
 
     @classmethod
     async def connect(
@@ -1141,21 +1254,34 @@ class AsyncWorker(_WorkerBase):
         tls: bool | ssl.SSLContext | None = None,
         reconnect: bool = True,
         reconnect_timeout: float | None = DEFAULT_RECONNECT_TIMEOUT,
+        compression: str | None = None,
+        compress_pulls: bool = False,
     ) -> AsyncWorker:
         _check_transport(transport)
+        narrow = _compression(compression, compress_pulls)
         if transport == "shm":
             raise ConfigurationError("AsyncWorker speaks TCP only; use aps.Worker for shared memory")
         if _names_shards(address):
-            raise ConfigurationError("AsyncWorker serves one server; for a model sharded across several, use "
-                                     "aps.Worker")
+            from ._sharded import AsyncShardedWorker
+
+            return await AsyncShardedWorker.open(
+                address, rank, num_workers, transport, connect_timeout=connect_timeout, timeout=timeout,
+                heartbeat=heartbeat, server_timeout=server_timeout, token=token, tls=tls, reconnect=reconnect,
+                reconnect_timeout=reconnect_timeout, compression=compression, compress_pulls=compress_pulls)
+        if isinstance(address, (list, tuple)) and len(address) == 1:
+            address = address[0]
         _check_heartbeat(heartbeat, server_timeout)
         retry = _check_reconnect(reconnect, reconnect_timeout)
         secret = client_token(token)
         parsed = _with_scheme(parse_address(address), tls)
         context = client_context(tls if tls is not None else parsed.scheme == "tls")
         core = _ClientCore(rank, num_workers)
-        conn = await cls._open(parsed.host, parsed.port, connect_timeout, server_timeout, secret, context, core)
+        core.compression, core.compress_pulls = narrow, bool(compress_pulls)
+        conn, info = await cls._open(parsed.host, parsed.port, connect_timeout, server_timeout, secret, context,
+                                     core)
         worker = cls(conn, core, str(parsed), timeout, connect_timeout, server_timeout)
+        worker.server_info = info
+        worker._as_shard = ASYNC_AS_SHARD.get()
         worker._token, worker._tls = secret, context
         worker.reconnect_timeout = retry
         worker._heartbeat = heartbeat
@@ -1184,6 +1310,10 @@ class AsyncWorker(_WorkerBase):
 
     async def ping(self) -> int:
         return (await self._call("ping", lambda: self._core.simple_request(Op.PING))).version
+
+    async def _record_shard_runs(self, runs: list[str]) -> None:
+        """See :meth:`Worker._record_shard_runs`."""
+        await self._call("shards", lambda: self._core.shards_request(runs))
 
     async def reconnect(self, *, timeout: float | None = 60.0) -> Mapping[str, np.ndarray]:
         """See :meth:`Worker.reconnect`."""
@@ -1270,8 +1400,13 @@ class AsyncWorker(_WorkerBase):
         self._start_heartbeat()
 
     async def _reopen(self) -> AsyncConnection:
-        return await self._open(self._parsed.host, self._parsed.port, self._connect_timeout, self.server_timeout,
-                                self._token, self._tls, self._core)
+        token = ASYNC_AS_SHARD.set(self._as_shard)
+        try:
+            conn, self.server_info = await self._open(self._parsed.host, self._parsed.port, self._connect_timeout,
+                                                      self.server_timeout, self._token, self._tls, self._core)
+        finally:
+            ASYNC_AS_SHARD.reset(token)
+        return conn
 
     async def _roundtrip(self, request, timeout: float | None = ..., *, waiting=None) -> Header:
         if timeout is ...:
@@ -1281,8 +1416,13 @@ class AsyncWorker(_WorkerBase):
             if conn is None:
                 raise self._disconnected()
             buffers = request()  # under the lock: its request id is the one the reply will carry
+            turn = ASYNC_SEND_TURN.get()  # a sharded worker's order of sending to its shards
             try:
+                if turn is not None:
+                    await turn.wait()
                 await conn.send(buffers)
+                if turn is not None:
+                    turn.done()
                 if waiting is None:
                     await conn.receive(core.reader, core.has_reply, timeout, self.server_timeout)
                 else:
@@ -1316,16 +1456,18 @@ class AsyncWorker(_WorkerBase):
                     raise
 
     @staticmethod
-    async def _open(host: str, port: int, connect_timeout, server_timeout, token, tls, core) -> AsyncConnection:
+    async def _open(host: str, port: int, connect_timeout, server_timeout, token, tls,
+                    core) -> tuple[AsyncConnection, ServerInfo]:
         conn = await AsyncConnection.open(host, port, connect_timeout, server_timeout, tls)
         try:
             info = await handshake_async(conn, token, connect_timeout)
             core.check_run(info.run_id, str(conn.address))
-            _refuse_one_shard(info, str(conn.address))
+            if not ASYNC_AS_SHARD.get():
+                _refuse_one_shard(info, str(conn.address))
         except BaseException:
             conn.close()
             raise
-        return conn
+        return conn, info
 
     def _start_heartbeat(self) -> None:
         """Start the heartbeat task, unless there is none to run or it still runs."""

@@ -60,7 +60,10 @@ def agent(argv: list[str]) -> int:
     import aps
 
     addresses, rank, workers, numel = argv[0].split(","), int(argv[1]), int(argv[2]), int(argv[3])
-    worker = aps.Worker(addresses if len(addresses) > 1 else addresses[0], rank, workers, transport="tcp")
+    compression = argv[4] if len(argv) > 4 else "none"  # none, bf16, bf16+pulls (fp16 likewise)
+    name = compression.split("+")[0]
+    worker = aps.Worker(addresses if len(addresses) > 1 else addresses[0], rank, workers, transport="tcp",
+                        compression=None if name == "none" else name, compress_pulls=compression.endswith("+pulls"))
     with worker:
         worker.init({"w": np.zeros(numel, np.float32)})
         grad = worker.flat_grad
@@ -179,17 +182,20 @@ def cpu_seconds(pids: list[int]) -> float:
 
 
 class Config:
-    """The servers and the four workers of one shard count, started in ``network``."""
+    """The servers and the four workers of one shard count, started in ``network``; the
+    workers' ``compression``: ``none``, ``bf16`` (pushes) or ``bf16+pulls`` (fp16 likewise)."""
 
-    def __init__(self, shards: int, server_hosts, worker_hosts, numel: int) -> None:
+    def __init__(self, shards: int, server_hosts, worker_hosts, numel: int, compression: str = "none") -> None:
         self.shards = shards
+        self.compression = compression
         env = {"APS_TOKEN": TOKEN}
         self.servers = [server_hosts[i].serve("--shard", str(i), "--shards", str(shards), *SERVER_OPTIONS, env=env)
                         for i in range(shards)]
         addresses = ",".join(server.address for server in self.servers)
         script = os.path.abspath(__file__)
         self.workers = [
-            host.popen([sys.executable, script, "--agent", addresses, str(rank), str(WORKERS), str(numel)],
+            host.popen([sys.executable, script, "--agent", addresses, str(rank), str(WORKERS), str(numel),
+                        compression],
                        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env={**os.environ, **env})
             for rank, host in enumerate(worker_hosts)
         ]
@@ -256,6 +262,7 @@ class Config:
                                        - links0.get(name, {}).get("down_dropped", 0))}
         return {
             "shards": self.shards,
+            "compression": self.compression,
             "seconds": seconds,
             "aggregate_bytes_per_s": aggregate,
             "aggregate_window_bytes_per_s": sum(w["window_bytes_per_s"] for w in per_worker),
@@ -313,6 +320,29 @@ def link_bound(shards: int, link_bytes_per_s: float, workers: int = WORKERS) -> 
     return {"both_ways_at_once_bytes_per_s": 2 * each_way, "one_way_at_a_time_bytes_per_s": each_way}
 
 
+def report_head(name: str, argv: list[str], args, payload: int, started: float) -> dict:
+    """What every report of a benchmark over these hosts begins with: the command, the
+    machine, the links and the windows."""
+    from tests.netns import kernel_hz, tbf_params
+
+    return {
+        "benchmark": name,
+        "command": " ".join(["python", f"bench/{name}.py", *argv]),
+        **machine_info(),
+        "kernel": platform.release(),
+        "kernel_hz": kernel_hz(),
+        "link_mbit": args.rate_mbit,
+        "tbf": tbf_params(args.rate_mbit),
+        "model_bytes": payload,
+        "model": format_size(payload),
+        "workers": WORKERS,
+        "server_options": list(SERVER_OPTIONS),
+        "seconds_per_window": args.seconds,
+        "repeats": args.repeats,
+        "wall_seconds": time.monotonic() - started,
+    }
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv and argv[0] == "--agent":
@@ -326,13 +356,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", help="also write the JSON report to this file")
     args = parser.parse_args(argv)
 
-    from tests.netns import Network, kernel_hz, netns_unavailable_reason, tbf_params
+    from tests.netns import Network, netns_unavailable_reason
 
     reason = netns_unavailable_reason(shaping=True)
     if reason is not None:
         print(f"bench/shards.py: {reason}", file=sys.stderr)
         return 1
-    info = machine_info()
     payload = args.model // 4 * 4
     numel = payload // 4
     link = args.rate_mbit * 1e6 / 8
@@ -418,20 +447,7 @@ def main(argv: list[str] | None = None) -> int:
         per_repeat[f"{shards}/1"] = pairs
     targets = {"2/1": 1.8, "4/1": 3.2}
     report = {
-        "benchmark": "shards",
-        "command": " ".join(["python", "bench/shards.py", *argv]),
-        **info,
-        "kernel": platform.release(),
-        "kernel_hz": kernel_hz(),
-        "link_mbit": args.rate_mbit,
-        "tbf": tbf_params(args.rate_mbit),
-        "model_bytes": payload,
-        "model": format_size(payload),
-        "workers": WORKERS,
-        "server_options": list(SERVER_OPTIONS),
-        "seconds_per_window": args.seconds,
-        "repeats": args.repeats,
-        "wall_seconds": time.monotonic() - started,
+        **report_head("shards", argv, args, payload, started),
         "ratios": ratios,
         "ratios_per_repeat": per_repeat,
         "targets": targets,

@@ -16,7 +16,7 @@
 # (tests/unit/test_kernels_torch.py).
 
 from libc.math cimport sqrt, pow
-from libc.stdint cimport uint32_t
+from libc.stdint cimport uint16_t, uint32_t
 
 cdef extern from "_kernels.h" nogil:
     int aps_sgd_plain(float* out, const float* w, const float* g, float a, float s, Py_ssize_t n)
@@ -29,6 +29,31 @@ cdef extern from "_kernels.h" nogil:
     int aps_accumulate(float* out, const float* inp, const float* g, float s, int first, Py_ssize_t n)
     int aps_fused_multiply_add()
 
+cdef extern from "_half.h" nogil:
+    enum:
+        APS_FLOAT32
+        APS_FLOAT16
+        APS_BFLOAT16
+    int aps_f16c_allowed
+    int aps_use_f16c()
+    void aps_widen(float* out, const uint16_t* inp, Py_ssize_t n, int dtype)
+    Py_ssize_t aps_narrow(uint16_t* out, const float* inp, Py_ssize_t n, int dtype)
+    int aps_all_finite_16(const uint16_t* x, Py_ssize_t n, int dtype)
+    int aps_sgd_plain_any(float* out, const float* w, const void* g, int dtype, float a, float s, Py_ssize_t n)
+    int aps_sgd_any(float* w_out, const float* w_in, const void* g, int dtype, float* buf_out, const float* buf_in,
+                    Py_ssize_t n, float a, float s, float wd, float mu, float keep, int nesterov, int first)
+    int aps_adam_any(float* w_out, const float* w_in, const void* g, int dtype, float* m_out, const float* m_in,
+                     float* v_out, const float* v_in, Py_ssize_t n, float s, float neg_step_size,
+                     float bias2_sqrt, float w1, int lerp_low, float w1c, float b2, float c2, float eps,
+                     float wd, float shrink, int decoupled, int decay)
+    int aps_accumulate_any(float* out, const float* inp, const void* g, int dtype, float s, int first, Py_ssize_t n)
+
+#: Element types of a gradient, as aps.protocol.DType numbers them: float32, or
+#: 16-bit words holding IEEE half (fp16) or bfloat16 values (compressed pushes).
+FLOAT32 = APS_FLOAT32
+FLOAT16 = APS_FLOAT16
+BFLOAT16 = APS_BFLOAT16
+
 
 def fused_multiply_add():
     """True when the SGD kernels round ``x*y + z`` once, as torch's vectorized
@@ -39,6 +64,65 @@ def fused_multiply_add():
 
 cdef enum:
     _FINITE_BLOCK = 65536
+
+
+cdef class _Gradient:
+    """A kernel's gradient argument: float32 values, or 16-bit words of ``dtype``."""
+    cdef const float[::1] f32
+    cdef const uint16_t[::1] u16
+    cdef const void* data
+    cdef Py_ssize_t n
+    cdef int dtype
+
+    def __cinit__(self, grad, int dtype):
+        if grad is None:
+            raise TypeError("the gradient must not be None")
+        self.dtype = dtype
+        if dtype == APS_FLOAT32:
+            self.f32 = grad
+            self.n = self.f32.shape[0]
+            self.data = &self.f32[0] if self.n else NULL
+        elif dtype == APS_BFLOAT16 or dtype == APS_FLOAT16:
+            self.u16 = grad
+            self.n = self.u16.shape[0]
+            self.data = &self.u16[0] if self.n else NULL
+        else:
+            raise ValueError(f"unknown gradient dtype {dtype}: FLOAT32, FLOAT16 or BFLOAT16")
+
+
+def use_f16c(bint allowed=True) -> bool:
+    """Let fp16 conversions use the CPU's F16C instructions (the default), or make them
+    use the portable code (for tests); returns whether F16C is now in use."""
+    global aps_f16c_allowed
+    aps_f16c_allowed = allowed
+    return bool(aps_use_f16c())
+
+
+def narrow(uint16_t[::1] out not None, const float[::1] x not None, int dtype) -> int:
+    """``out = x`` rounded to 16 bits (``dtype`` FLOAT16 or BFLOAT16), to nearest even.
+
+    Returns how many finite elements overflowed to infinity (fp16's largest
+    value is 65504). NaN stays NaN.
+    """
+    cdef Py_ssize_t n = x.shape[0], overflowed = 0
+    _check_len("out", out.shape[0], n)
+    if dtype != APS_FLOAT16 and dtype != APS_BFLOAT16:
+        raise ValueError(f"narrow to FLOAT16 or BFLOAT16, not dtype {dtype}")
+    if n:
+        with nogil:
+            overflowed = aps_narrow(&out[0], &x[0], n, dtype)
+    return overflowed
+
+
+def widen(float[::1] out not None, const uint16_t[::1] x not None, int dtype) -> None:
+    """``out = x`` as float32 (exact), ``x`` holding FLOAT16 or BFLOAT16 values."""
+    cdef Py_ssize_t n = x.shape[0]
+    _check_len("out", out.shape[0], n)
+    if dtype != APS_FLOAT16 and dtype != APS_BFLOAT16:
+        raise ValueError(f"widen from FLOAT16 or BFLOAT16, not dtype {dtype}")
+    if n:
+        with nogil:
+            aps_widen(&out[0], &x[0], n, dtype)
 
 
 cdef inline int _check_len(str what, Py_ssize_t got, Py_ssize_t want) except -1:
@@ -69,25 +153,30 @@ cdef bint _all_finite(const float* x, Py_ssize_t n) noexcept nogil:
     return True
 
 
-def all_finite(const float[::1] x not None) -> bool:
-    """True when no element of the float32 vector ``x`` is NaN or infinite."""
-    cdef Py_ssize_t n = x.shape[0]
+def all_finite(x not None, int dtype=APS_FLOAT32) -> bool:
+    """True when no element of the vector ``x`` (float32, or 16-bit words of ``dtype``)
+    is NaN or infinite."""
+    cdef _Gradient g = _Gradient(x, dtype)
     cdef bint ok = True
-    if n:
+    if g.n:
         with nogil:
-            ok = _all_finite(&x[0], n)
+            if g.dtype == APS_FLOAT32:
+                ok = _all_finite(<const float*> g.data, g.n)
+            else:
+                ok = aps_all_finite_16(<const uint16_t*> g.data, g.n, g.dtype)
     return ok
 
 
-def accumulate(float[::1] out not None, const float[::1] inp, const float[::1] grad not None,
-               float scale=1.0, bint first=False) -> bool:
+def accumulate(float[::1] out not None, const float[::1] inp, grad not None,
+               float scale=1.0, bint first=False, int grad_dtype=APS_FLOAT32) -> bool:
     """``out = scale * grad`` when ``first``, else ``out = inp + scale * grad``.
 
     Returns False (``out`` is then scratch) when ``grad`` or the sum is not finite.
-    ``out`` may be ``inp``.
+    ``out`` may be ``inp``. ``grad`` is float32, or 16-bit words of ``grad_dtype``.
     """
     cdef Py_ssize_t n = out.shape[0]
-    _check_len("grad", grad.shape[0], n)
+    cdef _Gradient g = _Gradient(grad, grad_dtype)
+    _check_len("grad", g.n, n)
     if not first:
         if inp is None:
             raise ValueError("accumulate needs the running sum unless first")
@@ -97,15 +186,15 @@ def accumulate(float[::1] out not None, const float[::1] inp, const float[::1] g
     cdef const float* src = NULL if first else &inp[0]
     cdef int ok
     with nogil:
-        ok = aps_accumulate(&out[0], src, &grad[0], scale, first, n)
+        ok = aps_accumulate_any(&out[0], src, g.data, g.dtype, scale, first, n)
     return bool(ok)
 
 
 def sgd_step(float[::1] w_out not None, const float[::1] w_in not None,
-             const float[::1] grad not None, float[::1] buf_out, const float[::1] buf_in,
+             grad not None, float[::1] buf_out, const float[::1] buf_in,
              double lr, double momentum=0.0, double dampening=0.0,
              double weight_decay=0.0, bint nesterov=False, bint first=False,
-             float scale=1.0) -> bool:
+             float scale=1.0, int grad_dtype=APS_FLOAT32) -> bool:
     """One SGD step, as ``torch.optim.SGD`` computes it, out of place.
 
     ``d`` is ``scale * grad`` plus ``weight_decay * w_in``; with momentum, the
@@ -113,11 +202,13 @@ def sgd_step(float[::1] w_out not None, const float[::1] w_in not None,
     ``momentum * buf_in + (1 - dampening) * d`` after, and ``d`` becomes the
     buffer (or ``d + momentum * buf`` with Nesterov); ``w_out = w_in - lr * d``.
     Returns False (the outputs are then scratch) when ``grad`` or a new weight
-    is not finite. Outputs may alias their inputs.
+    is not finite. Outputs may alias their inputs. ``grad`` is float32, or 16-bit
+    words of ``grad_dtype`` (widened to float32 as the kernel reads them).
     """
     cdef Py_ssize_t n = w_in.shape[0]
+    cdef _Gradient g = _Gradient(grad, grad_dtype)
     _check_len("w_out", w_out.shape[0], n)
-    _check_len("grad", grad.shape[0], n)
+    _check_len("grad", g.n, n)
     if momentum != 0.0:
         if buf_out is None or (buf_in is None and not first):
             raise ValueError("momentum needs momentum buffers")
@@ -139,29 +230,31 @@ def sgd_step(float[::1] w_out not None, const float[::1] w_in not None,
     cdef int ok
     with nogil:
         if bo == NULL and wd == 0.0:
-            ok = aps_sgd_plain(&w_out[0], &w_in[0], &grad[0], a, scale, n)
+            ok = aps_sgd_plain_any(&w_out[0], &w_in[0], g.data, g.dtype, a, scale, n)
         else:
-            ok = aps_sgd(&w_out[0], &w_in[0], &grad[0], bo, bi, n, a, scale, wd, mu, keep, nesterov, first)
+            ok = aps_sgd_any(&w_out[0], &w_in[0], g.data, g.dtype, bo, bi, n, a, scale, wd, mu, keep, nesterov,
+                             first)
     return bool(ok)
 
 
 def adam_step(float[::1] w_out not None, const float[::1] w_in not None,
-              const float[::1] grad not None, float[::1] m_out not None, const float[::1] m_in not None,
+              grad not None, float[::1] m_out not None, const float[::1] m_in not None,
               float[::1] v_out not None, const float[::1] v_in not None, long step, double lr,
               double beta1=0.9, double beta2=0.999, double eps=1e-8,
               double weight_decay=0.0, bint decoupled=False,
-              float scale=1.0) -> bool:
+              float scale=1.0, int grad_dtype=APS_FLOAT32) -> bool:
     """One Adam (``decoupled=False``) or AdamW (``decoupled=True``) step, out of place.
 
     ``step`` is the 1-based step count after this step, as ``torch.optim.Adam``
     counts it for bias correction. Reads the moments ``m_in``/``v_in`` and writes
     the next ones to ``m_out``/``v_out``. Returns False (the outputs are then
     scratch) when ``grad`` or a new weight is not finite. Outputs may alias
-    their inputs.
+    their inputs. ``grad`` is float32, or 16-bit words of ``grad_dtype``.
     """
     cdef Py_ssize_t n = w_in.shape[0]
+    cdef _Gradient g = _Gradient(grad, grad_dtype)
     _check_len("w_out", w_out.shape[0], n)
-    _check_len("grad", grad.shape[0], n)
+    _check_len("grad", g.n, n)
     _check_len("m_out", m_out.shape[0], n)
     _check_len("m_in", m_in.shape[0], n)
     _check_len("v_out", v_out.shape[0], n)
@@ -181,7 +274,7 @@ def adam_step(float[::1] w_out not None, const float[::1] w_in not None,
     cdef float w1c = <float> (1.0 - (1.0 - beta1))
     cdef int ok
     with nogil:
-        ok = aps_adam(&w_out[0], &w_in[0], &grad[0], &m_out[0], &m_in[0], &v_out[0], &v_in[0], n, scale,
+        ok = aps_adam_any(&w_out[0], &w_in[0], g.data, g.dtype, &m_out[0], &m_in[0], &v_out[0], &v_in[0], n, scale,
                       neg_step_size, bias2_sqrt, w1, lerp_low, w1c, <float> beta2, <float> (1.0 - beta2),
                       <float> eps, <float> weight_decay, <float> (1.0 - lr * weight_decay), decoupled,
                       weight_decay != 0.0)

@@ -56,6 +56,14 @@ def label(setting: str, lr_staleness: str = "none") -> str:
     return text + (" lr/tau" if lr_staleness == "inverse" else "")
 
 
+#: ``--compression`` values: none (float32), or 16-bit pushes, and pushes and pulls.
+COMPRESSIONS = ("none", "bf16", "fp16", "bf16+pulls", "fp16+pulls")
+
+
+def _compression_label(compression: str) -> str:
+    return "" if compression == "none" else " " + compression.replace("+pulls", " push+pull")
+
+
 @dataclass
 class Run:
     """One training run of the comparison."""
@@ -65,6 +73,7 @@ class Run:
     cluster: str
     speeds: list[float]
     repeat: int = 0
+    compression: str = "none"
     curve: list[list[float]] = field(default_factory=list)
     stats: dict = field(default_factory=dict)
 
@@ -89,9 +98,12 @@ def _pool_main(rank: int, workers: int, dataset_name: str, seed: int, conn) -> N
         try:
             run_seed = order["seed"]  # data order and pacing; the split and the initial weights keep `seed`
             pacer = Pacer(order["step_time"], order["speeds"][rank], order["jitter"], seed=1000 * run_seed + rank)
+            compression = order.get("compression", "none")
             result = workloads.train(dataset, order["address"], rank, workers, batch_size=order["batch_size"],
                            duration=order["duration"], seed=seed, data_seed=run_seed, pacer=pacer,
-                           stop_on_divergence=True)
+                           stop_on_divergence=True, transport=order.get("transport", "auto"),
+                           compression=None if compression == "none" else compression.split("+")[0],
+                           compress_pulls=compression.endswith("+pulls"))
             conn.send(result)
         except Exception as exc:  # reported, and the comparison stops
             conn.send({"rank": rank, "error": f"{type(exc).__name__}: {exc}"})
@@ -233,6 +245,7 @@ def _run_one(run: Run, pool: _Pool, evaluate, args, out=sys.stdout, bar=None) ->
         pool.dispatch({
             "address": background.address, "duration": args.budget, "seed": args.seed + run.repeat,
             "speeds": run.speeds, "step_time": args.step_time, "jitter": args.jitter, "batch_size": args.batch_size,
+            "compression": run.compression, "transport": args.transport,
         })
         deadline = time.monotonic() + _START_TIMEOUT
         while (started := server.engine.stats.training_started) is None:
@@ -274,11 +287,15 @@ def _run_one(run: Run, pool: _Pool, evaluate, args, out=sys.stdout, bar=None) ->
     if bar is not None:
         bar.close()
     print(
-        f"  {run.cluster:<13} {label(run.setting, run.lr_staleness):<22} best {best:.3f}  "
+        f"  {run.cluster:<13} {_run_label(run):<22} best {best:.3f}  "
         f"{run.stats['iterations_per_s']:.1f} it/s  wait {run.stats['mean_wait_s'] * 1e3:.0f} ms  "
         f"staleness {run.stats['mean_staleness']:.2f}" + ("  (diverged)" if run.stats["diverged"] else ""),
         file=out, flush=True,
     )
+
+
+def _run_label(run: Run) -> str:
+    return label(run.setting, run.lr_staleness) + _compression_label(run.compression)
 
 
 def summarize(run: Run, target: float, budget: float) -> dict:
@@ -286,8 +303,9 @@ def summarize(run: Run, target: float, budget: float) -> dict:
     reached = next((t for t, acc in run.curve if acc >= target), None)
     return {
         "sync": run.setting,
-        "label": label(run.setting, run.lr_staleness),
+        "label": _run_label(run),
         "lr_staleness": run.lr_staleness,
+        "compression": run.compression,
         "cluster": run.cluster,
         "speeds": run.speeds,
         "repeat": run.repeat,
@@ -412,6 +430,14 @@ def compare(args, out=sys.stdout) -> list[dict]:
         raise ConfigurationError(f"--target is a test accuracy in (0, 1], got {args.target}")
     if args.repeats < 1:
         raise ConfigurationError("--repeats must be at least 1")
+    compressions = [c.strip() for c in args.compression.split(",") if c.strip()]
+    wrong = [c for c in compressions if c not in COMPRESSIONS]
+    if wrong or not compressions:
+        raise ConfigurationError(f"--compression takes {', '.join(COMPRESSIONS)} (comma-separated), "
+                                 f"got {args.compression!r}")
+    # Compression applies over TCP only: with it in the comparison, every run's workers use TCP,
+    # so that its rows differ from the others in the compression alone.
+    args.transport = "tcp" if compressions != ["none"] else "auto"
     def modes_of(setting: str) -> tuple[str, ...]:
         return ("none",) if setting.startswith("bsp") else modes
 
@@ -419,11 +445,12 @@ def compare(args, out=sys.stdout) -> list[dict]:
         for mode in modes_of(setting):
             _server_config(setting, mode, args.workers, args)
     runs = [
-        Run(setting, mode, cluster, clusters[cluster], repeat)
+        Run(setting, mode, cluster, clusters[cluster], repeat, compression)
         for repeat in range(args.repeats)  # repeats outermost: slow drifts of a shared machine hit every paradigm alike
         for cluster in chosen
         for setting in paradigms
         for mode in modes_of(setting)
+        for compression in compressions
     ]
     if args.out is None:
         args.out = tempfile.mkdtemp(prefix=f"aps-{getattr(args, 'command', 'compare')}-")
@@ -443,7 +470,7 @@ def compare(args, out=sys.stdout) -> list[dict]:
     records: list[dict] = []
     try:
         for index, run in enumerate(runs, 1):
-            bar = _run_bar(f"{index}/{len(runs)} {run.cluster} {label(run.setting, run.lr_staleness)}",
+            bar = _run_bar(f"{index}/{len(runs)} {run.cluster} {_run_label(run)}",
                            args.budget, getattr(args, "no_progress", False))
             try:
                 _run_one(run, pool, evaluate, args, out, bar)
@@ -520,6 +547,9 @@ def _add_arguments(parser: argparse.ArgumentParser, *, demo: bool = False) -> No
     parser.add_argument("--step-time", type=number, default=0.04, help="emulated iteration time of a speed-1 worker")
     parser.add_argument("--jitter", type=number, default=0.1, help="random variation of iteration times")
     parser.add_argument("--dataset", default="mnist", choices=("mnist", "digits"), help="the bundled dataset")
+    parser.add_argument("--compression", default="none",
+                        help="wire compression rows, comma-separated from " + ", ".join(COMPRESSIONS)
+                        + " (e.g. none,bf16; anything but none makes every run's workers use TCP)")
     parser.add_argument("--lr", type=number, default=0.05, help="learning rate (server-side SGD)")
     parser.add_argument("--momentum", type=number, default=0.0, help="SGD momentum")
     parser.add_argument("--batch-size", type=int, default=32, help="each worker's batch size")

@@ -106,6 +106,11 @@ _strangers = RateLimitedLog(limit=50)
 ALIVE_EVERY_S = 5.0
 
 _GRADIENT_OPS = frozenset({Op.PUSH, Op.PUSH_PULL})
+#: Requests answered with the weights, which may ask for them narrowed (Flag.NARROW).
+_PULL_OPS = frozenset({Op.PULL, Op.PUSH_PULL})
+_NARROW = int(Flag.NARROW)
+#: Element types a gradient or the weights may cross TCP as (wire compression).
+_HALF = frozenset({int(DType.BFLOAT16), int(DType.FLOAT16)})
 #: A SHARDS request (the shards' run ids, JSON) is at most this long.
 MAX_SHARDS_BYTES = 16 << 10
 _FLOAT32 = int(DType.FLOAT32)
@@ -139,6 +144,9 @@ class ServerSession:
 
     #: The transport's name, in logs.
     kind = "?"
+    #: Whether gradients and weights may cross as 16-bit values (they do over TCP;
+    #: shared memory moves no bytes they would save).
+    compressed = False
 
     def __init__(
         self, engine: Engine, max_payload: int, registry: set, unix_path: str = "", token: bytes | None = None
@@ -176,6 +184,9 @@ class ServerSession:
         self._drain_seen = now
         # A large gradient's update, computed while it arrives when the engine allows it.
         self._stream: StreamingPush | None = None
+        self._grad_shift = 2  # log2 of the gradient being read's element size
+        #: The element type the current request's weights reply goes as (Flag.NARROW).
+        self._weights_dtype = _FLOAT32
         # The request being handled (a session handles one at a time).
         self._rid = 0
         self._dropped = False
@@ -408,12 +419,20 @@ class ServerSession:
             if op not in REQUEST_OPS:
                 kind = "a reply" if is_known_op(op) else "unknown"
                 raise UnknownOp(f"op code {op} is {kind}, not a request")
+            if op in _PULL_OPS and header.flags & _NARROW:
+                if header.dtype not in _HALF:
+                    raise DTypeMismatch(f"a narrowed pull is BFLOAT16 or FLOAT16, not {dtype_name(header.dtype)}")
+                if not self.compressed:
+                    raise DTypeMismatch(f"narrowed weights cross TCP only, not {self.kind}")
             if op in _GRADIENT_OPS:
                 member = self.member
                 if member is None or member.grad is None:
                     raise NotInitialized(f"{Op(op).name} before a successful INIT")
-                if header.dtype != _FLOAT32:
-                    raise DTypeMismatch(f"gradient dtype is {dtype_name(header.dtype)}; the model is float32")
+                if header.dtype != _FLOAT32 and not (header.dtype in _HALF and self.compressed):
+                    raise DTypeMismatch(f"gradient dtype is {dtype_name(header.dtype)}; the model is float32"
+                                        + (f" (16-bit gradients cross TCP only, not {self.kind})"
+                                           if header.dtype in _HALF else ""))
+                self._grad_shift = 2 if header.dtype == _FLOAT32 else 1
                 dest = self._gradient_destination(member, header)
             elif op == Op.INIT:
                 if self.member is not None:
@@ -471,7 +490,7 @@ class ServerSession:
     def payload_progress(self, filled: int) -> None:
         stream = self._stream
         if stream is not None:
-            stream.feed(filled >> 2)  # whole floats only; the update checks each one
+            stream.feed(filled >> self._grad_shift)  # whole elements only; the update checks each one
 
     def frame_received(self, header: Header, payload: memoryview) -> None:
         self._frames += 1
@@ -501,6 +520,7 @@ class ServerSession:
         self._open_request = True
         self._last_notice = self._loop.time()
         self._rid = header.request_id
+        self._weights_dtype = header.dtype if header.op in _PULL_OPS and header.flags & _NARROW else _FLOAT32
         self._dispatching = True
         try:
             _HANDLERS[header.op](self, header, payload, stream)

@@ -16,9 +16,9 @@ import logging
 from typing import TYPE_CHECKING
 
 from ..errors import PayloadSizeMismatch
-from ..protocol import HEADER_SIZE, DType, Header, pack_header
+from ..protocol import HEADER_SIZE, DType, Header, Op, pack_header
 from ._sockets import set_keepalive, set_nodelay
-from .session import ServerSession
+from .session import ServerSession, dtype_name
 
 if TYPE_CHECKING:
     from .._engine import Engine, Member
@@ -32,6 +32,7 @@ class TcpSession(ServerSession, asyncio.BufferedProtocol):
     """One worker's TCP connection to the server (see the module docstring)."""
 
     kind = "tcp"
+    compressed = True
 
     def __init__(
         self, engine: Engine, max_payload: int, registry: set, unix_path: str = "", token: bytes | None = None
@@ -103,17 +104,23 @@ class TcpSession(ServerSession, asyncio.BufferedProtocol):
         self.transport.resume_reading()
 
     def _gradient_destination(self, member: Member, header: Header) -> memoryview:
-        if header.length != member.grad.nbytes:
+        dest = member.receive_gradient(header.dtype)
+        if header.length != len(dest):
             raise PayloadSizeMismatch(
-                f"gradient of {header.length} bytes; the registered model has {member.grad.nbytes} bytes"
+                f"gradient of {header.length} bytes; the registered model has {len(dest)} bytes"
+                + (f" as {dtype_name(header.dtype)}" if header.dtype != DType.FLOAT32 else "")
             )
         if self._stream_min is not None and header.length >= self._stream_min:
             self._stream = self.engine.begin_streaming_push(member, header.version, header.request_id, header.clock)
-        return member.grad_bytes
+        return dest
 
     def _send_weights(self, op: int, snap: Snapshot, clock: int, flags: int) -> None:
-        transport, data = self.transport, snap.bytes
-        header = pack_header(op, flags, DType.FLOAT32, self._rid, clock, snap.version, len(data))
+        transport, data, dtype = self.transport, snap.bytes, DType.FLOAT32
+        if self._weights_dtype != DType.FLOAT32 and op != Op.INIT_REPLY:
+            dtype = self._weights_dtype
+            data = memoryview(self.engine.narrowed_weights(snap, dtype)).cast("B")  # its own copy: no lease
+            snap.release()
+        header = pack_header(op, flags, dtype, self._rid, clock, snap.version, len(data))
         self._traffic.bytes_out += HEADER_SIZE + len(data)
         if self._vectored:
             transport.writelines((header, data))

@@ -43,6 +43,9 @@ def train(
     pacer: Pacer | None = None,
     on_epoch=None,
     stop_on_divergence: bool = False,
+    transport: str = "auto",
+    compression: str | None = None,
+    compress_pulls: bool = False,
 ) -> dict:
     """Train on this worker's shard until ``epochs`` are done, the monotonic
     ``deadline`` passes, or ``duration`` seconds after every worker joined.
@@ -54,9 +57,12 @@ def train(
     server refuses a gradient as non-finite (the training diverged), this
     raises :class:`aps.errors.NonFiniteGradient`, or with
     ``stop_on_divergence`` stops and reports ``"diverged": True``.
+    ``transport``, ``compression`` and ``compress_pulls`` go to the worker
+    (see :class:`aps.Worker`).
     """
     model = make_model(dataset.side, seed=seed)
-    optimizer = Optimizer(model, address, rank, workers, pacer=pacer)
+    optimizer = Optimizer(model, address, rank, workers, pacer=pacer, transport=transport,
+                          compression=compression, compress_pulls=compress_pulls)
     rank, workers = optimizer.worker.rank, optimizer.worker.num_workers
     if duration is not None:  # the clock starts when everyone has joined
         deadline = min(deadline or math.inf, time.monotonic() + duration)

@@ -14,7 +14,7 @@ import pytest
 
 import aps
 from aps.errors import ErrorCode
-from aps.protocol import HEADER_SIZE, DType, Op, pack_header
+from aps.protocol import HEADER_SIZE, DType, Flag, Op, pack_header
 from tests.helpers import RawClient
 
 N = 4
@@ -342,4 +342,65 @@ def test_init_limits_are_checked_before_parsing_grows(waiting_server):
     assert_error(raw, ErrorCode.MALFORMED_FRAME, f"at most {MAX_NAME_BYTES} bytes", server=server)
     raw.frame(Op.INIT, b"\0" * 64, dtype=DType.FLOAT32, version=MAX_LAYOUT_BYTES + 8)
     assert_error(raw, ErrorCode.MALFORMED_FRAME, "layout block", server=server)
+    raw.close()
+
+
+def bf16(values) -> np.ndarray:
+    """float32 values as bfloat16 words (exact for the values used here)."""
+    return (np.asarray(values, np.float32).view(np.uint32) >> 16).astype(np.uint16)
+
+
+def test_compressed_gradients_are_checked(cluster):
+    """A bf16 gradient is taken over TCP only, at half the bytes; a wrong size, NaN or
+    infinity in 16 bits, or a narrowed pull of another type, is refused and changes nothing."""
+    raw = cluster.raw
+    cluster.train(1)
+    if raw.transport == "tcp":
+        raw.push(bf16(np.ones(N + 2)), dtype=DType.BFLOAT16, version=1)
+        assert_error(raw, ErrorCode.PAYLOAD_SIZE_MISMATCH, f"{2 * N} bytes as bfloat16", server=cluster.server)
+        for bad in (np.nan, np.inf, -np.inf):
+            raw.push(bf16([1, bad, 1, 1]), dtype=DType.BFLOAT16, version=1)
+            assert_error(raw, ErrorCode.NON_FINITE_GRADIENT, "NaN or infinity", server=cluster.server)
+        half = np.array([1, 1, 1, 1], np.float16)
+        half[1] = np.inf
+        raw.push(half.view(np.uint16), dtype=DType.FLOAT16, version=1)
+        assert_error(raw, ErrorCode.NON_FINITE_GRADIENT, "NaN or infinity", server=cluster.server)
+    else:
+        raw.send(pack_header(Op.PUSH, 0, DType.BFLOAT16, 0, 0, 1, 0))
+        assert_error(raw, ErrorCode.DTYPE_MISMATCH, "only, not shm", server=cluster.server)
+    raw.frame(Op.PULL, flags=Flag.NARROW, dtype=DType.FLOAT64)
+    assert_error(raw, ErrorCode.DTYPE_MISMATCH, "not float64")  # (the log is rate-limited by now)
+    if raw.transport == "shm":
+        raw.frame(Op.PULL, flags=Flag.NARROW, dtype=DType.BFLOAT16)
+        assert_error(raw, ErrorCode.DTYPE_MISMATCH, "TCP only, not shm")
+    cluster.train(1)  # nothing of rank 1's was applied
+    raw.push(np.zeros(N, np.float32))
+    header, _ = raw.reply()
+    assert header.op == Op.PUSH_REPLY and header.clock == 1
+
+
+def test_compressed_push_and_narrowed_pull_by_hand(server_process):
+    """The wire format, byte for byte: a bf16 push is applied as its float32 value, and a
+    narrowed pull returns the weights as bf16 words (rounded to nearest even)."""
+    server = server_process("--workers", "1", "--sync", "asp", "--lr", "1")
+    raw = RawClient(server.port)
+    raw.init(0, 1, {"w": np.zeros(N, np.float32)})
+    assert raw.reply()[0].op == Op.INIT_REPLY
+    grad = np.array([1.0, -2.5, 0.0078125, 3.0e-3], np.float32)
+    words = (grad.view(np.uint32) + 0x7FFF + ((grad.view(np.uint32) >> 16) & 1)) >> 16
+    raw.push(words.astype(np.uint16), op=Op.PUSH_PULL, dtype=DType.BFLOAT16)
+    header, payload = raw.reply()
+    assert header.op == Op.PUSH_PULL_REPLY and header.dtype == DType.FLOAT32 and len(payload) == 4 * N
+    applied = -(words.astype(np.uint32) << 16).view(np.float32)
+    assert np.frombuffer(payload, np.float32).tolist() == applied.tolist()
+    raw.frame(Op.PULL, flags=Flag.NARROW, dtype=DType.BFLOAT16)
+    header, payload = raw.reply()
+    assert header.op == Op.PULL_REPLY and header.dtype == DType.BFLOAT16 and len(payload) == 2 * N
+    expected = np.empty(N, np.uint16)
+    aps._core.narrow(expected, applied, aps._core.BFLOAT16)
+    assert np.frombuffer(payload, np.uint16).tolist() == expected.tolist()
+    raw.frame(Op.PULL, flags=Flag.NARROW, dtype=DType.FLOAT16)
+    header, payload = raw.reply()
+    assert header.dtype == DType.FLOAT16
+    assert np.frombuffer(payload, np.float16).tolist() == applied.astype(np.float16).tolist()
     raw.close()

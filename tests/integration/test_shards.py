@@ -4,13 +4,14 @@ shards of one model."""
 
 from __future__ import annotations
 
+import asyncio
 import threading
 
 import numpy as np
 import pytest
 
 import aps
-from aps._sharded import ShardedWorker
+from aps._sharded import AsyncShardedWorker, ShardedWorker
 from aps.cli.status import fetch_stats
 from aps.errors import ConfigurationError
 from aps.layout import shard_bounds
@@ -119,11 +120,60 @@ def test_status_shows_every_shard(server_process):
     assert f"aps {servers[1].address}  shard 1 of 2" in done.stdout
 
 
-def test_the_asyncio_worker_says_it_takes_one_server():
-    import asyncio
+async def train_async(address: str, workers: int, steps: int) -> dict[str, np.ndarray]:
+    """``train``, with one ``aps.AsyncWorker`` per rank on one event loop."""
+    clients = await asyncio.gather(*(aps.AsyncWorker.connect(address, rank, workers, reconnect=False)
+                                     for rank in range(workers)))
+    start = {name: np.linspace(-1, 1, value.size, dtype=np.float32).reshape(value.shape)
+             for name, value in PARAMS.items()}
 
-    with pytest.raises(ConfigurationError, match="AsyncWorker serves one server"):
-        asyncio.run(aps.AsyncWorker.connect("tcp://127.0.0.1:1,tcp://127.0.0.1:2", 0, 1))
+    async def run(rank: int) -> None:
+        await clients[rank].init(start)
+        for step in range(steps):
+            await clients[rank].push_pull(gradient(rank, step))
+
+    try:
+        await asyncio.wait_for(asyncio.gather(*(run(rank) for rank in range(workers))), 60)
+        return {name: np.array(value) for name, value in clients[0].weights.items()}
+    finally:
+        await asyncio.gather(*(client.close() for client in clients))
+
+
+def test_an_asyncio_sharded_bsp_run_equals_the_unsharded_one(server_process):
+    options = ("--workers", "3", "--sync", "bsp", "--lr", "0.5", "--momentum", "0.5")
+    reference = train(server_process(*options).address, 3, 4)
+    servers = shards(server_process, 3, *options)
+    sharded = asyncio.run(train_async(",".join(s.address for s in servers), 3, 4))
+    for name in PARAMS:
+        assert np.array_equal(sharded[name], reference[name]), name
+
+
+def test_the_asyncio_sharded_worker_is_one_flat_buffer(server_process):
+    servers = shards(server_process, 2, "--workers", "1", "--sync", "asp", "--lr", "1")
+
+    async def main() -> None:
+        worker = await aps.AsyncWorker.connect([servers[1].address, servers[0].address], 0, 1, reconnect=False,
+                                               compression="bf16")
+        async with worker:
+            assert isinstance(worker, AsyncShardedWorker) and isinstance(worker, aps.AsyncWorker)
+            assert [w.address for w in worker.shards] == [s.address for s in servers]
+            weights = await worker.init({name: np.ones(v.shape, np.float32) for name, v in PARAMS.items()})
+            for view in (*weights.values(), *worker.grads.values()):
+                assert view.base is worker.flat_weights or view.base is worker.flat_grad
+            worker.grads["fc"][...] = 0.5
+            await worker.push_pull(worker.grads)
+            assert np.all(weights["fc"] == 0.5) and np.all(weights["conv"] == 1.0)
+            await worker.push(np.full(worker.layout.numel, 0.25, np.float32))
+            assert worker.version == 1 and worker.clock == 2 and await worker.ping() == 2
+            await worker.pull()
+            assert worker.version == 2 and np.all(weights["fc"] == 0.25) and np.all(weights["bias"] == 0.75)
+            assert worker.compression == "bf16"
+        with pytest.raises(aps.APSConnectionError, match="is closed"):
+            await worker.pull()
+        with pytest.raises(ConfigurationError, match="are both shard 0"):
+            await aps.AsyncWorker.connect([servers[0].address, servers[0].address], 0, 1)
+
+    asyncio.run(main())
 
 
 def test_shards_resumed_from_different_runs_are_told_apart(server_process, tmp_path):
@@ -160,8 +210,6 @@ def test_shards_resumed_from_different_runs_are_told_apart(server_process, tmp_p
 
 
 def test_a_worker_given_one_shard_only_is_refused(server_process):
-    import asyncio
-
     servers = shards(server_process, 2, "--workers", "1")
     with pytest.raises(ConfigurationError, match=r"is shard 1 of 2 \(--shard 1 --shards 2\): give the worker every "
                                                  r"shard's address"):

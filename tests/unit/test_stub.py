@@ -41,6 +41,9 @@ FUNCTION_SAMPLES = {
         {},
     ),
     "dssp_controller": lambda: ((2.0, 1.0, 2.0, 0.5, 3), {}),
+    "use_f16c": lambda: ((), {"allowed": True}),
+    "narrow": lambda: ((np.zeros(2, np.uint16), vec(1, 2), _core.BFLOAT16), {}),
+    "widen": lambda: ((vec(0, 0), np.array([0x3F80, 0x4000], np.uint16), _core.BFLOAT16), {}),
 }
 
 
