@@ -193,7 +193,7 @@ class Engine:
         *,
         now: Callable[[], float] = time.monotonic,
         offload: Offload | None = None,
-        offload_threshold: int = 1 << 18,
+        offload_threshold: int = 1 << 22,
         kernels: ModuleType = _core,
         window_type: type | None = None,
         allocate: Callable[[int], object] | None = None,

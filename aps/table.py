@@ -100,6 +100,10 @@ class Snapshot:
         self.release()
 
 
+#: Updates over which the table remembers how many slots were in use at once (see begin_update).
+SLOT_MEMORY = 256
+
+
 class ParameterTable:
     """Versioned flat weights with out-of-place updates.
 
@@ -125,6 +129,8 @@ class ParameterTable:
         self.optimizer = optimizer
         self._allocate = allocate or HeapBlock
         self._slots: list[_Slot] = []
+        # The most slots in use at once (leased, or current) in this window of updates and in the last.
+        self._peak = self._kept_peak = self._updates = 0
         self._current = self._new_slot()
         np.copyto(self._current.array, initial)
         self.version = 0
@@ -154,12 +160,22 @@ class ParameterTable:
     def begin_update(self) -> _Slot:
         """A free slot to write the next version into (not current, not leased).
 
-        Free slots beyond one spare are given back, so a burst of slow readers
-        does not keep its memory.
+        The table keeps as many slots as were in use at once over the last
+        :data:`SLOT_MEMORY` updates or so, plus two, and gives back free slots
+        beyond that: many readers, whose leases come and go, reuse the same
+        slots instead of making and mapping new ones at every turn (a fresh
+        shared-memory slot costs the server and every worker page faults and
+        a descriptor), while a burst of slow readers does not keep its memory.
         """
         free = [slot for slot in self._slots if slot.leases == 0 and slot is not self._current]
-        if len(free) > 2:
-            for extra in free[2:]:
+        in_use = len(self._slots) - len(free)
+        self._peak = max(self._peak, in_use)
+        self._updates += 1
+        if self._updates >= SLOT_MEMORY:  # a new window: remember the last one's peak
+            self._kept_peak, self._peak, self._updates = self._peak, in_use, 0
+        keep = max(self._peak, self._kept_peak) + 2 - in_use  # free slots worth keeping
+        if len(free) > keep:
+            for extra in free[keep:]:
                 self._slots.remove(extra)
                 extra.block.close()
         slot = free[0] if free else self._new_slot()

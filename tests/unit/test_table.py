@@ -2,7 +2,7 @@ import numpy as np
 
 from aps.layout import Layout
 from aps.optim import SGD
-from aps.table import ParameterTable
+from aps.table import SLOT_MEMORY, ParameterTable
 
 
 def make_table(n=8):
@@ -42,7 +42,25 @@ def test_leased_slots_are_never_reused():
         lease.release()
     for _ in range(10):
         update(table, 1.0)
-    assert table.slot_count == 3  # the current one, the one being written, one spare
+    assert table.slot_count == 6  # kept: up to as many as were in use lately, and two more
+    for _ in range(2 * SLOT_MEMORY):
+        update(table, 1.0)
+    assert table.slot_count == 3  # the burst is forgotten: the current one, the one being written, one spare
+
+
+def test_readers_that_come_and_go_reuse_the_same_slots():
+    """Leases that rise and fall (many workers pulling) do not make a new slot each time."""
+    table = make_table()
+    leases: list = []
+    made: set[int] = set()
+    for step in range(3 * SLOT_MEMORY):
+        if step % 16 < 8:
+            leases.append(table.snapshot())
+        elif leases:
+            leases.pop(0).release()
+        update(table, 1.0)
+        made |= table.slot_ids()
+    assert len(made) <= 8 + 3  # at most 8 leases at once: no slot given back and made again
 
 
 def test_abandoned_update_changes_nothing():
