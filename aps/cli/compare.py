@@ -335,16 +335,24 @@ def _median_time(rows: list[dict]) -> float | None:
     return None if math.isinf(median) else median
 
 
-def markdown(records: list[dict], target: float) -> str:
-    """The results as one table per cluster (medians and means over repeats), fastest first."""
+def describe_speeds(speeds: list[float]) -> str:
+    """``speeds 1,1,1,2.5``, or for many workers their count and spread."""
+    if len(speeds) <= 8:
+        return "speeds " + ",".join(f"{s:g}" for s in speeds)
+    return f"{len(speeds)} workers, iteration times {statistics.fmean(speeds):.2f} mean, {min(speeds):.2f}-{max(speeds):.2f}"
+
+
+def markdown(records: list[dict], target: float, *, virtual: bool = False) -> str:
+    """The results as one table per cluster (medians and means over repeats), fastest first;
+    ``virtual``: times are virtual seconds (``aps simulate --train``)."""
     groups = _groups(records)
     repeats = max(len(rows) for rows in groups.values())
     lines = []
     for cluster in dict.fromkeys(r["cluster"] for r in records):
-        speeds = ",".join(f"{s:g}" for s in next(r["speeds"] for r in records if r["cluster"] == cluster))
-        title = f"### {cluster} cluster (speeds {speeds})"
+        speeds = describe_speeds(next(r["speeds"] for r in records if r["cluster"] == cluster))
+        title = f"### {cluster} cluster ({speeds})"
         lines += [title + (f", {repeats} runs each: median time, mean of the rest" if repeats > 1 else ""), ""]
-        head = f"| paradigm | time to {target:g} |" + (" reached |" if repeats > 1 else "")
+        head = f"| paradigm | {'virtual ' if virtual else ''}time to {target:g} |" + (" reached |" if repeats > 1 else "")
         lines += [head + " best accuracy | iterations/s | mean wait | mean staleness |",
                   "|---|---:|" + ("---:|" if repeats > 1 else "") + "---:|---:|---:|---:|"]
         rows = [(name, rows) for (c, name), rows in groups.items() if c == cluster]
@@ -360,7 +368,8 @@ def markdown(records: list[dict], target: float) -> str:
             cells += [
                 f"{statistics.fmean(best):.3f}{spread}" + (f" ({diverged} diverged)" if diverged else ""),
                 f"{statistics.fmean(r['iterations_per_s'] for r in runs):.1f}",
-                f"{statistics.fmean(r['mean_wait_s'] for r in runs) * 1e3:.0f} ms",
+                (f"{statistics.fmean(r['mean_wait_s'] for r in runs):.3f} s" if virtual else
+                 f"{statistics.fmean(r['mean_wait_s'] for r in runs) * 1e3:.0f} ms"),
                 f"{statistics.fmean(r['mean_staleness'] for r in runs):.2f}",
             ]
             lines.append("| " + " | ".join(cells) + " |")
@@ -368,7 +377,10 @@ def markdown(records: list[dict], target: float) -> str:
     return "\n".join(lines)
 
 
-def plot(records: list[dict], path: str, target: float, command: str) -> None:
+def plot(records: list[dict], path: str, target: float, command: str, *, curve: str = "curve",
+         x_label: str = "wall time, s") -> None:
+    """Test accuracy against the x of ``record[curve]``'s ``[x, accuracy]`` rows, one panel
+    per cluster, repeats averaged point by point."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -383,16 +395,16 @@ def plot(records: list[dict], path: str, target: float, command: str) -> None:
                 continue
             color = colors.setdefault(runs[0]["sync"], f"C{len(colors) % 10}")
             # repeats evaluate on the same cadence: average them point by point
-            length = min(len(r["curve"]) for r in runs)
-            t = [statistics.fmean(r["curve"][i][0] for r in runs) for i in range(length)]
-            acc = [statistics.fmean(r["curve"][i][1] for r in runs) for i in range(length)]
+            length = min(len(r[curve]) for r in runs)
+            t = [statistics.fmean(r[curve][i][0] for r in runs) for i in range(length)]
+            acc = [statistics.fmean(r[curve][i][1] for r in runs) for i in range(length)]
             ax.plot(t, acc, "--" if runs[0]["lr_staleness"] == "inverse" else "-", color=color, label=name, lw=1.5)
         ax.axhline(target, color="gray", lw=0.8, ls=":")
-        speeds = ",".join(f"{s:g}" for s in records[[r["cluster"] for r in records].index(cluster)]["speeds"])
-        ax.set_title(f"{cluster} cluster (speeds {speeds})", fontsize=10)
-        ax.set_xlabel("wall time, s")
+        speeds = describe_speeds(records[[r["cluster"] for r in records].index(cluster)]["speeds"])
+        ax.set_title(f"{cluster} cluster ({speeds})", fontsize=10)
+        ax.set_xlabel(x_label)
         ax.set_ylabel("test accuracy")
-        low = min(min(acc for _, acc in r["curve"][1:] or r["curve"]) for r in records)
+        low = min(min(acc for _, acc in r[curve][1:] or r[curve]) for r in records)
         ax.set_ylim(max(0.0, min(low, target - 0.1)), 1.0)
         ax.grid(alpha=0.3)
     axes[0][-1].legend(fontsize=7, loc="lower right", ncol=2)
@@ -401,7 +413,7 @@ def plot(records: list[dict], path: str, target: float, command: str) -> None:
     fig.savefig(path)
 
 
-def _write_json(records: list[dict], path: str) -> None:
+def write_records(records: list[dict], path: str) -> None:
     with open(path + ".tmp", "w") as fh:
         json.dump(records, fh, indent=2)
     os.replace(path + ".tmp", path)
@@ -478,7 +490,7 @@ def compare(args, out=sys.stdout) -> list[dict]:
                 if bar is not None:
                     bar.close()
             records.append(summarize(run, args.target, args.budget))
-            _write_json(records, os.path.join(args.out, "results.json"))  # an interrupted comparison keeps its runs
+            write_records(records, os.path.join(args.out, "results.json"))  # an interrupted comparison keeps its runs
     finally:
         pool.close()
     command = command_line()

@@ -19,7 +19,6 @@ Example::
 from __future__ import annotations
 
 import argparse
-import heapq
 import json
 import math
 import statistics
@@ -28,21 +27,20 @@ import time
 
 import numpy as np
 
-from .._engine import Engine
+from .._virtual import IterationTimes, SimulationError, Stragglers, VirtualCluster
 from ..config import ServerConfig
-from ..errors import APSError, ConfigurationError
+from ..errors import ConfigurationError
 from ..layout import Layout
-from ._args import Setting, number, parse_setting, parse_speeds, require, sync_setting
+from ._args import Setting, command_line, number, parse_setting, parse_speeds, require, sync_setting
 
-__all__ = ["DEFAULT_SETTINGS", "SimulationError", "register", "simulate", "worker_speeds"]
+__all__ = ["DEFAULT_SETTINGS", "SimulationError", "register", "simulate", "sync_figures", "worker_speeds"]
+
+#: The bundled datasets --train takes (aps.workloads.DATASETS, without importing torch here).
+DATASETS = ("mnist", "digits")
 
 DEFAULT_SETTINGS = ("bsp", "asp", "ssp:3", "ssp:15", "dssp:3:15", "softsync:1")
 #: The cluster ``aps simulate`` runs without --speeds or --workers: four workers, one three times slower.
 DEFAULT_SPEEDS = (1.0, 1.0, 1.0, 3.0)
-
-
-class SimulationError(APSError):
-    """The simulated cluster stopped making progress (a deadlock)."""
 
 
 def worker_speeds(
@@ -77,7 +75,8 @@ def _percentile(sorted_values: list[float], q: float) -> float:
     return sorted_values[index]
 
 
-def simulate(setting: Setting, speeds: list[float], *, iterations: int, jitter: float = 0.0, seed: int = 0) -> dict:
+def simulate(setting: Setting, speeds: list[float], *, iterations: int, jitter: float = 0.0, seed: int = 0,
+             stragglers: Stragglers | None = None) -> dict:
     """Run one setting until the cluster has pushed ``iterations`` gradients in all.
 
     Returns a JSON-able dict: ``sync``, ``iterations_per_s`` (per simulated
@@ -88,101 +87,38 @@ def simulate(setting: Setting, speeds: list[float], *, iterations: int, jitter: 
     Raises:
         SimulationError: every worker is waiting and none can push (deadlock).
     """
-    P = len(speeds)
-    config = ServerConfig(workers=P, lr=0.0, heartbeat_timeout=0, **setting.options)
-    sim_now = [0.0]
-    engine = Engine(config, now=lambda: sim_now[0])
-    window = engine.policy.window
-    rng = np.random.default_rng(seed)
-    base = np.asarray(speeds, dtype=np.float64)
-    # Iteration times: lognormal around each worker's mean, drawn in blocks.
-    noise_block = 4096
-    noise = np.empty(0)
-    noise_at = [0]
-
-    def iteration_time(rank: int) -> float:
-        nonlocal noise
-        if jitter <= 0:
-            return float(base[rank])
-        if noise_at[0] >= len(noise):
-            noise = np.exp(rng.normal(-0.5 * jitter * jitter, jitter, noise_block))
-            noise_at[0] = 0
-        value = noise[noise_at[0]]
-        noise_at[0] += 1
-        return float(base[rank] * value)
-
-    events: list[tuple[float, int, int]] = []
-    sequence = [0]
-    pushed_at = [0.0] * P
-    version = [0] * P
-    done_per_worker = [0] * P
-    waits: list[float] = []
-    staleness: list[int] = []
-    max_gap = [0]
-    errors: list[BaseException] = []
-
-    def schedule(rank: int, start: float) -> None:
-        sequence[0] += 1
-        heapq.heappush(events, (start + iteration_time(rank), sequence[0], rank))
-
-    def released(rank: int):
-        def ready(snapshot, clock) -> None:
-            snapshot.release()
-            version[rank] = snapshot.version
-            now = sim_now[0]
-            gap = window.gap(rank)
-            if gap > max_gap[0]:
-                max_gap[0] = gap
-            waits.append(now - pushed_at[rank])
-            schedule(rank, now)
-
-        return ready
-
-    def pushed(rank: int):
-        def done(result) -> None:
-            done_per_worker[rank] += 1
-            if not result.dropped:
-                staleness.append(result.staleness)
-            engine.pull(members[rank], ready_callbacks[rank])
-
-        return done
-
-    layout = Layout(("w",), ((1,),))
-    ready_callbacks = [released(r) for r in range(P)]
-    done_callbacks = [pushed(r) for r in range(P)]
-    members = [
-        engine.join(r, P, layout, np.zeros(1, np.float32), lambda snap, clock, r=r: (snap.release(), schedule(r, 0.0)),
-                    errors.append)
-        for r in range(P)
-    ]
+    config = ServerConfig(workers=len(speeds), lr=0.0, heartbeat_timeout=0, **setting.options)
+    times = IterationTimes(speeds, jitter, stragglers, seed)
+    cluster = VirtualCluster(config, times, Layout(("w",), ((1,),)), np.zeros(1, np.float32))
     wall = time.perf_counter()
-    total = 0
-    while total < iterations:
-        if not events:
-            raise SimulationError(f"{setting.label}: every worker waits and none can push (after {total} iterations)")
-        now, _, rank = heapq.heappop(events)
-        sim_now[0] = now
-        pushed_at[rank] = now
-        engine.push(members[rank], version[rank], done_callbacks[rank], errors.append)
-        total += 1
-        if errors:
-            raise SimulationError(f"{setting.label}: {errors[0]}")
+    try:
+        while cluster.pushes < iterations:
+            cluster.step()
+    except SimulationError as exc:
+        raise SimulationError(f"{setting.label}: {exc}") from None
     wall = time.perf_counter() - wall
-    end = sim_now[0]
-    waits.sort()
-    staleness.sort()
+    return {
+        "sync": setting.label,
+        "policy": cluster.engine.policy.describe(),
+        "workers": len(speeds),
+        "iterations": cluster.pushes,
+        "simulated_s": cluster.now,
+        "iterations_per_s": cluster.pushes / cluster.now if cluster.now > 0 else 0.0,
+        "updates": cluster.engine.version,
+        "dropped": cluster.engine.policy.dropped,
+        **sync_figures(cluster),
+        "iterations_per_worker": {"min": min(cluster.per_worker), "max": max(cluster.per_worker)},
+        "wall_s": wall,
+    }
+
+
+def sync_figures(cluster: VirtualCluster) -> dict:
+    """What a run's synchronization looked like: gate waits, staleness, the largest gap."""
+    waits, staleness = sorted(cluster.waits), sorted(cluster.staleness)
     hist: dict[str, int] = {}
     for value in staleness:
         hist[str(value)] = hist.get(str(value), 0) + 1
     return {
-        "sync": setting.label,
-        "policy": engine.policy.describe(),
-        "workers": P,
-        "iterations": total,
-        "simulated_s": end,
-        "iterations_per_s": total / end if end > 0 else 0.0,
-        "updates": engine.version,
-        "dropped": engine.policy.dropped,
         "mean_wait": statistics.fmean(waits) if waits else 0.0,
         "p50_wait": _percentile(waits, 50),
         "p99_wait": _percentile(waits, 99),
@@ -192,9 +128,7 @@ def simulate(setting: Setting, speeds: list[float], *, iterations: int, jitter: 
         "p99_staleness": _percentile(staleness, 99),
         "max_staleness": staleness[-1] if staleness else 0,
         "staleness_hist": hist,
-        "max_gap": max_gap[0],
-        "iterations_per_worker": {"min": min(done_per_worker), "max": max(done_per_worker)},
-        "wall_s": wall,
+        "max_gap": cluster.max_gap,
     }
 
 
@@ -233,10 +167,41 @@ def register(commands) -> None:
         "--sync", action="append", type=sync_setting, metavar="SETTING",
         help=f"bsp[:K], asp, ssp:S, dssp:S_L:S_U, softsync:N[:S] (repeatable; default {' '.join(DEFAULT_SETTINGS)})",
     )
-    parser.add_argument("--seed", type=int, default=0, help="seed of the random iteration times")
+    parser.add_argument("--stragglers", type=stragglers_arg, metavar="RATE:DURATION:SLOWDOWN",
+                        help="Markov on/off stragglers: each worker turns slow RATE times per virtual second, stays "
+                             "slow DURATION seconds on average, SLOWDOWN times slower (default: none)")
+    parser.add_argument("--seed", type=int, default=0, help="seed of the random iteration times (and, with --train, "
+                        "of the data order)")
     parser.add_argument("--json", action="store_true", help="print JSON (one object per setting) instead of a table")
-    parser.add_argument("--out", metavar="FILE", help="also write the JSON to FILE (default: print only)")
+    parser.add_argument("--out", metavar="PATH", help="also write the JSON to this file (default: print only); "
+                        "with --train, a directory for results.json, results.md and the figures")
+    train = parser.add_argument_group(
+        "training on the virtual clock",
+        "--train trains the bundled CNN: every gradient is real, computed on exactly the weights its worker's "
+        "pull returned and applied when its push arrives in virtual time, one at a time in one process")
+    train.add_argument("--train", choices=DATASETS, help="train on this bundled dataset (mnist: 5,000 MNIST digits; "
+                       "digits: scikit-learn's 8x8 digits; default: none, synchronization only)")
+    train.add_argument("--budget", type=number, help="virtual seconds per run (default: none, --iterations ends each run)")
+    train.add_argument("--lr", type=number, default=0.05, help="learning rate of the server's SGD (default 0.05)")
+    train.add_argument("--momentum", type=number, default=0.0, help="SGD momentum (default 0)")
+    train.add_argument("--batch-size", type=int, default=32, help="each worker's batch (default 32)")
+    train.add_argument("--lr-staleness", choices=("none", "inverse", "both"), default="none",
+                       help="learning rate divided by staleness: none, inverse, or both (each setting twice; BSP once)")
+    train.add_argument("--eval-every", type=number, help="virtual seconds between test evaluations "
+                       "(default: a 25th of the run)")
+    train.add_argument("--target", type=number, default=0.95, help="test accuracy whose time to reach is reported")
+    train.add_argument("--seeds", type=int, default=1, help="runs per setting, with seeds SEED, SEED+1, ...")
     parser.set_defaults(run=run)
+
+
+def stragglers_arg(text: str) -> Stragglers:
+    """``RATE:DURATION:SLOWDOWN`` (see :class:`aps._virtual.Stragglers`)."""
+    try:
+        rate, duration, slowdown = (float(part) for part in text.split(":"))
+        return Stragglers(rate, duration, slowdown)
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"--stragglers takes RATE:DURATION:SLOWDOWN, three positive numbers, got {text!r}") from None
 
 
 def run(args: argparse.Namespace) -> int:
@@ -248,10 +213,13 @@ def run(args: argparse.Namespace) -> int:
         args.speeds = ",".join(f"{s:g}" for s in DEFAULT_SPEEDS)
     speeds = worker_speeds(args.speeds, args.workers, args.hetero, args.seed)
     settings = args.sync or [parse_setting(text) for text in DEFAULT_SETTINGS]
+    if args.train:
+        return run_training(args, speeds, settings)
     results = []
     for item in settings:
         try:
-            results.append(simulate(item, speeds, iterations=args.iterations, jitter=args.jitter, seed=args.seed))
+            results.append(simulate(item, speeds, iterations=args.iterations, jitter=args.jitter, seed=args.seed,
+                                    stragglers=args.stragglers))
         except ConfigurationError as exc:
             raise ConfigurationError(f"--sync {item.label}: {exc}") from None
     if args.out:
@@ -266,4 +234,61 @@ def run(args: argparse.Namespace) -> int:
         )
         print(f"{len(speeds)} workers, {spread}, jitter {args.jitter:g}, {args.iterations} iterations per setting")
         print(format_table(results))
+    return 0
+
+
+def run_training(args: argparse.Namespace, speeds: list[float], settings: list[Setting]) -> int:
+    """``aps simulate --train``: every setting (and learning-rate mode) for ``--seeds`` seeds."""
+    import os
+    import tempfile
+
+    from ..workloads import load
+    from ..workloads.virtual import train_virtual
+    from . import compare
+
+    require(args.budget is None or args.budget > 0, f"--budget must be > 0, got {args.budget}")
+    require(args.seeds >= 1, f"--seeds must be at least 1, got {args.seeds}")
+    require(args.batch_size >= 1, f"--batch-size must be at least 1, got {args.batch_size}")
+    require(0 < args.target <= 1, f"--target is a test accuracy in (0, 1], got {args.target}")
+    require(args.eval_every is None or args.eval_every > 0, "--eval-every must be > 0")
+    modes = {"both": ("none", "inverse"), "none": ("none",), "inverse": ("inverse",)}[args.lr_staleness]
+    runs = [(setting, mode, seed) for seed in range(args.seed, args.seed + args.seeds) for setting in settings
+            for mode in (("none",) if setting.options.get("sync") == "bsp" else modes)]
+    for setting, mode, _ in runs:  # every configuration checked before the first run
+        try:
+            ServerConfig(workers=len(speeds), lr=args.lr, momentum=args.momentum, lr_staleness=mode,
+                         **setting.options)
+        except ConfigurationError as exc:
+            raise ConfigurationError(f"--sync {setting.label}: {exc}") from None
+    out = args.out or tempfile.mkdtemp(prefix="aps-simulate-")
+    os.makedirs(out, exist_ok=True)
+    dataset = load(args.train, seed=0)
+    limit = f"{args.budget:g} virtual s" if args.budget else f"{args.iterations} gradients"
+    print(f"{len(runs)} virtual runs of {limit} on {len(speeds)} workers ({compare.describe_speeds(speeds)}, "
+          f"jitter {args.jitter:g}{', stragglers ' + str(vars(args.stragglers)) if args.stragglers else ''}), "
+          f"{args.train}, lr {args.lr:g}; results in {out}", flush=True)
+    records = []
+    for index, (setting, mode, seed) in enumerate(runs, 1):
+        record = train_virtual(
+            setting, speeds, dataset=dataset, lr=args.lr, momentum=args.momentum, batch_size=args.batch_size,
+            lr_staleness=mode, jitter=args.jitter, stragglers=args.stragglers,
+            iterations=None if args.budget else args.iterations, budget=args.budget, eval_every=args.eval_every,
+            target=args.target, seed=seed)
+        record.update(label=compare.label(setting.label, mode), cluster="virtual", repeat=seed - args.seed)
+        records.append(record)
+        reached = record["time_to_target_s"]
+        print(f"  {index}/{len(runs)} {record['label']:<22} seed {seed}: best {record['best_accuracy']:.3f}, "
+              f"{args.target:g} at {'never' if reached is None else f'{reached:.1f} s'}, staleness "
+              f"{record['mean_staleness']:.2f}, {record['wall_s']:.1f} s wall"
+              + ("  (diverged)" if record["diverged"] else ""), flush=True)
+        compare.write_records(records, os.path.join(out, "results.json"))  # an interrupted run keeps its runs
+    table = compare.markdown(records, args.target, virtual=True)
+    with open(os.path.join(out, "results.md"), "w") as fh:
+        fh.write(f"Command: `{command_line()}`\n\n" + table)
+    compare.plot(records, os.path.join(out, "accuracy.png"), args.target, command_line(), x_label="virtual time, s")
+    compare.plot(records, os.path.join(out, "accuracy-gradients.png"), args.target, command_line(),
+                 curve="curve_gradients", x_label="gradients applied")
+    print()
+    print(table)
+    print(f"wrote {os.path.join(out, 'results.json')}, results.md, accuracy.png and accuracy-gradients.png")
     return 0

@@ -1,0 +1,225 @@
+"""Training on a virtual clock: the sync paradigms at the papers' scale on one machine.
+
+:class:`aps._virtual.VirtualCluster` drives the real engine (the same sync
+policies, staleness window and update kernels as a server) on a virtual
+clock; here its workers compute real gradients of the bundled CNN, each on
+exactly the weights its pull returned, one at a time in virtual-time order.
+So 30 or 256 workers cost only their gradients, a run does not depend on
+this machine's load, and a seed reproduces it exactly.
+
+Seeds: ``init_seed`` fixes the train/test split and the initial weights (the
+same for every run of a comparison, as in ``aps compare``); ``seed`` fixes
+the run: each worker's data order and every iteration time.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from .._virtual import IterationTimes, SimulationError, Stragglers, VirtualCluster
+from ..cli._args import Setting
+from ..config import ServerConfig
+from ..errors import NonFiniteGradient
+from ..layout import Layout
+from .data import Dataset, load, shard
+from .models import accuracy, make_model
+
+__all__ = ["VirtualTrainer", "train_virtual"]
+
+
+class VirtualTrainer:
+    """The model, the data and the gradient computation of a virtual run."""
+
+    def __init__(self, dataset: Dataset, workers: int, *, batch_size: int, init_seed: int, seed: int) -> None:
+        self.dataset = dataset
+        self.batch_size = batch_size
+        self.model = make_model(dataset.side, seed=init_seed)
+        self.params = [p for p in self.model.parameters() if p.requires_grad]
+        named = {name: p.detach().numpy().copy() for name, p in self.model.named_parameters() if p.requires_grad}
+        self.layout = Layout.from_arrays(named)
+        self.initial = np.concatenate([v.ravel() for v in named.values()])
+        # The model's parameters are views into one flat tensor, loaded with a snapshot's weights per gradient.
+        self._flat = torch.from_numpy(self.initial.copy())
+        self._flat_np = self._flat.numpy()
+        offset = 0
+        with torch.no_grad():
+            for p in self.params:
+                p.data = self._flat[offset : offset + p.numel()].view_as(p)
+                offset += p.numel()
+        self._shards = [shard(dataset, rank, workers) for rank in range(workers)]
+        self._rngs = [np.random.default_rng([seed, rank]) for rank in range(workers)]
+        self._orders = [np.empty(0, np.int64)] * workers
+        self._at = [0] * workers
+        self.gradients = 0
+        self.seconds = 0.0  # wall time spent computing gradients
+        self.eval_seconds = 0.0  # and measuring test accuracy
+        self.non_finite_loss = False
+
+    def _batch(self, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
+        x, y = self._shards[rank]
+        size = min(self.batch_size, len(y))
+        if self._at[rank] + size > len(self._orders[rank]):  # a new epoch of this worker's shard
+            self._orders[rank] = self._rngs[rank].permutation(len(y))
+            self._at[rank] = 0
+        index = torch.from_numpy(self._orders[rank][self._at[rank] : self._at[rank] + size])
+        self._at[rank] += size
+        return x[index], y[index]
+
+    def compute(self, rank: int, weights: np.ndarray, grad_out: np.ndarray) -> None:
+        """Worker ``rank``'s gradient of the mean cross-entropy of its next batch, on ``weights``."""
+        start = time.perf_counter()
+        np.copyto(self._flat_np, weights)
+        x, y = self._batch(rank)
+        for p in self.params:
+            p.grad = None
+        loss = F.cross_entropy(self.model(x), y)
+        if not math.isfinite(loss.item()):
+            self.non_finite_loss = True
+        loss.backward()
+        torch.cat([p.grad.reshape(-1) for p in self.params], out=torch.from_numpy(grad_out))
+        self.gradients += 1
+        self.seconds += time.perf_counter() - start
+
+    def evaluate(self, weights: np.ndarray) -> float:
+        """Test accuracy of ``weights``."""
+        start = time.perf_counter()
+        np.copyto(self._flat_np, weights)
+        result = accuracy(self.model, self.dataset.x_test, self.dataset.y_test)
+        self.eval_seconds += time.perf_counter() - start
+        return result
+
+
+def train_virtual(
+    setting: Setting,
+    speeds: list[float],
+    *,
+    dataset: str | Dataset = "mnist",
+    lr: float = 0.05,
+    momentum: float = 0.0,
+    batch_size: int = 32,
+    lr_staleness: str = "none",
+    jitter: float = 0.0,
+    stragglers: Stragglers | None = None,
+    iterations: int | None = None,
+    budget: float | None = None,
+    eval_every: float | None = None,
+    target: float | None = None,
+    stop_at_target: bool = False,
+    seed: int = 0,
+    init_seed: int = 0,
+    progress: Callable[[dict], None] | None = None,
+) -> dict:
+    """Train the bundled CNN on ``dataset`` with one sync ``setting`` on a virtual cluster of
+    ``len(speeds)`` workers (mean iteration times ``speeds``, virtual seconds), until
+    ``iterations`` gradients were pushed or ``budget`` virtual seconds passed (at least one
+    of them), or the target is reached with ``stop_at_target``.
+
+    The server applies SGD with ``lr`` and ``momentum`` to each worker's gradient (the mean
+    over its batch of ``batch_size``); ``lr_staleness`` is the server's ``--lr-staleness``.
+    Test accuracy is measured every ``eval_every`` virtual seconds (default: budget / 25,
+    or a 25th of the expected time of ``iterations``).
+
+    Returns a JSON-able record: the test accuracy against virtual time (``curve``, [time,
+    accuracy] rows) and against gradients applied (``curve_gradients``), every evaluation
+    (``evaluations``: time, gradients applied, updates, accuracy), ``time_to_target_s`` and
+    ``gradients_to_target``, ``best`` and
+    ``final_accuracy``, the staleness distribution and gate waits, ``diverged``, and the
+    wall time spent (``wall_s``, of which ``gradient_s`` computing gradients and ``eval_s``
+    measuring accuracy).
+    """
+    if iterations is None and budget is None:
+        raise ValueError("give iterations, or a virtual-time budget")
+    data = load(dataset, seed=init_seed) if isinstance(dataset, str) else dataset
+    workers = len(speeds)
+    trainer = VirtualTrainer(data, workers, batch_size=batch_size, init_seed=init_seed, seed=seed)
+    config = ServerConfig(workers=workers, lr=lr, momentum=momentum, lr_staleness=lr_staleness, heartbeat_timeout=0,
+                          **setting.options)
+    times = IterationTimes(speeds, jitter, stragglers, seed)
+    wall = time.perf_counter()
+    cluster = VirtualCluster(config, times, trainer.layout, trainer.initial, trainer.compute)
+    if eval_every is None:
+        horizon = budget if budget is not None else iterations * float(np.mean(speeds)) / workers
+        eval_every = horizon / 25
+    curve: list[list[float]] = []
+    reached_at = reached_after = None
+    diverged = False
+
+    def evaluate(at: float) -> None:
+        nonlocal reached_at, reached_after
+        applied = len(cluster.staleness)
+        acc = trainer.evaluate(cluster.engine.weights)
+        curve.append([round(at, 6), applied, cluster.engine.version, acc])
+        if target is not None and reached_at is None and acc >= target:
+            reached_at, reached_after = at, applied
+        if progress is not None:
+            progress({"time": at, "gradients": applied, "accuracy": acc})
+
+    next_eval = 0.0
+    while True:
+        upcoming = cluster.next_time
+        limit = min(upcoming, budget if budget is not None else math.inf)
+        while next_eval <= limit:  # the weights as they are before the next push arrives
+            evaluate(next_eval)
+            next_eval += eval_every
+        if (budget is not None and upcoming > budget) or (iterations is not None and cluster.pushes >= iterations):
+            break
+        if stop_at_target and reached_at is not None:
+            break
+        try:
+            cluster.step()
+        except SimulationError:
+            if isinstance(cluster.error, NonFiniteGradient):
+                diverged = True
+                break
+            raise
+        if trainer.non_finite_loss:
+            diverged = True
+            break
+    end = cluster.now if budget is None else min(budget, max(cluster.now, upcoming))
+    if not curve or curve[-1][0] < end:
+        evaluate(end)
+    wall = time.perf_counter() - wall
+    from ..cli.simulate import sync_figures
+
+    figures = sync_figures(cluster)
+    return {
+        "sync": setting.label,
+        "policy": cluster.engine.policy.describe(),
+        "lr_staleness": lr_staleness,
+        "workers": workers,
+        "speeds": list(speeds),
+        "jitter": jitter,
+        "stragglers": None if stragglers is None else vars(stragglers),
+        "dataset": data.name,
+        "lr": lr,
+        "momentum": momentum,
+        "batch_size": batch_size,
+        "seed": seed,
+        "init_seed": init_seed,
+        "target": target,
+        "time_to_target_s": reached_at,
+        "gradients_to_target": reached_after,
+        "best_accuracy": max(row[3] for row in curve),
+        "final_accuracy": curve[-1][3],
+        "diverged": diverged,
+        "simulated_s": end,
+        "pushes": cluster.pushes,
+        "gradients_applied": len(cluster.staleness),
+        "updates": cluster.engine.version,
+        "iterations_per_s": cluster.pushes / end if end > 0 else 0.0,
+        "mean_wait_s": figures["mean_wait"],
+        **figures,
+        "slow_time_s": list(times.slow_time),
+        "curve": [[row[0], row[3]] for row in curve],
+        "curve_gradients": [[row[1], row[3]] for row in curve],
+        "evaluations": curve,
+        "wall_s": wall,
+        "gradient_s": trainer.seconds,
+        "eval_s": trainer.eval_seconds,
+    }
