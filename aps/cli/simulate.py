@@ -191,6 +191,8 @@ def register(commands) -> None:
                        "(default: a 25th of the run)")
     train.add_argument("--target", type=number, default=0.95, help="test accuracy whose time to reach is reported")
     train.add_argument("--seeds", type=int, default=1, help="runs per setting, with seeds SEED, SEED+1, ...")
+    train.add_argument("--jobs", type=int, default=1, help="runs at once, one process each (default 1); the results "
+                       "are the same whatever the number: every run computes with one thread")
     parser.set_defaults(run=run)
 
 
@@ -237,17 +239,42 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
+def _one_run(dataset, speeds: list[float], options: dict, setting: Setting, mode: str, seed: int) -> dict:
+    import torch
+
+    from ..workloads.virtual import train_virtual
+
+    torch.set_num_threads(1)  # the same arithmetic in every process, whatever --jobs is
+    return train_virtual(setting, speeds, dataset=dataset, lr_staleness=mode, seed=seed, **options)
+
+
+def _in_order(runs: list, jobs: int, dataset, speeds: list[float], options: dict):
+    """``(index, run, record)`` for every run, in the order of ``runs``: one after the other,
+    or ``jobs`` at a time in processes of their own."""
+    if jobs <= 1:
+        for index, run in enumerate(runs, 1):
+            yield index, run, _one_run(dataset, speeds, options, *run)
+        return
+    import multiprocessing
+    from concurrent.futures import ProcessPoolExecutor
+
+    with ProcessPoolExecutor(max_workers=jobs, mp_context=multiprocessing.get_context("spawn")) as pool:
+        futures = [pool.submit(_one_run, dataset.name, speeds, options, *run) for run in runs]
+        for index, (run, future) in enumerate(zip(runs, futures), 1):
+            yield index, run, future.result()
+
+
 def run_training(args: argparse.Namespace, speeds: list[float], settings: list[Setting]) -> int:
     """``aps simulate --train``: every setting (and learning-rate mode) for ``--seeds`` seeds."""
     import os
     import tempfile
 
     from ..workloads import load
-    from ..workloads.virtual import train_virtual
     from . import compare
 
     require(args.budget is None or args.budget > 0, f"--budget must be > 0, got {args.budget}")
     require(args.seeds >= 1, f"--seeds must be at least 1, got {args.seeds}")
+    require(args.jobs >= 1, f"--jobs must be at least 1, got {args.jobs}")
     require(args.batch_size >= 1, f"--batch-size must be at least 1, got {args.batch_size}")
     require(0 < args.target <= 1, f"--target is a test accuracy in (0, 1], got {args.target}")
     require(args.eval_every is None or args.eval_every > 0, "--eval-every must be > 0")
@@ -267,13 +294,11 @@ def run_training(args: argparse.Namespace, speeds: list[float], settings: list[S
     print(f"{len(runs)} virtual runs of {limit} on {len(speeds)} workers ({compare.describe_speeds(speeds)}, "
           f"jitter {args.jitter:g}{', stragglers ' + str(vars(args.stragglers)) if args.stragglers else ''}), "
           f"{args.train}, lr {args.lr:g}; results in {out}", flush=True)
+    options = dict(lr=args.lr, momentum=args.momentum, batch_size=args.batch_size, jitter=args.jitter,
+                   stragglers=args.stragglers, iterations=None if args.budget else args.iterations, budget=args.budget,
+                   eval_every=args.eval_every, target=args.target)
     records = []
-    for index, (setting, mode, seed) in enumerate(runs, 1):
-        record = train_virtual(
-            setting, speeds, dataset=dataset, lr=args.lr, momentum=args.momentum, batch_size=args.batch_size,
-            lr_staleness=mode, jitter=args.jitter, stragglers=args.stragglers,
-            iterations=None if args.budget else args.iterations, budget=args.budget, eval_every=args.eval_every,
-            target=args.target, seed=seed)
+    for index, (setting, mode, seed), record in _in_order(runs, args.jobs, dataset, speeds, options):
         record.update(label=compare.label(setting.label, mode), cluster="virtual", repeat=seed - args.seed)
         records.append(record)
         reached = record["time_to_target_s"]
