@@ -133,8 +133,8 @@ class Member:
     """
 
     __slots__ = (
-        "rank", "grad", "grad_bytes", "grad16", "grad16_bytes", "grad_dtype", "connected", "joined", "joined_running", "waiter", "gate", "waiting_since",
-        "required_version", "rejoin", "push_id", "push_clock",
+        "rank", "grad", "grad_bytes", "grad16", "grad16_bytes", "grad_dtype", "connected", "joined", "joined_running",
+        "waiter", "gate", "waiting_since", "required_version", "rejoin", "push_id", "push_clock",
     )
 
     def __init__(self, rank: int) -> None:

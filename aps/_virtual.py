@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import heapq
 import math
+import statistics
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -78,7 +79,7 @@ class IterationTimes:
         self._state_rng = np.random.default_rng([seed, 104729])
         if stragglers is not None:
             self._switch = [float(self._state_rng.exponential(1.0 / stragglers.rate)) for _ in range(count)]
-        #: Virtual seconds each worker spent slow (ended spells, and the current one up to its last iteration).
+        #: Virtual seconds of the slow spells each worker began (each counted whole when it begins).
         self.slow_time = [0.0] * count
 
     def _factor(self) -> float:
@@ -224,3 +225,29 @@ class VirtualCluster:
     def error(self) -> BaseException | None:
         """What stopped the run, if the engine refused a push (e.g. ``NonFiniteGradient``)."""
         return self._errors[0] if self._errors else None
+
+    def sync_figures(self) -> dict:
+        """What the run's synchronization looked like: gate waits, staleness, the largest gap."""
+        waits, staleness = sorted(self.waits), sorted(self.staleness)
+        hist: dict[str, int] = {}
+        for value in staleness:
+            hist[str(value)] = hist.get(str(value), 0) + 1
+        return {
+            "mean_wait": statistics.fmean(waits) if waits else 0.0,
+            "p50_wait": _percentile(waits, 50),
+            "p99_wait": _percentile(waits, 99),
+            "max_wait": waits[-1] if waits else 0.0,
+            "mean_staleness": statistics.fmean(staleness) if staleness else 0.0,
+            "p50_staleness": _percentile(staleness, 50),
+            "p99_staleness": _percentile(staleness, 99),
+            "max_staleness": staleness[-1] if staleness else 0,
+            "staleness_hist": hist,
+            "max_gap": self.max_gap,
+        }
+
+
+def _percentile(sorted_values: list[float], q: float) -> float:
+    if not sorted_values:
+        return 0.0
+    index = min(len(sorted_values) - 1, max(0, math.ceil(q / 100.0 * len(sorted_values)) - 1))
+    return sorted_values[index]

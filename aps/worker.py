@@ -64,7 +64,6 @@ from .protocol import (
     encode_init,
     host_identity,
     pack_header,
-    unpack_header,
 )
 from .transport._tls import client_context
 from .transport.address import Address, parse_address
@@ -479,17 +478,16 @@ class _ClientCore:
                 for view in buffers:
                     self._grad_bytes[offset : offset + len(view)] = view
                     offset += len(view)
-            frames = [pack_header(op, _SHM, _FLOAT32, self._next_request(op), self.clock, self.version, 0)]
-        elif self.compressing:
-            half = self._narrowed(buffers)
-            flags, _ = self._weights_request() if then_pull else (0, 0)
-            frames = [self._header(op, half.nbytes, self.compression, flags), memoryview(half).cast("B")]
+            flags, dtype = _SHM, _FLOAT32
+            frames = [pack_header(op, flags, dtype, self._next_request(op), self.clock, self.version, 0)]
         else:
-            if then_pull:
-                self._weights_request()
-            frames = [self._header(op, self.layout.nbytes, DType.FLOAT32), *buffers]
-        head = unpack_header(frames[0])
-        self._push = (op, self._request_id, self.clock, self.version, frames[1:], head.flags, head.dtype)
+            flags, _ = self._weights_request() if then_pull else (0, 0)
+            if self.compressing:
+                dtype, buffers = self.compression, [memoryview(self._narrowed(buffers)).cast("B")]
+            else:
+                dtype = _FLOAT32
+            frames = [self._header(op, sum(len(b) for b in buffers), dtype, flags), *buffers]
+        self._push = (op, self._request_id, self.clock, self.version, frames[1:], flags, dtype)
         return frames
 
     def _narrowed(self, buffers: list) -> np.ndarray:

@@ -16,7 +16,6 @@ Needs root, iproute2 and tc. Example:
 
 from __future__ import annotations
 
-import json
 import os
 import statistics
 import sys
@@ -25,10 +24,9 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from shards import WORKERS, Config, _phase, report_head  # noqa: E402
+from shards import WORKERS, Config, _phase, finish, report_head  # noqa: E402
 
 from aps.cli._args import ArgumentParser, parse_size  # noqa: E402
-from aps.cli.bench import write_report  # noqa: E402
 
 TARGET = 1.6
 
@@ -117,11 +115,7 @@ def main(argv: list[str] | None = None) -> int:
         },
         "windows": windows,
     }
-    print(json.dumps({"ratios": ratios, "ratios_per_repeat": per_repeat,
-                      "medians_MB_per_s": {k: None if v is None else round(v / 1e6, 1) for k, v in medians.items()}},
-                     indent=2))
-    write_report(report, args.out)
-    return 0
+    return finish(report, medians, args.out)
 
 
 if __name__ == "__main__":

@@ -320,6 +320,15 @@ def link_bound(shards: int, link_bytes_per_s: float, workers: int = WORKERS) -> 
     return {"both_ways_at_once_bytes_per_s": 2 * each_way, "one_way_at_a_time_bytes_per_s": each_way}
 
 
+def finish(report: dict, medians: dict, out: str | None) -> int:
+    """Print a report's ratios and the configurations' medians (MB/s), and write it to ``out``."""
+    print(json.dumps({"ratios": report["ratios"], "ratios_per_repeat": report["ratios_per_repeat"],
+                      "medians_MB_per_s": {k: None if v is None else round(v / 1e6, 1) for k, v in medians.items()}},
+                     indent=2))
+    write_report(report, out)
+    return 0
+
+
 def report_head(name: str, argv: list[str], args, payload: int, started: float) -> dict:
     """What every report of a benchmark over these hosts begins with: the command, the
     machine, the links and the windows."""
@@ -473,11 +482,7 @@ def main(argv: list[str] | None = None) -> int:
               f"{row['link_bound']['both_ways_at_once_bytes_per_s'] / 1e6:.0f} both ways at once; server links in "
               f"{phases['in']:.2f} out {phases['out']:.2f} both at once {phases['both_at_once']:.2f} "
               f"(corr {phases['correlation']:+.2f}, p90 in {phases['in_p90']:.2f} out {phases['out_p90']:.2f}); machine cpu {cpu['machine_busy_cores']:.2f} of {cpu['cpus']} cores")
-    print(json.dumps({"ratios": ratios, "ratios_per_repeat": per_repeat,
-                      "medians_MB_per_s": {k: None if v is None else round(v / 1e6, 1) for k, v in medians.items()}},
-                     indent=2))
-    write_report(report, args.out)
-    return 0
+    return finish(report, medians, args.out)
 
 
 if __name__ == "__main__":

@@ -33,7 +33,7 @@ from ..errors import ConfigurationError
 from ..layout import Layout
 from ._args import Setting, command_line, number, parse_setting, parse_speeds, require, sync_setting
 
-__all__ = ["DEFAULT_SETTINGS", "SimulationError", "register", "simulate", "sync_figures", "worker_speeds"]
+__all__ = ["DEFAULT_SETTINGS", "SimulationError", "register", "simulate", "worker_speeds"]
 
 #: The bundled datasets --train takes (aps.workloads.DATASETS, without importing torch here).
 DATASETS = ("mnist", "digits")
@@ -68,13 +68,6 @@ def worker_speeds(
     return values
 
 
-def _percentile(sorted_values: list[float], q: float) -> float:
-    if not sorted_values:
-        return 0.0
-    index = min(len(sorted_values) - 1, max(0, math.ceil(q / 100.0 * len(sorted_values)) - 1))
-    return sorted_values[index]
-
-
 def simulate(setting: Setting, speeds: list[float], *, iterations: int, jitter: float = 0.0, seed: int = 0,
              stragglers: Stragglers | None = None) -> dict:
     """Run one setting until the cluster has pushed ``iterations`` gradients in all.
@@ -106,29 +99,9 @@ def simulate(setting: Setting, speeds: list[float], *, iterations: int, jitter: 
         "iterations_per_s": cluster.pushes / cluster.now if cluster.now > 0 else 0.0,
         "updates": cluster.engine.version,
         "dropped": cluster.engine.policy.dropped,
-        **sync_figures(cluster),
+        **cluster.sync_figures(),
         "iterations_per_worker": {"min": min(cluster.per_worker), "max": max(cluster.per_worker)},
         "wall_s": wall,
-    }
-
-
-def sync_figures(cluster: VirtualCluster) -> dict:
-    """What a run's synchronization looked like: gate waits, staleness, the largest gap."""
-    waits, staleness = sorted(cluster.waits), sorted(cluster.staleness)
-    hist: dict[str, int] = {}
-    for value in staleness:
-        hist[str(value)] = hist.get(str(value), 0) + 1
-    return {
-        "mean_wait": statistics.fmean(waits) if waits else 0.0,
-        "p50_wait": _percentile(waits, 50),
-        "p99_wait": _percentile(waits, 99),
-        "max_wait": waits[-1] if waits else 0.0,
-        "mean_staleness": statistics.fmean(staleness) if staleness else 0.0,
-        "p50_staleness": _percentile(staleness, 50),
-        "p99_staleness": _percentile(staleness, 99),
-        "max_staleness": staleness[-1] if staleness else 0,
-        "staleness_hist": hist,
-        "max_gap": cluster.max_gap,
     }
 
 

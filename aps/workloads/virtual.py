@@ -185,9 +185,7 @@ def train_virtual(
     if not curve or curve[-1][0] < end:
         evaluate(end)
     wall = time.perf_counter() - wall
-    from ..cli.simulate import sync_figures
-
-    figures = sync_figures(cluster)
+    figures = cluster.sync_figures()
     return {
         "sync": setting.label,
         "policy": cluster.engine.policy.describe(),
