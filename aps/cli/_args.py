@@ -34,6 +34,7 @@ __all__ = [
     "add_server_arguments",
     "choice_list",
     "config_from_args",
+    "describe_speeds",
     "format_size",
     "int_list",
     "number",
@@ -153,6 +154,19 @@ def parse_speeds(text: str, count: int | None = None, flag: str = "--speeds") ->
         raise ConfigurationError(f"{flag} needs {how_many}positive numbers separated by commas, such as 1,1,1,2.5, "
                                  f"got {text!r}")
     return values
+
+
+def describe_speeds(speeds: Sequence[float]) -> str:
+    """``speeds 1,1,1,2.5``; for many workers, how many at each speed, or their spread."""
+    if len(speeds) <= 8:
+        return "speeds " + ",".join(f"{s:g}" for s in speeds)
+    counts: dict[float, int] = {}
+    for s in speeds:
+        counts[s] = counts.get(s, 0) + 1
+    if len(counts) <= 3:
+        return f"{len(speeds)} workers, iteration times " + ", ".join(f"{s:g} (x{n})" for s, n in counts.items())
+    return (f"{len(speeds)} workers, iteration times {sum(speeds) / len(speeds):.2f} mean, "
+            f"{min(speeds):.2f}-{max(speeds):.2f}")
 
 
 @_type("a number")

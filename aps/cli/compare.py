@@ -25,6 +25,7 @@ import socket
 import statistics
 import sys
 import tempfile
+import textwrap
 import time
 from dataclasses import dataclass, field
 
@@ -33,7 +34,7 @@ import numpy as np
 from ..config import ServerConfig
 from ..errors import ConfigurationError
 from ..server import Server
-from ._args import command_line, number, parse_setting, parse_speeds, require
+from ._args import command_line, describe_speeds, number, parse_setting, parse_speeds, require
 
 __all__ = ["DEFAULT_PARADIGMS", "Run", "compare", "register"]
 
@@ -75,6 +76,8 @@ class Run:
     repeat: int = 0
     compression: str = "none"
     curve: list[list[float]] = field(default_factory=list)
+    #: ``[gradients applied, accuracy]`` at each evaluation (as ``aps simulate --train`` records it)
+    curve_gradients: list[list[float]] = field(default_factory=list)
     stats: dict = field(default_factory=dict)
 
 
@@ -260,7 +263,10 @@ def _run_one(run: Run, pool: _Pool, evaluate, args, out=sys.stdout, bar=None) ->
             now = time.monotonic()
             if now >= next_eval:
                 version, flat = server.weights()
+                engine = server.engine  # gradients applied so far (read after the weights: at most a push ahead)
+                applied = engine.pushes - engine.policy.dropped
                 run.curve.append([round(now - started, 3), evaluate(flat)])
+                run.curve_gradients.append([applied, run.curve[-1][1]])
                 if bar is not None:
                     bar.update(min(now - started, args.budget) - bar.n)
                     bar.set_postfix_str(f"accuracy {run.curve[-1][1]:.3f}  updates {version}", refresh=True)
@@ -282,6 +288,7 @@ def _run_one(run: Run, pool: _Pool, evaluate, args, out=sys.stdout, bar=None) ->
         "mean_staleness": (sum(m * n for m, n in applied) / sum(n for _, n in applied)) if applied else 0.0,
         "max_gap": max((w["max_release_gap"] or 0) for w in workers),
         "diverged": any(r["diverged"] for r in results),
+        "staleness_hist": _merged([w["staleness_hist"] for w in workers]),
     }
     best = max(acc for _, acc in run.curve)
     if bar is not None:
@@ -292,6 +299,15 @@ def _run_one(run: Run, pool: _Pool, evaluate, args, out=sys.stdout, bar=None) ->
         f"staleness {run.stats['mean_staleness']:.2f}" + ("  (diverged)" if run.stats["diverged"] else ""),
         file=out, flush=True,
     )
+
+
+def _merged(histograms: list[dict[str, int]]) -> dict[str, int]:
+    """The sum of ``{value: count}`` histograms, by increasing value."""
+    total: dict[int, int] = {}
+    for hist in histograms:
+        for value, count in hist.items():
+            total[int(value)] = total.get(int(value), 0) + count
+    return {str(value): total[value] for value in sorted(total)}
 
 
 def _run_label(run: Run) -> str:
@@ -316,6 +332,7 @@ def summarize(run: Run, target: float, budget: float) -> dict:
         "final_accuracy": run.curve[-1][1],
         **run.stats,
         "curve": run.curve,
+        "curve_gradients": run.curve_gradients,
     }
 
 
@@ -335,11 +352,12 @@ def _median_time(rows: list[dict]) -> float | None:
     return None if math.isinf(median) else median
 
 
-def describe_speeds(speeds: list[float]) -> str:
-    """``speeds 1,1,1,2.5``, or for many workers their count and spread."""
-    if len(speeds) <= 8:
-        return "speeds " + ",".join(f"{s:g}" for s in speeds)
-    return f"{len(speeds)} workers, iteration times {statistics.fmean(speeds):.2f} mean, {min(speeds):.2f}-{max(speeds):.2f}"
+def cluster_title(records: list[dict], cluster: str) -> str:
+    """``heterogeneous cluster (speeds 1,1,1,2.5)``; a simulated cluster's name and description."""
+    first = next(r for r in records if r["cluster"] == cluster)
+    if "cluster_description" in first:
+        return f"{cluster} ({first['cluster_description']})"
+    return f"{cluster} cluster ({describe_speeds(first['speeds'])})"
 
 
 def markdown(records: list[dict], target: float, *, virtual: bool = False) -> str:
@@ -349,8 +367,7 @@ def markdown(records: list[dict], target: float, *, virtual: bool = False) -> st
     repeats = max(len(rows) for rows in groups.values())
     lines = []
     for cluster in dict.fromkeys(r["cluster"] for r in records):
-        speeds = describe_speeds(next(r["speeds"] for r in records if r["cluster"] == cluster))
-        title = f"### {cluster} cluster ({speeds})"
+        title = "### " + cluster_title(records, cluster)
         lines += [title + (f", {repeats} runs each: median time, mean of the rest" if repeats > 1 else ""), ""]
         head = f"| paradigm | {'virtual ' if virtual else ''}time to {target:g} |" + (" reached |" if repeats > 1 else "")
         lines += [head + " best accuracy | iterations/s | mean wait | mean staleness |",
@@ -387,9 +404,11 @@ def plot(records: list[dict], path: str, target: float, command: str, *, curve: 
     import matplotlib.pyplot as plt
 
     clusters = list(dict.fromkeys(r["cluster"] for r in records))
-    fig, axes = plt.subplots(1, len(clusters), figsize=(6.2 * len(clusters), 4.4), dpi=110, squeeze=False)
+    columns = min(2, len(clusters))
+    rows = -(-len(clusters) // columns)
+    fig, axes = plt.subplots(rows, columns, figsize=(6.2 * columns, 4.4 * rows), dpi=110, squeeze=False)
     colors: dict[str, str] = {}
-    for ax, cluster in zip(axes[0], clusters):
+    for ax, cluster in zip(axes.flat, clusters):
         for (c, name), runs in _groups(records).items():
             if c != cluster:
                 continue
@@ -400,13 +419,14 @@ def plot(records: list[dict], path: str, target: float, command: str, *, curve: 
             acc = [statistics.fmean(r[curve][i][1] for r in runs) for i in range(length)]
             ax.plot(t, acc, "--" if runs[0]["lr_staleness"] == "inverse" else "-", color=color, label=name, lw=1.5)
         ax.axhline(target, color="gray", lw=0.8, ls=":")
-        speeds = describe_speeds(records[[r["cluster"] for r in records].index(cluster)]["speeds"])
-        ax.set_title(f"{cluster} cluster ({speeds})", fontsize=10)
+        ax.set_title(textwrap.fill(cluster_title(records, cluster), 80), fontsize=9)
         ax.set_xlabel(x_label)
         ax.set_ylabel("test accuracy")
         low = min(min(acc for _, acc in r[curve][1:] or r[curve]) for r in records)
         ax.set_ylim(max(0.0, min(low, target - 0.1)), 1.0)
         ax.grid(alpha=0.3)
+    for ax in axes.flat[len(clusters):]:
+        ax.set_visible(False)
     axes[0][-1].legend(fontsize=7, loc="lower right", ncol=2)
     fig.text(0.01, 0.01, command, fontsize=6, color="gray")
     fig.tight_layout(rect=(0, 0.03, 1, 1))
@@ -568,8 +588,13 @@ def _add_arguments(parser: argparse.ArgumentParser, *, demo: bool = False) -> No
     parser.add_argument("--eval-every", type=number, default=0.0,
                         help="seconds between evaluations (default 0: budget/25, at least 0.5)")
     parser.add_argument("--seed", type=int, default=0, help="data split and initial weights")
-    parser.add_argument("--repeats", type=int, default=1,
-                        help="run everything N times with different data orders and pacing")
+    parser.add_argument("--repeats", type=int,
+                        help="run everything N times with different data orders and pacing (default 1; 3 with "
+                        "--virtual)")
+    parser.add_argument("--virtual", action="store_true",
+                        help="the same comparison on a virtual clock (aps simulate --train): no processes, real "
+                        "gradients in virtual-time order, every run reproducible from its seed; --budget, "
+                        "--eval-every and the speeds count in --step-time units of virtual time")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar during each run")
     parser.add_argument("--http-port", type=int, default=0 if demo else None, metavar="PORT",
                         help="serve the live dashboard and /metrics of each run's server on this port (0: a free "
@@ -586,5 +611,39 @@ def run(args: argparse.Namespace) -> int:
             f"aps compare and aps demo train PyTorch models: install the extras ({', '.join(missing)} missing): "
             "pip install 'aps[torch,examples]'"
         )
+    if args.virtual:
+        return compare_virtual(args)
+    args.repeats = 1 if args.repeats is None else args.repeats
     compare(args)
+    if getattr(args, "command", None) == "demo":
+        print("The same comparison on a virtual clock, 3 seeds per paradigm, about a minute: aps demo --virtual")
     return 0
+
+
+def compare_virtual(args: argparse.Namespace) -> int:
+    """``--virtual``: the comparison's clusters and paradigms on a virtual clock, ``--repeats`` seeds
+    (default 3), as ``aps simulate --train`` runs them; wall-clock seconds become virtual ones in
+    units of ``--step-time`` (a speed-1 worker's iteration is one virtual second)."""
+    from .simulate import ClusterSpec, run_training
+
+    require(args.compression == "none", "--virtual does not model wire compression: drop --compression")
+    require(args.step_time > 0, "--virtual counts time in --step-time units: give a --step-time > 0")
+    require(args.budget > 0, f"--budget must be > 0, got {args.budget:g}")
+    require(args.workers >= 1, f"--workers must be at least 1, got {args.workers}")
+    chosen = [c.strip() for c in args.clusters.split(",") if c.strip()]
+    require(bool(chosen) and all(c in ("homogeneous", "heterogeneous") for c in chosen),
+            f"--clusters takes homogeneous and/or heterogeneous, got {args.clusters!r}")
+    speeds = {"homogeneous": [1.0] * args.workers,
+              "heterogeneous": parse_speeds(args.speeds, args.workers, "--speeds") if "heterogeneous" in chosen else []}
+    budget = args.budget / args.step_time
+    clusters = [ClusterSpec(name, tuple(speeds[name]), jitter=args.jitter, budget=budget) for name in chosen]
+    paradigms = [p.strip() for p in args.paradigms.split(",") if p.strip()]
+    require(bool(paradigms), "--paradigms names no sync setting")
+    options = argparse.Namespace(
+        train=args.dataset, seeds=3 if args.repeats is None else args.repeats, seed=args.seed,
+        jobs=max(1, min(os.cpu_count() or 1, 4)), lr=args.lr, momentum=args.momentum, batch_size=args.batch_size,
+        lr_staleness=args.lr_staleness, target=args.target, out=args.out,
+        eval_every=args.eval_every / args.step_time if args.eval_every else None)
+    return run_training(options, clusters, [parse_setting(p) for p in paradigms],
+                        title=f"aps {getattr(args, 'command', 'compare')} --virtual: one virtual second is a speed-1 "
+                        f"worker's iteration ({args.step_time * 1e3:g} ms of --step-time), {budget:g} virtual s per run")

@@ -23,7 +23,9 @@ import json
 import math
 import statistics
 import sys
+import textwrap
 import time
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -31,7 +33,7 @@ from .._virtual import IterationTimes, SimulationError, Stragglers, VirtualClust
 from ..config import ServerConfig
 from ..errors import ConfigurationError
 from ..layout import Layout
-from ._args import Setting, command_line, number, parse_setting, parse_speeds, require, sync_setting
+from ._args import Setting, command_line, describe_speeds, number, parse_setting, parse_speeds, require, sync_setting
 
 __all__ = ["DEFAULT_SETTINGS", "SimulationError", "register", "simulate", "worker_speeds"]
 
@@ -41,6 +43,74 @@ DATASETS = ("mnist", "digits")
 DEFAULT_SETTINGS = ("bsp", "asp", "ssp:3", "ssp:15", "dssp:3:15", "softsync:1")
 #: The cluster ``aps simulate`` runs without --speeds or --workers: four workers, one three times slower.
 DEFAULT_SPEEDS = (1.0, 1.0, 1.0, 3.0)
+
+
+@dataclass(frozen=True)
+class ClusterSpec:
+    """One simulated cluster of a ``--train`` comparison: its workers' mean iteration times, the
+    jitter and stragglers on top, and how long each run lasts (virtual seconds or gradients)."""
+
+    name: str
+    speeds: tuple[float, ...]
+    jitter: float = 0.0
+    stragglers: Stragglers | None = None
+    budget: float | None = None
+    iterations: int | None = None
+    #: Virtual seconds between test evaluations (None: a 25th of the run, or --eval-every).
+    eval_every: float | None = None
+
+    def describe(self) -> str:
+        text = describe_speeds(self.speeds)
+        if self.jitter:
+            text += f", jitter {self.jitter:g}"
+        if self.stragglers is not None:
+            s = self.stragglers
+            text += f", on/off stragglers {s.rate:g}/s for {s.duration:g} s, {s.slowdown:g}x slower"
+        return text
+
+
+@dataclass(frozen=True)
+class Experiment:
+    """A paper's experiment at its own scale, as one ``aps simulate --experiment NAME``."""
+
+    title: str
+    clusters: tuple[ClusterSpec, ...]
+    sync: tuple[str, ...]
+    lr_staleness: str = "both"
+    lr: float = 0.05
+    target: float = 0.95
+    seeds: int = 3
+
+
+#: ``aps simulate --experiment``: the two papers' experiments on the bundled MNIST digits (see docs/paradigms.md).
+EXPERIMENTS = {
+    # Zhang et al.: 30 learners, n-softsync for n in 1, 2, 4, 30 (and ASP), fixed learning rate and lr/tau.
+    "zhang": Experiment(
+        title="Zhang et al., staleness-aware async SGD: 30 learners, n-softsync, fixed learning rate and lr/tau",
+        clusters=(ClusterSpec("30 learners", (1.0,) * 30, jitter=0.3, iterations=8000, eval_every=8.0),),
+        sync=("asp", "softsync:1", "softsync:2", "softsync:4", "softsync:30"),
+        target=0.9,
+    ),
+    # Zhao et al.: heterogeneous clusters (a slow worker or several; persistent and on/off stragglers).
+    # The on/off stragglers: each worker turns slow every 200 virtual s on average and stays slow 50 s
+    # (a fifth of the time), 4x slower meanwhile; so at any moment some worker is usually slow, but
+    # never the same one for long, which is where a threshold set at run time can pay off.
+    "zhao": Experiment(
+        title="Zhao et al., dynamic SSP: heterogeneous clusters of 4 and 16 workers, persistent and on/off stragglers",
+        clusters=(
+            ClusterSpec("4 workers, one 3x slower", (1.0, 1.0, 1.0, 3.0), jitter=0.1, budget=600, eval_every=15.0),
+            ClusterSpec("4 workers, on/off stragglers", (1.0,) * 4, jitter=0.1,
+                        stragglers=Stragglers(0.005, 50.0, 4.0), budget=600, eval_every=15.0),
+            ClusterSpec("16 workers, four 3x slower", (1.0,) * 12 + (3.0,) * 4, jitter=0.1, budget=400, eval_every=10.0),
+            ClusterSpec("16 workers, on/off stragglers", (1.0,) * 16, jitter=0.1,
+                        stragglers=Stragglers(0.005, 50.0, 4.0), budget=400, eval_every=10.0),
+        ),
+        sync=("bsp", "asp", "ssp:3", "ssp:15", "dssp:3:15"),
+        target=0.9,
+    ),
+}
+#: What a preset sets, and so may not be given with --experiment.
+_CLUSTER_OPTIONS = ("speeds", "workers", "hetero", "jitter", "stragglers", "budget", "iterations")
 
 
 def worker_speeds(
@@ -134,8 +204,8 @@ def register(commands) -> None:
     parser.add_argument("--workers", type=int,
                         help="number of workers, all at speed 1 unless --hetero (default: as many as --speeds gives)")
     parser.add_argument("--hetero", metavar="lognormal:SIGMA", help="draw each worker's mean iteration time from a lognormal distribution (default: all 1)")
-    parser.add_argument("--jitter", type=number, default=0.0, help="lognormal spread of each iteration's time")
-    parser.add_argument("--iterations", type=int, default=10000, help="total iterations, all workers together")
+    parser.add_argument("--jitter", type=number, help="lognormal spread of each iteration's time (default 0)")
+    parser.add_argument("--iterations", type=int, help="total iterations, all workers together (default 10000)")
     parser.add_argument(
         "--sync", action="append", type=sync_setting, metavar="SETTING",
         help=f"bsp[:K], asp, ssp:S, dssp:S_L:S_U, softsync:N[:S] (repeatable; default {' '.join(DEFAULT_SETTINGS)})",
@@ -154,16 +224,22 @@ def register(commands) -> None:
         "pull returned and applied when its push arrives in virtual time, one at a time in one process")
     train.add_argument("--train", choices=DATASETS, help="train on this bundled dataset (mnist: 5,000 MNIST digits; "
                        "digits: scikit-learn's 8x8 digits; default: none, synchronization only)")
+    train.add_argument("--experiment", choices=tuple(EXPERIMENTS), help="a paper's experiment at its own scale: "
+                       "zhang (30 learners, n-softsync, fixed lr and lr/tau) or zhao (4 and 16 heterogeneous workers, "
+                       "persistent and on/off stragglers, BSP/ASP/SSP/DSSP with and without lr/tau), 3 seeds each; "
+                       "implies --train mnist; --sync, --lr, --lr-staleness, --target, --seeds, --seed, --jobs and "
+                       "--out still apply (default: none)")
     train.add_argument("--budget", type=number, help="virtual seconds per run (default: none, --iterations ends each run)")
-    train.add_argument("--lr", type=number, default=0.05, help="learning rate of the server's SGD (default 0.05)")
+    train.add_argument("--lr", type=number, help="learning rate of the server's SGD (default 0.05)")
     train.add_argument("--momentum", type=number, default=0.0, help="SGD momentum (default 0)")
     train.add_argument("--batch-size", type=int, default=32, help="each worker's batch (default 32)")
-    train.add_argument("--lr-staleness", choices=("none", "inverse", "both"), default="none",
-                       help="learning rate divided by staleness: none, inverse, or both (each setting twice; BSP once)")
+    train.add_argument("--lr-staleness", choices=("none", "inverse", "both"),
+                       help="learning rate divided by staleness: none, inverse, or both (each setting twice; BSP once; "
+                            "default none)")
     train.add_argument("--eval-every", type=number, help="virtual seconds between test evaluations "
                        "(default: a 25th of the run)")
-    train.add_argument("--target", type=number, default=0.95, help="test accuracy whose time to reach is reported")
-    train.add_argument("--seeds", type=int, default=1, help="runs per setting, with seeds SEED, SEED+1, ...")
+    train.add_argument("--target", type=number, help="test accuracy whose time to reach is reported (default 0.95)")
+    train.add_argument("--seeds", type=int, help="runs per setting, with seeds SEED, SEED+1, ... (default 1)")
     train.add_argument("--jobs", type=int, default=1, help="runs at once, one process each (default 1); the results "
                        "are the same whatever the number: every run computes with one thread")
     parser.set_defaults(run=run)
@@ -180,6 +256,12 @@ def stragglers_arg(text: str) -> Stragglers:
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.experiment:
+        return run_experiment(args)
+    for name, default in (("jitter", 0.0), ("iterations", 10000), ("lr", 0.05), ("lr_staleness", "none"),
+                          ("target", 0.95), ("seeds", 1)):
+        if getattr(args, name) is None:
+            setattr(args, name, default)
     require(args.iterations >= 1, f"--iterations must be at least 1, got {args.iterations}")
     require(args.jitter >= 0, f"--jitter must be >= 0, got {args.jitter:g}")
     require(args.workers is None or args.workers >= 1, f"--workers must be at least 1, got {args.workers}")
@@ -189,7 +271,10 @@ def run(args: argparse.Namespace) -> int:
     speeds = worker_speeds(args.speeds, args.workers, args.hetero, args.seed)
     settings = args.sync or [parse_setting(text) for text in DEFAULT_SETTINGS]
     if args.train:
-        return run_training(args, speeds, settings)
+        require(args.budget is None or args.budget > 0, f"--budget must be > 0, got {args.budget}")
+        cluster = ClusterSpec("simulated cluster", tuple(speeds), args.jitter, args.stragglers, args.budget,
+                              None if args.budget else args.iterations)
+        return run_training(args, [cluster], settings)
     results = []
     for item in settings:
         try:
@@ -212,81 +297,160 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def _one_run(dataset, speeds: list[float], options: dict, setting: Setting, mode: str, seed: int) -> dict:
+def _one_run(dataset, cluster: ClusterSpec, options: dict, setting: Setting, mode: str, seed: int) -> dict:
     import torch
 
     from ..workloads.virtual import train_virtual
 
     torch.set_num_threads(1)  # the same arithmetic in every process, whatever --jobs is
-    return train_virtual(setting, speeds, dataset=dataset, lr_staleness=mode, seed=seed, **options)
+    options = dict(options)
+    if options["eval_every"] is None:
+        options["eval_every"] = cluster.eval_every
+    return train_virtual(setting, list(cluster.speeds), dataset=dataset, lr_staleness=mode, seed=seed,
+                         jitter=cluster.jitter, stragglers=cluster.stragglers, budget=cluster.budget,
+                         iterations=cluster.iterations, **options)
 
 
-def _in_order(runs: list, jobs: int, dataset, speeds: list[float], options: dict):
+def _in_order(runs: list, jobs: int, dataset, options: dict):
     """``(index, run, record)`` for every run, in the order of ``runs``: one after the other,
     or ``jobs`` at a time in processes of their own."""
     if jobs <= 1:
         for index, run in enumerate(runs, 1):
-            yield index, run, _one_run(dataset, speeds, options, *run)
+            yield index, run, _one_run(dataset, run[0], options, *run[1:])
         return
     import multiprocessing
     from concurrent.futures import ProcessPoolExecutor
 
     with ProcessPoolExecutor(max_workers=jobs, mp_context=multiprocessing.get_context("spawn")) as pool:
-        futures = [pool.submit(_one_run, dataset.name, speeds, options, *run) for run in runs]
+        futures = [pool.submit(_one_run, dataset.name, run[0], options, *run[1:]) for run in runs]
         for index, (run, future) in enumerate(zip(runs, futures), 1):
             yield index, run, future.result()
 
 
-def run_training(args: argparse.Namespace, speeds: list[float], settings: list[Setting]) -> int:
-    """``aps simulate --train``: every setting (and learning-rate mode) for ``--seeds`` seeds."""
+def run_experiment(args: argparse.Namespace) -> int:
+    """``aps simulate --experiment NAME``: a preset's clusters and settings; --sync, --lr, --lr-staleness,
+    --target, --seeds and the rest may still change it."""
+    given = [f"--{name}" for name in _CLUSTER_OPTIONS if getattr(args, name) is not None]
+    require(not given, f"--experiment {args.experiment} sets the clusters and the length of each run: "
+            f"drop {', '.join(given)}")
+    experiment = EXPERIMENTS[args.experiment]
+    for name in ("lr", "lr_staleness", "target", "seeds"):
+        if getattr(args, name) is None:
+            setattr(args, name, getattr(experiment, name))
+    args.train = args.train or "mnist"
+    settings = args.sync or [parse_setting(text) for text in experiment.sync]
+    return run_training(args, list(experiment.clusters), settings, title=experiment.title)
+
+
+def run_training(args: argparse.Namespace, clusters: list[ClusterSpec], settings: list[Setting], *,
+                 title: str | None = None) -> int:
+    """``aps simulate --train``: every cluster, setting (and learning-rate mode) for ``--seeds`` seeds."""
     import os
     import tempfile
 
     from ..workloads import load
     from . import compare
 
-    require(args.budget is None or args.budget > 0, f"--budget must be > 0, got {args.budget}")
     require(args.seeds >= 1, f"--seeds must be at least 1, got {args.seeds}")
     require(args.jobs >= 1, f"--jobs must be at least 1, got {args.jobs}")
     require(args.batch_size >= 1, f"--batch-size must be at least 1, got {args.batch_size}")
     require(0 < args.target <= 1, f"--target is a test accuracy in (0, 1], got {args.target}")
     require(args.eval_every is None or args.eval_every > 0, "--eval-every must be > 0")
     modes = {"both": ("none", "inverse"), "none": ("none",), "inverse": ("inverse",)}[args.lr_staleness]
-    runs = [(setting, mode, seed) for seed in range(args.seed, args.seed + args.seeds) for setting in settings
+    runs = [(cluster, setting, mode, seed) for seed in range(args.seed, args.seed + args.seeds)
+            for cluster in clusters for setting in settings
             for mode in (("none",) if setting.options.get("sync") == "bsp" else modes)]
-    for setting, mode, _ in runs:  # every configuration checked before the first run
+    for cluster, setting, mode, _ in runs:  # every configuration checked before the first run
         try:
-            ServerConfig(workers=len(speeds), lr=args.lr, momentum=args.momentum, lr_staleness=mode,
+            ServerConfig(workers=len(cluster.speeds), lr=args.lr, momentum=args.momentum, lr_staleness=mode,
                          **setting.options)
         except ConfigurationError as exc:
             raise ConfigurationError(f"--sync {setting.label}: {exc}") from None
     out = args.out or tempfile.mkdtemp(prefix="aps-simulate-")
     os.makedirs(out, exist_ok=True)
     dataset = load(args.train, seed=0)
-    limit = f"{args.budget:g} virtual s" if args.budget else f"{args.iterations} gradients"
-    print(f"{len(runs)} virtual runs of {limit} on {len(speeds)} workers ({compare.describe_speeds(speeds)}, "
-          f"jitter {args.jitter:g}{', stragglers ' + str(vars(args.stragglers)) if args.stragglers else ''}), "
-          f"{args.train}, lr {args.lr:g}; results in {out}", flush=True)
-    options = dict(lr=args.lr, momentum=args.momentum, batch_size=args.batch_size, jitter=args.jitter,
-                   stragglers=args.stragglers, iterations=None if args.budget else args.iterations, budget=args.budget,
-                   eval_every=args.eval_every, target=args.target)
+    print(f"{len(runs)} virtual runs{': ' + title if title else ''}; {args.train}, lr {args.lr:g}, "
+          f"batch {args.batch_size}; results in {out}", flush=True)
+    for cluster in clusters:
+        limit = f"{cluster.budget:g} virtual s" if cluster.budget else f"{cluster.iterations} gradients"
+        print(f"  {cluster.name}: {cluster.describe()}; {limit} per run", flush=True)
+    options = dict(lr=args.lr, momentum=args.momentum, batch_size=args.batch_size, eval_every=args.eval_every,
+                   target=args.target)
     records = []
-    for index, (setting, mode, seed), record in _in_order(runs, args.jobs, dataset, speeds, options):
-        record.update(label=compare.label(setting.label, mode), cluster="virtual", repeat=seed - args.seed)
+    for index, (cluster, setting, mode, seed), record in _in_order(runs, args.jobs, dataset, options):
+        record.update(label=compare.label(setting.label, mode), cluster=cluster.name,
+                      cluster_description=cluster.describe(), repeat=seed - args.seed)
         records.append(record)
         reached = record["time_to_target_s"]
-        print(f"  {index}/{len(runs)} {record['label']:<22} seed {seed}: best {record['best_accuracy']:.3f}, "
+        where = f" {cluster.name}:" if len(clusters) > 1 else ""
+        print(f"  {index}/{len(runs)}{where} {record['label']:<22} seed {seed}: best {record['best_accuracy']:.3f}, "
               f"{args.target:g} at {'never' if reached is None else f'{reached:.1f} s'}, staleness "
               f"{record['mean_staleness']:.2f}, {record['wall_s']:.1f} s wall"
               + ("  (diverged)" if record["diverged"] else ""), flush=True)
         compare.write_records(records, os.path.join(out, "results.json"))  # an interrupted run keeps its runs
     table = compare.markdown(records, args.target, virtual=True)
+    command = command_line()
     with open(os.path.join(out, "results.md"), "w") as fh:
-        fh.write(f"Command: `{command_line()}`\n\n" + table)
-    compare.plot(records, os.path.join(out, "accuracy.png"), args.target, command_line(), x_label="virtual time, s")
-    compare.plot(records, os.path.join(out, "accuracy-gradients.png"), args.target, command_line(),
+        fh.write(f"Command: `{command}`\n\n" + (f"{title}\n\n" if title else "") + table)
+    compare.plot(records, os.path.join(out, "accuracy.png"), args.target, command, x_label="virtual time, s")
+    compare.plot(records, os.path.join(out, "accuracy-gradients.png"), args.target, command,
                  curve="curve_gradients", x_label="gradients applied")
+    plot_staleness(records, os.path.join(out, "staleness.png"), command)
     print()
     print(table)
-    print(f"wrote {os.path.join(out, 'results.json')}, results.md, accuracy.png and accuracy-gradients.png")
+    print(f"wrote {os.path.join(out, 'results.json')}, results.md, accuracy.png, accuracy-gradients.png "
+          "and staleness.png")
     return 0
+
+
+def plot_staleness(records: list[dict], path: str, command: str) -> None:
+    """The staleness distribution of the applied gradients, per setting (all seeds together),
+    one panel per cluster. The learning rate does not change when gradients arrive, so each
+    setting is drawn once."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from .compare import cluster_title
+
+    clusters = list(dict.fromkeys(r["cluster"] for r in records))
+    columns = min(2, len(clusters))
+    rows = -(-len(clusters) // columns)
+    fig, axes = plt.subplots(rows, columns, figsize=(6.2 * columns, 4.0 * rows), dpi=110, squeeze=False)
+    for ax, cluster in zip(axes.flat, clusters):
+        by_sync: dict[str, dict[int, int]] = {}
+        labels: dict[str, str] = {}
+        for r in records:
+            if r["cluster"] != cluster or r["sync"] in labels and labels[r["sync"]] != r["label"]:
+                continue
+            labels[r["sync"]] = r["label"]
+            hist = by_sync.setdefault(r["sync"], {})
+            for value, count in r["staleness_hist"].items():
+                hist[int(value)] = hist.get(int(value), 0) + count
+        tail = 1
+        for index, (sync, hist) in enumerate(by_sync.items()):
+            total = sum(hist.values())
+            if total == 0 or set(hist) == {0}:  # BSP: every gradient fresh
+                continue
+            values = range(max(hist) + 1)
+            seen = 0
+            for value in values:  # the x range shows 99.5% of every distribution
+                seen += hist.get(value, 0)
+                if seen >= 0.995 * total:
+                    tail = max(tail, value + 1)
+                    break
+            mean = sum(v * n for v, n in hist.items()) / total
+            ax.step(list(values), [hist.get(v, 0) / total for v in values], where="mid", color=f"C{index % 10}",
+                    label=f"{labels[sync]} (mean {mean:.2f})", lw=1.3)
+        ax.set_xlim(-0.5, tail + 0.5)
+        ax.set_title(textwrap.fill(cluster_title(records, cluster), 80), fontsize=9)
+        ax.set_xlabel("staleness of an applied gradient (versions)")
+        ax.set_ylabel("fraction of gradients")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7)
+    for ax in axes.flat[len(clusters):]:
+        ax.set_visible(False)
+    fig.text(0.01, 0.01, command, fontsize=6, color="gray")
+    fig.tight_layout(rect=(0, 0.03, 1, 1))
+    fig.savefig(path)

@@ -30,7 +30,7 @@ from ..layout import Layout
 from .data import Dataset, load, shard
 from .models import accuracy, make_model
 
-__all__ = ["VirtualTrainer", "train_virtual"]
+__all__ = ["VirtualTrainer", "accuracy_at", "curve_distance", "mean_staleness", "staleness_distance", "train_virtual"]
 
 
 class VirtualTrainer:
@@ -221,3 +221,34 @@ def train_virtual(
         "gradient_s": trainer.seconds,
         "eval_s": trainer.eval_seconds,
     }
+
+
+# Comparing runs: virtual against real ------------------------------------------------------------
+
+
+def accuracy_at(curve: list[list[float]], points: list[float]) -> list[float]:
+    """The accuracy of ``curve`` (``[x, accuracy]`` rows, x increasing) at each of ``points``,
+    linearly interpolated (held at the ends)."""
+    xs = [row[0] for row in curve]
+    ys = [row[1] for row in curve]
+    return [float(v) for v in np.interp(points, xs, ys)]
+
+
+def curve_distance(a: list[list[float]], b: list[list[float]], points: list[float]) -> float:
+    """Mean absolute difference of two accuracy curves at ``points``."""
+    return float(np.mean(np.abs(np.subtract(accuracy_at(a, points), accuracy_at(b, points)))))
+
+
+def staleness_distance(a: dict[str, int], b: dict[str, int]) -> float:
+    """Total variation distance of two staleness histograms (``{staleness: count}``): half the
+    sum of the absolute differences of their fractions, 0 (the same) to 1 (disjoint)."""
+    total_a, total_b = sum(a.values()), sum(b.values())
+    if not total_a or not total_b:
+        raise ValueError("an empty staleness histogram")
+    keys = set(a) | set(b)
+    return 0.5 * sum(abs(a.get(k, 0) / total_a - b.get(k, 0) / total_b) for k in keys)
+
+
+def mean_staleness(hist: dict[str, int]) -> float:
+    """The mean of a staleness histogram."""
+    return sum(int(k) * n for k, n in hist.items()) / sum(hist.values())

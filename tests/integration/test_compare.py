@@ -11,26 +11,27 @@ pytest.importorskip("torch")
 pytest.importorskip("matplotlib")
 
 KEYS = {"sync", "label", "lr_staleness", "cluster", "speeds", "repeat", "time_to_target_s", "best_accuracy",
-        "final_accuracy", "iterations_per_s", "mean_wait_s", "mean_staleness", "updates", "diverged", "curve"}
+        "final_accuracy", "iterations_per_s", "mean_wait_s", "mean_staleness", "updates", "diverged", "curve",
+        "curve_gradients", "staleness_hist"}
 
 
 def test_compare_on_a_tiny_budget_writes_well_formed_results(tmp_path):
     budget = 2.0
     out = tmp_path / "results"
     done = subprocess.run(
-        [sys.executable, "-m", "aps", "compare", "--workers", "2", "--speeds", "1,2", "--paradigms", "bsp,ssp:2,asp",
+        [sys.executable, "-m", "aps", "compare", "--workers", "2", "--speeds", "1,2", "--paradigms", "bsp,ssp:2",
          "--budget", str(budget), "--step-time", "0.02", "--dataset", "digits", "--target", "0.3",
          "--out", str(out)],
         capture_output=True, text=True, timeout=240,
     )
     assert done.returncode == 0, done.stderr
     records = json.loads((out / "results.json").read_text())
-    # BSP once, each asynchronous paradigm without and with lr/tau, on each cluster
-    assert len(records) == 2 * (1 + 2 + 2)
+    # BSP once, the asynchronous paradigm without and with lr/tau, on each cluster
+    assert len(records) == 2 * (1 + 2)
     assert {(r["cluster"], r["sync"], r["lr_staleness"]) for r in records} == {
         (cluster, sync, mode)
         for cluster in ("homogeneous", "heterogeneous")
-        for sync, modes in (("bsp", ["none"]), ("ssp:2", ["none", "inverse"]), ("asp", ["none", "inverse"]))
+        for sync, modes in (("bsp", ["none"]), ("ssp:2", ["none", "inverse"]))
         for mode in modes
     }
     for r in records:
@@ -39,6 +40,11 @@ def test_compare_on_a_tiny_budget_writes_well_formed_results(tmp_path):
         times = [t for t, _ in r["curve"]]
         assert times == sorted(times) and times[0] < 0.5 and budget <= times[-1] < budget + 1.0
         assert all(0.0 <= acc <= 1.0 for _, acc in r["curve"])
+        applied = [n for n, _ in r["curve_gradients"]]  # gradients applied at each evaluation
+        assert len(applied) == len(times) and applied == sorted(applied) and applied[-1] > 0
+        assert [acc for _, acc in r["curve_gradients"]] == [acc for _, acc in r["curve"]]
+        assert sum(r["staleness_hist"].values()) >= applied[-1] - 4  # every applied gradient's staleness
+        assert set(r["staleness_hist"]) == {"0"} if r["sync"] == "bsp" else len(r["staleness_hist"]) >= 1
         assert r["best_accuracy"] == max(acc for _, acc in r["curve"])
         reached, accuracy_at = r["time_to_target_s"], dict(map(tuple, r["curve"]))
         if reached is None:
@@ -129,3 +135,23 @@ def test_demo_shows_progress_and_writes_only_where_it_says(tmp_path):
         assert bars, output  # the bar shows the run's paradigm, its accuracy and the server's version
     finally:
         shutil.rmtree(out)
+
+
+def test_demo_on_a_virtual_clock_runs_the_same_comparison_for_several_seeds(tmp_path):
+    out = tmp_path / "virtual"
+    done = subprocess.run(
+        [sys.executable, "-m", "aps", "demo", "--virtual", "--workers", "2", "--speeds", "1,2", "--paradigms",
+         "asp,ssp:2", "--budget", "2", "--step-time", "0.02", "--dataset", "digits", "--target", "0.5",
+         "--repeats", "2", "--out", str(out)],
+        capture_output=True, text=True, timeout=240)
+    assert done.returncode == 0, done.stderr
+    records = json.loads((out / "results.json").read_text())
+    # the demo's heterogeneous cluster, each paradigm for two seeds; 2 s of 20 ms steps: 100 virtual seconds
+    assert [(r["cluster"], r["label"], r["seed"]) for r in records] == [
+        ("heterogeneous", name, seed) for seed in (0, 1) for name in ("ASP", "SSP s=2")]
+    assert all(r["speeds"] == [1.0, 2.0] and r["simulated_s"] == 100.0 and r["jitter"] == 0.1 for r in records)
+    assert records[0]["curve"] != records[2]["curve"]  # another seed, another run
+    assert "### heterogeneous (speeds 1,2, jitter 0.1), 2 runs each" in (out / "results.md").read_text()
+    refused = subprocess.run([sys.executable, "-m", "aps", "demo", "--virtual", "--compression", "bf16"],
+                             capture_output=True, text=True, timeout=60)
+    assert refused.returncode == 2 and "--virtual does not model wire compression" in refused.stderr

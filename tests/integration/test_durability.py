@@ -201,7 +201,7 @@ def test_kill_9_while_writing_checkpoints_never_leaves_a_torn_one(tmp_path):
     versions = []
     try:
         wait_for(lambda: newest(tmp_path) >= 1, what="a first checkpoint")
-        for trial in range(20):
+        for trial in range(12):
             time.sleep(rng.uniform(0.05, 0.4))
             kill(server)
             found = list_checkpoints(tmp_path)

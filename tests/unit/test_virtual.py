@@ -140,3 +140,40 @@ def test_the_cli_writes_results_and_figures(tmp_path):
     bad = subprocess.run([sys.executable, "-m", "aps", "simulate", "--train", "digits", "--stragglers", "1:2"],
                          capture_output=True, text=True, timeout=60)
     assert bad.returncode != 0 and "RATE:DURATION:SLOWDOWN" in bad.stderr
+
+
+def test_an_experiment_runs_every_cluster_of_its_preset(tmp_path, monkeypatch, capsys):
+    """``--experiment``: the preset's clusters, settings and seeds in one command, one table and
+    one panel per cluster; the options that define its clusters are refused with it."""
+    from aps.cli import main, simulate
+
+    tiny = simulate.Experiment(
+        title="two tiny clusters",
+        clusters=(simulate.ClusterSpec("two even", (1.0, 1.0), iterations=40),
+                  simulate.ClusterSpec("three, one slow", (1.0, 1.0, 3.0), jitter=0.1,
+                                       stragglers=Stragglers(0.1, 3.0, 2.0), budget=20.0)),
+        sync=("bsp", "asp"), lr_staleness="both", target=0.3, seeds=2)
+    monkeypatch.setitem(simulate.EXPERIMENTS, "zhang", tiny)
+    out = tmp_path / "zhang"
+    assert main(["simulate", "--experiment", "zhang", "--train", "digits", "--out", str(out)]) == 0
+    records = json.loads((out / "results.json").read_text())
+    # per seed and cluster: BSP once, ASP with a fixed learning rate and with lr/tau
+    assert [(r["cluster"], r["label"], r["seed"]) for r in records] == [
+        (cluster, name, seed) for seed in (0, 1) for cluster in ("two even", "three, one slow")
+        for name in ("BSP", "ASP", "ASP lr/tau")]
+    even = [r for r in records if r["cluster"] == "two even"]
+    assert all(r["pushes"] == 40 and r["workers"] == 2 for r in even)
+    slow = [r for r in records if r["cluster"] == "three, one slow"]
+    assert all(r["simulated_s"] == 20.0 and r["stragglers"] == {"rate": 0.1, "duration": 3.0, "slowdown": 2.0}
+               for r in slow)
+    table = (out / "results.md").read_text()
+    assert "two tiny clusters" in table
+    assert "### two even (speeds 1,1), 2 runs each" in table
+    assert "### three, one slow (speeds 1,1,3, jitter 0.1, on/off stragglers 0.1/s for 3 s, 2x slower)" in table
+    for figure in ("accuracy.png", "accuracy-gradients.png", "staleness.png"):
+        assert (out / figure).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as refused:
+        main(["simulate", "--experiment", "zhao", "--speeds", "1,2", "--budget", "5"])
+    assert refused.value.code == 2
+    assert "--experiment zhao sets the clusters" in capsys.readouterr().err
