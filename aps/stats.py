@@ -18,7 +18,7 @@ import psutil
 if TYPE_CHECKING:
     from ._engine import Engine
 
-__all__ = ["Histogram", "ServerStats", "Traffic", "WorkerStats"]
+__all__ = ["Histogram", "ServerStats", "Traffic", "WorkerStats", "merge_counts"]
 
 #: The recent update rate counts the updates of the last this many seconds.
 RATE_WINDOW_S = 10
@@ -37,6 +37,16 @@ EVENTS_KEPT = 200
 #: reconnecting), said goodbye, its connection was lost, or the server dropped it
 #: for silence (missed heartbeats, or a reply it never read).
 MEMBERSHIP_EVENTS = ("joined", "rejoined", "left", "disconnected", "timed out")
+
+
+def merge_counts(histograms) -> dict[int, int]:
+    """The sum of ``{value: count}`` histograms (keys as ints, or as the strings of a JSON
+    record), by increasing value."""
+    total: dict[int, int] = {}
+    for hist in histograms:
+        for value, count in hist.items():
+            total[int(value)] = total.get(int(value), 0) + count
+    return dict(sorted(total.items()))
 
 
 class Histogram:

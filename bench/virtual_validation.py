@@ -21,7 +21,6 @@ Example: ``python bench/virtual_validation.py --out bench/results/virtual-valida
 
 from __future__ import annotations
 
-import itertools
 import json
 import os
 import statistics
@@ -34,7 +33,9 @@ from aps.cli._args import ArgumentParser, parse_setting  # noqa: E402
 from aps.cli.bench import machine_info  # noqa: E402
 from aps.cli.compare import label  # noqa: E402
 from aps.workloads import load  # noqa: E402
-from aps.workloads.virtual import curve_distance, mean_staleness, staleness_distance, train_virtual  # noqa: E402
+from aps.cli.simulate import draw_staleness  # noqa: E402
+from aps.stats import merge_counts  # noqa: E402
+from aps.workloads.virtual import agreement, train_virtual  # noqa: E402
 
 
 def real_runs(args, out: str) -> list[dict]:
@@ -64,29 +65,6 @@ def virtual_runs(args, gradients: dict[str, int]) -> list[dict]:
     return records
 
 
-def agreement(real: list[dict], virtual: list[dict]) -> dict:
-    """How far virtual runs are from real ones, against how far real runs are from each other."""
-    end = min(r["curve_gradients"][-1][0] for r in real + virtual)
-    points = [end * (i + 1) / 20 for i in range(20)]
-    spread = [curve_distance(a["curve_gradients"], b["curve_gradients"], points)
-              for a, b in itertools.combinations(real, 2)]
-    across = [curve_distance(v["curve_gradients"], r["curve_gradients"], points) for v in virtual for r in real]
-    stale_spread = [staleness_distance(a["staleness_hist"], b["staleness_hist"])
-                    for a, b in itertools.combinations(real, 2)]
-    stale_across = [staleness_distance(v["staleness_hist"], r["staleness_hist"]) for v in virtual for r in real]
-    return {
-        "gradients_compared": end,
-        "accuracy_distance_real_real": statistics.fmean(spread) if spread else None,
-        "accuracy_distance_virtual_real": statistics.fmean(across),
-        "staleness_tvd_real_real": statistics.fmean(stale_spread) if stale_spread else None,
-        "staleness_tvd_virtual_real": statistics.fmean(stale_across),
-        "mean_staleness_real": [mean_staleness(r["staleness_hist"]) for r in real],
-        "mean_staleness_virtual": [mean_staleness(v["staleness_hist"]) for v in virtual],
-        "final_accuracy_real": [r["curve_gradients"][-1][1] for r in real],
-        "final_accuracy_virtual": [v["curve_gradients"][-1][1] for v in virtual],
-    }
-
-
 def figure(paradigms: list[str], real: list[dict], virtual: list[dict], path: str, command: str) -> None:
     import matplotlib
 
@@ -101,18 +79,13 @@ def figure(paradigms: list[str], real: list[dict], virtual: list[dict], path: st
             for index, r in enumerate(runs):
                 xs, ys = zip(*r["curve_gradients"])
                 top.plot(xs, ys, style, color=color, lw=1.0, alpha=0.8, label=kind if index == 0 else None)
-            total: dict[int, int] = {}
-            for r in runs:
-                for value, count in r["staleness_hist"].items():
-                    total[int(value)] = total.get(int(value), 0) + count
-            n = sum(total.values())
+            total = merge_counts(r["staleness_hist"] for r in runs)
             if set(total) == {0}:
-                bottom.text(0.5, 0.5, "every gradient fresh (staleness 0),\nreal and virtual", ha="center",
-                            va="center", transform=bottom.transAxes)
+                if kind == "real":
+                    bottom.text(0.5, 0.5, "every gradient fresh (staleness 0),\nreal and virtual", ha="center",
+                                va="center", transform=bottom.transAxes)
                 continue
-            values = range(max(total) + 1)
-            bottom.step(list(values), [total.get(v, 0) / n for v in values], where="mid", color=color, ls=style,
-                        label=f"{kind} (mean {sum(v * c for v, c in total.items()) / n:.2f})")
+            draw_staleness(bottom, total, kind, color, style)
         top.set_title(label(sync), fontsize=10)
         top.set_xlabel("gradients applied")
         top.set_ylabel("test accuracy")

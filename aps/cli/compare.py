@@ -34,6 +34,7 @@ import numpy as np
 from ..config import ServerConfig
 from ..errors import ConfigurationError
 from ..server import Server
+from ..stats import merge_counts
 from ._args import command_line, describe_speeds, number, parse_setting, parse_speeds, require
 
 __all__ = ["DEFAULT_PARADIGMS", "Run", "compare", "register"]
@@ -288,7 +289,7 @@ def _run_one(run: Run, pool: _Pool, evaluate, args, out=sys.stdout, bar=None) ->
         "mean_staleness": (sum(m * n for m, n in applied) / sum(n for _, n in applied)) if applied else 0.0,
         "max_gap": max((w["max_release_gap"] or 0) for w in workers),
         "diverged": any(r["diverged"] for r in results),
-        "staleness_hist": _merged([w["staleness_hist"] for w in workers]),
+        "staleness_hist": {str(k): n for k, n in merge_counts(w["staleness_hist"] for w in workers).items()},
     }
     best = max(acc for _, acc in run.curve)
     if bar is not None:
@@ -299,15 +300,6 @@ def _run_one(run: Run, pool: _Pool, evaluate, args, out=sys.stdout, bar=None) ->
         f"staleness {run.stats['mean_staleness']:.2f}" + ("  (diverged)" if run.stats["diverged"] else ""),
         file=out, flush=True,
     )
-
-
-def _merged(histograms: list[dict[str, int]]) -> dict[str, int]:
-    """The sum of ``{value: count}`` histograms, by increasing value."""
-    total: dict[int, int] = {}
-    for hist in histograms:
-        for value, count in hist.items():
-            total[int(value)] = total.get(int(value), 0) + count
-    return {str(value): total[value] for value in sorted(total)}
 
 
 def _run_label(run: Run) -> str:
@@ -368,7 +360,8 @@ def markdown(records: list[dict], target: float, *, virtual: bool = False) -> st
     lines = []
     for cluster in dict.fromkeys(r["cluster"] for r in records):
         title = "### " + cluster_title(records, cluster)
-        lines += [title + (f", {repeats} runs each: median time, mean of the rest" if repeats > 1 else ""), ""]
+        lines += [title + (f", {repeats} runs each: median time (the range of those that reached the target), "
+                           "mean of the rest" if repeats > 1 else ""), ""]
         head = f"| paradigm | {'virtual ' if virtual else ''}time to {target:g} |" + (" reached |" if repeats > 1 else "")
         lines += [head + " best accuracy | iterations/s | mean wait | mean staleness |",
                   "|---|---:|" + ("---:|" if repeats > 1 else "") + "---:|---:|---:|---:|"]
@@ -377,6 +370,9 @@ def markdown(records: list[dict], target: float, *, virtual: bool = False) -> st
         for name, runs in rows:
             median = _median_time(runs)
             cells = [name, "never" if median is None else f"{median:.1f} s"]
+            reached = sorted(r["time_to_target_s"] for r in runs if r["time_to_target_s"] is not None)
+            if median is not None and len(reached) > 1:
+                cells[1] += f" ({reached[0]:.1f}-{reached[-1]:.1f})"
             if repeats > 1:
                 cells.append(f"{sum(r['time_to_target_s'] is not None for r in runs)}/{len(runs)}")
             best = [r["best_accuracy"] for r in runs]
@@ -439,8 +435,21 @@ def write_records(records: list[dict], path: str) -> None:
     os.replace(path + ".tmp", path)
 
 
-def compare(args, out=sys.stdout) -> list[dict]:
-    """Run the whole comparison described by ``args``; returns the records."""
+@dataclass
+class _Plan:
+    """What a comparison's flags ask for, checked: paradigms, learning-rate modes, clusters."""
+
+    paradigms: list[str]
+    modes: tuple[str, ...]
+    clusters: dict[str, list[float]]  # the chosen clusters' speeds, in the order given
+    compressions: list[str]
+
+    def modes_of(self, setting: str) -> tuple[str, ...]:
+        return ("none",) if setting.startswith("bsp") else self.modes
+
+
+def _plan(args) -> _Plan:
+    """Check every flag of a comparison (and every server it would start) before anything runs."""
     paradigms = [p.strip() for p in args.paradigms.split(",") if p.strip()]
     if not paradigms:
         raise ConfigurationError("--paradigms names no sync setting")
@@ -452,7 +461,7 @@ def compare(args, out=sys.stdout) -> list[dict]:
     if args.workers < 1:
         raise ConfigurationError(f"--workers must be at least 1, got {args.workers}")
     speeds = parse_speeds(args.speeds, args.workers, "--speeds") if "heterogeneous" in chosen else []
-    clusters = {"homogeneous": [1.0] * args.workers, "heterogeneous": speeds}
+    clusters = {c: {"homogeneous": [1.0] * args.workers, "heterogeneous": speeds}[c] for c in chosen}
     require(args.budget > 0, f"--budget must be > 0, got {args.budget:g}")
     for value, flag in [(args.step_time, "--step-time"), (args.jitter, "--jitter"), (args.eval_every, "--eval-every")]:
         require(value >= 0, f"{flag} must be >= 0, got {value:g}")
@@ -460,29 +469,33 @@ def compare(args, out=sys.stdout) -> list[dict]:
         raise ConfigurationError(f"--batch-size must be at least 1, got {args.batch_size}")
     if not 0 < args.target <= 1:
         raise ConfigurationError(f"--target is a test accuracy in (0, 1], got {args.target}")
-    if args.repeats < 1:
+    if args.repeats is not None and args.repeats < 1:
         raise ConfigurationError("--repeats must be at least 1")
     compressions = [c.strip() for c in args.compression.split(",") if c.strip()]
     wrong = [c for c in compressions if c not in COMPRESSIONS]
     if wrong or not compressions:
         raise ConfigurationError(f"--compression takes {', '.join(COMPRESSIONS)} (comma-separated), "
                                  f"got {args.compression!r}")
+    plan = _Plan(paradigms, modes, clusters, compressions)
+    for setting in paradigms:  # every server this comparison will start, checked before any of them
+        for mode in plan.modes_of(setting):
+            _server_config(setting, mode, args.workers, args)
+    return plan
+
+
+def compare(args, out=sys.stdout) -> list[dict]:
+    """Run the whole comparison described by ``args``; returns the records."""
+    plan = _plan(args)
     # Compression applies over TCP only: with it in the comparison, every run's workers use TCP,
     # so that its rows differ from the others in the compression alone.
-    args.transport = "tcp" if compressions != ["none"] else "auto"
-    def modes_of(setting: str) -> tuple[str, ...]:
-        return ("none",) if setting.startswith("bsp") else modes
-
-    for setting in paradigms:  # every server this comparison will start, checked before any of them
-        for mode in modes_of(setting):
-            _server_config(setting, mode, args.workers, args)
+    args.transport = "tcp" if plan.compressions != ["none"] else "auto"
     runs = [
-        Run(setting, mode, cluster, clusters[cluster], repeat, compression)
+        Run(setting, mode, cluster, speeds, repeat, compression)
         for repeat in range(args.repeats)  # repeats outermost: slow drifts of a shared machine hit every paradigm alike
-        for cluster in chosen
-        for setting in paradigms
-        for mode in modes_of(setting)
-        for compression in compressions
+        for cluster, speeds in plan.clusters.items()
+        for setting in plan.paradigms
+        for mode in plan.modes_of(setting)
+        for compression in plan.compressions
     ]
     if args.out is None:
         args.out = tempfile.mkdtemp(prefix=f"aps-{getattr(args, 'command', 'compare')}-")
@@ -594,7 +607,8 @@ def _add_arguments(parser: argparse.ArgumentParser, *, demo: bool = False) -> No
     parser.add_argument("--virtual", action="store_true",
                         help="the same comparison on a virtual clock (aps simulate --train): no processes, real "
                         "gradients in virtual-time order, every run reproducible from its seed; --budget, "
-                        "--eval-every and the speeds count in --step-time units of virtual time")
+                        "--eval-every and the speeds count in --step-time units of virtual time; no server runs, so the "
+                        "dashboard flags do not apply")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar during each run")
     parser.add_argument("--http-port", type=int, default=0 if demo else None, metavar="PORT",
                         help="serve the live dashboard and /metrics of each run's server on this port (0: a free "
@@ -623,27 +637,21 @@ def run(args: argparse.Namespace) -> int:
 def compare_virtual(args: argparse.Namespace) -> int:
     """``--virtual``: the comparison's clusters and paradigms on a virtual clock, ``--repeats`` seeds
     (default 3), as ``aps simulate --train`` runs them; wall-clock seconds become virtual ones in
-    units of ``--step-time`` (a speed-1 worker's iteration is one virtual second)."""
+    units of ``--step-time`` (a speed-1 worker's iteration is one virtual second). ``--seed`` is
+    the data split and the initial weights, and the first run's seed, as for real runs."""
     from .simulate import ClusterSpec, run_training
 
-    require(args.compression == "none", "--virtual does not model wire compression: drop --compression")
+    plan = _plan(args)
+    require(plan.compressions == ["none"], "--virtual does not model wire compression: drop --compression")
     require(args.step_time > 0, "--virtual counts time in --step-time units: give a --step-time > 0")
-    require(args.budget > 0, f"--budget must be > 0, got {args.budget:g}")
-    require(args.workers >= 1, f"--workers must be at least 1, got {args.workers}")
-    chosen = [c.strip() for c in args.clusters.split(",") if c.strip()]
-    require(bool(chosen) and all(c in ("homogeneous", "heterogeneous") for c in chosen),
-            f"--clusters takes homogeneous and/or heterogeneous, got {args.clusters!r}")
-    speeds = {"homogeneous": [1.0] * args.workers,
-              "heterogeneous": parse_speeds(args.speeds, args.workers, "--speeds") if "heterogeneous" in chosen else []}
     budget = args.budget / args.step_time
-    clusters = [ClusterSpec(name, tuple(speeds[name]), jitter=args.jitter, budget=budget) for name in chosen]
-    paradigms = [p.strip() for p in args.paradigms.split(",") if p.strip()]
-    require(bool(paradigms), "--paradigms names no sync setting")
+    eval_every = (args.eval_every or max(0.5, args.budget / 25)) / args.step_time  # the real runs' cadence
+    clusters = [ClusterSpec(name, tuple(speeds), jitter=args.jitter, budget=budget, eval_every=eval_every)
+                for name, speeds in plan.clusters.items()]
     options = argparse.Namespace(
         train=args.dataset, seeds=3 if args.repeats is None else args.repeats, seed=args.seed,
-        jobs=max(1, min(os.cpu_count() or 1, 4)), lr=args.lr, momentum=args.momentum, batch_size=args.batch_size,
-        lr_staleness=args.lr_staleness, target=args.target, out=args.out,
-        eval_every=args.eval_every / args.step_time if args.eval_every else None)
-    return run_training(options, clusters, [parse_setting(p) for p in paradigms],
+        jobs=len(os.sched_getaffinity(0)), lr=args.lr, momentum=args.momentum, batch_size=args.batch_size,
+        lr_staleness=args.lr_staleness, target=args.target, out=args.out, eval_every=None)
+    return run_training(options, clusters, [parse_setting(p) for p in plan.paradigms], init_seed=args.seed,
                         title=f"aps {getattr(args, 'command', 'compare')} --virtual: one virtual second is a speed-1 "
                         f"worker's iteration ({args.step_time * 1e3:g} ms of --step-time), {budget:g} virtual s per run")

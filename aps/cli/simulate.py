@@ -88,7 +88,9 @@ EXPERIMENTS = {
     "zhang": Experiment(
         title="Zhang et al., staleness-aware async SGD: 30 learners, n-softsync, fixed learning rate and lr/tau",
         clusters=(ClusterSpec("30 learners", (1.0,) * 30, jitter=0.3, iterations=8000, eval_every=8.0),),
-        sync=("asp", "softsync:1", "softsync:2", "softsync:4", "softsync:30"),
+        # With 30 workers, softsync n=30 applies each gradient alone: it is ASP, run for run (so ASP is not
+        # run again).
+        sync=("softsync:1", "softsync:2", "softsync:4", "softsync:30"),
         target=0.9,
     ),
     # Zhao et al.: heterogeneous clusters (a slow worker or several; persistent and on/off stragglers).
@@ -111,6 +113,8 @@ EXPERIMENTS = {
 }
 #: What a preset sets, and so may not be given with --experiment.
 _CLUSTER_OPTIONS = ("speeds", "workers", "hetero", "jitter", "stragglers", "budget", "iterations")
+#: What only training uses (refused without --train or --experiment rather than ignored).
+_TRAINING_OPTIONS = ("budget", "lr", "momentum", "batch_size", "lr_staleness", "eval_every", "target", "seeds", "jobs")
 
 
 def worker_speeds(
@@ -227,12 +231,13 @@ def register(commands) -> None:
     train.add_argument("--experiment", choices=tuple(EXPERIMENTS), help="a paper's experiment at its own scale: "
                        "zhang (30 learners, n-softsync, fixed lr and lr/tau) or zhao (4 and 16 heterogeneous workers, "
                        "persistent and on/off stragglers, BSP/ASP/SSP/DSSP with and without lr/tau), 3 seeds each; "
-                       "implies --train mnist; --sync, --lr, --lr-staleness, --target, --seeds, --seed, --jobs and "
-                       "--out still apply (default: none)")
+                       "--train mnist unless --train digits is given (a quick look); --sync, --lr, --momentum, "
+                       "--batch-size, --lr-staleness, --eval-every, --target, --seeds, --seed, --jobs and --out still "
+                       "apply (default: none)")
     train.add_argument("--budget", type=number, help="virtual seconds per run (default: none, --iterations ends each run)")
     train.add_argument("--lr", type=number, help="learning rate of the server's SGD (default 0.05)")
-    train.add_argument("--momentum", type=number, default=0.0, help="SGD momentum (default 0)")
-    train.add_argument("--batch-size", type=int, default=32, help="each worker's batch (default 32)")
+    train.add_argument("--momentum", type=number, help="SGD momentum (default 0)")
+    train.add_argument("--batch-size", type=int, help="each worker's batch (default 32)")
     train.add_argument("--lr-staleness", choices=("none", "inverse", "both"),
                        help="learning rate divided by staleness: none, inverse, or both (each setting twice; BSP once; "
                             "default none)")
@@ -240,7 +245,7 @@ def register(commands) -> None:
                        "(default: a 25th of the run)")
     train.add_argument("--target", type=number, help="test accuracy whose time to reach is reported (default 0.95)")
     train.add_argument("--seeds", type=int, help="runs per setting, with seeds SEED, SEED+1, ... (default 1)")
-    train.add_argument("--jobs", type=int, default=1, help="runs at once, one process each (default 1); the results "
+    train.add_argument("--jobs", type=int, help="runs at once, one process each (default 1); the results "
                        "are the same whatever the number: every run computes with one thread")
     parser.set_defaults(run=run)
 
@@ -258,8 +263,16 @@ def stragglers_arg(text: str) -> Stragglers:
 def run(args: argparse.Namespace) -> int:
     if args.experiment:
         return run_experiment(args)
+    if not args.train:
+        given = [f"--{name.replace('_', '-')}" for name in _TRAINING_OPTIONS if getattr(args, name) is not None]
+        require(not given, f"{', '.join(given)} {'apply' if len(given) > 1 else 'applies'} to training: "
+                "add --train mnist|digits (or drop them)")
+    else:
+        require(not args.json, "--json prints the synchronization-only table; with --train the results are "
+                "--out DIR's results.json")
+        require(args.budget is None or args.iterations is None, "give --budget or --iterations, not both")
     for name, default in (("jitter", 0.0), ("iterations", 10000), ("lr", 0.05), ("lr_staleness", "none"),
-                          ("target", 0.95), ("seeds", 1)):
+                          ("target", 0.95), ("seeds", 1), ("momentum", 0.0), ("batch_size", 32), ("jobs", 1)):
         if getattr(args, name) is None:
             setattr(args, name, default)
     require(args.iterations >= 1, f"--iterations must be at least 1, got {args.iterations}")
@@ -337,14 +350,18 @@ def run_experiment(args: argparse.Namespace) -> int:
     for name in ("lr", "lr_staleness", "target", "seeds"):
         if getattr(args, name) is None:
             setattr(args, name, getattr(experiment, name))
+    for name, default in (("momentum", 0.0), ("batch_size", 32), ("jobs", 1)):
+        if getattr(args, name) is None:
+            setattr(args, name, default)
     args.train = args.train or "mnist"
     settings = args.sync or [parse_setting(text) for text in experiment.sync]
     return run_training(args, list(experiment.clusters), settings, title=experiment.title)
 
 
 def run_training(args: argparse.Namespace, clusters: list[ClusterSpec], settings: list[Setting], *,
-                 title: str | None = None) -> int:
-    """``aps simulate --train``: every cluster, setting (and learning-rate mode) for ``--seeds`` seeds."""
+                 title: str | None = None, init_seed: int = 0) -> int:
+    """``aps simulate --train``: every cluster, setting (and learning-rate mode) for ``--seeds`` seeds;
+    ``init_seed`` fixes the train/test split and the initial weights of every run."""
     import os
     import tempfile
 
@@ -368,14 +385,14 @@ def run_training(args: argparse.Namespace, clusters: list[ClusterSpec], settings
             raise ConfigurationError(f"--sync {setting.label}: {exc}") from None
     out = args.out or tempfile.mkdtemp(prefix="aps-simulate-")
     os.makedirs(out, exist_ok=True)
-    dataset = load(args.train, seed=0)
+    dataset = load(args.train, seed=init_seed)
     print(f"{len(runs)} virtual runs{': ' + title if title else ''}; {args.train}, lr {args.lr:g}, "
           f"batch {args.batch_size}; results in {out}", flush=True)
     for cluster in clusters:
         limit = f"{cluster.budget:g} virtual s" if cluster.budget else f"{cluster.iterations} gradients"
         print(f"  {cluster.name}: {cluster.describe()}; {limit} per run", flush=True)
     options = dict(lr=args.lr, momentum=args.momentum, batch_size=args.batch_size, eval_every=args.eval_every,
-                   target=args.target)
+                   target=args.target, init_seed=init_seed)
     records = []
     for index, (cluster, setting, mode, seed), record in _in_order(runs, args.jobs, dataset, options):
         record.update(label=compare.label(setting.label, mode), cluster=cluster.name,
@@ -403,6 +420,26 @@ def run_training(args: argparse.Namespace, clusters: list[ClusterSpec], settings
     return 0
 
 
+def draw_staleness(ax, hist: dict[int, int], label: str, color: str, style: str = "-") -> int:
+    """Draw one staleness distribution (``{staleness: count}``) on ``ax`` as the fraction of
+    gradients at each staleness, labelled with its mean; returns the staleness below which
+    99.5% of it lies (0 for a distribution that is all fresh, which is not drawn)."""
+    total = sum(hist.values())
+    if total == 0 or set(hist) == {0}:  # BSP: every gradient fresh
+        return 0
+    values = range(max(hist) + 1)
+    seen, tail = 0, max(hist) + 1
+    for value in values:
+        seen += hist.get(value, 0)
+        if seen >= 0.995 * total:
+            tail = value + 1
+            break
+    mean = sum(v * n for v, n in hist.items()) / total
+    ax.step(list(values), [hist.get(v, 0) / total for v in values], where="mid", color=color, ls=style,
+            label=f"{label} (mean {mean:.2f})", lw=1.3)
+    return tail
+
+
 def plot_staleness(records: list[dict], path: str, command: str) -> None:
     """The staleness distribution of the applied gradients, per setting (all seeds together),
     one panel per cluster. The learning rate does not change when gradients arrive, so each
@@ -412,6 +449,7 @@ def plot_staleness(records: list[dict], path: str, command: str) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    from ..stats import merge_counts
     from .compare import cluster_title
 
     clusters = list(dict.fromkeys(r["cluster"] for r in records))
@@ -419,36 +457,22 @@ def plot_staleness(records: list[dict], path: str, command: str) -> None:
     rows = -(-len(clusters) // columns)
     fig, axes = plt.subplots(rows, columns, figsize=(6.2 * columns, 4.0 * rows), dpi=110, squeeze=False)
     for ax, cluster in zip(axes.flat, clusters):
-        by_sync: dict[str, dict[int, int]] = {}
-        labels: dict[str, str] = {}
+        first: dict[str, str] = {}  # each setting's label in its first learning-rate mode
         for r in records:
-            if r["cluster"] != cluster or r["sync"] in labels and labels[r["sync"]] != r["label"]:
-                continue
-            labels[r["sync"]] = r["label"]
-            hist = by_sync.setdefault(r["sync"], {})
-            for value, count in r["staleness_hist"].items():
-                hist[int(value)] = hist.get(int(value), 0) + count
+            if r["cluster"] == cluster:
+                first.setdefault(r["sync"], r["label"])
         tail = 1
-        for index, (sync, hist) in enumerate(by_sync.items()):
-            total = sum(hist.values())
-            if total == 0 or set(hist) == {0}:  # BSP: every gradient fresh
-                continue
-            values = range(max(hist) + 1)
-            seen = 0
-            for value in values:  # the x range shows 99.5% of every distribution
-                seen += hist.get(value, 0)
-                if seen >= 0.995 * total:
-                    tail = max(tail, value + 1)
-                    break
-            mean = sum(v * n for v, n in hist.items()) / total
-            ax.step(list(values), [hist.get(v, 0) / total for v in values], where="mid", color=f"C{index % 10}",
-                    label=f"{labels[sync]} (mean {mean:.2f})", lw=1.3)
+        for index, (sync, label) in enumerate(first.items()):
+            hist = merge_counts(r["staleness_hist"] for r in records
+                                if r["cluster"] == cluster and r["label"] == label)
+            tail = max(tail, draw_staleness(ax, hist, label, f"C{index % 10}"))
         ax.set_xlim(-0.5, tail + 0.5)
         ax.set_title(textwrap.fill(cluster_title(records, cluster), 80), fontsize=9)
         ax.set_xlabel("staleness of an applied gradient (versions)")
         ax.set_ylabel("fraction of gradients")
         ax.grid(alpha=0.3)
-        ax.legend(fontsize=7)
+        if ax.get_legend_handles_labels()[0]:
+            ax.legend(fontsize=7)
     for ax in axes.flat[len(clusters):]:
         ax.set_visible(False)
     fig.text(0.01, 0.01, command, fontsize=6, color="gray")

@@ -14,7 +14,9 @@ the run: each worker's data order and every iteration time.
 
 from __future__ import annotations
 
+import itertools
 import math
+import statistics
 import time
 from collections.abc import Callable
 
@@ -30,7 +32,10 @@ from ..layout import Layout
 from .data import Dataset, load, shard
 from .models import accuracy, make_model
 
-__all__ = ["VirtualTrainer", "accuracy_at", "curve_distance", "mean_staleness", "staleness_distance", "train_virtual"]
+__all__ = [
+    "VirtualTrainer", "accuracy_at", "agreement", "curve_distance", "mean_staleness", "staleness_distance",
+    "train_virtual",
+]
 
 
 class VirtualTrainer:
@@ -252,3 +257,38 @@ def staleness_distance(a: dict[str, int], b: dict[str, int]) -> float:
 def mean_staleness(hist: dict[str, int]) -> float:
     """The mean of a staleness histogram."""
     return sum(int(k) * n for k, n in hist.items()) / sum(hist.values())
+
+
+def agreement(real: list[dict], virtual: list[dict], points: int = 20) -> dict:
+    """How far ``virtual`` runs are from ``real`` ones (records with ``curve_gradients`` and
+    ``staleness_hist``, one setting), against how far the real runs are from each other:
+    mean distances over every (virtual, real) pair and over every pair of real runs, of the
+    accuracy against gradients applied (at ``points`` evenly spaced counts up to the fewest
+    any run reached) and of the staleness distributions; and each run's mean staleness."""
+    if len(real) < 2 or not virtual:
+        raise ValueError("agreement needs two real runs or more and a virtual one")
+    end = min(r["curve_gradients"][-1][0] for r in real + virtual)
+    grid = [end * (i + 1) / points for i in range(points)]
+    across = [(v, r) for v in virtual for r in real]
+    within = list(itertools.combinations(real, 2))
+
+    def mean(pairs, distance) -> float:
+        return statistics.fmean(distance(a, b) for a, b in pairs)
+
+    def accuracy(a, b) -> float:
+        return curve_distance(a["curve_gradients"], b["curve_gradients"], grid)
+
+    def staleness(a, b) -> float:
+        return staleness_distance(a["staleness_hist"], b["staleness_hist"])
+
+    return {
+        "gradients_compared": end,
+        "accuracy_distance_virtual_real": mean(across, accuracy),
+        "accuracy_distance_real_real": mean(within, accuracy),
+        "staleness_tvd_virtual_real": mean(across, staleness),
+        "staleness_tvd_real_real": mean(within, staleness),
+        "mean_staleness_real": [mean_staleness(r["staleness_hist"]) for r in real],
+        "mean_staleness_virtual": [mean_staleness(v["staleness_hist"]) for v in virtual],
+        "final_accuracy_real": [r["curve_gradients"][-1][1] for r in real],
+        "final_accuracy_virtual": [v["curve_gradients"][-1][1] for v in virtual],
+    }

@@ -177,3 +177,45 @@ def test_an_experiment_runs_every_cluster_of_its_preset(tmp_path, monkeypatch, c
         main(["simulate", "--experiment", "zhao", "--speeds", "1,2", "--budget", "5"])
     assert refused.value.code == 2
     assert "--experiment zhao sets the clusters" in capsys.readouterr().err
+
+
+def test_the_tables_give_the_median_time_its_range_and_how_many_runs_got_there():
+    from aps.cli.compare import markdown
+
+    def record(label, seed, reached, best):
+        return {"cluster": "c", "cluster_description": "speeds 1,2", "label": label, "sync": "asp", "repeat": seed,
+                "speeds": [1.0, 2.0], "time_to_target_s": reached, "best_accuracy": best, "iterations_per_s": 2.0,
+                "mean_wait_s": 0.0, "mean_staleness": 1.0, "lr_staleness": "none"}
+
+    records = [record("ASP", 0, 30.0, 0.9), record("ASP", 1, 10.0, 0.92), record("ASP", 2, None, 0.8),
+               record("SSP s=3", 0, 5.0, 0.91), record("SSP s=3", 1, None, 0.7), record("SSP s=3", 2, None, 0.7)]
+    table = markdown(records, 0.85, virtual=True)
+    assert "### c (speeds 1,2), 3 runs each: median time" in table
+    # the median counts a run that never got there as slowest; the range is over those that did
+    assert "| ASP | 30.0 s (10.0-30.0) | 2/3 | 0.873 ± 0.064 |" in table
+    assert "| SSP s=3 | never | 1/3 | 0.770 ± 0.121 |" in table
+    assert table.index("| ASP |") < table.index("| SSP s=3 |")
+
+
+def test_the_presets_are_valid_and_the_simulate_flags_that_would_be_ignored_are_refused(capsys):
+    from aps.cli import main, simulate
+
+    for name, experiment in simulate.EXPERIMENTS.items():
+        assert experiment.seeds >= 3 and experiment.clusters, name
+        for cluster in experiment.clusters:
+            assert (cluster.budget is None) != (cluster.iterations is None), (name, cluster.name)
+            for text in experiment.sync:
+                for mode in ("none", "inverse"):  # every server the preset would start
+                    ServerConfig(workers=len(cluster.speeds), lr=experiment.lr, lr_staleness=mode,
+                                 **parse_setting(text).options)
+    for argv, message in [
+        (["--lr", "0.1"], "--lr applies to training: add --train"),
+        (["--seeds", "3", "--budget", "5"], "--budget, --seeds apply to training"),
+        (["--train", "digits", "--json"], "--json prints the synchronization-only table"),
+        (["--train", "digits", "--budget", "5", "--iterations", "10"], "give --budget or --iterations, not both"),
+        (["--experiment", "zhang", "--jitter", "0.2"], "--experiment zhang sets the clusters"),
+    ]:
+        with pytest.raises(SystemExit) as refused:
+            main(["simulate", *argv])
+        assert refused.value.code == 2
+        assert message in capsys.readouterr().err, argv
