@@ -45,7 +45,8 @@ from .errors import (
 from ._lane import CallJob, Offload, UpdateLane
 from ._updates import Aggregate, AggregateJob, PushJob, StreamingPush
 from .layout import Layout
-from .optim import make_optimizer
+from .optim import HyperGroups, make_optimizer
+from .protocol import HyperGroup
 from .stats import ServerStats
 from .sync import Outcome, Plan, PlanKind, make_policy
 from .table import ParameterTable, Snapshot
@@ -130,11 +131,14 @@ class Member:
         grad16: the buffer of its compressed pushes (16-bit words), made at the first one.
         grad_dtype: the element type of the push being received (a ``_core`` dtype:
             FLOAT32 in ``grad``, BFLOAT16 or FLOAT16 in ``grad16``).
+        hyper: the per-group optimizer values its pushes are applied with (set by a
+            HYPER request); None: the server's own. They belong to the connection:
+            a worker that reconnects sends them again.
     """
 
     __slots__ = (
         "rank", "grad", "grad_bytes", "grad16", "grad16_bytes", "grad_dtype", "connected", "joined", "joined_running",
-        "waiter", "gate", "waiting_since", "required_version", "rejoin", "push_id", "push_clock",
+        "waiter", "gate", "waiting_since", "required_version", "rejoin", "push_id", "push_clock", "hyper",
     )
 
     def __init__(self, rank: int) -> None:
@@ -154,6 +158,7 @@ class Member:
         self.rejoin = False  # a worker reconnecting: it goes on from the clock it had
         self.push_id: int | None = None  # request id and clock of the push in the lane
         self.push_clock: int | None = None
+        self.hyper: HyperGroups | None = None
 
     def receive_gradient(self, dtype: int) -> memoryview:
         """Where the next push's payload goes: ``grad``, or (for a compressed push,
@@ -218,6 +223,9 @@ class Engine:
         self._now = now
         self._allocate = allocate
         self._pending_aggregates = 0
+        # The values of the last gradient added to the open round (BSP, softsync): the
+        # round's update is applied with them (None: the optimizer's own).
+        self._round_hyper: HyperGroups | None = None
         self._waiting: dict[int, Member] = {}
         # The worker sending the initial weights, while no model exists (see claim_registration),
         # and the joins that wait for its model.
@@ -709,6 +717,22 @@ class Engine:
         stream = StreamingPush(table, self._lane, member, plan)
         return stream if stream.start() else None
 
+    def set_hyperparameters(self, member: Member, groups: list[HyperGroup]) -> None:
+        """Apply ``member``'s following pushes with ``groups``' values, range by range,
+        until it sets others (docs/protocol.md, HYPER).
+
+        Its previous request is answered, so no push of it is in the lane: the
+        pushes that see these values are exactly the ones sent after them.
+
+        Raises:
+            NotInitialized: ``member`` has not joined.
+            InvalidHyperparameters: a value or a stop is refused (see
+                :meth:`aps.optim.Optimizer.check_groups`); nothing changed.
+        """
+        if not member.joined or self.table is None:
+            raise NotInitialized("HYPER before a successful INIT: the groups are checked against the model")
+        member.hyper = self.table.optimizer.check_groups(groups)
+
     def _check_push(self, member: Member, grad_version: int) -> None:
         if not member.joined:
             raise NotInitialized("push before init")
@@ -722,11 +746,15 @@ class Engine:
             )
 
     # Reports from the update lane's jobs (aps._updates.UpdateOwner) -----------
-    def gradient_committed(self, member: Member, plan: Plan, arrived: float) -> PushResult:
-        """A gradient was applied (and published), accumulated or dropped."""
+    def gradient_committed(self, member: Member, plan: Plan, arrived: float,
+                           hyper: HyperGroups | None = None) -> PushResult:
+        """A gradient was applied (and published), accumulated or dropped (``hyper``: the
+        values it came with; the round it was added to is applied with the last ones)."""
         policy, stats, rank = self.policy, self.stats, member.rank
         if plan.kind is PlanKind.APPLY:
             stats.published(self.table.version)
+        elif plan.kind is PlanKind.ACCUMULATE:
+            self._round_hyper = hyper
         window = policy.window
         consulted = window.controller_calls
         outcome = policy.commit(rank, plan, arrived)
@@ -837,7 +865,8 @@ class Engine:
         """Apply what a push or a leave changed: queue an aggregate update, serve the released."""
         if outcome.aggregate_scale is not None:
             self._pending_aggregates += 1
-            self._lane.submit(AggregateJob(self, outcome.aggregate_scale), front=True)
+            hyper, self._round_hyper = self._round_hyper, None
+            self._lane.submit(AggregateJob(self, outcome.aggregate_scale, hyper), front=True)
         if not outcome.released:
             return
         # A released worker must see every update decided so far.

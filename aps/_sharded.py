@@ -31,9 +31,26 @@ from typing import Any
 
 import numpy as np
 
-from .errors import APSConnectionError, ConfigurationError, DTypeMismatch, LayoutMismatch, NotInitialized
+from .errors import (
+    APSConnectionError,
+    ConfigurationError,
+    DTypeMismatch,
+    InvalidHyperparameters,
+    LayoutMismatch,
+    NotInitialized,
+)
 from .layout import Layout, shard_bounds
-from .worker import AS_SHARD, ASYNC_AS_SHARD, ASYNC_SEND_TURN, SEND_TURN, AsyncWorker, Worker
+from .protocol import HyperGroup, encode_hyper
+from .worker import (
+    AS_SHARD,
+    ASYNC_AS_SHARD,
+    ASYNC_SEND_TURN,
+    SEND_TURN,
+    AsyncWorker,
+    Worker,
+    resolve_hyperparameters,
+    server_hyperparameters,
+)
 
 __all__ = ["AsyncShardedWorker", "ShardedWorker", "split_addresses"]
 
@@ -199,6 +216,29 @@ class _ShardedViews:
         runs = [worker.server_info.run_id for worker in self._shards]
         return runs if all(runs) else None
 
+    def _hyper_payloads(self, groups: Sequence[Mapping[str, float]]) -> list[bytes]:
+        """Each shard's HYPER payload for the model-wide ``groups``: the groups that meet its
+        range, their stops made local to it (every shard meets at least one group)."""
+        if self._layout is None:
+            raise NotInitialized("call init(params) before set_hyperparameters")
+        numel = self._layout.numel
+        records = resolve_hyperparameters(groups, numel, server_hyperparameters(self._shards[0].server_info))
+        # The stops must cut the model for the cut by shard to mean anything; the shards
+        # check the values (each sees its groups), as one server would.
+        previous = 0
+        for index, group in enumerate(records):
+            if group.stop <= previous:
+                raise InvalidHyperparameters(
+                    f"group {index}: stop {group.stop} is not after the previous group's stop ({previous}): "
+                    "stops must be strictly increasing, from above 0")
+            previous = group.stop
+        if previous != numel:
+            raise InvalidHyperparameters(f"the last group stops at {previous}, but the model has {numel} parameters: "
+                                         "the last stop must be the model's size")
+        bounds = self._bounds
+        return [encode_hyper(shard_groups(records, bounds[index], bounds[index + 1]))
+                for index in range(len(self._shards))]
+
     def _send_order(self) -> list[int]:
         """The order a push leaves this worker in, shard by shard: from shard ``rank % K`` on,
         so that workers start on different shards."""
@@ -275,6 +315,12 @@ class ShardedWorker(_ShardedViews, Worker):
 
         self._each(one)
         return min(versions)
+
+    def set_hyperparameters(self, groups: Sequence[Mapping[str, float]]) -> None:
+        """See :meth:`aps.Worker.set_hyperparameters`; ``stop`` counts in the whole model.
+        Each shard gets the groups that meet its range, cut to it, all at once."""
+        payloads = self._hyper_payloads(groups)
+        self._each(lambda index, worker: worker._send_hyperparameters(payloads[index]))
 
     def reconnect(self, *, timeout: float | None = 60.0) -> Mapping[str, np.ndarray]:
         self._each(lambda index, worker: worker.reconnect(timeout=timeout))
@@ -427,6 +473,11 @@ class AsyncShardedWorker(_ShardedViews, AsyncWorker):
         versions = await self._each(lambda index, worker: worker.ping())
         return min(versions)
 
+    async def set_hyperparameters(self, groups: Sequence[Mapping[str, float]]) -> None:
+        """See :meth:`ShardedWorker.set_hyperparameters`."""
+        payloads = self._hyper_payloads(groups)
+        await self._each(lambda index, worker: worker._send_hyperparameters(payloads[index]))
+
     async def reconnect(self, *, timeout: float | None = 60.0) -> Mapping[str, np.ndarray]:
         await self._each(lambda index, worker: worker.reconnect(timeout=timeout))
         return self._weights
@@ -488,6 +539,17 @@ class _AsyncTurn:
 
     def done(self) -> None:
         self._mine.set()
+
+
+def shard_groups(groups: list[HyperGroup], start: int, stop: int) -> list[HyperGroup]:
+    """The groups (stops in the whole model, strictly increasing) that meet ``[start, stop)``,
+    with stops counted from ``start`` and the last cut at the range's end."""
+    local, begin = [], 0
+    for group in groups:
+        if begin < stop and group.stop > start:
+            local.append(group._replace(stop=min(group.stop, stop) - start))
+        begin = group.stop
+    return local
 
 
 def _in_shard_order(workers: list[Worker]) -> list[Worker]:

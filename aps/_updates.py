@@ -33,6 +33,7 @@ from .table import ParameterTable
 
 if TYPE_CHECKING:
     from ._engine import Member, PushResult
+    from .optim import HyperGroups
     from .errors import ServerError
 
 __all__ = ["Aggregate", "AggregateJob", "PushJob", "StreamingPush", "UpdateOwner"]
@@ -70,8 +71,10 @@ class UpdateOwner(Protocol):
     aggregate: Aggregate | None
     kernels: ModuleType
 
-    def gradient_committed(self, member: Member, plan: Plan, arrived: float) -> PushResult:
-        """The gradient was applied, accumulated or dropped: count it, release whom it releases."""
+    def gradient_committed(self, member: Member, plan: Plan, arrived: float,
+                           hyper: HyperGroups | None = None) -> PushResult:
+        """The gradient was applied, accumulated or dropped: count it, release whom it releases.
+        ``hyper``: the values the push came with (an aggregate update it closes uses them)."""
 
     def gradient_refused(self, rank: int, reason: object) -> ServerError:
         """The kernel refused the gradient (``reason``: False, or the exception it
@@ -82,11 +85,15 @@ class UpdateOwner(Protocol):
 
 
 class PushJob(Job):
-    """One gradient: plan it (apply, accumulate or drop), run its kernel, commit."""
+    """One gradient: plan it (apply, accumulate or drop), run its kernel, commit.
+
+    It is applied with the values its worker had set when the push arrived
+    (``member.hyper``, a HYPER request), or the optimizer's own without them.
+    """
 
     __slots__ = (
         "owner", "member", "grad_version", "arrived", "on_done", "on_error", "plan", "slot", "w_in", "answered",
-        "adopted",
+        "adopted", "hyper",
     )
 
     def __init__(
@@ -109,6 +116,7 @@ class PushJob(Job):
         self.w_in = None
         self.answered = False
         self.adopted = False
+        self.hyper = member.hyper
 
     def prepare(self) -> int:
         table = self.owner.table
@@ -124,7 +132,7 @@ class PushJob(Job):
         owner, member, plan = self.owner, self.member, self.plan
         grad, dtype = member.gradient, member.grad_dtype
         if plan.kind is PlanKind.APPLY:
-            return owner.table.optimizer.step(self.slot.array, self.w_in, grad, plan.scale, dtype)
+            return owner.table.optimizer.step(self.slot.array, self.w_in, grad, plan.scale, dtype, self.hyper)
         if plan.kind is PlanKind.ACCUMULATE:
             aggregate = owner.aggregate
             return owner.kernels.accumulate(aggregate.spare, aggregate.current, grad, plan.scale, plan.first, dtype)
@@ -144,7 +152,7 @@ class PushJob(Job):
         elif plan.kind is PlanKind.ACCUMULATE:
             owner.aggregate.adopt()
         self.adopted = True  # from here on the gradient is in: a failure must not say otherwise
-        result = owner.gradient_committed(self.member, plan, self.arrived)
+        result = owner.gradient_committed(self.member, plan, self.arrived, self.hyper)
         self.answered = True
         self.on_done(result)
 
@@ -166,13 +174,15 @@ class PushJob(Job):
 
 
 class AggregateJob(Job):
-    """Apply the running sum (a closed BSP round, a full softsync buffer), times ``scale``."""
+    """Apply the running sum (a closed BSP round, a full softsync buffer), times ``scale``,
+    with ``hyper``: the values of the last gradient added to it (None: the optimizer's own)."""
 
-    __slots__ = ("owner", "scale", "slot", "w_in", "reported")
+    __slots__ = ("owner", "scale", "hyper", "slot", "w_in", "reported")
 
-    def __init__(self, owner: UpdateOwner, scale: float) -> None:
+    def __init__(self, owner: UpdateOwner, scale: float, hyper: HyperGroups | None = None) -> None:
         self.owner = owner
         self.scale = scale
+        self.hyper = hyper
         self.slot = None
         self.w_in = None
         self.reported = False
@@ -185,7 +195,8 @@ class AggregateJob(Job):
 
     def run(self) -> bool:
         owner = self.owner
-        return owner.table.optimizer.step(self.slot.array, self.w_in, owner.aggregate.current, self.scale)
+        return owner.table.optimizer.step(self.slot.array, self.w_in, owner.aggregate.current, self.scale,
+                                          groups=self.hyper)
 
     def commit(self, result: object) -> None:
         table = self.owner.table
@@ -220,16 +231,18 @@ class StreamingPush:
     unpublished slot, while the lane is reserved for it. Finished, the push
     commits like any other (``Engine.push`` with ``stream=``). Cancelled (the
     lane is needed elsewhere) or aborted (the gradient was refused, or the
-    connection died), the slot is simply given back.
+    connection died), the slot is simply given back. Every piece is applied
+    with the values the worker had set when the push began (``member.hyper``).
     """
 
-    __slots__ = ("table", "lane", "member", "plan", "slot", "w_in", "filled", "active")
+    __slots__ = ("table", "lane", "member", "plan", "hyper", "slot", "w_in", "filled", "active")
 
     def __init__(self, table: ParameterTable, lane: UpdateLane, member: Member, plan: Plan) -> None:
         self.table = table
         self.lane = lane
         self.member = member
         self.plan = plan
+        self.hyper = member.hyper
         self.slot = None
         self.w_in = None
         self.filled = 0
@@ -253,7 +266,8 @@ class StreamingPush:
         if self.active and stop > self.filled:
             member = self.member
             ok = self.table.optimizer.step_slice(
-                self.slot.array, self.w_in, member.gradient, self.plan.scale, self.filled, stop, member.grad_dtype
+                self.slot.array, self.w_in, member.gradient, self.plan.scale, self.filled, stop, member.grad_dtype,
+                self.hyper,
             )
             self.filled = stop
             if not ok:  # the ordinary path will refuse it properly
@@ -273,7 +287,7 @@ class StreamingPush:
     def finish(self, job: PushJob) -> None:
         """All of it arrived and was applied: commit ``job`` with this result, free the lane."""
         self.lane.unreserve(self)
-        job.plan, job.slot = self.plan, self.slot
+        job.plan, job.slot, job.hyper = self.plan, self.slot, self.hyper
         try:
             job.commit(True)
         except Exception as exc:

@@ -28,6 +28,7 @@ __all__ = [
     "FrameTooLarge",
     "InitTimeout",
     "InternalServerError",
+    "InvalidHyperparameters",
     "LayoutMismatch",
     "MalformedFrame",
     "NonFiniteGradient",
@@ -72,6 +73,7 @@ class ErrorCode(IntEnum):
     OVERLOADED = 18
     AUTHENTICATION = 19
     CHECKPOINT_FAILED = 20
+    INVALID_HYPERPARAMETERS = 21
 
 
 class APSError(Exception):
@@ -258,6 +260,14 @@ class CheckpointFailed(ServerError):
     code = ErrorCode.CHECKPOINT_FAILED
 
 
+class InvalidHyperparameters(ServerError, ValueError):
+    """A HYPER request (``Worker.set_hyperparameters``) was refused: a value that is not
+    finite or out of range, group stops that do not cut the model, or too many groups.
+    The message names the group and the value; nothing changed."""
+
+    code = ErrorCode.INVALID_HYPERPARAMETERS
+
+
 class InternalServerError(ServerError):
     """The server failed unexpectedly while handling the request."""
 
@@ -285,6 +295,7 @@ ERROR_CODES: dict[ErrorCode, type[ServerError]] = {
     ErrorCode.OVERLOADED: ServerOverloaded,
     ErrorCode.AUTHENTICATION: AuthenticationError,
     ErrorCode.CHECKPOINT_FAILED: CheckpointFailed,
+    ErrorCode.INVALID_HYPERPARAMETERS: InvalidHyperparameters,
 }
 
 

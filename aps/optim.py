@@ -11,18 +11,31 @@ the new state. So every update is a transaction, which is what lets the
 server refuse a bad gradient without a separate checking pass, and apply a
 gradient piece by piece while it arrives. The kernels release the GIL, and
 the parameter table only ever runs one step at a time.
+
+Per-group values. A worker may ask for its pushes to be applied with values
+of its own (a HYPER request, ``Worker.set_hyperparameters``): consecutive
+ranges of the flat vector (torch's parameter groups), each with its own
+learning rate, weight decay and momentum and dampening (Adam's betas).
+:meth:`Optimizer.check_groups` checks them once and returns
+:class:`HyperGroups`; a step given them calls the same fused kernel once per
+range it covers, with that range's values (no per-element Python). A step
+given none uses the values the optimizer was made with.
 """
 
 from __future__ import annotations
 
+import bisect
+import math
+from collections.abc import Iterator, Sequence
 from types import ModuleType
 
 import numpy as np
 
 from . import _core
-from .errors import ConfigurationError
+from .errors import ConfigurationError, InvalidHyperparameters
+from .protocol import MAX_HYPER_GROUPS, HyperGroup
 
-__all__ = ["SGD", "Adam", "AdamW", "Optimizer", "OPTIMIZERS", "make_optimizer"]
+__all__ = ["SGD", "Adam", "AdamW", "HyperGroups", "Optimizer", "OPTIMIZERS", "make_optimizer"]
 
 
 def _require(condition: bool, message: str) -> None:
@@ -30,10 +43,38 @@ def _require(condition: bool, message: str) -> None:
         raise ConfigurationError(message)
 
 
+class HyperGroups:
+    """Checked per-group values (see :meth:`Optimizer.check_groups`): ranges that cut
+    the flat vector from 0 to its end, each with the values its elements are updated with."""
+
+    __slots__ = ("groups", "_stops")
+
+    def __init__(self, groups: Sequence[HyperGroup]) -> None:
+        self.groups = tuple(groups)
+        self._stops = [group.stop for group in self.groups]
+
+    def ranges(self, start: int, stop: int) -> Iterator[tuple[int, int, HyperGroup]]:
+        """``(lo, hi, group)`` for each group whose range meets ``[start, stop)``, cut to
+        it, in order (a binary search finds the first)."""
+        index = bisect.bisect_right(self._stops, start)
+        lo = start
+        while lo < stop and index < len(self.groups):
+            group = self.groups[index]
+            hi = min(group.stop, stop)
+            yield lo, hi, group
+            lo = hi
+            index += 1
+
+    def __len__(self) -> int:
+        return len(self.groups)
+
+
 class Optimizer:
     """Base class: an update rule with its (double-buffered) state for ``numel`` floats."""
 
     name = "optimizer"
+    #: What the four values of a HYPER group mean for this optimizer (in error messages).
+    value_names = ("lr", "weight_decay", "momentum", "dampening")
 
     def __init__(self, numel: int, lr: float, kernels: ModuleType = _core) -> None:
         _require(lr >= 0.0, f"invalid learning rate {lr}: must be >= 0")
@@ -43,16 +84,70 @@ class Optimizer:
         self._kernels = kernels
 
     def step(self, w_out: np.ndarray, w_in: np.ndarray, grad: np.ndarray, scale: float = 1.0,
-             grad_dtype: int = _core.FLOAT32) -> bool:
+             grad_dtype: int = _core.FLOAT32, groups: HyperGroups | None = None) -> bool:
         """Write ``w_in`` updated with ``scale * grad`` into ``w_out`` and the next state
         into the spare; False (nothing to commit) when anything is not finite. ``grad``
-        is float32, or 16-bit words of ``grad_dtype`` (a compressed push)."""
-        return self.step_slice(w_out, w_in, grad, scale, 0, self.numel, grad_dtype)
+        is float32, or 16-bit words of ``grad_dtype`` (a compressed push). ``groups``:
+        the values of each range (a worker's HYPER); None: this optimizer's own."""
+        return self.step_slice(w_out, w_in, grad, scale, 0, self.numel, grad_dtype, groups)
 
     def step_slice(self, w_out, w_in, grad, scale: float, start: int, stop: int,
-                   grad_dtype: int = _core.FLOAT32) -> bool:
-        """The part ``[start, stop)`` of :meth:`step` (for a gradient still arriving)."""
+                   grad_dtype: int = _core.FLOAT32, groups: HyperGroups | None = None) -> bool:
+        """The part ``[start, stop)`` of :meth:`step` (for a gradient still arriving): one
+        kernel call per group range it covers."""
+        if groups is None:
+            return self._step_range(w_out, w_in, grad, scale, start, stop, grad_dtype, self.defaults)
+        for lo, hi, values in groups.ranges(start, stop):
+            if not self._step_range(w_out, w_in, grad, scale, lo, hi, grad_dtype, values):
+                return False
+        return True
+
+    def _step_range(self, w_out, w_in, grad, scale: float, start: int, stop: int, grad_dtype: int,
+                    values: HyperGroup) -> bool:
+        """The kernel on ``[start, stop)`` with ``values`` (lr, weight decay, momentum, dampening)."""
         raise NotImplementedError
+
+    @property
+    def defaults(self) -> HyperGroup:
+        """The values this optimizer was made with, as one group over the whole vector."""
+        return HyperGroup(self.numel, self.lr, 0.0, 0.0, 0.0)
+
+    def check_groups(self, groups: Sequence[HyperGroup]) -> HyperGroups:
+        """Check a worker's per-group values against this optimizer and the model; returns
+        them ready for :meth:`step`.
+
+        Raises:
+            InvalidHyperparameters: no group or more than MAX_HYPER_GROUPS; stops that are
+                not strictly increasing or whose last is not the model's size; a value
+                that is not finite, negative, or out of the optimizer's range. The
+                message names the group and the value.
+        """
+        if not 1 <= len(groups) <= MAX_HYPER_GROUPS:
+            raise InvalidHyperparameters(f"{len(groups)} groups; from 1 to {MAX_HYPER_GROUPS} are accepted")
+        previous = 0
+        for index, group in enumerate(groups):
+            if group.stop <= previous:
+                raise InvalidHyperparameters(
+                    f"group {index}: stop {group.stop} is not after the previous group's stop ({previous}): "
+                    "stops must be strictly increasing, from above 0")
+            if group.stop > self.numel:
+                raise InvalidHyperparameters(
+                    f"group {index}: stop {group.stop} is beyond the model's {self.numel} parameters")
+            previous = group.stop
+            for name, value in zip(self.value_names, group[1:]):
+                if not math.isfinite(value):
+                    raise InvalidHyperparameters(f"group {index}: {name} is {value}; it must be finite")
+                if value < 0.0:
+                    raise InvalidHyperparameters(f"group {index}: {name} is {value}; it must be >= 0")
+            self._check_group(index, group)
+        if previous != self.numel:
+            raise InvalidHyperparameters(
+                f"the last group stops at {previous}, but the model has {self.numel} parameters: "
+                "the last stop must be the model's size")
+        return HyperGroups(groups)
+
+    def _check_group(self, index: int, group: HyperGroup) -> None:
+        """Refuse values this optimizer cannot take (finite and >= 0 is checked already)."""
 
     def commit(self) -> None:
         """Adopt the state the last step(s) wrote: the update is applied."""
@@ -116,20 +211,41 @@ class SGD(Optimizer):
         """The current momentum buffer (None without momentum)."""
         return self._buffers[0] if self._buffers is not None else None
 
-    def step_slice(self, w_out, w_in, grad, scale, start, stop, grad_dtype=_core.FLOAT32):
+    @property
+    def defaults(self) -> HyperGroup:
+        return HyperGroup(self.numel, self.lr, self.weight_decay, self.momentum, self.dampening)
+
+    def _check_group(self, index: int, group: HyperGroup) -> None:
+        if group.momentum > 0.0 and self._buffers is None:
+            raise InvalidHyperparameters(
+                f"group {index}: momentum {group.momentum} needs momentum buffers, and this server runs sgd "
+                "without momentum: start it with --momentum > 0 to use momentum in any group")
+        if self.nesterov and (group.momentum <= 0.0 or group.dampening != 0.0):
+            raise InvalidHyperparameters(
+                f"group {index}: momentum {group.momentum}, dampening {group.dampening}: this server runs Nesterov "
+                "momentum (--nesterov), which needs a momentum > 0 and zero dampening")
+
+    def _step_range(self, w_out, w_in, grad, scale, start, stop, grad_dtype, values):
         buf_in = buf_out = None
+        momentum = values.momentum
         if self._buffers is not None:
-            buf_in, buf_out = self._buffers[0][start:stop], self._buffers[1][start:stop]
+            if momentum != 0.0:
+                buf_in, buf_out = self._buffers[0][start:stop], self._buffers[1][start:stop]
+            else:
+                # A range updated without momentum keeps its buffer as it was (torch.optim
+                # leaves a group's state alone while its momentum is 0); the spare must
+                # hold it too, or the commit's swap would bring back an older one.
+                np.copyto(self._buffers[1][start:stop], self._buffers[0][start:stop])
         return self._kernels.sgd_step(
             w_out[start:stop],
             w_in[start:stop],
             grad[start:stop],
             buf_out,
             buf_in,
-            self.lr,
-            self.momentum,
-            self.dampening,
-            self.weight_decay,
+            values.lr,
+            momentum,
+            values.dampening,
+            values.weight_decay,
             self.nesterov,
             self.steps == 0,
             scale,
@@ -162,6 +278,7 @@ class Adam(Optimizer):
 
     name = "adam"
     decoupled = False
+    value_names = ("lr", "weight_decay", "beta1", "beta2")
 
     def __init__(
         self,
@@ -192,7 +309,17 @@ class Adam(Optimizer):
     def exp_avg_sq(self) -> np.ndarray:
         return self._v[0]
 
-    def step_slice(self, w_out, w_in, grad, scale, start, stop, grad_dtype=_core.FLOAT32):
+    @property
+    def defaults(self) -> HyperGroup:
+        return HyperGroup(self.numel, self.lr, self.weight_decay, *self.betas)
+
+    def _check_group(self, index: int, group: HyperGroup) -> None:
+        for name, beta in (("beta1", group.momentum), ("beta2", group.dampening)):
+            if not beta < 1.0:
+                raise InvalidHyperparameters(f"group {index}: {name} is {beta}; it must be in [0, 1)")
+
+    def _step_range(self, w_out, w_in, grad, scale, start, stop, grad_dtype, values):
+        # A group's momentum and dampening carry Adam's beta1 and beta2.
         return self._kernels.adam_step(
             w_out[start:stop],
             w_in[start:stop],
@@ -202,11 +329,11 @@ class Adam(Optimizer):
             self._v[1][start:stop],
             self._v[0][start:stop],
             self.steps + 1,
-            self.lr,
-            self.betas[0],
-            self.betas[1],
+            values.lr,
+            values.momentum,
+            values.dampening,
             self.eps,
-            self.weight_decay,
+            values.weight_decay,
             self.decoupled,
             scale,
             grad_dtype,

@@ -14,7 +14,14 @@ from typing import NamedTuple
 
 import numpy as np
 
-from .errors import BadMagic, FrameTooLarge, MalformedFrame, PayloadSizeMismatch, UnsupportedVersion
+from .errors import (
+    BadMagic,
+    FrameTooLarge,
+    InvalidHyperparameters,
+    MalformedFrame,
+    PayloadSizeMismatch,
+    UnsupportedVersion,
+)
 from .layout import Layout
 
 __all__ = [
@@ -27,6 +34,9 @@ __all__ = [
     "Op",
     "PROTOCOL_VERSION",
     "HANDSHAKE_OPS",
+    "HyperGroup",
+    "MAX_HYPER_BYTES",
+    "MAX_HYPER_GROUPS",
     "NONCE_BYTES",
     "auth_proof",
     "decode_auth_reply",
@@ -38,10 +48,12 @@ __all__ = [
     "encode_error",
     "decode_hello",
     "decode_hello_reply",
+    "decode_hyper",
     "decode_slot",
     "describe_join_progress",
     "encode_hello",
     "encode_hello_reply",
+    "encode_hyper",
     "encode_init",
     "encode_join_progress",
     "encode_slot",
@@ -75,6 +87,7 @@ class Op(IntEnum):
     AUTH = 9
     CHECKPOINT = 10
     SHARDS = 11
+    HYPER = 12
 
     REPLY = 0x80
     INIT_REPLY = 0x81
@@ -88,6 +101,7 @@ class Op(IntEnum):
     AUTH_REPLY = 0x89
     CHECKPOINT_REPLY = 0x8A
     SHARDS_REPLY = 0x8B
+    HYPER_REPLY = 0x8C
     #: Not a reply: a notice the server sends while it holds a request (a pull
     #: at the gate, a push in the lane) to say it is alive; no payload.
     ALIVE = 0xFD
@@ -99,7 +113,7 @@ class Op(IntEnum):
 
 REQUEST_OPS = frozenset(
     {Op.INIT, Op.PULL, Op.PUSH, Op.PUSH_PULL, Op.LEAVE, Op.PING, Op.STATS, Op.HELLO, Op.AUTH, Op.CHECKPOINT,
-     Op.SHARDS}
+     Op.SHARDS, Op.HYPER}
 )
 #: What a connection may ask before it has authenticated (when the server has a token).
 HANDSHAKE_OPS = frozenset({Op.HELLO, Op.AUTH})
@@ -475,6 +489,57 @@ def decode_join_progress(payload) -> tuple[int, int, list[int]]:
     except struct.error as exc:
         raise MalformedFrame(f"JOIN_PROGRESS notice cannot be parsed: {exc}") from None
     return joined, workers, missing
+
+
+# HYPER payload: u32 group count G, then G records of u64 stop (the exclusive end
+# of the group's range in the flat vector; the first group starts at 0) and
+# float64 lr, weight_decay, momentum, dampening (for Adam and AdamW: beta1, beta2).
+_HYPER_HEAD = struct.Struct("<I")
+_HYPER_GROUP = struct.Struct("<Qdddd")
+#: At most this many groups in one HYPER request (so it is at most MAX_HYPER_BYTES long).
+MAX_HYPER_GROUPS = 4096
+MAX_HYPER_BYTES = _HYPER_HEAD.size + MAX_HYPER_GROUPS * _HYPER_GROUP.size
+
+
+class HyperGroup(NamedTuple):
+    """One group of a HYPER request: the optimizer's values for the range that ends at
+    ``stop`` (and starts where the group before it stops, or at 0). For Adam and AdamW,
+    ``momentum`` and ``dampening`` carry beta1 and beta2."""
+
+    stop: int
+    lr: float
+    weight_decay: float
+    momentum: float
+    dampening: float
+
+
+def encode_hyper(groups: list[HyperGroup]) -> bytes:
+    """A HYPER payload (the server checks the values; this only packs them)."""
+    try:
+        return _HYPER_HEAD.pack(len(groups)) + b"".join(
+            _HYPER_GROUP.pack(int(g.stop), float(g.lr), float(g.weight_decay), float(g.momentum),
+                              float(g.dampening)) for g in groups)
+    except struct.error as exc:
+        raise ValueError(f"hyperparameter groups cannot be encoded: {exc}") from None
+
+
+def decode_hyper(payload) -> list[HyperGroup]:
+    """The groups of a HYPER payload, as sent (their values are checked by the optimizer).
+
+    Raises:
+        InvalidHyperparameters: no groups, or more than MAX_HYPER_GROUPS.
+        MalformedFrame: the payload is not as long as its group count says.
+    """
+    view = memoryview(payload)
+    if len(view) < _HYPER_HEAD.size:
+        raise MalformedFrame(f"HYPER payload of {len(view)} bytes is too short")
+    (count,) = _HYPER_HEAD.unpack_from(view, 0)
+    if not 1 <= count <= MAX_HYPER_GROUPS:
+        raise InvalidHyperparameters(f"HYPER declares {count} groups; from 1 to {MAX_HYPER_GROUPS} are accepted")
+    expected = _HYPER_HEAD.size + count * _HYPER_GROUP.size
+    if len(view) != expected:
+        raise MalformedFrame(f"HYPER payload of {len(view)} bytes; {count} groups take {expected}")
+    return [HyperGroup(*fields) for fields in _HYPER_GROUP.iter_unpack(view[_HYPER_HEAD.size :])]
 
 
 def _ranks(ranks: list[int]) -> str:

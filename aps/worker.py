@@ -55,12 +55,14 @@ from .protocol import (
     DType,
     Flag,
     Header,
+    HyperGroup,
     Op,
     ServerInfo,
     decode_error,
     decode_join_progress,
     decode_slot,
     describe_join_progress,
+    encode_hyper,
     encode_init,
     host_identity,
     pack_header,
@@ -139,6 +141,62 @@ def _refuse_one_shard(info: ServerInfo, address: str) -> None:
         raise ConfigurationError(
             f"the server at {address} is shard {shard} of {shards} (--shard {shard} --shards {shards}): give the "
             "worker every shard's address (comma-separated, or a list)")
+
+
+#: The keys of a group given to ``set_hyperparameters``.
+HYPER_KEYS = ("stop", "lr", "weight_decay", "momentum", "dampening")
+
+
+def server_hyperparameters(info: ServerInfo | None) -> dict[str, float] | None:
+    """The server's own value for each HYPER key but ``stop``, from what it said of its options
+    in the handshake (for Adam and AdamW, ``momentum`` and ``dampening`` are its betas);
+    None when it did not say (an older server)."""
+    try:
+        described = json.loads(info.shard) if info is not None and info.shard else None
+        if not isinstance(described, dict):
+            return None
+        common = {"lr": float(described["lr"]), "weight_decay": float(described["weight_decay"])}
+        if described["optimizer"] == "sgd":
+            # aps serve has no dampening option: its SGD runs with none.
+            return {**common, "momentum": float(described["momentum"]), "dampening": 0.0}
+        beta1, beta2 = described["betas"]
+        return {**common, "momentum": float(beta1), "dampening": float(beta2)}
+    except (KeyError, TypeError, ValueError):
+        return None
+
+
+def resolve_hyperparameters(groups: Any, numel: int, defaults: Mapping[str, float] | None) -> list[HyperGroup]:
+    """The records of a HYPER request for ``groups`` (see :meth:`Worker.set_hyperparameters`):
+    the last group's ``stop`` is ``numel`` when omitted, and a missing value is the server's
+    (``defaults``; without them every value must be given). The values themselves are the
+    server's to check."""
+    if isinstance(groups, Mapping) or not isinstance(groups, Sequence) or not groups:
+        raise ConfigurationError("set_hyperparameters takes a non-empty list of dicts, one per group")
+    records = []
+    for index, group in enumerate(groups):
+        if not isinstance(group, Mapping):
+            raise ConfigurationError(f"group {index} is a {type(group).__name__}, not a dict")
+        unknown = sorted(set(group) - set(HYPER_KEYS))
+        if unknown:
+            raise ConfigurationError(f"group {index}: unknown keys {unknown}; a group has {', '.join(HYPER_KEYS)}")
+        stop = group.get("stop", numel if index == len(groups) - 1 else None)
+        if stop is None:
+            raise ConfigurationError(f"group {index}: 'stop' is needed (only the last group may leave it out)")
+        if isinstance(stop, bool) or not isinstance(stop, (int, np.integer)) or not 0 <= stop < 1 << 64:
+            raise ConfigurationError(f"group {index}: stop must be a non-negative integer, got {stop!r}")
+        values = []
+        for key in HYPER_KEYS[1:]:
+            if key in group:
+                value = group[key]
+            elif defaults is not None:
+                value = defaults[key]
+            else:
+                raise ConfigurationError(f"group {index}: {key!r} is needed (the server did not say its own values)")
+            if isinstance(value, bool) or not isinstance(value, (int, float, np.integer, np.floating)):
+                raise ConfigurationError(f"group {index}: {key} must be a number, got {value!r}")
+            values.append(float(value))
+        records.append(HyperGroup(int(stop), *values))
+    return records
 
 
 def _names_shards(address: Any) -> bool:
@@ -395,6 +453,9 @@ class _ClientCore:
         self._half_grad: np.ndarray | None = None  # the narrowed gradient being sent
         self._half_weights: np.ndarray | None = None  # narrowed weights being received
         self._reply_dtype = _FLOAT32  # what the weights reply of the request in flight carries
+        #: The HYPER payload the server last accepted from this worker: the values live with
+        #: the connection, so the worker sends them again when it reconnects.
+        self.hyperparameters: bytes | None = None
 
     @property
     def compressing(self) -> bool:
@@ -536,6 +597,10 @@ class _ClientCore:
 
     def simple_request(self, op: Op) -> list:
         return [self._header(op)]
+
+    def hyper_request(self, payload: bytes) -> list:
+        """HYPER: the per-group optimizer values (an :func:`aps.protocol.encode_hyper` payload)."""
+        return [self._header(Op.HYPER, len(payload)), payload]
 
     def shards_request(self, runs: list[str]) -> list:
         """SHARDS: the run id of every shard of the model, for this one to keep."""
@@ -777,6 +842,13 @@ class _WorkerBase:
         """True when the server dropped the last gradient (it arrived for a closed BSP round)."""
         return self._core.dropped
 
+    def _hyper_payload(self, groups: Sequence[Mapping[str, float]]) -> bytes:
+        """The HYPER payload for ``groups`` (see :meth:`Worker.set_hyperparameters`)."""
+        layout = self._core.layout
+        if layout is None:
+            raise NotInitialized("call init(params) before set_hyperparameters")
+        return encode_hyper(resolve_hyperparameters(groups, layout.numel, server_hyperparameters(self.server_info)))
+
 
 class Worker(_WorkerBase):
     """A blocking client for one training process.
@@ -961,6 +1033,56 @@ class Worker(_WorkerBase):
         """One empty round trip; returns the server's version."""
         return self._call("ping", lambda: self._core.simple_request(Op.PING)).version
 
+    def set_hyperparameters(self, groups: Sequence[Mapping[str, float]]) -> None:
+        """Set the optimizer values the server applies this worker's following pushes with,
+        per group of parameters (torch's param groups), until they are set again.
+
+        The groups cut the flat parameter vector (the layout's order) into
+        consecutive ranges: the first starts at 0, each ends at its ``stop``
+        (exclusive) where the next begins, and the last ends at the model's
+        size. All are sent in one request; the server checks every value and
+        refuses the whole request if one is wrong (nothing changes). The
+        staleness-aware scale still multiplies the gradient. In BSP rounds
+        and softsync groups, the one update is applied with the values of the
+        push that closed it. The values belong to this connection: the worker
+        sends them again when it reconnects, and a new worker process starts
+        with the server's own.
+
+        Args:
+            groups: one dict per group, in order: ``stop`` (int; may be left out
+                for the last group), ``lr``, ``weight_decay``, ``momentum``,
+                ``dampening`` (for Adam and AdamW, ``momentum`` and
+                ``dampening`` are beta1 and beta2). A value left out is the
+                server's (``--lr``, ``--weight-decay``, ``--momentum`` or
+                ``--betas``; SGD's dampening is 0).
+
+        Raises:
+            NotInitialized: before :meth:`init`.
+            ConfigurationError: a group is not a dict, has unknown keys, or lacks a ``stop``.
+            InvalidHyperparameters: the server refused a value or a stop (the
+                message names the group); momentum with a server started
+                without ``--momentum`` is refused too (it keeps no momentum state).
+
+        Example::
+
+            worker.set_hyperparameters([
+                {"stop": 1000, "lr": 0.1, "weight_decay": 5e-4},  # elements 0..999
+                {"lr": 0.1, "weight_decay": 0.0},                  # the rest (biases)
+            ])
+        """
+        self._send_hyperparameters(self._hyper_payload(groups))
+
+    def _send_hyperparameters(self, payload: bytes) -> None:
+        """Send a HYPER payload and remember it (sent again after a reconnect)."""
+        self._call("hyper", lambda: self._core.hyper_request(payload))
+        self._core.hyperparameters = payload
+
+    def _restore_hyperparameters(self, timeout: float | None) -> None:
+        """After a rejoin: the new connection gets the values the old one had."""
+        payload = self._core.hyperparameters
+        if payload is not None:
+            self._roundtrip(lambda: self._core.hyper_request(payload), timeout)
+
     def _record_shard_runs(self, runs: list[str]) -> None:
         """Tell this shard's server the run id of every shard (see aps._sharded)."""
         self._call("shards", lambda: self._core.shards_request(runs))
@@ -980,6 +1102,7 @@ class Worker(_WorkerBase):
             try:
                 self._roundtrip(lambda: self._core.init_request(None, rejoin=True), timeout,
                                 waiting=self._note_init_wait)
+                self._restore_hyperparameters(timeout)
                 weights = self._core.weights
             except APSTimeoutError:
                 raise self._init_timeout(timeout) from None
@@ -1060,6 +1183,7 @@ class Worker(_WorkerBase):
                                     waiting=self._note_init_wait)
                 except APSTimeoutError as exc:
                     raise self._rejoin_timeout(attempt, exc) from None
+                self._restore_hyperparameters(attempt.remaining())
                 break
             except APSError as exc:
                 lost = exc
@@ -1309,6 +1433,21 @@ class AsyncWorker(_WorkerBase):
     async def ping(self) -> int:
         return (await self._call("ping", lambda: self._core.simple_request(Op.PING))).version
 
+    async def set_hyperparameters(self, groups: Sequence[Mapping[str, float]]) -> None:
+        """See :meth:`Worker.set_hyperparameters`."""
+        await self._send_hyperparameters(self._hyper_payload(groups))
+
+    async def _send_hyperparameters(self, payload: bytes) -> None:
+        """See :meth:`Worker._send_hyperparameters`."""
+        await self._call("hyper", lambda: self._core.hyper_request(payload))
+        self._core.hyperparameters = payload
+
+    async def _restore_hyperparameters(self, timeout: float | None) -> None:
+        """See :meth:`Worker._restore_hyperparameters`."""
+        payload = self._core.hyperparameters
+        if payload is not None:
+            await self._roundtrip(lambda: self._core.hyper_request(payload), timeout)
+
     async def _record_shard_runs(self, runs: list[str]) -> None:
         """See :meth:`Worker._record_shard_runs`."""
         await self._call("shards", lambda: self._core.shards_request(runs))
@@ -1323,6 +1462,7 @@ class AsyncWorker(_WorkerBase):
             try:
                 await self._roundtrip(lambda: self._core.init_request(None, rejoin=True), timeout,
                                       waiting=self._note_init_wait)
+                await self._restore_hyperparameters(timeout)
                 weights = self._core.weights
             except APSTimeoutError:
                 raise self._init_timeout(timeout) from None
@@ -1390,6 +1530,7 @@ class AsyncWorker(_WorkerBase):
                                           waiting=self._note_init_wait)
                 except APSTimeoutError as exc:
                     raise self._rejoin_timeout(attempt, exc) from None
+                await self._restore_hyperparameters(attempt.remaining())
                 break
             except APSError as exc:
                 lost = exc

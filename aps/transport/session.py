@@ -25,6 +25,7 @@ from ..errors import (
     DTypeMismatch,
     Evicted,
     InternalServerError,
+    InvalidHyperparameters,
     MalformedFrame,
     NotInitialized,
     OutOfOrder,
@@ -37,6 +38,8 @@ from ..errors import (
 from ..protocol import (
     HANDSHAKE_OPS,
     INIT_HEAD_BYTES,
+    MAX_HYPER_BYTES,
+    MAX_HYPER_GROUPS,
     NONCE_BYTES,
     MAX_LAYOUT_BYTES,
     REQUEST_OPS,
@@ -45,6 +48,7 @@ from ..protocol import (
     Header,
     InitRequest,
     Op,
+    decode_hyper,
     decode_layout_block,
     encode_error,
     auth_proof,
@@ -451,6 +455,15 @@ class ServerSession:
                 # the block is checked, and only if they are needed (frame_more).
                 self._intake = _InitIntake(block)
                 dest = self._intake.next_piece(0)
+            elif op == Op.HYPER:
+                # Checked against the model once it arrives; nothing is read for a stranger.
+                if self.member is None:
+                    raise NotInitialized("HYPER before a successful INIT: the groups are checked against the model")
+                if length > MAX_HYPER_BYTES:
+                    raise InvalidHyperparameters(
+                        f"HYPER of {length} bytes: at most {MAX_HYPER_GROUPS} groups ({MAX_HYPER_BYTES} bytes) "
+                        "are accepted")
+                dest = memoryview(bytearray(length)) if length else None
             elif op == Op.SHARDS:
                 if length > MAX_SHARDS_BYTES:
                     raise MalformedFrame(f"SHARDS carries {MAX_SHARDS_BYTES} bytes at most, got {length}")
@@ -642,6 +655,10 @@ class ServerSession:
             raise MalformedFrame("SHARDS takes a JSON list of the shards' run ids") from None
         self.engine.record_shard_runs(runs)
         self._reply(Op.SHARDS_REPLY)
+
+    def _on_hyper(self, header: Header, payload: memoryview, stream) -> None:
+        self.engine.set_hyperparameters(self._require_member(), decode_hyper(payload))
+        self._reply(Op.HYPER_REPLY)
 
     def _on_stats(self, header: Header, payload: memoryview, stream) -> None:
         snapshot = self.engine.stats_snapshot()
@@ -843,6 +860,7 @@ _HANDLERS = {
     Op.STATS: ServerSession._on_stats,
     Op.CHECKPOINT: ServerSession._on_checkpoint,
     Op.SHARDS: ServerSession._on_shards,
+    Op.HYPER: ServerSession._on_hyper,
 }
 
 
