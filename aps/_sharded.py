@@ -35,12 +35,11 @@ from .errors import (
     APSConnectionError,
     ConfigurationError,
     DTypeMismatch,
-    InvalidHyperparameters,
     LayoutMismatch,
     NotInitialized,
 )
 from .layout import Layout, shard_bounds
-from .protocol import HyperGroup, encode_hyper
+from .protocol import HyperGroup, check_stops, encode_hyper
 from .worker import (
     AS_SHARD,
     ASYNC_AS_SHARD,
@@ -225,16 +224,7 @@ class _ShardedViews:
         records = resolve_hyperparameters(groups, numel, server_hyperparameters(self._shards[0].server_info))
         # The stops must cut the model for the cut by shard to mean anything; the shards
         # check the values (each sees its groups), as one server would.
-        previous = 0
-        for index, group in enumerate(records):
-            if group.stop <= previous:
-                raise InvalidHyperparameters(
-                    f"group {index}: stop {group.stop} is not after the previous group's stop ({previous}): "
-                    "stops must be strictly increasing, from above 0")
-            previous = group.stop
-        if previous != numel:
-            raise InvalidHyperparameters(f"the last group stops at {previous}, but the model has {numel} parameters: "
-                                         "the last stop must be the model's size")
+        check_stops(records, numel)
         bounds = self._bounds
         return [encode_hyper(shard_groups(records, bounds[index], bounds[index + 1]))
                 for index in range(len(self._shards))]

@@ -33,7 +33,7 @@ import numpy as np
 
 from . import _core
 from .errors import ConfigurationError, InvalidHyperparameters
-from .protocol import MAX_HYPER_GROUPS, HyperGroup
+from .protocol import MAX_HYPER_GROUPS, HyperGroup, check_stops
 
 __all__ = ["SGD", "Adam", "AdamW", "HyperGroups", "Optimizer", "OPTIMIZERS", "make_optimizer"]
 
@@ -124,26 +124,14 @@ class Optimizer:
         """
         if not 1 <= len(groups) <= MAX_HYPER_GROUPS:
             raise InvalidHyperparameters(f"{len(groups)} groups; from 1 to {MAX_HYPER_GROUPS} are accepted")
-        previous = 0
+        check_stops(groups, self.numel)
         for index, group in enumerate(groups):
-            if group.stop <= previous:
-                raise InvalidHyperparameters(
-                    f"group {index}: stop {group.stop} is not after the previous group's stop ({previous}): "
-                    "stops must be strictly increasing, from above 0")
-            if group.stop > self.numel:
-                raise InvalidHyperparameters(
-                    f"group {index}: stop {group.stop} is beyond the model's {self.numel} parameters")
-            previous = group.stop
             for name, value in zip(self.value_names, group[1:]):
                 if not math.isfinite(value):
                     raise InvalidHyperparameters(f"group {index}: {name} is {value}; it must be finite")
                 if value < 0.0:
                     raise InvalidHyperparameters(f"group {index}: {name} is {value}; it must be >= 0")
             self._check_group(index, group)
-        if previous != self.numel:
-            raise InvalidHyperparameters(
-                f"the last group stops at {previous}, but the model has {self.numel} parameters: "
-                "the last stop must be the model's size")
         return HyperGroups(groups)
 
     def _check_group(self, index: int, group: HyperGroup) -> None:

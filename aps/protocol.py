@@ -35,6 +35,7 @@ __all__ = [
     "PROTOCOL_VERSION",
     "HANDSHAKE_OPS",
     "HyperGroup",
+    "check_stops",
     "MAX_HYPER_BYTES",
     "MAX_HYPER_GROUPS",
     "NONCE_BYTES",
@@ -511,6 +512,27 @@ class HyperGroup(NamedTuple):
     weight_decay: float
     momentum: float
     dampening: float
+
+
+def check_stops(groups: list[HyperGroup], numel: int) -> None:
+    """Check that the groups' stops cut ``numel`` elements into consecutive ranges: strictly
+    increasing from above 0, the last one ``numel``.
+
+    Raises:
+        InvalidHyperparameters: naming the first group whose stop is wrong.
+    """
+    previous = 0
+    for index, group in enumerate(groups):
+        if group.stop <= previous:
+            raise InvalidHyperparameters(
+                f"group {index}: stop {group.stop} is not after the previous group's stop ({previous}): "
+                "stops must be strictly increasing, from above 0")
+        if group.stop > numel:
+            raise InvalidHyperparameters(f"group {index}: stop {group.stop} is beyond the model's {numel} parameters")
+        previous = group.stop
+    if previous != numel:
+        raise InvalidHyperparameters(f"the last group stops at {previous}, but the model has {numel} parameters: "
+                                     "the last stop must be the model's size")
 
 
 def encode_hyper(groups: list[HyperGroup]) -> bytes:
