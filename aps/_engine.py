@@ -717,7 +717,7 @@ class Engine:
         stream = StreamingPush(table, self._lane, member, plan)
         return stream if stream.start() else None
 
-    def set_hyperparameters(self, member: Member, groups: list[HyperGroup]) -> None:
+    def set_hyperparameters(self, member: Member, groups: list[HyperGroup], *, check_only: bool = False) -> None:
         """Apply ``member``'s following pushes with ``groups``' values, range by range,
         until it sets others (docs/protocol.md, HYPER).
 
@@ -731,7 +731,9 @@ class Engine:
         """
         if not member.joined or self.table is None:
             raise NotInitialized("HYPER before a successful INIT: the groups are checked against the model")
-        member.hyper = self.table.optimizer.check_groups(groups)
+        checked = self.table.optimizer.check_groups(groups)
+        if not check_only:  # (Flag.CHECK: a sharded worker asks every shard before it sets any)
+            member.hyper = checked
 
     def _check_push(self, member: Member, grad_version: int) -> None:
         if not member.joined:

@@ -20,9 +20,11 @@ one model, started with the same options (ServerConfig.shard_description).
 from __future__ import annotations
 
 import asyncio
+import inspect
 import json
 import logging
 import os
+import re
 import threading
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -35,11 +37,12 @@ from .errors import (
     APSConnectionError,
     ConfigurationError,
     DTypeMismatch,
+    InvalidHyperparameters,
     LayoutMismatch,
     NotInitialized,
 )
 from .layout import Layout, shard_bounds
-from .protocol import HyperGroup, check_stops, encode_hyper
+from .protocol import MAX_HYPER_GROUPS, HyperGroup, check_stops, encode_hyper
 from .worker import (
     AS_SHARD,
     ASYNC_AS_SHARD,
@@ -215,19 +218,38 @@ class _ShardedViews:
         runs = [worker.server_info.run_id for worker in self._shards]
         return runs if all(runs) else None
 
-    def _hyper_payloads(self, groups: Sequence[Mapping[str, float]]) -> list[bytes]:
-        """Each shard's HYPER payload for the model-wide ``groups``: the groups that meet its
-        range, their stops made local to it (every shard meets at least one group)."""
+    def _hyper_payloads(self, groups: Sequence[Mapping[str, float]]) -> list[tuple[bytes, list[int]]]:
+        """Each shard's HYPER payload for the model-wide ``groups`` (the groups that meet its
+        range, their stops made local to it; every shard meets at least one group), with the
+        model-wide number of each of its groups (for the messages)."""
         if self._layout is None:
             raise NotInitialized("call init(params) before set_hyperparameters")
         numel = self._layout.numel
         records = resolve_hyperparameters(groups, numel, server_hyperparameters(self._shards[0].server_info))
+        if len(records) > MAX_HYPER_GROUPS:
+            raise InvalidHyperparameters(f"{len(records)} groups; from 1 to {MAX_HYPER_GROUPS} are accepted")
         # The stops must cut the model for the cut by shard to mean anything; the shards
         # check the values (each sees its groups), as one server would.
         check_stops(records, numel)
         bounds = self._bounds
-        return [encode_hyper(shard_groups(records, bounds[index], bounds[index + 1]))
+        return [(encode_hyper(shard_groups(records, bounds[index], bounds[index + 1])),
+                 shard_group_numbers(records, bounds[index], bounds[index + 1]))
                 for index in range(len(self._shards))]
+
+    def _hyper_call(self, send: bool, payloads: list[tuple[bytes, list[int]]]):
+        """``call(index, worker)`` for :meth:`_each`: check (``send`` False) or set shard
+        ``index``'s part; a refusal names the group as the caller numbered it."""
+
+        def call(index: int, worker):
+            payload, numbers = payloads[index]
+            method = worker._send_hyperparameters if send else worker._check_hyperparameters
+            try:
+                result = method(payload)
+            except InvalidHyperparameters as exc:
+                raise _renumber(exc, numbers) from None
+            return _renumbered(result, numbers) if inspect.isawaitable(result) else result
+
+        return call
 
     def _send_order(self) -> list[int]:
         """The order a push leaves this worker in, shard by shard: from shard ``rank % K`` on,
@@ -308,9 +330,12 @@ class ShardedWorker(_ShardedViews, Worker):
 
     def set_hyperparameters(self, groups: Sequence[Mapping[str, float]]) -> None:
         """See :meth:`aps.Worker.set_hyperparameters`; ``stop`` counts in the whole model.
-        Each shard gets the groups that meet its range, cut to it, all at once."""
+        Each shard gets the groups that meet its range, cut to it. Every shard checks its
+        part first (Flag.CHECK), and only if all take them are they set on every shard: a
+        refused request changes no shard."""
         payloads = self._hyper_payloads(groups)
-        self._each(lambda index, worker: worker._send_hyperparameters(payloads[index]))
+        self._each(self._hyper_call(False, payloads))
+        self._each(self._hyper_call(True, payloads))
 
     def reconnect(self, *, timeout: float | None = 60.0) -> Mapping[str, np.ndarray]:
         self._each(lambda index, worker: worker.reconnect(timeout=timeout))
@@ -466,7 +491,8 @@ class AsyncShardedWorker(_ShardedViews, AsyncWorker):
     async def set_hyperparameters(self, groups: Sequence[Mapping[str, float]]) -> None:
         """See :meth:`ShardedWorker.set_hyperparameters`."""
         payloads = self._hyper_payloads(groups)
-        await self._each(lambda index, worker: worker._send_hyperparameters(payloads[index]))
+        await self._each(self._hyper_call(False, payloads))
+        await self._each(self._hyper_call(True, payloads))
 
     async def reconnect(self, *, timeout: float | None = 60.0) -> Mapping[str, np.ndarray]:
         await self._each(lambda index, worker: worker.reconnect(timeout=timeout))
@@ -529,6 +555,32 @@ class _AsyncTurn:
 
     def done(self) -> None:
         self._mine.set()
+
+
+def shard_group_numbers(groups: list[HyperGroup], start: int, stop: int) -> list[int]:
+    """The numbers (in ``groups``) of the groups :func:`shard_groups` keeps for ``[start, stop)``."""
+    numbers, begin = [], 0
+    for number, group in enumerate(groups):
+        if begin < stop and group.stop > start:
+            numbers.append(number)
+        begin = group.stop
+    return numbers
+
+
+def _renumber(exc: InvalidHyperparameters, numbers: list[int]) -> InvalidHyperparameters:
+    """A shard's refusal naming ``group N`` in its own numbering, made the caller's: ``numbers[N]``."""
+    match = re.match(r"group (\d+):", str(exc))
+    if match is None or int(match.group(1)) >= len(numbers):
+        return exc
+    return InvalidHyperparameters(f"group {numbers[int(match.group(1))]}:" + str(exc)[match.end():])
+
+
+async def _renumbered(result: Awaitable, numbers: list[int]):
+    """Await ``result`` (a shard's HYPER call); a refusal is renumbered (see :func:`_renumber`)."""
+    try:
+        return await result
+    except InvalidHyperparameters as exc:
+        raise _renumber(exc, numbers) from None
 
 
 def shard_groups(groups: list[HyperGroup], start: int, stop: int) -> list[HyperGroup]:

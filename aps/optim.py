@@ -38,6 +38,9 @@ from .protocol import MAX_HYPER_GROUPS, HyperGroup, check_stops
 __all__ = ["SGD", "Adam", "AdamW", "HyperGroups", "Optimizer", "OPTIMIZERS", "make_optimizer"]
 
 
+_FLOAT32_MAX = float(np.finfo(np.float32).max)
+
+
 def _require(condition: bool, message: str) -> None:
     if not condition:
         raise ConfigurationError(message)
@@ -50,7 +53,13 @@ class HyperGroups:
     __slots__ = ("groups", "_stops")
 
     def __init__(self, groups: Sequence[HyperGroup]) -> None:
-        self.groups = tuple(groups)
+        merged: list[HyperGroup] = []
+        for group in groups:  # neighbours with the same values are one range: one kernel call
+            if merged and merged[-1][1:] == group[1:]:
+                merged[-1] = group
+            else:
+                merged.append(group)
+        self.groups = tuple(merged)
         self._stops = [group.stop for group in self.groups]
 
     def ranges(self, start: int, stop: int) -> Iterator[tuple[int, int, HyperGroup]]:
@@ -127,8 +136,9 @@ class Optimizer:
         check_stops(groups, self.numel)
         for index, group in enumerate(groups):
             for name, value in zip(self.value_names, group[1:]):
-                if not math.isfinite(value):
-                    raise InvalidHyperparameters(f"group {index}: {name} is {value}; it must be finite")
+                if not math.isfinite(value) or abs(value) > _FLOAT32_MAX:  # the kernels take float32 values
+                    raise InvalidHyperparameters(f"group {index}: {name} is {value}; it must be finite in float32 "
+                                                 f"(at most {_FLOAT32_MAX:.4g})")
                 if value < 0.0:
                     raise InvalidHyperparameters(f"group {index}: {name} is {value}; it must be >= 0")
             self._check_group(index, group)

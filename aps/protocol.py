@@ -143,6 +143,10 @@ class Flag(IntFlag):
     #: (BFLOAT16 or FLOAT16, rounded to nearest even) rather than float32; the
     #: reply's dtype says what it carries (a compressed pull).
     NARROW = 16
+    #: HYPER: check the values only (refused or accepted as a HYPER would be), keep the
+    #: ones in force. A sharded worker checks on every shard before it sets on any, so
+    #: that a request is taken by all of them or by none.
+    CHECK = 32
 
 
 class DType(IntEnum):
@@ -497,8 +501,10 @@ def decode_join_progress(payload) -> tuple[int, int, list[int]]:
 # float64 lr, weight_decay, momentum, dampening (for Adam and AdamW: beta1, beta2).
 _HYPER_HEAD = struct.Struct("<I")
 _HYPER_GROUP = struct.Struct("<Qdddd")
-#: At most this many groups in one HYPER request (so it is at most MAX_HYPER_BYTES long).
-MAX_HYPER_GROUPS = 4096
+#: At most this many groups in one HYPER request (so it is at most MAX_HYPER_BYTES long, under
+#: the smallest --max-frame-bytes). Each group is one kernel call per update on the server's
+#: update lane (about 2.5 us), and neighbours with equal values are merged into one range.
+MAX_HYPER_GROUPS = 1024
 MAX_HYPER_BYTES = _HYPER_HEAD.size + MAX_HYPER_GROUPS * _HYPER_GROUP.size
 
 

@@ -194,7 +194,10 @@ def resolve_hyperparameters(groups: Any, numel: int, defaults: Mapping[str, floa
                 raise ConfigurationError(f"group {index}: {key!r} is needed (the server did not say its own values)")
             if isinstance(value, bool) or not isinstance(value, (int, float, np.integer, np.floating)):
                 raise ConfigurationError(f"group {index}: {key} must be a number, got {value!r}")
-            values.append(float(value))
+            try:
+                values.append(float(value))
+            except OverflowError:
+                raise ConfigurationError(f"group {index}: {key} {value} is too large for a float") from None
         records.append(HyperGroup(int(stop), *values))
     return records
 
@@ -598,9 +601,10 @@ class _ClientCore:
     def simple_request(self, op: Op) -> list:
         return [self._header(op)]
 
-    def hyper_request(self, payload: bytes) -> list:
-        """HYPER: the per-group optimizer values (an :func:`aps.protocol.encode_hyper` payload)."""
-        return [self._header(Op.HYPER, len(payload)), payload]
+    def hyper_request(self, payload: bytes, check: bool = False) -> list:
+        """HYPER: the per-group optimizer values (an :func:`aps.protocol.encode_hyper` payload);
+        ``check``: only have them checked (Flag.CHECK), keeping the ones in force."""
+        return [self._header(Op.HYPER, len(payload), flags=Flag.CHECK if check else 0), payload]
 
     def shards_request(self, runs: list[str]) -> list:
         """SHARDS: the run id of every shard of the model, for this one to keep."""
@@ -1072,6 +1076,10 @@ class Worker(_WorkerBase):
         """
         self._send_hyperparameters(self._hyper_payload(groups))
 
+    def _check_hyperparameters(self, payload: bytes) -> None:
+        """Have the server check a HYPER payload without taking it (Flag.CHECK)."""
+        self._call("hyper", lambda: self._core.hyper_request(payload, check=True))
+
     def _send_hyperparameters(self, payload: bytes) -> None:
         """Send a HYPER payload and remember it (sent again after a reconnect)."""
         self._call("hyper", lambda: self._core.hyper_request(payload))
@@ -1436,6 +1444,10 @@ class AsyncWorker(_WorkerBase):
     async def set_hyperparameters(self, groups: Sequence[Mapping[str, float]]) -> None:
         """See :meth:`Worker.set_hyperparameters`."""
         await self._send_hyperparameters(self._hyper_payload(groups))
+
+    async def _check_hyperparameters(self, payload: bytes) -> None:
+        """See :meth:`Worker._check_hyperparameters`."""
+        await self._call("hyper", lambda: self._core.hyper_request(payload, check=True))
 
     async def _send_hyperparameters(self, payload: bytes) -> None:
         """See :meth:`Worker._send_hyperparameters`."""

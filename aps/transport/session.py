@@ -657,7 +657,8 @@ class ServerSession:
         self._reply(Op.SHARDS_REPLY)
 
     def _on_hyper(self, header: Header, payload: memoryview, stream) -> None:
-        self.engine.set_hyperparameters(self._require_member(), decode_hyper(payload))
+        self.engine.set_hyperparameters(self._require_member(), decode_hyper(payload),
+                                        check_only=bool(header.flags & Flag.CHECK))
         self._reply(Op.HYPER_REPLY)
 
     def _on_stats(self, header: Header, payload: memoryview, stream) -> None:

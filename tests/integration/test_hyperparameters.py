@@ -15,7 +15,7 @@ import pytest
 import aps
 from aps import _updates
 from aps.errors import ErrorCode, InvalidHyperparameters, NotInitialized
-from aps.protocol import HyperGroup, Op, encode_hyper
+from aps.protocol import MAX_HYPER_GROUPS, HyperGroup, Op, encode_hyper
 from tests.helpers import RawClient
 
 N = 40
@@ -215,10 +215,12 @@ def good(lr: float = 0.5) -> list[dict]:
     ([{"stop": CUT}, {"stop": 12}], "group 1: stop 12 is not after"),
     ([{"stop": CUT}, {"stop": N - 1}], f"the last group stops at {N - 1}, but the model has {N} parameters"),
     ([{"stop": CUT}, {"stop": N + 5}], f"group 1: stop {N + 5} is beyond the model's {N} parameters"),
-    ([{"stop": k + 1} for k in range(4096)] + [{}], "at most 4096 groups"),
-], ids=["nan-lr", "negative-weight-decay", "equal-stops", "decreasing-stops", "short", "long", "too-many"])
+    ([{"stop": k + 1} for k in range(MAX_HYPER_GROUPS)] + [{}], f"at most {MAX_HYPER_GROUPS} groups"),
+    ([{"stop": CUT, "lr": 1e39}, {}], "group 0: lr is 1e+39; it must be finite in float32"),
+], ids=["nan-lr", "negative-weight-decay", "equal-stops", "decreasing-stops", "short", "long", "too-many",
+        "beyond-float32"])
 def test_bad_values_are_refused_and_change_nothing(transport, groups, message):
-    numel = 5000 if len(groups) > 4096 else N
+    numel = 5000 if len(groups) > MAX_HYPER_GROUPS else N
     w0, grads = problem(numel, steps=2)
     with serving(momentum=0.9) as server, aps.Worker(server.address, 0, 1, transport=transport) as worker:
         worker.init(model(w0))
@@ -275,3 +277,18 @@ def test_a_sharded_worker_sends_each_shard_its_own_ranges(transport):
             p.grad = torch.from_numpy(g[lo:hi].copy())
         opt.step()
     np.testing.assert_array_equal(ours, np.concatenate([p.detach().numpy() for p in params]))
+
+
+def test_a_sharded_request_refused_by_one_shard_changes_no_shard(transport):
+    """Two shards ([0, 16) and [16, 40)); a bad value in a group only the second holds. Every
+    shard checks its part before any takes it, so the first keeps its values too, and the
+    message numbers the group as the caller did (the second shard calls it its group 1)."""
+    with contextlib.ExitStack() as stack:
+        servers = [stack.enter_context(serving(shard=index, shards=2)) for index in range(2)]
+        with aps.Worker([s.address for s in servers], 0, 1, transport=transport) as worker:
+            worker.init({"w": np.zeros(N, np.float32)})
+            worker.set_hyperparameters([{"stop": 8, "lr": 0.5}, {"lr": 0.25}])
+            with pytest.raises(InvalidHyperparameters, match=r"^group 2: lr is -1.0"):
+                worker.set_hyperparameters([{"stop": 8, "lr": 2.0}, {"stop": 20, "lr": 2.0}, {"lr": -1.0}])
+            after = worker.push_pull(np.ones(N, np.float32))["w"]
+    assert after[:8].tolist() == [-0.5] * 8 and after[8:].tolist() == [-0.25] * (N - 8)

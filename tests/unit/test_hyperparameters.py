@@ -153,7 +153,7 @@ def test_the_wire_codec():
     assert decode_hyper(payload) == groups
     with pytest.raises(MalformedFrame, match="2 groups take 84"):
         decode_hyper(payload[:-1])
-    with pytest.raises(InvalidHyperparameters, match="4097 groups"):
+    with pytest.raises(InvalidHyperparameters, match=f"{MAX_HYPER_GROUPS + 1} groups"):
         decode_hyper((MAX_HYPER_GROUPS + 1).to_bytes(4, "little"))
 
 
@@ -177,3 +177,16 @@ def test_missing_values_are_the_servers():
         resolve_hyperparameters([{"lr": 0.1}, {"lr": 0.2}], 10, defaults)
     with pytest.raises(ConfigurationError, match="unknown keys"):
         resolve_hyperparameters([{"learning_rate": 0.1}], 10, defaults)
+
+
+def test_neighbours_with_equal_values_are_one_range_and_huge_values_are_refused_early():
+    from aps.optim import HyperGroups
+
+    merged = HyperGroups([HyperGroup(10, 0.1, 0, 0.9, 0), HyperGroup(20, 0.1, 0, 0.9, 0),
+                          HyperGroup(N, 0.2, 0, 0.9, 0)])
+    assert [g.stop for g in merged.groups] == [20, N]  # one kernel call for the first two
+    assert [(lo, hi) for lo, hi, _ in merged.ranges(5, 25)] == [(5, 20), (20, 25)]
+    with pytest.raises(InvalidHyperparameters, match="group 0: weight_decay is 1e\\+39; it must be finite in float32"):
+        SGD(N, 0.1).check_groups([HyperGroup(N, 0.1, 1e39, 0, 0)])
+    with pytest.raises(ConfigurationError, match="group 0: lr .* is too large for a float"):
+        resolve_hyperparameters([{"lr": 10**400}], N, {"lr": 0.1, "weight_decay": 0, "momentum": 0, "dampening": 0})
