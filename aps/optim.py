@@ -25,6 +25,7 @@ given none uses the values the optimizer was made with.
 from __future__ import annotations
 
 import bisect
+import functools
 import math
 from collections.abc import Iterator, Sequence
 from types import ModuleType
@@ -116,9 +117,10 @@ class Optimizer:
         """The kernel on ``[start, stop)`` with ``values`` (lr, weight decay, momentum, dampening)."""
         raise NotImplementedError
 
-    @property
+    @functools.cached_property
     def defaults(self) -> HyperGroup:
-        """The values this optimizer was made with, as one group over the whole vector."""
+        """The values this optimizer was made with, as one group over the whole vector (made
+        once: every update without a worker's own values uses it)."""
         return HyperGroup(self.numel, self.lr, 0.0, 0.0, 0.0)
 
     def check_groups(self, groups: Sequence[HyperGroup]) -> HyperGroups:
@@ -209,7 +211,7 @@ class SGD(Optimizer):
         """The current momentum buffer (None without momentum)."""
         return self._buffers[0] if self._buffers is not None else None
 
-    @property
+    @functools.cached_property
     def defaults(self) -> HyperGroup:
         return HyperGroup(self.numel, self.lr, self.weight_decay, self.momentum, self.dampening)
 
@@ -307,7 +309,7 @@ class Adam(Optimizer):
     def exp_avg_sq(self) -> np.ndarray:
         return self._v[0]
 
-    @property
+    @functools.cached_property
     def defaults(self) -> HyperGroup:
         return HyperGroup(self.numel, self.lr, self.weight_decay, *self.betas)
 
