@@ -134,6 +134,11 @@ class _ShardedViews:
         return self._layout
 
     @property
+    def server_options(self) -> dict[str, Any] | None:
+        """As :attr:`Worker.server_options` (every shard runs with the same; checked at connection)."""
+        return self._shards[0].server_options if self._shards else None
+
+    @property
     def weights(self) -> Mapping[str, np.ndarray]:
         return self._weights
 

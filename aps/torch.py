@@ -9,8 +9,10 @@
         loss_fn(model(x), y).backward()
         opt.step()  # push the gradients, wait for the gate, load the new weights
 
-The server applies the update (its ``--optimizer``, ``--lr`` ...); this object
-only moves gradients and weights. On the CPU, the model's parameters and their
+The server applies the update (its ``--optimizer``) with the values of this
+worker's param groups, which any ``torch.optim.lr_scheduler`` may change:
+this object is a ``torch.optim.Optimizer`` that moves gradients, weights and,
+when they change, the groups' values. On the CPU, the model's parameters and their
 ``.grad`` become views into the worker's flat buffers (the gradient buffer is
 shared memory when the server shares the host), so ``backward()`` writes the
 gradients where the push reads them and a pull writes the new weights straight
@@ -19,7 +21,8 @@ GPU keeps its tensors there; ``step()`` then stages through the worker's host
 buffers (pinned memory): one device-to-host copy of the gradients and one
 host-to-device copy of the weights per step.
 
-Only trainable parameters go through the server, and they must be float32.
+Only trainable parameters go through the server, laid out group by group,
+and they must be float32.
 Buffers (BatchNorm running statistics and the like) stay local to each worker.
 
 Address, rank and worker count default to ``APS_ADDRESS``, ``RANK`` and
@@ -35,7 +38,7 @@ import logging
 import math
 import os
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import numpy as np
@@ -111,15 +114,90 @@ class Pacer:
         self._since = time.monotonic()
 
 
-class Optimizer:
-    """Train ``model`` with an aps server; use it like a ``torch.optim`` optimizer.
+#: What each server optimizer takes from a param group: the four HYPER values, in order.
+_SENT = {
+    "sgd": lambda group: (group["lr"], group["weight_decay"], group["momentum"], group["dampening"]),
+    "adam": lambda group: (group["lr"], group["weight_decay"], *group["betas"]),
+}
+_SENT["adamw"] = _SENT["adam"]
+
+
+def _server_defaults(options: Mapping[str, Any] | None) -> dict[str, Any]:
+    """torch.optim's ``defaults`` for the server's optimizer, from its options."""
+    if options is None or options.get("optimizer") not in _SENT:
+        raise ConfigurationError("the server did not say which optimizer it runs (an older aps?): "
+                                 "aps.torch.Optimizer needs it for its param groups")
+    common = {"lr": float(options["lr"]), "weight_decay": float(options["weight_decay"])}
+    if options["optimizer"] == "sgd":
+        return {**common, "momentum": float(options["momentum"]), "dampening": 0.0,
+                "nesterov": bool(options["nesterov"]), "maximize": False}
+    beta1, beta2 = options["betas"]
+    return {**common, "betas": (float(beta1), float(beta2)), "eps": float(options["eps"]),
+            "amsgrad": False, "maximize": False}
+
+
+def _split_groups(params: Any) -> list[dict[str, Any]]:
+    """torch.optim's forms of ``params`` as group dicts (copies), each with a list of
+    tensors under ``params`` and, when the tensors came named, ``param_names``."""
+    if isinstance(params, torch.nn.Module):
+        params = params.named_parameters()
+    if isinstance(params, (set, frozenset)):
+        raise ConfigurationError("parameters must come in an ordered collection (a list), not a set: "
+                                 "the flat layout follows their order")
+    if isinstance(params, torch.Tensor):
+        raise ConfigurationError("params must be an nn.Module, an iterable of tensors or of (name, tensor), "
+                                 "or a list of param group dicts, not one tensor")
+    groups = list(params)
+    if not groups:
+        raise ConfigurationError("the optimizer got an empty parameter list")
+    if not isinstance(groups[0], Mapping):
+        groups = [{"params": groups}]
+    parsed = []
+    for index, group in enumerate(groups):
+        if not isinstance(group, Mapping) or "params" not in group:
+            raise ConfigurationError(f"param group {index} must be a dict with 'params'")
+        group = dict(group)
+        members = group["params"]
+        if isinstance(members, torch.Tensor):
+            members = [members]
+        elif isinstance(members, (set, frozenset)):
+            raise ConfigurationError(f"param group {index}: parameters must come in an ordered collection "
+                                     "(a list), not a set: the flat layout follows their order")
+        members = list(members)
+        named = [isinstance(m, tuple) for m in members]
+        if any(named) and not all(named):
+            raise ConfigurationError(f"param group {index}: give every parameter with its name or none")
+        if members and all(named):
+            group["param_names"] = [str(name) for name, _ in members]
+            members = [tensor for _, tensor in members]
+        for member in members:
+            if not isinstance(member, torch.Tensor):
+                raise ConfigurationError(f"param group {index}: parameters must be tensors, "
+                                         f"not {type(member).__name__}")
+            if not member.is_leaf:
+                raise ConfigurationError(f"param group {index}: a parameter is not a leaf tensor "
+                                         "(it was computed from others): it cannot be optimized")
+        group["params"] = members
+        parsed.append(group)
+    return parsed
+
+
+class Optimizer(torch.optim.Optimizer):
+    """Train a model with an aps server: a ``torch.optim.Optimizer`` whose step the server takes.
 
     Args:
-        model: an ``nn.Module``, or an iterable of ``(name, parameter)``.
+        params: what ``torch.optim`` takes: an ``nn.Module`` (its parameters,
+            named), an iterable of parameters or of ``(name, parameter)``, or a
+            list of param group dicts (``{"params": ..., "lr": ..., ...}``).
             Trainable parameters must be float32 and on one device.
         address: the server (``tcp://HOST:PORT``); default ``APS_ADDRESS``.
         rank: this worker's rank; default ``RANK``.
         num_workers: the number of workers; default ``WORLD_SIZE``.
+        model: the model, to name parameters given without names (checkpoints
+            name tensors by ``model.named_parameters()``).
+        lr, weight_decay, momentum, dampening, betas: this worker's defaults
+            for the groups that do not set their own; default: the server's
+            (``--lr``, ``--weight-decay``, ``--momentum``, ``--betas``).
         transport: ``"auto"``, ``"shm"`` or ``"tcp"`` (see :class:`aps.Worker`).
         init_timeout: seconds to wait for every worker to join.
         worker: an existing :class:`aps.Worker` to use instead of connecting.
@@ -132,17 +210,35 @@ class Optimizer:
         compression, compress_pulls: send gradients (and receive weights) over
             TCP as ``"bf16"`` or ``"fp16"`` (see :class:`aps.Worker`).
 
+    ``param_groups`` and ``defaults`` are torch's, with the keys of the
+    server's optimizer (SGD: ``lr``, ``momentum``, ``dampening``,
+    ``weight_decay``, ``nesterov``; Adam and AdamW: ``lr``, ``betas``,
+    ``eps``, ``weight_decay``), so every ``torch.optim.lr_scheduler``
+    scheduler works unchanged: each ``step()`` that finds a group's values
+    changed sends them first (one more round trip, only then), and the
+    server applies this worker's gradients with them, range by range, still
+    times the staleness-aware scale where the server uses one. ``nesterov``,
+    ``eps`` (``amsgrad`` and ``maximize`` off) are the server's and cannot
+    change. The flat model is laid out group by group, so each group is one
+    range of it.
+
     The first worker to join provides the initial weights (its model's);
     every worker's model then holds the server's weights.
     """
 
     def __init__(
         self,
-        model: torch.nn.Module | Iterable[tuple[str, torch.nn.Parameter]],
+        params: Any,
         address: str | None = None,
         rank: int | None = None,
         num_workers: int | None = None,
         *,
+        model: torch.nn.Module | None = None,
+        lr: float | None = None,
+        weight_decay: float | None = None,
+        momentum: float | None = None,
+        dampening: float | None = None,
+        betas: tuple[float, float] | None = None,
         transport: str = "auto",
         init_timeout: float | None = 300.0,
         worker: Worker | None = None,
@@ -154,13 +250,28 @@ class Optimizer:
         compression: str | None = None,
         compress_pulls: bool = False,
     ) -> None:
-        named = model.named_parameters() if isinstance(model, torch.nn.Module) else model
+        if model is None and isinstance(params, torch.nn.Module):
+            model = params
+        groups = _split_groups(params)
+        self._building = True
+        # The model's trainable parameters, group by group: the flat layout's order.
+        model_names = {id(p): n for n, p in model.named_parameters()} if model is not None else {}
         self.names: list[str] = []
         self.params: list[torch.nn.Parameter] = []
-        for name, param in named:
-            if param.requires_grad:
-                self.names.append(name)
-                self.params.append(param)
+        self._frozen: list[tuple[str, torch.Tensor]] = []
+        seen: set[int] = set()
+        for group in groups:
+            names = group.get("param_names") or [model_names.get(id(p)) for p in group["params"]]
+            for name, param in zip(names, group["params"]):
+                if id(param) in seen:
+                    raise ConfigurationError(f"a parameter ({name or 'unnamed'}) appears twice in the param groups")
+                seen.add(id(param))
+                name = name or f"param{len(seen) - 1}"
+                if param.requires_grad:
+                    self.names.append(name)
+                    self.params.append(param)
+                else:
+                    self._frozen.append((name, param))
         if not self.params:
             raise ConfigurationError("the model has no trainable parameters")
         wrong = [f"{n} ({p.dtype})" for n, p in zip(self.names, self.params) if p.dtype != torch.float32]
@@ -185,13 +296,32 @@ class Optimizer:
                                        reconnect=reconnect, reconnect_timeout=reconnect_timeout,
                                        compression=compression, compress_pulls=compress_pulls)
         try:
+            server = _server_defaults(self.worker.server_options)
+            self._kind = "sgd" if "momentum" in server else "adam"
+            defaults = dict(server)
+            for key, value in (("lr", lr), ("weight_decay", weight_decay), ("momentum", momentum),
+                               ("dampening", dampening), ("betas", betas)):
+                if value is None:
+                    continue
+                if key not in defaults:
+                    raise ConfigurationError(f"{key} is not an option of the server's optimizer "
+                                             f"({self.worker.server_options['optimizer']})")
+                defaults[key] = tuple(float(b) for b in value) if key == "betas" else float(value)
+            super().__init__(groups, defaults)
+            self._server_values = _SENT[self._kind](server)
             with torch.no_grad():
                 initial = {n: p.detach().to("cpu").contiguous().numpy() for n, p in zip(self.names, self.params)}
             self.worker.init(initial, timeout=init_timeout)
+            self._stops = self._group_stops()
+            # A worker of our own starts with the server's values; another may have set some.
+            self._sent: list[tuple[float, ...]] | None = (
+                [self._server_values] * len(self.param_groups) if own_worker else None)
+            self._send_hyperparameters()
         except BaseException:
             if own_worker:
                 self.worker.close()
             raise
+        self._building = False
         self._host_weights = torch.from_numpy(self.worker.flat_weights)
         self._host_grads = torch.from_numpy(self.worker.flat_grad)
         if self.device.type == "cuda":
@@ -210,10 +340,30 @@ class Optimizer:
         layout = self.worker.layout
         return [flat[o : o + s].view(p.shape) for p, o, s in zip(self.params, layout.offsets, layout.sizes)]
 
+    def _group_stops(self) -> list[int]:
+        """Where each param group's range of the flat vector ends (the layout is group by group)."""
+        sizes = dict(zip(map(id, self.params), self.worker.layout.sizes))
+        stops, stop = [], 0
+        for group in self.param_groups:
+            stop += sum(sizes.get(id(p), 0) for p in group["params"])
+            stops.append(stop)
+        return stops
+
     # The optimizer interface ------------------------------------------------------
-    def zero_grad(self, set_to_none: bool = False) -> None:
-        """Zero the gradients, in place (``set_to_none`` is accepted and ignored:
-        the gradients must stay views into the worker's buffer)."""
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        """Refused once the optimizer is made: the server's model is laid out at init and
+        cannot grow. Put every parameter in a group from the start (frozen ones too: a
+        group's values can change at any step, an ``lr`` of 0 keeps it still)."""
+        if not getattr(self, "_building", False):
+            raise ConfigurationError(
+                "aps.torch.Optimizer cannot add a param group after it is made: the server laid out the model "
+                "at init. Give every group to the constructor (an lr of 0 keeps a group still until you raise it)")
+        super().add_param_group(param_group)
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Zero the gradients in place. ``set_to_none`` is accepted and not followed: the
+        gradients stay views into the worker's buffer (a parameter with no gradient at a
+        ``step()`` is pushed a zero gradient either way)."""
         if self.staging:
             for param in self.params:
                 if param.grad is not None:
@@ -221,26 +371,37 @@ class Optimizer:
         else:
             self._host_grads.zero_()
 
+    @torch.no_grad()
     def step(self, closure: Callable[[], Any] | None = None) -> Any:
         """Push this iteration's gradients, wait for the gate, load the new weights.
 
+        When a param group's values (``lr``, ``weight_decay``, ``momentum``,
+        ``dampening``, ``betas``) changed since the last step (a scheduler, or
+        code), they are sent first: the server applies this gradient with them.
         Returns what ``closure`` returns, if given (it is called first, with
         gradients enabled, as ``torch.optim`` does).
+
+        Raises:
+            InvalidHyperparameters: the server refused a group's values (the
+                message names the group); nothing was pushed.
+            ConfigurationError: a value the server cannot take per group was
+                changed (``nesterov``, ``eps``), or a parameter frozen when the
+                optimizer was made now has a gradient.
         """
         loss = None
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        self._send_hyperparameters()
         if self.pacer is not None:
             self.pacer.wait()
-        with torch.no_grad():
-            if self.staging:
-                self._gather_grads()
-                self.worker.push_pull(self.worker.grads)
-                self._load_weights()
-            else:
-                self._adopt_stray_grads()
-                self.worker.push_pull(self.worker.grads)  # the weights land in the model's storage
+        if self.staging:
+            self._gather_grads()
+            self.worker.push_pull(self.worker.grads)
+            self._load_weights()
+        else:
+            self._adopt_stray_grads()
+            self.worker.push_pull(self.worker.grads)  # the weights land in the model's storage
         if self.pacer is not None:
             self.pacer.restart()
         return loss
@@ -269,7 +430,52 @@ class Optimizer:
     def __exit__(self, *exc) -> None:
         self.close()
 
+    def __repr__(self) -> str:
+        return f"aps.torch.{super().__repr__()}"
+
     # Internals ----------------------------------------------------------------------
+    def _group_values(self) -> list[tuple[float, ...]]:
+        """The values each group asks of the server now (checking those it cannot change)."""
+        sent = _SENT[self._kind]
+        fixed = ("nesterov",) if self._kind == "sgd" else ("eps",)
+        values = []
+        for index, group in enumerate(self.param_groups):
+            for key in fixed:
+                if group[key] != self.defaults[key]:
+                    raise ConfigurationError(
+                        f"param group {index}: {key} is {group[key]}, the server's is {self.defaults[key]}; "
+                        f"it is the server's option (aps serve --{key}) and cannot be set per group")
+            for key in ("maximize", "amsgrad"):
+                if group.get(key):
+                    raise ConfigurationError(f"param group {index}: {key} is not supported by the server's "
+                                             "optimizer")
+            try:
+                values.append(tuple(float(v) for v in sent(group)))
+            except (KeyError, TypeError, ValueError) as error:
+                raise ConfigurationError(f"param group {index}: its optimizer values are not numbers ({error})") \
+                    from None
+        return values
+
+    def _send_hyperparameters(self) -> None:
+        """Send the groups' values if they changed since they were last sent."""
+        for name, param in self._frozen:
+            if param.grad is not None:
+                raise ConfigurationError(
+                    f"parameter {name} was frozen (requires_grad=False) when the optimizer was made and now has a "
+                    "gradient: the server's model was laid out at init without it. Make the optimizer after "
+                    "unfreezing (an lr of 0 keeps a group still until you raise it)")
+        values = self._group_values()
+        if values == self._sent:
+            return
+        groups, start = [], 0
+        for stop, (lr, weight_decay, momentum, dampening) in zip(self._stops, values):
+            if stop > start:  # a group of frozen parameters only has no range
+                groups.append({"stop": stop, "lr": lr, "weight_decay": weight_decay, "momentum": momentum,
+                               "dampening": dampening})
+            start = stop
+        self.worker.set_hyperparameters(groups)
+        self._sent = values
+
     def _adopt_stray_grads(self) -> None:
         # model.zero_grad() (set_to_none, the torch default) or other code may
         # have replaced a .grad: copy it back into the buffer and re-attach.
@@ -297,7 +503,6 @@ class Optimizer:
             param.data.copy_(weights, non_blocking=self.device.type == "cuda")
         if self.device.type == "cuda":  # the next pull overwrites the host buffer
             torch.cuda.synchronize(self.device)
-
 
 # Checkpoints --------------------------------------------------------------------------
 

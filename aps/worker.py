@@ -147,14 +147,25 @@ def _refuse_one_shard(info: ServerInfo, address: str) -> None:
 HYPER_KEYS = ("stop", "lr", "weight_decay", "momentum", "dampening")
 
 
+def server_options(info: ServerInfo | None) -> dict[str, Any] | None:
+    """The run options a server said it was started with in the handshake (its
+    ``--optimizer``, ``--lr``, ``--sync`` ...: ServerConfig.shard_description), or None
+    when it did not say (an older server)."""
+    try:
+        described = json.loads(info.shard) if info is not None and info.shard else None
+    except ValueError:
+        return None
+    return described if isinstance(described, dict) else None
+
+
 def server_hyperparameters(info: ServerInfo | None) -> dict[str, float] | None:
     """The server's own value for each HYPER key but ``stop``, from what it said of its options
     in the handshake (for Adam and AdamW, ``momentum`` and ``dampening`` are its betas);
     None when it did not say (an older server)."""
+    described = server_options(info)
+    if described is None:
+        return None
     try:
-        described = json.loads(info.shard) if info is not None and info.shard else None
-        if not isinstance(described, dict):
-            return None
         common = {"lr": float(described["lr"]), "weight_decay": float(described["weight_decay"])}
         if described["optimizer"] == "sgd":
             # aps serve has no dampening option: its SGD runs with none.
@@ -771,6 +782,13 @@ class _WorkerBase:
     @property
     def layout(self) -> Layout | None:
         return self._core.layout
+
+    @property
+    def server_options(self) -> dict[str, Any] | None:
+        """The options that define the server's run, as it said in the handshake:
+        ``optimizer``, ``lr``, ``momentum``, ``nesterov``, ``weight_decay``, ``betas``,
+        ``eps``, ``sync``, ``workers`` ... (None before connecting, or from an older server)."""
+        return server_options(getattr(self, "server_info", None))
 
     @property
     def weights(self) -> Mapping[str, np.ndarray]:

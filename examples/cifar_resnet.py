@@ -12,11 +12,19 @@ stay local to each worker and are not averaged; only the trainable weights go
 through the server. On a GPU (``--device cuda``) the model stays on the device
 and each step stages the gradients and weights through pinned host memory.
 
+As people train it: weight decay on the convolution and linear weights only
+(none on BatchNorm and biases: two param groups), and a learning rate that
+warms up linearly over the first epoch and then follows a cosine to zero,
+stepped every iteration by ``torch.optim.lr_scheduler``. The server's
+``--lr`` and ``--weight-decay`` are only its defaults: each worker sends its
+groups' values when they change, and the server applies its gradients with
+them.
+
 Under ``aps launch``::
 
     aps launch --workers 4 --sync dssp --staleness 3 --max-staleness 15 \\
-        --optimizer sgd --lr 0.1 --momentum 0.9 --weight-decay 5e-4 \\
-        examples/cifar_resnet.py --data-dir ~/data --epochs 30
+        --optimizer sgd --lr 0.1 --momentum 0.9 \\
+        examples/cifar_resnet.py --data-dir ~/data --epochs 30 --lr 0.1 --weight-decay 5e-4
 
 Against any server, one process per rank::
 
@@ -46,6 +54,20 @@ def resnet18_cifar(classes: int = 10) -> nn.Module:
     model.conv1 = nn.Conv2d(3, 64, kernel_size=3, stride=1, padding=1, bias=False)
     model.maxpool = nn.Identity()
     return model
+
+
+def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
+    """Weight decay on the weights of convolutions and linear layers; none on BatchNorm and biases."""
+    decay = [p for p in model.parameters() if p.ndim > 1]
+    no_decay = [p for p in model.parameters() if p.ndim <= 1]
+    return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+
+
+def schedule(optimizer: torch.optim.Optimizer, warmup: int, total: int) -> torch.optim.lr_scheduler.LRScheduler:
+    """Linear warm-up over ``warmup`` steps, then a cosine to zero at step ``total``."""
+    warm = torch.optim.lr_scheduler.LinearLR(optimizer, start_factor=0.1, total_iters=max(1, warmup))
+    cosine = torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=max(1, total - warmup))
+    return torch.optim.lr_scheduler.SequentialLR(optimizer, [warm, cosine], milestones=[max(1, warmup)])
 
 
 def datasets(args):
@@ -90,6 +112,8 @@ def main() -> None:
     parser.add_argument("--epochs", type=int, default=30)
     parser.add_argument("--steps", type=int, default=0, help="stop after this many steps (0: no limit)")
     parser.add_argument("--batch-size", type=int, default=128)
+    parser.add_argument("--lr", type=float, default=0.1, help="peak learning rate (after the warm-up)")
+    parser.add_argument("--weight-decay", type=float, default=5e-4, help="on weights; none on BatchNorm and biases")
     parser.add_argument("--loader-workers", type=int, default=2)
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))  # set by aps launch and torchrun: one GPU per worker
     gpus = torch.cuda.device_count()
@@ -101,11 +125,14 @@ def main() -> None:
     train_set, test_set = datasets(args)
     torch.manual_seed(args.seed)  # every worker builds the same model; rank 0's weights win anyway
     model = resnet18_cifar().to(device)
-    optimizer = aps.torch.Optimizer(model, args.address, args.rank, args.workers)
+    optimizer = aps.torch.Optimizer(param_groups(model, args.weight_decay), args.address, args.rank, args.workers,
+                                    model=model, lr=args.lr)
     rank, workers = optimizer.worker.rank, optimizer.worker.num_workers
     shard = Subset(train_set, range(rank, len(train_set), workers))
     loader = DataLoader(shard, batch_size=args.batch_size, shuffle=True, drop_last=True,
                         num_workers=args.loader_workers, generator=torch.Generator().manual_seed(args.seed + rank))
+    total = len(loader) * args.epochs if not args.steps else min(args.steps, len(loader) * args.epochs)
+    scheduler = schedule(optimizer, warmup=min(len(loader), total // 5), total=total)
     test_loader = DataLoader(test_set, batch_size=256, num_workers=args.loader_workers)
     start, steps = time.monotonic(), 0
     with optimizer:
@@ -115,9 +142,11 @@ def main() -> None:
                 loss = F.cross_entropy(model(images.to(device)), labels.to(device))
                 loss.backward()
                 optimizer.step()
+                scheduler.step()
                 steps += 1
                 if steps % 50 == 0:
-                    print(f"rank {rank} step {steps}: loss {loss.item():.3f}", flush=True)
+                    print(f"rank {rank} step {steps}: loss {loss.item():.3f}, lr {scheduler.get_last_lr()[0]:.4g}",
+                          flush=True)
                 if steps == args.steps:
                     break
             accuracy = evaluate(model, test_loader, device)
