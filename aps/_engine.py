@@ -32,6 +32,7 @@ from .config import RUN_OPTIONS, ServerConfig
 from .errors import (
     CheckpointError,
     InternalServerError,
+    InvalidState,
     LayoutMismatch,
     MalformedFrame,
     NonFiniteGradient,
@@ -43,10 +44,11 @@ from .errors import (
     WorkerCountMismatch,
 )
 from ._lane import CallJob, Offload, UpdateLane
+from ._state import LoadStateJob, ReadStateJob, StateCopies, StateCopy
 from ._updates import Aggregate, AggregateJob, PushJob, StreamingPush
 from .layout import Layout
 from .optim import HyperGroups, make_optimizer
-from .protocol import HyperGroup
+from .protocol import HyperGroup, StateHead
 from .stats import ServerStats
 from .sync import Outcome, Plan, PlanKind, make_policy
 from .table import ParameterTable, Snapshot
@@ -250,6 +252,12 @@ class Engine:
         self.request_checkpoint: Callable[[str], object] | None = None
         # The newest weights narrowed for compressed pulls, per element type: (version, words).
         self._narrowed: dict[int, tuple[int, np.ndarray]] = {}
+        #: The digest of the optimizer state loaded into this run (LOAD_STATE), if any: kept in
+        #: checkpoints, so that loading the same state again is a no-op, not a refusal.
+        self.loaded_state: bytes | None = None
+        #: Counts the loads: a state copy made before one is not the state after it.
+        self.state_generation = 0
+        self._state_copies = StateCopies()
 
     # Introspection ---------------------------------------------------------
     @property
@@ -585,7 +593,8 @@ class Engine:
             "config": {name: getattr(config, name) for name in RUN_OPTIONS},
             # the rest, for the record (resume takes its own)
             "server": {name: value for name, value in config.public().items() if name not in RUN_OPTIONS},
-            "optimizer": {"name": optimizer.name, "steps": optimizer.steps, **optimizer.hyperparameters()},
+            "optimizer": {"name": optimizer.name, "steps": optimizer.steps, **optimizer.hyperparameters(),
+                          **({"loaded_state": self.loaded_state.hex()} if self.loaded_state is not None else {})},
             "policy": policy_state,
             "seats": {str(rank): seat.to_json() for rank, seat in sorted(self._seats.items())},
             "counters": {"rejected": self.stats.rejected, "duplicates": self.stats.duplicates},
@@ -613,6 +622,8 @@ class Engine:
                 layout.flatten_into({name: checkpoint.state[f"{key}/{name}"] for name in layout.names}, flat)
                 state[key] = flat
             optimizer.load_state(state, int(saved["steps"]))
+            loaded = saved.get("loaded_state")
+            self.loaded_state = bytes.fromhex(loaded) if isinstance(loaded, str) else None
             self.table.version = int(manifest["version"])
             if self.aggregate is not None and "aggregate" in checkpoint.state:
                 np.copyto(self.aggregate.current, checkpoint.state["aggregate"])
@@ -631,6 +642,7 @@ class Engine:
                 self.table.close()
             self.table = self.layout = self.aggregate = None
             self._placements, self._seats, self._start_ranks = {}, {}, None
+            self.loaded_state = None
             detail = f"missing {exc}" if isinstance(exc, KeyError) else str(exc)
             raise CheckpointError(f"checkpoint {checkpoint.path} cannot be resumed: {detail}") from None
         self.resumed_from = str(checkpoint.path)
@@ -734,6 +746,89 @@ class Engine:
         checked = self.table.optimizer.check_groups(groups)
         if not check_only:  # (Flag.CHECK: a sharded worker asks every shard before it sets any)
             member.hyper = checked
+
+    # Optimizer state (docs/protocol.md, STATE and LOAD_STATE) ---------------
+    def read_optimizer_state(self, member: Member, done: Callable[[StateCopy], None],
+                             failed: ErrorCallback) -> None:
+        """Copy the optimizer's state between two updates (a job of the update lane, see
+        :mod:`aps._state`) and call ``done`` with it: its step count, the weights version it
+        belongs to, and every array of ``state_arrays()`` in one buffer of its own.
+
+        Raises:
+            NotInitialized: ``member`` has not joined.
+        """
+        if not member.joined or self.table is None:
+            raise NotInitialized("STATE before a successful INIT")
+        self._lane.submit(ReadStateJob(self, member, done, failed))
+
+    def check_state(self, head: StateHead) -> bool:
+        """Whether the state ``head`` describes can be loaded now: False when it is to be
+        loaded, True when it was loaded into this run already (same digest: a no-op).
+
+        Raises:
+            NotInitialized: there is no model yet.
+            MalformedFrame: ``head`` carries no digest.
+            InvalidState: another optimizer, other arrays (or in another order), arrays
+                not of the model's size, or another state when this run has applied
+                updates (or loaded one with steps) already. Nothing changed.
+        """
+        table = self.table
+        if table is None:
+            raise NotInitialized("LOAD_STATE before a successful INIT")
+        optimizer = table.optimizer
+        if head.digest is None:
+            raise MalformedFrame("a LOAD_STATE carries the state's digest")
+        if head.optimizer != optimizer.name:
+            raise InvalidState(f"the state is {head.optimizer}'s; this server runs {optimizer.name}")
+        own = list(optimizer.state_arrays())
+        if list(head.arrays) != own:
+            extra = " (sgd keeps none without --momentum)" if optimizer.name == "sgd" and not own else ""
+            raise InvalidState(f"the {optimizer.name} state holds the arrays {own}{extra}, in that order; the state "
+                               f"to load holds {list(head.arrays)}")
+        if head.numel != optimizer.numel:
+            raise InvalidState(f"the state's arrays have {head.numel} elements each; the model has "
+                               f"{optimizer.numel}" + (" on this shard" if self.config.shards > 1 else ""))
+        if head.digest == self.loaded_state:
+            return True
+        if table.version == 0 and optimizer.steps == 0:
+            return False
+        if table.version == 0:
+            raise InvalidState(f"another optimizer state ({optimizer.steps} steps) was loaded into this run already: "
+                               "optimizer state can only be loaded into a run that has not started (loading the "
+                               "same state again is allowed)")
+        raise InvalidState(f"the server has applied {table.version} updates: optimizer state can only be loaded into "
+                           "a run that has not started (loading the same state again is allowed)")
+
+    def load_optimizer_state(self, member: Member, head: StateHead, arrays: dict[str, list[np.ndarray]],
+                             done: Callable[[bool], None], failed: ErrorCallback) -> None:
+        """Load a state into the optimizer between two updates (a job of the update lane, see
+        :mod:`aps._state`), once everything is checked again at its turn: ``done(True)``
+        when loaded, ``done(False)`` when the same state was loaded already, ``failed``
+        with the refusal (nothing changed). ``arrays``: each of ``head.arrays`` as a list
+        of consecutive flat float32 pieces.
+
+        Raises:
+            NotInitialized: ``member`` has not joined.
+        """
+        if not member.joined or self.table is None:
+            raise NotInitialized("LOAD_STATE before a successful INIT")
+        self._lane.submit(LoadStateJob(self, head, arrays, done, failed))
+
+    def state_loaded(self, head: StateHead) -> None:
+        """A state was loaded (by a LoadStateJob): remember its digest."""
+        self.loaded_state = head.digest
+        self.state_generation += 1
+        log.info("optimizer state loaded: %s, %d steps (digest %s)", head.optimizer, head.steps, head.digest.hex())
+
+    def state_copy(self, key: tuple) -> StateCopy | None:
+        """A copy of the state at ``key`` (version, steps, generation) a reply still holds."""
+        return self._state_copies.get(key)
+
+    def keep_state_copy(self, key: tuple, copy: StateCopy) -> None:
+        self._state_copies.keep(key, copy)
+
+    def forget_state_copy(self, copy: StateCopy) -> None:
+        self._state_copies.forget(copy)
 
     def _check_push(self, member: Member, grad_version: int) -> None:
         if not member.joined:

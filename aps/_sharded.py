@@ -38,11 +38,12 @@ from .errors import (
     ConfigurationError,
     DTypeMismatch,
     InvalidHyperparameters,
+    InvalidState,
     LayoutMismatch,
     NotInitialized,
 )
 from .layout import Layout, shard_bounds
-from .protocol import MAX_HYPER_GROUPS, HyperGroup, check_stops, encode_hyper
+from .protocol import MAX_HYPER_GROUPS, HyperGroup, check_stops, encode_hyper, encode_state_head, state_digest
 from .worker import (
     AS_SHARD,
     ASYNC_AS_SHARD,
@@ -52,6 +53,7 @@ from .worker import (
     Worker,
     resolve_hyperparameters,
     server_hyperparameters,
+    checked_state,
 )
 
 __all__ = ["AsyncShardedWorker", "ShardedWorker", "split_addresses"]
@@ -256,6 +258,35 @@ class _ShardedViews:
 
         return call
 
+    def _state_payloads(self, state: Mapping[str, Any]) -> list[tuple[bytes, list[np.ndarray]]]:
+        """Each shard's LOAD_STATE head and arrays: every array of ``state`` cut by the shards'
+        bounds (checked whole first, as one server would)."""
+        if self._layout is None:
+            raise NotInitialized("call init(params) before load_optimizer_state")
+        optimizer, steps, names, arrays = checked_state(state, self._layout.numel)  # on the whole model
+        payloads = []
+        for lo, hi in zip(self._bounds, self._bounds[1:]):
+            pieces = [array[lo:hi] for array in arrays]
+            payloads.append((encode_state_head(optimizer, steps, hi - lo, names, digest=state_digest(steps, pieces)),
+                             pieces))
+        return payloads
+
+    def _joined_state(self, states: list[dict[str, Any]]) -> dict[str, Any]:
+        """The shards' states as one: each array the shards' pieces end to end."""
+        first = states[0]
+        steps = [state["steps"] for state in states]
+        if len(set(steps)) > 1:
+            raise InvalidState(f"the shards' optimizers have applied different numbers of updates ({steps}, in shard "
+                               "order): the state was read while updates were being applied; read it again when no "
+                               "worker pushes (after a BSP round, or with the others waiting)")
+        for index, state in enumerate(states):
+            if state["optimizer"] != first["optimizer"] or list(state["arrays"]) != list(first["arrays"]):
+                raise InvalidState(f"shard {index} holds {state['optimizer']} state {list(state['arrays'])}, shard 0 "
+                                   f"{first['optimizer']} state {list(first['arrays'])}")
+        arrays = {name: np.concatenate([state["arrays"][name] for state in states]) for name in first["arrays"]}
+        return {"optimizer": first["optimizer"], "steps": first["steps"],
+                "version": min(state["version"] for state in states), "arrays": arrays}
+
     def _send_order(self) -> list[int]:
         """The order a push leaves this worker in, shard by shard: from shard ``rank % K`` on,
         so that workers start on different shards."""
@@ -341,6 +372,43 @@ class ShardedWorker(_ShardedViews, Worker):
         payloads = self._hyper_payloads(groups)
         self._each(self._hyper_call(False, payloads))
         self._each(self._hyper_call(True, payloads))
+
+    def optimizer_state(self) -> dict[str, Any]:
+        """See :meth:`aps.Worker.optimizer_state`: every shard's state, read at once, each
+        array the shards' pieces end to end (the whole model's); ``version`` is the
+        smallest of the shards'.
+
+        Raises:
+            NotInitialized: before :meth:`init`.
+            InvalidState: the shards' step counts differ (the state was read while
+                updates were being applied).
+        """
+        self._require_layout()
+        states: list[dict[str, Any]] = [{}] * len(self._shards)
+
+        def read(index: int, worker: Worker) -> None:
+            states[index] = worker.optimizer_state()
+
+        self._each(read)
+        return self._joined_state(states)
+
+    def load_optimizer_state(self, state: Mapping[str, Any]) -> bool:
+        """See :meth:`aps.Worker.load_optimizer_state`; each shard gets its range of every
+        array. Every shard checks its part first (Flag.CHECK), and only if all would take
+        it is it loaded on every shard: a state refused by one shard changes no shard.
+
+        Returns:
+            True when a shard loaded it; False when every shard had it loaded already.
+        """
+        payloads = self._state_payloads(state)
+        self._each(lambda index, worker: worker._check_state(payloads[index][0]))
+        loaded = [False] * len(self._shards)
+
+        def load(index: int, worker: Worker) -> None:
+            loaded[index] = worker._load_state(*payloads[index])
+
+        self._each(load)
+        return any(loaded)
 
     def reconnect(self, *, timeout: float | None = 60.0) -> Mapping[str, np.ndarray]:
         self._each(lambda index, worker: worker.reconnect(timeout=timeout))
@@ -498,6 +566,17 @@ class AsyncShardedWorker(_ShardedViews, AsyncWorker):
         payloads = self._hyper_payloads(groups)
         await self._each(self._hyper_call(False, payloads))
         await self._each(self._hyper_call(True, payloads))
+
+    async def optimizer_state(self) -> dict[str, Any]:
+        """See :meth:`ShardedWorker.optimizer_state`."""
+        self._require_layout()
+        return self._joined_state(await self._each(lambda index, worker: worker.optimizer_state()))
+
+    async def load_optimizer_state(self, state: Mapping[str, Any]) -> bool:
+        """See :meth:`ShardedWorker.load_optimizer_state`."""
+        payloads = self._state_payloads(state)
+        await self._each(lambda index, worker: worker._check_state(payloads[index][0]))
+        return any(await self._each(lambda index, worker: worker._load_state(*payloads[index])))
 
     async def reconnect(self, *, timeout: float | None = 60.0) -> Mapping[str, np.ndarray]:
         await self._each(lambda index, worker: worker.reconnect(timeout=timeout))

@@ -29,6 +29,7 @@ __all__ = [
     "InitTimeout",
     "InternalServerError",
     "InvalidHyperparameters",
+    "InvalidState",
     "LayoutMismatch",
     "MalformedFrame",
     "NonFiniteGradient",
@@ -74,6 +75,7 @@ class ErrorCode(IntEnum):
     AUTHENTICATION = 19
     CHECKPOINT_FAILED = 20
     INVALID_HYPERPARAMETERS = 21
+    INVALID_STATE = 22
 
 
 class APSError(Exception):
@@ -268,6 +270,16 @@ class InvalidHyperparameters(ServerError, ValueError):
     code = ErrorCode.INVALID_HYPERPARAMETERS
 
 
+class InvalidState(ServerError, ValueError):
+    """An optimizer state to load (LOAD_STATE, ``Worker.load_optimizer_state``) was refused:
+    another optimizer, other or missing arrays, arrays not of the model's size, values that
+    are not finite, a bad step count, or a server that has applied updates already (a
+    state is loaded into a run that has not started). The message says which; nothing
+    changed."""
+
+    code = ErrorCode.INVALID_STATE
+
+
 class InternalServerError(ServerError):
     """The server failed unexpectedly while handling the request."""
 
@@ -296,6 +308,7 @@ ERROR_CODES: dict[ErrorCode, type[ServerError]] = {
     ErrorCode.AUTHENTICATION: AuthenticationError,
     ErrorCode.CHECKPOINT_FAILED: CheckpointFailed,
     ErrorCode.INVALID_HYPERPARAMETERS: InvalidHyperparameters,
+    ErrorCode.INVALID_STATE: InvalidState,
 }
 
 

@@ -27,7 +27,7 @@ from __future__ import annotations
 import bisect
 import functools
 import math
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from types import ModuleType
 
 import numpy as np
@@ -83,6 +83,8 @@ class Optimizer:
     """Base class: an update rule with its (double-buffered) state for ``numel`` floats."""
 
     name = "optimizer"
+    #: The names of :meth:`state_arrays`, in order (SGD has none without momentum).
+    state_names: tuple[str, ...] = ()
     #: What the four values of a HYPER group mean for this optimizer (in error messages).
     value_names = ("lr", "weight_decay", "momentum", "dampening")
 
@@ -165,16 +167,58 @@ class Optimizer:
         flat and live: they change at the next commit."""
         return {}
 
-    def load_state(self, arrays: dict[str, np.ndarray], steps: int) -> None:
-        """Adopt a saved state (from :meth:`state_arrays` and :attr:`steps`)."""
+    def load_state(self, arrays: Mapping[str, np.ndarray | Sequence[np.ndarray]], steps: int) -> None:
+        """Adopt a saved state (from :meth:`state_arrays` and :attr:`steps`): the current
+        state becomes a copy of ``arrays``; nothing is kept if one does not fit.
+
+        Args:
+            arrays: every array of :meth:`state_arrays` by name, each flat with ``numel``
+                float32 elements, or a sequence of consecutive flat pieces that make one up
+                (a state received in pieces).
+            steps: the step count that goes with it.
+
+        Raises:
+            ValueError: other names than :meth:`state_arrays`', or an array of another size.
+        """
         own = self.state_arrays()
         if set(arrays) != set(own):
             raise ValueError(f"the {self.name} state holds {sorted(own)}, got {sorted(arrays)}")
-        for name, array in arrays.items():
-            if array.shape != own[name].shape:
-                raise ValueError(f"{name} has shape {array.shape}, the model needs {own[name].shape}")
-            np.copyto(own[name], array)
+        pieces = {}
+        for name, value in arrays.items():
+            parts = list(value) if isinstance(value, (list, tuple)) else [value]
+            if len(parts) == 1 and parts[0].shape != own[name].shape:
+                raise ValueError(f"{name} has shape {parts[0].shape}, the model needs {own[name].shape}")
+            if any(part.ndim != 1 for part in parts) or sum(part.size for part in parts) != own[name].size:
+                raise ValueError(f"{name} has {sum(part.size for part in parts)} elements in pieces, the model "
+                                 f"needs {own[name].size}")
+            pieces[name] = parts
+        for name, parts in pieces.items():
+            offset = 0
+            for part in parts:
+                np.copyto(own[name][offset : offset + part.size], part)
+                offset += part.size
         self.steps = int(steps)
+
+    def state_problem(self, arrays: Mapping[str, Sequence[np.ndarray]], steps: int) -> str | None:
+        """Why ``arrays`` (each a sequence of consecutive flat float32 pieces) and ``steps``
+        cannot be loaded by :meth:`load_state`, or None when they can: other names, an array
+        of another size, a value that is not finite, a step count out of range."""
+        own = self.state_arrays()
+        if list(arrays) != list(own):
+            return f"the {self.name} state holds the arrays {list(own)}, in that order; got {list(arrays)}"
+        if not isinstance(steps, int) or not 0 <= steps <= 1 << 53:
+            return f"steps is {steps!r}; it must be an integer from 0 to 2**53"
+        for name, parts in arrays.items():
+            size = sum(part.size for part in parts)
+            if size != own[name].size:
+                return f"{name} has {size} elements; the model has {own[name].size}"
+            offset = 0
+            for part in parts:
+                if not self._kernels.all_finite(part):
+                    index = offset + int(np.flatnonzero(~np.isfinite(part))[0])
+                    return f"{name}[{index}] is {part[index - offset]}: every value must be finite"
+                offset += part.size
+        return None
 
 
 class SGD(Optimizer):
@@ -182,6 +226,7 @@ class SGD(Optimizer):
     computed as ``torch.optim.SGD`` computes it."""
 
     name = "sgd"
+    state_names = ("momentum_buffer",)
 
     def __init__(
         self,
@@ -264,6 +309,16 @@ class SGD(Optimizer):
     def state_arrays(self) -> dict[str, np.ndarray]:
         return {} if self._buffers is None else {"momentum_buffer": self._buffers[0]}
 
+    def state_problem(self, arrays, steps):
+        problem = super().state_problem(arrays, steps)
+        if problem is None and steps == 0 and any(np.any(part) for part in arrays.get("momentum_buffer", ())):
+            # The first update starts the buffer from the gradient (as torch.optim.SGD without
+            # a buffer does): a buffer loaded with it would be ignored, not used.
+            return ("steps is 0 but the momentum buffer is not zero: before its first update sgd has no "
+                    "momentum buffer (the first update starts it from the gradient); give the steps the "
+                    "buffer was built over")
+        return problem
+
     def describe(self) -> str:
         extra = []
         if self.momentum:
@@ -277,6 +332,7 @@ class Adam(Optimizer):
     """Adam, computed as ``torch.optim.Adam`` computes it (weight decay added to the gradient)."""
 
     name = "adam"
+    state_names = ("exp_avg", "exp_avg_sq")
     decoupled = False
     value_names = ("lr", "weight_decay", "beta1", "beta2")
 

@@ -8,6 +8,8 @@ written specification; this module is its only implementation.
 
 from __future__ import annotations
 
+import hashlib
+import json
 import struct
 from enum import IntEnum, IntFlag
 from typing import NamedTuple
@@ -18,6 +20,7 @@ from .errors import (
     BadMagic,
     FrameTooLarge,
     InvalidHyperparameters,
+    InvalidState,
     MalformedFrame,
     PayloadSizeMismatch,
     UnsupportedVersion,
@@ -35,6 +38,12 @@ __all__ = [
     "PROTOCOL_VERSION",
     "HANDSHAKE_OPS",
     "HyperGroup",
+    "MAX_STATE_HEAD_BYTES",
+    "MAX_STEPS",
+    "StateHead",
+    "decode_state_head",
+    "encode_state_head",
+    "state_digest",
     "check_stops",
     "MAX_HYPER_BYTES",
     "MAX_HYPER_GROUPS",
@@ -89,6 +98,8 @@ class Op(IntEnum):
     CHECKPOINT = 10
     SHARDS = 11
     HYPER = 12
+    STATE = 13
+    LOAD_STATE = 14
 
     REPLY = 0x80
     INIT_REPLY = 0x81
@@ -103,6 +114,8 @@ class Op(IntEnum):
     CHECKPOINT_REPLY = 0x8A
     SHARDS_REPLY = 0x8B
     HYPER_REPLY = 0x8C
+    STATE_REPLY = 0x8D
+    LOAD_STATE_REPLY = 0x8E
     #: Not a reply: a notice the server sends while it holds a request (a pull
     #: at the gate, a push in the lane) to say it is alive; no payload.
     ALIVE = 0xFD
@@ -114,7 +127,7 @@ class Op(IntEnum):
 
 REQUEST_OPS = frozenset(
     {Op.INIT, Op.PULL, Op.PUSH, Op.PUSH_PULL, Op.LEAVE, Op.PING, Op.STATS, Op.HELLO, Op.AUTH, Op.CHECKPOINT,
-     Op.SHARDS, Op.HYPER}
+     Op.SHARDS, Op.HYPER, Op.STATE, Op.LOAD_STATE}
 )
 #: What a connection may ask before it has authenticated (when the server has a token).
 HANDSHAKE_OPS = frozenset({Op.HELLO, Op.AUTH})
@@ -126,7 +139,8 @@ class Flag(IntFlag):
 
     NONE = 0
     #: PUSH/PUSH_PULL reply: the gradient arrived for a closed BSP round and was
-    #: dropped (backup workers), not applied.
+    #: dropped (backup workers), not applied. LOAD_STATE reply: this state was loaded
+    #: into the run already (same digest); nothing was loaded again.
     DROPPED = 1
     #: Shared-memory transport: the array is not in the payload. On PUSH, the
     #: gradient is in the worker's shared gradient segment; on a weights reply,
@@ -145,7 +159,8 @@ class Flag(IntFlag):
     NARROW = 16
     #: HYPER: check the values only (refused or accepted as a HYPER would be), keep the
     #: ones in force. A sharded worker checks on every shard before it sets on any, so
-    #: that a request is taken by all of them or by none.
+    #: that a request is taken by all of them or by none. LOAD_STATE: check the
+    #: description only (its arrays are not sent), load nothing.
     CHECK = 32
 
 
@@ -568,6 +583,126 @@ def decode_hyper(payload) -> list[HyperGroup]:
     if len(view) != expected:
         raise MalformedFrame(f"HYPER payload of {len(view)} bytes; {count} groups take {expected}")
     return [HyperGroup(*fields) for fields in _HYPER_GROUP.iter_unpack(view[_HYPER_HEAD.size :])]
+
+
+# STATE reply and LOAD_STATE payload: u32 D (the description's length), u32 reserved (0),
+# D bytes of UTF-8 JSON describing the state, zero padding to a multiple of 8 bytes (from the
+# payload's start), then the arrays: float32, ``numel`` each, end to end in the described order.
+_STATE_HEAD = struct.Struct("<II")
+#: The longest description of an optimizer state (a few names and numbers) accepted.
+MAX_STATE_HEAD_BYTES = 64 << 10
+#: The largest step count a state may carry (exact in a float64, as JSON numbers are read).
+MAX_STEPS = 1 << 53
+#: Bytes of a state's digest (BLAKE2b, see :func:`state_digest`).
+STATE_DIGEST_BYTES = 16
+
+
+class StateHead(NamedTuple):
+    """The description of an optimizer state (a STATE reply's, a LOAD_STATE's).
+
+    Attributes:
+        optimizer: the optimizer's name (``sgd``, ``adam``, ``adamw``).
+        steps: the optimizer's step count (updates it has applied).
+        numel: elements of each array (the model's, or a shard's, size).
+        arrays: the arrays' names, in the order they follow.
+        version: the weights version the state belongs to (STATE replies; None in a load).
+        digest: BLAKE2b-128 of the state (:func:`state_digest`; loads; None in a reply).
+        nbytes: bytes of the head: the 8 fixed bytes, the description and its padding.
+    """
+
+    optimizer: str
+    steps: int
+    numel: int
+    arrays: tuple[str, ...]
+    version: int | None = None
+    digest: bytes | None = None
+    nbytes: int = 0
+
+    @property
+    def payload_bytes(self) -> int:
+        """The whole payload's length with every array."""
+        return self.nbytes + 4 * self.numel * len(self.arrays)
+
+
+def encode_state_head(optimizer: str, steps: int, numel: int, arrays, *, version: int | None = None,
+                      digest: bytes | None = None) -> bytes:
+    """The head of a STATE reply or a LOAD_STATE payload (the arrays follow it, raw)."""
+    described: dict = {"optimizer": optimizer, "steps": int(steps), "numel": int(numel), "arrays": list(arrays)}
+    if version is not None:
+        described["version"] = int(version)
+    if digest is not None:
+        described["digest"] = digest.hex()
+    text = json.dumps(described, separators=(",", ":")).encode()
+    head = _STATE_HEAD.pack(len(text), 0) + text
+    return head + b"\0" * (-len(head) % 8)
+
+
+def state_head_bytes(first: bytes | memoryview) -> int:
+    """The head's length (padding included) from its first 8 bytes.
+
+    Raises:
+        MalformedFrame: the description is longer than MAX_STATE_HEAD_BYTES.
+    """
+    size, _ = _STATE_HEAD.unpack_from(first, 0)
+    if size > MAX_STATE_HEAD_BYTES:
+        raise MalformedFrame(f"optimizer state description of {size} bytes; at most {MAX_STATE_HEAD_BYTES} "
+                             "are accepted")
+    end = _STATE_HEAD.size + size
+    return end + (-end % 8)
+
+
+def decode_state_head(payload) -> StateHead:
+    """The description at the start of ``payload`` (a STATE reply or a LOAD_STATE payload);
+    the arrays after it are not looked at.
+
+    Raises:
+        MalformedFrame: truncated, or the description is not a JSON object of the
+            documented fields and types.
+        InvalidState: ``steps`` is not an integer from 0 to MAX_STEPS.
+    """
+    view = memoryview(payload)
+    if len(view) < _STATE_HEAD.size:
+        raise MalformedFrame(f"optimizer state of {len(view)} bytes is too short")
+    nbytes = state_head_bytes(view)
+    size = _STATE_HEAD.unpack_from(view, 0)[0]
+    if len(view) < nbytes:
+        raise MalformedFrame(f"optimizer state of {len(view)} bytes; its description takes {nbytes}")
+    try:
+        described = json.loads(bytes(view[_STATE_HEAD.size : _STATE_HEAD.size + size]).decode("utf-8"))
+    except (ValueError, RecursionError):
+        raise MalformedFrame("the optimizer state's description is not UTF-8 JSON") from None
+    if not isinstance(described, dict):
+        raise MalformedFrame("the optimizer state's description is not a JSON object")
+    optimizer, steps, numel = described.get("optimizer"), described.get("steps"), described.get("numel")
+    arrays, version, digest = described.get("arrays"), described.get("version"), described.get("digest")
+    if not isinstance(optimizer, str):
+        raise MalformedFrame("the optimizer state's description names no optimizer")
+    if not isinstance(steps, int) or isinstance(steps, bool) or not 0 <= steps <= MAX_STEPS:
+        raise InvalidState(f"steps is {steps!r}; it must be an integer from 0 to 2**53")
+    if not isinstance(numel, int) or isinstance(numel, bool) or numel < 0:
+        raise MalformedFrame(f"the optimizer state's numel is {numel!r}; it must be an integer >= 0")
+    if not isinstance(arrays, list) or not all(isinstance(name, str) for name in arrays):
+        raise MalformedFrame("the optimizer state's arrays must be a JSON list of names")
+    if version is not None and (not isinstance(version, int) or isinstance(version, bool) or version < 0):
+        raise MalformedFrame(f"the optimizer state's version is {version!r}; it must be an integer >= 0")
+    if digest is not None:
+        try:
+            digest = bytes.fromhex(digest) if isinstance(digest, str) else None
+        except ValueError:
+            digest = None
+        if digest is None or len(digest) != STATE_DIGEST_BYTES:
+            raise MalformedFrame(f"the optimizer state's digest must be {2 * STATE_DIGEST_BYTES} hex digits")
+    return StateHead(optimizer, steps, numel, tuple(arrays), version, digest, nbytes)
+
+
+def state_digest(steps: int, pieces) -> bytes:
+    """The digest a LOAD_STATE carries: BLAKE2b with a 16-byte digest of ``steps`` as a
+    little-endian u64, then the arrays' bytes end to end (``pieces``: buffers in payload
+    order, cut anywhere)."""
+    digest = hashlib.blake2b(struct.pack("<Q", int(steps)), digest_size=STATE_DIGEST_BYTES)
+    for piece in pieces:
+        digest.update(memoryview(piece).cast("B"))
+    return digest.digest()
 
 
 def _ranks(ranks: list[int]) -> str:

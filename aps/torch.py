@@ -49,6 +49,10 @@ from .worker import DEFAULT_RECONNECT_TIMEOUT, Worker
 
 __all__ = ["Optimizer", "Pacer"]
 
+#: The dtypes a trainable parameter may have; 16-bit ones train on float32 master weights.
+_TRAINABLE = (torch.float32, torch.bfloat16, torch.float16)
+_HALF = {torch.bfloat16: "bf16", torch.float16: "fp16"}
+
 log = logging.getLogger("aps.torch")
 
 
@@ -136,11 +140,18 @@ def _server_defaults(options: Mapping[str, Any] | None) -> dict[str, Any]:
             "amsgrad": False, "maximize": False}
 
 
+def _uncompiled(model: torch.nn.Module) -> torch.nn.Module:
+    """The module ``torch.compile`` wrapped (its parameters are the same; their names lack the
+    wrapper's ``_orig_mod.`` prefix), or ``model`` itself."""
+    original = getattr(model, "_orig_mod", None)
+    return original if isinstance(original, torch.nn.Module) else model
+
+
 def _split_groups(params: Any) -> list[dict[str, Any]]:
     """torch.optim's forms of ``params`` as group dicts (copies), each with a list of
     tensors under ``params`` and, when the tensors came named, ``param_names``."""
     if isinstance(params, torch.nn.Module):
-        params = params.named_parameters()
+        params = _uncompiled(params).named_parameters()
     if isinstance(params, (set, frozenset)):
         raise ConfigurationError("parameters must come in an ordered collection (a list), not a set: "
                                  "the flat layout follows their order")
@@ -222,9 +233,24 @@ class Optimizer(torch.optim.Optimizer):
     change. The flat model is laid out group by group, so each group is one
     range of it.
 
+    Parameters may be bfloat16 or float16: the server keeps float32 master
+    weights and optimizer state, the worker pushes the 16-bit gradients
+    (widened exactly; over TCP they travel as 16 bits, and the weights come
+    back rounded to the model's dtype) and copies the new weights into the
+    model rounded to nearest even, as ``tensor.to(dtype)`` rounds. With
+    ``torch.amp.GradScaler``, ``scaler.step(opt)`` hands this optimizer the
+    scale and whether a gradient overflowed: an overflowing step pushes
+    nothing and counts in :attr:`skipped_steps`; otherwise the gradients are
+    unscaled as GradScaler would and pushed.
+
     The first worker to join provides the initial weights (its model's);
     every worker's model then holds the server's weights.
     """
+
+    #: torch.amp.GradScaler gives step() its scale and found-inf flag (``grad_scale``,
+    #: ``found_inf``) instead of unscaling first and not calling step() on overflow, so
+    #: that a skipped step is counted here.
+    _step_supports_amp_scaling = True
 
     def __init__(
         self,
@@ -255,7 +281,7 @@ class Optimizer(torch.optim.Optimizer):
         groups = _split_groups(params)
         self._building = True
         # The model's trainable parameters, group by group: the flat layout's order.
-        model_names = {id(p): n for n, p in model.named_parameters()} if model is not None else {}
+        model_names = {id(p): n for n, p in _uncompiled(model).named_parameters()} if model is not None else {}
         self.names: list[str] = []
         self.params: list[torch.nn.Parameter] = []
         self._frozen: list[tuple[str, torch.Tensor]] = []
@@ -274,13 +300,19 @@ class Optimizer(torch.optim.Optimizer):
                     self._frozen.append((name, param))
         if not self.params:
             raise ConfigurationError("the model has no trainable parameters")
-        wrong = [f"{n} ({p.dtype})" for n, p in zip(self.names, self.params) if p.dtype != torch.float32]
+        wrong = [f"{n} ({p.dtype})" for n, p in zip(self.names, self.params) if p.dtype not in _TRAINABLE]
         if wrong:
             raise ConfigurationError(
-                f"aps trains float32 parameters; these are not: {', '.join(wrong[:5])}"
+                f"aps trains float32, bfloat16 and float16 parameters; these are not: {', '.join(wrong[:5])}"
                 + (" ..." if len(wrong) > 5 else "")
                 + " (convert the model with .float(), or freeze them with requires_grad_(False))"
             )
+        dtypes = {p.dtype for p in self.params}
+        if compression is None and not os.environ.get("APS_COMPRESSION") and len(dtypes) == 1 \
+                and (dtype := dtypes.pop()) in _HALF:
+            # A 16-bit model sends its gradients as they are (exactly) and takes its weights
+            # rounded by the server, as it would round them itself: half the bytes on TCP.
+            compression, compress_pulls = _HALF[dtype], True
         devices = {p.device for p in self.params}
         if len(devices) != 1:
             raise ConfigurationError(f"the parameters are on several devices: {sorted(map(str, devices))}")
@@ -310,7 +342,8 @@ class Optimizer(torch.optim.Optimizer):
             super().__init__(groups, defaults)
             self._server_values = _SENT[self._kind](server)
             with torch.no_grad():
-                initial = {n: p.detach().to("cpu").contiguous().numpy() for n, p in zip(self.names, self.params)}
+                initial = {n: p.detach().to("cpu", torch.float32).contiguous().numpy()
+                           for n, p in zip(self.names, self.params)}
             self.worker.init(initial, timeout=init_timeout)
             self._stops = self._group_stops()
             # A worker of our own starts with the server's values; another may have set some.
@@ -328,12 +361,17 @@ class Optimizer(torch.optim.Optimizer):
             self._pinned = _pin(self._host_weights, self._host_grads)
         self._weight_views = self._views(self._host_weights)
         self._grad_views = self._views(self._host_grads)
-        if self.staging:
-            self._load_weights()
-        else:
-            for param, weights, grads in zip(self.params, self._weight_views, self._grad_views):
-                param.data = weights  # the model's storage is the worker's weight buffer
-                param.grad = grads  # backward() accumulates into the (shared) gradient buffer
+        # Float32 parameters on the CPU become views into the worker's buffers; the others
+        # (on a GPU, or 16-bit: the server keeps float32 master weights) are copied each step.
+        views = list(zip(self.params, self._weight_views, self._grad_views))
+        self._viewed = [] if self.staging else [v for v in views if v[0].dtype == torch.float32]
+        self._staged = [v for v in views if self.staging or v[0].dtype != torch.float32]
+        for param, weights, grads in self._viewed:
+            param.data = weights  # the model's storage is the worker's weight buffer
+            param.grad = grads  # backward() accumulates into the (shared) gradient buffer
+        self._load_weights()
+        #: Steps skipped because ``torch.amp.GradScaler`` found inf/NaN gradients (nothing was pushed).
+        self.skipped_steps = 0
         self.pacer = pacer if pacer is not None else Pacer.from_env(self.worker.rank)
 
     def _views(self, flat: torch.Tensor) -> list[torch.Tensor]:
@@ -364,12 +402,11 @@ class Optimizer(torch.optim.Optimizer):
         """Zero the gradients in place. ``set_to_none`` is accepted and not followed: the
         gradients stay views into the worker's buffer (a parameter with no gradient at a
         ``step()`` is pushed a zero gradient either way)."""
-        if self.staging:
-            for param in self.params:
-                if param.grad is not None:
-                    param.grad.zero_()
-        else:
+        if self._viewed:
             self._host_grads.zero_()
+        for param, _, _ in self._staged:
+            if param.grad is not None:
+                param.grad.zero_()
 
     @torch.no_grad()
     def step(self, closure: Callable[[], Any] | None = None) -> Any:
@@ -392,19 +429,113 @@ class Optimizer(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        found_inf, grad_scale = getattr(self, "found_inf", None), getattr(self, "grad_scale", None)
+        if found_inf is not None and float(found_inf) > 0:  # torch.amp.GradScaler found inf/NaN: skip
+            self.skipped_steps += 1
+            log.debug("rank %d: step skipped (inf/NaN gradients at scale %s)", self.worker.rank, grad_scale)
+            return loss
         self._send_hyperparameters()
+        if grad_scale is not None:  # GradScaler's scale, not yet taken out: unscale as it would
+            self._unscale(grad_scale)
         if self.pacer is not None:
             self.pacer.wait()
-        if self.staging:
-            self._gather_grads()
-            self.worker.push_pull(self.worker.grads)
-            self._load_weights()
-        else:
-            self._adopt_stray_grads()
-            self.worker.push_pull(self.worker.grads)  # the weights land in the model's storage
+        self._adopt_stray_grads()
+        self._gather_grads()
+        self.worker.push_pull(self.worker.grads)  # the weights land in the views' storage
+        self._load_weights()
         if self.pacer is not None:
             self.pacer.restart()
         return loss
+
+    # State ------------------------------------------------------------------------------
+    def state_dict(self) -> dict[str, Any]:
+        """The optimizer's state in torch's format, fetched from the server.
+
+        ``state`` holds, per parameter index (over ``param_groups``, frozen
+        parameters included), what ``torch.optim`` keeps: SGD's
+        ``momentum_buffer`` (once a step was taken, with momentum), Adam's
+        ``step``, ``exp_avg`` and ``exp_avg_sq`` (float32: the server's master
+        state, also for 16-bit parameters); ``param_groups`` are this worker's
+        groups. ``aps`` adds the server's ``optimizer``, ``steps`` and the
+        weights ``version`` the state belongs to. Saved with the model's
+        weights taken at the same step (the model holds the version of its last
+        ``step()``: under BSP the same version; under asynchronous paradigms the
+        server's state may be newer), it restarts a run with
+        :meth:`load_state_dict`.
+        """
+        server = self.worker.optimizer_state()
+        offsets = dict(zip(map(id, self.params), zip(self.worker.layout.offsets, self.worker.layout.sizes)))
+        arrays, steps = server["arrays"], int(server["steps"])
+        for group in self.param_groups:
+            for param in group["params"]:
+                if id(param) not in offsets or not arrays or steps == 0:
+                    continue
+                offset, size = offsets[id(param)]
+                state = {name: torch.from_numpy(array[offset : offset + size].copy()).view(param.shape)
+                         for name, array in arrays.items()}
+                if self._kind == "adam":
+                    state = {"step": torch.tensor(float(steps)), **state}
+                self.state[param] = state
+        try:
+            packed = super().state_dict()
+        finally:
+            self.state.clear()
+        packed["aps"] = {"optimizer": server["optimizer"], "steps": steps, "version": int(server["version"])}
+        return packed
+
+    def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
+        """Load a state from :meth:`state_dict` (or from a ``torch.optim`` optimizer of the
+        server's kind with the same groups): the groups' values here, the optimizer state
+        into the server, which takes it only before its first update (a run that has not
+        started; every rank may load the same state, the server takes it once).
+
+        Raises:
+            ValueError: the groups differ in number or size (as torch says).
+            ConfigurationError: the state is another optimizer's, or Adam's parameters
+                have different step counts (the server keeps one for the model).
+            aps.errors.InvalidState: the server refused it (it has applied updates
+                already, or a value is not finite); nothing changed.
+        """
+        saved = state_dict.get("state", {})
+        saved_ids = [i for group in state_dict["param_groups"] for i in group["params"]]
+        mine = [p for group in self.param_groups for p in group["params"]]
+        super().load_state_dict(state_dict)  # checks the groups, sets their values (the next step sends them)
+        self.state.clear()  # the state lives on the server, in float32, whatever the parameters' dtype
+        by_param = {id(param): saved[index] for index, param in zip(saved_ids, mine) if index in saved}
+        if not by_param:
+            return  # nothing to load: a state from before the first step
+        layout = self.worker.layout
+        names = ("momentum_buffer",) if self._kind == "sgd" else ("exp_avg", "exp_avg_sq")
+        described = state_dict.get("aps") or {}
+        if described.get("optimizer", self.worker.server_options["optimizer"]) != \
+                self.worker.server_options["optimizer"]:
+            raise ConfigurationError(f"the state is {described['optimizer']}'s; the server runs "
+                                     f"{self.worker.server_options['optimizer']}")
+        arrays = {name: np.zeros(layout.numel, np.float32) for name in names}
+        steps = set()
+        for param, offset, size in zip(self.params, layout.offsets, layout.sizes):
+            state = by_param.get(id(param), {})
+            unknown = set(state) - set(names) - {"step"}
+            if unknown:
+                raise ConfigurationError(f"the state holds {sorted(unknown)}: not the server optimizer's "
+                                         f"({self.worker.server_options['optimizer']}: {', '.join(names)})")
+            if self._kind == "adam":
+                steps.add(int(float(state["step"])) if "step" in state else 0)
+            for name in names:
+                if state.get(name) is not None:
+                    arrays[name][offset : offset + size] = state[name].detach().to("cpu", torch.float32).reshape(-1)
+        if self._kind == "adam":
+            if len(steps) != 1:
+                raise ConfigurationError(f"the parameters' Adam steps differ ({sorted(steps)}): the server keeps "
+                                         "one step count for the whole model")
+            count = steps.pop()
+        else:  # a momentum buffer missing for a parameter starts at zero: the gradient, as torch starts it
+            count = int(described.get("steps", 1))
+            if "momentum_buffer" not in arrays or not any(s.get("momentum_buffer") is not None
+                                                           for s in by_param.values()):
+                return
+        self.worker.load_optimizer_state({"optimizer": self.worker.server_options["optimizer"],
+                                          "steps": count, "arrays": arrays})
 
     # Introspection ------------------------------------------------------------------
     @property
@@ -476,10 +607,20 @@ class Optimizer(torch.optim.Optimizer):
         self.worker.set_hyperparameters(groups)
         self._sent = values
 
+    def _unscale(self, grad_scale: torch.Tensor) -> None:
+        """Divide the gradients by GradScaler's scale, in their own dtype, as its ``unscale_`` does."""
+        inv_scale = grad_scale.double().reciprocal().float()
+        by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
+        for param in self.params:
+            if param.grad is not None:
+                by_dtype.setdefault(param.grad.dtype, []).append(param.grad)
+        for grads in by_dtype.values():
+            torch._foreach_mul_(grads, inv_scale.to(grads[0].device))
+
     def _adopt_stray_grads(self) -> None:
         # model.zero_grad() (set_to_none, the torch default) or other code may
         # have replaced a .grad: copy it back into the buffer and re-attach.
-        for param, grads in zip(self.params, self._grad_views):
+        for param, _, grads in self._viewed:
             grad = param.grad
             if grad is grads:
                 continue
@@ -490,7 +631,9 @@ class Optimizer(torch.optim.Optimizer):
             param.grad = grads
 
     def _gather_grads(self) -> None:
-        for param, grads in zip(self.params, self._grad_views):
+        if not self._staged:
+            return
+        for param, _, grads in self._staged:
             if param.grad is None:
                 grads.zero_()
             else:
@@ -499,7 +642,9 @@ class Optimizer(torch.optim.Optimizer):
             torch.cuda.synchronize(self.device)
 
     def _load_weights(self) -> None:
-        for param, weights in zip(self.params, self._weight_views):
+        if not self._staged:
+            return
+        for param, weights, _ in self._staged:
             param.data.copy_(weights, non_blocking=self.device.type == "cuda")
         if self.device.type == "cuda":  # the next pull overwrites the host buffer
             torch.cuda.synchronize(self.device)

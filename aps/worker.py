@@ -39,6 +39,7 @@ from .errors import (
     ConfigurationError,
     DTypeMismatch,
     InitTimeout,
+    InvalidState,
     LayoutMismatch,
     MalformedFrame,
     NonFiniteGradient,
@@ -52,6 +53,8 @@ from .errors import (
 )
 from .layout import Layout
 from .protocol import (
+    MAX_STEPS,
+    MAX_STATE_HEAD_BYTES,
     DType,
     Flag,
     Header,
@@ -61,9 +64,12 @@ from .protocol import (
     decode_error,
     decode_join_progress,
     decode_slot,
+    decode_state_head,
     describe_join_progress,
     encode_hyper,
     encode_init,
+    encode_state_head,
+    state_digest,
     host_identity,
     pack_header,
 )
@@ -97,6 +103,8 @@ _NARROW = int(Flag.NARROW)
 COMPRESSION = {"bf16": int(DType.BFLOAT16), "fp16": int(DType.FLOAT16)}
 _HALF = frozenset(COMPRESSION.values())
 _MAX_ERROR_PAYLOAD = 1 << 20
+_STATE_REPLY = int(Op.STATE_REPLY)
+_MAX_STATE_ARRAYS = 4  # a STATE reply holds at most this many model-sized arrays (Adam has 2)
 _REJOIN_PATIENCE = 5.0  # seconds reconnect() waits for the server to let the old connection go
 _REQUEST_ID_MASK = 0xFFFFFFFF
 _FIRST_WAIT_NOTE = 5.0  # seconds init waits in silence before it says what it waits for
@@ -211,6 +219,67 @@ def resolve_hyperparameters(groups: Any, numel: int, defaults: Mapping[str, floa
                 raise ConfigurationError(f"group {index}: {key} {value} is too large for a float") from None
         records.append(HyperGroup(int(stop), *values))
     return records
+
+
+def checked_state(state: Mapping[str, Any], numel: int) -> tuple[str, int, list[str], list[np.ndarray]]:
+    """``(optimizer, steps, names, arrays)`` of ``state`` (see :meth:`Worker.load_optimizer_state`)
+    for a model of ``numel`` elements, checked here as far as it can be without the server:
+    the arrays in the optimizer's order, flat float32 of ``numel`` elements each, every
+    value finite.
+
+    Raises:
+        InvalidState: a missing key, a bad step count, an array of another size or with
+            a value that is not finite.
+        DTypeMismatch: an array is not float32.
+    """
+    from .optim import OPTIMIZERS
+
+    if not isinstance(state, Mapping) or any(key not in state for key in ("optimizer", "steps", "arrays")):
+        raise InvalidState("an optimizer state is a mapping of 'optimizer', 'steps' and 'arrays' "
+                           "(what optimizer_state() returns)")
+    optimizer, steps, given = state["optimizer"], state["steps"], state["arrays"]
+    if not isinstance(optimizer, str):
+        raise InvalidState(f"the state's optimizer is {optimizer!r}; it must be a name (sgd, adam, adamw)")
+    if not isinstance(steps, (int, np.integer)) or isinstance(steps, bool) or not 0 <= steps <= MAX_STEPS:
+        raise InvalidState(f"steps is {steps!r}; it must be an integer from 0 to 2**53")
+    if not isinstance(given, Mapping):
+        raise InvalidState("the state's 'arrays' must be a mapping of name to flat float32 array")
+    known = OPTIMIZERS.get(optimizer)
+    order = [name for name in (known.state_names if known else ()) if name in given]
+    names = order + [name for name in given if name not in order]  # the server refuses any other
+    arrays = []
+    for name in names:
+        array = np.asarray(given[name])
+        if array.dtype != np.float32:
+            raise DTypeMismatch(f"the state's {name} is {array.dtype}; optimizer state is float32")
+        array = np.ascontiguousarray(array).reshape(-1)
+        if array.size != numel:
+            raise InvalidState(f"the state's {name} has {array.size} elements; the model has {numel}")
+        if not _core.all_finite(array):
+            index = int(np.flatnonzero(~np.isfinite(array))[0])
+            raise InvalidState(f"{name}[{index}] is {array[index]}: every value must be finite")
+        arrays.append(array)
+    return optimizer, int(steps), names, arrays
+
+
+def state_payload(state: Mapping[str, Any], numel: int) -> tuple[bytes, list[np.ndarray]]:
+    """The head (with its digest) and the arrays of a LOAD_STATE for ``state``, for a model
+    of ``numel`` elements (checked: see :func:`checked_state`)."""
+    optimizer, steps, names, arrays = checked_state(state, numel)
+    return encode_state_head(optimizer, steps, numel, names, digest=state_digest(steps, arrays)), arrays
+
+
+def state_from_reply(payload: memoryview, version: int) -> dict[str, Any]:
+    """The state a STATE reply carries (see :meth:`Worker.optimizer_state`); the arrays are
+    views into the reply's own buffer."""
+    head = decode_state_head(payload)
+    if head.payload_bytes != len(payload):
+        raise MalformedFrame(f"STATE reply of {len(payload)} bytes; its description says {head.payload_bytes}")
+    flat = np.frombuffer(payload, np.float32, offset=head.nbytes)
+    numel = head.numel
+    arrays = {name: flat[index * numel : (index + 1) * numel] for index, name in enumerate(head.arrays)}
+    return {"optimizer": head.optimizer, "steps": head.steps,
+            "version": head.version if head.version is not None else version, "arrays": arrays}
 
 
 def _names_shards(address: Any) -> bool:
@@ -470,6 +539,7 @@ class _ClientCore:
         #: The HYPER payload the server last accepted from this worker: the values live with
         #: the connection, so the worker sends them again when it reconnects.
         self.hyperparameters: bytes | None = None
+        self._state_reply: memoryview | None = None  # the last STATE reply's payload, until taken
 
     @property
     def compressing(self) -> bool:
@@ -617,6 +687,27 @@ class _ClientCore:
         ``check``: only have them checked (Flag.CHECK), keeping the ones in force."""
         return [self._header(Op.HYPER, len(payload), flags=Flag.CHECK if check else 0), payload]
 
+    def state_request(self) -> list:
+        """STATE: a copy of the server's optimizer state."""
+        if self.layout is None:
+            raise NotInitialized("call init(params) before optimizer_state")
+        self._state_reply = None
+        return [self._header(Op.STATE)]
+
+    def load_state_request(self, head: bytes, arrays: list[np.ndarray], check: bool = False) -> list:
+        """LOAD_STATE: ``head`` (from :func:`state_payload`) and the arrays; ``check``: the
+        head alone, to be checked (Flag.CHECK), nothing loaded."""
+        parts = [head] if check else [head, *(memoryview(array).cast("B") for array in arrays if array.size)]
+        return [self._header(Op.LOAD_STATE, sum(len(part) for part in parts), _FLOAT32,
+                             Flag.CHECK if check else 0), *parts]
+
+    def take_state(self, header: Header) -> dict[str, Any]:
+        """The state the last STATE reply (``header``'s) carried."""
+        payload, self._state_reply = self._state_reply, None
+        if payload is None:
+            raise ProtocolError("a STATE reply without its payload")
+        return state_from_reply(payload, header.version)
+
     def shards_request(self, runs: list[str]) -> list:
         """SHARDS: the run id of every shard of the model, for this one to keep."""
         payload = json.dumps(runs).encode()
@@ -692,6 +783,11 @@ class _ClientCore:
             if header.length != len(target):
                 raise MalformedFrame(f"weights reply of {header.length} bytes; the model has {len(target)}")
             return target
+        if header.op == _STATE_REPLY and self.layout is not None:
+            limit = 8 + MAX_STATE_HEAD_BYTES + 8 + _MAX_STATE_ARRAYS * self.layout.nbytes
+            if header.length > limit:
+                raise MalformedFrame(f"STATE reply of {header.length} bytes; at most {limit} are expected")
+            return memoryview(np.empty(header.length, np.uint8)) if header.length else None  # 8-aligned
         if header.length:
             raise MalformedFrame(f"unexpected {header.length}-byte payload on op {header.op}")
         return None
@@ -716,6 +812,8 @@ class _ClientCore:
             np.copyto(self.flat_weights, self.shm.slot(slot_id, nbytes, has_fd, dropped))
         elif header.dtype in _HALF and header.op in _WEIGHT_REPLIES:
             _core.widen(self.flat_weights, self._half_weights, header.dtype)
+        elif header.op == _STATE_REPLY and header.request_id == self._request_id:
+            self._state_reply = payload
         self._reply = header
         self._payload = payload
 
@@ -870,6 +968,14 @@ class _WorkerBase:
         if layout is None:
             raise NotInitialized("call init(params) before set_hyperparameters")
         return encode_hyper(resolve_hyperparameters(groups, layout.numel, server_hyperparameters(self.server_info)))
+
+
+    def _state_payload(self, state: Mapping[str, Any]) -> tuple[bytes, list[np.ndarray]]:
+        """The LOAD_STATE head and arrays for ``state`` (see :meth:`Worker.load_optimizer_state`)."""
+        layout = self._core.layout
+        if layout is None:
+            raise NotInitialized("call init(params) before load_optimizer_state")
+        return state_payload(state, layout.numel)
 
 
 class Worker(_WorkerBase):
@@ -1112,6 +1218,66 @@ class Worker(_WorkerBase):
     def _record_shard_runs(self, runs: list[str]) -> None:
         """Tell this shard's server the run id of every shard (see aps._sharded)."""
         self._call("shards", lambda: self._core.shards_request(runs))
+
+    def optimizer_state(self) -> dict[str, Any]:
+        """A copy of the server's optimizer state, taken between two updates.
+
+        Returns:
+            ``{"optimizer": name, "steps": int, "version": int, "arrays": {name: array}}``:
+            the optimizer's name (``sgd``, ``adam``, ``adamw``), its step count (the
+            updates it has applied), the weights version the state belongs to, and its
+            arrays, each flat float32 of the model's size in the layout's order: SGD's
+            ``momentum_buffer`` (none without momentum), Adam's and AdamW's ``exp_avg``
+            and ``exp_avg_sq``. The arrays are this caller's own.
+
+        Raises:
+            NotInitialized: before :meth:`init`.
+
+        Example::
+
+            state = worker.optimizer_state()
+            np.savez("opt.npz", **state["arrays"])
+        """
+        header = self._call("state", lambda: self._core.state_request())
+        return self._core.take_state(header)
+
+    def load_optimizer_state(self, state: Mapping[str, Any]) -> bool:
+        """Load an optimizer state (as :meth:`optimizer_state` returns it) into the server,
+        so that training goes on as if it had never stopped.
+
+        It is taken only by a run that has not applied an update yet (version 0),
+        or as a no-op when the very same state was loaded into this run already
+        (every rank of a job may load the same checkpoint, in any order, and a
+        retried load changes nothing). The server checks everything first and
+        changes nothing when it refuses. The ``version`` of ``state`` is ignored.
+
+        Args:
+            state: ``optimizer`` (the server's optimizer's name), ``steps`` (an
+                integer from 0 to 2**53), and ``arrays``: every array of the
+                server's optimizer, each flat (or any shape) float32 with the
+                model's number of elements.
+
+        Returns:
+            True when the state was loaded; False when this state was loaded already
+            (nothing changed).
+
+        Raises:
+            NotInitialized: before :meth:`init`.
+            InvalidState: another optimizer, other arrays, an array of another size,
+                a value that is not finite, a bad step count (sgd: a step count of 0
+                with a momentum buffer that is not zero), or another state when the
+                server has applied updates already.
+            DTypeMismatch: an array is not float32.
+        """
+        return self._load_state(*self._state_payload(state))
+
+    def _check_state(self, head: bytes) -> None:
+        """Have the server check a LOAD_STATE head without loading anything (Flag.CHECK)."""
+        self._call("load_state", lambda: self._core.load_state_request(head, [], check=True))
+
+    def _load_state(self, head: bytes, arrays: list[np.ndarray]) -> bool:
+        """Send a LOAD_STATE (see :meth:`load_optimizer_state`)."""
+        return not self._call("load_state", lambda: self._core.load_state_request(head, arrays)).flags & _DROPPED
 
     def reconnect(self, *, timeout: float | None = 60.0) -> Mapping[str, np.ndarray]:
         """Open a new connection and rejoin under the same rank; returns the newest weights.
@@ -1481,6 +1647,25 @@ class AsyncWorker(_WorkerBase):
     async def _record_shard_runs(self, runs: list[str]) -> None:
         """See :meth:`Worker._record_shard_runs`."""
         await self._call("shards", lambda: self._core.shards_request(runs))
+
+    async def optimizer_state(self) -> dict[str, Any]:
+        """See :meth:`Worker.optimizer_state`."""
+        header = await self._call("state", lambda: self._core.state_request())
+        return self._core.take_state(header)
+
+    async def load_optimizer_state(self, state: Mapping[str, Any]) -> bool:
+        """See :meth:`Worker.load_optimizer_state`."""
+        head, arrays = self._state_payload(state)
+        return await self._load_state(head, arrays)
+
+    async def _check_state(self, head: bytes) -> None:
+        """See :meth:`Worker._check_state`."""
+        await self._call("load_state", lambda: self._core.load_state_request(head, [], check=True))
+
+    async def _load_state(self, head: bytes, arrays: list[np.ndarray]) -> bool:
+        """See :meth:`Worker._load_state`."""
+        header = await self._call("load_state", lambda: self._core.load_state_request(head, arrays))
+        return not header.flags & _DROPPED
 
     async def reconnect(self, *, timeout: float | None = 60.0) -> Mapping[str, np.ndarray]:
         """See :meth:`Worker.reconnect`."""

@@ -48,7 +48,10 @@ from ..protocol import (
     Header,
     InitRequest,
     Op,
+    StateHead,
     decode_hyper,
+    decode_state_head,
+    state_head_bytes,
     decode_layout_block,
     encode_error,
     auth_proof,
@@ -62,6 +65,7 @@ from .framing import FrameReader
 
 if TYPE_CHECKING:
     from .._engine import Engine, Member, PushResult
+    from .._state import StateCopy
     from .._updates import StreamingPush
     from ..table import Snapshot
 
@@ -118,6 +122,8 @@ _HALF = frozenset({int(DType.BFLOAT16), int(DType.FLOAT16)})
 #: A SHARDS request (the shards' run ids, JSON) is at most this long.
 MAX_SHARDS_BYTES = 16 << 10
 _FLOAT32 = int(DType.FLOAT32)
+_CHECK = int(Flag.CHECK)
+_STATE_FIXED = 8  # the fixed bytes that open a STATE reply or a LOAD_STATE payload
 
 
 def dtype_name(code: int) -> str:
@@ -196,6 +202,7 @@ class ServerSession:
         self._dropped = False
         self._init_rank = -1
         self._intake: _InitIntake | None = None  # the INIT being read
+        self._state_intake: _StateIntake | None = None  # the LOAD_STATE being read
         self._bad_in_row = 0  # refused frames since the last request that was answered
         self._connected_at = now
         self._frame_started = now  # when the first byte of the frame being read arrived
@@ -211,6 +218,11 @@ class ServerSession:
     def _write(self, data: bytes) -> None:
         """Write a small frame (header and short payload)."""
         raise NotImplementedError
+
+    def _write_parts(self, parts: tuple) -> None:
+        """Write a frame given in parts (buffers kept by the transport until sent, not copied here)."""
+        for part in parts:
+            self._write(part)
 
     def _send_weights(self, op: int, snap: Snapshot, clock: int, flags: int) -> None:
         """Send the weights of ``snap``, keeping or releasing the lease as the transport needs."""
@@ -308,6 +320,7 @@ class ServerSession:
             self._stream.abort()
             self._stream = None
         self._end_intake()
+        self._state_intake = None
         was_member = self.member is not None
         if self._unlogged and was_member:
             log.warning("%s: closed; %d more warnings about it were not logged", self._who(), self._unlogged)
@@ -464,6 +477,17 @@ class ServerSession:
                         f"HYPER of {length} bytes: at most {MAX_HYPER_GROUPS} groups ({MAX_HYPER_BYTES} bytes) "
                         "are accepted")
                 dest = memoryview(bytearray(length)) if length else None
+            elif op == Op.LOAD_STATE:
+                # Its description first, checked against the model and the run; room for
+                # the arrays only then, and only as their bytes arrive (frame_more).
+                if self.member is None:
+                    raise NotInitialized("LOAD_STATE before a successful INIT")
+                if header.dtype != _FLOAT32:
+                    raise DTypeMismatch(f"an optimizer state is float32, not {dtype_name(header.dtype)}")
+                if length < _STATE_FIXED:
+                    raise MalformedFrame(f"LOAD_STATE payload of {length} bytes is too short")
+                self._state_intake = _StateIntake()
+                dest = self._state_intake.fixed
             elif op == Op.SHARDS:
                 if length > MAX_SHARDS_BYTES:
                     raise MalformedFrame(f"SHARDS carries {MAX_SHARDS_BYTES} bytes at most, got {length}")
@@ -483,10 +507,17 @@ class ServerSession:
 
     def frame_more(self, header: Header, got: int) -> memoryview | None:
         """An INIT's layout block has arrived: check it, then make room for the values
-        only if this worker provides the model's initial weights; else discard them."""
-        intake = self._intake
+        only if this worker provides the model's initial weights; else discard them.
+        A LOAD_STATE's: see :class:`_StateIntake`."""
         if self._pending_error is not None:
             return None
+        if header.op == Op.LOAD_STATE:
+            try:
+                return self._state_intake.next_part(self.engine, header, got)
+            except ServerError as exc:
+                self._pending_error = exc
+                return None
+        intake = self._intake
         if got < intake.block_bytes:
             return intake.next_piece(got)
         try:
@@ -513,6 +544,7 @@ class ServerSession:
             self._pending_error = None
             if header.op == Op.INIT:
                 self._end_intake()
+            self._state_intake = None
             self._bad_in_row += 1
             if self._bad_in_row >= MAX_BAD_FRAMES:
                 self._warn("%d refused frames in a row: closing the connection", self._bad_in_row, force=True)
@@ -660,6 +692,29 @@ class ServerSession:
         self.engine.set_hyperparameters(self._require_member(), decode_hyper(payload),
                                         check_only=bool(header.flags & Flag.CHECK))
         self._reply(Op.HYPER_REPLY)
+
+    def _on_state(self, header: Header, payload: memoryview, stream) -> None:
+        self.engine.read_optimizer_state(self._require_member(), self._send_state, self._fail)
+
+    def _send_state(self, copy: StateCopy) -> None:
+        if self._can_write() and not self._silenced:
+            frame = pack_header(Op.STATE_REPLY, 0, _FLOAT32, self._rid, 0, copy.version, copy.nbytes) + copy.head
+            self._traffic.bytes_out += len(frame) + copy.arrays.nbytes
+            # The transport keeps the copy alive until it has sent it: one reply per connection.
+            self._write_parts((frame, memoryview(copy.arrays).cast("B")) if copy.arrays.size else (frame,))
+        self._done()
+
+    def _on_load_state(self, header: Header, payload: memoryview, stream) -> None:
+        member = self._require_member()
+        intake, self._state_intake = self._state_intake, None
+        head = intake.check(self.engine, header)
+        if header.flags & _CHECK or intake.kept:  # (Flag.CHECK: a sharded worker asks every shard first)
+            self._state_loaded(not intake.kept)
+            return
+        self.engine.load_optimizer_state(member, head, intake.arrays, self._state_loaded, self._fail)
+
+    def _state_loaded(self, loaded: bool) -> None:
+        self._reply(Op.LOAD_STATE_REPLY, version=self.engine.version, flags=0 if loaded else Flag.DROPPED)
 
     def _on_stats(self, header: Header, payload: memoryview, stream) -> None:
         snapshot = self.engine.stats_snapshot()
@@ -848,6 +903,61 @@ class _InitIntake:
         return self.request
 
 
+class _StateIntake:
+    """A LOAD_STATE being read: its 8 fixed bytes, its description, checked against the
+    model and the run (the arrays' names and sizes, the payload's length, whether this
+    state can be loaded now or was loaded already), and only then its arrays, in pieces
+    made as their bytes arrive: what a sender makes the server hold is never more than
+    it has sent (and at most the frame limit). A state loaded already is read and dropped."""
+
+    __slots__ = ("fixed", "rest", "head", "kept", "arrays", "_numel")
+
+    #: Elements of the largest piece an array is received in (16 MiB).
+    PIECE = 4 << 20
+
+    def __init__(self) -> None:
+        self.fixed = memoryview(bytearray(_STATE_FIXED))
+        self.rest: bytearray | None = None
+        self.head: StateHead | None = None
+        self.kept = False
+        self.arrays: dict[str, list[np.ndarray]] = {}
+        self._numel = 0
+
+    def check(self, engine: Engine, header: Header) -> StateHead:
+        """Parse the description and check it (raises a ServerError); once the head has arrived."""
+        if self.head is None:
+            nbytes = state_head_bytes(self.fixed)
+            if header.length < nbytes or (self.rest is None and nbytes > _STATE_FIXED):
+                raise MalformedFrame(f"LOAD_STATE payload of {header.length} bytes; its description takes {nbytes}")
+            head = decode_state_head(bytes(self.fixed) + bytes(self.rest or b""))
+            self.kept = engine.check_state(head)
+            expected = head.nbytes if header.flags & _CHECK else head.payload_bytes
+            if header.length != expected:
+                what = "its description alone (CHECK)" if header.flags & _CHECK else \
+                    f"{len(head.arrays)} arrays of {head.numel} float32 after a {head.nbytes}-byte head"
+                raise PayloadSizeMismatch(f"LOAD_STATE payload of {header.length} bytes; {what} take {expected}")
+            self.head, self._numel = head, head.numel
+            self.arrays = {name: [] for name in head.arrays}
+        return self.head
+
+    def next_part(self, engine: Engine, header: Header, got: int) -> memoryview | None:
+        """Where the payload's bytes from ``got`` on go (None: read and drop them)."""
+        if self.head is None:
+            if self.rest is None:
+                size = state_head_bytes(self.fixed) - _STATE_FIXED
+                if size > 0:
+                    self.rest = bytearray(min(size, header.length - got))
+                    return memoryview(self.rest)
+            self.check(engine, header)
+            if self.kept:
+                return None
+        offset = (got - self.head.nbytes) // 4  # elements of the arrays received so far
+        index, start = divmod(offset, self._numel)
+        piece = np.empty(min(self.PIECE, self._numel - start), np.float32)
+        self.arrays[self.head.arrays[index]].append(piece)
+        return memoryview(piece).cast("B")
+
+
 #: The request handlers by op (functions, not bound methods: no reference cycle through the session).
 _HANDLERS = {
     Op.PING: ServerSession._on_ping,
@@ -862,6 +972,8 @@ _HANDLERS = {
     Op.CHECKPOINT: ServerSession._on_checkpoint,
     Op.SHARDS: ServerSession._on_shards,
     Op.HYPER: ServerSession._on_hyper,
+    Op.STATE: ServerSession._on_state,
+    Op.LOAD_STATE: ServerSession._on_load_state,
 }
 
 

@@ -97,6 +97,13 @@ class TcpSession(ServerSession, asyncio.BufferedProtocol):
     def _write(self, data: bytes) -> None:
         self.transport.write(data)
 
+    def _write_parts(self, parts: tuple) -> None:
+        if self._vectored:
+            self.transport.writelines(parts)
+        else:
+            for part in parts:
+                self.transport.write(part)
+
     def _pause_reading(self) -> None:
         self.transport.pause_reading()
 

@@ -1,6 +1,7 @@
 """aps.torch.Optimizer as a torch.optim.Optimizer: param groups, learning rate schedulers,
 per-group values, against the same loop with torch.optim, with a real aps serve process."""
 
+import copy
 import threading
 
 import numpy as np
@@ -305,3 +306,87 @@ def test_a_sharded_model_with_groups_and_a_scheduler_equals_torch_optim(server_p
         train(model, opt, make(opt), steps=6)
     for mine, theirs in zip(params_of(model), params_of(reference), strict=True):
         np.testing.assert_array_equal(mine, theirs)
+
+
+# state_dict ---------------------------------------------------------------------------
+
+TORCH_OPTIMIZERS = {"sgd": (torch.optim.SGD, {"lr": LR, "momentum": MOMENTUM}, ("--momentum", str(MOMENTUM))),
+                    "adam": (torch.optim.Adam, {"lr": 1e-3}, ("--optimizer", "adam", "--lr", "1e-3"))}
+
+
+def steps_of(model, opt, first: int, last: int) -> None:
+    for step in range(first, last):
+        x, y = digits_batches(0, 1, step, BATCH)
+        opt.zero_grad()
+        F.cross_entropy(model(x), y).backward()
+        opt.step()
+
+
+@pytest.mark.parametrize("kind", TORCH_OPTIMIZERS)
+def test_state_dict_is_torch_optims_and_restarts_a_run_exactly(server_process, transport, tmp_path, kind):
+    """Six steps, torch.save({"model", "optim"}) as people write it, a fresh server, load both,
+    six more steps: the same weights as twelve steps without a stop, and as torch.optim; the
+    state_dict itself holds what torch.optim's holds."""
+    cls, options, flags = TORCH_OPTIMIZERS[kind]
+    reference = workloads.make_model(8, seed=0)
+    ref_opt = cls(grouped(reference), **options)
+    steps_of(reference, ref_opt, 0, 6)
+    ref_state = copy.deepcopy(ref_opt.state_dict())  # torch's holds the live tensors
+    steps_of(reference, ref_opt, 6, 12)
+
+    model = workloads.make_model(8, seed=0)
+    server = server_process("--workers", "1", "--sync", "bsp", "--lr", str(options["lr"]), *flags)
+    with aps.torch.Optimizer(grouped(model), server.address, 0, 1, model=model, transport=transport) as opt:
+        steps_of(model, opt, 0, 6)
+        saved = opt.state_dict()
+        torch.save({"model": model.state_dict(), "optim": saved}, tmp_path / "ckpt.pt")
+    assert saved["aps"] == {"optimizer": kind, "steps": 6, "version": 6}
+    assert [g["params"] for g in saved["param_groups"]] == [g["params"] for g in ref_state["param_groups"]]
+    assert set(saved["state"]) == set(ref_state["state"])
+    for index, state in ref_state["state"].items():
+        assert set(saved["state"][index]) == set(state)
+        for key, value in state.items():
+            torch.testing.assert_close(saved["state"][index][key], value, rtol=1e-5, atol=1e-7)
+            if kind == "sgd":
+                assert torch.equal(saved["state"][index][key], value)
+
+    checkpoint = torch.load(tmp_path / "ckpt.pt")
+    model = workloads.make_model(8, seed=1)  # other initial weights: the checkpoint's win
+    model.load_state_dict(checkpoint["model"])
+    server = server_process("--workers", "1", "--sync", "bsp", "--lr", str(options["lr"]), *flags)
+    with aps.torch.Optimizer(grouped(model), server.address, 0, 1, model=model, transport=transport) as opt:
+        opt.load_state_dict(checkpoint["optim"])
+        opt.load_state_dict(checkpoint["optim"])  # every rank may load it: taken once
+        steps_of(model, opt, 6, 12)
+        with pytest.raises(aps.errors.InvalidState, match="applied 6 updates"):
+            opt.load_state_dict(ref_state)  # another state into a run that has started
+        after = opt.state_dict()
+    assert after["aps"]["steps"] == 12
+    for mine, theirs in zip(params_of(model), params_of(reference), strict=True):
+        if kind == "sgd":
+            np.testing.assert_array_equal(mine, theirs)
+        else:
+            np.testing.assert_allclose(mine, theirs, rtol=1e-5, atol=1e-6)
+
+
+def test_a_torch_optim_state_continues_on_aps(server_process):
+    """A run begun with torch.optim.SGD goes on with aps from its state_dict, bit for bit."""
+    reference = workloads.make_model(8, seed=0)
+    ref_opt = torch.optim.SGD(grouped(reference), lr=LR, momentum=MOMENTUM)
+    steps_of(reference, ref_opt, 0, 5)
+    weights, state = copy.deepcopy(reference.state_dict()), copy.deepcopy(ref_opt.state_dict())
+    steps_of(reference, ref_opt, 5, 10)
+    model = workloads.make_model(8, seed=0)
+    model.load_state_dict(weights)
+    server = server_process("--workers", "1", "--sync", "bsp", "--lr", str(LR), "--momentum", str(MOMENTUM))
+    with aps.torch.Optimizer(grouped(model), server.address, 0, 1, model=model, transport="tcp") as opt:
+        opt.load_state_dict(state)
+        steps_of(model, opt, 5, 10)
+    for mine, theirs in zip(params_of(model), params_of(reference), strict=True):
+        np.testing.assert_array_equal(mine, theirs)
+    with pytest.raises(aps.ConfigurationError, match="not the server optimizer's"):
+        adam = torch.optim.Adam(grouped(reference))
+        steps_of(reference, adam, 0, 1)
+        server = server_process("--workers", "1", "--sync", "bsp", "--lr", str(LR), "--momentum", str(MOMENTUM))
+        with aps.torch.Optimizer(grouped(model), server.address, 0, 1, model=model, transport="tcp") as opt:
+            opt.load_state_dict(adam.state_dict())

@@ -1,0 +1,203 @@
+"""Reading and loading the optimizer's state (STATE, LOAD_STATE): two jobs of the update lane.
+
+The optimizer's state is double-buffered: an update writes the next state
+into the spare (on a helper thread for a large model, or piece by piece while
+a gradient streams in) and its commit swaps the two on the loop. A job of the
+update lane runs between two updates: submitting it cancels a streaming
+push's reservation (that push then takes the ordinary path), and no other job
+runs, and no push streams, until it has committed. So:
+
+- :class:`ReadStateJob` copies the current arrays into a buffer of the
+  reply's own (one copy, on the kernels' helper thread when large), with the
+  step count and the weights version of that same moment. Readers that ask
+  at the same moment share one copy; it is freed once their replies have left.
+- :class:`LoadStateJob` checks everything (the run has not started, or the
+  same state was loaded already; the digest; every value finite) before it
+  writes anything, then copies the arrays into the current state, where no
+  kernel reads or writes meanwhile.
+"""
+
+from __future__ import annotations
+
+import logging
+import weakref
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from ._lane import Job
+from .errors import InternalServerError, InvalidState, ServerError
+from .protocol import StateHead, encode_state_head, state_digest
+
+if TYPE_CHECKING:
+    from ._engine import Engine, Member
+
+__all__ = ["LoadStateJob", "ReadStateJob", "StateCopy"]
+
+log = logging.getLogger("aps.server")
+
+
+class StateCopy:
+    """The optimizer's state at one moment, ready to send: ``head`` (the STATE reply's
+    description) then ``arrays`` (every array end to end, in one buffer of its own)."""
+
+    __slots__ = ("head", "arrays", "version", "__weakref__")
+
+    def __init__(self, head: bytes, arrays: np.ndarray, version: int) -> None:
+        self.head = head
+        self.arrays = arrays
+        self.version = version
+
+    @property
+    def nbytes(self) -> int:
+        return len(self.head) + self.arrays.nbytes
+
+
+class ReadStateJob(Job):
+    """Copy the optimizer's state between two updates; ``done(copy)`` with it, or
+    ``failed(error)``."""
+
+    __slots__ = ("engine", "member", "done", "failed", "copy", "pairs")
+
+    def __init__(self, engine: Engine, member: Member, done: Callable[[StateCopy], None],
+                 failed: Callable[[ServerError], None]) -> None:
+        self.engine = engine
+        self.member = member
+        self.done = done
+        self.failed = failed
+        self.copy: StateCopy | None = None
+        self.pairs: list[tuple[np.ndarray, np.ndarray]] = []
+
+    def prepare(self) -> int | None:
+        if not self.member.connected:  # nobody to answer: copy nothing
+            return None
+        engine = self.engine
+        table = engine.table
+        optimizer = table.optimizer
+        key = (table.version, optimizer.steps, engine.state_generation)
+        kept = engine.state_copy(key)
+        if kept is not None:  # another reader's copy of this very moment, still alive
+            self.copy = kept
+            return None
+        sources = optimizer.state_arrays()
+        numel = table.optimizer.numel
+        head = encode_state_head(optimizer.name, optimizer.steps, numel, sources, version=table.version)
+        arrays = np.empty(numel * len(sources), np.float32)
+        self.pairs = [(arrays[i * numel : (i + 1) * numel], source) for i, source in enumerate(sources.values())]
+        self.copy = StateCopy(head, arrays, table.version)
+        engine.keep_state_copy(key, self.copy)
+        return arrays.size or None
+
+    def run(self) -> bool:
+        for target, source in self.pairs:
+            np.copyto(target, source)  # numpy lets go of the GIL for a plain copy
+        return True
+
+    def commit(self, result: object) -> None:
+        if result is not True:
+            self.fail(result if isinstance(result, BaseException) else RuntimeError("copying the state failed"))
+            return
+        copy, self.copy, self.pairs = self.copy, None, []
+        if copy is not None:
+            self.done(copy)
+
+    def fail(self, exc: BaseException) -> None:
+        if self.copy is not None:
+            self.engine.forget_state_copy(self.copy)
+            self.copy = None
+        self.failed(InternalServerError(f"reading the optimizer's state failed: {type(exc).__name__}: {exc}"))
+
+
+class LoadStateJob(Job):
+    """Load a state received in pieces (each array a list of consecutive flat pieces) into
+    the optimizer, between two updates, if everything about it is right; ``done(loaded)``
+    (False: the same state was loaded already, nothing changed) or ``failed(error)``."""
+
+    __slots__ = ("engine", "head", "arrays", "done", "failed", "loading", "outcome")
+
+    def __init__(self, engine: Engine, head: StateHead, arrays: dict[str, list[np.ndarray]],
+                 done: Callable[[bool], None], failed: Callable[[ServerError], None]) -> None:
+        self.engine = engine
+        self.head = head
+        self.arrays = arrays
+        self.done = done
+        self.failed = failed
+        self.loading = False
+        self.outcome: object = None  # decided without a kernel (in prepare): what commit reports
+
+    def prepare(self) -> int | None:
+        # Checked again at its turn: an update may have been applied since the bytes arrived.
+        try:
+            self.loading = not self.engine.check_state(self.head)
+        except InvalidState as exc:
+            self.outcome = exc
+            return None
+        if not self.loading:
+            self.outcome = True
+            return None
+        size = sum(part.size for parts in self.arrays.values() for part in parts)
+        if not size:  # sgd without momentum: a step count and no arrays
+            self.outcome = self.run()
+            return None
+        return size
+
+    def run(self) -> object:
+        head, arrays = self.head, self.arrays
+        if state_digest(head.steps, (part for parts in arrays.values() for part in parts)) != head.digest:
+            return InvalidState("the arrays do not match the state's digest: they were damaged on the way, or the "
+                                "digest was computed otherwise (BLAKE2b-128 of steps as u64, then the arrays)")
+        optimizer = self.engine.table.optimizer
+        problem = optimizer.state_problem(arrays, head.steps)
+        if problem is not None:
+            return InvalidState(problem)
+        # Checked whole: from here on nothing refuses it. No update reads or writes the
+        # state while a job of the lane runs.
+        optimizer.load_state(arrays, head.steps)
+        return True
+
+    def commit(self, result: object) -> None:
+        if self.outcome is not None:
+            result = self.outcome
+        if isinstance(result, InvalidState):
+            self.arrays = {}
+            self.failed(result)
+            return
+        if result is not True:
+            self.fail(result if isinstance(result, BaseException) else RuntimeError(str(result)))
+            return
+        self.arrays = {}
+        if self.loading:
+            self.engine.state_loaded(self.head)
+        self.done(self.loading)
+
+    def fail(self, exc: BaseException) -> None:
+        self.arrays = {}
+        if isinstance(exc, ServerError):  # refused at its turn (prepare): nothing changed
+            self.failed(exc)
+            return
+        log.error("loading the optimizer's state failed: %s: %s", type(exc).__name__, exc)
+        self.failed(InternalServerError(f"loading the optimizer's state failed: {type(exc).__name__}: {exc}"))
+
+
+class StateCopies:
+    """The last state copy made, as long as a reply still holds it (a weak reference), so
+    that readers asking at the same moment share one copy and nothing is kept after."""
+
+    __slots__ = ("_key", "_ref")
+
+    def __init__(self) -> None:
+        self._key: tuple | None = None
+        self._ref: weakref.ref | None = None
+
+    def get(self, key: tuple) -> StateCopy | None:
+        if self._ref is None or key != self._key:
+            return None
+        return self._ref()
+
+    def keep(self, key: tuple, copy: StateCopy) -> None:
+        self._key, self._ref = key, weakref.ref(copy)
+
+    def forget(self, copy: StateCopy) -> None:
+        if self._ref is not None and self._ref() is copy:
+            self._key = self._ref = None
