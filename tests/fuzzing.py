@@ -28,10 +28,13 @@ from aps.protocol import (
     MAGIC,
     NONCE_BYTES,
     PROTOCOL_VERSION,
+    HyperGroup,
     Op,
     auth_proof,
     decode_hello_reply,
+    encode_hyper,
     encode_init,
+    encode_state_head,
     pack_header,
     unpack_header,
 )
@@ -67,7 +70,7 @@ def random_header(rng: random.Random, length: int | None = None) -> bytes:
 
 def valid_frame(rng: random.Random, token: bytes | None) -> bytes:
     """A well-formed request a stranger might send (its replies are refusals, or harmless)."""
-    kind = rng.randrange(6)
+    kind = rng.randrange(9)
     if kind == 0:  # an INIT for a seat that is taken, or a rank out of range, or another model
         names = ("w",) if rng.random() < 0.5 else tuple(f"t{i}" for i in range(rng.randrange(1, 5)))
         layout = Layout(names, tuple((rng.randrange(1, 2 * N),) for _ in names))
@@ -77,7 +80,20 @@ def valid_frame(rng: random.Random, token: bytes | None) -> bytes:
     if kind == 1:
         payload = np.full(N, rng.choice([1e9, float("inf"), float("nan")]), np.float32).tobytes()
         return pack_header(Op.PUSH_PULL, 0, 1, 2, 0, 0, len(payload)) + payload
-    op = [Op.PULL, Op.PING, Op.STATS, Op.LEAVE][kind - 2]
+    if kind == 6:  # per-group optimizer values, sound or not
+        stops = sorted(rng.sample(range(1, 2 * N), rng.randrange(1, 4)))
+        groups = [HyperGroup(stop, rng.choice([0.1, -1.0, float("nan"), 1e39]), 0.0, rng.choice([0.0, 0.9, 2.0]), 0.0)
+                  for stop in stops]
+        payload = encode_hyper(groups)
+        return pack_header(Op.HYPER, 0, 0, 3, 0, 0, len(payload)) + payload
+    if kind == 7:  # an optimizer state to load: another optimizer, other arrays or sizes, bad values
+        numel = rng.choice([N, N + 1, 1 << 40])
+        arrays = rng.choice([["momentum_buffer"], ["exp_avg", "exp_avg_sq"], []])
+        head = encode_state_head(rng.choice(["sgd", "adam"]), rng.choice([0, 5, -1 & 0xFFFF]), numel, arrays,
+                                 digest=rng.randbytes(16))
+        values = np.full(min(numel, N) * len(arrays), rng.choice([0.5, float("nan")]), np.float32).tobytes()
+        return pack_header(Op.LOAD_STATE, 0, 1, 4, 0, 0, len(head) + len(values)) + head + values
+    op = [Op.PULL, Op.PING, Op.STATS, Op.LEAVE, Op.STATE][kind - 2 if kind < 6 else 4]
     return pack_header(op, request_id=rng.getrandbits(32))
 
 

@@ -20,7 +20,10 @@ from aps.layout import Layout
 from aps.protocol import HEADER_SIZE, DType, Flag, Op, decode_error, encode_init, pack_header, unpack_header
 from aps.transport.segments import Segment, scm_rights
 
-SPAWN = mp.get_context("spawn")
+#: Worker processes for tests: forked from a server process that has imported what they use
+#: once (torch among it), instead of each starting an interpreter and importing it again.
+SPAWN = mp.get_context("forkserver")
+SPAWN.set_forkserver_preload(["numpy", "torch", "aps", "tests._workers"])
 
 
 class ServerProcess:

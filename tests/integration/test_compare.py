@@ -16,7 +16,7 @@ KEYS = {"sync", "label", "lr_staleness", "cluster", "speeds", "repeat", "time_to
 
 
 def test_compare_on_a_tiny_budget_writes_well_formed_results(tmp_path):
-    budget = 2.0
+    budget = 1.5
     out = tmp_path / "results"
     done = subprocess.run(
         [sys.executable, "-m", "aps", "compare", "--workers", "2", "--speeds", "1,2", "--paradigms", "bsp,ssp:2",

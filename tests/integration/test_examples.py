@@ -22,7 +22,7 @@ def test_mnist_cnn_against_a_running_server(server_process):
     script = os.path.join(EXAMPLES, "mnist_cnn.py")
     procs = [
         subprocess.Popen([sys.executable, script, "--address", server.address, "--rank", str(rank), "--workers", "2",
-                          "--dataset", "digits", "--epochs", "4", "--batch-size", "16"],
+                          "--dataset", "digits", "--epochs", "2", "--batch-size", "16"],
                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
         for rank in range(2)
     ]
@@ -31,8 +31,8 @@ def test_mnist_cnn_against_a_running_server(server_process):
         out, err = proc.communicate(timeout=240)
         assert proc.returncode == 0, err
         outputs.append(out)
-    accuracies = [float(a) for a in re.findall(r"epoch 4: .*test accuracy ([0-9.]+)", outputs[0])]
-    assert accuracies and accuracies[0] > 0.8  # 350 updates train the CNN far past chance (0.1): about 0.9
+    accuracies = [float(a) for a in re.findall(r"epoch 2: .*test accuracy ([0-9.]+)", outputs[0])]
+    assert accuracies and accuracies[0] > 0.7  # 175 updates train the CNN far past chance (0.1): about 0.85
 
 
 def test_mnist_cnn_under_aps_launch(tmp_path):

@@ -34,7 +34,7 @@ def test_fuzzed_frames_crash_nothing_and_change_nothing(arena):
     server, trainer, target, rss_before = arena
     tally = Tally()
 
-    @settings(max_examples=1000, deadline=None, database=None, suppress_health_check=list(HealthCheck))
+    @settings(max_examples=700, deadline=None, database=None, suppress_health_check=list(HealthCheck))
     @given(st.randoms(use_true_random=False))
     def one_case(rng: random.Random) -> None:
         run_case(target, rng, tally)
