@@ -43,7 +43,16 @@ from .errors import (
     NotInitialized,
 )
 from .layout import Layout, shard_bounds
-from .protocol import MAX_HYPER_GROUPS, HyperGroup, check_stops, encode_hyper, encode_state_head, state_digest
+from .protocol import (
+    MAX_HYPER_GROUPS,
+    HyperGroup,
+    check_stops,
+    decode_state_head,
+    encode_hyper,
+    encode_state_head,
+    negative_second_moment,
+    state_digest,
+)
 from .worker import (
     AS_SHARD,
     ASYNC_AS_SHARD,
@@ -271,6 +280,20 @@ class _ShardedViews:
                              pieces))
         return payloads
 
+    @staticmethod
+    def _check_values(payloads: list[tuple[bytes, list[np.ndarray]]]) -> None:
+        """Refuse, before any shard loads its piece, what a shard would refuse only once its
+        arrays arrived (CHECK sends heads alone): else the others would be loaded.
+
+        Raises:
+            InvalidState: a negative second moment (``exp_avg_sq``).
+        """
+        names = decode_state_head(payloads[0][0]).arrays
+        problem = negative_second_moment({name: [pieces[index] for _, pieces in payloads]
+                                          for index, name in enumerate(names)})
+        if problem is not None:
+            raise InvalidState(problem)
+
     def _joined_state(self, states: list[dict[str, Any]]) -> dict[str, Any]:
         """The shards' states as one: each array the shards' pieces end to end."""
         first = states[0]
@@ -402,6 +425,7 @@ class ShardedWorker(_ShardedViews, Worker):
         """
         payloads = self._state_payloads(state)
         self._each(lambda index, worker: worker._check_state(payloads[index][0]))
+        self._check_values(payloads)
         loaded = [False] * len(self._shards)
 
         def load(index: int, worker: Worker) -> None:
@@ -576,6 +600,7 @@ class AsyncShardedWorker(_ShardedViews, AsyncWorker):
         """See :meth:`ShardedWorker.load_optimizer_state`."""
         payloads = self._state_payloads(state)
         await self._each(lambda index, worker: worker._check_state(payloads[index][0]))
+        self._check_values(payloads)
         return any(await self._each(lambda index, worker: worker._load_state(*payloads[index])))
 
     async def reconnect(self, *, timeout: float | None = 60.0) -> Mapping[str, np.ndarray]:

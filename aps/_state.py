@@ -28,7 +28,7 @@ import numpy as np
 
 from ._lane import Job
 from .errors import InternalServerError, InvalidState, ServerError
-from .protocol import StateHead, encode_state_head, state_digest
+from .protocol import StateHead, encode_state_head, negative_second_moment, state_digest
 
 if TYPE_CHECKING:
     from ._engine import Engine, Member
@@ -148,7 +148,7 @@ class LoadStateJob(Job):
             return InvalidState("the arrays do not match the state's digest: they were damaged on the way, or the "
                                 "digest was computed otherwise (BLAKE2b-128 of steps as u64, then the arrays)")
         optimizer = self.engine.table.optimizer
-        problem = optimizer.state_problem(arrays, head.steps)
+        problem = optimizer.state_problem(arrays, head.steps) or negative_second_moment(arrays)
         if problem is not None:
             return InvalidState(problem)
         # Checked whole: from here on nothing refuses it. No update reads or writes the
@@ -181,23 +181,39 @@ class LoadStateJob(Job):
 
 
 class StateCopies:
-    """The last state copy made, as long as a reply still holds it (a weak reference), so
-    that readers asking at the same moment share one copy and nothing is kept after."""
+    """The last state copy made, as long as a reply still holds it, so that readers asking
+    at the same moment share one copy and nothing is kept after.
 
-    __slots__ = ("_key", "_ref")
+    A transport sending a reply holds the copy's ``arrays`` (a view of them), not the
+    :class:`StateCopy` around them: both are referred to weakly, and while the arrays are
+    still on their way a copy is made around them again."""
+
+    __slots__ = ("_key", "_copy", "_arrays", "_head", "_version")
 
     def __init__(self) -> None:
         self._key: tuple | None = None
-        self._ref: weakref.ref | None = None
+        self._copy: weakref.ref | None = None
+        self._arrays: weakref.ref | None = None
+        self._head = b""
+        self._version = 0
 
     def get(self, key: tuple) -> StateCopy | None:
-        if self._ref is None or key != self._key:
+        if self._arrays is None or key != self._key:
             return None
-        return self._ref()
+        copy = self._copy()
+        if copy is None:
+            arrays = self._arrays()
+            if arrays is None:
+                return None
+            copy = StateCopy(self._head, arrays, self._version)
+            self._copy = weakref.ref(copy)
+        return copy
 
     def keep(self, key: tuple, copy: StateCopy) -> None:
-        self._key, self._ref = key, weakref.ref(copy)
+        self._key, self._head, self._version = key, copy.head, copy.version
+        self._copy, self._arrays = weakref.ref(copy), weakref.ref(copy.arrays)
 
     def forget(self, copy: StateCopy) -> None:
-        if self._ref is not None and self._ref() is copy:
-            self._key = self._ref = None
+        if self._arrays is not None and self._arrays() is copy.arrays:
+            self._key = self._copy = self._arrays = None
+            self._head = b""

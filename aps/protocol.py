@@ -43,6 +43,7 @@ __all__ = [
     "StateHead",
     "decode_state_head",
     "encode_state_head",
+    "negative_second_moment",
     "state_digest",
     "check_stops",
     "MAX_HYPER_BYTES",
@@ -593,6 +594,9 @@ _STATE_HEAD = struct.Struct("<II")
 MAX_STATE_HEAD_BYTES = 64 << 10
 #: The largest step count a state may carry (exact in a float64, as JSON numbers are read).
 MAX_STEPS = 1 << 53
+#: The largest step count a STATE reply may carry: a run that loaded MAX_STEPS counts on
+#: (the digest holds steps as a u64).
+MAX_REPLY_STEPS = (1 << 64) - 1
 #: Bytes of a state's digest (BLAKE2b, see :func:`state_digest`).
 STATE_DIGEST_BYTES = 16
 
@@ -651,14 +655,15 @@ def state_head_bytes(first: bytes | memoryview) -> int:
     return end + (-end % 8)
 
 
-def decode_state_head(payload) -> StateHead:
+def decode_state_head(payload, max_steps: int = MAX_STEPS) -> StateHead:
     """The description at the start of ``payload`` (a STATE reply or a LOAD_STATE payload);
-    the arrays after it are not looked at.
+    the arrays after it are not looked at. ``max_steps``: the largest step count taken (a
+    reply's may pass MAX_STEPS: a server goes on counting after a load of MAX_STEPS).
 
     Raises:
         MalformedFrame: truncated, or the description is not a JSON object of the
             documented fields and types.
-        InvalidState: ``steps`` is not an integer from 0 to MAX_STEPS.
+        InvalidState: ``steps`` is not an integer from 0 to ``max_steps``.
     """
     view = memoryview(payload)
     if len(view) < _STATE_HEAD.size:
@@ -677,8 +682,9 @@ def decode_state_head(payload) -> StateHead:
     arrays, version, digest = described.get("arrays"), described.get("version"), described.get("digest")
     if not isinstance(optimizer, str):
         raise MalformedFrame("the optimizer state's description names no optimizer")
-    if not isinstance(steps, int) or isinstance(steps, bool) or not 0 <= steps <= MAX_STEPS:
-        raise InvalidState(f"steps is {steps!r}; it must be an integer from 0 to 2**53")
+    if not isinstance(steps, int) or isinstance(steps, bool) or not 0 <= steps <= max_steps:
+        raise InvalidState(f"steps is {steps!r}; it must be an integer from 0 to "
+                           + ("2**53" if max_steps == MAX_STEPS else str(max_steps)))
     if not isinstance(numel, int) or isinstance(numel, bool) or numel < 0:
         raise MalformedFrame(f"the optimizer state's numel is {numel!r}; it must be an integer >= 0")
     if not isinstance(arrays, list) or not all(isinstance(name, str) for name in arrays):
@@ -693,6 +699,28 @@ def decode_state_head(payload) -> StateHead:
         if digest is None or len(digest) != STATE_DIGEST_BYTES:
             raise MalformedFrame(f"the optimizer state's digest must be {2 * STATE_DIGEST_BYTES} hex digits")
     return StateHead(optimizer, steps, numel, tuple(arrays), version, digest, nbytes)
+
+
+#: Arrays that hold squares (Adam's second moment): a negative value would make every
+#: later update NaN, so every push would be refused from then on.
+NON_NEGATIVE_STATE = ("exp_avg_sq",)
+
+
+def negative_second_moment(arrays) -> str | None:
+    """Why ``arrays`` (name to an array or a list of consecutive flat pieces) cannot be
+    loaded because of a negative value where only squares are summed, or None."""
+    for name in NON_NEGATIVE_STATE:
+        value = arrays.get(name)
+        if value is None:
+            continue
+        offset = 0
+        for part in value if isinstance(value, (list, tuple)) else (value,):
+            if part.size and part.min() < 0:
+                index = int(np.flatnonzero(part < 0)[0])
+                return (f"{name}[{offset + index}] is {part[index]}: a second moment (a running mean of "
+                        "squares) is never negative")
+            offset += part.size
+    return None
 
 
 def state_digest(steps: int, pieces) -> bytes:

@@ -53,6 +53,7 @@ from .errors import (
 )
 from .layout import Layout
 from .protocol import (
+    MAX_REPLY_STEPS,
     MAX_STEPS,
     MAX_STATE_HEAD_BYTES,
     DType,
@@ -271,8 +272,9 @@ def state_payload(state: Mapping[str, Any], numel: int) -> tuple[bytes, list[np.
 
 def state_from_reply(payload: memoryview, version: int) -> dict[str, Any]:
     """The state a STATE reply carries (see :meth:`Worker.optimizer_state`); the arrays are
-    views into the reply's own buffer."""
-    head = decode_state_head(payload)
+    views into the reply's own buffer; its step count may pass 2**53 (a run that loaded a
+    state of that many steps counts on), and such a state cannot be loaded again."""
+    head = decode_state_head(payload, MAX_REPLY_STEPS)
     if head.payload_bytes != len(payload):
         raise MalformedFrame(f"STATE reply of {len(payload)} bytes; its description says {head.payload_bytes}")
     flat = np.frombuffer(payload, np.float32, offset=head.nbytes)
@@ -1264,9 +1266,9 @@ class Worker(_WorkerBase):
         Raises:
             NotInitialized: before :meth:`init`.
             InvalidState: another optimizer, other arrays, an array of another size,
-                a value that is not finite, a bad step count (sgd: a step count of 0
-                with a momentum buffer that is not zero), or another state when the
-                server has applied updates already.
+                a value that is not finite, a negative exp_avg_sq, a bad step count
+                (sgd: a step count of 0 with a momentum buffer that is not zero), or
+                another state when the server has applied updates already.
             DTypeMismatch: an array is not float32.
         """
         return self._load_state(*self._state_payload(state))

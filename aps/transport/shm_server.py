@@ -1,7 +1,8 @@
 """Shared-memory transport, server side: the Unix listener and a co-located worker's session.
 
 Control frames (the same protocol as TCP) travel over a Unix socket; the
-arrays never do (see ``segments``).
+gradients and weights never do (see ``segments``). The optimizer's state
+(STATE, LOAD_STATE: rare, a checkpoint's worth) crosses it as bytes, as over TCP.
 
 - Each worker creates its gradient segment and sends it with its INIT. It
   computes gradients straight into it; a PUSH is a bare header, and the

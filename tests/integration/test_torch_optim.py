@@ -43,6 +43,10 @@ SCHEDULERS = {
         opt, [lr_scheduler.LinearLR(opt, start_factor=0.1, total_iters=4),
               lr_scheduler.CosineAnnealingLR(opt, T_max=STEPS - 4)], milestones=[4]),
     "ReduceLROnPlateau": lambda opt: lr_scheduler.ReduceLROnPlateau(opt, factor=0.5, patience=0, threshold=0.5),
+    "ChainedScheduler": lambda opt: lr_scheduler.ChainedScheduler(
+        [lr_scheduler.LinearLR(opt, start_factor=0.2, total_iters=3), lr_scheduler.ExponentialLR(opt, gamma=0.9)]),
+    "CyclicLR": lambda opt: lr_scheduler.CyclicLR(opt, base_lr=0.01, max_lr=0.1, step_size_up=3,
+                                                  base_momentum=0.8, max_momentum=0.9),
 }
 
 
