@@ -144,6 +144,10 @@ class _ShardedViews:
     def layout(self) -> Layout | None:
         return self._layout
 
+    def half_buffers(self):
+        """Not for a sharded model: each shard receives into buffers of its own."""
+        raise ConfigurationError("half_buffers is not available for a sharded model")
+
     @property
     def server_options(self) -> dict[str, Any] | None:
         """As :attr:`Worker.server_options` (every shard runs with the same; checked at connection)."""

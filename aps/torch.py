@@ -361,11 +361,29 @@ class Optimizer(torch.optim.Optimizer):
             self._pinned = _pin(self._host_weights, self._host_grads)
         self._weight_views = self._views(self._host_weights)
         self._grad_views = self._views(self._host_grads)
-        # Float32 parameters on the CPU become views into the worker's buffers; the others
-        # (on a GPU, or 16-bit: the server keeps float32 master weights) are copied each step.
+        # Float32 parameters on the CPU become views into the worker's buffers. A model all
+        # of one 16-bit type, over TCP, becomes views into the worker's 16-bit buffers: the
+        # gradients go as they are and the weights arrive rounded by the server (the float32
+        # master weights stay there). Any other parameter (on a GPU, or 16-bit in another
+        # setting) is copied each step.
+        self._push_buffer = self.worker.grads
+        half_dtype = self.params[0].dtype
+        if (not self.staging and half_dtype in _HALF and all(p.dtype == half_dtype for p in self.params)
+                and self.worker.compression == _HALF[half_dtype] and not hasattr(self.worker, "shards")):
+            try:
+                half_weights, half_grads = self.worker.half_buffers()
+            except ConfigurationError:  # the weights come back float32 (compress_pulls=False): copy them
+                half_weights = None
+        else:
+            half_weights = None
+        if half_weights is not None:
+            self._weight_views = self._views(torch.from_numpy(half_weights.view(np.int16)).view(half_dtype))
+            self._grad_views = self._views(torch.from_numpy(half_grads.view(np.int16)).view(half_dtype))
+            self._host_grads = torch.from_numpy(half_grads.view(np.int16)).view(half_dtype)
+            self._push_buffer = half_grads
         views = list(zip(self.params, self._weight_views, self._grad_views))
-        self._viewed = [] if self.staging else [v for v in views if v[0].dtype == torch.float32]
-        self._staged = [v for v in views if self.staging or v[0].dtype != torch.float32]
+        self._viewed = [] if self.staging else [v for v in views if v[0].dtype == v[1].dtype]
+        self._staged = [v for v in views if self.staging or v[0].dtype != v[1].dtype]
         for param, weights, grads in self._viewed:
             param.data = weights  # the model's storage is the worker's weight buffer
             param.grad = grads  # backward() accumulates into the (shared) gradient buffer
@@ -441,7 +459,7 @@ class Optimizer(torch.optim.Optimizer):
             self.pacer.wait()
         self._adopt_stray_grads()
         self._gather_grads()
-        self.worker.push_pull(self.worker.grads)  # the weights land in the views' storage
+        self.worker.push_pull(self._push_buffer)  # the weights land in the views' storage
         self._load_weights()
         if self.pacer is not None:
             self.pacer.restart()

@@ -537,6 +537,9 @@ class _ClientCore:
         self.compress_pulls = False
         self._half_grad: np.ndarray | None = None  # the narrowed gradient being sent
         self._half_weights: np.ndarray | None = None  # narrowed weights being received
+        #: The half buffers are the caller's model (see Worker.half_buffers): a push of
+        #: ``_half_grad`` goes as it is, and every weights reply ends in ``_half_weights``.
+        self.half_views = False
         self._reply_dtype = _FLOAT32  # what the weights reply of the request in flight carries
         #: The HYPER payload the server last accepted from this worker: the values live with
         #: the connection, so the worker sends them again when it reconnects.
@@ -615,6 +618,14 @@ class _ClientCore:
 
     def push_request(self, grads: Any, then_pull: bool) -> list:
         self._require_layout()
+        if self.half_views and grads is self._half_grad and self.compressing:
+            # Already 16-bit (the model's own gradients): no narrowing pass.
+            flags, _ = self._weights_request() if then_pull else (0, 0)
+            op = Op.PUSH_PULL if then_pull else Op.PUSH
+            buffers = [memoryview(self._half_grad).cast("B")]
+            frames = [self._header(op, len(buffers[0]), self.compression, flags), *buffers]
+            self._push = (op, self._request_id, self.clock, self.version, frames[1:], flags, self.compression)
+            return frames
         buffers = self._gradient_buffers(grads)
         op = Op.PUSH_PULL if then_pull else Op.PUSH
         if self.shm is not None:
@@ -813,7 +824,10 @@ class _ClientCore:
                 raise MalformedFrame(f"slot of {nbytes} bytes; the model has {self.flat_weights.nbytes}")
             np.copyto(self.flat_weights, self.shm.slot(slot_id, nbytes, has_fd, dropped))
         elif header.dtype in _HALF and header.op in _WEIGHT_REPLIES:
-            _core.widen(self.flat_weights, self._half_weights, header.dtype)
+            if not self.half_views:  # (with half views, the 16-bit weights are what the caller reads)
+                _core.widen(self.flat_weights, self._half_weights, header.dtype)
+        elif self.half_views and header.op in _WEIGHT_REPLIES:  # float32 weights (INIT, a rejoin)
+            _core.narrow(self._half_weights, self.flat_weights, self.compression)
         elif header.op == _STATE_REPLY and header.request_id == self._request_id:
             self._state_reply = payload
         self._reply = header
@@ -882,6 +896,32 @@ class _WorkerBase:
     @property
     def layout(self) -> Layout | None:
         return self._core.layout
+
+    def half_buffers(self) -> tuple[np.ndarray, np.ndarray]:
+        """For a model trained in the compression's 16-bit type over TCP with compressed
+        pulls: this worker's 16-bit weight and gradient buffers (``uint16`` words, one per
+        element in the layout's order), to be the model's storage. From then on every
+        weights reply lands in the weight buffer (the server's float32 weights rounded to
+        nearest even; a float32 reply, as at a rejoin, is rounded here the same way), and
+        ``push(grad)`` of the returned gradient buffer sends it as it is. :attr:`flat_weights`
+        is no longer kept current (it would cost a widening pass per pull).
+
+        Raises:
+            ConfigurationError: not initialized, not over TCP, or without ``compression``
+                and ``compress_pulls``.
+        """
+        core = self._core
+        if core.layout is None or not core.compressing or not core.compress_pulls:
+            raise ConfigurationError("half_buffers needs an initialized worker over TCP with compression "
+                                     "and compress_pulls")
+        if core._half_grad is None:
+            core._half_grad = np.zeros(core.layout.numel, np.uint16)
+        if core._half_weights is None:
+            core._half_weights = np.zeros(core.layout.numel, np.uint16)
+        if not core.half_views:
+            _core.narrow(core._half_weights, core.flat_weights, core.compression)
+            core.half_views = True
+        return core._half_weights, core._half_grad
 
     @property
     def server_options(self) -> dict[str, Any] | None:

@@ -47,12 +47,20 @@ def test_16_bit_parameters_train_on_float32_master_weights(server_process, trans
             for p in model.parameters():
                 assert p.dtype == dtype and p.grad.dtype == dtype
         assert opt.version == STEPS
-        state = opt.worker.pull()  # the server's float32 master weights (rounded on the wire when compressed)
+        if transport == "tcp":  # the parameters and gradients are the worker's 16-bit buffers: nothing copied
+            weights, grads = opt.worker.half_buffers()
+            for p in model.parameters():
+                assert weights.ctypes.data <= p.data_ptr() < weights.ctypes.data + weights.nbytes
+                assert grads.ctypes.data <= p.grad.data_ptr() < grads.ctypes.data + grads.nbytes
+            with torch.no_grad():
+                for p in model.parameters():
+                    p.zero_()
+            opt.worker.reconnect()  # a rejoin's float32 weights are rounded into the model too
+        else:  # no rounding on the way: the worker holds the master weights themselves
+            for (name, value), m in zip(opt.worker.pull().items(), master, strict=True):
+                np.testing.assert_array_equal(value, m.detach().numpy(), err_msg=name)
     for mine, theirs in zip(model.parameters(), reference.parameters(), strict=True):
         assert torch.equal(mine, theirs)
-    if transport == "shm":  # no rounding on the way: the master weights themselves
-        for (name, value), m in zip(state.items(), master, strict=True):
-            np.testing.assert_array_equal(value, m.detach().numpy(), err_msg=name)
 
 
 def test_autocast_with_float32_parameters_equals_torch_optim(server_process, transport):
