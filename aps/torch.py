@@ -21,8 +21,9 @@ GPU keeps its tensors there; ``step()`` then stages through the worker's host
 buffers (pinned memory): one device-to-host copy of the gradients and one
 host-to-device copy of the weights per step.
 
-Only trainable parameters go through the server, laid out group by group,
-and they must be float32.
+Only trainable parameters go through the server, laid out group by group;
+they may be float32, bfloat16 or float16 (16-bit ones train on float32 master
+weights kept by the server).
 Buffers (BatchNorm running statistics and the like) stay local to each worker.
 
 Address, rank and worker count default to ``APS_ADDRESS``, ``RANK`` and
@@ -124,6 +125,7 @@ _SENT = {
     "adam": lambda group: (group["lr"], group["weight_decay"], *group["betas"]),
 }
 _SENT["adamw"] = _SENT["adam"]
+_KEYS = {"sgd": ("lr", "weight_decay", "momentum", "dampening"), "adam": ("lr", "weight_decay", "betas")}
 
 
 def _server_defaults(options: Mapping[str, Any] | None) -> dict[str, Any]:
@@ -200,7 +202,7 @@ class Optimizer(torch.optim.Optimizer):
         params: what ``torch.optim`` takes: an ``nn.Module`` (its parameters,
             named), an iterable of parameters or of ``(name, parameter)``, or a
             list of param group dicts (``{"params": ..., "lr": ..., ...}``).
-            Trainable parameters must be float32 and on one device.
+            Trainable parameters must be float32, bfloat16 or float16, on one device.
         address: the server (``tcp://HOST:PORT``); default ``APS_ADDRESS``.
         rank: this worker's rank; default ``RANK``.
         num_workers: the number of workers; default ``WORLD_SIZE``.
@@ -286,6 +288,7 @@ class Optimizer(torch.optim.Optimizer):
         self.params: list[torch.nn.Parameter] = []
         self._frozen: list[tuple[str, torch.Tensor]] = []
         seen: set[int] = set()
+        taken: set[str] = set()
         for group in groups:
             names = group.get("param_names") or [model_names.get(id(p)) for p in group["params"]]
             for name, param in zip(names, group["params"]):
@@ -293,6 +296,11 @@ class Optimizer(torch.optim.Optimizer):
                     raise ConfigurationError(f"a parameter ({name or 'unnamed'}) appears twice in the param groups")
                 seen.add(id(param))
                 name = name or f"param{len(seen) - 1}"
+                if name in taken:
+                    raise ConfigurationError(
+                        f"two parameters are named {name!r}: the server's model names every parameter once "
+                        "(name them by the whole model: model.named_parameters())")
+                taken.add(name)
                 if param.requires_grad:
                     self.names.append(name)
                     self.params.append(param)
@@ -329,7 +337,10 @@ class Optimizer(torch.optim.Optimizer):
                                        compression=compression, compress_pulls=compress_pulls)
         try:
             server = _server_defaults(self.worker.server_options)
+            #: The server's optimizer: "sgd", "adam" or "adamw".
+            self.server_optimizer: str = self.worker.server_options["optimizer"]
             self._kind = "sgd" if "momentum" in server else "adam"
+            self._value_keys = _KEYS[self._kind]
             defaults = dict(server)
             for key, value in (("lr", lr), ("weight_decay", weight_decay), ("momentum", momentum),
                                ("dampening", dampening), ("betas", betas)):
@@ -337,7 +348,7 @@ class Optimizer(torch.optim.Optimizer):
                     continue
                 if key not in defaults:
                     raise ConfigurationError(f"{key} is not an option of the server's optimizer "
-                                             f"({self.worker.server_options['optimizer']})")
+                                             f"({self.server_optimizer})")
                 defaults[key] = tuple(float(b) for b in value) if key == "betas" else float(value)
             super().__init__(groups, defaults)
             self._server_values = _SENT[self._kind](server)
@@ -350,11 +361,22 @@ class Optimizer(torch.optim.Optimizer):
             self._sent: list[tuple[float, ...]] | None = (
                 [self._server_values] * len(self.param_groups) if own_worker else None)
             self._send_hyperparameters()
+            self._building = False
+            self._attach()
+            #: Steps skipped because ``torch.amp.GradScaler`` found inf/NaN gradients (nothing was pushed).
+            self.skipped_steps = 0
+            self.pacer = pacer if pacer is not None else Pacer.from_env(self.worker.rank)
         except BaseException:
+            if self._pinned:
+                _unpin(self._pinned)
+                self._pinned = []
             if own_worker:
                 self.worker.close()
             raise
-        self._building = False
+
+    def _attach(self) -> None:
+        """Make the model's parameters and gradients views into the worker's buffers, or set
+        up their staging copies."""
         self._host_weights = torch.from_numpy(self.worker.flat_weights)
         self._host_grads = torch.from_numpy(self.worker.flat_grad)
         if self.device.type == "cuda":
@@ -388,9 +410,6 @@ class Optimizer(torch.optim.Optimizer):
             param.data = weights  # the model's storage is the worker's weight buffer
             param.grad = grads  # backward() accumulates into the (shared) gradient buffer
         self._load_weights()
-        #: Steps skipped because ``torch.amp.GradScaler`` found inf/NaN gradients (nothing was pushed).
-        self.skipped_steps = 0
-        self.pacer = pacer if pacer is not None else Pacer.from_env(self.worker.rank)
 
     def _views(self, flat: torch.Tensor) -> list[torch.Tensor]:
         layout = self.worker.layout
@@ -444,23 +463,30 @@ class Optimizer(torch.optim.Optimizer):
                 optimizer was made now has a gradient.
         """
         loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
-        found_inf, grad_scale = getattr(self, "found_inf", None), getattr(self, "grad_scale", None)
-        if found_inf is not None and float(found_inf) > 0:  # torch.amp.GradScaler found inf/NaN: skip
-            self.skipped_steps += 1
-            log.debug("rank %d: step skipped (inf/NaN gradients at scale %s)", self.worker.rank, grad_scale)
-            return loss
-        self._send_hyperparameters()
-        if grad_scale is not None:  # GradScaler's scale, not yet taken out: unscale as it would
-            self._unscale(grad_scale)
-        if self.pacer is not None:
-            self.pacer.wait()
-        self._adopt_stray_grads()
-        self._gather_grads()
-        self.worker.push_pull(self._push_buffer)  # the weights land in the views' storage
-        self._load_weights()
+        try:
+            if closure is not None:
+                with torch.enable_grad():
+                    loss = closure()
+            found_inf, grad_scale = getattr(self, "found_inf", None), getattr(self, "grad_scale", None)
+            if found_inf is not None and float(found_inf) > 0:  # torch.amp.GradScaler found inf/NaN: skip
+                self.skipped_steps += 1
+                log.debug("rank %d: step skipped (inf/NaN gradients at scale %s)", self.worker.rank, grad_scale)
+                return loss
+            self._send_hyperparameters()
+            if grad_scale is not None:  # GradScaler's scale, not yet taken out: unscale as it would
+                self._unscale(grad_scale)
+            if self.pacer is not None:
+                self.pacer.wait()
+            self._adopt_stray_grads()
+            self._gather_grads()
+            self.worker.push_pull(self._push_buffer)  # the weights land in the views' storage
+            self._load_weights()
+        except BaseException:
+            # GradScaler removes the attributes it set only when step() returns: left here, its
+            # next step() would multiply its scale by this one (the gradients unscaled twice).
+            self.__dict__.pop("grad_scale", None)
+            self.__dict__.pop("found_inf", None)
+            raise
         if self.pacer is not None:
             self.pacer.restart()
         return loss
@@ -512,23 +538,46 @@ class Optimizer(torch.optim.Optimizer):
             ConfigurationError: the state is another optimizer's, or Adam's parameters
                 have different step counts (the server keeps one for the model).
             aps.errors.InvalidState: the server refused it (it has applied updates
-                already, or a value is not finite); nothing changed.
+                already, or a value is not finite).
+
+        Whatever it raises, nothing changed: the groups keep their values.
         """
+        final: dict[str, Any] = {}
+
+        def capture(_, processed):  # registered last: sees the dict torch loads, after the user's pre-hooks
+            final.update(processed)
+
+        before = self.param_groups
+        handle = self.register_load_state_dict_pre_hook(capture)
+        try:
+            super().load_state_dict(state_dict)  # checks the groups, sets their values (the next step sends them)
+            self.state.clear()  # the state lives on the server, in float32, whatever the parameters' dtype
+            server_state = self._server_state(final, final.get("aps", state_dict.get("aps")) or {}, before)
+            self._group_values()  # the loaded groups are the server optimizer's (raises otherwise)
+            if server_state is not None:
+                self.worker.load_optimizer_state(server_state)
+        except BaseException:
+            self.param_groups = before  # nothing changed
+            self.state.clear()
+            raise
+        finally:
+            handle.remove()
+
+    def _server_state(self, state_dict: Mapping[str, Any], described: Mapping[str, Any],
+                      groups: list[dict[str, Any]]) -> dict[str, Any] | None:
+        """The server's state from a torch-format ``state_dict`` (``groups``: the param groups it
+        was loaded into), or None when it holds nothing to load."""
         saved = state_dict.get("state", {})
         saved_ids = [i for group in state_dict["param_groups"] for i in group["params"]]
-        mine = [p for group in self.param_groups for p in group["params"]]
-        super().load_state_dict(state_dict)  # checks the groups, sets their values (the next step sends them)
-        self.state.clear()  # the state lives on the server, in float32, whatever the parameters' dtype
+        mine = [p for group in groups for p in group["params"]]
         by_param = {id(param): saved[index] for index, param in zip(saved_ids, mine) if index in saved}
         if not by_param:
-            return  # nothing to load: a state from before the first step
+            return None  # nothing to load: a state from before the first step
         layout = self.worker.layout
         names = ("momentum_buffer",) if self._kind == "sgd" else ("exp_avg", "exp_avg_sq")
-        described = state_dict.get("aps") or {}
-        if described.get("optimizer", self.worker.server_options["optimizer"]) != \
-                self.worker.server_options["optimizer"]:
+        if described.get("optimizer", self.server_optimizer) != self.server_optimizer:
             raise ConfigurationError(f"the state is {described['optimizer']}'s; the server runs "
-                                     f"{self.worker.server_options['optimizer']}")
+                                     f"{self.server_optimizer}")
         arrays = {name: np.zeros(layout.numel, np.float32) for name in names}
         steps = set()
         for param, offset, size in zip(self.params, layout.offsets, layout.sizes):
@@ -536,7 +585,7 @@ class Optimizer(torch.optim.Optimizer):
             unknown = set(state) - set(names) - {"step"}
             if unknown:
                 raise ConfigurationError(f"the state holds {sorted(unknown)}: not the server optimizer's "
-                                         f"({self.worker.server_options['optimizer']}: {', '.join(names)})")
+                                         f"({self.server_optimizer}: {', '.join(names)})")
             if self._kind == "adam":
                 steps.add(int(float(state["step"])) if "step" in state else 0)
             for name in names:
@@ -545,15 +594,14 @@ class Optimizer(torch.optim.Optimizer):
         if self._kind == "adam":
             if len(steps) != 1:
                 raise ConfigurationError(f"the parameters' Adam steps differ ({sorted(steps)}): the server keeps "
-                                         "one step count for the whole model")
+                                         "one step count for the whole model (a parameter without state has "
+                                         "taken no step)")
             count = steps.pop()
         else:  # a momentum buffer missing for a parameter starts at zero: the gradient, as torch starts it
             count = int(described.get("steps", 1))
-            if "momentum_buffer" not in arrays or not any(s.get("momentum_buffer") is not None
-                                                           for s in by_param.values()):
-                return
-        self.worker.load_optimizer_state({"optimizer": self.worker.server_options["optimizer"],
-                                          "steps": count, "arrays": arrays})
+            if not any(s.get("momentum_buffer") is not None for s in by_param.values()):
+                return None
+        return {"optimizer": self.server_optimizer, "steps": count, "arrays": arrays}
 
     # Introspection ------------------------------------------------------------------
     @property
@@ -582,13 +630,29 @@ class Optimizer(torch.optim.Optimizer):
     def __repr__(self) -> str:
         return f"aps.torch.{super().__repr__()}"
 
+    def __getstate__(self) -> dict[str, Any]:
+        # torch.optim's pickles param_groups and state only: a copy would have no connection and
+        # no flat buffers, and would fail at its first step.
+        raise TypeError("an aps.torch.Optimizer holds a connection to its server and cannot be pickled or "
+                        "copied: save its state_dict() (and make a new Optimizer to load it into)")
+
     # Internals ----------------------------------------------------------------------
     def _group_values(self) -> list[tuple[float, ...]]:
         """The values each group asks of the server now (checking those it cannot change)."""
         sent = _SENT[self._kind]
         fixed = ("nesterov",) if self._kind == "sgd" else ("eps",)
         values = []
+        decoupled = self.server_optimizer == "adamw"
         for index, group in enumerate(self.param_groups):
+            missing = [key for key in (*fixed, *self._value_keys) if key not in group]
+            if missing:
+                raise ConfigurationError(f"param group {index} has no {', '.join(missing)}: not a group of the "
+                                         f"server's optimizer ({self.server_optimizer})")
+            if self._kind == "adam" and group.get("decoupled_weight_decay", decoupled) != decoupled:
+                raise ConfigurationError(
+                    f"param group {index}: decoupled_weight_decay is {group['decoupled_weight_decay']} (a group "
+                    f"of torch.optim.{'Adam' if decoupled else 'AdamW'}); the server runs "
+                    f"{self.server_optimizer}")
             for key in fixed:
                 if group[key] != self.defaults[key]:
                     raise ConfigurationError(
