@@ -77,7 +77,11 @@ def test_the_dashboard_follows_two_workers_training_under_ssp(browser, tmp_path)
                    "the page to connect")
         procs = workers(server.address, 2, [1.0, 2.0], tmp_path)
 
-        def version() -> int:
+        def version(workers_alive: bool = True) -> int:
+            for rank, proc in enumerate(procs if workers_alive else []):  # a dead worker moves nothing: say so now
+                if proc.poll() is not None:
+                    log = (tmp_path / f"worker-{rank}.log").read_text()[-2000:]
+                    raise AssertionError(f"worker {rank} exited with {proc.returncode}:\n{log}")
             text = text_of(browser, "version").strip().replace(",", "")
             return int(text) if text.isdigit() else -1
 
@@ -108,7 +112,7 @@ def test_the_dashboard_follows_two_workers_training_under_ssp(browser, tmp_path)
                    "the page to notice the server stopped")
         banner = browser.find_element("id", "banner")
         assert banner.is_displayed() and "Lost the server" in banner.text and "it stopped" in banner.text
-        assert version() >= first + 20
+        assert version(workers_alive=False) >= first + 20
     finally:
         for proc in procs:
             if proc.poll() is None:
