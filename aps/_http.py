@@ -47,7 +47,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Histo
 from . import __version__
 from .config import ServerConfig, is_loopback
 from .transport.session import RateLimitedLog
-from .stats import MEMBERSHIP_EVENTS, WAIT_BUCKETS_S
+from .stats import MEMBERSHIP_EVENTS, WAIT_BUCKETS_S, lr_range
 
 __all__ = ["HttpSide", "StatsCollector", "STALENESS_BUCKETS"]
 
@@ -76,14 +76,19 @@ KEEPALIVE_S = 15.0
 SNAPSHOT_MAX_AGE_S = 0.5
 #: /metrics serves the same exposition for this long (a scrape costs ~0.4 ms per worker).
 METRICS_MAX_AGE_S = 1.0
+#: aps_worker_learning_rate exports at most this many groups of a rank (the first ones), so a
+#: worker with many param groups cannot swell every scrape; /api/stats has them all.
+MAX_EXPORTED_GROUPS = 16
 #: Where the dashboard's files are (inside the package).
 WEB_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "web")
 #: WebSocket close codes: no or wrong token; too many dashboards open.
 CLOSE_UNAUTHORIZED, CLOSE_TOO_MANY = 4401, 4429
-#: What a viewer gets of each worker (the per-gradient histograms stay out of the frames).
+#: What a viewer gets of each worker (the per-gradient histograms stay out of the frames; its
+#: groups of optimizer values too: the frames carry their learning rates' ``lr_range``).
 _VIEWER_WORKER_KEYS = (
     "rank", "live", "clock", "gap", "held", "credit", "pushes", "dropped", "rejected", "staleness_mean", "pulls",
     "waits", "wait_s_total", "wait_s_mean", "wait_s_max", "r_star_hist", "max_release_gap", "last_interval_s",
+    "hyperparameters_own",
 )
 
 
@@ -143,6 +148,13 @@ class StatsCollector:
                 if w[key] is not None:
                     family.add_metric([str(w["rank"])], w[key])
             yield family
+        rates = GaugeMetricFamily("aps_worker_learning_rate", "Learning rate each connected rank's gradients are "
+                                  "applied with, by group of parameters (its own, or the server's as group 0; "
+                                  f"the first {MAX_EXPORTED_GROUPS} groups).", labels=["rank", "group"])
+        for w in workers:
+            for index, group in enumerate((w.get("hyperparameters") or ())[:MAX_EXPORTED_GROUPS]):
+                rates.add_metric([str(w["rank"]), str(index)], group["lr"])
+        yield rates
         held = GaugeMetricFamily("aps_worker_held", "1 while the rank is held at the gate.", labels=["rank"])
         for w in workers:
             held.add_metric([str(w["rank"])], float(w["held"]))
@@ -413,7 +425,8 @@ class HttpSide:
     def _build_frame(self) -> dict:
         stats = self._snapshot()
         server = stats["server"]
-        workers = [{key: w.get(key) for key in _VIEWER_WORKER_KEYS} for w in stats["workers"]]
+        workers = [{**{key: w.get(key) for key in _VIEWER_WORKER_KEYS}, "lr_range": lr_range(w.get("hyperparameters"))}
+                   for w in stats["workers"]]
         text = _dumps({"type": "stats", "server": server, "workers": workers})
         return {"server": server, "text": text}
 

@@ -18,7 +18,7 @@ import psutil
 if TYPE_CHECKING:
     from ._engine import Engine
 
-__all__ = ["Histogram", "ServerStats", "Traffic", "WorkerStats", "merge_counts"]
+__all__ = ["Histogram", "ServerStats", "Traffic", "WorkerStats", "lr_range", "merge_counts"]
 
 #: The recent update rate counts the updates of the last this many seconds.
 RATE_WINDOW_S = 10
@@ -37,6 +37,18 @@ EVENTS_KEPT = 200
 #: reconnecting), said goodbye, its connection was lost, or the server dropped it
 #: for silence (missed heartbeats, or a reply it never read).
 MEMBERSHIP_EVENTS = ("joined", "rejoined", "left", "disconnected", "timed out")
+
+
+#: The keys of each group in a worker's ``hyperparameters`` (HyperGroup's fields).
+HYPER_KEYS = ("stop", "lr", "weight_decay", "momentum", "dampening")
+
+
+def lr_range(groups: list[dict] | None) -> tuple[float, float] | None:
+    """The smallest and largest learning rate of a worker's ``hyperparameters`` (None: none)."""
+    if not groups:
+        return None
+    rates = [group["lr"] for group in groups]
+    return min(rates), max(rates)
 
 
 def merge_counts(histograms) -> dict[int, int]:
@@ -212,6 +224,8 @@ class ServerStats:
         version = engine.version
         recent, mean = self.update_rates(version)
         workers = []
+        defaults = engine.table.optimizer.defaults if engine.table is not None else None
+        members = engine.members
         for rank, ws in enumerate(self.workers):
             live = window.is_live(rank)
             newest, previous = window.arrivals(rank)
@@ -239,6 +253,7 @@ class ServerStats:
                     "release_gap_hist": ws.release_gap.to_dict(),
                     "max_release_gap": ws.release_gap.max,
                     "last_interval_s": interval if interval == interval else None,  # NaN: fewer than 2 pushes
+                    **self._hyperparameters(members.get(rank), defaults),
                 }
             )
         return {
@@ -274,6 +289,17 @@ class ServerStats:
             "workers": workers,
             "events": list(self.events),
         }
+
+    @staticmethod
+    def _hyperparameters(member, defaults) -> dict:
+        """``hyperparameters``: the optimizer values ``member``'s pushes are applied with, one
+        dict per group (its own, or ``defaults`` as one group), and ``hyperparameters_own``:
+        whether it set its own; both None with no member connected or no model yet."""
+        if member is None or not member.connected or defaults is None:
+            return {"hyperparameters": None, "hyperparameters_own": None}
+        own = member.hyper is not None
+        groups = member.hyper.groups if own else (defaults,)  # at most MAX_HYPER_GROUPS
+        return {"hyperparameters": [dict(zip(HYPER_KEYS, group)) for group in groups], "hyperparameters_own": own}
 
 
 _PROCESS: psutil.Process | None = None

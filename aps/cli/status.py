@@ -8,11 +8,12 @@ import time
 
 from ..errors import ConfigurationError
 from ..protocol import Op
+from ..stats import lr_range
 from ..transport._client import control_request
 from ..transport.address import parse_address
 from ._args import number, require
 
-__all__ = ["fetch_stats", "format_stats", "register"]
+__all__ = ["fetch_stats", "format_lr", "format_stats", "register"]
 
 
 def register(commands) -> None:
@@ -20,7 +21,7 @@ def register(commands) -> None:
         "status",
         help="print a running server's statistics",
         description="Print a running server's statistics: version, update rate, and per worker its clock, "
-        "staleness, time waited at the gate and DSSP grants.",
+        "staleness, time waited at the gate, DSSP grants and learning rate.",
     )
     parser.add_argument("address", type=_addresses,
                         help="the server, tcp://HOST:PORT; the shards of a model, comma-separated")
@@ -92,6 +93,17 @@ def _fmt_hist(hist: dict[str, int], limit: int = 6) -> str:
     return text + (" ..." if len(hist) > limit else "")
 
 
+def format_lr(worker: dict) -> str:
+    """A worker's learning rate: one value when every group has the same, else ``min..max``;
+    ``*`` when the worker set its own (else they are the server's); ``-`` without a worker."""
+    span = lr_range(worker.get("hyperparameters"))
+    if span is None:
+        return "-"
+    low, high = span
+    text = f"{low:g}" if low == high else f"{low:g}..{high:g}"
+    return text + ("*" if worker.get("hyperparameters_own") else "")
+
+
 def _checkpoint_lines(server: dict) -> list[str]:
     """The last checkpoint and where the run resumed from, when there is either."""
     lines = []
@@ -129,8 +141,9 @@ def format_stats(stats: dict) -> str:
         *_checkpoint_lines(s),
         "",
         f"{'rank':>4} {'live':>4} {'clock':>7} {'gap':>4} {'max':>4} {'held':>4} {'pushes':>7} {'dropped':>7} "
-        f"{'stale':>6} {'wait mean':>9} {'wait max':>9} {'interval':>9}  staleness / r*",
+        f"{'stale':>6} {'wait mean':>9} {'wait max':>9} {'interval':>9} {'lr':>13}  staleness / r*",
     ]
+    own = False
     for w in stats["workers"]:
         stale = "-" if w["staleness_mean"] is None else f"{w['staleness_mean']:.2f}"
         hists = _fmt_hist(w["staleness_hist"])
@@ -141,6 +154,10 @@ def format_stats(stats: dict) -> str:
             f"{w['max_release_gap'] if w['max_release_gap'] is not None else '-':>4} "
             f"{'yes' if w['held'] else 'no':>4} {w['pushes']:>7} {w['dropped']:>7} {stale:>6} "
             f"{_fmt_seconds(w['wait_s_mean']):>9} {_fmt_seconds(w['wait_s_max'] or None):>9} "
-            f"{_fmt_seconds(w['last_interval_s']):>9}  {hists}"
+            f"{_fmt_seconds(w['last_interval_s']):>9} {format_lr(w):>13}  {hists}"
         )
+        own = own or bool(w.get("hyperparameters_own"))
+    if own:
+        lines.append("* the worker's own optimizer values (set by it, e.g. by a torch LR scheduler); "
+                     "others use the server's")
     return "\n".join(lines)

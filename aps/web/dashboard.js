@@ -59,6 +59,27 @@
   const fmtInt = (v) => (isNum(v) ? String(Math.round(v)) : DASH);
   const fmtFixed = (v, digits) => (isNum(v) ? v.toFixed(digits) : DASH);
 
+  /** A number as Python's "%g" writes it (6 significant digits, trailing zeros dropped), as `aps status` does. */
+  function fmtG(v) {
+    if (!isNum(v)) return DASH;
+    if (v === 0) return "0";
+    const [mantissa, exp] = v.toExponential(5).split("e"), e = Number(exp);
+    if (e < -4 || e >= 6) {
+      const m = mantissa.replace(/\.?0+$/, "");
+      return `${m}e${e < 0 ? "-" : "+"}${String(Math.abs(e)).padStart(2, "0")}`;
+    }
+    const fixed = v.toFixed(5 - e);
+    return fixed.includes(".") ? fixed.replace(/\.?0+$/, "") : fixed;
+  }
+
+  /** A worker's learning rate as `aps status` shows it: one value or min..max, `*` when its own. */
+  function fmtLr(w) {
+    const span = w.lr_range;
+    if (!Array.isArray(span) || !isNum(span[0]) || !isNum(span[1])) return DASH;
+    const text = span[0] === span[1] ? fmtG(span[0]) : `${fmtG(span[0])}..${fmtG(span[1])}`;
+    return w.hyperparameters_own === true ? `${text}*` : text;
+  }
+
   function fmtClockTime(unix) {
     const d = new Date(unix * 1000);
     return `${pad2(d.getHours())}:${pad2(d.getMinutes())}:${pad2(d.getSeconds())}`;
@@ -379,7 +400,7 @@
     if (row) return row;
     row = el("tr");
     row.dataset.rank = String(rank);
-    for (let i = 0; i < 13; i++) row.appendChild(el("td", "", i >= 2 ? "num" : ""));
+    for (let i = 0; i < 14; i++) row.appendChild(el("td", "", i >= 2 ? "num" : ""));
     row.cells[1].appendChild(el("span"));
     $("workers").appendChild(row);
     app.rows.set(rank, row);
@@ -399,12 +420,14 @@
         String(w.rank), null, fmtInt(w.clock), fmtInt(w.gap), fmtInt(w.pushes), fmtInt(w.pulls),
         fmtFixed(w.staleness_mean, 2), fmtInt(w.waits), fmtFixed(isNum(w.wait_s_mean) ? w.wait_s_mean * 1000 : null, 1),
         fmtFixed(w.wait_s_total, 2), dssp ? String(rStarGrants(w.r_star_hist)) : DASH, fmtInt(w.dropped),
-        fmtInt(w.rejected),
+        fmtInt(w.rejected), fmtLr(w),
       ];
+      row.cells[13].title = w.hyperparameters_own === true ? "set by the worker" : "";
       values.forEach((text, i) => {
         if (text !== null && row.cells[i].textContent !== text) row.cells[i].textContent = text;
       });
     }
+    $("lr-note").hidden = !workers.some((w) => w.hyperparameters_own === true);
     const ranks = new Set(workers.map((w) => w.rank));
     for (const [rank, row] of app.rows) {
       if (!ranks.has(rank)) { row.remove(); app.rows.delete(rank); }

@@ -111,10 +111,16 @@ def test_status_prints_a_table_and_json(server_process):
         assert table.returncode == 0, table.stderr
         assert f"aps {server.address}  sync asp" in table.stdout
         assert "version 3" in table.stdout and "live 1/1" in table.stdout
+        assert "* the worker's own" not in table.stdout  # the server's values: no mark, no footnote
+        worker.set_hyperparameters([{"stop": 4, "lr": 0.1}, {"lr": 0.001}])  # as a torch LR scheduler does
+        table = run_aps("status", server.address)
+        assert " 0.001..0.1*  " in table.stdout and "* the worker's own optimizer values" in table.stdout
         result = run_aps("status", server.address, "--json")
         stats = json.loads(result.stdout)
         assert stats["server"]["version"] == 3 and stats["server"]["bytes_in"] > 3 * 32
         assert stats["workers"][0]["pushes"] == 3 and stats["workers"][0]["clock"] == 3
+        assert stats["workers"][0]["hyperparameters_own"] is True
+        assert [(g["stop"], g["lr"]) for g in stats["workers"][0]["hyperparameters"]] == [(4, 0.1), (8, 0.001)]
 
 
 def test_status_of_nothing_is_a_clear_error():

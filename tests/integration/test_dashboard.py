@@ -9,6 +9,7 @@ Set ``APS_DASHBOARD_SCREENSHOT=PATH`` to keep the screenshot (the README's is on
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -92,6 +93,10 @@ def test_the_dashboard_follows_two_workers_training_under_ssp(browser, tmp_path)
                 "return [...document.querySelectorAll('#workers tr[data-rank]')].map(r => r.dataset.rank)")) == ["0", "1"],
             10, "both ranks in the workers table")
         assert ranks
+        assert "lr" in browser.execute_script("return [...document.querySelectorAll('th')].map(h => h.textContent)")
+        rates = browser.execute_script(
+            "return [...document.querySelectorAll('#workers tr[data-rank]')].map(r => r.cells[13].textContent)")
+        assert all(re.fullmatch(r"[0-9.e+-]+(\.\.[0-9.e+-]+)?\*?", rate) for rate in rates), rates  # each rank's lr
         wait_until(lambda: "joined" in text_of(browser, "events"), 10, "the joins in the membership events")
         assert "ssp" in text_of(browser, "config")
         assert "slowest" in browser.execute_script("return document.body.innerText")

@@ -54,6 +54,7 @@ def test_metrics_and_the_api_count_exactly_what_happened(server_process):
         workers[0].push_pull({"w": np.ones(8, np.float32)})
     for _ in range(2):
         workers[1].push_pull({"w": np.ones(8, np.float32)})
+    workers[1].set_hyperparameters([{"stop": 4, "lr": 0.5}, {"lr": 0.25}])
     status, text, headers = asyncio.run(get(base + "metrics"))
     assert status == 200 and headers["Content-Type"].startswith("text/plain; version=")
     metrics = samples(text)
@@ -63,6 +64,9 @@ def test_metrics_and_the_api_count_exactly_what_happened(server_process):
     assert metrics[("aps_workers_live", ())] == 2 and metrics[("aps_workers", ())] == 2
     assert metrics[("aps_worker_clock", (("rank", "0"),))] == 3
     assert metrics[("aps_worker_gap", (("rank", "0"),))] == 1
+    rates = {labels: value for (name, labels), value in metrics.items() if name == "aps_worker_learning_rate"}
+    assert rates == {(("group", "0"), ("rank", "0")): 0.01,  # the server's --lr
+                     (("group", "0"), ("rank", "1")): 0.5, (("group", "1"), ("rank", "1")): 0.25}  # its own
     assert metrics[("aps_gradient_staleness_count", (("rank", "1"),))] == 2  # one per gradient
     # rank 1's first gradient was computed on version 0 with the server at 3; its second on 4, at 4
     assert metrics[("aps_gradient_staleness_sum", (("rank", "1"),))] == 3

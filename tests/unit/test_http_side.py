@@ -416,3 +416,28 @@ def test_each_shard_says_which_it_is():
         assert families["aps_shard"].samples[0].value == 1 and families["aps_shards"].samples[0].value == 3
 
     drive(side(snap=sharded), scenario)
+
+
+def test_each_connected_rank_exports_its_learning_rates_with_the_groups_bounded():
+    own = [{"stop": 10 * (i + 1), "lr": 0.1 / (i + 1), "weight_decay": 0.0, "momentum": 0.9, "dampening": 0.0}
+           for i in range(_http.MAX_EXPORTED_GROUPS + 4)]
+
+    def with_rates() -> dict:
+        stats = snapshot()
+        first, second = stats["workers"]
+        first.update(hyperparameters=own, hyperparameters_own=True)
+        second.update(hyperparameters=[{**own[0], "stop": 200, "lr": 0.05}], hyperparameters_own=False)
+        stats["workers"].append({**second, "rank": 2, "live": False, "hyperparameters": None,
+                                 "hyperparameters_own": None})
+        return stats
+
+    async def scenario(client):
+        families = {f.name: f for f in text_string_to_metric_families(await (await client.get("/metrics")).text())}
+        rates = {(s.labels["rank"], s.labels["group"]): s.value for s in families["aps_worker_learning_rate"].samples}
+        assert rates == {**{("0", str(i)): own[i]["lr"] for i in range(_http.MAX_EXPORTED_GROUPS)}, ("1", "0"): 0.05}
+
+    drive(side(snap=with_rates), scenario)
+    frame = json.loads(side(snap=with_rates)._build_frame()["text"])  # the dashboard gets the range, not the groups
+    assert [(w["lr_range"], w["hyperparameters_own"]) for w in frame["workers"]] == [
+        ([own[-1]["lr"], 0.1], True), ([0.05, 0.05], False), (None, None)]
+    assert all("hyperparameters" not in w for w in frame["workers"])

@@ -70,3 +70,40 @@ def test_histograms_stay_small_whatever_they_are_fed():
     assert len(hist.counts) < EXACT_BELOW + 64  # exact below EXACT_BELOW, power-of-two buckets above
     assert hist.counts[3] == 1 and hist.counts[256] == 256 and hist.counts[1 << 16] == 100_000 - (1 << 16)
     assert hist.mean == sum(values) / len(values) and hist.max == 1 << 40
+
+
+def test_each_connected_rank_shows_the_optimizer_values_its_pushes_are_applied_with():
+    from aps.cli.status import format_stats
+    from aps.protocol import HyperGroup
+
+    h = Harness(workers=3, sync="asp", numel=8, optimizer="sgd", lr=0.05, momentum=0.9, weight_decay=1e-4)
+    h.join_all()
+    h.leave(2)
+    rows = h.engine.stats_snapshot()["workers"]
+    server_values = {"stop": 8, "lr": 0.05, "weight_decay": 1e-4, "momentum": 0.9, "dampening": 0.0}
+    assert [(w["hyperparameters"], w["hyperparameters_own"]) for w in rows] == [
+        ([server_values], False), ([server_values], False), (None, None)]
+    table = format_stats(h.engine.stats_snapshot())
+    assert lr_column(table) == ["0.05", "0.05", "-"]
+    assert "* the worker's own" not in table  # nobody set their own: no mark, no footnote
+
+    # Rank 0 sets its own (two groups: neighbours with equal values are one), as a HYPER request does.
+    groups = [HyperGroup(2, 0.1, 0.0, 0.9, 0.0), HyperGroup(4, 0.1, 0.0, 0.9, 0.0), HyperGroup(8, 0.001, 1e-4, 0.9, 0.0)]
+    h.engine.set_hyperparameters(h.workers[0].member, groups)
+    rows = h.engine.stats_snapshot()["workers"]
+    assert rows[0]["hyperparameters_own"] is True and rows[0]["hyperparameters"] == [
+        {"stop": 4, "lr": 0.1, "weight_decay": 0.0, "momentum": 0.9, "dampening": 0.0},
+        {"stop": 8, "lr": 0.001, "weight_decay": 1e-4, "momentum": 0.9, "dampening": 0.0}]
+    assert rows[1]["hyperparameters"] == [server_values] and rows[1]["hyperparameters_own"] is False
+    table = format_stats(h.engine.stats_snapshot())
+    assert lr_column(table) == ["0.001..0.1*", "0.05", "-"]
+    assert table.splitlines()[-1].startswith("* the worker's own optimizer values")
+
+
+def lr_column(table: str) -> list[str]:
+    """The ``lr`` column of ``aps status``'s table, one cell per rank (right-aligned under its header)."""
+    lines = table.splitlines()
+    header = next(i for i, line in enumerate(lines) if line.lstrip().startswith("rank"))
+    end = lines[header].index(" lr ") + 3
+    rows = [line for line in lines[header + 1:] if line[:4].strip().isdigit()]
+    return [line[end - 13:end].strip() for line in rows]
