@@ -26,7 +26,7 @@ def test_virtual_runs_agree_with_real_ones_within_their_spread(tmp_path):
     out = tmp_path / "real"
     done = subprocess.run(
         [sys.executable, "-m", "aps", "compare", "--workers", "4", "--speeds", "1,1,1,2.5", "--clusters",
-         "heterogeneous", "--paradigms", "asp,ssp:3", "--lr-staleness", "none", "--budget", "4", "--repeats", "3",
+         "heterogeneous", "--paradigms", "asp,ssp:3", "--lr-staleness", "none", "--budget", "3", "--repeats", "3",
          "--dataset", "digits", "--step-time", "0.04", "--jitter", "0.1", "--eval-every", "0.2", "--target", "0.9",
          "--no-progress", "--no-dashboard", "--out", str(out)],
         capture_output=True, text=True, timeout=300)
