@@ -257,7 +257,8 @@ class Engine:
         self.loaded_state: bytes | None = None
         #: Counts the loads: a state copy made before one is not the state after it.
         self.state_generation = 0
-        self._state_copies = StateCopies()
+        #: The newest copy of the optimizer's state that a STATE reply still holds (aps._state).
+        self.state_copies = StateCopies()
 
     # Introspection ---------------------------------------------------------
     @property
@@ -819,16 +820,6 @@ class Engine:
         self.loaded_state = head.digest
         self.state_generation += 1
         log.info("optimizer state loaded: %s, %d steps (digest %s)", head.optimizer, head.steps, head.digest.hex())
-
-    def state_copy(self, key: tuple) -> StateCopy | None:
-        """A copy of the state at ``key`` (version, steps, generation) a reply still holds."""
-        return self._state_copies.get(key)
-
-    def keep_state_copy(self, key: tuple, copy: StateCopy) -> None:
-        self._state_copies.keep(key, copy)
-
-    def forget_state_copy(self, copy: StateCopy) -> None:
-        self._state_copies.forget(copy)
 
     def _check_push(self, member: Member, grad_version: int) -> None:
         if not member.joined:

@@ -76,7 +76,7 @@ class ReadStateJob(Job):
         table = engine.table
         optimizer = table.optimizer
         key = (table.version, optimizer.steps, engine.state_generation)
-        kept = engine.state_copy(key)
+        kept = engine.state_copies.get(key)
         if kept is not None:  # another reader's copy of this very moment, still alive
             self.copy = kept
             return None
@@ -86,7 +86,7 @@ class ReadStateJob(Job):
         arrays = np.empty(numel * len(sources), np.float32)
         self.pairs = [(arrays[i * numel : (i + 1) * numel], source) for i, source in enumerate(sources.values())]
         self.copy = StateCopy(head, arrays, table.version)
-        engine.keep_state_copy(key, self.copy)
+        engine.state_copies.keep(key, self.copy)
         return arrays.size or None
 
     def run(self) -> bool:
@@ -104,7 +104,7 @@ class ReadStateJob(Job):
 
     def fail(self, exc: BaseException) -> None:
         if self.copy is not None:
-            self.engine.forget_state_copy(self.copy)
+            self.engine.state_copies.forget(self.copy)
             self.copy = None
         self.failed(InternalServerError(f"reading the optimizer's state failed: {type(exc).__name__}: {exc}"))
 
@@ -198,6 +198,7 @@ class StateCopies:
         self._version = 0
 
     def get(self, key: tuple) -> StateCopy | None:
+        """The copy of the state at ``key`` (version, steps, generation), if a reply still holds it."""
         if self._arrays is None or key != self._key:
             return None
         copy = self._copy()

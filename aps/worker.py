@@ -618,15 +618,9 @@ class _ClientCore:
 
     def push_request(self, grads: Any, then_pull: bool) -> list:
         self._require_layout()
-        if self.half_views and grads is self._half_grad and self.compressing:
-            # Already 16-bit (the model's own gradients): no narrowing pass.
-            flags, _ = self._weights_request() if then_pull else (0, 0)
-            op = Op.PUSH_PULL if then_pull else Op.PUSH
-            buffers = [memoryview(self._half_grad).cast("B")]
-            frames = [self._header(op, len(buffers[0]), self.compression, flags), *buffers]
-            self._push = (op, self._request_id, self.clock, self.version, frames[1:], flags, self.compression)
-            return frames
-        buffers = self._gradient_buffers(grads)
+        # The caller's own 16-bit gradient (half_views, over TCP only): sent as it is.
+        already_half = self.half_views and grads is self._half_grad
+        buffers = [] if already_half else self._gradient_buffers(grads)
         op = Op.PUSH_PULL if then_pull else Op.PUSH
         if self.shm is not None:
             # The gradient must be in the shared segment: it is, unless the
@@ -641,7 +635,8 @@ class _ClientCore:
         else:
             flags, _ = self._weights_request() if then_pull else (0, 0)
             if self.compressing:
-                dtype, buffers = self.compression, [memoryview(self._narrowed(buffers)).cast("B")]
+                half = self._half_grad if already_half else self._narrowed(buffers)
+                dtype, buffers = self.compression, [memoryview(half).cast("B")]
             else:
                 dtype = _FLOAT32
             frames = [self._header(op, sum(len(b) for b in buffers), dtype, flags), *buffers]

@@ -63,6 +63,21 @@ def test_16_bit_parameters_train_on_float32_master_weights(server_process, trans
         assert torch.equal(mine, theirs)
 
 
+def against_torch(server_process, transport, run, check=lambda opt: None):
+    """``run(model, opt)`` with torch.optim.SGD and with one BSP aps worker, from the same model:
+    ``check(opt)`` looks at the aps optimizer before it closes; the weights must be equal, bit for
+    bit. Returns what each run returned (torch's, aps's)."""
+    reference = workloads.make_model(8, seed=0)
+    theirs = run(reference, torch.optim.SGD(reference.parameters(), lr=LR, momentum=MOMENTUM))
+    model = workloads.make_model(8, seed=0)
+    with aps.torch.Optimizer(model, bsp_server(server_process).address, 0, 1, transport=transport) as opt:
+        mine = run(model, opt)
+        check(opt)
+    for a, b in zip(model.parameters(), reference.parameters(), strict=True):
+        assert torch.equal(a, b)
+    return theirs, mine
+
+
 def test_autocast_with_float32_parameters_equals_torch_optim(server_process, transport):
     def run(model, opt):
         for step in range(STEPS):
@@ -73,13 +88,7 @@ def test_autocast_with_float32_parameters_equals_torch_optim(server_process, tra
             loss.backward()
             opt.step()
 
-    reference = workloads.make_model(8, seed=0)
-    run(reference, torch.optim.SGD(reference.parameters(), lr=LR, momentum=MOMENTUM))
-    model = workloads.make_model(8, seed=0)
-    with aps.torch.Optimizer(model, bsp_server(server_process).address, 0, 1, transport=transport) as opt:
-        run(model, opt)
-    for mine, theirs in zip(model.parameters(), reference.parameters(), strict=True):
-        assert torch.equal(mine, theirs)
+    against_torch(server_process, transport, run)
 
 
 @pytest.mark.parametrize("unscale_first", [False, True], ids=["scaler-unscales", "clip-after-unscale"])
@@ -101,16 +110,12 @@ def test_grad_scaler_skips_overflowing_steps_and_counts_them(server_process, tra
             scaler.update()
         return scaler.get_scale()
 
-    reference = workloads.make_model(8, seed=0)
-    ref_scale = run(reference, torch.optim.SGD(reference.parameters(), lr=LR, momentum=MOMENTUM))
-    model = workloads.make_model(8, seed=0)
-    with aps.torch.Optimizer(model, bsp_server(server_process).address, 0, 1, transport=transport) as opt:
-        scale = run(model, opt)
+    def check(opt):
         skipped = opt.skipped_steps
         assert skipped == 2 and opt.clock == STEPS - skipped == opt.version
+
+    ref_scale, scale = against_torch(server_process, transport, run, check)
     assert scale == ref_scale
-    for mine, theirs in zip(model.parameters(), reference.parameters(), strict=True):
-        assert torch.equal(mine, theirs)
 
 
 def test_gradient_accumulation_and_clipping_equal_torch_optim(server_process, transport):
@@ -125,14 +130,10 @@ def test_gradient_accumulation_and_clipping_equal_torch_optim(server_process, tr
             torch.nn.utils.clip_grad_norm_(model.parameters(), 0.5)
             opt.step()
 
-    reference = workloads.make_model(8, seed=0)
-    run(reference, torch.optim.SGD(reference.parameters(), lr=LR, momentum=MOMENTUM))
-    model = workloads.make_model(8, seed=0)
-    with aps.torch.Optimizer(model, bsp_server(server_process).address, 0, 1, transport=transport) as opt:
-        run(model, opt)
+    def check(opt):
         assert opt.clock == STEPS // 2
-    for mine, theirs in zip(model.parameters(), reference.parameters(), strict=True):
-        assert torch.equal(mine, theirs)
+
+    against_torch(server_process, transport, run, check)
 
 
 @pytest.mark.parametrize("order", ["compile-after", "compile-first"])
