@@ -626,11 +626,18 @@ class Engine:
             loaded = saved.get("loaded_state")
             self.loaded_state = bytes.fromhex(loaded) if isinstance(loaded, str) else None
             self.table.version = int(manifest["version"])
-            if self.aggregate is not None and "aggregate" in checkpoint.state:
-                np.copyto(self.aggregate.current, checkpoint.state["aggregate"])
             self._placements = self.policy.restore(manifest["policy"])
-            self._start_ranks = set(self._placements) or None
             self._seats = {int(rank): Seat.from_json(seat) for rank, seat in manifest["seats"].items()}
+            forget = getattr(self.policy, "forget_open_round", None)
+            if self.config.shards > 1 and forget is not None:
+                # A shard resumes alone (docs/algorithms.md, "Sharded resume"): its open round is left out.
+                self._placements, dropped = forget(self._placements)
+                for rank in dropped:
+                    if rank in self._seats:
+                        self._seats[rank].push_id = self._seats[rank].push_clock = -1
+            elif self.aggregate is not None and "aggregate" in checkpoint.state:
+                np.copyto(self.aggregate.current, checkpoint.state["aggregate"])
+            self._start_ranks = set(self._placements) or None
             self.pushes = int(manifest["pushes"])
             counters = manifest.get("counters", {})
             self.stats.rejected = int(counters.get("rejected", 0))

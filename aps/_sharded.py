@@ -92,6 +92,8 @@ class _ShardedViews:
         """No model yet: the flat buffers come with the first init."""
         self._layout: Layout | None = None
         self._bounds: tuple[int, ...] = ()
+        # Per shard: this worker's clock minus the shard's count (see clock).
+        self._clock_offsets = [0] * len(self._shards)
         self._flat_weights: np.ndarray | None = None
         self._flat_grad: np.ndarray | None = None
         self._weights: Mapping[str, np.ndarray] = MappingProxyType({})
@@ -138,7 +140,17 @@ class _ShardedViews:
 
     @property
     def clock(self) -> int:
-        return min(worker.clock for worker in self._shards)
+        """The iterations this worker has pushed that some shard still holds (docs/algorithms.md,
+        "Sharded resume"): each shard counts its own, and a shard resumed from an older
+        checkpoint forgets some, so this is the largest shard count, each shard's counted
+        from where this worker found it (a shard that lost iterations does not make the
+        worker take them again: the other shards have them)."""
+        return max(worker.clock + offset for worker, offset in zip(self._shards, self._clock_offsets))
+
+    def _settle_clock(self) -> None:
+        """After a request: each shard's count from now on goes on from :attr:`clock`."""
+        clock = self.clock
+        self._clock_offsets = [clock - worker.clock for worker in self._shards]
 
     @property
     def layout(self) -> Layout | None:
@@ -502,6 +514,8 @@ class ShardedWorker(_ShardedViews, Worker):
             except BaseException:  # Ctrl-C: every shard's request ends, not the first one's only
                 self._interrupt(futures)
                 raise
+            finally:
+                self._settle_clock()
             if errors:
                 for extra in errors[1:]:
                     log.warning("rank %d: another shard failed too: %s: %s", self.rank, type(extra).__name__, extra)
@@ -642,7 +656,11 @@ class AsyncShardedWorker(_ShardedViews, AsyncWorker):
         async with self._lock:
             if self._closing:
                 raise APSConnectionError(f"the worker of {self.address} is closed")
-            results = await asyncio.gather(*(run(i, w) for i, w in enumerate(self._shards)), return_exceptions=True)
+            try:
+                results = await asyncio.gather(*(run(i, w) for i, w in enumerate(self._shards)),
+                                               return_exceptions=True)
+            finally:
+                self._settle_clock()
         errors = [r for r in results if isinstance(r, BaseException)]
         if errors:
             for extra in errors[1:]:

@@ -390,25 +390,33 @@ class _Reconnecting:
                     time.monotonic() - self.start, core.version, core.clock)
 
 
-def _after_recovery(core: _ClientCore, kind: str, request):
+def _after_recovery(core: _ClientCore, kind: str, request, address: str = "", as_shard: bool = False):
     """What finishes a call of ``kind`` once its worker has rejoined: ``(kind, request)``,
     or ``(None, None)`` when nothing is left to send."""
     if kind == "init":
         return None, None  # the rejoin was the init
     if kind in ("push", "push_pull") and core.has_pending_push:
         if core.pending_push_version > core.version:
-            _note_dropped_after_resume(core.rank, core)
+            _note_dropped_after_resume(core, address, as_shard)
             return ("pull", core.pull_request) if kind == "push_pull" else (None, None)
         return kind, core.resend_push
     return kind, request
 
 
-def _note_dropped_after_resume(rank: int, core: _ClientCore) -> None:
+def _note_dropped_after_resume(core: _ClientCore, address: str, as_shard: bool) -> None:
     """The server came back older than the weights the push in flight was computed on."""
-    log.warning("rank %d: the server resumed from a checkpoint at version %d, before the weights this gradient was "
-                "computed on (version %d): the gradient is dropped, and the updates made after that checkpoint are "
-                "lost; going on from the server's weights and clock (%d)", rank, core.version,
-                core.pending_push_version, core.clock)
+    if as_shard:
+        # docs/algorithms.md, "Sharded resume": the other shards keep what they applied.
+        log.warning("rank %d: the shard at %s resumed from a checkpoint at version %d, before the weights this "
+                    "gradient was computed on (version %d): its piece of the gradient is dropped, and the updates "
+                    "this shard applied after that checkpoint are lost for its range of the model only (the other "
+                    "shards keep theirs; no iteration is taken again)", core.rank, address, core.version,
+                    core.pending_push_version)
+    else:
+        log.warning("rank %d: the server resumed from a checkpoint at version %d, before the weights this gradient "
+                    "was computed on (version %d): the gradient is dropped, and the updates made after that "
+                    "checkpoint are lost; going on from the server's weights and clock (%d)", core.rank,
+                    core.version, core.pending_push_version, core.clock)
     core.forget_push(dropped=True)
 
 
@@ -1392,7 +1400,7 @@ class Worker(_WorkerBase):
                 if not self._reconnects(kind, exc):
                     raise
                 self._recover(exc)
-            kind, request = _after_recovery(self._core, kind, request)
+            kind, request = _after_recovery(self._core, kind, request, self.address, self._as_shard)
             if kind is None:
                 return None
 
@@ -1763,7 +1771,7 @@ class AsyncWorker(_WorkerBase):
                 if not self._reconnects(kind, exc):
                     raise
                 await self._recover(exc)
-            kind, request = _after_recovery(self._core, kind, request)
+            kind, request = _after_recovery(self._core, kind, request, self.address, self._as_shard)
             if kind is None:
                 return None
 

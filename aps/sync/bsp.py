@@ -95,6 +95,20 @@ class BSP(SyncPolicy):
         held = {int(r) for r in state["round_held"]}
         return {rank: (clock, rank in held, credit) for rank, (clock, _, credit) in placements.items()}
 
+    def forget_open_round(self, placements: dict[int, tuple[int, bool, int]]
+                          ) -> tuple[dict[int, tuple[int, bool, int]], set[int]]:
+        """Right after :meth:`restore`: leave out the round the checkpoint caught open (a
+        shard resumed beside shards that kept their rounds, docs/algorithms.md "Sharded
+        resume": its workers do not take their iterations again, so the round's gradients
+        would be paired with later ones). Its contributors go back one clock, to the last
+        closed round, with every other rank. Returns the placements and the ranks whose
+        gradient was left out (their last push is no longer applied)."""
+        dropped = set(self._contributed)
+        out = {rank: ((clock - 1, False, credit) if rank in dropped else (clock, held, credit))
+               for rank, (clock, held, credit) in placements.items()}
+        self._contributed, self._restored_present = set(), set()
+        return out, dropped
+
     def join(self, rank: int, clock: int = -1, held: bool = False, credit: int = 0) -> int:
         present = rank in self._restored_present
         self._restored_present.discard(rank)

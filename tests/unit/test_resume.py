@@ -293,3 +293,32 @@ def test_a_fresh_process_is_never_taken_for_a_duplicate():
     member.grad[:] = 1.0
     h.engine.push(member, 1, lambda r: None, pytest.fail, request_id=2, clock=0)
     assert h.engine.version == 2 and h.engine.stats.duplicates == 0
+
+
+@pytest.mark.parametrize("shards", [1, 2])
+def test_a_bsp_shard_resumed_alone_leaves_out_the_round_its_checkpoint_caught_open(shards):
+    """docs/algorithms.md, "Sharded resume": a shard's workers go on with their next iteration,
+    so the gradients of a round caught open must not be paired with later ones; one server
+    (whose workers go back to its clocks) keeps the open round."""
+    options = {"workers": 3, "numel": 3, "sync": "bsp", "shards": shards, "shard": 0}
+    original = Harness(**options)
+    original.join_all()
+    for rank in range(3):
+        original.push(rank, np.ones(3, np.float32), then_pull=True)
+    original.push(1, np.full(3, 2.0, np.float32), then_pull=True)  # round 2 open, rank 1's gradient in it
+    assert original.engine.version == 1
+    resumed = Harness(**options)
+    resumed.engine.restore(checkpoint_of(original))
+    for rank in range(3):
+        resumed.join(rank, rejoin=True)
+    clocks = [resumed.policy.clock(rank) for rank in range(3)]
+    if shards == 1:
+        assert clocks == [1, 2, 1] and resumed.policy.is_held(1)  # it waits in its round, as before
+        return
+    assert clocks == [1, 1, 1]  # rank 1 back at the last closed round, with the others
+    assert not resumed.policy.is_held(1)
+    for rank in range(3):  # every rank pushes its next iteration
+        resumed.push(rank, np.full(3, 4.0, np.float32), then_pull=True)
+    # the round closes on the three new gradients only: -1 (round 1) - 4 (round 2)
+    assert resumed.engine.version == 2
+    assert np.array_equal(resumed.engine.table.current_array(), np.full(3, -5.0, np.float32))

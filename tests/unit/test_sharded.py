@@ -18,7 +18,8 @@ from aps.worker import SEND_TURN
 def sharded(count: int, rank: int) -> _sharded.ShardedWorker:
     """A ShardedWorker over ``count`` stand-ins for its shards' workers."""
     worker = object.__new__(_sharded.ShardedWorker)
-    worker._shards = [SimpleNamespace(rank=rank, _conn=None) for _ in range(count)]
+    worker._shards = [SimpleNamespace(rank=rank, _conn=None, clock=0) for _ in range(count)]
+    worker._clock_offsets = [0] * count
     worker._pool = ThreadPoolExecutor(max_workers=count - 1)
     worker._lock = threading.RLock()
     worker._closing = False
@@ -45,6 +46,29 @@ def test_a_push_leaves_one_shard_at_a_time_starting_at_rank_mod_k(rank):
         worker._each(send, in_turn=True)
         assert sent == [(rank + step) % count for step in range(count)]
     worker._pool.shutdown()
+
+
+def test_the_clock_is_the_workers_own_when_a_shard_comes_back_older():
+    """docs/algorithms.md, "Sharded resume": a shard that lost iterations does not take the
+    worker's clock back; only when every shard lost some does it go back (to the most kept)."""
+    worker = sharded(2, 0)
+    shards = worker._shards
+
+    def step(clocks):
+        def call(index, shard):
+            shard.clock = clocks[index]
+        worker._each(call)
+        return worker.clock
+
+    assert step([1, 1]) == 1 and step([2, 2]) == 2
+    assert step([3, 1]) == 3  # shard 1 resumed at clock 1: the worker is at 3 still
+    assert step([4, 2]) == 4 and step([5, 3]) == 5
+    assert step([2, 4]) == 6  # shard 0 resumed too, further back: shard 1 still holds 6
+    assert step([3, 5]) == 7
+    # both came back older: shard 0 holds identities up to 5 (its count 1 is the worker's 5), shard 1 up to 3
+    assert step([1, 1]) == 5
+    worker._pool.shutdown()
+    del shards
 
 
 def test_a_shard_that_fails_before_sending_does_not_hold_the_others():
