@@ -145,6 +145,7 @@ class Checkpointer:
         self._last_version = 0  # the version of the last checkpoint taken
         self._last_start = float("-inf")  # when the last one was begun
         self._lock = None  # the directory's lock file, held while the server runs
+        self._by_round = False  # checkpoints at rounds (a sharded BSP run), see start()
         self._pending: asyncio.TimerHandle | None = None  # a request spaced out (_REQUEST_SPACING_S)
         self.written = 0
         self.failed = 0
@@ -169,8 +170,28 @@ class Checkpointer:
         self._executor = ThreadPoolExecutor(1, thread_name_prefix="aps-checkpoint")
         self._last_version = self.engine.version
         self._due = time.monotonic() + self.config.checkpoint_every
-        if self.config.checkpoint_every > 0 or self.config.checkpoint_every_updates > 0:
+        config = self.config
+        # A sharded BSP run: every shard takes its checkpoints at the same rounds, so that a shard
+        # resumed older can be joined by the others at one round (docs/algorithms.md, "Sharded resume").
+        self._by_round = config.shards > 1 and config.sync == "bsp" and config.checkpoint_every_updates > 0
+        if self._by_round:
+            self.engine.on_round = self._round_applied
+        if config.checkpoint_every > 0 or (config.checkpoint_every_updates > 0 and not self._by_round):
             self._timer = asyncio.get_running_loop().create_task(self._tick())
+
+    def _round_applied(self, version: int) -> None:
+        """A sharded BSP round was applied: a checkpoint at every ``--checkpoint-every-updates``
+        rounds, exactly (captured before any worker pushes into the next round)."""
+        if version % self.config.checkpoint_every_updates or self._executor is None:
+            return
+        if self._busy or self._pending is not None:
+            self.skipped += 1
+            log.warning("checkpoint at round %d skipped: the one before is still being written (the disk is slower "
+                        "than --checkpoint-every-updates %d rounds); a shard that resumes older can only be joined "
+                        "by the others at a round that every shard has a checkpoint of", version,
+                        self.config.checkpoint_every_updates)
+            return
+        self._begin("periodic", None)
 
     def _take_directory(self) -> None:
         engine = self.engine

@@ -250,6 +250,14 @@ class Engine:
         self._start_ranks: set[int] | None = None
         #: ``request_checkpoint(reason)`` -> a future of the path; set by a server that writes checkpoints.
         self.request_checkpoint: Callable[[str], object] | None = None
+        #: ``request_rewind(version)`` -> a future of ``{"versions"|"rewound", "version"}``: the
+        #: checkpoints this run can rewind to (version None), or a rewind to one of them (REWIND,
+        #: docs/algorithms.md "Sharded resume"); set by a server that can restart itself.
+        self.request_rewind: Callable[[int | None], object] | None = None
+        #: Called with the new version when a round's update (BSP, softsync) is applied, before
+        #: any worker is released into the next: the checkpointer takes a sharded BSP run's
+        #: checkpoints there, so that every shard has them at the same rounds.
+        self.on_round: Callable[[int], None] | None = None
         # The newest weights narrowed for compressed pulls, per element type: (version, words).
         self._narrowed: dict[int, tuple[int, np.ndarray]] = {}
         #: The digest of the optimizer state loaded into this run (LOAD_STATE), if any: kept in
@@ -917,6 +925,8 @@ class Engine:
             for member in self.members.values():
                 member.required_version = min(member.required_version, decided)
         self.policy.aggregate_applied()
+        if applied and self.on_round is not None:
+            self.on_round(self.table.version)  # before anyone is released into the next round
         self._serve_waiting()
 
     # Internals -------------------------------------------------------------

@@ -41,6 +41,7 @@ from .errors import (
     InvalidState,
     LayoutMismatch,
     NotInitialized,
+    ServerError,
 )
 from .layout import Layout, shard_bounds
 from .protocol import (
@@ -146,6 +147,43 @@ class _ShardedViews:
         from where this worker found it (a shard that lost iterations does not make the
         worker take them again: the other shards have them)."""
         return max(worker.clock + offset for worker, offset in zip(self._shards, self._clock_offsets))
+
+    def _versions(self) -> list[int]:
+        return [worker.version for worker in self._shards]
+
+    def _rewind_target(self, before: list[int]) -> int | None:
+        """The version every shard must come back to, when a BSP shard resumed older during the
+        last request (its version went back): the smallest shard's; None when nothing went back,
+        or under other policies (their shards keep what they hold)."""
+        if len(self._shards) < 2 or not any(w.version < v for w, v in zip(self._shards, before)):
+            return None
+        options = self.server_options or {}
+        if options.get("sync") != "bsp":
+            return None
+        versions = self._versions()
+        if len(set(versions)) == 1:
+            return None  # every shard is at one round already
+        return min(versions)
+
+    def _common_cut(self, versions: list[list[int]], target: int) -> int | None:
+        """The newest round at most ``target`` that every shard has a checkpoint of (None, with
+        the reason logged, when there is none)."""
+        common = set(versions[0]).intersection(*versions[1:])
+        cut = max((v for v in common if v <= target), default=None)
+        if cut is None:
+            log.error("rank %d: shard versions %s after a shard resumed older, and no round that every shard has "
+                      "a checkpoint of (at most version %d; the shards' checkpoints: %s): each shard goes on from "
+                      "where it is, and the rounds the resumed shard lost stay lost for its range (take "
+                      "checkpoints with --checkpoint-every-updates to have the shards' at the same rounds)",
+                      self.rank, self._versions(), target, versions)
+        else:
+            log.warning("rank %d: a shard resumed older; every shard goes back to round %d (shard versions %s)",
+                        self.rank, cut, self._versions())
+        return cut
+
+    def _cut_reached(self) -> None:
+        """Every shard is back at one round: they count alike again, and so does the worker."""
+        self._clock_offsets = [0] * len(self._shards)
 
     def _settle_clock(self) -> None:
         """After a request: each shard's count from now on goes on from :attr:`clock`."""
@@ -382,17 +420,50 @@ class ShardedWorker(_ShardedViews, Worker):
 
     def pull(self) -> Mapping[str, np.ndarray]:
         self._require_layout()
+        before = self._versions()
         self._each(lambda index, worker: worker.pull())
+        self._one_cut(before)
         return self._weights
 
     def push(self, grads: Mapping[str, np.ndarray] | np.ndarray) -> None:
         self._take(grads)
+        before = self._versions()
         self._each(lambda index, worker: worker.push(self._slice(self._flat_grad, index)), in_turn=True)
+        self._one_cut(before)
 
     def push_pull(self, grads: Mapping[str, np.ndarray] | np.ndarray) -> Mapping[str, np.ndarray]:
         self._take(grads)
+        before = self._versions()
         self._each(lambda index, worker: worker.push_pull(self._slice(self._flat_grad, index)), in_turn=True)
+        self._one_cut(before)
         return self._weights
+
+    def _one_cut(self, before: list[int]) -> None:
+        """After a request in which a BSP shard came back older: bring every shard back to one
+        round (docs/algorithms.md, "Sharded resume")."""
+        target = self._rewind_target(before)
+        if target is None:
+            return
+        versions: list[list[int]] = [[] for _ in self._shards]
+
+        def listed(index: int, worker: Worker) -> None:
+            versions[index] = worker._checkpoint_versions()
+
+        try:
+            self._each(listed)
+        except ServerError as exc:  # no --checkpoint-dir, an older server: each goes on from where it is
+            log.error("rank %d: a shard resumed older, and the shards cannot be brought back to one round: %s",
+                      self.rank, exc)
+            return
+        cut = self._common_cut(versions, target)
+        if cut is None:
+            return
+        try:
+            self._each(lambda index, worker: worker._rewind(cut, self.reconnect_timeout))
+        except ServerError as exc:
+            log.error("rank %d: a shard refused to go back to round %d: %s", self.rank, cut, exc)
+            return
+        self._cut_reached()
 
     def ping(self) -> int:
         versions = [0] * len(self._shards)
@@ -587,17 +658,44 @@ class AsyncShardedWorker(_ShardedViews, AsyncWorker):
 
     async def pull(self) -> Mapping[str, np.ndarray]:
         self._require_layout()
+        before = self._versions()
         await self._each(lambda index, worker: worker.pull())
+        await self._one_cut(before)
         return self._weights
 
     async def push(self, grads) -> None:
         self._take(grads)
+        before = self._versions()
         await self._each(lambda index, worker: worker.push(self._slice(self._flat_grad, index)), in_turn=True)
+        await self._one_cut(before)
 
     async def push_pull(self, grads) -> Mapping[str, np.ndarray]:
         self._take(grads)
+        before = self._versions()
         await self._each(lambda index, worker: worker.push_pull(self._slice(self._flat_grad, index)), in_turn=True)
+        await self._one_cut(before)
         return self._weights
+
+    async def _one_cut(self, before: list[int]) -> None:
+        """See :meth:`ShardedWorker._one_cut`."""
+        target = self._rewind_target(before)
+        if target is None:
+            return
+        try:
+            versions = await self._each(lambda index, worker: worker._checkpoint_versions())
+        except ServerError as exc:
+            log.error("rank %d: a shard resumed older, and the shards cannot be brought back to one round: %s",
+                      self.rank, exc)
+            return
+        cut = self._common_cut(list(versions), target)
+        if cut is None:
+            return
+        try:
+            await self._each(lambda index, worker: worker._rewind(cut, self.reconnect_timeout))
+        except ServerError as exc:
+            log.error("rank %d: a shard refused to go back to round %d: %s", self.rank, cut, exc)
+            return
+        self._cut_reached()
 
     async def ping(self) -> int:
         versions = await self._each(lambda index, worker: worker.ping())

@@ -101,6 +101,10 @@ class Op(IntEnum):
     HYPER = 12
     STATE = 13
     LOAD_STATE = 14
+    #: A sharded BSP worker brings every shard back to one round (docs/algorithms.md,
+    #: "Sharded resume"): with Flag.CHECK, the versions of this run's checkpoints; else
+    #: restart from the checkpoint at the version its JSON payload names.
+    REWIND = 16
 
     REPLY = 0x80
     INIT_REPLY = 0x81
@@ -117,6 +121,7 @@ class Op(IntEnum):
     HYPER_REPLY = 0x8C
     STATE_REPLY = 0x8D
     LOAD_STATE_REPLY = 0x8E
+    REWIND_REPLY = 0x90
     #: Not a reply: a notice the server sends while it holds a request (a pull
     #: at the gate, a push in the lane) to say it is alive; no payload.
     ALIVE = 0xFD
@@ -128,7 +133,7 @@ class Op(IntEnum):
 
 REQUEST_OPS = frozenset(
     {Op.INIT, Op.PULL, Op.PUSH, Op.PUSH_PULL, Op.LEAVE, Op.PING, Op.STATS, Op.HELLO, Op.AUTH, Op.CHECKPOINT,
-     Op.SHARDS, Op.HYPER, Op.STATE, Op.LOAD_STATE}
+     Op.SHARDS, Op.HYPER, Op.STATE, Op.LOAD_STATE, Op.REWIND}
 )
 #: What a connection may ask before it has authenticated (when the server has a token).
 HANDSHAKE_OPS = frozenset({Op.HELLO, Op.AUTH})

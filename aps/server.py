@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import signal
 import sys
 import threading
@@ -22,7 +23,7 @@ import numpy as np
 from ._checkpointer import Checkpointer
 from ._engine import Engine
 from ._lane import run_kernel
-from .checkpoint import Checkpoint, find_resumable
+from .checkpoint import Checkpoint, find_resumable, list_checkpoints, read_checkpoint, read_manifest
 from .config import RESUME_LATEST, RUN_OPTIONS, ServerConfig, resolve_token
 from .errors import APSError, CheckpointError, CheckpointFailed, ConfigurationError
 from .protocol import encode_join_progress
@@ -40,6 +41,8 @@ log = logging.getLogger("aps.server")
 # close together are told once) and every few seconds in any case.
 _JOIN_PROGRESS_EVERY_S = 2.0
 _JOIN_PROGRESS_COALESCE_S = 0.2
+# A rewind's reply leaves before the process restarts.
+_REWIND_REPLY_S = 0.1
 
 
 def new_event_loop() -> asyncio.AbstractEventLoop:
@@ -86,8 +89,13 @@ class Server:
         self._progress: asyncio.Task | None = None
         self._unix: UnixListener | None = None
         self._port: int | None = None
+        self._rewinding: tuple[int, str] | None = None  # (version, path): what a REWIND restarts this process from
         #: The Unix socket co-located workers reach the server by ("" without one).
         self.unix_path = ""
+        #: The command that started this server (``aps serve`` sets it): with it, the server
+        #: can restart itself from one of its checkpoints (REWIND, docs/algorithms.md
+        #: "Sharded resume"); an embedded server has none and refuses to rewind.
+        self.restart_command: list[str] | None = None
 
     @property
     def address(self) -> str:
@@ -129,6 +137,7 @@ class Server:
                 self.checkpointer = Checkpointer(config, self.engine)
                 self.checkpointer.start()
                 self.engine.request_checkpoint = self.checkpointer.request
+                self.engine.request_rewind = self._request_rewind
         except BaseException:
             self._executor.shutdown(wait=False)
             if self.engine.table is not None:
@@ -189,6 +198,57 @@ class Server:
             self.config.optimizer,
             self.config.lr,
         )
+
+    # Rewinding (REWIND: a sharded BSP worker brings every shard back to one round) ----------
+    def _request_rewind(self, version: int | None) -> asyncio.Future:
+        return asyncio.get_running_loop().create_task(self._rewind(version))
+
+    async def _rewind(self, version: int | None) -> dict:
+        """With ``version`` None: the versions of this run's checkpoints. Else restart this
+        process from the checkpoint of this run at ``version`` (after the reply has gone):
+        every worker loses its connection and rejoins, as after a crash and ``--resume``."""
+        engine, directory = self.engine, self.config.checkpoint_dir
+        found = await asyncio.to_thread(_run_checkpoints, directory, engine.run_id)
+        if version is None:
+            return {"versions": sorted(found), "version": engine.version}
+        if self._rewinding is not None:  # another worker asked first
+            if self._rewinding[0] != version:
+                raise CheckpointFailed(f"this server is restarting from version {self._rewinding[0]} already")
+            return {"rewound": True, "version": version, "path": self._rewinding[1]}
+        if version == engine.version:
+            return {"rewound": False, "version": version}
+        if version > engine.version:
+            raise CheckpointFailed(f"cannot rewind to version {version}: this server is at {engine.version}")
+        if version not in found:
+            raise CheckpointFailed(f"no checkpoint of this run at version {version} in {directory}")
+        if self.restart_command is None:
+            raise CheckpointFailed("this server cannot rewind: only an `aps serve` process restarts itself")
+        path = found[version]
+        try:
+            await asyncio.to_thread(read_checkpoint, path)  # intact, or the process would not come back
+        except CheckpointError as exc:
+            raise CheckpointFailed(f"cannot rewind to version {version}: {exc}") from None
+        if self._rewinding is not None:  # another worker's request won meanwhile
+            return await self._rewind(version)
+        self._rewinding = (version, path)
+        # No new connection reaches this process: the next ones reach the restarted one.
+        self._listener.close()
+        if self._unix is not None:
+            self._unix.close()
+            self._unix = None
+        log.warning("rewinding to version %d (from %d): restarting from %s", version, engine.version, path)
+        asyncio.get_running_loop().call_later(_REWIND_REPLY_S, self._restart, path)
+        return {"rewound": True, "version": version, "path": path}
+
+    def _restart(self, path: str) -> None:
+        """Replace this process with ``aps serve`` resumed from ``path``, on the same ports (the
+        descriptors close on exec; so does the checkpoint directory's lock)."""
+        command = [*self.restart_command, "--port", str(self._port), "--resume", path]
+        if self.http is not None and self.http.port is not None:
+            command += ["--http-port", str(self.http.port)]
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os.execv(command[0], command)
 
     async def _abandon_start(self) -> None:
         if self.checkpointer is not None:
@@ -444,6 +504,21 @@ class Server:
                 pass
 
         future.add_done_callback(finished)
+
+
+def _run_checkpoints(directory: str, run_id: str) -> dict[int, str]:
+    """The complete checkpoints of run ``run_id`` in ``directory``, by version (the newest
+    of a version when there are several)."""
+    found: dict[int, str] = {}
+    for path in reversed(list_checkpoints(directory)):  # oldest first: the newest of a version wins
+        try:
+            manifest = read_manifest(path)
+        except CheckpointError:
+            continue
+        version = manifest.get("version")
+        if manifest.get("run_id") == run_id and isinstance(version, int) and not isinstance(version, bool):
+            found[version] = str(path)
+    return found
 
 
 def _raise_descriptor_limit(connections: int) -> None:

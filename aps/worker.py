@@ -91,6 +91,8 @@ _WEIGHT_REPLIES = frozenset({Op.INIT_REPLY, Op.PULL_REPLY, Op.PUSH_PULL_REPLY})
 _COUNTED_REPLIES = _WEIGHT_REPLIES | {Op.PUSH_REPLY}
 _PUSH_REPLIES = frozenset({Op.PUSH_REPLY, Op.PUSH_PULL_REPLY})
 _ERROR = int(Op.ERROR)
+_REWIND_REPLY = int(Op.REWIND_REPLY)
+_MAX_REWIND_REPLY = 1 << 20
 _REPLY = int(Op.REPLY)
 _INIT_REPLY = int(Op.INIT_REPLY)
 _JOIN_PROGRESS = int(Op.JOIN_PROGRESS)
@@ -406,12 +408,12 @@ def _after_recovery(core: _ClientCore, kind: str, request, address: str = "", as
 def _note_dropped_after_resume(core: _ClientCore, address: str, as_shard: bool) -> None:
     """The server came back older than the weights the push in flight was computed on."""
     if as_shard:
-        # docs/algorithms.md, "Sharded resume": the other shards keep what they applied.
+        # docs/algorithms.md, "Sharded resume": the other shards keep what they applied (or, under
+        # BSP, come back to one round with it).
         log.warning("rank %d: the shard at %s resumed from a checkpoint at version %d, before the weights this "
-                    "gradient was computed on (version %d): its piece of the gradient is dropped, and the updates "
-                    "this shard applied after that checkpoint are lost for its range of the model only (the other "
-                    "shards keep theirs; no iteration is taken again)", core.rank, address, core.version,
-                    core.pending_push_version)
+                    "gradient was computed on (version %d): its piece of the gradient is dropped there (the "
+                    "other shards keep theirs; under BSP every shard then goes back to one round, if they have "
+                    "checkpoints of one)", core.rank, address, core.version, core.pending_push_version)
     else:
         log.warning("rank %d: the server resumed from a checkpoint at version %d, before the weights this gradient "
                     "was computed on (version %d): the gradient is dropped, and the updates made after that "
@@ -553,6 +555,7 @@ class _ClientCore:
         #: the connection, so the worker sends them again when it reconnects.
         self.hyperparameters: bytes | None = None
         self._state_reply: memoryview | None = None  # the last STATE reply's payload, until taken
+        self._rewind_reply: bytes | None = None  # the last REWIND reply's payload, until taken
 
     @property
     def compressing(self) -> bool:
@@ -717,6 +720,27 @@ class _ClientCore:
         return [self._header(Op.LOAD_STATE, sum(len(part) for part in parts), _FLOAT32,
                              Flag.CHECK if check else 0), *parts]
 
+    def rewind_request(self, version: int | None) -> list:
+        """REWIND: the versions of the run's checkpoints (``version`` None, Flag.CHECK), or a
+        restart from the one at ``version`` (in the header's version field)."""
+        self._rewind_reply = None
+        if version is None:
+            return [pack_header(Op.REWIND, Flag.CHECK, 0, self._next_request(Op.REWIND), self.clock, 0, 0)]
+        return [pack_header(Op.REWIND, 0, 0, self._next_request(Op.REWIND), self.clock, version, 0)]
+
+    def take_rewind(self) -> dict[str, Any]:
+        """What the last REWIND reply said (JSON)."""
+        payload, self._rewind_reply = self._rewind_reply, None
+        if payload is None:
+            raise ProtocolError("a REWIND reply without its payload")
+        try:
+            info = json.loads(payload)
+        except ValueError:
+            raise ProtocolError("a REWIND reply that is not JSON") from None
+        if not isinstance(info, dict):
+            raise ProtocolError("a REWIND reply that is not a JSON object")
+        return info
+
     def take_state(self, header: Header) -> dict[str, Any]:
         """The state the last STATE reply (``header``'s) carried."""
         payload, self._state_reply = self._state_reply, None
@@ -804,6 +828,10 @@ class _ClientCore:
             if header.length > limit:
                 raise MalformedFrame(f"STATE reply of {header.length} bytes; at most {limit} are expected")
             return memoryview(np.empty(header.length, np.uint8)) if header.length else None  # 8-aligned
+        if header.op == _REWIND_REPLY:  # a small JSON object (the versions of the run's checkpoints)
+            if header.length > _MAX_REWIND_REPLY:
+                raise MalformedFrame(f"REWIND reply of {header.length} bytes")
+            return memoryview(bytearray(header.length))
         if header.length:
             raise MalformedFrame(f"unexpected {header.length}-byte payload on op {header.op}")
         return None
@@ -833,6 +861,8 @@ class _ClientCore:
             _core.narrow(self._half_weights, self.flat_weights, self.compression)
         elif header.op == _STATE_REPLY and header.request_id == self._request_id:
             self._state_reply = payload
+        elif header.op == _REWIND_REPLY and header.request_id == self._request_id:
+            self._rewind_reply = bytes(payload)
         self._reply = header
         self._payload = payload
 
@@ -1264,6 +1294,31 @@ class Worker(_WorkerBase):
         """Tell this shard's server the run id of every shard (see aps._sharded)."""
         self._call("shards", lambda: self._core.shards_request(runs))
 
+    def _checkpoint_versions(self) -> list[int]:
+        """The versions of the checkpoints this shard's server holds of its run (REWIND, CHECK)."""
+        self._call("rewind", lambda: self._core.rewind_request(None))
+        versions = self._core.take_rewind().get("versions")
+        if not isinstance(versions, list) or not all(isinstance(v, int) for v in versions):
+            raise ProtocolError("a REWIND reply without its list of versions")
+        return versions
+
+    def _rewind(self, version: int, timeout: float | None) -> None:
+        """Have this shard's server restart from its checkpoint at ``version``, and rejoin it there
+        (docs/algorithms.md, "Sharded resume"): once the server has said yes, its process
+        restarts and this worker's connection goes; the rejoin that follows returns the
+        weights of ``version``."""
+        self._call("rewind", lambda: self._core.rewind_request(version))
+        info = self._core.take_rewind()
+        if not info.get("rewound"):
+            return  # it is there already
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while self._core.version != version:
+            if deadline is not None and time.monotonic() > deadline:
+                raise APSTimeoutError(f"the server at {self.address} said it would rewind to version {version}, "
+                                      f"but is at version {self._core.version} after {timeout:g} s")
+            self.ping()  # answered until the process restarts; then the worker rejoins it
+            time.sleep(0.02)
+
     def optimizer_state(self) -> dict[str, Any]:
         """A copy of the server's optimizer state, taken between two updates.
 
@@ -1692,6 +1747,27 @@ class AsyncWorker(_WorkerBase):
     async def _record_shard_runs(self, runs: list[str]) -> None:
         """See :meth:`Worker._record_shard_runs`."""
         await self._call("shards", lambda: self._core.shards_request(runs))
+
+    async def _checkpoint_versions(self) -> list[int]:
+        """See :meth:`Worker._checkpoint_versions`."""
+        await self._call("rewind", lambda: self._core.rewind_request(None))
+        versions = self._core.take_rewind().get("versions")
+        if not isinstance(versions, list) or not all(isinstance(v, int) for v in versions):
+            raise ProtocolError("a REWIND reply without its list of versions")
+        return versions
+
+    async def _rewind(self, version: int, timeout: float | None) -> None:
+        """See :meth:`Worker._rewind`."""
+        await self._call("rewind", lambda: self._core.rewind_request(version))
+        if not self._core.take_rewind().get("rewound"):
+            return
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while self._core.version != version:
+            if deadline is not None and time.monotonic() > deadline:
+                raise APSTimeoutError(f"the server at {self.address} said it would rewind to version {version}, "
+                                      f"but is at version {self._core.version} after {timeout:g} s")
+            await self.ping()
+            await asyncio.sleep(0.02)
 
     async def optimizer_state(self) -> dict[str, Any]:
         """See :meth:`Worker.optimizer_state`."""

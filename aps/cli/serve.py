@@ -34,4 +34,7 @@ def run(args: argparse.Namespace) -> int:
 
     config = config_from_args(args)
     setup_logging(config.log_level)
-    return Server(config, given=set(given_options(args))).run()
+    server = Server(config, given=set(given_options(args)))
+    # The same command again, so that the server can restart itself from a checkpoint (REWIND).
+    server.restart_command = [sys.executable, *sys.orig_argv[1:]]
+    return server.run()

@@ -679,6 +679,24 @@ class ServerSession:
         info = future.result()
         self._reply(Op.CHECKPOINT_REPLY, version=info["version"], payload=json.dumps(info).encode())
 
+    def _on_rewind(self, header: Header, payload: memoryview, stream) -> None:
+        self._require_member()
+        request = self.engine.request_rewind
+        if request is None:
+            raise CheckpointFailed("this server cannot rewind to a checkpoint: it writes none (--checkpoint-dir), "
+                                   "or it is not an `aps serve` process (only those restart themselves)")
+        request(None if header.flags & _CHECK else header.version).add_done_callback(self._rewind_answered)
+
+    def _rewind_answered(self, future) -> None:
+        if self._lost:
+            return
+        exc = future.exception()
+        if exc is not None:
+            self._fail(exc if isinstance(exc, ServerError) else InternalServerError(f"the rewind failed: {exc}"))
+            return
+        info = future.result()
+        self._reply(Op.REWIND_REPLY, version=info["version"], payload=json.dumps(info).encode())
+
     def _on_shards(self, header: Header, payload: memoryview, stream) -> None:
         self._require_member()
         try:
@@ -974,6 +992,7 @@ _HANDLERS = {
     Op.HYPER: ServerSession._on_hyper,
     Op.STATE: ServerSession._on_state,
     Op.LOAD_STATE: ServerSession._on_load_state,
+    Op.REWIND: ServerSession._on_rewind,
 }
 
 
