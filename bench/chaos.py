@@ -46,17 +46,11 @@ def print_table(rows: list[dict]) -> None:
         kinds = ", ".join(f"{k} {v['survived']}/{v['injected']}" for k, v in r["faults_by_kind"].items())
         print(f"  {r['sync']}: {kinds}")
         if r["applied_twice"]:
-            where = Counter_text(r["ledger"]["twice_at"])
-            print(f"  {r['sync']}: applied twice on {where}; {r['older_resumes']} resumes from an older checkpoint")
+            where = ", ".join(f"shard {p['shard']}: {p['applied_twice']}" for p in r["ledger"]["per_shard"])
+            print(f"  {r['sync']}: applied twice on {where} ({r['applied_twice_explained']} explained by a resume of "
+                  f"another shard); {len(r['crashes'])} shard resumes, {r['older_resumes']} from an older checkpoint")
         for note in r["notes"] + r["cleanup_errors"]:
             print(f"  {r['sync']}: {note}")
-
-
-def Counter_text(places: list[dict]) -> str:
-    from collections import Counter
-
-    counts = Counter(p["shard"] for p in places)
-    return ", ".join(f"shard {s}: {n}{'+' if len(places) >= 40 else ''}" for s, n in sorted(counts.items()))
 
 
 def main(argv: list[str] | None = None) -> int:
