@@ -5,9 +5,8 @@ Promises: every fault survived (every worker pushes again within the recovery ti
 shard alive), no gradient applied twice, lost gradients within what the crashes allow
 (the updates between a shard's death and the checkpoint it resumed from), no worker call
 beyond the documented deadline, server RSS flat within 64 MiB, and nothing left behind
-(processes, namespaces, mounts). Gradients applied twice that a crash of another shard
-explains are issue 23's point 1 (a sharded resume makes the other shards apply steps
-again): while it is open they make the test xfail, naming how many; any other is a failure.
+(processes, namespaces, mounts). The report tells gradients applied twice that a crash of
+another shard explains from any other; any one fails the test.
 """
 
 from __future__ import annotations
@@ -79,17 +78,6 @@ def test_chaos_soak(sync, transport, seed, tmp_path):
     if report["rss_growth_mib_max"] is not None:
         assert report["rss_growth_mib_max"] <= RSS_FLAT_MIB, summary
     assert not report["unexpected_exits"], summary
-    # Issue 23, point 1: after a shard resumes (its checkpoint is behind the other shards),
-    # the workers' clock goes back and the other shards apply those steps again; BSP can
-    # also stop altogether. Until it is fixed, these outcomes of a shard crash xfail.
-    failed = [f["kind"] for f in report["faults"] if not f["survived"]]
-    shard_crashes = [f for f in failed if f.startswith("shard_kill")]
-    known = report["crashes"] and (report["applied_twice"] or shard_crashes or report["stalls"])
-    if known and len(shard_crashes) == len(failed):
-        pytest.xfail(f"issue 23 point 1: after {len(report['crashes'])} shard resumes ({report['older_resumes']} "
-                     f"from an older checkpoint): {report['applied_twice']} gradients applied twice "
-                     f"({report['applied_twice_unexplained']} outside the rolled-back clocks), "
-                     f"{len(shard_crashes)} shard crashes not recovered, {report['stalls']} stalls")
     assert report["faults_survived"] == report["faults_injected"], summary
     assert report["recovered_at_end"], summary
     assert report["stalls"] == 0 and report["slowest_call_s"] < report["call_bound_s"], summary
