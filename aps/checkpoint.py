@@ -788,13 +788,14 @@ def _entries(directory: pathlib.Path) -> list[os.DirEntry]:
 def list_checkpoints(directory: StrPath) -> list[pathlib.Path]:
     """The complete checkpoints in ``directory`` (a manifest written), newest (highest sequence) first.
 
-    A missing directory has none. Contents are not checked: see :func:`read_checkpoint`.
+    A missing directory has none. Contents are not checked: see :func:`read_checkpoint`
+    (a manifest that is there but not a regular file counts, so that reading it says so).
     """
     directory = pathlib.Path(directory)
     found = []
     for entry in _entries(directory):
         match = _NAME.fullmatch(entry.name)
-        if match and entry.is_dir() and os.path.isfile(os.path.join(entry.path, MANIFEST_FILE)):
+        if match and entry.is_dir() and os.path.lexists(os.path.join(entry.path, MANIFEST_FILE)):
             found.append(((int(match.group(1)), int(match.group(2))), directory / entry.name))
     return [path for _, path in sorted(found, reverse=True)]
 

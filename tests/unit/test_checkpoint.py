@@ -46,7 +46,7 @@ def server_fields(**options):
     """The fields aps serve writes into a manifest (what a resume takes up), from a real engine."""
     from ..harness import Harness
 
-    harness = Harness(workers=2, sync="ssp", staleness=2, **options)
+    harness = Harness(**{"workers": 2, "sync": "ssp", "staleness": 2, **options})
     harness.join_all()
     harness.push(0, np.ones(harness.numel, np.float32), then_pull=True)
     fields, _ = harness.engine.checkpoint_state()
