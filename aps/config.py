@@ -182,6 +182,11 @@ class ServerConfig:
                       "when given without PATH (a new run when there is none); flags left out take the "
                       "checkpoint's values, flags given must agree with them", metavar="PATH"),
     )
+    fork_run: bool = field(
+        default=False,
+        metadata=_opt("with --resume: go on from the checkpoint as a new run, under a run id of its own (the "
+                      "original run's server may still be live; its workers are not served here)"),
+    )
     log_level: str = field(default="info", metadata=_opt("logging level", choices=LOG_LEVELS))
 
     def __post_init__(self) -> None:
@@ -269,6 +274,8 @@ class ServerConfig:
             raise ConfigurationError(f"--checkpoint-keep must be at least 1, got {self.checkpoint_keep}")
         if self.resume == RESUME_LATEST and self.checkpoint_dir is None:
             raise ConfigurationError("--resume without a PATH resumes from --checkpoint-dir: give one of them")
+        if self.fork_run and self.resume is None:
+            raise ConfigurationError("--fork-run starts a new run from a checkpoint: give --resume PATH with it")
         if self.log_level not in LOG_LEVELS:
             raise ConfigurationError(f"unknown log level {self.log_level!r}")
 

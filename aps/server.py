@@ -11,9 +11,11 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import pathlib
 import signal
 import sys
 import threading
+import uuid
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
@@ -23,7 +25,15 @@ import numpy as np
 from ._checkpointer import Checkpointer
 from ._engine import Engine
 from ._lane import run_kernel
-from .checkpoint import Checkpoint, find_resumable, list_checkpoints, read_checkpoint, read_manifest
+from .checkpoint import (
+    Checkpoint,
+    find_resumable,
+    is_checkpoint,
+    list_checkpoints,
+    lock_run_directory,
+    read_checkpoint,
+    read_manifest,
+)
 from .config import RESUME_LATEST, RUN_OPTIONS, ServerConfig, resolve_token
 from .errors import APSError, CheckpointError, CheckpointFailed, ConfigurationError
 from .protocol import encode_join_progress
@@ -90,6 +100,7 @@ class Server:
         self._unix: UnixListener | None = None
         self._port: int | None = None
         self._rewinding: tuple[int, str] | None = None  # (version, path): what a REWIND restarts this process from
+        self._run_lock = None  # the lock on the directory the run was resumed from (see _checkpoint_to_resume)
         #: The Unix socket co-located workers reach the server by ("" without one).
         self.unix_path = ""
         #: The command that started this server (``aps serve`` sets it): with it, the server
@@ -122,7 +133,11 @@ class Server:
         """Bind the listener and get ready to serve (inside a running loop)."""
         _raise_descriptor_limit(self.config.max_connections)
         token = resolve_token(self.config)
-        checkpoint = self._checkpoint_to_resume()  # before anything starts: a bad one changes nothing
+        try:
+            checkpoint = self._checkpoint_to_resume()  # before anything starts: a bad one changes nothing
+        except BaseException:
+            self._release_run_lock()
+            raise
         loop = self._loop = asyncio.get_running_loop()
         self._stopping = asyncio.Event()
         self._executor = ThreadPoolExecutor(1, thread_name_prefix="aps-update")
@@ -133,13 +148,20 @@ class Server:
         try:
             if checkpoint is not None:
                 self.engine.restore(checkpoint)
+                if config.fork_run:
+                    self._fork(checkpoint)
             if config.checkpoint_dir is not None:
+                if self._run_lock is not None and _same_directory(self._run_lock.name, config.checkpoint_dir):
+                    # The checkpointer takes the same lock on the same file (a second flock of
+                    # one file conflicts even within a process): it holds the directory from now.
+                    self._release_run_lock()
                 self.checkpointer = Checkpointer(config, self.engine)
                 self.checkpointer.start()
                 self.engine.request_checkpoint = self.checkpointer.request
                 self.engine.request_rewind = self._request_rewind
         except BaseException:
             self._executor.shutdown(wait=False)
+            self._release_run_lock()
             if self.engine.table is not None:
                 self.engine.table.close()
             raise
@@ -254,7 +276,22 @@ class Server:
         if self.checkpointer is not None:
             await self.checkpointer.close_without_checkpoint()
             self.checkpointer = None
+        self._release_run_lock()
         self._executor.shutdown(wait=False)
+
+    def _release_run_lock(self) -> None:
+        if self._run_lock is not None:
+            self._run_lock.close()
+            self._run_lock = None
+
+    def _fork(self, checkpoint: Checkpoint) -> None:
+        """``--fork-run``: the resumed state goes on under a new run id, so that workers of the
+        original run (whose server may be live) are refused here (RunChanged), and this
+        run's checkpoints are its own. Shards record their runs again as workers join."""
+        engine = self.engine
+        original, engine.run_id, engine.shard_runs = engine.run_id, uuid.uuid4().hex, None
+        log.warning("--fork-run: checkpoint %s of run %s goes on as a new run, %s (workers of the original run "
+                    "are not served here)", checkpoint.path, original, engine.run_id)
 
     def _checkpoint_to_resume(self) -> Checkpoint | None:
         """The checkpoint ``--resume`` names (None: a new run), with the run's options
@@ -265,6 +302,16 @@ class Server:
         where = config.checkpoint_dir if config.resume == RESUME_LATEST else config.resume
         if config.checkpoint_dir is None:
             log.warning("--resume without --checkpoint-dir: this run writes no checkpoints of its own")
+        if not config.fork_run:
+            # One run, one live server: the directory the run is resumed from is held while this
+            # server runs, and refused while a live server holds it (one writing there, or one that
+            # resumed from it), before anything is read. A killed server's lock is gone with it.
+            source = pathlib.Path(where)
+            source = source.parent if is_checkpoint(source) else source
+            self._run_lock = lock_run_directory(source, advice=(
+                f": a second server resuming it (--resume {where}) would make two copies of one run, under one run "
+                "id. Stop that server first (then resume from its newest checkpoint), or give --fork-run to go on "
+                "from the checkpoint as a new run with a run id of its own"))
         checkpoint = find_resumable(where)
         if checkpoint is None:
             if config.resume != RESUME_LATEST:
@@ -397,6 +444,7 @@ class Server:
             # connections go (their leaving would empty the live set it saves).
             await self.checkpointer.close()
             self.checkpointer = None
+        self._release_run_lock()
         for conn in sessions:
             conn.close()
         if self._listener is not None:
@@ -540,6 +588,14 @@ def _raise_descriptor_limit(connections: int) -> None:
     if soft != resource.RLIM_INFINITY and soft < connections + 64:
         log.warning("the descriptor limit (%d) is below --max-connections %d: some connections will fail",
                     soft, connections)
+
+
+def _same_directory(lock_file: str, directory: str) -> bool:
+    """Whether ``lock_file`` (``DIR/.lock``) is the lock file of ``directory``."""
+    try:
+        return os.path.samefile(os.path.dirname(lock_file), directory)
+    except OSError:
+        return os.path.abspath(os.path.dirname(lock_file)) == os.path.abspath(directory)
 
 
 def _show(value: Any) -> str:

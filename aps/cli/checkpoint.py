@@ -3,9 +3,12 @@
 ``aps checkpoint now [ADDR]`` (or ``aps checkpoint ADDR``) asks a running server
 to write one at once and prints where it went; ``aps checkpoint inspect PATH`` prints what a checkpoint holds (version,
 when and why it was written, the run, the sync policy and optimizer, the
-model's size) and verifies its files; ``aps checkpoint list DIR`` lists the
-complete checkpoints in a directory, newest first. A damaged checkpoint makes
-either exit with status 1 and a one-line reason.
+model's size) and verifies its files and its manifest's checksum; ``aps
+checkpoint verify PATH`` checks everything ``aps serve --resume PATH`` would
+(every checksum, and the type of every field a resume takes up) without
+starting a server; ``aps checkpoint list DIR`` lists the complete checkpoints
+in a directory, newest first. A damaged checkpoint makes inspect and verify
+exit with status 1 and a one-line reason.
 
 Each action is a function in :data:`ACTIONS` that adds its subparser and
 sets ``run``: a new one (such as asking a running server for a checkpoint
@@ -15,6 +18,7 @@ now) is one more entry.
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import math
 import pathlib
@@ -34,7 +38,7 @@ def register(commands) -> None:
         "checkpoint",
         help="write, inspect or list checkpoints",
         description="Ask a running server for a checkpoint now, inspect a checkpoint (and verify its files), "
-        "or list the checkpoints in a directory.",
+        "verify that a checkpoint can be resumed, or list the checkpoints in a directory.",
     )
     actions = parser.add_subparsers(dest="action", metavar="ACTION", parser_class=ArgumentParser)
     actions.required = True
@@ -54,6 +58,20 @@ def _add_inspect(actions) -> None:
     parser.add_argument("--json", action="store_true", help="print the manifest as JSON")
     parser.add_argument("--no-verify", action="store_true", help="check the files' sizes but not their checksums")
     parser.set_defaults(run=run_inspect)
+
+
+def _add_verify(actions) -> None:
+    parser = actions.add_parser(
+        "verify",
+        help="check that a checkpoint can be resumed, as aps serve --resume would",
+        description="Check everything aps serve --resume PATH checks, without starting a server: every file's "
+        "size and SHA-256 checksum, the manifest's own checksum (manifest.sha256), the model tensors, and the "
+        "type and range of every field a resume takes up. Exit status 1 with the reason (and the next older "
+        "intact checkpoint, if there is one) if it cannot be resumed.",
+    )
+    parser.add_argument("path", type=pathlib.Path, metavar="PATH",
+                        help="a checkpoint, or a checkpoint directory (its newest checkpoint)")
+    parser.set_defaults(run=run_verify)
 
 
 def _add_list(actions) -> None:
@@ -90,7 +108,7 @@ def shorthand(argv: list[str]) -> list[str]:
 
 
 #: The actions of ``aps checkpoint``, in the order its help lists them.
-ACTIONS: tuple[Callable[[Any], None], ...] = (_add_now, _add_inspect, _add_list)
+ACTIONS: tuple[Callable[[Any], None], ...] = (_add_now, _add_inspect, _add_verify, _add_list)
 
 
 # now ------------------------------------------------------------------------------------------------
@@ -134,15 +152,42 @@ def run_inspect(args: argparse.Namespace) -> int:
         if not found:
             raise CheckpointError(f"no checkpoint in {path}")
         path = found[0]
-    manifest = ckpt.read_manifest(path)
+    manifest = ckpt.read_manifest(path)  # checked against its checksum: a bad one is the reason, exit 1
     problems = ckpt.file_problems(path, manifest, verify=not args.no_verify)
     if args.json:
         print(json.dumps(manifest, indent=2), flush=True)
     else:
-        print(format_manifest(path, manifest, problems, verified=not args.no_verify), flush=True)
+        print(format_manifest(path, manifest, problems, verified=not args.no_verify,
+                              manifest_file=_manifest_entry(path)), flush=True)
     # The one-line reason on stderr, with the exit status, comes from the full check.
     if any(problem is not None for problem in problems.values()):
         ckpt.verify_checkpoint(path, verify=not args.no_verify)
+    return 0
+
+
+def _manifest_entry(path: pathlib.Path) -> tuple[int, str, str]:
+    """The manifest's size, SHA-256 and status line (it was read, so it matched its checksum if it has one)."""
+    data = (path / ckpt.MANIFEST_FILE).read_bytes()
+    checked = (path / ckpt.MANIFEST_SUM_FILE).is_file()
+    status = (f"ok ({ckpt.MANIFEST_SUM_FILE})" if checked
+              else "no checksum (format version 1): checked for form only")
+    return len(data), hashlib.sha256(data).hexdigest(), status
+
+
+# verify ---------------------------------------------------------------------------------------------
+
+
+def run_verify(args: argparse.Namespace) -> int:
+    path = args.path
+    if not path.exists():
+        raise CheckpointError(f"no checkpoint at {path}: it does not exist")
+    found = ckpt.find_resumable(path)
+    if found is None:
+        raise CheckpointError(f"no checkpoint in {path}")
+    manifest = found.manifest
+    checked = "" if (found.path / ckpt.MANIFEST_SUM_FILE).is_file() else " (format version 1: no manifest checksum)"
+    print(f"checkpoint {found.path}: intact and resumable{checked}: run {manifest['run_id']}, version "
+          f"{manifest['version']}, {manifest['config']['workers']} workers, {manifest['config']['sync']}", flush=True)
     return 0
 
 
@@ -173,9 +218,10 @@ _SYNC_OPTIONS = ("staleness", "max_staleness", "softsync_n", "backup_workers", "
 
 
 def format_manifest(path: pathlib.Path, manifest: Mapping[str, Any], problems: Mapping[str, str | None],
-                    *, verified: bool = True) -> str:
+                    *, verified: bool = True, manifest_file: tuple[int, str, str] | None = None) -> str:
     """A readable summary of a checkpoint's manifest and its files' status (what
-    ``aps checkpoint inspect`` prints). ``problems``: from :func:`aps.checkpoint.file_problems`."""
+    ``aps checkpoint inspect`` prints). ``problems``: from :func:`aps.checkpoint.file_problems`;
+    ``manifest_file``: the manifest's own size, SHA-256 and status, for its line."""
     lines = [f"checkpoint {path}"]
 
     def field(label: str, value: Any) -> None:
@@ -206,7 +252,10 @@ def format_manifest(path: pathlib.Path, manifest: Mapping[str, Any], problems: M
                        f"{count:,} parameter{'' if count == 1 else 's'}")
     lines.append("  files")
     files = manifest.get("files", {})
-    width = max((len(name) for name in files), default=0)
+    width = max((len(name) for name in [*files, ckpt.MANIFEST_FILE]), default=0)
+    if manifest_file is not None:
+        size, digest, status = manifest_file
+        lines.append(f"    {ckpt.MANIFEST_FILE:<{width}}  {_fmt_bytes(size):>9}  sha256 {digest[:16]}  {status}")
     for name, entry in files.items():
         problem = problems.get(name)
         status = "ok" if problem is None else problem

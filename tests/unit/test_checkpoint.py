@@ -42,6 +42,29 @@ def write(directory, sequence, version, *, weights=WEIGHTS, state=STATE, **field
     return ckpt.write_checkpoint(directory, ckpt.checkpoint_name(sequence, version), manifest, weights, state)
 
 
+def server_fields(**options):
+    """The fields aps serve writes into a manifest (what a resume takes up), from a real engine."""
+    from ..harness import Harness
+
+    harness = Harness(**{"workers": 2, "sync": "ssp", "staleness": 2, **options})
+    harness.join_all()
+    harness.push(0, np.ones(harness.numel, np.float32), then_pull=True)
+    fields, _ = harness.engine.checkpoint_state()
+    return {k: v for k, v in json.loads(json.dumps(fields)).items() if k not in ("version", "run_id", "layout")}
+
+
+def write_resumable(directory, sequence, version, **fields):
+    return write(directory, sequence, version, **{**server_fields(), **fields})
+
+
+def set_manifest(path, data):
+    """Replace a checkpoint's manifest and its checksum: a manifest written this way by a writer."""
+    data = data.encode() if isinstance(data, str) else data
+    (path / ckpt.MANIFEST_FILE).write_bytes(data)
+    digest = hashlib.sha256(data).hexdigest()
+    (path / ckpt.MANIFEST_SUM_FILE).write_text(f"{digest}  manifest.json\n")
+
+
 def flip_last_byte(path):
     data = bytearray(path.read_bytes())
     data[-1] ^= 0xFF
@@ -55,7 +78,7 @@ def rewrite_model(checkpoint_path, tensors):
     manifest = json.loads((checkpoint_path / ckpt.MANIFEST_FILE).read_text())
     data = model.read_bytes()
     manifest["files"][ckpt.MODEL_FILE] = {"bytes": len(data), "sha256": hashlib.sha256(data).hexdigest()}
-    (checkpoint_path / ckpt.MANIFEST_FILE).write_text(json.dumps(manifest))
+    set_manifest(checkpoint_path, json.dumps(manifest))
 
 
 def dead_pid():
@@ -70,7 +93,7 @@ def dead_pid():
 def test_round_trip_keeps_names_order_shapes_state_and_manifest(tmp_path):
     path = write(tmp_path, 3, 30, reason="periodic", sync={"name": "ssp", "staleness": 3})
     assert path == tmp_path / "checkpoint-00000003-v30"
-    assert sorted(os.listdir(path)) == ["manifest.json", "model.safetensors", "state.safetensors"]
+    assert sorted(os.listdir(path)) == ["manifest.json", "manifest.sha256", "model.safetensors", "state.safetensors"]
 
     read = ckpt.read_checkpoint(path)
     assert list(read.weights) == list(WEIGHTS)
@@ -86,7 +109,7 @@ def test_round_trip_keeps_names_order_shapes_state_and_manifest(tmp_path):
     assert read.layout == aps.Layout.from_arrays(WEIGHTS)
     np.testing.assert_array_equal(read.flat_weights(), np.concatenate([a.reshape(-1) for a in WEIGHTS.values()]))
     m = read.manifest
-    assert m["format"] == "aps-checkpoint" and m["format_version"] == ckpt.FORMAT_VERSION == 1
+    assert m["format"] == "aps-checkpoint" and m["format_version"] == ckpt.FORMAT_VERSION == 2
     assert m["reason"] == "periodic" and m["sync"] == {"name": "ssp", "staleness": 3} and m["run_id"] == "run-1"
     caller_keys = [k for k in m if k not in ("format", "format_version", "files")]
     assert caller_keys == ["version", "sequence", "run_id", "layout", "reason", "sync"]  # the caller's order
@@ -94,6 +117,11 @@ def test_round_trip_keeps_names_order_shapes_state_and_manifest(tmp_path):
     for name in (ckpt.MODEL_FILE, ckpt.STATE_FILE):
         data = (path / name).read_bytes()
         assert m["files"][name] == {"bytes": len(data), "sha256": hashlib.sha256(data).hexdigest()}
+    # the manifest's own checksum, as sha256sum prints it (and checks it)
+    digest = hashlib.sha256((path / "manifest.json").read_bytes()).hexdigest()
+    assert (path / "manifest.sha256").read_text() == f"{digest}  manifest.json\n"
+    if shutil.which("sha256sum"):
+        assert subprocess.run(["sha256sum", "--quiet", "-c", "manifest.sha256"], cwd=path).returncode == 0
 
 
 def test_empty_state_and_a_manifest_without_layout(tmp_path):
@@ -206,16 +234,20 @@ def test_a_truncated_file_says_truncated_even_unverified(tmp_path):
     "damage, message",
     [
         (lambda p: (p / "manifest.json").unlink(), "incomplete: manifest.json is missing"),
-        (lambda p: (p / "manifest.json").write_text('{"format": "aps-che'), "manifest.json is not valid JSON"),
-        (lambda p: (p / "manifest.json").write_bytes(b"\xff\xfe{}"), "manifest.json is not UTF-8"),
-        (lambda p: (p / "manifest.json").write_text("[1, 2]"), "manifest.json is not a JSON object"),
-        (lambda p: (p / "manifest.json").write_text('{"format": "other"}'), "is not an aps checkpoint"),
+        (lambda p: set_manifest(p, '{"format": "aps-che'), "manifest.json is not valid JSON"),
+        (lambda p: set_manifest(p, b"\xff\xfe{}"), "manifest.json is not UTF-8"),
+        (lambda p: set_manifest(p, "[1, 2]"), "manifest.json is not a JSON object"),
+        (lambda p: set_manifest(p, '{"format": "other"}'), "is not an aps checkpoint"),
+        (lambda p: (p / "manifest.json").write_text("{}"), "corrupt: checksum mismatch in manifest.json"),
+        (lambda p: (p / "manifest.sha256").unlink(), "incomplete: manifest.sha256 is missing"),
+        (lambda p: (p / "manifest.sha256").write_text("0" * 63 + "  manifest.json\n"),
+         "corrupt: manifest.sha256 does not hold a SHA-256 line for manifest.json"),
         (lambda p: (p / "model.safetensors").unlink(), "incomplete: model.safetensors is missing"),
         (lambda p: (p / "state.safetensors").unlink(), "incomplete: state.safetensors is missing"),
         (lambda p: shutil.rmtree(p), "does not exist"),
     ],
-    ids=["no-manifest", "garbage-manifest", "binary-manifest", "list-manifest", "other-format", "no-model",
-         "no-state", "no-checkpoint"],
+    ids=["no-manifest", "garbage-manifest", "binary-manifest", "list-manifest", "other-format", "edited-manifest",
+         "no-manifest-sum", "bad-manifest-sum", "no-model", "no-state", "no-checkpoint"],
 )
 def test_damage_is_a_clear_checkpoint_error(tmp_path, damage, message):
     path = write(tmp_path, 1, 10)
@@ -227,15 +259,15 @@ def test_damage_is_a_clear_checkpoint_error(tmp_path, damage, message):
 def _edit_manifest(path, **changes):
     manifest = json.loads((path / ckpt.MANIFEST_FILE).read_text())
     manifest.update(changes)
-    (path / ckpt.MANIFEST_FILE).write_text(json.dumps(manifest))
+    set_manifest(path, json.dumps(manifest))
 
 
 def test_manifest_fields_are_checked(tmp_path):
     path = write(tmp_path, 1, 10)
-    _edit_manifest(path, format_version=2)
-    with pytest.raises(CheckpointError, match="format version 2; this aps reads up to version 1"):
+    _edit_manifest(path, format_version=3)
+    with pytest.raises(CheckpointError, match="format version 3; this aps reads up to version 2"):
         ckpt.read_checkpoint(path)
-    _edit_manifest(path, format_version=1, files={"model.safetensors": {"bytes": 1, "sha256": "x"}})
+    _edit_manifest(path, format_version=2, files={"model.safetensors": {"bytes": 1, "sha256": "x"}})
     with pytest.raises(CheckpointError, match="does not list model.safetensors and state.safetensors"):
         ckpt.read_checkpoint(path)
     path = write(tmp_path, 2, 20)
@@ -275,7 +307,7 @@ def test_model_tensors_must_match_the_layout_and_be_float32(tmp_path):
 
 
 def test_find_resumable_names_the_next_older_intact_checkpoint(tmp_path):
-    paths = [write(tmp_path, s, 10 * s) for s in (1, 2, 3)]
+    paths = [write_resumable(tmp_path, s, 10 * s) for s in (1, 2, 3)]
     assert ckpt.find_resumable(tmp_path).path == paths[2]
     flip_last_byte(paths[2] / ckpt.MODEL_FILE)
     with pytest.raises(CheckpointError) as info:
@@ -290,8 +322,8 @@ def test_find_resumable_names_the_next_older_intact_checkpoint(tmp_path):
     with pytest.raises(CheckpointError, match=f"the next older one, {paths[0]}, is intact"):
         ckpt.find_resumable(tmp_path)
     assert ckpt.find_resumable(paths[0]).version == 10  # a checkpoint itself
-    with pytest.raises(CheckpointError, match="checksum mismatch"):
-        ckpt.find_resumable(paths[2])
+    with pytest.raises(CheckpointError, match=f"checksum mismatch.*the next older one, {paths[0]}, is intact"):
+        ckpt.find_resumable(paths[2])  # named by its path: the older ones in its directory are offered too
     (paths[0] / ckpt.MANIFEST_FILE).write_text("{")
     with pytest.raises(CheckpointError, match="no older checkpoint in .* is intact either"):
         ckpt.find_resumable(tmp_path)
@@ -437,7 +469,8 @@ def test_cli_inspect_prints_the_manifest_and_verifies(tmp_path, capsys):
     assert "version    40" in out and "sequence   4" in out and "shutdown" in out and "run-1" in out
     assert "ssp staleness=3" in out and "adam lr=0.001" in out and "2023-11-1" in out
     assert "4 tensors, 9 parameters" in out
-    assert out.count(" ok") == 2 and "model.safetensors" in out and "state.safetensors" in out
+    assert out.count(" ok") == 3 and "model.safetensors" in out and "state.safetensors" in out
+    assert "manifest.json" in out and "ok (manifest.sha256)" in out
 
     assert main(["checkpoint", "inspect", str(tmp_path), "--json"]) == 0  # a directory: its newest
     assert json.loads(capsys.readouterr().out) == ckpt.read_manifest(path)

@@ -87,6 +87,7 @@ EXAMPLES = {
     "checkpoint_every_updates": ("100", 100, {}),
     "checkpoint_keep": ("5", 5, {}),
     "resume": ("/var/aps/checkpoint-00000001-v10", "/var/aps/checkpoint-00000001-v10", {}),
+    "fork_run": ("1", True, {"APS_RESUME": "/var/aps/checkpoint-00000001-v10"}),
     "log_level": ("debug", "debug", {}),
 }
 
