@@ -121,11 +121,16 @@ def check_the_run(stats: dict, reports: dict[int, dict], s: int) -> None:
     assert one["version_pulled"] >= one["version_after"]  # it goes on from the newest weights
     server, workers = stats["server"], stats["workers"]
     assert server["dropped_stale"] == 1 and server["dropped"] == 1
+    worst = 0
     for w in workers:
         assert w["dropped_stale"] == (1 if w["rank"] == THE_ONE else 0), w
-        worst = max(map(int, w["staleness_hist"]), default=0)
-        assert worst <= bound(P, s), f"rank {w['rank']} had a gradient applied {worst} versions stale"
+        own = max(map(int, w["staleness_hist"]), default=0)
+        assert own <= bound(P, s), f"rank {w['rank']} had a gradient applied {own} versions stale"
         assert w["pushes"] == reports[w["rank"]]["pushes"], (w, reports[w["rank"]])
+        worst = max(worst, own)
+    print(f"the push across the freeze: computed on version {one['version_before']}, dropped at "
+          f"{one['version_after']} ({one['version_after'] - one['version_before']} versions later); the stalest "
+          f"gradient applied: {worst} versions (bound (P - 1)(2s + 1) = {bound(P, s)})")
     weights = stats["weights"]
     for rank, report in reports.items():
         assert weights[rank] == -(report["pushes"] - (rank == THE_ONE)), (rank, weights)
@@ -214,8 +219,8 @@ def heal(host) -> None:
                    check=True, timeout=10)
 
 
-def status_json(host, address: str) -> dict:
-    done = host.run([PY, "-m", "aps", "status", "--json", address], env=ENV, timeout=20)
+def status_json(host, address: str, env: dict) -> dict:
+    done = host.run([PY, "-m", "aps", "status", "--json", address], env=env, timeout=20)
     assert done.returncode == 0, done.stderr
     return json.loads(done.stdout)
 
@@ -254,7 +259,7 @@ def test_a_push_sent_into_a_10s_cut_is_dropped_not_applied(network, tmp_path):
     (tmp_path / "stop").touch()
     reports = {rank: report_of(proc) for rank, proc in procs.items() if rank != THE_ONE}
     reports[THE_ONE] = one
-    stats = status_json(near, server.address)
+    stats = status_json(near, server.address, env)
     done = near.run([PY, "-c", "import json, sys, numpy as np, aps\n"
                      f"with aps.Worker(sys.argv[1], {THE_ONE}, {P}, transport='tcp') as w:\n"
                      f"    print(json.dumps(w.init({{'w': np.zeros({2 * P}, np.float32)}})['w'].tolist()))",
