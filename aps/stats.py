@@ -92,8 +92,8 @@ class WorkerStats:
     """Counters for one rank (kept across reconnects)."""
 
     __slots__ = (
-        "pushes", "dropped", "dropped_stale", "rejected", "staleness", "r_star", "release_gap", "waits", "wait_total", "wait_max", "pulls",
-        "wait_buckets",
+        "pushes", "dropped", "dropped_stale", "rejected", "staleness", "r_star", "release_gap", "waits", "wait_total",
+        "wait_max", "pulls", "wait_buckets",
     )
 
     def __init__(self) -> None:

@@ -13,7 +13,8 @@ from .softsync import Softsync
 from .ssp import SSP
 
 __all__ = [
-    "ASP", "BSP", "CLOSED_ROUND", "STALE", "DSSP", "POLICIES", "Outcome", "Plan", "PlanKind", "SSP", "Softsync", "SyncPolicy", "make_policy"
+    "ASP", "BSP", "CLOSED_ROUND", "DSSP", "POLICIES", "STALE", "Outcome", "Plan", "PlanKind", "SSP", "Softsync",
+    "SyncPolicy", "make_policy",
 ]
 
 POLICIES: dict[str, type[SyncPolicy]] = {cls.name: cls for cls in (BSP, ASP, SSP, DSSP, Softsync)}

@@ -552,7 +552,7 @@ def test_the_header_clock_is_read_only_on_a_connection_that_rejoined():
         for rank in range(2):
             h.push(rank, e(rank, 2), then_pull=True, request_id=0, clock=0)
     assert h.policy.dropped == 0 and h.engine.version == 10
-    version, _ = away_while_the_others_train(h, 1, 3)
+    away_while_the_others_train(h, 1, 3)
     h.pull(1)
     h.push(1, e(1, 2), request_id=9, clock=10**6)
     assert not h.workers[1].results[-1].dropped
