@@ -50,7 +50,7 @@ from .layout import Layout
 from .optim import HyperGroups, make_optimizer
 from .protocol import HyperGroup, StateHead
 from .stats import ServerStats
-from .sync import Outcome, Plan, PlanKind, make_policy
+from .sync import STALE, Outcome, Plan, PlanKind, make_policy
 from .table import ParameterTable, Snapshot
 
 __all__ = ["Engine", "Member", "PushResult", "Seat"]
@@ -69,7 +69,9 @@ class PushResult:
     Attributes:
         version: the server's version after the push.
         clock: the worker's clock after the push.
-        dropped: the gradient arrived for a closed BSP round and was not applied.
+        dropped: the gradient was not applied: it arrived for a closed BSP round, or
+            it is older than the staleness bound allows (computed before its worker
+            reconnected, docs/algorithms.md); the worker goes on from the newest weights.
         staleness: ``V - v_g`` when the gradient was applied or accumulated.
         scale: the factor the gradient was multiplied by before the optimizer
             (staleness-aware learning rate, ``--async-scale mean``).
@@ -708,7 +710,7 @@ class Engine:
             if stream is not None:
                 stream.abort()
             raise
-        job = PushJob(self, member, grad_version, self._now(), on_done, on_error)
+        job = PushJob(self, member, grad_version, self._now(), on_done, on_error, self._gradient_clock(member, clock))
         if stream is not None:
             if stream.complete:
                 # The update is computed and the lane was reserved for it all
@@ -739,7 +741,7 @@ class Engine:
             self._check_push(member, grad_version)
         except ServerError:
             return None
-        plan = self.policy.plan(member.rank, grad_version, table.version)
+        plan = self.policy.plan(member.rank, grad_version, table.version, self._gradient_clock(member, clock))
         if plan.kind is not PlanKind.APPLY:
             return None
         stream = StreamingPush(table, self._lane, member, plan)
@@ -836,6 +838,15 @@ class Engine:
         self.state_generation += 1
         log.info("optimizer state loaded: %s, %d steps (digest %s)", head.optimizer, head.steps, head.digest.hex())
 
+    @staticmethod
+    def _gradient_clock(member: Member, clock: int | None) -> int:
+        """The iteration a push was computed in, for the policy's bound: on a connection that
+        rejoined, the clock its header carries (the push may have been computed before the
+        connection went: aps.Worker sends it again with its first clock); else -1, the rank's
+        own clock at the server, which is exact for every push computed on weights this
+        connection received. The window takes a claim at most at the rank's clock."""
+        return clock if member.rejoin and clock is not None and clock >= 0 else -1
+
     def _check_push(self, member: Member, grad_version: int) -> None:
         if not member.joined:
             raise NotInitialized("push before init")
@@ -867,6 +878,12 @@ class Engine:
         dropped = plan.kind is PlanKind.DROP
         if dropped:
             ws.dropped += 1
+            if plan.reason == STALE:
+                ws.dropped_stale += 1
+                log.warning("worker %d: its gradient (computed on version %d, %d versions ago, before it "
+                            "reconnected) is older than the %s bound allows: dropped, not applied; it goes on from "
+                            "the newest weights", rank, self.table.version - plan.staleness, plan.staleness,
+                            policy.name)
         else:
             ws.staleness.add(plan.staleness)
         if window.controller_calls != consulted:

@@ -126,10 +126,13 @@ class StatsCollector:
                 family.add_metric([str(w["rank"])], w[key])
             yield family
         refused = CounterMetricFamily("aps_gradients_not_applied", "Gradients not applied, by rank and reason: "
-                                      "closed_round (BSP, dropped) or non_finite (NaN or infinity, rejected).",
-                                      labels=["rank", "reason"])
+                                      "closed_round (BSP, dropped), stale (older than the SSP/DSSP bound allows, "
+                                      "sent again after a reconnect: dropped) or non_finite (NaN or infinity, "
+                                      "rejected).", labels=["rank", "reason"])
         for w in workers:
-            refused.add_metric([str(w["rank"]), "closed_round"], w["dropped"])
+            stale = w.get("dropped_stale", 0)
+            refused.add_metric([str(w["rank"]), "closed_round"], w["dropped"] - stale)
+            refused.add_metric([str(w["rank"]), "stale"], stale)
             refused.add_metric([str(w["rank"]), "non_finite"], w["rejected"])
         yield refused
         yield CounterMetricFamily("aps_duplicate_pushes", "Pushes sent again after a lost reply, recognised and "

@@ -293,6 +293,7 @@ class StalenessWindow:
         self._newest = [math.nan] * num_workers
         self._previous = [math.nan] * num_workers
         self._min = 0
+        self._released_max = 0
         self._last_r_star = -1
         self._controller_calls = 0
 
@@ -325,6 +326,13 @@ class StalenessWindow:
     def max_clock(self) -> int:
         clocks = [c for c, live in zip(self._clock, self._live) if live]
         return max(clocks) if clocks else self._min
+
+    @property
+    def released_max(self) -> int:
+        """The highest clock at which any worker has been released (let start that
+        iteration), live or not since: never decreases. ``min_clock <= released_max
+        <= min_clock + upper`` in a bounded window."""
+        return self._released_max
 
     @property
     def last_r_star(self) -> int:
@@ -365,7 +373,30 @@ class StalenessWindow:
             self._min,
             self._last_r_star,
             self._controller_calls,
+            self._released_max,
         )
+
+    def admits(self, rank: int, clock: int = -1) -> bool:
+        """Whether a gradient ``rank`` computed in iteration ``clock`` may still be applied.
+
+        The bound's promise (docs/algorithms.md, "The bound across a reconnect"):
+        a worker starting iteration ``t`` has seen every gradient of iterations
+        ``< t - upper``. So a gradient of iteration ``c`` is admitted only while no
+        worker has been released into an iteration beyond ``c + upper``:
+        ``c + upper >= released_max``. ``clock`` is the iteration the push says it
+        was computed in, taken at most at the rank's own clock (a claim can make
+        the rule stricter, never looser); ``clock < 0``: the rank's clock. A
+        worker that kept its connection always computes at its own clock, and
+        ``released_max <= min_clock + upper`` with ``min_clock`` at most its
+        clock, so only a gradient from before a reconnect can be refused. An
+        unbounded window admits everything.
+        """
+        rank = self._rank(rank)
+        if self._lower < 0:
+            return True
+        own = self._clock[rank]
+        c = own if clock < 0 or clock > own else clock
+        return c + self._upper >= self._released_max
 
     # Transitions ----------------------------------------------------------
     def join(self, rank: int, clock: int = -1, held: bool = False, credit: int = 0) -> int:
@@ -394,18 +425,29 @@ class StalenessWindow:
         self._newest[rank] = math.nan
         self._previous[rank] = math.nan
         self._recompute_min()
+        if not self._held[rank]:  # it starts the iteration of its clock
+            self._released_max = max(self._released_max, self._clock[rank])
         return self._clock[rank]
 
-    def restore(self, min_clock: int, last_r_star: int = -1, controller_calls: int = 0) -> None:
+    def restore(self, min_clock: int, last_r_star: int = -1, controller_calls: int = 0,
+                released_max: int = -1) -> None:
         """With nobody live, set the slowest clock (where workers joining at the
-        default clock start) and the controller's counters: resuming from a
-        checkpoint. The arrival times are not restored: they were measured on
-        another process's clock."""
+        default clock start), the highest clock released and the controller's
+        counters: resuming from a checkpoint. ``released_max < 0`` (a checkpoint
+        that does not say) takes the highest the bound allows, ``min_clock +
+        upper``: the strictest choice, which still admits every gradient computed
+        at a clock of at least ``min_clock``. The arrival times are not restored:
+        they were measured on another process's clock."""
         if any(self._live):
             raise ValueError("restore needs an empty live set")
         if min_clock < 0:
             raise ValueError("min_clock must be >= 0")
+        if released_max < 0:
+            released_max = min_clock + max(self._upper, 0)
+        elif released_max < min_clock:
+            raise ValueError(f"released_max ({released_max}) must be >= min_clock ({min_clock})")
         self._min = min_clock
+        self._released_max = released_max
         self._last_r_star = last_r_star
         self._controller_calls = controller_calls
 
@@ -439,6 +481,8 @@ class StalenessWindow:
         if was_min:
             self._recompute_min()
         released = [rank] if self._decide(rank) else []
+        if released:
+            self._released_max = max(self._released_max, self._clock[rank])
         if self._min != old_min:
             released.extend(self._release_caught_up())
         return released
@@ -498,5 +542,6 @@ class StalenessWindow:
         for rank in range(self._n):
             if self._held[rank] and self._clock[rank] - self._min <= self._lower:
                 self._held[rank] = False
+                self._released_max = max(self._released_max, self._clock[rank])
                 released.append(rank)
         return released

@@ -89,11 +89,13 @@ class PushJob(Job):
 
     It is applied with the values its worker had set when the push arrived
     (``member.hyper``, a HYPER request), or the optimizer's own without them.
+    ``clock`` is the iteration the push says it was computed in, for the policy's
+    staleness bound (-1: its rank's clock; see ``SyncPolicy.plan``).
     """
 
     __slots__ = (
         "owner", "member", "grad_version", "arrived", "on_done", "on_error", "plan", "slot", "w_in", "answered",
-        "adopted", "hyper",
+        "adopted", "hyper", "clock",
     )
 
     def __init__(
@@ -104,6 +106,7 @@ class PushJob(Job):
         arrived: float,
         on_done: Callable[[PushResult], None],
         on_error: Callable[[ServerError], None],
+        clock: int = -1,
     ) -> None:
         self.owner = owner
         self.member = member
@@ -117,10 +120,12 @@ class PushJob(Job):
         self.answered = False
         self.adopted = False
         self.hyper = member.hyper
+        self.clock = clock
 
     def prepare(self) -> int:
         table = self.owner.table
-        plan = self.plan = self.owner.policy.plan(self.member.rank, self.grad_version, table.version)
+        # Planned at its turn in the lane: the bound is checked against the state it is applied in.
+        plan = self.plan = self.owner.policy.plan(self.member.rank, self.grad_version, table.version, self.clock)
         if plan.kind is PlanKind.APPLY:
             self.slot = table.begin_update()
             self.w_in = table.current_array()

@@ -144,8 +144,9 @@ class Flag(IntFlag):
     """Frame flags."""
 
     NONE = 0
-    #: PUSH/PUSH_PULL reply: the gradient arrived for a closed BSP round and was
-    #: dropped (backup workers), not applied. LOAD_STATE reply: this state was loaded
+    #: PUSH/PUSH_PULL reply: the gradient was dropped, not applied: it arrived for a
+    #: closed BSP round (backup workers), or it is older than the SSP/DSSP bound allows
+    #: (sent again after a reconnect). LOAD_STATE reply: this state was loaded
     #: into the run already (same digest); nothing was loaded again.
     DROPPED = 1
     #: Shared-memory transport: the array is not in the payload. On PUSH, the

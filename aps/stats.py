@@ -92,13 +92,14 @@ class WorkerStats:
     """Counters for one rank (kept across reconnects)."""
 
     __slots__ = (
-        "pushes", "dropped", "rejected", "staleness", "r_star", "release_gap", "waits", "wait_total", "wait_max", "pulls",
-        "wait_buckets",
+        "pushes", "dropped", "dropped_stale", "rejected", "staleness", "r_star", "release_gap", "waits", "wait_total",
+        "wait_max", "pulls", "wait_buckets",
     )
 
     def __init__(self) -> None:
         self.pushes = 0  # gradients accepted (applied, accumulated or dropped)
-        self.dropped = 0
+        self.dropped = 0  # for any reason (BSP's closed round, or older than the bound)
+        self.dropped_stale = 0  # older than the staleness bound (computed before a reconnect)
         self.rejected = 0
         self.staleness = Histogram()
         self.r_star = Histogram()
@@ -240,6 +241,7 @@ class ServerStats:
                     "credit": window.credit(rank),
                     "pushes": ws.pushes,
                     "dropped": ws.dropped,
+                    "dropped_stale": ws.dropped_stale,
                     "rejected": ws.rejected,
                     "staleness_mean": ws.staleness.mean,
                     "staleness_hist": ws.staleness.to_dict(),
@@ -272,6 +274,7 @@ class ServerStats:
                 "updates_per_s_mean": mean,
                 "pushes": engine.pushes,
                 "dropped": policy.dropped,
+                "dropped_stale": policy.dropped_stale,
                 "rejected": self.rejected,
                 "duplicates": self.duplicates,
                 "run_id": engine.run_id,

@@ -1034,7 +1034,9 @@ class _WorkerBase:
 
     @property
     def last_push_dropped(self) -> bool:
-        """True when the server dropped the last gradient (it arrived for a closed BSP round)."""
+        """True when the server dropped the last gradient, not applied: it arrived for a closed
+        BSP round, or (SSP, DSSP) it was computed before a reconnect and is older than the
+        staleness bound allows. The next pull brings the newest weights."""
         return self._core.dropped
 
     def _hyper_payload(self, groups: Sequence[Mapping[str, float]]) -> bytes:

@@ -67,6 +67,7 @@ cdef class StalenessWindow:
     cdef double* _newest
     cdef double* _previous
     cdef int64_t _min
+    cdef int64_t _released_max
     cdef int _num_live
     cdef long _last_r_star
     cdef long _controller_calls
@@ -94,6 +95,7 @@ cdef class StalenessWindow:
             self._newest[i] = NAN
             self._previous[i] = NAN
         self._min = 0
+        self._released_max = 0
         self._num_live = 0
         self._last_r_star = -1
         self._controller_calls = 0
@@ -136,6 +138,11 @@ cdef class StalenessWindow:
         return self._max_clock()
 
     @property
+    def released_max(self):
+        """The highest clock at which any worker has been released (never decreases)."""
+        return self._released_max
+
+    @property
     def last_r_star(self):
         """The controller's ``r*`` at its most recent call (-1 before any)."""
         return self._last_r_star
@@ -175,7 +182,20 @@ cdef class StalenessWindow:
             self._min,
             self._last_r_star,
             self._controller_calls,
+            self._released_max,
         )
+
+    def admits(self, int rank, long clock=-1):
+        """Whether a gradient ``rank`` computed in iteration ``clock`` may still be
+        applied: ``c + upper >= released_max``, ``c`` the claim taken at most at the
+        rank's own clock (see the twin in ``aps._reference``)."""
+        rank = self._rank(rank)
+        if self._lower < 0:
+            return True
+        cdef int64_t c = self._clock[rank]
+        if 0 <= clock < c:
+            c = clock
+        return c + self._upper >= self._released_max
 
     # Transitions ----------------------------------------------------------
     def join(self, int rank, long clock=-1, bint held=False, long credit=0):
@@ -195,16 +215,23 @@ cdef class StalenessWindow:
         self._newest[rank] = NAN
         self._previous[rank] = NAN
         self._recompute_min()
+        if not self._held[rank]:  # it starts the iteration of its clock
+            self._note_release(rank)
         return self._clock[rank]
 
-    def restore(self, long min_clock, long last_r_star=-1, long controller_calls=0):
-        """With nobody live, set the slowest clock and the controller's counters
-        (resuming from a checkpoint); see the twin in ``aps._reference``."""
+    def restore(self, long min_clock, long last_r_star=-1, long controller_calls=0, long released_max=-1):
+        """With nobody live, set the slowest clock, the highest clock released and the
+        controller's counters (resuming from a checkpoint); see the twin in ``aps._reference``."""
         if self._num_live:
             raise ValueError("restore needs an empty live set")
         if min_clock < 0:
             raise ValueError("min_clock must be >= 0")
+        if released_max < 0:
+            released_max = min_clock + (self._upper if self._upper > 0 else 0)
+        elif released_max < min_clock:
+            raise ValueError(f"released_max ({released_max}) must be >= min_clock ({min_clock})")
         self._min = min_clock
+        self._released_max = released_max
         self._last_r_star = last_r_star
         self._controller_calls = controller_calls
 
@@ -240,7 +267,10 @@ cdef class StalenessWindow:
         self._newest[rank] = now
         if was_min:
             self._recompute_min()
-        released = [rank] if self._decide(rank) else []
+        released = []
+        if self._decide(rank):
+            self._note_release(rank)
+            released.append(rank)
         if self._min != old_min:
             released.extend(self._release_caught_up())
         return released
@@ -260,6 +290,10 @@ cdef class StalenessWindow:
                 best = self._clock[i]
                 found = True
         return best
+
+    cdef inline void _note_release(self, int rank) noexcept:
+        if self._clock[rank] > self._released_max:
+            self._released_max = self._clock[rank]
 
     cdef void _recompute_min(self) noexcept:
         cdef int i
@@ -315,5 +349,6 @@ cdef class StalenessWindow:
         for i in range(self._n):
             if self._held[i] and self._clock[i] - self._min <= self._lower:
                 self._held[i] = 0
+                self._note_release(i)
                 released.append(i)
         return released

@@ -93,7 +93,10 @@ class Harness:
         worker.waiting = True
         self.engine.pull(worker.member, self._ready(worker))
 
-    def push(self, rank: int, grad, *, version: int | None = None, then_pull: bool = False) -> None:
+    def push(self, rank: int, grad, *, version: int | None = None, then_pull: bool = False,
+             request_id: int | None = None, clock: int | None = None) -> None:
+        """Push ``grad`` from ``rank``, computed on ``version`` (default: the weights it last
+        received); ``request_id`` and ``clock`` are what the push's header would carry."""
         worker = self.workers[rank]
         member = worker.member
         member.grad[:] = grad
@@ -109,6 +112,8 @@ class Harness:
             worker.version if version is None else version,
             done,
             lambda exc: worker.errors.append(exc),
+            request_id=request_id,
+            clock=clock,
         )
 
     def held(self, rank: int) -> bool:

@@ -6,14 +6,15 @@ from .. import _core
 from ..config import ServerConfig
 from ..errors import ConfigurationError
 from .asp import ASP
-from .base import Outcome, Plan, PlanKind, SyncPolicy
+from .base import CLOSED_ROUND, STALE, Outcome, Plan, PlanKind, SyncPolicy
 from .bsp import BSP
 from .dssp import DSSP
 from .softsync import Softsync
 from .ssp import SSP
 
 __all__ = [
-    "ASP", "BSP", "DSSP", "POLICIES", "Outcome", "Plan", "PlanKind", "SSP", "Softsync", "SyncPolicy", "make_policy"
+    "ASP", "BSP", "CLOSED_ROUND", "DSSP", "POLICIES", "STALE", "Outcome", "Plan", "PlanKind", "SSP", "Softsync",
+    "SyncPolicy", "make_policy",
 ]
 
 POLICIES: dict[str, type[SyncPolicy]] = {cls.name: cls for cls in (BSP, ASP, SSP, DSSP, Softsync)}

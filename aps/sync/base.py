@@ -18,13 +18,19 @@ from typing import ClassVar
 from .. import _core
 from ..config import ServerConfig
 
-__all__ = ["ApplyOnArrival", "Outcome", "Plan", "PlanKind", "SyncPolicy"]
+__all__ = ["CLOSED_ROUND", "STALE", "ApplyOnArrival", "Outcome", "Plan", "PlanKind", "SyncPolicy"]
 
 
 class PlanKind(Enum):
     APPLY = "apply"  # one update with this gradient alone
     ACCUMULATE = "accumulate"  # add to the aggregate buffer
     DROP = "drop"  # count it, apply nothing
+
+
+#: Why a gradient is dropped (Plan.reason): it arrived for a BSP round that closed already,
+#: or it is older than the staleness bound allows (computed before its worker reconnected).
+CLOSED_ROUND = "closed_round"
+STALE = "stale"
 
 
 @dataclass(slots=True)
@@ -36,12 +42,14 @@ class Plan:
         scale: factor the gradient is multiplied by before the optimizer sees it.
         first: for ACCUMULATE, the gradient starts a new aggregate.
         staleness: ``V - v_g`` in server versions when the gradient is applied.
+        reason: for DROP, why: :data:`CLOSED_ROUND` or :data:`STALE`.
     """
 
     kind: PlanKind
     scale: float = 1.0
     first: bool = False
     staleness: int = 0
+    reason: str | None = None
 
 
 class Outcome:
@@ -72,7 +80,9 @@ class SyncPolicy:
         self.num_workers = config.workers
         bounds = config.staleness_bounds()
         self.window = window_type(self.num_workers, *bounds) if bounds else window_type(self.num_workers)
+        #: Gradients dropped (for any reason), and among them those older than the bound.
         self.dropped = 0
+        self.dropped_stale = 0
         #: Restored from a checkpoint, and not every worker is back yet: no round closes
         #: (no update is formed from a part of the cluster); the engine clears it at the start.
         self.resuming = False
@@ -109,13 +119,15 @@ class SyncPolicy:
 
     def state(self) -> dict:
         """The policy's state as plain data, for a checkpoint (taken between updates)."""
-        clocks, live, held, credits, minimum, r_star, calls = self.window.state()
+        clocks, live, held, credits, minimum, r_star, calls, released_max = self.window.state()
         return {
             "name": self.name,
             "min_clock": minimum,
+            "released_max": released_max,
             "last_r_star": r_star,
             "controller_calls": calls,
             "dropped": self.dropped,
+            "dropped_stale": self.dropped_stale,
             "clocks": list(clocks),
             "live": [bool(x) for x in live],
             "held": [bool(x) for x in held],
@@ -133,8 +145,11 @@ class SyncPolicy:
         if any(len(column) != self.num_workers for column in columns):
             raise ValueError(f"the checkpoint holds {len(columns[0])} workers' clocks, this server has "
                              f"{self.num_workers} workers")
-        self.window.restore(int(state["min_clock"]), int(state["last_r_star"]), int(state["controller_calls"]))
+        # (a checkpoint without released_max: the window takes the strictest value it may)
+        self.window.restore(int(state["min_clock"]), int(state["last_r_star"]), int(state["controller_calls"]),
+                            int(state.get("released_max", -1)))
         self.dropped = int(state.get("dropped", 0))
+        self.dropped_stale = int(state.get("dropped_stale", 0))
         self.resuming = True
         return {
             rank: (int(clock), bool(held) and self.window.bounded, int(credit))
@@ -146,9 +161,29 @@ class SyncPolicy:
         """``rank`` leaves the live set; nobody waits for it any more."""
         return Outcome(self.window.leave(rank))
 
-    def plan(self, rank: int, grad_version: int, version: int) -> Plan:
-        """What to do with a gradient ``rank`` computed on ``grad_version`` when the server is at ``version``."""
+    def plan(self, rank: int, grad_version: int, version: int, clock: int = -1) -> Plan:
+        """What to do with a gradient ``rank`` computed on ``grad_version`` when the server is at ``version``.
+
+        ``clock``: the iteration the gradient was computed in, as its push says, when
+        it may predate the rank's connection (a worker that reconnected); -1: the
+        rank's own clock. A bounded policy drops a gradient older than its bound
+        allows (:meth:`admits`)."""
         raise NotImplementedError
+
+    def admits(self, rank: int, clock: int = -1) -> bool:
+        """False when a gradient ``rank`` computed in iteration ``clock`` is older than
+        the staleness bound allows: some worker has been released into an iteration
+        that had to see it already (``StalenessWindow.admits``; docs/algorithms.md,
+        "The bound across a reconnect"). Always True for an unbounded policy."""
+        return self.window.admits(rank, clock)
+
+    def _stale(self, grad_version: int, version: int) -> Plan:
+        return Plan(PlanKind.DROP, staleness=version - grad_version, reason=STALE)
+
+    def _count_drop(self, plan: Plan) -> None:
+        self.dropped += 1
+        if plan.reason == STALE:
+            self.dropped_stale += 1
 
     def commit(self, rank: int, plan: Plan, now: float) -> Outcome:
         """The gradient was accepted and ``plan`` carried out; count the push."""
@@ -172,7 +207,9 @@ class ApplyOnArrival(SyncPolicy):
         super().__init__(config, window_type)
         self._mean = config.async_scale == "mean"
 
-    def plan(self, rank: int, grad_version: int, version: int) -> Plan:
+    def plan(self, rank: int, grad_version: int, version: int, clock: int = -1) -> Plan:
+        if not self.admits(rank, clock):
+            return self._stale(grad_version, version)
         staleness = version - grad_version
         scale = self.staleness_scale(staleness)
         if self._mean:
@@ -180,4 +217,8 @@ class ApplyOnArrival(SyncPolicy):
         return Plan(PlanKind.APPLY, scale=scale, staleness=staleness)
 
     def commit(self, rank: int, plan: Plan, now: float) -> Outcome:
+        # A dropped push still ends its iteration (as under BSP): the worker is told,
+        # and the gate decides as after any push when it may start the next one.
+        if plan.kind is PlanKind.DROP:
+            self._count_drop(plan)
         return Outcome(self.window.push(rank, now))

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from .. import _core
 from ..config import ServerConfig
-from .base import Outcome, Plan, PlanKind, SyncPolicy
+from .base import CLOSED_ROUND, Outcome, Plan, PlanKind, SyncPolicy
 
 __all__ = ["BSP"]
 
@@ -43,17 +43,18 @@ class BSP(SyncPolicy):
     def is_held(self, rank: int) -> bool:
         return rank in self._held
 
-    def plan(self, rank: int, grad_version: int, version: int) -> Plan:
+    def plan(self, rank: int, grad_version: int, version: int, clock: int = -1) -> Plan:
         # A closed round, an older round, or a second gradient from a rank that
-        # already contributed to this one (it left and rejoined): dropped.
+        # already contributed to this one (it left and rejoined): dropped. (BSP's
+        # window is unbounded: this is its whole staleness rule.)
         if self._closed or grad_version != version or rank in self._contributed:
-            return Plan(PlanKind.DROP, staleness=version - grad_version)
+            return Plan(PlanKind.DROP, staleness=version - grad_version, reason=CLOSED_ROUND)
         return Plan(PlanKind.ACCUMULATE, first=not self._contributed)
 
     def commit(self, rank: int, plan: Plan, now: float) -> Outcome:
         self.window.push(rank, now)
         if plan.kind is PlanKind.DROP:
-            self.dropped += 1
+            self._count_drop(plan)
             if rank in self._contributed and not self._closed:
                 # It rejoined after contributing to this round: its gradient is in
                 # already, so this one only marks it present; it waits for the round.

@@ -35,7 +35,9 @@ class Softsync(SyncPolicy):
         """``c``: gradients per update, for the live workers now."""
         return max(1, self.window.num_live // self.n)
 
-    def plan(self, rank: int, grad_version: int, version: int) -> Plan:
+    def plan(self, rank: int, grad_version: int, version: int, clock: int = -1) -> Plan:
+        if not self.admits(rank, clock):  # (only with --staleness: otherwise unbounded)
+            return self._stale(grad_version, version)
         staleness = version - grad_version
         return Plan(
             PlanKind.ACCUMULATE, scale=self.staleness_scale(staleness), first=self._count == 0, staleness=staleness
@@ -43,7 +45,10 @@ class Softsync(SyncPolicy):
 
     def commit(self, rank: int, plan: Plan, now: float) -> Outcome:
         released = self.window.push(rank, now)
-        self._count += 1
+        if plan.kind is PlanKind.DROP:
+            self._count_drop(plan)
+        else:
+            self._count += 1
         return self._maybe_apply(released)
 
     def leave(self, rank: int) -> Outcome:

@@ -9,10 +9,20 @@ once (with its staleness-aware scale), a held worker is always one beyond
 the lower bound, DSSP's r* within [0, r_max], and no lost wake-up or
 deadlock (a waiting worker is one the policy holds, and some live worker can
 always push).
+
+Workers also lose their connection in the middle of an iteration and come
+back (a rejoin) with the gradient they were computing, sent with the clock it
+was computed at. Checked for every gradient taken, across any leaves and
+rejoins (docs/algorithms.md, "The bound across a reconnect"): a bounded
+policy (SSP, DSSP, softsync with --staleness) takes a gradient of iteration
+``c`` only while no worker has started an iteration beyond ``c + s``
+(``s_U`` for DSSP), and drops it otherwise; and, for a gradient computed on
+the weights of its own iteration while no rank was replaced by a new
+process, its staleness is at most ``(P - 1)(2s + 1)`` versions.
 """
 
 import numpy as np
-from hypothesis import settings
+from hypothesis import settings, target
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
 
@@ -60,6 +70,15 @@ class PolicyMachine(RuleBasedStateMachine):
         self.updates = 0
         self.own_version = [0] * self.P  # version that includes each worker's last applied push
         self.pulled = [True] * self.P  # pulled since its last push
+        # The bound across reconnects: the highest clock any worker was answered at (started),
+        # a gradient in flight per rank whose connection went mid-iteration (version, clock),
+        # how many new processes have joined, and that count when each rank got its weights.
+        self.started_max = 0
+        self.in_flight: dict[int, tuple[int, int]] = {}
+        self.fresh_joins = 0
+        self.answered_in = [0] * self.P
+        self.request_ids = 0
+        self.nearest = 0.0  # the largest staleness / (P - 1)(2s + 1) seen
         self.native = Harness(_core, on_release=self.check_release, **config)
         self.reference = Harness(_reference, **config)
         bounds = self.native.engine.config.staleness_bounds()
@@ -89,6 +108,9 @@ class PolicyMachine(RuleBasedStateMachine):
 
     def check_release(self, h, rank, version):
         window = h.window
+        if not h.held(rank):  # (a rejoin's INIT is answered even while it is held: it starts nothing)
+            self.started_max = max(self.started_max, window.clock(rank))
+            self.answered_in[rank] = self.fresh_joins
         if self.upper is not None:
             assert window.gap(rank) <= self.upper, f"gap {window.gap(rank)} > {self.upper} at a release"
         if self.sync == "bsp" and self.config["backup_workers"] == 0:
@@ -108,18 +130,45 @@ class PolicyMachine(RuleBasedStateMachine):
         if self.sync == "bsp" and self.config["backup_workers"] == 0 and not self.pulled[rank]:
             return  # lockstep assumes well-behaved workers: pull before the next push
         self.both("tick", dt)
+        clock, honest = self.native.window.clock(rank), self.pulled[rank]
+        marks = (self.started_max, self.native.window.released_max)
         self.both("push", rank, self.gradient(rank), then_pull=then_pull)
+        self.after_push(rank, clock, marks, honest and self.answered_in[rank] == self.fresh_joins, then_pull)
+
+    def after_push(self, rank, clock, marks, counted, then_pull):
+        """Account for ``rank``'s push of a gradient of iteration ``clock``; ``marks``: the highest
+        clock a worker was answered at and the window's highest released clock, when it was
+        pushed; ``counted``: the version bound applies to it (computed on the weights of its
+        own iteration, and no rank was replaced by a new process since)."""
         result = self.native.workers[rank].results[-1]
+        assert not self.native.workers[rank].errors, self.native.workers[rank].errors
+        started, mark = marks
+        if self.upper is not None:
+            # The promise: taken only while nobody started an iteration beyond clock + s
+            # (nor was released into one); dropped exactly when someone was.
+            assert result.dropped == (clock + self.upper < mark), (
+                f"gradient of iteration {clock} {'dropped' if result.dropped else 'taken'} with iteration {mark} "
+                f"released (bound {self.upper})")
+            assert result.dropped or clock + self.upper >= started
+            if not result.dropped and counted:
+                worst = (self.P - 1) * (2 * self.upper + 1)
+                assert result.staleness <= worst, f"staleness {result.staleness} > (P - 1)(2s + 1) = {worst}"
+                if worst:
+                    self.nearest = max(self.nearest, result.staleness / worst)
+        elif self.sync != "bsp":
+            assert not result.dropped  # no bound: nothing is dropped for its age
+        if result.dropped and self.sync != "bsp":
+            assert self.native.policy.dropped_stale == self.native.policy.dropped
         expected_scale = 1.0
         if self.config.get("lr_staleness") == "inverse" and result.staleness >= 1 and self.sync != "bsp":
             expected_scale = 1.0 / result.staleness
         if self.config.get("async_scale") == "mean":
             expected_scale /= self.native.window.num_live
-        assert result.scale == expected_scale
+        assert result.scale == (1.0 if result.dropped else expected_scale)
         if self.aggregating:
             if not result.dropped:
                 self.aggregate.append((rank, result.scale))
-        else:
+        elif not result.dropped:
             self.expected[rank] -= result.scale
             self.own_version[rank] = result.version
         self.pulled[rank] = False
@@ -151,15 +200,50 @@ class PolicyMachine(RuleBasedStateMachine):
 
     @rule(rank=ranks)
     def join(self, rank):
+        """A new process for the rank: it starts afresh (and has no gradient in flight)."""
         if rank >= self.P or self.native.workers[rank].member is not None:
             return
+        self.fresh_joins += 1
+        self.in_flight.pop(rank, None)
         self.both("join", rank)
         self.pulled[rank] = True
         self.own_version[rank] = 0
 
+    @rule(rank=ranks)
+    def lose_connection_mid_iteration(self, rank):
+        """It holds the weights of its iteration and is computing when its connection goes."""
+        if not self.live(rank) or self.native.held(rank) or self.native.workers[rank].waiting or not self.pulled[rank]:
+            return
+        self.in_flight[rank] = (self.native.workers[rank].version, self.native.window.clock(rank),
+                                self.answered_in[rank])
+        self.both("leave", rank)
+        self.account()
+
+    @rule(rank=ranks, dt=st.sampled_from([0.0, 1.0]))
+    def come_back_and_send_it(self, rank, dt):
+        """It reconnects (a rejoin) and sends the gradient it computed before, with its clock then."""
+        if rank not in self.in_flight or self.native.workers[rank].member is not None:
+            return
+        version, clock, answered_in = self.in_flight.pop(rank)
+        self.both("join", rank, rejoin=True)
+        self.pulled[rank] = True
+        if self.native.held(rank) or (self.sync == "bsp" and self.config["backup_workers"] == 0):
+            return  # seated at the gate: its gradient was sent before it left (not ours); BSP: lockstep
+        self.request_ids += 1
+        self.both("tick", dt)
+        marks = (self.started_max, self.native.window.released_max)
+        for h in self.engines:
+            h.push(rank, self.gradient(rank), version=version, request_id=self.request_ids, clock=clock)
+        self.after_push(rank, clock, marks, answered_in == self.fresh_joins, False)
+        self.pulled[rank] = False
+
     @rule(dt=st.sampled_from([0.1, 0.5, 3.0]))
     def time_passes(self, dt):
         self.both("tick", dt)
+
+    def teardown(self):
+        if hasattr(self, "nearest"):  # steer the search towards the edge of the bound
+            target(self.nearest, label="staleness / (P - 1)(2s + 1)")
 
     # Invariants -------------------------------------------------------------
     @invariant()
@@ -181,6 +265,9 @@ class PolicyMachine(RuleBasedStateMachine):
         if not hasattr(self, "native") or self.lower is None:
             return
         window = self.native.window
+        assert window.released_max >= self.started_max  # the window knows every start
+        if window.num_live:
+            assert window.released_max <= window.min_clock + self.upper
         for rank in range(self.P):
             if window.is_live(rank) and window.is_held(rank):
                 assert window.gap(rank) > self.lower, f"rank {rank} held at gap {window.gap(rank)} <= {self.lower}"

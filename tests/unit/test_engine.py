@@ -1,5 +1,7 @@
 """The server's engine, driven directly: every rule of docs/algorithms.md without sockets."""
 
+import json
+
 import numpy as np
 import pytest
 
@@ -457,3 +459,135 @@ def test_statistics_record_dssp_grants():
     assert fast["r_star_hist"] and all(0 <= int(r) <= 3 for r in fast["r_star_hist"])
     assert sum(sum(w["r_star_hist"].values()) for w in workers) == h.window.controller_calls
     assert 0 < fast["max_release_gap"] <= 3
+
+
+# The bound across a reconnect (docs/algorithms.md): a push computed before its worker
+# reconnected is dropped when it is older than the policy's bound allows.
+
+
+def away_while_the_others_train(h: Harness, rank: int, pushes: int) -> tuple[int, int]:
+    """``rank`` has its weights (mid-iteration) when its connection goes; the others push
+    ``pushes`` times each; it reconnects. Returns the version and clock its gradient in
+    flight was computed at."""
+    version, clock = h.workers[rank].version, h.window.clock(rank)
+    h.leave(rank)
+    for _ in range(pushes):
+        for other in range(h.P):
+            if other != rank:
+                h.push(other, e(other, h.numel), then_pull=True)
+    h.join(rank, rejoin=True)
+    assert not h.workers[rank].waiting  # a rejoin's init returns at once
+    return version, clock
+
+
+@pytest.mark.parametrize("sync", [{"sync": "ssp", "staleness": 2},
+                                  {"sync": "dssp", "staleness": 1, "max_staleness": 2},
+                                  {"sync": "softsync", "softsync_n": 3, "staleness": 2}],
+                         ids=["ssp", "dssp", "softsync-bounded"])
+def test_a_push_from_before_a_reconnect_beyond_the_bound_is_dropped_and_counted(sync, kernels):
+    h = Harness(kernels=kernels, workers=3, numel=4, **sync)
+    h.join_all()
+    h.push(1, e(1, 4), then_pull=True)
+    version, clock = away_while_the_others_train(h, 1, 10)
+    before = h.engine.weights.copy()
+    h.push(1, e(3, 4), version=version, request_id=5, clock=clock)  # sent again with its first clock
+    result = h.workers[1].results[-1]
+    assert result.dropped and not h.workers[1].errors
+    np.testing.assert_array_equal(h.engine.weights, before)  # nothing of it applied, or added to a group
+    assert (h.policy.dropped, h.policy.dropped_stale) == (1, 1)
+    stats = h.engine.stats_snapshot()
+    assert stats["server"]["dropped_stale"] == 1
+    assert [(w["dropped"], w["dropped_stale"]) for w in stats["workers"]] == [(0, 0), (1, 1), (0, 0)]
+    assert 3 not in map(int, stats["workers"][1]["staleness_hist"])  # it is not counted as applied
+    # It goes on from the newest weights; its next gradient is taken.
+    h.pull(1)
+    assert h.workers[1].version == h.engine.decided_version
+    h.push(1, e(1, 4), request_id=6, clock=h.window.clock(1))
+    assert not h.workers[1].results[-1].dropped and h.policy.dropped == 1
+
+
+@pytest.mark.parametrize("ahead", [0, 1, 2])
+def test_a_push_from_before_a_reconnect_within_the_bound_is_applied(ahead):
+    """The others started at most ``s`` iterations beyond the gradient's: the promise holds."""
+    s = 2
+    h = Harness(workers=2, numel=2, sync="ssp", staleness=s)
+    h.join_all()
+    version, clock = away_while_the_others_train(h, 1, s + ahead)  # rank 0 released up to clock + s + ahead
+    assert h.window.released_max == clock + s + ahead
+    h.push(1, e(1, 2), version=version, request_id=5, clock=clock)
+    assert h.workers[1].results[-1].dropped == (ahead > 0)
+    assert h.policy.dropped_stale == (ahead > 0)
+
+
+@pytest.mark.parametrize("sync", [{"sync": "asp"}, {"sync": "softsync", "softsync_n": 1}], ids=["asp", "softsync"])
+def test_without_a_bound_a_push_from_before_a_reconnect_is_applied(sync):
+    h = Harness(workers=2, numel=2, **sync)
+    h.join_all()
+    version, clock = away_while_the_others_train(h, 1, 50)
+    h.push(1, e(1, 2), version=version, request_id=5, clock=clock)
+    result = h.workers[1].results[-1]
+    assert not result.dropped and result.staleness == 50 and h.policy.dropped_stale == 0
+
+
+def test_bsp_keeps_its_own_rule():
+    h = Harness(workers=2, numel=2, sync="bsp")
+    h.join_all()
+    version, clock = h.workers[1].version, h.window.clock(1)
+    h.leave(1)
+    h.push(0, e(0, 2), then_pull=True)  # the round closes without rank 1
+    h.join(1, rejoin=True)
+    h.push(1, e(1, 2), version=version, request_id=5, clock=clock)  # for a closed round
+    assert h.workers[1].results[-1].dropped
+    assert (h.policy.dropped, h.policy.dropped_stale) == (1, 0)
+    assert h.engine.stats_snapshot()["workers"][1]["dropped_stale"] == 0
+
+
+def test_the_header_clock_is_read_only_on_a_connection_that_rejoined():
+    """A new connection's pushes are at its clock at the server, whatever the header says
+    (a client that always sends 0, say); on a rejoined one, a claim above the server's clock
+    is taken at the server's clock."""
+    h = Harness(workers=2, numel=2, sync="ssp", staleness=1)
+    h.join_all()
+    for _ in range(5):
+        for rank in range(2):
+            h.push(rank, e(rank, 2), then_pull=True, request_id=0, clock=0)
+    assert h.policy.dropped == 0 and h.engine.version == 10
+    away_while_the_others_train(h, 1, 3)
+    h.pull(1)
+    h.push(1, e(1, 2), request_id=9, clock=10**6)
+    assert not h.workers[1].results[-1].dropped
+
+
+def test_a_stale_push_is_not_streamed():
+    """The streaming path plans like the lane: a gradient the bound refuses is never begun."""
+    h = Harness(workers=2, numel=2, sync="ssp", staleness=0)
+    h.join_all()
+    version, clock = away_while_the_others_train(h, 1, 3)
+    member = h.workers[1].member
+    assert h.engine.begin_streaming_push(member, version, 5, clock) is None
+    assert h.engine.idle and h.engine.version == 3
+    h.pull(1)
+    stream = h.engine.begin_streaming_push(member, h.workers[1].version, 6, h.window.clock(1))
+    assert stream is not None
+    stream.abort()
+
+
+def test_the_mark_and_the_stale_count_survive_a_checkpoint():
+    from tests.unit.test_resume import checkpoint_of
+
+    h = Harness(workers=2, numel=2, sync="ssp", staleness=1)
+    h.join_all()
+    version, clock = away_while_the_others_train(h, 1, 4)
+    h.push(1, e(1, 2), version=version, request_id=5, clock=clock)
+    assert h.policy.dropped_stale == 1
+    checkpoint = checkpoint_of(h)
+    assert checkpoint.manifest["policy"]["released_max"] == h.window.released_max == 5
+    resumed = Harness(workers=2, numel=2, sync="ssp", staleness=1)
+    resumed.engine.restore(checkpoint)
+    assert resumed.window.released_max == 5
+    assert (resumed.policy.dropped, resumed.policy.dropped_stale) == (1, 1)
+    old = json.loads(json.dumps(checkpoint.manifest))
+    del old["policy"]["released_max"]  # written before the mark was kept: the strictest value
+    older = Harness(workers=2, numel=2, sync="ssp", staleness=1)
+    older.engine.restore(type(checkpoint)(checkpoint.path, old, checkpoint.weights, checkpoint.state))
+    assert older.window.released_max == old["policy"]["min_clock"] + 1

@@ -70,10 +70,11 @@ CLASS_SAMPLES = {
             "credit": (0,),
             "arrivals": (0,),
             "state": (),
+            "admits": (0, 0),
             "join": (2,),
             "leave": (1,),
             "push": (1, 2.0),
-            "restore": (5, 1, 2),
+            "restore": (5, 1, 2, 6),
         },
     ),
 }

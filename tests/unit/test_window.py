@@ -3,7 +3,7 @@
 import math
 
 import pytest
-from hypothesis import given
+from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from aps import _core, _reference
@@ -206,3 +206,120 @@ def test_a_rank_placed_below_the_others_becomes_the_slowest(Window):
     window.push(1, 1.0)
     window.leave(1)
     assert window.join(1, 0) == 0 and window.min_clock == 0 and window.gap(0) == 1
+
+
+# The bound across a reconnect (docs/algorithms.md): the highest clock released, and which
+# gradients it still admits.
+
+
+def test_released_max_follows_every_release(Window):
+    window = joined(Window, 3, 1)
+    assert window.released_max == 0  # every worker joined at 0: released into iteration 0
+    window.push(0, 1.0)  # released at 1
+    assert window.released_max == 1
+    window.push(0, 2.0)  # gap 2 > 1: held at 2, not released
+    assert window.is_held(0) and window.released_max == 1
+    window.push(1, 3.0)
+    assert window.released_max == 1
+    assert window.leave(2) == [0]  # the slowest goes: rank 0 is released at 2
+    assert window.released_max == 2
+    window.leave(0)
+    window.leave(1)
+    assert window.released_max == 2  # nobody live: it stays (it never decreases)
+    assert window.join(1) == 1 and window.released_max == 2
+
+
+def test_a_placed_rank_counts_as_released_unless_held(Window):
+    window = joined(Window, 2, 2)
+    window.leave(1)
+    window.join(1, 2, True)  # held at 2: it has not started iteration 2
+    assert window.released_max == 0
+    window.leave(1)
+    window.join(1, 2, False)
+    assert window.released_max == 2
+
+
+def test_a_gradient_is_admitted_while_nobody_has_started_beyond_its_iteration_plus_s(Window):
+    s = 2
+    window = joined(Window, 2, s)
+    for t in range(1, 4):
+        window.push(0, float(t))
+        window.push(1, float(t))
+    assert window.clock(0) == window.clock(1) == 3 == window.released_max
+    # Rank 1 computed iteration 3 and lost its connection; rank 0 goes on alone.
+    window.leave(1)
+    for t in range(4, 9):
+        window.push(0, float(t))
+        assert window.admits(0)  # its own gradients: always within the bound
+    assert window.released_max == 8  # rank 0 started iteration 8
+    window.join(1)  # back, at the slowest clock
+    assert window.clock(1) == 8 and window.admits(1)  # a gradient of this connection
+    assert window.admits(1, 6) and not window.admits(1, 5)  # 6 + s >= 8 > 5 + s
+    assert not window.admits(1, 3)  # the one it sent when the connection went
+    assert window.admits(1, 100)  # a claim above its own clock is taken at its own clock
+    assert window.admits(0, 0) is False and window.admits(0, 6)
+
+
+def test_an_unbounded_window_admits_everything(Window):
+    window = joined(Window, 2)
+    for t in range(10):
+        window.push(0, float(t))
+    assert window.released_max == 10
+    assert window.admits(1, 0) and window.admits(0, 0)
+
+
+def test_dssp_admits_up_to_the_upper_bound(Window):
+    window = joined(Window, 2, 0, 3)
+    window.leave(1)
+    for t in range(1, 6):
+        window.push(0, float(t))
+    window.join(1)
+    assert window.released_max == 5
+    assert window.admits(1, 2) and not window.admits(1, 1)  # 2 + s_U = 5
+
+
+def test_restore_takes_the_mark_or_the_strictest_value(Window):
+    window = Window(3, 1, 3)
+    window.restore(5, 2, 7)  # a checkpoint that does not say: min + s_U
+    assert window.released_max == 8
+    window.join(0)
+    assert window.admits(0, 5) and not window.admits(0, 4)  # every clock >= min is admitted
+    window = Window(3, 1, 3)
+    window.restore(5, released_max=6)
+    assert window.released_max == 6 and window.state()[-1] == 6
+    with pytest.raises(ValueError):
+        Window(3, 1).restore(5, released_max=4)  # below the slowest clock: not a state
+    unbounded = Window(2)
+    unbounded.restore(4)
+    assert unbounded.released_max == 4
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.integers(1, 4), st.integers(0, 2), st.integers(0, 3),
+       st.lists(st.tuples(st.sampled_from(["push", "leave", "join"]), st.integers(0, 3), st.integers(0, 12)),
+                max_size=60))
+def test_the_mark_stays_within_the_bound_and_own_gradients_are_always_admitted(n, lower, extra, ops):
+    """Random pushes, leaves and joins on both windows: they agree (admits included, for every
+    claim), the mark lies in [min, min + upper], and no rank's own gradient is ever refused."""
+    windows = [cls(n, lower, lower + extra) for cls in (_core.StalenessWindow, _reference.StalenessWindow)]
+    for window in windows:
+        for rank in range(n):
+            window.join(rank)
+    now = 0.0
+    for op, rank, claim in ops:
+        rank %= n
+        now += 1.0
+        native, reference = windows
+        if op == "push" and native.is_live(rank) and not native.is_held(rank):
+            assert native.push(rank, now) == reference.push(rank, now)
+        elif op == "leave" and native.is_live(rank):
+            assert native.leave(rank) == reference.leave(rank)
+        elif op == "join" and not native.is_live(rank):
+            assert native.join(rank) == reference.join(rank)
+        assert native.state() == reference.state()
+        if native.num_live:
+            assert native.min_clock <= native.released_max <= native.min_clock + lower + extra
+        for r in range(n):
+            if native.is_live(r):
+                assert native.admits(r) and reference.admits(r)
+                assert native.admits(r, claim) == reference.admits(r, claim)
