@@ -598,7 +598,7 @@ class Engine:
                           **({"loaded_state": self.loaded_state.hex()} if self.loaded_state is not None else {})},
             "policy": policy_state,
             "seats": {str(rank): seat.to_json() for rank, seat in sorted(self._seats.items())},
-            "counters": {"rejected": self.stats.rejected, "duplicates": self.stats.duplicates},
+            "counters": self.stats.run_counters(),
         }
         return manifest, arrays
 
@@ -632,9 +632,7 @@ class Engine:
             self._start_ranks = set(self._placements) or None
             self._seats = {int(rank): Seat.from_json(seat) for rank, seat in manifest["seats"].items()}
             self.pushes = int(manifest["pushes"])
-            counters = manifest.get("counters", {})
-            self.stats.rejected = int(counters.get("rejected", 0))
-            self.stats.duplicates = int(counters.get("duplicates", 0))
+            self.stats.carry(manifest.get("counters", {}))
             self.run_id = str(manifest["run_id"])
             runs = manifest.get("shard_runs")
             self.shard_runs = [str(r) for r in runs] if isinstance(runs, list) else None

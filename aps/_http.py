@@ -101,9 +101,16 @@ class StatsCollector:
     def collect(self) -> Iterator:
         stats = self._snapshot()
         server, workers = stats["server"], stats["workers"]
-        yield GaugeMetricFamily("aps_version", "Version of the weights: updates published so far.",
-                                value=server["version"])
-        yield CounterMetricFamily("aps_updates", "Updates applied to the weights.", value=server["version"])
+        # Every counter counts from 0 with this process (a resumed run's version and run totals
+        # come back lower than a dead process last exported: as counters they would read as a
+        # reset, and rate() and increase() would count them again). The version is a gauge.
+        counters = server.get("counters") or {}
+        yield GaugeMetricFamily("aps_version", "Version of the weights: updates published in the whole run "
+                                "(a resumed run starts at its checkpoint's).", value=server["version"])
+        yield CounterMetricFamily("aps_updates", "Updates applied to the weights by this server process.",
+                                  value=counters.get("updates", 0))
+        yield GaugeMetricFamily("aps_server_start_time_seconds", "When this server process started (Unix time): "
+                                "its counters count from then.", value=counters.get("since_unix", 0.0))
         yield GaugeMetricFamily("aps_workers", "Workers the server was started for (--workers).",
                                 value=server["workers"])
         yield GaugeMetricFamily("aps_shard", "This server's shard of the model (--shard; 0 when unsharded).",
@@ -133,7 +140,7 @@ class StatsCollector:
             refused.add_metric([str(w["rank"]), "non_finite"], w["rejected"])
         yield refused
         yield CounterMetricFamily("aps_duplicate_pushes", "Pushes sent again after a lost reply, recognised and "
-                                  "not applied twice.", value=server.get("duplicates", 0))
+                                  "not applied twice.", value=counters.get("duplicates", 0))
         for direction, key, text in (("received", "bytes_in", "Bytes received"), ("sent", "bytes_out", "Bytes sent")):
             family = CounterMetricFamily(f"aps_{direction}_bytes", f"{text}, by transport (shared memory: the "
                                          "gradients read in place and the weights copied out).",
@@ -179,14 +186,7 @@ class StatsCollector:
             waits.add_metric([rank], rows, sum_value=w["wait_s_total"])
         yield staleness
         yield waits
-        checkpoint = server.get("checkpoint")
-        if checkpoint:
-            yield GaugeMetricFamily("aps_checkpoint_age_seconds", "Seconds since the last checkpoint was written.",
-                                    value=max(0.0, time.time() - checkpoint["written_unix"]))
-            yield GaugeMetricFamily("aps_checkpoint_version", "Version of the last checkpoint written.",
-                                    value=checkpoint["version"])
-            yield CounterMetricFamily("aps_checkpoints_written", "Checkpoints written.", value=checkpoint["written"])
-            yield CounterMetricFamily("aps_checkpoints_failed", "Checkpoints that failed.", value=checkpoint["failed"])
+        yield from _checkpoint_metrics(server.get("checkpoints"))
         events = CounterMetricFamily("aps_membership_events", "Membership events by kind: joined, rejoined "
                                      "(reconnected), left, disconnected, timed out (dropped for silence).",
                                      labels=["event"])
@@ -199,6 +199,41 @@ class StatsCollector:
                                 value=process["rss_bytes"])
         yield CounterMetricFamily("aps_server_cpu_seconds", "CPU time of the server process (user and system).",
                                   value=process["cpu_s"])
+
+
+def _checkpoint_metrics(status: dict | None) -> Iterator:
+    """The checkpoint families, from the server's start (nothing without --checkpoint-dir):
+    a failing disk shows before the first checkpoint is ever written."""
+    if not status:
+        return
+    now = time.time()
+    written = status.get("last_written_unix")
+    yield GaugeMetricFamily("aps_checkpoint_age_seconds", "Seconds since the last checkpoint was written (before "
+                            "the first: since the server started keeping them).",
+                            value=max(0.0, now - (written if written is not None else status["since_unix"])))
+    if status.get("last_written_version") is not None:
+        yield GaugeMetricFamily("aps_checkpoint_version", "Version of the last checkpoint written.",
+                                value=status["last_written_version"])
+    for key, text in (("written", "Checkpoints written"), ("failed", "Checkpoints that failed"),
+                      ("skipped", "Timed checkpoints skipped (the previous one was still being written)")):
+        yield CounterMetricFamily(f"aps_checkpoints_{key}", f"{text} by this server process.", value=status[key])
+    yield GaugeMetricFamily("aps_checkpoint_failing", "1 while the newest checkpoint attempt failed.",
+                            value=float(bool(status.get("failing"))))
+    yield GaugeMetricFamily("aps_checkpoint_failures_in_a_row", "Checkpoints failed since the last one written.",
+                            value=status.get("failed_in_a_row", 0))
+    error = status.get("last_error")
+    if error:
+        yield GaugeMetricFamily("aps_checkpoint_last_failure_timestamp_seconds", "When the newest checkpoint "
+                                "failure happened (Unix time).", value=error["unix"])
+        info = GaugeMetricFamily("aps_checkpoint_last_failure_info", "The newest checkpoint failure: its error, "
+                                 "the version it was for, and why it was taken (always 1).",
+                                 labels=["error", "version", "reason"])
+        info.add_metric([error["error"][:_LABEL_CHARS], str(error["version"]), error["reason"]], 1.0)
+        yield info
+
+
+#: A label value of the exposition (the newest error) is cut to this many characters.
+_LABEL_CHARS = 200
 
 
 class HttpSide:
