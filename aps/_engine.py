@@ -642,6 +642,7 @@ class Engine:
             self.table = self.layout = self.aggregate = None
             self._placements, self._seats, self._start_ranks = {}, {}, None
             self.loaded_state = None
+            self.stats.carry({})
             detail = f"missing {exc}" if isinstance(exc, KeyError) else str(exc)
             raise CheckpointError(f"checkpoint {checkpoint.path} cannot be resumed: {detail}") from None
         self.resumed_from = str(checkpoint.path)

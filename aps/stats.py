@@ -173,8 +173,17 @@ class ServerStats:
 
     def carry(self, counters: dict) -> None:
         """Take up the run's counts before this process (a checkpoint's ``counters``): they
-        join the run's totals (:meth:`run_counters`), never this process's counters."""
-        self.carried = {key: int(counters.get(key, 0)) for key in CARRIED_COUNTERS}
+        join the run's totals (:meth:`run_counters`), never this process's counters.
+
+        Raises:
+            TypeError, ValueError: ``counters`` is not a mapping of counts (nothing is taken).
+        """
+        if not isinstance(counters, dict):
+            raise TypeError(f"the counters are {type(counters).__name__}, not an object")
+        carried = {key: int(counters.get(key, 0)) for key in CARRIED_COUNTERS}
+        if any(count < 0 for count in carried.values()):
+            raise ValueError(f"negative counts: {carried}")
+        self.carried = carried
 
     def run_counters(self) -> dict[str, int]:
         """The run's totals over all its processes (what a checkpoint keeps)."""

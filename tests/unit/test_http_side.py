@@ -547,3 +547,52 @@ def test_each_connected_rank_exports_its_learning_rates_with_the_groups_bounded(
     assert [(w["lr_range"], w["hyperparameters_own"]) for w in frame["workers"]] == [
         ([own[-1]["lr"], 0.1], True), ([0.05, 0.05], False), (None, None)]
     assert all("hyperparameters" not in w for w in frame["workers"])
+
+
+def test_checkpoint_metrics_are_there_from_the_start_and_a_failure_is_an_alarm():
+    from aps._http import StatsCollector
+
+    def exported(checkpoints, **counters) -> dict:
+        snap = snapshot()
+        snap["server"].update(checkpoints=checkpoints, counters={"updates": 3, "duplicates": 1, "since_unix": 5.0,
+                                                                 **counters})
+        out = {}
+        for family in StatsCollector(lambda: snap).collect():
+            for sample in family.samples:
+                out[(sample.name, tuple(sorted(sample.labels.items())))] = sample.value
+        return out
+
+    now = time.time()
+    fresh = {"directory": "/ck", "written": 0, "failed": 0, "skipped": 0, "failing": False, "failed_in_a_row": 0,
+             "last_error": None, "last_written_unix": None, "last_written_version": None, "since_unix": now - 30}
+    m = exported(fresh)
+    assert m[("aps_checkpoints_failed_total", ())] == 0 and m[("aps_checkpoints_written_total", ())] == 0
+    assert m[("aps_checkpoint_failing", ())] == 0 and ("aps_checkpoint_version", ()) not in m
+    assert 29 <= m[("aps_checkpoint_age_seconds", ())] <= 60  # since the server began keeping them
+    # the process's counters, the run's version as a gauge
+    assert m[("aps_updates_total", ())] == 3 and m[("aps_version", ())] == 7
+    assert m[("aps_duplicate_pushes_total", ())] == 1 and m[("aps_server_start_time_seconds", ())] == 5.0
+    error = {"error": "the checkpoint failed: OSError: [Errno 28] No space left on device" + "!" * 500,
+             "unix": now - 2, "version": 41, "reason": "periodic"}
+    failing = {**fresh, "written": 3, "failed": 2, "failing": True, "failed_in_a_row": 2, "last_error": error,
+               "last_written_unix": now - 10, "last_written_version": 36}
+    m = exported(failing)
+    assert m[("aps_checkpoint_failing", ())] == 1 and m[("aps_checkpoint_failures_in_a_row", ())] == 2
+    assert m[("aps_checkpoint_version", ())] == 36 and 9 <= m[("aps_checkpoint_age_seconds", ())] <= 40
+    assert m[("aps_checkpoint_last_failure_timestamp_seconds", ())] == now - 2
+    (labels,) = [dict(l) for (name, l) in m if name == "aps_checkpoint_last_failure_info"]
+    assert labels["version"] == "41" and labels["reason"] == "periodic" and len(labels["error"]) == 200
+    assert "No space left on device" in labels["error"]
+    assert not any(name.startswith("aps_checkpoint") for name, _ in exported(None))  # no --checkpoint-dir
+
+    from aps.cli.status import checkpoint_alarm, format_stats
+
+    assert checkpoint_alarm({"checkpoints": fresh}) is None and checkpoint_alarm({"checkpoints": None}) is None
+    alarm = checkpoint_alarm({"checkpoints": failing}, now=now)
+    assert alarm.startswith("CHECKPOINTS FAILING: 2 failed in a row") and "of version 41, 2s ago" in alarm
+    assert "No space left on device" in alarm and "10s old (version 36)" in alarm
+    assert "none written in the 30s since" in checkpoint_alarm(
+        {"checkpoints": {**failing, "last_written_unix": None}}, now=now)
+    snap = snapshot()
+    snap["server"]["checkpoints"] = failing
+    assert format_stats(snap).splitlines()[1].startswith("!! CHECKPOINTS FAILING")
