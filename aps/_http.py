@@ -41,7 +41,6 @@ import math
 import os
 import ssl
 import time
-import weakref
 from collections import deque
 from collections.abc import Callable, Iterator
 from urllib.parse import urlsplit

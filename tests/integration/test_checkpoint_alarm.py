@@ -193,5 +193,5 @@ def test_a_disk_that_fills_after_some_checkpoints_says_how_old_the_last_good_one
     assert stats["checkpoint"]["version"] == last_good
     human = status_cli(server.address).splitlines()
     assert human[1].startswith("!! CHECKPOINTS FAILING: ") and "No space left on device" in human[1]
-    assert f"the last checkpoint written is" in human[1] and f"(version {int(last_good)})" in human[1]
+    assert "the last checkpoint written is" in human[1] and f"(version {int(last_good)})" in human[1]
     worker.close()
