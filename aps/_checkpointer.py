@@ -57,6 +57,7 @@ log = logging.getLogger("aps.server")
 
 _POLL_S = 0.25  # how often --checkpoint-every-updates looks at the version
 _REQUEST_SPACING_S = 1.0  # checkpoints asked for (CHECKPOINT) start at most this often
+_ERROR_CHARS = 500  # the newest error is kept (and shown) up to this long
 _SHUTDOWN_WAIT_S = 120.0  # how long a shutdown waits for its checkpoint (a hung disk must not hang it)
 
 
@@ -147,9 +148,38 @@ class Checkpointer:
         self._lock = None  # the directory's lock file, held while the server runs
         self._by_round = False  # checkpoints at rounds (a sharded BSP run), see start()
         self._pending: asyncio.TimerHandle | None = None  # a request spaced out (_REQUEST_SPACING_S)
+        # Counted from 0 by this process (as /metrics exports them).
         self.written = 0
         self.failed = 0
         self.skipped = 0
+        #: Failures since the last checkpoint written (0: the last one was written, or none was tried).
+        self.failed_in_a_row = 0
+        #: The newest failure: ``{"error", "unix", "version", "reason"}`` (None: none yet).
+        self.last_error: dict | None = None
+        self._last_written: tuple[float, int] | None = None  # (wall time, version) of the newest written
+        self._since_unix = time.time()  # when this server began to keep checkpoints
+        engine.stats.checkpoint_status = self.status
+
+    def status(self) -> dict:
+        """What became of this server's checkpoints, from its start (the ``checkpoints`` of
+        the statistics): counts, whether the newest attempt failed, and the newest error.
+
+        ``failing`` is True while the newest attempt failed; ``last_written_unix`` is None
+        until one is written (then ``since_unix``, when the server started keeping them,
+        bounds how long the run has gone without one)."""
+        written = self._last_written
+        return {
+            "directory": str(self.directory),
+            "written": self.written,
+            "failed": self.failed,
+            "skipped": self.skipped,
+            "failing": self.failed_in_a_row > 0,
+            "failed_in_a_row": self.failed_in_a_row,
+            "last_error": dict(self.last_error) if self.last_error is not None else None,
+            "last_written_unix": written[0] if written is not None else None,
+            "last_written_version": written[1] if written is not None else None,
+            "since_unix": self._since_unix,
+        }
 
     def start(self) -> None:
         """Take the directory and start the timer (inside the running loop).
@@ -167,6 +197,7 @@ class Checkpointer:
             self._lock = None
             raise
         self._sequence = next_sequence(self.directory)
+        self._since_unix = time.time()
         self._executor = ThreadPoolExecutor(1, thread_name_prefix="aps-checkpoint")
         self._last_version = self.engine.version
         self._due = time.monotonic() + self.config.checkpoint_every
@@ -320,7 +351,7 @@ class Checkpointer:
 
         def captured(capture: Capture | BaseException) -> None:
             if isinstance(capture, BaseException):
-                self._finished(reason, future, capture, started)
+                self._finished(reason, future, capture, started, self.engine.version)
                 return
             began = time.perf_counter()
             from . import __version__
@@ -363,11 +394,17 @@ class Checkpointer:
     def _written(self, reason, future, capture: Capture, result, started: float) -> None:
         began = time.perf_counter()
         capture.snapshot.release()
+        version = capture.manifest["version"]
         if isinstance(result, BaseException):
-            self._finished(reason, future, result, started)
+            self._finished(reason, future, result, started, version)
             return
         self.written += 1
         finished = time.monotonic()
+        if self.failed_in_a_row:
+            log.warning("checkpoints are written again (%s, version %d) after %d failed", result, version,
+                        self.failed_in_a_row)
+        self.failed_in_a_row = 0
+        self._last_written = (time.time(), version)
         self.engine.stats.checkpoint = {
             "path": result,
             "version": capture.manifest["version"],
@@ -382,19 +419,25 @@ class Checkpointer:
         }
         log.log(logging.DEBUG if reason == "periodic" else logging.INFO, "checkpoint %s (version %d) written in %.2f s",
                 result, capture.manifest["version"], finished - started)
-        self._finished(reason, future, {"path": result, "version": capture.manifest["version"]}, started)
+        self._finished(reason, future, {"path": result, "version": version}, started, version)
 
-    def _finished(self, reason: str, future: asyncio.Future | None, result, started: float) -> None:
+    def _finished(self, reason: str, future: asyncio.Future | None, result, started: float, version: int) -> None:
+        """A checkpoint (of ``version``) was written, or failed (``result`` an exception)."""
         if isinstance(result, BaseException):
             self.failed += 1
+            self.failed_in_a_row += 1
             self._last_version = -1  # the next one is due even if nothing changed
             if not isinstance(result, (CheckpointError, CheckpointFailed)):
-                log.error("checkpoint failed", exc_info=result)
+                # the first of a run of failures with its traceback; the others in a line each
+                log.error("checkpoint of version %d failed: %s: %s", version, type(result).__name__, result,
+                          exc_info=result if self.failed_in_a_row == 1 else None)
                 result = CheckpointFailed(f"the checkpoint failed: {type(result).__name__}: {result}")
             else:
-                log.error("checkpoint failed: %s", result)
+                log.error("checkpoint of version %d failed: %s", version, result)
             if isinstance(result, CheckpointError):  # a server error travels on the wire
                 result = CheckpointFailed(str(result))
+            self.last_error = {"error": str(result)[:_ERROR_CHARS], "unix": time.time(), "version": version,
+                               "reason": reason}
         if future is not None and not future.done():
             if isinstance(result, BaseException):
                 future.set_exception(result)

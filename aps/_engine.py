@@ -608,7 +608,7 @@ class Engine:
                           **({"loaded_state": self.loaded_state.hex()} if self.loaded_state is not None else {})},
             "policy": policy_state,
             "seats": {str(rank): seat.to_json() for rank, seat in sorted(self._seats.items())},
-            "counters": {"rejected": self.stats.rejected, "duplicates": self.stats.duplicates},
+            "counters": self.stats.run_counters(),
         }
         return manifest, arrays
 
@@ -649,9 +649,7 @@ class Engine:
                 np.copyto(self.aggregate.current, checkpoint.state["aggregate"])
             self._start_ranks = set(self._placements) or None
             self.pushes = int(manifest["pushes"])
-            counters = manifest.get("counters", {})
-            self.stats.rejected = int(counters.get("rejected", 0))
-            self.stats.duplicates = int(counters.get("duplicates", 0))
+            self.stats.carry(manifest.get("counters", {}))
             self.run_id = str(manifest["run_id"])
             runs = manifest.get("shard_runs")
             self.shard_runs = [str(r) for r in runs] if isinstance(runs, list) else None
@@ -661,6 +659,7 @@ class Engine:
             self.table = self.layout = self.aggregate = None
             self._placements, self._seats, self._start_ranks = {}, {}, None
             self.loaded_state = None
+            self.stats.carry({})
             detail = f"missing {exc}" if isinstance(exc, KeyError) else str(exc)
             raise CheckpointError(f"checkpoint {checkpoint.path} cannot be resumed: {detail}") from None
         self.resumed_from = str(checkpoint.path)

@@ -16,8 +16,12 @@ from one snapshot shared by every viewer. With a token (``--token``),
 TOKEN``) and the WebSocket as its first message; the page and its files hold
 no data and need none.
 
-Nothing a client does reaches training: connections are capped
-(MAX_CONNECTIONS, then refused), viewers too (MAX_VIEWERS), requests and
+Nothing a client does reaches training, and strangers cannot lock the
+scrapers out: connections are capped (MAX_CONNECTIONS), those that have not
+yet made a request (with the token, when there is one) have a few places of
+their own (MAX_UNPROVEN) and a deadline for their headers (HEADER_TIMEOUT_S),
+headers have a budget (MAX_HEADER_BYTES; see _Connections), viewers are
+capped (MAX_VIEWERS), requests and
 WebSocket messages are small, a viewer that does not read is cut off after
 SEND_TIMEOUT_S (its unsent frames are bounded by the transport's
 high-water mark, as aiohttp waits for the drain), and a slow one skips frames
@@ -27,6 +31,8 @@ rather than queueing them.
 from __future__ import annotations
 
 import asyncio
+import ctypes
+import ctypes.util
 import hmac
 import ipaddress
 import json
@@ -35,7 +41,6 @@ import math
 import os
 import ssl
 import time
-import weakref
 from collections import deque
 from collections.abc import Callable, Iterator
 from urllib.parse import urlsplit
@@ -57,8 +62,26 @@ log = logging.getLogger("aps.server")
 STALENESS_BUCKETS = (0, 1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 64, 128, 255)
 #: Requests larger than this are refused (there is nothing to post).
 MAX_REQUEST_BYTES = 64 << 10
-#: Open HTTP connections (viewers included) beyond this are refused at once.
+#: Open HTTP connections (viewers included): one more closes the oldest between requests, or
+#: is refused (503) when every one is in a request.
 MAX_CONNECTIONS = 128
+#: Connections that have not yet had a request let through (with the token, when there is
+#: one): one more closes the oldest of them. Strangers never hold more of the cap than this.
+MAX_UNPROVEN = 16
+#: What a connection beyond those places has to make its request before it may be closed for them.
+UNPROVEN_GRACE_S = 0.25
+#: A request's headers must be complete within this (from the connection's start, or from the
+#: previous answer for a connection not yet proven, or from the first byte), else it is closed.
+HEADER_TIMEOUT_S = 5.0
+#: What the headers of one request may take, all lines together (then 431, and closed).
+MAX_HEADER_BYTES = 32 << 10
+#: aiohttp's own limits: bytes of a request line or a header line, and header lines.
+MAX_LINE_BYTES, MAX_HEADERS = 8190, 64
+#: How often late headers are looked for.
+SWEEP_S = 0.25
+#: Once connections that took this many header bytes are closed, the memory freed is handed
+#: back to the system (at most once every TRIM_EVERY_S).
+TRIM_AFTER_BYTES, TRIM_EVERY_S = 1 << 20, 1.0
 #: Dashboards open at once (WebSockets); one more is told so (close code 4429).
 MAX_VIEWERS = 32
 #: A viewer that takes longer than this to take one frame is cut off.
@@ -101,9 +124,16 @@ class StatsCollector:
     def collect(self) -> Iterator:
         stats = self._snapshot()
         server, workers = stats["server"], stats["workers"]
-        yield GaugeMetricFamily("aps_version", "Version of the weights: updates published so far.",
-                                value=server["version"])
-        yield CounterMetricFamily("aps_updates", "Updates applied to the weights.", value=server["version"])
+        # Every counter counts from 0 with this process (a resumed run's version and run totals
+        # come back lower than a dead process last exported: as counters they would read as a
+        # reset, and rate() and increase() would count them again). The version is a gauge.
+        counters = server.get("counters") or {}
+        yield GaugeMetricFamily("aps_version", "Version of the weights: updates published in the whole run "
+                                "(a resumed run starts at its checkpoint's).", value=server["version"])
+        yield CounterMetricFamily("aps_updates", "Updates applied to the weights by this server process.",
+                                  value=counters.get("updates", 0))
+        yield GaugeMetricFamily("aps_server_start_time_seconds", "When this server process started (Unix time): "
+                                "its counters count from then.", value=counters.get("since_unix", 0.0))
         yield GaugeMetricFamily("aps_workers", "Workers the server was started for (--workers).",
                                 value=server["workers"])
         yield GaugeMetricFamily("aps_shard", "This server's shard of the model (--shard; 0 when unsharded).",
@@ -136,7 +166,7 @@ class StatsCollector:
             refused.add_metric([str(w["rank"]), "non_finite"], w["rejected"])
         yield refused
         yield CounterMetricFamily("aps_duplicate_pushes", "Pushes sent again after a lost reply, recognised and "
-                                  "not applied twice.", value=server.get("duplicates", 0))
+                                  "not applied twice.", value=counters.get("duplicates", 0))
         for direction, key, text in (("received", "bytes_in", "Bytes received"), ("sent", "bytes_out", "Bytes sent")):
             family = CounterMetricFamily(f"aps_{direction}_bytes", f"{text}, by transport (shared memory: the "
                                          "gradients read in place and the weights copied out).",
@@ -182,14 +212,7 @@ class StatsCollector:
             waits.add_metric([rank], rows, sum_value=w["wait_s_total"])
         yield staleness
         yield waits
-        checkpoint = server.get("checkpoint")
-        if checkpoint:
-            yield GaugeMetricFamily("aps_checkpoint_age_seconds", "Seconds since the last checkpoint was written.",
-                                    value=max(0.0, time.time() - checkpoint["written_unix"]))
-            yield GaugeMetricFamily("aps_checkpoint_version", "Version of the last checkpoint written.",
-                                    value=checkpoint["version"])
-            yield CounterMetricFamily("aps_checkpoints_written", "Checkpoints written.", value=checkpoint["written"])
-            yield CounterMetricFamily("aps_checkpoints_failed", "Checkpoints that failed.", value=checkpoint["failed"])
+        yield from _checkpoint_metrics(server.get("checkpoints"))
         events = CounterMetricFamily("aps_membership_events", "Membership events by kind: joined, rejoined "
                                      "(reconnected), left, disconnected, timed out (dropped for silence).",
                                      labels=["event"])
@@ -202,6 +225,41 @@ class StatsCollector:
                                 value=process["rss_bytes"])
         yield CounterMetricFamily("aps_server_cpu_seconds", "CPU time of the server process (user and system).",
                                   value=process["cpu_s"])
+
+
+def _checkpoint_metrics(status: dict | None) -> Iterator:
+    """The checkpoint families, from the server's start (nothing without --checkpoint-dir):
+    a failing disk shows before the first checkpoint is ever written."""
+    if not status:
+        return
+    now = time.time()
+    written = status.get("last_written_unix")
+    yield GaugeMetricFamily("aps_checkpoint_age_seconds", "Seconds since the last checkpoint was written (before "
+                            "the first: since the server started keeping them).",
+                            value=max(0.0, now - (written if written is not None else status["since_unix"])))
+    if status.get("last_written_version") is not None:
+        yield GaugeMetricFamily("aps_checkpoint_version", "Version of the last checkpoint written.",
+                                value=status["last_written_version"])
+    for key, text in (("written", "Checkpoints written"), ("failed", "Checkpoints that failed"),
+                      ("skipped", "Timed checkpoints skipped (the previous one was still being written)")):
+        yield CounterMetricFamily(f"aps_checkpoints_{key}", f"{text} by this server process.", value=status[key])
+    yield GaugeMetricFamily("aps_checkpoint_failing", "1 while the newest checkpoint attempt failed.",
+                            value=float(bool(status.get("failing"))))
+    yield GaugeMetricFamily("aps_checkpoint_failures_in_a_row", "Checkpoints failed since the last one written.",
+                            value=status.get("failed_in_a_row", 0))
+    error = status.get("last_error")
+    if error:
+        yield GaugeMetricFamily("aps_checkpoint_last_failure_timestamp_seconds", "When the newest checkpoint "
+                                "failure happened (Unix time).", value=error["unix"])
+        info = GaugeMetricFamily("aps_checkpoint_last_failure_info", "The newest checkpoint failure: its error, "
+                                 "the version it was for, and why it was taken (always 1).",
+                                 labels=["error", "version", "reason"])
+        info.add_metric([error["error"][:_LABEL_CHARS], str(error["version"]), error["reason"]], 1.0)
+        yield info
+
+
+#: A label value of the exposition (the newest error) is cut to this many characters.
+_LABEL_CHARS = 200
 
 
 class HttpSide:
@@ -240,6 +298,7 @@ class HttpSide:
         self._frame: dict | None = None  # the newest frame's shared part
         self._cached: tuple[float, dict] | None = None  # (monotonic time, snapshot)
         self._exposition: tuple[float, bytes] | None = None
+        self._connections: _Connections | None = None  # once listening (start)
         self.port: int | None = None
 
     @property
@@ -276,20 +335,26 @@ class HttpSide:
         if not any(isinstance(f, _OneLine) for f in quiet.filters):
             quiet.addFilter(_OneLine())
         self._runner = web.AppRunner(self.app(), access_log=None, handle_signals=False, logger=quiet,
-                                     keepalive_timeout=KEEPALIVE_S, lingering_time=0, shutdown_timeout=1.0)
+                                     keepalive_timeout=KEEPALIVE_S, lingering_time=0, shutdown_timeout=1.0,
+                                     max_line_size=MAX_LINE_BYTES, max_field_size=MAX_LINE_BYTES,
+                                     max_headers=MAX_HEADERS)
         await self._runner.setup()
         try:
-            factory = _Capped(self._runner.server, MAX_CONNECTIONS)
+            self._connections = _Connections(self._runner.server, MAX_CONNECTIONS)
             self._listener = await asyncio.get_running_loop().create_server(
-                factory, self.config.host, self.config.http_port, reuse_address=True, ssl=self._tls,
+                self._connections, self.config.host, self.config.http_port, reuse_address=True, ssl=self._tls,
                 ssl_handshake_timeout=self.config.handshake_timeout if self._tls is not None else None)
         except BaseException:
+            self._connections = None
             await self._runner.cleanup()
             self._runner = None
             raise
+        self._connections.start()
         self.port = self._listener.sockets[0].getsockname()[1]
 
     async def close(self) -> None:
+        if self._connections is not None:
+            self._connections.stop()
         if self._listener is not None:
             self._listener.close()
             self._listener = None
@@ -297,8 +362,24 @@ class HttpSide:
             await self._runner.cleanup()
             self._runner = None
 
+    def _connection(self, request: web.Request) -> _Connection | None:
+        """The doorman's record of ``request``'s connection (None under aiohttp's test server)."""
+        if self._connections is None or request.transport is None:
+            return None
+        return self._connections.by_transport.get(request.transport)
+
     @web.middleware
     async def _guard(self, request: web.Request, handler):
+        conn = self._connection(request)
+        if conn is None:
+            return await self._checked(request, handler, None)
+        conn.began()
+        try:
+            return await self._checked(request, handler, conn)
+        finally:
+            conn.ended()
+
+    async def _checked(self, request: web.Request, handler, conn: _Connection | None):
         if request.body_exists:  # nothing here takes a body: refused unread, and the connection closed
             response = web.json_response({"error": "requests here have no body"}, status=413)
             response.force_close()
@@ -315,6 +396,8 @@ class HttpSide:
             if scheme.lower() != "bearer" or not self._token_ok(credential.strip()):
                 return web.json_response({"error": "this server needs its token: Authorization: Bearer TOKEN"},
                                          status=401, headers={"WWW-Authenticate": 'Bearer realm="aps"'})
+        if conn is not None and (self._token is None or not _is_public(request.path)):
+            self._connections.proved(conn)  # (a dashboard proves itself with its token message)
         response = await handler(request)
         if not response.prepared:  # (a WebSocket's answer went out already)
             response.headers.update(_SECURITY_HEADERS)
@@ -349,8 +432,11 @@ class HttpSide:
             # A page of another site in the viewer's browser may not read the run.
             return web.json_response({"error": "cross-origin WebSocket refused"}, status=403)
         ws = web.WebSocketResponse(heartbeat=20.0, max_msg_size=4096)
+        conn = self._connection(request)
         await ws.prepare(request)
-        viewer = await self._admit(ws, request.transport)
+        if conn is not None:
+            conn.upgraded = True  # what comes now are messages (of at most 4 KiB), not headers
+        viewer = await self._admit(ws, request.transport, conn)
         if viewer is None:
             return ws
         sender = asyncio.create_task(self._send_frames(viewer))
@@ -364,7 +450,7 @@ class HttpSide:
             sender.cancel()
         return ws
 
-    async def _admit(self, ws: web.WebSocketResponse, transport) -> _Viewer | None:
+    async def _admit(self, ws: web.WebSocketResponse, transport, conn: _Connection | None = None) -> _Viewer | None:
         """Read the token message; send the hello and return the new viewer, or refuse (None)."""
         try:
             message = await asyncio.wait_for(ws.receive(), HELLO_TIMEOUT_S)
@@ -377,6 +463,8 @@ class HttpSide:
             what = "this server needs its token" if self._token is not None else "send {\"token\": \"\"} first"
             await _refuse(ws, CLOSE_UNAUTHORIZED, what)
             return None
+        if conn is not None:
+            self._connections.proved(conn)
         if len(self._viewers) >= MAX_VIEWERS:
             await _refuse(ws, CLOSE_TOO_MANY, f"too many dashboards open (at most {MAX_VIEWERS})")
             return None
@@ -584,38 +672,171 @@ def _is_public(path: str) -> bool:
     return path in ("/", "/ws", "/favicon.ico") or path.startswith("/static/")
 
 
-class _Capped:
-    """aiohttp's protocol factory, refusing connections beyond ``limit`` (a 503, then closed).
+class _Connections:
+    """aiohttp's protocol factory, keeping the HTTP side open to the clients it is for.
 
-    Connections are counted here, as they are made: aiohttp's own count moves only once
-    a connection is under way, after a burst of accepts in one pass of the loop."""
+    Connections are counted here, as they are accepted (aiohttp's own count moves only once
+    a connection is under way, after a burst of accepts in one pass of the loop), and sorted
+    by what they have shown: a connection is *proven* once a request on it was let through
+    (with the token, when the server has one; the token message, for a dashboard). A
+    stranger's connection costs little and holds no place for long:
+
+    - unproven connections have MAX_UNPROVEN places: beyond them, the oldest are closed once
+      they had UNPROVEN_GRACE_S to make their request (a burst of strangers arriving together
+      does not close a scraper that arrived among them before it could say a word);
+    - a request's headers must be complete HEADER_TIMEOUT_S after the connection opened (an
+      unproven one: also after its previous answer; a kept-alive proven one: after the
+      request's first byte), else the connection is closed;
+    - a request's headers may take MAX_HEADER_BYTES, then 431 and closed;
+    - at the cap (``limit``), a new connection closes the oldest unproven one that is not in
+      a request, else the oldest proven one between requests (HTTP lets a server close an
+      idle kept-alive connection at any time, and clients open another); only when every
+      one is in a request is it refused (503).
+
+    Memory a wave of large requests took is handed back to the system once they are gone
+    (``malloc_trim`` on glibc: the allocator keeps freed pages otherwise).
+    """
 
     def __init__(self, server: web.Server, limit: int) -> None:
         self._server = server
         self._limit = limit
-        # weak: a protocol whose connection never came about (a failed accept) leaves by itself
-        self.open: weakref.WeakSet[_Counted] = weakref.WeakSet()
+        self.open: dict[_Connection, None] = {}  # oldest first (insertion order)
+        self.by_transport: dict[asyncio.BaseTransport, _Connection] = {}
+        self.unproven = 0
+        self.freed_bytes = 0  # header bytes of the connections closed since memory was last handed back
+        self._log = RateLimitedLog(logger=log)
+        self._sweeper: asyncio.Task | None = None
+        self._trim: asyncio.TimerHandle | None = None
 
     def __call__(self) -> asyncio.BaseProtocol:
+        now = time.monotonic()
         if len(self.open) >= self._limit:
-            return _Refusal()
-        protocol = _Counted(self._server(), self.open)
-        self.open.add(protocol)
-        return protocol
+            idle = next((c for c in self.open if not c.proven and not c.busy), None) \
+                or next((c for c in self.open if not c.busy), None)
+            if idle is None:
+                self._log.warning(now, "HTTP side: %d connections, each in a request: one more refused (503)",
+                                  len(self.open))
+                return _Refusal()
+            self._evict(idle, now, f"{self._limit} connections open: the oldest between requests was closed")
+        conn = _Connection(self._server(), self, now)
+        self.open[conn] = None
+        self.unproven += 1
+        if self.unproven > MAX_UNPROVEN and self._trim is None:
+            self._trim = asyncio.get_running_loop().call_later(UNPROVEN_GRACE_S, self._trim_unproven)
+        return conn
+
+    def _trim_unproven(self) -> None:
+        """Close the oldest unproven connections beyond MAX_UNPROVEN that had their grace."""
+        self._trim = None
+        now = time.monotonic()
+        excess = self.unproven - MAX_UNPROVEN
+        if excess <= 0:
+            return
+        old = [c for c in self.open if not c.proven and not c.busy and now - c.opened >= UNPROVEN_GRACE_S][:excess]
+        for conn in old:
+            conn.shut(abort=True)
+        if old:
+            self._log.warning(now, "HTTP side: %d connection(s) that made no request closed: strangers have %d "
+                              "places", len(old), MAX_UNPROVEN)
+        if self.unproven > MAX_UNPROVEN:  # the younger ones get their grace, then the same
+            self._trim = asyncio.get_running_loop().call_later(UNPROVEN_GRACE_S, self._trim_unproven)
+
+    def _evict(self, conn: _Connection, now: float, why: str) -> None:
+        self._log.warning(now, "HTTP side: %s", why)
+        conn.shut(abort=not conn.proven)
+
+    def left(self, conn: _Connection) -> None:
+        """``conn`` is closed (or being closed): its place is free at once."""
+        if self.open.pop(conn, False) is not False:
+            self.unproven -= not conn.proven
+            self.freed_bytes += conn.peak_bytes
+        if conn.transport is not None:
+            self.by_transport.pop(conn.transport, None)
+
+    def proved(self, conn: _Connection) -> None:
+        if not conn.proven and conn in self.open:
+            self.unproven -= 1
+        conn.proven = True
+
+    def start(self) -> None:
+        self._sweeper = asyncio.get_running_loop().create_task(self._sweep())
+
+    def stop(self) -> None:
+        if self._trim is not None:
+            self._trim.cancel()
+            self._trim = None
+        if self._sweeper is not None:
+            self._sweeper.cancel()
+            self._sweeper = None
+
+    async def _sweep(self) -> None:
+        """Close the connections whose headers are late; hand freed memory back."""
+        last_trim = 0.0
+        while True:
+            await asyncio.sleep(SWEEP_S)
+            now = time.monotonic()
+            late = [c for c in self.open if c.late(now)]
+            for conn in late:
+                conn.shut(abort=True)
+            if late:
+                self._log.warning(now, "HTTP side: %d connection(s) closed: no complete request within %g s",
+                                  len(late), HEADER_TIMEOUT_S)
+            if self.freed_bytes >= TRIM_AFTER_BYTES and now - last_trim >= TRIM_EVERY_S:
+                self.freed_bytes, last_trim = 0, now
+                _give_memory_back()
 
 
-class _Counted(asyncio.Protocol):
-    """aiohttp's protocol for one connection, which leaves the count when it ends."""
+class _Connection(asyncio.Protocol):
+    """aiohttp's protocol for one connection, with what the doorman knows of it."""
 
-    def __init__(self, inner, count: weakref.WeakSet) -> None:
+    def __init__(self, inner, doors: _Connections, now: float) -> None:
         self._inner = inner
-        self._count = count
+        self._doors = doors
+        self.transport: asyncio.Transport | None = None
+        self.opened = now
+        self.proven = False
+        self.busy = False  # a request of it is being handled (a dashboard's: for its whole life)
+        self.upgraded = False  # a WebSocket: its bytes are messages, not headers
+        self.waiting_since: float | None = now  # when the headers' deadline started (None: not running)
+        self.header_bytes = 0  # received since the last request began to be handled
+        self._head_ended: int | None = None  # where in those the headers ended (None: not yet)
+        self._tail = b""  # the last bytes of those, for a blank line cut between two reads
+        self.peak_bytes = 0
+        self._shut = False
 
     def connection_made(self, transport) -> None:
+        self.transport = transport
+        if self._shut:  # evicted between its accept and now
+            transport.abort()
+            return
+        self._doors.by_transport[transport] = self
         self._inner.connection_made(transport)
 
     def data_received(self, data: bytes) -> None:
+        if self._shut:
+            return
+        if not self.upgraded:
+            if self.waiting_since is None and not self.busy:
+                self.waiting_since = time.monotonic()
+            if self._head_ended is None:
+                end = (self._tail + data).find(b"\r\n\r\n")
+                if end != -1:  # what follows is a body (refused by the guard) or the next request
+                    self._head_ended = self.header_bytes + end - len(self._tail) + 4
+                self._tail = (self._tail + data)[-3:]
+            self.header_bytes += len(data)
+            self.peak_bytes = max(self.peak_bytes, self.header_bytes)
+            if (self.header_bytes if self._head_ended is None else self._head_ended) > MAX_HEADER_BYTES:
+                self._answer(b"431 Request Header Fields Too Large")
+                return
+            if self.header_bytes > MAX_HEADER_BYTES + MAX_REQUEST_BYTES:
+                self._answer(b"413 Request Entity Too Large")
+                return
         self._inner.data_received(data)
+
+    def _answer(self, status: bytes) -> None:
+        """Refuse what it sends (aiohttp never sees it), and close."""
+        self.transport.write(b"HTTP/1.1 " + status + b"\r\nConnection: close\r\nContent-Length: 0\r\n\r\n")
+        self.shut(abort=False)
 
     def eof_received(self):
         return self._inner.eof_received()
@@ -627,8 +848,54 @@ class _Counted(asyncio.Protocol):
         self._inner.resume_writing()
 
     def connection_lost(self, exc) -> None:
-        self._count.discard(self)
+        self._doors.left(self)
         self._inner.connection_lost(exc)
+
+    # what the application says of it
+    def began(self) -> None:
+        """A request's headers are in: it is being handled."""
+        self.busy = True
+        self.waiting_since = None
+        self.header_bytes, self._head_ended, self._tail = 0, None, b""
+
+    def ended(self) -> None:
+        """The request was answered: the next one's deadline starts (a stranger's at once)."""
+        self.busy = False
+        self.waiting_since = None if self.proven else time.monotonic()
+
+    def late(self, now: float) -> bool:
+        return not self.busy and self.waiting_since is not None and now - self.waiting_since > HEADER_TIMEOUT_S
+
+    def shut(self, abort: bool) -> None:
+        """Close it (``abort``: at once, dropping what it sent and what is unsent to it)."""
+        if self._shut:
+            return
+        self._shut = True
+        self._doors.left(self)
+        if self.transport is not None and not self.transport.is_closing():
+            if abort:
+                self.transport.abort()
+            else:
+                self.transport.close()
+
+
+def _give_memory_back() -> None:
+    """Return the free pages at the top and inside the C heap to the system (glibc only):
+    what a burst of large requests allocated and freed would otherwise stay resident."""
+    global _MALLOC_TRIM
+    if _MALLOC_TRIM is None:
+        _MALLOC_TRIM = False
+        try:
+            libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+            _MALLOC_TRIM = libc.malloc_trim
+            _MALLOC_TRIM.argtypes, _MALLOC_TRIM.restype = [ctypes.c_size_t], ctypes.c_int
+        except (OSError, AttributeError):  # not glibc (musl, macOS): nothing to do
+            _MALLOC_TRIM = False
+    if _MALLOC_TRIM:
+        _MALLOC_TRIM(0)
+
+
+_MALLOC_TRIM = None
 
 
 class _Refusal(asyncio.Protocol):

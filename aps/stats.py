@@ -11,6 +11,7 @@ from __future__ import annotations
 import os
 import time
 from collections import deque
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import psutil
@@ -37,6 +38,8 @@ EVENTS_KEPT = 200
 #: reconnecting), said goodbye, its connection was lost, or the server dropped it
 #: for silence (missed heartbeats, or a reply it never read).
 MEMBERSHIP_EVENTS = ("joined", "rejoined", "left", "disconnected", "timed out")
+#: The counts a checkpoint carries over to the run's next process (see ServerStats.carry).
+CARRIED_COUNTERS = ("rejected", "duplicates")
 
 
 #: The keys of each group in a worker's ``hyperparameters`` (HyperGroup's fields).
@@ -140,15 +143,26 @@ class ServerStats:
     def __init__(self, num_workers: int, now=time.monotonic) -> None:
         self.workers = [WorkerStats() for _ in range(num_workers)]
         self.traffic = {name: Traffic() for name in TRANSPORTS}
+        # Every counter here starts at 0 with the process (what /metrics exports as counters: a
+        # counter that went back on a resume would read as a reset and count phantom events).
+        #: Gradients refused (NaN or infinity, or a failed update) by this process.
         self.rejected = 0
-        #: Pushes sent again after a lost reply, recognised and not applied twice.
+        #: Pushes sent again after a lost reply, recognised and not applied twice, by this process.
         self.duplicates = 0
+        #: Updates this process published (the version counts those of the run's earlier processes too).
+        self.updates = 0
+        #: The run's counts before this process (a resumed run's checkpoint's): ``rejected``, ``duplicates``.
+        self.carried = dict.fromkeys(CARRIED_COUNTERS, 0)
+        #: Returns the checkpointer's state (``Checkpointer.status``); None: no --checkpoint-dir.
+        self.checkpoint_status: Callable[[], dict] | None = None
         #: The version when training started (a resumed run starts at its checkpoint's).
         self.start_version = 0
         #: The last checkpoint written, as the checkpointer reports it (None before the first).
         self.checkpoint: dict | None = None
         self._now = now
         self.created = now()
+        #: When this process's statistics began (wall clock): what its counters count from.
+        self.created_unix = time.time()
         self.training_started: float | None = None
         #: The newest membership events (dicts, see :meth:`membership`), oldest first.
         self.events: deque[dict] = deque(maxlen=EVENTS_KEPT)
@@ -157,6 +171,25 @@ class ServerStats:
         self._event_seq = 0
         # Updates per whole second of the clock, for the last RATE_WINDOW_S seconds.
         self._recent: deque[list[int]] = deque()
+
+    def carry(self, counters: dict) -> None:
+        """Take up the run's counts before this process (a checkpoint's ``counters``): they
+        join the run's totals (:meth:`run_counters`), never this process's counters.
+
+        Raises:
+            TypeError, ValueError: ``counters`` is not a mapping of counts (nothing is taken).
+        """
+        if not isinstance(counters, dict):
+            raise TypeError(f"the counters are {type(counters).__name__}, not an object")
+        carried = {key: int(counters.get(key, 0)) for key in CARRIED_COUNTERS}
+        if any(count < 0 for count in carried.values()):
+            raise ValueError(f"negative counts: {carried}")
+        self.carried = carried
+
+    def run_counters(self) -> dict[str, int]:
+        """The run's totals over all its processes (what a checkpoint keeps)."""
+        return {"rejected": self.carried["rejected"] + self.rejected,
+                "duplicates": self.carried["duplicates"] + self.duplicates}
 
     @property
     def bytes_in(self) -> int:
@@ -194,7 +227,8 @@ class ServerStats:
         }
 
     def published(self, version: int) -> None:
-        """An update was published (counted for the recent rate)."""
+        """An update was published (counted, and for the recent rate)."""
+        self.updates += 1
         second = int(self._now())
         recent = self._recent
         if recent and recent[-1][0] == second:
@@ -224,6 +258,7 @@ class ServerStats:
         policy, window, config = engine.policy, engine.policy.window, engine.config
         version = engine.version
         recent, mean = self.update_rates(version)
+        run = self.run_counters()
         workers = []
         defaults = engine.table.optimizer.defaults if engine.table is not None else None
         members = engine.members
@@ -275,11 +310,20 @@ class ServerStats:
                 "pushes": engine.pushes,
                 "dropped": policy.dropped,
                 "dropped_stale": policy.dropped_stale,
-                "rejected": self.rejected,
-                "duplicates": self.duplicates,
+                "rejected": run["rejected"],
+                "duplicates": run["duplicates"],
+                # what this process counted (from 0 when it started; the figures above are the run's)
+                "counters": {
+                    "since_unix": self.created_unix,
+                    "updates": self.updates,
+                    "pushes": sum(ws.pushes for ws in self.workers),
+                    "rejected": self.rejected,
+                    "duplicates": self.duplicates,
+                },
                 "run_id": engine.run_id,
                 "resumed_from": engine.resumed_from,
                 "checkpoint": self.checkpoint,
+                "checkpoints": self.checkpoint_status() if self.checkpoint_status is not None else None,
                 "bytes_in": self.bytes_in,
                 "bytes_out": self.bytes_out,
                 "transports": {

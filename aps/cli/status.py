@@ -13,7 +13,7 @@ from ..transport._client import control_request
 from ..transport.address import parse_address
 from ._args import number, require
 
-__all__ = ["fetch_stats", "format_lr", "format_stats", "register"]
+__all__ = ["checkpoint_alarm", "fetch_stats", "format_lr", "format_stats", "register"]
 
 
 def register(commands) -> None:
@@ -104,17 +104,59 @@ def format_lr(worker: dict) -> str:
     return text + ("*" if worker.get("hyperparameters_own") else "")
 
 
+def _fmt_age(s: float) -> str:
+    """A duration as people say it: ``45s``, ``3m 05s``, ``2h 10m``."""
+    s = max(0, int(s))
+    if s < 60:
+        return f"{s}s"
+    if s < 3600:
+        return f"{s // 60}m {s % 60:02d}s"
+    return f"{s // 3600}h {s // 60 % 60:02d}m"
+
+
+def checkpoint_alarm(server: dict, now: float | None = None) -> str | None:
+    """The alarm line for a server whose newest checkpoint attempt failed (None when its
+    checkpoints are fine, or it writes none): how many failed in a row, the newest error
+    with the version it was for and when, and how long since the last one written.
+
+    Args:
+        server: the ``server`` part of a statistics snapshot.
+        now: the time (Unix seconds) to measure ages at; default now.
+    """
+    status = server.get("checkpoints")
+    if not status or not status.get("failing"):
+        return None
+    now = time.time() if now is None else now
+    error = status.get("last_error") or {}
+    in_a_row = status.get("failed_in_a_row", 0)
+    text = (f"CHECKPOINTS FAILING: {in_a_row} failed in a row ({status.get('failed', in_a_row)} since the server "
+            f"started); the newest, of version {error.get('version', '?')}, {_fmt_age(now - error.get('unix', now))} "
+            f"ago: {error.get('error', 'unknown error')}")
+    written = status.get("last_written_unix")
+    if written is not None:
+        text += (f"; the last checkpoint written is {_fmt_age(now - written)} old (version "
+                 f"{status.get('last_written_version')})")
+    else:
+        text += f"; none written in the {_fmt_age(now - status['since_unix'])} since the server started"
+    return text
+
+
 def _checkpoint_lines(server: dict) -> list[str]:
-    """The last checkpoint and where the run resumed from, when there is either."""
+    """The last checkpoint (or that none is written yet) and where the run resumed from."""
     lines = []
     last = server.get("checkpoint")
+    status = server.get("checkpoints") or {}
     if last:
         age = max(0.0, time.time() - last["written_unix"])
         lines.append(
             f"checkpoint version {last['version']} {_fmt_seconds(age)} ago ({last['reason']}, written in "
             f"{_fmt_seconds(last['seconds'])}, loop {last['loop_ms']:.1f}ms)  {last['path']}  "
-            f"written {last['written']} failed {last['failed']} skipped {last['skipped']}"
+            f"written {status.get('written', last['written'])} failed {status.get('failed', last['failed'])} "
+            f"skipped {status.get('skipped', last['skipped'])}"
         )
+    elif status:
+        lines.append(f"checkpoints to {status['directory']}: none written yet "
+                     f"(failed {status['failed']}, skipped {status['skipped']})")
     if server.get("resumed_from"):
         lines.append(f"resumed from {server['resumed_from']}")
     return lines
@@ -131,6 +173,7 @@ def format_stats(stats: dict) -> str:
     uptime = int(s["uptime_s"])
     lines = [
         f"aps {s['address']}{_shard(s)}  sync {s['sync']}  optimizer {s['optimizer']}",
+        *(f"!! {alarm}" for alarm in [checkpoint_alarm(s)] if alarm is not None),  # where it is seen first
         f"version {s['version']}  updates/s {s['updates_per_s']:.1f} (mean {s['updates_per_s_mean']:.1f})  "
         f"live {s['live']}/{s['workers']}{'' if s['started'] else ' (waiting for workers)'}  "
         f"pushes {s['pushes']}  rejected {s['rejected']}  "

@@ -382,16 +382,44 @@
     const params = isNum(s.parameters) && s.parameters > 0 ? s.parameters : null;
     setText("parameters", fmtCount(params), params === null ? "" : params.toLocaleString("en-US"));
 
-    const cp = s.checkpoint;
+    const alarm = checkpointAlarm(s.checkpoints, Date.now() / 1000 + (app.clockOffset || 0));
+    setText("checkpoint-alarm", alarm);
+    $("checkpoint-alarm").hidden = !alarm || state !== "live";
+    $("checkpoint").parentElement.dataset.alarm = alarm ? "failing" : "";
+
+    const cp = s.checkpoint, counts = isObject(s.checkpoints) ? s.checkpoints : {};
+    const failed = isNum(counts.failed) ? counts.failed : isObject(cp) ? cp.failed : 0;
     if (isObject(cp)) {
       const age = Date.now() / 1000 + (app.clockOffset || 0) - cp.written_unix;
       setText("checkpoint", isNum(age) ? `${fmtDuration(age)} ago` : DASH, cp.path ? String(cp.path) : "");
-      setText("checkpoint-detail", [`v${fmtInt(cp.version)}`, cp.reason, cp.failed ? `${cp.failed} failed` : ""]
+      setText("checkpoint-detail", [`v${fmtInt(cp.version)}`, cp.reason, failed ? `${failed} failed` : ""]
         .filter(Boolean).join(" · "));
     } else {
       setText("checkpoint", app.server ? "none" : DASH, "");
-      setText("checkpoint-detail", "");
+      setText("checkpoint-detail", failed ? `${failed} failed` : "");
     }
+  }
+
+  /**
+   * The alarm for a failing checkpoint, as `aps status` words it ("" while checkpoints are
+   * written, or the server writes none): failures in a row, the newest error with the
+   * version it was for and when, and how long since the last checkpoint written.
+   */
+  function checkpointAlarm(status, now) {
+    if (!isObject(status) || status.failing !== true) return "";
+    const error = isObject(status.last_error) ? status.last_error : {};
+    const inARow = isNum(status.failed_in_a_row) ? status.failed_in_a_row : 1;
+    const version = isNum(error.version) ? `version ${fmtInt(error.version)}` : "a checkpoint";
+    const when = isNum(error.unix) ? `, ${fmtDuration(now - error.unix)} ago` : "";
+    let text = `Checkpoints are failing: ${inARow} in a row. The newest, of ${version}${when}: `
+      + `${typeof error.error === "string" && error.error ? error.error : "unknown error"}. `;
+    if (isNum(status.last_written_unix)) {
+      text += `The last checkpoint written is ${fmtDuration(now - status.last_written_unix)} old`
+        + `${isNum(status.last_written_version) ? ` (version ${fmtInt(status.last_written_version)})` : ""}.`;
+    } else if (isNum(status.since_unix)) {
+      text += `None written in the ${fmtDuration(now - status.since_unix)} since the server started.`;
+    } else text += "None written yet.";
+    return text;
   }
 
   /** The table row of a rank, created on first use: <tr data-rank="R">. */

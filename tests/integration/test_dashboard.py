@@ -149,3 +149,53 @@ def test_the_dashboard_asks_for_the_token_or_takes_it_from_the_address(browser):
         assert browser.execute_script("return location.hash") == ""  # taken out of the address bar
     finally:
         server.stop()
+
+
+def test_a_failing_checkpoint_is_an_alarm_on_the_dashboard(browser, tmp_path):
+    """The checkpoint directory's disk fills up (a real tmpfs, filled): the page raises the
+    alarm with the error, and lowers it once a checkpoint is written again."""
+    import numpy as np
+
+    import aps
+
+    from .test_checkpoint_alarm import DISK_BYTES, NUMEL, SmallDisk
+
+    disk = SmallDisk(tmp_path / "disk", DISK_BYTES)
+    server = ServerProcess("--workers", "1", "--sync", "asp", "--checkpoint-dir", str(disk.path),
+                           "--checkpoint-every", "0.2", "--http-port", "0")
+    worker = None
+    try:
+        url = server.proc.stdout.readline().split(" on ", 1)[1].strip()
+        browser.get(url)
+        wait_until(lambda: browser.execute_script("return document.body.dataset.state") == "live", 15,
+                   "the page to connect")
+        alarm = browser.find_element("id", "checkpoint-alarm")
+        assert not alarm.is_displayed()
+        disk.fill()
+        worker = aps.Worker(server.address, 0, 1, transport="tcp")
+        worker.init({"w": np.zeros(NUMEL, np.float32)})
+        grad = {"w": np.ones(NUMEL, np.float32)}
+
+        def shown():
+            worker.push(grad)
+            return alarm.is_displayed() and "No space left on device" in alarm.text
+
+        wait_until(shown, 20, "the checkpoint alarm")
+        assert "Checkpoints are failing" in alarm.text and "since the server started" in alarm.text
+        assert browser.execute_script(
+            "return document.getElementById('checkpoint').parentElement.dataset.alarm") == "failing"
+        assert "failed" in text_of(browser, "checkpoint-detail")
+        disk.empty()
+
+        def cleared():
+            worker.push(grad)
+            return not alarm.is_displayed() and text_of(browser, "checkpoint").endswith("ago")
+
+        wait_until(cleared, 20, "the alarm to end once a checkpoint is written")
+        errors = [entry for entry in browser.get_log("browser") if entry["level"] == "SEVERE"]
+        assert not errors, errors
+    finally:
+        if worker is not None:
+            worker.close()
+        server.stop()
+        disk.close()

@@ -11,10 +11,12 @@ import time
 
 import aiohttp
 import numpy as np
+import psutil
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 import aps
+from aps import _http
 from aps.cli.status import fetch_stats
 
 from aps.protocol import Op
@@ -230,4 +232,151 @@ def test_hostile_http_clients_do_not_touch_training(server_process):
             pass
         assert time.monotonic() < deadline
         time.sleep(0.2)
+    assert "Traceback" not in server.log()
+
+
+async def scrape(base: str, deadline: float) -> tuple[int, float]:
+    """One scrape on a connection of its own, as Prometheus's first one is: (status, seconds)."""
+    began = time.monotonic()
+    try:
+        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=deadline)) as session, \
+                session.get(base + "metrics", headers={"Connection": "close"}) as response:
+            await response.read()
+            return response.status, time.monotonic() - began
+    except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
+        return -1 if not isinstance(exc, aiohttp.ClientResponseError) else exc.status, time.monotonic() - began
+
+
+@pytest.mark.slow
+def test_a_slowloris_wave_does_not_lock_out_the_scrapers(server_process):
+    """200 strangers that open connections and dribble their headers, never finishing them, and
+    come back a second after theirs are cut (a new wave each second): a scraper, new connection or kept alive, keeps getting 200
+    within a second, and a request whose headers do not come within the deadline is cut."""
+    server = server_process("--workers", "1", "--http-port", "0")
+    base = http_address(server)
+    port = int(base.rsplit(":", 1)[1].strip("/"))
+    strangers, seconds = 200, 5.0
+
+    async def slow_one(stop: asyncio.Event, cut: list[int]) -> None:
+        while not stop.is_set():
+            try:
+                reader, writer = await asyncio.open_connection("127.0.0.1", port)
+            except OSError:
+                await asyncio.sleep(1.0)
+                continue
+            try:
+                writer.write(b"GET /metrics HTTP/1.1\r\nHost: 127.0.0.1\r\n")
+                while not stop.is_set() and not reader.at_eof():
+                    writer.write(b"X-a: b\r\n")  # a header now and then, never the blank line
+                    await writer.drain()
+                    try:
+                        if await asyncio.wait_for(reader.read(1 << 16), 0.5) == b"":
+                            break
+                    except asyncio.TimeoutError:
+                        pass
+            except OSError:
+                pass
+            finally:
+                cut[0] += not stop.is_set()
+                writer.close()
+            await asyncio.sleep(1.0)
+
+    async def main() -> tuple[list, list, int]:
+        stop, cut = asyncio.Event(), [0]
+        attack = [asyncio.create_task(slow_one(stop, cut)) for _ in range(strangers)]
+        await asyncio.sleep(1.0)  # the wave is in
+        fresh, kept = [], []
+        async with aiohttp.ClientSession() as session:
+            end = time.monotonic() + seconds
+            while time.monotonic() < end:
+                fresh.append(await scrape(base, 5.0))
+                began = time.monotonic()
+                try:
+                    async with session.get(base + "metrics", timeout=aiohttp.ClientTimeout(total=5)) as response:
+                        await response.read()
+                        kept.append((response.status, time.monotonic() - began))
+                except (aiohttp.ClientError, asyncio.TimeoutError):
+                    kept.append((-1, time.monotonic() - began))
+                await asyncio.sleep(0.2)
+        stop.set()
+        await asyncio.gather(*attack)
+        return fresh, kept, cut[0]
+
+    fresh, kept, cut = asyncio.run(main())
+    assert all(status == 200 for status, _ in fresh + kept), (fresh, kept)
+    assert max(took for _, took in fresh + kept) < 1.0, (fresh, kept)
+    assert cut > 0  # the strangers' connections were cut (the oldest, or past their deadline)
+
+    # One slow stranger alone: cut once its headers are late, not by the idle timeout
+    with socket.create_connection(("127.0.0.1", port)) as sock:
+        began = time.monotonic()
+        sock.sendall(b"GET /metrics HTTP/1.1\r\nHost: 127.0.0.1\r\n")
+        sock.settimeout(15)
+        while True:
+            try:
+                if not sock.recv(1 << 16):
+                    break
+            except ConnectionResetError:
+                break
+        assert time.monotonic() - began < _http.HEADER_TIMEOUT_S + 1.5
+
+
+def rss(pid: int) -> int:
+    return psutil.Process(pid).memory_info().rss
+
+
+def test_a_header_bloat_wave_costs_little_memory_and_gives_it_back(server_process):
+    """128 connections that each send 120 headers of 8 KB: the server's memory grows by a few
+    MiB at most while they come and comes back once they are gone; scrapes go on."""
+    server = server_process("--workers", "1", "--http-port", "0")
+    base = http_address(server)
+    port = int(base.rsplit(":", 1)[1].strip("/"))
+    for _ in range(20):  # warm up: what a scrape allocates once is in the baseline
+        assert asyncio.run(scrape(base, 5.0))[0] == 200
+    time.sleep(0.5)
+    baseline = rss(server.proc.pid)
+    peak = [baseline]
+    done = threading.Event()
+
+    def sample() -> None:
+        while not done.is_set():
+            peak[0] = max(peak[0], rss(server.proc.pid))
+            time.sleep(0.02)
+
+    sampler = threading.Thread(target=sample)
+    sampler.start()
+    request = (b"GET /metrics HTTP/1.1\r\nHost: 127.0.0.1\r\n"
+               + b"".join(b"X-Bloat-%d: %s\r\n" % (i, b"x" * 8000) for i in range(120)) + b"\r\n")
+    socks = []
+    try:
+        for _ in range(128):
+            sock = socket.create_connection(("127.0.0.1", port))
+            sock.setblocking(False)
+            socks.append(sock)
+        sent = [0] * len(socks)
+        end = time.monotonic() + 10
+        while time.monotonic() < end and any(n < len(request) for n in sent):
+            for i, sock in enumerate(socks):
+                if sent[i] < len(request):
+                    try:
+                        sent[i] += sock.send(request[sent[i]:sent[i] + (1 << 16)])
+                    except BlockingIOError:
+                        pass
+                    except OSError:  # cut by the server
+                        sent[i] = len(request)
+        time.sleep(0.5)
+        during = peak[0]
+    finally:
+        for sock in socks:
+            sock.close()
+    deadline = time.monotonic() + 10
+    while rss(server.proc.pid) > baseline + (8 << 20) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    after = rss(server.proc.pid)
+    done.set()
+    sampler.join()
+    mib = 1 << 20
+    assert during - baseline < 48 * mib, f"RSS {baseline / mib:.0f} -> {during / mib:.0f} MiB during the wave"
+    assert after - baseline < 8 * mib, f"RSS {baseline / mib:.0f} -> {after / mib:.0f} MiB after it"
+    assert asyncio.run(scrape(base, 5.0))[0] == 200
     assert "Traceback" not in server.log()

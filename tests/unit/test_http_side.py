@@ -12,6 +12,7 @@ import socket
 import time
 from types import SimpleNamespace
 
+import aiohttp
 import pytest
 from aiohttp import WSCloseCode, WSMsgType
 from aiohttp.test_utils import TestClient, TestServer
@@ -217,7 +218,7 @@ def test_a_viewer_that_never_reads_is_cut_off_and_the_others_go_on(monkeypatch):
     drive(http, scenario)
 
 
-def test_connections_beyond_the_cap_are_refused_and_room_comes_back(monkeypatch):
+def test_at_the_cap_a_stranger_makes_room_and_only_connections_all_in_requests_refuse_one_more(monkeypatch):
     monkeypatch.setattr(_http, "MAX_CONNECTIONS", 3)
     http = HttpSide(ServerConfig(workers=2, http_port=0), snapshot, None)
 
@@ -226,18 +227,116 @@ def test_connections_beyond_the_cap_are_refused_and_room_comes_back(monkeypatch)
         try:
             idle = [socket.create_connection(("127.0.0.1", http.port)) for _ in range(3)]
             await asyncio.sleep(0.2)
-            reader, writer = await asyncio.open_connection("127.0.0.1", http.port)
-            writer.write(b"GET /api/config HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n")
-            assert (await asyncio.wait_for(reader.read(), 5)).startswith(b"HTTP/1.1 503 ")
-            writer.close()
-            idle.pop().close()
-            await asyncio.sleep(0.2)
-            reader, writer = await asyncio.open_connection("127.0.0.1", http.port)
-            writer.write(b"GET /api/config HTTP/1.1\r\nHost: 127.0.0.1\r\nConnection: close\r\n\r\n")
-            assert (await asyncio.wait_for(reader.read(), 5)).startswith(b"HTTP/1.1 200 ")
-            writer.close()
+            answer = await raw_request("127.0.0.1", http.port,
+                                       b"GET /api/config HTTP/1.1\r\nHost: 127.0.0.1\r\nConnection: close\r\n\r\n")
+            assert answer.startswith(b"HTTP/1.1 200 ")
+            idle[0].settimeout(2)
+            assert idle[0].recv(1) == b""  # the oldest stranger made room
             for sock in idle:
                 sock.close()
+            await asyncio.sleep(0.2)
+            async with aiohttp.ClientSession() as session:
+                viewers = [await session.ws_connect(f"http://127.0.0.1:{http.port}/ws") for _ in range(3)]
+                for ws in viewers:
+                    await ws.send_str('{"token": ""}')
+                    assert (await receive_json(ws))["type"] == "hello"
+                # every connection is a dashboard (in a request, for its whole life): one more is refused
+                answer = await raw_request("127.0.0.1", http.port,
+                                           b"GET /api/config HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n")
+                assert answer.startswith(b"HTTP/1.1 503 ")
+                await viewers.pop().close()
+                await asyncio.sleep(0.2)
+                answer = await raw_request("127.0.0.1", http.port,
+                                           b"GET /api/config HTTP/1.1\r\nHost: 127.0.0.1\r\nConnection: close\r\n\r\n")
+                assert answer.startswith(b"HTTP/1.1 200 ")  # room came back
+                for ws in viewers:
+                    await ws.close()
+        finally:
+            await http.close()
+
+    asyncio.run(main())
+
+
+def test_strangers_hold_a_few_places_and_a_kept_alive_scraper_keeps_its_own(monkeypatch):
+    monkeypatch.setattr(_http, "MAX_UNPROVEN", 4)
+    http = HttpSide(ServerConfig(workers=2, http_port=0), snapshot, None)
+
+    async def main():
+        await http.start()
+        try:
+            reader, writer = await asyncio.open_connection("127.0.0.1", http.port)  # proven by its request
+            writer.write(b"GET /api/config HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n")
+            assert (await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 5)).startswith(b"HTTP/1.1 200 ")
+            strangers = [await asyncio.open_connection("127.0.0.1", http.port) for _ in range(10)]
+            await asyncio.sleep(_http.UNPROVEN_GRACE_S + 0.5)
+            closed = [r.at_eof() or await _closed_soon(r) for r, _ in strangers]
+            assert closed == [True] * 6 + [False] * 4, closed  # the oldest beyond the 4 places
+            assert not reader.at_eof()
+            for _, w in strangers:
+                w.close()
+            writer.close()
+        finally:
+            await http.close()
+
+    asyncio.run(main())
+
+
+async def _closed_soon(reader, within: float = 0.2) -> bool:
+    try:
+        return await asyncio.wait_for(reader.read(1), within) == b""
+    except asyncio.TimeoutError:
+        return False
+
+
+def test_late_headers_are_cut_and_too_many_of_them_refused(monkeypatch):
+    monkeypatch.setattr(_http, "HEADER_TIMEOUT_S", 0.5)
+    http = HttpSide(ServerConfig(workers=2, http_port=0), snapshot, None)
+
+    async def main():
+        await http.start()
+        try:
+            began = time.monotonic()
+            reader, writer = await asyncio.open_connection("127.0.0.1", http.port)
+            writer.write(b"GET /api/config HTTP/1.1\r\nHost: 127.0.0.1\r\n")  # never finished
+            assert await asyncio.wait_for(reader.read(), 5) == b""
+            assert time.monotonic() - began < 0.5 + 2 * _http.SWEEP_S + 0.3
+            writer.close()
+            # a kept-alive proven connection may stay idle (aiohttp's keep-alive timeout closes it),
+            # but its next request's headers have the same deadline from their first byte
+            reader, writer = await asyncio.open_connection("127.0.0.1", http.port)
+            writer.write(b"GET /api/config HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n")
+            await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 5)
+            assert not await _closed_soon(reader, 1.0)
+            writer.write(b"GET /api/config HTTP/1.1\r\n")
+            began = time.monotonic()
+            while await asyncio.wait_for(reader.read(1 << 16), 5):
+                pass  # the rest of the first answer
+            assert time.monotonic() - began < 0.5 + 2 * _http.SWEEP_S + 0.3
+            writer.close()
+            head, line = b"GET /api/config HTTP/1.1\r\nHost: 127.0.0.1\r\n", b"X-A: " + b"a" * 8000 + b"\r\n"
+            answer = await raw_request("127.0.0.1", http.port, head + line * 5 + b"\r\n")
+            assert answer.startswith(b"HTTP/1.1 431 ")  # 40 KB of headers: over the budget
+            answer = await raw_request("127.0.0.1", http.port, head + line * 3 + b"Connection: close\r\n\r\n")
+            assert answer.startswith(b"HTTP/1.1 200 ")  # 24 KB: within it
+        finally:
+            await http.close()
+
+    asyncio.run(main())
+
+
+def test_memory_a_wave_of_large_requests_took_is_handed_back(monkeypatch):
+    trimmed = []
+    monkeypatch.setattr(_http, "_give_memory_back", lambda: trimmed.append(time.monotonic()))
+    http = HttpSide(ServerConfig(workers=2, http_port=0), snapshot, None)
+
+    async def main():
+        await http.start()
+        try:
+            request = b"GET /api/config HTTP/1.1\r\nHost: 127.0.0.1\r\n" + b"X-A: " + b"a" * 8000 + b"\r\n"
+            await asyncio.gather(*(raw_request("127.0.0.1", http.port, request * 4 + b"Connection: close\r\n\r\n")
+                                   for _ in range(40)))
+            await asyncio.sleep(3 * _http.SWEEP_S)
+            assert len(trimmed) == 1  # once for the wave, not once a connection
         finally:
             await http.close()
 
@@ -378,23 +477,30 @@ def test_viewers_arriving_together_are_held_to_the_cap(monkeypatch):
 
 def test_a_burst_of_connections_is_held_to_the_cap(monkeypatch):
     monkeypatch.setattr(_http, "MAX_CONNECTIONS", 8)
+    http = HttpSide(ServerConfig(workers=2, http_port=0), snapshot, None)
 
     async def scenario(host, port):
         opened = await asyncio.gather(*(asyncio.open_connection(host, port) for _ in range(100)))
+        assert len(http._connections.open) <= 8
         request = f"GET /api/config HTTP/1.1\r\nHost: {host}\r\nConnection: close\r\n\r\n".encode()
         for _, writer in opened:
             writer.write(request)
         answers = await asyncio.gather(*(asyncio.wait_for(reader.read(), 10) for reader, _ in opened))
         served = sum(a.startswith(b"HTTP/1.1 200 ") for a in answers)
+        closed = sum(a == b"" for a in answers)  # made room for a newer one before they said a word
         refused = sum(a.startswith(b"HTTP/1.1 503 ") for a in answers)
-        assert served <= 8 and served + refused == 100, (served, refused)
+        assert 1 <= served <= 8 and served + closed + refused == 100, (served, closed, refused)
         for _, writer in opened:
             writer.close()
 
-    listening(HttpSide(ServerConfig(workers=2, http_port=0), snapshot, None), scenario)
+    listening(http, scenario)
 
 
 def test_bad_requests_do_not_flood_the_log(caplog):
+    quiet = logging.getLogger("aps.http")
+    for old in list(quiet.filters):  # a fresh allowance: earlier tests in this process used theirs
+        quiet.removeFilter(old)
+
     async def scenario(host, port):
         for _ in range(200):
             await raw_request(host, port, b"GET /\x01 HTTP/1.1\r\nHost: x\r\n\r\n")
@@ -441,3 +547,52 @@ def test_each_connected_rank_exports_its_learning_rates_with_the_groups_bounded(
     assert [(w["lr_range"], w["hyperparameters_own"]) for w in frame["workers"]] == [
         ([own[-1]["lr"], 0.1], True), ([0.05, 0.05], False), (None, None)]
     assert all("hyperparameters" not in w for w in frame["workers"])
+
+
+def test_checkpoint_metrics_are_there_from_the_start_and_a_failure_is_an_alarm():
+    from aps._http import StatsCollector
+
+    def exported(checkpoints, **counters) -> dict:
+        snap = snapshot()
+        snap["server"].update(checkpoints=checkpoints, counters={"updates": 3, "duplicates": 1, "since_unix": 5.0,
+                                                                 **counters})
+        out = {}
+        for family in StatsCollector(lambda: snap).collect():
+            for sample in family.samples:
+                out[(sample.name, tuple(sorted(sample.labels.items())))] = sample.value
+        return out
+
+    now = time.time()
+    fresh = {"directory": "/ck", "written": 0, "failed": 0, "skipped": 0, "failing": False, "failed_in_a_row": 0,
+             "last_error": None, "last_written_unix": None, "last_written_version": None, "since_unix": now - 30}
+    m = exported(fresh)
+    assert m[("aps_checkpoints_failed_total", ())] == 0 and m[("aps_checkpoints_written_total", ())] == 0
+    assert m[("aps_checkpoint_failing", ())] == 0 and ("aps_checkpoint_version", ()) not in m
+    assert 29 <= m[("aps_checkpoint_age_seconds", ())] <= 60  # since the server began keeping them
+    # the process's counters, the run's version as a gauge
+    assert m[("aps_updates_total", ())] == 3 and m[("aps_version", ())] == 7
+    assert m[("aps_duplicate_pushes_total", ())] == 1 and m[("aps_server_start_time_seconds", ())] == 5.0
+    error = {"error": "the checkpoint failed: OSError: [Errno 28] No space left on device" + "!" * 500,
+             "unix": now - 2, "version": 41, "reason": "periodic"}
+    failing = {**fresh, "written": 3, "failed": 2, "failing": True, "failed_in_a_row": 2, "last_error": error,
+               "last_written_unix": now - 10, "last_written_version": 36}
+    m = exported(failing)
+    assert m[("aps_checkpoint_failing", ())] == 1 and m[("aps_checkpoint_failures_in_a_row", ())] == 2
+    assert m[("aps_checkpoint_version", ())] == 36 and 9 <= m[("aps_checkpoint_age_seconds", ())] <= 40
+    assert m[("aps_checkpoint_last_failure_timestamp_seconds", ())] == now - 2
+    (labels,) = [dict(l) for (name, l) in m if name == "aps_checkpoint_last_failure_info"]
+    assert labels["version"] == "41" and labels["reason"] == "periodic" and len(labels["error"]) == 200
+    assert "No space left on device" in labels["error"]
+    assert not any(name.startswith("aps_checkpoint") for name, _ in exported(None))  # no --checkpoint-dir
+
+    from aps.cli.status import checkpoint_alarm, format_stats
+
+    assert checkpoint_alarm({"checkpoints": fresh}) is None and checkpoint_alarm({"checkpoints": None}) is None
+    alarm = checkpoint_alarm({"checkpoints": failing}, now=now)
+    assert alarm.startswith("CHECKPOINTS FAILING: 2 failed in a row") and "of version 41, 2s ago" in alarm
+    assert "No space left on device" in alarm and "10s old (version 36)" in alarm
+    assert "none written in the 30s since" in checkpoint_alarm(
+        {"checkpoints": {**failing, "last_written_unix": None}}, now=now)
+    snap = snapshot()
+    snap["server"]["checkpoints"] = failing
+    assert format_stats(snap).splitlines()[1].startswith("!! CHECKPOINTS FAILING")

@@ -1,5 +1,8 @@
 """Server statistics: the recent update rate and the bytes each transport moved."""
 
+import time
+
+import numpy as np
 import pytest
 
 from aps.stats import RATE_WINDOW_S, ServerStats
@@ -107,3 +110,42 @@ def lr_column(table: str) -> list[str]:
     end = lines[header].index(" lr ") + 3
     rows = [line for line in lines[header + 1:] if line[:4].strip().isdigit()]
     return [line[end - 13:end].strip() for line in rows]
+
+
+def test_counters_start_at_zero_with_the_process_and_the_run_totals_are_carried_apart():
+    """A resumed engine's counters (what /metrics exports as counters) start at 0; the run's
+    totals (the version, rejected and duplicate pushes) go on from the checkpoint's."""
+    from .test_resume import checkpoint_of
+
+    original = Harness(workers=1, sync="asp", numel=4)
+    original.join_all()
+    for _ in range(5):
+        original.push(0, np.ones(4, np.float32))
+    original.push(0, np.full(4, np.nan, np.float32))
+    original.engine.stats.duplicates += 2  # (as two pushes sent again would)
+    server = original.engine.stats_snapshot()["server"]
+    assert server["counters"]["updates"] == server["version"] == 5
+    assert (server["rejected"], server["duplicates"]) == (1, 2)
+
+    resumed = Harness(workers=1, sync="asp", numel=4)
+    resumed.engine.restore(checkpoint_of(original))
+    server = resumed.engine.stats_snapshot()["server"]
+    assert server["version"] == 5 and (server["rejected"], server["duplicates"]) == (1, 2)  # the run's
+    counters = server["counters"]
+    assert (counters["updates"], counters["pushes"], counters["rejected"], counters["duplicates"]) == (0, 0, 0, 0)
+    assert abs(counters["since_unix"] - time.time()) < 60
+    resumed.join(0, rejoin=True)
+    for _ in range(3):
+        resumed.push(0, np.ones(4, np.float32))
+    server = resumed.engine.stats_snapshot()["server"]
+    assert server["version"] == 8 and server["counters"]["updates"] == 3 and server["counters"]["pushes"] == 3
+    assert resumed.engine.checkpoint_state()[0]["counters"] == {"rejected": 1, "duplicates": 2}  # carried on
+
+
+@pytest.mark.parametrize("counters", [[1], "x", {"rejected": "many"}, {"duplicates": -1}])
+def test_carried_counters_of_the_wrong_kind_are_refused_and_change_nothing(counters):
+    stats = ServerStats(1)
+    stats.carry({"rejected": 4})
+    with pytest.raises((TypeError, ValueError)):
+        stats.carry(counters)
+    assert stats.run_counters() == {"rejected": 4, "duplicates": 0}
