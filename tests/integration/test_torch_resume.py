@@ -22,7 +22,10 @@ from torch.nn import functional as F  # noqa: E402
 import aps  # noqa: E402
 import aps.torch  # noqa: E402
 from aps import workloads  # noqa: E402
+from aps.errors import ErrorCode  # noqa: E402
+from aps.protocol import DType, Flag, Op, decode_error, weights_digest  # noqa: E402
 from tests._workers import digits_batches  # noqa: E402
+from tests.helpers import RawClient  # noqa: E402
 
 LR, MOMENTUM, BATCH = 0.05, 0.9, 16
 SGD = ("--optimizer", "sgd", "--lr", str(LR), "--momentum", str(MOMENTUM))
@@ -227,3 +230,39 @@ def test_a_torch_model_on_shards_keeps_the_weights_it_loaded(server_process, tra
         train_once.backward()
         opt.step()
         assert torch.equal(model.weight, torch.full((8, 64), 7.0)) and torch.equal(model.bias, torch.full((8,), 7.0))
+
+
+def test_bad_load_weights_frames_are_refused_and_change_nothing(server_process):
+    server = server_process("--workers", "1", "--sync", "asp", "--lr", "0")
+    raw = RawClient(server.port)
+    good = np.full(8, 7.0, np.float32)
+
+    def load(values: np.ndarray, digest: bytes | None = None, **fields) -> tuple[int, str] | int:
+        payload = (weights_digest((values,)) if digest is None else digest) + values.tobytes()
+        fields.setdefault("dtype", DType.FLOAT32)
+        raw.frame(Op.LOAD_WEIGHTS, payload, request_id=7, **fields)
+        header, body = raw.reply()
+        if header.op == Op.ERROR:
+            return decode_error(body)
+        assert header.op == Op.LOAD_WEIGHTS_REPLY and header.request_id == 7
+        return header.flags
+
+    assert load(good)[0] == ErrorCode.NOT_INITIALIZED  # before INIT
+    raw.init(0, 1, {"w": np.zeros(8, np.float32)})
+    assert raw.reply()[0].op == Op.INIT_REPLY
+    assert load(good[:4])[0] == ErrorCode.PAYLOAD_SIZE_MISMATCH
+    assert load(good, dtype=DType.FLOAT16)[0] == ErrorCode.DTYPE_MISMATCH
+    code, message = load(good, digest=bytes(16))
+    assert code == ErrorCode.WEIGHTS_REFUSED and "digest" in message
+    nan = good.copy()
+    nan[3] = np.nan
+    code, message = load(nan)
+    assert code == ErrorCode.WEIGHTS_REFUSED and "weight 3 is nan" in message
+    raw.frame(Op.LOAD_WEIGHTS, weights_digest((good,)), request_id=7, dtype=DType.FLOAT32, flags=Flag.CHECK)
+    assert raw.reply()[0].flags == 0  # it would take them; nothing loaded
+    assert load(good) == 0  # loaded
+    assert load(good) == Flag.DROPPED  # the same again: a no-op
+    code, message = load(good + 1)
+    assert code == ErrorCode.WEIGHTS_REFUSED and "other weights" in message
+    raw.close()
+    assert server.alive()
