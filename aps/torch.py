@@ -421,7 +421,13 @@ class Optimizer(torch.optim.Optimizer):
         weights are no longer what the server holds, make them the server's (it refuses
         once it has applied an update, or when another rank loaded other weights).
         ``stepping``: a step follows (nothing is compared after it)."""
-        if self._initial_weights is None and not self._module_loaded:
+        # Compared only while the worker holds version 0: a pull of a newer version (code may
+        # pull before its first step) wrote the server's weights into the model, which then
+        # differ from the initial ones without being loaded (and the server would refuse any
+        # other weights by now anyway).
+        compare = self._initial_weights is not None and self.worker.version == 0
+        if not compare and not self._module_loaded:
+            self._initial_weights = None if stepping else self._initial_weights
             return
         current = self._model_weights()
         sent = self._module_loaded or not np.array_equal(current, self._initial_weights)
