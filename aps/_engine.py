@@ -38,13 +38,15 @@ from .errors import (
     NonFiniteGradient,
     NotInitialized,
     OutOfOrder,
+    PayloadSizeMismatch,
     RankOutOfRange,
     RankTaken,
     ServerError,
+    WeightsRefused,
     WorkerCountMismatch,
 )
 from ._lane import CallJob, Offload, UpdateLane
-from ._state import LoadStateJob, ReadStateJob, StateCopies, StateCopy
+from ._state import LoadStateJob, LoadWeightsJob, ReadStateJob, StateCopies, StateCopy
 from ._updates import Aggregate, AggregateJob, PushJob, StreamingPush
 from .layout import Layout
 from .optim import HyperGroups, make_optimizer
@@ -265,6 +267,9 @@ class Engine:
         #: The digest of the optimizer state loaded into this run (LOAD_STATE), if any: kept in
         #: checkpoints, so that loading the same state again is a no-op, not a refusal.
         self.loaded_state: bytes | None = None
+        #: The digest of the weights loaded into this run (LOAD_WEIGHTS), if any: kept in
+        #: checkpoints, so that every rank may load the same weights, once taken.
+        self.loaded_weights: bytes | None = None
         #: Counts the loads: a state copy made before one is not the state after it.
         self.state_generation = 0
         #: The newest copy of the optimizer's state that a STATE reply still holds (aps._state).
@@ -442,8 +447,11 @@ class Engine:
         clock = self._place(member)
         member.joined = True
         member.required_version = self.decided_version
-        log.info("worker %d joined at clock %d (%d/%d live)", member.rank, clock, self.policy.num_live, self.num_workers)
-        self.stats.membership(member.rank, "rejoined" if member.rejoin else "joined", clock, self.policy.num_live)
+        # The log line and the membership event say the same thing (docs/metrics.md).
+        event = "rejoined" if member.rejoin else "joined"
+        log.info("worker %d %s at clock %d (%d/%d live)", member.rank, event, clock, self.policy.num_live,
+                 self.num_workers)
+        self.stats.membership(member.rank, event, clock, self.policy.num_live)
         self._wait(member, on_ready, gate=False)
         if not self.started and not self.join_progress()[2]:
             self.started = True
@@ -486,7 +494,7 @@ class Engine:
             # Resuming, before everyone is back: it returns to where the checkpoint had it.
             self._placements[rank] = (seat.clock, seat.held, seat.credit)
         outcome = self.policy.leave(member.rank)
-        log.info("worker %d left (%d/%d live)", member.rank, self.policy.num_live, self.num_workers)
+        log.info("worker %d %s (%d/%d live)", member.rank, how, self.policy.num_live, self.num_workers)
         self.stats.membership(rank, how, seat.clock, self.policy.num_live)
         if not self.started and self.on_membership_change is not None:
             self.on_membership_change()
@@ -609,6 +617,7 @@ class Engine:
             "policy": policy_state,
             "seats": {str(rank): seat.to_json() for rank, seat in sorted(self._seats.items())},
             "counters": self.stats.run_counters(),
+            **({"loaded_weights": self.loaded_weights.hex()} if self.loaded_weights is not None else {}),
         }
         return manifest, arrays
 
@@ -635,6 +644,8 @@ class Engine:
             optimizer.load_state(state, int(saved["steps"]))
             loaded = saved.get("loaded_state")
             self.loaded_state = bytes.fromhex(loaded) if isinstance(loaded, str) else None
+            loaded = manifest.get("loaded_weights")
+            self.loaded_weights = bytes.fromhex(loaded) if isinstance(loaded, str) else None
             self.table.version = int(manifest["version"])
             self._placements = self.policy.restore(manifest["policy"])
             self._seats = {int(rank): Seat.from_json(seat) for rank, seat in manifest["seats"].items()}
@@ -658,7 +669,7 @@ class Engine:
                 self.table.close()
             self.table = self.layout = self.aggregate = None
             self._placements, self._seats, self._start_ranks = {}, {}, None
-            self.loaded_state = None
+            self.loaded_state = self.loaded_weights = None
             self.stats.carry({})
             detail = f"missing {exc}" if isinstance(exc, KeyError) else str(exc)
             raise CheckpointError(f"checkpoint {checkpoint.path} cannot be resumed: {detail}") from None
@@ -830,6 +841,63 @@ class Engine:
         if not member.joined or self.table is None:
             raise NotInitialized("LOAD_STATE before a successful INIT")
         self._lane.submit(LoadStateJob(self, head, arrays, done, failed))
+
+    # Weights (docs/protocol.md, LOAD_WEIGHTS) ---------------------------------
+    def check_weights(self, digest: bytes, numel: int, version: int) -> bool:
+        """Whether weights of ``digest`` can be loaded now, sent by a worker that holds the
+        weights of ``version``: False when they are to be loaded, True when they were loaded
+        into this run already and the worker holds version 0 (a no-op: every rank of a job
+        may load the same checkpoint).
+
+        Raises:
+            NotInitialized: there is no model yet.
+            PayloadSizeMismatch: ``numel`` is not the model's (this shard's) size.
+            WeightsRefused: other weights were loaded already, or the server has taken a
+                gradient (computed on the weights it holds) or applied an update. Nothing changed.
+        """
+        table = self.table
+        if table is None:
+            raise NotInitialized("LOAD_WEIGHTS before a successful INIT")
+        if numel != table.numel:
+            raise PayloadSizeMismatch(f"LOAD_WEIGHTS of {numel} weights; the model has {table.numel}"
+                                      + (" on this shard" if self.config.shards > 1 else ""))
+        how = ("load them (model.load_state_dict) on every rank before its first step(), or resume the server "
+               "from its own checkpoint (aps serve --resume)")
+        if digest == self.loaded_weights and version == 0:
+            return True
+        if table.version > 0 or self.pushes > 0:
+            taken = (f"applied {table.version} updates" if table.version > 0
+                     else f"taken {self.pushes} gradients computed on its initial weights")
+            raise WeightsRefused(f"the server has {taken}: weights can only be loaded before the first update; "
+                                 f"{how}")
+        if self.loaded_weights is not None:
+            raise WeightsRefused("other weights were loaded into this run already (digest "
+                                 f"{self.loaded_weights.hex()}): every rank must load the same weights (the same "
+                                 "checkpoint)")
+        return False
+
+    def load_weights(self, member: Member, digest: bytes, values: np.ndarray, version: int,
+                     done: Callable[[bool], None], failed: ErrorCallback) -> None:
+        """Make ``values`` the server's weights between two updates (a job of the update lane,
+        see :mod:`aps._state`), once everything is checked again at its turn (see
+        :meth:`check_weights`; the digest, every value finite): ``done(True)`` when loaded,
+        ``done(False)`` when the same weights were loaded already, ``failed`` with the
+        refusal (nothing changed).
+
+        Raises:
+            NotInitialized: ``member`` has not joined.
+        """
+        if not member.joined or self.table is None:
+            raise NotInitialized("LOAD_WEIGHTS before a successful INIT")
+        self._lane.submit(LoadWeightsJob(self, digest, values, version, done, failed))
+
+    def weights_loaded(self, digest: bytes, slot) -> None:
+        """Weights were written into ``slot`` (by a LoadWeightsJob): they are the current
+        ones, still version 0."""
+        self.table.replace(slot)
+        self.loaded_weights = digest
+        self._narrowed.clear()  # narrowed copies of the weights they replace
+        log.info("weights loaded: the run starts from them (digest %s)", digest.hex())
 
     def state_loaded(self, head: StateHead) -> None:
         """A state was loaded (by a LoadStateJob): remember its digest."""

@@ -53,6 +53,7 @@ from .protocol import (
     encode_state_head,
     negative_second_moment,
     state_digest,
+    weights_digest,
 )
 from .worker import (
     AS_SHARD,
@@ -64,6 +65,7 @@ from .worker import (
     resolve_hyperparameters,
     server_hyperparameters,
     checked_state,
+    flat_weights_of,
 )
 
 __all__ = ["AsyncShardedWorker", "ShardedWorker", "split_addresses"]
@@ -334,6 +336,15 @@ class _ShardedViews:
                              pieces))
         return payloads
 
+    def _weights_payloads(self, params: Mapping[str, Any] | np.ndarray) -> list[tuple[bytes, np.ndarray]]:
+        """Each shard's LOAD_WEIGHTS digest and weights: the whole model's (checked whole
+        first, as one server would) cut by the shards' bounds."""
+        if self._layout is None:
+            raise NotInitialized("call init(params) before load_weights")
+        flat = flat_weights_of(params, self._layout)
+        pieces = [flat[lo:hi] for lo, hi in zip(self._bounds, self._bounds[1:])]
+        return [(weights_digest((piece,)), piece) for piece in pieces]
+
     @staticmethod
     def _check_values(payloads: list[tuple[bytes, list[np.ndarray]]]) -> None:
         """Refuse, before any shard loads its piece, what a shard would refuse only once its
@@ -517,6 +528,24 @@ class ShardedWorker(_ShardedViews, Worker):
 
         def load(index: int, worker: Worker) -> None:
             loaded[index] = worker._load_state(*payloads[index])
+
+        self._each(load)
+        return any(loaded)
+
+    def load_weights(self, params: Mapping[str, Any] | np.ndarray) -> bool:
+        """See :meth:`aps.Worker.load_weights`; each shard gets its range. Every shard checks
+        its digest first (Flag.CHECK), and only if all would take them are they loaded on
+        every shard: weights refused by one shard change no shard.
+
+        Returns:
+            True when a shard loaded them; False when every shard had them loaded already.
+        """
+        payloads = self._weights_payloads(params)
+        self._each(lambda index, worker: worker._check_weights(payloads[index][0]))
+        loaded = [False] * len(self._shards)
+
+        def load(index: int, worker: Worker) -> None:
+            loaded[index] = worker._load_weights(*payloads[index])
 
         self._each(load)
         return any(loaded)
@@ -718,6 +747,12 @@ class AsyncShardedWorker(_ShardedViews, AsyncWorker):
         await self._each(lambda index, worker: worker._check_state(payloads[index][0]))
         self._check_values(payloads)
         return any(await self._each(lambda index, worker: worker._load_state(*payloads[index])))
+
+    async def load_weights(self, params: Mapping[str, Any] | np.ndarray) -> bool:
+        """See :meth:`ShardedWorker.load_weights`."""
+        payloads = self._weights_payloads(params)
+        await self._each(lambda index, worker: worker._check_weights(payloads[index][0]))
+        return any(await self._each(lambda index, worker: worker._load_weights(*payloads[index])))
 
     async def reconnect(self, *, timeout: float | None = 60.0) -> Mapping[str, np.ndarray]:
         await self._each(lambda index, worker: worker.reconnect(timeout=timeout))

@@ -1,4 +1,5 @@
-"""Reading and loading the optimizer's state (STATE, LOAD_STATE): two jobs of the update lane.
+"""Reading and loading the optimizer's state (STATE, LOAD_STATE) and loading the weights
+(LOAD_WEIGHTS): jobs of the update lane.
 
 The optimizer's state is double-buffered: an update writes the next state
 into the spare (on a helper thread for a large model, or piece by piece while
@@ -15,6 +16,11 @@ runs, and no push streams, until it has committed. So:
   same state was loaded already; the digest; every value finite) before it
   writes anything, then copies the arrays into the current state, where no
   kernel reads or writes meanwhile.
+- :class:`LoadWeightsJob` checks the same way (no update applied and no
+  gradient taken yet, or the same weights loaded already; the digest; every
+  value finite), then writes the weights into a free snapshot slot and makes it
+  the current one, still version 0: a reply being sent from the old slot keeps
+  its lease and its weights (docs/protocol.md, LOAD_WEIGHTS).
 """
 
 from __future__ import annotations
@@ -27,13 +33,13 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from ._lane import Job
-from .errors import InternalServerError, InvalidState, ServerError
-from .protocol import StateHead, encode_state_head, negative_second_moment, state_digest
+from .errors import InternalServerError, InvalidState, ServerError, WeightsRefused
+from .protocol import StateHead, encode_state_head, negative_second_moment, state_digest, weights_digest
 
 if TYPE_CHECKING:
     from ._engine import Engine, Member
 
-__all__ = ["LoadStateJob", "ReadStateJob", "StateCopy"]
+__all__ = ["LoadStateJob", "LoadWeightsJob", "ReadStateJob", "StateCopy"]
 
 log = logging.getLogger("aps.server")
 
@@ -178,6 +184,83 @@ class LoadStateJob(Job):
             return
         log.error("loading the optimizer's state failed: %s: %s", type(exc).__name__, exc)
         self.failed(InternalServerError(f"loading the optimizer's state failed: {type(exc).__name__}: {exc}"))
+
+
+class LoadWeightsJob(Job):
+    """Make ``values`` (a flat float32 array of the model's size, received whole) the
+    server's weights, between two updates, if everything about them is right:
+    ``done(loaded)`` (False: the same weights were loaded already, nothing changed) or
+    ``failed(error)``. ``version``: the version of the weights the sender holds."""
+
+    __slots__ = ("engine", "digest", "values", "version", "done", "failed", "slot", "outcome")
+
+    def __init__(self, engine: Engine, digest: bytes, values: np.ndarray, version: int,
+                 done: Callable[[bool], None], failed: Callable[[ServerError], None]) -> None:
+        self.engine = engine
+        self.digest = digest
+        self.values = values
+        self.version = version
+        self.done = done
+        self.failed = failed
+        self.slot = None  # the free snapshot slot the weights are written into
+        self.outcome: object = None  # decided without a kernel (in prepare): what commit reports
+
+    def prepare(self) -> int | None:
+        # Checked again at its turn: a gradient may have been taken since the bytes arrived.
+        try:
+            kept = self.engine.check_weights(self.digest, self.values.size, self.version)
+        except ServerError as exc:
+            self.outcome = exc
+            return None
+        if kept:
+            self.outcome = False
+            return None
+        self.slot = self.engine.table.begin_update()
+        return self.values.size
+
+    def run(self) -> object:
+        values = self.values
+        if weights_digest((values,)) != self.digest:
+            return WeightsRefused("the weights do not match their digest: they were damaged on the way, or the "
+                                  "digest was computed otherwise (BLAKE2b-128, person 'aps-weights', of the "
+                                  "float32 bytes)")
+        if not self.engine.kernels.all_finite(values):
+            index = int(np.flatnonzero(~np.isfinite(values))[0])
+            return WeightsRefused(f"weight {index} is {values[index]}: every value must be finite")
+        np.copyto(self.slot.array, values)  # a free slot: nobody reads it until it is published
+        return True
+
+    def commit(self, result: object) -> None:
+        if self.outcome is not None:
+            result = self.outcome
+        self.values = None
+        if isinstance(result, ServerError):
+            self._give_back()
+            self.failed(result)
+            return
+        if result is False:  # loaded already: a no-op
+            self.done(False)
+            return
+        if result is not True:
+            self.fail(result if isinstance(result, BaseException) else RuntimeError(str(result)))
+            return
+        slot, self.slot = self.slot, None
+        self.engine.weights_loaded(self.digest, slot)
+        self.done(True)
+
+    def fail(self, exc: BaseException) -> None:
+        self.values = None
+        self._give_back()
+        if isinstance(exc, ServerError):
+            self.failed(exc)
+            return
+        log.error("loading the weights failed: %s: %s", type(exc).__name__, exc)
+        self.failed(InternalServerError(f"loading the weights failed: {type(exc).__name__}: {exc}"))
+
+    def _give_back(self) -> None:
+        slot, self.slot = self.slot, None
+        if slot is not None:
+            self.engine.table.abandon(slot)
 
 
 class StateCopies:

@@ -30,6 +30,7 @@ __all__ = [
     "InternalServerError",
     "InvalidHyperparameters",
     "InvalidState",
+    "WeightsRefused",
     "LayoutMismatch",
     "MalformedFrame",
     "NonFiniteGradient",
@@ -76,6 +77,7 @@ class ErrorCode(IntEnum):
     CHECKPOINT_FAILED = 20
     INVALID_HYPERPARAMETERS = 21
     INVALID_STATE = 22
+    WEIGHTS_REFUSED = 23
 
 
 class APSError(Exception):
@@ -280,6 +282,16 @@ class InvalidState(ServerError, ValueError):
     code = ErrorCode.INVALID_STATE
 
 
+class WeightsRefused(ServerError, ValueError):
+    """Weights to load (LOAD_WEIGHTS, ``Worker.load_weights``, a model loaded before the
+    first ``aps.torch.Optimizer.step()``) were refused: the server has applied updates (or
+    taken gradients computed on its initial weights) already, another worker loaded other
+    weights into this run, or a value is not finite. The message says which and how to
+    load them; nothing changed."""
+
+    code = ErrorCode.WEIGHTS_REFUSED
+
+
 class InternalServerError(ServerError):
     """The server failed unexpectedly while handling the request."""
 
@@ -309,6 +321,7 @@ ERROR_CODES: dict[ErrorCode, type[ServerError]] = {
     ErrorCode.CHECKPOINT_FAILED: CheckpointFailed,
     ErrorCode.INVALID_HYPERPARAMETERS: InvalidHyperparameters,
     ErrorCode.INVALID_STATE: InvalidState,
+    ErrorCode.WEIGHTS_REFUSED: WeightsRefused,
 }
 
 

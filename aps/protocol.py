@@ -45,6 +45,8 @@ __all__ = [
     "encode_state_head",
     "negative_second_moment",
     "state_digest",
+    "WEIGHTS_DIGEST_BYTES",
+    "weights_digest",
     "check_stops",
     "MAX_HYPER_BYTES",
     "MAX_HYPER_GROUPS",
@@ -101,9 +103,10 @@ class Op(IntEnum):
     HYPER = 12
     STATE = 13
     LOAD_STATE = 14
+    LOAD_WEIGHTS = 15
     #: A sharded BSP worker brings every shard back to one round (docs/algorithms.md,
     #: "Sharded resume"): with Flag.CHECK, the versions of this run's checkpoints; else
-    #: restart from the checkpoint at the version its JSON payload names.
+    #: restart from the checkpoint at the version its header names.
     REWIND = 16
 
     REPLY = 0x80
@@ -121,6 +124,7 @@ class Op(IntEnum):
     HYPER_REPLY = 0x8C
     STATE_REPLY = 0x8D
     LOAD_STATE_REPLY = 0x8E
+    LOAD_WEIGHTS_REPLY = 0x8F
     REWIND_REPLY = 0x90
     #: Not a reply: a notice the server sends while it holds a request (a pull
     #: at the gate, a push in the lane) to say it is alive; no payload.
@@ -133,7 +137,7 @@ class Op(IntEnum):
 
 REQUEST_OPS = frozenset(
     {Op.INIT, Op.PULL, Op.PUSH, Op.PUSH_PULL, Op.LEAVE, Op.PING, Op.STATS, Op.HELLO, Op.AUTH, Op.CHECKPOINT,
-     Op.SHARDS, Op.HYPER, Op.STATE, Op.LOAD_STATE, Op.REWIND}
+     Op.SHARDS, Op.HYPER, Op.STATE, Op.LOAD_STATE, Op.LOAD_WEIGHTS, Op.REWIND}
 )
 #: What a connection may ask before it has authenticated (when the server has a token).
 HANDSHAKE_OPS = frozenset({Op.HELLO, Op.AUTH})
@@ -146,8 +150,8 @@ class Flag(IntFlag):
     NONE = 0
     #: PUSH/PUSH_PULL reply: the gradient was dropped, not applied: it arrived for a
     #: closed BSP round (backup workers), or it is older than the SSP/DSSP bound allows
-    #: (sent again after a reconnect). LOAD_STATE reply: this state was loaded
-    #: into the run already (same digest); nothing was loaded again.
+    #: (sent again after a reconnect). LOAD_STATE and LOAD_WEIGHTS replies: this state
+    #: (these weights) was loaded into the run already (same digest); nothing was loaded again.
     DROPPED = 1
     #: Shared-memory transport: the array is not in the payload. On PUSH, the
     #: gradient is in the worker's shared gradient segment; on a weights reply,
@@ -167,7 +171,8 @@ class Flag(IntFlag):
     #: HYPER: check the values only (refused or accepted as a HYPER would be), keep the
     #: ones in force. A sharded worker checks on every shard before it sets on any, so
     #: that a request is taken by all of them or by none. LOAD_STATE: check the
-    #: description only (its arrays are not sent), load nothing.
+    #: description only (its arrays are not sent), load nothing. LOAD_WEIGHTS: check the
+    #: digest only (the weights are not sent), load nothing.
     CHECK = 32
 
 
@@ -758,3 +763,21 @@ def describe_join_progress(joined: int, workers: int, missing: list[int]) -> str
         text += f"; missing rank{'s' if workers - joined > 1 else ''} {_ranks(missing)}"
         text += f" and {more} more" if more > 0 else ""
     return text
+
+
+# LOAD_WEIGHTS payload: the 16-byte digest of the weights (weights_digest), then the weights:
+# float32, the model's (or the shard's) numel, in the layout's order; the digest alone with
+# Flag.CHECK. The header's ``version`` field is the version of the weights the worker holds.
+#: Bytes of a weights digest (BLAKE2b, see :func:`weights_digest`).
+WEIGHTS_DIGEST_BYTES = 16
+_WEIGHTS_PERSON = b"aps-weights"
+
+
+def weights_digest(pieces) -> bytes:
+    """The digest a LOAD_WEIGHTS carries: BLAKE2b with a 16-byte digest (personalised
+    ``aps-weights``) of the float32 weights' bytes end to end (``pieces``: buffers in payload
+    order, cut anywhere). The same weights give the same digest on every rank."""
+    digest = hashlib.blake2b(digest_size=WEIGHTS_DIGEST_BYTES, person=_WEIGHTS_PERSON)
+    for piece in pieces:
+        digest.update(memoryview(piece).cast("B"))
+    return digest.digest()

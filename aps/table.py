@@ -189,6 +189,13 @@ class ParameterTable:
         self.version += 1
         return self.version
 
+    def replace(self, slot: _Slot) -> None:
+        """Make ``slot`` (from :meth:`begin_update`) the current weights without a new
+        version: weights loaded before the first update (LOAD_WEIGHTS). Readers of the
+        old slot keep their lease on it, as after a publish."""
+        slot.leases -= 1
+        self._current = slot
+
     def abandon(self, slot: _Slot) -> None:
         """Give back a slot from :meth:`begin_update` without publishing it."""
         slot.leases -= 1

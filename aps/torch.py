@@ -39,6 +39,7 @@ import logging
 import math
 import os
 import time
+import weakref
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -76,6 +77,18 @@ def _unpin(addresses: list[int]) -> None:
     cudart = torch.cuda.cudart()
     for address in addresses:
         cudart.cudaHostUnregister(address)
+
+
+def _loaded_hook(ref: weakref.ref) -> Callable:
+    """A ``load_state_dict`` post-hook for the model: its optimizer (held weakly: the model
+    does not keep it alive) sends the loaded weights at its next step."""
+
+    def hook(module: torch.nn.Module, incompatible_keys: Any) -> None:
+        optimizer = ref()
+        if optimizer is not None:
+            optimizer._module_loaded = True
+
+    return hook
 
 
 class Pacer:
@@ -247,6 +260,18 @@ class Optimizer(torch.optim.Optimizer):
 
     The first worker to join provides the initial weights (its model's);
     every worker's model then holds the server's weights.
+
+    Resuming as training scripts do (build the model and this optimizer, then
+    ``model.load_state_dict(checkpoint[...])`` and ``load_state_dict(...)``)
+    works as with ``torch.optim``: weights loaded into the model before the
+    first ``step()`` become the server's at that step (or at
+    :meth:`load_state_dict`, whichever comes first), provided the server has
+    applied no update yet. Every rank may load the same checkpoint (the server
+    takes it once); other weights on another rank, or a load once updates were
+    applied, raise :class:`aps.WeightsRefused` saying how to do it instead of
+    training on from other weights. A load into a module this optimizer knows
+    (``params`` was the model, or ``model=`` was given) after the first step is
+    sent at the next one, and refused the same way.
     """
 
     #: torch.amp.GradScaler gives step() its scale and found-inf flag (``grad_scale``,
@@ -363,6 +388,13 @@ class Optimizer(torch.optim.Optimizer):
             self._send_hyperparameters()
             self._building = False
             self._attach()
+            # What the server holds before the first step: a model whose weights differ at that
+            # step (a checkpoint loaded into it) sends them (see _send_loaded_weights). Kept
+            # until the first step only.
+            self._initial_weights: np.ndarray | None = self._model_weights().copy()
+            self._module_loaded = False
+            self._load_hook = (_uncompiled(model).register_load_state_dict_post_hook(_loaded_hook(weakref.ref(self)))
+                               if model is not None else None)
             #: Steps skipped because ``torch.amp.GradScaler`` found inf/NaN gradients (nothing was pushed).
             self.skipped_steps = 0
             self.pacer = pacer if pacer is not None else Pacer.from_env(self.worker.rank)
@@ -373,6 +405,41 @@ class Optimizer(torch.optim.Optimizer):
             if own_worker:
                 self.worker.close()
             raise
+
+    def _model_weights(self) -> np.ndarray:
+        """The model's trainable parameters now, as one flat float32 vector in the layout's
+        order: the worker's weight buffer itself when every parameter is a float32 view of it."""
+        if not self._staged and self._push_buffer is self.worker.grads:
+            return self.worker.flat_weights
+        flat = np.empty(self.worker.layout.numel, np.float32)
+        for view, param in zip(self._views(torch.from_numpy(flat)), self.params):
+            view.copy_(param.detach())  # widened exactly, from any device
+        return flat
+
+    def _send_loaded_weights(self, *, stepping: bool = True) -> None:
+        """Before the first step (and after a load into a known module): when the model's
+        weights are no longer what the server holds, make them the server's (it refuses
+        once it has applied an update, or when another rank loaded other weights).
+        ``stepping``: a step follows (nothing is compared after it)."""
+        # Compared only while the worker holds version 0: a pull of a newer version (code may
+        # pull before its first step) wrote the server's weights into the model, which then
+        # differ from the initial ones without being loaded (and the server would refuse any
+        # other weights by now anyway).
+        compare = self._initial_weights is not None and self.worker.version == 0
+        if not compare and not self._module_loaded:
+            self._initial_weights = None if stepping else self._initial_weights
+            return
+        current = self._model_weights()
+        sent = self._module_loaded or not np.array_equal(current, self._initial_weights)
+        if sent:
+            loaded = self.worker.load_weights(current)
+            log.info("rank %d: %s", self.worker.rank, "the model's loaded weights are the server's now" if loaded
+                     else "the server holds the same weights already (another rank loaded them)")
+        self._module_loaded = False
+        if stepping:
+            self._initial_weights = None
+        elif sent:
+            self._initial_weights = current.copy()  # what the server holds now
 
     def _attach(self) -> None:
         """Make the model's parameters and gradients views into the worker's buffers, or set
@@ -467,6 +534,7 @@ class Optimizer(torch.optim.Optimizer):
             if closure is not None:
                 with torch.enable_grad():
                     loss = closure()
+            self._send_loaded_weights()
             found_inf, grad_scale = getattr(self, "found_inf", None), getattr(self, "grad_scale", None)
             if found_inf is not None and float(found_inf) > 0:  # torch.amp.GradScaler found inf/NaN: skip
                 self.skipped_steps += 1
@@ -533,15 +601,21 @@ class Optimizer(torch.optim.Optimizer):
         into the server, which takes it only before its first update (a run that has not
         started; every rank may load the same state, the server takes it once).
 
+        Weights loaded into the model before (``model.load_state_dict``, as scripts
+        resume) are made the server's first, as :meth:`step` would.
+
         Raises:
             ValueError: the groups differ in number or size (as torch says).
             ConfigurationError: the state is another optimizer's, or Adam's parameters
                 have different step counts (the server keeps one for the model).
             aps.errors.InvalidState: the server refused it (it has applied updates
                 already, or a value is not finite).
+            aps.errors.WeightsRefused: the server refused the model's loaded weights
+                (see the class docstring); then nothing was loaded.
 
-        Whatever it raises, nothing changed: the groups keep their values.
+        Whatever it raises, the groups keep their values.
         """
+        self._send_loaded_weights(stepping=False)
         final: dict[str, Any] = {}
 
         def capture(_, processed):  # registered last: sees the dict torch loads, after the user's pre-hooks
@@ -616,6 +690,9 @@ class Optimizer(torch.optim.Optimizer):
 
     def close(self) -> None:
         """Leave the training and disconnect."""
+        hook, self._load_hook = getattr(self, "_load_hook", None), None
+        if hook is not None:
+            hook.remove()
         if self._pinned:
             _unpin(self._pinned)
             self._pinned = []

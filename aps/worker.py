@@ -15,6 +15,7 @@ gradient buffer) with vectored writes, never joined into one payload.
 from __future__ import annotations
 
 import asyncio
+import atexit
 import contextvars
 import logging
 import json
@@ -49,6 +50,7 @@ from .errors import (
     RunChanged,
     ServerError,
     ServerSilent,
+    WeightsRefused,
     error_from_code,
 )
 from .layout import Layout
@@ -71,6 +73,7 @@ from .protocol import (
     encode_init,
     encode_state_head,
     state_digest,
+    weights_digest,
     host_identity,
     pack_header,
 )
@@ -125,6 +128,32 @@ _EAGER_WAIT_S = 0.2
 _BACKOFF_FIRST_S = 0.2
 _BACKOFF_CAP_S = 5.0
 _RETRY_NOTE_EVERY = 30.0  # how often a worker that keeps failing to reconnect says so
+
+
+#: Seconds the exit hook spends in all saying goodbye for the workers still open (see _leave_at_exit).
+EXIT_LEAVE_S = 3.0
+#: The blocking workers that are open, held weakly: a worker its script dropped is not kept alive
+#: here (it frees its socket when collected, see Worker.__del__).
+_OPEN_WORKERS: weakref.WeakSet = weakref.WeakSet()
+
+
+def _leave_at_exit() -> None:
+    """At interpreter exit: every worker still open leaves its server (LEAVE), as close() does.
+
+    Training scripts rarely call close(): without this every rank that ends normally would
+    be counted as a crash (a "disconnected" membership event). Bounded: EXIT_LEAVE_S in all,
+    whatever the servers do; a worker whose connection is gone, or that another thread
+    holds in a call, is just disconnected."""
+    deadline = time.monotonic() + EXIT_LEAVE_S
+    for worker in list(_OPEN_WORKERS):
+        remaining = deadline - time.monotonic()
+        try:
+            worker._leave_at_exit(max(remaining, 0.0))
+        except Exception as exc:  # noqa: BLE001 - the exit goes on whatever one worker does
+            log.debug("rank %d: leaving at exit failed: %s", worker.rank, exc)
+
+
+atexit.register(_leave_at_exit)
 
 
 #: Per thread: the turn a sharded worker's push to one shard waits for before it sends
@@ -270,6 +299,35 @@ def state_payload(state: Mapping[str, Any], numel: int) -> tuple[bytes, list[np.
     of ``numel`` elements (checked: see :func:`checked_state`)."""
     optimizer, steps, names, arrays = checked_state(state, numel)
     return encode_state_head(optimizer, steps, numel, names, digest=state_digest(steps, arrays)), arrays
+
+
+def flat_weights_of(params: Mapping[str, Any] | np.ndarray, layout: Layout) -> np.ndarray:
+    """``params`` (a mapping of name to float32 array in the model's layout, or one flat
+    float32 array of its size) as one flat contiguous float32 array (``params`` itself
+    when it is one), every value checked finite.
+
+    Raises:
+        ConfigurationError: not a mapping or an array.
+        LayoutMismatch: other names or shapes, or a flat array of another size.
+        DTypeMismatch: not float32.
+        WeightsRefused: a value is not finite.
+    """
+    if isinstance(params, np.ndarray):
+        if params.dtype != np.float32:
+            raise DTypeMismatch(f"the weights are {params.dtype}; the model is float32")
+        if params.shape != (layout.numel,):
+            raise LayoutMismatch(f"flat weights must have shape ({layout.numel},), got {params.shape}")
+        flat = np.ascontiguousarray(params)
+    elif isinstance(params, Mapping):
+        layout.check(params, what="weights")
+        flat = np.empty(layout.numel, np.float32)
+        layout.flatten_into(params, flat)
+    else:
+        raise ConfigurationError("load_weights takes a mapping of name to float32 array, or a flat float32 array")
+    if not _core.all_finite(flat):
+        index = int(np.flatnonzero(~np.isfinite(flat))[0])
+        raise WeightsRefused(f"weight {index} is {flat[index]}: every value must be finite")
+    return flat
 
 
 def state_from_reply(payload: memoryview, version: int) -> dict[str, Any]:
@@ -720,6 +778,14 @@ class _ClientCore:
         return [self._header(Op.LOAD_STATE, sum(len(part) for part in parts), _FLOAT32,
                              Flag.CHECK if check else 0), *parts]
 
+    def load_weights_request(self, digest: bytes, values: np.ndarray | None) -> list:
+        """LOAD_WEIGHTS: the digest and the flat weights; ``values`` None: the digest alone,
+        to be checked (Flag.CHECK), nothing loaded. The header's version is the version of
+        the weights this worker holds."""
+        parts = [digest] if values is None else [digest, memoryview(values).cast("B")]
+        return [self._header(Op.LOAD_WEIGHTS, sum(len(part) for part in parts), _FLOAT32,
+                             Flag.CHECK if values is None else 0), *parts]
+
     def rewind_request(self, version: int | None) -> list:
         """REWIND: the versions of the run's checkpoints (``version`` None, Flag.CHECK), or a
         restart from the one at ``version`` (in the header's version field)."""
@@ -1047,6 +1113,19 @@ class _WorkerBase:
         return encode_hyper(resolve_hyperparameters(groups, layout.numel, server_hyperparameters(self.server_info)))
 
 
+    def _weights_payload(self, params: Mapping[str, Any] | np.ndarray) -> np.ndarray:
+        """The flat float32 weights of ``params`` (see :meth:`Worker.load_weights`), checked."""
+        layout = self.layout
+        if layout is None:
+            raise NotInitialized("call init(params) before load_weights")
+        return flat_weights_of(params, layout)
+
+    def _weights_taken(self, values: np.ndarray) -> None:
+        """The server holds ``values`` now (loaded, or loaded already): so does this worker."""
+        flat = self.flat_weights
+        if flat is not None and values is not flat and not np.shares_memory(values, flat):
+            np.copyto(flat, values)
+
     def _state_payload(self, state: Mapping[str, Any]) -> tuple[bytes, list[np.ndarray]]:
         """The LOAD_STATE head and arrays for ``state`` (see :meth:`Worker.load_optimizer_state`)."""
         layout = self._core.layout
@@ -1181,6 +1260,7 @@ class Worker(_WorkerBase):
         self._heartbeat = heartbeat
         self._heartbeat_thread: threading.Thread | None = None
         self._start_heartbeat()
+        _OPEN_WORKERS.add(self)
 
     @classmethod
     def from_env(cls, **options: Any) -> Worker:
@@ -1373,6 +1453,48 @@ class Worker(_WorkerBase):
         """
         return self._load_state(*self._state_payload(state))
 
+    def load_weights(self, params: Mapping[str, Any] | np.ndarray) -> bool:
+        """Make ``params`` the server's weights: the run starts from them, as if they had
+        been the first worker's initial weights.
+
+        For weights loaded after the workers joined (a checkpoint loaded into the model
+        once the optimizer exists, as training scripts resume). They are taken only before
+        the server has applied an update or taken a gradient, and only once per run: every
+        rank may load the same weights (a no-op after the first, which returns False),
+        while other weights than those loaded already are refused. The server checks
+        everything first and changes nothing when it refuses. This worker then holds them.
+
+        Args:
+            params: a mapping of name to float32 array in the model's layout, or one flat
+                float32 array of the model's size.
+
+        Returns:
+            True when they were loaded; False when these very weights were loaded already.
+
+        Raises:
+            NotInitialized: before :meth:`init`.
+            LayoutMismatch, DTypeMismatch: not the model's names, shapes or float32.
+            WeightsRefused: the server has applied updates or taken gradients already,
+                other weights were loaded into this run, or a value is not finite.
+
+        Example::
+
+            worker.init(initial)  # every rank joins
+            worker.load_weights(checkpoint_weights)  # every rank, before its first push
+        """
+        values = self._weights_payload(params)
+        return self._load_weights(weights_digest((values,)), values)
+
+    def _check_weights(self, digest: bytes) -> None:
+        """Have the server check a LOAD_WEIGHTS digest without loading anything (Flag.CHECK)."""
+        self._call("load_weights", lambda: self._core.load_weights_request(digest, None))
+
+    def _load_weights(self, digest: bytes, values: np.ndarray) -> bool:
+        """Send a LOAD_WEIGHTS (see :meth:`load_weights`)."""
+        header = self._call("load_weights", lambda: self._core.load_weights_request(digest, values))
+        self._weights_taken(values)
+        return not header.flags & _DROPPED
+
     def _check_state(self, head: bytes) -> None:
         """Have the server check a LOAD_STATE head without loading anything (Flag.CHECK)."""
         self._call("load_state", lambda: self._core.load_state_request(head, [], check=True))
@@ -1409,7 +1531,12 @@ class Worker(_WorkerBase):
             return weights
 
     def close(self) -> None:
-        """Leave the training (the server stops counting this worker) and disconnect."""
+        """Leave the training (the server stops counting this worker) and disconnect.
+
+        A worker still open when its process exits leaves by itself (an ``atexit`` hook
+        does what this does, within a few seconds in all), so that a script that ends
+        without calling it is counted as having left, not as a crash."""
+        _OPEN_WORKERS.discard(self)
         self._closing = True
         self._stop.set()
         if not self._lock.acquire(timeout=0.5):
@@ -1424,6 +1551,29 @@ class Worker(_WorkerBase):
             if self._core.joined:
                 try:
                     self._roundtrip(lambda: self._core.simple_request(Op.LEAVE), 5.0)
+                except APSError:
+                    pass
+            self._disconnect()
+        finally:
+            self._lock.release()
+
+    def _leave_at_exit(self, budget: float) -> None:
+        """:meth:`close` for the exit hook, within ``budget`` seconds: a connection another
+        thread holds in a call (it cannot be asked to leave in between) is shut, not waited for."""
+        _OPEN_WORKERS.discard(self)
+        self._closing = True
+        self._stop.set()
+        if not self._lock.acquire(timeout=min(budget, 0.5)):
+            conn = self._conn
+            if conn is not None:
+                conn.shutdown()
+            return
+        try:
+            if self._conn is None:
+                return
+            if self._core.joined and budget > 0:
+                try:
+                    self._roundtrip(lambda: self._core.simple_request(Op.LEAVE), budget)
                 except APSError:
                     pass
             self._disconnect()
@@ -1780,6 +1930,21 @@ class AsyncWorker(_WorkerBase):
         """See :meth:`Worker.load_optimizer_state`."""
         head, arrays = self._state_payload(state)
         return await self._load_state(head, arrays)
+
+    async def load_weights(self, params: Mapping[str, Any] | np.ndarray) -> bool:
+        """See :meth:`Worker.load_weights`."""
+        values = self._weights_payload(params)
+        return await self._load_weights(weights_digest((values,)), values)
+
+    async def _check_weights(self, digest: bytes) -> None:
+        """See :meth:`Worker._check_weights`."""
+        await self._call("load_weights", lambda: self._core.load_weights_request(digest, None))
+
+    async def _load_weights(self, digest: bytes, values: np.ndarray) -> bool:
+        """See :meth:`Worker._load_weights`."""
+        header = await self._call("load_weights", lambda: self._core.load_weights_request(digest, values))
+        self._weights_taken(values)
+        return not header.flags & _DROPPED
 
     async def _check_state(self, head: bytes) -> None:
         """See :meth:`Worker._check_state`."""

@@ -49,6 +49,7 @@ from ..protocol import (
     InitRequest,
     Op,
     StateHead,
+    WEIGHTS_DIGEST_BYTES,
     decode_hyper,
     decode_state_head,
     state_head_bytes,
@@ -202,7 +203,7 @@ class ServerSession:
         self._dropped = False
         self._init_rank = -1
         self._intake: _InitIntake | None = None  # the INIT being read
-        self._state_intake: _StateIntake | None = None  # the LOAD_STATE being read
+        self._state_intake: _StateIntake | _WeightsIntake | None = None  # the LOAD_STATE (LOAD_WEIGHTS) being read
         self._bad_in_row = 0  # refused frames since the last request that was answered
         self._connected_at = now
         self._frame_started = now  # when the first byte of the frame being read arrived
@@ -488,6 +489,22 @@ class ServerSession:
                     raise MalformedFrame(f"LOAD_STATE payload of {length} bytes is too short")
                 self._state_intake = _StateIntake()
                 dest = self._state_intake.fixed
+            elif op == Op.LOAD_WEIGHTS:
+                # Its digest first, checked against the run; room for the weights only then,
+                # and only when they are to be loaded (frame_more).
+                member = self.member
+                if member is None or not member.joined or self.engine.table is None:
+                    raise NotInitialized("LOAD_WEIGHTS before a successful INIT")
+                if header.dtype != _FLOAT32:
+                    raise DTypeMismatch(f"weights are float32, not {dtype_name(header.dtype)}")
+                numel = self.engine.table.numel
+                expected = WEIGHTS_DIGEST_BYTES + (0 if header.flags & _CHECK else 4 * numel)
+                if length != expected:
+                    what = "its digest alone (CHECK)" if header.flags & _CHECK else \
+                        f"a {WEIGHTS_DIGEST_BYTES}-byte digest and {numel} float32 weights"
+                    raise PayloadSizeMismatch(f"LOAD_WEIGHTS payload of {length} bytes; {what} take {expected}")
+                self._state_intake = _WeightsIntake(numel)
+                dest = self._state_intake.digest
             elif op == Op.SHARDS:
                 if length > MAX_SHARDS_BYTES:
                     raise MalformedFrame(f"SHARDS carries {MAX_SHARDS_BYTES} bytes at most, got {length}")
@@ -511,7 +528,7 @@ class ServerSession:
         A LOAD_STATE's: see :class:`_StateIntake`."""
         if self._pending_error is not None:
             return None
-        if header.op == Op.LOAD_STATE:
+        if header.op in (Op.LOAD_STATE, Op.LOAD_WEIGHTS):
             try:
                 return self._state_intake.next_part(self.engine, header, got)
             except ServerError as exc:
@@ -733,6 +750,19 @@ class ServerSession:
 
     def _state_loaded(self, loaded: bool) -> None:
         self._reply(Op.LOAD_STATE_REPLY, version=self.engine.version, flags=0 if loaded else Flag.DROPPED)
+
+    def _on_load_weights(self, header: Header, payload: memoryview, stream) -> None:
+        member = self._require_member()
+        intake, self._state_intake = self._state_intake, None
+        intake.check(self.engine, header)
+        if header.flags & _CHECK or intake.kept:  # (Flag.CHECK: a sharded worker asks every shard first)
+            self._weights_loaded(not intake.kept)
+            return
+        self.engine.load_weights(member, bytes(intake.digest), intake.values, header.version, self._weights_loaded,
+                                 self._fail)
+
+    def _weights_loaded(self, loaded: bool) -> None:
+        self._reply(Op.LOAD_WEIGHTS_REPLY, version=self.engine.version, flags=0 if loaded else Flag.DROPPED)
 
     def _on_stats(self, header: Header, payload: memoryview, stream) -> None:
         snapshot = self.engine.stats_snapshot()
@@ -976,6 +1006,35 @@ class _StateIntake:
         return memoryview(piece).cast("B")
 
 
+class _WeightsIntake:
+    """A LOAD_WEIGHTS being read: its digest, checked against the run (whether weights can
+    be loaded now, or these were loaded already), and only then room for the weights, made
+    when they are to be loaded (the rest is read and dropped)."""
+
+    __slots__ = ("digest", "numel", "kept", "checked", "values")
+
+    def __init__(self, numel: int) -> None:
+        self.digest = memoryview(bytearray(WEIGHTS_DIGEST_BYTES))
+        self.numel = numel
+        self.kept = False
+        self.checked = False
+        self.values: np.ndarray | None = None
+
+    def check(self, engine: Engine, header: Header) -> None:
+        """Check the digest against the run (raises a ServerError); once it has arrived."""
+        if not self.checked:
+            self.kept = engine.check_weights(bytes(self.digest), self.numel, header.version)
+            self.checked = True
+
+    def next_part(self, engine: Engine, header: Header, got: int) -> memoryview | None:
+        """Where the weights go, once the digest is in (None: read and drop them)."""
+        self.check(engine, header)
+        if self.kept:
+            return None
+        self.values = np.empty(self.numel, np.float32)
+        return memoryview(self.values).cast("B")
+
+
 #: The request handlers by op (functions, not bound methods: no reference cycle through the session).
 _HANDLERS = {
     Op.PING: ServerSession._on_ping,
@@ -992,6 +1051,7 @@ _HANDLERS = {
     Op.HYPER: ServerSession._on_hyper,
     Op.STATE: ServerSession._on_state,
     Op.LOAD_STATE: ServerSession._on_load_state,
+    Op.LOAD_WEIGHTS: ServerSession._on_load_weights,
     Op.REWIND: ServerSession._on_rewind,
 }
 

@@ -73,7 +73,7 @@ def test_bad_magic_closes_only_that_connection(cluster):
     assert_error(cluster.raw, ErrorCode.BAD_MAGIC, "magic", server=cluster.server)
     assert cluster.raw.closed_by_peer()
     cluster.server.wait_for_log("BAD_MAGIC")
-    cluster.server.wait_for_log("worker 1 left")
+    cluster.server.wait_for_log("worker 1 disconnected")
     cluster.train()
 
 
@@ -145,7 +145,7 @@ def test_half_a_frame_then_vanish(cluster):
     cluster.raw.send(pack_header(Op.PUSH, dtype=DType.FLOAT32, length=4 * N)[:22])
     cluster.raw.close()
     cluster.server.wait_for_log("middle of a frame")
-    cluster.server.wait_for_log("worker 1 left")
+    cluster.server.wait_for_log("worker 1 disconnected")
     cluster.train()
 
 

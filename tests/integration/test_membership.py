@@ -49,7 +49,7 @@ def test_a_killed_worker_leaves_at_once_and_nobody_waits_for_it(server_process, 
         os.kill(idle.pid, signal.SIGKILL)
         assert released.wait(10), "rank 0 still waits for a dead worker"
         thread.join()
-        server.wait_for_log("worker 1 left")
+        server.wait_for_log("worker 1 disconnected")
         # With rank 1 gone, rank 0 trains alone.
         for _ in range(3):
             worker.push_pull({"w": np.ones(4, np.float32)})
@@ -64,7 +64,7 @@ def test_rejoin_under_the_same_rank_resumes_at_the_slowest_clock(server_process,
         worker.init({"w": np.zeros(2, np.float32)})
         wait_for(ready)
         os.kill(idle.pid, signal.SIGKILL)
-        server.wait_for_log("worker 1 left")
+        server.wait_for_log("worker 1 disconnected")
         for _ in range(5):
             worker.push_pull({"w": np.ones(2, np.float32)})
         # Training has started: a rejoining worker's init returns at once with the newest weights.
@@ -83,7 +83,7 @@ def test_init_times_out_with_a_clear_error(server_process):
     with pytest.raises(aps.InitTimeout, match="2 workers"):
         worker.init({"w": np.zeros(2, np.float32)}, timeout=0.5)
     worker.close()
-    server.wait_for_log("worker 0 left")
+    server.wait_for_log("worker 0 disconnected")
 
 
 def test_close_leaves_gracefully(server_process):
@@ -105,7 +105,7 @@ def test_reconnect_after_losing_the_connection(server_process, transport):
     worker._conn.sock.shutdown(2)  # the network drops the connection
     with pytest.raises(aps.APSConnectionError):
         worker.pull()
-    server.wait_for_log("worker 0 left")
+    server.wait_for_log("worker 0 disconnected")
     grads = worker.grads["w"]
     weights = worker.reconnect()
     assert weights["w"].tolist() == [-1.0, -1.0] and worker.version == 1
@@ -130,7 +130,7 @@ def test_a_silent_worker_misses_its_heartbeats_and_leaves(server_process, transp
         worker.pull()  # held by rank 1 until the server gives up on it
         assert 0.5 < time.monotonic() - start < 10
         server.wait_for_log("missed heartbeats")
-        server.wait_for_log("worker 1 left")
+        server.wait_for_log("worker 1 timed out")
         assert silent.closed_by_peer()
         silent.close()
 

@@ -132,7 +132,7 @@ def test_a_flood_of_descriptors_closes_the_connection(shm_cluster):
     raw.sock.sendmsg([pack_header(Op.PING)], scm_rights([s.fd for s in segments]))
     assert raw.closed_by_peer()
     server.wait_for_log("too many file descriptors")
-    server.wait_for_log("worker 1 left")
+    server.wait_for_log("worker 1 disconnected")
     for s in segments:
         s.close()
 
@@ -150,7 +150,7 @@ def test_a_killed_worker_leaves_no_shared_memory_behind(server_process, tmp_path
         assert mapped_memfds(victim.pid, "aps-slot")  # it maps the server's snapshot slots
         os.kill(victim.pid, signal.SIGKILL)
         victim.join(10)
-        server.wait_for_log("worker 1 left")
+        server.wait_for_log("worker 1 disconnected")
         worker.push_pull(worker.grads)  # the server runs on, and lets go of the dead worker's memory
         wait_for(lambda: not mapped_memfds(server.proc.pid, "aps-grad-rank1"), 10.0, "the segment to go")
     assert not [name for name in os.listdir("/dev/shm") if "aps" in name]  # nothing named, ever
@@ -193,7 +193,7 @@ def test_a_worker_killed_mid_push_changes_nothing_it_should_not(server_process):
     victim.join(10)
     checks = [r for r in results if len(r) == 4]
     assert checks and checks[0][3] == 0, "a torn snapshot"
-    server.wait_for_log("worker 2 left")
+    server.wait_for_log("worker 2 disconnected")
     assert server.alive()
     with aps.Worker(server.address, 2, 3, transport="shm") as again:
         weights = again.init({"w": np.zeros(numel, np.float32)})["w"]
