@@ -30,6 +30,13 @@ def pytest_configure(config):
     if _runtime_dir is None:
         _runtime_dir = tempfile.mkdtemp(prefix=f"aps-tests-{os.environ.get('PYTEST_XDIST_WORKER', 'main')}-")
         os.environ["XDG_RUNTIME_DIR"] = _runtime_dir
+    try:
+        # What torch imports at the first optimizer made (torch._dynamo: some 900 modules,
+        # seconds on a loaded machine), imported before any test starts a server: made inside
+        # a test, after aps.torch.Optimizer has connected, it can outlast the handshake deadline.
+        import torch._dynamo  # noqa: F401
+    except ImportError:
+        pass
 
 
 def pytest_unconfigure(config):
