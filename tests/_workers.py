@@ -127,6 +127,7 @@ def torch_bsp_worker(address: str, rank: int, workers: int, steps: int, batch: i
     from aps import workloads
 
     torch.set_num_threads(1)
+    digits()  # loaded before joining: on a loaded machine it can outlast the server's handshake deadline
     model = workloads.make_model(8, seed=0)
     with aps.torch.Optimizer(model, address, rank, workers, transport=transport, staging=staging) as opt:
         for step in range(steps):

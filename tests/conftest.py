@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import os
+import shutil
+import tempfile
 
 import pytest
 from hypothesis import HealthCheck, settings
@@ -16,6 +18,32 @@ settings.register_profile(
 )
 settings.register_profile("ci", parent=settings.get_profile("aps"), print_blob=True)
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "aps"))
+
+_runtime_dir: str | None = None
+
+
+def pytest_configure(config):
+    """Give this test process (each pytest-xdist worker has its own) a private runtime
+    directory: the servers it starts put their Unix sockets there ($XDG_RUNTIME_DIR), so
+    one process's socket sweep never meets another's servers, whatever runs beside it."""
+    global _runtime_dir
+    if _runtime_dir is None:
+        _runtime_dir = tempfile.mkdtemp(prefix=f"aps-tests-{os.environ.get('PYTEST_XDIST_WORKER', 'main')}-")
+        os.environ["XDG_RUNTIME_DIR"] = _runtime_dir
+    try:
+        # What torch imports at the first optimizer made (torch._dynamo: some 900 modules,
+        # seconds on a loaded machine), imported before any test starts a server: made inside
+        # a test, after aps.torch.Optimizer has connected, it can outlast the handshake deadline.
+        import torch._dynamo  # noqa: F401
+    except ImportError:
+        pass
+
+
+def pytest_unconfigure(config):
+    global _runtime_dir
+    if _runtime_dir is not None:
+        shutil.rmtree(_runtime_dir, ignore_errors=True)
+        _runtime_dir = None
 
 
 @pytest.fixture(params=[_core, _reference], ids=["native", "reference"])

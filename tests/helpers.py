@@ -22,8 +22,11 @@ from aps.transport.segments import Segment, scm_rights
 
 #: Worker processes for tests: forked from a server process that has imported what they use
 #: once (torch among it), instead of each starting an interpreter and importing it again.
+#: Each test process (each pytest-xdist worker) starts its own. torch._dynamo is what torch
+#: imports at the first optimizer made (some 900 modules, seconds on a loaded machine): made
+#: after aps.torch.Optimizer has connected, it could outlast the server's handshake deadline.
 SPAWN = mp.get_context("forkserver")
-SPAWN.set_forkserver_preload(["numpy", "torch", "aps", "tests._workers"])
+SPAWN.set_forkserver_preload(["numpy", "torch", "torch._dynamo", "aps", "aps.torch", "tests._workers"])
 
 
 class ServerProcess:

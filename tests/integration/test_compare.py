@@ -15,6 +15,7 @@ KEYS = {"sync", "label", "lr_staleness", "cluster", "speeds", "repeat", "time_to
         "curve_gradients", "staleness_hist"}
 
 
+@pytest.mark.slow
 def test_compare_on_a_tiny_budget_writes_well_formed_results(tmp_path):
     budget = 1.5
     out = tmp_path / "results"
@@ -113,6 +114,7 @@ def _run_on_a_terminal(cmd, cwd, timeout=240):
     return proc.wait(30), b"".join(chunks).decode(errors="replace")
 
 
+@pytest.mark.slow
 def test_demo_shows_progress_and_writes_only_where_it_says(tmp_path):
     import os
     import re

@@ -27,7 +27,7 @@ CHROMEDRIVER = shutil.which("chromedriver")
 
 
 @pytest.fixture
-def browser():
+def browser(tmp_path_factory):
     if CHROMIUM is None or CHROMEDRIVER is None:
         pytest.skip("headless Chromium is not installed (apt-get install chromium chromium-driver)")
     from selenium.webdriver.chrome.options import Options
@@ -38,6 +38,8 @@ def browser():
     for argument in ("--headless=new", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage",
                      "--window-size=1440,1000", "--no-first-run", "--disable-extensions"):
         options.add_argument(argument)
+    # a profile of its own (its storage, its lock): browsers of tests running beside it never meet
+    options.add_argument(f"--user-data-dir={tmp_path_factory.mktemp('chromium-profile')}")
     options.set_capability("goog:loggingPrefs", {"browser": "ALL"})
     driver = webdriver.Chrome(service=Service(CHROMEDRIVER), options=options)
     driver.set_page_load_timeout(30)

@@ -186,6 +186,7 @@ def test_a_push_sent_again_after_a_lost_reply_is_not_applied_twice(tmp_path):
         server.stop()
 
 
+@pytest.mark.slow
 def test_kill_9_while_writing_checkpoints_never_leaves_a_torn_one(tmp_path):
     """SIGKILL at random moments while 16 MiB checkpoints are written back to back: the newest
     complete checkpoint always loads with its checksums intact, and a resumed server never

@@ -175,6 +175,7 @@ def test_launch_writes_its_logs_where_asked_or_to_a_new_temporary_directory(tmp_
         shutil.rmtree(log_dir)
 
 
+@pytest.mark.slow
 def test_launch_with_shards_trains_across_several_servers(tmp_path):
     proc = launch("--workers", "2", "--shards", "2", "--sync", "bsp", "--lr", "0.05", "--example", "digits",
                   "--epochs", "1", log_dir=tmp_path)

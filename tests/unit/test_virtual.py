@@ -114,6 +114,7 @@ def test_a_diverging_run_is_reported_not_raised():
     assert record["diverged"] and record["pushes"] < 200
 
 
+@pytest.mark.slow
 def test_the_cli_writes_results_and_figures(tmp_path, capsys):
     from aps.cli import main
 
