@@ -257,7 +257,7 @@ class ServerConfig:
         if self.insecure and (self.token is not None or self.token_file is not None):
             raise ConfigurationError("--insecure serves without a token: give it or --token/--token-file, not both")
         if self.token is not None:
-            check_token(self.token)
+            check_token(self.token.decode("utf-8", "replace") if isinstance(self.token, bytes) else self.token)
         if not self.insecure and self.token is None and self.token_file is None and not is_loopback(self.host):
             raise ConfigurationError(
                 f"refusing to listen on {self.host} without a token: anyone who reaches the port could join, "

@@ -17,7 +17,7 @@ from aps.errors import ErrorCode
 from aps.protocol import NONCE_BYTES, Op, auth_proof, decode_hello_reply, encode_hello, encode_hello_reply, pack_header
 from tests.helpers import HEADER_SIZE, RawClient, RawShmClient, unpack_header
 
-TOKEN = "correct horse battery staple"
+from tests.helpers import TOKEN
 SCRIPTS = os.path.join(os.path.dirname(os.path.dirname(__file__)), "scripts")
 
 
@@ -68,14 +68,14 @@ def hello(raw: RawClient, nonce: bytes) -> bytes:
 
 def test_a_replayed_proof_is_refused(secured, transport):
     """A proof seen on one connection is worthless on another: the server's nonce is fresh."""
-    first = RawClient.to(secured, transport)
+    first = RawClient.to(secured, transport, token=None)
     client_nonce = os.urandom(NONCE_BYTES)
     server_nonce = hello(first, client_nonce)
     proof = auth_proof(TOKEN.encode(), "client", server_nonce, client_nonce)
     first.frame(Op.AUTH, proof)
     assert first.reply()[0].op == Op.AUTH_REPLY  # the genuine exchange
     first.close()
-    replay = RawClient.to(secured, transport)
+    replay = RawClient.to(secured, transport, token=None)
     assert hello(replay, client_nonce) != server_nonce
     replay.frame(Op.AUTH, proof)  # an eavesdropper sends what it saw
     code, message = replay.error()
@@ -87,7 +87,7 @@ def test_a_replayed_proof_is_refused(secured, transport):
 @pytest.mark.parametrize("op", [Op.INIT, Op.STATS, Op.PULL, Op.PUSH, Op.PING, Op.AUTH])
 def test_a_stranger_is_served_nothing(secured, transport, op):
     """Without the handshake: no INIT (choosing the weights), no rank, no push, pull or stats."""
-    raw = RawClient.to(secured, transport)
+    raw = RawClient.to(secured, transport, token=None)
     if op == Op.INIT:
         raw.init(0, 1, {"w": np.full(4, 666.0, np.float32)})
     elif op == Op.PUSH:
@@ -109,7 +109,7 @@ def test_a_stranger_is_served_nothing(secured, transport, op):
 def test_the_worker_checks_the_server_too(server_process, monkeypatch):
     """A server without the token cannot pass for the real one: the worker refuses to train with it."""
     monkeypatch.delenv("APS_TOKEN", raising=False)
-    plain = server_process("--workers", "1", "--sync", "asp")
+    plain = server_process("--workers", "1", "--sync", "asp", "--insecure")
     with pytest.raises(aps.AuthenticationError, match="asks for no token"):
         aps.Worker(plain.address, 0, 1, token=TOKEN)
     impostor = socket.create_server(("127.0.0.1", 0))  # asks for a token, then cannot prove it knows it
@@ -171,7 +171,7 @@ def test_a_token_file(server_process, tmp_path):
 
 
 def test_the_shared_memory_socket_asks_for_the_token_too(secured):
-    raw = RawShmClient(secured.unix_path)
+    raw = RawShmClient(secured.unix_path, token=None)
     raw.init(0, 1, {"w": np.zeros(4, np.float32)})
     assert raw.error()[0] == ErrorCode.AUTHENTICATION
     assert raw.closed_by_peer()
@@ -179,7 +179,7 @@ def test_the_shared_memory_socket_asks_for_the_token_too(secured):
 
 
 def test_hello_after_hello_and_descriptors_before_the_handshake_are_refused(secured):
-    raw = RawClient(secured.port)
+    raw = RawClient(secured.port, token=None)
     for _ in range(2):
         hello(raw, os.urandom(NONCE_BYTES))
     raw.frame(Op.HELLO, os.urandom(NONCE_BYTES))  # a third, still without AUTH: a connection kept for nothing
@@ -187,7 +187,7 @@ def test_hello_after_hello_and_descriptors_before_the_handshake_are_refused(secu
     raw.close()
     from aps.transport.segments import Segment, scm_rights
 
-    shm = RawShmClient(secured.unix_path)
+    shm = RawShmClient(secured.unix_path, token=None)
     segments = [Segment.create(4, "stranger") for _ in range(3)]
     shm.sock.sendmsg([pack_header(Op.HELLO)], scm_rights([s.fd for s in segments]))
     assert shm.error()[0] == ErrorCode.AUTHENTICATION and shm.closed_by_peer()
