@@ -830,26 +830,32 @@ class ServerSession:
             self._auth_failed("AUTH without a HELLO carrying a nonce first")
         # Guesses are throttled by the peer's address: every attempt after a few failures
         # waits its turn, longer and longer, and then the address is refused for a while.
-        throttle, now, counts = self._guard.throttle, self._loop.time(), self.engine.stats.auth
-        refused = throttle.refused_for(self.peer_key, now)
-        if refused:
-            counts["refused"] += 1
-            _auth_failures.warning(now, "%s: refused an AUTH attempt: too many failed ones from %s", self.peer,
-                                   self.peer_key)
-            self._fatal(ServerOverloaded(
-                f"too many failed authentications from {self.peer_key}: refused for {refused:.0f} s more"),
-                warn=False)
+        if self._refused():
             return
-        wait = throttle.wait(self.peer_key, now)
+        wait = self._guard.throttle.wait(self.peer_key, self._loop.time())
         proof = bytes(payload)
         if wait > 0:
-            counts["throttled"] += 1
+            self.engine.stats.auth["throttled"] += 1
             self._loop.call_later(wait, self._check_proof, proof)
         else:
             self._check_proof(proof)
 
+    def _refused(self) -> bool:
+        """Refuse the AUTH attempt (and close) while the peer's address is locked out."""
+        now = self._loop.time()
+        refused = self._guard.throttle.refused_for(self.peer_key, now)
+        if not refused:
+            return False
+        self.engine.stats.auth["refused"] += 1
+        _auth_failures.warning(now, "%s: refused an AUTH attempt: too many failed ones from %s", self.peer,
+                               self.peer_key)
+        self._fatal(ServerOverloaded(
+            f"too many failed authentications from {self.peer_key}: refused for {refused:.0f} s more"), warn=False)
+        return True
+
     def _check_proof(self, proof: bytes) -> None:
-        if self._lost:
+        # (attempts that waited their turn meet a lockout that began meanwhile)
+        if self._lost or self._refused():
             return
         expected = auth_proof(self._token, "client", self._server_nonce, self._client_nonce)
         if not hmac.compare_digest(expected, proof):
@@ -1088,7 +1094,7 @@ class ServerSession:
         except ServerError as exc:
             self._fatal(exc)
             return
-        if self._reading_paused and not self.reader.staging_full():
+        if self._reading_paused and self.reader.staging_half_empty():
             self._reading_paused = False
             self._resume_reading()
         self._maybe_pause_reading()
