@@ -77,7 +77,7 @@ from .protocol import (
 from .transport._tls import client_context
 from .transport.address import Address, parse_address
 from .transport.framing import FrameReader
-from .transport._client import client_token, find_client_token, handshake, handshake_async
+from .transport._client import client_token, find_client_token, handshake, handshake_async, newer_token
 from .transport.segments import shm_available
 from .transport.shm_client import ShmConnection
 from .transport.tcp_client import AsyncConnection, BlockingConnection
@@ -1478,12 +1478,20 @@ class Worker(_WorkerBase):
     def _open(self, transport: str) -> BlockingConnection | ShmConnection:
         """Connect by ``transport``: shared memory when asked or when ``auto`` finds
         the server on this host, TCP otherwise."""
-        tcp = BlockingConnection(self._parsed.host, self._parsed.port, self._connect_timeout, self.server_timeout,
-                                 self._tls)
+        where = (self._parsed.host, self._parsed.port)
+        tcp = BlockingConnection(*where, self._connect_timeout, self.server_timeout, self._tls)
         try:
             # Read again at every connection: a server restarted on this port made a new token.
-            token, found = find_client_token(self._token, self._parsed.host, self._parsed.port)
-            info = handshake(tcp, token, self._connect_timeout, found=found)
+            token, found = find_client_token(self._token, *where)
+            try:
+                info = handshake(tcp, token, self._connect_timeout, found=found)
+            except AuthenticationError:
+                token = newer_token(token, found, *where)
+                if token is None:
+                    raise
+                tcp.close()
+                tcp = BlockingConnection(*where, self._connect_timeout, self.server_timeout, self._tls)
+                info = handshake(tcp, token, self._connect_timeout, found=True)
             host, path, run_id = info.host, info.unix_path, info.run_id
             self._core.check_run(run_id, self.address)
             self.server_info = info
@@ -1855,7 +1863,15 @@ class AsyncWorker(_WorkerBase):
         conn = await AsyncConnection.open(host, port, connect_timeout, server_timeout, tls)
         try:
             secret, found = find_client_token(token, host, port)
-            info = await handshake_async(conn, secret, connect_timeout, found=found)
+            try:
+                info = await handshake_async(conn, secret, connect_timeout, found=found)
+            except AuthenticationError:
+                secret = newer_token(secret, found, host, port)  # a restarted server's new token
+                if secret is None:
+                    raise
+                conn.close()
+                conn = await AsyncConnection.open(host, port, connect_timeout, server_timeout, tls)
+                info = await handshake_async(conn, secret, connect_timeout, found=True)
             core.check_run(info.run_id, str(conn.address))
             if not ASYNC_AS_SHARD.get():
                 _refuse_one_shard(info, str(conn.address))

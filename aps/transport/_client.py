@@ -34,7 +34,7 @@ from .framing import FrameReader
 from .segments import scm_rights
 
 __all__ = [
-    "IOV_MAX", "BlockingSocket", "ClientSocket", "advance", "client_token", "exchange", "exchange_async", "find_client_token",
+    "IOV_MAX", "BlockingSocket", "ClientSocket", "advance", "client_token", "exchange", "exchange_async", "find_client_token", "newer_token",
     "handshake", "handshake_async",
 ]
 
@@ -206,9 +206,18 @@ def control_request(address: str, op: int, token: str | bytes | None = None, tim
     from .tcp_client import BlockingConnection
 
     parsed = parse_address(address)
+    secret, found = find_client_token(client_token(token or None), parsed.host, parsed.port)
     conn = BlockingConnection(parsed.host, parsed.port, timeout, tls=client_context(parsed.scheme == "tls"))
     try:
-        handshake(conn, client_token(token or None), timeout)  # (None: the address's token file)
+        try:
+            handshake(conn, secret, timeout, found=found)
+        except AuthenticationError:
+            secret = newer_token(secret, found, parsed.host, parsed.port)
+            if secret is None:
+                raise
+            conn.close()
+            conn = BlockingConnection(parsed.host, parsed.port, timeout, tls=client_context(parsed.scheme == "tls"))
+            handshake(conn, secret, timeout, found=True)
         _, payload = exchange(conn, op, timeout)
     finally:
         conn.close()
@@ -272,9 +281,9 @@ def client_token(token: str | bytes | None) -> bytes | None:
 
 
 def find_client_token(token: bytes | None, address: str, port: int | None = None) -> tuple[bytes | None, bool]:
-    """The token to prove at ``address`` (``tcp://HOST:PORT``, or a host and ``port``)
-    and whether it was found in a token file: ``token`` when given, else the token file
-    a server of this user wrote for that address (see :mod:`aps._tokens`), else None."""
+    """The token to prove at ``address`` (``tcp://HOST:PORT``, or a host and ``port``),
+    and whether it was looked up rather than given: ``token`` when given, else the token
+    file a server of this user wrote for that address (see :mod:`aps._tokens`), else None."""
     if token is not None:
         return token, False
     if port is None:
@@ -288,8 +297,17 @@ def find_client_token(token: bytes | None, address: str, port: int | None = None
             return None, False
     else:
         host = address
-    found = find_token(host, port)
-    return found, found is not None
+    return find_token(host, port), True
+
+
+def newer_token(token: bytes | None, found: bool, host: str, port: int) -> bytes | None:
+    """After a refused handshake with a token from a file: the file's token if it has
+    changed since (a server restarted on the port wrote its own between the read and the
+    handshake), else None (the refusal stands)."""
+    if not found:
+        return None
+    fresh = find_token(host, port)
+    return fresh if fresh is not None and fresh != token else None
 
 
 def handshake(conn, token: bytes | None, timeout: float | None, *, found: bool = False) -> ServerInfo:
@@ -298,8 +316,8 @@ def handshake(conn, token: bytes | None, timeout: float | None, *, found: bool =
     (:class:`aps.protocol.ServerInfo`). Raises AuthenticationError.
 
     ``token`` None: the token file of the server's address, if there is one
-    (:func:`find_client_token`); ``found``: ``token`` came from such a file (a server
-    that asks for none is then no reason to refuse)."""
+    (:func:`find_client_token`); ``found``: ``token`` was looked up in such a file, not
+    given (a server that asks for none is then no reason to refuse)."""
     steps = _handshake_steps(token, conn.address, found)
     request = next(steps)
     while True:
