@@ -21,7 +21,7 @@ def register(commands) -> None:
     )
     parser.add_argument("--file", metavar="PATH",
                         help="write it to PATH instead, readable by this user only (mode 0600; for --token-file); "
-                        "PATH must not exist yet")
+                        "PATH must not exist yet (default: print it)")
     parser.set_defaults(run=run)
 
 
