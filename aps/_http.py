@@ -220,6 +220,7 @@ class StatsCollector:
         for event in MEMBERSHIP_EVENTS:
             events.add_metric([event.replace(" ", "_")], counts.get(event, 0))
         yield events
+        yield from _auth_metrics(server)
         process = server["process"]
         yield GaugeMetricFamily("aps_server_resident_memory_bytes", "Resident memory of the server process.",
                                 value=process["rss_bytes"])
@@ -260,6 +261,20 @@ def _checkpoint_metrics(status: dict | None) -> Iterator:
 
 #: A label value of the exposition (the newest error) is cut to this many characters.
 _LABEL_CHARS = 200
+
+
+def _auth_metrics(server: dict) -> Iterator:
+    """Failed handshakes and what the throttle did about them; INITs refused for the layout budget."""
+    auth = server.get("auth", {})
+    yield CounterMetricFamily("aps_auth_failures", "Handshakes failed: a wrong token, or a request before it.",
+                              value=auth.get("failures", 0))
+    yield CounterMetricFamily("aps_auth_throttled", "AUTH attempts held back for their turn after failures "
+                              "from the same address.", value=auth.get("throttled", 0))
+    yield CounterMetricFamily("aps_auth_refused", "AUTH attempts refused unchecked: their address failed too "
+                              "often lately.", value=auth.get("refused", 0))
+    yield CounterMetricFamily("aps_layout_budget_refusals", "INITs refused while the layout blocks being read "
+                              "used up the server's budget for them.",
+                              value=server.get("strangers", {}).get("layout_refused", 0))
 
 
 class HttpSide:

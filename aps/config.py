@@ -13,9 +13,10 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
+from ._tokens import check_token
 from .errors import ConfigurationError
 
-__all__ = ["RESUME_LATEST", "RUN_OPTIONS", "ServerConfig", "env_name", "resolve_token"]
+__all__ = ["RESUME_LATEST", "RUN_OPTIONS", "ServerConfig", "env_name", "generates_token", "resolve_token"]
 
 SYNC_CHOICES = ("bsp", "asp", "ssp", "dssp", "softsync")
 LR_STALENESS_CHOICES = ("none", "inverse")
@@ -135,7 +136,9 @@ class ServerConfig:
         repr=False,
         metadata=_opt(
             "shared secret every connection must prove it knows before anything is served (a challenge-"
-            "response: it never crosses the wire); needed to listen beyond loopback",
+            "response: it never crosses the wire); at least 128 bits (make one with aps token); needed to listen "
+            "beyond loopback. On loopback without one, the server makes its own and writes it to a file only "
+            "this user can read, where workers and aps status find it",
             metavar="TOKEN",
         ),
     )
@@ -154,8 +157,8 @@ class ServerConfig:
     )
     insecure: bool = field(
         default=False,
-        metadata=_opt("listen on a non-loopback address without a token: anyone who reaches the port can "
-                      "join, push, pull and read the model"),
+        metadata=_opt("serve without a token: anyone who reaches the port (on loopback: any user of this "
+                      "machine) can join, push, pull and read the model"),
     )
     http_port: int | None = field(
         default=None,
@@ -256,6 +259,10 @@ class ServerConfig:
             raise ConfigurationError("--token must not be empty")
         if self.token is not None and self.token_file is not None:
             raise ConfigurationError("give --token or --token-file, not both")
+        if self.insecure and (self.token is not None or self.token_file is not None):
+            raise ConfigurationError("--insecure serves without a token: give it or --token/--token-file, not both")
+        if self.token is not None:
+            check_token(self.token.decode("utf-8", "replace") if isinstance(self.token, bytes) else self.token)
         if not self.insecure and self.token is None and self.token_file is None and not is_loopback(self.host):
             raise ConfigurationError(
                 f"refusing to listen on {self.host} without a token: anyone who reaches the port could join, "
@@ -324,7 +331,8 @@ class ServerConfig:
 
 
 def resolve_token(config: ServerConfig) -> bytes | None:
-    """The token as bytes (read from ``token_file`` if given), or None without one."""
+    """The token given as bytes (read from ``token_file`` if given, and checked as
+    ``--token`` is), or None without one (see :func:`generates_token`)."""
     if config.token is not None:
         return config.token.encode("utf-8")
     if config.token_file is None:
@@ -336,7 +344,14 @@ def resolve_token(config: ServerConfig) -> bytes | None:
         raise ConfigurationError(f"cannot read --token-file {config.token_file}: {exc.strerror or exc}") from None
     if not token:
         raise ConfigurationError(f"--token-file {config.token_file} holds no token")
+    check_token(token, f"the token in --token-file {config.token_file}")
     return token.encode("utf-8")
+
+
+def generates_token(config: ServerConfig) -> bool:
+    """True when a server with these options makes a token of its own: on a loopback
+    address, with none given and without ``--insecure`` (see :mod:`aps._tokens`)."""
+    return config.token is None and config.token_file is None and not config.insecure and is_loopback(config.host)
 
 
 def is_loopback(host: str) -> bool:

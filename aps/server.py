@@ -34,12 +34,14 @@ from .checkpoint import (
     read_checkpoint,
     read_manifest,
 )
-from .config import RESUME_LATEST, RUN_OPTIONS, ServerConfig, resolve_token
+from ._tokens import new_token, remove_token_file, token_path, write_token_file
+from .config import RESUME_LATEST, RUN_OPTIONS, ServerConfig, generates_token, resolve_token
 from .errors import APSError, CheckpointError, CheckpointFailed, ConfigurationError
 from .protocol import encode_join_progress
 from .transport._tls import server_context
 from .transport.address import format_address
 from .transport.segments import Segment, default_socket_path, shm_available
+from .transport.session import Connections
 from .transport.shm_server import ShmSession, UnixListener
 from .transport.tcp_server import TcpSession
 
@@ -90,7 +92,7 @@ class Server:
         self.checkpointer: Checkpointer | None = None
         self.http = None  # the HTTP side (aps._http.HttpSide), with --http-port
         self.engine: Engine | None = None
-        self.connections: set = set()
+        self.connections: set = Connections()
         self._loop: asyncio.AbstractEventLoop | None = None
         self._listener: asyncio.base_events.Server | None = None
         self._executor: ThreadPoolExecutor | None = None
@@ -107,6 +109,9 @@ class Server:
         #: can restart itself from one of its checkpoints (REWIND, docs/algorithms.md
         #: "Sharded resume"); an embedded server has none and refuses to rewind.
         self.restart_command: list[str] | None = None
+        #: The file holding the token this server made itself (None: it was given one, or none).
+        self.token_file: str | None = None
+        self._token: bytes | None = None
 
     @property
     def address(self) -> str:
@@ -133,6 +138,12 @@ class Server:
         """Bind the listener and get ready to serve (inside a running loop)."""
         _raise_descriptor_limit(self.config.max_connections)
         token = resolve_token(self.config)
+        # On loopback without a token given: one of its own, in a file only this user can
+        # read (written once the port is known); strangers on this machine cannot join.
+        generated = token is None and generates_token(self.config)
+        if generated:
+            token = new_token().encode("utf-8")
+        self._token = token
         try:
             checkpoint = self._checkpoint_to_resume()  # before anything starts: a bad one changes nothing
         except BaseException:
@@ -181,6 +192,12 @@ class Server:
             raise ConfigurationError(f"cannot listen on {config.host}:{config.port}: {exc.strerror or exc}") from None
         self._port = self._listener.sockets[0].getsockname()[1]
         self.engine.address = self.address
+        try:
+            self._publish_token(token if generated else None)
+        except ConfigurationError:
+            self._listener.close()
+            await self._abandon_start()
+            raise
         if shared:
             path = default_socket_path(self._port) if config.unix_socket == "auto" else config.unix_socket
             try:
@@ -197,7 +214,9 @@ class Server:
             from ._http import HttpSide
 
             stats = self.engine.stats
-            self.http = HttpSide(config, self.engine.stats_snapshot, token, tls=tls,
+            # The HTTP side is read-only: a token made here guards the worker port only (as given
+            # with --token, it guards both).
+            self.http = HttpSide(config, self.engine.stats_snapshot, None if generated else token, tls=tls,
                                  totals=lambda: stats.totals(self.engine), events_after=stats.events_after)
             try:
                 await self.http.start()
@@ -214,7 +233,9 @@ class Server:
             "listening on %s%s%s: %d workers, sync %s, optimizer %s lr=%g",
             self.address,
             f" and {self.unix_path} (shared memory)" if self.unix_path else "",
-            " (a token is required)" if token is not None else "",
+            (f" (a token is required: made for this run, in {self.token_file}, where this user's workers and "
+             "aps status find it)" if self.token_file else " (a token is required)") if token is not None
+            else " (no token: anyone who reaches the port can join)",
             self.config.workers,
             self.config.sync,
             self.config.optimizer,
@@ -271,8 +292,22 @@ class Server:
         sys.stdout.flush()
         sys.stderr.flush()
         os.execv(command[0], command)
+    def _publish_token(self, token: bytes | None) -> None:
+        """Write the token this server made to its file (see :mod:`aps._tokens`); without
+        one, remove a file left at this address by a server that is gone (this one
+        holds the port now: that token is no one's)."""
+        if token is not None:
+            self.token_file = write_token_file(self.config.host, self._port, token.decode("utf-8"))
+        else:
+            remove_token_file(token_path(self.config.host, self._port), None)
+
+    def _unpublish_token(self) -> None:
+        if self.token_file is not None:
+            remove_token_file(self.token_file, self._token.decode("utf-8"))
+            self.token_file = None
 
     async def _abandon_start(self) -> None:
+        self._unpublish_token()
         if self.checkpointer is not None:
             await self.checkpointer.close_without_checkpoint()
             self.checkpointer = None
@@ -458,6 +493,7 @@ class Server:
             self._executor = None
         if self.engine is not None and self.engine.table is not None:
             self.engine.table.close()
+        self._unpublish_token()
         log.info("server stopped")
 
     async def serve(self, announce: Callable[[str], None] | None = None) -> None:
@@ -506,7 +542,9 @@ class Server:
         _print_address(address)
         if self.http_address is not None:
             sys.stdout.write(f"aps: dashboard on {self.http_address}\n")
-            sys.stdout.flush()
+        if self.token_file is not None:
+            sys.stdout.write(f"aps: token in {self.token_file} (workers and aps status of this user find it)\n")
+        sys.stdout.flush()
 
     async def _watch_connections(self, timeout: float) -> None:
         """Every second (or a quarter of the heartbeat timeout): notices for held

@@ -169,6 +169,11 @@ class ServerStats:
         #: Every membership event since the server started, by kind.
         self.event_counts = dict.fromkeys(MEMBERSHIP_EVENTS, 0)
         self._event_seq = 0
+        #: Handshakes: failed (any reason), AUTH attempts held back for their turn, and
+        #: refused outright (their address failed too often); see aps.transport.session.AuthThrottle.
+        self.auth = {"failures": 0, "throttled": 0, "refused": 0}
+        #: INITs refused because the layout blocks being read used up the server's budget.
+        self.strangers = {"layout_refused": 0}
         # Updates per whole second of the clock, for the last RATE_WINDOW_S seconds.
         self._recent: deque[list[int]] = deque()
 
@@ -332,6 +337,8 @@ class ServerStats:
                 "process": _process(),
                 "parameters": engine.layout.numel if engine.layout is not None else 0,
                 "membership_events": dict(self.event_counts),
+                "auth": dict(self.auth),
+                "strangers": dict(self.strangers),
             },
             "workers": workers,
             "events": list(self.events),

@@ -230,7 +230,8 @@ class Optimizer(torch.optim.Optimizer):
         staging: stage through host buffers even on the CPU (the GPU code
             path; meant for tests). Default: only for models not on the CPU.
         pacer: iteration pacing; default: what ``aps launch`` asked for.
-        token: the server's token, if it has one (default ``$APS_TOKEN``).
+        token: the server's token, if it has one (default ``$APS_TOKEN``, else the
+            token file a loopback server of this user wrote).
         reconnect, reconnect_timeout: get back to a lost server by itself and
             go on (see :class:`aps.Worker`); ``reconnect=False`` raises at once.
         compression, compress_pulls: send gradients (and receive weights) over

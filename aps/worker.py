@@ -80,7 +80,7 @@ from .protocol import (
 from .transport._tls import client_context
 from .transport.address import Address, parse_address
 from .transport.framing import FrameReader
-from .transport._client import client_token, handshake, handshake_async
+from .transport._client import client_token, find_client_token, handshake, handshake_async, newer_token
 from .transport.segments import shm_available
 from .transport.shm_client import ShmConnection
 from .transport.tcp_client import AsyncConnection, BlockingConnection
@@ -1155,7 +1155,8 @@ class Worker(_WorkerBase):
             worker's seat (None: no pings).
         token: the server's shared secret, when it has one (``--token``); the
             worker proves it knows it and checks that the server does too
-            (default: ``$APS_TOKEN``).
+            (default: ``$APS_TOKEN``, else the token file of a server this user
+            started on loopback without a token, read at every connection).
         tls: TCP over TLS: True (the system's CAs, or ``$APS_TLS_CA``; a client
             certificate from ``$APS_TLS_CERT``/``$APS_TLS_KEY`` when set), or an
             ``ssl.SSLContext``. A ``tls://`` address implies True.
@@ -1692,10 +1693,20 @@ class Worker(_WorkerBase):
     def _open(self, transport: str) -> BlockingConnection | ShmConnection:
         """Connect by ``transport``: shared memory when asked or when ``auto`` finds
         the server on this host, TCP otherwise."""
-        tcp = BlockingConnection(self._parsed.host, self._parsed.port, self._connect_timeout, self.server_timeout,
-                                 self._tls)
+        where = (self._parsed.host, self._parsed.port)
+        tcp = BlockingConnection(*where, self._connect_timeout, self.server_timeout, self._tls)
         try:
-            info = handshake(tcp, self._token, self._connect_timeout)
+            # Read again at every connection: a server restarted on this port made a new token.
+            token, found = find_client_token(self._token, *where)
+            try:
+                info = handshake(tcp, token, self._connect_timeout, found=found)
+            except AuthenticationError:
+                token = newer_token(token, found, *where)
+                if token is None:
+                    raise
+                tcp.close()
+                tcp = BlockingConnection(*where, self._connect_timeout, self.server_timeout, self._tls)
+                info = handshake(tcp, token, self._connect_timeout, found=True)
             host, path, run_id = info.host, info.unix_path, info.run_id
             self._core.check_run(run_id, self.address)
             self.server_info = info
@@ -1719,7 +1730,7 @@ class Worker(_WorkerBase):
             else:
                 tcp.close()
                 try:
-                    handshake(shm, self._token, self._connect_timeout)  # the Unix socket asks the same
+                    handshake(shm, token, self._connect_timeout, found=found)  # the Unix socket asks the same
                 except BaseException:
                     shm.close()
                     raise
@@ -2102,7 +2113,16 @@ class AsyncWorker(_WorkerBase):
                     core) -> tuple[AsyncConnection, ServerInfo]:
         conn = await AsyncConnection.open(host, port, connect_timeout, server_timeout, tls)
         try:
-            info = await handshake_async(conn, token, connect_timeout)
+            secret, found = find_client_token(token, host, port)
+            try:
+                info = await handshake_async(conn, secret, connect_timeout, found=found)
+            except AuthenticationError:
+                secret = newer_token(secret, found, host, port)  # a restarted server's new token
+                if secret is None:
+                    raise
+                conn.close()
+                conn = await AsyncConnection.open(host, port, connect_timeout, server_timeout, tls)
+                info = await handshake_async(conn, secret, connect_timeout, found=True)
             core.check_run(info.run_id, str(conn.address))
             if not ASYNC_AS_SHARD.get():
                 _refuse_one_shard(info, str(conn.address))

@@ -16,8 +16,21 @@ from collections.abc import Callable
 
 import numpy as np
 
+from aps._tokens import find_token
 from aps.layout import Layout
-from aps.protocol import HEADER_SIZE, DType, Flag, Op, decode_error, encode_init, pack_header, unpack_header
+from aps.protocol import (
+    HEADER_SIZE,
+    NONCE_BYTES,
+    DType,
+    Flag,
+    Op,
+    auth_proof,
+    decode_error,
+    decode_hello_reply,
+    encode_init,
+    pack_header,
+    unpack_header,
+)
 from aps.transport.segments import Segment, scm_rights
 
 #: Worker processes for tests: forked from a server process that has imported what they use
@@ -27,6 +40,11 @@ from aps.transport.segments import Segment, scm_rights
 #: after aps.torch.Optimizer has connected, it could outlast the server's handshake deadline.
 SPAWN = mp.get_context("forkserver")
 SPAWN.set_forkserver_preload(["numpy", "torch", "torch._dynamo", "aps", "aps.torch", "tests._workers"])
+
+#: A token strong enough for ``--token`` (aps serve refuses weaker ones): what ``aps token`` prints.
+TOKEN = "Zq3u9P0vB4h1xkTn7sWc2yLr8GdJ5mEaQiFo6XtKbHw"
+#: RawClient: find the server's token the way a worker does (its token file), and prove it.
+FIND = object()
 
 
 class ServerProcess:
@@ -59,10 +77,11 @@ class ServerProcess:
             self.stop()
             raise RuntimeError(f"aps serve did not start: {self.first_line!r}\n{log}")
         self.address = self.first_line[len(prefix) :].strip()
-        # the server's token, when the test gave it one (for the helper's own requests)
-        token = args[args.index("--token") + 1] if "--token" in args else full_env.get("APS_TOKEN")
-        self.token = token.encode() if token else None
         self.port = int(self.address.rsplit(":", 1)[1])
+        # the server's token: the one the test gave it, else the one it made itself (its token
+        # file), for the helper's own requests; None when it has none (--insecure)
+        token = args[args.index("--token") + 1] if "--token" in args else full_env.get("APS_TOKEN")
+        self.token = token.encode() if token else find_token(host, self.port)
 
     def _read_first_line(self, timeout: float) -> str:
         lines: queue.Queue[str] = queue.Queue()
@@ -123,17 +142,39 @@ class ServerProcess:
 
 
 class RawClient:
-    """Hand-made frames over a plain TCP socket, for bad-input tests."""
+    """Hand-made frames over a plain TCP socket, for bad-input tests.
+
+    ``token``: FIND (the default) proves the token the server at ``port`` wrote to its
+    token file, when there is one, as a worker would (HELLO, AUTH); a token proves that
+    one; None sends nothing first (a stranger).
+    """
 
     transport = "tcp"
 
-    def __init__(self, port: int, timeout: float = 10.0) -> None:
+    def __init__(self, port: int, timeout: float = 10.0, token=FIND) -> None:
         self.sock = socket.create_connection(("127.0.0.1", port), timeout=timeout)
+        self._authenticate(find_token("127.0.0.1", port) if token is FIND else token)
 
     @classmethod
-    def to(cls, server: ServerProcess, transport: str) -> RawClient:
+    def to(cls, server: ServerProcess, transport: str, token=FIND) -> RawClient:
         """A raw client of ``server`` over ``transport`` ("tcp" or "shm")."""
-        return RawClient(server.port) if transport == "tcp" else RawShmClient(server.unix_path)
+        token = server.token if token is FIND else token
+        return RawClient(server.port, token=token) if transport == "tcp" else RawShmClient(server.unix_path,
+                                                                                            token=token)
+
+    def _authenticate(self, token: bytes | str | None) -> None:
+        if token is None:
+            return
+        token = token.encode() if isinstance(token, str) else token
+        nonce = os.urandom(NONCE_BYTES)
+        self.frame(Op.HELLO, nonce)
+        header, payload = self.reply()
+        assert header.op == Op.HELLO_REPLY, f"expected a HELLO reply, got op {header.op}"
+        required, server_nonce, _ = decode_hello_reply(payload)
+        if required:
+            self.frame(Op.AUTH, auth_proof(token, "client", server_nonce, nonce))
+            header, _ = self.reply()
+            assert header.op == Op.AUTH_REPLY, f"expected an AUTH reply, got op {header.op}"
 
     def send(self, *parts: bytes) -> None:
         self.sock.sendall(b"".join(bytes(p) for p in parts))
@@ -199,11 +240,15 @@ class RawShmClient(RawClient):
 
     transport = "shm"
 
-    def __init__(self, path: str, timeout: float = 10.0) -> None:
+    def __init__(self, path: str, timeout: float = 10.0, token=FIND) -> None:
         self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         self.sock.settimeout(timeout)
         self.sock.connect(path)
         self.segment: Segment | None = None
+        if token is FIND:  # the socket of a server on TCP port N is .../N.sock
+            stem = os.path.basename(path).split(".", 1)[0]
+            token = find_token("127.0.0.1", int(stem)) if stem.isdigit() else None
+        self._authenticate(token)
 
     def init(self, rank: int, num_workers: int, params: dict[str, np.ndarray], *, segment_numel: int | None = None,
              with_segment: bool = True, **fields) -> None:

@@ -28,7 +28,8 @@ def register(commands) -> None:
     parser.add_argument("--json", action="store_true", help="print the raw statistics as JSON")
     parser.add_argument("--watch", type=number, metavar="SECONDS", help="refresh every SECONDS until interrupted (default: print once)")
     parser.add_argument("--timeout", type=number, default=10.0, help="seconds to wait for the server")
-    parser.add_argument("--token", help="the server's token, if it has one (default: $APS_TOKEN)")
+    parser.add_argument("--token", help="the server's token, if it has one (default: $APS_TOKEN, else the token "
+                        "file a server of this user on loopback wrote for its address)")
     parser.set_defaults(run=run)
 
 
@@ -42,7 +43,8 @@ def _addresses(text: str) -> list[str]:
 def fetch_stats(address: str, timeout: float = 10.0, token: str | None = None) -> dict:
     """The statistics of the server at ``address`` (``tcp://HOST:PORT``, or ``tls://`` with
     ``$APS_TLS_CA`` and the like), as ``Server.stats()`` returns them. ``token``: the
-    server's, if it has one (default ``$APS_TOKEN``)."""
+    server's, if it has one (default ``$APS_TOKEN``, else the token file of a loopback
+    server of this user, see :mod:`aps._tokens`)."""
     return json.loads(control_request(address, Op.STATS, token, timeout))
 
 

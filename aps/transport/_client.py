@@ -29,11 +29,13 @@ from ..protocol import (
     decode_hello_reply,
     pack_header,
 )
+from .._tokens import find_token, token_dir
 from .framing import FrameReader
 from .segments import scm_rights
 
 __all__ = [
-    "IOV_MAX", "BlockingSocket", "ClientSocket", "advance", "client_token", "exchange", "exchange_async", "handshake", "handshake_async"
+    "IOV_MAX", "BlockingSocket", "ClientSocket", "advance", "client_token", "exchange", "exchange_async", "find_client_token", "newer_token",
+    "handshake", "handshake_async",
 ]
 
 #: Buffers one ``sendmsg`` call may take.
@@ -204,9 +206,18 @@ def control_request(address: str, op: int, token: str | bytes | None = None, tim
     from .tcp_client import BlockingConnection
 
     parsed = parse_address(address)
+    secret, found = find_client_token(client_token(token or None), parsed.host, parsed.port)
     conn = BlockingConnection(parsed.host, parsed.port, timeout, tls=client_context(parsed.scheme == "tls"))
     try:
-        handshake(conn, client_token(token or None), timeout)
+        try:
+            handshake(conn, secret, timeout, found=found)
+        except AuthenticationError:
+            secret = newer_token(secret, found, parsed.host, parsed.port)
+            if secret is None:
+                raise
+            conn.close()
+            conn = BlockingConnection(parsed.host, parsed.port, timeout, tls=client_context(parsed.scheme == "tls"))
+            handshake(conn, secret, timeout, found=True)
         _, payload = exchange(conn, op, timeout)
     finally:
         conn.close()
@@ -234,18 +245,23 @@ def _checked(reply: _OneReply, op: int) -> tuple[Header, bytes]:
 _Steps = Generator[tuple[int, bytes], bytes, ServerInfo]
 
 
-def _handshake_steps(token: bytes | None, address: str) -> _Steps:
+def _handshake_steps(token: bytes | None, address: str, found: bool) -> _Steps:
+    if token is None and not found:
+        token, found = find_client_token(None, address)
     client_nonce = os.urandom(NONCE_BYTES)
     required, server_nonce, info = decode_hello_reply((yield Op.HELLO, client_nonce))
     if not required:
-        if token is not None:
+        # A token found in a file may be a dead server's, on a port a server without one took since.
+        if token is not None and not found:
             raise AuthenticationError(
                 f"the server at {address} asks for no token, but this worker has one: it may not be the server "
                 "you meant (start it with --token, or give the worker no token)"
             )
         return info
     if token is None:
-        raise AuthenticationError(f"the server at {address} needs a token: pass token= or set $APS_TOKEN")
+        raise AuthenticationError(
+            f"the server at {address} needs a token: pass token= or set $APS_TOKEN (a server this user started "
+            f"on loopback without one has its own, in {token_dir()}, found there by itself)")
     reply = yield Op.AUTH, auth_proof(token, "client", server_nonce, client_nonce)
     proof, info = decode_auth_reply(reply)
     if not hmac.compare_digest(proof, auth_proof(token, "server", server_nonce, client_nonce)):
@@ -264,11 +280,45 @@ def client_token(token: str | bytes | None) -> bytes | None:
     return token.encode("utf-8")
 
 
-def handshake(conn, token: bytes | None, timeout: float | None) -> ServerInfo:
+def find_client_token(token: bytes | None, address: str, port: int | None = None) -> tuple[bytes | None, bool]:
+    """The token to prove at ``address`` (``tcp://HOST:PORT``, or a host and ``port``),
+    and whether it was looked up rather than given: ``token`` when given, else the token
+    file a server of this user wrote for that address (see :mod:`aps._tokens`), else None."""
+    if token is not None:
+        return token, False
+    if port is None:
+        scheme, sep, rest = address.partition("://")
+        if not sep or scheme not in ("tcp", "tls"):
+            return None, False
+        host, _, text = rest.rpartition(":")
+        try:
+            port = int(text)
+        except ValueError:
+            return None, False
+    else:
+        host = address
+    return find_token(host, port), True
+
+
+def newer_token(token: bytes | None, found: bool, host: str, port: int) -> bytes | None:
+    """After a refused handshake with a token from a file: the file's token if it has
+    changed since (a server restarted on the port wrote its own between the read and the
+    handshake), else None (the refusal stands)."""
+    if not found:
+        return None
+    fresh = find_token(host, port)
+    return fresh if fresh is not None and fresh != token else None
+
+
+def handshake(conn, token: bytes | None, timeout: float | None, *, found: bool = False) -> ServerInfo:
     """HELLO, and AUTH when the server asks for a token (each side proves it knows
     it; the token never crosses the wire). Returns what the server says of itself
-    (:class:`aps.protocol.ServerInfo`). Raises AuthenticationError."""
-    steps = _handshake_steps(token, conn.address)
+    (:class:`aps.protocol.ServerInfo`). Raises AuthenticationError.
+
+    ``token`` None: the token file of the server's address, if there is one
+    (:func:`find_client_token`); ``found``: ``token`` was looked up in such a file, not
+    given (a server that asks for none is then no reason to refuse)."""
+    steps = _handshake_steps(token, conn.address, found)
     request = next(steps)
     while True:
         op, payload = request
@@ -279,9 +329,9 @@ def handshake(conn, token: bytes | None, timeout: float | None) -> ServerInfo:
             return done.value
 
 
-async def handshake_async(conn, token: bytes | None, timeout: float | None) -> ServerInfo:
+async def handshake_async(conn, token: bytes | None, timeout: float | None, *, found: bool = False) -> ServerInfo:
     """:func:`handshake` on an asyncio connection."""
-    steps = _handshake_steps(token, conn.address)
+    steps = _handshake_steps(token, str(conn.address), found)
     request = next(steps)
     while True:
         op, payload = request

@@ -121,6 +121,11 @@ class FrameReader:
         self._start = self._end = self._got = self._base = 0
         self._held = True
 
+    def staging_half_empty(self) -> bool:
+        """True when at least half the staging buffer is free (a paused driver may read again:
+        resuming at the first free byte would cost a read per frame)."""
+        return (self._end - self._start) * 2 <= len(self._buf)
+
     def staging_full(self) -> bool:
         """True when the staging buffer has no room left: the driver must stop reading."""
         return self._end - self._start >= len(self._buf)

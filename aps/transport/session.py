@@ -11,10 +11,15 @@ early wait in the reader's staging buffer, and reading pauses if that fills.
 from __future__ import annotations
 
 import asyncio
+import ctypes
+import ctypes.util
 import hmac
 import json
 import logging
+import mmap
 import os
+import time
+from collections import OrderedDict, deque
 from typing import TYPE_CHECKING, NoReturn
 
 import numpy as np
@@ -70,7 +75,7 @@ if TYPE_CHECKING:
     from .._updates import StreamingPush
     from ..table import Snapshot
 
-__all__ = ["ServerSession", "dtype_name"]
+__all__ = ["AuthThrottle", "Connections", "ServerSession", "StrangerGuard", "dtype_name"]
 
 log = logging.getLogger("aps.server")
 
@@ -80,6 +85,185 @@ MAX_BAD_FRAMES = 16
 WARNINGS_PER_WINDOW = 5
 WARNING_WINDOW_S = 60.0
 
+
+
+# What strangers may cost ------------------------------------------------------------------
+#: Strangers (connections that have not joined as workers) get at most this share of the
+#: event loop's time for their requests, all of them together; members' frames go first.
+STRANGER_SHARE = 0.10
+#: ... and may run ahead of it by this many seconds (a burst), or behind by as many.
+STRANGER_BURST_S = 0.05
+#: Requests of strangers served in one turn before the loop looks at its sockets again.
+STRANGERS_PER_TURN = 8
+#: Bytes of INIT layout blocks being read, all connections together, beyond each one's
+#: first piece (a layout block costs what its sender has sent, and the sum is bounded).
+LAYOUT_BUDGET = 32 << 20
+#: Seconds after a stranger's memory is let go before freed heap is handed back to the OS.
+TRIM_AFTER_S = 1.0
+
+
+class AuthThrottle:
+    """Failed AUTH attempts by peer address: after :attr:`FREE` failures each attempt waits
+    its turn, exponentially longer (from :attr:`BASE_S`, at most :attr:`MAX_DELAY_S`; the
+    turns of parallel connections are taken one after the other), and after
+    :attr:`LOCKOUT_AFTER` failures every attempt is refused for :attr:`LOCKOUT_S`. An
+    address is forgotten :attr:`FORGET_S` after its last failure; at most :attr:`MAX_PEERS`
+    are remembered (the least recently failed go first), so the table's memory is bounded.
+    """
+
+    FREE = 3
+    BASE_S = 0.1
+    MAX_DELAY_S = 2.0
+    LOCKOUT_AFTER = 8
+    LOCKOUT_S = 60.0
+    FORGET_S = 600.0
+    MAX_PEERS = 4096
+
+    class _Peer:
+        __slots__ = ("failures", "next_at", "blocked_until", "last")
+
+        def __init__(self) -> None:
+            self.failures = 0
+            self.next_at = self.blocked_until = self.last = 0.0
+
+    def __init__(self) -> None:
+        self._peers: OrderedDict[str, AuthThrottle._Peer] = OrderedDict()
+
+    def __len__(self) -> int:
+        return len(self._peers)
+
+    def _delay(self, failures: int) -> float:
+        if failures < self.FREE:
+            return 0.0
+        return min(self.BASE_S * 2 ** (failures - self.FREE), self.MAX_DELAY_S)
+
+    def _get(self, key: str, now: float) -> AuthThrottle._Peer | None:
+        peer = self._peers.get(key)
+        if peer is not None and now - peer.last > self.FORGET_S and now >= peer.blocked_until:
+            del self._peers[key]
+            return None
+        return peer
+
+    def refused_for(self, key: str, now: float) -> float:
+        """Seconds ``key`` stays refused (0: it may try)."""
+        peer = self._get(key, now)
+        return max(0.0, peer.blocked_until - now) if peer is not None else 0.0
+
+    def wait(self, key: str, now: float) -> float:
+        """Seconds an attempt from ``key`` arriving now waits before it is checked (its turn is taken)."""
+        peer = self._get(key, now)
+        if peer is None:
+            return 0.0
+        at = max(now, peer.next_at)
+        peer.next_at = at + self._delay(peer.failures)
+        return at - now
+
+    def failed(self, key: str, now: float) -> None:
+        peer = self._get(key, now)
+        if peer is None:
+            while len(self._peers) >= self.MAX_PEERS:
+                self._peers.popitem(last=False)
+            peer = self._peers[key] = self._Peer()
+        self._peers.move_to_end(key)
+        peer.failures += 1
+        peer.last = now
+        peer.next_at = max(peer.next_at, now + self._delay(peer.failures))
+        if peer.failures >= self.LOCKOUT_AFTER:
+            peer.blocked_until = now + self.LOCKOUT_S
+
+
+class StrangerGuard:
+    """What the strangers of one server may cost, all of them together (see
+    docs/design.md, "Strangers"): a share of the loop's time for their requests
+    (served after members', in turn), a budget for the layout blocks being read,
+    the failed-AUTH throttle, and memory handed back to the OS after they go."""
+
+    def __init__(self) -> None:
+        self.layout_free = LAYOUT_BUDGET
+        self.throttle = AuthThrottle()
+        self._waiting: deque[ServerSession] = deque()
+        self._credit = STRANGER_BURST_S
+        self._refilled = time.perf_counter()
+        self._turn: asyncio.Handle | None = None
+        self._trim: asyncio.TimerHandle | None = None
+
+    def _refill(self) -> float:
+        now = time.perf_counter()
+        self._credit = min(STRANGER_BURST_S, self._credit + (now - self._refilled) * STRANGER_SHARE)
+        self._refilled = now
+        return now
+
+    def may_serve_now(self) -> bool:
+        """True when a stranger's request may be served at once (nobody waits, credit is left)."""
+        if self._waiting:
+            return False
+        self._refill()
+        return self._credit > 0
+
+    def charge(self, seconds: float) -> None:
+        self._credit = max(-STRANGER_BURST_S, self._credit - seconds)
+
+    def enqueue(self, session: ServerSession) -> None:
+        """``session`` holds a request for its turn."""
+        self._waiting.append(session)
+        self._schedule(session._loop)
+
+    def _schedule(self, loop: asyncio.AbstractEventLoop) -> None:
+        if self._turn is not None or not self._waiting:
+            return
+        self._refill()
+        if self._credit > 0:
+            self._turn = loop.call_soon(self._serve, loop)  # after the callbacks ready now: members' I/O
+        else:
+            self._turn = loop.call_later(-self._credit / STRANGER_SHARE + 1e-3, self._serve, loop)
+
+    def _serve(self, loop: asyncio.AbstractEventLoop) -> None:
+        self._turn = None
+        served = 0
+        while self._waiting and served < STRANGERS_PER_TURN:
+            started = self._refill()
+            if self._credit <= 0:
+                break
+            session = self._waiting.popleft()
+            if session._lost:
+                continue
+            served += 1
+            session._serve_parked()
+            self.charge(time.perf_counter() - started)
+        self._schedule(loop)
+
+    def released(self, loop: asyncio.AbstractEventLoop) -> None:
+        """A stranger's buffers were let go: hand freed heap back to the OS soon (once for many)."""
+        if self._trim is None and _malloc_trim is not None:
+            self._trim = loop.call_later(TRIM_AFTER_S, self._trim_now)
+
+    def _trim_now(self) -> None:
+        self._trim = None
+        _malloc_trim(0)
+
+
+class Connections(set):
+    """The open sessions of one server, and what they share (:attr:`guard`)."""
+
+    def __init__(self, *args) -> None:
+        super().__init__(*args)
+        self.guard = StrangerGuard()
+
+
+def _find_malloc_trim():
+    """glibc's ``malloc_trim`` (None elsewhere): freed memory in the middle of the heap is
+    kept by the allocator for reuse unless it is asked to give it back."""
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        trim = libc.malloc_trim
+    except (OSError, AttributeError):
+        return None
+    trim.argtypes = [ctypes.c_size_t]
+    trim.restype = ctypes.c_int
+    return trim
+
+
+_malloc_trim = _find_malloc_trim()
 
 
 class RateLimitedLog:
@@ -175,6 +359,10 @@ class ServerSession:
         self.reader = FrameReader(self, max_payload=max_payload)
         self.member: Member | None = None
         self.peer = "?"
+        #: The peer's address as failed AUTH attempts are counted by (its host, or its user).
+        self.peer_key = "?"
+        self._guard: StrangerGuard = getattr(registry, "guard", None) or StrangerGuard()
+        self._parked: tuple[Header, memoryview] | None = None  # a stranger's request waiting its turn
         self._loop = asyncio.get_event_loop()
         self._pending_error: ServerError | None = None
         self._dispatching = False
@@ -322,7 +510,10 @@ class ServerSession:
             self._stream = None
         self._end_intake()
         self._state_intake = None
+        self._parked = None
         was_member = self.member is not None
+        if not was_member:
+            self._guard.released(self._loop)
         if self._unlogged and was_member:
             log.warning("%s: closed; %d more warnings about it were not logged", self._who(), self._unlogged)
         if self.member is not None:
@@ -467,7 +658,7 @@ class ServerSession:
                     )
                 # Only the layout block, for now: room for the values is made once
                 # the block is checked, and only if they are needed (frame_more).
-                self._intake = _InitIntake(block)
+                self._intake = _InitIntake(block, self._guard)
                 dest = self._intake.next_piece(0)
             elif op == Op.HYPER:
                 # Checked against the model once it arrives; nothing is read for a stranger.
@@ -535,10 +726,15 @@ class ServerSession:
                 self._pending_error = exc
                 return None
         intake = self._intake
-        if got < intake.block_bytes:
-            return intake.next_piece(got)
         try:
+            if got < intake.block_bytes:
+                return intake.next_piece(got)
             request = intake.check(self.engine, header.length)
+        except ServerOverloaded as exc:
+            self.engine.stats.strangers["layout_refused"] += 1
+            self._pending_error = exc
+            intake.release()
+            return None
         except ServerError as exc:
             self._pending_error = exc
             return None
@@ -555,6 +751,35 @@ class ServerSession:
 
     def frame_received(self, header: Header, payload: memoryview) -> None:
         self._frames += 1
+        if self.member is not None:
+            self._handle_frame(header, payload)
+            return
+        # A stranger's request: served in its turn, after members', within the strangers'
+        # share of the loop (see StrangerGuard). It holds its reader meanwhile: one request
+        # of a connection at a time, so a pipelining stranger has one parked, no more.
+        self.reader.hold()
+        guard = self._guard
+        if not guard.may_serve_now():
+            self._parked = (header, payload)
+            guard.enqueue(self)
+            return
+        started = time.perf_counter()
+        try:
+            self._handle_frame(header, payload)
+        finally:
+            guard.charge(time.perf_counter() - started)
+
+    def _serve_parked(self) -> None:
+        """The stranger's turn has come (StrangerGuard): serve its parked request."""
+        parked, self._parked = self._parked, None
+        if parked is None or self._lost:
+            return
+        self._handle_frame(*parked)
+        if not self._lost and not self.reader.held:  # answered at once: the frames behind it
+            self.reader.hold()
+            self._resume()
+
+    def _handle_frame(self, header: Header, payload: memoryview) -> None:
         stream, self._stream = self._stream, None
         error = self._pending_error
         if error is not None:
@@ -620,9 +845,43 @@ class ServerSession:
             raise AuthenticationError("this server has no token (it was started without --token)")
         if not self._server_nonce or len(self._client_nonce) != NONCE_BYTES:
             self._auth_failed("AUTH without a HELLO carrying a nonce first")
+        # Guesses are throttled by the peer's address: every attempt after a few failures
+        # waits its turn, longer and longer, and then the address is refused for a while.
+        if self._refused():
+            return
+        wait = self._guard.throttle.wait(self.peer_key, self._loop.time())
+        proof = bytes(payload)
+        if wait > 0:
+            self.engine.stats.auth["throttled"] += 1
+            self._loop.call_later(wait, self._check_proof, proof)
+        else:
+            self._check_proof(proof)
+
+    def _refused(self) -> bool:
+        """Refuse the AUTH attempt (and close) while the peer's address is locked out."""
+        now = self._loop.time()
+        refused = self._guard.throttle.refused_for(self.peer_key, now)
+        if not refused:
+            return False
+        self.engine.stats.auth["refused"] += 1
+        _auth_failures.warning(now, "%s: refused an AUTH attempt: too many failed ones from %s", self.peer,
+                               self.peer_key)
+        self._fatal(ServerOverloaded(
+            f"too many failed authentications from {self.peer_key}: refused for {refused:.0f} s more"), warn=False)
+        return True
+
+    def _check_proof(self, proof: bytes) -> None:
+        # (attempts that waited their turn meet a lockout that began meanwhile)
+        if self._lost or self._refused():
+            return
         expected = auth_proof(self._token, "client", self._server_nonce, self._client_nonce)
-        if not hmac.compare_digest(expected, bytes(payload)):
-            self._auth_failed("a wrong token")
+        if not hmac.compare_digest(expected, proof):
+            self._guard.throttle.failed(self.peer_key, self._loop.time())
+            try:
+                self._auth_failed("a wrong token")
+            except AuthenticationError as exc:
+                self._fatal(exc, warn=False)
+            return
         self._authenticated = True
         proof = auth_proof(self._token, "server", self._server_nonce, self._client_nonce)
         self._server_nonce = b""  # one AUTH per nonce
@@ -630,7 +889,8 @@ class ServerSession:
                                                              self.engine.run_id, self.engine.shard_description))
 
     def _auth_failed(self, what: str) -> NoReturn:
-        """The peer failed the handshake: log it (rate-limited, with its address), refuse, close."""
+        """The peer failed the handshake: log it (rate-limited, with its address), count it, refuse, close."""
+        self.engine.stats.auth["failures"] += 1
         _auth_failures.warning(self._loop.time(), "%s: authentication failed: %s; closing the connection",
                                self.peer, what)
         raise AuthenticationError(
@@ -806,8 +1066,10 @@ class ServerSession:
         """The INIT is over, one way or another: if this worker was to provide the
         initial weights and they did not make it in, others may now."""
         intake, self._intake = self._intake, None
-        if intake is not None and intake.registering and self.engine.table is None:
-            self.engine.release_registration(self)
+        if intake is not None:
+            intake.release()
+            if intake.registering and self.engine.table is None:
+                self.engine.release_registration(self)
 
     def _fail(self, exc: ServerError) -> None:
         self._reply_error(self._rid, exc)
@@ -880,7 +1142,7 @@ class ServerSession:
         except ServerError as exc:
             self._fatal(exc)
             return
-        if self._reading_paused and not self.reader.staging_full():
+        if self._reading_paused and self.reader.staging_half_empty():
             self._reading_paused = False
             self._resume_reading()
         self._maybe_pause_reading()
@@ -917,29 +1179,58 @@ class ServerSession:
 
 class _InitIntake:
     """An INIT being read: its layout block first, in pieces that grow only as its
-    bytes arrive (a header alone costs nothing), then its values only if needed."""
+    bytes arrive (a header alone costs nothing), then its values only if needed.
 
-    __slots__ = ("block_bytes", "pieces", "request", "values", "registering")
+    Every piece but the first is drawn from the server's layout budget
+    (:data:`LAYOUT_BUDGET`, all connections together), and is a mapping of its own, so
+    that what a sender made the server hold goes back to the OS when it is let go,
+    rather than staying in the allocator's heap."""
+
+    __slots__ = ("block_bytes", "pieces", "request", "values", "registering", "_guard", "_charged")
 
     PIECE = 64 << 10
 
-    def __init__(self, block_bytes: int) -> None:
+    def __init__(self, block_bytes: int, guard: StrangerGuard) -> None:
         self.block_bytes = block_bytes
-        self.pieces: list[bytearray] = []
+        self.pieces: list = []
         self.request: InitRequest | None = None
         self.values: np.ndarray | None = None
         self.registering = False
+        self._guard = guard
+        self._charged = 0
 
     def next_piece(self, got: int) -> memoryview:
-        """Room for the next bytes of the layout block (``got`` of it have arrived)."""
-        piece = bytearray(min(self.PIECE, self.block_bytes - got))
+        """Room for the next bytes of the layout block (``got`` of it have arrived);
+        raises ServerOverloaded when the server's layout budget is spent."""
+        size = min(self.PIECE, self.block_bytes - got)
+        if not self.pieces:
+            piece = bytearray(size)
+        else:
+            guard = self._guard
+            if guard.layout_free < size:
+                self.release()
+                raise ServerOverloaded(
+                    f"the server is reading {LAYOUT_BUDGET >> 20} MiB of INIT layout blocks already (a layout "
+                    f"block of {self.block_bytes} bytes is large: it describes tensors, not their values); "
+                    "try again later")
+            guard.layout_free -= size
+            self._charged += size
+            piece = mmap.mmap(-1, size)
         self.pieces.append(piece)
         return memoryview(piece)
+
+    def release(self) -> None:
+        """Let go of the pieces, and give back what they drew from the budget."""
+        self.pieces = []
+        if self._charged:
+            self._guard.layout_free += self._charged
+            self._charged = 0
 
     def check(self, engine: Engine, payload_bytes: int) -> InitRequest:
         """Parse the layout block and check the join it asks for (raises a ServerError)."""
         if self.request is None:
-            block, self.pieces = b"".join(self.pieces), []
+            block = b"".join(self.pieces)
+            self.release()
             request = decode_layout_block(block)
             values = payload_bytes - len(block)
             if values != request.layout.nbytes:

@@ -164,6 +164,7 @@ class ShmSession(ServerSession):
         try:
             creds = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, 12)
             self.peer = f"pid {int.from_bytes(creds[:4], sys.byteorder)}"
+            self.peer_key = f"uid {int.from_bytes(creds[4:8], sys.byteorder)}"  # failed AUTHs count by user
         except (OSError, AttributeError):
             pass
         self._fds: deque[int] = deque()  # descriptors received and not yet claimed

@@ -56,6 +56,7 @@ class TcpSession(ServerSession, asyncio.BufferedProtocol):
         transport.set_write_buffer_limits(high=0)
         peer = transport.get_extra_info("peername")
         self.peer = f"{peer[0]}:{peer[1]}" if isinstance(peer, tuple) else str(peer)
+        self.peer_key = str(peer[0]) if isinstance(peer, tuple) else self.peer
         if not self._admit():
             return
         self.registry.add(self)

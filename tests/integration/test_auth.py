@@ -7,17 +7,30 @@ import socket
 import subprocess
 import sys
 import threading
+import time
+import urllib.request
 
 import numpy as np
 import pytest
 
 import aps
 from aps.config import ServerConfig
-from aps.errors import ErrorCode
-from aps.protocol import NONCE_BYTES, Op, auth_proof, decode_hello_reply, encode_hello, encode_hello_reply, pack_header
+from aps.errors import ErrorCode, ServerOverloaded
+from aps.protocol import (
+    NONCE_BYTES,
+    Op,
+    auth_proof,
+    decode_error,
+    decode_hello_reply,
+    encode_hello,
+    encode_hello_reply,
+    pack_header,
+)
+from aps.transport.session import AuthThrottle
+from prometheus_client.parser import text_string_to_metric_families
 from tests.helpers import HEADER_SIZE, RawClient, RawShmClient, unpack_header
 
-TOKEN = "correct horse battery staple"
+from tests.helpers import TOKEN
 SCRIPTS = os.path.join(os.path.dirname(os.path.dirname(__file__)), "scripts")
 
 
@@ -68,14 +81,14 @@ def hello(raw: RawClient, nonce: bytes) -> bytes:
 
 def test_a_replayed_proof_is_refused(secured, transport):
     """A proof seen on one connection is worthless on another: the server's nonce is fresh."""
-    first = RawClient.to(secured, transport)
+    first = RawClient.to(secured, transport, token=None)
     client_nonce = os.urandom(NONCE_BYTES)
     server_nonce = hello(first, client_nonce)
     proof = auth_proof(TOKEN.encode(), "client", server_nonce, client_nonce)
     first.frame(Op.AUTH, proof)
     assert first.reply()[0].op == Op.AUTH_REPLY  # the genuine exchange
     first.close()
-    replay = RawClient.to(secured, transport)
+    replay = RawClient.to(secured, transport, token=None)
     assert hello(replay, client_nonce) != server_nonce
     replay.frame(Op.AUTH, proof)  # an eavesdropper sends what it saw
     code, message = replay.error()
@@ -87,7 +100,7 @@ def test_a_replayed_proof_is_refused(secured, transport):
 @pytest.mark.parametrize("op", [Op.INIT, Op.STATS, Op.PULL, Op.PUSH, Op.PING, Op.AUTH])
 def test_a_stranger_is_served_nothing(secured, transport, op):
     """Without the handshake: no INIT (choosing the weights), no rank, no push, pull or stats."""
-    raw = RawClient.to(secured, transport)
+    raw = RawClient.to(secured, transport, token=None)
     if op == Op.INIT:
         raw.init(0, 1, {"w": np.full(4, 666.0, np.float32)})
     elif op == Op.PUSH:
@@ -109,7 +122,7 @@ def test_a_stranger_is_served_nothing(secured, transport, op):
 def test_the_worker_checks_the_server_too(server_process, monkeypatch):
     """A server without the token cannot pass for the real one: the worker refuses to train with it."""
     monkeypatch.delenv("APS_TOKEN", raising=False)
-    plain = server_process("--workers", "1", "--sync", "asp")
+    plain = server_process("--workers", "1", "--sync", "asp", "--insecure")
     with pytest.raises(aps.AuthenticationError, match="asks for no token"):
         aps.Worker(plain.address, 0, 1, token=TOKEN)
     impostor = socket.create_server(("127.0.0.1", 0))  # asks for a token, then cannot prove it knows it
@@ -171,7 +184,7 @@ def test_a_token_file(server_process, tmp_path):
 
 
 def test_the_shared_memory_socket_asks_for_the_token_too(secured):
-    raw = RawShmClient(secured.unix_path)
+    raw = RawShmClient(secured.unix_path, token=None)
     raw.init(0, 1, {"w": np.zeros(4, np.float32)})
     assert raw.error()[0] == ErrorCode.AUTHENTICATION
     assert raw.closed_by_peer()
@@ -179,7 +192,7 @@ def test_the_shared_memory_socket_asks_for_the_token_too(secured):
 
 
 def test_hello_after_hello_and_descriptors_before_the_handshake_are_refused(secured):
-    raw = RawClient(secured.port)
+    raw = RawClient(secured.port, token=None)
     for _ in range(2):
         hello(raw, os.urandom(NONCE_BYTES))
     raw.frame(Op.HELLO, os.urandom(NONCE_BYTES))  # a third, still without AUTH: a connection kept for nothing
@@ -187,10 +200,117 @@ def test_hello_after_hello_and_descriptors_before_the_handshake_are_refused(secu
     raw.close()
     from aps.transport.segments import Segment, scm_rights
 
-    shm = RawShmClient(secured.unix_path)
+    shm = RawShmClient(secured.unix_path, token=None)
     segments = [Segment.create(4, "stranger") for _ in range(3)]
     shm.sock.sendmsg([pack_header(Op.HELLO)], scm_rights([s.fd for s in segments]))
     assert shm.error()[0] == ErrorCode.AUTHENTICATION and shm.closed_by_peer()
     for s in segments:
         s.close()
     shm.close()
+
+
+# Weak tokens and guessing -------------------------------------------------------------------
+@pytest.mark.parametrize("weak", ["4821", "secret", "a" * 64, "0123456789" * 8, "ab" * 40])
+def test_a_weak_token_is_refused_with_how_to_make_one(weak, tmp_path):
+    """`--token 4821` was found by brute force in 1.2 s: under 128 bits (estimated
+    conservatively, repetitions counted once) aps serve refuses to start."""
+    serve = [sys.executable, "-m", "aps", "serve", "--port", "0"]
+    done = subprocess.run(serve + ["--token", weak], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 2 and "aps token" in done.stderr, done.stderr
+    assert "too weak" in done.stderr or "too repetitive" in done.stderr
+    assert repr(weak) not in done.stderr and f" {weak} " not in done.stderr  # nor prints the secret
+    path = tmp_path / "token"
+    path.write_text(weak + "\n")
+    done = subprocess.run(serve + ["--token-file", str(path)], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 2 and "aps token" in done.stderr, done.stderr
+
+
+def test_aps_token_makes_a_token_the_server_takes(server_process, tmp_path):
+    made = subprocess.run([sys.executable, "-m", "aps", "token"], capture_output=True, text=True, timeout=60)
+    token = made.stdout.strip()
+    assert made.returncode == 0 and len(token) >= 43 and token.isascii() and " " not in token
+    again = subprocess.run([sys.executable, "-m", "aps", "token"], capture_output=True, text=True, timeout=60)
+    assert again.stdout.strip() != token
+    server = server_process("--workers", "1", "--sync", "asp", "--token", token)
+    with aps.Worker(server.address, 0, 1, token=token) as worker:
+        worker.init({"w": np.zeros(4, np.float32)})
+    path = tmp_path / "token"
+    written = subprocess.run([sys.executable, "-m", "aps", "token", "--file", str(path)], capture_output=True,
+                             text=True, timeout=60)
+    assert written.returncode == 0 and written.stdout == ""
+    assert oct(path.stat().st_mode & 0o777) == oct(0o600)
+    from_file = server_process("--workers", "1", "--sync", "asp", "--token-file", str(path))
+    with aps.Worker(from_file.address, 0, 1, token=path.read_text().strip()) as worker:
+        worker.init({"w": np.zeros(4, np.float32)})
+
+
+def guess(server, token: str) -> tuple[float, int, str]:
+    """One AUTH attempt on a connection of its own: seconds until the answer, and the answer."""
+    raw = RawClient(server.port, token=None)
+    try:
+        client_nonce = os.urandom(NONCE_BYTES)
+        server_nonce = hello(raw, client_nonce)
+        start = time.monotonic()
+        raw.frame(Op.AUTH, auth_proof(token.encode(), "client", server_nonce, client_nonce))
+        header, payload = raw.reply()
+        took = time.monotonic() - start
+        if header.op == Op.ERROR:
+            code, message = decode_error(payload)
+            return took, code, message
+        return took, 0, "ok"
+    finally:
+        raw.close()
+
+
+def metrics(server) -> dict[str, float]:
+    port = int(server.proc.stdout.readline().rsplit(":", 1)[1].strip(" /\n"))
+    request = urllib.request.Request(f"http://127.0.0.1:{port}/metrics", headers={"Authorization": f"Bearer {TOKEN}"})
+    with urllib.request.urlopen(request, timeout=10) as response:
+        text = response.read().decode()
+    return {family.name: family.samples[0].value for family in text_string_to_metric_families(text)
+            if family.name.startswith(("aps_auth", "aps_layout"))}
+
+
+def test_guessing_the_token_is_slowed_then_refused_and_counted(server_process):
+    """3,770 guesses/s against a server without a throttle: now a few failures are free,
+    each one after waits twice as long, then the address is refused for a while."""
+    server = server_process("--workers", "1", "--sync", "asp", "--token", TOKEN, "--http-port", "0")
+    throttle = AuthThrottle
+    start = time.monotonic()
+    answers = [guess(server, "wrong-" + TOKEN) for _ in range(throttle.LOCKOUT_AFTER)]
+    spent = time.monotonic() - start
+    assert all(code == ErrorCode.AUTHENTICATION for _, code, _ in answers), answers
+    assert all(took < 0.5 for took, _, _ in answers[: throttle.FREE]), answers  # typos cost nothing
+    waits = [throttle.BASE_S * 2 ** k for k in range(throttle.LOCKOUT_AFTER - throttle.FREE)]
+    for (took, _, _), wait in zip(answers[throttle.FREE :], waits):
+        assert took >= min(wait, throttle.MAX_DELAY_S) * 0.9, answers
+    print(f"{len(answers)} wrong guesses took {spent:.2f} s ({len(answers) / spent:.1f} guesses/s)")
+    # Locked out now: even the right token is refused, unchecked, and says for how long.
+    took, code, message = guess(server, TOKEN)
+    assert code == ErrorCode.OVERLOADED and "too many failed authentications" in message and took < 0.5
+    with pytest.raises(ServerOverloaded, match="too many failed"):
+        aps.Worker(server.address, 0, 1, transport="tcp", token=TOKEN, reconnect=False)
+    counted = metrics(server)
+    assert counted["aps_auth_failures"] == throttle.LOCKOUT_AFTER, counted
+    assert counted["aps_auth_throttled"] == throttle.LOCKOUT_AFTER - throttle.FREE, counted
+    assert counted["aps_auth_refused"] == 2, counted
+    assert "authentication failed: a wrong token" in server.log()  # (rate-limited: a flood logs a few lines)
+
+
+def test_parallel_guesses_take_their_turns(server_process):
+    """Many connections guessing at once do not get around the throttle: their turns are
+    taken one after the other, and the lockout stops those still waiting."""
+    server = server_process("--workers", "1", "--sync", "asp", "--token", TOKEN)
+    results: list = []
+    threads = [threading.Thread(target=lambda: results.append(guess(server, "wrong-" + TOKEN)))
+               for _ in range(24)]
+    start = time.monotonic()
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(60)
+    spent = time.monotonic() - start
+    wrong = sum(code == ErrorCode.AUTHENTICATION for _, code, _ in results)
+    refused = sum(code == ErrorCode.OVERLOADED for _, code, _ in results)
+    assert len(results) == 24 and wrong == AuthThrottle.LOCKOUT_AFTER and refused == 24 - wrong, results
+    assert spent >= (AuthThrottle.LOCKOUT_AFTER - AuthThrottle.FREE) * AuthThrottle.BASE_S * 0.9

@@ -129,7 +129,7 @@ def test_the_dashboard_follows_two_workers_training_under_ssp(browser, tmp_path)
 
 
 def test_the_dashboard_asks_for_the_token_or_takes_it_from_the_address(browser):
-    server = ServerProcess("--workers", "1", "--http-port", "0", "--token", "s3cret")
+    server = ServerProcess("--workers", "1", "--http-port", "0", "--token", "Zq3u9P0vB4h1xkTn7sWc2yLr8GdJ5mEaQiFo6XtKbHw")
     try:
         url = server.proc.stdout.readline().split(" on ", 1)[1].strip()
         state = lambda: browser.execute_script("return document.body.dataset.state")  # noqa: E731
@@ -141,12 +141,12 @@ def test_the_dashboard_asks_for_the_token_or_takes_it_from_the_address(browser):
         field.send_keys("wrong\n")
         wait_until(lambda: state() == "login" and "refused" in text_of(browser, "login-error"), 15,
                    "a wrong token to be refused")
-        browser.find_element("id", "token").send_keys("s3cret\n")
+        browser.find_element("id", "token").send_keys("Zq3u9P0vB4h1xkTn7sWc2yLr8GdJ5mEaQiFo6XtKbHw\n")
         wait_until(lambda: state() == "live", 15, "the page to connect with the token")
         wait_until(lambda: text_of(browser, "version").strip() == "0", 10, "the first frame")
 
         browser.execute_script("sessionStorage.clear()")
-        browser.get(url + "#token=s3cret")  # a link that carries it
+        browser.get(url + "#token=Zq3u9P0vB4h1xkTn7sWc2yLr8GdJ5mEaQiFo6XtKbHw")  # a link that carries it
         wait_until(lambda: state() == "live", 15, "the page to connect with the token from the address")
         assert browser.execute_script("return location.hash") == ""  # taken out of the address bar
     finally:

@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 from tests.fuzzing import Tally, Target, Trainer, run_case
 from tests.helpers import ServerProcess
 
-TOKEN = "fuzz-token"
+from tests.helpers import TOKEN
 
 
 @pytest.fixture(scope="module", params=["tcp", "shm"])

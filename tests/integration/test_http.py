@@ -96,14 +96,14 @@ def test_metrics_and_the_api_count_exactly_what_happened(server_process):
 
 
 def test_with_a_token_every_request_needs_it(server_process):
-    server = server_process("--workers", "1", "--http-port", "0", "--token", "s3cret")
+    server = server_process("--workers", "1", "--http-port", "0", "--token", "Zq3u9P0vB4h1xkTn7sWc2yLr8GdJ5mEaQiFo6XtKbHw")
     base = http_address(server)
     for path in ("metrics", "api/stats", "api/config"):
         status, _, headers = asyncio.run(get(base + path))
         assert status == 401 and headers["WWW-Authenticate"].startswith("Bearer")
         status, _, _ = asyncio.run(get(base + path, Authorization="Bearer wrong"))
         assert status == 401
-        status, _, _ = asyncio.run(get(base + path, Authorization="Bearer s3cret"))
+        status, _, _ = asyncio.run(get(base + path, Authorization="Bearer Zq3u9P0vB4h1xkTn7sWc2yLr8GdJ5mEaQiFo6XtKbHw"))
         assert status == 200
 
 

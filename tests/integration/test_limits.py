@@ -22,7 +22,7 @@ from tests.fuzzing import Target
 from tests.helpers import RawClient, RawShmClient
 
 
-TOKEN = "limits-token"
+from tests.helpers import TOKEN
 
 
 def trained(server, transport="tcp", steps=3, token=None) -> bool:
@@ -122,7 +122,7 @@ def test_strangers_make_room_for_newcomers(server_process, transport):
 
 
 def test_slow_and_silent_peers_are_closed_at_the_handshake_deadline(server_process, transport):
-    server = server_process("--workers", "1", "--sync", "asp", "--handshake-timeout", "1")
+    server = server_process("--workers", "1", "--sync", "asp", "--handshake-timeout", "1", "--insecure")
     silent = RawClient.to(server, transport)
     crawling = RawClient.to(server, transport)
     start = time.monotonic()
@@ -223,7 +223,7 @@ def test_a_stale_unix_socket_is_replaced_and_a_live_one_kept(server_process):
 
 def test_a_stranger_that_only_keeps_its_connection_is_closed(server_process, transport):
     """A peer that never joins (no token) is closed at the handshake deadline, however busy it keeps."""
-    server = server_process("--workers", "1", "--sync", "asp", "--handshake-timeout", "1")
+    server = server_process("--workers", "1", "--sync", "asp", "--handshake-timeout", "1", "--insecure")
     raw = RawClient.to(server, transport)
     start = time.monotonic()
     try:
@@ -240,7 +240,7 @@ def test_a_stranger_that_only_keeps_its_connection_is_closed(server_process, tra
 
 def test_init_headers_alone_cost_the_server_nothing(server_process):
     """A header promising a 4 MiB layout block reserves nothing until the bytes arrive."""
-    server = server_process("--workers", "2", "--sync", "asp", "--max-connections", "300")
+    server = server_process("--workers", "2", "--sync", "asp", "--max-connections", "300", "--insecure")
     before = psutil.Process(server.proc.pid).memory_info().rss
     promises = []
     for _ in range(200):

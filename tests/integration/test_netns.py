@@ -271,7 +271,7 @@ def test_rate_limit_both_directions(network):
 
 def test_serve_and_worker_on_two_hosts(network):
     server_host, worker_host = network.add_host("server"), network.add_host("worker")
-    token = {"APS_TOKEN": "netns harness token"}
+    token = {"APS_TOKEN": "Zq3u9P0vB4h1xkTn7sWc2yLr8GdJ5mEaQiFo6XtKbHw"}
     server = server_host.serve("--workers", "1", "--sync", "asp", "--lr", "0.25", env=token)
     assert server.address.startswith(f"tcp://{server_host.address}:")
     assert server.proc.args[:4] == server_host.exec_prefix

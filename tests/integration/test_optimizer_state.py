@@ -192,7 +192,7 @@ def test_raw_frames_are_checked_before_the_arrays_are_read(server_process):
 
 
 def test_a_stranger_is_refused_before_anything_is_read(server_process):
-    server = server_process("--workers", "1", "--token", "s3cret")
+    server = server_process("--workers", "1", "--token", "Zq3u9P0vB4h1xkTn7sWc2yLr8GdJ5mEaQiFo6XtKbHw")
     sock = socket.create_connection(("127.0.0.1", server.port), timeout=5)
     try:
         sock.sendall(pack_header(Op.STATE))

@@ -31,7 +31,7 @@ from aps.layout import Layout, shard_bounds
 PY = sys.executable
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = str(ROOT / "tests" / "scripts" / "shard_worker.py")
-TOKEN = {"APS_TOKEN": "sharded netns token"}
+TOKEN = {"APS_TOKEN": "Zq3u9P0vB4h1xkTn7sWc2yLr8GdJ5mEaQiFo6XtKbHw"}
 ENV = {**os.environ, **TOKEN}
 
 _spec = importlib.util.spec_from_file_location("shard_worker", SCRIPT)

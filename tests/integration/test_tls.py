@@ -85,8 +85,8 @@ def test_client_certificates_when_the_server_asks_for_them(server_process, pki, 
 
 
 def test_tls_and_a_token_together(server_process, pki):
-    server = server_process("--workers", "1", "--sync", "asp", "--tls-cert", pki["server"], "--token", "t0k3n")
-    with aps.Worker(server.address, 0, 1, transport="tcp", tls=context(pki["ca"]), token="t0k3n") as worker:
+    server = server_process("--workers", "1", "--sync", "asp", "--tls-cert", pki["server"], "--token", "Zq3u9P0vB4h1xkTn7sWc2yLr8GdJ5mEaQiFo6XtKbHw")
+    with aps.Worker(server.address, 0, 1, transport="tcp", tls=context(pki["ca"]), token="Zq3u9P0vB4h1xkTn7sWc2yLr8GdJ5mEaQiFo6XtKbHw") as worker:
         worker.init({"w": np.zeros(4, np.float32)})
         worker.push_pull(worker.grads)
     with pytest.raises(aps.AuthenticationError):
@@ -97,7 +97,7 @@ def test_the_http_side_speaks_https_with_the_same_certificate(server_process, pk
     """With --tls-cert, the dashboard, /metrics and the token they carry are encrypted too."""
     import aiohttp
 
-    server = server_process("--workers", "1", "--tls-cert", pki["server"], "--token", "s3cret", "--http-port", "0")
+    server = server_process("--workers", "1", "--tls-cert", pki["server"], "--token", "Zq3u9P0vB4h1xkTn7sWc2yLr8GdJ5mEaQiFo6XtKbHw", "--http-port", "0")
     line = server.proc.stdout.readline()
     assert line.startswith("aps: dashboard on https://127.0.0.1:"), line
     url = line.split(" on ", 1)[1].strip()
@@ -106,7 +106,7 @@ def test_the_http_side_speaks_https_with_the_same_certificate(server_process, pk
         async with aiohttp.ClientSession() as session, session.get(address, **kwargs) as response:
             return response.status
 
-    bearer = {"Authorization": "Bearer s3cret"}
+    bearer = {"Authorization": "Bearer Zq3u9P0vB4h1xkTn7sWc2yLr8GdJ5mEaQiFo6XtKbHw"}
     assert asyncio.run(fetch(url + "metrics", ssl=context(pki["ca"]), headers=bearer)) == 200
     with pytest.raises(aiohttp.ClientError):  # plain HTTP is not spoken
         asyncio.run(fetch(url.replace("https:", "http:") + "metrics", headers=bearer))

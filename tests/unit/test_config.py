@@ -74,7 +74,7 @@ EXAMPLES = {
     "max_frame_bytes": ("1G", 1 << 30, {}),
     "stream_min_bytes": ("0", 0, {}),
     "max_connections": ("64", 64, {}),
-    "token": ("s3cret", "s3cret", {}),
+    "token": ("Zq3u9P0vB4h1xkTn7sWc2yLr8GdJ5mEaQiFo6XtKbHw", "Zq3u9P0vB4h1xkTn7sWc2yLr8GdJ5mEaQiFo6XtKbHw", {}),
     "token_file": ("/etc/aps/token", "/etc/aps/token", {}),
     "insecure": ("1", True, {}),
     "tls_cert": ("/etc/aps/cert.pem", "/etc/aps/cert.pem", {}),

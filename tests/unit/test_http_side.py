@@ -101,7 +101,7 @@ def test_the_token_guards_the_data_not_the_page(monkeypatch):
         for path in ("/metrics", "/api/stats", "/api/config", "/api/history"):
             assert (await client.get(path)).status == 401
             assert (await client.get(path, headers={"Authorization": "Bearer wrong"})).status == 401
-            assert (await client.get(path, headers={"Authorization": "Bearer sesame"})).status == 200
+            assert (await client.get(path, headers={"Authorization": "Bearer Zq3u9P0vB4h1xkTn7sWc2yLr8GdJ5mEaQiFo6XtKbHw"})).status == 200
         assert (await client.get("/")).status == 200  # the page holds no data
         assert (await client.get("/static/dashboard.js")).status == 200
         async with client.ws_connect("/ws") as ws:
@@ -113,11 +113,11 @@ def test_the_token_guards_the_data_not_the_page(monkeypatch):
         async with client.ws_connect("/ws") as ws:  # a stranger that says nothing
             assert (await receive_json(ws, timeout=_http.HELLO_TIMEOUT_S + 5))["code"] == 4401
         async with client.ws_connect("/ws") as ws:
-            await ws.send_str(json.dumps({"token": "sesame"}))
+            await ws.send_str(json.dumps({"token": "Zq3u9P0vB4h1xkTn7sWc2yLr8GdJ5mEaQiFo6XtKbHw"}))
             hello = await receive_json(ws)
             assert hello["type"] == "hello" and hello["run_id"] == "run-1" and "token" not in hello["config"]
 
-    drive(side(token=b"sesame"), scenario)
+    drive(side(token=b"Zq3u9P0vB4h1xkTn7sWc2yLr8GdJ5mEaQiFo6XtKbHw"), scenario)
 
 
 def test_the_websocket_says_hello_then_sends_frames_with_only_what_is_new():
