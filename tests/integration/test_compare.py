@@ -139,6 +139,7 @@ def test_demo_shows_progress_and_writes_only_where_it_says(tmp_path):
         shutil.rmtree(out)
 
 
+@pytest.mark.slow  # (many processes, a long run: the slow call of .ci/run)
 def test_demo_on_a_virtual_clock_runs_the_same_comparison_for_several_seeds(tmp_path):
     out = tmp_path / "virtual"
     done = subprocess.run(

@@ -68,6 +68,7 @@ def text_of(driver, element_id: str) -> str:
     return driver.execute_script(f"const e = document.getElementById({element_id!r}); return e ? e.textContent : ''")
 
 
+@pytest.mark.slow  # (many processes, a long run: the slow call of .ci/run)
 def test_the_dashboard_follows_two_workers_training_under_ssp(browser, tmp_path):
     server = ServerProcess("--workers", "2", "--sync", "ssp", "--staleness", "2", "--http-port", "0")
     procs: list[subprocess.Popen] = []

@@ -70,6 +70,7 @@ def kill(server: ServerProcess) -> None:
     server.stop()
 
 
+@pytest.mark.slow  # (many processes, a long run: the slow call of .ci/run)
 @pytest.mark.parametrize("transport", ["tcp", "shm"])
 @pytest.mark.parametrize("sync", ["bsp", "ssp", "asp"])
 def test_kill_9_mid_training_then_resume_the_workers_finish_by_themselves(tmp_path, sync, transport):

@@ -17,6 +17,7 @@ def run(cmd, env=None, timeout=240):
     return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=dict(os.environ, **(env or {})))
 
 
+@pytest.mark.slow  # (many processes, a long run: the slow call of .ci/run)
 def test_mnist_cnn_against_a_running_server(server_process):
     server = server_process("--workers", "2", "--sync", "ssp", "--staleness", "2", "--lr", "0.05")
     script = os.path.join(EXAMPLES, "mnist_cnn.py")
