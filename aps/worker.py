@@ -807,6 +807,13 @@ class _ClientCore:
             raise ProtocolError("a REWIND reply that is not a JSON object")
         return info
 
+    def take_rewind_versions(self) -> list[int]:
+        """The checkpoint versions the last REWIND (CHECK) reply listed."""
+        versions = self.take_rewind().get("versions")
+        if not isinstance(versions, list) or not all(isinstance(v, int) for v in versions):
+            raise ProtocolError("a REWIND reply without its list of versions")
+        return versions
+
     def take_state(self, header: Header) -> dict[str, Any]:
         """The state the last STATE reply (``header``'s) carried."""
         payload, self._state_reply = self._state_reply, None
@@ -1380,10 +1387,7 @@ class Worker(_WorkerBase):
     def _checkpoint_versions(self) -> list[int]:
         """The versions of the checkpoints this shard's server holds of its run (REWIND, CHECK)."""
         self._call("rewind", lambda: self._core.rewind_request(None))
-        versions = self._core.take_rewind().get("versions")
-        if not isinstance(versions, list) or not all(isinstance(v, int) for v in versions):
-            raise ProtocolError("a REWIND reply without its list of versions")
-        return versions
+        return self._core.take_rewind_versions()
 
     def _rewind(self, version: int, timeout: float | None) -> None:
         """Have this shard's server restart from its checkpoint at ``version``, and rejoin it there
@@ -1914,10 +1918,7 @@ class AsyncWorker(_WorkerBase):
     async def _checkpoint_versions(self) -> list[int]:
         """See :meth:`Worker._checkpoint_versions`."""
         await self._call("rewind", lambda: self._core.rewind_request(None))
-        versions = self._core.take_rewind().get("versions")
-        if not isinstance(versions, list) or not all(isinstance(v, int) for v in versions):
-            raise ProtocolError("a REWIND reply without its list of versions")
-        return versions
+        return self._core.take_rewind_versions()
 
     async def _rewind(self, version: int, timeout: float | None) -> None:
         """See :meth:`Worker._rewind`."""
