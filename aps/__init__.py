@@ -29,10 +29,11 @@ from .errors import (
     ShuttingDown,
 )
 from .layout import Layout
-from .server import Server
-from .worker import AsyncWorker, Worker
+from .server.server import Server
+from .client.aio import AsyncWorker
+from .client.worker import Worker
 
-__version__ = "0.1.0"
+from ._version import __version__
 
 __all__ = [
     "APSConnectionError",

@@ -29,7 +29,7 @@ __all__ = [
 ]
 
 _F32 = np.float32
-#: Element types of a gradient (aps.protocol.DType's numbers).
+#: Element types of a gradient (aps.wire.protocol.DType's numbers).
 FLOAT32, FLOAT16, BFLOAT16 = 1, 3, 4
 
 

@@ -13,7 +13,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
-from ._tokens import check_token
+from .wire.tokens import check_token
 from .errors import ConfigurationError
 
 __all__ = ["RESUME_LATEST", "RUN_OPTIONS", "ServerConfig", "env_name", "generates_token", "resolve_token"]
@@ -24,6 +24,11 @@ ASYNC_SCALE_CHOICES = ("sum", "mean")
 DEFAULT_STALENESS = 3
 DEFAULT_MAX_STALENESS = 15
 OPTIMIZER_CHOICES = ("sgd", "adam", "adamw")
+#: The arrays of each optimizer's state, in order, as STATE replies and checkpoints name them
+#: (torch.optim's names): what a worker checks a state against before sending it.
+OPTIMIZER_STATE: dict[str, tuple[str, ...]] = {
+    "sgd": ("momentum_buffer",), "adam": ("exp_avg", "exp_avg_sq"), "adamw": ("exp_avg", "exp_avg_sq"),
+}
 LOG_LEVELS = ("debug", "info", "warning", "error")
 DEFAULT_PORT = 7450
 #: Options that must be finite (any float option must be a number: NaN is refused for all).
@@ -350,7 +355,7 @@ def resolve_token(config: ServerConfig) -> bytes | None:
 
 def generates_token(config: ServerConfig) -> bool:
     """True when a server with these options makes a token of its own: on a loopback
-    address, with none given and without ``--insecure`` (see :mod:`aps._tokens`)."""
+    address, with none given and without ``--insecure`` (see :mod:`aps.wire.tokens`)."""
     return config.token is None and config.token_file is None and not config.insecure and is_loopback(config.host)
 
 

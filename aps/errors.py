@@ -4,13 +4,16 @@ Everything aps raises on purpose derives from :class:`APSError`. Classes also
 derive from the builtin a caller would naturally catch: configuration mistakes
 are ``ValueError``, waits that run out are ``TimeoutError``, a lost connection
 is ``ConnectionError``. Errors the server reports travel on the wire as an
-error frame with a numeric code; :data:`ERROR_CODES` maps each code to its
-class, so the client raises the same type the server meant.
+error frame with a numeric code; each class registers its code
+(``class RankTaken(ServerError, code=ErrorCode.RANK_TAKEN)``) and
+:data:`ERROR_CODES` is what they registered, so the client raises the same
+type the server meant.
 """
 
 from __future__ import annotations
 
 from enum import IntEnum
+from types import MappingProxyType
 
 __all__ = [
     "APSError",
@@ -118,6 +121,12 @@ class RunChanged(APSConnectionError):
     worker's weights, clock and version mean nothing there."""
 
 
+#: The classes by code, filled in by :meth:`ServerError.__init_subclass__`.
+_REGISTRY: dict[ErrorCode, type[ServerError]] = {}
+#: Each wire error code's class (read-only: the classes register themselves).
+ERROR_CODES = MappingProxyType(_REGISTRY)
+
+
 class ServerError(APSError):
     """An error the server reported in an error frame.
 
@@ -127,6 +136,20 @@ class ServerError(APSError):
     """
 
     code: ErrorCode = ErrorCode.INTERNAL
+
+    def __init_subclass__(cls, *, code: ErrorCode | None = None, **kwargs) -> None:
+        """``class X(ServerError, code=ErrorCode.X)``: X is what a frame with that code raises
+        (as asyncpg's exceptions register their SQLSTATE). A class without ``code=`` inherits
+        its parent's code and registers nothing; one code has exactly one class."""
+        super().__init_subclass__(**kwargs)
+        if code is None:
+            return
+        code = ErrorCode(code)
+        taken = _REGISTRY.get(code)
+        if taken is not None:
+            raise TypeError(f"error code {code.name} is {taken.__qualname__}'s already, not {cls.__qualname__}'s")
+        cls.code = code
+        _REGISTRY[code] = cls
 
     def __init__(self, message: str, code: ErrorCode | None = None) -> None:
         super().__init__(message)
@@ -141,188 +164,119 @@ class ServerError(APSError):
 class ProtocolError(ServerError):
     """A frame broke the wire protocol (see docs/protocol.md)."""
 
+    # The parent of the protocol errors registers no code: raised as it is, it goes out
+    # as a malformed frame, and an error frame with that code comes back as MalformedFrame.
     code = ErrorCode.MALFORMED_FRAME
 
 
-class BadMagic(ProtocolError):
+class BadMagic(ProtocolError, code=ErrorCode.BAD_MAGIC):
     """The frame does not start with the aps magic number."""
 
-    code = ErrorCode.BAD_MAGIC
 
-
-class UnsupportedVersion(ProtocolError):
+class UnsupportedVersion(ProtocolError, code=ErrorCode.UNSUPPORTED_VERSION):
     """The peer speaks a protocol version this side does not."""
 
-    code = ErrorCode.UNSUPPORTED_VERSION
 
-
-class UnknownOp(ProtocolError):
+class UnknownOp(ProtocolError, code=ErrorCode.UNKNOWN_OP):
     """The frame's operation code is not one this side knows."""
 
-    code = ErrorCode.UNKNOWN_OP
 
-
-class FrameTooLarge(ProtocolError):
+class FrameTooLarge(ProtocolError, code=ErrorCode.FRAME_TOO_LARGE):
     """The frame's payload length is over the configured limit."""
 
-    code = ErrorCode.FRAME_TOO_LARGE
 
-
-class MalformedFrame(ProtocolError):
+class MalformedFrame(ProtocolError, code=ErrorCode.MALFORMED_FRAME):
     """The frame's payload cannot be parsed."""
 
-    code = ErrorCode.MALFORMED_FRAME
 
-
-class PayloadSizeMismatch(ServerError, ValueError):
+class PayloadSizeMismatch(ServerError, ValueError, code=ErrorCode.PAYLOAD_SIZE_MISMATCH):
     """The payload's size does not match the registered model layout."""
 
-    code = ErrorCode.PAYLOAD_SIZE_MISMATCH
 
-
-class DTypeMismatch(ServerError, TypeError):
+class DTypeMismatch(ServerError, TypeError, code=ErrorCode.DTYPE_MISMATCH):
     """The payload's dtype is not the model's (float32)."""
 
-    code = ErrorCode.DTYPE_MISMATCH
 
-
-class LayoutMismatch(ServerError, ValueError):
+class LayoutMismatch(ServerError, ValueError, code=ErrorCode.LAYOUT_MISMATCH):
     """Tensor names or shapes differ from the registered model."""
 
-    code = ErrorCode.LAYOUT_MISMATCH
 
-
-class RankOutOfRange(ServerError, ValueError):
+class RankOutOfRange(ServerError, ValueError, code=ErrorCode.RANK_OUT_OF_RANGE):
     """The rank is not in ``0..num_workers-1``."""
 
-    code = ErrorCode.RANK_OUT_OF_RANGE
 
-
-class RankTaken(ServerError):
+class RankTaken(ServerError, code=ErrorCode.RANK_TAKEN):
     """Another live connection already holds this rank."""
 
-    code = ErrorCode.RANK_TAKEN
 
-
-class WorkerCountMismatch(ServerError, ValueError):
+class WorkerCountMismatch(ServerError, ValueError, code=ErrorCode.WORKER_COUNT_MISMATCH):
     """The worker's ``num_workers`` differs from the server's ``--workers``."""
 
-    code = ErrorCode.WORKER_COUNT_MISMATCH
 
-
-class NonFiniteGradient(ServerError, ValueError):
+class NonFiniteGradient(ServerError, ValueError, code=ErrorCode.NON_FINITE_GRADIENT):
     """The gradient holds NaN or infinity; it was rejected and changed nothing."""
 
-    code = ErrorCode.NON_FINITE_GRADIENT
 
-
-class NotInitialized(ServerError):
+class NotInitialized(ServerError, code=ErrorCode.NOT_INITIALIZED):
     """The connection sent a request that needs ``init`` first."""
 
-    code = ErrorCode.NOT_INITIALIZED
 
-
-class OutOfOrder(ServerError):
+class OutOfOrder(ServerError, code=ErrorCode.OUT_OF_ORDER):
     """The request breaks the iteration order (e.g. a push while held at the gate)."""
 
-    code = ErrorCode.OUT_OF_ORDER
 
-
-class ShuttingDown(ServerError, APSConnectionError):
+class ShuttingDown(ServerError, APSConnectionError, code=ErrorCode.SHUTTING_DOWN):
     """The server is shutting down (a ConnectionError: reconnect to a new one)."""
 
-    code = ErrorCode.SHUTTING_DOWN
 
-
-class Evicted(ServerError, APSConnectionError):
+class Evicted(ServerError, APSConnectionError, code=ErrorCode.EVICTED):
     """The server dropped this connection: it heard nothing from the worker for
     ``--heartbeat-timeout`` seconds, or the worker did not read its reply (a
     frozen or stuck process). ``reconnect()`` rejoins."""
 
-    code = ErrorCode.EVICTED
 
-
-class ServerOverloaded(ServerError, APSConnectionError):
+class ServerOverloaded(ServerError, APSConnectionError, code=ErrorCode.OVERLOADED):
     """The server refused the connection: it already has ``--max-connections``
     connections. Try again later."""
 
-    code = ErrorCode.OVERLOADED
 
-
-class AuthenticationError(ServerError, APSConnectionError):
+class AuthenticationError(ServerError, APSConnectionError, code=ErrorCode.AUTHENTICATION):
     """The handshake failed: a missing or wrong token (the server closes the
     connection), or a server that cannot prove it knows the token (the worker
     refuses it)."""
 
-    code = ErrorCode.AUTHENTICATION
 
-
-class CheckpointFailed(ServerError):
+class CheckpointFailed(ServerError, code=ErrorCode.CHECKPOINT_FAILED):
     """The server could not write the checkpoint it was asked for (no ``--checkpoint-dir``,
     a full or read-only directory); training goes on."""
 
-    code = ErrorCode.CHECKPOINT_FAILED
 
-
-class InvalidHyperparameters(ServerError, ValueError):
+class InvalidHyperparameters(ServerError, ValueError, code=ErrorCode.INVALID_HYPERPARAMETERS):
     """A HYPER request (``Worker.set_hyperparameters``) was refused: a value that is not
     finite or out of range, group stops that do not cut the model, or too many groups.
     The message names the group and the value; nothing changed."""
 
-    code = ErrorCode.INVALID_HYPERPARAMETERS
 
-
-class InvalidState(ServerError, ValueError):
+class InvalidState(ServerError, ValueError, code=ErrorCode.INVALID_STATE):
     """An optimizer state to load (LOAD_STATE, ``Worker.load_optimizer_state``) was refused:
     another optimizer, other or missing arrays, arrays not of the model's size, values that
     are not finite, a bad step count, or a server that has applied updates already (a
     state is loaded into a run that has not started). The message says which; nothing
     changed."""
 
-    code = ErrorCode.INVALID_STATE
 
-
-class WeightsRefused(ServerError, ValueError):
+class WeightsRefused(ServerError, ValueError, code=ErrorCode.WEIGHTS_REFUSED):
     """Weights to load (LOAD_WEIGHTS, ``Worker.load_weights``, a model loaded before the
     first ``aps.torch.Optimizer.step()``) were refused: the server has applied updates (or
     taken gradients computed on its initial weights) already, another worker loaded other
     weights into this run, or a value is not finite. The message says which and how to
     load them; nothing changed."""
 
-    code = ErrorCode.WEIGHTS_REFUSED
 
-
-class InternalServerError(ServerError):
+class InternalServerError(ServerError, code=ErrorCode.INTERNAL):
     """The server failed unexpectedly while handling the request."""
 
-    code = ErrorCode.INTERNAL
 
-
-ERROR_CODES: dict[ErrorCode, type[ServerError]] = {
-    ErrorCode.BAD_MAGIC: BadMagic,
-    ErrorCode.UNSUPPORTED_VERSION: UnsupportedVersion,
-    ErrorCode.UNKNOWN_OP: UnknownOp,
-    ErrorCode.FRAME_TOO_LARGE: FrameTooLarge,
-    ErrorCode.MALFORMED_FRAME: MalformedFrame,
-    ErrorCode.PAYLOAD_SIZE_MISMATCH: PayloadSizeMismatch,
-    ErrorCode.DTYPE_MISMATCH: DTypeMismatch,
-    ErrorCode.LAYOUT_MISMATCH: LayoutMismatch,
-    ErrorCode.RANK_OUT_OF_RANGE: RankOutOfRange,
-    ErrorCode.RANK_TAKEN: RankTaken,
-    ErrorCode.WORKER_COUNT_MISMATCH: WorkerCountMismatch,
-    ErrorCode.NON_FINITE_GRADIENT: NonFiniteGradient,
-    ErrorCode.NOT_INITIALIZED: NotInitialized,
-    ErrorCode.OUT_OF_ORDER: OutOfOrder,
-    ErrorCode.SHUTTING_DOWN: ShuttingDown,
-    ErrorCode.INTERNAL: InternalServerError,
-    ErrorCode.EVICTED: Evicted,
-    ErrorCode.OVERLOADED: ServerOverloaded,
-    ErrorCode.AUTHENTICATION: AuthenticationError,
-    ErrorCode.CHECKPOINT_FAILED: CheckpointFailed,
-    ErrorCode.INVALID_HYPERPARAMETERS: InvalidHyperparameters,
-    ErrorCode.INVALID_STATE: InvalidState,
-    ErrorCode.WEIGHTS_REFUSED: WeightsRefused,
-}
 
 
 def error_from_code(code: int, message: str) -> ServerError:

@@ -116,7 +116,10 @@ class Layout:
             flat[offset : offset + size] = np.asarray(params[name], dtype=np.float32).reshape(-1)
 
     def check(self, tensors: Mapping[str, object], *, what: str = "gradients", strict_dtype: bool = True) -> None:
-        """Raise LayoutMismatch or DTypeMismatch unless ``tensors`` matches this layout."""
+        """Raise LayoutMismatch or DTypeMismatch unless ``tensors`` matches this layout.
+
+        ``strict_dtype``: every tensor must be a floating-point array (float32 goes as
+        it is; float16 and float64 are converted to the model's float32 by the caller)."""
         if len(tensors) != len(self.names) or any(name not in tensors for name in self.names):
             self._raise_name_mismatch(tensors.keys(), what)
         for name, shape in zip(self.names, self.shapes):
@@ -125,9 +128,7 @@ class Layout:
             if got != shape:
                 raise LayoutMismatch(f"{what}: tensor {name!r} has shape {got}, the model's is {shape}")
             if strict_dtype:
-                dtype = getattr(value, "dtype", None)
-                if dtype != np.float32:
-                    raise DTypeMismatch(f"{what}: tensor {name!r} is {dtype}, the model is float32")
+                check_floating(getattr(value, "dtype", None), f"{what}: tensor {name!r}")
 
     def _raise_name_mismatch(self, names: Iterable[str], what: str) -> None:
         given = list(names)
@@ -170,3 +171,17 @@ def shard_bounds(numel: int, shards: int) -> tuple[int, ...]:
                              f"(at least {SHARD_ALIGN} each)")
     inner = [min(numel, round(numel * i / shards / SHARD_ALIGN) * SHARD_ALIGN) for i in range(1, shards)]
     return (0, *inner, numel)
+
+
+def check_floating(dtype: object, what: str) -> None:
+    """Raise DTypeMismatch unless ``dtype`` is a real floating-point dtype.
+
+    float32 is the model's own; other floating dtypes (numpy's default float64,
+    float16) are converted to it where they are copied, as ``torch.optim`` users
+    and numpy users expect. Integers, booleans, complex numbers and objects are
+    refused: converting them would hide a bug in the caller."""
+    if dtype == np.float32:
+        return
+    if dtype is None or not np.issubdtype(dtype, np.floating):
+        raise DTypeMismatch(f"{what} is {dtype}, the model is float32: pass floating-point arrays "
+                            f"(convert with .astype(np.float32))")

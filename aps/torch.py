@@ -47,7 +47,7 @@ import numpy as np
 import torch
 
 from .errors import ConfigurationError
-from .worker import DEFAULT_RECONNECT_TIMEOUT, Worker
+from .client.worker import DEFAULT_RECONNECT_TIMEOUT, Worker
 
 __all__ = ["Optimizer", "Pacer"]
 
@@ -155,6 +155,42 @@ def _server_defaults(options: Mapping[str, Any] | None) -> dict[str, Any]:
             "amsgrad": False, "maximize": False}
 
 
+def _places(places: tuple, address: str | None, rank: int | None, num_workers: int | None,
+            lr: float | None) -> tuple[str | None, int | None, int | None, float | None]:
+    """What ``Optimizer(params, ...)`` was given in place: ``(address, rank, num_workers)`` as
+    aps has always taken them, or torch.optim's learning rate alone (a number in second place:
+    ``Optimizer(model.parameters(), 0.1, momentum=0.9)``), the address then coming from the
+    ``address=`` keyword or ``APS_ADDRESS``."""
+    if places and isinstance(places[0], (int, float)) and not isinstance(places[0], bool):
+        if len(places) > 1:
+            raise ConfigurationError(
+                f"Optimizer(params, {', '.join(map(repr, places))}): after the learning rate, give momentum= and "
+                "torch's other options by keyword (and the server as address= or $APS_ADDRESS)")
+        if lr is not None:
+            raise ConfigurationError(f"the learning rate is given twice: {places[0]!r} in second place and lr={lr!r}")
+        return address, rank, num_workers, float(places[0])
+    if len(places) > 3:
+        raise ConfigurationError(f"Optimizer(params, address, rank, num_workers) takes at most 3 of them in place, "
+                                 f"got {len(places)}: give the others by keyword")
+    given = dict(zip(("address", "rank", "num_workers"), places))
+    for name, value in (("address", address), ("rank", rank), ("num_workers", num_workers)):
+        if name in given and value is not None:
+            raise ConfigurationError(f"{name} is given twice: in place and as {name}=")
+    return (given.get("address", address), given.get("rank", rank), given.get("num_workers", num_workers), lr)
+
+
+def _check_alone(worker: Worker) -> None:
+    """Neither RANK nor WORLD_SIZE set and none given: a single process is rank 0 of 1,
+    provided the server expects one worker (else the server would wait for others forever)."""
+    expected = (worker.server_options or {}).get("workers")
+    if expected is not None and expected != 1:
+        raise ConfigurationError(
+            f"neither RANK nor WORLD_SIZE is set and no rank= or num_workers= given, and the server at "
+            f"{worker.address} expects {expected} workers: give each process its rank (torchrun and aps launch set "
+            "RANK and WORLD_SIZE), or run the server with --workers 1")
+    log.info("neither RANK nor WORLD_SIZE is set: this process is rank 0 of 1")
+
+
 def _uncompiled(model: torch.nn.Module) -> torch.nn.Module:
     """The module ``torch.compile`` wrapped (its parameters are the same; their names lack the
     wrapper's ``_orig_mod.`` prefix), or ``model`` itself."""
@@ -216,14 +252,25 @@ class Optimizer(torch.optim.Optimizer):
             named), an iterable of parameters or of ``(name, parameter)``, or a
             list of param group dicts (``{"params": ..., "lr": ..., ...}``).
             Trainable parameters must be float32, bfloat16 or float16, on one device.
-        address: the server (``tcp://HOST:PORT``); default ``APS_ADDRESS``.
+        address: the server (``tcp://HOST:PORT``); default ``APS_ADDRESS``. A number
+            in this place is the learning rate instead, as ``torch.optim`` takes it:
+            ``Optimizer(model.parameters(), 0.1, momentum=0.9)`` is
+            ``torch.optim.SGD(model.parameters(), 0.1, momentum=0.9)`` on the server at
+            ``APS_ADDRESS`` (or ``address=``).
         rank: this worker's rank; default ``RANK``.
-        num_workers: the number of workers; default ``WORLD_SIZE``.
+        num_workers: the number of workers; default ``WORLD_SIZE``. With neither given
+            nor set (a single process run by hand), rank 0 of 1, provided the server
+            expects one worker.
         model: the model, to name parameters given without names (checkpoints
             name tensors by ``model.named_parameters()``).
-        lr, weight_decay, momentum, dampening, betas: this worker's defaults
-            for the groups that do not set their own; default: the server's
-            (``--lr``, ``--weight-decay``, ``--momentum``, ``--betas``).
+        lr: this worker's learning rate for the groups that do not set their
+            own; default: the server's (``--lr``).
+        weight_decay: likewise, the weight decay (``--weight-decay``).
+        momentum: likewise, SGD's momentum (``--momentum``). A momentum above 0 on
+            a server started without ``--momentum`` is fine: the server makes its
+            momentum buffers when a worker first asks for momentum.
+        dampening: likewise, SGD's dampening.
+        betas: likewise, Adam's coefficients (``--betas``).
         transport: ``"auto"``, ``"shm"`` or ``"tcp"`` (see :class:`aps.Worker`).
         init_timeout: seconds to wait for every worker to join.
         worker: an existing :class:`aps.Worker` to use instead of connecting.
@@ -232,10 +279,13 @@ class Optimizer(torch.optim.Optimizer):
         pacer: iteration pacing; default: what ``aps launch`` asked for.
         token: the server's token, if it has one (default ``$APS_TOKEN``, else the
             token file a loopback server of this user wrote).
-        reconnect, reconnect_timeout: get back to a lost server by itself and
-            go on (see :class:`aps.Worker`); ``reconnect=False`` raises at once.
-        compression, compress_pulls: send gradients (and receive weights) over
-            TCP as ``"bf16"`` or ``"fp16"`` (see :class:`aps.Worker`).
+        reconnect: get back to a lost server by itself and go on (see
+            :class:`aps.Worker`); ``reconnect=False`` raises at once.
+        reconnect_timeout: seconds to keep trying (see :class:`aps.Worker`).
+        compression: send gradients over TCP as ``"bf16"`` or ``"fp16"`` (see
+            :class:`aps.Worker`).
+        compress_pulls: with ``compression``, receive the weights as 16-bit
+            values too (see :class:`aps.Worker`).
 
     ``param_groups`` and ``defaults`` are torch's, with the keys of the
     server's optimizer (SGD: ``lr``, ``momentum``, ``dampening``,
@@ -283,10 +333,10 @@ class Optimizer(torch.optim.Optimizer):
     def __init__(
         self,
         params: Any,
+        *places: Any,
         address: str | None = None,
         rank: int | None = None,
         num_workers: int | None = None,
-        *,
         model: torch.nn.Module | None = None,
         lr: float | None = None,
         weight_decay: float | None = None,
@@ -304,6 +354,7 @@ class Optimizer(torch.optim.Optimizer):
         compression: str | None = None,
         compress_pulls: bool = False,
     ) -> None:
+        address, rank, num_workers, lr = _places(places, address, rank, num_workers, lr)
         if model is None and isinstance(params, torch.nn.Module):
             model = params
         groups = _split_groups(params)
@@ -358,10 +409,15 @@ class Optimizer(torch.optim.Optimizer):
             raise ConfigurationError(f"staging=False needs a model on the CPU, not on {self.device}")
         self._pinned: list[int] = []
         own_worker = worker is None
-        self.worker = worker or Worker(address, rank, num_workers, transport=transport, token=token,
+        alone = worker is None and rank is None and num_workers is None and \
+            "RANK" not in os.environ and "WORLD_SIZE" not in os.environ
+        self.worker = worker or Worker(address, 0 if alone else rank, 1 if alone else num_workers,
+                                       transport=transport, token=token,
                                        reconnect=reconnect, reconnect_timeout=reconnect_timeout,
                                        compression=compression, compress_pulls=compress_pulls)
         try:
+            if alone:
+                _check_alone(self.worker)
             server = _server_defaults(self.worker.server_options)
             #: The server's optimizer: "sgd", "adam" or "adamw".
             self.server_optimizer: str = self.worker.server_options["optimizer"]

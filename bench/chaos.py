@@ -19,15 +19,13 @@ and JSON (see docs/design.md, "Chaos soak"). Needs root for namespaces and tmpfs
 
 from __future__ import annotations
 
-import os
 import signal
 import sys
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from aps.cli._args import ArgumentParser, choice_list, command_line  # noqa: E402
-from aps.cli.bench import machine_info, write_report  # noqa: E402
-from tests.chaos_support import FAULT_KINDS, POLICIES, SoakConfig, run_soak  # noqa: E402
+from aps.cli._args import ArgumentParser, choice_list, command_line
+from aps.lab.bench import machine_info, write_report
+from aps.testing.chaos import FAULT_KINDS, POLICIES, SoakConfig, run_soak
 
 
 def _terminate(signum, frame):
@@ -47,8 +45,8 @@ def print_table(rows: list[dict]) -> None:
         print(f"  {r['sync']}: {kinds}")
         if r["applied_twice"]:
             where = ", ".join(f"shard {p['shard']}: {p['applied_twice']}" for p in r["ledger"]["per_shard"])
-            print(f"  {r['sync']}: applied twice on {where} ({r['applied_twice_explained']} explained by a resume of "
-                  f"another shard); {len(r['crashes'])} shard resumes, {r['older_resumes']} from an older checkpoint")
+            print(f"  {r['sync']}: applied twice on {where}; {len(r['crashes'])} shard resumes, "
+                  f"{r['older_resumes']} from an older checkpoint; first at {r['ledger']['twice_at'][:3]}")
         for note in r["notes"] + r["cleanup_errors"]:
             print(f"  {r['sync']}: {note}")
 

@@ -42,17 +42,16 @@ import time
 import numpy as np
 import psutil
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-import aps  # noqa: E402
-from aps.checkpoint import directory_bytes, list_checkpoints, read_checkpoint  # noqa: E402
-from aps.cli._args import ArgumentParser, format_size, parse_size  # noqa: E402
-from aps.cli.bench import machine_info, write_report  # noqa: E402
-from aps.cli.status import fetch_stats  # noqa: E402
-from aps.protocol import Op  # noqa: E402
-from aps.transport._client import exchange, handshake  # noqa: E402
-from aps.transport.tcp_client import BlockingConnection  # noqa: E402
-from tests.helpers import ServerProcess  # noqa: E402
+import aps
+from aps.checkpoint import directory_bytes, list_checkpoints, read_checkpoint
+from aps.cli._args import ArgumentParser, format_size, parse_size
+from aps.lab.bench import machine_info, write_report
+from aps.cli.status import fetch_stats
+from aps.wire.protocol import Op
+from aps.client.channel import exchange, handshake
+from aps.client.tcp import BlockingConnection
+from aps.testing import ServerProcess
 
 SPAWN = mp.get_context("spawn")
 NEVER = 1e18  # a monotonic time no completion reaches

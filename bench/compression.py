@@ -16,17 +16,14 @@ Needs root, iproute2 and tc. Example:
 
 from __future__ import annotations
 
-import os
 import statistics
 import sys
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from shards import WORKERS, Config, _phase, finish, report_head  # noqa: E402
+from shards import WORKERS, Config, _phase, finish, report_head
 
-from aps.cli._args import ArgumentParser, parse_size  # noqa: E402
+from aps.cli._args import ArgumentParser, parse_size
 
 TARGET = 1.6
 
@@ -46,7 +43,7 @@ def main(argv: list[str] | None = None) -> int:
     if kinds[0] != "none":
         parser.error("the first configuration is the float32 baseline: none")
 
-    from tests.netns import Network, netns_unavailable_reason
+    from aps.testing.netns import Network, netns_unavailable_reason
 
     reason = netns_unavailable_reason(shaping=True)
     if reason is not None:

@@ -14,7 +14,6 @@ closes the oldest of those strangers, or is refused when there is none. Example:
 
 from __future__ import annotations
 
-import os
 import socket
 import statistics
 import sys
@@ -24,13 +23,12 @@ import time
 import numpy as np
 import psutil
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-import aps  # noqa: E402
-from aps.cli._args import ArgumentParser  # noqa: E402
-from aps.cli.bench import machine_info, write_report  # noqa: E402
-from aps.protocol import Op, pack_header  # noqa: E402
-from tests.helpers import ServerProcess  # noqa: E402
+import aps
+from aps.cli._args import ArgumentParser
+from aps.lab.bench import machine_info, write_report
+from aps.wire.protocol import Op, pack_header
+from aps.testing import ServerProcess
 
 
 def window(worker: aps.Worker, seconds: float) -> float:

@@ -3,7 +3,7 @@
 
 Two real ``aps serve`` processes (ASP, plain SGD, so every push is applied), each
 with its own worker process(es) doing push_pull round trips on a model of
-``--size`` bytes (default 64 MiB) over TCP (:class:`aps.cli.bench.ApsSession`, as
+``--size`` bytes (default 64 MiB) over TCP (:class:`aps.lab.bench.ApsSession`, as
 ``aps bench`` runs them): one with its HTTP side (``--http-port 0``), one without.
 Their workers train in turn, in interleaved windows. Every repeat starts both
 servers afresh (which one first alternates), so that where the kernel puts two
@@ -47,12 +47,12 @@ import time
 import psutil
 
 from aps.cli._args import ArgumentParser, command_line, format_size, parse_size
-from aps.cli.bench import ApsSession, machine_info, summarize, write_report
+from aps.lab.bench import ApsSession, machine_info, summarize, write_report
 
 SPAWN = mp.get_context("spawn")
 TARGET = 0.95  # throughput with the HTTP side watched / without, median over repeats
 KINDS = ("without", "with")
-VARIANT = {"without": "aps", "with": "aps dashboard"}  # see aps.cli.bench.VARIANTS
+VARIANT = {"without": "aps", "with": "aps dashboard"}  # see aps.lab.bench.VARIANTS
 
 
 # The watcher process: one dashboard viewer and one Prometheus scraper ---------------------------------

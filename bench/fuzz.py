@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """Fuzz a live server with 10^5 hostile frames while a legitimate worker trains beside it.
 
-The cases (tests/fuzzing.py: mutated headers, truncated frames, lengths up to 2^63
+The cases (aps/testing/fuzzing.py: mutated headers, truncated frames, lengths up to 2^63
 promised and never sent, valid handshakes followed by mutated frames, noise) go over
 TCP and the shared-memory Unix socket of a token-protected ``aps serve`` with one seat,
 taken by a worker that pushes all-ones gradients under ASP with SGD at learning rate 1
@@ -12,19 +12,17 @@ before and after. Example: ``python bench/fuzz.py --frames 100000 --out bench/re
 
 from __future__ import annotations
 
-import os
 import random
 import sys
 import time
 
 import psutil
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from aps.cli._args import ArgumentParser  # noqa: E402
-from aps.cli.bench import machine_info, write_report  # noqa: E402
-from tests.fuzzing import Tally, Target, Trainer, run_case  # noqa: E402
-from tests.helpers import ServerProcess  # noqa: E402
+from aps.cli._args import ArgumentParser
+from aps.lab.bench import machine_info, write_report
+from aps.testing.fuzzing import Tally, Target, Trainer, run_case
+from aps.testing import ServerProcess
 
 TOKEN = "fuzz-token"
 

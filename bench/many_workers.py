@@ -37,12 +37,11 @@ import time
 import numpy as np
 import psutil
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-import aps  # noqa: E402
-from aps.cli._args import ArgumentParser, choice_list, format_size, int_list, parse_size  # noqa: E402
-from aps.cli.bench import machine_info, write_report  # noqa: E402
-from aps.cli.status import fetch_stats  # noqa: E402
+import aps
+from aps.cli._args import ArgumentParser, choice_list, format_size, int_list, parse_size
+from aps.lab.bench import machine_info, write_report
+from aps.cli.status import fetch_stats
 
 TARGET = 0.8
 

@@ -29,7 +29,7 @@ import sys
 import numpy as np
 
 from aps.cli._args import ArgumentParser, format_size, size_list
-from aps.cli.bench import ApsSession, Session, machine_info, summarize
+from aps.lab.bench import ApsSession, Session, machine_info, summarize
 
 
 def _free_port() -> int:

@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """push_pull round trips against bounds measured in the same run: ``aps bench`` as a script.
 
-Same arguments as ``aps bench`` (``--help``); the code is ``aps/cli/bench.py``.
+Same arguments as ``aps bench`` (``--help``); the code is ``aps/lab/bench.py``.
 Example: ``python bench/pushpull.py --sizes 4K,64M --workers 1,2,4 --out bench/results/pushpull.json``.
 """
 

@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """Aggregate push_pull throughput of a model sharded over 1, 2 and 4 servers, every link at 1 Gbit/s.
 
-Separate hosts are network namespaces (tests/netns.py), each host's link limited
+Separate hosts are network namespaces (aps/testing/netns.py), each host's link limited
 to ``--rate-mbit`` in each direction by tbf. The servers (``aps serve --shard I
 --shards K``, ASP, plain SGD: every push is applied) run on hosts ``ps0..ps3``
 (shard I on ``psI``), and four workers, one process per host on ``w0..w3``, run
@@ -39,12 +39,11 @@ import sys
 import threading
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-import numpy as np  # noqa: E402
+import numpy as np
 
-from aps.cli._args import ArgumentParser, format_size, int_list, parse_size  # noqa: E402
-from aps.cli.bench import machine_info, write_report  # noqa: E402
+from aps.cli._args import ArgumentParser, format_size, int_list, parse_size
+from aps.lab.bench import machine_info, write_report
 
 TOKEN = "shards bench token"
 WORKERS = 4
@@ -332,7 +331,7 @@ def finish(report: dict, medians: dict, out: str | None) -> int:
 def report_head(name: str, argv: list[str], args, payload: int, started: float) -> dict:
     """What every report of a benchmark over these hosts begins with: the command, the
     machine, the links and the windows."""
-    from tests.netns import kernel_hz, tbf_params
+    from aps.testing.netns import kernel_hz, tbf_params
 
     return {
         "benchmark": name,
@@ -365,7 +364,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", help="also write the JSON report to this file")
     args = parser.parse_args(argv)
 
-    from tests.netns import Network, netns_unavailable_reason
+    from aps.testing.netns import Network, netns_unavailable_reason
 
     reason = netns_unavailable_reason(shaping=True)
     if reason is not None:

@@ -18,8 +18,8 @@ import time
 import numpy as np
 
 from aps.cli._args import ArgumentParser, parse_setting
-from aps.cli.bench import machine_info, write_report
-from aps.cli.simulate import DEFAULT_SETTINGS, simulate, worker_speeds
+from aps.lab.bench import machine_info, write_report
+from aps.lab.simulate import DEFAULT_SETTINGS, simulate, worker_speeds
 
 
 def bare_event_loop(speeds: list[float], iterations: int, jitter: float, seed: int) -> float:

@@ -19,11 +19,10 @@ import signal
 import sys
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from aps.cli._args import ArgumentParser  # noqa: E402
-from aps.cli.bench import machine_info, write_report  # noqa: E402
-from tests.helpers import ServerProcess, SteadyCluster  # noqa: E402
+from aps.cli._args import ArgumentParser
+from aps.lab.bench import machine_info, write_report
+from aps.testing import ServerProcess, SteadyCluster
 
 SYNCS = {"bsp": ["--sync", "bsp"], "ssp:1": ["--sync", "ssp", "--staleness", "1"]}
 SIZES = {"4 KiB": 1024, "64 MiB": 16 << 20}

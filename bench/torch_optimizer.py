@@ -22,19 +22,17 @@ of medians. Example: ``python bench/torch_optimizer.py --out bench/results/torch
 from __future__ import annotations
 
 import json
-import os
 import statistics
 import sys
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-import torch  # noqa: E402
-from torch import nn  # noqa: E402
+import torch
+from torch import nn
 
-import aps.torch  # noqa: E402
-from aps.cli._args import ArgumentParser, parse_size  # noqa: E402
-from tests.helpers import ServerProcess  # noqa: E402
+import aps.torch
+from aps.cli._args import ArgumentParser, parse_size
+from aps.testing import ServerProcess
 
 SCHEDULE_BOUND = 1.05
 

@@ -13,19 +13,17 @@ spent measuring accuracy. Example:
 
 from __future__ import annotations
 
-import os
 import statistics
 import sys
 import time
 
 import numpy as np
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from aps.cli._args import ArgumentParser, parse_setting  # noqa: E402
-from aps.cli.bench import machine_info, write_report  # noqa: E402
-from aps.workloads import load  # noqa: E402
-from aps.workloads.virtual import VirtualTrainer, train_virtual  # noqa: E402
+from aps.cli._args import ArgumentParser, parse_setting
+from aps.lab.bench import machine_info, write_report
+from aps.workloads import load
+from aps.lab.virtual import VirtualTrainer, train_virtual
 
 TARGET = 1.2
 

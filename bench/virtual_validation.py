@@ -27,15 +27,14 @@ import statistics
 import subprocess
 import sys
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from aps.cli._args import ArgumentParser, parse_setting  # noqa: E402
-from aps.cli.bench import machine_info  # noqa: E402
-from aps.cli.compare import label  # noqa: E402
-from aps.workloads import load  # noqa: E402
-from aps.cli.simulate import draw_staleness  # noqa: E402
-from aps.stats import merge_counts  # noqa: E402
-from aps.workloads.virtual import agreement, train_virtual  # noqa: E402
+from aps.cli._args import ArgumentParser, parse_setting
+from aps.lab.bench import machine_info
+from aps.lab.compare import label
+from aps.workloads import load
+from aps.lab.simulate import draw_staleness
+from aps.server.stats import merge_counts
+from aps.lab.virtual import agreement, train_virtual
 
 
 def real_runs(args, out: str) -> list[dict]:

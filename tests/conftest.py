@@ -61,7 +61,7 @@ def transport(request):
 @pytest.fixture
 def server_process():
     """Factory for real ``aps serve`` processes; every one started is stopped at teardown."""
-    from tests.helpers import ServerProcess
+    from aps.testing import ServerProcess
 
     started: list[ServerProcess] = []
 
@@ -77,9 +77,9 @@ def server_process():
 
 @pytest.fixture
 def network():
-    """A ``tests.netns.Network`` of separate hosts (skips where namespaces are unusable);
+    """A ``aps.testing.netns.Network`` of separate hosts (skips where namespaces are unusable);
     its processes and namespaces are gone after the test, whatever happened."""
-    from tests.netns import Network, require_netns
+    from aps.testing.netns import Network, require_netns
 
     require_netns()
     with Network() as net:

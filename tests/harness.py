@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 
 from aps import _core
-from aps._engine import Engine
+from aps.server.engine import Engine
 from aps.config import ServerConfig
 from aps.errors import ServerError
 from aps.layout import Layout
@@ -68,14 +68,14 @@ class Harness:
 
         return ready
 
-    def join(self, rank: int, values: np.ndarray | None = None, *, rejoin: bool = False) -> None:
+    def join(self, rank: int, values: np.ndarray | None = None, *, rejoin: bool = False, clock: int = -1) -> None:
         worker = self.workers[rank]
         if values is None:
             values = np.zeros(self.numel, np.float32)
         worker.waiting = True
         worker.member = self.engine.join(
             rank, self.P, self.layout, values, self._ready(worker), lambda exc: worker.errors.append(exc),
-            rejoin=rejoin,
+            rejoin=rejoin, clock=clock,
         )
 
     def join_all(self, values: np.ndarray | None = None) -> None:

@@ -9,7 +9,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from .. import __version__
+from .._version import __version__
 from ..errors import APSError, ConfigurationError
 from . import bench, checkpoint, compare, launch, serve, simulate, status, token
 from ._args import ArgumentParser

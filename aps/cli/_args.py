@@ -16,22 +16,35 @@ name the flag, and raise :class:`~aps.errors.ConfigurationError`, which the
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
+import difflib
 import math
 import os
-import sys
-from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any, NoReturn
 
 from ..config import RESUME_LATEST, ServerConfig, env_name
 from ..errors import ConfigurationError
+from ..lab.settings import (  # noqa: F401  (the commands and bench/ import them from here)
+    SETTING_FORM,
+    Setting,
+    _split,
+    command_line,
+    describe_speeds,
+    format_size,
+    parse_setting,
+    parse_size,
+    parse_speeds,
+    require,
+)
 
 __all__ = [
     "ArgumentParser",
     "HelpFormatter",
     "Setting",
     "add_server_arguments",
+    "add_token_arguments",
     "choice_list",
     "config_from_args",
     "describe_speeds",
@@ -44,6 +57,8 @@ __all__ = [
     "require",
     "size_list",
     "sync_setting",
+    "token_advice",
+    "token_from_args",
 ]
 
 
@@ -71,14 +86,50 @@ class HelpFormatter(argparse.HelpFormatter):
 
 
 class ArgumentParser(argparse.ArgumentParser):
-    """argparse with one-line errors: ``aps bench: error: argument --sizes: ...``, exit status 2."""
+    """argparse with one-line errors: ``aps bench: error: argument --sizes: ...``, exit status 2.
+
+    Flags are matched whole (no ``--worker`` for ``--workers``: a prefix that works today
+    breaks silently when a longer flag is added), and an unknown flag is reported by the
+    (sub)command it was given to, with the nearest flags it has (``did you mean --workers?``).
+    """
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         kwargs.setdefault("formatter_class", HelpFormatter)
+        kwargs.setdefault("allow_abbrev", False)
         super().__init__(*args, **kwargs)
+
+    def parse_known_args(self, args=None, namespace=None):  # type: ignore[override]
+        namespace, extras = super().parse_known_args(args, namespace)
+        # argparse hands a subcommand's leftovers up to the top parser, which would then say
+        # "aps: error" without knowing the subcommand's flags: a subcommand reports them itself.
+        if extras and self._is_subcommand:
+            self.error(unrecognized_message(extras, self._long_options()))
+        return namespace, extras
 
     def error(self, message: str) -> NoReturn:
         self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+    @property
+    def _is_subcommand(self) -> bool:
+        return " " in self.prog  # "aps serve", "aps checkpoint now"; the top parser is "aps"
+
+    def _long_options(self) -> list[str]:
+        return [option for option in self._option_string_actions if option.startswith("--")]
+
+
+def unrecognized_message(extras: Sequence[str], options: Sequence[str]) -> str:
+    """``unrecognized arguments: --wokers 2 (did you mean --workers?)``: each unknown flag
+    followed by the closest of ``options`` (difflib), where one is close."""
+    guesses = []
+    for word in extras:
+        if not word.startswith("--"):
+            continue
+        flag = word.split("=", 1)[0]
+        for guess in difflib.get_close_matches(flag, options, n=1, cutoff=0.75):
+            if guess not in guesses:
+                guesses.append(guess)
+    hint = f" (did you mean {' or '.join(guesses)}?)" if guesses else ""
+    return f"unrecognized arguments: {' '.join(extras)}{hint}"
 
 
 # Values ------------------------------------------------------------------------------------------
@@ -100,38 +151,6 @@ def _type(form: str) -> Callable[[Callable[[str], Any]], Callable[[str], Any]]:
     return wrap
 
 
-def _split(text: str) -> list[str]:
-    parts = [part.strip() for part in text.split(",")]
-    if not all(parts):
-        raise ValueError(text)
-    return parts
-
-
-def parse_size(text: str) -> int:
-    """A byte count with an optional binary K, M or G suffix (``4K``, ``64M``, ``1.5G``, ``512``)."""
-    value = text.strip().upper().removesuffix("B").removesuffix("I")
-    scale = 1
-    for suffix, factor in (("K", 1 << 10), ("M", 1 << 20), ("G", 1 << 30)):
-        if value.endswith(suffix):
-            value, scale = value[:-1], factor
-            break
-    try:
-        size = float(value) * scale
-    except ValueError:
-        raise ConfigurationError(f"expected a size in bytes such as 512, 64K or 1.5G, got {text!r}") from None
-    if not math.isfinite(size) or size < 0 or size != int(size):
-        raise ConfigurationError(f"expected a whole, non-negative number of bytes, got {text!r}")
-    return int(size)
-
-
-def format_size(nbytes: int) -> str:
-    """The shortest exact way to write ``nbytes`` with a K, M or G suffix."""
-    for suffix, factor in (("G", 1 << 30), ("M", 1 << 20), ("K", 1 << 10)):
-        if nbytes >= factor and nbytes % factor == 0:
-            return f"{nbytes // factor}{suffix}"
-    return str(nbytes)
-
-
 @_type("sizes separated by commas, such as 4K,64M (bytes, with an optional K, M or G suffix)")
 def size_list(text: str) -> list[int]:
     return [parse_size(part) for part in _split(text)]
@@ -140,33 +159,6 @@ def size_list(text: str) -> list[int]:
 @_type("whole numbers separated by commas, such as 1,2,4")
 def int_list(text: str) -> list[int]:
     return [int(part) for part in _split(text)]
-
-
-def parse_speeds(text: str, count: int | None = None, flag: str = "--speeds") -> list[float]:
-    """Per-worker multiples such as ``1,1,1,2.5``: positive and finite, ``count`` of them if given."""
-    try:
-        values = [float(part) for part in _split(text)]
-    except ValueError:
-        values = []
-    if not values or (count is not None and len(values) != count) or \
-            not all(math.isfinite(v) and v > 0 for v in values):
-        how_many = "" if count is None else f"{count} "
-        raise ConfigurationError(f"{flag} needs {how_many}positive numbers separated by commas, such as 1,1,1,2.5, "
-                                 f"got {text!r}")
-    return values
-
-
-def describe_speeds(speeds: Sequence[float]) -> str:
-    """``speeds 1,1,1,2.5``; for many workers, how many at each speed, or their spread."""
-    if len(speeds) <= 8:
-        return "speeds " + ",".join(f"{s:g}" for s in speeds)
-    counts: dict[float, int] = {}
-    for s in speeds:
-        counts[s] = counts.get(s, 0) + 1
-    if len(counts) <= 3:
-        return f"{len(speeds)} workers, iteration times " + ", ".join(f"{s:g} (x{n})" for s, n in counts.items())
-    return (f"{len(speeds)} workers, iteration times {sum(speeds) / len(speeds):.2f} mean, "
-            f"{min(speeds):.2f}-{max(speeds):.2f}")
 
 
 @_type("a number")
@@ -192,49 +184,6 @@ def choice_list(choices: Sequence[str]) -> Callable[[str], list[str]]:
 
 # Sync settings (aps simulate, aps compare) ------------------------------------------------------------
 
-SETTING_FORM = "bsp[:K], asp, ssp:S, dssp:S_L:S_U or softsync:N[:S]"
-
-
-@dataclass(frozen=True)
-class Setting:
-    """One sync configuration: its text (``ssp:3``) and its ``ServerConfig`` options."""
-
-    label: str
-    options: dict = field(hash=False, compare=False)
-
-
-def parse_setting(text: str) -> Setting:
-    """``bsp[:K]``, ``asp``, ``ssp:S``, ``dssp:S_L:S_U``, ``softsync:N[:S]``; append
-    ``+inverse`` for ``--lr-staleness inverse``."""
-    label = text.strip()
-    body, _, extra = label.partition("+")
-    name, *args = body.split(":")
-    try:
-        numbers = [int(a) for a in args]
-    except ValueError:
-        raise ConfigurationError(f"bad sync setting {text!r}: parameters must be integers") from None
-    options: dict = {"sync": name}
-    if name == "bsp" and len(numbers) <= 1:
-        if numbers:
-            options["backup_workers"] = numbers[0]
-    elif name == "asp" and not numbers:
-        pass
-    elif name == "ssp" and len(numbers) == 1:
-        options["staleness"] = numbers[0]
-    elif name == "dssp" and len(numbers) == 2:
-        options["staleness"], options["max_staleness"] = numbers
-    elif name == "softsync" and 1 <= len(numbers) <= 2:
-        options["softsync_n"] = numbers[0]
-        if len(numbers) == 2:
-            options["staleness"] = numbers[1]
-    else:
-        raise ConfigurationError(f"bad sync setting {text!r}: use {SETTING_FORM}")
-    if extra:
-        if extra != "inverse":
-            raise ConfigurationError(f"bad sync setting {text!r}: the only suffix is +inverse")
-        options["lr_staleness"] = "inverse"
-    return Setting(label, options)
-
 
 def sync_setting(text: str) -> Setting:
     """An argparse type: one sync setting."""
@@ -244,13 +193,46 @@ def sync_setting(text: str) -> Setting:
         raise argparse.ArgumentTypeError(str(exc)) from None
 
 
-# Ranges, checked after parsing --------------------------------------------------------------------------
+# The token of a client command (aps status, aps checkpoint now) ----------------------------------------
 
 
-def require(condition: bool, message: str) -> None:
-    """Raise ConfigurationError(``message``) unless ``condition`` (a range check naming its flag)."""
-    if not condition:
-        raise ConfigurationError(message)
+def add_token_arguments(parser: argparse.ArgumentParser) -> None:
+    """``--token`` and ``--token-file``: the token of the server a command talks to."""
+    tokens = parser.add_mutually_exclusive_group()
+    tokens.add_argument("--token", help="the server's token, if it has one (default: $APS_TOKEN, else the token "
+                        "file a server of this user on loopback wrote for its address)")
+    tokens.add_argument("--token-file", metavar="PATH", help="read the server's token from the first line of "
+                        "this file, as aps serve --token-file does (default: none)")
+
+
+def token_from_args(args: argparse.Namespace) -> str | None:
+    """The token ``--token`` or ``--token-file`` gives (None without either: then ``$APS_TOKEN``
+    or the server's own token file apply)."""
+    from ..config import ServerConfig, resolve_token
+
+    if getattr(args, "token_file", None) is None:
+        return args.token
+    return resolve_token(ServerConfig(token_file=args.token_file)).decode("utf-8")
+
+
+@contextlib.contextmanager
+def token_advice(args: argparse.Namespace) -> Iterator[None]:
+    """Say the command's own flags when a server refuses it for want of a token: the library's
+    message names the Python API (``token=``), which a command-line user cannot pass."""
+    from ..errors import AuthenticationError
+
+    flags = "give --token TOKEN or --token-file PATH (or set APS_TOKEN)"
+    try:
+        yield
+    except AuthenticationError as exc:
+        text = advised = str(exc)
+        for python, command in (("pass token= or set $APS_TOKEN", flags),
+                                ("aps.Worker(token=...) or $APS_TOKEN", "--token or --token-file, or APS_TOKEN")):
+            advised = advised.replace(python, command)
+        given = args.token is not None or getattr(args, "token_file", None) is not None or os.environ.get("APS_TOKEN")
+        if advised == text and not given:
+            advised = f"{text}; {flags}"
+        raise AuthenticationError(advised) from None
 
 
 # aps serve's flags and their APS_* twins -----------------------------------------------------------------
@@ -278,12 +260,27 @@ _CONVERTERS: dict[str, Callable[[str], Any]] = {
 }
 
 
+def _parse_int(text: str) -> int:
+    try:
+        return int(text)
+    except ValueError:
+        raise ConfigurationError(f"expected an integer (a whole number such as 3), got {text!r}") from None
+
+
+def _parse_float(text: str) -> float:
+    try:
+        return float(text)
+    except ValueError:
+        raise ConfigurationError(f"expected a number such as 0.1 or 1e-3, got {text!r}") from None
+
+
 def _converter(f: dataclasses.Field) -> Callable[[str], Any]:
     if f.name in _CONVERTERS:
         return _CONVERTERS[f.name]
     kind = f.type if isinstance(f.type, str) else f.type.__name__
     kind = kind.split("|")[0].strip()  # "int | None" -> "int"
-    return {"int": int, "float": float, "str": str, "bool": _parse_bool}[kind]
+    # int()'s own "invalid literal for int() with base 10" tells a user nothing about the flag
+    return {"int": _parse_int, "float": _parse_float, "str": str, "bool": _parse_bool}[kind]
 
 
 def _flag(field_name: str) -> str:
@@ -317,12 +314,14 @@ def add_server_arguments(parser: argparse.ArgumentParser, *, skip: tuple[str, ..
             except (ValueError, ConfigurationError) as exc:
                 raise argparse.ArgumentTypeError(str(exc)) from None
 
+        choices = meta.get("choices")
         parser.add_argument(
             _flag(f.name),
             type=convert,
             default=None,
-            choices=meta.get("choices"),
-            metavar=meta.get("metavar") or f.name.upper(),
+            choices=choices,
+            # argparse lists the choices in --help only when no metavar hides them: {bsp,asp,...}
+            metavar=meta.get("metavar") or ("{" + ",".join(choices) + "}" if choices else f.name.upper()),
             help=help_text,
         )
 
@@ -355,9 +354,3 @@ def given_options(args: argparse.Namespace | None = None, environ: Mapping[str, 
     return values
 
 
-def command_line() -> str:
-    """How this process was started, to print beside the results it writes."""
-    program = os.path.basename(sys.argv[0])
-    if program in ("aps", "__main__.py"):
-        return " ".join(["aps", *sys.argv[1:]])
-    return " ".join(["python", *sys.argv] if program.endswith(".py") else sys.argv)

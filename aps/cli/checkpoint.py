@@ -28,7 +28,7 @@ from typing import Any
 
 from .. import checkpoint as ckpt
 from ..errors import CheckpointError
-from ._args import ArgumentParser
+from ._args import ArgumentParser, add_token_arguments, token_advice, token_from_args
 
 __all__ = ["ACTIONS", "format_manifest", "register", "request_checkpoint"]
 
@@ -94,7 +94,7 @@ def _add_now(actions) -> None:
     )
     parser.add_argument("address", nargs="?", default=None, metavar="ADDR",
                         help="the server, tcp://HOST:PORT (default $APS_ADDRESS)")
-    parser.add_argument("--token", default=None, help="the server's token, if it has one (default $APS_TOKEN)")
+    add_token_arguments(parser)
     parser.add_argument("--timeout", type=float, default=120.0, help="seconds to wait for the checkpoint "
                         "(default 120)")
     parser.set_defaults(run=run_now)
@@ -118,8 +118,8 @@ def request_checkpoint(address: str, token: str | None = None, timeout: float = 
     """Ask the server at ``address`` to write a checkpoint now; returns ``{"path", "version"}``
     once it is on disk. Raises CheckpointFailed (no ``--checkpoint-dir``, no model yet,
     a full or read-only directory) or APSConnectionError."""
-    from ..protocol import Op
-    from ..transport._client import control_request
+    from ..wire.protocol import Op
+    from ..client.tcp import control_request
 
     return json.loads(control_request(address, Op.CHECKPOINT, token, timeout))
 
@@ -134,7 +134,8 @@ def run_now(args: argparse.Namespace) -> int:
         raise ConfigurationError("no server address given and $APS_ADDRESS is not set")
     if not args.timeout > 0:
         raise ConfigurationError(f"--timeout must be > 0 seconds, got {args.timeout}")
-    info = request_checkpoint(address, args.token, args.timeout)
+    with token_advice(args):
+        info = request_checkpoint(address, token_from_args(args), args.timeout)
     print(f"checkpoint {info['path']} (version {info['version']})")
     return 0
 

@@ -31,8 +31,8 @@ import time
 from concurrent.futures import CancelledError
 
 from ..errors import APSError, ConfigurationError
-from ..protocol import describe_join_progress
-from ..server import Server
+from ..wire.protocol import describe_join_progress
+from ..server.server import Server
 from ..config import RESUME_LATEST, ServerConfig, resolve_token
 from ._args import add_server_arguments, config_from_args, number, parse_speeds, require
 

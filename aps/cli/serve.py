@@ -30,7 +30,7 @@ def setup_logging(level: str) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from ..server import Server
+    from ..server.server import Server
 
     config = config_from_args(args)
     setup_logging(config.log_level)

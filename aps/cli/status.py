@@ -7,11 +7,11 @@ import json
 import time
 
 from ..errors import ConfigurationError
-from ..protocol import Op
-from ..stats import lr_range
-from ..transport._client import control_request
-from ..transport.address import parse_address
-from ._args import number, require
+from ..wire.protocol import Op
+from ..server.stats import lr_range
+from ..client.tcp import control_request
+from ..wire.net import parse_address
+from ._args import add_token_arguments, number, require, token_advice, token_from_args
 
 __all__ = ["checkpoint_alarm", "fetch_stats", "format_lr", "format_stats", "register"]
 
@@ -28,8 +28,7 @@ def register(commands) -> None:
     parser.add_argument("--json", action="store_true", help="print the raw statistics as JSON")
     parser.add_argument("--watch", type=number, metavar="SECONDS", help="refresh every SECONDS until interrupted (default: print once)")
     parser.add_argument("--timeout", type=number, default=10.0, help="seconds to wait for the server")
-    parser.add_argument("--token", help="the server's token, if it has one (default: $APS_TOKEN, else the token "
-                        "file a server of this user on loopback wrote for its address)")
+    add_token_arguments(parser)
     parser.set_defaults(run=run)
 
 
@@ -44,15 +43,17 @@ def fetch_stats(address: str, timeout: float = 10.0, token: str | None = None) -
     """The statistics of the server at ``address`` (``tcp://HOST:PORT``, or ``tls://`` with
     ``$APS_TLS_CA`` and the like), as ``Server.stats()`` returns them. ``token``: the
     server's, if it has one (default ``$APS_TOKEN``, else the token file of a loopback
-    server of this user, see :mod:`aps._tokens`)."""
+    server of this user, see :mod:`aps.wire.tokens`)."""
     return json.loads(control_request(address, Op.STATS, token, timeout))
 
 
 def run(args: argparse.Namespace) -> int:
     require(args.watch is None or args.watch > 0, f"--watch must be > 0 seconds, got {args.watch}")
     require(args.timeout > 0, f"--timeout must be > 0 seconds, got {args.timeout}")
+    token = token_from_args(args)
     while True:
-        every = [fetch_stats(address, args.timeout, args.token) for address in args.address]
+        with token_advice(args):
+            every = [fetch_stats(address, args.timeout, token) for address in args.address]
         if args.json:
             print(json.dumps(every[0] if len(every) == 1 else every, indent=2), flush=True)
         else:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import os
 
-from .._tokens import MIN_TOKEN_BITS, new_token
+from ..wire.tokens import MIN_TOKEN_BITS, new_token
 from ..errors import ConfigurationError
 
 __all__ = ["register", "run"]

@@ -16,7 +16,7 @@ import pytest
 import aps
 from aps.config import ServerConfig
 from aps.errors import ErrorCode, ServerOverloaded
-from aps.protocol import (
+from aps.wire.protocol import (
     NONCE_BYTES,
     Op,
     auth_proof,
@@ -26,11 +26,11 @@ from aps.protocol import (
     encode_hello_reply,
     pack_header,
 )
-from aps.transport.session import AuthThrottle
+from aps.server.admission import AuthThrottle
 from prometheus_client.parser import text_string_to_metric_families
-from tests.helpers import HEADER_SIZE, RawClient, RawShmClient, unpack_header
+from aps.testing import HEADER_SIZE, RawClient, RawShmClient, unpack_header
 
-from tests.helpers import TOKEN
+from aps.testing import TOKEN
 SCRIPTS = os.path.join(os.path.dirname(os.path.dirname(__file__)), "scripts")
 
 
@@ -198,7 +198,7 @@ def test_hello_after_hello_and_descriptors_before_the_handshake_are_refused(secu
     raw.frame(Op.HELLO, os.urandom(NONCE_BYTES))  # a third, still without AUTH: a connection kept for nothing
     assert raw.error()[0] == ErrorCode.AUTHENTICATION and raw.closed_by_peer()
     raw.close()
-    from aps.transport.segments import Segment, scm_rights
+    from aps.wire.segments import Segment, scm_rights
 
     shm = RawShmClient(secured.unix_path, token=None)
     segments = [Segment.create(4, "stranger") for _ in range(3)]

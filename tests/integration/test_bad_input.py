@@ -14,8 +14,8 @@ import pytest
 
 import aps
 from aps.errors import ErrorCode
-from aps.protocol import HEADER_SIZE, DType, Flag, Op, pack_header
-from tests.helpers import RawClient
+from aps.wire.protocol import HEADER_SIZE, DType, Flag, Op, pack_header
+from aps.testing import RawClient
 
 N = 4
 
@@ -265,7 +265,7 @@ def test_push_while_held_is_out_of_order(server_process, transport):
 
 def test_client_side_validation_sends_nothing(cluster):
     with pytest.raises(aps.DTypeMismatch):
-        cluster.good.push({"w": np.ones(N, np.float64)})
+        cluster.good.push({"w": np.ones(N, np.int32)})
     with pytest.raises(aps.LayoutMismatch):
         cluster.good.push({"w": np.ones(N + 1, np.float32)})
     with pytest.raises(aps.LayoutMismatch):
@@ -315,7 +315,7 @@ def test_an_init_is_checked_before_its_values_get_room(waiting_server, case):
     rank, workers, names = {"rank": (7, 3, "w"), "count": (1, 4, "w"), "taken": (0, 3, "w"),
                             "layout": (1, 3, "v")}[case]
     layout = aps.Layout((names,), ((1 << 29,),))  # 2 GiB of float32
-    from aps.protocol import encode_init
+    from aps.wire.protocol import encode_init
 
     block = encode_init(rank, workers, layout)
     before = _server_memory(server)
@@ -330,7 +330,7 @@ def test_an_init_is_checked_before_its_values_get_room(waiting_server, case):
 def test_init_limits_are_checked_before_parsing_grows(waiting_server):
     server = waiting_server[0]
     raw = RawClient.to(server, server.transport)
-    from aps.protocol import MAX_LAYOUT_BYTES, MAX_NAME_BYTES, MAX_TENSORS
+    from aps.wire.protocol import MAX_LAYOUT_BYTES, MAX_NAME_BYTES, MAX_TENSORS
 
     too_many = struct.pack("<IIII", 1, 3, MAX_TENSORS + 1, 0)
     raw.frame(Op.INIT, too_many, dtype=DType.FLOAT32, version=len(too_many))

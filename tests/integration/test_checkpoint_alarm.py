@@ -23,7 +23,7 @@ import pytest
 
 import aps
 
-from ..helpers import wait_for
+from aps.testing import wait_for
 from .test_http import get, http_address, samples
 
 #: The test's disk: room for a few checkpoints of the model below (each about 260 KB).
@@ -105,8 +105,10 @@ def failure_info(m: dict) -> dict:
 
 
 def start(server_process, disk: SmallDisk):
+    # Nothing is pruned while the test runs: a prune frees one checkpoint's room, the next one
+    # fits in it, and a disk filled just before a prune would never stay full.
     server = server_process("--workers", "1", "--sync", "asp", "--checkpoint-dir", str(disk.path),
-                            "--checkpoint-every", "0.2", "--http-port", "0")
+                            "--checkpoint-every", "0.2", "--checkpoint-keep", "1000", "--http-port", "0")
     return server, http_address(server)
 
 

@@ -22,8 +22,8 @@ import pytest
 
 import aps
 from aps.cli.status import fetch_stats
-from aps.protocol import Op
-from tests.helpers import RawClient, wait_for
+from aps.wire.protocol import Op
+from aps.testing import RawClient, wait_for
 
 #: A training script that ends as scripts do: no close(), no context manager. ``mode``:
 #: "exit" (falls off its end), "wait" (waits for a line on stdin first, then ends), "hang"
@@ -160,7 +160,7 @@ def test_the_exit_is_bounded_while_a_thread_is_held_at_the_gate(server_process, 
         start = time.monotonic()
         finished(proc, 30.0, read=True)
         # the interpreter's start-up is not in it: the exit alone, sleep(0.5) included
-        assert time.monotonic() - start < aps.worker.EXIT_LEAVE_S + 3.0
+        assert time.monotonic() - start < aps.client.worker.EXIT_LEAVE_S + 3.0
         wait_event(server, (0, "disconnected"))  # it could not say goodbye in the middle of a call
         thread.join(10)
 

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 import aps
-from tests.helpers import ServerProcess
+from aps.testing import ServerProcess
 
 
 def run_aps(*args, env=None, timeout=60):
@@ -66,6 +66,38 @@ def test_port_in_use_is_a_clear_error(server_process):
     server = server_process("--workers", "1")
     result = run_aps("serve", "--port", str(server.port))
     assert result.returncode == 2 and "cannot listen" in result.stderr
+    # what to do about it: a new user's first server is often still running in another terminal
+    assert "another aps server may be running there" in result.stderr, result.stderr
+    assert "--port 0 to pick a free port" in result.stderr, result.stderr
+
+
+def test_dashboard_port_in_use_is_a_clear_error(server_process):
+    server = server_process("--workers", "1", "--http-port", "0")
+    http_port = server.proc.stdout.readline().strip().rstrip("/").rsplit(":", 1)[1]  # aps: dashboard on URL
+    result = run_aps("serve", "--http-port", http_port)
+    assert result.returncode == 2 and "(--http-port)" in result.stderr, result.stderr
+    assert "another aps server may be running there" in result.stderr
+    assert "--http-port 0 to pick a free port" in result.stderr
+
+
+def test_status_without_a_token_names_its_flags(server_process, tmp_path, monkeypatch):
+    from tests.helpers import TOKEN
+
+    monkeypatch.delenv("APS_TOKEN", raising=False)
+    server = server_process("--workers", "1", "--token", TOKEN)
+    for command in (["status", server.address], ["checkpoint", "now", server.address, "--timeout", "5"]):
+        refused = run_aps(*command)
+        assert refused.returncode == 1 and "needs a token" in refused.stderr, refused.stderr
+        assert "--token TOKEN or --token-file PATH (or set APS_TOKEN)" in refused.stderr, refused.stderr
+        assert "token=" not in refused.stderr  # the Python API's way, not this command's
+    wrong = run_aps("status", server.address, "--token", "x" * len(TOKEN))
+    assert wrong.returncode == 1 and "--token or --token-file, or APS_TOKEN" in wrong.stderr, wrong.stderr
+    token_file = tmp_path / "token"
+    token_file.write_text(TOKEN + "\n")
+    done = run_aps("status", server.address, "--token-file", str(token_file))
+    assert done.returncode == 0 and f"aps {server.address}" in done.stdout, done.stderr
+    both = run_aps("status", server.address, "--token", TOKEN, "--token-file", str(token_file))
+    assert both.returncode == 2 and "not allowed with argument" in both.stderr
 
 
 def test_log_level_warning_is_quiet(server_process):

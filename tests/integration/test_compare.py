@@ -65,7 +65,11 @@ def test_compare_on_a_tiny_budget_writes_well_formed_results(tmp_path):
     assert f"the plot is {out / 'accuracy.png'}" in done.stdout
 
 
-def test_compare_refuses_inconsistent_arguments(tmp_path):
+def test_compare_refuses_inconsistent_arguments(tmp_path, capsys):
+    """Each refused before anything runs, with exit status 2 and what is wrong; through the
+    command's own entry point in this process (the first also as a process of its own)."""
+    from aps.cli import main
+
     for args, message in [
         (["--workers", "3", "--speeds", "1,2"], "--speeds needs 3 positive numbers"),
         (["--workers", "2", "--speeds", "1,x"], "--speeds needs 2 positive numbers"),
@@ -80,9 +84,14 @@ def test_compare_refuses_inconsistent_arguments(tmp_path):
         (["--target", "95"], "--target is a test accuracy"),
         (["--paradigms", ","], "--paradigms names no sync setting"),
     ]:
-        done = subprocess.run([sys.executable, "-m", "aps", "compare", "--out", str(tmp_path), *args],
-                              capture_output=True, text=True, timeout=60)
-        assert done.returncode == 2 and message in done.stderr, done.stderr
+        with pytest.raises(SystemExit) as exited:
+            main(["compare", "--out", str(tmp_path), *args])
+        stderr = capsys.readouterr().err
+        assert exited.value.code == 2 and message in stderr, stderr
+    assert not any(tmp_path.iterdir())  # nothing was written
+    done = subprocess.run([sys.executable, "-m", "aps", "compare", "--out", str(tmp_path), "--budget", "0"],
+                          capture_output=True, text=True, timeout=60)
+    assert done.returncode == 2 and "--budget must be > 0" in done.stderr, done.stderr
 
 
 def _run_on_a_terminal(cmd, cwd, timeout=240):
@@ -121,12 +130,23 @@ def test_demo_shows_progress_and_writes_only_where_it_says(tmp_path):
     import shutil
     import tempfile
 
+    import time
+
+    begun = time.monotonic()
     status, output = _run_on_a_terminal(
         [sys.executable, "-m", "aps", "demo", "--workers", "2", "--speeds", "1,2", "--paradigms", "asp",
          "--budget", "2", "--step-time", "0.02", "--dataset", "digits"], cwd=tmp_path)
+    took = time.monotonic() - begun
     assert status == 0, output
     first = output.splitlines()[0]
-    assert re.match(r"1 runs of 2 s on 2 workers \(digits, .*\): about \d+ s in all; results in ", first), first
+    estimate = re.match(r"1 runs of 2 s on 2 workers \(digits, .*\): about (\d+) s in all; results in ", first)
+    assert estimate, first
+    # the estimate counts the workers' start-up: loosely right on a machine others share
+    assert int(estimate[1]) / 3 <= took <= 3 * int(estimate[1]), (took, first)
+    assert re.search(r"workers ready in \d+ s; the runs take about \d+ s more", output), output
+    # the table read in words, and how sure it is
+    assert "ASP reached" in output or "no paradigm reached" in output, output
+    assert "one run of each: gaps of a few seconds are noise" in " ".join(output.split()), output
     out = first.rsplit("results in ", 1)[1].strip()
     try:
         assert os.listdir(tmp_path) == [] and os.path.dirname(out) == tempfile.gettempdir()

@@ -18,7 +18,7 @@ import time
 
 import pytest
 
-from ..helpers import ServerProcess, wait_for
+from aps.testing import ServerProcess, wait_for
 
 webdriver = pytest.importorskip("selenium.webdriver", reason="selenium is not installed (pip install -e '.[test]')")
 
@@ -133,11 +133,20 @@ def test_the_dashboard_asks_for_the_token_or_takes_it_from_the_address(browser):
     server = ServerProcess("--workers", "1", "--http-port", "0", "--token", "Zq3u9P0vB4h1xkTn7sWc2yLr8GdJ5mEaQiFo6XtKbHw")
     try:
         url = server.proc.stdout.readline().split(" on ", 1)[1].strip()
+        # aps serve says how to open the page with the token, and never prints the token
+        hint = server._read_first_line(10)  # the next line, or "" after 10 s (bounded: an older server says none)
+        assert hint.startswith("aps: the dashboard asks for the server's token") and f"{url}#token=TOKEN" in hint, hint
+        assert "Zq3u9P0vB4h1xkTn7sWc2yLr8GdJ5mEaQiFo6XtKbHw" not in hint
         state = lambda: browser.execute_script("return document.body.dataset.state")  # noqa: E731
         browser.get(url)
         wait_until(lambda: state() == "login", 15, "the page to ask for the token")
         assert browser.find_element("id", "login").is_displayed()
         assert text_of(browser, "version").strip() in ("", "–")  # nothing shown without it
+        # what is empty asks for the token: it does not say there are no workers
+        wait_until(lambda: "token" in text_of(browser, "events"), 5, "the events to ask for the token")
+        assert browser.execute_script("return document.getElementById('clocks').dataset.empty") == \
+            "enter the server's token to see this"
+        assert "no workers yet" not in browser.execute_script("return document.body.innerText")
         field = browser.find_element("id", "token")
         field.send_keys("wrong\n")
         wait_until(lambda: state() == "login" and "refused" in text_of(browser, "login-error"), 15,
@@ -202,3 +211,70 @@ def test_a_failing_checkpoint_is_an_alarm_on_the_dashboard(browser, tmp_path):
             worker.close()
         server.stop()
         disk.close()
+
+
+@pytest.mark.slow  # (two servers one after the other, a browser: about 20 s)
+def test_one_window_for_the_rates_each_ranks_iterations_and_a_history_kept_across_a_resume(browser, tmp_path):
+    """The header's updates/s and the chart's are over one window, said on the page, and
+    agree at the same moment; the page shows each rank's iterations/s; and a server resumed
+    from its checkpoint (the same run id) keeps the run's history on the page, reload included."""
+    import threading
+
+    import numpy as np
+
+    import aps
+
+    stop = threading.Event()
+
+    def train(address: str) -> None:
+        with aps.Worker(address, 0, 1, transport="tcp") as worker:
+            worker.init({"w": np.zeros(64, np.float32)})
+            while not stop.is_set():
+                worker.push_pull({"w": np.full(64, 1e-3, np.float32)})
+                time.sleep(0.05)
+
+    server = ServerProcess("--workers", "1", "--sync", "asp", "--http-port", "0", "--checkpoint-dir", str(tmp_path))
+    resumed = None
+    thread = threading.Thread(target=train, args=(server.address,), daemon=True)
+    try:
+        url = server.proc.stdout.readline().split(" on ", 1)[1].strip()
+        http_port = url.rstrip("/").rsplit(":", 1)[1]
+        thread.start()
+        browser.get(url)
+        wait_until(lambda: browser.execute_script("return document.body.dataset.state") == "live", 15,
+                   "the page to connect")
+        wait_until(lambda: int(browser.execute_script("return document.body.dataset.points || '0'")) >= 6, 30,
+                   "a few seconds of history")
+        header, chart, window, chart_window = browser.execute_script(
+            "return ['rate', 'rate-now', 'rate-window', 'chart-rate-window']"
+            ".map(id => document.getElementById(id).textContent)")
+        assert chart == f"{header} /s" and float(header) > 0, (header, chart)  # one number: one window, one moment
+        assert window == "last 10 s" and chart_window == "over the last 10 s"
+        iterations = browser.execute_script(
+            "return document.querySelector('#workers tr[data-rank=\"0\"]').cells[14].textContent")
+        assert float(iterations) > 1, iterations  # a push every 50 ms or so
+        assert "iterations/s" in browser.execute_script("return [...document.querySelectorAll('th')].map(h => h.textContent)")
+        run_id = text_of(browser, "run-id")
+        before = int(browser.execute_script("return document.body.dataset.points"))
+
+        stop.set()
+        thread.join(30)
+        server.stop()  # a clean stop writes a checkpoint: the resumed server goes on with the run id
+        resumed = ServerProcess("--workers", "1", "--sync", "asp", "--http-port", http_port,
+                                "--checkpoint-dir", str(tmp_path), "--resume")
+        browser.refresh()  # a page opened after the resume (a reload): the history from before is there
+        wait_until(lambda: browser.execute_script("return document.body.dataset.state") == "live", 20,
+                   "the page to connect to the resumed server")
+        # (the socket is live before its first statistics arrive: the run id comes with them)
+        wait_until(lambda: text_of(browser, "run-id") == run_id, 15, f"the resumed server's run id {run_id}")
+        assert int(browser.execute_script("return document.body.dataset.points")) >= before
+        # (a retry while no server listened, between the stop and the resume, is the browser's
+        # own network log line: expected here)
+        errors = [entry for entry in browser.get_log("browser") if entry["level"] == "SEVERE"
+                  and "ERR_CONNECTION_REFUSED" not in entry["message"]]
+        assert not errors, errors
+    finally:
+        stop.set()
+        server.stop()
+        if resumed is not None:
+            resumed.stop()

@@ -19,10 +19,10 @@ import aps.cli
 from aps.checkpoint import list_checkpoints, read_checkpoint
 from aps.cli.checkpoint import request_checkpoint
 from aps.cli.status import fetch_stats
-from aps.protocol import DType, Flag, Op, pack_header
+from aps.wire.protocol import DType, Flag, Op, pack_header
 
-from .._workers import resilient_worker, stepped_gradient
-from ..helpers import RawClient, ServerProcess, run_processes, wait_for
+from aps.testing.workers import resilient_worker, stepped_gradient
+from aps.testing import RawClient, ServerProcess, run_processes, wait_for
 
 
 def newest(directory) -> int:
@@ -436,9 +436,10 @@ def test_one_directory_one_server_and_one_run(tmp_path):
 
 
 def test_a_call_that_failed_leaves_nothing_to_send_again(tmp_path):
-    """push_pull(g1) times out at the gate (its connection is dropped, the push was applied);
-    the next push_pull(g2) reconnects and sends g2, not g1 again."""
-    server = ServerProcess("--workers", "2", "--sync", "ssp", "--staleness", "0", "--lr", "1")
+    """SSP s=1: push_pull(g1) times out at the gate (its connection is dropped, the push was
+    applied); the next push(g2) reconnects and sends g2, not g1 again, and g2 is judged by
+    the clock the worker had (1, the reply of g1 never came), within the bound: applied."""
+    server = ServerProcess("--workers", "2", "--sync", "ssp", "--staleness", "1", "--lr", "1")
     try:
         fast = aps.Worker(server.address, 0, 2, transport="tcp", reconnect_timeout=30)
         slow = aps.Worker(server.address, 1, 2, transport="tcp", reconnect=False)
@@ -446,14 +447,16 @@ def test_a_call_that_failed_leaves_nothing_to_send_again(tmp_path):
         joining.start()
         fast.init({"w": np.zeros(4, np.float32)})
         joining.join(10)
+        fast.push_pull({"w": np.full(4, 1.0, np.float32)})  # iteration 0: one ahead of rank 1, released
         fast.timeout = 0.5
         with pytest.raises(aps.APSTimeoutError):
-            fast.push_pull({"w": np.full(4, 1.0, np.float32)})  # held: rank 1 has not pushed
+            fast.push_pull({"w": np.full(4, 2.0, np.float32)})  # g1, held: two ahead of rank 1
         fast.timeout = None
         slow.push_pull({"w": np.full(4, 10.0, np.float32)})
-        fast.push({"w": np.full(4, 100.0, np.float32)})  # (then held again, until rank 1 pushes)
+        fast.push({"w": np.full(4, 100.0, np.float32)})  # g2 (then held again, until rank 1 pushes)
+        assert not fast.last_push_dropped
         weights = slow.pull()["w"]
-        np.testing.assert_array_equal(weights, np.full(4, -111.0, np.float32))
+        np.testing.assert_array_equal(weights, np.full(4, -113.0, np.float32))
         assert fetch_stats(server.address)["server"]["duplicates"] == 0
         fast.close()
         slow.close()

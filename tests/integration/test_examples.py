@@ -36,6 +36,7 @@ def test_mnist_cnn_against_a_running_server(server_process):
     assert accuracies and accuracies[0] > 0.7  # 175 updates train the CNN far past chance (0.1): about 0.85
 
 
+@pytest.mark.slow  # (a launched run of the CNN: about 10 s alone, 30 s beside the suite)
 def test_mnist_cnn_under_aps_launch(tmp_path):
     done = run([sys.executable, "-m", "aps", "launch", "--host", "127.0.0.1", "--workers", "2", "--sync", "dssp",
                 "--staleness", "1", "--max-staleness", "4", "--lr", "0.05", "--no-progress", "--log-dir", str(tmp_path),

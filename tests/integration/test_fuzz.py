@@ -1,6 +1,6 @@
 """Fuzzed frames against a live server over TCP and the shared-memory socket, while a
 legitimate worker trains beside them and checks its weights after every step
-(tests/fuzzing.py). bench/fuzz.py runs the same at 10^5 frames and more."""
+(aps/testing/fuzzing.py). bench/fuzz.py runs the same at 10^5 frames and more."""
 
 import random
 
@@ -9,10 +9,10 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from tests.fuzzing import Tally, Target, Trainer, run_case
-from tests.helpers import ServerProcess
+from aps.testing.fuzzing import Tally, Target, Trainer, run_case
+from aps.testing import ServerProcess
 
-from tests.helpers import TOKEN
+from aps.testing import TOKEN
 
 
 @pytest.fixture(scope="module", params=["tcp", "shm"])
@@ -30,6 +30,7 @@ def arena(request):
         server.stop()
 
 
+@pytest.mark.slow  # (thousands of fuzzed frames per transport: 15-20 s each)
 def test_fuzzed_frames_crash_nothing_and_change_nothing(arena):
     server, trainer, target, rss_before = arena
     tally = Tally()

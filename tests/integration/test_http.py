@@ -16,12 +16,12 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 import aps
-from aps import _http
+from aps.server import http as _http
 from aps.cli.status import fetch_stats
 
-from aps.protocol import Op
+from aps.wire.protocol import Op
 
-from ..helpers import RawClient, ServerProcess
+from aps.testing import RawClient, ServerProcess
 
 
 def http_address(server: ServerProcess) -> str:

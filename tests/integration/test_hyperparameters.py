@@ -13,10 +13,10 @@ import numpy as np
 import pytest
 
 import aps
-from aps import _updates
+from aps.server.jobs import updates as _updates
 from aps.errors import ErrorCode, InvalidHyperparameters, NotInitialized
-from aps.protocol import MAX_HYPER_GROUPS, HyperGroup, Op, encode_hyper
-from tests.helpers import RawClient
+from aps.wire.protocol import MAX_HYPER_GROUPS, HyperGroup, Op, encode_hyper
+from aps.testing import RawClient
 
 N = 40
 CUT = 17  # where the second group begins

@@ -63,6 +63,7 @@ def assert_all_gone(pids, timeout=10.0):
     assert not left, f"orphans left behind: {left}"
 
 
+@pytest.mark.slow  # (a whole launched example run: about 20 s beside the suite)
 def test_launch_runs_the_builtin_example(tmp_path):
     proc = launch("--workers", "2", "--sync", "bsp", "--lr", "0.05", "--example", "digits", "--epochs", "1",
                   log_dir=tmp_path)
@@ -77,6 +78,7 @@ def test_launch_runs_the_builtin_example(tmp_path):
     assert "test accuracy" in (tmp_path / "worker-0.log").read_text()
 
 
+@pytest.mark.slow  # (two launched runs of uneven workers: about 18 s)
 def test_step_time_and_slowdown_emulate_uneven_devices(tmp_path):
     proc = launch("--workers", "2", "--sync", "asp", "--step-time", "0.05", "--slowdown", "1,3",
                   os.path.join(SCRIPTS, "paced.py"), log_dir=tmp_path)
@@ -130,7 +132,9 @@ def test_workers_that_ignore_sigterm_are_killed_and_a_second_signal_hurries(tmp_
     assert_all_gone(pids)
 
 
-def test_bad_launch_arguments_are_refused(tmp_path):
+def test_bad_launch_arguments_are_refused(tmp_path, capsys):
+    from aps.cli import main
+
     for args, message in [
         (["--workers", "2", "--step-time", "0.1", "--slowdown", "1,2,3", "--example", "digits"],
          "--slowdown needs 2 positive numbers"),
@@ -145,10 +149,16 @@ def test_bad_launch_arguments_are_refused(tmp_path):
          "keep them at least 3 apart"),
         (["--workers", "2", "--shards", "2", "--shard", "1", "--example", "digits"], "give --shards K, not --shard"),
     ]:
-        code, out, err = finish(launch(*args, log_dir=tmp_path), timeout=30)
-        assert code == 2 and message in err, (args, err)
+        # through the command's entry point in this process: refused before anything starts
+        with pytest.raises(SystemExit) as exited:
+            main(["launch", "--host", "127.0.0.1", "--no-progress", "--log-dir", str(tmp_path), *args])
+        err = capsys.readouterr().err
+        assert exited.value.code == 2 and message in err, (args, err)
+    code, out, err = finish(launch("--workers", "2", log_dir=tmp_path), timeout=30)  # and as a process of its own
+    assert code == 2 and "give a training script, or --example NAME" in err, err
 
 
+@pytest.mark.slow  # (a launched run that waits 7 s for a late worker)
 def test_launch_says_which_workers_have_not_joined(tmp_path):
     """A worker that is slow to join leaves the others waiting: the launcher and the workers say who is missing."""
     proc = launch("--workers", "2", "--sync", "asp", os.path.join(SCRIPTS, "late.py"), log_dir=tmp_path,

@@ -15,14 +15,14 @@ import pytest
 
 import aps
 from aps.errors import ErrorCode
-from aps.protocol import DType, Op, encode_init, pack_header
-from aps.transport.segments import default_socket_path
-from aps.transport.session import MAX_BAD_FRAMES, WARNINGS_PER_WINDOW
-from tests.fuzzing import Target
-from tests.helpers import RawClient, RawShmClient
+from aps.wire.protocol import DType, Op, encode_init, pack_header
+from aps.wire.segments import default_socket_path
+from aps.server.session import MAX_BAD_FRAMES, WARNINGS_PER_WINDOW
+from aps.testing.fuzzing import Target
+from aps.testing import RawClient, RawShmClient
 
 
-from tests.helpers import TOKEN
+from aps.testing import TOKEN
 
 
 def trained(server, transport="tcp", steps=3, token=None) -> bool:

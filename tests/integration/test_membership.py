@@ -9,8 +9,8 @@ import numpy as np
 import pytest
 
 import aps
-from tests import _workers
-from tests.helpers import SPAWN
+from aps.testing import workers as _workers
+from aps.testing import SPAWN
 
 
 def start_idle_worker(address, rank, workers, numel, tmp_path, transport="auto"):
@@ -116,7 +116,7 @@ def test_reconnect_after_losing_the_connection(server_process, transport):
 
 
 def test_a_silent_worker_misses_its_heartbeats_and_leaves(server_process, transport):
-    from tests.helpers import RawClient
+    from aps.testing import RawClient
 
     server = server_process("--workers", "2", "--sync", "ssp", "--staleness", "0", "--heartbeat-timeout", "1")
     with aps.Worker(server.address, 0, 2, heartbeat=0.2, transport=transport) as worker:
@@ -180,7 +180,7 @@ def _record(errors, call):
 
 def test_a_waiting_worker_says_who_is_missing(server_process, transport, monkeypatch, caplog):
     """init() waits in silence no longer: a log line names who has not joined, and so does InitTimeout."""
-    monkeypatch.setattr(aps.worker, "_FIRST_WAIT_NOTE", 1.0)
+    monkeypatch.setattr(aps.client.recovery, "_FIRST_WAIT_NOTE", 1.0)
     server = server_process("--workers", "4", "--sync", "asp")
     early = aps.Worker(server.address, 2, 4, transport=transport)
     errors = []
@@ -250,3 +250,61 @@ def test_shutdown_mid_training_is_the_same_error_on_both_transports(server_proce
         worker.pull()
     assert server.proc.wait(10) == 0
     worker.close()
+
+
+def _push_after_the_heartbeat_found_it_lost(server, transport: str, caplog, alone: int) -> aps.Worker:
+    """Rank 1 of 2 joins, holds clock 0 and version 0 and goes quiet; the server drops it
+    and rank 0 runs ``alone`` iterations; rank 1's heartbeat then finds its connection gone,
+    and it pushes a gradient computed before (100 in every weight): its push rejoins first,
+    which brings a newer clock and version, and only then goes out. Returns rank 1."""
+    zeros = {"w": np.zeros(4, np.float32)}
+    quiet = aps.Worker(server.address, 1, 2, heartbeat=3.0, transport=transport, reconnect=True)
+    with aps.Worker(server.address, 0, 2, heartbeat=0.2, transport=transport) as worker:
+        thread = init_in_thread(quiet, zeros)
+        worker.init(zeros)
+        thread.join(10)
+        server.wait_for_log("worker 1 timed out")
+        for _ in range(alone):
+            worker.push_pull({"w": np.ones(4, np.float32)})
+        assert worker.version == alone
+        with caplog.at_level("WARNING", logger="aps.worker"):
+            deadline = time.monotonic() + 15
+            while "heartbeat failed" not in caplog.text:
+                assert time.monotonic() < deadline, "rank 1's heartbeat never found its connection lost"
+                time.sleep(0.05)
+        assert quiet.clock == 0 and quiet.version == 0
+        quiet.push({"w": np.full(4, 100.0, np.float32)})  # computed in iteration 0, on version 0
+        return quiet
+
+
+def test_a_push_whose_connection_was_found_lost_before_it_went_out_says_the_weights_it_was_computed_on(
+        server_process, transport, caplog):
+    """BSP: round 0 closes without rank 1; its push, computed on version 0, must still say
+    version 0 once its rejoin brought version 1, and be dropped for the closed round, not be
+    taken into round 1."""
+    server = server_process("--workers", "2", "--sync", "bsp", "--heartbeat-timeout", "1", "--lr", "1",
+                            "--momentum", "0")
+    quiet = _push_after_the_heartbeat_found_it_lost(server, transport, caplog, alone=1)
+    try:
+        assert quiet.last_push_dropped, "a gradient of round 0 was taken into a later round"
+        quiet.pull()  # released at once: its push ended its iteration
+        assert quiet.version == 1
+        np.testing.assert_array_equal(quiet.weights["w"], -np.ones(4, np.float32))
+    finally:
+        quiet.close()
+
+
+def test_a_push_whose_connection_was_found_lost_before_it_went_out_says_the_clock_it_was_computed_in(
+        server_process, transport, caplog):
+    """SSP s=1: rank 0 runs ten iterations alone; rank 1's push, computed in iteration 0,
+    must still say clock 0 once its rejoin brought a newer one, and be dropped as stale
+    (docs/algorithms.md, "The bound across a reconnect"), not be taken ten iterations late."""
+    server = server_process("--workers", "2", "--sync", "ssp", "--staleness", "1", "--heartbeat-timeout", "1",
+                            "--lr", "1", "--momentum", "0")
+    quiet = _push_after_the_heartbeat_found_it_lost(server, transport, caplog, alone=10)
+    try:
+        assert quiet.last_push_dropped, "a gradient of iteration 0 was taken ten iterations late"
+        quiet.pull()
+        np.testing.assert_array_equal(quiet.weights["w"], np.full(4, -10.0, np.float32))
+    finally:
+        quiet.close()

@@ -1,4 +1,4 @@
-"""The network-namespace harness (tests/netns.py): reachability, isolation, cleanup,
+"""The network-namespace harness (aps/testing/netns.py): reachability, isolation, cleanup,
 rate limits, and a real server and worker on two hosts."""
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from tests.netns import PREFIX, Network, NetnsError, cleanup_stale, list_netns, pid_alive, require_netns
+from aps.testing.netns import PREFIX, Network, NetnsError, cleanup_stale, list_netns, pid_alive, require_netns
 
 PY = sys.executable
 ROOT = str(Path(__file__).resolve().parents[2])
@@ -157,7 +157,7 @@ def test_mtu_and_environment(network):
     # ip netns exec passes the environment through (PYTHONPATH included), and the
     # pid of the Popen is the command's own
     env = {**os.environ, "PYTHONPATH": ROOT, "APS_NETNS_PROBE": "carried"}
-    code = ("import os, sys, tests.netns; print(os.environ['APS_NETNS_PROBE'], os.getpid(), "
+    code = ("import os, sys, aps.testing.netns; print(os.environ['APS_NETNS_PROBE'], os.getpid(), "
             "os.readlink('/proc/self/ns/net') != os.readlink(f'/proc/{sys.argv[1]}/ns/net'))")
     proc = python(a, code, str(os.getpid()), env=env, cwd="/")
     probe, pid, other_ns = finish(proc).split()

@@ -15,8 +15,8 @@ import aps
 from aps.checkpoint import read_checkpoint
 from aps.cli.checkpoint import request_checkpoint
 from aps.errors import ErrorCode, InvalidState, NotInitialized
-from aps.protocol import HEADER_SIZE, DType, Op, decode_state_head, encode_state_head, pack_header, state_digest
-from tests.helpers import RawClient
+from aps.wire.protocol import HEADER_SIZE, DType, Op, decode_state_head, encode_state_head, pack_header, state_digest
+from aps.testing import RawClient
 
 N = 97
 STEPS = 8

@@ -3,8 +3,8 @@
 import pytest
 
 from aps.cli.status import fetch_stats
-from tests import _workers
-from tests.helpers import run_processes
+from aps.testing import workers as _workers
+from aps.testing import run_processes
 
 FAST, SLOW = 0.004, 0.04  # seconds per iteration: a cluster with one 10x slower worker
 

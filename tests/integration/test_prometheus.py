@@ -23,9 +23,9 @@ import urllib.request
 import pytest
 
 from aps.cli.status import fetch_stats
-from tests import _workers
+from aps.testing import workers as _workers
 
-from ..helpers import SPAWN, ServerProcess, wait_for
+from aps.testing import SPAWN, ServerProcess, wait_for
 
 PROMETHEUS = shutil.which("prometheus")
 SCRAPE_S = 0.5
@@ -117,6 +117,9 @@ def test_a_real_prometheus_counts_the_updates_of_a_killed_and_resumed_run_once(t
         worker.start()
         wait_for(lambda: fetch_stats(server.address)["server"]["checkpoint"] is not None
                  and fetch_stats(server.address)["server"]["version"] > 300, 30, "training and a checkpoint")
+        # (on a loaded machine all of them may come between two scrapes: let one see the training)
+        wait_for(lambda: any(v > 0 for _, v in prometheus.samples("aps_updates_total")), 15,
+                 "a scrape of the first process while it trains", every=0.1)
         # Hold the worker a moment, so that the killed process's last version is known exactly;
         # the kill still lands at any point of Prometheus's scrape interval.
         os.kill(worker.pid, signal.SIGSTOP)
@@ -124,11 +127,16 @@ def test_a_real_prometheus_counts_the_updates_of_a_killed_and_resumed_run_once(t
         killed_at = fetch_stats(server.address)["server"]["version"]
         server.proc.kill()
         server.proc.wait()
-        os.kill(worker.pid, signal.SIGCONT)
         server.stop()
         server = ServerProcess(*serve, "--resume")
         resumed = int(wait_for(lambda: re.search(r"resumed from \S+: version (\d+)", server.log()), 10,
                                "the resume in the log").group(1))
+        # The worker goes on once Prometheus has scraped the new process before its first update,
+        # so that the new process's count starts below the old one's (a reset Prometheus can see),
+        # however long the machine's load makes the scrapes wait.
+        wait_for(lambda: len({v for _, v in prometheus.samples("aps_server_start_time_seconds")}) == 2, 15,
+                 "a scrape of the resumed process", every=0.1)
+        os.kill(worker.pid, signal.SIGCONT)
         assert 0 < resumed <= killed_at
         wait_for(lambda: fetch_stats(server.address)["server"]["version"] > resumed + 300, 30, "training again")
         open(stop_path, "w").close()

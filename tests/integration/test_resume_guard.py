@@ -21,7 +21,7 @@ from aps.checkpoint import MANIFEST_FILE, MODEL_FILE, list_checkpoints, read_che
 from aps.cli.checkpoint import request_checkpoint
 from aps.cli.status import fetch_stats
 
-from ..helpers import ServerProcess
+from aps.testing import ServerProcess
 
 
 def refused_to_start(*flags: str, timeout: float = 30.0) -> str:

@@ -20,7 +20,7 @@ import aps
 from aps.checkpoint import list_checkpoints, read_checkpoint
 from aps.layout import shard_bounds
 
-from ..helpers import ServerProcess, wait_for
+from aps.testing import ServerProcess, wait_for
 
 WORKERS = 2
 STEPS = 200  # iterations each worker pushes
@@ -48,6 +48,7 @@ class LedgerRun:
         self.servers = [self._start(i) for i in range(2)]
         self.errors: list[BaseException] = []
         self.pushed: list[list[int]] = [[] for _ in range(WORKERS)]
+        self.shard_clocks: dict[int, list[int]] = {}  # each rank's count on each shard, at the end
         self.finished = threading.Event()
 
     def _start(self, index: int, *extra: str) -> ServerProcess:
@@ -70,6 +71,7 @@ class LedgerRun:
                         worker.push_pull(grad)
                         self.pushed[rank].append(clock)
                         time.sleep(0.01)
+                    self.shard_clocks[rank] = [shard.clock for shard in worker.shards]
             except BaseException as exc:  # reported by the test
                 self.errors.append(exc)
 
@@ -132,6 +134,9 @@ def test_a_shard_resumed_from_an_older_checkpoint_makes_no_shard_apply_an_iterat
         else:
             # each iteration 1..STEPS once: the worker does not go back with the shard
             assert run.pushed[rank] == list(range(1, STEPS + 1)), run.pushed[rank]
+            # and every shard counts them all, the one that lost some of them too: the shards'
+            # gates see the ranks in one order (else SSP's gates can hold two ranks in a cycle)
+            assert run.shard_clocks[rank] == [STEPS, STEPS], run.shard_clocks
     bounds = shard_bounds(2 * CELLS, 2)
     ledger = np.concatenate(run.final_ledgers())
     assert ledger.shape == (2 * CELLS,)

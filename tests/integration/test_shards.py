@@ -11,12 +11,12 @@ import numpy as np
 import pytest
 
 import aps
-from aps._sharded import AsyncShardedWorker, ShardedWorker
+from aps.client.shards import AsyncShardedWorker, ShardedWorker
 from aps.cli.status import fetch_stats
 from aps.errors import ConfigurationError
 from aps.layout import shard_bounds
 
-from ..helpers import ServerProcess
+from aps.testing import ServerProcess
 
 PARAMS = {"conv": np.zeros((3, 5, 7), np.float32), "bias": np.zeros(5, np.float32), "fc": np.zeros((9, 11), np.float32)}
 
@@ -220,9 +220,9 @@ def test_a_worker_given_one_shard_only_is_refused(server_process):
 
 def test_the_shards_record_is_checked_and_kept(server_process):
     from aps.errors import LayoutMismatch, MalformedFrame
-    from aps.protocol import Op
+    from aps.wire.protocol import Op
 
-    from ..helpers import RawClient
+    from aps.testing import RawClient
 
     servers = shards(server_process, 2, "--workers", "1")
     with aps.Worker([s.address for s in servers], 0, 1, transport="tcp", reconnect=False) as worker:

@@ -1,4 +1,4 @@
-"""A sharded model across separate hosts (network namespaces, tests/netns.py): real
+"""A sharded model across separate hosts (network namespaces, aps/testing/netns.py): real
 ``aps serve --shard I --shards K`` processes on their own hosts, real worker processes
 (tests/scripts/shard_worker.py) on others, over TCP.
 
@@ -24,6 +24,7 @@ import time
 from pathlib import Path
 
 import numpy as np
+import pytest
 
 from aps.checkpoint import list_checkpoints, read_checkpoint
 from aps.layout import Layout, shard_bounds
@@ -150,6 +151,7 @@ def test_sharded_bsp_across_hosts_equals_one_server(network, tmp_path):
         assert "all 3 workers joined" in log and "198.18.0." in log, log
 
 
+@pytest.mark.slow  # (a shard killed and restarted across namespaces: about 18 s beside the suite)
 def test_a_killed_shard_then_a_restarted_one(network, tmp_path):
     """Under SSP: a shard SIGKILLed fails the workers with an error naming it (no reconnecting);
     then, with checkpoints, a shard SIGKILLed and restarted with --resume on the same host
@@ -229,7 +231,7 @@ def test_a_killed_shard_then_a_restarted_one(network, tmp_path):
 def test_sharded_run_on_1_gbit_links(network, tmp_path):
     """Every host's link at 1 Gbit/s: a 4 MiB model on two shards, two workers (ASP) finish,
     and no worker moved its gradients faster than its link allows."""
-    from tests.netns import require_netns
+    from aps.testing.netns import require_netns
 
     require_netns(shaping=True)
     rate_mbit = 1000

@@ -9,10 +9,10 @@ import pytest
 
 import aps
 from aps.errors import ErrorCode
-from aps.protocol import DType, Flag, Op, pack_header
-from aps.transport.segments import Segment, scm_rights
-from tests import _workers
-from tests.helpers import SPAWN, RawShmClient, ServerProcess, mapped_memfds, memfd_inodes, run_processes, wait_for
+from aps.wire.protocol import DType, Flag, Op, pack_header
+from aps.wire.segments import Segment, scm_rights
+from aps.testing import workers as _workers
+from aps.testing import SPAWN, RawShmClient, ServerProcess, mapped_memfds, memfd_inodes, run_processes, wait_for
 
 N = 8
 
@@ -205,8 +205,8 @@ def test_segments_are_sealed_and_slots_are_read_only(server_process):
     would kill it with SIGBUS) nor write into a published snapshot."""
     import mmap
 
-    from aps.protocol import decode_slot
-    from aps.transport.segments import ANCILLARY_SPACE, fds_from
+    from aps.wire.protocol import decode_slot
+    from aps.wire.segments import ANCILLARY_SPACE, fds_from
 
     server = server_process("--workers", "1", "--sync", "asp", "--lr", "1")
     with aps.Worker(server.address, 0, 1, transport="shm") as worker:

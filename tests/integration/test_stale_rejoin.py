@@ -26,7 +26,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from aps.cli.status import fetch_stats
-from tests.helpers import TOKEN, wait_for
+from aps.testing import TOKEN, wait_for
 
 PY = sys.executable
 ROOT = str(Path(__file__).resolve().parents[2])

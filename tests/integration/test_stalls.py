@@ -10,9 +10,9 @@ import numpy as np
 import pytest
 
 import aps
-from aps.protocol import Op
-from tests import _workers
-from tests.helpers import SPAWN, RawClient, SteadyCluster, wait_for
+from aps.wire.protocol import Op
+from aps.testing import workers as _workers
+from aps.testing import SPAWN, RawClient, SteadyCluster, wait_for
 
 HEARTBEAT = 2.0
 

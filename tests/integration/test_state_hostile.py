@@ -12,7 +12,7 @@ import pytest
 
 import aps
 from aps.errors import ErrorCode, InvalidState
-from aps.protocol import (
+from aps.wire.protocol import (
     DType,
     Op,
     decode_error,
@@ -20,7 +20,7 @@ from aps.protocol import (
     pack_header,
     state_digest,
 )
-from tests.helpers import RawClient
+from aps.testing import RawClient
 
 N = 97
 

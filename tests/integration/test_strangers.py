@@ -21,11 +21,11 @@ import psutil
 import pytest
 
 import aps
-from aps._tokens import token_path
+from aps.wire.tokens import token_path
 from aps.cli.status import fetch_stats
 from aps.errors import ErrorCode
-from aps.protocol import MAX_LAYOUT_BYTES, DType, Op, pack_header
-from tests.helpers import RawClient, ServerProcess, wait_for
+from aps.wire.protocol import MAX_LAYOUT_BYTES, DType, Op, pack_header
+from aps.testing import RawClient, ServerProcess, wait_for
 
 #: A worker that trains until its stdin closes, then prints when each step ended.
 TRAINER = """

@@ -13,8 +13,8 @@ import aps  # noqa: E402
 import aps.errors  # noqa: E402
 import aps.torch  # noqa: E402
 from aps import workloads  # noqa: E402
-from tests._workers import digits_batches, torch_bsp_worker  # noqa: E402
-from tests.helpers import run_processes  # noqa: E402
+from aps.testing.workers import digits_batches, torch_bsp_worker  # noqa: E402
+from aps.testing import run_processes  # noqa: E402
 
 LR, MOMENTUM, BATCH = 0.05, 0.9, 16
 

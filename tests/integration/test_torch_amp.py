@@ -11,7 +11,7 @@ from torch.nn import functional as F  # noqa: E402
 import aps  # noqa: E402
 import aps.torch  # noqa: E402
 from aps import workloads  # noqa: E402
-from tests._workers import digits_batches  # noqa: E402
+from aps.testing.workers import digits_batches  # noqa: E402
 
 LR, MOMENTUM, BATCH, STEPS = 0.05, 0.9, 16, 8
 

@@ -16,7 +16,7 @@ import aps  # noqa: E402
 import aps.errors  # noqa: E402
 import aps.torch  # noqa: E402
 from aps import workloads  # noqa: E402
-from tests._workers import digits_batches  # noqa: E402
+from aps.testing.workers import digits_batches  # noqa: E402
 
 LR, MOMENTUM, BATCH, STEPS = 0.05, 0.9, 16, 12
 

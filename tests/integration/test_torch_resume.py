@@ -23,9 +23,9 @@ import aps  # noqa: E402
 import aps.torch  # noqa: E402
 from aps import workloads  # noqa: E402
 from aps.errors import ErrorCode  # noqa: E402
-from aps.protocol import DType, Flag, Op, decode_error, weights_digest  # noqa: E402
-from tests._workers import digits_batches  # noqa: E402
-from tests.helpers import RawClient  # noqa: E402
+from aps.wire.protocol import DType, Flag, Op, decode_error, weights_digest  # noqa: E402
+from aps.testing.workers import digits_batches  # noqa: E402
+from aps.testing import RawClient  # noqa: E402
 
 LR, MOMENTUM, BATCH = 0.05, 0.9, 16
 SGD = ("--optimizer", "sgd", "--lr", str(LR), "--momentum", str(MOMENTUM))
@@ -154,7 +154,7 @@ RANK_SCRIPT = textwrap.dedent("""
     from torch.nn import functional as F
     import aps.torch
     from aps import workloads
-    from tests._workers import digits_batches
+    from aps.testing.workers import digits_batches
 
     address, rank, workers, transport, path, steps, out = sys.argv[1:8]
     rank, workers, steps = int(rank), int(workers), int(steps)

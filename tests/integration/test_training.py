@@ -2,8 +2,8 @@
 
 import numpy as np
 
-from tests import _workers
-from tests.helpers import run_processes
+from aps.testing import workers as _workers
+from aps.testing import run_processes
 
 
 def test_bsp_equals_single_process_large_batch_sgd(server_process, transport):

@@ -13,7 +13,7 @@ pytest.importorskip("matplotlib")
 
 from aps.cli._args import parse_setting  # noqa: E402
 from aps.workloads import load  # noqa: E402
-from aps.workloads.virtual import agreement, train_virtual  # noqa: E402
+from aps.lab.virtual import agreement, train_virtual  # noqa: E402
 
 SPEEDS = [1.0, 1.0, 1.0, 2.5]
 

@@ -1,11 +1,16 @@
 """The worker clients against an embedded server."""
 
 import asyncio
+import logging
+import socket
+import threading
+import time
 
 import numpy as np
 import pytest
 
 import aps
+from aps.testing import ServerProcess
 
 
 @pytest.fixture
@@ -62,13 +67,11 @@ def test_configuration_errors():
 
 
 def test_unreachable_server_is_a_connection_error():
-    import socket
-
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]  # bound, not listening
         with pytest.raises(aps.APSConnectionError):
-            aps.Worker(f"tcp://127.0.0.1:{port}", 0, 1)
+            aps.Worker(f"tcp://127.0.0.1:{port}", 0, 1, connect_timeout=0.2)
 
 
 def test_async_worker_shares_the_protocol(server):
@@ -126,7 +129,7 @@ def test_the_server_never_imports_torch():
     import subprocess
     import sys
 
-    code = "import sys, aps, aps.server, aps.cli; aps.Server(port=0); assert 'torch' not in sys.modules"
+    code = "import sys, aps, aps.server.server, aps.cli; aps.Server(port=0); assert 'torch' not in sys.modules"
     subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
 
 
@@ -174,3 +177,154 @@ def test_a_cancelled_request_never_corrupts_the_model(server):
         await worker.close()
 
     asyncio.run(main())
+
+
+def test_float64_params_and_gradients_train_a_float32_model(server_process, transport):
+    """numpy's default dtype end to end: init with float64 arrays makes the float32 model,
+    and float64 gradients (a mapping, a mixed mapping, a flat array) are converted by the
+    worker and applied, not refused."""
+    server = server_process("--workers", "1", "--sync", "asp", "--lr", "1")
+    with aps.Worker(server.address, 0, 1, transport=transport) as worker:
+        assert worker.transport == transport
+        weights = worker.init({"a": np.zeros(3), "b": np.ones(2)})
+        assert weights["a"].dtype == np.float32
+        worker.push({"a": np.full(3, 0.5), "b": np.ones(2)})  # float64
+        worker.push({"a": np.ones(3, np.float32), "b": np.ones(2, np.float16)})  # mixed
+        weights = worker.push_pull(np.full(5, 0.25))  # flat float64
+        np.testing.assert_array_equal(weights["a"], [-1.75] * 3)
+        np.testing.assert_array_equal(weights["b"], [-1.25] * 2)
+        assert worker.version == 3
+
+
+def test_a_non_float_gradient_is_refused_with_the_conversion_to_make(server_process, transport):
+    """Integers are a bug in the caller, not a precision: refused before anything is sent,
+    saying how to convert."""
+    server = server_process("--workers", "1", "--sync", "asp", "--lr", "1")
+    with aps.Worker(server.address, 0, 1, transport=transport) as worker:
+        worker.init({"a": np.zeros(3)})
+        with pytest.raises(aps.DTypeMismatch, match=r"'a' is int64.*astype\(np\.float32\)"):
+            worker.push({"a": np.ones(3, np.int64)})
+        with pytest.raises(aps.DTypeMismatch, match=r"flat gradient is complex128.*astype\(np\.float32\)"):
+            worker.push(np.ones(3, np.complex128))
+        assert worker.ping() == 0  # nothing was applied
+
+
+def test_a_worker_at_the_http_port_is_told_it_is_the_dashboard_port(server_process):
+    """A worker given the server's --http-port address (the dashboard's) instead of its
+    worker port hears an HTTP reply: the error says so, not only a bad magic number."""
+    server = server_process("--workers", "1", "--http-port", "0")
+    http = server.proc.stdout.readline().split(" on ", 1)[1].strip()
+    port = int(http.rstrip("/").rsplit(":", 1)[1])
+    hint = r"this is an HTTP server \(the dashboard/metrics port, --http-port\?\): point the worker at"
+    with pytest.raises(aps.errors.BadMagic, match=hint):
+        aps.Worker(f"tcp://127.0.0.1:{port}", 0, 1, reconnect=False)
+
+    async def connect():
+        await aps.AsyncWorker.connect(f"tcp://127.0.0.1:{port}", 0, 1, reconnect=False)
+
+    with pytest.raises(aps.errors.BadMagic, match=hint):
+        asyncio.run(connect())
+    assert server.alive()
+    with aps.Worker(server.address, 0, 1) as worker:  # the worker port still serves
+        worker.init({"w": np.zeros(2)})
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _start_later(args: tuple[str, ...], delay: float, started: list) -> threading.Thread:
+    """``aps serve ARGS`` started ``delay`` seconds from now, in ``started``."""
+    def start():
+        time.sleep(delay)
+        started.append(ServerProcess(*args))
+
+    thread = threading.Thread(target=start, daemon=True)
+    thread.start()
+    return thread
+
+
+def _waits(caplog) -> list[str]:
+    return [r.getMessage() for r in caplog.records if r.name == "aps.worker" and "no server at" in r.getMessage()]
+
+
+@pytest.mark.parametrize("kind", ["blocking", "async"])
+def test_a_worker_started_before_its_server_waits_for_it(kind, transport, caplog):
+    """torchrun starts the workers and the server together: a worker that finds nothing
+    listening yet waits for the server (up to connect_timeout, 30 s by default), saying
+    once what it waits for, and joins it once it is up."""
+    if kind == "async" and transport == "shm":
+        pytest.skip("AsyncWorker speaks TCP")
+    caplog.set_level(logging.INFO, logger="aps.worker")
+    port, started = _free_port(), []
+    address = f"tcp://127.0.0.1:{port}"
+    later = _start_later(("--port", str(port), "--workers", "1", "--sync", "asp", "--lr", "1"), 1.5, started)
+    begun = time.monotonic()
+    try:
+        if kind == "blocking":
+            with aps.Worker(address, 0, 1, transport=transport) as worker:
+                weights = worker.init({"w": np.zeros(2)})
+                assert worker.transport == transport
+                worker.push({"w": np.ones(2)})
+                np.testing.assert_array_equal(worker.pull()["w"], [-1.0, -1.0])
+        else:
+            async def main():
+                worker = await aps.AsyncWorker.connect(address, 0, 1)
+                weights = await worker.init({"w": np.zeros(2)})
+                await worker.close()
+                return weights
+
+            weights = asyncio.run(main())
+        assert weights["w"].dtype == np.float32
+        assert time.monotonic() - begun >= 1.0  # it did wait: the server was not there at first
+        waits = _waits(caplog)
+        assert len(waits) == 1, waits
+        assert address in waits[0] and "Connection refused" in waits[0] and "up to 30 s" in waits[0]
+    finally:
+        later.join(30)
+        for server in started:
+            server.stop()
+
+
+def test_a_sharded_worker_waits_for_every_shard_server(caplog):
+    """Both servers of a model cut in two start after their worker: it waits for each."""
+    ports, started = [_free_port(), _free_port()], []
+    common = ("--workers", "1", "--sync", "asp", "--lr", "1", "--shards", "2")
+    later = [_start_later(("--port", str(port), "--shard", str(i), *common), 1.0 + i, started)
+             for i, port in enumerate(ports)]
+    try:
+        with aps.Worker(",".join(f"tcp://127.0.0.1:{p}" for p in ports), 0, 1) as worker:
+            worker.init({"a": np.zeros(1000), "b": np.zeros(1000)})
+            weights = worker.push_pull({"a": np.ones(1000), "b": np.ones(1000)})  # float64, converted
+            assert float(weights["a"][0]) == -1.0 and float(weights["b"][-1]) == -1.0
+            weights = worker.push_pull(np.ones(2000))  # a flat float64 gradient too
+            assert float(weights["a"][0]) == -2.0 and float(weights["b"][-1]) == -2.0
+            with pytest.raises(aps.DTypeMismatch, match=r"astype\(np\.float32\)"):
+                worker.push(np.ones(2000, np.int8))
+    finally:
+        for thread in later:
+            thread.join(30)
+        for server in started:
+            server.stop()
+
+
+@pytest.mark.parametrize("kind", ["blocking", "async"])
+def test_no_server_within_connect_timeout_says_how_long_it_waited(kind, caplog):
+    """Nothing ever listens: the error comes after connect_timeout, not at once, and says
+    what was refused and how long the worker waited."""
+    caplog.set_level(logging.INFO, logger="aps.worker")
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))  # bound, never listening: refused
+        address = f"tcp://127.0.0.1:{s.getsockname()[1]}"
+        begun = time.monotonic()
+        message = r"cannot connect to .*: Connection refused \(waited 1\.\d s for the server, connect_timeout=1\.5\)"
+        with pytest.raises(aps.APSConnectionError, match=message):
+            if kind == "blocking":
+                aps.Worker(address, 0, 1, connect_timeout=1.5)
+            else:
+                asyncio.run(aps.AsyncWorker.connect(address, 0, 1, connect_timeout=1.5))
+        assert 1.0 <= time.monotonic() - begun < 10
+    waits = _waits(caplog)
+    assert len(waits) == 1 and "up to 1.5 s" in waits[0], waits

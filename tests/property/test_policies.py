@@ -22,6 +22,7 @@ process, its staleness is at most ``(P - 1)(2s + 1)`` versions.
 """
 
 import numpy as np
+import pytest
 from hypothesis import settings, target
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
@@ -292,3 +293,4 @@ class PolicyMachine(RuleBasedStateMachine):
 
 PolicyMachine.TestCase.settings = settings(max_examples=300, stateful_step_count=60, deadline=None)
 TestPolicies = PolicyMachine.TestCase
+TestPolicies = pytest.mark.slow(TestPolicies)  # (300 programs of 60 steps: about 50 s)

@@ -376,7 +376,7 @@ def test_a_failed_write_leaves_no_temporary(tmp_path, monkeypatch):
     def read_only(src, dst):
         raise OSError(errno.EROFS, os.strerror(errno.EROFS))
 
-    monkeypatch.setattr(ckpt.os, "rename", read_only)
+    monkeypatch.setattr(os, "rename", read_only)  # the one os module, which the writer renames with
     with pytest.raises(CheckpointError, match=f"cannot write checkpoint to {tmp_path}: Read-only file system"):
         write(tmp_path, 2, 20)
     monkeypatch.undo()

@@ -94,3 +94,70 @@ def test_bench_writes_nothing_unless_asked(tmp_path, monkeypatch, capsys):
                  "--min-iters", "2", "--repeats", "1"]) == 0
     assert "x bound" in capsys.readouterr().out
     assert os.listdir(tmp_path) == []
+
+
+def _error_of(argv, capsys) -> str:
+    """The one-line error parsing ``argv`` ends with (parsing only: nothing is run, were it accepted)."""
+    with pytest.raises(SystemExit) as exited:
+        build_parser().parse_args(argv)
+    assert exited.value.code == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "Traceback" not in err, err
+    return err
+
+
+@pytest.mark.parametrize("argv, flag", [
+    (["serve", "--wokers", "2"], "--workers"),
+    (["serve", "--stalenes=3"], "--staleness"),
+    (["status", "tcp://127.0.0.1:9", "--tokn", "x"], "--token"),
+    (["checkpoint", "now", "tcp://127.0.0.1:9", "--timout", "1"], "--timeout"),
+])
+def test_a_misspelt_flag_is_named_by_its_subcommand_with_the_nearest_flag(argv, flag, capsys):
+    err = _error_of(argv, capsys)
+    prog = "aps checkpoint now" if argv[0] == "checkpoint" else f"aps {argv[0]}"
+    assert err.startswith(f"{prog}: error: unrecognized arguments: "), err
+    assert f"(did you mean {flag}?)" in err, err
+
+
+def test_an_unknown_flag_far_from_every_flag_gets_no_guess(capsys):
+    err = _error_of(["serve", "--frobnicate"], capsys)
+    assert err.startswith("aps serve: error: unrecognized arguments: --frobnicate") and "did you mean" not in err
+
+
+@pytest.mark.parametrize("name, parser", subparsers(), ids=lambda x: x if isinstance(x, str) else "")
+def test_no_parser_accepts_a_prefix_of_a_flag(name, parser):
+    assert parser.allow_abbrev is False, f"aps {name}"
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            assert all(sub.allow_abbrev is False for sub in action.choices.values()), f"aps {name}"
+
+
+def test_a_prefix_of_a_flag_is_refused(capsys):
+    err = _error_of(["serve", "--worker", "2"], capsys)
+    assert "unrecognized arguments: --worker 2 (did you mean --workers?)" in err
+
+
+def test_serve_help_lists_the_choices():
+    serve = dict(subparsers())["serve"]
+    text = serve.format_help()
+    for flag, choices in [("--sync", "{bsp,asp,ssp,dssp,softsync}"), ("--optimizer", "{sgd,adam,adamw}"),
+                          ("--lr-staleness", "{none,inverse}")]:
+        assert f"{flag} {choices}" in text, text
+
+
+@pytest.mark.parametrize("argv, flag, form", [
+    (["serve", "--staleness=three"], "--staleness", "expected an integer (a whole number such as 3), got 'three'"),
+    (["serve", "--lr", "fast"], "--lr", "expected a number"),
+    (["serve", "--sync", "fastest"], "--sync", "choose from"),
+])
+def test_a_bad_serve_value_says_what_it_expects(argv, flag, form, capsys):
+    err = _error_of(argv, capsys)
+    assert f"argument {flag}: " in err and form in err and "invalid literal" not in err, err
+
+
+def test_a_bad_environment_value_says_what_it_expects():
+    from aps.cli._args import config_from_args
+    from aps.errors import ConfigurationError
+
+    with pytest.raises(ConfigurationError, match=r"APS_STALENESS='three': expected an integer"):
+        config_from_args(None, {"APS_STALENESS": "three"})

@@ -14,8 +14,8 @@ import numpy as np
 import pytest
 
 from aps import _core, _reference
-from aps.protocol import DType, Flag, unpack_header
-from aps.worker import _ClientCore
+from aps.wire.protocol import DType, Flag, unpack_header
+from aps.client.core import _ClientCore
 
 torch = pytest.importorskip("torch")
 

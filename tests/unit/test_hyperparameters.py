@@ -7,10 +7,10 @@ import numpy as np
 import pytest
 
 from aps.errors import ConfigurationError, InvalidHyperparameters, MalformedFrame
-from aps.optim import SGD, Adam, AdamW
-from aps.protocol import MAX_HYPER_GROUPS, HyperGroup, ServerInfo, decode_hyper, encode_hyper
-from aps._sharded import shard_groups
-from aps.worker import resolve_hyperparameters, server_hyperparameters
+from aps.server.optim import SGD, Adam, AdamW
+from aps.wire.protocol import MAX_HYPER_GROUPS, HyperGroup, ServerInfo, decode_hyper, encode_hyper
+from aps.client.shards import shard_groups
+from aps.client.payloads import resolve_hyperparameters, server_hyperparameters
 
 N = 1031  # odd, so vector loops end with a remainder
 CUT = 517  # where the second group begins
@@ -31,6 +31,7 @@ def run_groups(optimizer, w0, grads, groups_by_step, pieces=None):
     w = w0.copy()
     for g, groups in zip(grads, groups_by_step):
         checked = optimizer.check_groups(groups)
+        optimizer.allocate_for(checked)  # as the engine does when a worker sets them
         out = np.empty_like(w)
         if pieces is None:
             assert optimizer.step(out, w, g, groups=checked)
@@ -92,6 +93,63 @@ def test_a_schedule_and_a_group_without_momentum_equal_torch(problem, kernels):
     np.testing.assert_array_equal(ours, theirs)
 
 
+@pytest.mark.parametrize("dampening", [0.0, 0.25])
+def test_momentum_asked_of_a_server_started_without_is_torchs_momentum(problem, kernels, dampening):
+    """``aps serve`` without --momentum, a worker's torch-like ``SGD(..., momentum=0.9)``
+    from step 4 on: the buffers are made at its request and start from that step's gradient,
+    as torch.optim.SGD's do at their first step with momentum."""
+    torch = pytest.importorskip("torch")
+    w0, grads = problem
+    options = []
+    for step in range(STEPS):
+        momentum = 0.0 if step < 4 else 0.9
+        options.append(({"lr": 0.05, "weight_decay": 1e-3, "momentum": momentum, "dampening": dampening},
+                         {"lr": 0.1, "weight_decay": 0.0, "momentum": momentum, "dampening": dampening}))
+    sgd = SGD(N, 1.0, kernels=kernels)
+    groups = [[HyperGroup(CUT, a["lr"], a["weight_decay"], a["momentum"], dampening),
+               HyperGroup(N, b["lr"], b["weight_decay"], b["momentum"], dampening)] for a, b in options]
+    ours = run_groups(sgd, w0, grads[:4], groups[:4])
+    assert sgd.momentum_buffer is None and sgd.state_arrays() == {}  # nothing made before it is asked for
+    ours = run_groups(sgd, ours, grads[4:], groups[4:])
+    assert sgd.momentum_buffer is not None and list(sgd.state_arrays()) == ["momentum_buffer"]
+    theirs = run_torch(torch, torch.optim.SGD, w0, grads, options, lr=1.0)
+    np.testing.assert_array_equal(ours, theirs)
+
+
+def test_momentum_buffers_are_made_only_when_a_group_asks_and_a_failed_allocation_changes_nothing(monkeypatch):
+    sgd = SGD(N, 0.1)
+    sgd.allocate_for(sgd.check_groups([HyperGroup(N, 0.1, 0, 0.0, 0.5)]))
+    assert sgd.momentum_buffer is None
+    import aps.server.optim
+
+    real_zeros = np.zeros
+    calls = []
+
+    def zeros(*args, **kwargs):
+        calls.append(args)
+        if len(calls) == 2:
+            raise MemoryError("no room for the second buffer")
+        return real_zeros(*args, **kwargs)
+
+    monkeypatch.setattr(aps.server.optim.np, "zeros", zeros)
+    with pytest.raises(MemoryError):
+        sgd.allocate_for(sgd.check_groups([HyperGroup(N, 0.1, 0, 0.9, 0)]))
+    assert sgd.momentum_buffer is None and sgd.state_arrays() == {}
+    monkeypatch.setattr(aps.server.optim.np, "zeros", real_zeros)
+    sgd.allocate_for(sgd.check_groups([HyperGroup(N, 0.1, 0, 0.9, 0)]))
+    assert sgd.momentum_buffer.shape == (N,) and not sgd.momentum_buffer.any()
+
+
+def test_a_saved_momentum_state_loads_into_sgd_started_without():
+    sgd = SGD(N, 0.1)
+    saved = np.linspace(-1, 1, N, dtype=np.float32)
+    assert sgd.state_problem({"momentum_buffer": [saved]}, 5) is None
+    assert "has 1030 elements" in sgd.state_problem({"momentum_buffer": [saved[1:]]}, 5)
+    sgd.load_state({"momentum_buffer": saved}, 5)
+    np.testing.assert_array_equal(sgd.momentum_buffer, saved)
+    assert sgd.steps == 5
+
+
 @pytest.mark.parametrize("cls, name", [(Adam, "Adam"), (AdamW, "AdamW")])
 def test_adam_groups_equal_torch_param_groups(problem, kernels, cls, name):
     torch = pytest.importorskip("torch")
@@ -139,8 +197,8 @@ def test_checks_that_depend_on_the_optimizer():
         Adam(N, 1e-3).check_groups([HyperGroup(N, 1e-3, 0, 0.9, 1.0)])
     with pytest.raises(InvalidHyperparameters, match="group 0: beta1 is -0.1"):
         AdamW(N, 1e-3).check_groups([HyperGroup(N, 1e-3, 0, -0.1, 0.9)])
-    with pytest.raises(InvalidHyperparameters, match="without momentum"):
-        SGD(N, 0.1).check_groups([HyperGroup(N, 0.1, 0, 0.9, 0)])
+    assert SGD(N, 0.1).momentum_buffer is None  # momentum asked of a server without: see the test below
+    SGD(N, 0.1).check_groups([HyperGroup(N, 0.1, 0, 0.9, 0)])
     with pytest.raises(InvalidHyperparameters, match="Nesterov"):
         SGD(N, 0.1, momentum=0.9, nesterov=True).check_groups([HyperGroup(N, 0.1, 0, 0.9, 0.1)])
     assert len(SGD(N, 0.1).check_groups([HyperGroup(N, 0.1, 0, 0, 0.5)])) == 1  # dampening alone is harmless
@@ -180,7 +238,7 @@ def test_missing_values_are_the_servers():
 
 
 def test_neighbours_with_equal_values_are_one_range_and_huge_values_are_refused_early():
-    from aps.optim import HyperGroups
+    from aps.server.optim import HyperGroups
 
     merged = HyperGroups([HyperGroup(10, 0.1, 0, 0.9, 0), HyperGroup(20, 0.1, 0, 0.9, 0),
                           HyperGroup(N, 0.2, 0, 0.9, 0)])

@@ -34,7 +34,8 @@ def test_check_reports_names_shapes_and_dtypes():
     with pytest.raises(LayoutMismatch, match="shape"):
         layout.check({"a": np.zeros(3, np.float32), "b": np.zeros(1, np.float32)})
     with pytest.raises(DTypeMismatch):
-        layout.check({"a": np.zeros(2, np.float64), "b": np.zeros(1, np.float32)})
+        layout.check({"a": np.zeros(2, np.int64), "b": np.zeros(1, np.float32)})
+    layout.check({"a": np.zeros(2, np.float64), "b": np.zeros(1, np.float16)})  # converted where copied
 
 
 def test_difference():

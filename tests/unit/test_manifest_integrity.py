@@ -22,13 +22,15 @@ import numpy as np
 import pytest
 
 from aps import checkpoint as ckpt
-from aps._engine import Engine
+from aps.checkpoint import format as ckpt_format
+from aps.checkpoint import reading as ckpt_reading
+from aps.server.engine import Engine
 from aps.cli import main
 from aps.cli.checkpoint import request_checkpoint
 from aps.config import RUN_OPTIONS, ServerConfig
 from aps.errors import CheckpointError
 
-from ..helpers import ServerProcess
+from aps.testing import ServerProcess
 
 WORKERS = 3
 
@@ -342,14 +344,14 @@ def test_a_link_or_a_directory_in_a_files_place_is_refused(run_copy):
 
 def test_a_read_that_hangs_is_given_up_and_one_that_goes_on_is_not(run_copy, monkeypatch):
     directory, (older, newest) = run_copy
-    hashing = ckpt._hash_fd
+    hashing = ckpt_format._hash_fd
     release = threading.Event()
 
     def hung(fd):  # what a read from a hung NFS server does: nothing, for ever
         release.wait(30)
         return hashing(fd)
 
-    monkeypatch.setattr(ckpt, "_hash_fd", hung)
+    monkeypatch.setattr(ckpt_reading, "_hash_fd", hung)  # where the reader looks it up
     started = time.monotonic()
     try:
         with pytest.raises(CheckpointError, match=r"reading checkpoints at .* made no progress for 0.5 s"):
@@ -361,8 +363,8 @@ def test_a_read_that_hangs_is_given_up_and_one_that_goes_on_is_not(run_copy, mon
     def slow(fd):  # slow, but never stalled for long: 1.2 s in all, a little at a time
         for _ in range(6):
             time.sleep(0.2)
-            ckpt._progress()
+            ckpt_format._progress()
         return hashing(fd)
 
-    monkeypatch.setattr(ckpt, "_hash_fd", slow)
+    monkeypatch.setattr(ckpt_reading, "_hash_fd", slow)  # where the reader looks it up
     assert ckpt.find_resumable(newest, stall=0.5).path == newest

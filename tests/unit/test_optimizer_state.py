@@ -8,8 +8,8 @@ import numpy as np
 import pytest
 
 from aps.errors import InvalidState, MalformedFrame, NotInitialized
-from aps.optim import SGD, Adam
-from aps.protocol import (
+from aps.server.optim import SGD, Adam
+from aps.wire.protocol import (
     MAX_STATE_HEAD_BYTES,
     MAX_STEPS,
     StateHead,
@@ -17,7 +17,7 @@ from aps.protocol import (
     encode_state_head,
     state_digest,
 )
-from aps.worker import checked_state, state_from_reply, state_payload
+from aps.client.payloads import checked_state, state_from_reply, state_payload
 from tests.harness import Harness
 
 N = 37
@@ -264,7 +264,7 @@ def test_a_load_is_taken_before_the_first_update_and_never_after():
 
 def test_a_resumed_run_knows_the_state_it_loaded():
     """The loaded state's digest is in checkpoints: after a resume, loading it again is a no-op."""
-    from tests.unit.test_resume import checkpoint_of
+    from tests.unit.server.test_resume import checkpoint_of
 
     h = Harness(workers=1, sync="asp", numel=N, optimizer="adam", lr=1e-3)
     h.join_all()

@@ -1,0 +1,538 @@
+"""The client's protocol without I/O: :class:`_ClientCore` builds every request a worker sends
+and parses every reply it receives (docs/protocol.md), for the blocking and the asyncio
+worker alike; the transports only move bytes.
+
+Zero copy: the core keeps one flat float32 weight buffer, which replies are received into
+directly, and exposes each tensor as a view into it; gradients are sent straight from the
+caller's arrays (or from the worker's own flat gradient buffer) with vectored writes, never
+joined into one payload.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import Mapping
+from types import MappingProxyType
+from typing import Any
+
+import numpy as np
+
+from .. import _core
+from ..errors import (
+    APSConnectionError,
+    ConfigurationError,
+    DTypeMismatch,
+    LayoutMismatch,
+    MalformedFrame,
+    NonFiniteGradient,
+    NotInitialized,
+    ProtocolError,
+    RunChanged,
+    error_from_code,
+)
+from ..layout import Layout, check_floating
+from ..wire.framing import FrameReader
+from ..wire.protocol import (
+    MAX_STATE_HEAD_BYTES,
+    DType,
+    Flag,
+    Header,
+    Op,
+    decode_error,
+    decode_join_progress,
+    decode_slot,
+    encode_init,
+    pack_header,
+)
+from .payloads import state_from_reply
+from .shm import ShmConnection
+
+__all__ = ["COMPRESSION"]
+
+log = logging.getLogger("aps.worker")
+
+_WEIGHT_REPLIES = frozenset({Op.INIT_REPLY, Op.PULL_REPLY, Op.PUSH_PULL_REPLY})
+_COUNTED_REPLIES = _WEIGHT_REPLIES | {Op.PUSH_REPLY}
+_PUSH_REPLIES = frozenset({Op.PUSH_REPLY, Op.PUSH_PULL_REPLY})
+_ERROR = int(Op.ERROR)
+_REWIND_REPLY = int(Op.REWIND_REPLY)
+_MAX_REWIND_REPLY = 1 << 20
+_REPLY = int(Op.REPLY)
+_INIT_REPLY = int(Op.INIT_REPLY)
+_JOIN_PROGRESS = int(Op.JOIN_PROGRESS)
+_ALIVE = int(Op.ALIVE)
+_DROPPED = int(Flag.DROPPED)
+_RUNNING = int(Flag.RUNNING)
+_FLOAT32 = int(DType.FLOAT32)
+_SHM = int(Flag.SHM)
+_NARROW = int(Flag.NARROW)
+#: ``compression=`` names and the element types they send.
+COMPRESSION = {"bf16": int(DType.BFLOAT16), "fp16": int(DType.FLOAT16)}
+_HALF = frozenset(COMPRESSION.values())
+_MAX_ERROR_PAYLOAD = 1 << 20
+_STATE_REPLY = int(Op.STATE_REPLY)
+_MAX_STATE_ARRAYS = 4  # a STATE reply holds at most this many model-sized arrays (Adam has 2)
+_REQUEST_ID_MASK = 0xFFFFFFFF
+
+
+def _compression(compression: str | None, compress_pulls: bool) -> int:
+    """The element type ``compression=`` sends gradients as (FLOAT32: none)."""
+    if compression is None or compression == "none":
+        if compress_pulls:
+            raise ConfigurationError("compress_pulls needs compression='bf16' or 'fp16'")
+        return _FLOAT32
+    try:
+        return COMPRESSION[compression]
+    except (KeyError, TypeError):
+        raise ConfigurationError(
+            f"unknown compression {compression!r}: choose 'bf16', 'fp16' or None"
+        ) from None
+
+
+class _ClientCore:
+    """Requests and replies of one worker, without I/O (see the module docstring)."""
+
+    def __init__(self, rank: int, num_workers: int) -> None:
+        if not isinstance(rank, (int, np.integer)) or not isinstance(num_workers, (int, np.integer)):
+            raise ConfigurationError("rank and num_workers must be integers")
+        if num_workers < 1:
+            raise ConfigurationError(f"num_workers must be at least 1, got {num_workers}")
+        if not 0 <= rank < num_workers:
+            raise ConfigurationError(f"rank {rank} is out of range 0..{num_workers - 1}")
+        self.rank = int(rank)
+        self.num_workers = int(num_workers)
+        self.layout: Layout | None = None
+        self.flat_weights: np.ndarray | None = None
+        self.flat_grad: np.ndarray | None = None
+        self.weights: Mapping[str, np.ndarray] = MappingProxyType({})
+        self.grads: Mapping[str, np.ndarray] = MappingProxyType({})
+        self.version = 0
+        self.clock = 0
+        self.dropped = False
+        #: The server answered INIT: it counts this worker until it leaves or disconnects.
+        self.joined = False
+        #: The INIT_REPLY said the model was already training (the values sent were not used).
+        self.joined_running = False
+        #: The last JOIN_PROGRESS notice while INIT waited: (joined, workers, missing ranks).
+        self.join_progress: tuple[int, int, list[int]] | None = None
+        self.reader = FrameReader(self, max_payload=None)
+        self._weights_bytes: memoryview | None = None
+        self._grad_bytes: memoryview | None = None
+        self._request_id = 0
+        self._expect: int | None = None
+        self._reply: Header | None = None
+        self._payload: memoryview | None = None
+        self._init_block: bytes = b""
+        self.connection_lost = False
+        #: The server answered an INIT of this worker at least once (it has a place in a run).
+        self.ever_joined = False
+        #: The run the server holds (from the handshake): a worker that reconnects
+        #: to another run refuses to go on (see check_run).
+        self.run_id: str | None = None
+        # The push in flight (op, request id, clock, version, frames): what to send again
+        # if its reply is lost.
+        self._push: tuple | None = None
+        #: The clock and version held when the current call began: the iteration and weights a
+        #: push it sends was computed in, also when the connection is found lost before it goes
+        #: out and a rejoin brings a newer clock and weights (the push then says its own, not the
+        #: rejoin's: the staleness bound and BSP's round rule judge the gradient by them).
+        self._computed_clock = 0
+        self._computed_version = 0
+        #: The shared-memory connection, when the worker shares the server's host.
+        self.shm: ShmConnection | None = None
+        self._fds: tuple[int, ...] = ()
+        #: Over TCP, gradients go as this element type (FLOAT32, or BFLOAT16/FLOAT16:
+        #: narrowed here, widened by the server's kernel), and with ``compress_pulls``
+        #: the weights come back as it too (see docs/design.md, "Wire compression").
+        self.compression = _FLOAT32
+        self.compress_pulls = False
+        self._half_grad: np.ndarray | None = None  # the narrowed gradient being sent
+        self._half_weights: np.ndarray | None = None  # narrowed weights being received
+        #: The half buffers are the caller's model (see Worker.half_buffers): a push of
+        #: ``_half_grad`` goes as it is, and every weights reply ends in ``_half_weights``.
+        self.half_views = False
+        self._reply_dtype = _FLOAT32  # what the weights reply of the request in flight carries
+        #: The HYPER payload the server last accepted from this worker: the values live with
+        #: the connection, so the worker sends them again when it reconnects.
+        self.hyperparameters: bytes | None = None
+        self._state_reply: memoryview | None = None  # the last STATE reply's payload, until taken
+        self._rewind_reply: bytes | None = None  # the last REWIND reply's payload, until taken
+
+    @property
+    def compressing(self) -> bool:
+        """Gradients go narrowed: compression is on and the transport is TCP (shared
+        memory moves no bytes a narrower type would save)."""
+        return self.compression != _FLOAT32 and self.shm is None
+
+    def take_fds(self) -> tuple[int, ...]:
+        """Descriptors the last request must carry (its gradient segment, for INIT over shm)."""
+        fds, self._fds = self._fds, ()
+        return fds
+
+    # Requests -------------------------------------------------------------
+    def _next_request(self, op: int) -> int:
+        self._request_id = rid = (self._request_id & _REQUEST_ID_MASK) % _REQUEST_ID_MASK + 1  # 1..2^32-1
+        self._expect = op | _REPLY
+        self._reply = None
+        return rid
+
+    def _header(self, op: int, length: int = 0, dtype: int = 0, flags: int = 0) -> bytes:
+        return pack_header(op, flags, dtype, self._next_request(op), self.clock, self.version, length)
+
+    def _weights_request(self) -> tuple[int, int]:
+        """(flags, dtype) asking for the weights narrowed, when pulls are compressed;
+        notes what the reply will carry."""
+        if self.compressing and self.compress_pulls:
+            self._reply_dtype = self.compression
+            if self._half_weights is None:
+                self._half_weights = np.zeros(self.layout.numel, np.uint16)
+            return _NARROW, self.compression
+        self._reply_dtype = _FLOAT32
+        return 0, 0
+
+    def check_run(self, run_id: str, address: str) -> None:
+        """The server at ``address`` holds run ``run_id``: refuse to go on in another run."""
+        if self.ever_joined and self.run_id is not None and run_id != self.run_id:
+            raise RunChanged(
+                f"the server at {address} came back serving another run (run id {run_id or 'none'}, this worker's "
+                f"is {self.run_id}): it restarted without --resume, or from another run's checkpoint, so this "
+                "worker's weights and clock mean nothing there"
+            )
+        self.run_id = run_id
+
+    def init_request(self, params: Mapping[str, Any] | None, rejoin: bool = False) -> list:
+        if params is not None:
+            if not isinstance(params, Mapping) or not params:
+                raise ConfigurationError("init takes a non-empty mapping of name to float32 array")
+            layout = Layout.from_arrays(params)
+            if self.layout is not None and layout != self.layout:
+                raise LayoutMismatch(f"init with a different model than before: {self.layout.difference(layout)}")
+            self._set_layout(layout)
+            self.layout.flatten_into(params, self.flat_weights)
+            self._init_block = encode_init(self.rank, self.num_workers, self.layout)
+        elif self.layout is None:
+            raise NotInitialized("no model to join with: call init(params) first")
+        block = self._init_block
+        self.join_progress = None
+        if self.shm is not None:
+            self._fds = (self.shm.grad_segment.fd,)
+        # The header's version field carries the layout block's length (docs/protocol.md, INIT).
+        flags = Flag.REJOIN if rejoin and self.ever_joined else 0
+        header = pack_header(Op.INIT, flags, _FLOAT32, self._next_request(Op.INIT), self.clock, len(block),
+                             len(block) + self.layout.nbytes)
+        self._reply_dtype = _FLOAT32
+        return [header, block, self._weights_bytes]
+
+    def pull_request(self) -> list:
+        self._require_layout()
+        flags, dtype = self._weights_request()
+        return [self._header(Op.PULL, 0, dtype, flags)]
+
+    def begin_call(self) -> None:
+        """A call begins: only its push is ever sent again, and a push it sends was
+        computed on the weights held now."""
+        self._push = None
+        self._computed_clock, self._computed_version = self.clock, self.version
+
+    def push_request(self, grads: Any, then_pull: bool) -> list:
+        self._require_layout()
+        clock, version = self._computed_clock, self._computed_version
+        # The caller's own 16-bit gradient (half_views, over TCP only): sent as it is.
+        already_half = self.half_views and grads is self._half_grad
+        buffers = [] if already_half else self._gradient_buffers(grads)
+        op = Op.PUSH_PULL if then_pull else Op.PUSH
+        if self.shm is not None:
+            # The gradient must be in the shared segment: it is, unless the
+            # caller computed it elsewhere (then one copy puts it there).
+            if buffers[0] is not self._grad_bytes:
+                offset = 0
+                for view in buffers:
+                    self._grad_bytes[offset : offset + len(view)] = view
+                    offset += len(view)
+            flags, dtype = _SHM, _FLOAT32
+            frames = [pack_header(op, flags, dtype, self._next_request(op), clock, version, 0)]
+        else:
+            flags, _ = self._weights_request() if then_pull else (0, 0)
+            if self.compressing:
+                half = self._half_grad if already_half else self._narrowed(buffers)
+                dtype, buffers = self.compression, [memoryview(half).cast("B")]
+            else:
+                dtype = _FLOAT32
+            frames = [pack_header(op, flags, dtype, self._next_request(op), clock, version,
+                                  sum(len(b) for b in buffers)), *buffers]
+        self._push = (op, self._request_id, clock, version, frames[1:], flags, dtype)
+        return frames
+
+    def _narrowed(self, buffers: list) -> np.ndarray:
+        """The gradient in ``buffers`` rounded to the compression's 16 bits (to nearest
+        even), in this worker's half buffer; refuses one that overflows fp16."""
+        if self._half_grad is None:
+            self._half_grad = np.zeros(self.layout.numel, np.uint16)
+        half, offset, overflowed = self._half_grad, 0, 0
+        for view in buffers:
+            values = np.frombuffer(view, np.float32)
+            overflowed += _core.narrow(half[offset : offset + len(values)], values, self.compression)
+            offset += len(values)
+        if overflowed:
+            raise NonFiniteGradient(
+                f"{overflowed} gradient element(s) beyond fp16's range (|x| > 65504): nothing was sent; "
+                "scale the loss down, or use compression='bf16' (float32's range)"
+            )
+        return half
+
+    @property
+    def has_pending_push(self) -> bool:
+        """A push was sent and its reply has not come."""
+        return self._push is not None
+
+    @property
+    def pending_push_version(self) -> int:
+        """The version of the weights the push of this call was computed on (sent or not)."""
+        return self._push[3] if self._push is not None else self._computed_version
+
+    def forget_push(self, dropped: bool = False) -> None:
+        """The push in flight will not be sent again (``dropped``: it was not applied)."""
+        self._push = None
+        if dropped:
+            self.dropped = True
+
+    def resend_push(self) -> list:
+        """The push in flight again, exactly as first sent (same request id and clock:
+        the server recognises it if it took it already, see docs/protocol.md)."""
+        op, rid, clock, version, buffers, flags, dtype = self._push
+        self._request_id, self._expect, self._reply = rid, op | _REPLY, None
+        if self.shm is not None:
+            return [pack_header(op, _SHM, _FLOAT32, rid, clock, version, 0)]
+        self._reply_dtype = dtype if flags & _NARROW else _FLOAT32
+        nbytes = sum(len(b) for b in buffers)
+        return [pack_header(op, flags, dtype, rid, clock, version, nbytes), *buffers]
+
+    def simple_request(self, op: Op) -> list:
+        return [self._header(op)]
+
+    def hyper_request(self, payload: bytes, check: bool = False) -> list:
+        """HYPER: the per-group optimizer values (an :func:`aps.wire.protocol.encode_hyper` payload);
+        ``check``: only have them checked (Flag.CHECK), keeping the ones in force."""
+        return [self._header(Op.HYPER, len(payload), flags=Flag.CHECK if check else 0), payload]
+
+    def state_request(self) -> list:
+        """STATE: a copy of the server's optimizer state."""
+        if self.layout is None:
+            raise NotInitialized("call init(params) before optimizer_state")
+        self._state_reply = None
+        return [self._header(Op.STATE)]
+
+    def load_state_request(self, head: bytes, arrays: list[np.ndarray], check: bool = False) -> list:
+        """LOAD_STATE: ``head`` (from :func:`state_payload`) and the arrays; ``check``: the
+        head alone, to be checked (Flag.CHECK), nothing loaded."""
+        parts = [head] if check else [head, *(memoryview(array).cast("B") for array in arrays if array.size)]
+        return [self._header(Op.LOAD_STATE, sum(len(part) for part in parts), _FLOAT32,
+                             Flag.CHECK if check else 0), *parts]
+
+    def load_weights_request(self, digest: bytes, values: np.ndarray | None) -> list:
+        """LOAD_WEIGHTS: the digest and the flat weights; ``values`` None: the digest alone,
+        to be checked (Flag.CHECK), nothing loaded. The header's version is the version of
+        the weights this worker holds."""
+        parts = [digest] if values is None else [digest, memoryview(values).cast("B")]
+        return [self._header(Op.LOAD_WEIGHTS, sum(len(part) for part in parts), _FLOAT32,
+                             Flag.CHECK if values is None else 0), *parts]
+
+    def rewind_request(self, version: int | None) -> list:
+        """REWIND: the versions of the run's checkpoints (``version`` None, Flag.CHECK), or a
+        restart from the one at ``version`` (in the header's version field)."""
+        self._rewind_reply = None
+        if version is None:
+            return [pack_header(Op.REWIND, Flag.CHECK, 0, self._next_request(Op.REWIND), self.clock, 0, 0)]
+        return [pack_header(Op.REWIND, 0, 0, self._next_request(Op.REWIND), self.clock, version, 0)]
+
+    def take_rewind(self) -> dict[str, Any]:
+        """What the last REWIND reply said (JSON)."""
+        payload, self._rewind_reply = self._rewind_reply, None
+        if payload is None:
+            raise ProtocolError("a REWIND reply without its payload")
+        try:
+            info = json.loads(payload)
+        except ValueError:
+            raise ProtocolError("a REWIND reply that is not JSON") from None
+        if not isinstance(info, dict):
+            raise ProtocolError("a REWIND reply that is not a JSON object")
+        return info
+
+    def take_rewind_versions(self) -> list[int]:
+        """The checkpoint versions the last REWIND (CHECK) reply listed."""
+        versions = self.take_rewind().get("versions")
+        if not isinstance(versions, list) or not all(isinstance(v, int) for v in versions):
+            raise ProtocolError("a REWIND reply without its list of versions")
+        return versions
+
+    def take_state(self, header: Header) -> dict[str, Any]:
+        """The state the last STATE reply (``header``'s) carried."""
+        payload, self._state_reply = self._state_reply, None
+        if payload is None:
+            raise ProtocolError("a STATE reply without its payload")
+        return state_from_reply(payload, header.version)
+
+    def shards_request(self, runs: list[str]) -> list:
+        """SHARDS: the run id of every shard of the model, for this one to keep."""
+        payload = json.dumps(runs).encode()
+        return [self._header(Op.SHARDS, len(payload)), payload]
+
+    def _gradient_buffers(self, grads: Any) -> list:
+        layout = self.layout
+        if grads is self.flat_grad or grads is self.grads:
+            return [self._grad_bytes]
+        if isinstance(grads, np.ndarray):
+            if grads.shape != (layout.numel,):
+                raise LayoutMismatch(f"a flat gradient must have shape ({layout.numel},), got {grads.shape}")
+            if grads.dtype == np.float32:
+                return [self._contiguous(grads, "flat gradient")]
+            check_floating(grads.dtype, "the flat gradient")
+            np.copyto(self.flat_grad, grads, casting="same_kind")  # float64/float16: one conversion, in place
+            return [self._grad_bytes]
+        if not isinstance(grads, Mapping):
+            raise ConfigurationError("push takes a mapping of name to array, or a flat float32 array")
+        layout.check(grads)
+        if all(grads[name].dtype == np.float32 for name in layout.names):
+            return [self._contiguous(grads[name], name) for name in layout.names]
+        # Some are float64 (numpy's default) or float16: convert them into this worker's own
+        # gradient buffer (over shm, the shared segment itself) instead of a copy per tensor.
+        for name, view in self.grads.items():
+            np.copyto(view, grads[name], casting="same_kind")
+        return [self._grad_bytes]
+
+    @staticmethod
+    def _contiguous(array: np.ndarray, name: str) -> memoryview:
+        if array.dtype != np.float32:
+            raise DTypeMismatch(f"{name} is {array.dtype}, the model is float32")
+        if not array.flags.c_contiguous:
+            array = np.ascontiguousarray(array)
+        return memoryview(array).cast("B")
+
+    def _require_layout(self) -> None:
+        if self.layout is None:
+            raise NotInitialized("call init(params) before pull or push")
+
+    def adopt(self, weights: np.ndarray, grad: np.ndarray) -> None:
+        """Keep the weights and (over TCP) the gradients in these buffers, not in buffers of
+        its own: the slices of one shard of a sharded worker's flat buffers."""
+        self._adopted = (weights, grad)
+
+    def _set_layout(self, layout: Layout) -> None:
+        if self.layout is not None:
+            return
+        self.layout = layout
+        adopted = getattr(self, "_adopted", None)
+        self.flat_weights = adopted[0] if adopted is not None else np.zeros(layout.numel, np.float32)
+        if self.shm is not None:  # gradients are written straight into shared memory
+            self.flat_grad = self.shm.gradient_buffer(layout.numel, self.rank)
+        else:
+            self.flat_grad = adopted[1] if adopted is not None else np.zeros(layout.numel, np.float32)
+        self._weights_bytes = memoryview(self.flat_weights).cast("B")
+        self._grad_bytes = memoryview(self.flat_grad).cast("B")
+        # Read-only mappings: the views are fixed; write into them, never replace them.
+        self.weights = MappingProxyType(layout.views(self.flat_weights))
+        self.grads = MappingProxyType(layout.views(self.flat_grad))
+
+    # Replies (FrameHandler) -------------------------------------------------
+    def frame_buffer(self, header: Header) -> memoryview | None:
+        if header.op == _ALIVE:  # the server holds our request and says it is alive
+            if header.length:
+                raise MalformedFrame(f"ALIVE notice with a {header.length}-byte payload")
+            return None
+        if header.op == _ERROR or header.op == _JOIN_PROGRESS:
+            if header.length > _MAX_ERROR_PAYLOAD:
+                raise MalformedFrame(f"error frame of {header.length} bytes")
+            return memoryview(bytearray(header.length))
+        if header.op in _WEIGHT_REPLIES:
+            if header.flags & _SHM:  # a slot descriptor: the weights are in shared memory
+                if self.shm is None or header.length > _MAX_ERROR_PAYLOAD:
+                    raise MalformedFrame("unexpected shared-memory weights reply")
+                return memoryview(bytearray(header.length))
+            if header.dtype in _HALF and header.dtype == self._reply_dtype and header.op != _INIT_REPLY:
+                target = memoryview(self._half_weights).cast("B")  # widened into the weights once all here
+            elif header.dtype == _FLOAT32:
+                target = self._weights_bytes
+            else:
+                raise MalformedFrame(f"weights reply of dtype {header.dtype}; asked for {self._reply_dtype}")
+            if header.length != len(target):
+                raise MalformedFrame(f"weights reply of {header.length} bytes; the model has {len(target)}")
+            return target
+        if header.op == _STATE_REPLY and self.layout is not None:
+            limit = 8 + MAX_STATE_HEAD_BYTES + 8 + _MAX_STATE_ARRAYS * self.layout.nbytes
+            if header.length > limit:
+                raise MalformedFrame(f"STATE reply of {header.length} bytes; at most {limit} are expected")
+            return memoryview(np.empty(header.length, np.uint8)) if header.length else None  # 8-aligned
+        if header.op == _REWIND_REPLY:  # a small JSON object (the versions of the run's checkpoints)
+            if header.length > _MAX_REWIND_REPLY:
+                raise MalformedFrame(f"REWIND reply of {header.length} bytes")
+            return memoryview(bytearray(header.length))
+        if header.length:
+            raise MalformedFrame(f"unexpected {header.length}-byte payload on op {header.op}")
+        return None
+
+    def frame_received(self, header: Header, payload: memoryview) -> None:
+        if header.op == _JOIN_PROGRESS:  # a notice while INIT waits, not its reply
+            if header.request_id == self._request_id and self._expect == _INIT_REPLY:
+                self.join_progress = decode_join_progress(payload)
+            return
+        if header.op == _ALIVE:  # its bytes have reset the receive's silence timer: nothing else to do
+            return
+        if header.op != _ERROR or header.request_id != 0:
+            if header.request_id != self._request_id:
+                raise ProtocolError(f"reply to request {header.request_id}, expected {self._request_id}")
+            if header.op != self._expect and header.op != _ERROR:
+                raise ProtocolError(f"reply op {header.op} to a request expecting {self._expect}")
+        if header.flags & _SHM and header.op in _WEIGHT_REPLIES:
+            # One copy out of the leased snapshot slot into this worker's weights.
+            slot_id, nbytes, has_fd, dropped = decode_slot(payload)
+            if nbytes != self.flat_weights.nbytes:
+                raise MalformedFrame(f"slot of {nbytes} bytes; the model has {self.flat_weights.nbytes}")
+            np.copyto(self.flat_weights, self.shm.slot(slot_id, nbytes, has_fd, dropped))
+        elif header.dtype in _HALF and header.op in _WEIGHT_REPLIES:
+            if not self.half_views:  # (with half views, the 16-bit weights are what the caller reads)
+                _core.widen(self.flat_weights, self._half_weights, header.dtype)
+        elif self.half_views and header.op in _WEIGHT_REPLIES:  # float32 weights (INIT, a rejoin)
+            _core.narrow(self._half_weights, self.flat_weights, self.compression)
+        elif header.op == _STATE_REPLY and header.request_id == self._request_id:
+            self._state_reply = payload
+        elif header.op == _REWIND_REPLY and header.request_id == self._request_id:
+            self._rewind_reply = bytes(payload)
+        self._reply = header
+        self._payload = payload
+
+    def reset_stream(self) -> None:
+        """Forget any half-read reply: the next bytes come from a new connection."""
+        self.reader = FrameReader(self, max_payload=None)
+        self._reply = None
+        self._payload = None
+        self.connection_lost = False
+        self.joined = False
+
+    def has_reply(self) -> bool:
+        return self._reply is not None
+
+    def finish(self) -> Header:
+        """Check the reply that arrived: raise the server's error, or record version and clock."""
+        header, self._reply = self._reply, None
+        op = header.op
+        if op == _ERROR:
+            code, message = decode_error(self._payload)
+            self._payload = None
+            error = error_from_code(code, message)
+            # An error answering no request (id 0) means the server is closing
+            # this connection: framing was lost, or it is shutting down.
+            self.connection_lost = header.request_id == 0 or isinstance(error, APSConnectionError)
+            raise error
+        self._payload = None
+        if op == _INIT_REPLY:
+            self.joined = self.ever_joined = True
+            self.joined_running = bool(header.flags & _RUNNING)
+        if op in _COUNTED_REPLIES:
+            self.clock = header.clock
+            if op in _WEIGHT_REPLIES:  # the version of the weights this worker holds
+                self.version = header.version
+            if op in _PUSH_REPLIES:
+                self.dropped = bool(header.flags & _DROPPED)
+                self._push = None
+        return header

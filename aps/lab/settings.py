@@ -1,0 +1,130 @@
+"""Values the tools and their commands share, parsed and checked without argparse: byte
+sizes, per-worker speed lists, sync settings (``ssp:3``), range checks, and the command line
+a result was made with. :mod:`aps.cli._args` turns them into argparse types."""
+
+from __future__ import annotations
+
+import math
+import os
+import sys
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from ..errors import ConfigurationError
+
+
+def _split(text: str) -> list[str]:
+    parts = [part.strip() for part in text.split(",")]
+    if not all(parts):
+        raise ValueError(text)
+    return parts
+
+
+def parse_size(text: str) -> int:
+    """A byte count with an optional binary K, M or G suffix (``4K``, ``64M``, ``1.5G``, ``512``)."""
+    value = text.strip().upper().removesuffix("B").removesuffix("I")
+    scale = 1
+    for suffix, factor in (("K", 1 << 10), ("M", 1 << 20), ("G", 1 << 30)):
+        if value.endswith(suffix):
+            value, scale = value[:-1], factor
+            break
+    try:
+        size = float(value) * scale
+    except ValueError:
+        raise ConfigurationError(f"expected a size in bytes such as 512, 64K or 1.5G, got {text!r}") from None
+    if not math.isfinite(size) or size < 0 or size != int(size):
+        raise ConfigurationError(f"expected a whole, non-negative number of bytes, got {text!r}")
+    return int(size)
+
+
+def format_size(nbytes: int) -> str:
+    """The shortest exact way to write ``nbytes`` with a K, M or G suffix."""
+    for suffix, factor in (("G", 1 << 30), ("M", 1 << 20), ("K", 1 << 10)):
+        if nbytes >= factor and nbytes % factor == 0:
+            return f"{nbytes // factor}{suffix}"
+    return str(nbytes)
+
+
+def parse_speeds(text: str, count: int | None = None, flag: str = "--speeds") -> list[float]:
+    """Per-worker multiples such as ``1,1,1,2.5``: positive and finite, ``count`` of them if given."""
+    try:
+        values = [float(part) for part in _split(text)]
+    except ValueError:
+        values = []
+    if not values or (count is not None and len(values) != count) or \
+            not all(math.isfinite(v) and v > 0 for v in values):
+        how_many = "" if count is None else f"{count} "
+        raise ConfigurationError(f"{flag} needs {how_many}positive numbers separated by commas, such as 1,1,1,2.5, "
+                                 f"got {text!r}")
+    return values
+
+
+def describe_speeds(speeds: Sequence[float]) -> str:
+    """``speeds 1,1,1,2.5``; for many workers, how many at each speed, or their spread."""
+    if len(speeds) <= 8:
+        return "speeds " + ",".join(f"{s:g}" for s in speeds)
+    counts: dict[float, int] = {}
+    for s in speeds:
+        counts[s] = counts.get(s, 0) + 1
+    if len(counts) <= 3:
+        return f"{len(speeds)} workers, iteration times " + ", ".join(f"{s:g} (x{n})" for s, n in counts.items())
+    return (f"{len(speeds)} workers, iteration times {sum(speeds) / len(speeds):.2f} mean, "
+            f"{min(speeds):.2f}-{max(speeds):.2f}")
+
+
+SETTING_FORM = "bsp[:K], asp, ssp:S, dssp:S_L:S_U or softsync:N[:S]"
+
+
+@dataclass(frozen=True)
+class Setting:
+    """One sync configuration: its text (``ssp:3``) and its ``ServerConfig`` options."""
+
+    label: str
+    options: dict = field(hash=False, compare=False)
+
+
+def parse_setting(text: str) -> Setting:
+    """``bsp[:K]``, ``asp``, ``ssp:S``, ``dssp:S_L:S_U``, ``softsync:N[:S]``; append
+    ``+inverse`` for ``--lr-staleness inverse``."""
+    label = text.strip()
+    body, _, extra = label.partition("+")
+    name, *args = body.split(":")
+    try:
+        numbers = [int(a) for a in args]
+    except ValueError:
+        raise ConfigurationError(f"bad sync setting {text!r}: parameters must be integers") from None
+    options: dict = {"sync": name}
+    if name == "bsp" and len(numbers) <= 1:
+        if numbers:
+            options["backup_workers"] = numbers[0]
+    elif name == "asp" and not numbers:
+        pass
+    elif name == "ssp" and len(numbers) == 1:
+        options["staleness"] = numbers[0]
+    elif name == "dssp" and len(numbers) == 2:
+        options["staleness"], options["max_staleness"] = numbers
+    elif name == "softsync" and 1 <= len(numbers) <= 2:
+        options["softsync_n"] = numbers[0]
+        if len(numbers) == 2:
+            options["staleness"] = numbers[1]
+    else:
+        raise ConfigurationError(f"bad sync setting {text!r}: use {SETTING_FORM}")
+    if extra:
+        if extra != "inverse":
+            raise ConfigurationError(f"bad sync setting {text!r}: the only suffix is +inverse")
+        options["lr_staleness"] = "inverse"
+    return Setting(label, options)
+
+
+def require(condition: bool, message: str) -> None:
+    """Raise ConfigurationError(``message``) unless ``condition`` (a range check naming its flag)."""
+    if not condition:
+        raise ConfigurationError(message)
+
+
+def command_line() -> str:
+    """How this process was started, to print beside the results it writes."""
+    program = os.path.basename(sys.argv[0])
+    if program in ("aps", "__main__.py"):
+        return " ".join(["aps", *sys.argv[1:]])
+    return " ".join(["python", *sys.argv] if program.endswith(".py") else sys.argv)

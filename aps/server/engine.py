@@ -1,0 +1,1000 @@
+"""The server's core without I/O: membership, the sync policy, releases.
+
+Transports turn frames into calls on :class:`Engine` (``join``, ``pull``,
+``push``, ``leave``) and get answers through callbacks. Keeping the core free
+of sockets lets the tests drive every policy through random interleavings
+directly, and the simulator run it on a virtual clock.
+
+Ordering. Every change of state (a join, a leave, a gradient's plan and
+commit, an aggregate update) goes through one FIFO, the update lane
+(``aps.server.lane``), and runs in arrival order; the jobs that compute live in
+``aps.server.jobs.updates`` and report back through the engine's
+``gradient_committed``, ``gradient_refused`` and ``aggregate_committed``.
+A pull is answered when the policy no longer holds its worker and the table
+has published every update decided before the worker's release, so a worker
+always sees its own updates.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+import uuid
+from collections.abc import Callable
+from types import ModuleType
+
+import numpy as np
+
+from .. import _core
+from ..config import RUN_OPTIONS, ServerConfig
+from ..errors import (
+    CheckpointError,
+    InternalServerError,
+    InvalidState,
+    LayoutMismatch,
+    MalformedFrame,
+    NonFiniteGradient,
+    NotInitialized,
+    OutOfOrder,
+    PayloadSizeMismatch,
+    RankOutOfRange,
+    RankTaken,
+    ServerError,
+    WeightsRefused,
+    WorkerCountMismatch,
+)
+from .lane import CallJob, Offload, UpdateLane
+from .jobs.state import LoadStateJob, LoadWeightsJob, ReadStateJob, StateCopies, StateCopy
+from .jobs.updates import Aggregate, AggregateJob, PushJob, StreamingPush
+from ..layout import Layout
+from .optim import HyperGroups, make_optimizer
+from ..wire.protocol import HyperGroup, StateHead
+from .members import Member, PushResult, ReadyCallback, Seat
+from .stats import EngineView, RankView, ServerStats
+from .sync import RESUMED, STALE, Outcome, Plan, PlanKind, make_policy
+from .table import ParameterTable, Snapshot
+
+__all__ = ["Engine", "Member", "PushResult", "Seat"]
+
+MAX_CLOCK = 1 << 53  #: the largest clock a rejoining worker may say it had
+
+log = logging.getLogger("aps.server")
+
+ErrorCallback = Callable[[ServerError], None]
+
+
+class Engine:
+    """The server's state machine (see the module docstring).
+
+    Args:
+        config: the server's options.
+        now: monotonic clock for push arrival times.
+        offload: runs a kernel off the loop and calls back with its result on
+            the loop; None runs every kernel inline.
+        offload_threshold: kernels over at least this many elements are offloaded.
+        kernels: the native module or its reference twin.
+        window_type: the StalenessWindow implementation (defaults to ``kernels``').
+        allocate: allocator of the table's snapshot slots (memory blocks, see
+            :class:`aps.server.table.HeapBlock`).
+    """
+
+    def __init__(
+        self,
+        config: ServerConfig,
+        *,
+        now: Callable[[], float] = time.monotonic,
+        offload: Offload | None = None,
+        offload_threshold: int = 1 << 22,
+        kernels: ModuleType = _core,
+        window_type: type | None = None,
+        allocate: Callable[[int], object] | None = None,
+    ) -> None:
+        self.config = config
+        self.num_workers = config.workers
+        self.policy = make_policy(config, window_type or kernels.StalenessWindow)
+        self.table: ParameterTable | None = None
+        self.layout: Layout | None = None
+        self.members: dict[int, Member] = {}
+        self.started = False
+        self.pushes = 0
+        self.address = ""  # set by the server, for statistics
+        #: Called when a worker joins or leaves before training starts (the server
+        #: then tells the workers waiting in INIT who has joined).
+        self.on_membership_change: Callable[[], None] | None = None
+        self.stats = ServerStats(config.workers, now)
+        #: The native module or its reference twin: what the kernels run on.
+        self.kernels = kernels
+        #: The running sum of gradients (BSP, softsync), once the model exists.
+        self.aggregate: Aggregate | None = None
+        self._now = now
+        self._allocate = allocate
+        self._pending_aggregates = 0
+        # The values of the last gradient added to the open round (BSP, softsync): the
+        # round's update is applied with them (None: the optimizer's own).
+        self._round_hyper: HyperGroups | None = None
+        self._waiting: dict[int, Member] = {}
+        # The worker sending the initial weights, while no model exists (see claim_registration),
+        # and the joins that wait for its model.
+        self._registrar: object | None = None
+        self._registering_layout: Layout | None = None
+        self._parked: list[Callable[[], None]] = []
+        self._lane = UpdateLane(offload, offload_threshold)
+        #: This run's identity: new for a new model, kept across checkpoints and resumes.
+        self.run_id = uuid.uuid4().hex
+        #: The run id of every shard of this model, in shard order, as a sharded worker recorded
+        #: them (SHARDS): kept in checkpoints, so that shards resumed from the checkpoints of
+        #: different runs are told apart. None until recorded (and when unsharded).
+        self.shard_runs: list[str] | None = None
+        #: The checkpoint this engine resumed from (its path), if any.
+        self.resumed_from: str | None = None
+        self._seats: dict[int, Seat] = {}
+        # Where each rank that was live in the checkpoint goes when it reconnects (resume).
+        self._placements: dict[int, tuple[int, bool, int]] = {}
+        # The ranks that must be back before training starts again (None: all of them).
+        self._start_ranks: set[int] | None = None
+        #: ``request_checkpoint(reason)`` -> a future of the path; set by a server that writes checkpoints.
+        self.request_checkpoint: Callable[[str], object] | None = None
+        #: ``request_rewind(version)`` -> a future of ``{"versions"|"rewound", "version"}``: the
+        #: checkpoints this run can rewind to (version None), or a rewind to one of them (REWIND,
+        #: docs/algorithms.md "Sharded resume"); set by a server that can restart itself.
+        self.request_rewind: Callable[[int | None], object] | None = None
+        #: Called with the new version when a round's update (BSP, softsync) is applied, before
+        #: any worker is released into the next: the checkpointer takes a sharded BSP run's
+        #: checkpoints there, so that every shard has them at the same rounds.
+        self.on_round: Callable[[int], None] | None = None
+        # The newest weights narrowed for compressed pulls, per element type: (version, words).
+        self._narrowed: dict[int, tuple[int, np.ndarray]] = {}
+        #: The digest of the optimizer state loaded into this run (LOAD_STATE), if any: kept in
+        #: checkpoints, so that loading the same state again is a no-op, not a refusal.
+        self.loaded_state: bytes | None = None
+        #: The digest of the weights loaded into this run (LOAD_WEIGHTS), if any: kept in
+        #: checkpoints, so that every rank may load the same weights, once taken.
+        self.loaded_weights: bytes | None = None
+        #: Counts the loads: a state copy made before one is not the state after it.
+        self.state_generation = 0
+        #: The newest copy of the optimizer's state that a STATE reply still holds (aps.server.jobs.state).
+        self.state_copies = StateCopies()
+
+    # Introspection ---------------------------------------------------------
+    @property
+    def version(self) -> int:
+        """The newest published version."""
+        return self.table.version if self.table is not None else 0
+
+    @property
+    def decided_version(self) -> int:
+        """The version once every update decided so far is published."""
+        return self.version + self._pending_aggregates
+
+    @property
+    def skips_lost_iterations(self) -> bool:
+        """Resumed older, this shard counts a rejoining rank's lost iterations as done (:meth:`_place`)."""
+        return self.config.shards > 1 and self.policy.name != "bsp"
+
+    @property
+    def idle(self) -> bool:
+        """True when no state change is queued or running."""
+        return self._lane.idle
+
+    @property
+    def weights(self) -> np.ndarray | None:
+        return self.table.weights if self.table is not None else None
+
+    @property
+    def rejected(self) -> int:
+        """Gradients refused for holding NaN or infinity."""
+        return self.stats.rejected
+
+    def narrowed_weights(self, snap: Snapshot, dtype: int) -> np.ndarray:
+        """The weights of ``snap`` rounded to 16 bits (``dtype`` BFLOAT16 or FLOAT16), for
+        a compressed pull: computed once per version and element type, in a buffer of
+        their own (a reply being sent keeps its buffer alive; a newer version gets a new one)."""
+        kept = self._narrowed.get(dtype)
+        if kept is not None and kept[0] == snap.version:
+            return kept[1]
+        words = np.empty(len(snap.array), np.uint16)
+        self.kernels.narrow(words, snap.array, dtype)
+        self._narrowed[dtype] = (snap.version, words)
+        return words
+
+    def stats_snapshot(self) -> dict:
+        """Everything :mod:`aps.server.stats` counts, as a JSON-able dict (see ``aps status``)."""
+        return self.stats.snapshot(self.view())
+
+    def stats_totals(self) -> dict:
+        """The few running totals the dashboard's history samples (``ServerStats.totals``)."""
+        return self.stats.totals(self.version, self.policy.window.num_live)
+
+    def view(self) -> EngineView:
+        """What the statistics read of the engine, copied now (a read-only snapshot)."""
+        policy, window, config, table = self.policy, self.policy.window, self.config, self.table
+        ranks = []
+        for rank in range(len(self.stats.workers)):
+            live = window.is_live(rank)
+            newest, previous = window.arrivals(rank)
+            member = self.members.get(rank)
+            ranks.append(RankView(
+                live=live, clock=window.clock(rank), gap=window.gap(rank) if live else None,
+                held=policy.is_held(rank), credit=window.credit(rank), newest=newest, previous=previous,
+                connected=member is not None and member.connected, hyper=member.hyper if member is not None else None,
+            ))
+        return EngineView(
+            address=self.address, shard=config.shard, shards=config.shards, sync=policy.describe(),
+            optimizer=table.optimizer.describe() if table is not None else config.optimizer,
+            defaults=table.optimizer.defaults if table is not None else None, workers=self.num_workers,
+            live=window.num_live, started=self.started, version=self.version, pushes=self.pushes,
+            dropped=policy.dropped, dropped_stale=policy.dropped_stale, run_id=self.run_id,
+            resumed_from=self.resumed_from, parameters=self.layout.numel if self.layout is not None else 0,
+            ranks=tuple(ranks),
+        )
+
+    def join_progress(self) -> tuple[int, int, list[int]]:
+        """Before training starts: how many of the workers it waits for have joined, how
+        many it waits for, and the ranks still missing. A run resumed from a checkpoint
+        waits for the ranks that were live in it; a new run, for all of them."""
+        joined = {rank for rank, member in self.members.items() if member.joined}
+        wanted = range(self.num_workers) if self._start_ranks is None else sorted(self._start_ranks)
+        missing = [rank for rank in wanted if rank not in joined]
+        return len(wanted) - len(missing), len(wanted), missing
+
+    def waiting_to_start(self, member: Member) -> bool:
+        """True while ``member`` has joined and its INIT waits for the others."""
+        return not self.started and member.joined and member.waiter is not None and not member.gate
+
+    # Membership ------------------------------------------------------------
+    def check_join(self, rank: int, num_workers: int, layout: Layout | None = None) -> None:
+        """Raise the ServerError a join of ``rank`` would meet (worker count, rank, a
+        rank taken, a layout other than the model's or the one being registered);
+        linear in the layout's size. Transports call it before they read a
+        joining worker's values."""
+        if num_workers != self.num_workers:
+            raise WorkerCountMismatch(
+                f"the worker says num_workers={num_workers}, but this server runs --workers {self.num_workers}"
+            )
+        if not 0 <= rank < self.num_workers:
+            raise RankOutOfRange(f"rank {rank} is out of range 0..{self.num_workers - 1}")
+        if rank in self.members:
+            raise RankTaken(f"rank {rank} is already connected")
+        expected = self.layout if self.layout is not None else self._registering_layout
+        if layout is not None and expected is not None:
+            difference = expected.difference(layout)
+            if difference is not None:
+                raise LayoutMismatch(f"the model differs from the registered one: {difference}")
+
+    def claim_registration(self, layout: Layout, owner: object) -> bool:
+        """True when ``owner`` is to provide the initial weights: no model exists and
+        nobody else is sending one. Until it joins (or :meth:`release_registration`),
+        other joins of the same layout need no values: they wait for this one."""
+        if self.table is not None or self._registrar is not None:
+            return False
+        self._registrar, self._registering_layout = owner, layout
+        return True
+
+    def release_registration(self, owner: object) -> None:
+        """``owner``'s values will not come (its INIT failed, its connection died)."""
+        if self._registrar is owner:
+            self._registrar = self._registering_layout = None
+            parked, self._parked = self._parked, []
+            for job in parked:
+                job()  # with no model and nobody registering one, each is refused
+
+    def join(
+        self,
+        rank: int,
+        num_workers: int,
+        layout: Layout,
+        values: np.ndarray | None,
+        on_ready: ReadyCallback,
+        on_error: ErrorCallback,
+        *,
+        grad: np.ndarray | None = None,
+        rejoin: bool = False,
+        clock: int = -1,
+    ) -> Member:
+        """Seat ``rank``; ``on_ready`` fires once training has started (at once on a rejoin).
+
+        ``values`` are the worker's initial weights, used if it is the first
+        to join; None when the transport did not keep them (the model exists,
+        or another worker's are on their way: this join then waits for it).
+        ``grad`` is where the worker's gradients will be (its shared segment,
+        for the shared-memory transport); by default the engine allocates a
+        buffer the transport receives into. Raises a ServerError (and seats
+        nobody) when the rank or the worker count is wrong; a layout that
+        differs from the model's is reported through ``on_error``.
+        ``rejoin``: the worker reconnects after losing its connection, and goes
+        on from the clock it had (not the slowest worker's), which it says in ``clock`` (see :meth:`_place`).
+        """
+        self.check_join(rank, num_workers)
+        if rejoin and clock > MAX_CLOCK:  # (the window's int64 arithmetic stays far from overflow)
+            raise MalformedFrame(f"the rejoining INIT says clock {clock}; a clock is at most 2**53")
+        member = Member(rank)
+        member.rejoin = rejoin
+        member.rejoin_clock = clock if rejoin else -1
+        self.members[rank] = member
+        self._lane.submit(CallJob(lambda: self._commit_join(member, layout, values, grad, on_ready, on_error),
+                                  lambda exc: self._join_failed(member, exc, on_error)))
+        return member
+
+    def leave(self, member: Member, how: str = "disconnected") -> None:
+        """``member``'s connection is gone: it leaves the live set, nobody waits for it.
+        ``how``: "left" (it said so), "disconnected" or "timed out" (dropped by the server)."""
+        if not member.connected:
+            return
+        member.connected = False
+        member.waiter = None
+        self._waiting.pop(member.rank, None)
+        if self.members.get(member.rank) is member:
+            del self.members[member.rank]
+        self._lane.submit(CallJob(lambda: self._commit_leave(member, how)))
+
+    def _commit_join(self, member, layout, values, grad, on_ready, on_error) -> None:
+        if not member.connected:
+            return
+        member.joined_running = self.started and self.table is not None
+        if self.table is None and values is None and self._registrar is not None:
+            # Another worker is sending the initial weights: join once they are in.
+            self._parked.append(lambda: self._commit_join(member, layout, values, grad, on_ready, on_error))
+            return
+        try:
+            if self.table is None:
+                if values is None:
+                    raise InternalServerError(
+                        "the worker that was sending the initial weights left before they arrived: init again"
+                    )
+                self._create_table(layout, values)
+                self._registrar = self._registering_layout = None
+            else:
+                difference = self.layout.difference(layout)
+                if difference is not None:
+                    raise LayoutMismatch(f"the model differs from the registered one: {difference}")
+            if grad is None:
+                grad = np.zeros(self.layout.numel, np.float32)
+        except Exception as exc:  # refused (a ServerError), or out of memory and the like
+            if not isinstance(exc, ServerError):
+                log.error("could not seat worker %d", member.rank, exc_info=exc)
+                exc = InternalServerError(f"the server could not seat rank {member.rank}: {type(exc).__name__}: {exc}")
+            if self.members.get(member.rank) is member:
+                del self.members[member.rank]
+            member.connected = False
+            on_error(exc)
+            return
+        member.grad = grad
+        member.grad_bytes = memoryview(grad).cast("B")
+        clock = self._place(member)
+        member.joined = True
+        member.required_version = self.decided_version
+        # The log line and the membership event say the same thing (docs/metrics.md).
+        event = "rejoined" if member.rejoin else "joined"
+        log.info("worker %d %s at clock %d (%d/%d live)", member.rank, event, clock, self.policy.num_live,
+                 self.num_workers)
+        self.stats.membership(member.rank, event, clock, self.policy.num_live)
+        self._wait(member, on_ready, gate=False)
+        if not self.started and not self.join_progress()[2]:
+            self.started = True
+            self.policy.resuming = False
+            self.stats.training_started = self._now()
+            self.stats.start_version = self.version
+            if self.resumed_from is None:
+                log.info("all %d workers joined: training starts", self.num_workers)
+            else:
+                log.info("%d workers back: training goes on from version %d", self.policy.num_live, self.version)
+            self._serve_waiting()
+        elif not self.started and self.on_membership_change is not None:
+            self.on_membership_change()
+        if self._parked:  # the model is in: the joins that waited for it go on
+            parked, self._parked = self._parked, []
+            for job in parked:
+                job()
+
+    def _join_failed(self, member: Member, exc: BaseException, on_error: ErrorCallback) -> None:
+        """Seating ``member`` raised half-way: take back what was done, refuse the INIT."""
+        answered = member.joined and member.waiter is None  # its INIT reply has gone out
+        if member.joined:  # seated in the policy already: it leaves like any other
+            self.leave(member)
+        elif self.members.get(member.rank) is member:
+            del self.members[member.rank]
+            member.connected = False
+        if answered:  # no second reply to one request: the worker learns at its next one
+            return
+        on_error(InternalServerError(f"the server could not seat rank {member.rank}: {type(exc).__name__}: {exc}"))
+
+    def _commit_leave(self, member: Member, how: str = "disconnected") -> None:
+        if not member.joined:
+            return
+        member.joined = False
+        rank, policy = member.rank, self.policy
+        window = policy.window
+        seat = self._seat(rank)
+        seat.clock, seat.held, seat.credit = policy.clock(rank), window.is_held(rank), window.credit(rank)
+        if self.resumed_from is not None and not self.started:
+            # Resuming, before everyone is back: it returns to where the checkpoint had it.
+            self._placements[rank] = (seat.clock, seat.held, seat.credit)
+        outcome = self.policy.leave(member.rank)
+        log.info("worker %d %s (%d/%d live)", member.rank, how, self.policy.num_live, self.num_workers)
+        self.stats.membership(rank, how, seat.clock, self.policy.num_live)
+        if not self.started and self.on_membership_change is not None:
+            self.on_membership_change()
+        self._after(outcome)
+
+    def _place(self, member: Member) -> int:
+        """Seat ``member`` in the policy; returns its clock. A worker that reconnects
+        (``rejoin``) goes on where it was: at its place in the checkpoint the server
+        resumed from, or at the clock, gate and DSSP credit it had when its connection
+        went (unless every live worker has passed that clock). Anyone else (a new
+        process for the rank) starts afresh at the slowest live clock, and its rank's
+        last push is forgotten: its request ids start over."""
+        rank, policy = member.rank, self.policy
+        placement = self._placements.pop(rank, None)
+        seat = self._seats.get(rank)
+        if not member.rejoin:
+            if seat is not None:
+                seat.push_id = seat.push_clock = -1
+            return policy.join(rank)
+        if placement is not None:
+            if self.skips_lost_iterations and member.rejoin_clock >= placement[0]:
+                # docs/algorithms.md, "Sharded resume": the lost iterations count as done (nothing applied),
+                # so every shard's gate orders the ranks alike. Not held: it had its last push's answer.
+                return policy.join(rank, member.rejoin_clock, False, placement[2])
+            return policy.join(rank, *placement)
+        window = policy.window
+        if seat is not None and seat.clock > window.min_clock:
+            held = seat.held and window.bounded and seat.clock - window.min_clock > window.lower
+            return policy.join(rank, seat.clock, held, seat.credit)
+        return policy.join(rank)
+
+    def _seat(self, rank: int) -> Seat:
+        seat = self._seats.get(rank)
+        if seat is None:
+            seat = self._seats[rank] = Seat()
+        return seat
+
+    def _create_table(self, layout: Layout, values: np.ndarray) -> None:
+        if not self.kernels.all_finite(values):
+            raise NonFiniteGradient("the initial weights hold NaN or infinity")
+        config = self.config
+        optimizer = make_optimizer(
+            config.optimizer,
+            layout.numel,
+            lr=config.lr,
+            momentum=config.momentum,
+            nesterov=config.nesterov,
+            weight_decay=config.weight_decay,
+            betas=config.betas,
+            eps=config.eps,
+            kernels=self.kernels,
+        )
+        # Everything is allocated before anything is kept: a failure (out of
+        # memory) leaves the server without a model, as before.
+        table = ParameterTable(layout, values, optimizer, self._allocate)
+        try:
+            aggregate = Aggregate(layout.numel) if self.policy.aggregates else None
+        except BaseException:
+            table.close()
+            raise
+        self.table, self.layout, self.aggregate = table, layout, aggregate
+        log.info(
+            "model registered: %d tensors, %d parameters (%.1f MiB); %s; %s",
+            len(layout),
+            layout.numel,
+            layout.nbytes / (1 << 20),
+            self.policy.describe(),
+            optimizer.describe(),
+        )
+
+    # Checkpoints -----------------------------------------------------------
+    def capture_checkpoint(self, job) -> None:
+        """Queue ``job`` (an ``aps.server.checkpointer.CaptureJob``) in the update lane: it runs
+        between two updates, and sees every update decided before it."""
+        self._lane.submit(job)
+
+    @property
+    def shard_description(self) -> str:
+        """What the handshake tells workers of this shard (JSON): its index, the options all
+        the shards share (ServerConfig.shard_description) and the shards' recorded run ids."""
+        return json.dumps({**self.config.shard_description(), "runs": self.shard_runs}, separators=(",", ":"))
+
+    def record_shard_runs(self, runs: list[str]) -> list[str]:
+        """A sharded worker says which run each shard holds; the first record stands (a
+        resumed shard has it from its checkpoint). Returns the record."""
+        shards = self.config.shards
+        if shards == 1:
+            raise MalformedFrame("SHARDS is for a model sharded across servers (--shards > 1)")
+        if (not isinstance(runs, list) or len(runs) != shards
+                or not all(isinstance(r, str) and 0 < len(r) <= 64 for r in runs)):
+            raise MalformedFrame(f"SHARDS takes a JSON list of the {shards} shards' run ids")
+        if runs[self.config.shard] != self.run_id:
+            raise MalformedFrame(f"SHARDS gives shard {self.config.shard} run {runs[self.config.shard]}, but this "
+                                 f"shard holds run {self.run_id}")
+        if self.shard_runs is None:
+            self.shard_runs = list(runs)
+        elif runs != self.shard_runs:
+            odd = next(i for i, (kept, given) in enumerate(zip(self.shard_runs, runs)) if kept != given)
+            raise LayoutMismatch(f"this model's shards are runs {self.shard_runs}, but shard {odd} now holds run "
+                                 f"{runs[odd]}: it was started without --resume, or from another run's checkpoint")
+        return self.shard_runs
+
+    def checkpoint_state(self) -> tuple[dict, dict[str, np.ndarray]]:
+        """The state to save, between two updates: a JSON-able manifest, and the live
+        arrays to copy (the optimizer's state; the running sum while a round is open).
+        The weights are the current snapshot (the caller leases it)."""
+        table, layout, policy, config = self.table, self.layout, self.policy, self.config
+        optimizer = table.optimizer
+        policy_state = policy.state()
+        arrays = dict(optimizer.state_arrays())
+        if self.aggregate is not None and (policy_state.get("contributed") or policy_state.get("count")):
+            arrays["aggregate"] = self.aggregate.current
+        manifest = {
+            "run_id": self.run_id,
+            "shard_runs": self.shard_runs,
+            "version": table.version,
+            "pushes": self.pushes,
+            "layout": {"names": list(layout.names), "shapes": [list(shape) for shape in layout.shapes]},
+            "config": {name: getattr(config, name) for name in RUN_OPTIONS},
+            # the rest, for the record (resume takes its own)
+            "server": {name: value for name, value in config.public().items() if name not in RUN_OPTIONS},
+            "optimizer": {"name": optimizer.name, "steps": optimizer.steps, **optimizer.hyperparameters(),
+                          **({"loaded_state": self.loaded_state.hex()} if self.loaded_state is not None else {})},
+            "policy": policy_state,
+            "seats": {str(rank): seat.to_json() for rank, seat in sorted(self._seats.items())},
+            "counters": self.stats.run_counters(),
+            **({"loaded_weights": self.loaded_weights.hex()} if self.loaded_weights is not None else {}),
+        }
+        return manifest, arrays
+
+    def restore(self, checkpoint) -> None:
+        """Take up the state of ``checkpoint`` (an :class:`aps.checkpoint.Checkpoint`) before
+        anyone joins: weights, optimizer state, version, the policy's clocks and rounds,
+        and what each rank's last push was. Training starts again once every worker
+        has rejoined. Raises CheckpointError (and keeps nothing) if it does not fit."""
+        if self.table is not None or self.members:
+            raise CheckpointError("a checkpoint is restored before anyone joins")
+        manifest = checkpoint.manifest
+        try:
+            layout = checkpoint.layout
+            self._create_table(layout, checkpoint.flat_weights())
+            optimizer = self.table.optimizer
+            saved = manifest["optimizer"]
+            if saved["name"] != optimizer.name:
+                raise ValueError(f"it holds {saved['name']} state, this server runs {optimizer.name}")
+            state = {}
+            # (sgd keeps momentum buffers once a worker asked for them, also when started without)
+            keys = list(optimizer.state_arrays()) or [
+                key for key in optimizer.state_names if f"{key}/{layout.names[0]}" in checkpoint.state]
+            for key in keys:
+                flat = np.empty(layout.numel, np.float32)
+                layout.flatten_into({name: checkpoint.state[f"{key}/{name}"] for name in layout.names}, flat)
+                state[key] = flat
+            optimizer.load_state(state, int(saved["steps"]))
+            loaded = saved.get("loaded_state")
+            self.loaded_state = bytes.fromhex(loaded) if isinstance(loaded, str) else None
+            loaded = manifest.get("loaded_weights")
+            self.loaded_weights = bytes.fromhex(loaded) if isinstance(loaded, str) else None
+            self.table.version = int(manifest["version"])
+            self._placements = self.policy.restore(manifest["policy"])
+            self._seats = {int(rank): Seat.from_json(seat) for rank, seat in manifest["seats"].items()}
+            forget = getattr(self.policy, "forget_open_round", None)
+            if self.config.shards > 1 and forget is not None:
+                # A shard resumes alone (docs/algorithms.md, "Sharded resume"): its open round is left out.
+                self._placements, dropped = forget(self._placements)
+                for rank in dropped:
+                    if rank in self._seats:
+                        self._seats[rank].push_id = self._seats[rank].push_clock = -1
+            elif self.aggregate is not None and "aggregate" in checkpoint.state:
+                np.copyto(self.aggregate.current, checkpoint.state["aggregate"])
+            self._start_ranks = set(self._placements) or None
+            self.pushes = int(manifest["pushes"])
+            self.stats.carry(manifest.get("counters", {}))
+            self.run_id = str(manifest["run_id"])
+            runs = manifest.get("shard_runs")
+            self.shard_runs = [str(r) for r in runs] if isinstance(runs, list) else None
+        except (KeyError, ValueError, TypeError, IndexError) as exc:
+            if self.table is not None:
+                self.table.close()
+            self.table = self.layout = self.aggregate = None
+            self._placements, self._seats, self._start_ranks = {}, {}, None
+            self.loaded_state = self.loaded_weights = None
+            self.stats.carry({})
+            detail = f"missing {exc}" if isinstance(exc, KeyError) else str(exc)
+            raise CheckpointError(f"checkpoint {checkpoint.path} cannot be resumed: {detail}") from None
+        self.resumed_from = str(checkpoint.path)
+        log.info("resumed from %s: version %d, clocks %s; training goes on once all %d workers are back",
+                 checkpoint.path, self.version, manifest["policy"]["clocks"], self.num_workers)
+
+    # Iterations ------------------------------------------------------------
+    def pull(self, member: Member, on_ready: ReadyCallback) -> None:
+        """Answer with the weights once the policy releases ``member``."""
+        if not member.joined:
+            raise NotInitialized("pull before init")
+        self._wait(member, on_ready, gate=True)
+
+    def push(
+        self,
+        member: Member,
+        grad_version: int,
+        on_done: Callable[[PushResult], None],
+        on_error: ErrorCallback,
+        *,
+        stream: StreamingPush | None = None,
+        request_id: int | None = None,
+        clock: int | None = None,
+    ) -> None:
+        """Handle the gradient in ``member.grad``, computed on weights of ``grad_version``.
+
+        ``on_done`` gets the result once the gradient is committed (applied,
+        accumulated or dropped); ``on_error`` gets the reason it was refused
+        (nothing changed then). ``member.grad`` must stay untouched until then.
+        The update kernel checks every element as it applies it: a gradient
+        holding NaN or infinity is refused and changes nothing. ``stream`` is
+        the update already computed while it arrived, if any.
+
+        ``request_id`` and ``clock`` identify the push (the worker's request id,
+        and its clock when it sent it): the same push sent again after a lost
+        reply is answered with the first one's result and applied only once.
+        """
+        if self._is_duplicate(member, request_id, clock):
+            if stream is not None:
+                stream.abort()
+            self._lane.submit(CallJob(lambda: self._answer_duplicate(member, on_done)))
+            return
+        member.push_id, member.push_clock = request_id, clock
+        try:
+            self._check_push(member, grad_version)
+        except ServerError:
+            if stream is not None:
+                stream.abort()
+            raise
+        job = PushJob(self, member, grad_version, self._now(), on_done, on_error, self._gradient_clock(member, clock))
+        if stream is not None:
+            if stream.complete:
+                # The update is computed and the lane was reserved for it all
+                # along: commit in place of running the job's kernel.
+                stream.finish(job)
+                return
+            stream.abort()
+        self._lane.submit(job)
+
+    def begin_streaming_push(
+        self, member: Member, grad_version: int, request_id: int | None = None, clock: int | None = None
+    ) -> StreamingPush | None:
+        """Start applying a gradient piece by piece as it arrives, when that is safe.
+
+        Safe means: the lane is idle (it is reserved for this gradient; any
+        other change cancels the reservation) and the gradient will be applied
+        alone. Updates are transactions (next weights and next optimizer
+        state are written aside), so a cancelled or refused gradient leaves
+        nothing behind. Returns None otherwise; the gradient then takes the
+        ordinary path.
+        """
+        table = self.table
+        if table is None:
+            return None
+        if self._is_duplicate(member, request_id, clock):
+            return None
+        try:
+            self._check_push(member, grad_version)
+        except ServerError:
+            return None
+        plan = self.policy.plan(member.rank, grad_version, table.version, self._gradient_clock(member, clock))
+        if plan.kind is not PlanKind.APPLY:
+            return None
+        stream = StreamingPush(table, self._lane, member, plan)
+        return stream if stream.start() else None
+
+    def set_hyperparameters(self, member: Member, groups: list[HyperGroup], *, check_only: bool = False) -> None:
+        """Apply ``member``'s following pushes with ``groups``' values, range by range,
+        until it sets others (docs/protocol.md, HYPER).
+
+        Its previous request is answered, so no push of it is in the lane: the
+        pushes that see these values are exactly the ones sent after them.
+
+        Raises:
+            NotInitialized: ``member`` has not joined.
+            InvalidHyperparameters: a value or a stop is refused (see
+                :meth:`aps.server.optim.Optimizer.check_groups`); nothing changed.
+        """
+        if not member.joined or self.table is None:
+            raise NotInitialized("HYPER before a successful INIT: the groups are checked against the model")
+        checked = self.table.optimizer.check_groups(groups)
+        if not check_only:  # (Flag.CHECK: a sharded worker asks every shard before it sets any)
+            self.table.optimizer.allocate_for(checked)  # momentum asked of a server started without
+            member.hyper = checked
+
+    # Optimizer state (docs/protocol.md, STATE and LOAD_STATE) ---------------
+    def read_optimizer_state(self, member: Member, done: Callable[[StateCopy], None],
+                             failed: ErrorCallback) -> None:
+        """Copy the optimizer's state between two updates (a job of the update lane, see
+        :mod:`aps.server.jobs.state`) and call ``done`` with it: its step count, the weights version it
+        belongs to, and every array of ``state_arrays()`` in one buffer of its own.
+
+        Raises:
+            NotInitialized: ``member`` has not joined.
+        """
+        if not member.joined or self.table is None:
+            raise NotInitialized("STATE before a successful INIT")
+        self._lane.submit(ReadStateJob(self, member, done, failed))
+
+    def check_state(self, head: StateHead) -> bool:
+        """Whether the state ``head`` describes can be loaded now: False when it is to be
+        loaded, True when it was loaded into this run already (same digest: a no-op).
+
+        Raises:
+            NotInitialized: there is no model yet.
+            MalformedFrame: ``head`` carries no digest.
+            InvalidState: another optimizer, other arrays (or in another order), arrays
+                not of the model's size, or another state when this run has applied
+                updates (or loaded one with steps) already. Nothing changed.
+        """
+        table = self.table
+        if table is None:
+            raise NotInitialized("LOAD_STATE before a successful INIT")
+        optimizer = table.optimizer
+        if head.digest is None:
+            raise MalformedFrame("a LOAD_STATE carries the state's digest")
+        if head.optimizer != optimizer.name:
+            raise InvalidState(f"the state is {head.optimizer}'s; this server runs {optimizer.name}")
+        own = list(optimizer.loadable_state(head.arrays))
+        if list(head.arrays) != own:
+            extra = " (sgd keeps none without --momentum)" if optimizer.name == "sgd" and not own else ""
+            raise InvalidState(f"the {optimizer.name} state holds the arrays {own}{extra}, in that order; the state "
+                               f"to load holds {list(head.arrays)}")
+        if head.numel != optimizer.numel:
+            raise InvalidState(f"the state's arrays have {head.numel} elements each; the model has "
+                               f"{optimizer.numel}" + (" on this shard" if self.config.shards > 1 else ""))
+        if head.digest == self.loaded_state:
+            return True
+        if table.version == 0 and optimizer.steps == 0:
+            return False
+        if table.version == 0:
+            raise InvalidState(f"another optimizer state ({optimizer.steps} steps) was loaded into this run already: "
+                               "optimizer state can only be loaded into a run that has not started (loading the "
+                               "same state again is allowed)")
+        raise InvalidState(f"the server has applied {table.version} updates: optimizer state can only be loaded into "
+                           "a run that has not started (loading the same state again is allowed)")
+
+    def load_optimizer_state(self, member: Member, head: StateHead, arrays: dict[str, list[np.ndarray]],
+                             done: Callable[[bool], None], failed: ErrorCallback) -> None:
+        """Load a state into the optimizer between two updates (a job of the update lane, see
+        :mod:`aps.server.jobs.state`), once everything is checked again at its turn: ``done(True)``
+        when loaded, ``done(False)`` when the same state was loaded already, ``failed``
+        with the refusal (nothing changed). ``arrays``: each of ``head.arrays`` as a list
+        of consecutive flat float32 pieces.
+
+        Raises:
+            NotInitialized: ``member`` has not joined.
+        """
+        if not member.joined or self.table is None:
+            raise NotInitialized("LOAD_STATE before a successful INIT")
+        self._lane.submit(LoadStateJob(self, head, arrays, done, failed))
+
+    # Weights (docs/protocol.md, LOAD_WEIGHTS) ---------------------------------
+    def check_weights(self, digest: bytes, numel: int, version: int) -> bool:
+        """Whether weights of ``digest`` can be loaded now, sent by a worker that holds the
+        weights of ``version``: False when they are to be loaded, True when they were loaded
+        into this run already and the worker holds version 0 (a no-op: every rank of a job
+        may load the same checkpoint).
+
+        Raises:
+            NotInitialized: there is no model yet.
+            PayloadSizeMismatch: ``numel`` is not the model's (this shard's) size.
+            WeightsRefused: other weights were loaded already, or the server has taken a
+                gradient (computed on the weights it holds) or applied an update. Nothing changed.
+        """
+        table = self.table
+        if table is None:
+            raise NotInitialized("LOAD_WEIGHTS before a successful INIT")
+        if numel != table.numel:
+            raise PayloadSizeMismatch(f"LOAD_WEIGHTS of {numel} weights; the model has {table.numel}"
+                                      + (" on this shard" if self.config.shards > 1 else ""))
+        how = ("load them (model.load_state_dict) on every rank before its first step(), or resume the server "
+               "from its own checkpoint (aps serve --resume)")
+        if digest == self.loaded_weights and version == 0:
+            return True
+        if table.version > 0 or self.pushes > 0:
+            taken = (f"applied {table.version} updates" if table.version > 0
+                     else f"taken {self.pushes} gradients computed on its initial weights")
+            raise WeightsRefused(f"the server has {taken}: weights can only be loaded before the first update; "
+                                 f"{how}")
+        if self.loaded_weights is not None:
+            raise WeightsRefused("other weights were loaded into this run already (digest "
+                                 f"{self.loaded_weights.hex()}): every rank must load the same weights (the same "
+                                 "checkpoint)")
+        return False
+
+    def load_weights(self, member: Member, digest: bytes, values: np.ndarray, version: int,
+                     done: Callable[[bool], None], failed: ErrorCallback) -> None:
+        """Make ``values`` the server's weights between two updates (a job of the update lane,
+        see :mod:`aps.server.jobs.state`), once everything is checked again at its turn (see
+        :meth:`check_weights`; the digest, every value finite): ``done(True)`` when loaded,
+        ``done(False)`` when the same weights were loaded already, ``failed`` with the
+        refusal (nothing changed).
+
+        Raises:
+            NotInitialized: ``member`` has not joined.
+        """
+        if not member.joined or self.table is None:
+            raise NotInitialized("LOAD_WEIGHTS before a successful INIT")
+        self._lane.submit(LoadWeightsJob(self, digest, values, version, done, failed))
+
+    def weights_loaded(self, digest: bytes, slot) -> None:
+        """Weights were written into ``slot`` (by a LoadWeightsJob): they are the current
+        ones, still version 0."""
+        self.table.replace(slot)
+        self.loaded_weights = digest
+        self._narrowed.clear()  # narrowed copies of the weights they replace
+        log.info("weights loaded: the run starts from them (digest %s)", digest.hex())
+
+    def state_loaded(self, head: StateHead) -> None:
+        """A state was loaded (by a LoadStateJob): remember its digest."""
+        self.loaded_state = head.digest
+        self.state_generation += 1
+        log.info("optimizer state loaded: %s, %d steps (digest %s)", head.optimizer, head.steps, head.digest.hex())
+
+    @staticmethod
+    def _gradient_clock(member: Member, clock: int | None) -> int:
+        """The iteration a push was computed in, for the policy's bound: on a connection that
+        rejoined, the clock its header carries (the push may have been computed before the
+        connection went: aps.Worker sends it again with its first clock); else -1, the rank's
+        own clock at the server, which is exact for every push computed on weights this
+        connection received. The window takes a claim at most at the rank's clock."""
+        return clock if member.rejoin and clock is not None and clock >= 0 else -1
+
+    def _check_push(self, member: Member, grad_version: int) -> None:
+        if not member.joined:
+            raise NotInitialized("push before init")
+        if self.policy.is_held(member.rank):
+            raise OutOfOrder(
+                f"rank {member.rank} is held at the {self.policy.name} gate: pull before pushing again"
+            )
+        if grad_version > self.decided_version and not (member.rejoin and self.skips_lost_iterations):
+            # (else the policy drops it and counts its iteration: docs/algorithms.md, "Sharded resume")
+            raise OutOfOrder(
+                f"the gradient claims weights of version {grad_version}, but the server is at {self.decided_version}"
+            )
+
+    # Reports from the update lane's jobs (aps.server.lane.UpdateOwner) -----------
+    def gradient_committed(self, member: Member, plan: Plan, arrived: float,
+                           hyper: HyperGroups | None = None) -> PushResult:
+        """A gradient was applied (and published), accumulated or dropped (``hyper``: the
+        values it came with; the round it was added to is applied with the last ones)."""
+        policy, stats, rank = self.policy, self.stats, member.rank
+        if plan.kind is PlanKind.APPLY:
+            stats.published(self.table.version)
+        elif plan.kind is PlanKind.ACCUMULATE:
+            self._round_hyper = hyper
+        window = policy.window
+        consulted = window.controller_calls
+        outcome = policy.commit(rank, plan, arrived)
+        self.pushes += 1
+        ws = stats.workers[rank]
+        ws.pushes += 1
+        dropped = plan.kind is PlanKind.DROP
+        if dropped:
+            ws.dropped += 1
+            if plan.reason == RESUMED:
+                ws.dropped_resumed += 1
+                log.warning("worker %d: its gradient was computed on weights newer than this shard's (version %d: "
+                            "it resumed from an older checkpoint): dropped, its iteration counted", rank,
+                            self.table.version)
+            elif plan.reason == STALE:
+                ws.dropped_stale += 1
+                log.warning("worker %d: its gradient (computed on version %d, %d versions ago, before it "
+                            "reconnected) is older than the %s bound allows: dropped, not applied; it goes on from "
+                            "the newest weights", rank, self.table.version - plan.staleness, plan.staleness,
+                            policy.name)
+        else:
+            ws.staleness.add(plan.staleness)
+        if window.controller_calls != consulted:
+            ws.r_star.add(window.last_r_star)
+        result = PushResult(self.table.version, policy.clock(rank), dropped, plan.staleness, plan.scale)
+        seat = self._seat(rank)
+        seat.push_id = -1 if member.push_id is None else member.push_id
+        seat.push_clock = -1 if member.push_clock is None else member.push_clock
+        seat.result = result
+        self._after(outcome)
+        return result
+
+    def _is_duplicate(self, member: Member, request_id: int | None, clock: int | None) -> bool:
+        """The push is one ``member`` sent before it reconnected, and it was committed then
+        (only a worker that reconnected can send a push again)."""
+        if not (member.rejoin and member.joined):
+            return False
+        seat = self._seats.get(member.rank)
+        return seat is not None and seat.is_duplicate(request_id, clock)
+
+    def _answer_duplicate(self, member: Member, on_done: Callable[[PushResult], None]) -> None:
+        """A push committed already came again: answer as the first time, apply nothing."""
+        if not member.connected:
+            return
+        first = self._seats[member.rank].result
+        log.info("worker %d sent a push again that was applied already (its reply was lost): not applied twice",
+                 member.rank)
+        self.stats.duplicates += 1
+        outcome = self.policy.resume_push(member.rank)
+        on_done(PushResult(self.table.version, self.policy.clock(member.rank), first.dropped, first.staleness,
+                           first.scale))
+        self._after(outcome)
+
+    def gradient_refused(self, rank: int, reason: object) -> ServerError:
+        """A gradient's kernel refused it (``reason`` False), or its job failed (an
+        exception at any step: nothing of it was adopted)."""
+        self.stats.rejected += 1
+        self.stats.workers[rank].rejected += 1
+        if isinstance(reason, BaseException):
+            cause = f"{type(reason).__name__}: {reason}"
+            log.error("worker %d: its update failed and changed nothing (%s)", rank, cause)
+            return InternalServerError(f"the update failed and changed nothing: {cause}")
+        log.warning("worker %d: rejected a gradient holding NaN or infinity", rank)
+        return NonFiniteGradient(
+            "the gradient holds NaN or infinity (or would make the weights overflow); "
+            "it was rejected and changed nothing"
+        )
+
+    def aggregate_committed(self, applied: bool) -> None:
+        """An aggregate update finished; waiters may need its version."""
+        self._pending_aggregates -= 1
+        if applied:
+            self.stats.published(self.table.version)
+        else:  # the version its workers were promised will not come: the one before it will do
+            decided = self.decided_version
+            for member in self.members.values():
+                member.required_version = min(member.required_version, decided)
+        self.policy.aggregate_applied()
+        if applied and self.on_round is not None:
+            self.on_round(self.table.version)  # before anyone is released into the next round
+        self._serve_waiting()
+
+    # Internals -------------------------------------------------------------
+
+    def _wait(self, member: Member, on_ready: ReadyCallback, *, gate: bool) -> None:
+        """Answer ``on_ready`` once ``member`` may go on (``gate``: a pull, counted in the stats)."""
+        member.waiter = on_ready
+        member.gate = gate
+        member.waiting_since = None
+        self._waiting[member.rank] = member
+        if not self._try_serve(member) and gate:
+            member.waiting_since = self._now()
+
+    def _try_serve(self, member: Member) -> bool:
+        if (
+            not self.started
+            or member.waiter is None
+            or (member.gate and self.policy.is_held(member.rank))
+            or self.table.version < member.required_version
+        ):
+            return False
+        waiter, member.waiter = member.waiter, None
+        del self._waiting[member.rank]
+        if member.gate:
+            ws = self.stats.workers[member.rank]
+            ws.waited(0.0 if member.waiting_since is None else self._now() - member.waiting_since)
+            ws.release_gap.add(self.policy.window.gap(member.rank))
+        try:
+            waiter(self.table.snapshot(), self.policy.clock(member.rank))
+        except Exception:  # one connection's failure must not keep the others waiting
+            log.exception("answering worker %d failed", member.rank)
+        return True
+
+    def _serve_waiting(self) -> None:
+        """Try every waiting worker (after a publish that waiters may need, or the start)."""
+        if self._waiting:
+            for member in list(self._waiting.values()):
+                self._try_serve(member)
+
+    def _after(self, outcome: Outcome) -> None:
+        """Apply what a push or a leave changed: queue an aggregate update, serve the released."""
+        if outcome.aggregate_scale is not None:
+            self._pending_aggregates += 1
+            hyper, self._round_hyper = self._round_hyper, None
+            self._lane.submit(AggregateJob(self, outcome.aggregate_scale, hyper), front=True)
+        if not outcome.released:
+            return
+        # A released worker must see every update decided so far.
+        required = self.table.version + self._pending_aggregates
+        members, waiting = self.members, self._waiting
+        for rank in outcome.released:
+            member = members.get(rank)
+            if member is not None:
+                member.required_version = required
+                if rank in waiting:
+                    self._try_serve(member)

@@ -1,0 +1,277 @@
+"""The jobs of the update lane that compute: a gradient, an aggregate update,
+and a gradient applied while it arrives.
+
+A job sees the engine only through :class:`UpdateOwner`: the pieces it
+computes with (table, policy, running sum, kernels) and three reports back
+(a gradient committed or refused, an aggregate update done). The engine does
+the bookkeeping behind those reports (counters, releases, statistics); the
+jobs do the arithmetic and keep it transactional: every kernel writes its
+results aside (a free slot, the optimizer's spare state, the spare sum), so a
+refusal or a cancellation simply throws them away.
+
+Failure discipline: until a job adopts its results (publishes the slot and
+the optimizer's state, or swaps in the new sum), a failure at any step
+(prepare, kernel, adoption) gives back what it claimed and answers its
+worker with an error; nothing of it remains. An aggregate update that fails
+is reported done but not applied, so the policy's round closes and the next
+one proceeds.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from ..lane import Job, PushAnswer, MemberView, UpdateLane, UpdateOwner
+from ...errors import InternalServerError
+from ..sync import Plan, PlanKind
+from ..table import ParameterTable
+
+if TYPE_CHECKING:
+    from ..optim import HyperGroups
+    from ...errors import ServerError
+
+__all__ = ["Aggregate", "AggregateJob", "PushJob", "StreamingPush", "UpdateOwner"]
+
+log = logging.getLogger("aps.server")
+
+
+class Aggregate:
+    """BSP's and softsync's running sum of gradients, kept twice: the accumulate
+    kernel reads :attr:`current` and writes the next sum into :attr:`spare`."""
+
+    __slots__ = ("_buffers",)
+
+    def __init__(self, numel: int) -> None:
+        self._buffers = [np.zeros(numel, np.float32), np.zeros(numel, np.float32)]
+
+    @property
+    def current(self) -> np.ndarray:
+        return self._buffers[0]
+
+    @property
+    def spare(self) -> np.ndarray:
+        return self._buffers[1]
+
+    def adopt(self) -> None:
+        """The spare holds the new sum: make it current."""
+        self._buffers.reverse()
+
+
+class PushJob(Job):
+    """One gradient: plan it (apply, accumulate or drop), run its kernel, commit.
+
+    It is applied with the values its worker had set when the push arrived
+    (``member.hyper``, a HYPER request), or the optimizer's own without them.
+    ``clock`` is the iteration the push says it was computed in, for the policy's
+    staleness bound (-1: its rank's clock; see ``SyncPolicy.plan``).
+    """
+
+    __slots__ = (
+        "owner", "member", "grad_version", "arrived", "on_done", "on_error", "plan", "slot", "w_in", "answered",
+        "adopted", "hyper", "clock",
+    )
+
+    def __init__(
+        self,
+        owner: UpdateOwner,
+        member: MemberView,
+        grad_version: int,
+        arrived: float,
+        on_done: Callable[[PushAnswer], None],
+        on_error: Callable[[ServerError], None],
+        clock: int = -1,
+    ) -> None:
+        self.owner = owner
+        self.member = member
+        self.grad_version = grad_version
+        self.arrived = arrived
+        self.on_done = on_done
+        self.on_error = on_error
+        self.plan: Plan | None = None
+        self.slot = None
+        self.w_in = None
+        self.answered = False
+        self.adopted = False
+        self.hyper = member.hyper
+        self.clock = clock
+
+    def prepare(self) -> int:
+        table = self.owner.table
+        # Planned at its turn in the lane: the bound is checked against the state it is applied in.
+        plan = self.plan = self.owner.policy.plan(self.member.rank, self.grad_version, table.version, self.clock)
+        if plan.kind is PlanKind.APPLY:
+            self.slot = table.begin_update()
+            self.w_in = table.current_array()
+        return len(self.member.grad)
+
+    def run(self) -> bool:
+        # One pass that reads each gradient element once and writes every
+        # result aside: False means nothing changed (see aps/server/optim.py).
+        owner, member, plan = self.owner, self.member, self.plan
+        grad, dtype = member.gradient, member.grad_dtype
+        if plan.kind is PlanKind.APPLY:
+            return owner.table.optimizer.step(self.slot.array, self.w_in, grad, plan.scale, dtype, self.hyper)
+        if plan.kind is PlanKind.ACCUMULATE:
+            aggregate = owner.aggregate
+            return owner.kernels.accumulate(aggregate.spare, aggregate.current, grad, plan.scale, plan.first, dtype)
+        return owner.kernels.all_finite(grad, dtype)
+
+    def commit(self, result: object) -> None:
+        owner, table, plan = self.owner, self.owner.table, self.plan
+        if result is not True:
+            self.fail(result)
+            return
+        # Adoption: the publish comes first (it raises before it changes
+        # anything, if at all); the optimizer's swap of its state cannot fail.
+        if plan.kind is PlanKind.APPLY:
+            table.publish(self.slot)
+            self.slot = None  # the table's now
+            table.optimizer.commit()
+        elif plan.kind is PlanKind.ACCUMULATE:
+            owner.aggregate.adopt()
+        self.adopted = True  # from here on the gradient is in: a failure must not say otherwise
+        result = owner.gradient_committed(self.member, plan, self.arrived, self.hyper)
+        self.answered = True
+        self.on_done(result)
+
+    def fail(self, exc: object) -> None:
+        """Refused (``exc`` False) or failed: give the slot back, tell the worker (once)."""
+        if self.slot is not None:
+            self.owner.table.abandon(self.slot)
+            self.slot = None
+        if self.answered:
+            return
+        self.answered = True
+        if self.adopted:  # applied (or accumulated) already: only the bookkeeping or the answer failed
+            log.error("worker %d: its gradient was taken, but answering it failed: %s", self.member.rank, exc)
+            self.on_error(InternalServerError(
+                f"the gradient was taken (do not send it again), but the server failed after: {exc}"
+            ))
+            return
+        self.on_error(self.owner.gradient_refused(self.member.rank, exc))
+
+
+class AggregateJob(Job):
+    """Apply the running sum (a closed BSP round, a full softsync buffer), times ``scale``,
+    with ``hyper``: the values of the last gradient added to it (None: the optimizer's own)."""
+
+    __slots__ = ("owner", "scale", "hyper", "slot", "w_in", "reported")
+
+    def __init__(self, owner: UpdateOwner, scale: float, hyper: HyperGroups | None = None) -> None:
+        self.owner = owner
+        self.scale = scale
+        self.hyper = hyper
+        self.slot = None
+        self.w_in = None
+        self.reported = False
+
+    def prepare(self) -> int:
+        table = self.owner.table
+        self.slot = table.begin_update()
+        self.w_in = table.current_array()
+        return len(self.w_in)
+
+    def run(self) -> bool:
+        owner = self.owner
+        return owner.table.optimizer.step(self.slot.array, self.w_in, owner.aggregate.current, self.scale,
+                                          groups=self.hyper)
+
+    def commit(self, result: object) -> None:
+        table = self.owner.table
+        if result is not True:
+            self.fail(result)
+            return
+        table.publish(self.slot)
+        self.slot = None
+        table.optimizer.commit()
+        self.reported = True
+        self.owner.aggregate_committed(True)
+
+    def fail(self, exc: object) -> None:
+        """The update is not applied; the round still ends, so the policy goes on."""
+        if self.slot is not None:
+            self.owner.table.abandon(self.slot)
+            self.slot = None
+        if isinstance(exc, BaseException):
+            log.error("aggregate update failed (%s: %s); the round's gradients are lost", type(exc).__name__, exc)
+        else:
+            log.error("the aggregated gradient would make the weights overflow: update skipped")
+        if not self.reported:
+            self.reported = True
+            self.owner.aggregate_committed(False)
+
+
+class StreamingPush:
+    """A gradient being applied piece by piece while it arrives.
+
+    The transport calls :meth:`feed` as each piece lands; the update of that
+    piece (and the next optimizer state) is written aside, into a fresh,
+    unpublished slot, while the lane is reserved for it. Finished, the push
+    commits like any other (``Engine.push`` with ``stream=``). Cancelled (the
+    lane is needed elsewhere) or aborted (the gradient was refused, or the
+    connection died), the slot is simply given back. Every piece is applied
+    with the values the worker had set when the push began (``member.hyper``).
+    """
+
+    __slots__ = ("table", "lane", "member", "plan", "hyper", "slot", "w_in", "filled", "active")
+
+    def __init__(self, table: ParameterTable, lane: UpdateLane, member: MemberView, plan: Plan) -> None:
+        self.table = table
+        self.lane = lane
+        self.member = member
+        self.plan = plan
+        self.hyper = member.hyper
+        self.slot = None
+        self.w_in = None
+        self.filled = 0
+        self.active = False
+
+    def start(self) -> bool:
+        """Reserve the lane and claim a slot; False when the lane is busy."""
+        if not self.lane.reserve(self):
+            return False
+        self.slot = self.table.begin_update()
+        self.w_in = self.table.current_array()
+        self.active = True
+        return True
+
+    @property
+    def complete(self) -> bool:
+        return self.active and self.filled == len(self.member.grad)
+
+    def feed(self, stop: int) -> None:
+        """Elements ``[0, stop)`` of the gradient have arrived."""
+        if self.active and stop > self.filled:
+            member = self.member
+            ok = self.table.optimizer.step_slice(
+                self.slot.array, self.w_in, member.gradient, self.plan.scale, self.filled, stop, member.grad_dtype,
+                self.hyper,
+            )
+            self.filled = stop
+            if not ok:  # the ordinary path will refuse it properly
+                self.abort()
+
+    def cancel(self) -> None:
+        """Give the slot back (called by the lane, which has already dropped the reservation)."""
+        if self.active:
+            self.active = False
+            self.table.abandon(self.slot)
+
+    def abort(self) -> None:
+        """Give the slot back and free the lane."""
+        self.cancel()
+        self.lane.unreserve(self)
+
+    def finish(self, job: PushJob) -> None:
+        """All of it arrived and was applied: commit ``job`` with this result, free the lane."""
+        self.lane.unreserve(self)
+        job.plan, job.slot, job.hyper = self.plan, self.slot, self.hyper
+        try:
+            job.commit(True)
+        except Exception as exc:
+            log.error("a streamed push failed to commit: %s: %s", type(exc).__name__, exc, exc_info=exc)
+            job.fail(exc)

@@ -1,0 +1,142 @@
+"""A worker's place at the server: :class:`Member` (held by its connection while it is
+joined), :class:`Seat` (what the server remembers of a rank across connections and
+checkpoints) and :class:`PushResult` (the answer to an accepted push)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from .. import _core
+from .optim import HyperGroups
+
+if TYPE_CHECKING:
+    from .table import Snapshot  # noqa: F401  (in ReadyCallback's string)
+
+__all__ = ["Member", "PushResult", "ReadyCallback", "Seat"]
+
+#: ``on_ready(snapshot, clock)``: the worker is released; send it these weights.
+ReadyCallback = Callable[["Snapshot", int], None]
+
+
+@dataclass(slots=True)
+class PushResult:
+    """The answer to an accepted push.
+
+    Attributes:
+        version: the server's version after the push.
+        clock: the worker's clock after the push.
+        dropped: the gradient was not applied: it arrived for a closed BSP round, or
+            it is older than the staleness bound allows (computed before its worker
+            reconnected, docs/algorithms.md); the worker goes on from the newest weights.
+        staleness: ``V - v_g`` when the gradient was applied or accumulated.
+        scale: the factor the gradient was multiplied by before the optimizer
+            (staleness-aware learning rate, ``--async-scale mean``).
+    """
+
+    version: int
+    clock: int
+    dropped: bool
+    staleness: int
+    scale: float
+
+
+class Seat:
+    """What the server remembers of a rank across its connections (and checkpoints):
+    its clock when it last left, and its last committed push, by which a push sent
+    again after a lost reply is recognised (docs/protocol.md, "Duplicates")."""
+
+    __slots__ = ("clock", "held", "credit", "push_id", "push_clock", "result")
+
+    def __init__(self) -> None:
+        self.clock = -1
+        self.held = False  # held at the gate when it left
+        self.credit = 0  # DSSP iterations it had been granted and not used
+        self.push_id = -1
+        self.push_clock = -1
+        self.result: PushResult | None = None
+
+    def is_duplicate(self, request_id: int | None, clock: int | None) -> bool:
+        # Request id 0 names no request (aps.Worker never uses it): never a duplicate.
+        return bool(request_id) and request_id == self.push_id and clock == self.push_clock
+
+    def to_json(self) -> dict:
+        result = self.result
+        return {
+            "clock": self.clock,
+            "held": self.held,
+            "credit": self.credit,
+            "push_id": self.push_id,
+            "push_clock": self.push_clock,
+            "push_result": None if result is None else [result.version, result.clock, result.dropped,
+                                                        result.staleness, result.scale],
+        }
+
+    @classmethod
+    def from_json(cls, data: dict) -> Seat:
+        seat = cls()
+        seat.clock, seat.push_id, seat.push_clock = int(data["clock"]), int(data["push_id"]), int(data["push_clock"])
+        seat.held, seat.credit = bool(data.get("held", False)), int(data.get("credit", 0))
+        if data.get("push_result") is not None:
+            version, clock, dropped, staleness, scale = data["push_result"]
+            seat.result = PushResult(int(version), int(clock), bool(dropped), int(staleness), float(scale))
+        return seat
+
+
+class Member:
+    """One worker's seat at the server, held by its connection.
+
+    Attributes:
+        rank: the worker's rank.
+        grad: the flat float32 buffer its pushes are received into.
+        grad16: the buffer of its compressed pushes (16-bit words), made at the first one.
+        grad_dtype: the element type of the push being received (a ``_core`` dtype:
+            FLOAT32 in ``grad``, BFLOAT16 or FLOAT16 in ``grad16``).
+        hyper: the per-group optimizer values its pushes are applied with (set by a
+            HYPER request); None: the server's own. They belong to the connection:
+            a worker that reconnects sends them again.
+    """
+
+    __slots__ = (
+        "rank", "grad", "grad_bytes", "grad16", "grad16_bytes", "grad_dtype", "connected", "joined", "joined_running",
+        "waiter", "gate", "waiting_since", "required_version", "rejoin", "rejoin_clock", "push_id", "push_clock", "hyper",
+    )
+
+    def __init__(self, rank: int) -> None:
+        self.rank = rank
+        self.grad: np.ndarray | None = None
+        self.grad_bytes: memoryview | None = None
+        self.grad16: np.ndarray | None = None
+        self.grad16_bytes: memoryview | None = None
+        self.grad_dtype = _core.FLOAT32
+        self.connected = True
+        self.joined = False
+        self.joined_running = False  # it joined a model that was already training
+        self.waiter: ReadyCallback | None = None
+        self.gate = False  # the pending request is a pull (counted), not an init
+        self.waiting_since: float | None = None  # when its pull began to wait
+        self.required_version = 0
+        self.rejoin = False  # a worker reconnecting: it goes on from the clock it had
+        self.rejoin_clock = -1  # the clock its rejoining INIT said it had
+        self.push_id: int | None = None  # request id and clock of the push in the lane
+        self.push_clock: int | None = None
+        self.hyper: HyperGroups | None = None
+
+    def receive_gradient(self, dtype: int) -> memoryview:
+        """Where the next push's payload goes: ``grad``, or (for a compressed push,
+        ``dtype`` BFLOAT16 or FLOAT16) ``grad16``, made the first time."""
+        self.grad_dtype = dtype
+        if dtype == _core.FLOAT32:
+            return self.grad_bytes
+        if self.grad16 is None:
+            self.grad16 = np.zeros(len(self.grad), np.uint16)
+            self.grad16_bytes = memoryview(self.grad16).cast("B")
+        return self.grad16_bytes
+
+    @property
+    def gradient(self) -> np.ndarray:
+        """The push received last, as its kernel takes it (see :attr:`grad_dtype`)."""
+        return self.grad if self.grad_dtype == _core.FLOAT32 else self.grad16

@@ -1,0 +1,481 @@
+"""Server-side optimizers over the flat parameter vector.
+
+Each optimizer owns its state (momentum buffer, Adam moments, step count),
+kept twice: the current state and a spare. ``step(w_out, w_in, grad, scale)``
+reads the current weights and state and writes the next weights into
+``w_out`` and the next state into the spare, in a single fused native pass
+(the gradient multiplied by ``scale`` first: the mean over a BSP round, or a
+staleness-aware learning rate). It returns False when the gradient or a new
+weight is not finite; then nothing changed. :meth:`Optimizer.commit` adopts
+the new state. So every update is a transaction, which is what lets the
+server refuse a bad gradient without a separate checking pass, and apply a
+gradient piece by piece while it arrives. The kernels release the GIL, and
+the parameter table only ever runs one step at a time.
+
+Per-group values. A worker may ask for its pushes to be applied with values
+of its own (a HYPER request, ``Worker.set_hyperparameters``): consecutive
+ranges of the flat vector (torch's parameter groups), each with its own
+learning rate, weight decay and momentum and dampening (Adam's betas).
+:meth:`Optimizer.check_groups` checks them once and returns
+:class:`HyperGroups`; a step given them calls the same fused kernel once per
+range it covers, with that range's values (no per-element Python). A step
+given none uses the values the optimizer was made with.
+"""
+
+from __future__ import annotations
+
+import bisect
+import functools
+import math
+from collections.abc import Iterator, Mapping, Sequence
+from types import ModuleType
+from typing import Any
+
+import numpy as np
+
+from .. import _core
+from ..config import OPTIMIZER_STATE
+from ..errors import ConfigurationError, InvalidHyperparameters
+from ..wire.protocol import MAX_HYPER_GROUPS, HyperGroup, check_stops
+
+__all__ = ["SGD", "Adam", "AdamW", "HyperGroups", "Optimizer", "OPTIMIZERS", "make_optimizer"]
+
+
+_FLOAT32_MAX = float(np.finfo(np.float32).max)
+
+
+def _require(condition: bool, message: str) -> None:
+    if not condition:
+        raise ConfigurationError(message)
+
+
+class HyperGroups:
+    """Checked per-group values (see :meth:`Optimizer.check_groups`): ranges that cut
+    the flat vector from 0 to its end, each with the values its elements are updated with."""
+
+    __slots__ = ("groups", "_stops")
+
+    def __init__(self, groups: Sequence[HyperGroup]) -> None:
+        merged: list[HyperGroup] = []
+        for group in groups:  # neighbours with the same values are one range: one kernel call
+            if merged and merged[-1][1:] == group[1:]:
+                merged[-1] = group
+            else:
+                merged.append(group)
+        self.groups = tuple(merged)
+        self._stops = [group.stop for group in self.groups]
+
+    def ranges(self, start: int, stop: int) -> Iterator[tuple[int, int, HyperGroup]]:
+        """``(lo, hi, group)`` for each group whose range meets ``[start, stop)``, cut to
+        it, in order (a binary search finds the first)."""
+        index = bisect.bisect_right(self._stops, start)
+        lo = start
+        while lo < stop and index < len(self.groups):
+            group = self.groups[index]
+            hi = min(group.stop, stop)
+            yield lo, hi, group
+            lo = hi
+            index += 1
+
+    def __len__(self) -> int:
+        return len(self.groups)
+
+
+class Optimizer:
+    """Base class: an update rule with its (double-buffered) state for ``numel`` floats."""
+
+    name = "optimizer"
+    #: The names of :meth:`state_arrays`, in order (SGD has none without momentum).
+    state_names: tuple[str, ...] = ()
+    #: What the four values of a HYPER group mean for this optimizer (in error messages).
+    value_names = ("lr", "weight_decay", "momentum", "dampening")
+
+    def __init__(self, numel: int, lr: float, kernels: ModuleType = _core) -> None:
+        _require(lr >= 0.0, f"invalid learning rate {lr}: must be >= 0")
+        self.numel = numel
+        self.lr = float(lr)
+        self.steps = 0
+        self._kernels = kernels
+
+    def step(self, w_out: np.ndarray, w_in: np.ndarray, grad: np.ndarray, scale: float = 1.0,
+             grad_dtype: int = _core.FLOAT32, groups: HyperGroups | None = None) -> bool:
+        """Write ``w_in`` updated with ``scale * grad`` into ``w_out`` and the next state
+        into the spare; False (nothing to commit) when anything is not finite. ``grad``
+        is float32, or 16-bit words of ``grad_dtype`` (a compressed push). ``groups``:
+        the values of each range (a worker's HYPER); None: this optimizer's own."""
+        return self.step_slice(w_out, w_in, grad, scale, 0, self.numel, grad_dtype, groups)
+
+    def step_slice(self, w_out, w_in, grad, scale: float, start: int, stop: int,
+                   grad_dtype: int = _core.FLOAT32, groups: HyperGroups | None = None) -> bool:
+        """The part ``[start, stop)`` of :meth:`step` (for a gradient still arriving): one
+        kernel call per group range it covers."""
+        if groups is None:
+            return self._step_range(w_out, w_in, grad, scale, start, stop, grad_dtype, self.defaults)
+        for lo, hi, values in groups.ranges(start, stop):
+            if not self._step_range(w_out, w_in, grad, scale, lo, hi, grad_dtype, values):
+                return False
+        return True
+
+    def _step_range(self, w_out, w_in, grad, scale: float, start: int, stop: int, grad_dtype: int,
+                    values: HyperGroup) -> bool:
+        """The kernel on ``[start, stop)`` with ``values`` (lr, weight decay, momentum, dampening)."""
+        raise NotImplementedError
+
+    @functools.cached_property
+    def defaults(self) -> HyperGroup:
+        """The values this optimizer was made with, as one group over the whole vector (made
+        once: every update without a worker's own values uses it)."""
+        return HyperGroup(self.numel, self.lr, 0.0, 0.0, 0.0)
+
+    def check_groups(self, groups: Sequence[HyperGroup]) -> HyperGroups:
+        """Check a worker's per-group values against this optimizer and the model; returns
+        them ready for :meth:`step`.
+
+        Raises:
+            InvalidHyperparameters: no group or more than MAX_HYPER_GROUPS; stops that are
+                not strictly increasing or whose last is not the model's size; a value
+                that is not finite, negative, or out of the optimizer's range. The
+                message names the group and the value.
+        """
+        if not 1 <= len(groups) <= MAX_HYPER_GROUPS:
+            raise InvalidHyperparameters(f"{len(groups)} groups; from 1 to {MAX_HYPER_GROUPS} are accepted")
+        check_stops(groups, self.numel)
+        for index, group in enumerate(groups):
+            for name, value in zip(self.value_names, group[1:]):
+                if not math.isfinite(value) or abs(value) > _FLOAT32_MAX:  # the kernels take float32 values
+                    raise InvalidHyperparameters(f"group {index}: {name} is {value}; it must be finite in float32 "
+                                                 f"(at most {_FLOAT32_MAX:.4g})")
+                if value < 0.0:
+                    raise InvalidHyperparameters(f"group {index}: {name} is {value}; it must be >= 0")
+            self._check_group(index, group)
+        return HyperGroups(groups)
+
+    def _check_group(self, index: int, group: HyperGroup) -> None:
+        """Refuse values this optimizer cannot take (finite and >= 0 is checked already)."""
+
+    def commit(self) -> None:
+        """Adopt the state the last step(s) wrote: the update is applied."""
+        self.steps += 1
+
+    def describe(self) -> str:
+        return self.name
+
+    def hyperparameters(self) -> dict:
+        """The options this optimizer was made with (JSON-able, for checkpoints)."""
+        return {"lr": self.lr}
+
+    def state_arrays(self) -> dict[str, np.ndarray]:
+        """The current state by name (``momentum_buffer``; ``exp_avg``, ``exp_avg_sq``),
+        flat and live: they change at the next commit."""
+        return {}
+
+    def load_state(self, arrays: Mapping[str, np.ndarray | Sequence[np.ndarray]], steps: int) -> None:
+        """Adopt a saved state (from :meth:`state_arrays` and :attr:`steps`): the current
+        state becomes a copy of ``arrays``; nothing is kept if one does not fit.
+
+        Args:
+            arrays: every array of :meth:`state_arrays` by name, each flat with ``numel``
+                float32 elements, or a sequence of consecutive flat pieces that make one up
+                (a state received in pieces).
+            steps: the step count that goes with it.
+
+        Raises:
+            ValueError: other names than :meth:`state_arrays`', or an array of another size.
+        """
+        own = self.state_arrays()
+        if set(arrays) != set(own):
+            raise ValueError(f"the {self.name} state holds {sorted(own)}, got {sorted(arrays)}")
+        pieces = {}
+        for name, value in arrays.items():
+            parts = list(value) if isinstance(value, (list, tuple)) else [value]
+            if len(parts) == 1 and parts[0].shape != own[name].shape:
+                raise ValueError(f"{name} has shape {parts[0].shape}, the model needs {own[name].shape}")
+            if any(part.ndim != 1 for part in parts) or sum(part.size for part in parts) != own[name].size:
+                raise ValueError(f"{name} has {sum(part.size for part in parts)} elements in pieces, the model "
+                                 f"needs {own[name].size}")
+            pieces[name] = parts
+        for name, parts in pieces.items():
+            offset = 0
+            for part in parts:
+                np.copyto(own[name][offset : offset + part.size], part)
+                offset += part.size
+        self.steps = int(steps)
+
+    def state_problem(self, arrays: Mapping[str, Sequence[np.ndarray]], steps: int) -> str | None:
+        """Why ``arrays`` (each a sequence of consecutive flat float32 pieces) and ``steps``
+        cannot be loaded by :meth:`load_state`, or None when they can: other names, an array
+        of another size, a value that is not finite, a step count out of range."""
+        own = self.loadable_state(arrays)
+        if list(arrays) != list(own):
+            return f"the {self.name} state holds the arrays {list(own)}, in that order; got {list(arrays)}"
+        if not isinstance(steps, int) or not 0 <= steps <= 1 << 53:
+            return f"steps is {steps!r}; it must be an integer from 0 to 2**53"
+        for name, parts in arrays.items():
+            size = sum(part.size for part in parts)
+            if size != own[name].size:
+                return f"{name} has {size} elements; the model has {own[name].size}"
+            offset = 0
+            for part in parts:
+                if not self._kernels.all_finite(part):
+                    index = offset + int(np.flatnonzero(~np.isfinite(part))[0])
+                    return f"{name}[{index}] is {part[index - offset]}: every value must be finite"
+                offset += part.size
+        return None
+
+    def loadable_state(self, arrays: Mapping[str, Any]) -> Mapping[str, np.ndarray]:
+        """The arrays a state to load (``arrays``, by name) must have, names and sizes:
+        :meth:`state_arrays`, or what the optimizer takes up although it holds none yet."""
+        return self.state_arrays()
+
+    def allocate_for(self, groups: HyperGroups) -> None:
+        """Make the state that ``groups`` (checked by :meth:`check_groups`) need and this
+        optimizer does not hold yet; raises MemoryError, changing nothing, if it cannot."""
+
+
+class SGD(Optimizer):
+    """Stochastic gradient descent with optional momentum, Nesterov and weight decay,
+    computed as ``torch.optim.SGD`` computes it."""
+
+    name = "sgd"
+    state_names = OPTIMIZER_STATE["sgd"]
+
+    def __init__(
+        self,
+        numel: int,
+        lr: float,
+        momentum: float = 0.0,
+        dampening: float = 0.0,
+        weight_decay: float = 0.0,
+        nesterov: bool = False,
+        kernels: ModuleType = _core,
+    ) -> None:
+        super().__init__(numel, lr, kernels)
+        _require(momentum >= 0.0, f"invalid momentum {momentum}: must be >= 0")
+        _require(weight_decay >= 0.0, f"invalid weight decay {weight_decay}: must be >= 0")
+        _require(
+            not nesterov or (momentum > 0.0 and dampening == 0.0),
+            "Nesterov momentum needs a momentum > 0 and zero dampening",
+        )
+        self.momentum = float(momentum)
+        self.dampening = float(dampening)
+        self.weight_decay = float(weight_decay)
+        self.nesterov = bool(nesterov)
+        self._buffers = [np.zeros(numel, np.float32), np.zeros(numel, np.float32)] if momentum else None
+        #: The step count when the buffers came: their first update starts them from the gradient.
+        self._buffers_since = 0
+
+    @property
+    def momentum_buffer(self) -> np.ndarray | None:
+        """The current momentum buffer (None without momentum)."""
+        return self._buffers[0] if self._buffers is not None else None
+
+    @functools.cached_property
+    def defaults(self) -> HyperGroup:
+        return HyperGroup(self.numel, self.lr, self.weight_decay, self.momentum, self.dampening)
+
+    def _check_group(self, index: int, group: HyperGroup) -> None:
+        # (momentum in a group of a server started without: allocate_for makes the buffers)
+        if self.nesterov and (group.momentum <= 0.0 or group.dampening != 0.0):
+            raise InvalidHyperparameters(
+                f"group {index}: momentum {group.momentum}, dampening {group.dampening}: this server runs Nesterov "
+                "momentum (--nesterov), which needs a momentum > 0 and zero dampening")
+
+    def allocate_for(self, groups: HyperGroups) -> None:
+        """A worker asks for momentum (``torch.optim.SGD(..., momentum=0.9)``) from a server
+        started without: make the buffers now, on its first request, rather than refuse it."""
+        if self._buffers is None and any(values.momentum > 0.0 for _, _, values in groups.ranges(0, self.numel)):
+            self._allocate()
+
+    def _allocate(self) -> None:
+        # Both made before either is published: a MemoryError leaves the optimizer as it was.
+        # An update running meanwhile on a helper thread reads _buffers once per range: ranges
+        # it did before see none (and this member's pushes with momentum come after its HYPER).
+        buffers = [np.zeros(self.numel, np.float32), np.zeros(self.numel, np.float32)]
+        self._buffers_since = self.steps
+        self._buffers = buffers
+
+    def loadable_state(self, arrays):
+        if self._buffers is None and list(arrays) == ["momentum_buffer"]:
+            # a saved state with momentum, loaded into a server started without: taken (see load_state)
+            return {"momentum_buffer": np.broadcast_to(np.float32(0), (self.numel,))}
+        return self.state_arrays()
+
+    def load_state(self, arrays, steps: int) -> None:
+        if self._buffers is None and "momentum_buffer" in arrays:
+            self._allocate()
+            self._buffers_since = 0  # a saved buffer goes on as it was
+        super().load_state(arrays, steps)
+
+    def _step_range(self, w_out, w_in, grad, scale, start, stop, grad_dtype, values):
+        buf_in = buf_out = None
+        momentum = values.momentum
+        if self._buffers is not None:
+            if momentum != 0.0:
+                buf_in, buf_out = self._buffers[0][start:stop], self._buffers[1][start:stop]
+            else:
+                # A range updated without momentum keeps its buffer as it was (torch.optim
+                # leaves a group's state alone while its momentum is 0); the spare must
+                # hold it too, or the commit's swap would bring back an older one.
+                np.copyto(self._buffers[1][start:stop], self._buffers[0][start:stop])
+        return self._kernels.sgd_step(
+            w_out[start:stop],
+            w_in[start:stop],
+            grad[start:stop],
+            buf_out,
+            buf_in,
+            values.lr,
+            momentum,
+            values.dampening,
+            values.weight_decay,
+            self.nesterov,
+            self.steps == self._buffers_since,
+            scale,
+            grad_dtype,
+        )
+
+    def commit(self) -> None:
+        if self._buffers is not None:
+            self._buffers.reverse()
+        super().commit()
+
+    def hyperparameters(self) -> dict:
+        return {"lr": self.lr, "momentum": self.momentum, "dampening": self.dampening,
+                "weight_decay": self.weight_decay, "nesterov": self.nesterov}
+
+    def state_arrays(self) -> dict[str, np.ndarray]:
+        return {} if self._buffers is None else {"momentum_buffer": self._buffers[0]}
+
+    def state_problem(self, arrays, steps):
+        problem = super().state_problem(arrays, steps)
+        if problem is None and steps == 0 and any(np.any(part) for part in arrays.get("momentum_buffer", ())):
+            # The first update starts the buffer from the gradient (as torch.optim.SGD without
+            # a buffer does): a buffer loaded with it would be ignored, not used.
+            return ("steps is 0 but the momentum buffer is not zero: before its first update sgd has no "
+                    "momentum buffer (the first update starts it from the gradient); give the steps the "
+                    "buffer was built over")
+        return problem
+
+    def describe(self) -> str:
+        extra = []
+        if self.momentum:
+            extra.append(f"momentum={self.momentum:g}{' nesterov' if self.nesterov else ''}")
+        if self.weight_decay:
+            extra.append(f"weight_decay={self.weight_decay:g}")
+        return f"sgd lr={self.lr:g}" + "".join(" " + e for e in extra)
+
+
+class Adam(Optimizer):
+    """Adam, computed as ``torch.optim.Adam`` computes it (weight decay added to the gradient)."""
+
+    name = "adam"
+    state_names = OPTIMIZER_STATE["adam"]
+    decoupled = False
+    value_names = ("lr", "weight_decay", "beta1", "beta2")
+
+    def __init__(
+        self,
+        numel: int,
+        lr: float,
+        betas: tuple[float, float] = (0.9, 0.999),
+        eps: float = 1e-8,
+        weight_decay: float = 0.0,
+        kernels: ModuleType = _core,
+    ) -> None:
+        super().__init__(numel, lr, kernels)
+        beta1, beta2 = (float(b) for b in betas)
+        _require(0.0 <= beta1 < 1.0, f"invalid beta1 {beta1}: must be in [0, 1)")
+        _require(0.0 <= beta2 < 1.0, f"invalid beta2 {beta2}: must be in [0, 1)")
+        _require(eps >= 0.0, f"invalid eps {eps}: must be >= 0")
+        _require(weight_decay >= 0.0, f"invalid weight decay {weight_decay}: must be >= 0")
+        self.betas = (beta1, beta2)
+        self.eps = float(eps)
+        self.weight_decay = float(weight_decay)
+        self._m = [np.zeros(numel, np.float32), np.zeros(numel, np.float32)]
+        self._v = [np.zeros(numel, np.float32), np.zeros(numel, np.float32)]
+
+    @property
+    def exp_avg(self) -> np.ndarray:
+        return self._m[0]
+
+    @property
+    def exp_avg_sq(self) -> np.ndarray:
+        return self._v[0]
+
+    @functools.cached_property
+    def defaults(self) -> HyperGroup:
+        return HyperGroup(self.numel, self.lr, self.weight_decay, *self.betas)
+
+    def _check_group(self, index: int, group: HyperGroup) -> None:
+        for name, beta in (("beta1", group.momentum), ("beta2", group.dampening)):
+            if not beta < 1.0:
+                raise InvalidHyperparameters(f"group {index}: {name} is {beta}; it must be in [0, 1)")
+
+    def _step_range(self, w_out, w_in, grad, scale, start, stop, grad_dtype, values):
+        # A group's momentum and dampening carry Adam's beta1 and beta2.
+        return self._kernels.adam_step(
+            w_out[start:stop],
+            w_in[start:stop],
+            grad[start:stop],
+            self._m[1][start:stop],
+            self._m[0][start:stop],
+            self._v[1][start:stop],
+            self._v[0][start:stop],
+            self.steps + 1,
+            values.lr,
+            values.momentum,
+            values.dampening,
+            self.eps,
+            values.weight_decay,
+            self.decoupled,
+            scale,
+            grad_dtype,
+        )
+
+    def commit(self) -> None:
+        self._m.reverse()
+        self._v.reverse()
+        super().commit()
+
+    def hyperparameters(self) -> dict:
+        return {"lr": self.lr, "betas": list(self.betas), "eps": self.eps, "weight_decay": self.weight_decay}
+
+    def state_arrays(self) -> dict[str, np.ndarray]:
+        return {"exp_avg": self._m[0], "exp_avg_sq": self._v[0]}
+
+    def describe(self) -> str:
+        text = f"{self.name} lr={self.lr:g} betas=({self.betas[0]:g},{self.betas[1]:g}) eps={self.eps:g}"
+        return text + (f" weight_decay={self.weight_decay:g}" if self.weight_decay else "")
+
+
+class AdamW(Adam):
+    """AdamW: Adam with decoupled weight decay, as ``torch.optim.AdamW``."""
+
+    name = "adamw"
+    decoupled = True
+
+    def __init__(self, numel, lr, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.01, kernels=_core):
+        super().__init__(numel, lr, betas, eps, weight_decay, kernels)
+
+
+OPTIMIZERS: dict[str, type[Optimizer]] = {"sgd": SGD, "adam": Adam, "adamw": AdamW}
+
+
+def make_optimizer(
+    name: str,
+    numel: int,
+    *,
+    lr: float,
+    momentum: float = 0.0,
+    nesterov: bool = False,
+    weight_decay: float = 0.0,
+    betas: tuple[float, float] = (0.9, 0.999),
+    eps: float = 1e-8,
+    kernels: ModuleType = _core,
+) -> Optimizer:
+    """The optimizer called ``name`` (``sgd``, ``adam`` or ``adamw``) for ``numel`` parameters."""
+    if name == "sgd":
+        return SGD(numel, lr, momentum=momentum, weight_decay=weight_decay, nesterov=nesterov, kernels=kernels)
+    if name in ("adam", "adamw"):
+        _require(momentum == 0.0 and not nesterov, f"--momentum/--nesterov apply to sgd, not {name}")
+        return OPTIMIZERS[name](numel, lr, betas=betas, eps=eps, weight_decay=weight_decay, kernels=kernels)
+    raise ConfigurationError(f"unknown optimizer {name!r}: choose from {', '.join(OPTIMIZERS)}")

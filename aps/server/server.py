@@ -1,0 +1,702 @@
+"""The aps server: listeners, the connection registry, the event loop.
+
+One asyncio loop (uvloop when importable) runs everything: the TCP listener,
+every worker connection and the engine's bookkeeping. Large update kernels
+run on one helper thread (they release the GIL) so the loop keeps reading
+sockets meanwhile.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import errno
+import logging
+import os
+import pathlib
+import signal
+import sys
+import threading
+import uuid
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+import numpy as np
+
+from .checkpointer import Checkpointer
+from .engine import Engine
+from .lane import run_kernel
+from ..checkpoint import (
+    Checkpoint,
+    find_resumable,
+    is_checkpoint,
+    list_checkpoints,
+    lock_run_directory,
+    read_checkpoint,
+    read_manifest,
+)
+from ..wire.tokens import new_token, remove_token_file, token_path, write_token_file
+from ..config import RESUME_LATEST, RUN_OPTIONS, ServerConfig, generates_token, resolve_token
+from ..errors import APSError, CheckpointError, CheckpointFailed, ConfigurationError
+from ..wire.protocol import encode_join_progress
+from ..wire.net import server_context
+from ..wire.net import format_address
+from ..wire.segments import Segment, default_socket_path, shm_available
+from .admission import Connections
+from .shm import ShmSession, UnixListener
+from .tcp import TcpSession
+
+__all__ = ["Server", "new_event_loop"]
+
+log = logging.getLogger("aps.server")
+
+# Workers waiting in INIT hear who has joined soon after each change (changes
+# close together are told once) and every few seconds in any case.
+_JOIN_PROGRESS_EVERY_S = 2.0
+_JOIN_PROGRESS_COALESCE_S = 0.2
+# A rewind's reply leaves before the process restarts.
+_REWIND_REPLY_S = 0.1
+
+
+def _busy_hint(exc: OSError, flag: str) -> str:
+    """What to do about a port in use: the likely cause and the way out."""
+    if exc.errno != errno.EADDRINUSE:
+        return ""
+    return (f" (another aps server may be running there: stop it, choose another {flag}, or give {flag} 0 to "
+            "pick a free port, printed when it starts)")
+
+
+def new_event_loop() -> asyncio.AbstractEventLoop:
+    """A uvloop event loop when uvloop is installed, else the stock asyncio loop."""
+    try:
+        import uvloop
+    except ImportError:  # pragma: no cover - uvloop is a dependency on POSIX
+        return asyncio.new_event_loop()
+    return uvloop.new_event_loop()
+
+
+class Server:
+    """An aps parameter server.
+
+    Takes a :class:`~aps.config.ServerConfig` and/or its fields as keyword
+    arguments (the same options as ``aps serve``). With ``resume``, the run's
+    options (:data:`aps.config.RUN_OPTIONS`) come from the checkpoint; those
+    in ``given`` (default: those not at their default value) must agree with it.
+
+    Example::
+
+        with aps.Server(workers=2, sync="ssp", staleness=3, port=0).run_in_background() as server:
+            print(server.address)  # tcp://127.0.0.1:PORT
+    """
+
+    def __init__(self, config: ServerConfig | None = None, *, given: set[str] | None = None, **options: Any) -> None:
+        if config is None:
+            config = ServerConfig(**options)
+        elif options:
+            config = config.replace(**options)
+        self.config = config
+        # The options given (resume checks them against the checkpoint): the keywords passed,
+        # or with a config object, the fields that differ from the defaults.
+        self._given = given if given is not None else (set(options) if options or config is None else None)
+        self.checkpointer: Checkpointer | None = None
+        self.http = None  # the HTTP side (aps.server.http.HttpSide), with --http-port
+        self.engine: Engine | None = None
+        self.connections: set = Connections()
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._listener: asyncio.base_events.Server | None = None
+        self._executor: ThreadPoolExecutor | None = None
+        self._stopping: asyncio.Event | None = None
+        self._watchdog: asyncio.Task | None = None
+        self._progress: asyncio.Task | None = None
+        self._unix: UnixListener | None = None
+        self._port: int | None = None
+        self._rewinding: tuple[int, str] | None = None  # (version, path): what a REWIND restarts this process from
+        self._run_lock = None  # the lock on the directory the run was resumed from (see _checkpoint_to_resume)
+        #: The Unix socket co-located workers reach the server by ("" without one).
+        self.unix_path = ""
+        #: The command that started this server (``aps serve`` sets it): with it, the server
+        #: can restart itself from one of its checkpoints (REWIND, docs/algorithms.md
+        #: "Sharded resume"); an embedded server has none and refuses to rewind.
+        self.restart_command: list[str] | None = None
+        #: The file holding the token this server made itself (None: it was given one, or none).
+        self.token_file: str | None = None
+        self._token: bytes | None = None
+
+    @property
+    def address(self) -> str:
+        """``tcp://HOST:PORT`` (``tls://`` with TLS) the server listens on (after it started)."""
+        if self._port is None:
+            raise APSError("the server is not running")
+        return format_address(self.config.host, self._port, "tls" if self.config.tls_cert else "tcp")
+
+    @property
+    def port(self) -> int | None:
+        return self._port
+
+    @property
+    def http_address(self) -> str | None:
+        """``http://HOST:PORT/`` of the HTTP side (``--http-port``; ``https`` with
+        ``--tls-cert``), or None."""
+        if self.http is None or self.http.port is None:
+            return None
+        host = f"[{self.config.host}]" if ":" in self.config.host else self.config.host
+        return f"{self.http.scheme}://{host}:{self.http.port}/"
+
+    # Lifecycle ------------------------------------------------------------
+    async def start(self) -> None:
+        """Bind the listener and get ready to serve (inside a running loop)."""
+        _raise_descriptor_limit(self.config.max_connections)
+        token = resolve_token(self.config)
+        # On loopback without a token given: one of its own, in a file only this user can
+        # read (written once the port is known); strangers on this machine cannot join.
+        generated = token is None and generates_token(self.config)
+        if generated:
+            token = new_token().encode("utf-8")
+        self._token = token
+        try:
+            checkpoint = self._checkpoint_to_resume()  # before anything starts: a bad one changes nothing
+        except BaseException:
+            self._release_run_lock()
+            raise
+        loop = self._loop = asyncio.get_running_loop()
+        self._stopping = asyncio.Event()
+        self._executor = ThreadPoolExecutor(1, thread_name_prefix="aps-update")
+        config = self.config
+        shared = config.unix_socket != "none" and shm_available()
+        allocate = (lambda numel: Segment.create(numel, "aps-slot", shared_read_only=True)) if shared else None
+        self.engine = Engine(config, offload=self._offload, allocate=allocate)
+        try:
+            if checkpoint is not None:
+                self.engine.restore(checkpoint)
+                if config.fork_run:
+                    self._fork(checkpoint)
+            if config.checkpoint_dir is not None:
+                if self._run_lock is not None and _same_directory(self._run_lock.name, config.checkpoint_dir):
+                    # The checkpointer takes the same lock on the same file (a second flock of
+                    # one file conflicts even within a process): it holds the directory from now.
+                    self._release_run_lock()
+                self.checkpointer = Checkpointer(config, self.engine)
+                self.checkpointer.start()
+                self.engine.request_checkpoint = self.checkpointer.request
+                self.engine.request_rewind = self._request_rewind
+        except BaseException:
+            self._executor.shutdown(wait=False)
+            self._release_run_lock()
+            if self.engine.table is not None:
+                self.engine.table.close()
+            raise
+        max_payload = config.max_frame_bytes
+        tls = server_context(config.tls_cert, config.tls_key, config.tls_ca) if config.tls_cert else None
+        try:
+            self._listener = await loop.create_server(
+                lambda: TcpSession(self.engine, max_payload, self.connections, self.unix_path, token),
+                config.host,
+                config.port,
+                reuse_address=True,
+                ssl=tls,
+                ssl_handshake_timeout=config.handshake_timeout if tls else None,
+            )
+        except OSError as exc:
+            await self._abandon_start()
+            raise ConfigurationError(f"cannot listen on {config.host}:{config.port}: {exc.strerror or exc}"
+                                     f"{_busy_hint(exc, '--port')}") from None
+        self._port = self._listener.sockets[0].getsockname()[1]
+        self.engine.address = self.address
+        try:
+            self._publish_token(token if generated else None)
+        except ConfigurationError:
+            self._listener.close()
+            await self._abandon_start()
+            raise
+        if shared:
+            path = default_socket_path(self._port) if config.unix_socket == "auto" else config.unix_socket
+            try:
+                self._unix = UnixListener(
+                    path, lambda sock: ShmSession(self.engine, max_payload, self.connections, sock, token),
+                    sweep=config.unix_socket == "auto",
+                )
+            except (OSError, ConfigurationError) as exc:
+                self._listener.close()
+                await self._abandon_start()
+                raise ConfigurationError(f"cannot listen on {path}: {exc}") from None
+            self.unix_path = path
+        if config.http_port is not None:
+            from .http import HttpSide
+
+            stats = self.engine.stats
+            # The HTTP side is read-only: a token made here guards the worker port only (as given
+            # with --token, it guards both).
+            self.http = HttpSide(config, self.engine.stats_snapshot, None if generated else token, tls=tls,
+                                 totals=lambda: self.engine.stats_totals(), events_after=stats.events_after)
+            try:
+                await self.http.start()
+            except OSError as exc:
+                self._listener.close()
+                if self._unix is not None:
+                    self._unix.close()
+                await self._abandon_start()
+                raise ConfigurationError(f"cannot listen on {config.host}:{config.http_port} (--http-port): "
+                                         f"{exc.strerror or exc}{_busy_hint(exc, '--http-port')}") from None
+        self._watchdog = loop.create_task(self._watch_connections(self.config.heartbeat_timeout))
+        self._progress = loop.create_task(self._report_join_progress())
+        log.info(
+            "listening on %s%s%s: %d workers, sync %s, optimizer %s lr=%g",
+            self.address,
+            f" and {self.unix_path} (shared memory)" if self.unix_path else "",
+            (f" (a token is required: made for this run, in {self.token_file}, where this user's workers and "
+             "aps status find it)" if self.token_file else " (a token is required)") if token is not None
+            else " (no token: anyone who reaches the port can join)",
+            self.config.workers,
+            self.config.sync,
+            self.config.optimizer,
+            self.config.lr,
+        )
+
+    # Rewinding (REWIND: a sharded BSP worker brings every shard back to one round) ----------
+    def _request_rewind(self, version: int | None) -> asyncio.Future:
+        return asyncio.get_running_loop().create_task(self._rewind(version))
+
+    async def _rewind(self, version: int | None) -> dict:
+        """With ``version`` None: the versions of this run's checkpoints. Else restart this
+        process from the checkpoint of this run at ``version`` (after the reply has gone):
+        every worker loses its connection and rejoins, as after a crash and ``--resume``."""
+        engine, directory = self.engine, self.config.checkpoint_dir
+        found = await asyncio.to_thread(_run_checkpoints, directory, engine.run_id)
+        if version is None:
+            return {"versions": sorted(found), "version": engine.version}
+        if self._rewinding is not None:  # another worker asked first
+            if self._rewinding[0] != version:
+                raise CheckpointFailed(f"this server is restarting from version {self._rewinding[0]} already")
+            return {"rewound": True, "version": version, "path": self._rewinding[1]}
+        if version == engine.version:
+            return {"rewound": False, "version": version}
+        if version > engine.version:
+            raise CheckpointFailed(f"cannot rewind to version {version}: this server is at {engine.version}")
+        if version not in found:
+            raise CheckpointFailed(f"no checkpoint of this run at version {version} in {directory}")
+        if self.restart_command is None:
+            raise CheckpointFailed("this server cannot rewind: only an `aps serve` process restarts itself")
+        path = found[version]
+        try:
+            await asyncio.to_thread(read_checkpoint, path)  # intact, or the process would not come back
+        except CheckpointError as exc:
+            raise CheckpointFailed(f"cannot rewind to version {version}: {exc}") from None
+        if self._rewinding is not None:  # another worker's request won meanwhile
+            return await self._rewind(version)
+        self._rewinding = (version, path)
+        # No new connection reaches this process: the next ones reach the restarted one.
+        self._listener.close()
+        if self._unix is not None:
+            self._unix.close()
+            self._unix = None
+        log.warning("rewinding to version %d (from %d): restarting from %s", version, engine.version, path)
+        asyncio.get_running_loop().call_later(_REWIND_REPLY_S, self._restart, path)
+        return {"rewound": True, "version": version, "path": path}
+
+    def _restart(self, path: str) -> None:
+        """Replace this process with ``aps serve`` resumed from ``path``, on the same ports (the
+        descriptors close on exec; so does the checkpoint directory's lock)."""
+        command = [*self.restart_command, "--port", str(self._port), "--resume", path]
+        if self.http is not None and self.http.port is not None:
+            command += ["--http-port", str(self.http.port)]
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os.execv(command[0], command)
+    def _publish_token(self, token: bytes | None) -> None:
+        """Write the token this server made to its file (see :mod:`aps.wire.tokens`); without
+        one, remove a file left at this address by a server that is gone (this one
+        holds the port now: that token is no one's)."""
+        if token is not None:
+            self.token_file = write_token_file(self.config.host, self._port, token.decode("utf-8"))
+        else:
+            remove_token_file(token_path(self.config.host, self._port), None)
+
+    def _unpublish_token(self) -> None:
+        if self.token_file is not None:
+            remove_token_file(self.token_file, self._token.decode("utf-8"))
+            self.token_file = None
+
+    async def _abandon_start(self) -> None:
+        self._unpublish_token()
+        if self.checkpointer is not None:
+            await self.checkpointer.close_without_checkpoint()
+            self.checkpointer = None
+        self._release_run_lock()
+        self._executor.shutdown(wait=False)
+
+    def _release_run_lock(self) -> None:
+        if self._run_lock is not None:
+            self._run_lock.close()
+            self._run_lock = None
+
+    def _fork(self, checkpoint: Checkpoint) -> None:
+        """``--fork-run``: the resumed state goes on under a new run id, so that workers of the
+        original run (whose server may be live) are refused here (RunChanged), and this
+        run's checkpoints are its own. Shards record their runs again as workers join."""
+        engine = self.engine
+        original, engine.run_id, engine.shard_runs = engine.run_id, uuid.uuid4().hex, None
+        log.warning("--fork-run: checkpoint %s of run %s goes on as a new run, %s (workers of the original run "
+                    "are not served here)", checkpoint.path, original, engine.run_id)
+
+    def _checkpoint_to_resume(self) -> Checkpoint | None:
+        """The checkpoint ``--resume`` names (None: a new run), with the run's options
+        taken from it into :attr:`config`. Raises CheckpointError."""
+        config = self.config
+        if config.resume is None:
+            return None
+        where = config.checkpoint_dir if config.resume == RESUME_LATEST else config.resume
+        if config.checkpoint_dir is None:
+            log.warning("--resume without --checkpoint-dir: this run writes no checkpoints of its own")
+        if not config.fork_run:
+            # One run, one live server: the directory the run is resumed from is held while this
+            # server runs, and refused while a live server holds it (one writing there, or one that
+            # resumed from it), before anything is read. A killed server's lock is gone with it.
+            source = pathlib.Path(where)
+            source = source.parent if is_checkpoint(source) else source
+            self._run_lock = lock_run_directory(source, advice=(
+                f": a second server resuming it (--resume {where}) would make two copies of one run, under one run "
+                "id. Stop that server first (then resume from its newest checkpoint), or give --fork-run to go on "
+                "from the checkpoint as a new run with a run id of its own"))
+        checkpoint = find_resumable(where)
+        if checkpoint is None:
+            if config.resume != RESUME_LATEST:
+                raise CheckpointError(f"--resume {where}: no checkpoint there")
+            log.warning("--resume: %s holds no checkpoint yet: starting a new run", where)
+            return None
+        saved = checkpoint.manifest.get("config")
+        if not isinstance(saved, dict):
+            raise CheckpointError(f"checkpoint {checkpoint.path} has no configuration in its manifest")
+        given = self._given
+        if given is None:  # the Python API: what differs from the defaults was given
+            defaults = ServerConfig()
+            given = {name for name in RUN_OPTIONS if getattr(config, name) != getattr(defaults, name)}
+        changes = {}
+        for name in RUN_OPTIONS:
+            if name not in saved:
+                raise CheckpointError(f"checkpoint {checkpoint.path} does not say its --{name.replace('_', '-')}")
+            value = tuple(saved[name]) if isinstance(saved[name], list) else saved[name]
+            if name in given and getattr(config, name) != value:
+                flag = "--" + name.replace("_", "-")
+                raise CheckpointError(
+                    f"{flag} {_show(getattr(config, name))} conflicts with checkpoint {checkpoint.path}, whose run "
+                    f"has {flag} {_show(value)}: leave {flag} out to go on with the run's value (or start a new run "
+                    "without --resume)"
+                )
+            changes[name] = value
+        try:
+            self.config = config.replace(**changes)
+        except ConfigurationError as exc:
+            raise CheckpointError(f"checkpoint {checkpoint.path} holds an invalid configuration: {exc}") from None
+        return checkpoint
+
+    async def wait_stopped(self) -> None:
+        """Wait until :meth:`stop` is called."""
+        await self._stopping.wait()
+
+    def stats(self, timeout: float = 10.0) -> dict:
+        """A snapshot of the server's statistics (see ``aps status``); safe from any thread.
+
+        Returns:
+            ``{"server": {...}, "workers": [{...}, ...]}``: version, update rate,
+            bytes in and out, and per worker its clock, gap, pushes, staleness
+            histogram, time waited at the gate, DSSP ``r*`` histogram and last
+            iteration interval.
+        """
+        return self._on_loop(lambda: self.engine.stats_snapshot(), timeout)
+
+    def weights(self, timeout: float = 10.0) -> tuple[int, np.ndarray | None]:
+        """A copy of the current weights (flat float32, in the model's order) and their version.
+
+        Safe from any thread; ``(0, None)`` before the first worker joined.
+        """
+
+        def grab() -> tuple[int, np.ndarray | None]:
+            table = self.engine.table
+            return (0, None) if table is None else (table.version, table.current_array().copy())
+
+        return self._on_loop(grab, timeout)
+
+    def checkpoint(self, timeout: float = 60.0) -> str:
+        """Write a checkpoint now and return its path (see ``--checkpoint-dir``); safe from any thread.
+
+        Raises:
+            CheckpointFailed: the server has no ``--checkpoint-dir``, no model yet, or
+                the write failed (a full or read-only directory); training goes on.
+        """
+        loop = self._loop
+        if loop is None or self.engine is None:
+            raise APSError("the server is not running")
+
+        async def request() -> str:
+            if self.checkpointer is None:
+                raise CheckpointFailed("this server writes no checkpoints (start it with --checkpoint-dir)")
+            return (await self.checkpointer.request("request"))["path"]
+
+        try:
+            running = asyncio.get_running_loop()
+        except RuntimeError:
+            running = None
+        if running is loop:
+            raise APSError("Server.checkpoint() waits for the write, so it cannot run on the server's own loop: "
+                           "call it from another thread, or await server.checkpointer.request()")
+        return asyncio.run_coroutine_threadsafe(request(), loop).result(timeout)
+
+    def _on_loop(self, fn, timeout: float):
+        loop = self._loop
+        if loop is None or self.engine is None:
+            raise APSError("the server is not running")
+        try:
+            running = asyncio.get_running_loop()
+        except RuntimeError:
+            running = None
+        if running is loop:
+            return fn()
+
+        async def call():
+            return fn()
+
+        return asyncio.run_coroutine_threadsafe(call(), loop).result(timeout)
+
+    def stop(self) -> None:
+        """Ask the server to shut down (thread-safe, idempotent)."""
+        loop, stopping = self._loop, self._stopping
+        if loop is None or stopping is None or loop.is_closed():
+            return
+        try:
+            loop.call_soon_threadsafe(stopping.set)
+        except RuntimeError:  # the loop closed meanwhile
+            pass
+
+    async def close(self) -> None:
+        """Stop listening, tell every connection and close it, stop the helper thread."""
+        for task in (self._watchdog, self._progress):
+            if task is not None:
+                task.cancel()
+        if self.http is not None:
+            await self.http.close()
+        self._watchdog = self._progress = None
+        if self._listener is not None:
+            self._listener.close()
+        if self._unix is not None:
+            self._unix.close()
+            self._unix = None
+        sessions = list(self.connections)
+        for conn in sessions:
+            conn.announce_shutdown()
+        if self.checkpointer is not None:
+            # After the announcement (nothing more is answered: a push taken from now on
+            # is in the checkpoint, or is sent again after the restart) and before the
+            # connections go (their leaving would empty the live set it saves).
+            await self.checkpointer.close()
+            self.checkpointer = None
+        self._release_run_lock()
+        for conn in sessions:
+            conn.close()
+        if self._listener is not None:
+            await self._listener.wait_closed()
+            self._listener = None
+        # Let the transports deliver their connection_lost callbacks.
+        for _ in range(3):
+            await asyncio.sleep(0)
+        if self._executor is not None:
+            self._executor.shutdown(wait=True)
+            self._executor = None
+        if self.engine is not None and self.engine.table is not None:
+            self.engine.table.close()
+        self._unpublish_token()
+        log.info("server stopped")
+
+    async def serve(self, announce: Callable[[str], None] | None = None) -> None:
+        """Start, call ``announce(address)``, serve until :meth:`stop`, then close."""
+        await self.start()
+        try:
+            if announce is not None:
+                announce(self.address)
+            await self.wait_stopped()
+        finally:
+            await self.close()
+
+    def run(
+        self,
+        *,
+        handle_signals: bool = True,
+        announce: bool = True,
+        loop_factory: Callable[[], asyncio.AbstractEventLoop] = new_event_loop,
+    ) -> int:
+        """Serve in this thread until SIGINT/SIGTERM (or :meth:`stop`); returns the exit status 0.
+
+        With ``announce``, prints ``aps: serving on tcp://HOST:PORT`` to
+        stdout as the first line of output once the listener is bound.
+        ``loop_factory`` makes the event loop (uvloop when installed).
+        """
+
+        async def main() -> None:
+            loop = asyncio.get_running_loop()
+            if handle_signals:
+                for signum in (signal.SIGINT, signal.SIGTERM):
+                    loop.add_signal_handler(signum, self.stop)
+            await self.serve(self._announce if announce else None)
+
+        with asyncio.Runner(loop_factory=loop_factory) as runner:
+            runner.run(main())
+        return 0
+
+    def run_in_background(
+        self, *, loop_factory: Callable[[], asyncio.AbstractEventLoop] = new_event_loop
+    ) -> _Background:
+        """Serve on a background thread; use as a context manager (see the class example)."""
+        return _Background(self, loop_factory)
+
+    # Internals ------------------------------------------------------------
+    def _announce(self, address: str) -> None:
+        _print_address(address)
+        if self.http_address is not None:
+            sys.stdout.write(f"aps: dashboard on {self.http_address}\n")
+            if (hint := self.http.token_hint(self.http_address)) is not None:
+                sys.stdout.write(hint + "\n")
+        if self.token_file is not None:
+            sys.stdout.write(f"aps: token in {self.token_file} (workers and aps status of this user find it)\n")
+        sys.stdout.flush()
+
+    async def _watch_connections(self, timeout: float) -> None:
+        """Every second (or a quarter of the heartbeat timeout): notices for held
+        requests, and workers that went silent or stopped reading are dropped
+        (see ServerSession.watch)."""
+        loop = asyncio.get_running_loop()
+        period = min(1.0, timeout / 4) if timeout > 0 else 1.0
+        while True:
+            await asyncio.sleep(max(0.05, period))
+            now = loop.time()
+            for conn in list(self.connections):
+                conn.watch(now, timeout)
+
+    async def _report_join_progress(self) -> None:
+        """Until training starts, tell the workers waiting in INIT who has joined."""
+        engine = self.engine
+        changed = asyncio.Event()
+        engine.on_membership_change = changed.set
+        try:
+            while not engine.started:
+                try:
+                    await asyncio.wait_for(changed.wait(), _JOIN_PROGRESS_EVERY_S)
+                except TimeoutError:
+                    pass
+                await asyncio.sleep(_JOIN_PROGRESS_COALESCE_S)
+                changed.clear()
+                joined, wanted, missing = engine.join_progress()
+                if joined and not engine.started:
+                    payload = encode_join_progress(joined, wanted, missing)
+                    for conn in list(self.connections):
+                        conn.notify_join_progress(payload)
+        finally:
+            engine.on_membership_change = None
+
+    def _offload(self, kernel, done) -> None:
+        loop = self._loop
+        future = self._executor.submit(run_kernel, kernel)
+
+        def finished(fut) -> None:
+            try:
+                loop.call_soon_threadsafe(done, fut.result())
+            except RuntimeError:  # the loop is closed: shutting down
+                pass
+
+        future.add_done_callback(finished)
+
+
+def _run_checkpoints(directory: str, run_id: str) -> dict[int, str]:
+    """The complete checkpoints of run ``run_id`` in ``directory``, by version (the newest
+    of a version when there are several)."""
+    found: dict[int, str] = {}
+    for path in reversed(list_checkpoints(directory)):  # oldest first: the newest of a version wins
+        try:
+            manifest = read_manifest(path)
+        except CheckpointError:
+            continue
+        version = manifest.get("version")
+        if manifest.get("run_id") == run_id and isinstance(version, int) and not isinstance(version, bool):
+            found[version] = str(path)
+    return found
+
+
+def _raise_descriptor_limit(connections: int) -> None:
+    """Let the process hold ``connections`` sockets and the rest it needs (the soft
+    descriptor limit is raised as far as the hard one allows)."""
+    try:
+        import resource
+    except ImportError:  # pragma: no cover - not POSIX
+        return
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    # a connection's socket, up to four descriptors waiting for an INIT (shared memory), and
+    # the server's own: listeners, slots, files
+    wanted = connections * 6 + 256
+    if soft != resource.RLIM_INFINITY and soft < wanted:
+        target = wanted if hard == resource.RLIM_INFINITY else min(wanted, hard)
+        if target > soft:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
+            soft = target
+    if soft != resource.RLIM_INFINITY and soft < connections + 64:
+        log.warning("the descriptor limit (%d) is below --max-connections %d: some connections will fail",
+                    soft, connections)
+
+
+def _same_directory(lock_file: str, directory: str) -> bool:
+    """Whether ``lock_file`` (``DIR/.lock``) is the lock file of ``directory``."""
+    try:
+        return os.path.samefile(os.path.dirname(lock_file), directory)
+    except OSError:
+        return os.path.abspath(os.path.dirname(lock_file)) == os.path.abspath(directory)
+
+
+def _show(value: Any) -> str:
+    return ",".join(str(v) for v in value) if isinstance(value, tuple) else str(value)
+
+
+def _print_address(address: str) -> None:
+    sys.stdout.write(f"aps: serving on {address}\n")
+    sys.stdout.flush()
+
+
+class _Background:
+    """A server running on its own thread and loop (from ``Server.run_in_background``)."""
+
+    def __init__(self, server: Server, loop_factory: Callable[[], asyncio.AbstractEventLoop]) -> None:
+        self.server = server
+        self._loop_factory = loop_factory
+        self._ready = threading.Event()
+        self._error: BaseException | None = None
+        self._thread = threading.Thread(target=self._main, name="aps-server", daemon=True)
+
+    @property
+    def address(self) -> str:
+        return self.server.address
+
+    def start(self, timeout: float = 30.0) -> _Background:
+        self._thread.start()
+        if not self._ready.wait(timeout):
+            raise APSError("the server did not start in time")
+        if self._error is not None:
+            raise self._error
+        return self
+
+    def stop(self, timeout: float = 30.0) -> None:
+        self.server.stop()
+        self._thread.join(timeout)
+
+    def _main(self) -> None:
+        async def main() -> None:
+            await self.server.serve(lambda _address: self._ready.set())
+
+        try:
+            with asyncio.Runner(loop_factory=self._loop_factory) as runner:
+                runner.run(main())
+        except BaseException as exc:  # reported to the starting thread
+            self._error = exc
+        finally:
+            self._ready.set()
+
+    def __enter__(self) -> _Background:
+        return self if self._thread.ident is not None else self.start()  # started already, or now
+
+    def __exit__(self, *exc) -> None:
+        self.stop()

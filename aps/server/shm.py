@@ -1,0 +1,309 @@
+"""Shared-memory transport, server side: the Unix listener and a co-located worker's session.
+
+Control frames (the same protocol as TCP) travel over a Unix socket; the
+gradients and weights never do (see ``segments``). The optimizer's state
+(STATE, LOAD_STATE: rare, a checkpoint's worth) crosses it as bytes, as over TCP.
+
+- Each worker creates its gradient segment and sends it with its INIT. It
+  computes gradients straight into it; a PUSH is a bare header, and the
+  server's update kernel reads the gradient in place (each element exactly
+  once, so a worker still writing cannot sneak a bad value past the check).
+- The server keeps its snapshot slots in segments. A weights reply names a
+  slot (with its descriptor, the first time this worker sees it); the worker
+  copies the weights out: one copy. The slot stays leased to the worker until
+  its next request, so the copy always reads exactly one version.
+
+asyncio transports cannot pass descriptors, so the sessions drive their
+sockets with ``loop.add_reader`` and ``recvmsg_into``/``sendmsg``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import socket
+import stat
+import sys
+from collections import deque
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from ..errors import AuthenticationError, ConfigurationError, MalformedFrame
+from ..wire.protocol import HEADER_SIZE, DType, Flag, Header, InitRequest, encode_slot, pack_header
+from ..wire.segments import ANCILLARY_SPACE, fds_from, map_received, scm_rights
+from .admission import RateLimitedLog
+from .session import ServerSession
+
+if TYPE_CHECKING:
+    from .engine import Engine
+    from .members import Member
+    from .table import Snapshot
+
+__all__ = ["ShmSession", "UnixListener"]
+
+log = logging.getLogger("aps.server")
+
+_MAX_HELD_FDS = 4  # descriptors waiting for an INIT to claim them
+#: After a failed accept (out of descriptors), the listener rests this long.
+ACCEPT_RETRY_S = 0.5
+_accept_failures = RateLimitedLog()
+_SHM = int(Flag.SHM)
+
+
+class UnixListener:
+    """The server's Unix socket for co-located workers: owner-only, removed on close.
+
+    A socket file left behind by a server that was killed is replaced (a live
+    one is not); with ``sweep``, stale ones beside it in the server's private
+    directory are removed too (servers on port 0 get a new name every time).
+    """
+
+    def __init__(self, path: str, on_connection: Callable[[socket.socket], None], *, sweep: bool = False) -> None:
+        self.path = path
+        self._on_connection = on_connection
+        directory = os.path.dirname(path)
+        os.makedirs(directory, mode=0o700, exist_ok=True)
+        info = os.stat(directory)
+        if info.st_uid != os.getuid() or stat.S_IMODE(info.st_mode) & 0o077:
+            raise ConfigurationError(f"{directory} must belong to this user and be private (mode 0700)")
+        if sweep:
+            _sweep_stale_sockets(directory, keep=path)
+        if os.path.exists(path):
+            if not stat.S_ISSOCK(os.stat(path).st_mode):
+                raise ConfigurationError(f"{path} exists and is not a socket")
+            if _live(path):
+                raise ConfigurationError(f"another server listens on {path}")
+            os.unlink(path)  # left over by a server that died
+        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        old_umask = os.umask(0o177)  # created owner-only, not made so after the fact
+        try:
+            self.sock.bind(path)
+        finally:
+            os.umask(old_umask)
+        os.chmod(path, 0o600)
+        self.sock.listen(128)
+        self.sock.setblocking(False)
+        self._loop = asyncio.get_running_loop()
+        self._paused: asyncio.TimerHandle | None = None
+        self._loop.add_reader(self.sock.fileno(), self._accept)
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                conn, _ = self.sock.accept()
+            except (BlockingIOError, InterruptedError):
+                return
+            except OSError as exc:
+                # Out of descriptors (or memory): the pending connection stays pending and
+                # the socket stays readable, so retrying at once would spin. Pause instead.
+                _accept_failures.warning(self._loop.time(), "%s: accepting a connection failed (%s): "
+                                         "pausing the listener for %.1f s", self.path, exc, ACCEPT_RETRY_S)
+                self._loop.remove_reader(self.sock.fileno())
+                self._paused = self._loop.call_later(ACCEPT_RETRY_S, self._resume)
+                return
+            conn.setblocking(False)
+            self._on_connection(conn)
+
+    def _resume(self) -> None:
+        self._paused = None
+        if self.sock.fileno() >= 0:
+            self._loop.add_reader(self.sock.fileno(), self._accept)
+
+    def close(self) -> None:
+        if self._paused is not None:
+            self._paused.cancel()
+        self._loop.remove_reader(self.sock.fileno())
+        self.sock.close()
+        try:
+            os.unlink(self.path)
+        except FileNotFoundError:
+            pass
+
+
+def _sweep_stale_sockets(directory: str, keep: str) -> None:
+    """Remove the socket files in ``directory`` that no server listens on."""
+    try:
+        names = os.listdir(directory)
+    except OSError:
+        return
+    for name in names:
+        path = os.path.join(directory, name)
+        try:
+            if not name.endswith(".sock") or path == keep or not stat.S_ISSOCK(os.lstat(path).st_mode):
+                continue
+            if not _live(path):
+                os.unlink(path)
+                log.info("removed %s, left behind by a server that is gone", path)
+        except OSError:
+            continue
+
+
+def _live(path: str) -> bool:
+    probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        probe.connect(path)
+        return True
+    except OSError:
+        return False
+    finally:
+        probe.close()
+
+
+class ShmSession(ServerSession):
+    """One co-located worker: control frames on a Unix socket, arrays in shared memory."""
+
+    kind = "shm"
+
+    def __init__(
+        self, engine: Engine, max_payload: int, registry: set, sock: socket.socket, token: bytes | None = None
+    ) -> None:
+        super().__init__(engine, max_payload, registry, token=token)
+        self.sock = sock
+        self.peer = f"unix:{sock.fileno()}"
+        try:
+            creds = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, 12)
+            self.peer = f"pid {int.from_bytes(creds[:4], sys.byteorder)}"
+            self.peer_key = f"uid {int.from_bytes(creds[4:8], sys.byteorder)}"  # failed AUTHs count by user
+        except (OSError, AttributeError):
+            pass
+        self._fds: deque[int] = deque()  # descriptors received and not yet claimed
+        self._out: deque[tuple[memoryview, tuple[int, ...]]] = deque()  # frames the socket could not take yet
+        self._sent_slots: set[int] = set()  # slots this worker has mapped
+        self._lease: Snapshot | None = None  # the slot the worker is copying from
+        self._reading = True
+        if not self._admit():
+            return
+        registry.add(self)
+        self._loop.add_reader(sock.fileno(), self._readable)
+        log.debug("%s: connected (shared memory)", self.peer)
+
+    # Socket events ---------------------------------------------------------------
+    def _readable(self) -> None:
+        try:
+            nbytes, ancdata, msg_flags, _ = self.sock.recvmsg_into([self.reader.get_buffer()], ANCILLARY_SPACE)
+        except (BlockingIOError, InterruptedError):
+            return
+        except OSError as exc:
+            self._teardown(exc)
+            return
+        self._fds.extend(fds_from(ancdata))
+        if self._fds and not self._authenticated:  # nothing is kept for a stranger
+            while self._fds:
+                os.close(self._fds.popleft())
+            self._fatal(AuthenticationError("descriptors sent before the handshake"), warn=False)
+            return
+        if msg_flags & socket.MSG_CTRUNC or len(self._fds) > _MAX_HELD_FDS:
+            self._fatal(MalformedFrame("too many file descriptors: only INIT carries one"))
+            return
+        if not nbytes:
+            self._teardown(None)
+            return
+        self._bytes_arrived(nbytes)
+
+    def _writable(self) -> None:
+        self._flush()
+        if not self._out and self._can_write():
+            self._loop.remove_writer(self.sock.fileno())
+            self._output_drained()
+
+    def _flush(self) -> None:
+        """Send what is queued, each frame's descriptors with its first byte."""
+        try:
+            while self._out:
+                data, fds = self._out[0]
+                sent = self.sock.sendmsg([data], scm_rights(fds))
+                if sent < len(data):
+                    self._out[0] = (data[sent:], ())
+                    return
+                self._out.popleft()
+        except (BlockingIOError, InterruptedError):
+            return
+        except OSError as exc:
+            self._out.clear()
+            self._loop.call_soon(self._teardown, exc)
+
+    def _teardown(self, exc: Exception | None) -> None:
+        if self.sock.fileno() >= 0:
+            self._loop.remove_reader(self.sock.fileno())
+            self._loop.remove_writer(self.sock.fileno())
+            self.sock.close()
+        self._out.clear()
+        while self._fds:
+            os.close(self._fds.popleft())
+        self._connection_lost(exc)
+
+    # ServerSession transport interface ------------------------------------------------
+    def close(self) -> None:
+        self._flush()  # what the socket can still take (a last error frame)
+        self._teardown(None)
+
+    def abort(self) -> None:
+        self._teardown(None)
+
+    def _unsent(self) -> int:
+        return sum(len(data) for data, _ in self._out)
+
+    def _can_write(self) -> bool:
+        return not self._lost and self.sock.fileno() >= 0
+
+    def _write(self, data: bytes, fds: Sequence[int] = ()) -> None:
+        waiting = bool(self._out)
+        self._out.append((memoryview(data), tuple(fds)))
+        if not waiting:
+            self._flush()
+            if self._out and self._can_write():  # the socket is full: finish when it has room
+                self._writing = True
+                self._loop.add_writer(self.sock.fileno(), self._writable)
+
+    def _pause_reading(self) -> None:
+        if self._reading:
+            self._reading = False
+            self._loop.remove_reader(self.sock.fileno())
+
+    def _resume_reading(self) -> None:
+        if not self._reading and self._can_write():
+            self._reading = True
+            self._loop.add_reader(self.sock.fileno(), self._readable)
+
+    def _gradient_destination(self, member: Member, header: Header) -> None:
+        if not header.flags & _SHM or header.length:
+            raise MalformedFrame("over shared memory a push carries no payload: set the SHM flag")
+        self._traffic.bytes_in += member.grad.nbytes  # read in place from the worker's segment
+        return None
+
+    def _gradient_buffer(self, request: InitRequest) -> np.ndarray:
+        if not self._fds:
+            raise MalformedFrame("INIT over shared memory needs the gradient segment's descriptor")
+        fd = self._fds.popleft()
+        while self._fds:  # anything else that came along is not ours to keep
+            os.close(self._fds.popleft())
+        return map_received(fd, request.layout.nbytes, writable=False)
+
+    def frame_received(self, header: Header, payload: memoryview) -> None:
+        # Any new request means the worker has finished copying the last weights.
+        self._release_leases()
+        super().frame_received(header, payload)
+
+    def _send_weights(self, op: int, snap: Snapshot, clock: int, flags: int) -> None:
+        segment = snap.segment
+        live = self.engine.table.slot_ids()
+        dropped = [sid for sid in self._sent_slots if sid not in live]
+        self._sent_slots.difference_update(dropped)
+        fresh = segment.id not in self._sent_slots
+        payload = encode_slot(segment.id, segment.nbytes, fresh, dropped)
+        frame = pack_header(op, flags | _SHM, DType.FLOAT32, self._rid, clock, snap.version, len(payload)) + payload
+        # The frame crosses the socket; the weights are copied out of the slot.
+        self._traffic.bytes_out += HEADER_SIZE + len(payload) + segment.nbytes
+        # The slot stays leased to this worker until its next request, which is
+        # read only once this frame has left: its descriptor stays valid meanwhile.
+        self._write(frame, [segment.read_only_fd()] if fresh else ())
+        self._sent_slots.add(segment.id)
+        self._lease = snap
+
+    def _release_leases(self) -> None:
+        lease, self._lease = self._lease, None
+        if lease is not None:
+            lease.release()

@@ -1,0 +1,136 @@
+"""BSP, bulk synchronous parallel, with optional backup workers."""
+
+from __future__ import annotations
+
+from ... import _core
+from ...config import ServerConfig
+from .base import CLOSED_ROUND, Outcome, Plan, PlanKind, SyncPolicy
+
+__all__ = ["BSP"]
+
+
+class BSP(SyncPolicy):
+    """One update per round with the mean of the round's gradients (docs/algorithms.md, BSP).
+
+    A round is identified by the server version its gradients were computed
+    on. A worker that pushed into the open round is held until the round
+    closes: when every live worker has pushed into it, or, with ``k`` backup
+    workers, when ``max(1, P - k)`` live workers have. The round's gradients
+    (including any from workers that pushed and then left) are summed in the
+    aggregate buffer and applied as one update with their mean; each rank
+    contributes at most one gradient per round. A gradient computed on an
+    older version arrives for a closed round: it is dropped, counted, and its
+    worker released at once to pull the newest weights. A worker that left
+    after pushing and rejoined before its round closed pushes again like the
+    others (so clocks stay in lockstep), but that second gradient is dropped:
+    its first one is in the round already.
+    """
+
+    name = "bsp"
+    aggregates = True
+
+    def __init__(self, config: ServerConfig, window_type: type = _core.StalenessWindow) -> None:
+        super().__init__(config, window_type)
+        self.backup = config.backup_workers
+        self._contributed: set[int] = set()  # ranks whose gradient is in the open round
+        self._pushed: set[int] = set()  # the live ones among them
+        self._closed = False  # the round closed; its update is pending
+        self._held: set[int] = set()
+        # Restored from a checkpoint: ranks whose gradient is in the open round and that had not
+        # left; they count as present (and held) again once they reconnect.
+        self._restored_present: set[int] = set()
+
+    def is_held(self, rank: int) -> bool:
+        return rank in self._held
+
+    def plan(self, rank: int, grad_version: int, version: int, clock: int = -1) -> Plan:
+        # A closed round, an older round, or a second gradient from a rank that
+        # already contributed to this one (it left and rejoined): dropped. (BSP's
+        # window is unbounded: this is its whole staleness rule.)
+        if self._closed or grad_version != version or rank in self._contributed:
+            return Plan(PlanKind.DROP, staleness=version - grad_version, reason=CLOSED_ROUND)
+        return Plan(PlanKind.ACCUMULATE, first=not self._contributed)
+
+    def commit(self, rank: int, plan: Plan, now: float) -> Outcome:
+        self.window.push(rank, now)
+        if plan.kind is PlanKind.DROP:
+            self._count_drop(plan)
+            if rank in self._contributed and not self._closed:
+                # It rejoined after contributing to this round: its gradient is in
+                # already, so this one only marks it present; it waits for the round.
+                self._pushed.add(rank)
+                self._held.add(rank)
+                return self._maybe_close()
+            return Outcome([rank])
+        self._contributed.add(rank)
+        self._pushed.add(rank)
+        self._held.add(rank)
+        return self._maybe_close()
+
+    def leave(self, rank: int) -> Outcome:
+        self.window.leave(rank)
+        self._held.discard(rank)
+        self._pushed.discard(rank)  # its gradient stays in the round's sum
+        return self._maybe_close()
+
+    def resume_push(self, rank: int) -> Outcome:
+        if rank in self._contributed and not self._closed and rank not in self._pushed:
+            self._pushed.add(rank)
+            self._held.add(rank)
+            return self._maybe_close()
+        return Outcome()
+
+    def state(self) -> dict:
+        if self._closed:
+            raise RuntimeError("BSP state taken while a round's update is pending")
+        return {**super().state(), "contributed": sorted(self._contributed), "pushed": sorted(self._pushed),
+                "round_held": sorted(self._held)}
+
+    def restore(self, state: dict) -> dict[int, tuple[int, bool, int]]:
+        placements = super().restore(state)
+        ranks = range(self.num_workers)
+        self._contributed = {int(r) for r in state["contributed"] if int(r) in ranks}
+        self._restored_present = {int(r) for r in state["pushed"] if int(r) in placements}
+        self._pushed, self._held, self._closed = set(), set(), False
+        # BSP holds at its own gate (the window is unbounded): the placement's flag says so.
+        held = {int(r) for r in state["round_held"]}
+        return {rank: (clock, rank in held, credit) for rank, (clock, _, credit) in placements.items()}
+
+    def forget_open_round(self, placements: dict[int, tuple[int, bool, int]]
+                          ) -> tuple[dict[int, tuple[int, bool, int]], set[int]]:
+        """Right after :meth:`restore`: leave out the round the checkpoint caught open (a
+        shard resumed beside shards that kept their rounds, docs/algorithms.md "Sharded
+        resume": its workers do not take their iterations again, so the round's gradients
+        would be paired with later ones). Its contributors go back one clock, to the last
+        closed round, with every other rank. Returns the placements and the ranks whose
+        gradient was left out (their last push is no longer applied)."""
+        dropped = set(self._contributed)
+        out = {rank: ((clock - 1, False, credit) if rank in dropped else (clock, held, credit))
+               for rank, (clock, held, credit) in placements.items()}
+        self._contributed, self._restored_present = set(), set()
+        return out, dropped
+
+    def join(self, rank: int, clock: int = -1, held: bool = False, credit: int = 0) -> int:
+        present = rank in self._restored_present
+        self._restored_present.discard(rank)
+        if clock >= 0 and present:  # back where the checkpoint had it: present in the round
+            self._pushed.add(rank)
+            if held:
+                self._held.add(rank)
+        return self.window.join(rank, clock, False, credit)
+
+    def aggregate_applied(self) -> None:
+        self._closed = False
+        self._contributed.clear()
+        self._pushed.clear()
+
+    def _maybe_close(self) -> Outcome:
+        if self._closed or not self._contributed or self.resuming:
+            return Outcome()
+        if len(self._pushed) < max(1, self.window.num_live - self.backup):
+            return Outcome()
+        self._closed = True
+        released = sorted(self._held)
+        self._held.clear()
+        return Outcome(released, aggregate_scale=1.0 / len(self._contributed))
+

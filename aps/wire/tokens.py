@@ -1,0 +1,212 @@
+"""Tokens: how strong one is, making one, and the per-user token files of loopback servers.
+
+A server on a loopback address started without ``--token``, ``--token-file`` or
+``--insecure`` makes a token of its own and writes it to a file only this user
+can read, keyed by the address it listens on (the way Jupyter does); workers,
+``aps status`` and ``aps checkpoint`` of the same user find it there
+(:func:`find_token`). Another local user can reach the port, but not the file.
+
+Both ends use this module: it imports nothing of aps but the errors.
+"""
+
+from __future__ import annotations
+
+import errno
+import math
+import os
+import secrets
+import stat
+import string
+from collections import Counter
+
+from ..errors import ConfigurationError
+
+__all__ = [
+    "MIN_TOKEN_BITS", "check_token", "find_token", "new_token", "remove_token_file", "token_bits", "token_dir",
+    "token_path", "write_token_file",
+]
+
+#: Tokens estimated weaker than this are refused (a guess per nanosecond for 10^22 years).
+MIN_TOKEN_BITS = 128
+#: What a refusal tells the operator to do.
+HOW_TO_MAKE_ONE = "make one with `aps token` (or python -c 'import secrets; print(secrets.token_urlsafe(32))')"
+
+_LOOPBACK_NAMES = ("127.0.0.1", "localhost", "::1")
+_HEX = frozenset(string.hexdigits.lower())
+_HEX_UPPER = frozenset(string.digits + "ABCDEF")
+# The character classes of the estimate, with the number of characters each holds.
+_CLASSES = (
+    (frozenset(string.ascii_lowercase), 26),
+    (frozenset(string.ascii_uppercase), 26),
+    (frozenset(string.digits), 10),
+    (frozenset(string.punctuation), 32),
+    (frozenset(" "), 1),
+)
+
+
+def new_token() -> str:
+    """A new random token: 32 bytes from the OS's generator, URL-safe base64 (43 characters, 256 bits)."""
+    return secrets.token_urlsafe(32)
+
+
+def token_bits(token: str) -> float:
+    """A conservative estimate of the entropy of ``token``, in bits.
+
+    ``length x log2(alphabet)``, where the alphabet is the union of the character
+    classes the token uses (lowercase, uppercase, digits, punctuation, the space;
+    16 for a hexadecimal token; a character outside them counts for a class of 32), and
+    the length is that of the token's shortest repeating unit (``abcabc`` counts
+    as ``abc``). As if every character were drawn at random from that alphabet: a
+    word or a date scores higher than it deserves, which is why the limit is high.
+    """
+    if not token:
+        return 0.0
+    chars = set(token)
+    if chars <= _HEX or chars <= _HEX_UPPER:
+        alphabet = 16
+    else:
+        alphabet = sum(size for members, size in _CLASSES if chars & members)
+        if chars - set().union(*(members for members, _ in _CLASSES)):
+            alphabet += 32
+    return _period(token) * math.log2(max(alphabet, 2))
+
+
+def check_token(token: str, what: str = "--token") -> None:
+    """Raise ConfigurationError unless ``token`` looks strong enough: at least
+    :data:`MIN_TOKEN_BITS` by :func:`token_bits`, at least 8 different characters,
+    and no character making up more than a third of it."""
+    bits = token_bits(token)
+    if bits < MIN_TOKEN_BITS:
+        raise ConfigurationError(
+            f"{what} is too weak: about {bits:.0f} bits of entropy, at least {MIN_TOKEN_BITS} are needed "
+            f"(a short token is guessed in seconds); {HOW_TO_MAKE_ONE}"
+        )
+    counts = Counter(token)
+    if len(counts) < 8 or max(counts.values()) * 3 > len(token):
+        raise ConfigurationError(f"{what} is too repetitive to be a secret; {HOW_TO_MAKE_ONE}")
+
+
+def _period(text: str) -> int:
+    """The length of the shortest unit ``text`` repeats (its own length when none)."""
+    n = len(text)
+    # The prefix function of Knuth-Morris-Pratt: n - border is the smallest period.
+    border = [0] * n
+    k = 0
+    for i in range(1, n):
+        while k and text[i] != text[k]:
+            k = border[k - 1]
+        if text[i] == text[k]:
+            k += 1
+        border[i] = k
+    period = n - border[-1]
+    return period if period < n else n
+
+
+# Token files ------------------------------------------------------------------------------
+def token_dir() -> str:
+    """Where this user's servers keep their token files: ``$APS_RUNTIME_DIR``, else
+    ``$XDG_RUNTIME_DIR/aps``, else ``~/.aps``, each with ``tokens`` below it."""
+    base = os.environ.get("APS_RUNTIME_DIR")
+    if not base:
+        runtime = os.environ.get("XDG_RUNTIME_DIR")
+        base = os.path.join(runtime, "aps") if runtime and os.path.isdir(runtime) else os.path.join(
+            os.path.expanduser("~"), ".aps")
+    return os.path.join(base, "tokens")
+
+
+def token_path(host: str, port: int) -> str:
+    """The token file of a server listening on ``host:port``."""
+    name = host.strip("[]").lower().replace(":", "_").replace("/", "_")
+    return os.path.join(token_dir(), f"{name}-{port}.token")
+
+
+def _private_dir(path: str, *, create: bool) -> bool:
+    """True when ``path`` is a directory of this user's that nobody else may write to
+    (created 0700 with ``create``); raises ConfigurationError when it exists and is not."""
+    if create:
+        try:
+            os.makedirs(path, mode=0o700, exist_ok=True)
+        except OSError as exc:
+            raise ConfigurationError(f"cannot create {path} for the token file: {exc.strerror or exc}") from None
+    try:
+        info = os.lstat(path)
+    except FileNotFoundError:
+        return False
+    if not stat.S_ISDIR(info.st_mode) or info.st_uid != os.getuid() or info.st_mode & 0o022:
+        raise ConfigurationError(f"{path} must be a directory of this user's that no one else can write to")
+    return True
+
+
+def write_token_file(host: str, port: int, token: str) -> str:
+    """Write ``token`` to the token file of ``host:port``, readable by this user only
+    (mode 0600, from its creation); returns its path. A file left there by a server
+    that is gone (it held this port) is replaced."""
+    path = token_path(host, port)
+    _private_dir(os.path.dirname(path), create=True)
+    partial = f"{path}.{os.getpid()}.tmp"
+    try:
+        fd = os.open(partial, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | getattr(os, "O_CLOEXEC", 0),
+                     0o600)
+    except FileExistsError:
+        os.unlink(partial)
+        return write_token_file(host, port, token)
+    except OSError as exc:
+        raise ConfigurationError(f"cannot write the token file {path}: {exc.strerror or exc}") from None
+    try:
+        os.fchmod(fd, 0o600)  # whatever the umask
+        os.write(fd, (token + "\n").encode("utf-8"))
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    os.replace(partial, path)  # readers see the whole token or none
+    return path
+
+
+def remove_token_file(path: str, token: str | None) -> None:
+    """Remove the token file ``path`` if it still holds ``token`` (at a clean shutdown;
+    None: whatever it holds)."""
+    try:
+        if token is None or _read(path) == token:
+            os.unlink(path)
+    except (OSError, ConfigurationError):
+        pass
+
+
+def find_token(host: str, port: int) -> bytes | None:
+    """The token a server of this user on ``host:port`` wrote, or None: its own file,
+    and for a loopback name, the files of the other loopback names at the same port.
+    A file that another user could have written (or planted) is refused with an error."""
+    names = [host.strip("[]").lower()]
+    if names[0] in _LOOPBACK_NAMES or names[0].startswith("127."):
+        names += [name for name in _LOOPBACK_NAMES if name != names[0]]
+    for name in names:
+        path = token_path(name, port)
+        try:
+            if not _private_dir(os.path.dirname(path), create=False):
+                return None
+            token = _read(path)
+        except FileNotFoundError:
+            continue
+        if token:
+            return token.encode("utf-8")
+    return None
+
+
+def _read(path: str) -> str:
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | getattr(os, "O_CLOEXEC", 0))
+    except OSError as exc:
+        if exc.errno == errno.ELOOP:
+            raise ConfigurationError(f"{path} is a symbolic link: not a token file of this user's") from None
+        if isinstance(exc, FileNotFoundError):
+            raise
+        raise ConfigurationError(f"cannot read {path}: {exc.strerror or exc}") from None
+    try:
+        info = os.fstat(fd)
+        if not stat.S_ISREG(info.st_mode) or info.st_uid != os.getuid() or info.st_mode & 0o077:
+            raise ConfigurationError(f"{path} must be a regular file of this user's, readable by no one else "
+                                     "(mode 0600)")
+        data = os.read(fd, 4096)
+    finally:
+        os.close(fd)
+    return data.decode("utf-8", "replace").strip()
