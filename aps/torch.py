@@ -47,7 +47,8 @@ import numpy as np
 import torch
 
 from .errors import ConfigurationError
-from .client.worker import DEFAULT_RECONNECT_TIMEOUT, Worker
+from .client.steps import DEFAULT_RECONNECT_TIMEOUT
+from .client.worker import Worker
 
 __all__ = ["Optimizer", "Pacer"]
 
@@ -515,7 +516,7 @@ class Optimizer(torch.optim.Optimizer):
         self._push_buffer = self.worker.grads
         half_dtype = self.params[0].dtype
         if (not self.staging and half_dtype in _HALF and all(p.dtype == half_dtype for p in self.params)
-                and self.worker.compression == _HALF[half_dtype] and not hasattr(self.worker, "shards")):
+                and self.worker.compression == _HALF[half_dtype]):
             try:
                 half_weights, half_grads = self.worker.half_buffers()
             except ConfigurationError:  # the weights come back float32 (compress_pulls=False): copy them

@@ -49,7 +49,7 @@ from aps.cli._args import ArgumentParser, format_size, parse_size
 from aps.lab.bench import machine_info, write_report
 from aps.cli.status import fetch_stats
 from aps.wire.protocol import Op
-from aps.client.channel import exchange, handshake
+from aps.client.sockets import exchange, handshake
 from aps.client.tcp import BlockingConnection
 from aps.testing import ServerProcess
 

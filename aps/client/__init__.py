@@ -1,6 +1,9 @@
 """The worker side: :class:`aps.Worker` and :class:`aps.AsyncWorker`.
 
-``worker`` (the workers and their request code), ``shards`` (a model cut
-across several servers), ``channel`` (the connection to one server: the
-handshake and the blocking socket driver), over ``tcp`` or ``shm``.
+``worker`` (the worker over one channel per server, and every verb once, as
+steps) and ``aio`` (the same on asyncio); ``steps`` (one server's calls, as
+steps: retry, rejoin, backoff), ``channel`` (the drivers that do those steps'
+I/O, blocking or asyncio), ``core`` (requests built, replies parsed: no I/O),
+``shards`` (a model cut across several servers), ``recovery``, ``payloads``,
+``arguments``; ``sockets``, ``tcp``, ``shm`` (the connections).
 """

@@ -1,315 +1,294 @@
-"""What the client connections of both transports share: sending views, errors, one-off requests."""
+"""One server's connection, driven: :func:`run` does the I/O steps of
+:mod:`aps.client.steps` in the calling thread (TCP or shared memory), :func:`arun`
+on the running asyncio loop (TCP). :class:`Channel` and :class:`AsyncChannel` are
+the client of one server for each driver: the steps' state, a lock (one request
+at a time, heartbeats included), a heartbeat, closing, and the calls a sharded
+worker's :attr:`aps.Worker.shards` offer for one shard.
+"""
 
 from __future__ import annotations
 
-import hmac
-import os
-import socket
+import asyncio
+import atexit
+import logging
+import threading
 import time
-from collections.abc import Callable, Generator, Sequence
+import weakref
+from typing import Any
 
-from ..errors import (
-    APSConnectionError,
-    APSError,
-    APSTimeoutError,
-    AuthenticationError,
-    ConfigurationError,
-    MalformedFrame,
-    ServerSilent,
-    error_from_code,
-)
-from ..wire.protocol import (
-    NONCE_BYTES,
-    Header,
-    Op,
-    ServerInfo,
-    auth_proof,
-    decode_auth_reply,
-    decode_error,
-    decode_hello_reply,
-    pack_header,
-)
-from ..wire.tokens import find_token, token_dir
-from ..wire.framing import FrameReader
-from ..wire.segments import scm_rights
+from ..errors import APSError
+from .shm import ShmConnection
+from .sockets import handshake, handshake_async
+from .steps import CONNECT, CONNECT_SHM, EACH, HANDSHAKE, LOCKED, RECEIVE, SEND, SLEEP, TURN, Steps, _ChannelSteps
+from ..wire.protocol import Op, weights_digest
+from .tcp import AsyncConnection, BlockingConnection
 
-__all__ = [
-    "IOV_MAX", "BlockingSocket", "ClientSocket", "advance", "client_token", "exchange", "exchange_async", "find_client_token", "newer_token",
-    "handshake", "handshake_async",
-]
+__all__ = ["AsyncChannel", "Channel", "arun", "run"]
 
-#: Buffers one ``sendmsg`` call may take.
-IOV_MAX = 1024
+log = logging.getLogger("aps.worker")
+
+#: Seconds the exit hook spends in all saying goodbye for the channels still open (see _leave_at_exit).
+EXIT_LEAVE_S = 3.0
+#: The blocking channels that are open, held weakly: a worker its script dropped is not kept alive
+#: here (it frees its socket when collected, see Channel.__del__).
+_OPEN: weakref.WeakSet = weakref.WeakSet()
 
 
-def advance(views: list[memoryview], sent: int) -> list[memoryview]:
-    """The part of ``views`` still to send after ``sent`` bytes went."""
-    index = 0
-    while sent and index < len(views):
-        size = len(views[index])
-        if sent >= size:
-            sent -= size
-            index += 1
-        else:
-            views[index] = views[index][sent:]
-            sent = 0
-    return views[index:]
-
-
-class ClientSocket:
-    """What both client drivers share: the socket, its errors, closing."""
-
-    sock: socket.socket
-    address: str
-
-    def _lost(self, exc: OSError) -> APSConnectionError:
-        return APSConnectionError(f"lost the connection to {self.address}: {exc.strerror or exc}")
-
-    def _closed_by_server(self) -> APSConnectionError:
-        return APSConnectionError(f"the server at {self.address} closed the connection")
-
-    def _no_reply(self, timeout: float | None) -> APSTimeoutError:
-        return APSTimeoutError(f"no reply from {self.address} within {timeout} s")
-
-    def _silent(self, idle: float | None) -> ServerSilent:
-        return ServerSilent(
-            f"the server at {self.address} has sent nothing for {idle:g} s while a reply was due: "
-            "it hung, or its host or the network is gone"
-        )
-
-    def _next_wait(self, deadline: float | None, now: float, timeout: float | None, idle: float | None):
-        """How long the next read may wait: the silence allowed, cut to the time left."""
-        if deadline is None:
-            return idle
-        remaining = deadline - now
-        if remaining <= 0:
-            raise self._no_reply(timeout)
-        return remaining if idle is None else min(idle, remaining)
-
-    def _waited_out(self, deadline: float | None, now: float, timeout: float | None, idle: float | None):
-        """A read timed out: the whole wait (APSTimeoutError) or the server's silence (ServerSilent)."""
-        return self._no_reply(timeout) if deadline is not None and now >= deadline else self._silent(idle)
-
-    def close(self) -> None:
+def run(steps: Steps) -> Any:
+    """Do the I/O ``steps`` asks for, in this thread, until it returns; its result."""
+    value: Any = None
+    error: BaseException | None = None
+    while True:
         try:
-            self.sock.close()
-        except OSError:
-            pass
-
-    def shutdown(self) -> None:
-        """End the connection under a thread blocked on it (its call raises APSConnectionError)."""
+            step = steps.send(value) if error is None else steps.throw(error)
+        except StopIteration as end:
+            return end.value
+        value = error = None
         try:
-            self.sock.shutdown(socket.SHUT_RDWR)
-        except OSError:
-            pass
+            kind = step[0]
+            if kind == SEND:
+                step[1].send(step[2], step[3])
+            elif kind == RECEIVE:
+                core = step[2]
+                step[1].receive(core.reader, core.has_reply, step[3], step[4])
+            elif kind == LOCKED:
+                with step[1]._lock:
+                    value = run(step[2])
+            elif kind == EACH:
+                value = step[1]._fan_out(step[2], step[3])
+            elif kind == TURN:
+                step[1].wait()
+            elif kind == SLEEP:
+                value = step[1]._stop.wait(step[2])
+            elif kind == CONNECT:
+                channel = step[1]
+                value = BlockingConnection(channel._parsed.host, channel._parsed.port, channel._connect_timeout,
+                                           channel.server_timeout, channel._tls)
+            elif kind == HANDSHAKE:
+                value = handshake(step[2], step[3], step[1]._connect_timeout, found=step[4])
+            elif kind == CONNECT_SHM:
+                value = ShmConnection(step[2], step[1]._connect_timeout)
+            else:  # pragma: no cover - a step this driver does not know is a bug
+                raise AssertionError(f"unknown step {step!r}")
+        except BaseException as exc:  # noqa: BLE001 - handed to the steps, which decide
+            error = exc
+        del step
 
 
-class BlockingSocket(ClientSocket):
-    """A connected blocking socket driving a FrameReader: what ``aps.Worker`` talks
-    through, over TCP or a Unix socket.
-
-    Raises APSConnectionError when the connection drops, and APSTimeoutError
-    when a wait runs out.
-    """
-
-    def __init__(self, sock: socket.socket, address: str) -> None:
-        self.sock = sock
-        self.address = address
-        sock.settimeout(None)
-        self._timeout: float | None = None
-
-    def send(self, buffers: Sequence, fds: Sequence[int] = ()) -> None:
-        """Send every buffer (bytes or byte views), in order, with vectored writes (no
-        joining); ``fds`` travel with the first byte (Unix sockets only)."""
-        sock = self.sock
-        ancillary = scm_rights(fds)
+async def arun(steps: Steps) -> Any:
+    """:func:`run` on the running asyncio loop (TCP only)."""
+    value: Any = None
+    error: BaseException | None = None
+    while True:
         try:
-            if len(buffers) <= IOV_MAX:
-                sent = sock.sendmsg(buffers, ancillary)
-                if sent == sum(map(len, buffers)):
-                    return
-                views = advance([memoryview(b).cast("B") for b in buffers], sent)
-            else:
-                views = [memoryview(b).cast("B") for b in buffers if len(b)]
-                views = advance(views, sock.sendmsg(views[:IOV_MAX], ancillary))
-            while views:
-                views = advance(views, sock.sendmsg(views[:IOV_MAX]))
-        except TimeoutError:
-            raise APSTimeoutError("sending to the server timed out") from None
-        except OSError as exc:
-            raise self._lost(exc) from None
-
-    def receive(
-        self, reader: FrameReader, done: Callable[[], bool], timeout: float | None = None, idle: float | None = None
-    ) -> None:
-        """Read into ``reader`` until ``done()``: for at most ``timeout`` seconds in all
-        (APSTimeoutError), and with at most ``idle`` seconds without a byte (ServerSilent)."""
-        sock = self.sock
-        deadline = None if timeout is None else time.monotonic() + timeout
+            step = steps.send(value) if error is None else steps.throw(error)
+        except StopIteration as end:
+            return end.value
+        value = error = None
         try:
-            while not done():
-                wait = self._next_wait(deadline, time.monotonic(), timeout, idle)  # the whole wait is bounded
-                if wait != self._timeout:  # settimeout costs a system call: only on change
-                    sock.settimeout(wait)
-                    self._timeout = wait
-                try:
-                    nbytes = self._recv_into(reader.get_buffer())
-                except TimeoutError:
-                    raise self._waited_out(deadline, time.monotonic(), timeout, idle) from None
-                if not nbytes:
-                    raise self._closed_by_server()
-                reader.buffer_updated(nbytes)
-        except APSError:  # ours already (timeouts, a closed connection)
-            raise
-        except OSError as exc:
-            raise self._lost(exc) from None
+            kind = step[0]
+            if kind == SEND:
+                await step[1].send(step[2])
+            elif kind == RECEIVE:
+                core = step[2]
+                await step[1].receive(core.reader, core.has_reply, step[3], step[4])
+            elif kind == LOCKED:
+                async with step[1]._lock:
+                    value = await arun(step[2])
+            elif kind == EACH:
+                value = await step[1]._fan_out(step[2], step[3])
+            elif kind == TURN:
+                await step[1].wait()
+            elif kind == SLEEP:
+                await asyncio.sleep(step[2])
+                value = step[1]._closing
+            elif kind == CONNECT:
+                channel = step[1]
+                value = await AsyncConnection.open(channel._parsed.host, channel._parsed.port,
+                                                   channel._connect_timeout, channel.server_timeout, channel._tls)
+            elif kind == HANDSHAKE:
+                value = await handshake_async(step[2], step[3], step[1]._connect_timeout, found=step[4])
+            else:  # pragma: no cover - CONNECT_SHM: an asyncio channel speaks TCP only
+                raise AssertionError(f"unknown step {step!r}")
+        except BaseException as exc:  # noqa: BLE001 - handed to the steps, which decide
+            error = exc
+        del step
 
-    def _recv_into(self, buffer: memoryview) -> int:
-        return self.sock.recv_into(buffer)
+
+class _OneServer:
+    """The calls of one server, as a sharded worker's :attr:`~aps.Worker.shards` offer them
+    (each as the driver runs it; :class:`aps.Worker` has them all, documented)."""
+
+    def optimizer_state(self):
+        return self._run_steps(self._optimizer_state())
+
+    def load_optimizer_state(self, state):
+        return self._run_steps(self._load_state(*self._state_payload(state)))
+
+    def load_weights(self, params):
+        values = self._weights_payload(params)
+        return self._run_steps(self._load_weights(weights_digest((values,)), values))
+
+    def ping(self):
+        return self._run_steps(self._ping())
+
+    def pull(self):
+        return self._run_steps(self._pull())
 
 
-class _OneReply:
-    """FrameHandler collecting a single small reply."""
+def _leave_at_exit() -> None:
+    """At interpreter exit: every channel still open leaves its server (LEAVE), as close() does.
 
-    _LIMIT = 64 << 20
+    Training scripts rarely call close(): without this every rank that ends normally would
+    be counted as a crash (a "disconnected" membership event). Bounded: EXIT_LEAVE_S in all,
+    whatever the servers do; a channel whose connection is gone, or that another thread
+    holds in a call, is just disconnected."""
+    deadline = time.monotonic() + EXIT_LEAVE_S
+    for channel in list(_OPEN):
+        try:
+            channel._leave_at_exit(max(deadline - time.monotonic(), 0.0))
+        except Exception as exc:  # noqa: BLE001 - the exit goes on whatever one channel does
+            log.debug("rank %d: leaving at exit failed: %s", channel.rank, exc)
 
-    def __init__(self) -> None:
-        self.header: Header | None = None
-        self.payload = b""
 
-    def frame_buffer(self, header: Header) -> memoryview:
-        if header.length > self._LIMIT:
-            raise MalformedFrame(f"reply of {header.length} bytes to a control request")
-        return memoryview(bytearray(header.length))
+atexit.register(_leave_at_exit)
 
-    def frame_received(self, header: Header, payload: memoryview) -> None:
-        if header.op == Op.ALIVE:  # the server holds the request and says it is alive
+
+class Channel(_OneServer, _ChannelSteps):
+    """The blocking client of one server (see :class:`aps.Worker` for the arguments),
+    connected when made: TCP, or shared memory when the server shares this host."""
+
+    _run_steps = staticmethod(run)
+
+    def __init__(self, *args: Any, **options: Any) -> None:
+        super().__init__(*args, **options)
+        # One request at a time, heartbeats included: a request is built (its id taken)
+        # and sent and answered under this lock.
+        self._lock = threading.RLock()
+        self._stop = threading.Event()
+        self._heartbeat_thread: threading.Thread | None = None
+        run(self._connect_first())
+        self._start_heartbeat()
+        _OPEN.add(self)
+
+    def _start_heartbeat(self) -> None:
+        """Start the heartbeat thread, unless there is none to run or it still runs."""
+        thread = self._heartbeat_thread
+        if self._heartbeat is None or self._stop.is_set() or (thread is not None and thread.is_alive()):
             return
-        self.header, self.payload = header, bytes(payload)
+        self._heartbeat_thread = threading.Thread(
+            target=_heartbeats, args=(weakref.ref(self), self._stop, self._heartbeat), name="aps-heartbeat",
+            daemon=True)
+        self._heartbeat_thread.start()
 
-
-def exchange(conn, op: int, timeout: float | None, payload: bytes = b"") -> tuple[Header, bytes]:
-    """Send one request on a blocking connection and return its reply; raises the
-    server's error if the reply is an error frame."""
-    reply = _OneReply()
-    conn.send([pack_header(op, request_id=1, length=len(payload)), payload])
-    conn.receive(FrameReader(reply), lambda: reply.header is not None, timeout)
-    return _checked(reply, op)
-
-
-async def exchange_async(conn, op: int, timeout: float | None, payload: bytes = b"") -> tuple[Header, bytes]:
-    """:func:`exchange` on an asyncio connection."""
-    reply = _OneReply()
-    await conn.send([pack_header(op, request_id=1, length=len(payload)), payload])
-    await conn.receive(FrameReader(reply), lambda: reply.header is not None, timeout)
-    return _checked(reply, op)
-
-
-def _checked(reply: _OneReply, op: int) -> tuple[Header, bytes]:
-    if reply.header.op == Op.ERROR:
-        raise error_from_code(*decode_error(reply.payload))
-    if reply.header.op != op | Op.REPLY:
-        raise MalformedFrame(f"reply op {reply.header.op} to request op {op}")
-    return reply.header, reply.payload
-
-
-# The handshake (docs/protocol.md, Handshake): one generator of requests for the
-# blocking and the asyncio drivers, so the logic exists once.
-_Steps = Generator[tuple[int, bytes], bytes, ServerInfo]
-
-
-def _handshake_steps(token: bytes | None, address: str, found: bool) -> _Steps:
-    if token is None and not found:
-        token, found = find_client_token(None, address)
-    client_nonce = os.urandom(NONCE_BYTES)
-    required, server_nonce, info = decode_hello_reply((yield Op.HELLO, client_nonce))
-    if not required:
-        # A token found in a file may be a dead server's, on a port a server without one took since.
-        if token is not None and not found:
-            raise AuthenticationError(
-                f"the server at {address} asks for no token, but this worker has one: it may not be the server "
-                "you meant (start it with --token, or give the worker no token)"
-            )
-        return info
-    if token is None:
-        raise AuthenticationError(
-            f"the server at {address} needs a token: pass token= or set $APS_TOKEN (a server this user started "
-            f"on loopback without one has its own, in {token_dir()}, found there by itself)")
-    reply = yield Op.AUTH, auth_proof(token, "client", server_nonce, client_nonce)
-    proof, info = decode_auth_reply(reply)
-    if not hmac.compare_digest(proof, auth_proof(token, "server", server_nonce, client_nonce)):
-        raise AuthenticationError(f"the server at {address} could not prove it knows the token: refused")
-    return info
-
-
-def client_token(token: str | bytes | None) -> bytes | None:
-    """A client's token: as given, else ``$APS_TOKEN``, else none."""
-    if token is None:
-        token = os.environ.get("APS_TOKEN") or None
-    if token is None or isinstance(token, bytes):
-        return token
-    if not isinstance(token, str) or not token:
-        raise ConfigurationError("token must be a non-empty string")
-    return token.encode("utf-8")
-
-
-def find_client_token(token: bytes | None, address: str, port: int | None = None) -> tuple[bytes | None, bool]:
-    """The token to prove at ``address`` (``tcp://HOST:PORT``, or a host and ``port``),
-    and whether it was looked up rather than given: ``token`` when given, else the token
-    file a server of this user wrote for that address (see :mod:`aps.wire.tokens`), else None."""
-    if token is not None:
-        return token, False
-    if port is None:
-        scheme, sep, rest = address.partition("://")
-        if not sep or scheme not in ("tcp", "tls"):
-            return None, False
-        host, _, text = rest.rpartition(":")
+    def _ping_if_idle(self, interval: float) -> bool:
+        """Heartbeat: one PING when nothing was sent for ``interval`` seconds. False: stop."""
+        if self._conn is None:
+            return False
+        if not self._lock.acquire(blocking=False):
+            return True  # a request is in flight: the server knows we are here
         try:
-            port = int(text)
-        except ValueError:
-            return None, False
-    else:
-        host = address
-    return find_token(host, port), True
+            if self._conn is not None and time.monotonic() - self._last_io >= interval:
+                run(self._roundtrip(lambda: self._core.simple_request(Op.PING), max(interval, 1.0) * 6))
+        except APSError as exc:
+            log.warning("rank %d: heartbeat failed: %s", self.rank, exc)
+            return False
+        finally:
+            self._lock.release()
+        return True
 
-
-def newer_token(token: bytes | None, found: bool, host: str, port: int) -> bytes | None:
-    """After a refused handshake with a token from a file: the file's token if it has
-    changed since (a server restarted on the port wrote its own between the read and the
-    handshake), else None (the refusal stands)."""
-    if not found:
-        return None
-    fresh = find_token(host, port)
-    return fresh if fresh is not None and fresh != token else None
-
-
-def handshake(conn, token: bytes | None, timeout: float | None, *, found: bool = False) -> ServerInfo:
-    """HELLO, and AUTH when the server asks for a token (each side proves it knows
-    it; the token never crosses the wire). Returns what the server says of itself
-    (:class:`aps.wire.protocol.ServerInfo`). Raises AuthenticationError.
-
-    ``token`` None: the token file of the server's address, if there is one
-    (:func:`find_client_token`); ``found``: ``token`` was looked up in such a file, not
-    given (a server that asks for none is then no reason to refuse)."""
-    steps = _handshake_steps(token, conn.address, found)
-    request = next(steps)
-    while True:
-        op, payload = request
-        _, payload = exchange(conn, op, timeout, payload)
+    def close(self, budget: float = 5.0, wait: bool = True) -> None:
+        """Leave the server (LEAVE, within ``budget`` seconds) and disconnect. A call
+        another thread is in (reconnecting, or held at the gate) is ended after half a
+        second (its connection shut), and waited for unless ``wait`` is False (the exit
+        hook: it cannot be asked to leave in between)."""
+        _OPEN.discard(self)
+        self._closing = True
+        self._stop.set()
+        if not self._lock.acquire(timeout=min(budget, 0.5)):
+            conn = self._conn
+            if conn is not None:
+                conn.shutdown()
+            if not wait:
+                return
+            self._lock.acquire()
         try:
-            request = steps.send(payload)
-        except StopIteration as done:
-            return done.value
+            if budget > 0:
+                run(self._leave(budget))
+            self._disconnect()
+        finally:
+            self._lock.release()
+
+    def _leave_at_exit(self, budget: float) -> None:
+        self.close(budget, wait=False)
+
+    def __del__(self) -> None:
+        # Dropped without close(): free the socket (the server sees the worker leave).
+        stop, conn = getattr(self, "_stop", None), getattr(self, "_conn", None)
+        if stop is not None:
+            stop.set()
+        if conn is not None:
+            conn.close()
 
 
-async def handshake_async(conn, token: bytes | None, timeout: float | None, *, found: bool = False) -> ServerInfo:
-    """:func:`handshake` on an asyncio connection."""
-    steps = _handshake_steps(token, str(conn.address), found)
-    request = next(steps)
-    while True:
-        op, payload = request
-        _, payload = await exchange_async(conn, op, timeout, payload)
+def _heartbeats(ref: weakref.ref, stop: threading.Event, interval: float) -> None:
+    """The heartbeat thread of a Channel (holds it only weakly)."""
+    while not stop.wait(interval / 2):
+        channel = ref()
+        if channel is None or not channel._ping_if_idle(interval):
+            return
+        del channel
+
+
+class AsyncChannel(_OneServer, _ChannelSteps):
+    """The asyncio client of one server over TCP: made by :meth:`open`."""
+
+    _run_steps = staticmethod(arun)
+
+    @classmethod
+    async def open(cls, *args: Any, **options: Any) -> AsyncChannel:
+        channel = cls(*args, **options)
+        await arun(channel._connect_first())
+        channel._start_heartbeat()
+        return channel
+
+    def __init__(self, *args: Any, **options: Any) -> None:  # see open()
+        super().__init__(*args, **options)
+        self._requested_transport = "tcp"  # asyncio's sockets cannot pass the descriptors shm needs
+        self._lock = asyncio.Lock()
+        self._heartbeat_task: asyncio.Task | None = None
+        self._closed = False
+
+    def _start_heartbeat(self) -> None:
+        """Start the heartbeat task, unless there is none to run or it still runs."""
+        task = self._heartbeat_task
+        if self._heartbeat is None or self._closed or (task is not None and not task.done()):
+            return
+        self._heartbeat_task = asyncio.get_running_loop().create_task(self._heartbeats(self._heartbeat))
+
+    async def _heartbeats(self, interval: float) -> None:
         try:
-            request = steps.send(payload)
-        except StopIteration as done:
-            return done.value
+            while self._conn is not None:
+                await asyncio.sleep(interval / 2)
+                if not self._lock.locked() and time.monotonic() - self._last_io >= interval:
+                    await arun(self._roundtrip(lambda: self._core.simple_request(Op.PING), max(interval, 1.0) * 6))
+        except APSError as exc:
+            log.warning("rank %d: heartbeat failed: %s", self.rank, exc)
+
+    async def close(self) -> None:
+        """Leave the server and disconnect (a call another task is in is ended first)."""
+        self._closed = self._closing = True
+        if self._heartbeat_task is not None:
+            self._heartbeat_task.cancel()
+            self._heartbeat_task = None
+        if self._lock.locked() and self._conn is not None:
+            self._conn.close()  # another task is in a call (reconnecting, or held): end its wait
+        async with self._lock:
+            pass
+        if self._conn is None:
+            return
+        await arun(self._leave(5.0))
+        conn = self._conn
+        self._disconnect()
+        if conn is not None:
+            await conn.aclose()

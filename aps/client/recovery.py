@@ -24,7 +24,7 @@ from .tcp import NoServerYet
 
 if TYPE_CHECKING:
     from .core import _ClientCore
-    from .worker import _WorkerBase
+    from .steps import _ChannelSteps
 
 __all__ = []
 
@@ -96,7 +96,7 @@ class _Retrying:
 class _Reconnecting(_Retrying):
     """One recovery: the deadline, the attempts, and what is said about them."""
 
-    def __init__(self, worker: _WorkerBase, lost: BaseException, timeout: float | None) -> None:
+    def __init__(self, worker: _ChannelSteps, lost: BaseException, timeout: float | None) -> None:
         super().__init__(RECONNECT, timeout)
         self.worker, self.lost = worker, lost
         self._note_at = self.start + _RETRY_NOTE_EVERY

@@ -10,7 +10,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from ..errors import APSConnectionError, APSTimeoutError, MalformedFrame
-from .channel import BlockingSocket
+from .sockets import BlockingSocket
 from ..wire.segments import ANCILLARY_SPACE, Segment, fds_from, map_received
 
 __all__ = ["ShmConnection"]

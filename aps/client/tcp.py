@@ -19,7 +19,7 @@ from collections.abc import Callable, Sequence
 from ..errors import APSConnectionError, APSError, APSTimeoutError, AuthenticationError
 from ..wire.framing import FrameReader
 from ..wire.net import client_context, parse_address, set_keepalive, set_nodelay
-from .channel import (
+from .sockets import (
     IOV_MAX,
     BlockingSocket,
     ClientSocket,
@@ -159,7 +159,7 @@ class AsyncConnection(ClientSocket):
     async def receive(
         self, reader: FrameReader, done: Callable[[], bool], timeout: float | None = None, idle: float | None = None
     ) -> None:
-        """See :meth:`aps.client.channel.BlockingSocket.receive`."""
+        """See :meth:`aps.client.sockets.BlockingSocket.receive`."""
         loop = asyncio.get_running_loop()
         deadline = None if timeout is None else loop.time() + timeout
         try:

@@ -244,17 +244,29 @@ _OVERHEAD_S = 3.0  # per run beyond its budget: a server starts, workers join, t
 _PROCESS_START_S = 3.5
 
 
-def startup_seconds(workers: int, cores: int | None = None) -> float:
+def startup_seconds(workers: int, cores: int | None = None, load: float = 0.0) -> float:
     """The time before the first run starts: the evaluator's start-up, then ``workers`` worker
-    processes starting at once on ``cores`` cores (default: those this process may use)."""
-    cores = len(os.sched_getaffinity(0)) if cores is None else cores
-    return _PROCESS_START_S * (1 + max(1.0, workers / max(1, cores)))
+    processes starting at once on ``cores`` cores (default: those this process may use), while
+    ``load`` other runnable processes (the load average) share those cores."""
+    cores = max(1, len(os.sched_getaffinity(0)) if cores is None else cores)
+    share = max(1.0, (load + 1) / cores)  # the start-up's own process among the others
+    return _PROCESS_START_S * (1 + max(1.0, workers / cores)) * share
 
 
-def estimate_seconds(runs: int, budget: float, workers: int, cores: int | None = None) -> float:
+def _load() -> float:
+    """The machine's one-minute load average (0 where the system does not say)."""
+    try:
+        return os.getloadavg()[0]
+    except OSError:
+        return 0.0
+
+
+def estimate_seconds(runs: int, budget: float, workers: int, cores: int | None = None,
+                     load: float = 0.0) -> float:
     """How long a comparison of ``runs`` runs of ``budget`` seconds on ``workers`` worker
-    processes takes: their start-up once, then each run's budget and its overhead."""
-    return startup_seconds(workers, cores) + runs * (budget + _OVERHEAD_S)
+    processes takes: their start-up once (slower on a loaded machine), then each run's budget
+    and its overhead."""
+    return startup_seconds(workers, cores, load) + runs * (budget + _OVERHEAD_S)
 
 
 def _run_one(run: Run, pool: _Pool, evaluate, args, out=sys.stdout, bar=None) -> None:
@@ -580,7 +592,7 @@ def compare(args, out=sys.stdout) -> list[dict]:
     if args.out is None:
         args.out = tempfile.mkdtemp(prefix=f"aps-{getattr(args, 'command', 'compare')}-")
     os.makedirs(args.out, exist_ok=True)
-    estimate = estimate_seconds(len(runs), args.budget, args.workers)
+    estimate = estimate_seconds(len(runs), args.budget, args.workers, load=_load())
     print(f"{len(runs)} runs of {args.budget:g} s on {args.workers} workers ({args.dataset}, step time "
           f"{args.step_time * 1e3:.0f} ms, target accuracy {args.target:g}): about {_duration(estimate)} in all; "
           f"results in {args.out}", file=out, flush=True)

@@ -112,7 +112,7 @@ class ServerProcess:
     @property
     def unix_path(self) -> str:
         """The server's Unix socket for shared memory, as its HELLO reply says."""
-        from aps.client.channel import handshake
+        from aps.client.sockets import handshake
         from aps.client.tcp import BlockingConnection
 
         conn = BlockingConnection("127.0.0.1", self.port)

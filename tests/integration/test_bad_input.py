@@ -178,7 +178,7 @@ def waiting_server(server_process, transport):
     yield server, good, thread, result
     assert server.alive()
     if thread.is_alive():
-        good._conn.sock.shutdown(2)
+        good.shards[0]._conn.sock.shutdown(2)
     thread.join(10)
     good.close()
 

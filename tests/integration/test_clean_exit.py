@@ -160,7 +160,7 @@ def test_the_exit_is_bounded_while_a_thread_is_held_at_the_gate(server_process, 
         start = time.monotonic()
         finished(proc, 30.0, read=True)
         # the interpreter's start-up is not in it: the exit alone, sleep(0.5) included
-        assert time.monotonic() - start < aps.client.worker.EXIT_LEAVE_S + 3.0
+        assert time.monotonic() - start < aps.client.channel.EXIT_LEAVE_S + 3.0
         wait_event(server, (0, "disconnected"))  # it could not say goodbye in the middle of a call
         thread.join(10)
 
@@ -193,7 +193,7 @@ def test_log_lines_and_events_agree(server_process):
         thread.join(10)
     assert silent.reply()[0].op == Op.INIT_REPLY
     leaving.close()  # left
-    steady._conn.sock.shutdown(socket.SHUT_RDWR)  # disconnected
+    steady.shards[0]._conn.sock.shutdown(socket.SHUT_RDWR)  # disconnected
     wait_event(server, (2, "timed out"))
     wait_event(server, (0, "disconnected"))
     steady.reconnect()  # rejoined

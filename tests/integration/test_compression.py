@@ -157,3 +157,56 @@ def test_bad_compression_options():
         aps.Worker("tcp://127.0.0.1:1", 0, 1, compression="int8")
     with pytest.raises(aps.ConfigurationError, match="compress_pulls needs compression"):
         aps.Worker("tcp://127.0.0.1:1", 0, 1, compress_pulls=True)
+
+
+@pytest.mark.parametrize("driver", ["blocking", "asyncio"])
+def test_half_buffers_work_sharded(server_process, driver):
+    """A sharded worker's 16-bit buffers are one weight and one gradient buffer for the whole
+    model, each shard's channel receiving into and sending from its slice: a push of the
+    gradient buffer goes as it is, and the weights come back rounded into the weight buffer."""
+    servers = shards(server_process, 2, "--workers", "1", "--sync", "asp", "--lr", "1")
+    addresses = [server.address for server in servers]
+    start = {"a": np.linspace(-1, 1, 27, dtype=np.float32), "b": np.linspace(3, 4, 26, dtype=np.float32)}
+    step = np.linspace(0.5, -0.5, 53).astype(np.float32)
+    half_step = np.empty(53, np.uint16)
+    _reference.narrow(half_step, step, _core.BFLOAT16)
+    expected = np.concatenate([start["a"], start["b"]]) - _reference.widened(half_step, _core.BFLOAT16)
+
+    def check(worker, weights, grad) -> None:
+        assert weights.dtype == grad.dtype == np.uint16 and weights.shape == grad.shape == (53,)
+        assert np.array_equal(weights, rounded_words(np.concatenate([start["a"], start["b"]])))
+        for channel in worker.shards:  # each shard's buffers are slices of the worker's
+            assert np.shares_memory(channel._core._half_weights, weights)
+            assert np.shares_memory(channel._core._half_grad, grad)
+        grad[...] = half_step
+
+    async def asyncio_run() -> np.ndarray:
+        worker = await aps.AsyncWorker.connect(addresses, 0, 1, compression="bf16", compress_pulls=True)
+        async with worker:
+            await worker.init(start)
+            weights, grad = worker.half_buffers()
+            check(worker, weights, grad)
+            await worker.push_pull(grad)
+            assert worker.version == 1 and worker.half_buffers()[0] is weights
+            return weights.copy()
+
+    if driver == "asyncio":
+        got = asyncio.run(asyncio_run())
+    else:
+        with aps.Worker(addresses, 0, 1, transport="tcp", compression="bf16", compress_pulls=True) as worker:
+            worker.init(start)
+            weights, grad = worker.half_buffers()
+            check(worker, weights, grad)
+            worker.push_pull(grad)
+            assert worker.version == 1 and worker.half_buffers()[0] is weights
+            got = weights.copy()
+    assert np.array_equal(got, rounded_words(expected))
+    with aps.Worker(addresses, 0, 1, transport="tcp") as observer:  # the server's float32 weights
+        weights = observer.init(start)
+        assert np.array_equal(np.concatenate([weights["a"], weights["b"]]), expected)
+
+
+def rounded_words(values: np.ndarray) -> np.ndarray:
+    words = np.empty(len(values), np.uint16)
+    _reference.narrow(words, values, _core.BFLOAT16)
+    return words

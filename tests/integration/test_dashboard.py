@@ -243,8 +243,8 @@ def test_one_window_for_the_rates_each_ranks_iterations_and_a_history_kept_acros
         browser.get(url)
         wait_until(lambda: browser.execute_script("return document.body.dataset.state") == "live", 15,
                    "the page to connect")
-        wait_until(lambda: int(browser.execute_script("return document.body.dataset.points || '0'")) >= 6, 30,
-                   "a few seconds of history")
+        wait_until(lambda: int(browser.execute_script("return document.body.dataset.points || '0'")) >= 6, 60,
+                   "a few seconds of history")  # (a point a second; on a loaded machine the page may lag)
         header, chart, window, chart_window = browser.execute_script(
             "return ['rate', 'rate-now', 'rate-window', 'chart-rate-window']"
             ".map(id => document.getElementById(id).textContent)")

@@ -486,4 +486,4 @@ def test_close_ends_a_reconnect_in_another_thread(tmp_path):
     caller.join(5)
     assert not caller.is_alive() and time.monotonic() - start < 3
     assert isinstance(outcome[0], aps.APSConnectionError) and "closed" in str(outcome[0]), outcome
-    assert worker._conn is None
+    assert worker.shards[0]._conn is None

@@ -129,7 +129,7 @@ def test_membership_events_say_who_joined_left_was_disconnected_or_timed_out(ser
         thread.join(10)
     assert silent.reply()[0].op == Op.INIT_REPLY
     leaving.close()  # says goodbye: left
-    steady._conn.sock.shutdown(socket.SHUT_RDWR)  # its connection breaks: disconnected
+    steady.shards[0]._conn.sock.shutdown(socket.SHUT_RDWR)  # its connection breaks: disconnected
     deadline = time.monotonic() + 10
 
     def events() -> list[tuple[int, str]]:

@@ -184,7 +184,7 @@ def test_the_values_are_sent_again_after_a_reconnect(transport):
         worker.set_hyperparameters([{"lr": 0.5}])
         worker.reconnect()
         assert worker.push_pull(np.ones(N, np.float32))["w"].tolist() == [-0.5] * N
-        worker._conn.shutdown()  # the connection breaks: the next call reconnects by itself
+        worker.shards[0]._conn.shutdown()  # the connection breaks: the next call reconnects by itself
         assert worker.push_pull(np.ones(N, np.float32))["w"].tolist() == [-1.0] * N
 
 

@@ -30,9 +30,9 @@ def test_reconnect_restores_the_heartbeat(server_process, transport, caplog):
     server = server_process("--workers", "1", "--sync", "asp", "--heartbeat-timeout", "1")
     worker = aps.Worker(server.address, 0, 1, transport=transport, heartbeat=0.2)
     worker.init({"w": np.zeros(4, np.float32)})
-    worker._conn.sock.shutdown(socket.SHUT_RDWR)  # the connection breaks under the worker while it idles
+    worker.shards[0]._conn.sock.shutdown(socket.SHUT_RDWR)  # the connection breaks under the worker while it idles
     deadline = time.monotonic() + 5
-    while worker._heartbeat_thread.is_alive():  # its heartbeat fails and stops
+    while worker.shards[0]._heartbeat_thread.is_alive():  # its heartbeat fails and stops
         assert time.monotonic() < deadline
         time.sleep(0.02)
     worker.reconnect()

@@ -102,7 +102,7 @@ def test_reconnect_after_losing_the_connection(server_process, transport):
     worker = aps.Worker(server.address, 0, 1, transport=transport, reconnect=False)
     worker.init({"w": np.zeros(2, np.float32)})
     worker.push_pull({"w": np.ones(2, np.float32)})
-    worker._conn.sock.shutdown(2)  # the network drops the connection
+    worker.shards[0]._conn.sock.shutdown(2)  # the network drops the connection
     with pytest.raises(aps.APSConnectionError):
         worker.pull()
     server.wait_for_log("worker 0 disconnected")

@@ -103,7 +103,8 @@ def send_load(worker, optimizer: str, steps: int, arrays: dict[str, np.ndarray],
     """A LOAD_STATE as built by hand (past the worker's own checks)."""
     digest = digest or state_digest(steps, arrays.values())
     head = encode_state_head(optimizer, steps, numel, list(arrays), digest=digest)
-    return worker._load_state(head, list(arrays.values()))
+    channel = worker.shards[0] if isinstance(worker, aps.Worker) else worker  # one server's channel
+    return channel._run_steps(channel._load_state(head, list(arrays.values())))
 
 
 def test_every_refusal_changes_nothing_and_the_connection_serves_on(server_process, transport):

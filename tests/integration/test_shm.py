@@ -213,7 +213,7 @@ def test_segments_are_sealed_and_slots_are_read_only(server_process):
         worker.init({"w": np.zeros(N, np.float32)})
         for size in (0, 4 * N + 4096):
             with pytest.raises(PermissionError):  # the worker's own gradient segment: sealed
-                os.ftruncate(worker._conn.grad_segment.fd, size)
+                os.ftruncate(worker.shards[0]._conn.grad_segment.fd, size)
     raw = RawShmClient(server.unix_path)  # rejoins as rank 0 and keeps the slot's descriptor as sent
     raw.init(0, 1, {"w": np.zeros(N, np.float32)})
     data, ancdata, _, _ = raw.sock.recvmsg(4096, ANCILLARY_SPACE)

@@ -118,7 +118,7 @@ def test_a_constructor_that_fails_after_connecting_closes_its_worker(server_proc
     monkeypatch.setenv("APS_SLOWDOWN", "0")  # refused by the Pacer, made last
     with pytest.raises(ConfigurationError, match="slowdown"):
         aps.torch.Optimizer(torch.nn.Linear(2, 1), sgd_server(server_process).address, 0, 1, transport="tcp")
-    assert len(made) == 1 and made[0]._conn is None
+    assert len(made) == 1 and made[0].shards[0]._conn is None
 
 
 def test_an_optimizer_cannot_be_copied_into_one_without_a_connection(server_process):

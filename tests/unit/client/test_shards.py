@@ -1,8 +1,10 @@
-"""The sharded worker's request machinery, without servers: the order in which a push
-leaves for the shards, and Ctrl-C ending every shard's request."""
+"""The sharded worker's request machinery, without servers, over both drivers: the order
+in which a push leaves for the shards, the worker's clock when a shard comes back older,
+and Ctrl-C ending every shard's request."""
 
 from __future__ import annotations
 
+import asyncio
 import random
 import threading
 import time
@@ -11,53 +13,79 @@ from types import SimpleNamespace
 
 import pytest
 
-from aps.client import shards as _sharded
-from aps.client.worker import SEND_TURN
+from aps.client.aio import AsyncWorker
+from aps.client.channel import arun, run
+from aps.client.steps import SLEEP, TURN
+from aps.client.worker import Worker
 
 
-def sharded(count: int, rank: int) -> _sharded.ShardedWorker:
-    """A ShardedWorker over ``count`` stand-ins for its shards' workers."""
-    worker = object.__new__(_sharded.ShardedWorker)
-    worker._shards = [SimpleNamespace(rank=rank, _conn=None, clock=0) for _ in range(count)]
-    worker._clock_offsets = [0] * count
+def stand_ins(count: int, rank: int) -> list[SimpleNamespace]:
+    """What the fan-out reads of a shard's channel."""
+    return [SimpleNamespace(rank=rank, _conn=None, clock=0, version=0, address=f"tcp://s{index}:1",
+                            _stop=threading.Event(), _closing=False) for index in range(count)]
+
+
+def blocking(count: int, rank: int) -> Worker:
+    worker = object.__new__(Worker)
+    worker._setup(stand_ins(count, rank))
     worker._pool = ThreadPoolExecutor(max_workers=count - 1)
     worker._lock = threading.RLock()
-    worker._closing = False
-    worker.address = "tcp://a,tcp://b"
     return worker
 
 
+class Driver:
+    """Runs a worker's steps with the blocking or the asyncio driver."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+
+    def make(self, count: int, rank: int):
+        return blocking(count, rank) if self.name == "blocking" else AsyncWorker(stand_ins(count, rank))
+
+    def run(self, steps):
+        return run(steps) if self.name == "blocking" else asyncio.run(arun(steps))
+
+    def close(self, worker) -> None:
+        if self.name == "blocking":
+            worker._pool.shutdown()
+
+
+@pytest.fixture(params=["blocking", "asyncio"])
+def driver(request) -> Driver:
+    return Driver(request.param)
+
+
 @pytest.mark.parametrize("rank", [0, 1, 2, 5])
-def test_a_push_leaves_one_shard_at_a_time_starting_at_rank_mod_k(rank):
+def test_a_push_leaves_one_shard_at_a_time_starting_at_rank_mod_k(driver, rank):
     count = 3
-    worker = sharded(count, rank)
+    worker = driver.make(count, rank)
     sent: list[int] = []
 
-    def send(index, _shard):
-        time.sleep(random.uniform(0, 0.02))  # the threads reach their send in any order
-        turn = SEND_TURN.turn
-        turn.wait()
+    def send(index, channel, turn):
+        yield SLEEP, channel, random.uniform(0, 0.02)  # the shards reach their send in any order
+        yield TURN, turn
         sent.append(index)
-        time.sleep(0.01)
+        yield SLEEP, channel, 0.01
         turn.done()
 
     for _ in range(5):
         sent.clear()
-        worker._each(send, in_turn=True)
+        driver.run(worker._each(send, in_turn=True))
         assert sent == [(rank + step) % count for step in range(count)]
-    worker._pool.shutdown()
+    driver.close(worker)
 
 
-def test_the_clock_is_the_workers_own_when_a_shard_comes_back_older():
+def test_the_clock_is_the_workers_own_when_a_shard_comes_back_older(driver):
     """docs/algorithms.md, "Sharded resume": a shard that lost iterations does not take the
     worker's clock back; only when every shard lost some does it go back (to the most kept)."""
-    worker = sharded(2, 0)
-    shards = worker._shards
+    worker = driver.make(2, 0)
 
     def step(clocks):
-        def call(index, shard):
-            shard.clock = clocks[index]
-        worker._each(call)
+        def call(index, channel, turn):
+            channel.clock = clocks[index]
+            return index
+            yield  # (a call of no I/O)
+        assert driver.run(worker._each(call)) == [0, 1]  # the results in shard order
         return worker.clock
 
     assert step([1, 1]) == 1 and step([2, 2]) == 2
@@ -67,44 +95,57 @@ def test_the_clock_is_the_workers_own_when_a_shard_comes_back_older():
     assert step([3, 5]) == 7
     # both came back older: shard 0 holds identities up to 5 (its count 1 is the worker's 5), shard 1 up to 3
     assert step([1, 1]) == 5
-    worker._pool.shutdown()
-    del shards
+    driver.close(worker)
 
 
-def test_a_shard_that_fails_before_sending_does_not_hold_the_others():
-    worker = sharded(3, 0)
+def test_a_shard_that_fails_before_sending_does_not_hold_the_others(driver):
+    worker = driver.make(3, 0)
     sent: list[int] = []
 
-    def send(index, _shard):
+    def send(index, channel, turn):
         if index == 0:
             raise ConnectionError("shard 0 is gone")
-        SEND_TURN.turn.wait()
+        yield TURN, turn
         sent.append(index)
-        SEND_TURN.turn.done()
+        turn.done()
 
     began = time.monotonic()
     with pytest.raises(ConnectionError, match="shard 0 is gone"):
-        worker._each(send, in_turn=True)
+        driver.run(worker._each(send, in_turn=True))
     assert sorted(sent) == [1, 2] and time.monotonic() - began < 1.0
-    worker._pool.shutdown()
+    driver.close(worker)
+
+
+def test_a_closed_sharded_worker_refuses_requests(driver):
+    worker = driver.make(2, 0)
+    worker._closing = True
+
+    def call(index, channel, turn):
+        raise AssertionError("sent on a closed worker")
+        yield
+
+    with pytest.raises(ConnectionError, match="is closed"):
+        driver.run(worker._each(call))
+    driver.close(worker)
 
 
 def test_ctrl_c_ends_every_shards_request():
     """Interrupted in the calling thread (shard 0), the call shuts the other shards'
     connections so their requests end too, and raises at once: not one press per shard."""
-    worker = sharded(2, 0)
+    worker = blocking(2, 0)
     released = threading.Event()
-    worker._shards[1]._conn = SimpleNamespace(shutdown=released.set)
+    worker._channels[1]._conn = SimpleNamespace(shutdown=released.set)
 
-    def call(index, _shard):
+    def call(index, channel, turn):
         if index == 0:
             raise KeyboardInterrupt
         if not released.wait(30):  # a pull held at the gate until its connection is shut
             raise AssertionError("never released")
         raise ConnectionError("connection shut")
+        yield
 
     began = time.monotonic()
     with pytest.raises(KeyboardInterrupt):
-        worker._each(call)
+        run(worker._each(call))
     assert released.is_set() and time.monotonic() - began < 5.0
     worker._pool.shutdown()

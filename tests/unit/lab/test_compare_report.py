@@ -67,3 +67,7 @@ def test_the_estimate_counts_the_workers_start_up():
     assert startup_seconds(8, cores=2) == pytest.approx(5 * 3.5)
     assert startup_seconds(8, cores=2) > startup_seconds(4, cores=2) > startup_seconds(2, cores=2)
     assert estimate_seconds(5, 30.0, 4, cores=2) == pytest.approx(startup_seconds(4, cores=2) + 5 * 33.0)
+    # a loaded machine: the start-up shares the cores with the others' runnable processes
+    assert startup_seconds(2, cores=2, load=0.5) == startup_seconds(2, cores=2)  # under a core's worth: no change
+    assert startup_seconds(2, cores=2, load=3.0) == pytest.approx(2 * startup_seconds(2, cores=2))
+    assert estimate_seconds(1, 2.0, 2, cores=2, load=3.0) == pytest.approx(2 * 7.0 + (2.0 + 3.0))

@@ -1,0 +1,528 @@
+"""One server's requests, written once for the blocking and the asyncio drivers.
+
+A :class:`_ChannelSteps` is the client of one server: its settings, its
+:class:`aps.client.core._ClientCore` (every request built, every reply parsed,
+no I/O), its connection, and every call as a generator of I/O steps: connect,
+handshake, send, receive, wait for a push's turn, sleep, or run some steps
+under the connection's lock. The generator decides (retry, rejoin, backoff,
+what is left of a call after a rejoin); a driver does the I/O it asks for:
+:func:`aps.client.channel.run` in the calling thread, or
+:func:`aps.client.channel.arun` on the running asyncio loop (the handshake in
+:mod:`aps.client.sockets` is built the same way). So each verb exists once,
+and so does getting back to a lost server (:mod:`aps.client.recovery` holds its
+schedule). :class:`aps.Worker` and :class:`aps.AsyncWorker` run these over one
+channel per server.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Generator, Mapping
+from typing import Any
+
+import numpy as np
+
+from .. import _core
+from ..errors import (
+    APSConnectionError,
+    APSError,
+    APSTimeoutError,
+    AuthenticationError,
+    ConfigurationError,
+    InitTimeout,
+    NotInitialized,
+    RankTaken,
+    ServerError,
+    ServerSilent,
+    error_from_code,
+)
+from ..layout import Layout
+from ..wire.net import client_context, parse_address
+from ..wire.protocol import Op, encode_hyper, host_identity
+from ..wire.segments import shm_available
+from .arguments import _check_heartbeat, _check_reconnect, _check_transport, _from_env, _refuse_one_shard, _with_scheme
+from .core import _DROPPED, COMPRESSION, _ClientCore, _compression
+from .payloads import flat_weights_of, resolve_hyperparameters, server_hyperparameters, server_options, state_payload
+from .recovery import _after_recovery, _describe_progress, _Patience, _Reconnecting, _recoverable, _WaitingForServer
+from .sockets import client_token, find_client_token, newer_token
+from .tcp import NoServerYet
+
+__all__ = []
+
+log = logging.getLogger("aps.worker")
+
+# The I/O steps a generator yields, each a tuple (step, ...), and what the driver sends back.
+CONNECT = 0  # (CONNECT, channel): a new TCP (or TLS) connection to the channel's server
+HANDSHAKE = 1  # (HANDSHAKE, channel, conn, token, found): the handshake on conn; its ServerInfo
+CONNECT_SHM = 2  # (CONNECT_SHM, channel, path): a Unix-socket connection for shared memory
+SEND = 3  # (SEND, conn, buffers, fds)
+RECEIVE = 4  # (RECEIVE, conn, core, timeout, idle): until the core holds a reply
+TURN = 5  # (TURN, turn): wait for a push's turn to send (see aps.client.shards)
+SLEEP = 6  # (SLEEP, channel, seconds): True when the channel was closed meanwhile
+LOCKED = 7  # (LOCKED, channel, steps): run the steps holding the channel's lock; their result
+EACH = 8  # (EACH, worker, call, in_turn): call(index, channel, turn)'s steps on every channel at once
+
+#: A generator of steps returning ``T``.
+Steps = Generator[tuple, Any, Any]
+
+_REJOIN_PATIENCE = 5.0  # seconds reconnect() waits for the server to let the old connection go
+_FAREWELL_S = 0.5  # how long to look for the server's last words when a send fails
+#: Seconds without a byte from the server, while a reply is due, after which it is taken to be gone.
+DEFAULT_SERVER_TIMEOUT = 60.0
+#: Seconds a worker keeps trying to get back to a lost server (``reconnect_timeout``).
+DEFAULT_RECONNECT_TIMEOUT = 300.0
+
+
+class _ChannelSteps:
+    """One server: its settings and state, its views, and every call's steps. The drivers'
+    subclasses (:class:`aps.client.channel.Channel`, :class:`~aps.client.channel.AsyncChannel`)
+    add the lock, the connection's kind, the heartbeat and closing."""
+
+    #: The connection (None while disconnected).
+    _conn: Any = None
+
+    def __init__(self, address: Any, rank: int | None, num_workers: int | None, transport: str = "auto", *,
+                 connect_timeout: float | None = 30.0, timeout: float | None = None, heartbeat: float | None = 5.0,
+                 server_timeout: float | None = DEFAULT_SERVER_TIMEOUT, token: str | None = None, tls: Any = None,
+                 reconnect: bool = True, reconnect_timeout: float | None = DEFAULT_RECONNECT_TIMEOUT,
+                 compression: str | None = None, compress_pulls: bool = False, as_shard: bool = False) -> None:
+        _check_transport(transport)
+        _check_heartbeat(heartbeat, server_timeout)
+        narrow = _compression(compression, compress_pulls)
+        self.reconnect_timeout = _check_reconnect(reconnect, reconnect_timeout)
+        self._closing = False
+        self._as_shard = as_shard  # one of a sharded worker's servers
+        self._token = client_token(token)
+        if isinstance(address, (list, tuple)) and len(address) == 1:
+            address = address[0]
+        address, rank, num_workers = _from_env(address, rank, num_workers)
+        self._parsed = _with_scheme(parse_address(address), tls)
+        self._tls = client_context(tls if tls is not None else self._parsed.scheme == "tls")
+        self.address = str(self._parsed)
+        self._core = _ClientCore(rank, num_workers)
+        self._core.compression, self._core.compress_pulls = narrow, bool(compress_pulls)
+        self._connect_timeout = connect_timeout
+        self.timeout = timeout
+        self.server_timeout = server_timeout
+        self._heartbeat = heartbeat
+        self._last_io = time.monotonic()
+        self._requested_transport = transport  # "auto" stays "auto" when the worker reconnects
+        #: "shm" or "tcp": what this channel uses (``transport="auto"`` decides at connection).
+        self.transport = "tcp"
+        #: What the server said of itself in the handshake.
+        self.server_info = None
+
+    # The driver's part ------------------------------------------------------
+    def _start_heartbeat(self) -> None:  # pragma: no cover - each driver has its own
+        raise NotImplementedError
+
+    # Views ------------------------------------------------------------------
+    @property
+    def rank(self) -> int:
+        return self._core.rank
+
+    @property
+    def num_workers(self) -> int:
+        return self._core.num_workers
+
+    @property
+    def version(self) -> int:
+        """Version of the weights last received (the version a push says its gradient used)."""
+        return self._core.version
+
+    @property
+    def clock(self) -> int:
+        """This worker's clock at the server: how many gradients it has pushed."""
+        return self._core.clock
+
+    @property
+    def layout(self) -> Layout | None:
+        return self._core.layout
+
+    @property
+    def server_options(self) -> dict[str, Any] | None:
+        """The options that define the server's run, as it said in the handshake."""
+        return server_options(self.server_info)
+
+    @property
+    def weights(self) -> Mapping[str, np.ndarray]:
+        return self._core.weights
+
+    @property
+    def grads(self) -> Mapping[str, np.ndarray]:
+        return self._core.grads
+
+    @property
+    def flat_weights(self) -> np.ndarray | None:
+        return self._core.flat_weights
+
+    @property
+    def flat_grad(self) -> np.ndarray | None:
+        return self._core.flat_grad
+
+    @property
+    def compression(self) -> str | None:
+        """``"bf16"``/``"fp16"`` when pushes go compressed (over TCP), else None."""
+        core = self._core
+        if not core.compressing:
+            return None
+        return next(name for name, dtype in COMPRESSION.items() if dtype == core.compression)
+
+    @property
+    def last_push_dropped(self) -> bool:
+        return self._core.dropped
+
+    def half_buffers(self, weights: np.ndarray | None = None,
+                     grad: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
+        """See :meth:`aps.Worker.half_buffers`; ``weights``/``grad``: the 16-bit buffers to
+        use (a sharded worker's slices of its own), made here when not given."""
+        core = self._core
+        if core.layout is None or not core.compressing or not core.compress_pulls:
+            raise ConfigurationError("half_buffers needs an initialized worker over TCP with compression "
+                                     "and compress_pulls")
+        if core._half_grad is None:
+            core._half_grad = grad if grad is not None else np.zeros(core.layout.numel, np.uint16)
+        if core._half_weights is None:
+            core._half_weights = weights if weights is not None else np.zeros(core.layout.numel, np.uint16)
+        if not core.half_views:
+            _core.narrow(core._half_weights, core.flat_weights, core.compression)
+            core.half_views = True
+        return core._half_weights, core._half_grad
+
+    # Verbs ------------------------------------------------------------------
+    def _init(self, params: Mapping[str, Any] | None, timeout: float | None) -> Steps:
+        try:
+            yield from self._call("init", lambda: self._core.init_request(params), timeout,
+                                  waiting=self._note_init_wait)
+        except APSTimeoutError:
+            raise self._init_timeout(timeout) from None
+        if params is not None and self._core.joined_running:
+            log.warning("rank %d joined a running model at %s at version %d: the values passed to init() were "
+                        "not used; the server's weights were returned", self.rank, self.address, self.version)
+        return self._core.weights
+
+    def _pull(self) -> Steps:
+        yield from self._call("pull", self._core.pull_request)
+        return self._core.weights
+
+    def _push(self, grads: Any, then_pull: bool, turn: Any = None) -> Steps:
+        yield from self._call("push_pull" if then_pull else "push",
+                              lambda: self._core.push_request(grads, then_pull=then_pull), turn=turn)
+        return self._core.weights
+
+    def _ping(self) -> Steps:
+        return (yield from self._call("ping", lambda: self._core.simple_request(Op.PING))).version
+
+    def _hyper(self, payload: bytes, check: bool = False) -> Steps:
+        """A HYPER payload: checked by the server without taking it (``check``, Flag.CHECK),
+        or set and remembered (sent again after a reconnect)."""
+        yield from self._call("hyper", lambda: self._core.hyper_request(payload, check=check))
+        if not check:
+            self._core.hyperparameters = payload
+
+    def _hyper_payload(self, groups: Any) -> bytes:
+        """The HYPER payload for ``groups`` (see :meth:`aps.Worker.set_hyperparameters`)."""
+        layout = self._core.layout
+        if layout is None:
+            raise NotInitialized("call init(params) before set_hyperparameters")
+        return encode_hyper(resolve_hyperparameters(groups, layout.numel, server_hyperparameters(self.server_info)))
+
+    def _record_shard_runs(self, runs: list[str]) -> Steps:
+        """Tell this shard's server the run id of every shard (see aps.client.shards)."""
+        yield from self._call("shards", lambda: self._core.shards_request(runs))
+
+    def _checkpoint_versions(self) -> Steps:
+        """The versions of the checkpoints this shard's server holds of its run (REWIND, CHECK)."""
+        yield from self._call("rewind", lambda: self._core.rewind_request(None))
+        return self._core.take_rewind_versions()
+
+    def _rewind(self, version: int, timeout: float | None) -> Steps:
+        """Have this shard's server restart from its checkpoint at ``version``, and rejoin it there
+        (docs/algorithms.md, "Sharded resume"): once the server has said yes, its process
+        restarts and this connection goes; the rejoin that follows returns the weights of ``version``."""
+        yield from self._call("rewind", lambda: self._core.rewind_request(version))
+        if not self._core.take_rewind().get("rewound"):
+            return  # it is there already
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while self._core.version != version:
+            if deadline is not None and time.monotonic() > deadline:
+                raise APSTimeoutError(f"the server at {self.address} said it would rewind to version {version}, "
+                                      f"but is at version {self._core.version} after {timeout:g} s")
+            yield from self._ping()  # answered until the process restarts; then the worker rejoins it
+            yield SLEEP, self, 0.02
+
+    def _optimizer_state(self) -> Steps:
+        header = yield from self._call("state", self._core.state_request)
+        return self._core.take_state(header)
+
+    def _state_payload(self, state: Mapping[str, Any]) -> tuple[bytes, list[np.ndarray]]:
+        """The LOAD_STATE head and arrays for ``state`` (see :meth:`aps.Worker.load_optimizer_state`)."""
+        layout = self._core.layout
+        if layout is None:
+            raise NotInitialized("call init(params) before load_optimizer_state")
+        return state_payload(state, layout.numel)
+
+    def _load_state(self, head: bytes, arrays: list[np.ndarray], check: bool = False) -> Steps:
+        """Send a LOAD_STATE; with ``check`` the head alone, checked, nothing loaded (Flag.CHECK).
+        True when loaded, False when this state was loaded already."""
+        header = yield from self._call("load_state", lambda: self._core.load_state_request(head, arrays, check=check))
+        return not header.flags & _DROPPED
+
+    def _weights_payload(self, params: Mapping[str, Any] | np.ndarray) -> np.ndarray:
+        """The flat float32 weights of ``params`` (see :meth:`aps.Worker.load_weights`), checked."""
+        layout = self.layout
+        if layout is None:
+            raise NotInitialized("call init(params) before load_weights")
+        return flat_weights_of(params, layout)
+
+    def _load_weights(self, digest: bytes, values: np.ndarray | None) -> Steps:
+        """Send a LOAD_WEIGHTS (``values`` None: the digest alone, checked, Flag.CHECK);
+        once loaded (or loaded already) this worker holds them too."""
+        header = yield from self._call("load_weights", lambda: self._core.load_weights_request(digest, values))
+        if values is None:
+            return True
+        flat = self.flat_weights
+        if flat is not None and values is not flat and not np.shares_memory(values, flat):
+            np.copyto(flat, values)
+        return not header.flags & _DROPPED
+
+    def _leave(self, timeout: float | None) -> Steps:
+        """LEAVE (the server stops counting this worker); errors are the connection's end anyway."""
+        if self._conn is not None and self._core.joined:
+            try:
+                yield from self._roundtrip(lambda: self._core.simple_request(Op.LEAVE), timeout)
+            except APSError:
+                pass
+
+    def _reconnect(self, timeout: float | None) -> Steps:
+        """Open a new connection and rejoin under the same rank (see :meth:`aps.Worker.reconnect`)."""
+        deadline = time.monotonic() + _REJOIN_PATIENCE
+        while True:
+            yield LOCKED, self, self._reopen(None, None, self.transport)
+            try:
+                yield from self._rejoin(timeout)
+                weights = self._core.weights
+            except APSTimeoutError:
+                raise self._init_timeout(timeout) from None
+            except RankTaken:
+                if time.monotonic() > deadline:
+                    raise
+                yield SLEEP, self, 0.05
+                continue
+            self._start_heartbeat()  # the old connection's heartbeat stopped with it
+            return weights
+
+    # Getting there and back -------------------------------------------------
+    def _call(self, kind: str, request, timeout: float | None = ..., *, waiting=None, turn=None) -> Steps:
+        """:meth:`_roundtrip`, getting back to a lost server and finishing the call when
+        the worker reconnects by itself (``kind``: init, pull, push, push_pull, ping...).
+        Each loss of the server gets ``reconnect_timeout`` seconds."""
+        self._core.begin_call()  # only this call's push is ever sent again
+        while True:
+            try:
+                return (yield from self._roundtrip(request, timeout, waiting=waiting, turn=turn))
+            except APSError as exc:
+                if not self._reconnects(kind, exc):
+                    raise
+                yield from self._recover(exc)
+            kind, request = _after_recovery(self._core, kind, request, self.address, self._as_shard,
+                                            (self.server_options or {}).get("sync"))
+            if kind is None:
+                return None
+
+    def _reconnects(self, kind: str, exc: APSError) -> bool:
+        """Whether a call of ``kind`` that failed with ``exc`` gets back to the server by itself."""
+        return (self.reconnect_timeout != 0 and _recoverable(exc) and not self._closing
+                and (self._core.ever_joined or kind == "init"))
+
+    def _recover(self, lost: BaseException) -> Steps:
+        """Reconnect and rejoin under this rank, with backoff, within ``reconnect_timeout``."""
+        attempt = _Reconnecting(self, lost, self.reconnect_timeout)
+        while True:
+            try:
+                yield LOCKED, self, self._reopen(lost, attempt, self._requested_transport)
+                try:
+                    yield from self._rejoin(attempt.remaining())
+                except APSTimeoutError:
+                    raise APSTimeoutError(f"the server at {self.address} is back, but waits for the other workers: "
+                                          f"{_describe_progress(self._core.join_progress)}") from None
+                break
+            except APSError as exc:
+                lost = exc
+                if (yield SLEEP, self, attempt.failed(exc)):  # close() was called meanwhile
+                    attempt.check_closed()
+        attempt.done()
+        self._start_heartbeat()
+
+    def _reopen(self, lost: BaseException | None, attempt: _Reconnecting | None, transport: str) -> Steps:
+        """(Under the lock.) Drop the connection and open a new one."""
+        self._disconnect(lost)
+        if attempt is not None:
+            attempt.check_closed()
+        self._conn = yield from self._open(transport)
+        self.transport = "shm" if self._core.shm is not None else "tcp"
+        if attempt is not None:
+            attempt.check_closed()
+
+    def _rejoin(self, timeout: float | None) -> Steps:
+        """INIT again under this rank; then the values this connection had (set_hyperparameters)."""
+        yield from self._roundtrip(lambda: self._core.init_request(None, rejoin=True), timeout,
+                                   waiting=self._note_init_wait)
+        payload = self._core.hyperparameters
+        if payload is not None:
+            yield from self._roundtrip(lambda: self._core.hyper_request(payload), timeout)
+
+    def _roundtrip(self, request, timeout: float | None = ..., *, waiting=None, turn=None) -> Steps:
+        """Build a request with ``request()``, send it (once ``turn`` says so, when given),
+        return its reply. ``waiting(seconds)`` is called now and then while the reply takes long."""
+        return (yield LOCKED, self, self._exchange(request, self.timeout if timeout is ... else timeout,
+                                                   waiting, turn))
+
+    def _exchange(self, request, timeout: float | None, waiting, turn) -> Steps:
+        """(Under the lock: the request's id is the one the reply will carry.)"""
+        conn, core = self._conn, self._core
+        if conn is None:
+            raise self._disconnected()
+        buffers = request()
+        try:
+            try:
+                if turn is not None:
+                    yield TURN, turn
+                yield SEND, conn, buffers, core.take_fds()
+            except APSConnectionError:
+                yield from self._farewell(conn)
+                raise
+            finally:
+                if turn is not None:
+                    turn.done()  # sent or failed: the next shard's turn
+            if waiting is None:
+                yield RECEIVE, conn, core, timeout, self.server_timeout
+            else:
+                patience = _Patience(timeout, waiting)  # saying now and then what the wait is for
+                while True:
+                    try:
+                        yield RECEIVE, conn, core, patience.next_wait(), self.server_timeout
+                        break
+                    except ServerSilent:
+                        raise
+                    except APSTimeoutError:
+                        if patience.expired():
+                            raise
+        except BaseException as exc:
+            # Interrupted mid-request (an error, a timeout, Ctrl-C, cancellation): the
+            # stream is no longer in step with the server, so drop it.
+            self._disconnect(exc)
+            raise
+        finally:
+            self._last_io = time.monotonic()
+        try:
+            return core.finish()
+        except APSError as exc:
+            if core.connection_lost:
+                self._disconnect(exc)
+            raise
+
+    def _farewell(self, conn) -> Steps:
+        """A send failed: raise what the server said before it closed, if anything (a Unix
+        socket refuses a send as soon as the server has closed, while TCP takes it and reports
+        later, so without this the two would differ)."""
+        try:
+            yield RECEIVE, conn, self._core, _FAREWELL_S, None
+        except APSError:
+            return
+        self._core.finish()  # raises the error frame that explains the close
+
+    def _connect_first(self) -> Steps:
+        """The first connection: waits up to ``connect_timeout`` for a server that does not
+        listen yet (see :class:`aps.client.recovery._WaitingForServer`)."""
+        waiting = _WaitingForServer(self._core.rank, self.address, self._connect_timeout)
+        while True:
+            try:
+                conn = yield LOCKED, self, self._open(self._requested_transport)
+            except NoServerYet as exc:
+                yield SLEEP, self, waiting.failed(exc)
+            else:
+                waiting.done()
+                self._conn = conn
+                self.transport = "shm" if self._core.shm is not None else "tcp"
+                return
+
+    def _open(self, transport: str) -> Steps:
+        """Connect by ``transport``: shared memory when asked or when ``auto`` finds the
+        server on this host, TCP otherwise."""
+        host, port = self._parsed.host, self._parsed.port
+        tcp = yield CONNECT, self
+        try:
+            # Read again at every connection: a server restarted on this port made a new token.
+            token, found = find_client_token(self._token, host, port)
+            try:
+                info = yield HANDSHAKE, self, tcp, token, found
+            except AuthenticationError:
+                token = newer_token(token, found, host, port)
+                if token is None:
+                    raise
+                tcp.close()
+                tcp = yield CONNECT, self
+                info = yield HANDSHAKE, self, tcp, token, True
+            self._core.check_run(info.run_id, self.address)
+            self.server_info = info
+            if not self._as_shard:
+                _refuse_one_shard(info, self.address)
+        except BaseException:
+            tcp.close()
+            raise
+        if transport == "tcp":
+            self._core.shm = None
+            return tcp
+        path = info.unix_path if shm_available() and info.host == host_identity() else ""
+        if path:
+            try:
+                shm = yield CONNECT_SHM, self, path
+            except APSConnectionError:
+                if transport == "shm":
+                    tcp.close()
+                    raise
+            else:
+                tcp.close()
+                try:
+                    yield HANDSHAKE, self, shm, token, found  # the Unix socket asks the same
+                except BaseException:
+                    shm.close()
+                    raise
+                if self._core.shm is not None:
+                    shm.adopt(self._core.shm)
+                self._core.shm = shm
+                return shm
+        if transport == "shm":
+            tcp.close()
+            where = "does not share this host" if shm_available() else "cannot be reached by shared memory here"
+            raise ConfigurationError(f"the server at {self.address} {where}: use transport='tcp' or 'auto'")
+        return tcp
+
+    def _disconnect(self, reason: BaseException | None = None) -> None:
+        conn, self._conn = self._conn, None
+        if conn is not None:
+            conn.close()
+            self._lost_because = reason
+        self._core.reset_stream()
+
+    def _disconnected(self) -> APSConnectionError:
+        """The error for a request on a dropped connection: why it was dropped, when known."""
+        reason = getattr(self, "_lost_because", None)
+        if isinstance(reason, ServerError) and isinstance(reason, APSConnectionError):  # ShuttingDown, Evicted
+            return error_from_code(reason.code, f"{reason.message}; call reconnect()")
+        if isinstance(reason, APSConnectionError):  # the same kind of error as when it happened
+            return type(reason)(f"{reason}; call reconnect()")
+        why = f" ({reason})" if isinstance(reason, APSError) else ""
+        return APSConnectionError(f"the worker is disconnected{why}; call reconnect()")
+
+    def _init_timeout(self, timeout: float | None) -> InitTimeout:
+        return InitTimeout(f"not all {self.num_workers} workers joined {self.address} within {timeout} s: "
+                           f"{_describe_progress(self._core.join_progress)}")
+
+    def _note_init_wait(self, waited: float) -> None:
+        """``init`` has waited ``waited`` seconds: say for what (one line, now and then)."""
+        log.warning("rank %d: waiting for the other workers at %s for %.0f s: %s", self.rank, self.address,
+                    waited, _describe_progress(self._core.join_progress))
+
