@@ -10,6 +10,7 @@ import pytest
 from hypothesis import HealthCheck, settings
 
 from aps import _core, _reference
+from aps.testing.drivers import DRIVERS, connect
 
 settings.register_profile(
     "aps",
@@ -84,3 +85,18 @@ def network():
     require_netns()
     with Network() as net:
         yield net
+
+
+@pytest.fixture(params=DRIVERS, ids=[f"{driver}-{transport}" for driver, transport in DRIVERS])
+def client(request):
+    """Both drivers of the worker, over every transport each speaks: ``client(address, rank,
+    num_workers, **options)`` is an :class:`aps.Worker`, or an :class:`aps.AsyncWorker` called
+    the same way (:class:`aps.testing.drivers.AsyncDriven`); ``client.transport`` and
+    ``client.driver`` say which. Every test using this runs its one body over all of them."""
+    driver, transport = request.param
+
+    def make(address, rank=0, num_workers=1, **options):
+        return connect(driver, address, rank, num_workers, options.pop("transport", transport), **options)
+
+    make.driver, make.transport = driver, transport
+    return make

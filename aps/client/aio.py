@@ -79,6 +79,7 @@ class AsyncWorker(_Workers):
 
     @property
     def connected(self) -> bool:
+        """Whether every server's connection is open (it is not between a loss and the rejoin)."""
         return all(channel._conn is not None for channel in self._channels)
 
     async def init(self, params: Mapping[str, Any], *, timeout: float | None = 300.0) -> Mapping[str, np.ndarray]:

@@ -89,10 +89,12 @@ class _Workers:
 
     @property
     def rank(self) -> int:
+        """This worker's rank, ``0 <= rank < num_workers``."""
         return self._channels[0].rank
 
     @property
     def num_workers(self) -> int:
+        """The number of workers P the server expects."""
         return self._channels[0].num_workers
 
     @property
@@ -174,6 +176,7 @@ class _Workers:
 
     @property
     def layout(self) -> Layout | None:
+        """The model's names, shapes and offsets in the flat vector (None before :meth:`init`)."""
         return self._channels[0].layout if self._one else self._layout
 
     @property
@@ -188,10 +191,12 @@ class _Workers:
 
     @property
     def flat_weights(self) -> np.ndarray | None:
+        """The weights as one flat float32 array in the layout's order (None before :meth:`init`)."""
         return self._channels[0].flat_weights if self._one else self._flat_weights
 
     @property
     def flat_grad(self) -> np.ndarray | None:
+        """The gradient buffer as one flat float32 array; :attr:`grads` are views into it."""
         return self._channels[0].flat_grad if self._one else self._flat_grad
 
     @property

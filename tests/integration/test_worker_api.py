@@ -1,4 +1,6 @@
-"""The worker clients against an embedded server."""
+"""The worker clients against an embedded server: the tests that take ``client`` run one
+body over both drivers (aps.Worker, and aps.AsyncWorker driven from a loop thread) and
+every transport each speaks."""
 
 import asyncio
 import logging
@@ -14,14 +16,13 @@ from aps.testing import ServerProcess
 
 
 @pytest.fixture
-def server(transport):
+def server():
     with aps.Server(workers=1, sync="asp", lr=1.0, port=0, log_level="warning").run_in_background() as background:
-        background.transport = transport
         yield background
 
 
-def test_weights_are_views_updated_in_place(server):
-    with aps.Worker(server.address, 0, 1, transport=server.transport) as worker:
+def test_weights_are_views_updated_in_place(server, client):
+    with client(server.address) as worker:
         params = {"a": np.arange(6, dtype=np.float32).reshape(2, 3), "b": np.ones(2, np.float32)}
         weights = worker.init(params)
         assert weights["a"].shape == (2, 3) and weights["a"].base is worker.flat_weights
@@ -35,8 +36,8 @@ def test_weights_are_views_updated_in_place(server):
         assert (worker.version, worker.clock) == (1, 1)
 
 
-def test_push_forms(server):
-    with aps.Worker(server.address, 0, 1, transport=server.transport) as worker:
+def test_push_forms(server, client):
+    with client(server.address) as worker:
         worker.init({"a": np.zeros(2, np.float32), "b": np.zeros(3, np.float32)})
         worker.push({"b": np.ones(3, np.float32), "a": np.ones(2, np.float32)})  # any mapping order
         worker.push(np.full(5, 2.0, np.float32))  # flat, in layout order
@@ -48,8 +49,8 @@ def test_push_forms(server):
         assert worker.ping() == 3
 
 
-def test_requests_before_init_are_refused_locally(server):
-    worker = aps.Worker(server.address, 0, 1, transport=server.transport)
+def test_requests_before_init_are_refused_locally(server, client):
+    worker = client(server.address)
     with pytest.raises(aps.errors.NotInitialized):
         worker.pull()
     with pytest.raises(aps.ConfigurationError):
@@ -75,8 +76,6 @@ def test_unreachable_server_is_a_connection_error():
 
 
 def test_async_worker_shares_the_protocol(server):
-    if server.transport == "shm":
-        pytest.skip("AsyncWorker speaks TCP")
     async def main():
         async with await aps.AsyncWorker.connect(server.address, 0, 1) as worker:
             weights = await worker.init({"w": np.zeros(1000, np.float32)})
@@ -93,9 +92,9 @@ def test_async_worker_shares_the_protocol(server):
     asyncio.run(main())
 
 
-def test_large_model_round_trip(server):
+def test_large_model_round_trip(server, client):
     n = 3 << 20  # 12 MiB: received in place, updated on the helper thread
-    with aps.Worker(server.address, 0, 1, transport=server.transport) as worker:
+    with client(server.address) as worker:
         worker.init({"w": np.zeros(n, np.float32)})
         worker.flat_grad[:] = np.linspace(-1, 1, n, dtype=np.float32)
         worker.push_pull(worker.grads)
@@ -133,8 +132,8 @@ def test_the_server_never_imports_torch():
     subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
 
 
-def test_views_cannot_be_replaced(server):
-    with aps.Worker(server.address, 0, 1, transport=server.transport) as worker:
+def test_views_cannot_be_replaced(server, client):
+    with client(server.address) as worker:
         worker.init({"w": np.zeros(3, np.float32)})
         with pytest.raises(TypeError):
             worker.grads["w"] = np.ones(3, np.float32)  # would be silently ignored by push(worker.grads)
@@ -145,8 +144,8 @@ def test_views_cannot_be_replaced(server):
         assert worker.pull()["w"].tolist() == [-1.0] * 3
 
 
-def test_version_is_the_version_of_the_weights_held(server):
-    with aps.Worker(server.address, 0, 1, transport=server.transport) as worker:
+def test_version_is_the_version_of_the_weights_held(server, client):
+    with client(server.address) as worker:
         worker.init({"w": np.zeros(3, np.float32)})
         worker.push(worker.grads)
         worker.push(worker.grads)  # both computed on version 0
@@ -156,8 +155,6 @@ def test_version_is_the_version_of_the_weights_held(server):
 
 
 def test_a_cancelled_request_never_corrupts_the_model(server):
-    if server.transport == "shm":
-        pytest.skip("AsyncWorker speaks TCP")
     """Cancelled mid-send, the worker drops its connection rather than finish the
     frame with the next request's bytes."""
     n = 4 << 20
@@ -179,13 +176,13 @@ def test_a_cancelled_request_never_corrupts_the_model(server):
     asyncio.run(main())
 
 
-def test_float64_params_and_gradients_train_a_float32_model(server_process, transport):
+def test_float64_params_and_gradients_train_a_float32_model(server_process, client):
     """numpy's default dtype end to end: init with float64 arrays makes the float32 model,
     and float64 gradients (a mapping, a mixed mapping, a flat array) are converted by the
     worker and applied, not refused."""
     server = server_process("--workers", "1", "--sync", "asp", "--lr", "1")
-    with aps.Worker(server.address, 0, 1, transport=transport) as worker:
-        assert worker.transport == transport
+    with client(server.address) as worker:
+        assert worker.transport == client.transport
         weights = worker.init({"a": np.zeros(3), "b": np.ones(2)})
         assert weights["a"].dtype == np.float32
         worker.push({"a": np.full(3, 0.5), "b": np.ones(2)})  # float64
@@ -196,11 +193,11 @@ def test_float64_params_and_gradients_train_a_float32_model(server_process, tran
         assert worker.version == 3
 
 
-def test_a_non_float_gradient_is_refused_with_the_conversion_to_make(server_process, transport):
+def test_a_non_float_gradient_is_refused_with_the_conversion_to_make(server_process, client):
     """Integers are a bug in the caller, not a precision: refused before anything is sent,
     saying how to convert."""
     server = server_process("--workers", "1", "--sync", "asp", "--lr", "1")
-    with aps.Worker(server.address, 0, 1, transport=transport) as worker:
+    with client(server.address) as worker:
         worker.init({"a": np.zeros(3)})
         with pytest.raises(aps.DTypeMismatch, match=r"'a' is int64.*astype\(np\.float32\)"):
             worker.push({"a": np.ones(3, np.int64)})

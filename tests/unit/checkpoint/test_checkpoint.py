@@ -44,7 +44,7 @@ def write(directory, sequence, version, *, weights=WEIGHTS, state=STATE, **field
 
 def server_fields(**options):
     """The fields aps serve writes into a manifest (what a resume takes up), from a real engine."""
-    from ..harness import Harness
+    from ...harness import Harness
 
     harness = Harness(**{"workers": 2, "sync": "ssp", "staleness": 2, **options})
     harness.join_all()
