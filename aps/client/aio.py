@@ -63,18 +63,19 @@ class AsyncWorker(_Workers):
                        reconnect_timeout=reconnect_timeout, compression=compression, compress_pulls=compress_pulls)
         addresses = split_addresses(address) if _names_shards(address) else [address]
         sharded = len(addresses) > 1
-        results = await asyncio.gather(
-            *(AsyncChannel.open(one, rank, num_workers, "tcp", as_shard=sharded, **options) for one in addresses),
-            return_exceptions=True)
-        channels = [result for result in results if isinstance(result, AsyncChannel)]
+        tasks = [asyncio.ensure_future(AsyncChannel.open(one, rank, num_workers, "tcp", as_shard=sharded, **options))
+                 for one in addresses]
         try:
-            failed = next((result for result in results if isinstance(result, BaseException)), None)
-            if failed is not None:
-                raise failed
+            channels = list(await asyncio.gather(*tasks))
             return cls(in_shard_order(channels) if sharded else channels)
         except BaseException:
-            for channel in channels:
-                await channel.close()
+            # One failed, or the caller gave up (a timeout, a cancel): the others too, and
+            # every connection that did open is closed (its heartbeat task stopped).
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+            opened = [task.result() for task in tasks if not task.cancelled() and task.exception() is None]
+            await asyncio.gather(*(channel.close() for channel in opened), return_exceptions=True)
             raise
 
     @property

@@ -59,7 +59,12 @@ def run(steps: Steps) -> Any:
             elif kind == TURN:
                 step[1].wait()
             elif kind == SLEEP:
-                value = step[1]._stop.wait(step[2])
+                stop = step[1]._stop
+                if stop.is_set():  # closed before: the steps are paced all the same
+                    time.sleep(step[2])
+                    value = True
+                else:
+                    value = stop.wait(step[2])  # close() meanwhile ends the wait
             elif kind == CONNECT:
                 channel = step[1]
                 value = BlockingConnection(channel._parsed.host, channel._parsed.port, channel._connect_timeout,
@@ -282,7 +287,10 @@ class AsyncChannel(_OneServer, _ChannelSteps):
             self._heartbeat_task.cancel()
             self._heartbeat_task = None
         if self._lock.locked() and self._conn is not None:
-            self._conn.close()  # another task is in a call (reconnecting, or held): end its wait
+            # Another task is in a call (reconnecting, or held at the gate): end its wait. A
+            # shutdown wakes its pending read at once (the call then drops the connection);
+            # closing the socket under it would not: the loop stops watching a closed descriptor.
+            self._conn.shutdown()
         async with self._lock:
             pass
         if self._conn is None:

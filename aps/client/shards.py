@@ -26,14 +26,17 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import queue
 import re
 import threading
+from concurrent.futures import Future
 from collections.abc import Mapping, Sequence
 from typing import Any
 
 import numpy as np
 
-from ..errors import ConfigurationError, InvalidHyperparameters, InvalidState, NotInitialized
+from .. import _core
+from ..errors import ConfigurationError, InvalidHyperparameters, InvalidState, NonFiniteGradient, NotInitialized
 from ..layout import Layout
 from ..wire.protocol import (
     MAX_HYPER_GROUPS,
@@ -138,6 +141,22 @@ def joined_state(states: list[dict[str, Any]]) -> dict[str, Any]:
     arrays = {name: np.concatenate([state["arrays"][name] for state in states]) for name in first["arrays"]}
     return {"optimizer": first["optimizer"], "steps": first["steps"],
             "version": min(state["version"] for state in states), "arrays": arrays}
+
+
+def check_fp16_range(pieces: list, channels: list) -> None:
+    """Refuse a push whole, before any shard sends its piece, when a piece that goes as fp16
+    holds a finite element beyond fp16's range (from 65520 up it rounds to infinity): each
+    shard's channel would refuse only its own piece, after the shards before it had sent
+    theirs. (A piece that is already 16-bit words, the caller's half buffer, goes as it is.)"""
+    overflowed = 0
+    for piece, channel in zip(pieces, channels):
+        core = channel._core
+        if core.compressing and core.compression == _core.FLOAT16 and piece.dtype == np.float32:
+            overflowed += int(np.count_nonzero(np.abs(piece[np.isfinite(piece)]) >= 65520.0))
+    if overflowed:
+        raise NonFiniteGradient(
+            f"{overflowed} gradient element(s) beyond fp16's range (|x| > 65504): nothing was sent; "
+            "scale the loss down, or use compression='bf16' (float32's range)")
 
 
 def common_cut(rank: int, now: list[int], versions: list[list[int]], target: int) -> int | None:
@@ -246,6 +265,38 @@ def check_runs(workers: list, described: list[dict] | None = None) -> None:
                     f"shard {other} at {workers[other].address} holds run {actual}, but shard {index} at "
                     f"{workers[index].address} was trained beside run {expected} there: shard {other} was started "
                     "without --resume, or resumed from another run's checkpoint")
+
+
+class _ShardThreads:
+    """The blocking worker's threads for shards 1..K-1: one daemon thread each, running
+    what it is handed. Daemon threads, unlike a ThreadPoolExecutor's (joined at interpreter
+    exit before the atexit hooks run): a shard's request held at the gate cannot hold the
+    process's exit, and the exit hook still says goodbye for every channel."""
+
+    def __init__(self, count: int) -> None:
+        self._queues: list[queue.SimpleQueue] = [queue.SimpleQueue() for _ in range(count)]
+        for index, jobs in enumerate(self._queues):
+            threading.Thread(target=self._serve, args=(jobs,), name=f"aps-shard-{index + 1}", daemon=True).start()
+
+    def submit(self, index: int, function, *args) -> Future:
+        """``function(*args)`` on shard ``index``'s thread (1..K-1)."""
+        future: Future = Future()
+        self._queues[index - 1].put((future, function, args))
+        return future
+
+    def shutdown(self) -> None:
+        for jobs in self._queues:
+            jobs.put(None)
+
+    @staticmethod
+    def _serve(jobs: queue.SimpleQueue) -> None:
+        while (job := jobs.get()) is not None:
+            future, function, args = job
+            try:
+                future.set_result(function(*args))
+            except BaseException as exc:  # noqa: BLE001 - the caller's to raise
+                future.set_exception(exc)
+            del job, future, function, args
 
 
 class _Turnstile:

@@ -81,6 +81,9 @@ class _ChannelSteps:
 
     #: The connection (None while disconnected).
     _conn: Any = None
+    #: Set by a sharded worker's fan-out when the caller was interrupted (Ctrl-C): the call
+    #: in progress does not get back to its server by itself (cleared at the next fan-out).
+    _interrupted = False
 
     def __init__(self, address: Any, rank: int | None, num_workers: int | None, transport: str = "auto", *,
                  connect_timeout: float | None = 30.0, timeout: float | None = None, heartbeat: float | None = 5.0,
@@ -181,10 +184,14 @@ class _ChannelSteps:
         if core.layout is None or not core.compressing or not core.compress_pulls:
             raise ConfigurationError("half_buffers needs an initialized worker over TCP with compression "
                                      "and compress_pulls")
+        if grad is not None and grad is not core._half_grad:  # the slices given are the buffers from now on
+            core._half_grad, core.half_views = grad, False
+        if weights is not None and weights is not core._half_weights:
+            core._half_weights, core.half_views = weights, False
         if core._half_grad is None:
-            core._half_grad = grad if grad is not None else np.zeros(core.layout.numel, np.uint16)
+            core._half_grad = np.zeros(core.layout.numel, np.uint16)
         if core._half_weights is None:
-            core._half_weights = weights if weights is not None else np.zeros(core.layout.numel, np.uint16)
+            core._half_weights = np.zeros(core.layout.numel, np.uint16)
         if not core.half_views:
             _core.narrow(core._half_weights, core.flat_weights, core.compression)
             core.half_views = True
@@ -333,7 +340,7 @@ class _ChannelSteps:
 
     def _reconnects(self, kind: str, exc: APSError) -> bool:
         """Whether a call of ``kind`` that failed with ``exc`` gets back to the server by itself."""
-        return (self.reconnect_timeout != 0 and _recoverable(exc) and not self._closing
+        return (self.reconnect_timeout != 0 and _recoverable(exc) and not self._closing and not self._interrupted
                 and (self._core.ever_joined or kind == "init"))
 
     def _recover(self, lost: BaseException) -> Steps:
@@ -483,6 +490,9 @@ class _ChannelSteps:
                 if transport == "shm":
                     tcp.close()
                     raise
+            except BaseException:
+                tcp.close()
+                raise
             else:
                 tcp.close()
                 try:

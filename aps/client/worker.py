@@ -15,8 +15,8 @@ import logging
 import os
 import ssl
 import threading
+import weakref
 from collections.abc import Callable, Mapping, Sequence
-from concurrent.futures import ThreadPoolExecutor
 from types import MappingProxyType
 from typing import Any
 
@@ -37,6 +37,8 @@ from .channel import Channel, run
 from .payloads import server_hyperparameters
 from .shards import (
     _renumber,
+    _ShardThreads,
+    check_fp16_range,
     _Turn,
     _Turnstile,
     check_runs,
@@ -263,6 +265,8 @@ class _Workers:
 
     def _push(self, grads: Mapping[str, np.ndarray] | np.ndarray, then_pull: bool) -> Steps:
         pieces = [grads] if self._one else self._gradient_pieces(grads)
+        if not self._one:
+            check_fp16_range(pieces, self._channels)
         before = self._versions()
         yield from self._each(lambda index, channel, turn: channel._push(pieces[index], then_pull, turn),
                               in_turn=True)
@@ -318,7 +322,9 @@ class _Workers:
         return any((yield from self._each(lambda index, channel, turn: channel._load_weights(*payloads[index]))))
 
     def _reconnect(self, timeout: float | None) -> Steps:
+        before = self._versions()
         yield from self._each(lambda index, channel, turn: channel._reconnect(timeout))
+        yield from self._one_cut(before)  # a BSP shard that came back older
         return self.weights
 
     # Every shard at once ---------------------------------------------------
@@ -534,7 +540,7 @@ class Worker(_Workers):
         compression: str | None = None,
         compress_pulls: bool = False,
     ) -> None:
-        self._pool: ThreadPoolExecutor | None = None
+        self._pool: _ShardThreads | None = None
         if compression is None:
             compression = os.environ.get("APS_COMPRESSION") or None
         options = dict(connect_timeout=connect_timeout, timeout=timeout, heartbeat=heartbeat,
@@ -554,7 +560,8 @@ class Worker(_Workers):
             raise
         self._setup(channels)
         if len(channels) > 1:
-            self._pool = ThreadPoolExecutor(max_workers=len(channels) - 1, thread_name_prefix="aps-shard")
+            self._pool = _ShardThreads(len(channels) - 1)
+            weakref.finalize(self, self._pool.shutdown)  # a worker dropped without close() lets them go
         self._lock = threading.RLock()  # one sharded request at a time
 
     @classmethod
@@ -760,7 +767,7 @@ class Worker(_Workers):
         for channel in self._channels:
             channel.close()
         if self._pool is not None:
-            self._pool.shutdown(wait=False)
+            self._pool.shutdown()
 
     def __enter__(self) -> Worker:
         return self
@@ -787,7 +794,9 @@ class Worker(_Workers):
 
         with self._lock:
             self._check_open()
-            futures = [self._pool.submit(one, index, channel) for index, channel in enumerate(self._channels)
+            for channel in self._channels:
+                channel._interrupted = False
+            futures = [self._pool.submit(index, one, index, channel) for index, channel in enumerate(self._channels)
                        if index]
             errors: list[BaseException] = []
             try:
@@ -810,8 +819,10 @@ class Worker(_Workers):
 
     def _interrupt(self, futures: list) -> None:
         """End the requests still running on the other shards (their connections are shut,
-        as close() does), and wait for their threads a little."""
+        as close() does, and the calls do not get back to their servers by themselves), and
+        wait for their threads a little."""
         for channel in self._channels:
+            channel._interrupted = True
             conn = channel._conn
             if conn is not None:
                 conn.shutdown()

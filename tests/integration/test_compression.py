@@ -84,6 +84,35 @@ def test_fp16_overflow_is_refused_by_the_worker_and_nothing_is_sent(server_proce
         assert weights["w"].tolist() == [-1.0] * 8
 
 
+def test_a_sharded_fp16_overflow_is_refused_before_any_shard_sends(server_process):
+    """The element beyond fp16's range is in the last shard's piece, which leaves last:
+    no shard applies anything, not even the ones whose pieces were fine."""
+    servers = shards(server_process, 2, "--workers", "1", "--sync", "asp", "--lr", "0.5")
+    addresses = ",".join(server.address for server in servers)
+    with aps.Worker(addresses, 0, 1, transport="tcp", compression="fp16") as worker:
+        worker.init({"w": np.zeros(64, np.float32)})
+        grad = np.ones(64, np.float32)
+        grad[-1] = 65520.0  # the smallest value that rounds to fp16's infinity
+        with pytest.raises(aps.NonFiniteGradient, match="1 gradient element"):
+            worker.push(grad)
+        assert [fetch_stats(server.address)["server"]["version"] for server in servers] == [0, 0]
+        grad[-1] = 65519.0  # rounds down to 65504: sent
+        worker.push(grad)
+        assert [fetch_stats(server.address)["server"]["version"] for server in servers] == [1, 1]
+
+
+def test_the_sharded_fp16_check_counts_what_narrowing_counts():
+    from aps.client.shards import check_fp16_range
+
+    values = np.array([65504, 65519.99, 65520, -65520, 1e9, np.inf, -np.inf, np.nan, 0, -7e4], np.float32)
+    words = np.empty(len(values), np.uint16)
+    overflowed = _core.narrow(words, values, _core.FLOAT16)
+    channel = type("Channel", (), {"_core": type("Core", (), {"compressing": True, "compression": _core.FLOAT16})})
+    with pytest.raises(aps.NonFiniteGradient, match=f"^{overflowed} gradient element"):
+        check_fp16_range([values[:4], values[4:]], [channel, channel])
+    check_fp16_range([values[:2]], [channel])  # nothing beyond: no error
+
+
 def test_shared_memory_sends_float32_whatever_the_compression(server_process):
     server = server_process("--workers", "1", "--sync", "asp", "--lr", "1")
     with aps.Worker(server.address, 0, 1, transport="shm", compression="bf16", compress_pulls=True) as worker:
@@ -162,7 +191,8 @@ def test_bad_compression_options():
 @pytest.mark.parametrize("driver", ["blocking", "asyncio"])
 def test_half_buffers_work_sharded(server_process, driver):
     """A sharded worker's 16-bit buffers are one weight and one gradient buffer for the whole
-    model, each shard's channel receiving into and sending from its slice: a push of the
+    model, each shard's channel receiving into and sending from its slice (also after the
+    channels made 16-bit buffers of their own for a compressed push and pull): a push of the
     gradient buffer goes as it is, and the weights come back rounded into the weight buffer."""
     servers = shards(server_process, 2, "--workers", "1", "--sync", "asp", "--lr", "1")
     addresses = [server.address for server in servers]
@@ -184,10 +214,11 @@ def test_half_buffers_work_sharded(server_process, driver):
         worker = await aps.AsyncWorker.connect(addresses, 0, 1, compression="bf16", compress_pulls=True)
         async with worker:
             await worker.init(start)
+            await worker.push_pull(np.zeros(53, np.float32))  # the channels' own 16-bit buffers exist by now
             weights, grad = worker.half_buffers()
             check(worker, weights, grad)
             await worker.push_pull(grad)
-            assert worker.version == 1 and worker.half_buffers()[0] is weights
+            assert worker.version == 2 and worker.half_buffers()[0] is weights
             return weights.copy()
 
     if driver == "asyncio":
@@ -195,10 +226,11 @@ def test_half_buffers_work_sharded(server_process, driver):
     else:
         with aps.Worker(addresses, 0, 1, transport="tcp", compression="bf16", compress_pulls=True) as worker:
             worker.init(start)
+            worker.push_pull(np.zeros(53, np.float32))  # the channels' own 16-bit buffers exist by now
             weights, grad = worker.half_buffers()
             check(worker, weights, grad)
             worker.push_pull(grad)
-            assert worker.version == 1 and worker.half_buffers()[0] is weights
+            assert worker.version == 2 and worker.half_buffers()[0] is weights
             got = weights.copy()
     assert np.array_equal(got, rounded_words(expected))
     with aps.Worker(addresses, 0, 1, transport="tcp") as observer:  # the server's float32 weights

@@ -248,3 +248,32 @@ def test_the_shards_record_is_checked_and_kept(server_process):
         plain.init({"w": np.zeros(4, np.float32)})
         with pytest.raises(MalformedFrame, match="SHARDS is for a model sharded across servers"):
             run(plain.shards[0]._record_shard_runs([plain.server_info.run_id]))
+
+
+def test_an_asyncio_connect_given_up_on_closes_the_shards_that_answered(server_process):
+    """Shard 1 is not up yet and the caller stops waiting (a timeout, a cancel): shard 0's
+    connection, already made, is closed with its heartbeat, not left open on the loop."""
+    import gc
+    import socket
+
+    import psutil
+
+    first = server_process("--workers", "1", "--sync", "asp", "--shard", "0", "--shards", "2")
+    port = int(first.address.rsplit(":", 1)[1])
+
+    def to_first() -> int:
+        return sum(1 for c in psutil.Process().net_connections("tcp") if c.raddr and c.raddr.port == port)
+
+    with socket.socket() as idle:
+        idle.bind(("127.0.0.1", 0))  # bound, not listening: shard 1 is still starting
+        missing = f"tcp://127.0.0.1:{idle.getsockname()[1]}"
+
+        async def main() -> None:
+            connecting = aps.AsyncWorker.connect([first.address, missing], 0, 1)
+            with pytest.raises(TimeoutError):
+                await asyncio.wait_for(connecting, 1.5)
+            assert to_first() == 0
+            assert [task for task in asyncio.all_tasks() if task is not asyncio.current_task()] == []
+
+        asyncio.run(main())
+    gc.collect()  # a socket left open would warn here (warnings are errors)

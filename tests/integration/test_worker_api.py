@@ -325,3 +325,22 @@ def test_no_server_within_connect_timeout_says_how_long_it_waited(kind, caplog):
         assert 1.0 <= time.monotonic() - begun < 10
     waits = _waits(caplog)
     assert len(waits) == 1 and "up to 1.5 s" in waits[0], waits
+
+
+def test_closing_an_asyncio_worker_ends_a_call_held_in_another_task(server_process):
+    """close() from one task while another waits at the gate (here: init, for a second worker
+    that never comes) ends that wait at once, as the blocking worker's close() does."""
+    server = server_process("--workers", "2", "--sync", "bsp")
+
+    async def main() -> float:
+        worker = await aps.AsyncWorker.connect(server.address, 0, 2)
+        held = asyncio.ensure_future(worker.init({"w": np.zeros(4, np.float32)}))
+        await asyncio.sleep(0.5)
+        assert not held.done()
+        began = time.monotonic()
+        await worker.close()
+        with pytest.raises(aps.APSError):
+            await held
+        return time.monotonic() - began
+
+    assert asyncio.run(main()) < 1.0

@@ -8,13 +8,13 @@ import asyncio
 import random
 import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
 from types import SimpleNamespace
 
 import pytest
 
 from aps.client.aio import AsyncWorker
 from aps.client.channel import arun, run
+from aps.client.shards import _ShardThreads
 from aps.client.steps import SLEEP, TURN
 from aps.client.worker import Worker
 
@@ -28,7 +28,7 @@ def stand_ins(count: int, rank: int) -> list[SimpleNamespace]:
 def blocking(count: int, rank: int) -> Worker:
     worker = object.__new__(Worker)
     worker._setup(stand_ins(count, rank))
-    worker._pool = ThreadPoolExecutor(max_workers=count - 1)
+    worker._pool = _ShardThreads(count - 1)
     worker._lock = threading.RLock()
     return worker
 
@@ -148,4 +148,26 @@ def test_ctrl_c_ends_every_shards_request():
     with pytest.raises(KeyboardInterrupt):
         run(worker._each(call))
     assert released.is_set() and time.monotonic() - began < 5.0
+    # the shards' calls do not get back to their servers by themselves after the interrupt
+    assert all(channel._interrupted for channel in worker._channels)
+
+    def nothing(index, channel, turn):
+        return channel._interrupted
+        yield
+
+    assert run(worker._each(nothing)) == [False, False]  # the next request may again
     worker._pool.shutdown()
+
+
+def test_the_shards_threads_never_hold_the_process_exit():
+    """A shard's request held at the gate when the script ends: its thread is a daemon, so
+    the interpreter exits (and the exit hook says goodbye) instead of waiting for it."""
+    threads = _ShardThreads(2)
+    held = threading.Event()
+    future = threads.submit(2, held.wait, 30)
+    named = {thread.name: thread for thread in threading.enumerate()}
+    assert named["aps-shard-1"].daemon and named["aps-shard-2"].daemon
+    assert threads.submit(1, lambda: 7).result(5) == 7  # each shard's thread runs its own calls
+    held.set()
+    assert future.result(5) is True
+    threads.shutdown()
