@@ -16,13 +16,23 @@ __all__ = [
     "BFLOAT16",
     "FLOAT16",
     "FLOAT32",
+    "INIT_NORMAL",
+    "INIT_UNIFORM",
+    "INIT_ZEROS",
+    "RowIndex",
     "StalenessWindow",
     "accumulate",
     "adam_step",
     "all_finite",
     "dssp_controller",
     "fused_multiply_add",
+    "mix64",
     "narrow",
+    "rows_adagrad",
+    "rows_adam",
+    "rows_coalesce",
+    "rows_init",
+    "rows_sgd",
     "sgd_step",
     "use_f16c",
     "widen",
@@ -545,3 +555,147 @@ class StalenessWindow:
                 self._released_max = max(self._released_max, self._clock[rank])
                 released.append(rank)
         return released
+
+
+# Embedding tables (native/_rows.h) ----------------------------------------
+
+#: Row initializers (rows_init's ``kind``).
+INIT_ZEROS, INIT_NORMAL, INIT_UNIFORM = 0, 1, 2
+_U64 = np.uint64
+
+
+@np.errstate(over="ignore")
+def _mix64(x: np.ndarray) -> np.ndarray:
+    """SplitMix64's finalizer over uint64 words (numpy's uint64 arithmetic wraps as C's)."""
+    x = np.asarray(x, dtype=_U64) + _U64(0x9E3779B97F4A7C15)
+    x = (x ^ (x >> _U64(30))) * _U64(0xBF58476D1CE4E5B9)
+    x = (x ^ (x >> _U64(27))) * _U64(0x94D049BB133111EB)
+    return x ^ (x >> _U64(31))
+
+
+def mix64(ids: np.ndarray, out: np.ndarray) -> None:
+    """``out[i]`` = SplitMix64's finalizer of ``ids[i]`` as a 64-bit word."""
+    _check_len("out", len(out), len(ids))
+    out[:] = _mix64(np.asarray(ids, dtype=np.int64).view(_U64))
+
+
+@np.errstate(over="ignore")
+def rows_init(out: np.ndarray, ids: np.ndarray, seed: int, kind: int, scale: float) -> None:
+    """Each row of ``out`` made from its id alone: zeros, normal(0, scale) or uniform(-scale, scale)."""
+    _check_len("out", len(out), len(ids))
+    if kind not in (INIT_ZEROS, INIT_NORMAL, INIT_UNIFORM):
+        raise ValueError(f"unknown row initializer {kind}")
+    dim = out.shape[1]
+    base = _mix64(np.asarray(ids, dtype=np.int64).view(_U64) ^ _U64(seed))[:, None]
+    j = np.arange(dim, dtype=_U64)[None, :]
+    if kind == INIT_NORMAL:
+        u1 = ((_mix64(base + _U64(2) * j) >> _U64(11)).astype(np.float64) + 0.5) / 2.0**53
+        u2 = (_mix64(base + _U64(2) * j + _U64(1)) >> _U64(11)).astype(np.float64) / 2.0**53
+        out[:] = (scale * np.sqrt(-2.0 * np.log(u1)) * np.cos(6.283185307179586 * u2)).astype(_F32)
+    elif kind == INIT_UNIFORM:
+        u = ((_mix64(base + j) >> _U64(40)).astype(np.float64) + 0.5) / 2.0**24
+        out[:] = (scale * (2.0 * u - 1.0)).astype(_F32)
+    else:
+        out[:] = 0.0
+
+
+def _check_rows(grad: np.ndarray, dim: int, where: np.ndarray, rows: int) -> None:
+    _check_len("grad's row", grad.shape[1], dim)
+    bad = np.nonzero((where < 0) | (where >= rows))[0]
+    if len(bad):
+        raise ValueError(f"where[{bad[0]}] = {where[bad[0]]} is not one of the {rows} rows")
+
+
+def rows_coalesce(out: np.ndarray, where: np.ndarray, grad: np.ndarray) -> None:
+    """``out[where[e]] += grad[e]`` for each entry in order."""
+    _check_len("grad", len(grad), len(where))
+    _check_rows(grad, out.shape[1], where, len(out))
+    for e, row in enumerate(where):
+        out[row] += grad[e]
+
+
+@np.errstate(all="ignore")
+def rows_sgd(w: np.ndarray, where: np.ndarray, grad: np.ndarray, lr: float) -> bool:
+    """SGD on compact rows, entry by entry in order, as torch.optim.SGD applies a sparse gradient."""
+    _check_len("grad", len(grad), len(where))
+    _check_rows(grad, w.shape[1], where, len(w))
+    fused = fused_multiply_add()
+    ok = _finite(grad)
+    for e, row in enumerate(where):
+        w[row] = _madd(grad[e], _F32(-lr), w[row], fused)
+    return ok and _finite(w[np.unique(where)]) if len(where) else True
+
+
+@np.errstate(all="ignore")
+def rows_adagrad(w: np.ndarray, state: np.ndarray, grad: np.ndarray, lr: float, eps: float = 1e-10,
+                 rowwise: bool = False) -> bool:
+    """Adagrad on compact, coalesced rows, as torch.optim.Adagrad with a sparse gradient
+    (``rowwise``: one state value per row, the mean of g*g)."""
+    rows, dim = w.shape
+    _check_len("grad", len(grad), rows)
+    _check_len("grad's row", grad.shape[1], dim)
+    _check_len("state", len(state), rows if rowwise else rows * dim)
+    if not rows or not dim:
+        return True
+    fused = fused_multiply_add()
+    if rowwise:
+        sums = np.array([np.float32(sum(_F32(x) * _F32(x) for x in row) if dim else 0.0) for row in grad], _F32)
+        s = state + sums / _F32(dim)
+        std = (np.sqrt(s) + _F32(eps))[:, None]
+    else:
+        s = state.reshape(rows, dim) + grad * grad
+        std = np.sqrt(s) + _F32(eps)
+    state[:] = s.reshape(-1)
+    w[:] = _madd(grad / std, _F32(-lr), w, fused)
+    return _finite(grad, s, w)
+
+
+@np.errstate(all="ignore")
+def rows_adam(w: np.ndarray, m: np.ndarray, v: np.ndarray, grad: np.ndarray, step: int, lr: float,
+              beta1: float = 0.9, beta2: float = 0.999, eps: float = 1e-8) -> bool:
+    """Lazy Adam on compact, coalesced rows, as torch.optim.SparseAdam."""
+    rows, dim = w.shape
+    _check_len("grad", len(grad), rows)
+    for name, other in (("grad", grad), ("m", m), ("v", v)):
+        _check_len(f"{name}'s row", other.shape[1] if other.ndim == 2 else -1, dim)
+        _check_len(name, len(other), rows)
+    if step < 1:
+        raise ValueError("step counts from 1")
+    step_size = lr * math.sqrt(1.0 - beta2**step) / (1.0 - beta1**step)
+    dm = (grad - m) * _F32(1.0 - beta1)
+    dv = (grad * grad - v) * _F32(1.0 - beta2)
+    result = w + _F32(-step_size) * ((dm + m) / (np.sqrt(dv + v) + _F32(eps)))
+    m += dm
+    v += dv
+    w[:] = result
+    return _finite(grad, v, result)
+
+
+class RowIndex:
+    """id -> row, rows numbered in the order their ids were first seen (a dict here)."""
+
+    def __init__(self, capacity: int = 16) -> None:
+        self._rows: dict[int, int] = {}
+
+    def __len__(self) -> int:
+        return len(self._rows)
+
+    @property
+    def nbytes(self) -> int:
+        return 0  # (the twin's dict is not what the native index costs)
+
+    def lookup(self, ids: np.ndarray, rows: np.ndarray, add: bool = True) -> int:
+        _check_len("rows", len(rows), len(ids))
+        negative = np.nonzero(np.asarray(ids) < 0)[0]
+        if len(negative):
+            raise ValueError(f"ids[{negative[0]}] = {ids[negative[0]]} is negative")
+        before = len(self._rows)
+        for e, i in enumerate(np.asarray(ids).tolist()):
+            row = self._rows.get(i)
+            if row is None and add:
+                row = self._rows[i] = len(self._rows)
+            rows[e] = -1 if row is None else row
+        return len(self._rows) - before
+
+    def ids(self) -> np.ndarray:
+        return np.array(list(self._rows), dtype=np.int64)

@@ -34,6 +34,8 @@ __all__ = [
     "InvalidHyperparameters",
     "InvalidState",
     "WeightsRefused",
+    "TableMismatch",
+    "InvalidIds",
     "LayoutMismatch",
     "MalformedFrame",
     "NonFiniteGradient",
@@ -81,6 +83,8 @@ class ErrorCode(IntEnum):
     INVALID_HYPERPARAMETERS = 21
     INVALID_STATE = 22
     WEIGHTS_REFUSED = 23
+    TABLE_MISMATCH = 24
+    INVALID_IDS = 25
 
 
 class APSError(Exception):
@@ -263,6 +267,17 @@ class InvalidState(ServerError, ValueError, code=ErrorCode.INVALID_STATE):
     are not finite, a bad step count, or a server that has applied updates already (a
     state is loaded into a run that has not started). The message says which; nothing
     changed."""
+
+
+class TableMismatch(ServerError, ValueError, code=ErrorCode.TABLE_MISMATCH):
+    """An embedding table was declared otherwise than the run's (another number of rows,
+    dimension, initializer or optimizer: the message names the table and the field), or a
+    request names a table the model does not have."""
+
+
+class InvalidIds(ServerError, ValueError, code=ErrorCode.INVALID_IDS):
+    """Row ids that are not int64 ids of the table (negative, at least its ``rows``, not
+    integers), or gradient rows of another dimension: refused, and nothing changed."""
 
 
 class WeightsRefused(ServerError, ValueError, code=ErrorCode.WEIGHTS_REFUSED):

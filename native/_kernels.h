@@ -36,7 +36,7 @@
 #define APS_IVDEP
 #endif
 
-/* The SGD kernels (native/_sgd.inc) come in two flavours that differ in one
+/* The SGD kernels (native/_sgd.inc, and the embedding tables' in native/_rows.inc) come in two flavours that differ in one
  * thing: how x*y + z is rounded where torch.optim computes it with
  * ``add(..., alpha=)`` (weight decay, momentum, Nesterov, the weight update).
  * torch's vectorized CPU kernels use a fused multiply-add there (one
@@ -61,6 +61,7 @@
 #define APS_MADD4(x, y, z) _mm_add_ps(_mm_mul_ps((x), (y)), (z))
 #endif
 #include "_sgd.inc"
+#include "_rows.inc"
 #undef APS_SUFFIX
 #undef APS_TARGET
 #undef APS_MADD
@@ -72,6 +73,7 @@
 #define APS_MADD(x, y, z) __builtin_fmaf((x), (y), (z))
 #define APS_MADD4(x, y, z) _mm_fmadd_ps((x), (y), (z))
 #include "_sgd.inc"
+#include "_rows.inc"
 #undef APS_SUFFIX
 #undef APS_TARGET
 #undef APS_MADD

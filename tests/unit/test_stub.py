@@ -44,7 +44,27 @@ FUNCTION_SAMPLES = {
     "use_f16c": lambda: ((), {"allowed": True}),
     "narrow": lambda: ((np.zeros(2, np.uint16), vec(1, 2), _core.BFLOAT16), {}),
     "widen": lambda: ((vec(0, 0), np.array([0x3F80, 0x4000], np.uint16), _core.BFLOAT16), {}),
+    "mix64": lambda: ((ids(1, 2), np.zeros(2, np.uint64)), {}),
+    "rows_init": lambda: ((rows(2, 3), ids(1, 2), 7, _core.INIT_NORMAL, 0.1), {}),
+    "rows_coalesce": lambda: ((rows(1, 2), ids(0, 0), rows(2, 2) + 1), {}),
+    "rows_sgd": lambda: ((rows(1, 2), ids(0, 0), rows(2, 2) + 1, 0.1), {}),
+    "rows_adagrad": lambda: ((rows(1, 2), vec(0, 0), rows(1, 2) + 1, 0.1), {"eps": 1e-10, "rowwise": False}),
+    "rows_adam": lambda: ((rows(1, 2), rows(1, 2), rows(1, 2), rows(1, 2) + 1, 1, 1e-3), {"beta1": 0.9}),
 }
+
+
+def ids(*values: int) -> np.ndarray:
+    return np.array(values, np.int64)
+
+
+def rows(count: int, dim: int) -> np.ndarray:
+    return np.zeros((count, dim), np.float32)
+
+
+def row_index():
+    index = _core.RowIndex(4)
+    index.lookup(ids(5, 9), np.empty(2, np.int64))
+    return index
 
 
 def ssp_window():
@@ -77,6 +97,7 @@ CLASS_SAMPLES = {
             "restore": (5, 1, 2, 6),
         },
     ),
+    "RowIndex": ({"capacity": 8}, row_index, {"lookup": (ids(5, 7), np.empty(2, np.int64)), "ids": (), "__len__": ()}),
 }
 # Sample calls that need an instance of their own (restore wants nobody live).
 SAMPLE_MAKERS = {("StalenessWindow", "restore"): lambda: _core.StalenessWindow(3, 0, 0)}
@@ -91,9 +112,9 @@ CYTHON_DUNDERS = {
 C_TYPES = {
     "double": "float", "float": "float", "int": "int", "long": "int", "Py_ssize_t": "int",
     "bool": "bool", "bint": "bool", "str": "str", "bytes": "bytes", "list": "list", "tuple": "tuple",
-    "dict": "dict",
+    "dict": "dict", "uint64_t": "int",
 }
-C_NUMBERS = {"double", "float", "int", "long", "Py_ssize_t"}  # these refuse None
+C_NUMBERS = {"double", "float", "int", "long", "Py_ssize_t", "uint64_t"}  # these refuse None
 MEMORYVIEW = re.compile(r"\w+\s*\[[^\]]*\]")
 
 

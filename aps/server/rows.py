@@ -1,0 +1,167 @@
+"""The embedding tables a server holds: rows made on their first touch, found by id,
+trained by a row-wise optimizer (docs/design.md, "Embedding tables").
+
+One :class:`RowTable` per table: an index from id to row (:class:`aps._core.RowIndex`:
+open addressing over int64 keys, at most half full, 16 bytes a bucket) and a slab, one
+float32 array of rows in the order their ids were first touched, with the optimizer's
+state in slabs of the same rows. The slab grows by doubling into ``np.empty`` arrays,
+whose pages the kernel maps only when they are first written, so the process holds the
+rows touched, not the capacity. Why not a dict of rows: an object per id (some 100 bytes)
+and a Python step per id; here a batch's lookup is one native pass, and its rows are
+gathered for a reply with one ``np.take``.
+
+A push is a transaction: the ids and rows are checked, the gradient must be finite, the
+distinct rows it touches are copied out, the kernel runs on the copies, and they are
+written back only when every new weight is finite. A refused push changes no value; it
+may leave the rows it named made (at their initial values), as a pull of them would.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from .. import _core
+from ..errors import InvalidIds, NonFiniteGradient
+from ..tables import Table
+
+__all__ = ["RowTable"]
+
+
+class RowTable:
+    """The rows of one table a server holds, and their optimizer's state."""
+
+    def __init__(self, name: str, table: Table, capacity: int = 1024, kernels: Any = _core) -> None:
+        self.name = name
+        self.table = table
+        self._kernels = kernels
+        self._seed = table.row_seed(name)
+        self._init = table.init_kind()
+        self.index = kernels.RowIndex(capacity)
+        self._rows = np.empty((capacity, table.dim), np.float32)
+        self._state = {key: np.empty((capacity, width), np.float32) for key, width in table.state_per_row().items()}
+        #: Pushes applied (Adam's step count, for its bias correction).
+        self.steps = 0
+        #: Rows pulled and pushed since the process started (ids, duplicates counted).
+        self.rows_pulled = 0
+        self.rows_pushed = 0
+
+    def __len__(self) -> int:
+        return len(self.index)
+
+    @property
+    def nbytes(self) -> int:
+        """The bytes the rows held take: their values and state, and the index."""
+        return len(self) * self.table.row_bytes() + self.index.nbytes
+
+    # Requests ---------------------------------------------------------------
+    def pull(self, ids: Any, out: np.ndarray | None = None) -> np.ndarray:
+        """The rows of ``ids`` (duplicates allowed, order kept), made on their first touch,
+        into ``out`` (a float32 array of shape ``(len(ids), dim)``) or a new array."""
+        ids = self.table.check_ids(self.name, ids)
+        if out is None:
+            out = np.empty((len(ids), self.table.dim), np.float32)
+        elif out.dtype != np.float32 or out.shape != (len(ids), self.table.dim) or not out.flags.c_contiguous:
+            raise InvalidIds(f"table {self.name!r}: out must be C-contiguous float32 of shape "
+                             f"({len(ids)}, {self.table.dim})")
+        np.take(self._rows, self._find(ids), axis=0, out=out)
+        self.rows_pulled += len(ids)
+        return out
+
+    def push(self, ids: Any, grads: Any) -> None:
+        """Apply the gradient rows ``grads`` (one per id; a duplicate id's rows are summed,
+        or for SGD applied one after the other, as torch applies a sparse gradient)."""
+        ids = self.table.check_ids(self.name, ids)
+        grads = self.table.check_rows(self.name, ids, grads)
+        if not np.isfinite(grads).all():
+            raise NonFiniteGradient(f"table {self.name!r}: the gradient rows hold NaN or infinity; nothing changed")
+        if not len(ids):
+            return
+        rows, where = np.unique(self._find(ids), return_inverse=True)
+        where = where.astype(np.int64)
+        table, kernels = self.table, self._kernels
+        compact = self._rows[rows]
+        state = {key: slab[rows] for key, slab in self._state.items()}
+        if table.optimizer == "sgd":
+            ok = kernels.rows_sgd(compact, where, grads, table.lr)
+        else:
+            summed = np.zeros_like(compact)
+            kernels.rows_coalesce(summed, where, grads)
+            if table.optimizer == "adam":
+                ok = kernels.rows_adam(compact, state["exp_avg"], state["exp_avg_sq"], summed, self.steps + 1,
+                                       table.lr, table.betas[0], table.betas[1], table.eps)
+            else:
+                ok = kernels.rows_adagrad(compact, state["sum"].reshape(-1), summed, table.lr, table.eps,
+                                          table.optimizer == "rowwise_adagrad")
+        if not ok:
+            raise NonFiniteGradient(f"table {self.name!r}: the update would make a weight or its optimizer state infinite; nothing changed")
+        self._rows[rows] = compact
+        for key, slab in self._state.items():
+            slab[rows] = state[key]
+        self.steps += 1
+        self.rows_pushed += len(ids)
+
+    # Checkpoints ------------------------------------------------------------
+    def arrays(self) -> dict[str, np.ndarray]:
+        """Copies of what a checkpoint keeps, in row order: ``ids``, ``rows`` and each
+        state array (rows never touched are not there)."""
+        count = len(self)
+        out = {"ids": self.index.ids(), "rows": self._rows[:count].copy()}
+        out.update({key: slab[:count].copy() for key, slab in self._state.items()})
+        return out
+
+    @classmethod
+    def restored(cls, name: str, table: Table, arrays: dict[str, np.ndarray], steps: int,
+                 kernels: Any = _core) -> RowTable:
+        """The table a checkpoint's :meth:`arrays` describe, exactly."""
+        ids = np.ascontiguousarray(arrays["ids"], dtype=np.int64)
+        expected = {"ids", "rows", *table.state_per_row()}
+        if set(arrays) != expected:
+            raise InvalidIds(f"table {name!r}: a checkpoint has {sorted(arrays)}, not {sorted(expected)}")
+        for key, width in {"rows": table.dim, **table.state_per_row()}.items():
+            if arrays[key].shape != (len(ids), width):
+                raise InvalidIds(f"table {name!r}: {key} has shape {arrays[key].shape}, not ({len(ids)}, {width})")
+        restored = cls(name, table, max(len(ids), 1024), kernels)
+        table.check_ids(name, ids)
+        rows = np.empty(len(ids), np.int64)
+        if restored.index.lookup(ids, rows) != len(ids):
+            raise InvalidIds(f"table {name!r}: a checkpoint names an id twice")
+        restored._rows[: len(ids)] = arrays["rows"]
+        for key, slab in restored._state.items():
+            slab[: len(ids)] = arrays[key]
+        restored.steps = int(steps)
+        return restored
+
+    # The index and the slab ------------------------------------------------
+    def _find(self, ids: np.ndarray) -> np.ndarray:
+        """The rows of ``ids``, made (their initial values, zero state) where new."""
+        rows = np.empty(len(ids), np.int64)
+        held = len(self.index)
+        added = self.index.lookup(ids, rows)
+        if added:
+            self._make_room(held + added, held)
+            fresh = rows >= held
+            _, first = np.unique(rows[fresh], return_index=True)  # the new rows in order, each once
+            kind, scale = self._init
+            self._kernels.rows_init(self._rows[held : held + added], ids[fresh][first], self._seed, kind, scale)
+            for slab in self._state.values():
+                slab[held : held + added] = 0.0
+        return rows
+
+    def _make_room(self, count: int, held: int) -> None:
+        """Room for ``count`` rows, the ``held`` ones kept (doubling: a batch's new rows
+        cost amortized constant time each)."""
+        capacity = len(self._rows)
+        if count <= capacity:
+            return
+        while capacity < count:
+            capacity *= 2
+        self._rows = _grown(self._rows, capacity, held)
+        self._state = {key: _grown(slab, capacity, held) for key, slab in self._state.items()}
+
+
+def _grown(slab: np.ndarray, capacity: int, held: int) -> np.ndarray:
+    out = np.empty((capacity, slab.shape[1]), np.float32)
+    out[:held] = slab[:held]
+    return out

@@ -1,0 +1,197 @@
+"""The embedding tables a server holds (aps.server.rows.RowTable) with both kernel
+implementations: rows made from their id on first touch, pulls and pushes by id against
+torch's own sparse embedding and optimizers, refusals that change nothing, checkpoints,
+memory that follows the rows touched, and ids spread evenly over shards."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import torch
+
+import aps
+from aps.errors import ConfigurationError, InvalidIds, NonFiniteGradient
+from aps.server.rows import RowTable
+from aps.tables import Table, shard_of
+
+torch.sparse.check_sparse_tensor_invariants.disable()  # (torch warns unless a program chooses)
+
+N, DIM = 200, 16
+
+
+def zipf_batches(seed: int, steps: int, size: int = 64, rows: int = N):
+    """Skewed ids (a few ids many times a batch) and upstream gradients, as a recommender's."""
+    rng = np.random.default_rng(seed)
+    for _ in range(steps):
+        yield (rng.zipf(1.3, size).astype(np.int64) % rows,
+               rng.standard_normal((size, DIM)).astype(np.float32))
+
+
+@pytest.mark.parametrize("optimizer", ["sgd", "adagrad", "adam"])
+def test_a_table_trains_as_torch_trains_a_sparse_embedding(kernels, optimizer):
+    """nn.Embedding(sparse=True) from the table's initial rows, with torch.optim.SGD, Adagrad
+    and SparseAdam on the same batches: SGD bit for bit, Adagrad and Adam to float rounding."""
+    lr = {"sgd": 0.1, "adagrad": 0.05, "adam": 0.01}[optimizer]
+    table = Table(rows=N, dim=DIM, init="normal:0.5", optimizer=optimizer, lr=lr)
+    rows = RowTable("items", table, capacity=4, kernels=kernels)  # growing on the way
+    emb = torch.nn.Embedding(N, DIM, sparse=True)
+    with torch.no_grad():
+        emb.weight.copy_(torch.from_numpy(table.initial_rows("items", np.arange(N))))
+    opt = {"sgd": torch.optim.SGD, "adagrad": torch.optim.Adagrad, "adam": torch.optim.SparseAdam}[optimizer](
+        emb.parameters(), lr=lr)
+    for ids, upstream in zipf_batches(1, 25):
+        opt.zero_grad()
+        (emb(torch.from_numpy(ids)) * torch.from_numpy(upstream)).sum().backward()
+        opt.step()
+        rows.push(ids, upstream)
+    touched = np.unique(np.concatenate([ids for ids, _ in zipf_batches(1, 25)]))
+    assert len(rows) == len(touched) and rows.steps == 25
+    got, want = rows.pull(touched), emb.weight.detach().numpy()[touched]
+    if optimizer == "sgd":
+        assert np.array_equal(got, want)
+    else:
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+
+
+def test_rowwise_adagrad_keeps_one_value_a_row(kernels):
+    """FBGEMM's row-wise Adagrad: s_r += mean(g_r * g_r); w_r -= lr * g_r / (sqrt(s_r) + eps)."""
+    table = Table(rows=N, dim=DIM, init="uniform:0.1", optimizer="rowwise_adagrad", lr=0.2, eps=1e-6)
+    rows = RowTable("t", table, kernels=kernels)
+    w = table.initial_rows("t", np.arange(N)).astype(np.float64)
+    s = np.zeros(N)
+    for ids, upstream in zipf_batches(2, 10):
+        rows.push(ids, upstream)
+        g = np.zeros((N, DIM))
+        np.add.at(g, ids, upstream.astype(np.float64))
+        hit = np.unique(ids)
+        s[hit] += (g[hit] ** 2).mean(axis=1)
+        w[hit] -= 0.2 * g[hit] / (np.sqrt(s[hit])[:, None] + 1e-6)
+    assert rows.arrays()["sum"].shape == (len(rows), 1)
+    np.testing.assert_allclose(rows.pull(np.arange(N)), w, rtol=2e-5, atol=2e-6)
+
+
+def test_a_row_is_the_same_whoever_makes_it_and_whenever(kernels):
+    table = Table(rows=10**12, dim=8, init="normal:1", seed=7)
+    first, second = RowTable("a", table, kernels=kernels), RowTable("a", table, kernels=kernels)
+    ids = np.array([3, 10**11, 42, 3, 999_999_999_999], np.int64)
+    a = first.pull(ids)
+    second.pull(ids[::-1].copy())
+    b = second.pull(ids)
+    assert np.array_equal(a, b) and np.array_equal(a[0], a[3])
+    np.testing.assert_array_equal(a, table.initial_rows("a", ids))
+    other = RowTable("b", table, kernels=kernels).pull(ids)  # another table's rows differ
+    assert not np.array_equal(a, other)
+    assert len(first) == 4
+
+
+def test_pulls_go_into_the_callers_buffer_in_order_with_duplicates():
+    rows = RowTable("t", Table(rows=100, dim=4, init="uniform:1"))
+    out = np.empty((3, 4), np.float32)
+    assert rows.pull([9, 1, 9], out=out) is out and np.array_equal(out[0], out[2])
+    with pytest.raises(InvalidIds, match=r"out must be C-contiguous float32 of shape \(3, 4\)"):
+        rows.pull([9, 1, 9], out=np.empty((3, 5), np.float32))
+    assert rows.rows_pulled == 3
+
+
+@pytest.mark.parametrize(("ids", "grads", "error", "message"), [
+    ([1, -2], np.ones((2, 4)), InvalidIds, "id -2 is negative"),
+    ([1, 100], np.ones((2, 4)), InvalidIds, "id 100 is not below its 100 rows"),
+    (np.array([1.0, 2.0]), np.ones((2, 4)), InvalidIds, "ids must be integers, got float64"),
+    (np.array([[1, 2]]), np.ones((2, 4)), InvalidIds, "one-dimensional"),
+    (np.array([2**63 + 5], np.uint64), np.ones((1, 4)), InvalidIds, "beyond int64"),
+    ([1, 2], np.ones((2, 5)), InvalidIds, r"shape \(2, 4\) \(one row of dim 4 per id\), got \(2, 5\)"),
+    ([1, 2], np.ones((2, 4), np.int32), InvalidIds, "must be floats, got int32"),
+    ([1, 2], np.array([[1, 1, 1, np.nan], [1, 1, 1, 1]]), NonFiniteGradient, "NaN or infinity"),
+    ([1, 2], np.full((2, 4), 1e38), NonFiniteGradient, "would make a weight or its optimizer state infinite"),
+])
+def test_bad_pushes_are_refused_and_change_nothing(kernels, ids, grads, error, message):
+    rows = RowTable("t", Table(rows=100, dim=4, init="uniform:1", optimizer="adagrad", lr=1e10), kernels=kernels)
+    rows.push([1, 2, 3], np.ones((3, 4)))
+    before, steps = rows.arrays(), rows.steps
+    with pytest.raises(error, match=message):
+        rows.push(ids, grads)
+    after = rows.arrays()
+    assert rows.steps == steps and sorted(after) == sorted(before)
+    for key in before:
+        assert np.array_equal(after[key], before[key]), key
+
+
+def test_a_checkpoint_restores_the_rows_and_their_state_exactly(kernels):
+    table = Table(rows=10**9, dim=DIM, init="normal:0.1", optimizer="adam", lr=0.01)
+    rows = RowTable("items", table, kernels=kernels)
+    batches = list(zipf_batches(3, 20, rows=10**9))
+    for ids, upstream in batches[:10]:
+        rows.push(ids, upstream)
+    saved = rows.arrays()
+    assert sorted(saved) == ["exp_avg", "exp_avg_sq", "ids", "rows"] and len(saved["ids"]) == len(rows)
+    restored = RowTable.restored("items", table, saved, rows.steps, kernels=kernels)
+    for ids, upstream in batches[10:]:
+        rows.push(ids, upstream)
+        restored.push(ids, upstream)
+    every = np.unique(np.concatenate([ids for ids, _ in batches]))
+    assert np.array_equal(restored.pull(every), rows.pull(every))
+    with pytest.raises(InvalidIds, match="names an id twice"):
+        RowTable.restored("items", table, {**saved, "ids": np.zeros_like(saved["ids"])}, 1, kernels=kernels)
+    with pytest.raises(InvalidIds, match="exp_avg has shape"):
+        RowTable.restored("items", table, {**saved, "exp_avg": saved["exp_avg"][:, :3]}, 1, kernels=kernels)
+
+
+def test_the_declaration_is_checked_naming_the_field():
+    for fields, message in [({"rows": 0}, "rows=0"), ({"dim": 2**17}, "dim=131072"),
+                            ({"init": "gauss:1"}, "init='gauss:1'"), ({"init": "normal:-1"}, "STD and BOUND"),
+                            ({"optimizer": "lamb"}, "optimizer='lamb'"), ({"lr": float("nan")}, "lr=nan"),
+                            ({"betas": (0.9, 1.0)}, "betas=")]:
+        with pytest.raises(ConfigurationError, match=message):
+            Table(**{"rows": 10, "dim": 4, **fields})
+    table = Table(rows=10, dim=4, optimizer="adagrad")
+    assert table.eps == 1e-10 and Table.from_description(table.describe()) == table
+    assert table.difference("t", Table(rows=10, dim=8, optimizer="adagrad")) == (
+        "table 't': dim is 4 in this run, 8 in the declaration")
+    with pytest.raises(ConfigurationError, match="unknown fields: colour"):
+        Table.from_description({**table.describe(), "colour": "red"})
+    assert Table(rows=1, dim=1).init_kind() == (aps._core.INIT_NORMAL, 0.01)
+
+
+def test_memory_follows_the_rows_touched_not_the_key_space():
+    """A table of 10^10 declared rows with 10^6 distinct rows touched: the server's memory
+    grows by at most 1.5 times the bytes of those rows and their Adagrad state."""
+    script = """
+import numpy as np, psutil
+from aps.tables import Table
+from aps.server.rows import RowTable
+table = Table(rows=10**10, dim=64, init="uniform:0.01", optimizer="adagrad", lr=0.1)
+process = psutil.Process()
+before = process.memory_info().rss
+rows = RowTable("items", table)
+rng = np.random.default_rng(0)
+ids = rng.choice(10**10, 1_000_000, replace=False).astype(np.int64)
+grad = np.ones((100_000, 64), np.float32)
+for start in range(0, len(ids), 100_000):
+    rows.push(ids[start:start + 100_000], grad)
+del grad
+grown = process.memory_info().rss - before
+print(len(rows), grown, len(rows) * table.row_bytes())
+"""
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120, check=True)
+    held, grown, needed = map(int, out.stdout.split())
+    assert held == 1_000_000
+    print(f"RSS grew {grown / 2**20:.0f} MiB for {needed / 2**20:.0f} MiB of rows and state ({grown / needed:.2f}x)")
+    assert grown <= 1.5 * needed
+
+
+def test_ids_spread_evenly_over_shards_even_when_skewed():
+    """A Zipf(1.1) id stream (a few ids very often): the distinct ids each of 4 shards holds
+    are within 10% of the mean, and within a shard the index still spreads them."""
+    rng = np.random.default_rng(0)
+    ids = np.unique(rng.zipf(1.1, 2_000_000).astype(np.int64) % 10**8)
+    counts = np.bincount(shard_of(ids, 4), minlength=4)
+    assert counts.sum() == len(ids) and counts.max() / counts.mean() <= 1.1, counts
+    assert np.array_equal(shard_of(ids, 1), np.zeros(len(ids)))
+    one = ids[shard_of(ids, 4) == 2]
+    hashed = np.empty(len(one), np.uint64)
+    aps._core.mix64(one, hashed)
+    low = np.bincount((hashed & np.uint64(15)).astype(np.int64), minlength=16)  # the index's bits
+    assert low.max() / low.mean() <= 1.1, low
