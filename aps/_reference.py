@@ -31,7 +31,9 @@ __all__ = [
     "rows_adagrad",
     "rows_adam",
     "rows_coalesce",
+    "rows_gather",
     "rows_init",
+    "rows_scatter",
     "rows_sgd",
     "sgd_step",
     "use_f16c",
@@ -604,6 +606,26 @@ def _check_rows(grad: np.ndarray, dim: int, where: np.ndarray, rows: int) -> Non
     bad = np.nonzero((where < 0) | (where >= rows))[0]
     if len(bad):
         raise ValueError(f"where[{bad[0]}] = {where[bad[0]]} is not one of the {rows} rows")
+
+
+def rows_gather(out: np.ndarray, slab: np.ndarray, rows: np.ndarray) -> None:
+    """``out[e] = slab[rows[e]]``."""
+    _check_len("out", len(out), len(rows))
+    _check_len("out's row", out.shape[1], slab.shape[1])
+    bad = np.nonzero((rows < 0) | (rows >= len(slab)))[0]
+    if len(bad):
+        raise ValueError(f"where[{bad[0]}] = {rows[bad[0]]} is not one of the {len(slab)} rows")
+    out[:] = slab[rows]
+
+
+def rows_scatter(slab: np.ndarray, inp: np.ndarray, rows: np.ndarray) -> None:
+    """``slab[rows[e]] = inp[e]``."""
+    _check_len("inp", len(inp), len(rows))
+    _check_len("inp's row", inp.shape[1], slab.shape[1])
+    bad = np.nonzero((rows < 0) | (rows >= len(slab)))[0]
+    if len(bad):
+        raise ValueError(f"where[{bad[0]}] = {rows[bad[0]]} is not one of the {len(slab)} rows")
+    slab[rows] = inp
 
 
 def rows_coalesce(out: np.ndarray, where: np.ndarray, grad: np.ndarray) -> None:

@@ -10,6 +10,8 @@
 #ifndef APS_ROWS_H
 #define APS_ROWS_H
 
+#include <string.h>
+
 #include "_kernels.h"
 
 static inline uint64_t aps_mix64(uint64_t x) {
@@ -52,7 +54,15 @@ static void aps_rows_init(float *out, const int64_t *ids, ptrdiff_t n, ptrdiff_t
  * -1. The caller keeps the load at most one half, so a probe is short and always ends. */
 static void aps_index_lookup(int64_t *keys, int64_t *values, uint64_t mask, const int64_t *ids, ptrdiff_t n,
                              int64_t *rows, int add, int64_t *size) {
+    /* A large index is out of the cache and its buckets are random: ask for the bucket of
+     * the id APS_AHEAD places on while this one is probed, so the misses overlap. */
+    enum { APS_AHEAD = 8 };
     for (ptrdiff_t e = 0; e < n; e++) {
+        if (e + APS_AHEAD < n) {
+            uint64_t ahead = aps_mix64((uint64_t) ids[e + APS_AHEAD]) & mask;
+            __builtin_prefetch(keys + ahead);
+            __builtin_prefetch(values + ahead);
+        }
         int64_t id = ids[e];
         uint64_t b = aps_mix64((uint64_t) id) & mask;
         for (;;) {
@@ -73,6 +83,35 @@ static void aps_index_lookup(int64_t *keys, int64_t *values, uint64_t mask, cons
             }
             b = (b + 1) & mask;
         }
+    }
+}
+
+/* out[e] = slab[rows[e]]: a batch's rows for a reply. The rows are random lines of a
+ * large slab: each is asked for APS_AHEAD rows ahead, so their cache misses overlap. */
+static void aps_rows_gather(float *out, const float *slab, const int64_t *rows, ptrdiff_t n, ptrdiff_t dim) {
+    enum { APS_AHEAD = 8 };
+    const ptrdiff_t bytes = dim * (ptrdiff_t) sizeof(float);
+    for (ptrdiff_t e = 0; e < n; e++) {
+        if (e + APS_AHEAD < n) {
+            const char *next = (const char *) (slab + rows[e + APS_AHEAD] * dim);
+            for (ptrdiff_t line = 0; line < bytes; line += 64)
+                __builtin_prefetch(next + line);
+        }
+        memcpy(out + e * dim, slab + rows[e] * dim, (size_t) bytes);
+    }
+}
+
+/* slab[rows[e]] = inp[e]: a push's updated rows written back (rows distinct). */
+static void aps_rows_scatter(float *slab, const float *inp, const int64_t *rows, ptrdiff_t n, ptrdiff_t dim) {
+    enum { APS_AHEAD = 8 };
+    const ptrdiff_t bytes = dim * (ptrdiff_t) sizeof(float);
+    for (ptrdiff_t e = 0; e < n; e++) {
+        if (e + APS_AHEAD < n) {
+            char *next = (char *) (slab + rows[e + APS_AHEAD] * dim);
+            for (ptrdiff_t line = 0; line < bytes; line += 64)
+                __builtin_prefetch(next + line, 1);
+        }
+        memcpy(slab + rows[e] * dim, inp + e * dim, (size_t) bytes);
     }
 }
 

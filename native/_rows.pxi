@@ -16,6 +16,8 @@ cdef extern from "_rows.h" nogil:
                           int64_t* rows, int add, int64_t* size)
     void aps_index_place(int64_t* keys, int64_t* values, uint64_t mask, const int64_t* ids, const int64_t* rows,
                          Py_ssize_t n)
+    void aps_rows_gather(float* out, const float* slab, const int64_t* rows, Py_ssize_t n, Py_ssize_t dim)
+    void aps_rows_scatter(float* slab, const float* inp, const int64_t* rows, Py_ssize_t n, Py_ssize_t dim)
     void aps_rows_coalesce(float* out, const int64_t* where, const float* g, Py_ssize_t n, Py_ssize_t dim)
     int aps_rows_sgd(float* w, const int64_t* where, const float* g, Py_ssize_t n, Py_ssize_t dim, float a)
     int aps_rows_adagrad(float* w, float* s, const float* g, Py_ssize_t rows, Py_ssize_t dim, float a, float eps,
@@ -50,6 +52,31 @@ def rows_init(float[:, ::1] out not None, const int64_t[::1] ids not None, uint6
     if n and out.shape[1]:
         with nogil:
             aps_rows_init(&out[0, 0], &ids[0], n, out.shape[1], seed, kind, scale)
+
+
+def rows_gather(float[:, ::1] out not None, const float[:, ::1] slab not None,
+                const int64_t[::1] rows not None) -> None:
+    """``out[e] = slab[rows[e]]`` (a batch's rows, gathered with their cache misses
+    overlapped)."""
+    cdef Py_ssize_t n = rows.shape[0], dim = slab.shape[1]
+    _check_len("out", out.shape[0], n)
+    _check_len("out's row", out.shape[1], dim)
+    _check_where(rows, slab.shape[0])
+    if n and dim:
+        with nogil:
+            aps_rows_gather(&out[0, 0], &slab[0, 0], &rows[0], n, dim)
+
+
+def rows_scatter(float[:, ::1] slab not None, const float[:, ::1] inp not None,
+                 const int64_t[::1] rows not None) -> None:
+    """``slab[rows[e]] = inp[e]`` (a push's updated rows written back; ``rows`` distinct)."""
+    cdef Py_ssize_t n = rows.shape[0], dim = slab.shape[1]
+    _check_len("inp", inp.shape[0], n)
+    _check_len("inp's row", inp.shape[1], dim)
+    _check_where(rows, slab.shape[0])
+    if n and dim:
+        with nogil:
+            aps_rows_scatter(&slab[0, 0], &inp[0, 0], &rows[0], n, dim)
 
 
 def rows_coalesce(float[:, ::1] out not None, const int64_t[::1] where not None,
@@ -122,8 +149,12 @@ def rows_adam(float[:, ::1] w not None, float[:, ::1] m not None, float[:, ::1] 
 
 
 cdef int _check_rows(Py_ssize_t got_dim, Py_ssize_t dim, const int64_t[::1] where, Py_ssize_t rows) except -1:
-    cdef Py_ssize_t e
     _check_len("grad's row", got_dim, dim)
+    return _check_where(where, rows)
+
+
+cdef int _check_where(const int64_t[::1] where, Py_ssize_t rows) except -1:
+    cdef Py_ssize_t e
     for e in range(where.shape[0]):
         if where[e] < 0 or where[e] >= rows:
             raise ValueError(f"where[{e}] = {where[e]} is not one of the {rows} rows")

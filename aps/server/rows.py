@@ -65,7 +65,8 @@ class RowTable:
         elif out.dtype != np.float32 or out.shape != (len(ids), self.table.dim) or not out.flags.c_contiguous:
             raise InvalidIds(f"table {self.name!r}: out must be C-contiguous float32 of shape "
                              f"({len(ids)}, {self.table.dim})")
-        np.take(self._rows, self._find(ids), axis=0, out=out)
+        rows = self._find(ids)  # (before reading the slab: it may grow it)
+        self._kernels.rows_gather(out, self._rows, rows)
         self.rows_pulled += len(ids)
         return out
 
@@ -78,11 +79,20 @@ class RowTable:
             raise NonFiniteGradient(f"table {self.name!r}: the gradient rows hold NaN or infinity; nothing changed")
         if not len(ids):
             return
-        rows, where = np.unique(self._find(ids), return_inverse=True)
-        where = where.astype(np.int64)
+        found = self._find(ids)
+        # The distinct rows, in the order first named (an index of its own: one native pass,
+        # no sort), and each entry's place among them.
+        seen = self._kernels.RowIndex(len(found))
+        where = np.empty(len(found), np.int64)
+        seen.lookup(found, where)
+        rows = seen.ids()
         table, kernels = self.table, self._kernels
-        compact = self._rows[rows]
-        state = {key: slab[rows] for key, slab in self._state.items()}
+        compact = np.empty((len(rows), table.dim), np.float32)
+        kernels.rows_gather(compact, self._rows, rows)
+        state = {}
+        for key, slab in self._state.items():
+            state[key] = np.empty((len(rows), slab.shape[1]), np.float32)
+            kernels.rows_gather(state[key], slab, rows)
         if table.optimizer == "sgd":
             ok = kernels.rows_sgd(compact, where, grads, table.lr)
         else:
@@ -95,10 +105,11 @@ class RowTable:
                 ok = kernels.rows_adagrad(compact, state["sum"].reshape(-1), summed, table.lr, table.eps,
                                           table.optimizer == "rowwise_adagrad")
         if not ok:
-            raise NonFiniteGradient(f"table {self.name!r}: the update would make a weight or its optimizer state infinite; nothing changed")
-        self._rows[rows] = compact
+            raise NonFiniteGradient(f"table {self.name!r}: the update would make a weight or its optimizer state "
+                                    "infinite; nothing changed")
+        kernels.rows_scatter(self._rows, compact, rows)
         for key, slab in self._state.items():
-            slab[rows] = state[key]
+            kernels.rows_scatter(slab, state[key], rows)
         self.steps += 1
         self.rows_pushed += len(ids)
 

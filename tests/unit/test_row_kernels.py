@@ -186,3 +186,22 @@ def test_the_row_optimizers_equal_torch_on_a_sparse_embedding(kind):
         assert np.array_equal(w, emb.weight.detach().numpy())
     else:
         np.testing.assert_allclose(w, emb.weight.detach().numpy(), rtol=1e-5, atol=1e-6)
+
+
+@given(seeds, st.integers(0, 100), st.integers(1, 50), st.integers(0, 20))
+def test_gather_and_scatter_are_the_same_on_both(seed, n, rows, dim):
+    rng = np.random.default_rng(seed)
+    slab = rng.standard_normal((rows, dim)).astype(np.float32)
+    picked = rng.integers(0, rows, n).astype(np.int64)
+    native, twin = np.empty((n, dim), np.float32), np.empty((n, dim), np.float32)
+    _core.rows_gather(native, slab, picked)
+    _reference.rows_gather(twin, slab, picked)
+    assert np.array_equal(native, twin) and np.array_equal(native, slab[picked])
+    distinct = np.unique(picked)
+    values = rng.standard_normal((len(distinct), dim)).astype(np.float32)
+    mine, theirs = slab.copy(), slab.copy()
+    _core.rows_scatter(mine, values, distinct)
+    _reference.rows_scatter(theirs, values, distinct)
+    assert np.array_equal(mine, theirs) and np.array_equal(mine[distinct], values)
+    with pytest.raises(ValueError, match="is not one of"):
+        _core.rows_gather(np.empty((1, dim), np.float32), slab, np.array([rows], np.int64))

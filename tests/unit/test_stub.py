@@ -46,6 +46,8 @@ FUNCTION_SAMPLES = {
     "widen": lambda: ((vec(0, 0), np.array([0x3F80, 0x4000], np.uint16), _core.BFLOAT16), {}),
     "mix64": lambda: ((ids(1, 2), np.zeros(2, np.uint64)), {}),
     "rows_init": lambda: ((rows(2, 3), ids(1, 2), 7, _core.INIT_NORMAL, 0.1), {}),
+    "rows_gather": lambda: ((rows(2, 2), rows(3, 2), ids(2, 0)), {}),
+    "rows_scatter": lambda: ((rows(3, 2), rows(2, 2), ids(2, 0)), {}),
     "rows_coalesce": lambda: ((rows(1, 2), ids(0, 0), rows(2, 2) + 1), {}),
     "rows_sgd": lambda: ((rows(1, 2), ids(0, 0), rows(2, 2) + 1, 0.1), {}),
     "rows_adagrad": lambda: ((rows(1, 2), vec(0, 0), rows(1, 2) + 1, 0.1), {"eps": 1e-10, "rowwise": False}),

@@ -87,6 +87,14 @@ def test_a_row_is_the_same_whoever_makes_it_and_whenever(kernels):
     assert len(first) == 4
 
 
+def test_a_pull_that_makes_more_rows_than_the_slab_holds_grows_it(kernels):
+    table = Table(rows=10**6, dim=3, init="uniform:1")
+    rows = RowTable("t", table, capacity=2, kernels=kernels)
+    ids = np.arange(1000, 0, -3, dtype=np.int64)
+    np.testing.assert_array_equal(rows.pull(ids), table.initial_rows("t", ids))
+    np.testing.assert_array_equal(rows.pull(ids[::-1].copy()), table.initial_rows("t", ids[::-1]))
+
+
 def test_pulls_go_into_the_callers_buffer_in_order_with_duplicates():
     rows = RowTable("t", Table(rows=100, dim=4, init="uniform:1"))
     out = np.empty((3, 4), np.float32)
