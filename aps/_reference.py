@@ -603,6 +603,10 @@ def rows_init(out: np.ndarray, ids: np.ndarray, seed: int, kind: int, scale: flo
 
 def _check_rows(grad: np.ndarray, dim: int, where: np.ndarray, rows: int) -> None:
     _check_len("grad's row", grad.shape[1], dim)
+    _check_where(where, rows)
+
+
+def _check_where(where: np.ndarray, rows: int) -> None:
     bad = np.nonzero((where < 0) | (where >= rows))[0]
     if len(bad):
         raise ValueError(f"where[{bad[0]}] = {where[bad[0]]} is not one of the {rows} rows")
@@ -612,9 +616,7 @@ def rows_gather(out: np.ndarray, slab: np.ndarray, rows: np.ndarray) -> None:
     """``out[e] = slab[rows[e]]``."""
     _check_len("out", len(out), len(rows))
     _check_len("out's row", out.shape[1], slab.shape[1])
-    bad = np.nonzero((rows < 0) | (rows >= len(slab)))[0]
-    if len(bad):
-        raise ValueError(f"where[{bad[0]}] = {rows[bad[0]]} is not one of the {len(slab)} rows")
+    _check_where(rows, len(slab))
     out[:] = slab[rows]
 
 
@@ -622,9 +624,7 @@ def rows_scatter(slab: np.ndarray, inp: np.ndarray, rows: np.ndarray) -> None:
     """``slab[rows[e]] = inp[e]``."""
     _check_len("inp", len(inp), len(rows))
     _check_len("inp's row", inp.shape[1], slab.shape[1])
-    bad = np.nonzero((rows < 0) | (rows >= len(slab)))[0]
-    if len(bad):
-        raise ValueError(f"where[{bad[0]}] = {rows[bad[0]]} is not one of the {len(slab)} rows")
+    _check_where(rows, len(slab))
     slab[rows] = inp
 
 
