@@ -1,0 +1,180 @@
+"""The wire format of embedding tables: their declarations, and sections of rows by id.
+
+Both are parsed by both ends and by nothing else; every count and size a peer declares is
+checked against the limits and against the bytes that are really there before anything is
+made of it, and a decoder returns views into the buffer it was given (no copy of ids or
+rows). Any malformed input raises :class:`aps.errors.MalformedFrame`.
+
+**Declarations** (a model's tables, in its order): per table, u16 name length, the UTF-8
+name, u32 description length, then the description: :meth:`aps.tables.Table.describe` as
+UTF-8 JSON.
+
+**A rows section** (one request's or reply's rows): u32 number of tables named, u32
+reserved (0); per table named, in increasing table order: u32 table index (its place in
+the model's declarations), u32 number of ids n, then n int64 ids (little-endian), then,
+where the section carries values, n rows of the table's ``dim`` float32 values, then 4
+bytes of zero padding when n x dim is odd, so that every block starts 8-aligned. The ids
+and rows of a table follow its head at once, so a section is read in one pass, and its
+length is known from its heads alone.
+"""
+
+from __future__ import annotations
+
+import json
+import struct
+from collections.abc import Mapping, Sequence
+from typing import Any, NamedTuple
+
+import numpy as np
+
+from ..errors import ConfigurationError, MalformedFrame
+from ..tables import Table
+
+__all__ = [
+    "MAX_TABLES",
+    "RowSection",
+    "decode_rows",
+    "decode_tables",
+    "encode_rows",
+    "encode_tables",
+    "rows_bytes",
+]
+
+#: At most this many tables a model, and this many bytes of one table's description.
+MAX_TABLES = 1024
+MAX_DESCRIPTION_BYTES = 4096
+MAX_TABLE_NAME_BYTES = 255
+_NAME = struct.Struct("<H")
+_DESCRIPTION = struct.Struct("<I")
+_SECTION = struct.Struct("<II")
+_BLOCK = struct.Struct("<II")
+
+
+def encode_tables(tables: Mapping[str, Table]) -> bytes:
+    """The declarations of ``tables``, in their order."""
+    if len(tables) > MAX_TABLES:
+        raise ConfigurationError(f"a model has at most {MAX_TABLES} tables, not {len(tables)}")
+    parts = []
+    for name, table in tables.items():
+        raw = name.encode("utf-8")
+        described = json.dumps(table.describe(), sort_keys=True, separators=(",", ":")).encode("utf-8")
+        if not raw or len(raw) > MAX_TABLE_NAME_BYTES or len(described) > MAX_DESCRIPTION_BYTES:
+            raise ConfigurationError(f"table name {name!r} is empty or over {MAX_TABLE_NAME_BYTES} bytes")
+        parts += [_NAME.pack(len(raw)), raw, _DESCRIPTION.pack(len(described)), described]
+    return b"".join(parts)
+
+
+def decode_tables(view: Any, offset: int, count: int) -> tuple[dict[str, Table], int]:
+    """``count`` declarations from ``view`` at ``offset``: the tables and where they end."""
+    view = memoryview(view)
+    if count > MAX_TABLES:
+        raise MalformedFrame(f"{count} tables declared; at most {MAX_TABLES} are accepted")
+    tables: dict[str, Table] = {}
+    try:
+        for _ in range(count):
+            (name_len,) = _NAME.unpack_from(view, offset)
+            offset += _NAME.size
+            if name_len == 0 or name_len > MAX_TABLE_NAME_BYTES:
+                raise MalformedFrame(f"a table name of {name_len} bytes (1 to {MAX_TABLE_NAME_BYTES})")
+            name = _take(view, offset, name_len).decode("utf-8")
+            offset += name_len
+            (size,) = _DESCRIPTION.unpack_from(view, offset)
+            offset += _DESCRIPTION.size
+            if size > MAX_DESCRIPTION_BYTES:
+                raise MalformedFrame(f"table {name!r}: a description of {size} bytes; at most "
+                                     f"{MAX_DESCRIPTION_BYTES}")
+            described = json.loads(_take(view, offset, size).decode("utf-8"))
+            offset += size
+            if name in tables:
+                raise MalformedFrame(f"table {name!r} is declared twice")
+            tables[name] = Table.from_description(described)
+    except (struct.error, UnicodeDecodeError, ValueError, ConfigurationError) as exc:
+        # (json's errors and a description's bad fields are ValueErrors: the peer's fault)
+        raise MalformedFrame(f"table declarations cannot be parsed: {exc}") from None
+    return tables, offset
+
+
+def _take(view: memoryview, offset: int, size: int) -> bytes:
+    if offset + size > len(view):
+        raise MalformedFrame("table declarations are truncated")
+    return bytes(view[offset : offset + size])
+
+
+class RowSection(NamedTuple):
+    """One table's part of a rows section: views into the buffer it was read from."""
+
+    table: int
+    ids: np.ndarray  # int64, (n,)
+    values: np.ndarray | None  # float32, (n, dim), where the section carries values
+
+
+def _block_bytes(count: int, dim: int, with_values: bool) -> int:
+    values = 4 * count * dim if with_values else 0
+    return _BLOCK.size + 8 * count + values + (-values % 8)
+
+
+def rows_bytes(counts: Mapping[int, int], dims: Sequence[int], with_values: bool) -> int:
+    """The length of a section naming ``counts[table]`` ids of each table."""
+    return _SECTION.size + sum(_block_bytes(n, dims[t], with_values) for t, n in counts.items())
+
+
+def encode_rows(sections: Sequence[RowSection], dims: Sequence[int], with_values: bool) -> list:
+    """A rows section as buffers to send (the ids and rows themselves, not copies).
+
+    Raises:
+        ValueError: tables out of order or unknown, ids not int64, rows of the wrong shape.
+    """
+    out: list = [_SECTION.pack(len(sections), 0)]
+    previous = -1
+    for table, ids, values in sections:
+        if not previous < table < len(dims):
+            raise ValueError(f"table {table}: sections name known tables, each once, in increasing order")
+        previous = table
+        ids = np.ascontiguousarray(ids)
+        if ids.dtype != np.int64 or ids.ndim != 1:
+            raise ValueError(f"table {table}: ids are a vector of int64")
+        out.append(_BLOCK.pack(table, len(ids)))
+        out.append(memoryview(ids).cast("B"))
+        if with_values:
+            values = np.ascontiguousarray(values)
+            if values.dtype != np.float32 or values.shape != (len(ids), dims[table]):
+                raise ValueError(f"table {table}: rows are float32 of shape ({len(ids)}, {dims[table]})")
+            out.append(memoryview(values).cast("B"))
+            if values.nbytes % 8:
+                out.append(b"\0" * 4)
+    return out
+
+
+def decode_rows(payload: Any, dims: Sequence[int], with_values: bool) -> list[RowSection]:
+    """The sections of a rows section that fills ``payload`` exactly (``dims``: each
+    declared table's row length). Linear in the number of tables named; no copy."""
+    view = memoryview(payload).cast("B")
+    try:
+        count, reserved = _SECTION.unpack_from(view, 0)
+    except struct.error:
+        raise MalformedFrame(f"a rows section of {len(view)} bytes has no head") from None
+    if reserved or count > len(dims):
+        raise MalformedFrame(f"a rows section names {count} tables; the model has {len(dims)}")
+    offset, previous, out = _SECTION.size, -1, []
+    for _ in range(count):
+        if offset + _BLOCK.size > len(view):
+            raise MalformedFrame("a rows section is truncated")
+        table, n = _BLOCK.unpack_from(view, offset)
+        if not previous < table < len(dims):
+            raise MalformedFrame(f"a rows section names table {table} out of order or unknown "
+                                 f"(the model has {len(dims)})")
+        previous = table
+        size = _block_bytes(n, dims[table], with_values)
+        if offset + size > len(view):
+            raise MalformedFrame(f"table {table}: {n} ids need {size} bytes; the section has "
+                                 f"{len(view) - offset} left")
+        start = offset + _BLOCK.size
+        ids = np.frombuffer(view, np.int64, n, start)
+        values = None
+        if with_values:
+            values = np.frombuffer(view, np.float32, n * dims[table], start + 8 * n).reshape(n, dims[table])
+        out.append(RowSection(table, ids, values))
+        offset += size
+    if offset != len(view):
+        raise MalformedFrame(f"a rows section of {len(view)} bytes holds {offset} bytes of rows")
+    return out
