@@ -14,7 +14,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from .errors import DTypeMismatch, LayoutMismatch
+from .errors import DTypeMismatch, LayoutMismatch, TableMismatch
+from .tables import Table
 
 __all__ = ["Layout", "shard_bounds"]
 
@@ -33,10 +34,13 @@ class Layout:
     Attributes:
         names: tensor names, in flat order.
         shapes: one shape tuple per name.
+        tables: the model's embedding tables, ``(name, Table)`` pairs in their order
+            (rows pulled and pushed by id beside the flat vector; see :mod:`aps.tables`).
     """
 
     names: tuple[str, ...]
     shapes: tuple[tuple[int, ...], ...]
+    tables: tuple[tuple[str, Table], ...] = ()
     offsets: tuple[int, ...] = field(init=False, repr=False, compare=False)
     sizes: tuple[int, ...] = field(init=False, repr=False, compare=False)
 
@@ -59,14 +63,26 @@ class Layout:
                 raise LayoutMismatch(f"the model has more than {_MAX_NUMEL} parameters")
         object.__setattr__(self, "offsets", tuple(offsets))
         object.__setattr__(self, "sizes", tuple(sizes))
+        tables = tuple((str(name), table) for name, table in self.tables)
+        if len({name for name, _ in tables}) != len(tables):
+            raise TableMismatch("table names must be unique")
+        for name, table in tables:
+            if not name or len(name.encode("utf-8")) > 255 or not isinstance(table, Table):
+                raise TableMismatch(f"table {name!r}: a name of 1 to 255 bytes and an aps.Table")
+        object.__setattr__(self, "tables", tables)
 
     @classmethod
-    def from_arrays(cls, params: Mapping[str, object]) -> Layout:
-        """The layout of a mapping of name to array-like, in the mapping's order."""
+    def from_arrays(cls, params: Mapping[str, object], tables: Mapping[str, Table] | None = None) -> Layout:
+        """The layout of a mapping of name to array-like, in the mapping's order (and of
+        ``tables``, a mapping of name to :class:`aps.tables.Table`, in theirs)."""
         shapes = []
         for name, value in params.items():
             shapes.append(tuple(int(d) for d in np.shape(value)))
-        return cls(tuple(str(n) for n in params), tuple(shapes))
+        return cls(tuple(str(n) for n in params), tuple(shapes), tuple((tables or {}).items()))
+
+    def dense(self) -> Layout:
+        """This layout without its tables."""
+        return Layout(self.names, self.shapes) if self.tables else self
 
     @property
     def numel(self) -> int:
@@ -100,7 +116,7 @@ class Layout:
             else:
                 names.append(f"{name}[{low - offset}:{high - offset}]")
                 shapes.append((high - low,))
-        return Layout(tuple(names), tuple(shapes))
+        return Layout(tuple(names), tuple(shapes), self.tables)  # every shard holds rows of every table
 
     def views(self, flat: np.ndarray) -> dict[str, np.ndarray]:
         """Each tensor as a view (shaped like the tensor) into the flat vector ``flat``."""
@@ -143,8 +159,9 @@ class Layout:
         raise LayoutMismatch(f"{what}: tensor names differ from the model's: {'; '.join(parts)}")
 
     def difference(self, other: Layout) -> str | None:
-        """None when equal, else a sentence naming the first difference."""
-        if self == other:
+        """None when the tensors are the same, else a sentence naming the first difference
+        (the tables are :meth:`tables_difference`'s)."""
+        if self.names == other.names and self.shapes == other.shapes:
             return None
         if self.names != other.names:  # linear in the number of tensors, whatever they hold
             mine, theirs = set(self.names), set(other.names)
@@ -157,6 +174,24 @@ class Layout:
             if mine != theirs:
                 return f"tensor {name!r} has shape {theirs}, the model's is {mine}"
         return "layouts differ"
+
+    def tables_difference(self, other: Layout) -> str | None:
+        """None when the tables are the same, else a sentence naming the first difference
+        (a table and its field)."""
+        if self.tables == other.tables:
+            return None
+        mine, theirs = dict(self.tables), dict(other.tables)
+        if list(mine) != list(theirs):
+            missing = [n for n in mine if n not in theirs]
+            extra = [n for n in theirs if n not in mine]
+            if not missing and not extra:
+                return "the same tables in a different order"
+            return f"tables differ (missing {missing[:5]}, unexpected {extra[:5]})"
+        for name, table in mine.items():
+            difference = table.difference(name, theirs[name])
+            if difference is not None:
+                return difference
+        return "tables differ"
 
 
 def shard_bounds(numel: int, shards: int) -> tuple[int, ...]:

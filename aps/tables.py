@@ -17,7 +17,7 @@ from typing import Any
 import numpy as np
 
 from . import _core
-from .errors import ConfigurationError, InvalidIds, TableMismatch
+from .errors import ConfigurationError, InvalidIds
 
 __all__ = ["OPTIMIZERS", "Table", "shard_of"]
 
@@ -78,7 +78,7 @@ class Table:
             return ConfigurationError(f"Table {name}={getattr(self, name)!r}: {what}")
 
         if isinstance(self.rows, bool) or not isinstance(self.rows, (int, np.integer)) or not 1 <= self.rows <= MAX_ROWS:
-            raise field_error("rows", f"an integer from 1 to 2**63 (the ids' key space)")
+            raise field_error("rows", "an integer from 1 to 2**63 (the ids' key space)")
         if isinstance(self.dim, bool) or not isinstance(self.dim, (int, np.integer)) or not 1 <= self.dim <= MAX_DIM:
             raise field_error("dim", f"an integer from 1 to {MAX_DIM}")
         self.init_kind()  # checks the form

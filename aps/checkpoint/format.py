@@ -21,8 +21,9 @@ import numpy as np
 import safetensors
 import safetensors.numpy
 
-from ..errors import CheckpointError, LayoutMismatch
+from ..errors import CheckpointError, ConfigurationError, LayoutMismatch
 from ..layout import Layout
+from ..tables import Table
 
 
 FORMAT = "aps-checkpoint"
@@ -167,7 +168,8 @@ def write_checkpoint(
         actual = Layout.from_arrays(model)
     except LayoutMismatch as exc:  # an empty, overlong or repeated name, a negative dimension
         raise CheckpointError(f"cannot write these weights: {exc}") from None
-    fields["layout"] = {"names": list(actual.names), "shapes": [list(shape) for shape in actual.shapes]}
+    tables = expected.tables if "layout" in fields else ()
+    fields["layout"] = layout_json(Layout(actual.names, actual.shapes, tables))
     fields = json.loads(json.dumps(fields, default=_json_default))  # plain JSON values; a TypeError now
 
     target = directory / name
@@ -312,10 +314,27 @@ def _progress() -> None:
         tick()
 
 
+def layout_json(layout: Layout) -> dict[str, Any]:
+    """A layout as a manifest keeps it: ``{"names", "shapes"}``, and ``"tables"`` (each
+    table's description, in order) when the model has any."""
+    out: dict[str, Any] = {"names": list(layout.names), "shapes": [list(shape) for shape in layout.shapes]}
+    if layout.tables:
+        out["tables"] = {name: table.describe() for name, table in layout.tables}
+    return out
+
+
 def _coerce_layout(value: Any) -> Layout:
-    """A Layout from an aps Layout or ``{"names": [...], "shapes": [[...], ...]}``."""
+    """A Layout from an aps Layout or ``{"names": [...], "shapes": [[...], ...]}`` (with
+    ``"tables": {name: description}`` for a model with embedding tables)."""
     if isinstance(value, Layout):
         return value
+    tables = value.get("tables", {})
+    if not isinstance(tables, dict):
+        raise TypeError("its tables are not an object")
+    try:
+        declared = tuple((str(name), Table.from_description(described)) for name, described in tables.items())
+    except ConfigurationError as exc:
+        raise ValueError(f"a table cannot be read: {exc}") from None
     names, shapes = value["names"], value["shapes"]
     if isinstance(names, str) or not all(isinstance(n, str) for n in names):
         raise TypeError("its names are not strings")
@@ -324,7 +343,7 @@ def _coerce_layout(value: Any) -> Layout:
         for s in shapes
     ):
         raise TypeError("its shapes are not lists of whole numbers")
-    return Layout(tuple(names), tuple(tuple(int(d) for d in s) for s in shapes))
+    return Layout(tuple(names), tuple(tuple(int(d) for d in s) for s in shapes), declared)
 
 
 def _manifest_layout(path: pathlib.Path, manifest: Mapping[str, Any]) -> Layout:

@@ -83,9 +83,10 @@ class AsyncWorker(_Workers):
         """Whether every server's connection is open (it is not between a loss and the rejoin)."""
         return all(channel._conn is not None for channel in self._channels)
 
-    async def init(self, params: Mapping[str, Any], *, timeout: float | None = 300.0) -> Mapping[str, np.ndarray]:
+    async def init(self, params: Mapping[str, Any], *, tables: Mapping[str, Any] | None = None,
+                   timeout: float | None = 300.0) -> Mapping[str, np.ndarray]:
         """See :meth:`aps.Worker.init`."""
-        return await arun(self._init(params, timeout))
+        return await arun(self._init(params, timeout, tables))
 
     async def pull(self) -> Mapping[str, np.ndarray]:
         """See :meth:`aps.Worker.pull`."""

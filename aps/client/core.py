@@ -20,6 +20,7 @@ import numpy as np
 
 from .. import _core
 from ..errors import (
+    TableMismatch,
     APSConnectionError,
     ConfigurationError,
     DTypeMismatch,
@@ -32,6 +33,7 @@ from ..errors import (
     error_from_code,
 )
 from ..layout import Layout, check_floating
+from ..tables import Table, check_tables
 from ..wire.framing import FrameReader
 from ..wire.protocol import (
     MAX_STATE_HEAD_BYTES,
@@ -201,13 +203,16 @@ class _ClientCore:
             )
         self.run_id = run_id
 
-    def init_request(self, params: Mapping[str, Any] | None, rejoin: bool = False) -> list:
+    def init_request(self, params: Mapping[str, Any] | None, rejoin: bool = False,
+                     tables: Mapping[str, Table] | None = None) -> list:
         if params is not None:
             if not isinstance(params, Mapping) or not params:
                 raise ConfigurationError("init takes a non-empty mapping of name to float32 array")
-            layout = Layout.from_arrays(params)
+            layout = Layout.from_arrays(params, check_tables(tables))
             if self.layout is not None and layout != self.layout:
-                raise LayoutMismatch(f"init with a different model than before: {self.layout.difference(layout)}")
+                if (difference := self.layout.difference(layout)) is not None:
+                    raise LayoutMismatch(f"init with a different model than before: {difference}")
+                raise TableMismatch(f"init with other tables than before: {self.layout.tables_difference(layout)}")
             self._set_layout(layout)
             self.layout.flatten_into(params, self.flat_weights)
             self._init_block = encode_init(self.rank, self.num_workers, self.layout)

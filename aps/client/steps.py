@@ -198,9 +198,10 @@ class _ChannelSteps:
         return core._half_weights, core._half_grad
 
     # Verbs ------------------------------------------------------------------
-    def _init(self, params: Mapping[str, Any] | None, timeout: float | None) -> Steps:
+    def _init(self, params: Mapping[str, Any] | None, timeout: float | None,
+              tables: Mapping[str, Any] | None = None) -> Steps:
         try:
-            yield from self._call("init", lambda: self._core.init_request(params), timeout,
+            yield from self._call("init", lambda: self._core.init_request(params, tables=tables), timeout,
                                   waiting=self._note_init_wait)
         except APSTimeoutError:
             raise self._init_timeout(timeout) from None

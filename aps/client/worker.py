@@ -29,8 +29,10 @@ from ..errors import (
     LayoutMismatch,
     NotInitialized,
     ServerError,
+    TableMismatch,
 )
 from ..layout import Layout, check_floating, shard_bounds
+from ..tables import Table, check_tables
 from ..wire.protocol import weights_digest
 from .arguments import _names_shards
 from .channel import Channel, run
@@ -243,9 +245,9 @@ class _Workers:
         return self._half
 
     # Verbs: each once, as steps ----------------------------------------------
-    def _init(self, params: Mapping[str, Any], timeout: float | None) -> Steps:
-        pieces = [params] if self._one else self._adopt_layout(params)
-        yield from self._each(lambda index, channel, turn: channel._init(pieces[index], timeout))
+    def _init(self, params: Mapping[str, Any], timeout: float | None, tables: Mapping[str, Table] | None) -> Steps:
+        pieces = [params] if self._one else self._adopt_layout(params, tables)
+        yield from self._each(lambda index, channel, turn: channel._init(pieces[index], timeout, tables))
         if not self._one:
             # A shard may have come back meanwhile (init reconnects): check again; then the run
             # id of every shard, for every shard to keep (its checkpoints keep them), so that
@@ -402,15 +404,18 @@ class _Workers:
         if not self._one and self._layout is None:
             raise NotInitialized(f"call init(params) before {what}")
 
-    def _adopt_layout(self, params: Mapping[str, Any]) -> list[Mapping[str, np.ndarray]]:
+    def _adopt_layout(self, params: Mapping[str, Any],
+                      tables: Mapping[str, Table] | None) -> list[Mapping[str, np.ndarray]]:
         """The model ``params`` describes, in the flat buffers (made, and their slices given
         to the shards' channels, at the first init); each shard's range of it, as the
         tensors (and pieces) of its layout."""
         if not isinstance(params, Mapping) or not params:
             raise ConfigurationError("init takes a non-empty mapping of name to float32 array")
-        layout = Layout.from_arrays(params)
+        layout = Layout.from_arrays(params, check_tables(tables))
         if self._layout is not None and layout != self._layout:
-            raise LayoutMismatch(f"init with a different model than before: {self._layout.difference(layout)}")
+            if (difference := self._layout.difference(layout)) is not None:
+                raise LayoutMismatch(f"init with a different model than before: {difference}")
+            raise TableMismatch(f"init with other tables than before: {self._layout.tables_difference(layout)}")
         count = len(self._channels)
         if self._layout is None:
             self._bounds = shard_bounds(layout.numel, count)
@@ -570,7 +575,8 @@ class Worker(_Workers):
         return cls(None, None, None, **options)
 
     # Requests -------------------------------------------------------------
-    def init(self, params: Mapping[str, Any], *, timeout: float | None = 300.0) -> Mapping[str, np.ndarray]:
+    def init(self, params: Mapping[str, Any], *, tables: Mapping[str, Table] | None = None,
+             timeout: float | None = 300.0) -> Mapping[str, np.ndarray]:
         """Join the training and return the server's initial weights.
 
         The first worker to join provides the initial weights; later workers
@@ -581,6 +587,9 @@ class Worker(_Workers):
         Args:
             params: mapping of tensor name to float array, in a fixed order (float64
                 and float16 values make the float32 model).
+            tables: the model's embedding tables, a mapping of name to
+                :class:`aps.tables.Table`, the same from every worker (the first
+                worker's declaration is the run's; every shard holds rows of every table).
             timeout: seconds to wait for every worker to join.
 
         Returns:
@@ -588,10 +597,10 @@ class Worker(_Workers):
 
         Raises:
             InitTimeout: not every worker joined in time (the connection is closed).
-            LayoutMismatch, RankTaken, RankOutOfRange, WorkerCountMismatch:
-                the server refused the join.
+            LayoutMismatch, TableMismatch, RankTaken, RankOutOfRange, WorkerCountMismatch:
+                the server refused the join (a table mismatch names the table and field).
         """
-        return run(self._init(params, timeout))
+        return run(self._init(params, timeout, tables))
 
     def pull(self) -> Mapping[str, np.ndarray]:
         """Wait until the sync policy releases this worker; return the newest weights (views)."""

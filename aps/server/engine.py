@@ -27,9 +27,8 @@ from types import ModuleType
 import numpy as np
 
 from .. import _core
-from ..config import RUN_OPTIONS, ServerConfig
+from ..config import ServerConfig
 from ..errors import (
-    CheckpointError,
     InternalServerError,
     InvalidState,
     LayoutMismatch,
@@ -41,9 +40,11 @@ from ..errors import (
     RankOutOfRange,
     RankTaken,
     ServerError,
+    TableMismatch,
     WeightsRefused,
     WorkerCountMismatch,
 )
+from .durable import Durable
 from .lane import CallJob, Offload, UpdateLane
 from .jobs.state import LoadStateJob, LoadWeightsJob, ReadStateJob, StateCopies, StateCopy
 from .jobs.updates import Aggregate, AggregateJob, PushJob, StreamingPush
@@ -53,6 +54,7 @@ from ..wire.protocol import HyperGroup, StateHead
 from .members import Member, PushResult, ReadyCallback, Seat
 from .stats import EngineView, RankView, ServerStats
 from .sync import RESUMED, STALE, Outcome, Plan, PlanKind, make_policy
+from .rows import RowTable
 from .table import ParameterTable, Snapshot
 
 __all__ = ["Engine", "Member", "PushResult", "Seat"]
@@ -64,7 +66,7 @@ log = logging.getLogger("aps.server")
 ErrorCallback = Callable[[ServerError], None]
 
 
-class Engine:
+class Engine(Durable):
     """The server's state machine (see the module docstring).
 
     Args:
@@ -95,6 +97,8 @@ class Engine:
         self.policy = make_policy(config, window_type or kernels.StalenessWindow)
         self.table: ParameterTable | None = None
         self.layout: Layout | None = None
+        #: The model's embedding tables: the rows touched, by table name (aps.server.rows).
+        self.rows: dict[str, RowTable] = {}
         self.members: dict[int, Member] = {}
         self.started = False
         self.pushes = 0
@@ -258,9 +262,7 @@ class Engine:
             raise RankTaken(f"rank {rank} is already connected")
         expected = self.layout if self.layout is not None else self._registering_layout
         if layout is not None and expected is not None:
-            difference = expected.difference(layout)
-            if difference is not None:
-                raise LayoutMismatch(f"the model differs from the registered one: {difference}")
+            _check_model(expected, layout)
 
     def claim_registration(self, layout: Layout, owner: object) -> bool:
         """True when ``owner`` is to provide the initial weights: no model exists and
@@ -345,9 +347,7 @@ class Engine:
                 self._create_table(layout, values)
                 self._registrar = self._registering_layout = None
             else:
-                difference = self.layout.difference(layout)
-                if difference is not None:
-                    raise LayoutMismatch(f"the model differs from the registered one: {difference}")
+                _check_model(self.layout, layout)
             if grad is None:
                 grad = np.zeros(self.layout.numel, np.float32)
         except Exception as exc:  # refused (a ServerError), or out of memory and the like
@@ -473,6 +473,7 @@ class Engine:
             table.close()
             raise
         self.table, self.layout, self.aggregate = table, layout, aggregate
+        self.rows = {name: RowTable(name, declared, kernels=self.kernels) for name, declared in layout.tables}
         log.info(
             "model registered: %d tensors, %d parameters (%.1f MiB); %s; %s",
             len(layout),
@@ -513,93 +514,6 @@ class Engine:
             raise LayoutMismatch(f"this model's shards are runs {self.shard_runs}, but shard {odd} now holds run "
                                  f"{runs[odd]}: it was started without --resume, or from another run's checkpoint")
         return self.shard_runs
-
-    def checkpoint_state(self) -> tuple[dict, dict[str, np.ndarray]]:
-        """The state to save, between two updates: a JSON-able manifest, and the live
-        arrays to copy (the optimizer's state; the running sum while a round is open).
-        The weights are the current snapshot (the caller leases it)."""
-        table, layout, policy, config = self.table, self.layout, self.policy, self.config
-        optimizer = table.optimizer
-        policy_state = policy.state()
-        arrays = dict(optimizer.state_arrays())
-        if self.aggregate is not None and (policy_state.get("contributed") or policy_state.get("count")):
-            arrays["aggregate"] = self.aggregate.current
-        manifest = {
-            "run_id": self.run_id,
-            "shard_runs": self.shard_runs,
-            "version": table.version,
-            "pushes": self.pushes,
-            "layout": {"names": list(layout.names), "shapes": [list(shape) for shape in layout.shapes]},
-            "config": {name: getattr(config, name) for name in RUN_OPTIONS},
-            # the rest, for the record (resume takes its own)
-            "server": {name: value for name, value in config.public().items() if name not in RUN_OPTIONS},
-            "optimizer": {"name": optimizer.name, "steps": optimizer.steps, **optimizer.hyperparameters(),
-                          **({"loaded_state": self.loaded_state.hex()} if self.loaded_state is not None else {})},
-            "policy": policy_state,
-            "seats": {str(rank): seat.to_json() for rank, seat in sorted(self._seats.items())},
-            "counters": self.stats.run_counters(),
-            **({"loaded_weights": self.loaded_weights.hex()} if self.loaded_weights is not None else {}),
-        }
-        return manifest, arrays
-
-    def restore(self, checkpoint) -> None:
-        """Take up the state of ``checkpoint`` (an :class:`aps.checkpoint.Checkpoint`) before
-        anyone joins: weights, optimizer state, version, the policy's clocks and rounds,
-        and what each rank's last push was. Training starts again once every worker
-        has rejoined. Raises CheckpointError (and keeps nothing) if it does not fit."""
-        if self.table is not None or self.members:
-            raise CheckpointError("a checkpoint is restored before anyone joins")
-        manifest = checkpoint.manifest
-        try:
-            layout = checkpoint.layout
-            self._create_table(layout, checkpoint.flat_weights())
-            optimizer = self.table.optimizer
-            saved = manifest["optimizer"]
-            if saved["name"] != optimizer.name:
-                raise ValueError(f"it holds {saved['name']} state, this server runs {optimizer.name}")
-            state = {}
-            # (sgd keeps momentum buffers once a worker asked for them, also when started without)
-            keys = list(optimizer.state_arrays()) or [
-                key for key in optimizer.state_names if f"{key}/{layout.names[0]}" in checkpoint.state]
-            for key in keys:
-                flat = np.empty(layout.numel, np.float32)
-                layout.flatten_into({name: checkpoint.state[f"{key}/{name}"] for name in layout.names}, flat)
-                state[key] = flat
-            optimizer.load_state(state, int(saved["steps"]))
-            loaded = saved.get("loaded_state")
-            self.loaded_state = bytes.fromhex(loaded) if isinstance(loaded, str) else None
-            loaded = manifest.get("loaded_weights")
-            self.loaded_weights = bytes.fromhex(loaded) if isinstance(loaded, str) else None
-            self.table.version = int(manifest["version"])
-            self._placements = self.policy.restore(manifest["policy"])
-            self._seats = {int(rank): Seat.from_json(seat) for rank, seat in manifest["seats"].items()}
-            forget = getattr(self.policy, "forget_open_round", None)
-            if self.config.shards > 1 and forget is not None:
-                # A shard resumes alone (docs/algorithms.md, "Sharded resume"): its open round is left out.
-                self._placements, dropped = forget(self._placements)
-                for rank in dropped:
-                    if rank in self._seats:
-                        self._seats[rank].push_id = self._seats[rank].push_clock = -1
-            elif self.aggregate is not None and "aggregate" in checkpoint.state:
-                np.copyto(self.aggregate.current, checkpoint.state["aggregate"])
-            self._start_ranks = set(self._placements) or None
-            self.pushes = int(manifest["pushes"])
-            self.stats.carry(manifest.get("counters", {}))
-            self.run_id = str(manifest["run_id"])
-            runs = manifest.get("shard_runs")
-            self.shard_runs = [str(r) for r in runs] if isinstance(runs, list) else None
-        except (KeyError, ValueError, TypeError, IndexError) as exc:
-            if self.table is not None:
-                self.table.close()
-            self.table = self.layout = self.aggregate = None
-            self._placements, self._seats, self._start_ranks = {}, {}, None
-            self.loaded_state = self.loaded_weights = None
-            self.stats.carry({})
-            detail = f"missing {exc}" if isinstance(exc, KeyError) else str(exc)
-            raise CheckpointError(f"checkpoint {checkpoint.path} cannot be resumed: {detail}") from None
-        self.resumed_from = str(checkpoint.path)
-        log.info("resumed from %s: version %d, clocks %s; training goes on once all %d workers are back",
-                 checkpoint.path, self.version, manifest["policy"]["clocks"], self.num_workers)
 
     # Iterations ------------------------------------------------------------
     def pull(self, member: Member, on_ready: ReadyCallback) -> None:
@@ -998,3 +912,14 @@ class Engine:
                 member.required_version = required
                 if rank in waiting:
                     self._try_serve(member)
+
+
+def _check_model(model: Layout, joining: Layout) -> None:
+    """Raise unless a joining worker's model is the run's: its tensors (LayoutMismatch)
+    and its tables (TableMismatch, naming the table and the field)."""
+    difference = model.difference(joining)
+    if difference is not None:
+        raise LayoutMismatch(f"the model differs from the registered one: {difference}")
+    difference = model.tables_difference(joining)
+    if difference is not None:
+        raise TableMismatch(f"the model's tables differ from the run's: {difference}")

@@ -26,6 +26,7 @@ from ..errors import (
     UnsupportedVersion,
 )
 from ..layout import Layout
+from .rows import decode_tables, encode_tables
 
 __all__ = [
     "DType",
@@ -285,8 +286,9 @@ def decode_error(payload) -> tuple[int, str]:
 
 # INIT payload: the layout block, zero padding to a multiple of 8, then the
 # initial float32 values. Layout block: u32 rank, u32 num_workers,
-# u32 tensor count, u32 reserved; per tensor: u16 name length, u8 ndim,
-# u8 reserved, the UTF-8 name, then ndim u64 dimensions. The INIT header's
+# u32 tensor count, u32 table count; per tensor: u16 name length, u8 ndim,
+# u8 reserved, the UTF-8 name, then ndim u64 dimensions; then the tables'
+# declarations (aps.wire.rows: name and JSON description each). The INIT header's
 # ``version`` field carries the layout block's length (padding included), so
 # the server can read and check the block before it makes room for the values.
 _INIT_HEAD = struct.Struct("<IIII")
@@ -311,12 +313,13 @@ class InitRequest(NamedTuple):
 def encode_init(rank: int, num_workers: int, layout: Layout) -> bytes:
     """The layout block of an INIT payload, padded so the values that follow are 8-aligned
     (its length goes in the INIT header's ``version`` field)."""
-    parts = [_INIT_HEAD.pack(rank, num_workers, len(layout), 0)]
+    parts = [_INIT_HEAD.pack(rank, num_workers, len(layout), len(layout.tables))]
     for name, shape in zip(layout.names, layout.shapes):
         raw = name.encode("utf-8")
         parts.append(_TENSOR_HEAD.pack(len(raw), len(shape)))
         parts.append(raw)
         parts.append(struct.pack(f"<{len(shape)}Q", *shape))
+    parts.append(encode_tables(dict(layout.tables)))
     block = b"".join(parts)
     return block + b"\0" * (-len(block) % 8)
 
@@ -358,7 +361,7 @@ def decode_init(payload) -> InitRequest:
 def _parse_layout(view: memoryview) -> tuple[int, int, Layout, int]:
     """``(rank, num_workers, layout, end)`` from the start of ``view``; linear in its length."""
     try:
-        rank, num_workers, count, _ = _INIT_HEAD.unpack_from(view, 0)
+        rank, num_workers, count, table_count = _INIT_HEAD.unpack_from(view, 0)
         if count > MAX_TENSORS:
             raise MalformedFrame(f"INIT declares {count} tensors; at most {MAX_TENSORS} are accepted")
         offset = _INIT_HEAD.size
@@ -377,9 +380,10 @@ def _parse_layout(view: memoryview) -> tuple[int, int, Layout, int]:
             offset += name_len
             shapes.append(tuple(struct.unpack_from(f"<{ndim}Q", view, offset)))
             offset += 8 * ndim
+        tables, offset = decode_tables(view, offset, table_count)
     except (struct.error, UnicodeDecodeError) as exc:
         raise MalformedFrame(f"INIT layout block cannot be parsed: {exc}") from None
-    return rank, num_workers, Layout(tuple(names), tuple(shapes)), offset
+    return rank, num_workers, Layout(tuple(names), tuple(shapes), tuple(tables.items())), offset
 
 
 # HELLO reply payload: u16 length + UTF-8 host identity, u16 length + UTF-8

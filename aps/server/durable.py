@@ -1,0 +1,128 @@
+"""What a checkpoint keeps of the engine, and taking it up again: the :class:`Durable`
+part of :class:`aps.server.engine.Engine` (a mixin, so that the engine's module holds
+its rules and this one what outlives the process)."""
+
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from ..checkpoint.format import layout_json
+from ..config import RUN_OPTIONS
+from ..errors import CheckpointError, InvalidIds
+from .members import Seat
+from .rows import RowTable
+
+if TYPE_CHECKING:
+    from .engine import Engine
+
+__all__ = ["Durable"]
+
+log = logging.getLogger("aps.server")
+
+
+class Durable:
+    """The engine's checkpoints: the state to save between two updates, and a restore."""
+
+    def checkpoint_state(self: Engine) -> tuple[dict, dict[str, np.ndarray]]:
+        """The state to save, between two updates: a JSON-able manifest, and the live
+        arrays to copy (the optimizer's state; the running sum while a round is open).
+        The weights are the current snapshot (the caller leases it)."""
+        table, layout, policy, config = self.table, self.layout, self.policy, self.config
+        optimizer = table.optimizer
+        policy_state = policy.state()
+        arrays = dict(optimizer.state_arrays())
+        for name, rows in self.rows.items():  # (taken on the loop: pulls make rows)
+            arrays.update({f"tables/{name}/{key}": value for key, value in rows.arrays().items()})
+        if self.aggregate is not None and (policy_state.get("contributed") or policy_state.get("count")):
+            arrays["aggregate"] = self.aggregate.current
+        manifest = {
+            "run_id": self.run_id,
+            "shard_runs": self.shard_runs,
+            "version": table.version,
+            "pushes": self.pushes,
+            "layout": layout_json(layout),
+            "config": {name: getattr(config, name) for name in RUN_OPTIONS},
+            # the rest, for the record (resume takes its own)
+            "server": {name: value for name, value in config.public().items() if name not in RUN_OPTIONS},
+            "optimizer": {"name": optimizer.name, "steps": optimizer.steps, **optimizer.hyperparameters(),
+                          **({"loaded_state": self.loaded_state.hex()} if self.loaded_state is not None else {})},
+            "policy": policy_state,
+            **({"table_steps": {name: rows.steps for name, rows in self.rows.items()}} if self.rows else {}),
+            "seats": {str(rank): seat.to_json() for rank, seat in sorted(self._seats.items())},
+            "counters": self.stats.run_counters(),
+            **({"loaded_weights": self.loaded_weights.hex()} if self.loaded_weights is not None else {}),
+        }
+        return manifest, arrays
+
+    def restore(self: Engine, checkpoint) -> None:
+        """Take up the state of ``checkpoint`` (an :class:`aps.checkpoint.Checkpoint`) before
+        anyone joins: weights, optimizer state, version, the policy's clocks and rounds,
+        and what each rank's last push was. Training starts again once every worker
+        has rejoined. Raises CheckpointError (and keeps nothing) if it does not fit."""
+        if self.table is not None or self.members:
+            raise CheckpointError("a checkpoint is restored before anyone joins")
+        manifest = checkpoint.manifest
+        try:
+            layout = checkpoint.layout
+            self._create_table(layout, checkpoint.flat_weights())
+            steps = manifest.get("table_steps", {})
+            if not isinstance(steps, dict):
+                raise ValueError("its table_steps are not an object")
+            for name, rows in self.rows.items():
+                saved = {key[len(f"tables/{name}/"):]: value for key, value in checkpoint.state.items()
+                         if key.startswith(f"tables/{name}/")}
+                if saved:
+                    self.rows[name] = RowTable.restored(name, rows.table, saved, int(steps.get(name, 0)),
+                                                        self.kernels)
+            optimizer = self.table.optimizer
+            saved = manifest["optimizer"]
+            if saved["name"] != optimizer.name:
+                raise ValueError(f"it holds {saved['name']} state, this server runs {optimizer.name}")
+            state = {}
+            # (sgd keeps momentum buffers once a worker asked for them, also when started without)
+            keys = list(optimizer.state_arrays()) or [
+                key for key in optimizer.state_names if f"{key}/{layout.names[0]}" in checkpoint.state]
+            for key in keys:
+                flat = np.empty(layout.numel, np.float32)
+                layout.flatten_into({name: checkpoint.state[f"{key}/{name}"] for name in layout.names}, flat)
+                state[key] = flat
+            optimizer.load_state(state, int(saved["steps"]))
+            loaded = saved.get("loaded_state")
+            self.loaded_state = bytes.fromhex(loaded) if isinstance(loaded, str) else None
+            loaded = manifest.get("loaded_weights")
+            self.loaded_weights = bytes.fromhex(loaded) if isinstance(loaded, str) else None
+            self.table.version = int(manifest["version"])
+            self._placements = self.policy.restore(manifest["policy"])
+            self._seats = {int(rank): Seat.from_json(seat) for rank, seat in manifest["seats"].items()}
+            forget = getattr(self.policy, "forget_open_round", None)
+            if self.config.shards > 1 and forget is not None:
+                # A shard resumes alone (docs/algorithms.md, "Sharded resume"): its open round is left out.
+                self._placements, dropped = forget(self._placements)
+                for rank in dropped:
+                    if rank in self._seats:
+                        self._seats[rank].push_id = self._seats[rank].push_clock = -1
+            elif self.aggregate is not None and "aggregate" in checkpoint.state:
+                np.copyto(self.aggregate.current, checkpoint.state["aggregate"])
+            self._start_ranks = set(self._placements) or None
+            self.pushes = int(manifest["pushes"])
+            self.stats.carry(manifest.get("counters", {}))
+            self.run_id = str(manifest["run_id"])
+            runs = manifest.get("shard_runs")
+            self.shard_runs = [str(r) for r in runs] if isinstance(runs, list) else None
+        except (KeyError, ValueError, TypeError, IndexError, InvalidIds) as exc:
+            if self.table is not None:
+                self.table.close()
+            self.table = self.layout = self.aggregate = None
+            self.rows = {}
+            self._placements, self._seats, self._start_ranks = {}, {}, None
+            self.loaded_state = self.loaded_weights = None
+            self.stats.carry({})
+            detail = f"missing {exc}" if isinstance(exc, KeyError) else str(exc)
+            raise CheckpointError(f"checkpoint {checkpoint.path} cannot be resumed: {detail}") from None
+        self.resumed_from = str(checkpoint.path)
+        log.info("resumed from %s: version %d, clocks %s; training goes on once all %d workers are back",
+                 checkpoint.path, self.version, manifest["policy"]["clocks"], self.num_workers)
+

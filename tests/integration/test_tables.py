@@ -1,0 +1,84 @@
+"""Embedding tables declared at init: every worker declares the run's tables (a mismatch is
+refused naming the table and the field), every shard holds them, and a checkpoint keeps the
+declarations (and the rows touched, with their state) across a resume. Real servers."""
+
+from __future__ import annotations
+
+import threading
+
+import numpy as np
+import pytest
+
+import aps
+from aps.checkpoint import load_checkpoint
+from aps.cli.checkpoint import request_checkpoint
+from aps.errors import TableMismatch
+from aps.tables import Table
+from aps.testing import ServerProcess
+
+DENSE = {"w": np.zeros(64, np.float32)}
+TABLES = {"items": Table(rows=10**9, dim=8, optimizer="adagrad", lr=0.05),
+          "users": Table(rows=1000, dim=4, init="zeros")}
+
+
+@pytest.mark.parametrize(("other", "message"), [
+    ({**TABLES, "items": Table(rows=10**9, dim=16, optimizer="adagrad", lr=0.05)},
+     "table 'items': dim is 8 in this run, 16 in the declaration"),
+    ({**TABLES, "users": Table(rows=1000, dim=4, init="zeros", optimizer="adam")},
+     "table 'users': optimizer is 'sgd' in this run, 'adam' in the declaration"),
+    ({"items": TABLES["items"]}, r"tables differ \(missing \['users'\], unexpected \[\]\)"),
+    (None, r"tables differ \(missing \['items', 'users'\]"),
+    ({"users": TABLES["users"], "items": TABLES["items"]}, "the same tables in a different order"),
+])
+def test_a_worker_that_declares_other_tables_is_refused_naming_the_table_and_field(
+        server_process, client, other, message):
+    server = server_process("--workers", "2", "--sync", "asp")
+    with client(server.address, 0, 2) as first:
+        joined = threading.Thread(target=first.init, args=(DENSE,), kwargs={"tables": TABLES})
+        joined.start()
+        with client(server.address, 1, 2) as second:
+            with pytest.raises(TableMismatch, match=message):
+                second.init(DENSE, tables=other)
+        with client(server.address, 1, 2) as third:  # the same declaration joins
+            third.init(DENSE, tables=dict(TABLES))
+            joined.join(30)
+            assert first.layout.tables == third.layout.tables == tuple(TABLES.items())
+
+
+def test_a_worker_cannot_change_its_own_tables_between_inits(server_process):
+    server = server_process("--workers", "1", "--sync", "asp")
+    with aps.Worker(server.address, 0, 1) as worker:
+        worker.init(DENSE, tables=TABLES)
+        with pytest.raises(TableMismatch, match="init with other tables than before"):
+            worker.init(DENSE, tables={"items": TABLES["items"]})
+
+
+def test_every_shard_holds_the_tables(server_process):
+    servers = [server_process("--workers", "1", "--sync", "asp", "--shard", str(i), "--shards", "2")
+               for i in range(2)]
+    with aps.Worker([s.address for s in servers], 0, 1, transport="tcp") as worker:
+        worker.init(DENSE, tables=TABLES)
+        assert all(channel.layout.tables == tuple(TABLES.items()) for channel in worker.shards)
+        assert worker.layout.tables == tuple(TABLES.items())
+
+
+def test_a_checkpoint_keeps_the_declarations_across_a_resume(tmp_path):
+    flags = ["--workers", "1", "--sync", "asp", "--checkpoint-dir", str(tmp_path), "--checkpoint-every", "0"]
+    server = ServerProcess(*flags)
+    try:
+        with aps.Worker(server.address, 0, 1, reconnect=False) as worker:
+            worker.init(DENSE, tables=TABLES)
+            worker.push(np.ones(64, np.float32))
+            path = request_checkpoint(server.address)["path"]
+        assert load_checkpoint(path).layout.tables == tuple(TABLES.items())
+        port = str(server.port)
+        server.stop()
+        server = ServerProcess("--port", port, "--checkpoint-dir", str(tmp_path), "--resume")
+        with aps.Worker(server.address, 0, 1, reconnect=False) as worker:
+            with pytest.raises(TableMismatch, match="table 'items': lr is 0.05 in this run, 0.1"):
+                worker.init(DENSE, tables={**TABLES, "items": Table(rows=10**9, dim=8, optimizer="adagrad", lr=0.1)})
+        with aps.Worker(server.address, 0, 1, reconnect=False) as worker:
+            weights = worker.init(DENSE, tables=TABLES)
+            assert np.array_equal(weights["w"], np.full(64, -0.01, np.float32)) and worker.version == 1
+    finally:
+        server.stop()
