@@ -32,12 +32,14 @@ __all__ = ["RowTable"]
 class RowTable:
     """The rows of one table a server holds, and their optimizer's state."""
 
-    def __init__(self, name: str, table: Table, capacity: int = 1024, kernels: Any = _core) -> None:
+    def __init__(self, name: str, table: Table, capacity: int = 0, kernels: Any = _core) -> None:
         self.name = name
         self.table = table
         self._kernels = kernels
         self._seed = table.row_seed(name)
         self._init = table.init_kind()
+        # Nothing is made for a table before its first row (``capacity`` 0): a declaration
+        # costs a server nothing, however many tables of however wide rows it names.
         self.index = kernels.RowIndex(capacity)
         self._rows = np.empty((capacity, table.dim), np.float32)
         self._state = {key: np.empty((capacity, width), np.float32) for key, width in table.state_per_row().items()}
@@ -133,7 +135,7 @@ class RowTable:
         for key, width in {"rows": table.dim, **table.state_per_row()}.items():
             if arrays[key].shape != (len(ids), width):
                 raise InvalidIds(f"table {name!r}: {key} has shape {arrays[key].shape}, not ({len(ids)}, {width})")
-        restored = cls(name, table, max(len(ids), 1024), kernels)
+        restored = cls(name, table, len(ids), kernels)
         table.check_ids(name, ids)
         rows = np.empty(len(ids), np.int64)
         if restored.index.lookup(ids, rows) != len(ids):
@@ -166,6 +168,7 @@ class RowTable:
         capacity = len(self._rows)
         if count <= capacity:
             return
+        capacity = max(capacity, 64)
         while capacity < count:
             capacity *= 2
         self._rows = _grown(self._rows, capacity, held)

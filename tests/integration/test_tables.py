@@ -82,3 +82,18 @@ def test_a_checkpoint_keeps_the_declarations_across_a_resume(tmp_path):
             assert np.array_equal(weights["w"], np.full(64, -0.01, np.float32)) and worker.version == 1
     finally:
         server.stop()
+
+
+def test_declaring_many_wide_tables_costs_the_server_nothing_until_rows_are_touched(server_process):
+    """A worker (or a stranger past the token) declares 1,000 tables of 65,536-wide rows with
+    Adam state: nothing is made for a table before its first row."""
+    import psutil
+
+    server = server_process("--workers", "1", "--sync", "asp")
+    process = psutil.Process(server.proc.pid)
+    before = process.memory_info()
+    wide = {f"t{i}": Table(rows=2**62, dim=65536, optimizer="adam") for i in range(1000)}
+    with aps.Worker(server.address, 0, 1) as worker:
+        worker.init(DENSE, tables=wide)
+        after = process.memory_info()
+    assert after.rss - before.rss < 64 << 20 and after.vms - before.vms < 1 << 30, (before, after)
