@@ -18,6 +18,8 @@ import pytest
 
 from aps.checkpoint import Checkpoint
 from aps.errors import CheckpointError, OutOfOrder
+from aps.layout import Layout
+from aps.tables import Table
 
 from tests.harness import Harness
 
@@ -46,7 +48,7 @@ def checkpoint_of(harness: Harness) -> Checkpoint:
     weights = {name: view.copy() for name, view in layout.views(engine.table.current_array()).items()}
     state = {}
     for key, flat in arrays.items():
-        if key == "aggregate":
+        if key == "aggregate" or key.startswith("tables/"):
             state[key] = flat.copy()
         else:
             state.update((f"{key}/{name}", view.copy()) for name, view in layout.views(flat).items())
@@ -136,6 +138,48 @@ def test_restore_refuses_a_checkpoint_of_another_policy_or_size():
         engine_m.restore(momentum)
     assert engine_m.table is None and engine_m.layout is None
     assert engine.table is None
+
+
+def test_a_checkpoint_keeps_the_tables_rows_and_their_state_exactly():
+    tables = (("items", Table(rows=10**9, dim=4, optimizer="adam", lr=0.1)), ("empty", Table(rows=9, dim=2)))
+    original = Harness(workers=1, sync="asp")
+    original.layout = Layout(original.layout.names, original.layout.shapes, tables)
+    original.join_all()
+    rows = original.engine.rows["items"]
+    rows.push(np.array([5, 7, 5]), np.ones((3, 4), np.float32))
+    rows.push(np.array([10**8]), np.full((1, 4), 2.0, np.float32))
+    checkpoint = checkpoint_of(original)
+    assert checkpoint.manifest["table_steps"] == {"items": 2, "empty": 0}
+    restored = Harness(workers=1, sync="asp").engine
+    restored.restore(checkpoint)
+    assert restored.layout.tables == tables and len(restored.rows["empty"]) == 0
+    again = restored.rows["items"]
+    assert again.steps == 2
+    for key, value in rows.arrays().items():
+        assert np.array_equal(again.arrays()[key], value), key
+    for rows_now in (rows, again):  # and they go on alike
+        rows_now.push(np.array([7, 11]), np.full((2, 4), -1.0, np.float32))
+    assert np.array_equal(again.pull([5, 7, 11, 10**8]), rows.pull([5, 7, 11, 10**8]))
+
+
+@pytest.mark.parametrize(("change", "message"), [
+    (lambda c: c.manifest.update(table_steps=[1]), "table_steps are not an object"),
+    (lambda c: c.state.update({"tables/items/exp_avg": np.zeros((1, 4), np.float32)}), "exp_avg has shape"),
+    (lambda c: c.state.update({"tables/items/ids": np.array([3, 3])}), "names an id twice"),
+    (lambda c: c.state.pop("tables/items/exp_avg_sq"), "a checkpoint has"),
+])
+def test_a_checkpoint_with_bad_tables_is_refused_and_nothing_is_kept(change, message):
+    tables = (("items", Table(rows=100, dim=4, optimizer="adam")),)
+    original = Harness(workers=1, sync="asp")
+    original.layout = Layout(original.layout.names, original.layout.shapes, tables)
+    original.join_all()
+    original.engine.rows["items"].push(np.array([1, 2]), np.ones((2, 4), np.float32))
+    checkpoint = checkpoint_of(original)
+    change(checkpoint)
+    engine = Harness(workers=1, sync="asp").engine
+    with pytest.raises(CheckpointError, match=message):
+        engine.restore(checkpoint)
+    assert engine.table is None and engine.rows == {}
 
 
 def _momentum_harness() -> Harness:
