@@ -81,14 +81,20 @@ def run(steps: Steps) -> Any:
 
 
 async def arun(steps: Steps) -> Any:
-    """:func:`run` on the running asyncio loop (TCP only)."""
+    """:func:`run` on the running asyncio loop (TCP only). A cancellation thrown into the
+    steps ends them: steps that went on after it (none do) are closed and it is raised."""
     value: Any = None
     error: BaseException | None = None
     while True:
         try:
             step = steps.send(value) if error is None else steps.throw(error)
         except StopIteration as end:
+            if isinstance(error, asyncio.CancelledError):
+                raise error from None
             return end.value
+        if isinstance(error, asyncio.CancelledError):
+            steps.close()
+            raise error
         value = error = None
         try:
             kind = step[0]

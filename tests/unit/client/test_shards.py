@@ -171,3 +171,29 @@ def test_the_shards_threads_never_hold_the_process_exit():
     held.set()
     assert future.result(5) is True
     threads.shutdown()
+
+
+def test_the_asyncio_driver_never_swallows_a_cancellation():
+    """Steps that caught the cancellation thrown into them and went on would leave the task
+    running: the driver closes them and raises it."""
+    closed = []
+
+    def stubborn():
+        try:
+            while True:
+                try:
+                    yield SLEEP, SimpleNamespace(_closing=False), 10
+                except asyncio.CancelledError:
+                    continue  # (no step of aps's does this)
+        finally:
+            closed.append(True)
+
+    async def main():
+        task = asyncio.ensure_future(arun(stubborn()))
+        await asyncio.sleep(0.05)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+
+    asyncio.run(main())
+    assert closed == [True]
