@@ -67,8 +67,8 @@ class Layout:
         if len({name for name, _ in tables}) != len(tables):
             raise TableMismatch("table names must be unique")
         for name, table in tables:
-            if not name or len(name.encode("utf-8")) > 255 or not isinstance(table, Table):
-                raise TableMismatch(f"table {name!r}: a name of 1 to 255 bytes and an aps.Table")
+            if not name or len(name.encode("utf-8")) > 255 or "/" in name or not isinstance(table, Table):
+                raise TableMismatch(f"table {name!r}: a name of 1 to 255 bytes without '/', and an aps.Table")
         object.__setattr__(self, "tables", tables)
 
     @classmethod

@@ -26,9 +26,11 @@ __all__ = ["OPTIMIZERS", "Table", "shard_of"]
 OPTIMIZERS = ("sgd", "adagrad", "rowwise_adagrad", "adam")
 _INITS = {"zeros": _core.INIT_ZEROS, "normal": _core.INIT_NORMAL, "uniform": _core.INIT_UNIFORM}
 _DEFAULT_EPS = {"sgd": 0.0, "adagrad": 1e-10, "rowwise_adagrad": 1e-10, "adam": 1e-8}
-#: The widest row (a float32 row of 256 KiB) and the largest key space (int64 ids).
+#: The widest row (a float32 row of 256 KiB), the largest key space (int64 ids), and the
+#: largest initial scale (rows far from float32's limits).
 MAX_DIM = 65536
 MAX_ROWS = 2**63
+MAX_SCALE = 1e30
 
 
 @dataclass(frozen=True)
@@ -77,9 +79,9 @@ class Table:
         def field_error(name: str, what: str) -> ConfigurationError:
             return ConfigurationError(f"Table {name}={getattr(self, name)!r}: {what}")
 
-        if isinstance(self.rows, bool) or not isinstance(self.rows, (int, np.integer)) or not 1 <= self.rows <= MAX_ROWS:
+        if not _whole(self.rows, 1, MAX_ROWS):
             raise field_error("rows", "an integer from 1 to 2**63 (the ids' key space)")
-        if isinstance(self.dim, bool) or not isinstance(self.dim, (int, np.integer)) or not 1 <= self.dim <= MAX_DIM:
+        if not _whole(self.dim, 1, MAX_DIM):
             raise field_error("dim", f"an integer from 1 to {MAX_DIM}")
         self.init_kind()  # checks the form
         if self.optimizer not in OPTIMIZERS:
@@ -92,15 +94,16 @@ class Table:
         if len(betas) != 2 or not all(_finite_at_least(b, 0.0) and b < 1.0 for b in betas):
             raise field_error("betas", "two numbers in [0, 1)")
         object.__setattr__(self, "betas", (float(betas[0]), float(betas[1])))
-        if isinstance(self.seed, bool) or not isinstance(self.seed, (int, np.integer)) or not 0 <= self.seed < 2**64:
+        if not _whole(self.seed, 0, 2**64 - 1):
             raise field_error("seed", "an integer from 0 to 2**64 - 1")
+        if not isinstance(self.evict, (bool, np.bool_)):
+            raise field_error("evict", "True or False")
         object.__setattr__(self, "rows", int(self.rows))
         object.__setattr__(self, "dim", int(self.dim))
         object.__setattr__(self, "seed", int(self.seed))
         object.__setattr__(self, "lr", float(self.lr))
         object.__setattr__(self, "evict", bool(self.evict))
-        if self.eps is None:
-            object.__setattr__(self, "eps", _DEFAULT_EPS[self.optimizer])
+        object.__setattr__(self, "eps", _DEFAULT_EPS[self.optimizer] if self.eps is None else float(self.eps))
 
     def init_kind(self) -> tuple[int, float]:
         """The initializer as ``aps._core.rows_init`` takes it: (kind, scale)."""
@@ -113,8 +116,8 @@ class Table:
             scale = float(value)
         except ValueError:
             scale = -1.0
-        if not _finite_at_least(scale, 0.0):
-            raise ConfigurationError(f"Table init={self.init!r}: STD and BOUND are finite numbers at least 0")
+        if not _finite_at_least(scale, 0.0) or scale > MAX_SCALE:
+            raise ConfigurationError(f"Table init={self.init!r}: STD and BOUND are numbers from 0 to {MAX_SCALE:g}")
         return _INITS[name], scale
 
     def row_seed(self, name: str) -> int:
@@ -212,8 +215,7 @@ def check_tables(declared: Any) -> dict[str, Table]:
     if not isinstance(declared, dict):
         raise ConfigurationError("tables is a mapping of name to aps.Table")
     for name, table in declared.items():
-        if not isinstance(name, str) or not name or len(name.encode("utf-8")) > 255:
-            raise ConfigurationError(f"a table name is a non-empty string of at most 255 bytes, got {name!r}")
+        check_table_name(name)
         if not isinstance(table, Table):
             raise ConfigurationError(f"table {name!r} is not an aps.Table: {table!r}")
     return dict(declared)
@@ -231,8 +233,23 @@ def shard_of(ids: np.ndarray, shards: int) -> np.ndarray:
 
 
 def _finite_at_least(value: Any, low: float) -> bool:
+    if isinstance(value, (bool, np.bool_, str, bytes)):
+        return False
     try:
         number = float(value)
-    except (TypeError, ValueError):
+    except (TypeError, ValueError, OverflowError):
         return False
-    return not isinstance(value, bool) and math.isfinite(number) and number >= low
+    return math.isfinite(number) and number >= low
+
+
+def _whole(value: Any, low: int, high: int) -> bool:
+    return (isinstance(value, (int, np.integer)) and not isinstance(value, (bool, np.bool_))
+            and low <= int(value) <= high)
+
+
+def check_table_name(name: Any) -> str:
+    """A table's name: 1 to 255 bytes of UTF-8, without '/' (checkpoints file a table's
+    arrays under ``tables/NAME/``)."""
+    if not isinstance(name, str) or not name or len(name.encode("utf-8")) > 255 or "/" in name:
+        raise ConfigurationError(f"a table name is 1 to 255 bytes without '/', got {name!r}")
+    return name

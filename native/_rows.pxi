@@ -25,6 +25,9 @@ cdef extern from "_rows.h" nogil:
     int aps_rows_adam(float* w, float* m, float* v, const float* g, Py_ssize_t n, float c1, float c2, float eps,
                       float neg_step)
 
+#: The most ids an index holds (its buckets, twice as many, still fit a Py_ssize_t).
+cdef Py_ssize_t _MAX_INDEX = 1 << 60
+
 #: Row initializers (rows_init's ``kind``).
 INIT_ZEROS, INIT_NORMAL, INIT_UNIFORM = 0, 1, 2
 
@@ -174,6 +177,8 @@ cdef class RowIndex:
 
     def __cinit__(self, Py_ssize_t capacity=16):
         cdef Py_ssize_t buckets = 16
+        if not 0 <= capacity <= _MAX_INDEX:
+            raise ValueError(f"an index holds 0 to 2**60 ids, not {capacity}")
         while buckets < 2 * capacity:
             buckets *= 2
         self._allocate(buckets)
@@ -203,7 +208,9 @@ cdef class RowIndex:
         for e in range(n):
             if ids[e] < 0:
                 raise ValueError(f"ids[{e}] = {ids[e]} is negative")
-        if add and 2 * (self.size + n) > self.keys.shape[0]:
+        if add and self.size + n > self.keys.shape[0] // 2:
+            if self.size + n > _MAX_INDEX:
+                raise ValueError("an index holds at most 2**60 ids")
             self._grow(self.size + n)
         if n:
             with nogil:
@@ -221,7 +228,7 @@ cdef class RowIndex:
     cdef _grow(self, Py_ssize_t needed):
         """More buckets (the load at most one half again), every id keeping its row."""
         cdef Py_ssize_t buckets = self.keys.shape[0]
-        while 2 * needed > buckets:
+        while needed > buckets // 2:
             buckets *= 2
         held = self._keys >= 0
         keys, values = self._keys[held], self._values[held]

@@ -328,6 +328,8 @@ def _coerce_layout(value: Any) -> Layout:
     ``"tables": {name: description}`` for a model with embedding tables)."""
     if isinstance(value, Layout):
         return value
+    if not isinstance(value, dict):
+        raise TypeError("it is not an object")
     tables = value.get("tables", {})
     if not isinstance(tables, dict):
         raise TypeError("its tables are not an object")

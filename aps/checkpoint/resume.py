@@ -137,6 +137,12 @@ def _resume_fields(m: dict) -> None:
     if "sequence" in m:
         _int(m["sequence"], "sequence")
     _need("layout" in m, "layout", "is missing")  # its form: read_manifest
+    if "table_steps" in m:
+        steps = _object(m["table_steps"], "table_steps")
+        declared = m["layout"].get("tables", {}) if isinstance(m["layout"], dict) else {}
+        for name, value in steps.items():
+            _need(isinstance(declared, dict) and name in declared, f"table_steps.{name}", "names no declared table")
+            _int(value, f"table_steps.{name}", 0, 2**53)
     options = _run_options(_object(m.get("config", _MISSING), "config"))
     workers = options["workers"]
     runs = m.get("shard_runs")

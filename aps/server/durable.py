@@ -69,11 +69,13 @@ class Durable:
             layout = checkpoint.layout
             self._create_table(layout, checkpoint.flat_weights())
             steps = manifest.get("table_steps", {})
-            if not isinstance(steps, dict):
-                raise ValueError("its table_steps are not an object")
+            if not isinstance(steps, dict) or not all(
+                    isinstance(v, int) and not isinstance(v, bool) and 0 <= v <= 2**53 for v in steps.values()):
+                raise ValueError("its table_steps are not whole numbers from 0 to 2**53 by table")
             for name, rows in self.rows.items():
-                saved = {key[len(f"tables/{name}/"):]: value for key, value in checkpoint.state.items()
-                         if key.startswith(f"tables/{name}/")}
+                keys = ("ids", "rows", *rows.table.state_per_row())
+                saved = {key: checkpoint.state[f"tables/{name}/{key}"] for key in keys
+                         if f"tables/{name}/{key}" in checkpoint.state}
                 if saved:
                     self.rows[name] = RowTable.restored(name, rows.table, saved, int(steps.get(name, 0)),
                                                         self.kernels)

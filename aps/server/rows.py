@@ -151,9 +151,15 @@ class RowTable:
         """The rows of ``ids``, made (their initial values, zero state) where new."""
         rows = np.empty(len(ids), np.int64)
         held = len(self.index)
+        self.index.lookup(ids, rows, add=False)
+        missing = int(np.count_nonzero(rows < 0))
+        if not missing:
+            return rows
+        # Room first (an upper bound: duplicates among the new ids count twice), so that
+        # the index never names a row the slab lacks, even when making room fails.
+        self._make_room(held + missing, held)
         added = self.index.lookup(ids, rows)
         if added:
-            self._make_room(held + added, held)
             fresh = rows >= held
             _, first = np.unique(rows[fresh], return_index=True)  # the new rows in order, each once
             kind, scale = self._init

@@ -58,8 +58,8 @@ def encode_tables(tables: Mapping[str, Table]) -> bytes:
     for name, table in tables.items():
         raw = name.encode("utf-8")
         described = json.dumps(table.describe(), sort_keys=True, separators=(",", ":")).encode("utf-8")
-        if not raw or len(raw) > MAX_TABLE_NAME_BYTES or len(described) > MAX_DESCRIPTION_BYTES:
-            raise ConfigurationError(f"table name {name!r} is empty or over {MAX_TABLE_NAME_BYTES} bytes")
+        if not raw or len(raw) > MAX_TABLE_NAME_BYTES or "/" in name or len(described) > MAX_DESCRIPTION_BYTES:
+            raise ConfigurationError(f"table name {name!r} is empty, over {MAX_TABLE_NAME_BYTES} bytes or holds a '/'")
         parts += [_NAME.pack(len(raw)), raw, _DESCRIPTION.pack(len(described)), described]
     return b"".join(parts)
 
@@ -77,6 +77,8 @@ def decode_tables(view: Any, offset: int, count: int) -> tuple[dict[str, Table],
             if name_len == 0 or name_len > MAX_TABLE_NAME_BYTES:
                 raise MalformedFrame(f"a table name of {name_len} bytes (1 to {MAX_TABLE_NAME_BYTES})")
             name = _take(view, offset, name_len).decode("utf-8")
+            if "/" in name:
+                raise MalformedFrame(f"table name {name!r} holds a '/'")
             offset += name_len
             (size,) = _DESCRIPTION.unpack_from(view, offset)
             offset += _DESCRIPTION.size
@@ -88,7 +90,7 @@ def decode_tables(view: Any, offset: int, count: int) -> tuple[dict[str, Table],
             if name in tables:
                 raise MalformedFrame(f"table {name!r} is declared twice")
             tables[name] = Table.from_description(described)
-    except (struct.error, UnicodeDecodeError, ValueError, ConfigurationError) as exc:
+    except (struct.error, UnicodeDecodeError, ValueError, OverflowError, RecursionError, ConfigurationError) as exc:
         # (json's errors and a description's bad fields are ValueErrors: the peer's fault)
         raise MalformedFrame(f"table declarations cannot be parsed: {exc}") from None
     return tables, offset

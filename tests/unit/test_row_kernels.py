@@ -205,3 +205,10 @@ def test_gather_and_scatter_are_the_same_on_both(seed, n, rows, dim):
     assert np.array_equal(mine, theirs) and np.array_equal(mine[distinct], values)
     with pytest.raises(ValueError, match="is not one of"):
         _core.rows_gather(np.empty((1, dim), np.float32), slab, np.array([rows], np.int64))
+
+
+def test_an_index_too_large_to_address_is_refused_at_once():
+    """(Doubling the buckets past 2**62 wrapped to 0, and the constructor spun forever.)"""
+    for capacity in (2**61 + 1, 2**62, -1):
+        with pytest.raises(ValueError, match="an index holds 0 to 2"):
+            _core.RowIndex(capacity)

@@ -258,6 +258,8 @@ WRONG = [
     (("counters", "duplicates"), -3, "counters.duplicates: is -3, out of range"),
     (("shard_runs",), "abc", "shard_runs: is a string (\"abc\"), not a list of the 1 shards' run ids"),
     (("shard_runs",), [5], "shard_runs[0]: is a number (5), not a run id"),
+    (("table_steps",), [1], "table_steps: is a list ([1]), not an object"),
+    (("table_steps",), {"t": 1}, "table_steps.t: names no declared table"),
 ]
 
 
@@ -275,6 +277,22 @@ def test_a_manifest_of_the_wrong_shape_cannot_be_resumed(run_copy, path, value, 
     with pytest.raises(CheckpointError, match=f"cannot be resumed: .*the next older one, {older}"):
         ckpt.find_resumable(directory)
     ckpt.load_checkpoint(newest)  # the arrays and the layout are fine: it still loads, to look at
+
+
+@pytest.mark.parametrize("layout", [
+    None, [], {"names": ["w"], "shapes": [[4]], "tables": []},
+    {"names": ["w"], "shapes": [[4]], "tables": {"t": {"rows": 1, "dim": 1, "lr": float("inf")}}},
+    {"names": ["w"], "shapes": [[4]], "tables": {"t": {"rows": True, "dim": 1}}},
+    {"names": ["w"], "shapes": [[4]], "tables": {"a/b": {"rows": 1, "dim": 1}}},
+])
+def test_a_layout_that_is_not_an_object_or_holds_bad_tables_is_refused_clearly(run_copy, layout):
+    """(A checkpoint whose layout is not an object was an AttributeError from deep inside.)"""
+    directory, (older, newest) = run_copy
+    edited(newest, _set(("layout",), layout))
+    with pytest.raises(CheckpointError, match="no valid layout"):
+        ckpt.find_resumable(newest)
+    with pytest.raises(CheckpointError, match=f"the next older one, {older}"):
+        ckpt.find_resumable(directory)
 
 
 def test_bsp_and_softsync_fields_are_checked_too(tmp_path):

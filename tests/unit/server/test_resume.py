@@ -163,7 +163,8 @@ def test_a_checkpoint_keeps_the_tables_rows_and_their_state_exactly():
 
 
 @pytest.mark.parametrize(("change", "message"), [
-    (lambda c: c.manifest.update(table_steps=[1]), "table_steps are not an object"),
+    (lambda c: c.manifest.update(table_steps=[1]), "table_steps are not whole numbers"),
+    (lambda c: c.manifest.update(table_steps={"items": -3}), "table_steps are not whole numbers"),
     (lambda c: c.state.update({"tables/items/exp_avg": np.zeros((1, 4), np.float32)}), "exp_avg has shape"),
     (lambda c: c.state.update({"tables/items/ids": np.array([3, 3])}), "names an id twice"),
     (lambda c: c.state.pop("tables/items/exp_avg_sq"), "a checkpoint has"),

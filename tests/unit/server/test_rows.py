@@ -15,7 +15,7 @@ import torch
 import aps
 from aps.errors import ConfigurationError, InvalidIds, NonFiniteGradient
 from aps.server.rows import RowTable
-from aps.tables import Table, shard_of
+from aps.tables import Table, check_tables, shard_of
 
 torch.sparse.check_sparse_tensor_invariants.disable()  # (torch warns unless a program chooses)
 
@@ -151,13 +151,19 @@ def test_the_declaration_is_checked_naming_the_field():
     for fields, message in [({"rows": 0}, "rows=0"), ({"dim": 2**17}, "dim=131072"),
                             ({"init": "gauss:1"}, "init='gauss:1'"), ({"init": "normal:-1"}, "STD and BOUND"),
                             ({"optimizer": "lamb"}, "optimizer='lamb'"), ({"lr": float("nan")}, "lr=nan"),
-                            ({"betas": (0.9, 1.0)}, "betas=")]:
+                            ({"betas": (0.9, 1.0)}, "betas="), ({"evict": "no"}, "evict='no'"),
+                            ({"eps": "1e-8"}, "eps='1e-8'"), ({"lr": np.True_}, "lr=np.True_"),
+                            ({"rows": 1.0}, "rows=1.0"), ({"init": "uniform:1e39"}, "from 0 to 1e"),
+                            ({"lr": 10**400}, "lr=")]:
         with pytest.raises(ConfigurationError, match=message):
             Table(**{"rows": 10, "dim": 4, **fields})
     table = Table(rows=10, dim=4, optimizer="adagrad")
     assert table.eps == 1e-10 and Table.from_description(table.describe()) == table
     assert table.difference("t", Table(rows=10, dim=8, optimizer="adagrad")) == (
         "table 't': dim is 4 in this run, 8 in the declaration")
+    assert isinstance(Table(rows=10, dim=4, eps=np.float32(1e-6)).eps, float)  # (and so JSON can take it)
+    with pytest.raises(ConfigurationError, match="without '/'"):
+        check_tables({"a/b": table})
     with pytest.raises(ConfigurationError, match="unknown fields: colour"):
         Table.from_description({**table.describe(), "colour": "red"})
     assert Table(rows=1, dim=1).init_kind() == (aps._core.INIT_NORMAL, 0.01)

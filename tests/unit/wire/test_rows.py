@@ -55,6 +55,9 @@ def declaration(name: bytes, description: bytes) -> bytes:
     (declaration(b"\xff", b"{}"), 1, "cannot be parsed"),
     (declaration(b"t", b"x" * 5000), 1, "at most 4096"),
     (2 * declaration(b"t", json.dumps(Table(rows=1, dim=1).describe()).encode()), 2, "declared twice"),
+    (declaration(b"a/b", json.dumps(Table(rows=1, dim=1).describe()).encode()), 1, "holds a '/'"),
+    (declaration(b"t", b"[" * 3000), 1, "cannot be parsed"),
+    (declaration(b"t", b'{"rows": 1, "dim": 1, "lr": 1' + b"0" * 400 + b"}"), 1, "cannot be parsed"),
 ])
 def test_bad_declarations_are_malformed_frames(block, count, message):
     with pytest.raises(MalformedFrame, match=message):
