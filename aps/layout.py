@@ -175,6 +175,15 @@ class Layout:
                 return f"tensor {name!r} has shape {theirs}, the model's is {mine}"
         return "layouts differ"
 
+    def require_same(self, other: Layout, tensors: str, tables: str) -> None:
+        """Raise unless ``other`` is this model: LayoutMismatch (``tensors: difference``)
+        when its tensors differ, TableMismatch (``tables: difference``, naming the table and
+        the field) when its tables do."""
+        if (difference := self.difference(other)) is not None:
+            raise LayoutMismatch(f"{tensors}: {difference}")
+        if (difference := self.tables_difference(other)) is not None:
+            raise TableMismatch(f"{tables}: {difference}")
+
     def tables_difference(self, other: Layout) -> str | None:
         """None when the tables are the same, else a sentence naming the first difference
         (a table and its field)."""

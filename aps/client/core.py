@@ -20,7 +20,6 @@ import numpy as np
 
 from .. import _core
 from ..errors import (
-    TableMismatch,
     APSConnectionError,
     ConfigurationError,
     DTypeMismatch,
@@ -209,10 +208,9 @@ class _ClientCore:
             if not isinstance(params, Mapping) or not params:
                 raise ConfigurationError("init takes a non-empty mapping of name to float32 array")
             layout = Layout.from_arrays(params, check_tables(tables))
-            if self.layout is not None and layout != self.layout:
-                if (difference := self.layout.difference(layout)) is not None:
-                    raise LayoutMismatch(f"init with a different model than before: {difference}")
-                raise TableMismatch(f"init with other tables than before: {self.layout.tables_difference(layout)}")
+            if self.layout is not None:
+                self.layout.require_same(layout, "init with a different model than before",
+                                         "init with other tables than before")
             self._set_layout(layout)
             self.layout.flatten_into(params, self.flat_weights)
             self._init_block = encode_init(self.rank, self.num_workers, self.layout)

@@ -29,7 +29,6 @@ from ..errors import (
     LayoutMismatch,
     NotInitialized,
     ServerError,
-    TableMismatch,
 )
 from ..layout import Layout, check_floating, shard_bounds
 from ..tables import Table, check_tables
@@ -412,10 +411,9 @@ class _Workers:
         if not isinstance(params, Mapping) or not params:
             raise ConfigurationError("init takes a non-empty mapping of name to float32 array")
         layout = Layout.from_arrays(params, check_tables(tables))
-        if self._layout is not None and layout != self._layout:
-            if (difference := self._layout.difference(layout)) is not None:
-                raise LayoutMismatch(f"init with a different model than before: {difference}")
-            raise TableMismatch(f"init with other tables than before: {self._layout.tables_difference(layout)}")
+        if self._layout is not None:
+            self._layout.require_same(layout, "init with a different model than before",
+                                      "init with other tables than before")
         count = len(self._channels)
         if self._layout is None:
             self._bounds = shard_bounds(layout.numel, count)

@@ -40,7 +40,6 @@ from ..errors import (
     RankOutOfRange,
     RankTaken,
     ServerError,
-    TableMismatch,
     WeightsRefused,
     WorkerCountMismatch,
 )
@@ -917,9 +916,4 @@ class Engine(Durable):
 def _check_model(model: Layout, joining: Layout) -> None:
     """Raise unless a joining worker's model is the run's: its tensors (LayoutMismatch)
     and its tables (TableMismatch, naming the table and the field)."""
-    difference = model.difference(joining)
-    if difference is not None:
-        raise LayoutMismatch(f"the model differs from the registered one: {difference}")
-    difference = model.tables_difference(joining)
-    if difference is not None:
-        raise TableMismatch(f"the model's tables differ from the run's: {difference}")
+    model.require_same(joining, "the model differs from the registered one", "the model's tables differ from the run's")
