@@ -2,7 +2,8 @@
 
 One ``aps serve`` process holds the weights and the optimizer state; training
 processes use :class:`Worker` to push gradients and pull weights under a
-synchronization paradigm (BSP, ASP, SSP).
+synchronization paradigm (BSP, ASP, SSP), and rows of embedding tables (:class:`Table`)
+by id.
 """
 
 from .checkpoint import Checkpoint, load_checkpoint
@@ -17,6 +18,7 @@ from .errors import (
     Evicted,
     InitTimeout,
     InvalidHyperparameters,
+    InvalidIds,
     InvalidState,
     WeightsRefused,
     LayoutMismatch,
@@ -27,8 +29,10 @@ from .errors import (
     ServerError,
     ServerSilent,
     ShuttingDown,
+    TableMismatch,
 )
 from .layout import Layout
+from .tables import Table
 from .server.server import Server
 from .client.aio import AsyncWorker
 from .client.worker import Worker
@@ -47,6 +51,7 @@ __all__ = [
     "Evicted",
     "InitTimeout",
     "InvalidHyperparameters",
+    "InvalidIds",
     "InvalidState",
     "WeightsRefused",
     "Layout",
@@ -60,6 +65,8 @@ __all__ = [
     "ServerError",
     "ServerSilent",
     "ShuttingDown",
+    "Table",
+    "TableMismatch",
     "Worker",
     "__version__",
     "load_checkpoint",

@@ -85,6 +85,11 @@ class Layout:
         return Layout(self.names, self.shapes) if self.tables else self
 
     @property
+    def table_dims(self) -> list[int]:
+        """Each table's row length, in the tables' order (a rows section names them by place)."""
+        return [table.dim for _, table in self.tables]
+
+    @property
     def numel(self) -> int:
         """Number of float32 elements in the flat vector."""
         return (self.offsets[-1] + self.sizes[-1]) if self.names else 0

@@ -88,17 +88,27 @@ class AsyncWorker(_Workers):
         """See :meth:`aps.Worker.init`."""
         return await arun(self._init(params, timeout, tables))
 
-    async def pull(self) -> Mapping[str, np.ndarray]:
+    async def pull(self, *, rows: Mapping[str, Any] | None = None, out: Mapping[str, np.ndarray] | None = None):
         """See :meth:`aps.Worker.pull`."""
-        return await arun(self._pull())
+        return await arun(self._pull(rows, out))
 
-    async def push(self, grads: Mapping[str, np.ndarray] | np.ndarray) -> None:
+    async def pull_rows(self, table: str | Mapping[str, Any], ids: Any = None, *, out: Any = None):
+        """See :meth:`aps.Worker.pull_rows`."""
+        return await arun(self._pull_rows(table, ids, out))
+
+    async def push_rows(self, table: str | Mapping[str, Any], ids: Any = None, grads: Any = None) -> None:
+        """See :meth:`aps.Worker.push_rows`."""
+        await arun(self._push_rows(table, ids, grads))
+
+    async def push(self, grads: Mapping[str, np.ndarray] | np.ndarray, *,
+                   rows: Mapping[str, Any] | None = None) -> None:
         """See :meth:`aps.Worker.push`."""
-        await arun(self._push(grads, False))
+        await arun(self._push(grads, False, rows))
 
-    async def push_pull(self, grads: Mapping[str, np.ndarray] | np.ndarray) -> Mapping[str, np.ndarray]:
+    async def push_pull(self, grads: Mapping[str, np.ndarray] | np.ndarray, *, rows: Mapping[str, Any] | None = None,
+                        pull_rows: Mapping[str, Any] | None = None, out: Mapping[str, np.ndarray] | None = None):
         """See :meth:`aps.Worker.push_pull`."""
-        return await arun(self._push(grads, True))
+        return await arun(self._push(grads, True, rows, pull_rows, out))
 
     async def ping(self) -> int:
         """See :meth:`aps.Worker.ping`."""

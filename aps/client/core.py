@@ -34,6 +34,7 @@ from ..errors import (
 from ..layout import Layout, check_floating
 from ..tables import Table, check_tables
 from ..wire.framing import FrameReader
+from ..wire.rows import encode_rows, reply_rows_bytes
 from ..wire.protocol import (
     MAX_STATE_HEAD_BYTES,
     DType,
@@ -47,6 +48,7 @@ from ..wire.protocol import (
     pack_header,
 )
 from .payloads import state_from_reply
+from .rowsets import RowsCall
 from .shm import ShmConnection
 
 __all__ = ["COMPRESSION"]
@@ -68,6 +70,8 @@ _RUNNING = int(Flag.RUNNING)
 _FLOAT32 = int(DType.FLOAT32)
 _SHM = int(Flag.SHM)
 _NARROW = int(Flag.NARROW)
+_ROWS = int(Flag.ROWS)
+_NONE = int(DType.NONE)
 #: ``compression=`` names and the element types they send.
 COMPRESSION = {"bf16": int(DType.BFLOAT16), "fp16": int(DType.FLOAT16)}
 _HALF = frozenset(COMPRESSION.values())
@@ -159,6 +163,11 @@ class _ClientCore:
         self.hyperparameters: bytes | None = None
         self._state_reply: memoryview | None = None  # the last STATE reply's payload, until taken
         self._rewind_reply: bytes | None = None  # the last REWIND reply's payload, until taken
+        #: The rows of the call in flight (until the call ends): what its request pulls, and
+        #: where the reply's rows land (a pull sent again after a reconnect asks the same).
+        self._rows: RowsCall | None = None
+        self._row_parts: list[memoryview] = []  # the reply's rows still to arrive, in order
+        self._dense_part: memoryview | None = None  # a reply with rows: where its dense part went
 
     @property
     def compressing(self) -> bool:
@@ -227,24 +236,54 @@ class _ClientCore:
         self._reply_dtype = _FLOAT32
         return [header, block, self._weights_bytes]
 
-    def pull_request(self) -> list:
+    def pull_request(self, rows: RowsCall | None = None) -> list:
+        """PULL: the weights; with ``rows`` (or the rows this call pulls already, when it is
+        sent again after a reconnect) the rows too, or those alone (``rows.dense`` False)."""
         self._require_layout()
-        flags, dtype = self._weights_request()
-        return [self._header(Op.PULL, 0, dtype, flags)]
+        rows = self._rows if rows is None else rows
+        if rows is None:
+            flags, dtype = self._weights_request()
+            return [self._header(Op.PULL, 0, dtype, flags)]
+        self._rows = rows
+        flags, dtype = self._weights_request() if rows.dense else (0, _NONE)
+        if rows.dense and not flags:
+            dtype = _FLOAT32  # (with rows, the dtype names the dense part: NONE is none)
+        parts = encode_rows(rows.pull, self.layout.table_dims, False)
+        return [self._header(Op.PULL, sum(len(p) for p in parts), dtype, flags | _ROWS), *parts]
 
     def begin_call(self) -> None:
         """A call begins: only its push is ever sent again, and a push it sends was
         computed on the weights held now."""
         self._push = None
+        self._rows = None
         self._computed_clock, self._computed_version = self.clock, self.version
 
-    def push_request(self, grads: Any, then_pull: bool) -> list:
+    def push_request(self, grads: Any, then_pull: bool, rows: RowsCall | None = None) -> list:
+        """PUSH (PUSH_PULL): the gradient ``grads``; with ``rows``, rows pushed (and pulled)
+        too, after it, or alone (``rows.dense`` False: ``grads`` is not read)."""
         self._require_layout()
         clock, version = self._computed_clock, self._computed_version
+        op = Op.PUSH_PULL if then_pull else Op.PUSH
+        flags, dtype, buffers = 0, _NONE, []
+        if rows is None or rows.dense:
+            flags, dtype, buffers = self._dense_push(grads, then_pull)
+        if rows is not None:
+            dims = self.layout.table_dims
+            buffers += encode_rows(rows.push, dims, True)
+            if then_pull:
+                buffers += encode_rows(rows.pull, dims, False)
+                self._rows = rows
+            flags |= _ROWS
+        frames = [pack_header(op, flags, dtype, self._next_request(op), clock, version,
+                              sum(len(b) for b in buffers)), *buffers]
+        self._push = (op, self._request_id, clock, version, frames[1:], flags, dtype)
+        return frames
+
+    def _dense_push(self, grads: Any, then_pull: bool) -> tuple[int, int, list]:
+        """(flags, dtype, payload buffers) of a push's dense gradient."""
         # The caller's own 16-bit gradient (half_views, over TCP only): sent as it is.
         already_half = self.half_views and grads is self._half_grad
         buffers = [] if already_half else self._gradient_buffers(grads)
-        op = Op.PUSH_PULL if then_pull else Op.PUSH
         if self.shm is not None:
             # The gradient must be in the shared segment: it is, unless the
             # caller computed it elsewhere (then one copy puts it there).
@@ -253,19 +292,12 @@ class _ClientCore:
                 for view in buffers:
                     self._grad_bytes[offset : offset + len(view)] = view
                     offset += len(view)
-            flags, dtype = _SHM, _FLOAT32
-            frames = [pack_header(op, flags, dtype, self._next_request(op), clock, version, 0)]
-        else:
-            flags, _ = self._weights_request() if then_pull else (0, 0)
-            if self.compressing:
-                half = self._half_grad if already_half else self._narrowed(buffers)
-                dtype, buffers = self.compression, [memoryview(half).cast("B")]
-            else:
-                dtype = _FLOAT32
-            frames = [pack_header(op, flags, dtype, self._next_request(op), clock, version,
-                                  sum(len(b) for b in buffers)), *buffers]
-        self._push = (op, self._request_id, clock, version, frames[1:], flags, dtype)
-        return frames
+            return _SHM, _FLOAT32, []
+        flags, _ = self._weights_request() if then_pull else (0, 0)
+        if self.compressing:
+            half = self._half_grad if already_half else self._narrowed(buffers)
+            return flags, self.compression, [memoryview(half).cast("B")]
+        return flags, _FLOAT32, buffers
 
     def _narrowed(self, buffers: list) -> np.ndarray:
         """The gradient in ``buffers`` rounded to the compression's 16 bits (to nearest
@@ -305,10 +337,9 @@ class _ClientCore:
         the server recognises it if it took it already, see docs/protocol.md)."""
         op, rid, clock, version, buffers, flags, dtype = self._push
         self._request_id, self._expect, self._reply = rid, op | _REPLY, None
-        if self.shm is not None:
-            return [pack_header(op, _SHM, _FLOAT32, rid, clock, version, 0)]
-        self._reply_dtype = dtype if flags & _NARROW else _FLOAT32
-        nbytes = sum(len(b) for b in buffers)
+        if self.shm is None:
+            self._reply_dtype = dtype if flags & _NARROW else _FLOAT32
+        nbytes = sum(len(b) for b in buffers)  # (over shm: its rows, if any; the gradient is in the segment)
         return [pack_header(op, flags, dtype, rid, clock, version, nbytes), *buffers]
 
     def simple_request(self, op: Op) -> list:
@@ -448,18 +479,26 @@ class _ClientCore:
                 raise MalformedFrame(f"error frame of {header.length} bytes")
             return memoryview(bytearray(header.length))
         if header.op in _WEIGHT_REPLIES:
+            length = header.length
+            if header.flags & _ROWS:
+                length = self._expect_rows(header)
+                if header.dtype == _NONE:  # rows alone
+                    if length:
+                        raise MalformedFrame(f"a reply of rows alone carries {length} bytes more")
+                    return memoryview(b"")
             if header.flags & _SHM:  # a slot descriptor: the weights are in shared memory
-                if self.shm is None or header.length > _MAX_ERROR_PAYLOAD:
+                if self.shm is None or length > _MAX_ERROR_PAYLOAD:
                     raise MalformedFrame("unexpected shared-memory weights reply")
-                return memoryview(bytearray(header.length))
-            if header.dtype in _HALF and header.dtype == self._reply_dtype and header.op != _INIT_REPLY:
+                target = memoryview(bytearray(length))
+            elif header.dtype in _HALF and header.dtype == self._reply_dtype and header.op != _INIT_REPLY:
                 target = memoryview(self._half_weights).cast("B")  # widened into the weights once all here
             elif header.dtype == _FLOAT32:
                 target = self._weights_bytes
             else:
                 raise MalformedFrame(f"weights reply of dtype {header.dtype}; asked for {self._reply_dtype}")
-            if header.length != len(target):
-                raise MalformedFrame(f"weights reply of {header.length} bytes; the model has {len(target)}")
+            if length != len(target):
+                raise MalformedFrame(f"weights reply of {length} bytes; the model has {len(target)}")
+            self._dense_part = target
             return target
         if header.op == _STATE_REPLY and self.layout is not None:
             limit = 8 + MAX_STATE_HEAD_BYTES + 8 + _MAX_STATE_ARRAYS * self.layout.nbytes
@@ -474,7 +513,34 @@ class _ClientCore:
             raise MalformedFrame(f"unexpected {header.length}-byte payload on op {header.op}")
         return None
 
+    def _expect_rows(self, header: Header) -> int:
+        """A reply with rows: where they go (the out arrays of the call in flight); returns the
+        length of the dense part before them."""
+        rows = self._rows
+        if rows is None or header.op == _INIT_REPLY:
+            raise MalformedFrame("a reply with rows to a request that asked for none")
+        need = reply_rows_bytes(rows.pull, self.layout.table_dims)
+        if header.length < need:
+            raise MalformedFrame(f"a reply of {header.length} bytes; the rows asked for take {need}")
+        parts = []
+        for out in rows.outs:
+            if out.nbytes:
+                parts.append(memoryview(out).cast("B"))
+            if out.nbytes % 8:
+                parts.append(memoryview(bytearray(4)))
+        parts.reverse()  # (taken from the end)
+        self._row_parts = parts
+        return header.length - need
+
+    def frame_more(self, header: Header, got: int) -> memoryview | None:
+        """The next part of a reply's rows: straight into the caller's arrays."""
+        if not self._row_parts:
+            raise MalformedFrame("a reply carries more than the rows asked for")
+        return self._row_parts.pop()
+
     def frame_received(self, header: Header, payload: memoryview) -> None:
+        if header.flags & _ROWS and header.op in _WEIGHT_REPLIES:
+            payload, self._dense_part = (self._dense_part if header.dtype != _NONE else payload), None
         if header.op == _JOIN_PROGRESS:  # a notice while INIT waits, not its reply
             if header.request_id == self._request_id and self._expect == _INIT_REPLY:
                 self.join_progress = decode_join_progress(payload)
@@ -533,7 +599,8 @@ class _ClientCore:
             self.joined_running = bool(header.flags & _RUNNING)
         if op in _COUNTED_REPLIES:
             self.clock = header.clock
-            if op in _WEIGHT_REPLIES:  # the version of the weights this worker holds
+            if op in _WEIGHT_REPLIES and header.dtype != _NONE:  # the version of the weights this worker holds
+                # (rows alone leave it: a push says the version of the dense weights it was computed on)
                 self.version = header.version
             if op in _PUSH_REPLIES:
                 self.dropped = bool(header.flags & _DROPPED)

@@ -45,6 +45,7 @@ from .arguments import _check_heartbeat, _check_reconnect, _check_transport, _fr
 from .core import _DROPPED, COMPRESSION, _ClientCore, _compression
 from .payloads import flat_weights_of, resolve_hyperparameters, server_hyperparameters, server_options, state_payload
 from .recovery import _after_recovery, _describe_progress, _Patience, _Reconnecting, _recoverable, _WaitingForServer
+from .rowsets import RowsCall
 from .sockets import client_token, find_client_token, newer_token
 from .tcp import NoServerYet
 
@@ -210,13 +211,15 @@ class _ChannelSteps:
                         "not used; the server's weights were returned", self.rank, self.address, self.version)
         return self._core.weights
 
-    def _pull(self) -> Steps:
-        yield from self._call("pull", self._core.pull_request)
+    def _pull(self, rows: RowsCall | None = None) -> Steps:
+        """The weights (and ``rows``' rows, into its out arrays; or those alone)."""
+        yield from self._call("pull", lambda: self._core.pull_request(rows))
         return self._core.weights
 
-    def _push(self, grads: Any, then_pull: bool, turn: Any = None) -> Steps:
+    def _push(self, grads: Any, then_pull: bool, turn: Any = None, rows: RowsCall | None = None) -> Steps:
+        """Push ``grads`` (and ``rows``' rows; or those alone), then pull if ``then_pull``."""
         yield from self._call("push_pull" if then_pull else "push",
-                              lambda: self._core.push_request(grads, then_pull=then_pull), turn=turn)
+                              lambda: self._core.push_request(grads, then_pull=then_pull, rows=rows), turn=turn)
         return self._core.weights
 
     def _ping(self) -> Steps:

@@ -36,6 +36,7 @@ from ..wire.protocol import weights_digest
 from .arguments import _names_shards
 from .channel import Channel, run
 from .payloads import server_hyperparameters
+from .rowsets import rows_call, split
 from .shards import (
     _renumber,
     _ShardThreads,
@@ -257,14 +258,25 @@ class _Workers:
                 yield from self._each(lambda index, channel, turn: channel._record_shard_runs(runs))
         return self.weights
 
-    def _pull(self) -> Steps:
+    def _pull(self, rows: Mapping[str, Any] | None = None, out: Mapping[str, np.ndarray] | None = None) -> Steps:
         self._require_layout()
+        if rows is not None:
+            call = yield from self._rows(None, "pull", None, rows, out, dense=True)
+            return self.weights, dict(zip(call.names, call.outs))
         before = self._versions()
         yield from self._each(lambda index, channel, turn: channel._pull())
         yield from self._one_cut(before)
         return self.weights
 
-    def _push(self, grads: Mapping[str, np.ndarray] | np.ndarray, then_pull: bool) -> Steps:
+    def _push(self, grads: Mapping[str, np.ndarray] | np.ndarray, then_pull: bool,
+              rows: Mapping[str, Any] | None = None, pull_rows: Mapping[str, Any] | None = None,
+              out: Mapping[str, np.ndarray] | None = None) -> Steps:
+        if rows is not None or pull_rows is not None:
+            if pull_rows is not None and not then_pull:
+                raise ConfigurationError("push() pulls no rows: use push_pull(grads, rows=..., pull_rows=...)")
+            call = yield from self._rows(grads, "push_pull" if then_pull else "push", rows, pull_rows, out,
+                                         dense=True)
+            return self.weights if pull_rows is None else (self.weights, dict(zip(call.names, call.outs)))
         pieces = [grads] if self._one else self._gradient_pieces(grads)
         if not self._one:
             check_fp16_range(pieces, self._channels)
@@ -273,6 +285,64 @@ class _Workers:
                               in_turn=True)
         yield from self._one_cut(before)
         return self.weights
+
+    def _pull_rows(self, table: str | Mapping[str, Any], ids: Any, out: Any) -> Steps:
+        if isinstance(table, Mapping):
+            if ids is not None:
+                raise ConfigurationError("pull_rows({table: ids, ...}) takes no ids of its own")
+            call = yield from self._rows(None, "pull", None, table, out, dense=False)
+            return dict(zip(call.names, call.outs))
+        call = yield from self._rows(None, "pull", None, {table: ids}, None if out is None else {table: out},
+                                     dense=False)
+        return call.outs[0]
+
+    def _push_rows(self, table: str | Mapping[str, Any], ids: Any, grads: Any) -> Steps:
+        if isinstance(table, Mapping):
+            if ids is not None or grads is not None:
+                raise ConfigurationError("push_rows({table: (ids, grads), ...}) takes no ids or grads of its own")
+            rows = table
+        else:
+            rows = {table: (ids, grads)}
+        yield from self._rows(None, "push", rows, None, None, dense=False)
+
+    def _rows(self, grads: Any, kind: str, push: Mapping[str, Any] | None, pull: Mapping[str, Any] | None,
+              out: Mapping[str, np.ndarray] | None, dense: bool) -> Steps:
+        """A request with rows (``kind``: pull, push or push_pull; ``dense``: with the dense
+        gradient or weights), each shard its ids (:func:`aps.tables.shard_of`); a push goes to
+        every shard (each counts the iteration), a pull of rows alone to those holding some.
+        Returns the call, its pulled rows in its out arrays."""
+        self._require_layout()
+        layout = self.layout
+        if layout is None:
+            raise NotInitialized("call init(params) before pulling or pushing rows")
+        call = rows_call(layout, push, pull, out, dense)
+        pushing, then_pull = kind != "pull", kind != "push"
+        if self._one:
+            channel = self._channels[0]
+            if pushing:
+                yield from channel._push(grads, then_pull, None, call)
+            else:
+                yield from channel._pull(call)
+            return call
+        pieces = [None] * len(self._channels)
+        if pushing and dense:
+            pieces = self._gradient_pieces(grads)
+            check_fp16_range(pieces, self._channels)
+        parts = split(call, len(self._channels), every=pushing)
+        before = self._versions()
+
+        def one(index: int, channel, turn) -> Steps:
+            part = parts.calls[index]
+            if part is None:
+                return None
+            if pushing:
+                return (yield from channel._push(pieces[index], then_pull, turn, part))
+            return (yield from channel._pull(part))
+
+        yield from self._each(one, in_turn=pushing)
+        parts.gather(call)
+        yield from self._one_cut(before)
+        return call
 
     def _ping(self) -> Steps:
         return min((yield from self._each(lambda index, channel, turn: channel._ping())))
@@ -600,12 +670,48 @@ class Worker(_Workers):
         """
         return run(self._init(params, timeout, tables))
 
-    def pull(self) -> Mapping[str, np.ndarray]:
-        """Wait until the sync policy releases this worker; return the newest weights (views)."""
-        return run(self._pull())
+    def pull(self, *, rows: Mapping[str, Any] | None = None, out: Mapping[str, np.ndarray] | None = None):
+        """Wait until the sync policy releases this worker; return the newest weights (views).
 
-    def push(self, grads: Mapping[str, np.ndarray] | np.ndarray) -> None:
-        """Send one gradient (ends this worker's iteration).
+        With ``rows`` (``{table: ids}``), the rows of those ids too, read at the same moment
+        as the weights: returns ``(weights, {table: rows})`` (see :meth:`pull_rows`).
+        """
+        return run(self._pull(rows, out))
+
+    def pull_rows(self, table: str | Mapping[str, Any], ids: Any = None, *, out: Any = None):
+        """The rows of ``ids`` of embedding table ``table``: a float32 array of shape
+        ``(len(ids), dim)`` (duplicates allowed, order kept), into ``out`` when given (a
+        C-contiguous float32 array of that shape: no other copy is made). Several tables in one
+        request: ``pull_rows({table: ids, ...}, out={table: array, ...})`` returns ``{table: rows}``.
+
+        Rows follow the sync policy as the weights do: the call waits until the policy releases
+        this worker (docs/algorithms.md, "Rows"). Rows never touched are made from their
+        initial values. With ``--shards K``, each shard is asked for the ids it holds, at once.
+
+        Raises:
+            InvalidIds: an unknown table, ids that are not integers or not in ``[0, rows)``, a
+                bad ``out`` (nothing is sent, nothing changes).
+        """
+        return run(self._pull_rows(table, ids, out))
+
+    def push_rows(self, table: str | Mapping[str, Any], ids: Any = None, grads: Any = None) -> None:
+        """Push gradient rows ``grads`` (shape ``(len(ids), dim)``) for ``ids`` of table ``table``
+        (a duplicate id's rows are summed, as PyTorch's sparse gradients coalesce), or for
+        several tables at once: ``push_rows({table: (ids, grads), ...})``.
+
+        It is one iteration, as :meth:`push` is (the clock advances; the dense weights stay as
+        they are). To push rows with the dense gradient, use ``push(grads, rows=...)`` or
+        ``push_pull(grads, rows=..., pull_rows=...)``.
+
+        Raises:
+            InvalidIds: an unknown table, bad ids, rows of the wrong shape (nothing is sent).
+            NonFiniteGradient: a row holds NaN or infinity (nothing changes on the server).
+        """
+        run(self._push_rows(table, ids, grads))
+
+    def push(self, grads: Mapping[str, np.ndarray] | np.ndarray, *, rows: Mapping[str, Any] | None = None) -> None:
+        """Send one gradient (ends this worker's iteration), and with ``rows``
+        (``{table: (ids, grads)}``) gradient rows of the model's tables in the same request.
 
         Args:
             grads: mapping of name to float32 array matching the model, a flat
@@ -614,11 +720,18 @@ class Worker(_Workers):
                 :attr:`grads`, which they overwrite); other dtypes raise
                 DTypeMismatch.
         """
-        run(self._push(grads, False))
+        run(self._push(grads, False, rows))
 
-    def push_pull(self, grads: Mapping[str, np.ndarray] | np.ndarray) -> Mapping[str, np.ndarray]:
-        """:meth:`push` then :meth:`pull` in one round trip."""
-        return run(self._push(grads, True))
+    def push_pull(self, grads: Mapping[str, np.ndarray] | np.ndarray, *, rows: Mapping[str, Any] | None = None,
+                  pull_rows: Mapping[str, Any] | None = None, out: Mapping[str, np.ndarray] | None = None):
+        """:meth:`push` then :meth:`pull` in one round trip.
+
+        With ``rows`` (``{table: (ids, grads)}``: the last batch's gradient rows) and
+        ``pull_rows`` (``{table: ids}``: the next batch's), the training loop's whole step in
+        one round trip: returns ``(weights, {table: rows})`` when ``pull_rows`` is given
+        (into ``out``'s arrays, where given).
+        """
+        return run(self._push(grads, True, rows, pull_rows, out))
 
     def ping(self) -> int:
         """One empty round trip; returns the server's version (sharded: the smallest)."""

@@ -13,7 +13,7 @@ from ..checkpoint.format import layout_json
 from ..config import RUN_OPTIONS
 from ..errors import CheckpointError, InvalidIds
 from .members import Seat
-from .rows import RowTable
+from .rows import RowTable, Tables
 
 if TYPE_CHECKING:
     from .engine import Engine
@@ -118,7 +118,7 @@ class Durable:
             if self.table is not None:
                 self.table.close()
             self.table = self.layout = self.aggregate = None
-            self.rows = {}
+            self.rows = Tables()
             self._placements, self._seats, self._start_ranks = {}, {}, None
             self.loaded_state = self.loaded_weights = None
             self.stats.carry({})

@@ -53,7 +53,7 @@ from ..wire.protocol import HyperGroup, StateHead
 from .members import Member, PushResult, ReadyCallback, Seat
 from .stats import EngineView, RankView, ServerStats
 from .sync import RESUMED, STALE, Outcome, Plan, PlanKind, make_policy
-from .rows import RowTable
+from .rows import RowTable, Tables
 from .table import ParameterTable, Snapshot
 
 __all__ = ["Engine", "Member", "PushResult", "Seat"]
@@ -97,7 +97,7 @@ class Engine(Durable):
         self.table: ParameterTable | None = None
         self.layout: Layout | None = None
         #: The model's embedding tables: the rows touched, by table name (aps.server.rows).
-        self.rows: dict[str, RowTable] = {}
+        self.rows = Tables()
         self.members: dict[int, Member] = {}
         self.started = False
         self.pushes = 0
@@ -472,7 +472,7 @@ class Engine(Durable):
             table.close()
             raise
         self.table, self.layout, self.aggregate = table, layout, aggregate
-        self.rows = {name: RowTable(name, declared, kernels=self.kernels) for name, declared in layout.tables}
+        self.rows = Tables((name, RowTable(name, declared, kernels=self.kernels)) for name, declared in layout.tables)
         log.info(
             "model registered: %d tensors, %d parameters (%.1f MiB); %s; %s",
             len(layout),
@@ -531,6 +531,8 @@ class Engine(Durable):
         stream: StreamingPush | None = None,
         request_id: int | None = None,
         clock: int | None = None,
+        rows: list | None = None,
+        dense: bool = True,
     ) -> None:
         """Handle the gradient in ``member.grad``, computed on weights of ``grad_version``.
 
@@ -544,6 +546,10 @@ class Engine(Durable):
         ``request_id`` and ``clock`` identify the push (the worker's request id,
         and its clock when it sent it): the same push sent again after a lost
         reply is answered with the first one's result and applied only once.
+
+        ``rows``: the rows it pushes to the model's tables (sections checked by
+        ``Tables.check``), taken or dropped with the dense gradient, in one
+        transaction; ``dense`` False: it carries no dense gradient (rows alone).
         """
         if self._is_duplicate(member, request_id, clock):
             if stream is not None:
@@ -557,7 +563,8 @@ class Engine(Durable):
             if stream is not None:
                 stream.abort()
             raise
-        job = PushJob(self, member, grad_version, self._now(), on_done, on_error, self._gradient_clock(member, clock))
+        job = PushJob(self, member, grad_version, self._now(), on_done, on_error, self._gradient_clock(member, clock),
+                      rows, dense)
         if stream is not None:
             if stream.complete:
                 # The update is computed and the lane was reserved for it all
@@ -883,6 +890,9 @@ class Engine(Durable):
             ws.waited(0.0 if member.waiting_since is None else self._now() - member.waiting_since)
             ws.release_gap.add(self.policy.window.gap(member.rank))
         try:
+            # The rows asked for are read in the same step as the weights: one gate decision for both.
+            if member.rows_wanted is not None:
+                member.rows_out, member.rows_wanted = self.rows.pull(member.rows_wanted), None
             waiter(self.table.snapshot(), self.policy.clock(member.rank))
         except Exception:  # one connection's failure must not keep the others waiting
             log.exception("answering worker %d failed", member.rank)

@@ -43,6 +43,7 @@ if TYPE_CHECKING:
     from .jobs.state import StateCopies
     from .jobs.updates import Aggregate
     from .optim import HyperGroups
+    from .rows import Tables
     from .sync import Plan, SyncPolicy
     from .table import ParameterTable
 
@@ -82,6 +83,7 @@ class UpdateOwner(Protocol):
     policy: SyncPolicy
     aggregate: Aggregate | None
     kernels: ModuleType
+    rows: Tables  # the model's embedding tables
 
     def gradient_committed(self, member: MemberView, plan: Plan, arrived: float,
                            hyper: HyperGroups | None = None) -> PushAnswer:

@@ -103,6 +103,7 @@ class Member:
     __slots__ = (
         "rank", "grad", "grad_bytes", "grad16", "grad16_bytes", "grad_dtype", "connected", "joined", "joined_running",
         "waiter", "gate", "waiting_since", "required_version", "rejoin", "rejoin_clock", "push_id", "push_clock", "hyper",
+        "rows_wanted", "rows_out",
     )
 
     def __init__(self, rank: int) -> None:
@@ -124,6 +125,10 @@ class Member:
         self.push_id: int | None = None  # request id and clock of the push in the lane
         self.push_clock: int | None = None
         self.hyper: HyperGroups | None = None
+        #: The rows its pull asks for (sections of ids, aps.wire.rows), read when it is
+        #: served (rows_out: one array of rows a section), for its reply to carry.
+        self.rows_wanted: list | None = None
+        self.rows_out: list | None = None
 
     def receive_gradient(self, dtype: int) -> memoryview:
         """Where the next push's payload goes: ``grad``, or (for a compressed push,

@@ -18,7 +18,7 @@ may leave the rows it named made (at their initial values), as a pull of them wo
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 
@@ -26,7 +26,7 @@ from .. import _core
 from ..errors import InvalidIds, NonFiniteGradient
 from ..tables import Table
 
-__all__ = ["RowTable"]
+__all__ = ["RowTable", "Tables"]
 
 
 class RowTable:
@@ -72,15 +72,27 @@ class RowTable:
         self.rows_pulled += len(ids)
         return out
 
-    def push(self, ids: Any, grads: Any) -> None:
+    def push(self, ids: Any, grads: Any, scale: float = 1.0) -> None:
         """Apply the gradient rows ``grads`` (one per id; a duplicate id's rows are summed,
-        or for SGD applied one after the other, as torch applies a sparse gradient)."""
+        or for SGD applied one after the other, as torch applies a sparse gradient),
+        times ``scale``."""
         ids = self.table.check_ids(self.name, ids)
         grads = self.table.check_rows(self.name, ids, grads)
+        self.commit(self.prepare(ids, grads, scale))
+
+    def prepare(self, ids: np.ndarray, grads: np.ndarray, scale: float = 1.0,
+                coalesce: bool = False) -> _Staged | None:
+        """The first half of a push of checked ``ids`` and ``grads``: the new values of the
+        rows it touches and of their state, computed aside (:meth:`commit` writes them).
+        Raises NonFiniteGradient, with nothing changed, for a gradient or a result that is
+        not finite. A push of several tables prepares each, then commits each. ``coalesce``:
+        SGD too sums a duplicate id's rows before its step (a BSP round's rows)."""
         if not np.isfinite(grads).all():
             raise NonFiniteGradient(f"table {self.name!r}: the gradient rows hold NaN or infinity; nothing changed")
         if not len(ids):
-            return
+            return None
+        if scale != 1.0:
+            grads = grads * np.float32(scale)
         found = self._find(ids)
         # The distinct rows, in the order first named (an index of its own: one native pass,
         # no sort), and each entry's place among them.
@@ -95,12 +107,14 @@ class RowTable:
         for key, slab in self._state.items():
             state[key] = np.empty((len(rows), slab.shape[1]), np.float32)
             kernels.rows_gather(state[key], slab, rows)
-        if table.optimizer == "sgd":
+        if table.optimizer == "sgd" and not coalesce:
             ok = kernels.rows_sgd(compact, where, grads, table.lr)
         else:
             summed = np.zeros_like(compact)
             kernels.rows_coalesce(summed, where, grads)
-            if table.optimizer == "adam":
+            if table.optimizer == "sgd":
+                ok = kernels.rows_sgd(compact, np.arange(len(rows), dtype=np.int64), summed, table.lr)
+            elif table.optimizer == "adam":
                 ok = kernels.rows_adam(compact, state["exp_avg"], state["exp_avg_sq"], summed, self.steps + 1,
                                        table.lr, table.betas[0], table.betas[1], table.eps)
             else:
@@ -109,11 +123,18 @@ class RowTable:
         if not ok:
             raise NonFiniteGradient(f"table {self.name!r}: the update would make a weight or its optimizer state "
                                     "infinite; nothing changed")
-        kernels.rows_scatter(self._rows, compact, rows)
+        return _Staged(rows, compact, state, len(ids))
+
+    def commit(self, staged: _Staged | None) -> None:
+        """Write what :meth:`prepare` computed (cannot fail)."""
+        if staged is None:
+            return
+        kernels = self._kernels
+        kernels.rows_scatter(self._rows, staged.values, staged.rows)
         for key, slab in self._state.items():
-            kernels.rows_scatter(slab, state[key], rows)
+            kernels.rows_scatter(slab, staged.state[key], staged.rows)
         self.steps += 1
-        self.rows_pushed += len(ids)
+        self.rows_pushed += staged.count
 
     # Checkpoints ------------------------------------------------------------
     def arrays(self) -> dict[str, np.ndarray]:
@@ -179,6 +200,87 @@ class RowTable:
             capacity *= 2
         self._rows = _grown(self._rows, capacity, held)
         self._state = {key: _grown(slab, capacity, held) for key, slab in self._state.items()}
+
+
+class Tables(dict):
+    """The model's tables by name, in their declared order (a rows section names a table by
+    its place in it), with what a request does across them: check its rows, read them,
+    and push them as one transaction; and the rows of an open BSP/softsync round, kept
+    until its aggregate update applies them, summed by id, once."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._round: dict[int, list[tuple[np.ndarray, np.ndarray, float]]] = {}
+
+    def by_index(self, index: int) -> RowTable:
+        return list(self.values())[index]
+
+    @property
+    def dims(self) -> list[int]:
+        return [rows.table.dim for rows in self.values()]
+
+    def check(self, pushed: list, pulled: list) -> None:
+        """Refuse (InvalidIds, NonFiniteGradient) a request's rows before anything is made of them."""
+        tables = list(self.values())
+        for table, ids, values in pushed:
+            rows = tables[table]
+            rows.table.check_ids(rows.name, ids)
+            if not np.isfinite(values).all():
+                raise NonFiniteGradient(f"table {rows.name!r}: the gradient rows hold NaN or infinity; "
+                                        "nothing changed")
+        for table, ids, _ in pulled:
+            rows = tables[table]
+            rows.table.check_ids(rows.name, ids)
+
+    def pull(self, pulled: list) -> list[np.ndarray]:
+        """The rows a request asked for, table after table (made on their first touch)."""
+        tables = list(self.values())
+        return [tables[table].pull(ids) for table, ids, _ in pulled]
+
+    def prepare(self, pushed: list, scale: float = 1.0, coalesce: bool = False) -> list:
+        """Every table's part of a push, computed aside (raises, with nothing changed, if any
+        part is refused); :meth:`commit` writes them all."""
+        tables = list(self.values())
+        return [(tables[table], tables[table].prepare(ids, values, scale, coalesce))
+                for table, ids, values in pushed]
+
+    @staticmethod
+    def commit(staged: list) -> None:
+        for rows, part in staged:
+            rows.commit(part)
+
+    # An open round (BSP, softsync) ------------------------------------------
+    def accumulate(self, pushed: list, scale: float, first: bool) -> None:
+        """Keep a push's rows for the round's aggregate update (``first``: a new round)."""
+        if first:
+            self._round = {}
+        for table, ids, values in pushed:
+            self._round.setdefault(table, []).append((ids, values, scale))
+
+    def take_round(self, scale: float) -> list:
+        """The open round's rows, each id's gradients summed (times their push's scale and
+        ``scale``); the round is then empty."""
+        parts, self._round = self._round, {}
+        out = []
+        for table in sorted(parts):
+            pushes = parts[table]
+            ids = np.concatenate([ids for ids, _, _ in pushes])
+            grads = np.concatenate([values * np.float32(each * scale) if each * scale != 1.0 else values
+                                    for _, values, each in pushes])
+            out.append((table, ids, grads))
+        return out
+
+    def forget_round(self) -> None:
+        self._round = {}
+
+
+class _Staged(NamedTuple):
+    """A prepared push of one table: its rows (slab positions), their new values and state."""
+
+    rows: np.ndarray
+    values: np.ndarray
+    state: dict[str, np.ndarray]
+    count: int
 
 
 def _grown(slab: np.ndarray, capacity: int, held: int) -> np.ndarray:

@@ -11,12 +11,10 @@ early wait in the reader's staging buffer, and reading pauses if that fills.
 from __future__ import annotations
 
 import asyncio
-import hmac
 import json
 import logging
-import os
 import time
-from typing import TYPE_CHECKING, NoReturn
+from typing import TYPE_CHECKING
 
 import numpy as np
 
@@ -27,6 +25,7 @@ from ..errors import (
     Evicted,
     InternalServerError,
     InvalidHyperparameters,
+    InvalidIds,
     MalformedFrame,
     NotInitialized,
     OutOfOrder,
@@ -52,15 +51,13 @@ from ..wire.protocol import (
     WEIGHTS_DIGEST_BYTES,
     decode_hyper,
     encode_error,
-    auth_proof,
-    encode_auth_reply,
-    encode_hello_reply,
-    host_identity,
     is_known_op,
     pack_header,
 )
 from ..wire.framing import FrameReader
-from .admission import StrangerGuard, _auth_failures, _refusals, _strangers
+from ..wire.rows import decode_request_rows, reply_rows_parts
+from .admission import StrangerGuard, _refusals, _strangers
+from .handshake import Handshake
 from .intake import _STATE_FIXED, InitIntake, StateIntake, WeightsIntake
 
 if TYPE_CHECKING:
@@ -98,6 +95,8 @@ _HALF = frozenset({int(DType.BFLOAT16), int(DType.FLOAT16)})
 MAX_SHARDS_BYTES = 16 << 10
 _FLOAT32 = int(DType.FLOAT32)
 _CHECK = int(Flag.CHECK)
+_ROWS = int(Flag.ROWS)
+_ROW_OPS = _GRADIENT_OPS | _PULL_OPS
 
 
 def dtype_name(code: int) -> str:
@@ -107,7 +106,7 @@ def dtype_name(code: int) -> str:
         return f"unknown dtype code {code}"
 
 
-class ServerSession:
+class ServerSession(Handshake):
     """Requests and replies of one connection; subclasses move the bytes.
 
     Subclasses implement :meth:`_can_write`, :meth:`_write`,
@@ -178,6 +177,9 @@ class ServerSession:
         # The request being handled (a session handles one at a time).
         self._rid = 0
         self._dropped = False
+        self._rows_at: int | None = None  # where the rows of the request being read begin (Flag.ROWS)
+        self._rows_request = False  # the request being served carries rows (its reply does too)
+        self._dense_reply = True  # its reply carries the dense weights
         self._init_rank = -1
         self._intake: InitIntake | None = None  # the INIT being read
         self._state_intake: StateIntake | WeightsIntake | None = None  # the LOAD_STATE (LOAD_WEIGHTS) being read
@@ -202,12 +204,14 @@ class ServerSession:
         for part in parts:
             self._write(part)
 
-    def _send_weights(self, op: int, snap: Snapshot, clock: int, flags: int) -> None:
-        """Send the weights of ``snap``, keeping or releasing the lease as the transport needs."""
+    def _send_weights(self, op: int, snap: Snapshot, clock: int, flags: int, rows: tuple = ()) -> None:
+        """Send the weights of ``snap`` (then ``rows``: buffers of a reply's rows), keeping or
+        releasing the lease as the transport needs."""
         raise NotImplementedError
 
-    def _gradient_destination(self, member: Member, header: Header) -> memoryview | None:
-        """Where a PUSH payload goes (None: there is none); raises a ServerError if malformed."""
+    def _gradient_destination(self, member: Member, header: Header, rows: bool = False) -> memoryview | None:
+        """Where a PUSH payload's dense gradient goes (None: it is not in the payload); raises a
+        ServerError if malformed. ``rows``: the payload goes on with rows (it does not stream)."""
         raise NotImplementedError
 
     def _gradient_buffer(self, request: InitRequest) -> np.ndarray | None:
@@ -422,15 +426,14 @@ class ServerSession:
                     raise DTypeMismatch(f"a narrowed pull is BFLOAT16 or FLOAT16, not {dtype_name(header.dtype)}")
                 if not self.compressed:
                     raise DTypeMismatch(f"narrowed weights cross TCP only, not {self.kind}")
-            if op in _GRADIENT_OPS:
+            self._rows_at = None
+            if header.flags & _ROWS:
+                dest = self._rows_destination(header)
+            elif op in _GRADIENT_OPS:
                 member = self.member
                 if member is None or member.grad is None:
                     raise NotInitialized(f"{Op(op).name} before a successful INIT")
-                if header.dtype != _FLOAT32 and not (header.dtype in _HALF and self.compressed):
-                    raise DTypeMismatch(f"gradient dtype is {dtype_name(header.dtype)}; the model is float32"
-                                        + (f" (16-bit gradients cross TCP only, not {self.kind})"
-                                           if header.dtype in _HALF else ""))
-                self._grad_shift = 2 if header.dtype == _FLOAT32 else 1
+                self._check_gradient_dtype(header)
                 dest = self._gradient_destination(member, header)
             elif op == Op.INIT:
                 if self.member is not None:
@@ -502,12 +505,44 @@ class ServerSession:
         self._pending_error = None
         return dest
 
+    def _check_gradient_dtype(self, header: Header) -> None:
+        if header.dtype != _FLOAT32 and not (header.dtype in _HALF and self.compressed):
+            raise DTypeMismatch(f"gradient dtype is {dtype_name(header.dtype)}; the model is float32"
+                                + (f" (16-bit gradients cross TCP only, not {self.kind})"
+                                   if header.dtype in _HALF else ""))
+        self._grad_shift = 2 if header.dtype == _FLOAT32 else 1
+
+    def _rows_destination(self, header: Header) -> memoryview:
+        """A request with rows (Flag.ROWS): its dense gradient goes where a push's goes, if it
+        has one (its dtype is not NONE); room for its rows is made once they begin (frame_more)."""
+        op = header.op
+        if op not in _ROW_OPS:
+            raise MalformedFrame(f"{Op(op).name} carries no rows")
+        member = self.member
+        if member is None or member.grad is None:
+            raise NotInitialized(f"{Op(op).name} before a successful INIT")
+        if not self.engine.rows:
+            raise InvalidIds("the model declares no tables: there are no rows to pull or push")
+        dense = None
+        if op in _GRADIENT_OPS and header.dtype != DType.NONE:
+            self._check_gradient_dtype(header)
+            dense = self._gradient_destination(member, header, rows=True)
+        at = 0 if dense is None else len(dense)
+        if header.length < at + 8:
+            raise MalformedFrame(f"{Op(op).name} with rows of {header.length} bytes: its rows need 8 bytes at "
+                                 f"least after {at} bytes of dense gradient")
+        self._rows_at = at
+        return dense if at else memoryview(b"")
+
     def frame_more(self, header: Header, got: int) -> memoryview | None:
         """An INIT's layout block has arrived: check it, then make room for the values
         only if this worker provides the model's initial weights; else discard them.
-        A LOAD_STATE's: see :class:`StateIntake`."""
+        A LOAD_STATE's: see :class:`StateIntake`. A request's rows: room for them (a
+        member's, within the frame limit: 8-aligned, for the arrays read in place)."""
         if self._pending_error is not None:
             return None
+        if self._rows_at is not None and got == self._rows_at:
+            return memoryview(np.empty(header.length - got, np.uint8))
         if header.op in (Op.LOAD_STATE, Op.LOAD_WEIGHTS):
             try:
                 return self._state_intake.next_part(self.engine, header, got)
@@ -535,7 +570,7 @@ class ServerSession:
 
     def payload_progress(self, filled: int) -> None:
         stream = self._stream
-        if stream is not None:
+        if stream is not None:  # (never for a request with rows: it does not stream)
             stream.feed(filled >> self._grad_shift)  # whole elements only; the update checks each one
 
     def frame_received(self, header: Header, payload: memoryview) -> None:
@@ -597,6 +632,8 @@ class ServerSession:
         self._last_notice = self._loop.time()
         self._rid = header.request_id
         self._weights_dtype = header.dtype if header.op in _PULL_OPS and header.flags & _NARROW else _FLOAT32
+        self._rows_request = bool(header.flags & _ROWS)
+        self._dense_reply = not self._rows_request or header.dtype != DType.NONE
         self._dispatching = True
         try:
             _HANDLERS[header.op](self, header, payload, stream)
@@ -616,75 +653,6 @@ class ServerSession:
     # Requests (the current one's id is self._rid) ------------------------------
     def _on_ping(self, header: Header, payload: memoryview, stream) -> None:
         self._reply(Op.PING_REPLY, version=self.engine.version)
-
-    def _on_hello(self, header: Header, payload: memoryview, stream) -> None:
-        if not self._authenticated:
-            self._hellos += 1
-            if self._hellos > 2:
-                self._auth_failed("HELLO after HELLO without AUTH")
-        self._client_nonce = bytes(payload)
-        self._server_nonce = os.urandom(NONCE_BYTES)  # fresh for every HELLO: no proof is reused
-        required = not self._authenticated
-        self._reply(Op.HELLO_REPLY, payload=encode_hello_reply(required, self._server_nonce, host_identity(),
-                                                              self.unix_path, self.engine.run_id,
-                                                              self.engine.shard_description))
-
-    def _on_auth(self, header: Header, payload: memoryview, stream) -> None:
-        if self._token is None:
-            raise AuthenticationError("this server has no token (it was started without --token)")
-        if not self._server_nonce or len(self._client_nonce) != NONCE_BYTES:
-            self._auth_failed("AUTH without a HELLO carrying a nonce first")
-        # Guesses are throttled by the peer's address: every attempt after a few failures
-        # waits its turn, longer and longer, and then the address is refused for a while.
-        if self._refused():
-            return
-        wait = self._guard.throttle.wait(self.peer_key, self._loop.time())
-        proof = bytes(payload)
-        if wait > 0:
-            self.engine.stats.auth["throttled"] += 1
-            self._loop.call_later(wait, self._check_proof, proof)
-        else:
-            self._check_proof(proof)
-
-    def _refused(self) -> bool:
-        """Refuse the AUTH attempt (and close) while the peer's address is locked out."""
-        now = self._loop.time()
-        refused = self._guard.throttle.refused_for(self.peer_key, now)
-        if not refused:
-            return False
-        self.engine.stats.auth["refused"] += 1
-        _auth_failures.warning(now, "%s: refused an AUTH attempt: too many failed ones from %s", self.peer,
-                               self.peer_key)
-        self._fatal(ServerOverloaded(
-            f"too many failed authentications from {self.peer_key}: refused for {refused:.0f} s more"), warn=False)
-        return True
-
-    def _check_proof(self, proof: bytes) -> None:
-        # (attempts that waited their turn meet a lockout that began meanwhile)
-        if self._lost or self._refused():
-            return
-        expected = auth_proof(self._token, "client", self._server_nonce, self._client_nonce)
-        if not hmac.compare_digest(expected, proof):
-            self._guard.throttle.failed(self.peer_key, self._loop.time())
-            try:
-                self._auth_failed("a wrong token")
-            except AuthenticationError as exc:
-                self._fatal(exc, warn=False)
-            return
-        self._authenticated = True
-        proof = auth_proof(self._token, "server", self._server_nonce, self._client_nonce)
-        self._server_nonce = b""  # one AUTH per nonce
-        self._reply(Op.AUTH_REPLY, payload=encode_auth_reply(proof, host_identity(), self.unix_path,
-                                                             self.engine.run_id, self.engine.shard_description))
-
-    def _auth_failed(self, what: str) -> NoReturn:
-        """The peer failed the handshake: log it (rate-limited, with its address), count it, refuse, close."""
-        self.engine.stats.auth["failures"] += 1
-        _auth_failures.warning(self._loop.time(), "%s: authentication failed: %s; closing the connection",
-                               self.peer, what)
-        raise AuthenticationError(
-            f"authentication failed: {what}; the server needs its token (aps.Worker(token=...) or $APS_TOKEN)"
-        )
 
     def _on_init(self, header: Header, payload: memoryview, stream) -> None:
         intake = self._intake
@@ -711,15 +679,35 @@ class ServerSession:
             log.debug("%s: INIT as rank %d over %s", self.peer, member.rank, self.kind)
 
     def _on_pull(self, header: Header, payload: memoryview, stream) -> None:
-        self.engine.pull(self._require_member(), self._send_pull_reply)
+        member = self._require_member()
+        self._request_rows(member, header, payload)
+        self.engine.pull(member, self._send_pull_reply)
 
     def _on_push(self, header: Header, payload: memoryview, stream) -> None:
-        self.engine.push(self._require_member(), header.version, self._send_push_reply, self._fail, stream=stream,
-                         request_id=header.request_id, clock=header.clock)
+        member = self._require_member()
+        rows = self._request_rows(member, header, payload)
+        self.engine.push(member, header.version, self._send_push_reply, self._fail, stream=stream,
+                         request_id=header.request_id, clock=header.clock, rows=rows, dense=self._dense_reply)
 
     def _on_push_pull(self, header: Header, payload: memoryview, stream) -> None:
-        self.engine.push(self._require_member(), header.version, self._pushed_then_pull, self._fail, stream=stream,
-                         request_id=header.request_id, clock=header.clock)
+        member = self._require_member()
+        rows = self._request_rows(member, header, payload)
+        self.engine.push(member, header.version, self._pushed_then_pull, self._fail, stream=stream,
+                         request_id=header.request_id, clock=header.clock, rows=rows, dense=self._dense_reply)
+
+    def _request_rows(self, member: Member, header: Header, payload: memoryview) -> list:
+        """The rows a request pushes (checked: refused before anything is made of them); the
+        ones it pulls are kept on ``member`` until it is served."""
+        member.rows_wanted = member.rows_out = None
+        if not header.flags & _ROWS:
+            return []
+        rows = self.engine.rows
+        pushed, pulled = decode_request_rows(payload, rows.dims, header.op in _GRADIENT_OPS,
+                                             header.op in _PULL_OPS)
+        rows.check(pushed, pulled)
+        if header.op in _PULL_OPS:
+            member.rows_wanted = pulled
+        return pushed
 
     def _on_leave(self, header: Header, payload: memoryview, stream) -> None:
         member = self._require_member()
@@ -873,11 +861,27 @@ class ServerSession:
         self._done()
 
     def _reply_weights(self, op: int, snap: Snapshot, clock: int, flags: int) -> None:
+        rows: tuple = ()
+        if self._rows_request and op != Op.INIT_REPLY:
+            member = self.member
+            rows = tuple(reply_rows_parts(member.rows_out or [])) if member is not None else ()
+            if member is not None:
+                member.rows_out = None
+            flags |= _ROWS
+            if not self._dense_reply:  # rows alone
+                version = snap.version
+                snap.release()
+                if self._can_write() and not self._silenced:
+                    header = pack_header(op, flags, DType.NONE, self._rid, clock, version, sum(len(p) for p in rows))
+                    self._traffic.bytes_out += len(header) + sum(len(p) for p in rows)
+                    self._write_parts((header, *rows))
+                self._done()
+                return
         if not self._can_write() or self._silenced:
             snap.release()
         else:
             try:
-                self._send_weights(op, snap, clock, flags)
+                self._send_weights(op, snap, clock, flags, rows)
             except Exception:  # out of descriptors, say: this connection cannot be answered
                 log.exception("%s: sending weights failed; dropping the connection", self._who())
                 snap.release()

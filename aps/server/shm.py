@@ -268,9 +268,9 @@ class ShmSession(ServerSession):
             self._reading = True
             self._loop.add_reader(self.sock.fileno(), self._readable)
 
-    def _gradient_destination(self, member: Member, header: Header) -> None:
-        if not header.flags & _SHM or header.length:
-            raise MalformedFrame("over shared memory a push carries no payload: set the SHM flag")
+    def _gradient_destination(self, member: Member, header: Header, rows: bool = False) -> None:
+        if not header.flags & _SHM or (header.length and not rows):
+            raise MalformedFrame("over shared memory a push carries no payload but its rows: set the SHM flag")
         self._traffic.bytes_in += member.grad.nbytes  # read in place from the worker's segment
         return None
 
@@ -287,19 +287,23 @@ class ShmSession(ServerSession):
         self._release_leases()
         super().frame_received(header, payload)
 
-    def _send_weights(self, op: int, snap: Snapshot, clock: int, flags: int) -> None:
+    def _send_weights(self, op: int, snap: Snapshot, clock: int, flags: int, rows: tuple = ()) -> None:
         segment = snap.segment
         live = self.engine.table.slot_ids()
         dropped = [sid for sid in self._sent_slots if sid not in live]
         self._sent_slots.difference_update(dropped)
         fresh = segment.id not in self._sent_slots
         payload = encode_slot(segment.id, segment.nbytes, fresh, dropped)
-        frame = pack_header(op, flags | _SHM, DType.FLOAT32, self._rid, clock, snap.version, len(payload)) + payload
+        extra = sum(len(part) for part in rows)  # the rows cross the socket, after the slot's descriptor
+        frame = pack_header(op, flags | _SHM, DType.FLOAT32, self._rid, clock, snap.version,
+                            len(payload) + extra) + payload
         # The frame crosses the socket; the weights are copied out of the slot.
-        self._traffic.bytes_out += HEADER_SIZE + len(payload) + segment.nbytes
+        self._traffic.bytes_out += HEADER_SIZE + len(payload) + segment.nbytes + extra
         # The slot stays leased to this worker until its next request, which is
         # read only once this frame has left: its descriptor stays valid meanwhile.
         self._write(frame, [segment.read_only_fd()] if fresh else ())
+        for part in rows:
+            self._write(part)
         self._sent_slots.add(segment.id)
         self._lease = snap
 

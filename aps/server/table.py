@@ -189,6 +189,12 @@ class ParameterTable:
         self.version += 1
         return self.version
 
+    def advance(self) -> int:
+        """A new version with the same weights (an update of the model's tables alone);
+        returns it."""
+        self.version += 1
+        return self.version
+
     def replace(self, slot: _Slot) -> None:
         """Make ``slot`` (from :meth:`begin_update`) the current weights without a new
         version: weights loaded before the first update (LOAD_WEIGHTS). Readers of the

@@ -112,30 +112,32 @@ class TcpSession(ServerSession, asyncio.BufferedProtocol):
     def _resume_reading(self) -> None:
         self.transport.resume_reading()
 
-    def _gradient_destination(self, member: Member, header: Header) -> memoryview:
+    def _gradient_destination(self, member: Member, header: Header, rows: bool = False) -> memoryview:
         dest = member.receive_gradient(header.dtype)
-        if header.length != len(dest):
+        if header.length < len(dest) if rows else header.length != len(dest):
             raise PayloadSizeMismatch(
                 f"gradient of {header.length} bytes; the registered model has {len(dest)} bytes"
                 + (f" as {dtype_name(header.dtype)}" if header.dtype != DType.FLOAT32 else "")
+                + (" and rows after them" if rows else "")
             )
-        if self._stream_min is not None and header.length >= self._stream_min:
+        if not rows and self._stream_min is not None and header.length >= self._stream_min:
             self._stream = self.engine.begin_streaming_push(member, header.version, header.request_id, header.clock)
         return dest
 
-    def _send_weights(self, op: int, snap: Snapshot, clock: int, flags: int) -> None:
+    def _send_weights(self, op: int, snap: Snapshot, clock: int, flags: int, rows: tuple = ()) -> None:
         transport, data, dtype = self.transport, snap.bytes, DType.FLOAT32
         if self._weights_dtype != DType.FLOAT32 and op != Op.INIT_REPLY:
             dtype = self._weights_dtype
             data = memoryview(self.engine.narrowed_weights(snap, dtype)).cast("B")  # its own copy: no lease
             snap.release()
-        header = pack_header(op, flags, dtype, self._rid, clock, snap.version, len(data))
-        self._traffic.bytes_out += HEADER_SIZE + len(data)
+        extra = sum(len(part) for part in rows)
+        header = pack_header(op, flags, dtype, self._rid, clock, snap.version, len(data) + extra)
+        self._traffic.bytes_out += HEADER_SIZE + len(data) + extra
         if self._vectored:
-            transport.writelines((header, data))
+            transport.writelines((header, data, *rows))
         else:
-            transport.write(header)
-            transport.write(data)
+            for part in (header, data, *rows):
+                transport.write(part)
         # The transport may still hold a view of the slot: lease it until sent.
         if transport.get_write_buffer_size() == 0:
             snap.release()

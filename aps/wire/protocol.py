@@ -175,6 +175,10 @@ class Flag(IntFlag):
     #: description only (its arrays are not sent), load nothing. LOAD_WEIGHTS: check the
     #: digest only (the weights are not sent), load nothing.
     CHECK = 32
+    #: PULL/PUSH/PUSH_PULL and their replies: the payload ends with rows of the model's
+    #: embedding tables (aps.wire.rows; docs/protocol.md, "Rows"). A request's dtype then
+    #: names its dense part, NONE for none: a push of rows alone, a pull of rows alone.
+    ROWS = 64
 
 
 class DType(IntEnum):

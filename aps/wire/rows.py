@@ -33,10 +33,13 @@ from ..tables import Table
 __all__ = [
     "MAX_TABLES",
     "RowSection",
+    "decode_request_rows",
     "decode_rows",
     "decode_tables",
     "encode_rows",
     "encode_tables",
+    "reply_rows_bytes",
+    "reply_rows_parts",
     "rows_bytes",
 ]
 
@@ -151,13 +154,58 @@ def decode_rows(payload: Any, dims: Sequence[int], with_values: bool) -> list[Ro
     """The sections of a rows section that fills ``payload`` exactly (``dims``: each
     declared table's row length). Linear in the number of tables named; no copy."""
     view = memoryview(payload).cast("B")
+    sections, end = _decode(view, 0, dims, with_values)
+    if end != len(view):
+        raise MalformedFrame(f"a rows section of {len(view)} bytes holds {end} bytes of rows")
+    return sections
+
+
+def decode_request_rows(payload: Any, dims: Sequence[int], push: bool,
+                        pull: bool) -> tuple[list[RowSection], list[RowSection]]:
+    """The rows part of a request (Flag.ROWS): a section of ids and gradient rows where the
+    request pushes, then a section of ids where it pulls, filling ``payload`` exactly."""
+    view = memoryview(payload).cast("B")
+    pushed, end = _decode(view, 0, dims, True) if push else ([], 0)
+    pulled, end = _decode(view, end, dims, False) if pull else ([], end)
+    if end != len(view):
+        raise MalformedFrame(f"the rows of a request take {end} bytes; it carries {len(view)}")
+    return pushed, pulled
+
+
+def reply_rows_bytes(sections: Sequence[RowSection], dims: Sequence[int]) -> int:
+    """The length of the rows a reply carries for the pulled ``sections``: each table's
+    rows in the order asked, float32, each block padded to 8 bytes (no heads: the asker
+    knows what it asked)."""
+    return sum(_padded(4 * len(ids) * dims[table]) for table, ids, _ in sections)
+
+
+def reply_rows_parts(rows: Sequence[np.ndarray]) -> list:
+    """The buffers of a reply's rows (see :func:`reply_rows_bytes`), the arrays themselves."""
+    out: list = []
+    for array in rows:
+        if array.nbytes:
+            out.append(memoryview(array).cast("B"))
+        if array.nbytes % 8:
+            out.append(_PAD)
+    return out
+
+
+_PAD = bytes(4)
+
+
+def _padded(nbytes: int) -> int:
+    return nbytes + (-nbytes % 8)
+
+
+def _decode(view: memoryview, offset: int, dims: Sequence[int], with_values: bool) -> tuple[list[RowSection], int]:
     try:
-        count, reserved = _SECTION.unpack_from(view, 0)
+        count, reserved = _SECTION.unpack_from(view, offset)
     except struct.error:
-        raise MalformedFrame(f"a rows section of {len(view)} bytes has no head") from None
+        raise MalformedFrame(f"a rows section of {len(view) - offset} bytes has no head") from None
     if reserved or count > len(dims):
         raise MalformedFrame(f"a rows section names {count} tables; the model has {len(dims)}")
-    offset, previous, out = _SECTION.size, -1, []
+    offset += _SECTION.size
+    previous, out = -1, []
     for _ in range(count):
         if offset + _BLOCK.size > len(view):
             raise MalformedFrame("a rows section is truncated")
@@ -177,6 +225,4 @@ def decode_rows(payload: Any, dims: Sequence[int], with_values: bool) -> list[Ro
             values = np.frombuffer(view, np.float32, n * dims[table], start + 8 * n).reshape(n, dims[table])
         out.append(RowSection(table, ids, values))
         offset += size
-    if offset != len(view):
-        raise MalformedFrame(f"a rows section of {len(view)} bytes holds {offset} bytes of rows")
-    return out
+    return out, offset

@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from ..lane import Job, PushAnswer, MemberView, UpdateLane, UpdateOwner
-from ...errors import InternalServerError
+from ...errors import InternalServerError, NonFiniteGradient
 from ..sync import Plan, PlanKind
 from ..table import ParameterTable
 
@@ -43,10 +43,13 @@ class Aggregate:
     """BSP's and softsync's running sum of gradients, kept twice: the accumulate
     kernel reads :attr:`current` and writes the next sum into :attr:`spare`."""
 
-    __slots__ = ("_buffers",)
+    __slots__ = ("_buffers", "dense")
 
     def __init__(self, numel: int) -> None:
         self._buffers = [np.zeros(numel, np.float32), np.zeros(numel, np.float32)]
+        #: Some push of the open round carried a dense gradient (a round of rows alone
+        #: leaves the dense weights and their optimizer's state as they are).
+        self.dense = True
 
     @property
     def current(self) -> np.ndarray:
@@ -67,12 +70,15 @@ class PushJob(Job):
     It is applied with the values its worker had set when the push arrived
     (``member.hyper``, a HYPER request), or the optimizer's own without them.
     ``clock`` is the iteration the push says it was computed in, for the policy's
-    staleness bound (-1: its rank's clock; see ``SyncPolicy.plan``).
+    staleness bound (-1: its rank's clock; see ``SyncPolicy.plan``). ``rows``: the rows
+    it pushes to the model's tables (checked sections, aps.wire.rows), applied, kept for
+    the round or dropped with the dense gradient, in its commit on the loop (pulls make
+    rows there); ``dense`` False: it carries rows alone, no dense gradient.
     """
 
     __slots__ = (
         "owner", "member", "grad_version", "arrived", "on_done", "on_error", "plan", "slot", "w_in", "answered",
-        "adopted", "hyper", "clock",
+        "adopted", "hyper", "clock", "rows", "dense",
     )
 
     def __init__(
@@ -84,6 +90,8 @@ class PushJob(Job):
         on_done: Callable[[PushAnswer], None],
         on_error: Callable[[ServerError], None],
         clock: int = -1,
+        rows: list | None = None,
+        dense: bool = True,
     ) -> None:
         self.owner = owner
         self.member = member
@@ -98,11 +106,15 @@ class PushJob(Job):
         self.adopted = False
         self.hyper = member.hyper
         self.clock = clock
+        self.rows = rows or []
+        self.dense = dense
 
     def prepare(self) -> int:
         table = self.owner.table
         # Planned at its turn in the lane: the bound is checked against the state it is applied in.
         plan = self.plan = self.owner.policy.plan(self.member.rank, self.grad_version, table.version, self.clock)
+        if not self.dense:
+            return 0
         if plan.kind is PlanKind.APPLY:
             self.slot = table.begin_update()
             self.w_in = table.current_array()
@@ -112,6 +124,8 @@ class PushJob(Job):
         # One pass that reads each gradient element once and writes every
         # result aside: False means nothing changed (see aps/server/optim.py).
         owner, member, plan = self.owner, self.member, self.plan
+        if not self.dense:
+            return True  # (its rows are checked at intake, and applied in the commit)
         grad, dtype = member.gradient, member.grad_dtype
         if plan.kind is PlanKind.APPLY:
             return owner.table.optimizer.step(self.slot.array, self.w_in, grad, plan.scale, dtype, self.hyper)
@@ -125,14 +139,32 @@ class PushJob(Job):
         if result is not True:
             self.fail(result)
             return
-        # Adoption: the publish comes first (it raises before it changes
-        # anything, if at all); the optimizer's swap of its state cannot fail.
+        # Adoption: the rows are computed aside first (refused, nothing changed), the publish
+        # comes next (it raises before it changes anything, if at all); the optimizer's swap
+        # of its state and the rows' write cannot fail.
         if plan.kind is PlanKind.APPLY:
-            table.publish(self.slot)
-            self.slot = None  # the table's now
-            table.optimizer.commit()
+            staged = []
+            if self.rows:
+                try:
+                    staged = owner.rows.prepare(self.rows, plan.scale)
+                except NonFiniteGradient:
+                    self.fail(False)
+                    return
+            if self.dense:
+                table.publish(self.slot)
+                self.slot = None  # the table's now
+                table.optimizer.commit()
+            else:
+                table.advance()
+            owner.rows.commit(staged)
         elif plan.kind is PlanKind.ACCUMULATE:
-            owner.aggregate.adopt()
+            aggregate = owner.aggregate
+            if self.dense:
+                aggregate.adopt()
+            elif plan.first:  # the round's sum starts from zero (and holds no dense gradient yet)
+                aggregate.current.fill(0.0)
+            aggregate.dense = self.dense or (aggregate.dense and not plan.first)
+            owner.rows.accumulate(self.rows, plan.scale, plan.first)
         self.adopted = True  # from here on the gradient is in: a failure must not say otherwise
         result = owner.gradient_committed(self.member, plan, self.arrived, self.hyper)
         self.answered = True
@@ -170,6 +202,8 @@ class AggregateJob(Job):
         self.reported = False
 
     def prepare(self) -> int:
+        if not self.owner.aggregate.dense:  # a round of rows alone
+            return 0
         table = self.owner.table
         self.slot = table.begin_update()
         self.w_in = table.current_array()
@@ -177,22 +211,36 @@ class AggregateJob(Job):
 
     def run(self) -> bool:
         owner = self.owner
+        if self.slot is None:
+            return True
         return owner.table.optimizer.step(self.slot.array, self.w_in, owner.aggregate.current, self.scale,
                                           groups=self.hyper)
 
     def commit(self, result: object) -> None:
-        table = self.owner.table
+        owner, table = self.owner, self.owner.table
         if result is not True:
             self.fail(result)
             return
-        table.publish(self.slot)
-        self.slot = None
-        table.optimizer.commit()
+        # The round's rows, each id's gradients summed, applied once (refused: the round is lost, as
+        # for a dense sum that would overflow).
+        try:
+            staged = owner.rows.prepare(owner.rows.take_round(self.scale), coalesce=True)
+        except NonFiniteGradient:
+            self.fail(False)
+            return
+        if self.slot is not None:
+            table.publish(self.slot)
+            self.slot = None
+            table.optimizer.commit()
+        else:
+            table.advance()
+        owner.rows.commit(staged)
         self.reported = True
-        self.owner.aggregate_committed(True)
+        owner.aggregate_committed(True)
 
     def fail(self, exc: object) -> None:
         """The update is not applied; the round still ends, so the policy goes on."""
+        self.owner.rows.forget_round()
         if self.slot is not None:
             self.owner.table.abandon(self.slot)
             self.slot = None

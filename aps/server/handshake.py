@@ -1,0 +1,107 @@
+"""The handshake of a connection (docs/protocol.md, "Authentication"): HELLO, then AUTH where
+the server has a token, whose failures are throttled by the peer's address (a mixin of
+:class:`aps.server.session.ServerSession`, which holds the state it reads)."""
+
+from __future__ import annotations
+
+import hmac
+import os
+from typing import TYPE_CHECKING, NoReturn
+
+from ..errors import AuthenticationError, ServerOverloaded
+from ..wire.protocol import NONCE_BYTES, Header, Op, auth_proof, encode_auth_reply, encode_hello_reply, host_identity
+from .admission import _auth_failures
+
+if TYPE_CHECKING:
+    import asyncio
+
+    from .admission import StrangerGuard
+    from .engine import Engine
+
+__all__ = ["Handshake"]
+
+
+class Handshake:
+    """HELLO and AUTH, for :class:`aps.server.session.ServerSession`."""
+
+    engine: Engine
+    peer: str
+    peer_key: str
+    unix_path: str
+    _loop: asyncio.AbstractEventLoop
+    _guard: StrangerGuard
+    _token: bytes | None
+    _authenticated: bool
+    _hellos: int
+    _lost: bool
+    _server_nonce: bytes
+    _client_nonce: bytes
+
+    def _on_hello(self, header: Header, payload: memoryview, stream) -> None:
+        if not self._authenticated:
+            self._hellos += 1
+            if self._hellos > 2:
+                self._auth_failed("HELLO after HELLO without AUTH")
+        self._client_nonce = bytes(payload)
+        self._server_nonce = os.urandom(NONCE_BYTES)  # fresh for every HELLO: no proof is reused
+        required = not self._authenticated
+        self._reply(Op.HELLO_REPLY, payload=encode_hello_reply(required, self._server_nonce, host_identity(),
+                                                              self.unix_path, self.engine.run_id,
+                                                              self.engine.shard_description))
+
+    def _on_auth(self, header: Header, payload: memoryview, stream) -> None:
+        if self._token is None:
+            raise AuthenticationError("this server has no token (it was started without --token)")
+        if not self._server_nonce or len(self._client_nonce) != NONCE_BYTES:
+            self._auth_failed("AUTH without a HELLO carrying a nonce first")
+        # Guesses are throttled by the peer's address: every attempt after a few failures
+        # waits its turn, longer and longer, and then the address is refused for a while.
+        if self._refused():
+            return
+        wait = self._guard.throttle.wait(self.peer_key, self._loop.time())
+        proof = bytes(payload)
+        if wait > 0:
+            self.engine.stats.auth["throttled"] += 1
+            self._loop.call_later(wait, self._check_proof, proof)
+        else:
+            self._check_proof(proof)
+
+    def _refused(self) -> bool:
+        """Refuse the AUTH attempt (and close) while the peer's address is locked out."""
+        now = self._loop.time()
+        refused = self._guard.throttle.refused_for(self.peer_key, now)
+        if not refused:
+            return False
+        self.engine.stats.auth["refused"] += 1
+        _auth_failures.warning(now, "%s: refused an AUTH attempt: too many failed ones from %s", self.peer,
+                               self.peer_key)
+        self._fatal(ServerOverloaded(
+            f"too many failed authentications from {self.peer_key}: refused for {refused:.0f} s more"), warn=False)
+        return True
+
+    def _check_proof(self, proof: bytes) -> None:
+        # (attempts that waited their turn meet a lockout that began meanwhile)
+        if self._lost or self._refused():
+            return
+        expected = auth_proof(self._token, "client", self._server_nonce, self._client_nonce)
+        if not hmac.compare_digest(expected, proof):
+            self._guard.throttle.failed(self.peer_key, self._loop.time())
+            try:
+                self._auth_failed("a wrong token")
+            except AuthenticationError as exc:
+                self._fatal(exc, warn=False)
+            return
+        self._authenticated = True
+        proof = auth_proof(self._token, "server", self._server_nonce, self._client_nonce)
+        self._server_nonce = b""  # one AUTH per nonce
+        self._reply(Op.AUTH_REPLY, payload=encode_auth_reply(proof, host_identity(), self.unix_path,
+                                                             self.engine.run_id, self.engine.shard_description))
+
+    def _auth_failed(self, what: str) -> NoReturn:
+        """The peer failed the handshake: log it (rate-limited, with its address), count it, refuse, close."""
+        self.engine.stats.auth["failures"] += 1
+        _auth_failures.warning(self._loop.time(), "%s: authentication failed: %s; closing the connection",
+                               self.peer, what)
+        raise AuthenticationError(
+            f"authentication failed: {what}; the server needs its token (aps.Worker(token=...) or $APS_TOKEN)"
+        )
