@@ -184,7 +184,7 @@ class Table:
         array = np.asarray(ids)
         if array.ndim != 1:
             raise InvalidIds(f"table {name!r}: ids must be one-dimensional, got shape {array.shape}")
-        if array.dtype.kind not in "iu":
+        if array.dtype.kind not in "iu" and array.size:  # (an empty list is float64 to numpy)
             raise InvalidIds(f"table {name!r}: ids must be integers, got {array.dtype}")
         if array.dtype == np.uint64 and len(array) and int(array.max()) >= 2**63:
             raise InvalidIds(f"table {name!r}: id {int(array.max())} is beyond int64")

@@ -599,8 +599,9 @@ class _ClientCore:
             self.joined_running = bool(header.flags & _RUNNING)
         if op in _COUNTED_REPLIES:
             self.clock = header.clock
-            if op in _WEIGHT_REPLIES and header.dtype != _NONE:  # the version of the weights this worker holds
-                # (rows alone leave it: a push says the version of the dense weights it was computed on)
+            if op in _WEIGHT_REPLIES:  # the version of the weights this worker holds
+                # (a reply of rows alone too: the rows are of that version, and BSP's round rule needs it;
+                # the dense weights it holds are as they were: docs/design.md, "Embedding tables")
                 self.version = header.version
             if op in _PUSH_REPLIES:
                 self.dropped = bool(header.flags & _DROPPED)

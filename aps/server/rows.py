@@ -250,23 +250,24 @@ class Tables(dict):
             rows.commit(part)
 
     # An open round (BSP, softsync) ------------------------------------------
-    def accumulate(self, pushed: list, scale: float, first: bool) -> None:
-        """Keep a push's rows for the round's aggregate update (``first``: a new round)."""
+    def accumulate(self, pushed: list, scale: float, first: bool, rank: int) -> None:
+        """Keep ``rank``'s push's rows for the round's aggregate update (``first``: a new round)."""
         if first:
             self._round = {}
         for table, ids, values in pushed:
-            self._round.setdefault(table, []).append((ids, values, scale))
+            self._round.setdefault(table, []).append((rank, ids, values, scale))
 
     def take_round(self, scale: float) -> list:
-        """The open round's rows, each id's gradients summed (times their push's scale and
-        ``scale``); the round is then empty."""
+        """The open round's rows, each id's gradients summed in rank order (whatever order
+        they arrived in: a round's update is the same every time), times their push's scale
+        and ``scale``; the round is then empty."""
         parts, self._round = self._round, {}
         out = []
         for table in sorted(parts):
-            pushes = parts[table]
-            ids = np.concatenate([ids for ids, _, _ in pushes])
+            pushes = sorted(parts[table], key=lambda push: push[0])
+            ids = np.concatenate([ids for _, ids, _, _ in pushes])
             grads = np.concatenate([values * np.float32(each * scale) if each * scale != 1.0 else values
-                                    for _, values, each in pushes])
+                                    for _, _, values, each in pushes])
             out.append((table, ids, grads))
         return out
 

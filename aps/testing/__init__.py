@@ -193,8 +193,8 @@ class RawClient:
         fields.setdefault("length", len(payload))
         self.send(pack_header(op, **fields), payload)
 
-    def init(self, rank: int, num_workers: int, params: dict[str, np.ndarray], **fields) -> None:
-        layout = Layout.from_arrays(params)
+    def init(self, rank: int, num_workers: int, params: dict[str, np.ndarray], tables=None, **fields) -> None:
+        layout = Layout.from_arrays(params, tables)
         values = b"".join(np.ascontiguousarray(v, np.float32).tobytes() for v in params.values())
         block = encode_init(rank, num_workers, layout)
         fields.setdefault("dtype", DType.FLOAT32)
@@ -254,9 +254,9 @@ class RawShmClient(RawClient):
             token = find_token("127.0.0.1", int(stem)) if stem.isdigit() else None
         self._authenticate(token)
 
-    def init(self, rank: int, num_workers: int, params: dict[str, np.ndarray], *, segment_numel: int | None = None,
-             with_segment: bool = True, **fields) -> None:
-        layout = Layout.from_arrays(params)
+    def init(self, rank: int, num_workers: int, params: dict[str, np.ndarray], tables=None, *,
+             segment_numel: int | None = None, with_segment: bool = True, **fields) -> None:
+        layout = Layout.from_arrays(params, tables)
         values = b"".join(np.ascontiguousarray(v, np.float32).tobytes() for v in params.values())
         block = encode_init(rank, num_workers, layout)
         fields.setdefault("dtype", DType.FLOAT32)

@@ -164,7 +164,7 @@ class PushJob(Job):
             elif plan.first:  # the round's sum starts from zero (and holds no dense gradient yet)
                 aggregate.current.fill(0.0)
             aggregate.dense = self.dense or (aggregate.dense and not plan.first)
-            owner.rows.accumulate(self.rows, plan.scale, plan.first)
+            owner.rows.accumulate(self.rows, plan.scale, plan.first, self.member.rank)
         self.adopted = True  # from here on the gradient is in: a failure must not say otherwise
         result = owner.gradient_committed(self.member, plan, self.arrived, self.hyper)
         self.answered = True
