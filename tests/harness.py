@@ -21,6 +21,7 @@ class Worker:
         self.weights: np.ndarray | None = None
         self.waiting = False  # a pull or init is pending
         self.released = 0  # how many times it was answered
+        self.rows = None  # the rows its last answered pull asked for (one array a section)
         self.errors: list[ServerError] = []
         self.results = []  # push results
 
@@ -32,12 +33,13 @@ class Harness:
     (inside the engine), so invariants can be checked at that very moment.
     """
 
-    def __init__(self, kernels=_core, numel: int | None = None, on_release=None, offload=None, **options) -> None:
+    def __init__(self, kernels=_core, numel: int | None = None, on_release=None, offload=None, tables=(),
+                 **options) -> None:
         options.setdefault("lr", 1.0)
         self.config = ServerConfig(**options)
         self.P = self.config.workers
         self.numel = numel or self.P
-        self.layout = Layout(("w",), ((self.numel,),))
+        self.layout = Layout(("w",), ((self.numel,),), tuple(tables))
         self.now = 0.0
         self.engine = Engine(self.config, now=lambda: self.now, kernels=kernels, offload=offload)
         self.workers = [Worker(r) for r in range(self.P)]
@@ -59,6 +61,8 @@ class Harness:
         def ready(snapshot, clock):
             worker.weights = snapshot.array.copy()
             worker.version = snapshot.version
+            if worker.member is not None and worker.member.rows_out is not None:
+                worker.rows, worker.member.rows_out = worker.member.rows_out, None
             snapshot.release()
             worker.waiting = False
             worker.released += 1
@@ -88,24 +92,28 @@ class Harness:
         worker.member = None
         worker.waiting = False
 
-    def pull(self, rank: int) -> None:
+    def pull(self, rank: int, rows=None) -> None:
+        """A pull of ``rank`` (``rows``: sections of ids, aps.wire.rows, read with the weights)."""
         worker = self.workers[rank]
         worker.waiting = True
+        worker.member.rows_wanted = rows
         self.engine.pull(worker.member, self._ready(worker))
 
     def push(self, rank: int, grad, *, version: int | None = None, then_pull: bool = False,
-             request_id: int | None = None, clock: int | None = None) -> None:
-        """Push ``grad`` from ``rank``, computed on ``version`` (default: the weights it last
-        received); ``request_id`` and ``clock`` are what the push's header would carry."""
+             request_id: int | None = None, clock: int | None = None, rows=None, pull_rows=None) -> None:
+        """Push ``grad`` from ``rank`` (None: rows alone), computed on ``version`` (default: the
+        weights it last received); ``request_id`` and ``clock`` are what the push's header would
+        carry; ``rows`` and ``pull_rows``: sections of rows pushed and pulled (then_pull)."""
         worker = self.workers[rank]
         member = worker.member
-        member.grad[:] = grad
+        if grad is not None:
+            member.grad[:] = grad
         self.tick(0.0)
 
         def done(result):
             worker.results.append(result)
             if then_pull:
-                self.pull(rank)
+                self.pull(rank, pull_rows)
 
         self.engine.push(
             member,
@@ -114,6 +122,8 @@ class Harness:
             lambda exc: worker.errors.append(exc),
             request_id=request_id,
             clock=clock,
+            rows=rows,
+            dense=grad is not None,
         )
 
     def held(self, rank: int) -> bool:

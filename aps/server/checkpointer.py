@@ -382,7 +382,7 @@ class Checkpointer:
         weights = layout.views(capture.snapshot.array)
         state: dict[str, np.ndarray] = {}
         for key, flat in capture.state.items():
-            if key == "aggregate" or key.startswith("tables/"):  # (the tables': ids, rows, state as they are)
+            if key == "aggregate" or key.startswith(("tables/", "round/")):  # (the tables' arrays as they are)
                 state[key] = flat
             else:
                 state.update((f"{key}/{tensor}", view) for tensor, view in layout.views(flat).items())

@@ -38,6 +38,9 @@ class Durable:
             arrays.update({f"tables/{name}/{key}": value for key, value in rows.arrays().items()})
         if self.aggregate is not None and (policy_state.get("contributed") or policy_state.get("count")):
             arrays["aggregate"] = self.aggregate.current
+            for name, saved in self.rows.open_round().items():  # the round's rows, as its sum is kept
+                for key, value in zip(("ids", "grads", "ranks"), saved):
+                    arrays[f"round/{name}/{key}"] = value
         manifest = {
             "run_id": self.run_id,
             "shard_runs": self.shard_runs,
@@ -51,6 +54,8 @@ class Durable:
                           **({"loaded_state": self.loaded_state.hex()} if self.loaded_state is not None else {})},
             "policy": policy_state,
             **({"table_steps": {name: rows.steps for name, rows in self.rows.items()}} if self.rows else {}),
+            # an open round of rows alone (no dense gradient in its sum: its update leaves the dense part)
+            **({"round_dense": False} if self.aggregate is not None and not self.aggregate.dense else {}),
             "seats": {str(rank): seat.to_json() for rank, seat in sorted(self._seats.items())},
             "counters": self.stats.run_counters(),
             **({"loaded_weights": self.loaded_weights.hex()} if self.loaded_weights is not None else {}),
@@ -108,6 +113,10 @@ class Durable:
                         self._seats[rank].push_id = self._seats[rank].push_clock = -1
             elif self.aggregate is not None and "aggregate" in checkpoint.state:
                 np.copyto(self.aggregate.current, checkpoint.state["aggregate"])
+                self.aggregate.dense = manifest.get("round_dense", True) is not False
+                self.rows.reopen_round({name: tuple(checkpoint.state[f"round/{name}/{key}"]
+                                                    for key in ("ids", "grads", "ranks"))
+                                        for name in self.rows if f"round/{name}/ids" in checkpoint.state})
             self._start_ranks = set(self._placements) or None
             self.pushes = int(manifest["pushes"])
             self.stats.carry(manifest.get("counters", {}))

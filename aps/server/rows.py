@@ -274,6 +274,40 @@ class Tables(dict):
     def forget_round(self) -> None:
         self._round = {}
 
+    def open_round(self) -> dict[str, tuple[np.ndarray, np.ndarray, np.ndarray]]:
+        """Copies of the open round's rows by table name, for a checkpoint: ids, gradient rows
+        times their push's scale, and each one's rank, in rank order (as they are summed)."""
+        names = list(self)
+        out = {}
+        for table, pushes in self._round.items():
+            pushes = sorted(pushes, key=lambda push: push[0])
+            out[names[table]] = (
+                np.concatenate([ids for _, ids, _, _ in pushes]),
+                np.concatenate([values * np.float32(each) if each != 1.0 else values for _, _, values, each in pushes]),
+                np.concatenate([np.full(len(ids), rank, np.int64) for rank, ids, _, _ in pushes]),
+            )
+        return out
+
+    def reopen_round(self, saved: dict[str, tuple[np.ndarray, np.ndarray, np.ndarray]]) -> None:
+        """Take up the rows of the round a checkpoint caught open (see :meth:`open_round`):
+        summed as they would have been."""
+        tables, names = list(self.values()), list(self)
+        self._round = {}
+        for name, (ids, grads, ranks) in saved.items():
+            rows = tables[names.index(name)]
+            ids = rows.table.check_ids(name, ids)
+            grads = rows.table.check_rows(name, ids, grads)
+            ranks = np.asarray(ranks, np.int64)
+            if ranks.shape != ids.shape:
+                raise InvalidIds(f"table {name!r}: an open round's ranks do not match its ids")
+            cuts = np.flatnonzero(np.diff(ranks)) + 1
+            self._round[names.index(name)] = [
+                (int(part_ranks[0]), part_ids, part_grads, 1.0)
+                for part_ids, part_grads, part_ranks in zip(np.split(ids, cuts), np.split(grads, cuts),
+                                                            np.split(ranks, cuts))
+                if len(part_ids)
+            ]
+
 
 class _Staged(NamedTuple):
     """A prepared push of one table: its rows (slab positions), their new values and state."""

@@ -20,6 +20,7 @@ from aps.checkpoint import Checkpoint
 from aps.errors import CheckpointError, OutOfOrder
 from aps.layout import Layout
 from aps.tables import Table
+from aps.wire.rows import RowSection
 
 from tests.harness import Harness
 
@@ -48,7 +49,7 @@ def checkpoint_of(harness: Harness) -> Checkpoint:
     weights = {name: view.copy() for name, view in layout.views(engine.table.current_array()).items()}
     state = {}
     for key, flat in arrays.items():
-        if key == "aggregate" or key.startswith("tables/"):
+        if key == "aggregate" or key.startswith(("tables/", "round/")):
             state[key] = flat.copy()
         else:
             state.update((f"{key}/{name}", view.copy()) for name, view in layout.views(flat).items())
@@ -62,6 +63,7 @@ class Driver:
         self.h = harness
         self.rng = random.Random(seed)
         self.grads = np.random.default_rng(seed).standard_normal((64, harness.numel)).astype(np.float32)
+        self.rows = np.random.default_rng(seed).standard_normal((64, 4)).astype(np.float32)
 
     def step(self) -> None:
         h = self.h
@@ -69,7 +71,12 @@ class Driver:
         assert free, "every worker is held: the policy deadlocked"
         rank = self.rng.choice(free)
         h.tick(self.rng.uniform(0.1, 2.0))
-        h.push(rank, self.grads[self.rng.randrange(64)], then_pull=True)
+        rows = None
+        if h.layout.tables:  # rows of the table with every push, and now and then rows alone
+            ids = np.array([self.rng.randrange(12) for _ in range(5)], np.int64)
+            rows = [RowSection(0, ids, self.rows[self.rng.randrange(59):][:5])]
+        grad = None if rows and self.rng.random() < 0.25 else self.grads[self.rng.randrange(64)]
+        h.push(rank, grad, then_pull=True, rows=rows)
         assert not h.workers[rank].errors, h.workers[rank].errors
 
 
@@ -77,14 +84,18 @@ def observe(h: Harness):
     window = h.window.state()
     return (h.engine.version, h.engine.pushes, h.policy.dropped, window[0], window[2], window[3], window[4],
             tuple(h.policy.is_held(r) for r in range(h.P)), tuple(w.waiting for w in h.workers),
-            h.engine.table.current_array().tobytes())
+            h.engine.table.current_array().tobytes(),
+            tuple(value.tobytes() for rows in h.engine.rows.values() for value in rows.arrays().values()))
 
 
 @pytest.mark.parametrize("optimizer", OPTIMIZERS, ids=lambda o: o["optimizer"])
 @pytest.mark.parametrize("setting", SETTINGS, ids=lambda s: "-".join(f"{v}" for v in s.values()))
 @pytest.mark.parametrize("seed", [1, 2, 3])
 def test_a_resumed_engine_goes_on_exactly_as_the_original(setting, optimizer, seed):
-    options = {"workers": 3, "numel": 5, **setting, **optimizer}
+    """With the rows of a table pushed beside the dense gradient (or alone), the rows of a
+    round the checkpoint caught open included."""
+    table = Table(rows=100, dim=4, init="normal:0.1", optimizer="adam" if seed % 2 else "sgd", lr=0.1)
+    options = {"workers": 3, "numel": 5, "tables": (("items", table),), **setting, **optimizer}
     original = Harness(**options)
     original.join_all(np.linspace(-1, 1, 5, dtype=np.float32))
     driver = Driver(original, seed)
