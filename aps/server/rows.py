@@ -80,13 +80,11 @@ class RowTable:
         grads = self.table.check_rows(self.name, ids, grads)
         self.commit(self.prepare(ids, grads, scale))
 
-    def prepare(self, ids: np.ndarray, grads: np.ndarray, scale: float = 1.0,
-                coalesce: bool = False) -> _Staged | None:
+    def prepare(self, ids: np.ndarray, grads: np.ndarray, scale: float = 1.0) -> _Staged | None:
         """The first half of a push of checked ``ids`` and ``grads``: the new values of the
         rows it touches and of their state, computed aside (:meth:`commit` writes them).
         Raises NonFiniteGradient, with nothing changed, for a gradient or a result that is
-        not finite. A push of several tables prepares each, then commits each. ``coalesce``:
-        SGD too sums a duplicate id's rows before its step (a BSP round's rows)."""
+        not finite. A push of several tables prepares each, then commits each."""
         if not np.isfinite(grads).all():
             raise NonFiniteGradient(f"table {self.name!r}: the gradient rows hold NaN or infinity; nothing changed")
         if not len(ids):
@@ -107,14 +105,12 @@ class RowTable:
         for key, slab in self._state.items():
             state[key] = np.empty((len(rows), slab.shape[1]), np.float32)
             kernels.rows_gather(state[key], slab, rows)
-        if table.optimizer == "sgd" and not coalesce:
+        if table.optimizer == "sgd":
             ok = kernels.rows_sgd(compact, where, grads, table.lr)
         else:
             summed = np.zeros_like(compact)
             kernels.rows_coalesce(summed, where, grads)
-            if table.optimizer == "sgd":
-                ok = kernels.rows_sgd(compact, np.arange(len(rows), dtype=np.int64), summed, table.lr)
-            elif table.optimizer == "adam":
+            if table.optimizer == "adam":
                 ok = kernels.rows_adam(compact, state["exp_avg"], state["exp_avg_sq"], summed, self.steps + 1,
                                        table.lr, table.betas[0], table.betas[1], table.eps)
             else:
@@ -237,12 +233,11 @@ class Tables(dict):
         tables = list(self.values())
         return [tables[table].pull(ids) for table, ids, _ in pulled]
 
-    def prepare(self, pushed: list, scale: float = 1.0, coalesce: bool = False) -> list:
+    def prepare(self, pushed: list, scale: float = 1.0) -> list:
         """Every table's part of a push, computed aside (raises, with nothing changed, if any
         part is refused); :meth:`commit` writes them all."""
         tables = list(self.values())
-        return [(tables[table], tables[table].prepare(ids, values, scale, coalesce))
-                for table, ids, values in pushed]
+        return [(tables[table], tables[table].prepare(ids, values, scale)) for table, ids, values in pushed]
 
     @staticmethod
     def commit(staged: list) -> None:

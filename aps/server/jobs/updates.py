@@ -221,10 +221,10 @@ class AggregateJob(Job):
         if result is not True:
             self.fail(result)
             return
-        # The round's rows, each id's gradients summed, applied once (refused: the round is lost, as
-        # for a dense sum that would overflow).
+        # The round's rows, applied once (refused: the round is lost, as for a dense sum that would
+        # overflow): each id's gradients summed (SGD: applied one after the other, in rank order).
         try:
-            staged = owner.rows.prepare(owner.rows.take_round(self.scale), coalesce=True)
+            staged = owner.rows.prepare(owner.rows.take_round(self.scale))
         except NonFiniteGradient:
             self.fail(False)
             return

@@ -46,11 +46,12 @@ from typing import Any
 import numpy as np
 import torch
 
-from .errors import ConfigurationError
-from .client.steps import DEFAULT_RECONNECT_TIMEOUT
-from .client.worker import Worker
+from ..errors import ConfigurationError
+from ..client.steps import DEFAULT_RECONNECT_TIMEOUT
+from ..client.worker import Worker
+from .embedding import Embedding, EmbeddingBag, _Rows
 
-__all__ = ["Optimizer", "Pacer"]
+__all__ = ["Embedding", "EmbeddingBag", "Optimizer", "Pacer"]
 
 #: The dtypes a trainable parameter may have; 16-bit ones train on float32 master weights.
 _TRAINABLE = (torch.float32, torch.bfloat16, torch.float16)
@@ -438,7 +439,11 @@ class Optimizer(torch.optim.Optimizer):
             with torch.no_grad():
                 initial = {n: p.detach().to("cpu", torch.float32).contiguous().numpy()
                            for n, p in zip(self.names, self.params)}
-            self.worker.init(initial, timeout=init_timeout)
+            self._tables = _bind_tables(model, self)
+            #: Rows pulled ahead (prefetch, or the last step's pull_rows), by table: (sorted ids, rows).
+            self._prefetched: dict[str, tuple[np.ndarray, np.ndarray]] = {}
+            self.worker.init(initial, timeout=init_timeout,
+                             tables={name: module.spec for name, module in self._tables.items()} or None)
             self._stops = self._group_stops()
             # A worker of our own starts with the server's values; another may have set some.
             self._sent: list[tuple[float, ...]] | None = (
@@ -560,10 +565,33 @@ class Optimizer(torch.optim.Optimizer):
                 "at init. Give every group to the constructor (an lr of 0 keeps a group still until you raise it)")
         super().add_param_group(param_group)
 
+    def prefetch(self, ids: Mapping[str, Any]) -> None:
+        """Pull the rows of ``ids`` (``{table: ids}``) of every table at once, in one request:
+        the next forwards of the model's aps embeddings take them from here instead of each
+        asking the server (a forward whose ids are not all here asks for its own). Kept until
+        the next step, which pushes and so changes rows (``step(prefetch=...)`` pulls the
+        next batch's rows in the step's own request)."""
+        wanted = _distinct(ids)
+        pulled = self.worker.pull_rows(wanted) if wanted else {}
+        self._prefetched = {name: (wanted[name], pulled[name]) for name in wanted}
+
+    def _rows_of(self, table: str, distinct: np.ndarray) -> np.ndarray:
+        """The rows of ``distinct`` (sorted, each once) of ``table``: prefetched, or pulled now."""
+        kept = self._prefetched.get(table)
+        if kept is not None and len(distinct):
+            ids, rows = kept
+            at = np.minimum(np.searchsorted(ids, distinct), len(ids) - 1)
+            if len(ids) and np.array_equal(ids[at], distinct):
+                return rows[at]
+        return self.worker.pull_rows(table, distinct)
+
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Zero the gradients in place. ``set_to_none`` is accepted and not followed: the
         gradients stay views into the worker's buffer (a parameter with no gradient at a
-        ``step()`` is pushed a zero gradient either way)."""
+        ``step()`` is pushed a zero gradient either way). The rows the model's aps
+        embeddings used since the last step are forgotten (their gradients too)."""
+        for module in self._tables.values():
+            module.used = []
         if self._viewed:
             self._host_grads.zero_()
         for param, _, _ in self._staged:
@@ -571,8 +599,13 @@ class Optimizer(torch.optim.Optimizer):
                 param.grad.zero_()
 
     @torch.no_grad()
-    def step(self, closure: Callable[[], Any] | None = None) -> Any:
+    def step(self, closure: Callable[[], Any] | None = None, *, prefetch: Mapping[str, Any] | None = None) -> Any:
         """Push this iteration's gradients, wait for the gate, load the new weights.
+
+        The model's aps embeddings (:class:`aps.torch.Embedding`, :class:`EmbeddingBag`)
+        push the gradient rows of their forwards since the last step in the same request;
+        ``prefetch`` (``{table: ids}``, the next batch's) pulls those rows in it too, for the
+        next forwards to use (see :meth:`prefetch`).
 
         When a param group's values (``lr``, ``weight_decay``, ``momentum``,
         ``dampening``, ``betas``) changed since the last step (a scheduler, or
@@ -595,6 +628,8 @@ class Optimizer(torch.optim.Optimizer):
             self._send_loaded_weights()
             found_inf, grad_scale = getattr(self, "found_inf", None), getattr(self, "grad_scale", None)
             if found_inf is not None and float(found_inf) > 0:  # torch.amp.GradScaler found inf/NaN: skip
+                for module in self._tables.values():
+                    module.used = []
                 self.skipped_steps += 1
                 log.debug("rank %d: step skipped (inf/NaN gradients at scale %s)", self.worker.rank, grad_scale)
                 return loss
@@ -605,7 +640,15 @@ class Optimizer(torch.optim.Optimizer):
                 self.pacer.wait()
             self._adopt_stray_grads()
             self._gather_grads()
-            self.worker.push_pull(self._push_buffer)  # the weights land in the views' storage
+            rows = {name: used for name, module in self._tables.items()
+                    if (used := module._gradient_rows()) is not None}
+            ahead = _distinct(prefetch)
+            self._prefetched = {}
+            if rows or ahead:  # the dense gradient, the batch's rows and the next batch's: one round trip
+                _, pulled = self.worker.push_pull(self._push_buffer, rows=rows, pull_rows=ahead or {})
+                self._prefetched = {name: (ahead[name], pulled[name]) for name in ahead}
+            else:
+                self.worker.push_pull(self._push_buffer)  # the weights land in the views' storage
             self._load_weights()
         except BaseException:
             # GradScaler removes the attributes it set only when step() returns: left here, its
@@ -868,10 +911,40 @@ class Optimizer(torch.optim.Optimizer):
 
 # Checkpoints --------------------------------------------------------------------------
 
-from .checkpoint import Checkpoint, load_checkpoint  # noqa: E402  (kept apart from the training code above)
-from .errors import CheckpointError  # noqa: E402
+from ..checkpoint import Checkpoint, load_checkpoint  # noqa: E402  (kept apart from the training code above)
+from ..errors import CheckpointError  # noqa: E402
 
 __all__.append("load_state_dict")
+
+
+def _bind_tables(model: torch.nn.Module | None, optimizer: Optimizer) -> dict[str, _Rows]:
+    """The model's aps embeddings by table name (their own, or their name in the model),
+    bound to ``optimizer``."""
+    tables: dict[str, _Rows] = {}
+    if model is None:
+        return tables
+    for name, module in _uncompiled(model).named_modules():
+        if isinstance(module, _Rows):
+            table = module.table or name
+            if table in tables:
+                raise ConfigurationError(f"two aps embeddings of the model use table {table!r}: name each its own")
+            module._bind(optimizer, table)
+            tables[table] = module
+    return tables
+
+
+def _distinct(ids: Mapping[str, Any] | None) -> dict[str, np.ndarray]:
+    """``{table: ids}`` with each table's ids sorted, each once."""
+    if ids is None:
+        return {}
+    if not isinstance(ids, Mapping):
+        raise ConfigurationError("prefetch takes a mapping of table name to ids")
+    out = {}
+    for name, values in ids.items():
+        if isinstance(values, torch.Tensor):
+            values = values.detach().to("cpu", torch.int64).numpy()
+        out[name] = np.unique(np.asarray(values).reshape(-1))
+    return out
 
 
 def load_state_dict(model: torch.nn.Module, path: str | os.PathLike, *, strict: bool = True) -> Checkpoint:

@@ -1,0 +1,128 @@
+"""Embedding tables held by an aps server, as drop-in PyTorch modules.
+
+::
+
+    model = DLRM(..., embeddings=[aps.torch.Embedding(10**8, 64, table="items", optimizer="adagrad")])
+    opt = aps.torch.Optimizer(model, "tcp://ps-host:7450")  # declares the model's tables
+    for batch in loader:
+        opt.zero_grad()
+        loss_fn(model(batch), batch.y).backward()
+        opt.step()  # the dense gradient and the batch's rows, in one request
+
+A module holds no weights: its forward pulls the rows of the batch's distinct ids from
+the server (or takes them from :meth:`aps.torch.Optimizer.prefetch`, one request for every
+table), and keeps a leaf of the rows it used, one per occurrence of an id, as
+``nn.Embedding(sparse=True)`` makes its gradient; ``opt.step()`` pushes those gradient rows
+with the dense gradient. The rows are trained on the server by the table's own row-wise
+optimizer (:class:`aps.Table`), whatever the dense part's is.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from ..errors import ConfigurationError
+from ..tables import Table
+
+__all__ = ["Embedding", "EmbeddingBag"]
+
+
+class _Rows(torch.nn.Module):
+    """What both modules share: the table, the optimizer it is bound to, the rows used."""
+
+    def __init__(self, num_embeddings: int, embedding_dim: int, table: str | None, **spec: Any) -> None:
+        super().__init__()
+        self.table = table
+        self.spec = Table(rows=num_embeddings, dim=embedding_dim, **spec)
+        self.num_embeddings, self.embedding_dim = num_embeddings, embedding_dim
+        self._optimizer = None  # set by aps.torch.Optimizer
+        #: Rows used since the last step: (ids, one per occurrence; the leaf of their rows).
+        self.used: list[tuple[np.ndarray, torch.Tensor]] = []
+
+    def extra_repr(self) -> str:
+        return f"{self.num_embeddings}, {self.embedding_dim}, table={self.table!r}, optimizer={self.spec.optimizer!r}"
+
+    def _bind(self, optimizer: Any, name: str) -> None:
+        if self._optimizer is not None and self._optimizer is not optimizer:
+            raise ConfigurationError(f"table {name!r} is bound to another aps.torch.Optimizer already")
+        self._optimizer, self.table = optimizer, name
+
+    def _occurrences(self, ids: torch.Tensor) -> torch.Tensor:
+        """A leaf of the rows of ``ids`` (flat), one per occurrence; recorded for the step when
+        gradients are on."""
+        optimizer = self._optimizer
+        if optimizer is None:
+            raise ConfigurationError("an aps.torch embedding trains with aps.torch.Optimizer(model, ...): make the "
+                                     "optimizer from the model that holds it before the first forward")
+        if ids.dtype not in (torch.int64, torch.int32):
+            raise ConfigurationError(f"table {self.table!r}: ids are int64 or int32, not {ids.dtype}")
+        flat = ids.detach().reshape(-1).to("cpu", torch.int64).numpy()
+        distinct, inverse = np.unique(flat, return_inverse=True)
+        rows = torch.from_numpy(optimizer._rows_of(self.table, distinct))
+        leaf = rows[torch.from_numpy(inverse.reshape(-1))].to(optimizer.device)
+        if torch.is_grad_enabled() and self.training:
+            leaf.requires_grad_()
+            self.used.append((flat, leaf))
+        return leaf
+
+    def _gradient_rows(self) -> tuple[np.ndarray, np.ndarray] | None:
+        """The ids and gradient rows of the forwards since the last step (None: none had a gradient)."""
+        used, self.used = self.used, []
+        parts = [(ids, leaf.grad) for ids, leaf in used if leaf.grad is not None]
+        if not parts:
+            return None
+        ids = np.concatenate([ids for ids, _ in parts])
+        grads = torch.cat([grad for _, grad in parts]).to("cpu", torch.float32)
+        return ids, grads.contiguous().numpy()
+
+
+class Embedding(_Rows):
+    """``torch.nn.Embedding`` whose rows live in an aps table: ``num_embeddings`` ids (up to
+    2**63; a row exists on the server once touched) of ``embedding_dim`` values.
+
+    Args:
+        num_embeddings, embedding_dim: as ``nn.Embedding``.
+        table: the table's name on the server (default: the module's name in the model).
+        init, optimizer, lr, eps, betas, seed, evict: the table's (see :class:`aps.Table`;
+            ``init`` defaults to ``"normal:1.0"``, as ``nn.Embedding`` initializes).
+
+    ``forward(input)`` takes int64 (or int32) ids of any shape and returns their rows with
+    one more dimension of ``embedding_dim``, as ``nn.Embedding``; its gradient is pushed by
+    the optimizer's next ``step()`` (duplicates summed by the server, as a sparse gradient
+    is coalesced; SGD applies them in order, as ``torch.optim.SGD`` does).
+    """
+
+    def __init__(self, num_embeddings: int, embedding_dim: int, table: str | None = None, *,
+                 init: str = "normal:1.0", **spec: Any) -> None:
+        super().__init__(num_embeddings, embedding_dim, table, init=init, **spec)
+
+    def forward(self, input: torch.Tensor) -> torch.Tensor:
+        rows = self._occurrences(input)
+        return rows.view(*input.shape, self.embedding_dim)
+
+
+class EmbeddingBag(_Rows):
+    """``torch.nn.EmbeddingBag`` whose rows live in an aps table: the sum, mean or max of
+    each bag's rows, with ``per_sample_weights`` (mode ``"sum"``), ``offsets`` or 2-D input,
+    as ``nn.EmbeddingBag`` takes them. Arguments as :class:`Embedding`, and ``mode``."""
+
+    def __init__(self, num_embeddings: int, embedding_dim: int, table: str | None = None, *,
+                 mode: str = "mean", include_last_offset: bool = False, init: str = "normal:1.0",
+                 **spec: Any) -> None:
+        if mode not in ("sum", "mean", "max"):
+            raise ConfigurationError(f"mode is 'sum', 'mean' or 'max', not {mode!r}")
+        super().__init__(num_embeddings, embedding_dim, table, init=init, **spec)
+        self.mode, self.include_last_offset = mode, include_last_offset
+
+    def forward(self, input: torch.Tensor, offsets: torch.Tensor | None = None,
+                per_sample_weights: torch.Tensor | None = None) -> torch.Tensor:
+        rows = self._occurrences(input)
+        positions = torch.arange(rows.shape[0], device=rows.device)
+        if input.dim() == 2:
+            positions = positions.view(input.shape)
+        return F.embedding_bag(positions, rows, offsets, mode=self.mode, per_sample_weights=per_sample_weights,
+                               include_last_offset=self.include_last_offset)
