@@ -29,6 +29,7 @@ from .errors import (
     ServerError,
     ServerSilent,
     ShuttingDown,
+    TableMemoryFull,
     TableMismatch,
 )
 from .layout import Layout
@@ -66,6 +67,7 @@ __all__ = [
     "ServerSilent",
     "ShuttingDown",
     "Table",
+    "TableMemoryFull",
     "TableMismatch",
     "Worker",
     "__version__",

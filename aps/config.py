@@ -136,6 +136,15 @@ class ServerConfig:
             metavar="SIZE",
         ),
     )
+    table_memory: int = field(
+        default=0,
+        metadata=_opt(
+            "the bytes the rows of the embedding tables may take (K/M/G suffixes; 0: no limit): beyond it the "
+            "least recently used rows of tables declared evict=True are dropped (touched again, they start "
+            "from their initial values); a request that cannot fit is refused (TABLE_MEMORY_FULL)",
+            metavar="SIZE",
+        ),
+    )
     token: str | None = field(
         default=None,
         repr=False,
@@ -258,6 +267,8 @@ class ServerConfig:
             raise ConfigurationError(f"--max-connections must be at least 1, got {self.max_connections}")
         if not self.handshake_timeout > 0:
             raise ConfigurationError(f"--handshake-timeout must be > 0, got {self.handshake_timeout}")
+        if self.table_memory < 0:
+            raise ConfigurationError(f"--table-memory must be >= 0, got {self.table_memory}")
         if self.stream_min_bytes < 0:
             raise ConfigurationError(f"--stream-min-bytes must be >= 0, got {self.stream_min_bytes}")
         if self.token is not None and not self.token:

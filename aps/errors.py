@@ -85,6 +85,7 @@ class ErrorCode(IntEnum):
     WEIGHTS_REFUSED = 23
     TABLE_MISMATCH = 24
     INVALID_IDS = 25
+    TABLE_MEMORY_FULL = 26
 
 
 class APSError(Exception):
@@ -278,6 +279,11 @@ class TableMismatch(ServerError, ValueError, code=ErrorCode.TABLE_MISMATCH):
 class InvalidIds(ServerError, ValueError, code=ErrorCode.INVALID_IDS):
     """Row ids that are not int64 ids of the table (negative, at least its ``rows``, not
     integers), or gradient rows of another dimension: refused, and nothing changed."""
+
+
+class TableMemoryFull(ServerError, MemoryError, code=ErrorCode.TABLE_MEMORY_FULL):
+    """The rows a request would make do not fit in the server's ``--table-memory``, and no
+    table declared ``evict=True`` has rows to give up: refused, and nothing changed."""
 
 
 class WeightsRefused(ServerError, ValueError, code=ErrorCode.WEIGHTS_REFUSED):

@@ -256,7 +256,8 @@ def _parse_bool(text: str) -> bool:
 
 
 _CONVERTERS: dict[str, Callable[[str], Any]] = {
-    "betas": _parse_betas, "max_frame_bytes": parse_size, "stream_min_bytes": parse_size
+    "betas": _parse_betas, "max_frame_bytes": parse_size, "stream_min_bytes": parse_size,
+    "table_memory": parse_size,
 }
 
 

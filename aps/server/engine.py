@@ -472,7 +472,8 @@ class Engine(Durable):
             table.close()
             raise
         self.table, self.layout, self.aggregate = table, layout, aggregate
-        self.rows = Tables((name, RowTable(name, declared, kernels=self.kernels)) for name, declared in layout.tables)
+        self.rows = Tables(((name, RowTable(name, declared, kernels=self.kernels)) for name, declared in layout.tables),
+                           limit=self.config.table_memory)
         log.info(
             "model registered: %d tensors, %d parameters (%.1f MiB); %s; %s",
             len(layout),
@@ -840,6 +841,8 @@ class Engine(Durable):
         exception at any step: nothing of it was adopted)."""
         self.stats.rejected += 1
         self.stats.workers[rank].rejected += 1
+        if isinstance(reason, ServerError):  # (a row of a table refused: said as it is)
+            return reason
         if isinstance(reason, BaseException):
             cause = f"{type(reason).__name__}: {reason}"
             log.error("worker %d: its update failed and changed nothing (%s)", rank, cause)

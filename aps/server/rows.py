@@ -23,10 +23,13 @@ from typing import Any, NamedTuple
 import numpy as np
 
 from .. import _core
-from ..errors import InvalidIds, NonFiniteGradient
+from ..errors import InvalidIds, NonFiniteGradient, TableMemoryFull
 from ..tables import Table
 
 __all__ = ["RowTable", "Tables"]
+
+#: What a row costs the index at most (16 bytes a bucket, at most half of them full).
+_INDEX_BYTES_PER_ROW = 32
 
 
 class RowTable:
@@ -43,11 +46,15 @@ class RowTable:
         self.index = kernels.RowIndex(capacity)
         self._rows = np.empty((capacity, table.dim), np.float32)
         self._state = {key: np.empty((capacity, width), np.float32) for key, width in table.state_per_row().items()}
+        #: When each row was last touched (Tables.now at the time), for eviction.
+        self._touched = np.zeros(capacity, np.int64)
+        self.now = 0
         #: Pushes applied (Adam's step count, for its bias correction).
         self.steps = 0
-        #: Rows pulled and pushed since the process started (ids, duplicates counted).
+        #: Rows pulled and pushed since the process started (ids, duplicates counted), and evicted.
         self.rows_pulled = 0
         self.rows_pushed = 0
+        self.rows_evicted = 0
 
     def __len__(self) -> int:
         return len(self.index)
@@ -165,13 +172,21 @@ class RowTable:
 
     # The index and the slab ------------------------------------------------
     def _find(self, ids: np.ndarray) -> np.ndarray:
-        """The rows of ``ids``, made (their initial values, zero state) where new."""
+        """The rows of ``ids``, made (their initial values, zero state) where new; each one
+        touched now."""
+        rows = self._held_rows(ids)
+        self._touched[rows[rows >= 0]] = self.now
+        return self._make(ids, rows) if (rows < 0).any() else rows
+
+    def _held_rows(self, ids: np.ndarray) -> np.ndarray:
+        """The rows of ``ids``, -1 where not held."""
         rows = np.empty(len(ids), np.int64)
-        held = len(self.index)
         self.index.lookup(ids, rows, add=False)
+        return rows
+
+    def _make(self, ids: np.ndarray, rows: np.ndarray) -> np.ndarray:
+        held = len(self.index)
         missing = int(np.count_nonzero(rows < 0))
-        if not missing:
-            return rows
         # Room first (an upper bound: duplicates among the new ids count twice), so that
         # the index never names a row the slab lacks, even when making room fails.
         self._make_room(held + missing, held)
@@ -183,7 +198,37 @@ class RowTable:
             self._kernels.rows_init(self._rows[held : held + added], ids[fresh][first], self._seed, kind, scale)
             for slab in self._state.values():
                 slab[held : held + added] = 0.0
+            self._touched[held : held + added] = self.now
         return rows
+
+    def touch(self, ids: np.ndarray) -> int:
+        """Mark the rows of ``ids`` held touched now (so that no eviction takes them);
+        returns how many of ``ids`` are not held (an upper bound of the rows they make)."""
+        rows = self._held_rows(ids)
+        self._touched[rows[rows >= 0]] = self.now
+        return int(np.count_nonzero(rows < 0))
+
+    def untouched_since(self, now: int) -> tuple[np.ndarray, np.ndarray]:
+        """The rows not touched at ``now`` and when each was last touched."""
+        touched = self._touched[: len(self)]
+        rows = np.flatnonzero(touched < now)
+        return rows, touched[rows]
+
+    def drop(self, rows: np.ndarray) -> None:
+        """Evict ``rows``: the others kept in their order, the index made again for them
+        (a row dropped and touched again starts from its initial values)."""
+        count = len(self)
+        keep = np.ones(count, bool)
+        keep[rows] = False
+        kept = int(keep.sum())
+        ids = self.index.ids()[keep]
+        self._rows[:kept] = self._rows[:count][keep]
+        for slab in self._state.values():
+            slab[:kept] = slab[:count][keep]
+        self._touched[:kept] = self._touched[:count][keep]
+        self.index = self._kernels.RowIndex(kept)
+        self.index.lookup(ids, np.empty(kept, np.int64))
+        self.rows_evicted += count - kept
 
     def _make_room(self, count: int, held: int) -> None:
         """Room for ``count`` rows, the ``held`` ones kept (doubling: a batch's new rows
@@ -196,6 +241,9 @@ class RowTable:
             capacity *= 2
         self._rows = _grown(self._rows, capacity, held)
         self._state = {key: _grown(slab, capacity, held) for key, slab in self._state.items()}
+        touched = np.zeros(capacity, np.int64)
+        touched[:held] = self._touched[:held]
+        self._touched = touched
 
 
 class Tables(dict):
@@ -204,9 +252,16 @@ class Tables(dict):
     and push them as one transaction; and the rows of an open BSP/softsync round, kept
     until its aggregate update applies them, summed by id, once."""
 
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
+    def __init__(self, *args: Any, limit: int = 0, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self._round: dict[int, list[tuple[np.ndarray, np.ndarray, float]]] = {}
+        #: ``--table-memory``: the bytes the tables' rows may take (0: no limit).
+        self.limit = limit
+        self._now = 0  # requests checked so far: the clock of the rows' last touch
+
+    @property
+    def nbytes(self) -> int:
+        return sum(rows.nbytes for rows in self.values())
 
     def by_index(self, index: int) -> RowTable:
         return list(self.values())[index]
@@ -227,6 +282,41 @@ class Tables(dict):
         for table, ids, _ in pulled:
             rows = tables[table]
             rows.table.check_ids(rows.name, ids)
+        self._now += 1
+        for rows in tables:
+            rows.now = self._now
+        if self.limit:
+            self._fit([(tables[table], ids) for table, ids, _ in (*pushed, *pulled)])
+
+    def _fit(self, parts: list[tuple[RowTable, np.ndarray]]) -> None:
+        """Room within the limit for the rows a request may make (its rows held are touched
+        now, so they stay): the least recently used rows of the tables that may evict are
+        dropped, down to seven eighths of the limit (an eviction pays for many requests);
+        else TableMemoryFull. Requests in flight (one per worker at most) may pass the limit
+        by the rows they make, never more."""
+        need = sum(rows.touch(ids) * (rows.table.row_bytes() + _INDEX_BYTES_PER_ROW) for rows, ids in parts)
+        held = self.nbytes
+        if held + need <= self.limit:
+            return
+        target = held + need - self.limit + self.limit // 8
+        candidates = [(rows, *rows.untouched_since(self._now)) for rows in self.values() if rows.table.evict]
+        if candidates:
+            order = np.concatenate([touched for _, _, touched in candidates]).argsort(kind="stable")
+            owner = np.concatenate([np.full(len(found), i) for i, (_, found, _) in enumerate(candidates)])[order]
+            row = np.concatenate([found for _, found, _ in candidates])[order]
+            sizes = np.array([rows.table.row_bytes() for rows, _, _ in candidates])[owner]  # (the index: a bonus)
+            count = int(np.searchsorted(np.cumsum(sizes), target)) + 1
+            for i, (rows, _, _) in enumerate(candidates):
+                mine = row[:count][owner[:count] == i]
+                if len(mine):
+                    rows.drop(mine)
+            if self.nbytes + need <= self.limit:
+                return
+        raise TableMemoryFull(
+            f"the rows of the tables take {self.nbytes} bytes of the {self.limit} --table-memory allows, and this "
+            f"request may make {need} more; "
+            + ("the tables that may evict (evict=True) have too few rows to give up" if candidates else
+               "no table is declared evict=True") + ": nothing changed")
 
     def pull(self, pulled: list) -> list[np.ndarray]:
         """The rows a request asked for, table after table (made on their first touch)."""

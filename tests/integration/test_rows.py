@@ -294,3 +294,25 @@ def test_a_model_without_tables_refuses_rows_on_the_wire(server_process, transpo
         assert code == ErrorCode.INVALID_IDS and "declares no tables" in text
     finally:
         raw.close()
+
+
+def test_table_memory_evicts_the_least_recently_used_rows_or_refuses(server_process, client):
+    server = server_process("--workers", "1", "--sync", "asp", "--table-memory", "256K")
+    tables = {"cache": Table(rows=10**9, dim=16, init="normal:0.1", optimizer="sgd", lr=1.0, evict=True),
+              "fixed": Table(rows=10**9, dim=16, init="zeros", optimizer="sgd", lr=1.0)}
+    local = Local(tables)
+    with client(server.address, 0, 1) as worker:
+        worker.init(DENSE, tables=tables)
+        hot = np.arange(8)
+        worker.push_rows("cache", [10**6], np.ones((1, 16), np.float32))  # a cold row with an update
+        for step in range(40):  # 40 x 500 rows of 64 bytes: five times the limit, through the cache
+            worker.push_rows("cache", hot, np.ones((8, 16), np.float32))
+            local.push({"cache": (hot, np.ones((8, 16), np.float32))})
+            worker.pull_rows("cache", 10**6 + step * 500 + np.arange(500))
+        assert np.array_equal(worker.pull_rows("cache", hot), local.pull("cache", hot))  # the hot rows stayed
+        # the cold row was evicted: touched again, it starts from its initial values, its update gone
+        assert np.array_equal(worker.pull_rows("cache", [10**6]), Local(tables).pull("cache", [10**6]))
+        with pytest.raises(aps.errors.TableMemoryFull, match="--table-memory"):
+            worker.pull_rows("fixed", np.arange(5000))  # 320 KB at least: more than all of the limit
+        worker.push_rows("fixed", [1], np.ones((1, 16), np.float32))  # and it goes on
+        assert worker.pull_rows("fixed", [1]).tolist() == [[-1.0] * 16]

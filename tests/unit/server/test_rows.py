@@ -209,3 +209,64 @@ def test_ids_spread_evenly_over_shards_even_when_skewed():
     aps._core.mix64(one, hashed)
     low = np.bincount((hashed & np.uint64(15)).astype(np.int64), minlength=16)  # the index's bits
     assert low.max() / low.mean() <= 1.1, low
+
+
+# --table-memory ---------------------------------------------------------------------
+def request(tables, name, ids, grads=None):
+    """One request's rows through the tables, as the session takes it: checked (and fitted
+    into the limit) first, then pushed (applied) or pulled."""
+    from aps.wire.rows import RowSection
+
+    index = list(tables).index(name)
+    ids = np.asarray(ids, np.int64)
+    if grads is None:
+        tables.check([], [RowSection(index, ids, None)])
+        return tables.pull([RowSection(index, ids, None)])[0]
+    tables.check([RowSection(index, ids, grads)], [])
+    tables.commit(tables.prepare([RowSection(index, ids, grads)]))
+    return None
+
+
+def test_the_least_recently_used_rows_give_way_and_come_back_from_their_initial_values(kernels):
+    from aps.server.rows import Tables
+
+    table = Table(rows=10**9, dim=8, init="normal:0.1", optimizer="sgd", lr=1.0, evict=True)
+    row_cost = table.row_bytes() + 32
+    tables = Tables({"items": RowTable("items", table, kernels=kernels)}, limit=2000 * row_cost)
+    fresh = RowTable("items", table, kernels=kernels)
+    hot = np.arange(10)
+    for step in range(50):  # the hot rows are touched every request, the cold ones once
+        request(tables, "items", hot, np.ones((10, 8), np.float32))
+        request(tables, "items", 1000 + step * 100 + np.arange(100))
+        assert tables.nbytes <= tables.limit + 100 * row_cost
+    rows = tables["items"]
+    assert rows.rows_evicted > 0 and len(rows) < 5010
+    expected = fresh.pull(hot)
+    for _ in range(50):  # the hot rows kept every update
+        expected -= np.float32(1.0)
+    assert np.array_equal(request(tables, "items", hot), expected)
+    assert np.array_equal(request(tables, "items", [1000, 1001]), fresh.pull([1000, 1001]))  # evicted: initial
+
+
+def test_a_request_that_cannot_fit_is_refused_and_changes_nothing(kernels):
+    from aps.errors import TableMemoryFull
+    from aps.server.rows import Tables
+
+    keep = Table(rows=10**6, dim=8, optimizer="sgd", lr=1.0)
+    spare = Table(rows=10**6, dim=8, optimizer="sgd", lr=1.0, evict=True)
+    cost = keep.row_bytes() + 32
+    tables = Tables({"keep": RowTable("keep", keep, kernels=kernels), "spare": RowTable("spare", spare,
+                                                                                         kernels=kernels)},
+                    limit=250 * cost)
+    request(tables, "spare", np.arange(200))
+    request(tables, "keep", np.arange(200))  # the table that may evict gives up its rows
+    assert len(tables["spare"]) < 200 and len(tables["keep"]) == 200
+    before = tables["keep"].arrays()
+    with pytest.raises(TableMemoryFull, match="no rows to give up|too few rows"):
+        request(tables, "keep", 1000 + np.arange(250), np.ones((250, 8), np.float32))
+    after = tables["keep"].arrays()
+    assert all(np.array_equal(before[key], after[key]) for key in before)
+    alone = Tables({"keep": RowTable("keep", keep, kernels=kernels)}, limit=100 * cost)
+    with pytest.raises(TableMemoryFull, match="no table is declared evict=True"):
+        request(alone, "keep", np.arange(200))
+    assert len(alone["keep"]) == 0
