@@ -85,10 +85,13 @@ class Embedding(_Rows):
     2**63; a row exists on the server once touched) of ``embedding_dim`` values.
 
     Args:
-        num_embeddings, embedding_dim: as ``nn.Embedding``.
+        num_embeddings: the number of ids, as ``nn.Embedding``'s.
+        embedding_dim: the length of a row.
         table: the table's name on the server (default: the module's name in the model).
-        init, optimizer, lr, eps, betas, seed, evict: the table's (see :class:`aps.Table`;
-            ``init`` defaults to ``"normal:1.0"``, as ``nn.Embedding`` initializes).
+        init: how a row starts (see :class:`aps.Table`); ``"normal:1.0"``, as
+            ``nn.Embedding`` initializes.
+        **spec: the rest of the table: ``optimizer``, ``lr``, ``eps``, ``betas``, ``seed``,
+            ``evict`` (see :class:`aps.Table`).
 
     ``forward(input)`` takes int64 (or int32) ids of any shape and returns their rows with
     one more dimension of ``embedding_dim``, as ``nn.Embedding``; its gradient is pushed by

@@ -152,6 +152,18 @@ def test_the_readme_example_runs_as_written(home):
     assert token not in out
 
 
+def test_the_readme_tables_example_runs_as_written(home):
+    server_line = re.findall(r"^(aps serve [^\n#]*)$", _section(README, "Example"), re.M)[0]
+    subprocess.run([sys.executable, "-m", "aps", "token", "--file", str(home / ".aps-token")], check=True, timeout=60)
+    server = _serve(_aps_argv(server_line.strip(), home))
+    try:
+        (code,) = _blocks(_section(README, "Embedding tables"), "python")
+        out = _run_example(code, server, home)
+    finally:
+        server.stop()
+    assert out == "largest error: 0.0\n", out  # every item's row learned its vector
+
+
 @pytest.mark.slow  # importing torch and torch._dynamo in a fresh process: about 10 s here
 def test_the_readme_pytorch_example_runs_as_written(home):
     pytest.importorskip("torch")
