@@ -84,6 +84,19 @@ class Checkpoint:
             return _manifest_layout(self.path, self.manifest)
         return Layout.from_arrays(self.weights)
 
+    @property
+    def tables(self) -> dict[str, dict[str, np.ndarray]]:
+        """The rows of each embedding table the checkpoint holds, by table name: ``ids``
+        (int64), ``rows`` (float32, one row an id, in the same order) and the optimizer's
+        state of each row (``sum``, ``exp_avg``, ``exp_avg_sq``); rows never touched are not
+        there. ``{}`` for a model without tables."""
+        out: dict[str, dict[str, np.ndarray]] = {name: {} for name, _ in self.layout.tables}
+        for key, value in self.state.items():
+            parts = key.split("/")
+            if len(parts) == 3 and parts[0] == "tables" and parts[1] in out:
+                out[parts[1]][parts[2]] = value
+        return out
+
     def flat_weights(self) -> np.ndarray:
         """The weights as one new float32 vector, in layout order (what the server holds)."""
         layout = self.layout

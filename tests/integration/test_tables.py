@@ -68,9 +68,17 @@ def test_a_checkpoint_keeps_the_declarations_across_a_resume(tmp_path):
     try:
         with aps.Worker(server.address, 0, 1, reconnect=False) as worker:
             worker.init(DENSE, tables=TABLES)
-            worker.push(np.ones(64, np.float32))
+            worker.push(np.ones(64, np.float32), rows={"items": ([10**8, 5, 5], np.ones((3, 8), np.float32))})
+            held = worker.pull_rows("items", [5, 10**8])
             path = request_checkpoint(server.address)["path"]
-        assert load_checkpoint(path).layout.tables == tuple(TABLES.items())
+        checkpoint = load_checkpoint(path)
+        assert checkpoint.layout.tables == tuple(TABLES.items())
+        saved = checkpoint.tables  # the rows touched and their state, loadable as arrays
+        assert set(saved) == {"items", "users"} and len(saved["users"]["ids"]) == 0  # (no row touched)
+        assert sorted(saved["items"]) == ["ids", "rows", "sum"]
+        order = np.argsort(saved["items"]["ids"])
+        assert saved["items"]["ids"][order].tolist() == [5, 10**8]
+        assert np.array_equal(saved["items"]["rows"][order], held)
         port = str(server.port)
         server.stop()
         server = ServerProcess("--port", port, "--checkpoint-dir", str(tmp_path), "--resume")
@@ -80,6 +88,7 @@ def test_a_checkpoint_keeps_the_declarations_across_a_resume(tmp_path):
         with aps.Worker(server.address, 0, 1, reconnect=False) as worker:
             weights = worker.init(DENSE, tables=TABLES)
             assert np.array_equal(weights["w"], np.full(64, -0.01, np.float32)) and worker.version == 1
+            assert np.array_equal(worker.pull_rows("items", [5, 10**8]), held)  # restored exactly
     finally:
         server.stop()
 
