@@ -316,3 +316,26 @@ def test_table_memory_evicts_the_least_recently_used_rows_or_refuses(server_proc
             worker.pull_rows("fixed", np.arange(5000))  # 320 KB at least: more than all of the limit
         worker.push_rows("fixed", [1], np.ones((1, 16), np.float32))  # and it goes on
         assert worker.pull_rows("fixed", [1]).tolist() == [[-1.0] * 16]
+
+
+def test_the_servers_memory_follows_the_rows_touched(server_process, transport):
+    """A table of 10^10 declared rows, 10^6 of them touched through the wire: the server's RSS
+    grows by at most 1.5x the bytes of those rows and their state."""
+    import psutil
+
+    server = server_process("--workers", "1", "--sync", "asp")
+    table = Table(rows=10**10, dim=32, optimizer="adagrad", lr=0.1)
+    process = psutil.Process(server.proc.pid)
+    with aps.Worker(server.address, 0, 1, transport=transport) as worker:
+        worker.init(DENSE, tables={"big": table})
+        worker.push_rows("big", [1], np.ones((1, 32), np.float32))
+        before = process.memory_info().rss
+        ids = np.random.default_rng(0).choice(10**10, 10**6, replace=False)
+        grads = np.full((10**5, 32), 0.5, np.float32)
+        for chunk in np.split(ids, 10):
+            worker.push_rows("big", chunk, grads)
+        grown = process.memory_info().rss - before
+        assert worker.pull_rows("big", ids[:3]).tolist() == worker.pull_rows("big", ids[:3]).tolist()  # (held)
+        assert len(worker.pull_rows("big", ids)) == 10**6
+    touched = 10**6 * table.row_bytes()
+    assert grown <= 1.5 * touched, (grown / touched, grown, touched)
