@@ -335,7 +335,6 @@ def test_the_servers_memory_follows_the_rows_touched(server_process, transport):
         for chunk in np.split(ids, 10):
             worker.push_rows("big", chunk, grads)
         grown = process.memory_info().rss - before
-        assert worker.pull_rows("big", ids[:3]).tolist() == worker.pull_rows("big", ids[:3]).tolist()  # (held)
         assert len(worker.pull_rows("big", ids)) == 10**6
     touched = 10**6 * table.row_bytes()
     assert grown <= 1.5 * touched, (grown / touched, grown, touched)
