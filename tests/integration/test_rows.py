@@ -198,12 +198,12 @@ def test_bsp_applies_a_rounds_rows_once(server_process, client):
             w.close()
 
 
-def test_three_shards_equal_one_under_bsp(server_process):
+def test_three_shards_equal_one_under_bsp(server_process, client):
     tables = {"items": TABLES["items"], "tags": TABLES["tags"]}
 
     def train(addresses):
         rng = np.random.default_rng(5)
-        with aps.Worker(addresses, 0, 1, transport="tcp") as worker:
+        with client(addresses, 0, 1) as worker:
             worker.init({"w": np.zeros(64, np.float32)}, tables=tables)
             for _ in range(6):
                 rows = {name: batch(rng, name, 40) for name in tables}
