@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 
 import aps
+from aps.checkpoint import list_checkpoints, read_checkpoint
 from aps.tables import Table
 
 from tests.integration.test_sharded_resume import WORKERS, LedgerRun
@@ -80,3 +81,62 @@ def test_a_sharded_bsp_run_with_rows_equals_the_unsharded_one_across_a_shard_cra
     assert np.array_equal(sharded[0], reference[0])
     for name in TABLES:
         assert np.array_equal(sharded[1][name], reference[1][name]), name
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("sync", ["bsp", "asp"])
+def test_no_row_is_applied_twice_across_kill_9_and_resume(server_process, tmp_path, transport, sync):
+    """A ledger of rows: each iteration (rank, clock) pushes -1 to a row of its own, with the
+    dense gradient or alone, while the server is killed (kill -9) and resumed from its newest
+    checkpoint three times; the workers get back by themselves. No row may read -2 (applied
+    twice); a row lost to a crash is one after the checkpoint the server resumed from."""
+    steps, workers = 150, 2
+    flags = ("--workers", str(workers), "--sync", sync, "--lr", "1", "--checkpoint-dir", str(tmp_path),
+             "--checkpoint-every", "0", "--checkpoint-every-updates", "7")
+    table = {"ledger": Table(rows=10**6, dim=1, init="zeros", optimizer="sgd", lr=1.0)}
+    server = server_process(*flags)
+    port = str(server.port)
+    errors: list[BaseException] = []
+    unit = float(workers) if sync == "bsp" else 1.0  # (BSP applies the mean of a round)
+
+    def run(rank: int) -> None:
+        try:
+            with aps.Worker(server.address, rank, workers, transport=transport, reconnect_timeout=60) as worker:
+                worker.init({"w": np.zeros(16, np.float32)}, tables=table)
+                while worker.clock < steps:
+                    clock = worker.clock + 1
+                    rows = {"ledger": ([rank * 1000 + clock], np.full((1, 1), unit, np.float32))}  # the row: -1
+                    if clock % 3:
+                        worker.push_pull(np.zeros(16, np.float32), rows=rows)
+                    else:
+                        worker.push_rows(rows)
+                        worker.pull()
+                    time.sleep(0.005)
+        except BaseException as exc:  # reported below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=run, args=(rank,), daemon=True) for rank in range(workers)]
+    for thread in threads:
+        thread.start()
+    kills = 0
+    for _ in range(3):
+        time.sleep(0.6)
+        if errors or not any(t.is_alive() for t in threads):
+            break
+        kills += 1
+        server.proc.kill()
+        server.proc.wait(10)
+        server.stop()
+        server = server_process("--port", port, "--checkpoint-dir", str(tmp_path), "--resume")
+    for thread in threads:
+        thread.join(120)
+    assert not errors, errors
+    assert kills >= 2  # (killed while they trained)
+    assert server.stop() == 0  # (a clean stop writes a last checkpoint)
+    saved = read_checkpoint(list_checkpoints(tmp_path)[0]).tables["ledger"]
+    counts = dict(zip(saved["ids"].tolist(), (-saved["rows"][:, 0]).tolist()))
+    ids = [rank * 1000 + clock for rank in range(workers) for clock in range(1, steps + 1)]
+    applied = np.array([counts.get(i, 0.0) for i in ids])
+    assert set(np.unique(applied).tolist()) <= {0.0, 1.0}, "a row was applied twice"
+    # lost: at most the updates after the checkpoint each crash resumed from (7 versions, a push each)
+    assert applied.sum() >= len(ids) - 3 * 7, applied.sum()
