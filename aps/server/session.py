@@ -414,6 +414,7 @@ class ServerSession(Handshake):
     def frame_buffer(self, header: Header) -> memoryview | None:
         op, length = header.op, header.length
         dest: memoryview | None = None
+        self._rows_at = None
         if not self._authenticated and op not in HANDSHAKE_OPS:
             # Fatal (the reader closes the connection): nothing is served, read or kept for a stranger.
             self._auth_failed(f"a {_op_name(op)} request before the handshake")
@@ -426,7 +427,6 @@ class ServerSession(Handshake):
                     raise DTypeMismatch(f"a narrowed pull is BFLOAT16 or FLOAT16, not {dtype_name(header.dtype)}")
                 if not self.compressed:
                     raise DTypeMismatch(f"narrowed weights cross TCP only, not {self.kind}")
-            self._rows_at = None
             if header.flags & _ROWS:
                 dest = self._rows_destination(header)
             elif op in _GRADIENT_OPS:
