@@ -36,6 +36,7 @@ __all__ = [
     "WeightsRefused",
     "TableMismatch",
     "InvalidIds",
+    "TableMemoryFull",
     "LayoutMismatch",
     "MalformedFrame",
     "NonFiniteGradient",
