@@ -25,6 +25,9 @@ Only trainable parameters go through the server, laid out group by group;
 they may be float32, bfloat16 or float16 (16-bit ones train on float32 master
 weights kept by the server).
 Buffers (BatchNorm running statistics and the like) stay local to each worker.
+Embedding tables too large for a worker live on the server: :class:`Embedding` and
+:class:`EmbeddingBag` (aps/torch/embedding.py) take the place of torch's sparse
+embeddings, and ``step()`` pushes their rows' gradient with the dense one.
 
 Address, rank and worker count default to ``APS_ADDRESS``, ``RANK`` and
 ``WORLD_SIZE`` (what ``torchrun`` and ``aps launch`` set). Under ``aps
