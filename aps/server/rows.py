@@ -25,6 +25,7 @@ import numpy as np
 from .. import _core
 from ..errors import InvalidIds, NonFiniteGradient, TableMemoryFull
 from ..tables import Table
+from ..wire.rows import decode_request_rows
 
 __all__ = ["RowTable", "Tables"]
 
@@ -269,6 +270,13 @@ class Tables(dict):
     @property
     def dims(self) -> list[int]:
         return [rows.table.dim for rows in self.values()]
+
+    def intake(self, payload: Any, push: bool, pull: bool) -> tuple[list, list]:
+        """A request's rows (aps.wire.rows: the sections it pushes and pulls), decoded and
+        checked (:meth:`check`)."""
+        pushed, pulled = decode_request_rows(payload, self.dims, push, pull)
+        self.check(pushed, pulled)
+        return pushed, pulled
 
     def check(self, pushed: list, pulled: list) -> None:
         """Refuse (InvalidIds, NonFiniteGradient) a request's rows before anything is made of them."""

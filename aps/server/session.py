@@ -55,7 +55,7 @@ from ..wire.protocol import (
     pack_header,
 )
 from ..wire.framing import FrameReader
-from ..wire.rows import decode_request_rows, reply_rows_parts
+from ..wire.rows import reply_rows_parts
 from .admission import StrangerGuard, _refusals, _strangers
 from .handshake import Handshake
 from .intake import _STATE_FIXED, InitIntake, StateIntake, WeightsIntake
@@ -701,12 +701,8 @@ class ServerSession(Handshake):
         member.rows_wanted = member.rows_out = None
         if not header.flags & _ROWS:
             return []
-        rows = self.engine.rows
-        pushed, pulled = decode_request_rows(payload, rows.dims, header.op in _GRADIENT_OPS,
-                                             header.op in _PULL_OPS)
-        rows.check(pushed, pulled)
-        if header.op in _PULL_OPS:
-            member.rows_wanted = pulled
+        pushed, pulled = self.engine.rows.intake(payload, header.op in _GRADIENT_OPS, header.op in _PULL_OPS)
+        member.rows_wanted = pulled if header.op in _PULL_OPS else None
         return pushed
 
     def _on_leave(self, header: Header, payload: memoryview, stream) -> None:
@@ -864,9 +860,14 @@ class ServerSession(Handshake):
         rows: tuple = ()
         if self._rows_request and op != Op.INIT_REPLY:
             member = self.member
-            rows = tuple(reply_rows_parts(member.rows_out or [])) if member is not None else ()
+            read = None
             if member is not None:
-                member.rows_out = None
+                read, member.rows_out = member.rows_out, None
+            if isinstance(read, BaseException):
+                snap.release()
+                self._fail(InternalServerError(f"reading the rows failed: {type(read).__name__}: {read}"))
+                return
+            rows = tuple(reply_rows_parts(read or []))
             flags |= _ROWS
             if not self._dense_reply:  # rows alone
                 version = snap.version
