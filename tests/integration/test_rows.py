@@ -338,3 +338,27 @@ def test_the_servers_memory_follows_the_rows_touched(server_process, transport):
         assert len(worker.pull_rows("big", ids)) == 10**6
     touched = 10**6 * table.row_bytes()
     assert grown <= 1.5 * touched, (grown / touched, grown, touched)
+
+
+def test_a_failure_reading_rows_is_answered_and_the_server_goes_on(monkeypatch, client):
+    """Reading the rows asked for fails (out of memory, say): the worker gets an error, not a
+    wait without end, and the next request is served."""
+    from aps.errors import InternalServerError
+    from aps.server.rows import Tables
+
+    real, failures = Tables.pull, []
+
+    def pull(self, pulled):
+        if failures:
+            failures.pop()
+            raise MemoryError("no room for the rows")
+        return real(self, pulled)
+
+    monkeypatch.setattr(Tables, "pull", pull)
+    with aps.Server(workers=1, sync="asp", port=0, log_level="error").run_in_background() as server:
+        with client(server.address, 0, 1) as worker:
+            worker.init(DENSE, tables=TABLES)
+            failures.append(True)
+            with pytest.raises(InternalServerError, match="reading the rows failed: MemoryError"):
+                worker.pull_rows("tags", [1, 2])
+            assert np.array_equal(worker.pull_rows("tags", [1, 2]), Local().pull("tags", [1, 2]))
