@@ -20,8 +20,9 @@ def register(commands) -> None:
     parser = commands.add_parser(
         "status",
         help="print a running server's statistics",
-        description="Print a running server's statistics: version, update rate, and per worker its clock, "
-        "staleness, time waited at the gate, DSSP grants and learning rate.",
+        description="Print a running server's statistics: version, update rate, per embedding table its rows "
+        "held and pulled and pushed, and per worker its clock, staleness, time waited at the gate, DSSP grants "
+        "and learning rate.",
     )
     parser.add_argument("address", type=_addresses,
                         help="the server, tcp://HOST:PORT; the shards of a model, comma-separated")
@@ -165,6 +166,21 @@ def _checkpoint_lines(server: dict) -> list[str]:
     return lines
 
 
+def _table_lines(server: dict) -> list[str]:
+    """The model's embedding tables (a model without any: no lines): the rows each holds and
+    their bytes, and the rows this process pulled, pushed and evicted (ids, duplicates counted)."""
+    tables = server.get("tables") or {}
+    if not tables:
+        return []
+    width = max(5, *(len(name) for name in tables))
+    lines = ["", f"{'table':<{width}} {'dim':>5}  {'optimizer':<15} {'rows held':>12} {'bytes':>9} "
+                 f"{'rows pulled':>13} {'rows pushed':>13} {'evicted':>10}"]
+    for name, t in tables.items():
+        lines.append(f"{name:<{width}} {t['dim']:>5}  {t['optimizer']:<15} {t['rows']:>12} {_fmt_bytes(t['bytes']):>9} "
+                     f"{t['rows_pulled']:>13} {t['rows_pushed']:>13} {t['rows_evicted']:>10}")
+    return lines
+
+
 def _shard(server: dict) -> str:
     shards = server.get("shards", 1)
     return f"  shard {server.get('shard', 0)} of {shards}" if shards > 1 else ""
@@ -185,6 +201,7 @@ def format_stats(stats: dict) -> str:
         f"out {_fmt_bytes(s['bytes_out'])}{_by_transport(s, 'bytes_out')}  "
         f"server memory {_fmt_bytes(s['process']['rss_bytes'])}  cpu {s['process']['cpu_s']:.1f} s",
         *_checkpoint_lines(s),
+        *_table_lines(s),
         "",
         f"{'rank':>4} {'live':>4} {'clock':>7} {'gap':>4} {'max':>4} {'held':>4} {'pushes':>7} {'dropped':>7} "
         f"{'stale':>6} {'wait mean':>9} {'wait max':>9} {'interval':>9} {'lr':>13}  staleness / r*",

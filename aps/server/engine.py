@@ -51,7 +51,7 @@ from ..layout import Layout
 from .optim import HyperGroups, make_optimizer
 from ..wire.protocol import HyperGroup, StateHead
 from .members import Member, PushResult, ReadyCallback, Seat
-from .stats import EngineView, RankView, ServerStats
+from .stats import EngineView, RankView, ServerStats, TableView
 from .sync import RESUMED, STALE, Outcome, Plan, PlanKind, make_policy
 from .rows import RowTable, Tables
 from .table import ParameterTable, Snapshot
@@ -230,6 +230,9 @@ class Engine(Durable):
             dropped=policy.dropped, dropped_stale=policy.dropped_stale, run_id=self.run_id,
             resumed_from=self.resumed_from, parameters=self.layout.numel if self.layout is not None else 0,
             ranks=tuple(ranks),
+            tables=tuple(TableView(name=name, dim=rows.table.dim, optimizer=rows.table.optimizer, rows=len(rows),
+                                   nbytes=rows.nbytes, rows_pulled=rows.rows_pulled, rows_pushed=rows.rows_pushed,
+                                   rows_evicted=rows.rows_evicted) for name, rows in self.rows.items()),
         )
 
     def join_progress(self) -> tuple[int, int, list[int]]:
@@ -895,7 +898,12 @@ class Engine(Durable):
         try:
             # The rows asked for are read in the same step as the weights: one gate decision for both.
             if member.rows_wanted is not None:
-                member.rows_out, member.rows_wanted = self.rows.pull(member.rows_wanted), None
+                wanted, member.rows_wanted = member.rows_wanted, None
+                try:
+                    member.rows_out = self.rows.pull(wanted)
+                except Exception as exc:  # (out of memory, say): the reply says so, nobody waits
+                    log.exception("reading the rows worker %d asked for failed", member.rank)
+                    member.rows_out = exc
             waiter(self.table.snapshot(), self.policy.clock(member.rank))
         except Exception:  # one connection's failure must not keep the others waiting
             log.exception("answering worker %d failed", member.rank)

@@ -52,7 +52,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Histo
 from .._version import __version__
 from ..config import ServerConfig, is_loopback
 from .admission import RateLimitedLog
-from .stats import MEMBERSHIP_EVENTS, RATE_WINDOW_S, WAIT_BUCKETS_S, lr_range
+from .stats import MEMBERSHIP_EVENTS, RATE_WINDOW_S, WAIT_BUCKETS_S, RowRates, lr_range
 
 __all__ = ["HttpSide", "StatsCollector", "STALENESS_BUCKETS"]
 
@@ -223,6 +223,7 @@ class StatsCollector:
             events.add_metric([event.replace(" ", "_")], counts.get(event, 0))
         yield events
         yield from _auth_metrics(server)
+        yield from _table_metrics(server.get("tables"))
         process = server["process"]
         yield GaugeMetricFamily("aps_server_resident_memory_bytes", "Resident memory of the server process.",
                                 value=process["rss_bytes"])
@@ -279,6 +280,29 @@ def _auth_metrics(server: dict) -> Iterator:
                               value=server.get("strangers", {}).get("layout_refused", 0))
 
 
+def _table_metrics(tables: dict | None) -> Iterator:
+    """Each embedding table's rows and bytes held, and the rows this process pulled, pushed
+    and evicted (counters: rate() gives rows per second); nothing for a model without tables."""
+    if not tables:
+        return
+    families = (
+        (GaugeMetricFamily, "aps_table_rows", "rows", "Rows each embedding table holds (those touched, not evicted)."),
+        (GaugeMetricFamily, "aps_table_bytes", "bytes", "Bytes each embedding table's rows take: their values, "
+         "their optimizer state and the index."),
+        (CounterMetricFamily, "aps_table_rows_pulled", "rows_pulled", "Rows pulled from each embedding table "
+         "(ids asked for, duplicates counted)."),
+        (CounterMetricFamily, "aps_table_rows_pushed", "rows_pushed", "Rows pushed to each embedding table and "
+         "applied (ids pushed, duplicates counted)."),
+        (CounterMetricFamily, "aps_table_rows_evicted", "rows_evicted", "Rows each embedding table evicted "
+         "(least recently used, to stay within --table-memory)."),
+    )
+    for kind, name, key, text in families:
+        family = kind(name, text, labels=["table"])
+        for table, values in tables.items():
+            family.add_metric([table], values.get(key, 0))
+        yield family
+
+
 class HttpSide:
     """The HTTP listener of one server (``--http-port``).
 
@@ -315,6 +339,7 @@ class HttpSide:
         # (monotonic time, version) of the samples of the last RATE_WINDOW_S seconds: a point's
         # updates/s is over the same window as the statistics' (the page's header and aps status)
         self._versions: deque[tuple[float, int]] = deque()
+        self._row_rates = RowRates()  # the page's rows/s, over the window of its updates/s
         self._frame: dict | None = None  # the newest frame's shared part
         self._cached: tuple[float, dict] | None = None  # (monotonic time, snapshot)
         self._exposition: tuple[float, bytes] | None = None
@@ -550,6 +575,8 @@ class HttpSide:
     def _build_frame(self) -> dict:
         stats = self._snapshot()
         server = stats["server"]
+        if server.get("tables"):
+            server = {**server, "tables": self._row_rates.rated(server)}  # (the shared snapshot stays as it is)
         workers = [{**{key: w.get(key) for key in _VIEWER_WORKER_KEYS}, "lr_range": lr_range(w.get("hyperparameters"))}
                    for w in stats["workers"]]
         text = _dumps({"type": "stats", "server": server, "workers": workers})

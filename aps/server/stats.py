@@ -23,7 +23,8 @@ if TYPE_CHECKING:
     from .optim import HyperGroups
 
 __all__ = [
-    "EngineView", "Histogram", "RankView", "ServerStats", "Traffic", "WorkerStats", "lr_range", "merge_counts",
+    "EngineView", "Histogram", "RankView", "RowRates", "ServerStats", "TableView", "Traffic", "WorkerStats", "lr_range",
+    "merge_counts",
 ]
 
 #: The recent update rate counts the updates of the last this many seconds.
@@ -72,6 +73,26 @@ class RankView:
 
 
 @dataclass(frozen=True, slots=True)
+class TableView:
+    """One embedding table as the engine holds it at one moment (aps.server.rows.RowTable).
+
+    Attributes:
+        name, dim, optimizer: its declaration's; rows: the rows held; nbytes: the bytes
+        they take (values, optimizer state, index); rows_pulled, rows_pushed, rows_evicted:
+        ids pulled and pushed (duplicates counted) and rows evicted by this process.
+    """
+
+    name: str
+    dim: int
+    optimizer: str
+    rows: int
+    nbytes: int
+    rows_pulled: int
+    rows_pushed: int
+    rows_evicted: int
+
+
+@dataclass(frozen=True, slots=True)
 class EngineView:
     """What the statistics read of the engine, copied at one moment (``Engine.view``)."""
 
@@ -92,6 +113,8 @@ class EngineView:
     resumed_from: Any
     parameters: int
     ranks: tuple[RankView, ...]
+    #: The model's embedding tables, in their declared order (none: a model without tables).
+    tables: tuple[TableView, ...] = ()
 
 
 #: The keys of each group in a worker's ``hyperparameters`` (HyperGroup's fields).
@@ -389,6 +412,8 @@ class ServerStats:
                 "membership_events": dict(self.event_counts),
                 "auth": dict(self.auth),
                 "strangers": dict(self.strangers),
+                # name -> rows held, their bytes, and this process's counts (from 0 when it started)
+                "tables": {table.name: _table(table) for table in engine.tables},
             },
             "workers": workers,
             "events": list(self.events),
@@ -404,6 +429,46 @@ class ServerStats:
         own = seat.hyper is not None
         groups = seat.hyper.groups if own else (defaults,)  # at most MAX_HYPER_GROUPS
         return {"hyperparameters": [dict(zip(HYPER_KEYS, group)) for group in groups], "hyperparameters_own": own}
+
+
+def _table(table: TableView) -> dict:
+    """One table of the snapshot's ``tables``."""
+    return {"dim": table.dim, "optimizer": table.optimizer, "rows": table.rows, "bytes": table.nbytes,
+            "rows_pulled": table.rows_pulled, "rows_pushed": table.rows_pushed, "rows_evicted": table.rows_evicted}
+
+
+class RowRates:
+    """The rows each table had pulled and pushed per second over the last RATE_WINDOW_S
+    seconds, measured between the snapshots shown to it (the dashboard's frames, twice a
+    second) on the statistics' own clock (``uptime_s``)."""
+
+    def __init__(self) -> None:
+        #: (uptime, {table: (rows pulled, rows pushed)}) of the snapshots of the last window.
+        self._samples: deque[tuple[float, dict[str, tuple[int, int]]]] = deque()
+
+    def rated(self, server: dict) -> dict:
+        """The ``tables`` of a snapshot's ``server``, each with ``rows_pulled_per_s`` and
+        ``rows_pushed_per_s`` (None until a snapshot after this table's first)."""
+        tables, now = server["tables"], server["uptime_s"]
+        counts = {name: (table["rows_pulled"], table["rows_pushed"]) for name, table in tables.items()}
+        samples = self._samples
+        if samples and now < samples[-1][0]:
+            samples.clear()  # another process's clock: nothing to measure against
+        if not samples or now > samples[-1][0]:
+            samples.append((now, counts))
+        while len(samples) > 2 and samples[1][0] <= now - RATE_WINDOW_S:
+            samples.popleft()  # the oldest kept is RATE_WINDOW_S old (or the first sample)
+        if samples[0][0] < now - RATE_WINDOW_S - 2.0:
+            samples.popleft()  # none shown for a while: a rate since then would not be over the window
+        since, before = samples[0]
+        out = {}
+        for name, table in tables.items():
+            then = before.get(name)
+            pulled = pushed = None
+            if now > since and then is not None:
+                pulled, pushed = (max(0, count - old) / (now - since) for count, old in zip(counts[name], then))
+            out[name] = {**table, "rows_pulled_per_s": pulled, "rows_pushed_per_s": pushed}
+        return out
 
 
 _PROCESS: psutil.Process | None = None

@@ -278,3 +278,61 @@ def test_one_window_for_the_rates_each_ranks_iterations_and_a_history_kept_acros
         server.stop()
         if resumed is not None:
             resumed.stop()
+
+
+def test_each_embedding_table_shows_its_rows_held_and_rows_per_second(browser):
+    """A worker pulls and pushes rows of a table: the page shows the table (none before the
+    model has one), the rows it holds and their bytes, rows pulled and pushed per second over
+    the page's window, and the rows counted, exactly, once the worker stops."""
+    import threading
+
+    import numpy as np
+
+    import aps
+
+    stop, moved = threading.Event(), {"pulled": 0, "pushed": 0}
+
+    def train(address: str) -> None:
+        with aps.Worker(address, 0, 1, transport="tcp") as worker:
+            worker.init({"w": np.zeros(4, np.float32)}, tables={"items": aps.Table(rows=10**9, dim=8)})
+            step = 0
+            while not stop.is_set():
+                ids = np.arange(step % 50 * 20, step % 50 * 20 + 20)  # 1000 distinct ids, over and over
+                worker.pull_rows("items", ids)
+                worker.push_rows("items", ids[:10], np.full((10, 8), 1e-3, np.float32))
+                moved["pulled"] += 20
+                moved["pushed"] += 10
+                step += 1
+                time.sleep(0.01)
+
+    server = ServerProcess("--workers", "1", "--sync", "asp", "--http-port", "0")
+    thread = threading.Thread(target=train, args=(server.address,), daemon=True)
+    try:
+        url = server.proc.stdout.readline().split(" on ", 1)[1].strip()
+        browser.get(url)
+        wait_until(lambda: browser.execute_script("return document.body.dataset.state") == "live", 15,
+                   "the page to connect")
+        time.sleep(1.0)  # a few frames: no model, no tables, no card
+        assert not browser.find_element("id", "tables-card").is_displayed()
+        thread.start()
+        cells = ("return [...(document.querySelector('#tables tr[data-table=\"items\"]') || {cells: []}).cells]"
+                 ".map(c => c.textContent)")
+        wait_until(lambda: browser.find_element("id", "tables-card").is_displayed(), 30, "the tables card")
+        row = wait_until(lambda: (row := browser.execute_script(cells)) and row[5] not in ("", "–")
+                         and float(row[5]) > 0 and row, 30, "rows pulled per second")
+        assert row[:3] == ["items", "8", "sgd"] and 0 < int(row[3]) <= 1000 and float(row[6]) > 0
+        wait_until(lambda: (row := browser.execute_script(cells)) and float(row[5]) == pytest.approx(
+            2 * float(row[6]), rel=0.1), 20, "20 rows pulled for every 10 pushed")  # (once the window holds a few)
+        assert text_of(browser, "tables-window") == "rows/s over the last 10 s"
+        wait_until(lambda: int(browser.execute_script(cells)[3]) == 1000, 30, "every id held")
+        stop.set()
+        thread.join(30)
+        wait_until(lambda: browser.execute_script(cells)[7:9] == [str(moved["pulled"]), str(moved["pushed"])], 10,
+                   f"the rows counted: {moved}")
+        assert browser.execute_script(cells)[9] == "0"  # none evicted
+        assert "B" in browser.execute_script(cells)[4] and text_of(browser, "tables-total").endswith(" held")
+        errors = [entry for entry in browser.get_log("browser") if entry["level"] == "SEVERE"]
+        assert not errors, errors
+    finally:
+        stop.set()
+        server.stop()

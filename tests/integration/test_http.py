@@ -380,3 +380,66 @@ def test_a_header_bloat_wave_costs_little_memory_and_gives_it_back(server_proces
     assert after - baseline < 8 * mib, f"RSS {baseline / mib:.0f} -> {after / mib:.0f} MiB after it"
     assert asyncio.run(scrape(base, 5.0))[0] == 200
     assert "Traceback" not in server.log()
+
+
+def test_each_table_is_watched_in_the_metrics_the_api_and_aps_status(server_process):
+    """A real server holding an embedding table: /metrics, /api/stats and ``aps status`` show the
+    rows it holds and their bytes, and count exactly the rows pulled and pushed (duplicates too)."""
+    import subprocess
+    import sys
+
+    server = server_process("--workers", "1", "--sync", "asp", "--http-port", "0")
+    base = http_address(server)
+
+    def scrape() -> dict:
+        time.sleep(_http.METRICS_MAX_AGE_S + 0.05)  # (an exposition is served for a second)
+        return samples(asyncio.run(get(base + "metrics"))[1])
+
+    with aps.Worker(server.address, 0, 1) as worker:
+        worker.init({"w": np.zeros(4, np.float32)}, tables={"items": aps.Table(rows=10**9, dim=8)})
+        metrics = scrape()
+        assert metrics[("aps_table_rows", (("table", "items"),))] == 0
+        assert metrics[("aps_table_rows_pulled_total", (("table", "items"),))] == 0
+        worker.pull_rows("items", [3, 3, 10**8])  # a duplicate: two rows held, three pulled
+        metrics = scrape()
+        assert metrics[("aps_table_rows", (("table", "items"),))] == 2
+        assert metrics[("aps_table_rows_pulled_total", (("table", "items"),))] == 3
+        small = metrics[("aps_table_bytes", (("table", "items"),))]
+        assert small > 0
+        ids = np.arange(1000, 1500)
+        for _ in range(2):
+            worker.push_rows("items", ids, np.full((len(ids), 8), 0.1, np.float32))
+        worker.pull_rows("items", ids)
+        metrics = scrape()
+        assert metrics[("aps_table_rows", (("table", "items"),))] == 502
+        assert metrics[("aps_table_rows_pulled_total", (("table", "items"),))] == 503
+        assert metrics[("aps_table_rows_pushed_total", (("table", "items"),))] == 1000
+        assert metrics[("aps_table_rows_evicted_total", (("table", "items"),))] == 0
+        assert metrics[("aps_table_bytes", (("table", "items"),))] >= small + 500 * 8 * 4  # grows with the rows
+        api = json.loads(asyncio.run(get(base + "api/stats"))[1])["server"]["tables"]
+        assert api == fetch_stats(server.address)["server"]["tables"]
+        assert (api["items"]["rows"], api["items"]["rows_pulled"], api["items"]["rows_pushed"]) == (502, 503, 1000)
+        status = subprocess.run([sys.executable, "-m", "aps", "status", server.address], capture_output=True,
+                                text=True, timeout=60)
+        assert status.returncode == 0, status.stderr
+        lines = status.stdout.splitlines()
+        header = next(i for i, line in enumerate(lines) if line.startswith("table "))
+        assert "rows held" in lines[header] and "rows pulled" in lines[header] and "rows pushed" in lines[header]
+        row = lines[header + 1].split()
+        assert row[:4] == ["items", "8", "sgd", "502"] and row[-3:] == ["503", "1000", "0"]
+
+
+def test_a_model_without_tables_shows_no_tables(server_process):
+    import subprocess
+    import sys
+
+    server = server_process("--workers", "1", "--sync", "asp", "--http-port", "0")
+    base = http_address(server)
+    with aps.Worker(server.address, 0, 1) as worker:
+        worker.init({"w": np.zeros(4, np.float32)})
+        worker.push_pull({"w": np.ones(4, np.float32)})
+        assert "aps_table" not in asyncio.run(get(base + "metrics"))[1]
+        assert fetch_stats(server.address)["server"]["tables"] == {}
+        status = subprocess.run([sys.executable, "-m", "aps", "status", server.address], capture_output=True,
+                                text=True, timeout=60)
+        assert status.returncode == 0 and not any(line.startswith("table ") for line in status.stdout.splitlines())

@@ -3,8 +3,9 @@
  *
  * Opens the server's WebSocket (path "ws" next to this page), sends the token
  * as the first message, then renders the "hello" and "stats" messages: header
- * numbers, each rank's clock (bar chart and table), history line charts, DSSP
- * r* grants, membership events, configuration and traffic. When the socket
+ * numbers, each rank's clock (bar chart and table), the embedding tables (when
+ * the model has any), history line charts, DSSP r* grants, membership events,
+ * configuration and traffic. When the socket
  * closes, the data stays on screen, greyed out, and the page retries every 2 s.
  * Redraws are batched into animation frames.
  */
@@ -44,6 +45,7 @@
     server: null,
     workers: [],
     rows: new Map(),     // rank -> <tr> of the workers table
+    tableRows: new Map(),  // table name -> <tr> of the embedding tables
     points: [],
     everyS: 1,
     rateWindowS: 10,     // the window of every updates/s shown (the hello says it)
@@ -317,6 +319,8 @@
     app.dirty.events = true;
     app.rows.forEach((row) => row.remove());
     app.rows.clear();
+    app.tableRows.forEach((row) => row.remove());
+    app.tableRows.clear();
   }
 
   /** Add history points; a full history (hello) replaces what it overlaps. */
@@ -392,8 +396,8 @@
     renderPending = true;
     requestAnimationFrame(() => {
       renderPending = false;
-      for (const part of [renderHeader, renderWorkers, renderHistory, renderRStar, renderEvents, renderConfig,
-        renderTraffic]) {
+      for (const part of [renderHeader, renderWorkers, renderTables, renderHistory, renderRStar, renderEvents,
+        renderConfig, renderTraffic]) {
         try { part(); } catch (err) { console.warn("aps dashboard: render failed", err); }
       }
     });
@@ -520,6 +524,43 @@
     if (state === "gone") Object.assign(bar, { dashed: true, note: "not live", noteColor: COLORS.muted });
     if (isSlowest) Object.assign(bar, { color: COLORS.slowest, note: "slowest", noteColor: COLORS.slowest, noteBold: true });
     return bar;
+  }
+
+  /**
+   * The model's embedding tables, one row each (<tr data-table="NAME">): rows and bytes held,
+   * rows pulled and pushed per second (over the window of every rate shown, the server's
+   * frames say) and since the server process started, rows evicted. No tables: no card.
+   */
+  function renderTables() {
+    const tables = app.server && isObject(app.server.tables) ? app.server.tables : {};
+    const names = Object.keys(tables).filter((name) => isObject(tables[name]));
+    $("tables-card").hidden = !names.length;
+    setText("tables-window", `rows/s over the last ${app.rateWindowS} s`);
+    let held = 0;
+    for (const name of names) {
+      const t = tables[name];
+      let row = app.tableRows.get(name);
+      if (!row) {
+        row = el("tr");
+        row.dataset.table = name;
+        for (let i = 0; i < 10; i++) row.appendChild(el("td", "", i === 0 || i === 2 ? "" : "num"));
+        app.tableRows.set(name, row);
+        $("tables").appendChild(row);  // (in the server's order: the tables' declared order)
+      }
+      if (isNum(t.bytes)) held += t.bytes;
+      const values = [
+        name, fmtInt(t.dim), fmtValue(t.optimizer), fmtInt(t.rows), fmtBytes(t.bytes),
+        fmtFixed(t.rows_pulled_per_s, 1), fmtFixed(t.rows_pushed_per_s, 1), fmtInt(t.rows_pulled),
+        fmtInt(t.rows_pushed), fmtInt(t.rows_evicted),
+      ];
+      values.forEach((text, i) => {
+        if (row.cells[i].textContent !== text) row.cells[i].textContent = text;
+      });
+    }
+    for (const [name, row] of app.tableRows) {
+      if (!Object.prototype.hasOwnProperty.call(tables, name)) { row.remove(); app.tableRows.delete(name); }
+    }
+    setText("tables-total", names.length ? `${fmtBytes(held)} held` : "");
   }
 
   function renderHistory() {

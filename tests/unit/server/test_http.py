@@ -651,3 +651,54 @@ def test_the_token_hint_says_how_to_open_the_page_and_never_the_token():
     assert side().token_hint("http://127.0.0.1:9/") is None  # no token: nothing to say
     hint = side(token=token).token_hint("http://127.0.0.1:9/")
     assert "http://127.0.0.1:9/#token=TOKEN" in hint and token.decode() not in hint
+
+
+def with_tables(uptime: float = 3.0, pulled: int = 40, pushed: int = 30) -> dict:
+    stats = snapshot()
+    stats["server"].update(uptime_s=uptime, tables={
+        "items": {"dim": 8, "optimizer": "sgd", "rows": 25, "bytes": 4096, "rows_pulled": pulled,
+                  "rows_pushed": pushed, "rows_evicted": 2},
+        "users": {"dim": 4, "optimizer": "adagrad", "rows": 0, "bytes": 0, "rows_pulled": 0, "rows_pushed": 0,
+                  "rows_evicted": 0},
+    })
+    return stats
+
+
+def test_each_table_exports_its_rows_and_bytes_as_gauges_and_its_rows_moved_as_counters():
+    async def scenario(client):
+        families = {f.name: f for f in text_string_to_metric_families(await (await client.get("/metrics")).text())}
+        by_table = {name: {s.labels["table"]: (s.name, s.value) for s in families[name].samples}
+                    for name in ("aps_table_rows", "aps_table_bytes", "aps_table_rows_pulled", "aps_table_rows_pushed",
+                                 "aps_table_rows_evicted")}
+        assert families["aps_table_rows"].type == families["aps_table_bytes"].type == "gauge"
+        assert by_table["aps_table_rows"] == {"items": ("aps_table_rows", 25), "users": ("aps_table_rows", 0)}
+        assert by_table["aps_table_bytes"]["items"] == ("aps_table_bytes", 4096)
+        for name, count in (("pulled", 40), ("pushed", 30), ("evicted", 2)):
+            family = families[f"aps_table_rows_{name}"]
+            assert family.type == "counter"  # rate() gives rows per second
+            assert by_table[family.name] == {"items": (f"aps_table_rows_{name}_total", count),
+                                            "users": (f"aps_table_rows_{name}_total", 0)}
+
+    drive(side(snap=with_tables), scenario)
+
+    async def none(client):  # a model without tables: no table families at all (not even their HELP)
+        assert "aps_table" not in await (await client.get("/metrics")).text()
+
+    drive(side(), none)
+
+
+def test_the_dashboard_gets_each_tables_rows_per_second_and_the_api_its_counts():
+    moments = iter([with_tables(3.0, 40, 30), with_tables(5.0, 240, 130), with_tables(5.0, 240, 130)])
+    http = side(snap=lambda: next(moments))
+    http._cached = None
+    first = json.loads(http._build_frame()["text"])["server"]["tables"]
+    assert first["items"]["rows_pulled_per_s"] is None and first["items"]["rows_pulled"] == 40  # one snapshot yet
+    http._cached = None  # (the next snapshot, as half a second later)
+    frame = json.loads(http._build_frame()["text"])["server"]["tables"]
+    assert list(frame) == ["items", "users"]
+    assert frame["items"]["rows_pulled_per_s"] == pytest.approx(100.0)  # 200 rows in 2 s
+    assert frame["items"]["rows_pushed_per_s"] == pytest.approx(50.0)
+    assert frame["users"]["rows_pulled_per_s"] == 0.0 and frame["items"]["rows"] == 25
+    http._cached = None
+    api = http._snapshot()["server"]["tables"]  # the JSON API: the counts alone, as aps status --json
+    assert api["items"]["rows_pulled"] == 240 and "rows_pulled_per_s" not in api["items"]

@@ -149,3 +149,140 @@ def test_carried_counters_of_the_wrong_kind_are_refused_and_change_nothing(count
     with pytest.raises((TypeError, ValueError)):
         stats.carry(counters)
     assert stats.run_counters() == {"rejected": 4, "duplicates": 0}
+
+
+def tables_harness(**options) -> Harness:
+    from aps.tables import Table
+
+    tables = (("items", Table(rows=10**9, dim=8)), ("users", Table(rows=100, dim=4, optimizer="adagrad")))
+    h = Harness(workers=1, sync="asp", numel=4, tables=tables, **options)
+    h.join_all()
+    return h
+
+
+def pull_rows(h: Harness, table: int, ids) -> None:
+    from aps.wire.rows import RowSection
+
+    h.pull(0, [RowSection(table, np.asarray(ids, np.int64), None)])
+    assert not h.workers[0].errors and not h.workers[0].waiting
+
+
+def push_rows(h: Harness, table: int, ids, dim: int) -> None:
+    from aps.wire.rows import RowSection
+
+    ids = np.asarray(ids, np.int64)
+    h.push(0, None, rows=[RowSection(table, ids, np.full((len(ids), dim), 0.5, np.float32))])
+    assert not h.workers[0].errors and not h.workers[0].results[-1].dropped
+
+
+def test_each_table_shows_its_rows_and_bytes_held_and_the_rows_pulled_and_pushed():
+    from aps.cli.status import format_stats
+
+    h = tables_harness()
+    tables = h.engine.stats_snapshot()["server"]["tables"]
+    assert list(tables) == ["items", "users"]  # in their declared order
+    assert tables["items"] == {"dim": 8, "optimizer": "sgd", "rows": 0, "bytes": h.engine.rows["items"].nbytes,
+                               "rows_pulled": 0, "rows_pushed": 0, "rows_evicted": 0}
+    pull_rows(h, 0, [5, 7, 5, 10**8])  # a duplicate: counted, one row held
+    tables = h.engine.stats_snapshot()["server"]["tables"]
+    assert (tables["items"]["rows"], tables["items"]["rows_pulled"], tables["items"]["rows_pushed"]) == (3, 4, 0)
+    first_bytes = tables["items"]["bytes"]
+    assert first_bytes >= 3 * 8 * 4 and first_bytes == h.engine.rows["items"].nbytes
+    assert tables["users"]["rows"] == tables["users"]["rows_pulled"] == 0
+    push_rows(h, 0, np.arange(1000, 1200), 8)  # 200 new rows
+    push_rows(h, 1, [1, 2, 2], 4)
+    tables = h.engine.stats_snapshot()["server"]["tables"]
+    assert (tables["items"]["rows"], tables["items"]["rows_pulled"], tables["items"]["rows_pushed"]) == (203, 4, 200)
+    assert tables["items"]["bytes"] >= first_bytes + 200 * 8 * 4  # grows with the rows (values)
+    assert (tables["users"]["rows"], tables["users"]["rows_pulled"], tables["users"]["rows_pushed"]) == (2, 0, 3)
+    assert tables["users"]["bytes"] >= 2 * 2 * 4 * 4  # values and Adagrad's state
+    assert tables["users"]["optimizer"] == "adagrad"
+
+    lines = format_stats(h.engine.stats_snapshot()).splitlines()
+    header = next(i for i, line in enumerate(lines) if line.startswith("table "))
+    assert lines[header].split() == ["table", "dim", "optimizer", "rows", "held", "bytes", "rows", "pulled", "rows",
+                                     "pushed", "evicted"]
+    assert lines[header + 1].split()[:4] == ["items", "8", "sgd", "203"]
+    assert lines[header + 1].split()[-3:] == ["4", "200", "0"]
+    assert lines[header + 2].split()[:4] == ["users", "4", "adagrad", "2"]
+    assert lines[header + 2].split()[-3:] == ["0", "3", "0"]
+    assert lines[header + 3] == "" and lines[header + 4].lstrip().startswith("rank")  # then the workers
+
+
+def test_a_model_without_tables_shows_no_table_section():
+    from aps.cli.status import format_stats
+
+    h = Harness(workers=1, sync="asp", numel=4)
+    assert h.engine.stats_snapshot()["server"]["tables"] == {}  # before the model too
+    h.join_all()
+    snap = h.engine.stats_snapshot()
+    assert snap["server"]["tables"] == {}
+    assert not any(line.startswith("table ") for line in format_stats(snap).splitlines())
+
+
+def test_the_table_counters_start_at_zero_with_the_process_and_the_rows_held_go_on():
+    from .test_resume import checkpoint_of
+
+    original = tables_harness()
+    push_rows(original, 0, np.arange(50), 8)
+    pull_rows(original, 0, np.arange(60))
+    before = original.engine.stats_snapshot()["server"]["tables"]["items"]
+    assert (before["rows"], before["rows_pulled"], before["rows_pushed"]) == (60, 60, 50)
+
+    resumed = Harness(workers=1, sync="asp", numel=4, tables=tuple(original.layout.tables))
+    resumed.engine.restore(checkpoint_of(original))
+    after = resumed.engine.stats_snapshot()["server"]["tables"]["items"]
+    assert after["rows"] == 60 and after["bytes"] > 0  # what the server holds: the checkpoint's rows
+    assert (after["rows_pulled"], after["rows_pushed"], after["rows_evicted"]) == (0, 0, 0)  # this process's counts
+    resumed.join(0, rejoin=True)
+    pull_rows(resumed, 0, [1, 2])
+    after = resumed.engine.stats_snapshot()["server"]["tables"]["items"]
+    assert (after["rows"], after["rows_pulled"], after["rows_pushed"]) == (60, 2, 0)
+
+
+def test_the_rows_evicted_are_counted():
+    from aps.tables import Table
+
+    table = Table(rows=10**6, dim=16, evict=True)
+    h = Harness(workers=1, sync="asp", numel=4, tables=(("items", table),), table_memory=64 * 1024)
+    h.join_all()
+    for start in range(0, 2000, 100):
+        ids = np.arange(start, start + 100)
+        h.engine.rows.check([], [(0, ids, None)])  # (as a session checks a request's rows: room made)
+        pull_rows(h, 0, ids)
+    items = h.engine.stats_snapshot()["server"]["tables"]["items"]
+    assert items["rows_pulled"] == 2000 and items["rows_evicted"] > 0
+    assert items["rows"] + items["rows_evicted"] == 2000  # every id once: held, or evicted
+    assert items["bytes"] <= 64 * 1024 + 100 * (table.row_bytes() + 32)
+
+
+def test_rows_per_second_are_over_the_window_of_the_snapshots_shown():
+    from aps.server.stats import RowRates
+
+    def server(uptime: float, pulled: int, pushed: int, **more) -> dict:
+        tables = {"items": {"rows": 1, "bytes": 2, "rows_pulled": pulled, "rows_pushed": pushed, "rows_evicted": 0}}
+        tables.update(more)
+        return {"uptime_s": uptime, "tables": tables}
+
+    rates = RowRates()
+    first = rates.rated(server(100.0, 0, 0))["items"]
+    assert first["rows_pulled_per_s"] is None and first["rows_pushed_per_s"] is None  # nothing to measure yet
+    assert first["rows"] == 1 and first["rows_pulled"] == 0  # the table's figures, as they are
+    seen = []
+    for step in range(1, 41):  # 200 rows pulled and 50 pushed a second for 20 s, a snapshot each half second
+        seen.append(rates.rated(server(100.0 + step / 2, 100 * step, 25 * step))["items"])
+    assert seen[0]["rows_pulled_per_s"] == pytest.approx(200) and seen[-1]["rows_pushed_per_s"] == pytest.approx(50)
+    again = rates.rated(server(120.0, 4000, 1000))["items"]  # the same snapshot shown again
+    assert again["rows_pulled_per_s"] == pytest.approx(200)
+    for step in range(1, 9):  # then nothing for 4 s: over the window, 6 s of 200/s
+        out = rates.rated(server(120.0 + step / 2, 4000, 1000))["items"]
+    assert out["rows_pulled_per_s"] == pytest.approx(200 * (RATE_WINDOW_S - 4) / RATE_WINDOW_S)
+    for step in range(9, 2 * RATE_WINDOW_S + 1):  # a whole window of nothing: 0
+        out = rates.rated(server(120.0 + step / 2, 4000, 1000))["items"]
+    assert out["rows_pulled_per_s"] == 0.0 and out["rows_pushed_per_s"] == 0.0
+    # Nobody watched for a minute: no rate from before (not over the window) until the next snapshot.
+    assert rates.rated(server(200.0, 9000, 1000))["items"]["rows_pulled_per_s"] is None
+    assert rates.rated(server(201.0, 9100, 1000))["items"]["rows_pulled_per_s"] == pytest.approx(100)
+    # Another process (its clock starts again): measured from its own snapshots only.
+    assert rates.rated(server(1.0, 10, 0))["items"]["rows_pulled_per_s"] is None
+    assert rates.rated(server(2.0, 30, 0))["items"]["rows_pulled_per_s"] == pytest.approx(20)
