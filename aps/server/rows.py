@@ -47,9 +47,11 @@ class RowTable:
         self.index = kernels.RowIndex(capacity)
         self._rows = np.empty((capacity, table.dim), np.float32)
         self._state = {key: np.empty((capacity, width), np.float32) for key, width in table.state_per_row().items()}
-        #: When each row was last touched (Tables.now at the time), for eviction.
+        #: When each row was last touched (Tables.now at the time), for eviction; kept up to
+        #: date only while ``evicts`` (a table that may evict, under a --table-memory limit).
         self._touched = np.zeros(capacity, np.int64)
         self.now = 0
+        self.evicts = False
         #: Pushes applied (Adam's step count, for its bias correction).
         self.steps = 0
         #: Rows pulled and pushed since the process started (ids, duplicates counted), and evicted.
@@ -86,15 +88,16 @@ class RowTable:
         times ``scale``."""
         ids = self.table.check_ids(self.name, ids)
         grads = self.table.check_rows(self.name, ids, grads)
+        if not np.isfinite(grads).all():
+            raise NonFiniteGradient(f"table {self.name!r}: the gradient rows hold NaN or infinity; nothing changed")
         self.commit(self.prepare(ids, grads, scale))
 
     def prepare(self, ids: np.ndarray, grads: np.ndarray, scale: float = 1.0) -> _Staged | None:
         """The first half of a push of checked ``ids`` and ``grads``: the new values of the
         rows it touches and of their state, computed aside (:meth:`commit` writes them).
-        Raises NonFiniteGradient, with nothing changed, for a gradient or a result that is
-        not finite. A push of several tables prepares each, then commits each."""
-        if not np.isfinite(grads).all():
-            raise NonFiniteGradient(f"table {self.name!r}: the gradient rows hold NaN or infinity; nothing changed")
+        Raises NonFiniteGradient, with nothing changed, for a result that is not finite (a
+        gradient that is not makes one; :meth:`push` and ``Tables.check`` refuse it first). A
+        push of several tables prepares each, then commits each."""
         if not len(ids):
             return None
         if scale != 1.0:
@@ -176,7 +179,8 @@ class RowTable:
         """The rows of ``ids``, made (their initial values, zero state) where new; each one
         touched now."""
         rows = self._held_rows(ids)
-        self._touched[rows[rows >= 0]] = self.now
+        if self.evicts:
+            self._touched[rows[rows >= 0]] = self.now
         return self._make(ids, rows) if (rows < 0).any() else rows
 
     def _held_rows(self, ids: np.ndarray) -> np.ndarray:
@@ -259,6 +263,12 @@ class Tables(dict):
         #: ``--table-memory``: the bytes the tables' rows may take (0: no limit).
         self.limit = limit
         self._now = 0  # requests checked so far: the clock of the rows' last touch
+        for rows in self.values():
+            rows.evicts = bool(limit) and rows.table.evict
+
+    def __setitem__(self, name: str, rows: RowTable) -> None:  # (a table restored from a checkpoint)
+        rows.evicts = bool(self.limit) and rows.table.evict
+        super().__setitem__(name, rows)
 
     @property
     def nbytes(self) -> int:
