@@ -480,6 +480,9 @@ class _ClientCore:
             return memoryview(bytearray(header.length))
         if header.op in _WEIGHT_REPLIES:
             length = header.length
+            asked = self._rows is not None and header.op != _INIT_REPLY
+            if asked != bool(header.flags & _ROWS) or (asked and self._rows.dense != (header.dtype != _NONE)):
+                raise MalformedFrame("a weights reply that does not carry what was asked for (rows, dense weights)")
             if header.flags & _ROWS:
                 length = self._expect_rows(header)
                 if header.dtype == _NONE:  # rows alone

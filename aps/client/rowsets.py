@@ -15,7 +15,7 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-from ..errors import InvalidIds
+from ..errors import InvalidIds, NonFiniteGradient
 from ..layout import Layout
 from ..tables import shard_of
 from ..wire.rows import RowSection
@@ -42,6 +42,7 @@ def rows_call(layout: Layout, push: Mapping[str, Any] | None, pull: Mapping[str,
 
     Raises:
         InvalidIds: an unknown table, bad ids or rows, a bad ``out`` (nothing is sent).
+        NonFiniteGradient: gradient rows holding NaN or infinity (nothing is sent).
     """
     places = {name: (index, table) for index, (name, table) in enumerate(layout.tables)}
 
@@ -57,7 +58,10 @@ def rows_call(layout: Layout, push: Mapping[str, Any] | None, pull: Mapping[str,
         if not isinstance(pair, (tuple, list)) or len(pair) != 2:
             raise InvalidIds(f"table {name!r}: rows to push are an (ids, grads) pair")
         ids = table.check_ids(name, pair[0])
-        pushed.append(RowSection(index, ids, table.check_rows(name, ids, pair[1])))
+        values = table.check_rows(name, ids, pair[1])
+        if not np.isfinite(values).all():  # (refused here: a sharded push is then sent to no shard)
+            raise NonFiniteGradient(f"table {name!r}: the gradient rows hold NaN or infinity; nothing was sent")
+        pushed.append(RowSection(index, ids, values))
     pulled, outs, names = [], [], []
     for name, ids in sorted((pull or {}).items(), key=lambda item: find(item[0])[0]):
         index, table = find(name)

@@ -476,7 +476,7 @@ class Engine(Durable):
             raise
         self.table, self.layout, self.aggregate = table, layout, aggregate
         self.rows = Tables(((name, RowTable(name, declared, kernels=self.kernels)) for name, declared in layout.tables),
-                           limit=self.config.table_memory)
+                           limit=self.config.table_memory, max_reply=self.config.max_frame_bytes)
         log.info(
             "model registered: %d tensors, %d parameters (%.1f MiB); %s; %s",
             len(layout),
@@ -577,6 +577,11 @@ class Engine(Durable):
                 return
             stream.abort()
         self._lane.submit(job)
+
+    def is_duplicate(self, member: Member, request_id: int | None, clock: int | None) -> bool:
+        """Whether this push was taken already (sent again after a lost reply: it will be
+        answered, not applied)."""
+        return self._is_duplicate(member, request_id, clock)
 
     def begin_streaming_push(
         self, member: Member, grad_version: int, request_id: int | None = None, clock: int | None = None

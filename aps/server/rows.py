@@ -29,9 +29,6 @@ from ..wire.rows import decode_request_rows
 
 __all__ = ["RowTable", "Tables"]
 
-#: What a row costs the index at most (16 bytes a bucket, at most half of them full).
-_INDEX_BYTES_PER_ROW = 32
-
 
 class RowTable:
     """The rows of one table a server holds, and their optimizer's state."""
@@ -208,10 +205,18 @@ class RowTable:
 
     def touch(self, ids: np.ndarray) -> int:
         """Mark the rows of ``ids`` held touched now (so that no eviction takes them);
-        returns how many of ``ids`` are not held (an upper bound of the rows they make)."""
+        returns how many rows ``ids`` would make (the distinct ids not held)."""
         rows = self._held_rows(ids)
         self._touched[rows[rows >= 0]] = self.now
-        return int(np.count_nonzero(rows < 0))
+        missing = ids[rows < 0]
+        return len(np.unique(missing)) if len(missing) > 1 else len(missing)
+
+    @property
+    def row_cost(self) -> int:
+        """What a row costs against --table-memory: its values and state, and 32 bytes of the
+        index (16 a bucket, at most half of them full; while the index doubles it may take up
+        to 32 bytes a row more, which the limit does not count)."""
+        return self.table.row_bytes() + 32
 
     def untouched_since(self, now: int) -> tuple[np.ndarray, np.ndarray]:
         """The rows not touched at ``now`` and when each was last touched."""
@@ -257,8 +262,10 @@ class Tables(dict):
     and push them as one transaction; and the rows of an open BSP/softsync round, kept
     until its aggregate update applies them, summed by id, once."""
 
-    def __init__(self, *args: Any, limit: int = 0, **kwargs: Any) -> None:
+    def __init__(self, *args: Any, limit: int = 0, max_reply: int = 4 << 30, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
+        #: The most bytes of rows one reply may carry (a frame's limit).
+        self.max_reply = max_reply
         self._round: dict[int, list[tuple[np.ndarray, np.ndarray, float]]] = {}
         #: ``--table-memory``: the bytes the tables' rows may take (0: no limit).
         self.limit = limit
@@ -281,15 +288,16 @@ class Tables(dict):
     def dims(self) -> list[int]:
         return [rows.table.dim for rows in self.values()]
 
-    def intake(self, payload: Any, push: bool, pull: bool) -> tuple[list, list]:
+    def intake(self, payload: Any, push: bool, pull: bool, fit: bool = True) -> tuple[list, list]:
         """A request's rows (aps.wire.rows: the sections it pushes and pulls), decoded and
         checked (:meth:`check`)."""
         pushed, pulled = decode_request_rows(payload, self.dims, push, pull)
-        self.check(pushed, pulled)
+        self.check(pushed, pulled, fit)
         return pushed, pulled
 
-    def check(self, pushed: list, pulled: list) -> None:
-        """Refuse (InvalidIds, NonFiniteGradient) a request's rows before anything is made of them."""
+    def check(self, pushed: list, pulled: list, fit: bool = True) -> None:
+        """Refuse (InvalidIds, NonFiniteGradient, TableMemoryFull) a request's rows before
+        anything is made of them; ``fit``: make room for them within the limit."""
         tables = list(self.values())
         for table, ids, values in pushed:
             rows = tables[table]
@@ -297,44 +305,50 @@ class Tables(dict):
             if not np.isfinite(values).all():
                 raise NonFiniteGradient(f"table {rows.name!r}: the gradient rows hold NaN or infinity; "
                                         "nothing changed")
+        reply = 0
         for table, ids, _ in pulled:
             rows = tables[table]
             rows.table.check_ids(rows.name, ids)
+            reply += 4 * len(ids) * rows.table.dim
+        if reply > self.max_reply:
+            raise InvalidIds(f"the rows asked for take {reply} bytes, over the {self.max_reply} a frame may carry "
+                             "(--max-frame-bytes): ask for fewer, or for each id once")
         self._now += 1
         for rows in tables:
             rows.now = self._now
-        if self.limit:
+        if self.limit and fit:  # (a push sent again, answered without applying it, is not fitted)
             self._fit([(tables[table], ids) for table, ids, _ in (*pushed, *pulled)])
 
     def _fit(self, parts: list[tuple[RowTable, np.ndarray]]) -> None:
-        """Room within the limit for the rows a request may make (its rows held are touched
-        now, so they stay): the least recently used rows of the tables that may evict are
-        dropped, down to seven eighths of the limit (an eviction pays for many requests);
-        else TableMemoryFull. Requests in flight (one per worker at most) may pass the limit
-        by the rows they make, never more."""
-        need = sum(rows.touch(ids) * (rows.table.row_bytes() + _INDEX_BYTES_PER_ROW) for rows, ids in parts)
-        held = self.nbytes
-        if held + need <= self.limit:
+        """Room within the limit (rows counted at their :attr:`RowTable.row_cost`) for the rows
+        a request makes (its rows held are touched now,
+        so they stay): the least recently used rows of the tables that may evict are dropped,
+        down to seven eighths of the limit (an eviction pays for many requests); else
+        TableMemoryFull, with nothing dropped. A request that makes no row always fits.
+        Requests in flight (one per worker at most) may pass the limit by the rows they make,
+        never more."""
+        need = sum(rows.touch(ids) * rows.row_cost for rows, ids in parts)
+        held = sum(len(rows) * rows.row_cost for rows in self.values())
+        if not need or held + need <= self.limit:
             return
         target = held + need - self.limit + self.limit // 8
-        candidates = [(rows, *rows.untouched_since(self._now)) for rows in self.values() if rows.table.evict]
-        if candidates:
-            order = np.concatenate([touched for _, _, touched in candidates]).argsort(kind="stable")
-            owner = np.concatenate([np.full(len(found), i) for i, (_, found, _) in enumerate(candidates)])[order]
-            row = np.concatenate([found for _, found, _ in candidates])[order]
-            sizes = np.array([rows.table.row_bytes() for rows, _, _ in candidates])[owner]  # (the index: a bonus)
-            count = int(np.searchsorted(np.cumsum(sizes), target)) + 1
-            for i, (rows, _, _) in enumerate(candidates):
-                mine = row[:count][owner[:count] == i]
-                if len(mine):
-                    rows.drop(mine)
-            if self.nbytes + need <= self.limit:
-                return
-        raise TableMemoryFull(
-            f"the rows of the tables take {self.nbytes} bytes of the {self.limit} --table-memory allows, and this "
-            f"request may make {need} more; "
-            + ("the tables that may evict (evict=True) have too few rows to give up" if candidates else
-               "no table is declared evict=True") + ": nothing changed")
+        candidates = [(rows, *rows.untouched_since(self._now)) for rows in self.values() if rows.evicts]
+        freeable = sum(len(found) * rows.row_cost for rows, found, _ in candidates)
+        if freeable < held + need - self.limit:
+            raise TableMemoryFull(
+                f"the rows of the tables take {held} bytes of the {self.limit} --table-memory allows, and this "
+                f"request makes up to {need} more; "
+                + ("the tables that may evict (evict=True) have too few rows to give up" if candidates else
+                   "no table is declared evict=True") + ": nothing changed")
+        order = np.concatenate([touched for _, _, touched in candidates]).argsort(kind="stable")
+        owner = np.concatenate([np.full(len(found), i) for i, (_, found, _) in enumerate(candidates)])[order]
+        row = np.concatenate([found for _, found, _ in candidates])[order]
+        sizes = np.array([rows.row_cost for rows, _, _ in candidates])[owner]
+        count = int(np.searchsorted(np.cumsum(sizes), target)) + 1
+        for i, (rows, _, _) in enumerate(candidates):
+            mine = row[:count][owner[:count] == i]
+            if len(mine):
+                rows.drop(mine)
 
     def pull(self, pulled: list) -> list[np.ndarray]:
         """The rows a request asked for, table after table (made on their first touch)."""

@@ -523,14 +523,12 @@ class ServerSession(Handshake):
             raise NotInitialized(f"{Op(op).name} before a successful INIT")
         if not self.engine.rows:
             raise InvalidIds("the model declares no tables: there are no rows to pull or push")
-        dense = None
-        if op in _GRADIENT_OPS and header.dtype != DType.NONE:
+        if dense := op in _GRADIENT_OPS and header.dtype != DType.NONE:
             self._check_gradient_dtype(header)
             dense = self._gradient_destination(member, header, rows=True)
-        at = 0 if dense is None else len(dense)
+        at = len(dense) if dense else 0
         if header.length < at + 8:
-            raise MalformedFrame(f"{Op(op).name} with rows of {header.length} bytes: its rows need 8 bytes at "
-                                 f"least after {at} bytes of dense gradient")
+            raise MalformedFrame(f"{Op(op).name} with rows of {header.length} bytes: its rows need 8 at least")
         self._rows_at = at
         return dense if at else memoryview(b"")
 
@@ -701,7 +699,9 @@ class ServerSession(Handshake):
         member.rows_wanted = member.rows_out = None
         if not header.flags & _ROWS:
             return []
-        pushed, pulled = self.engine.rows.intake(payload, header.op in _GRADIENT_OPS, header.op in _PULL_OPS)
+        pushing = header.op in _GRADIENT_OPS
+        fit = not (pushing and self.engine.is_duplicate(member, header.request_id, header.clock))
+        pushed, pulled = self.engine.rows.intake(payload, pushing, header.op in _PULL_OPS, fit)
         member.rows_wanted = pulled if header.op in _PULL_OPS else None
         return pushed
 

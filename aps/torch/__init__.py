@@ -630,6 +630,11 @@ class Optimizer(torch.optim.Optimizer):
                     loss = closure()
             self._send_loaded_weights()
             found_inf, grad_scale = getattr(self, "found_inf", None), getattr(self, "grad_scale", None)
+            if found_inf is not None and self._tables:
+                raise ConfigurationError(
+                    "torch.amp.GradScaler does not see the rows of aps embeddings (they are not in the param "
+                    "groups): their gradients would be pushed scaled and unchecked. Train a model with aps "
+                    "embeddings without a loss scale (bfloat16 autocast needs none)")
             if found_inf is not None and float(found_inf) > 0:  # torch.amp.GradScaler found inf/NaN: skip
                 for module in self._tables.values():
                     module.used = []

@@ -244,7 +244,7 @@ def rows_frame(op, sections, with_values, dtype=DType.NONE, extra=b""):
     ((pack_header(Op.PULL, int(Flag.ROWS), 0, 7, 0, 0, 8), (1).to_bytes(4, "little") + bytes(4)),
      ErrorCode.MALFORMED_FRAME, "truncated"),
     ((pack_header(Op.PULL, int(Flag.ROWS), 0, 7, 0, 0, 4), bytes(4)), ErrorCode.MALFORMED_FRAME,
-     "its rows need 8 bytes"),
+     "its rows need 8 at least"),
     ((pack_header(Op.PING, int(Flag.ROWS), 0, 7, 0, 0, 8), bytes(8)), ErrorCode.MALFORMED_FRAME,
      "PING carries no rows"),
 ])

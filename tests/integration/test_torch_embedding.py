@@ -126,3 +126,18 @@ def test_the_table_is_named_after_the_module_when_not_named(server_process):
     with aps.torch.Optimizer(model, server.address, 0, 1) as opt:
         assert [name for name, _ in opt.worker.layout.tables] == ["items", "tags"]
         assert model.items.table == "items"
+
+
+def test_grad_scaler_is_refused_with_aps_embeddings(server_process):
+    """GradScaler unscales and checks the param groups only: the rows would go scaled and
+    unchecked, so the step says so instead of training on them."""
+    server = server_process("--workers", "1", "--sync", "asp")
+    model = Net(aps.torch.Embedding(ROWS, DIM, "items"), aps.torch.EmbeddingBag(ROWS, DIM, "tags", mode="sum"))
+    with aps.torch.Optimizer(model, server.address, 0, 1) as opt:
+        scaler = torch.amp.GradScaler("cpu", init_scale=1024.0)
+        items, tags, offsets, weights, y = batch(0)
+        before = opt.worker.pull_rows("items", np.arange(12))
+        scaler.scale(F.binary_cross_entropy_with_logits(model(items, tags, offsets, weights), y)).backward()
+        with pytest.raises(aps.ConfigurationError, match="GradScaler does not see the rows"):
+            scaler.step(opt)
+        assert np.array_equal(opt.worker.pull_rows("items", np.arange(12)), before) and opt.version == 0

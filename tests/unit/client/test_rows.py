@@ -87,3 +87,25 @@ def test_a_pull_that_finishes_a_call_after_a_rejoin_asks_for_its_rows_again():
     assert head.op == Op.PULL and head.flags & Flag.ROWS and head.dtype == DType.FLOAT32
     _, pulled = decode_request_rows(b"".join(bytes(f) for f in frames[1:]), LAYOUT.table_dims, False, True)
     assert pulled[0].ids.tolist() == [7]
+
+
+def test_a_reply_that_does_not_carry_what_was_asked_for_is_refused():
+    from aps.errors import MalformedFrame
+    from aps.wire.protocol import pack_header, unpack_header as unpack
+
+    core = _ClientCore(0, 1)
+    core.init_request({"w": np.zeros(8, np.float32)}, tables=TABLES)
+    core.begin_call()
+    core.pull_request(rows_call(core.layout, None, {"tags": [1]}, None, dense=False))
+    rid = unpack_header(core.pull_request()[0]).request_id
+    for flags, dtype in ((0, DType.FLOAT32), (int(Flag.ROWS), DType.FLOAT32)):  # no rows; dense weights too
+        header = unpack(pack_header(Op.PULL_REPLY, flags, dtype, rid, 0, 0, 32 + 8))
+        with pytest.raises(MalformedFrame, match="does not carry what was asked for"):
+            core.frame_buffer(header)
+
+
+def test_gradient_rows_that_are_not_finite_are_refused_before_anything_is_sent():
+    from aps.errors import NonFiniteGradient
+
+    with pytest.raises(NonFiniteGradient, match="nothing was sent"):
+        rows_call(LAYOUT, {"items": ([1], np.full((1, 4), np.inf, np.float32))}, None, None, dense=False)

@@ -270,3 +270,36 @@ def test_a_request_that_cannot_fit_is_refused_and_changes_nothing(kernels):
     with pytest.raises(TableMemoryFull, match="no table is declared evict=True"):
         request(alone, "keep", np.arange(200))
     assert len(alone["keep"]) == 0
+
+
+def test_a_request_that_makes_no_row_fits_whatever_the_tables_hold(kernels):
+    """Past the limit (requests in flight may pass it), a request of rows held, or of one new
+    id many times over, is counted for what it makes: nothing, or one row."""
+    from aps.server.rows import Tables
+
+    table = Table(rows=10**6, dim=8, optimizer="sgd", lr=1.0)
+    tables = Tables({"keep": RowTable("keep", table, kernels=kernels)}, limit=10**9)
+    request(tables, "keep", np.arange(300))
+    tables.limit = 100 * tables["keep"].row_cost  # (as if the limit were passed by requests in flight)
+    request(tables, "keep", np.arange(300), np.ones((300, 8), np.float32))  # rows held: fits
+    assert np.array_equal(request(tables, "keep", [5, 5, 5]), RowTable("keep", table).pull([5, 5, 5]) - 1.0)
+    tables.limit = 301 * tables["keep"].row_cost
+    request(tables, "keep", np.full(5000, 777))  # one new row, named 5,000 times: fits
+    assert len(tables["keep"]) == 301
+
+
+def test_a_refused_request_evicts_nothing_and_a_reply_is_bounded(kernels):
+    from aps.errors import TableMemoryFull
+    from aps.server.rows import Tables
+
+    spare = Table(rows=10**6, dim=8, optimizer="sgd", lr=1.0, evict=True)
+    cost = spare.row_bytes() + 32
+    tables = Tables({"spare": RowTable("spare", spare, kernels=kernels)}, limit=400 * cost, max_reply=1 << 16)
+    request(tables, "spare", np.arange(200), np.ones((200, 8), np.float32))
+    before = tables["spare"].arrays()
+    with pytest.raises(TableMemoryFull, match="too few rows to give up"):
+        request(tables, "spare", 10**5 + np.arange(1000))  # more than all the limit: refused first
+    after = tables["spare"].arrays()
+    assert all(np.array_equal(before[key], after[key]) for key in before)  # nothing dropped
+    with pytest.raises(InvalidIds, match="over the 65536 a frame may carry"):
+        request(tables, "spare", np.zeros(4096, np.int64))  # 128 KiB of rows asked with 32 KiB of ids
