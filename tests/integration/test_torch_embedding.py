@@ -141,3 +141,23 @@ def test_grad_scaler_is_refused_with_aps_embeddings(server_process):
         with pytest.raises(aps.ConfigurationError, match="GradScaler does not see the rows"):
             scaler.step(opt)
         assert np.array_equal(opt.worker.pull_rows("items", np.arange(12)), before) and opt.version == 0
+
+
+def test_a_model_with_torchs_own_sparse_embedding_keeps_working(server_process, transport):
+    """nn.Embedding(sparse=True) left in a model trains as a dense tensor of the server's, as
+    torch.optim.SGD trains it: a user swaps modules when they want rows by id, not loops."""
+    server = server_process("--workers", "1", "--sync", "bsp", "--lr", str(LR))
+    torch.manual_seed(0)
+    ours = nn.Sequential(nn.Embedding(10, 4, sparse=True), nn.Flatten(), nn.Linear(8, 1))
+    theirs = nn.Sequential(nn.Embedding(10, 4, sparse=True), nn.Flatten(), nn.Linear(8, 1))
+    theirs.load_state_dict(ours.state_dict())
+    reference = torch.optim.SGD(theirs.parameters(), lr=LR)
+    with aps.torch.Optimizer(ours, server.address, 0, 1, transport=transport) as opt:
+        for step in range(4):
+            x = torch.tensor([[1, 2], [2, 3], [step, 9]])
+            for model, optimizer in ((ours, opt), (theirs, reference)):
+                optimizer.zero_grad()
+                model(x).square().sum().backward()
+                optimizer.step()
+    for mine, expected in zip(ours.parameters(), theirs.parameters()):
+        assert torch.equal(mine.detach(), expected.detach())
