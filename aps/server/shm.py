@@ -162,6 +162,10 @@ class ShmSession(ServerSession):
     ) -> None:
         super().__init__(engine, max_payload, registry, token=token)
         self.sock = sock
+        try:  # (rows cross the socket: queued whole, not cut into 200 KiB writes and wake-ups)
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4 << 20)
+        except OSError:
+            pass
         self.peer = f"unix:{sock.fileno()}"
         try:
             creds = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, 12)
