@@ -602,7 +602,8 @@ class _ClientCore:
             self.joined_running = bool(header.flags & _RUNNING)
         if op in _COUNTED_REPLIES:
             self.clock = header.clock
-            if op in _WEIGHT_REPLIES:  # the version of the weights this worker holds
+            if op in _WEIGHT_REPLIES and (header.dtype != _NONE or self._rows is None or self._rows.versioned):
+                # the version of the weights this worker holds
                 # (a reply of rows alone too: the rows are of that version, and BSP's round rule needs it;
                 # the dense weights it holds are as they were: docs/design.md, "Embedding tables")
                 self.version = header.version

@@ -26,13 +26,15 @@ __all__ = ["RowsCall", "Split", "rows_call", "split"]
 class RowsCall(NamedTuple):
     """One request's rows: ``push`` sections (ids and gradient rows), ``pull`` sections (ids),
     ``outs`` (where each pulled section's rows go) and ``dense`` (the request also pushes or
-    pulls the dense part)."""
+    pulls the dense part). ``versioned``: a reply of rows alone sets the worker's version
+    (False: the version stays that of the dense weights it holds)."""
 
     push: list[RowSection]
     pull: list[RowSection]
     outs: list[np.ndarray]
     dense: bool
     names: list[str]  # the pulled sections' table names, in order
+    versioned: bool = True
 
 
 def rows_call(layout: Layout, push: Mapping[str, Any] | None, pull: Mapping[str, Any] | None,
@@ -124,6 +126,7 @@ def split(call: RowsCall, shards: int, every: bool) -> Split:
         if not (every or call.dense or push or pull):
             out.append(None)
             continue
-        out.append(RowsCall(push, pull, [array for _, array in outs], call.dense, [name for name, _ in outs]))
+        out.append(RowsCall(push, pull, [array for _, array in outs], call.dense, [name for name, _ in outs],
+                            call.versioned))
     return Split(out, places)
 

@@ -286,14 +286,16 @@ class _Workers:
         yield from self._one_cut(before)
         return self.weights
 
-    def _pull_rows(self, table: str | Mapping[str, Any], ids: Any, out: Any) -> Steps:
+    def _pull_rows(self, table: str | Mapping[str, Any], ids: Any, out: Any, versioned: bool = True) -> Steps:
+        """(``versioned`` False: the reply's version is not taken as the worker's: aps.torch's
+        forward, whose dense weights are the last step's.)"""
         if isinstance(table, Mapping):
             if ids is not None:
                 raise ConfigurationError("pull_rows({table: ids, ...}) takes no ids of its own")
-            call = yield from self._rows(None, "pull", None, table, out, dense=False)
+            call = yield from self._rows(None, "pull", None, table, out, dense=False, versioned=versioned)
             return dict(zip(call.names, call.outs))
         call = yield from self._rows(None, "pull", None, {table: ids}, None if out is None else {table: out},
-                                     dense=False)
+                                     dense=False, versioned=versioned)
         return call.outs[0]
 
     def _push_rows(self, table: str | Mapping[str, Any], ids: Any, grads: Any) -> Steps:
@@ -306,7 +308,7 @@ class _Workers:
         yield from self._rows(None, "push", rows, None, None, dense=False)
 
     def _rows(self, grads: Any, kind: str, push: Mapping[str, Any] | None, pull: Mapping[str, Any] | None,
-              out: Mapping[str, np.ndarray] | None, dense: bool) -> Steps:
+              out: Mapping[str, np.ndarray] | None, dense: bool, versioned: bool = True) -> Steps:
         """A request with rows (``kind``: pull, push or push_pull; ``dense``: with the dense
         gradient or weights), each shard its ids (:func:`aps.tables.shard_of`); a push goes to
         every shard (each counts the iteration), a pull of rows alone to those holding some.
@@ -315,7 +317,7 @@ class _Workers:
         layout = self.layout
         if layout is None:
             raise NotInitialized("call init(params) before pulling or pushing rows")
-        call = rows_call(layout, push, pull, out, dense)
+        call = rows_call(layout, push, pull, out, dense)._replace(versioned=versioned)
         pushing, then_pull = kind != "pull", kind != "push"
         if self._one:
             channel = self._channels[0]

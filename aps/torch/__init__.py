@@ -51,6 +51,7 @@ import torch
 
 from ..errors import ConfigurationError
 from ..client.steps import DEFAULT_RECONNECT_TIMEOUT
+from ..client.channel import run
 from ..client.worker import Worker
 from .embedding import Embedding, EmbeddingBag, _Rows
 
@@ -575,7 +576,7 @@ class Optimizer(torch.optim.Optimizer):
         the next step, which pushes and so changes rows (``step(prefetch=...)`` pulls the
         next batch's rows in the step's own request)."""
         wanted = _distinct(ids)
-        pulled = self.worker.pull_rows(wanted) if wanted else {}
+        pulled = run(self.worker._pull_rows(wanted, None, None, versioned=False)) if wanted else {}
         self._prefetched = {name: (wanted[name], pulled[name]) for name in wanted}
 
     def _rows_of(self, table: str, distinct: np.ndarray) -> np.ndarray:
@@ -586,7 +587,9 @@ class Optimizer(torch.optim.Optimizer):
             at = np.minimum(np.searchsorted(ids, distinct), len(ids) - 1)
             if len(ids) and np.array_equal(ids[at], distinct):
                 return rows[at]
-        return self.worker.pull_rows(table, distinct)
+        # (the reply's version is not the worker's: its dense weights are the last step's, and the
+        # next push must say so: docs/guide/tables.md)
+        return run(self.worker._pull_rows(table, distinct, None, versioned=False))
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Zero the gradients in place. ``set_to_none`` is accepted and not followed: the

@@ -100,14 +100,15 @@ def test_a_prefetch_pulls_every_table_in_one_request(server_process):
         expected = model(items, tags, offsets, None).detach()
         opt.zero_grad()
         calls = []
-        pull_rows = opt.worker.pull_rows
-        opt.worker.pull_rows = lambda *args, **kwargs: calls.append(args) or pull_rows(*args, **kwargs)
+        pull_rows = opt.worker._pull_rows
+        opt.worker._pull_rows = lambda *args, **kwargs: calls.append(args) or pull_rows(*args, **kwargs)
         opt.prefetch({"items": items, "tags": tags})
         assert len(calls) == 1 and set(calls[0][0]) == {"items", "tags"}
         assert torch.equal(model(items, tags, offsets, None).detach(), expected)
         assert len(calls) == 1  # the forward took the prefetched rows
         model(items[:, :1] + 13, tags, offsets, None)  # ids not prefetched: asked for
         assert len(calls) == 2
+        assert opt.worker.version == 0  # (the forwards' pulls leave the version of the dense weights held)
 
 
 def test_an_embedding_needs_its_optimizer_and_a_table_of_its_own(server_process):

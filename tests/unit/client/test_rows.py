@@ -109,3 +109,22 @@ def test_gradient_rows_that_are_not_finite_are_refused_before_anything_is_sent()
 
     with pytest.raises(NonFiniteGradient, match="nothing was sent"):
         rows_call(LAYOUT, {"items": ([1], np.full((1, 4), np.inf, np.float32))}, None, None, dense=False)
+
+
+@pytest.mark.parametrize("versioned", [True, False])
+def test_a_reply_of_rows_alone_sets_the_version_unless_asked_not_to(versioned):
+    from aps.wire.protocol import pack_header, unpack_header as unpack
+
+    core = _ClientCore(0, 1)
+    core.init_request({"w": np.zeros(8, np.float32)}, tables=TABLES)
+    core.begin_call()
+    call = rows_call(core.layout, None, {"tags": [1, 2]}, None, dense=False)._replace(versioned=versioned)
+    rid = unpack_header(core.pull_request(call)[0]).request_id
+    header = unpack(pack_header(Op.PULL_REPLY, int(Flag.ROWS), DType.NONE, rid, 4, 9, 16))
+    assert len(core.frame_buffer(header)) == 0
+    part = core.frame_more(header, 0)
+    part[:] = np.arange(4, dtype=np.float32).tobytes()
+    core.frame_received(header, part)
+    core.finish()
+    assert call.outs[0].tolist() == [[0.0, 1.0], [2.0, 3.0]] and core.clock == 4
+    assert core.version == (9 if versioned else 0)
