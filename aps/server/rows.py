@@ -266,27 +266,28 @@ class Tables(dict):
         super().__init__(*args, **kwargs)
         #: The most bytes of rows one reply may carry (a frame's limit).
         self.max_reply = max_reply
-        self._round: dict[int, list[tuple[np.ndarray, np.ndarray, float]]] = {}
+        self._round: dict[int, list[tuple[int, np.ndarray, np.ndarray, float]]] = {}  # table: (rank, ids, rows, scale)
         #: ``--table-memory``: the bytes the tables' rows may take (0: no limit).
         self.limit = limit
         self._now = 0  # requests checked so far: the clock of the rows' last touch
         for rows in self.values():
             rows.evicts = bool(limit) and rows.table.evict
+        self._ordered()
 
     def __setitem__(self, name: str, rows: RowTable) -> None:  # (a table restored from a checkpoint)
         rows.evicts = bool(self.limit) and rows.table.evict
         super().__setitem__(name, rows)
+        self._ordered()
+
+    def _ordered(self) -> None:
+        #: The tables in their declared order (a section names a table by its place), and
+        #: each one's row length: kept, not made again at every request.
+        self._order: list[RowTable] = list(self.values())
+        self.dims: list[int] = [rows.table.dim for rows in self._order]
 
     @property
     def nbytes(self) -> int:
         return sum(rows.nbytes for rows in self.values())
-
-    def by_index(self, index: int) -> RowTable:
-        return list(self.values())[index]
-
-    @property
-    def dims(self) -> list[int]:
-        return [rows.table.dim for rows in self.values()]
 
     def intake(self, payload: Any, push: bool, pull: bool, fit: bool = True) -> tuple[list, list]:
         """A request's rows (aps.wire.rows: the sections it pushes and pulls), decoded and
@@ -298,7 +299,7 @@ class Tables(dict):
     def check(self, pushed: list, pulled: list, fit: bool = True) -> None:
         """Refuse (InvalidIds, NonFiniteGradient, TableMemoryFull) a request's rows before
         anything is made of them; ``fit``: make room for them within the limit."""
-        tables = list(self.values())
+        tables = self._order
         for table, ids, values in pushed:
             rows = tables[table]
             rows.table.check_ids(rows.name, ids)
@@ -313,10 +314,10 @@ class Tables(dict):
         if reply > self.max_reply:
             raise InvalidIds(f"the rows asked for take {reply} bytes, over the {self.max_reply} a frame may carry "
                              "(--max-frame-bytes): ask for fewer, or for each id once")
-        self._now += 1
-        for rows in tables:
-            rows.now = self._now
         if self.limit and fit:  # (a push sent again, answered without applying it, is not fitted)
+            self._now += 1
+            for rows in tables:
+                rows.now = self._now
             self._fit([(tables[table], ids) for table, ids, _ in (*pushed, *pulled)])
 
     def _fit(self, parts: list[tuple[RowTable, np.ndarray]]) -> None:
@@ -352,13 +353,13 @@ class Tables(dict):
 
     def pull(self, pulled: list) -> list[np.ndarray]:
         """The rows a request asked for, table after table (made on their first touch)."""
-        tables = list(self.values())
+        tables = self._order
         return [tables[table].pull(ids) for table, ids, _ in pulled]
 
     def prepare(self, pushed: list, scale: float = 1.0) -> list:
         """Every table's part of a push, computed aside (raises, with nothing changed, if any
         part is refused); :meth:`commit` writes them all."""
-        tables = list(self.values())
+        tables = self._order
         return [(tables[table], tables[table].prepare(ids, values, scale)) for table, ids, values in pushed]
 
     @staticmethod
@@ -379,14 +380,7 @@ class Tables(dict):
         they arrived in: a round's update is the same every time), times their push's scale
         and ``scale``; the round is then empty."""
         parts, self._round = self._round, {}
-        out = []
-        for table in sorted(parts):
-            pushes = sorted(parts[table], key=lambda push: push[0])
-            ids = np.concatenate([ids for _, ids, _, _ in pushes])
-            grads = np.concatenate([values * np.float32(each * scale) if each * scale != 1.0 else values
-                                    for _, _, values, each in pushes])
-            out.append((table, ids, grads))
-        return out
+        return [(table, *_merged(parts[table], scale)[:2]) for table in sorted(parts)]
 
     def forget_round(self) -> None:
         self._round = {}
@@ -395,23 +389,15 @@ class Tables(dict):
         """Copies of the open round's rows by table name, for a checkpoint: ids, gradient rows
         times their push's scale, and each one's rank, in rank order (as they are summed)."""
         names = list(self)
-        out = {}
-        for table, pushes in self._round.items():
-            pushes = sorted(pushes, key=lambda push: push[0])
-            out[names[table]] = (
-                np.concatenate([ids for _, ids, _, _ in pushes]),
-                np.concatenate([values * np.float32(each) if each != 1.0 else values for _, _, values, each in pushes]),
-                np.concatenate([np.full(len(ids), rank, np.int64) for rank, ids, _, _ in pushes]),
-            )
-        return out
+        return {names[table]: _merged(pushes, 1.0) for table, pushes in self._round.items()}
 
     def reopen_round(self, saved: dict[str, tuple[np.ndarray, np.ndarray, np.ndarray]]) -> None:
         """Take up the rows of the round a checkpoint caught open (see :meth:`open_round`):
         summed as they would have been."""
-        tables, names = list(self.values()), list(self)
+        names = list(self)
         self._round = {}
         for name, (ids, grads, ranks) in saved.items():
-            rows = tables[names.index(name)]
+            rows = self._order[names.index(name)]
             ids = rows.table.check_ids(name, ids)
             grads = rows.table.check_rows(name, ids, grads)
             ranks = np.asarray(ranks, np.int64)
@@ -433,6 +419,17 @@ class _Staged(NamedTuple):
     values: np.ndarray
     state: dict[str, np.ndarray]
     count: int
+
+
+def _merged(pushes: list, scale: float) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """A round's pushes of one table, in rank order (stable: a rank's in arrival order): their
+    ids, their gradient rows times their push's scale and ``scale``, and each row's rank."""
+    pushes = sorted(pushes, key=lambda push: push[0])
+    ids = np.concatenate([ids for _, ids, _, _ in pushes])
+    grads = np.concatenate([values * np.float32(each * scale) if each * scale != 1.0 else values
+                            for _, _, values, each in pushes])
+    ranks = np.concatenate([np.full(len(ids), rank, np.int64) for rank, ids, _, _ in pushes])
+    return ids, grads, ranks
 
 
 def _grown(slab: np.ndarray, capacity: int, held: int) -> np.ndarray:

@@ -53,7 +53,7 @@ from ..errors import ConfigurationError
 from ..client.steps import DEFAULT_RECONNECT_TIMEOUT
 from ..client.channel import run
 from ..client.worker import Worker
-from .embedding import Embedding, EmbeddingBag, _Rows
+from .embedding import Embedding, EmbeddingBag, bind_tables, distinct_ids
 
 __all__ = ["Embedding", "EmbeddingBag", "Optimizer", "Pacer"]
 
@@ -443,7 +443,7 @@ class Optimizer(torch.optim.Optimizer):
             with torch.no_grad():
                 initial = {n: p.detach().to("cpu", torch.float32).contiguous().numpy()
                            for n, p in zip(self.names, self.params)}
-            self._tables = _bind_tables(model, self)
+            self._tables = bind_tables(_uncompiled(model) if model is not None else None, self)
             #: Rows pulled ahead (prefetch, or the last step's pull_rows), by table: (sorted ids, rows).
             self._prefetched: dict[str, tuple[np.ndarray, np.ndarray]] = {}
             self.worker.init(initial, timeout=init_timeout,
@@ -575,7 +575,7 @@ class Optimizer(torch.optim.Optimizer):
         asking the server (a forward whose ids are not all here asks for its own). Kept until
         the next step, which pushes and so changes rows (``step(prefetch=...)`` pulls the
         next batch's rows in the step's own request)."""
-        wanted = _distinct(ids)
+        wanted = distinct_ids(ids)
         pulled = run(self.worker._pull_rows(wanted, None, None, versioned=False)) if wanted else {}
         self._prefetched = {name: (wanted[name], pulled[name]) for name in wanted}
 
@@ -653,7 +653,7 @@ class Optimizer(torch.optim.Optimizer):
             self._gather_grads()
             rows = {name: used for name, module in self._tables.items()
                     if (used := module._gradient_rows()) is not None}
-            ahead = _distinct(prefetch)
+            ahead = distinct_ids(prefetch)
             self._prefetched = {}
             if rows or ahead:  # the dense gradient, the batch's rows and the next batch's: one round trip
                 _, pulled = self.worker.push_pull(self._push_buffer, rows=rows, pull_rows=ahead or {})
@@ -926,36 +926,6 @@ from ..checkpoint import Checkpoint, load_checkpoint  # noqa: E402  (kept apart 
 from ..errors import CheckpointError  # noqa: E402
 
 __all__.append("load_state_dict")
-
-
-def _bind_tables(model: torch.nn.Module | None, optimizer: Optimizer) -> dict[str, _Rows]:
-    """The model's aps embeddings by table name (their own, or their name in the model),
-    bound to ``optimizer``."""
-    tables: dict[str, _Rows] = {}
-    if model is None:
-        return tables
-    for name, module in _uncompiled(model).named_modules():
-        if isinstance(module, _Rows):
-            table = module.table or name
-            if table in tables:
-                raise ConfigurationError(f"two aps embeddings of the model use table {table!r}: name each its own")
-            module._bind(optimizer, table)
-            tables[table] = module
-    return tables
-
-
-def _distinct(ids: Mapping[str, Any] | None) -> dict[str, np.ndarray]:
-    """``{table: ids}`` with each table's ids sorted, each once."""
-    if ids is None:
-        return {}
-    if not isinstance(ids, Mapping):
-        raise ConfigurationError("prefetch takes a mapping of table name to ids")
-    out = {}
-    for name, values in ids.items():
-        if isinstance(values, torch.Tensor):
-            values = values.detach().to("cpu", torch.int64).numpy()
-        out[name] = np.unique(np.asarray(values).reshape(-1))
-    return out
 
 
 def load_state_dict(model: torch.nn.Module, path: str | os.PathLike, *, strict: bool = True) -> Checkpoint:

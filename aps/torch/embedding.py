@@ -19,6 +19,7 @@ optimizer (:class:`aps.Table`), whatever the dense part's is.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 import numpy as np
@@ -28,7 +29,7 @@ import torch.nn.functional as F
 from ..errors import ConfigurationError
 from ..tables import Table
 
-__all__ = ["Embedding", "EmbeddingBag"]
+__all__ = ["Embedding", "EmbeddingBag", "bind_tables", "distinct_ids"]
 
 
 class _Rows(torch.nn.Module):
@@ -129,3 +130,33 @@ class EmbeddingBag(_Rows):
             positions = positions.view(input.shape)
         return F.embedding_bag(positions, rows, offsets, mode=self.mode, per_sample_weights=per_sample_weights,
                                include_last_offset=self.include_last_offset)
+
+
+def bind_tables(model: torch.nn.Module | None, optimizer: Any) -> dict[str, _Rows]:
+    """The model's aps embeddings by table name (their own, or their name in the model),
+    bound to ``optimizer``."""
+    tables: dict[str, _Rows] = {}
+    if model is None:
+        return tables
+    for name, module in model.named_modules():
+        if isinstance(module, _Rows):
+            table = module.table or name
+            if table in tables:
+                raise ConfigurationError(f"two aps embeddings of the model use table {table!r}: name each its own")
+            module._bind(optimizer, table)
+            tables[table] = module
+    return tables
+
+
+def distinct_ids(ids: Mapping[str, Any] | None) -> dict[str, np.ndarray]:
+    """``{table: ids}`` with each table's ids sorted, each once."""
+    if ids is None:
+        return {}
+    if not isinstance(ids, Mapping):
+        raise ConfigurationError("prefetch takes a mapping of table name to ids")
+    out = {}
+    for name, values in ids.items():
+        if isinstance(values, torch.Tensor):
+            values = values.detach().to("cpu", torch.int64).numpy()
+        out[name] = np.unique(np.asarray(values).reshape(-1))
+    return out
