@@ -620,6 +620,17 @@ def rows_gather(out: np.ndarray, slab: np.ndarray, rows: np.ndarray) -> None:
     out[:] = slab[rows]
 
 
+def rows_distinct(rows: np.ndarray, where: np.ndarray, mark: np.ndarray) -> np.ndarray:
+    """The distinct values of ``rows`` in the order first met, and ``where[e]``, entry e's
+    place among them (``mark``: scratch of the native kernel, all 0, left so)."""
+    _check_len("where", len(where), len(rows))
+    _check_where(rows, len(mark))
+    places: dict[int, int] = {}
+    for e, row in enumerate(rows.tolist()):
+        where[e] = places.setdefault(row, len(places))
+    return np.array(list(places), np.int64)
+
+
 def rows_scatter(slab: np.ndarray, inp: np.ndarray, rows: np.ndarray) -> None:
     """``slab[rows[e]] = inp[e]``."""
     _check_len("inp", len(inp), len(rows))

@@ -76,7 +76,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--batch", type=int, default=4096, help="ids a batch (default 4096: 1 MiB of rows)")
     parser.add_argument("--dense-mib", type=float, default=1.0, help="the dense model's MiB (default 1)")
     parser.add_argument("--steps", type=int, default=40, help="steps per window (default 40)")
-    parser.add_argument("--repeats", type=int, default=5, help="windows per point (default 5)")
+    parser.add_argument("--repeats", type=int, default=9, help="windows per point (default 9)")
     parser.add_argument("--workers", type=int, default=4, help="workers of the crowd (default 4)")
     parser.add_argument("--seconds", type=float, default=10.0, help="the crowd's seconds (default 10)")
     parser.add_argument("--out", help="also write the JSON report to this file")

@@ -49,32 +49,30 @@ static void aps_rows_init(float *out, const int64_t *ids, ptrdiff_t n, ptrdiff_t
 }
 
 /* The index: open addressing with linear probing over `mask + 1` (a power of two) buckets
- * of keys (-1: empty; ids are never negative) and values (the id's row). Looks each id up
- * and, with `add`, gives an id it lacks the next row (*size, then incremented); without,
- * -1. The caller keeps the load at most one half, so a probe is short and always ends. */
-static void aps_index_lookup(int64_t *keys, int64_t *values, uint64_t mask, const int64_t *ids, ptrdiff_t n,
-                             int64_t *rows, int add, int64_t *size) {
+ * of 16 bytes, the key (-1: empty; ids are never negative) then its value (the id's row),
+ * so that a probe reads one cache line. Looks each id up and, with `add`, gives an id it
+ * lacks the next row (*size, then incremented); without, -1. The caller keeps the load at
+ * most one half, so a probe is short and always ends. */
+static void aps_index_lookup(int64_t *buckets, uint64_t mask, const int64_t *ids, ptrdiff_t n, int64_t *rows, int add,
+                             int64_t *size) {
     /* A large index is out of the cache and its buckets are random: ask for the bucket of
      * the id APS_AHEAD places on while this one is probed, so the misses overlap. */
-    enum { APS_AHEAD = 8 };
+    enum { APS_AHEAD = 16 };
     for (ptrdiff_t e = 0; e < n; e++) {
-        if (e + APS_AHEAD < n) {
-            uint64_t ahead = aps_mix64((uint64_t) ids[e + APS_AHEAD]) & mask;
-            __builtin_prefetch(keys + ahead);
-            __builtin_prefetch(values + ahead);
-        }
+        if (e + APS_AHEAD < n)
+            __builtin_prefetch(buckets + 2 * (aps_mix64((uint64_t) ids[e + APS_AHEAD]) & mask));
         int64_t id = ids[e];
         uint64_t b = aps_mix64((uint64_t) id) & mask;
         for (;;) {
-            int64_t k = keys[b];
+            int64_t k = buckets[2 * b];
             if (k == id) {
-                rows[e] = values[b];
+                rows[e] = buckets[2 * b + 1];
                 break;
             }
             if (k == -1) {
                 if (add) {
-                    keys[b] = id;
-                    values[b] = *size;
+                    buckets[2 * b] = id;
+                    buckets[2 * b + 1] = *size;
                     rows[e] = (*size)++;
                 } else {
                     rows[e] = -1;
@@ -116,14 +114,13 @@ static void aps_rows_scatter(float *slab, const float *inp, const int64_t *rows,
 }
 
 /* Put ids that are not in the index there with the given rows (growing the index). */
-static void aps_index_place(int64_t *keys, int64_t *values, uint64_t mask, const int64_t *ids, const int64_t *rows,
-                            ptrdiff_t n) {
+static void aps_index_place(int64_t *buckets, uint64_t mask, const int64_t *ids, const int64_t *rows, ptrdiff_t n) {
     for (ptrdiff_t e = 0; e < n; e++) {
         uint64_t b = aps_mix64((uint64_t) ids[e]) & mask;
-        while (keys[b] != -1)
+        while (buckets[2 * b] != -1)
             b = (b + 1) & mask;
-        keys[b] = ids[e];
-        values[b] = rows[e];
+        buckets[2 * b] = ids[e];
+        buckets[2 * b + 1] = rows[e];
     }
 }
 

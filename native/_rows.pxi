@@ -4,7 +4,7 @@
 # caller) in place, and return False when a gradient value or a new weight is not finite:
 # the caller then throws the compact rows away, and nothing the server keeps changed.
 
-from libc.stdint cimport int64_t, uint64_t
+from libc.stdint cimport int32_t, int64_t, uint64_t
 
 import numpy as _np
 
@@ -12,10 +12,9 @@ cdef extern from "_rows.h" nogil:
     uint64_t aps_mix64(uint64_t x)
     void aps_rows_init(float* out, const int64_t* ids, Py_ssize_t n, Py_ssize_t dim, uint64_t seed, int kind,
                        double scale)
-    void aps_index_lookup(int64_t* keys, int64_t* values, uint64_t mask, const int64_t* ids, Py_ssize_t n,
-                          int64_t* rows, int add, int64_t* size)
-    void aps_index_place(int64_t* keys, int64_t* values, uint64_t mask, const int64_t* ids, const int64_t* rows,
-                         Py_ssize_t n)
+    void aps_index_lookup(int64_t* buckets, uint64_t mask, const int64_t* ids, Py_ssize_t n, int64_t* rows,
+                          int add, int64_t* size)
+    void aps_index_place(int64_t* buckets, uint64_t mask, const int64_t* ids, const int64_t* rows, Py_ssize_t n)
     void aps_rows_gather(float* out, const float* slab, const int64_t* rows, Py_ssize_t n, Py_ssize_t dim)
     void aps_rows_scatter(float* slab, const float* inp, const int64_t* rows, Py_ssize_t n, Py_ssize_t dim)
     void aps_rows_coalesce(float* out, const int64_t* where, const float* g, Py_ssize_t n, Py_ssize_t dim)
@@ -68,6 +67,35 @@ def rows_gather(float[:, ::1] out not None, const float[:, ::1] slab not None,
     if n and dim:
         with nogil:
             aps_rows_gather(&out[0, 0], &slab[0, 0], &rows[0], n, dim)
+
+
+def rows_distinct(const int64_t[::1] rows not None, int64_t[::1] where not None, int32_t[::1] mark not None):
+    """The distinct values of ``rows`` (rows of a slab) in the order first met, and
+    ``where[e]``, entry e's place among them: one pass, no sort, no hash. ``mark`` is
+    scratch, one int32 a row of the slab, all 0 (so that ``np.zeros`` maps its pages only
+    where a row is marked), and left so."""
+    cdef Py_ssize_t n = rows.shape[0], e, count = 0
+    cdef int64_t r
+    cdef int32_t m
+    _check_len("where", where.shape[0], n)
+    _check_where(rows, mark.shape[0])
+    if n >= 2**31:
+        raise ValueError(f"{n} entries: at most 2**31 - 1 a call")
+    out = _np.empty(n, _np.int64)
+    cdef int64_t[::1] distinct = out
+    with nogil:
+        for e in range(n):
+            r = rows[e]
+            m = mark[r]
+            if m == 0:
+                distinct[count] = r
+                count += 1
+                m = <int32_t> count
+                mark[r] = m
+            where[e] = m - 1
+        for e in range(count):
+            mark[distinct[e]] = 0
+    return out[:count]
 
 
 def rows_scatter(float[:, ::1] slab not None, const float[:, ::1] inp not None,
@@ -166,13 +194,13 @@ cdef int _check_where(const int64_t[::1] where, Py_ssize_t rows) except -1:
 
 cdef class RowIndex:
     """The index of one table: id -> row, rows numbered 0, 1, 2... in the order their ids
-    were first seen. Open addressing with linear probing (native/_rows.h) over numpy arrays
-    of keys and rows, at most half full: 32 bytes a row at most, no object per id, and a
-    lookup of a batch is one pass in C without the GIL."""
+    were first seen. Open addressing with linear probing (native/_rows.h) over one numpy
+    array of 16-byte buckets (key, row), at most half full: 32 bytes a row at most, no
+    object per id, one cache line a probe, and a lookup of a batch is one pass in C without
+    the GIL."""
 
-    cdef object _keys, _values
-    cdef int64_t[::1] keys
-    cdef int64_t[::1] values
+    cdef object _buckets
+    cdef int64_t[:, ::1] buckets
     cdef int64_t size
 
     def __cinit__(self, Py_ssize_t capacity=16):
@@ -185,10 +213,9 @@ cdef class RowIndex:
         self.size = 0
 
     cdef _allocate(self, Py_ssize_t buckets):
-        self._keys = _np.full(buckets, -1, _np.int64)
-        self._values = _np.empty(buckets, _np.int64)
-        self.keys = self._keys
-        self.values = self._values
+        self._buckets = _np.empty((buckets, 2), _np.int64)
+        self._buckets[:, 0] = -1
+        self.buckets = self._buckets
 
     def __len__(self) -> int:
         return self.size
@@ -196,7 +223,7 @@ cdef class RowIndex:
     @property
     def nbytes(self) -> int:
         """The bytes the index holds (its buckets)."""
-        return self._keys.nbytes + self._values.nbytes
+        return self._buckets.nbytes
 
     def lookup(self, const int64_t[::1] ids not None, int64_t[::1] rows not None, bint add=True) -> int:
         """``rows[e]`` = the row of ``ids[e]``; an id not there yet gets the next row when
@@ -208,33 +235,35 @@ cdef class RowIndex:
         for e in range(n):
             if ids[e] < 0:
                 raise ValueError(f"ids[{e}] = {ids[e]} is negative")
-        if add and self.size + n > self.keys.shape[0] // 2:
+        if add and self.size + n > self.buckets.shape[0] // 2:
             if self.size + n > _MAX_INDEX:
                 raise ValueError("an index holds at most 2**60 ids")
             self._grow(self.size + n)
         if n:
             with nogil:
-                aps_index_lookup(&self.keys[0], &self.values[0], self.keys.shape[0] - 1, &ids[0], n, &rows[0], add,
+                aps_index_lookup(&self.buckets[0, 0], self.buckets.shape[0] - 1, &ids[0], n, &rows[0], add,
                                  &self.size)
         return self.size - before
 
     def ids(self):
         """The ids held, in row order (``ids()[row]`` is the row's id)."""
         out = _np.empty(self.size, _np.int64)
-        held = self._keys >= 0
-        out[self._values[held]] = self._keys[held]
+        keys, values = self._buckets[:, 0], self._buckets[:, 1]
+        held = keys >= 0
+        out[values[held]] = keys[held]
         return out
 
     cdef _grow(self, Py_ssize_t needed):
         """More buckets (the load at most one half again), every id keeping its row."""
-        cdef Py_ssize_t buckets = self.keys.shape[0]
+        cdef Py_ssize_t buckets = self.buckets.shape[0]
         while needed > buckets // 2:
             buckets *= 2
-        held = self._keys >= 0
-        keys, values = self._keys[held], self._values[held]
+        held = self._buckets[:, 0] >= 0
+        keys = _np.ascontiguousarray(self._buckets[held, 0])
+        values = _np.ascontiguousarray(self._buckets[held, 1])
         self._allocate(buckets)
         cdef int64_t[::1] k = keys
         cdef int64_t[::1] v = values
         if k.shape[0]:
             with nogil:
-                aps_index_place(&self.keys[0], &self.values[0], self.keys.shape[0] - 1, &k[0], &v[0], k.shape[0])
+                aps_index_place(&self.buckets[0, 0], self.buckets.shape[0] - 1, &k[0], &v[0], k.shape[0])

@@ -34,7 +34,7 @@ from ..errors import (
 from ..layout import Layout, check_floating
 from ..tables import Table, check_tables
 from ..wire.framing import FrameReader
-from ..wire.rows import encode_rows, reply_rows_bytes
+from ..wire.rows import ROWS_REF_BYTES, encode_rows, reply_rows_bytes
 from ..wire.protocol import (
     MAX_STATE_HEAD_BYTES,
     DType,
@@ -167,6 +167,7 @@ class _ClientCore:
         #: where the reply's rows land (a pull sent again after a reconnect asks the same).
         self._rows: RowsCall | None = None
         self._row_parts: list[memoryview] = []  # the reply's rows still to arrive, in order
+        self._rows_ref = memoryview(b"")  # over shared memory: the reply's rows reference
         self._dense_part: memoryview | None = None  # a reply with rows: where its dense part went
 
     @property
@@ -248,7 +249,7 @@ class _ClientCore:
         flags, dtype = self._weights_request() if rows.dense else (0, _NONE)
         if rows.dense and not flags:
             dtype = _FLOAT32  # (with rows, the dtype names the dense part: NONE is none)
-        parts = encode_rows(rows.pull, self.layout.table_dims, False)
+        parts = self._rows_wire(encode_rows(rows.pull, self.layout.table_dims, False))
         return [self._header(Op.PULL, sum(len(p) for p in parts), dtype, flags | _ROWS), *parts]
 
     def begin_call(self) -> None:
@@ -274,10 +275,21 @@ class _ClientCore:
                 buffers += encode_rows(rows.pull, dims, False)
                 self._rows = rows
             flags |= _ROWS
+        wire = self._rows_wire(buffers) if flags & _ROWS else buffers
         frames = [pack_header(op, flags, dtype, self._next_request(op), clock, version,
-                              sum(len(b) for b in buffers)), *buffers]
-        self._push = (op, self._request_id, clock, version, frames[1:], flags, dtype)
+                              sum(len(b) for b in wire)), *wire]
+        self._push = (op, self._request_id, clock, version, buffers, flags, dtype)
         return frames
+
+    def _rows_wire(self, parts: list) -> list:
+        """What carries a request's rows ``parts``: the parts themselves (TCP), or their
+        rows reference, the rows being put in the rows segment (shared memory)."""
+        if self.shm is None:
+            return parts
+        ref, fd = self.shm.rows_request(parts, self.rank)
+        if fd is not None:
+            self._fds += (fd,)
+        return [ref]
 
     def _dense_push(self, grads: Any, then_pull: bool) -> tuple[int, int, list]:
         """(flags, dtype, payload buffers) of a push's dense gradient."""
@@ -339,8 +351,8 @@ class _ClientCore:
         self._request_id, self._expect, self._reply = rid, op | _REPLY, None
         if self.shm is None:
             self._reply_dtype = dtype if flags & _NARROW else _FLOAT32
-        nbytes = sum(len(b) for b in buffers)  # (over shm: its rows, if any; the gradient is in the segment)
-        return [pack_header(op, flags, dtype, rid, clock, version, nbytes), *buffers]
+        wire = self._rows_wire(buffers) if flags & _ROWS else buffers  # (over shm: the gradient is in its segment)
+        return [pack_header(op, flags, dtype, rid, clock, version, sum(len(b) for b in wire)), *wire]
 
     def simple_request(self, op: Op) -> list:
         return [self._header(op)]
@@ -523,6 +535,12 @@ class _ClientCore:
         if rows is None or header.op == _INIT_REPLY:
             raise MalformedFrame("a reply with rows to a request that asked for none")
         need = reply_rows_bytes(rows.pull, self.layout.table_dims)
+        if self.shm is not None:  # the rows are in the reply segment: the payload ends with their reference
+            if header.length < ROWS_REF_BYTES:
+                raise MalformedFrame(f"a reply of {header.length} bytes has no rows reference")
+            self._rows_ref = memoryview(bytearray(ROWS_REF_BYTES))
+            self._row_parts = [self._rows_ref]
+            return header.length - ROWS_REF_BYTES
         if header.length < need:
             raise MalformedFrame(f"a reply of {header.length} bytes; the rows asked for take {need}")
         parts = []
@@ -568,10 +586,22 @@ class _ClientCore:
             _core.narrow(self._half_weights, self.flat_weights, self.compression)
         elif header.op == _STATE_REPLY and header.request_id == self._request_id:
             self._state_reply = payload
+        if header.flags & _ROWS and self.shm is not None and header.op in _WEIGHT_REPLIES:
+            self._rows_from_segment()
         elif header.op == _REWIND_REPLY and header.request_id == self._request_id:
             self._rewind_reply = bytes(payload)
         self._reply = header
         self._payload = payload
+
+    def _rows_from_segment(self) -> None:
+        """A reply's rows over shared memory: copied out of the reply segment into the
+        caller's arrays (before the next request, which lets the server write there again)."""
+        rows = self._rows
+        view = self.shm.reply_rows(self._rows_ref, reply_rows_bytes(rows.pull, self.layout.table_dims))
+        at = 0
+        for out in rows.outs:
+            np.copyto(out, view[at : at + out.nbytes].view(np.float32).reshape(out.shape))
+            at += -(-out.nbytes // 8) * 8
 
     def reset_stream(self) -> None:
         """Forget any half-read reply: the next bytes come from a new connection."""
@@ -592,6 +622,8 @@ class _ClientCore:
             code, message = decode_error(self._payload)
             self._payload = None
             error = error_from_code(code, message)
+            if self.shm is not None:  # (a refused request may have left its rows segment unmapped)
+                self.shm.rows_unsent()
             # An error answering no request (id 0) means the server is closing
             # this connection: framing was lost, or it is shutting down.
             self.connection_lost = header.request_id == 0 or isinstance(error, APSConnectionError)

@@ -15,6 +15,7 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
+from .. import _core
 from ..errors import InvalidIds, NonFiniteGradient
 from ..layout import Layout
 from ..tables import shard_of
@@ -61,7 +62,7 @@ def rows_call(layout: Layout, push: Mapping[str, Any] | None, pull: Mapping[str,
             raise InvalidIds(f"table {name!r}: rows to push are an (ids, grads) pair")
         ids = table.check_ids(name, pair[0])
         values = table.check_rows(name, ids, pair[1])
-        if not np.isfinite(values).all():  # (refused here: a sharded push is then sent to no shard)
+        if not _core.all_finite(values.reshape(-1)):  # (refused here: a sharded push is then sent to no shard)
             raise NonFiniteGradient(f"table {name!r}: the gradient rows hold NaN or infinity; nothing was sent")
         pushed.append(RowSection(index, ids, values))
     pulled, outs, names = [], [], []

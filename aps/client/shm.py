@@ -11,7 +11,8 @@ import numpy as np
 
 from ..errors import APSConnectionError, APSTimeoutError, MalformedFrame
 from .sockets import BlockingSocket
-from ..wire.segments import ANCILLARY_SPACE, Segment, fds_from, map_received
+from ..wire.rows import decode_rows_ref, encode_rows_ref
+from ..wire.segments import ANCILLARY_SPACE, Room, Segment, fds_from, map_received
 
 __all__ = ["ShmConnection"]
 
@@ -19,7 +20,9 @@ __all__ = ["ShmConnection"]
 class ShmConnection(BlockingSocket):
     """A worker's Unix socket to a co-located server, with its shared segments.
 
-    Keeps the worker's gradient segment and the server's slots it has mapped.
+    Keeps the worker's gradient segment and the server's slots it has mapped; for rows of
+    embedding tables, the worker's rows segment (a request's rows) and the server's reply
+    segment (a reply's), see aps.wire.rows.
     """
 
     def __init__(self, path: str, connect_timeout: float | None = 30.0) -> None:
@@ -39,6 +42,9 @@ class ShmConnection(BlockingSocket):
         self._fds: deque[int] = deque()
         self.slots: dict[int, np.ndarray] = {}
         self.grad_segment: Segment | None = None
+        self.rows_room: Room | None = None
+        self._rows_sent = False  # the server of this connection has the rows segment's descriptor
+        self._reply_rows: np.ndarray | None = None  # the server's reply segment (uint8, read-only)
 
     def gradient_buffer(self, numel: int, rank: int) -> np.ndarray:
         """The worker's gradient vector, in a new shared segment (created once)."""
@@ -49,6 +55,43 @@ class ShmConnection(BlockingSocket):
     def adopt(self, previous: ShmConnection) -> None:
         """Keep the gradient segment and mapped slots of a connection being replaced."""
         self.grad_segment, previous.grad_segment = previous.grad_segment, None
+        self.rows_room, previous.rows_room = previous.rows_room, None
+
+    def rows_request(self, parts: Sequence, rank: int) -> tuple[bytes, int | None]:
+        """Put a request's rows (``parts``, aps.wire.rows) in the rows segment: their rows
+        reference, and the segment's descriptor when the server is to map it."""
+        nbytes = sum(len(part) for part in parts)
+        if self.rows_room is None:
+            self.rows_room = Room(f"aps-rows-rank{rank}")
+        into, fresh = self.rows_room.take(nbytes)
+        at = 0
+        for part in parts:
+            size = len(part)
+            into[at : at + size] = np.frombuffer(part, np.uint8)
+            at += size
+        send = fresh or not self._rows_sent
+        self._rows_sent = True
+        segment = self.rows_room.segment
+        return encode_rows_ref(nbytes, segment.nbytes, send), (segment.fd if send else None)
+
+    def rows_unsent(self) -> None:
+        """The next request's rows go with the rows segment's descriptor again (a request
+        was refused: the server may not have mapped the segment)."""
+        self._rows_sent = False
+
+    def reply_rows(self, ref: memoryview, length: int) -> np.ndarray:
+        """The ``length`` bytes of a reply's rows its rows reference ``ref`` names (mapping
+        the reply segment if its descriptor came): read them before the next request."""
+        got, size, has_fd = decode_rows_ref(ref)
+        if got != length:
+            raise MalformedFrame(f"a reply's rows of {got} bytes; the rows asked for take {length}")
+        if has_fd:
+            if not self._fds:
+                raise MalformedFrame("a rows reference announced a segment whose descriptor did not come")
+            self._reply_rows = map_received(self._fds.popleft(), size, writable=False).view(np.uint8)
+        if length and (self._reply_rows is None or length > len(self._reply_rows)):
+            raise MalformedFrame(f"a reply's rows of {length} bytes beyond the reply segment mapped")
+        return self._reply_rows[:length] if length else np.zeros(0, np.uint8)
 
     def slot(self, slot_id: int, nbytes: int, has_fd: bool, dropped: Sequence[int]) -> np.ndarray:
         """The server's slot ``slot_id``, mapping it if its descriptor came with this reply."""
@@ -73,6 +116,7 @@ class ShmConnection(BlockingSocket):
         while self._fds:
             os.close(self._fds.popleft())
         self.slots.clear()
+        self._reply_rows = None
 
 
 #: What a Unix socket may hold queued (its default, some 200 KiB, would cut the rows of a

@@ -905,7 +905,7 @@ class Engine(Durable):
             if member.rows_wanted is not None:
                 wanted, member.rows_wanted = member.rows_wanted, None
                 try:
-                    member.rows_out = self.rows.pull(wanted)
+                    member.rows_out = self.rows.pull(wanted, member.rows_room)
                 except Exception as exc:  # (out of memory, say): the reply says so, nobody waits
                     log.exception("reading the rows worker %d asked for failed", member.rank)
                     member.rows_out = exc

@@ -103,7 +103,7 @@ class Member:
     __slots__ = (
         "rank", "grad", "grad_bytes", "grad16", "grad16_bytes", "grad_dtype", "connected", "joined", "joined_running",
         "waiter", "gate", "waiting_since", "required_version", "rejoin", "rejoin_clock", "push_id", "push_clock", "hyper",
-        "rows_wanted", "rows_out",
+        "rows_wanted", "rows_out", "rows_room",
     )
 
     def __init__(self, rank: int) -> None:
@@ -129,6 +129,9 @@ class Member:
         #: served (rows_out: one array of rows a section), for its reply to carry.
         self.rows_wanted: list | None = None
         self.rows_out: list | None = None
+        #: Where its connection wants a reply's rows gathered (shared memory: the reply
+        #: segment; a callable giving ``nbytes`` of room), or None (new arrays).
+        self.rows_room: Callable[[int], np.ndarray] | None = None
 
     def receive_gradient(self, dtype: int) -> memoryview:
         """Where the next push's payload goes: ``grad``, or (for a compressed push,

@@ -18,6 +18,7 @@ may leave the rows it named made (at their initial values), as a pull of them wo
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import numpy as np
@@ -25,7 +26,7 @@ import numpy as np
 from .. import _core
 from ..errors import InvalidIds, NonFiniteGradient, TableMemoryFull
 from ..tables import Table
-from ..wire.rows import decode_request_rows
+from ..wire.rows import RowSection, decode_request_rows, reply_rows_bytes
 
 __all__ = ["RowTable", "Tables"]
 
@@ -47,6 +48,9 @@ class RowTable:
         #: When each row was last touched (Tables.now at the time), for eviction; kept up to
         #: date only while ``evicts`` (a table that may evict, under a --table-memory limit).
         self._touched = np.zeros(capacity, np.int64)
+        #: Scratch of a push's distinct rows (rows_distinct): one int32 a row, all 0 between
+        #: calls (np.zeros: its pages are mapped only where rows were pushed).
+        self._mark = np.zeros(capacity, np.int32)
         self.now = 0
         self.evicts = False
         #: Pushes applied (Adam's step count, for its bias correction).
@@ -61,14 +65,16 @@ class RowTable:
 
     @property
     def nbytes(self) -> int:
-        """The bytes the rows held take: their values and state, and the index."""
-        return len(self) * self.table.row_bytes() + self.index.nbytes
+        """The bytes the rows held take: their values and state, the index and scratch."""
+        return len(self) * (self.table.row_bytes() + 4) + self.index.nbytes
 
     # Requests ---------------------------------------------------------------
-    def pull(self, ids: Any, out: np.ndarray | None = None) -> np.ndarray:
+    def pull(self, ids: Any, out: np.ndarray | None = None, checked: bool = False) -> np.ndarray:
         """The rows of ``ids`` (duplicates allowed, order kept), made on their first touch,
-        into ``out`` (a float32 array of shape ``(len(ids), dim)``) or a new array."""
-        ids = self.table.check_ids(self.name, ids)
+        into ``out`` (a float32 array of shape ``(len(ids), dim)``) or a new array
+        (``checked``: ``ids`` are this table's, int64 and contiguous, checked already)."""
+        if not checked:
+            ids = self.table.check_ids(self.name, ids)
         if out is None:
             out = np.empty((len(ids), self.table.dim), np.float32)
         elif out.dtype != np.float32 or out.shape != (len(ids), self.table.dim) or not out.flags.c_contiguous:
@@ -85,7 +91,7 @@ class RowTable:
         times ``scale``."""
         ids = self.table.check_ids(self.name, ids)
         grads = self.table.check_rows(self.name, ids, grads)
-        if not np.isfinite(grads).all():
+        if not self._kernels.all_finite(grads.reshape(-1)):
             raise NonFiniteGradient(f"table {self.name!r}: the gradient rows hold NaN or infinity; nothing changed")
         self.commit(self.prepare(ids, grads, scale))
 
@@ -100,13 +106,11 @@ class RowTable:
         if scale != 1.0:
             grads = grads * np.float32(scale)
         found = self._find(ids)
-        # The distinct rows, in the order first named (an index of its own: one native pass,
-        # no sort), and each entry's place among them.
-        seen = self._kernels.RowIndex(len(found))
-        where = np.empty(len(found), np.int64)
-        seen.lookup(found, where)
-        rows = seen.ids()
+        # The distinct rows, in the order first named (one native pass, no sort), and each
+        # entry's place among them.
         table, kernels = self.table, self._kernels
+        where = np.empty(len(found), np.int64)
+        rows = kernels.rows_distinct(found, where, self._mark)
         compact = np.empty((len(rows), table.dim), np.float32)
         kernels.rows_gather(compact, self._rows, rows)
         state = {}
@@ -213,10 +217,10 @@ class RowTable:
 
     @property
     def row_cost(self) -> int:
-        """What a row costs against --table-memory: its values and state, and 32 bytes of the
+        """What a row costs against --table-memory: its values and state, 32 bytes of the
         index (16 a bucket, at most half of them full; while the index doubles it may take up
-        to 32 bytes a row more, which the limit does not count)."""
-        return self.table.row_bytes() + 32
+        to 32 bytes a row more, which the limit does not count) and 4 of scratch."""
+        return self.table.row_bytes() + 36
 
     def untouched_since(self, now: int) -> tuple[np.ndarray, np.ndarray]:
         """The rows not touched at ``now`` and when each was last touched."""
@@ -254,6 +258,7 @@ class RowTable:
         touched = np.zeros(capacity, np.int64)
         touched[:held] = self._touched[:held]
         self._touched = touched
+        self._mark = np.zeros(capacity, np.int32)
 
 
 class Tables(dict):
@@ -289,10 +294,18 @@ class Tables(dict):
     def nbytes(self) -> int:
         return sum(rows.nbytes for rows in self.values())
 
-    def intake(self, payload: Any, push: bool, pull: bool, fit: bool = True) -> tuple[list, list]:
+    def intake(self, payload: Any, push: bool, pull: bool, fit: bool = True,
+               shared: bool = False) -> tuple[list, list]:
         """A request's rows (aps.wire.rows: the sections it pushes and pulls), decoded and
-        checked (:meth:`check`)."""
+        checked (:meth:`check`). ``shared``: ``payload`` lies in memory its sender may write
+        again at any time (a shared-memory worker's rows segment): the ids are copied, so
+        that the ids checked are the ids used; the gradient rows are read in place (each
+        element once by the update kernel, which refuses one that is not finite, whenever
+        it was written) and copied where kept (:meth:`accumulate`)."""
         pushed, pulled = decode_request_rows(payload, self.dims, push, pull)
+        if shared:
+            pushed = [RowSection(table, ids.copy(), values) for table, ids, values in pushed]
+            pulled = [RowSection(table, ids.copy(), None) for table, ids, _ in pulled]
         self.check(pushed, pulled, fit)
         return pushed, pulled
 
@@ -303,7 +316,7 @@ class Tables(dict):
         for table, ids, values in pushed:
             rows = tables[table]
             rows.table.check_ids(rows.name, ids)
-            if not np.isfinite(values).all():
+            if not rows._kernels.all_finite(values.reshape(-1)):
                 raise NonFiniteGradient(f"table {rows.name!r}: the gradient rows hold NaN or infinity; "
                                         "nothing changed")
         reply = 0
@@ -351,10 +364,21 @@ class Tables(dict):
             if len(mine):
                 rows.drop(mine)
 
-    def pull(self, pulled: list) -> list[np.ndarray]:
-        """The rows a request asked for, table after table (made on their first touch)."""
+    def pull(self, pulled: list, room: Callable[[int], np.ndarray] | None = None) -> list[np.ndarray]:
+        """The rows a request asked for, table after table (made on their first touch): in
+        new arrays, or gathered straight into ``room(nbytes)`` (a reply's rows, each table's
+        8-aligned, as aps.wire.rows lays them out: a shared-memory reply segment)."""
         tables = self._order
-        return [tables[table].pull(ids) for table, ids, _ in pulled]
+        if room is None:
+            return [tables[table].pull(ids, checked=True) for table, ids, _ in pulled]
+        into = room(reply_rows_bytes(pulled, self.dims))
+        out, at = [], 0
+        for table, ids, _ in pulled:
+            dim = self.dims[table]
+            view = into[at : at + 4 * len(ids) * dim].view(np.float32).reshape(len(ids), dim)
+            out.append(tables[table].pull(ids, view, checked=True))
+            at += -(-view.nbytes // 8) * 8
+        return out
 
     def prepare(self, pushed: list, scale: float = 1.0) -> list:
         """Every table's part of a push, computed aside (raises, with nothing changed, if any
@@ -373,6 +397,8 @@ class Tables(dict):
         if first:
             self._round = {}
         for table, ids, values in pushed:
+            if not values.flags.writeable:  # (read in place from a worker's shared segment: kept, so copied)
+                values = values.copy()
             self._round.setdefault(table, []).append((rank, ids, values, scale))
 
     def take_round(self, scale: float) -> list:

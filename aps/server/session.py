@@ -25,7 +25,6 @@ from ..errors import (
     Evicted,
     InternalServerError,
     InvalidHyperparameters,
-    InvalidIds,
     MalformedFrame,
     NotInitialized,
     OutOfOrder,
@@ -55,9 +54,9 @@ from ..wire.protocol import (
     pack_header,
 )
 from ..wire.framing import FrameReader
-from ..wire.rows import reply_rows_parts
 from .admission import StrangerGuard, _refusals, _strangers
 from .handshake import Handshake
+from .session_rows import RowRequests
 from .intake import _STATE_FIXED, InitIntake, StateIntake, WeightsIntake
 
 if TYPE_CHECKING:
@@ -96,7 +95,6 @@ MAX_SHARDS_BYTES = 16 << 10
 _FLOAT32 = int(DType.FLOAT32)
 _CHECK = int(Flag.CHECK)
 _ROWS = int(Flag.ROWS)
-_ROW_OPS = _GRADIENT_OPS | _PULL_OPS
 
 
 def dtype_name(code: int) -> str:
@@ -106,7 +104,7 @@ def dtype_name(code: int) -> str:
         return f"unknown dtype code {code}"
 
 
-class ServerSession(Handshake):
+class ServerSession(Handshake, RowRequests):
     """Requests and replies of one connection; subclasses move the bytes.
 
     Subclasses implement :meth:`_can_write`, :meth:`_write`,
@@ -199,14 +197,16 @@ class ServerSession(Handshake):
         """Write a small frame (header and short payload)."""
         raise NotImplementedError
 
-    def _write_parts(self, parts: tuple) -> None:
-        """Write a frame given in parts (buffers kept by the transport until sent, not copied here)."""
+    def _write_parts(self, parts: tuple, fds: tuple = ()) -> None:
+        """Write a frame given in parts (buffers kept by the transport until sent, not copied
+        here; ``fds``: descriptors to pass with it, over a Unix socket)."""
         for part in parts:
             self._write(part)
 
-    def _send_weights(self, op: int, snap: Snapshot, clock: int, flags: int, rows: tuple = ()) -> None:
-        """Send the weights of ``snap`` (then ``rows``: buffers of a reply's rows), keeping or
-        releasing the lease as the transport needs."""
+    def _send_weights(self, op: int, snap: Snapshot, clock: int, flags: int, rows: tuple = (),
+                      fds: tuple = ()) -> None:
+        """Send the weights of ``snap`` (then ``rows``: buffers of a reply's rows, and ``fds``
+        to pass with them), keeping or releasing the lease as the transport needs."""
         raise NotImplementedError
 
     def _gradient_destination(self, member: Member, header: Header, rows: bool = False) -> memoryview | None:
@@ -512,26 +512,6 @@ class ServerSession(Handshake):
                                    if header.dtype in _HALF else ""))
         self._grad_shift = 2 if header.dtype == _FLOAT32 else 1
 
-    def _rows_destination(self, header: Header) -> memoryview:
-        """A request with rows (Flag.ROWS): its dense gradient goes where a push's goes, if it
-        has one (its dtype is not NONE); room for its rows is made once they begin (frame_more)."""
-        op = header.op
-        if op not in _ROW_OPS:
-            raise MalformedFrame(f"{Op(op).name} carries no rows")
-        member = self.member
-        if member is None or member.grad is None:
-            raise NotInitialized(f"{Op(op).name} before a successful INIT")
-        if not self.engine.rows:
-            raise InvalidIds("the model declares no tables: there are no rows to pull or push")
-        if dense := op in _GRADIENT_OPS and header.dtype != DType.NONE:
-            self._check_gradient_dtype(header)
-            dense = self._gradient_destination(member, header, rows=True)
-        at = len(dense) if dense else 0
-        if header.length < at + 8:
-            raise MalformedFrame(f"{Op(op).name} with rows of {header.length} bytes: its rows need 8 at least")
-        self._rows_at = at
-        return dense if at else memoryview(b"")
-
     def frame_more(self, header: Header, got: int) -> memoryview | None:
         """An INIT's layout block has arrived: check it, then make room for the values
         only if this worker provides the model's initial weights; else discard them.
@@ -693,18 +673,6 @@ class ServerSession(Handshake):
         self.engine.push(member, header.version, self._pushed_then_pull, self._fail, stream=stream,
                          request_id=header.request_id, clock=header.clock, rows=rows, dense=self._dense_reply)
 
-    def _request_rows(self, member: Member, header: Header, payload: memoryview) -> list:
-        """The rows a request pushes (checked: refused before anything is made of them); the
-        ones it pulls are kept on ``member`` until it is served."""
-        member.rows_wanted = member.rows_out = None
-        if not header.flags & _ROWS:
-            return []
-        pushing = header.op in _GRADIENT_OPS
-        fit = not (pushing and self.engine.is_duplicate(member, header.request_id, header.clock))
-        pushed, pulled = self.engine.rows.intake(payload, pushing, header.op in _PULL_OPS, fit)
-        member.rows_wanted = pulled if header.op in _PULL_OPS else None
-        return pushed
-
     def _on_leave(self, header: Header, payload: memoryview, stream) -> None:
         member = self._require_member()
         self.member = None
@@ -858,31 +826,17 @@ class ServerSession(Handshake):
 
     def _reply_weights(self, op: int, snap: Snapshot, clock: int, flags: int) -> None:
         rows: tuple = ()
+        fds: tuple = ()
         if self._rows_request and op != Op.INIT_REPLY:
-            member = self.member
-            read = None
-            if member is not None:
-                read, member.rows_out = member.rows_out, None
-            if isinstance(read, BaseException):
-                snap.release()
-                self._fail(InternalServerError(f"reading the rows failed: {type(read).__name__}: {read}"))
+            reply = self._rows_of_reply(op, snap, clock, flags)
+            if reply is None:  # (sent: rows alone, or an error)
                 return
-            rows = tuple(reply_rows_parts(read or []))
-            flags |= _ROWS
-            if not self._dense_reply:  # rows alone
-                version = snap.version
-                snap.release()
-                if self._can_write() and not self._silenced:
-                    header = pack_header(op, flags, DType.NONE, self._rid, clock, version, sum(len(p) for p in rows))
-                    self._traffic.bytes_out += len(header) + sum(len(p) for p in rows)
-                    self._write_parts((header, *rows))
-                self._done()
-                return
+            (rows, fds), flags = reply, flags | _ROWS
         if not self._can_write() or self._silenced:
             snap.release()
         else:
             try:
-                self._send_weights(op, snap, clock, flags, rows)
+                self._send_weights(op, snap, clock, flags, rows, fds)
             except Exception:  # out of descriptors, say: this connection cannot be answered
                 log.exception("%s: sending weights failed; dropping the connection", self._who())
                 snap.release()

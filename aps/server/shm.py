@@ -12,6 +12,14 @@ gradients and weights never do (see ``segments``). The optimizer's state
   slot (with its descriptor, the first time this worker sees it); the worker
   copies the weights out: one copy. The slot stays leased to the worker until
   its next request, so the copy always reads exactly one version.
+- Rows of embedding tables (Flag.ROWS) do not cross the socket either: a
+  request's lie in the worker's rows segment (the worker may write there again
+  at any time: the server copies the ids it checks, and its update kernels read
+  each gradient value once, refusing one that is not finite, as they do the
+  dense gradient); a reply's are gathered straight into this
+  connection's reply segment, which the worker copies them out of before its
+  next request (the segment is written only to answer one). The frames carry a
+  rows reference (aps.wire.rows), with a segment's descriptor when it is new.
 
 asyncio transports cannot pass descriptors, so the sessions drive their
 sockets with ``loop.add_reader`` and ``recvmsg_into``/``sendmsg``.
@@ -31,9 +39,10 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from ..errors import AuthenticationError, ConfigurationError, MalformedFrame
+from ..errors import AuthenticationError, ConfigurationError, FrameTooLarge, MalformedFrame
 from ..wire.protocol import HEADER_SIZE, DType, Flag, Header, InitRequest, encode_slot, pack_header
-from ..wire.segments import ANCILLARY_SPACE, fds_from, map_received, scm_rights
+from ..wire.rows import ROWS_REF_BYTES, decode_rows_ref, encode_rows_ref
+from ..wire.segments import ANCILLARY_SPACE, Room, fds_from, map_received, scm_rights
 from .admission import RateLimitedLog
 from .session import ServerSession
 
@@ -177,6 +186,10 @@ class ShmSession(ServerSession):
         self._out: deque[tuple[memoryview, tuple[int, ...]]] = deque()  # frames the socket could not take yet
         self._sent_slots: set[int] = set()  # slots this worker has mapped
         self._lease: Snapshot | None = None  # the slot the worker is copying from
+        self._max_payload = max_payload
+        self._rows_in: np.ndarray | None = None  # the worker's rows segment (uint8, read-only)
+        self._reply_room = Room("aps-rows-reply", shared_read_only=True)  # replies' rows
+        self._reply_fresh = False  # the reply segment is new: its descriptor goes with the next rows
         self._reading = True
         if not self._admit():
             return
@@ -237,6 +250,8 @@ class ShmSession(ServerSession):
         self._out.clear()
         while self._fds:
             os.close(self._fds.popleft())
+        self._rows_in = None
+        self._reply_room.close()
         self._connection_lost(exc)
 
     # ServerSession transport interface ------------------------------------------------
@@ -261,6 +276,13 @@ class ShmSession(ServerSession):
             if self._out and self._can_write():  # the socket is full: finish when it has room
                 self._writing = True
                 self._loop.add_writer(self.sock.fileno(), self._writable)
+
+    def _write_parts(self, parts: tuple, fds: tuple = ()) -> None:
+        if sum(len(part) for part in parts) <= 1 << 16:  # (one message: the worker wakes once)
+            self._write(b"".join(parts), fds)
+            return
+        for i, part in enumerate(parts):
+            self._write(part, fds if i == 0 else ())
 
     def _pause_reading(self) -> None:
         if self._reading:
@@ -291,27 +313,94 @@ class ShmSession(ServerSession):
         self._release_leases()
         super().frame_received(header, payload)
 
-    def _send_weights(self, op: int, snap: Snapshot, clock: int, flags: int, rows: tuple = ()) -> None:
+    def _send_weights(self, op: int, snap: Snapshot, clock: int, flags: int, rows: tuple = (),
+                      fds: tuple = ()) -> None:
         segment = snap.segment
         live = self.engine.table.slot_ids()
         dropped = [sid for sid in self._sent_slots if sid not in live]
         self._sent_slots.difference_update(dropped)
         fresh = segment.id not in self._sent_slots
-        payload = encode_slot(segment.id, segment.nbytes, fresh, dropped)
-        extra = sum(len(part) for part in rows)  # the rows cross the socket, after the slot's descriptor
-        frame = pack_header(op, flags | _SHM, DType.FLOAT32, self._rid, clock, snap.version,
-                            len(payload) + extra) + payload
+        payload = encode_slot(segment.id, segment.nbytes, fresh, dropped) + b"".join(rows)  # (rows: a reference)
+        frame = pack_header(op, flags | _SHM, DType.FLOAT32, self._rid, clock, snap.version, len(payload)) + payload
         # The frame crosses the socket; the weights are copied out of the slot.
-        self._traffic.bytes_out += HEADER_SIZE + len(payload) + segment.nbytes + extra
+        self._traffic.bytes_out += HEADER_SIZE + len(payload) + segment.nbytes
         # The slot stays leased to this worker until its next request, which is
         # read only once this frame has left: its descriptor stays valid meanwhile.
-        self._write(frame, [segment.read_only_fd()] if fresh else ())
-        for part in rows:
-            self._write(part)
+        self._write(frame, ([segment.read_only_fd()] if fresh else []) + list(fds))
         self._sent_slots.add(segment.id)
         self._lease = snap
+
+    # Rows (aps.server.session_rows) -----------------------------------------------
+    def _rows_destination(self, header: Header) -> memoryview:
+        dest = super()._rows_destination(header)
+        if header.length - self._rows_at != ROWS_REF_BYTES:
+            raise MalformedFrame(f"over shared memory a request's rows are in its rows segment: the frame carries "
+                                 f"a {ROWS_REF_BYTES}-byte rows reference, not {header.length - self._rows_at} bytes")
+        return dest
+
+    _rows_shared = True  # (Tables.intake copies the ids, reads the gradient rows in place)
+
+    def _rows_payload(self, payload: memoryview) -> np.ndarray:
+        """The request's rows, in the worker's rows segment (mapped when its descriptor
+        comes); the worker may write there again at any time (see Tables.intake)."""
+        length, size, has_fd = decode_rows_ref(payload)
+        if has_fd:
+            if not self._fds:
+                raise MalformedFrame("a rows reference announced a segment whose descriptor did not come")
+            fd = self._fds.pop()  # (the frame's own: it came with the frame's first byte, after any left over)
+            while self._fds:
+                os.close(self._fds.popleft())
+            self._rows_in = None
+            if size > self._max_payload:
+                os.close(fd)
+                raise FrameTooLarge(f"a rows segment of {size} bytes; at most {self._max_payload} (--max-frame-bytes)")
+            try:
+                self._rows_in = map_received(fd, size, writable=False).view(np.uint8)
+            except OSError as exc:
+                raise MalformedFrame(f"the rows segment cannot be mapped: {exc}") from None
+        rows_in = self._rows_in
+        if rows_in is None or length > len(rows_in):
+            raise MalformedFrame(f"{length} bytes of rows in a segment of "
+                                 f"{'none' if rows_in is None else len(rows_in)} mapped bytes")
+        self._traffic.bytes_in += length
+        return rows_in[:length]
+
+    def _rows_room(self, nbytes: int) -> np.ndarray:
+        """Room for a reply's rows, at the start of the reply segment (made or made again)."""
+        into, fresh = self._reply_room.take(nbytes)
+        self._reply_fresh |= fresh
+        return into
+
+    def _reply_rows(self, read: list[np.ndarray]) -> tuple[tuple, tuple[int, ...]]:
+        """A reference to the rows ``read``, which the engine gathered into the reply
+        segment (or are copied there now, if it could not)."""
+        total = sum(-(-rows.nbytes // 8) * 8 for rows in read)
+        segment = self._reply_room.segment
+        if total and not _laid_out(read, segment):
+            into, at = self._rows_room(total), 0
+            for rows in read:
+                into[at : at + rows.nbytes] = rows.reshape(-1).view(np.uint8)
+                at += -(-rows.nbytes // 8) * 8
+            segment = self._reply_room.segment
+        fresh, self._reply_fresh = self._reply_fresh, False
+        self._traffic.bytes_out += total
+        size = segment.nbytes if segment is not None else 0
+        return (encode_rows_ref(total, size, fresh),), ((segment.read_only_fd(),) if fresh else ())
 
     def _release_leases(self) -> None:
         lease, self._lease = self._lease, None
         if lease is not None:
             lease.release()
+
+
+def _laid_out(read: list[np.ndarray], segment) -> bool:
+    """Whether the arrays ``read`` lie one after the other (8-aligned) from the start of
+    ``segment``, as a reply's rows do there."""
+    if segment is None:
+        return False
+    at = segment.array.ctypes.data
+    for rows in read:
+        if rows.ctypes.data != at or not rows.flags.c_contiguous:
+            return False
+        at += -(-rows.nbytes // 8) * 8
+    return at - segment.array.ctypes.data <= segment.nbytes

@@ -99,7 +99,7 @@ class TcpSession(ServerSession, asyncio.BufferedProtocol):
     def _write(self, data: bytes) -> None:
         self.transport.write(data)
 
-    def _write_parts(self, parts: tuple) -> None:
+    def _write_parts(self, parts: tuple, fds: tuple = ()) -> None:
         if self._vectored:
             self.transport.writelines(parts)
         else:
@@ -124,7 +124,8 @@ class TcpSession(ServerSession, asyncio.BufferedProtocol):
             self._stream = self.engine.begin_streaming_push(member, header.version, header.request_id, header.clock)
         return dest
 
-    def _send_weights(self, op: int, snap: Snapshot, clock: int, flags: int, rows: tuple = ()) -> None:
+    def _send_weights(self, op: int, snap: Snapshot, clock: int, flags: int, rows: tuple = (),
+                      fds: tuple = ()) -> None:
         transport, data, dtype = self.transport, snap.bytes, DType.FLOAT32
         if self._weights_dtype != DType.FLOAT32 and op != Op.INIT_REPLY:
             dtype = self._weights_dtype

@@ -35,7 +35,8 @@ from aps.wire.protocol import (
     pack_header,
     unpack_header,
 )
-from aps.wire.segments import Segment, scm_rights
+from aps.wire.rows import ROWS_REF_BYTES, decode_rows_ref, encode_rows_ref
+from aps.wire.segments import ANCILLARY_SPACE, Segment, fds_from, map_received, scm_rights
 
 #: Worker processes for tests: forked from a server process that has imported what they use
 #: once (torch among it), instead of each starting an interpreter and importing it again.
@@ -193,6 +194,15 @@ class RawClient:
         fields.setdefault("length", len(payload))
         self.send(pack_header(op, **fields), payload)
 
+    def send_rows(self, header: bytes, rows: bytes) -> None:
+        """A request with rows (Flag.ROWS; ``header`` says ``rows``'s length, after any dense
+        part, which over TCP starts ``rows``), as this transport carries them."""
+        self.send(header, rows)
+
+    def rows_of(self, header, payload: bytes) -> bytes:
+        """A reply's rows (``payload`` without its dense part, over TCP)."""
+        return payload
+
     def init(self, rank: int, num_workers: int, params: dict[str, np.ndarray], tables=None, **fields) -> None:
         layout = Layout.from_arrays(params, tables)
         values = b"".join(np.ascontiguousarray(v, np.float32).tobytes() for v in params.values())
@@ -249,6 +259,9 @@ class RawShmClient(RawClient):
         self.sock.settimeout(timeout)
         self.sock.connect(path)
         self.segment: Segment | None = None
+        self.rows_segment: Segment | None = None
+        self.reply_rows: np.ndarray | None = None
+        self.fds: list[int] = []  # descriptors received and not yet claimed
         if token is FIND:  # the socket of a server on TCP port N is .../N.sock
             stem = os.path.basename(path).split(".", 1)[0]
             token = find_token("127.0.0.1", int(stem)) if stem.isdigit() else None
@@ -272,10 +285,46 @@ class RawShmClient(RawClient):
         self.segment.array[: grad.size] = np.asarray(grad, np.float32).ravel()
         self.send(pack_header(op, int(Flag.SHM), dtype, request_id, 0, version, 0))
 
+    def send_rows(self, header: bytes, rows: bytes, *, ref: bytes | None = None, fds: list | None = None) -> None:
+        """``rows`` in this client's rows segment (a new one, with its descriptor, when they
+        do not fit the last), the frame carrying their rows reference (or ``ref`` and
+        ``fds``, as given: a lie)."""
+        fresh = self.rows_segment is None or self.rows_segment.nbytes < len(rows)
+        if fresh:
+            self.rows_segment = Segment.create(max(len(rows), 1 << 16) // 4 + 1, "test-rows")
+        self.rows_segment.array.view(np.uint8)[: len(rows)] = np.frombuffer(bytes(rows), np.uint8)
+        if ref is None:
+            ref = encode_rows_ref(len(rows), self.rows_segment.nbytes, fresh)
+            fds = [self.rows_segment.fd] if fresh else []
+        h = unpack_header(bytes(header))
+        self.sock.sendmsg([pack_header(h.op, h.flags, h.dtype, h.request_id, h.clock, h.version, len(ref)) + ref],
+                          scm_rights(fds or []))
+
+    def rows_of(self, header, payload: bytes) -> bytes:
+        """A reply's rows, out of the server's reply segment its rows reference names."""
+        length, size, has_fd = decode_rows_ref(payload[-ROWS_REF_BYTES:])
+        if has_fd:
+            self.reply_rows = map_received(self.fds.pop(), size, writable=False).view(np.uint8)  # (its own: the last)
+        return self.reply_rows[:length].tobytes() if length else b""
+
+    def recv_exact(self, n: int) -> bytes:
+        data = bytearray()
+        while len(data) < n:
+            chunk, ancdata, _, _ = self.sock.recvmsg(n - len(data), ANCILLARY_SPACE)
+            self.fds += fds_from(ancdata)
+            if not chunk:
+                raise EOFError(f"connection closed after {len(data)} of {n} bytes")
+            data += chunk
+        return bytes(data)
+
     def close(self) -> None:
         super().close()
-        if self.segment is not None:
-            self.segment.close()
+        for segment in (self.segment, self.rows_segment):
+            if segment is not None:
+                segment.close()
+        for fd in self.fds:
+            os.close(fd)
+        self.fds = []
 
 
 def wait_for(condition, timeout: float = 20.0, what: str = "condition", every: float = 0.02):

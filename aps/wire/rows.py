@@ -16,6 +16,13 @@ where the section carries values, n rows of the table's ``dim`` float32 values, 
 bytes of zero padding when n x dim is odd, so that every block starts 8-aligned. The ids
 and rows of a table follow its head at once, so a section is read in one pass, and its
 length is known from its heads alone.
+
+**Over shared memory** the rows do not cross the socket: a request's rows part (its
+sections) lies at the start of the worker's rows segment, a reply's rows at the start of
+the server's reply segment of that connection, and the frame carries a **rows reference**
+in their place: u64 length (the bytes of rows from the segment's start), u64 the segment's
+bytes, u32 flags (bit 0: the segment's memfd comes with this frame, to be mapped in place
+of the one before), u32 reserved (0).
 """
 
 from __future__ import annotations
@@ -32,11 +39,14 @@ from ..tables import Table
 
 __all__ = [
     "MAX_TABLES",
+    "ROWS_REF_BYTES",
     "RowSection",
     "decode_request_rows",
     "decode_rows",
+    "decode_rows_ref",
     "decode_tables",
     "encode_rows",
+    "encode_rows_ref",
     "encode_tables",
     "reply_rows_bytes",
     "reply_rows_parts",
@@ -51,6 +61,10 @@ _NAME = struct.Struct("<H")
 _DESCRIPTION = struct.Struct("<I")
 _SECTION = struct.Struct("<II")
 _BLOCK = struct.Struct("<II")
+_REF = struct.Struct("<QQII")
+#: The bytes of a rows reference (shared memory: the rows are in a segment, see above).
+ROWS_REF_BYTES = _REF.size
+_REF_HAS_FD = 1
 
 
 def encode_tables(tables: Mapping[str, Table]) -> bytes:
@@ -226,3 +240,22 @@ def _decode(view: memoryview, offset: int, dims: Sequence[int], with_values: boo
         out.append(RowSection(table, ids, values))
         offset += size
     return out, offset
+
+
+def encode_rows_ref(length: int, segment_bytes: int, has_fd: bool) -> bytes:
+    """A rows reference: ``length`` bytes of rows at the start of a segment of
+    ``segment_bytes``, whose memfd comes with the frame when ``has_fd``."""
+    return _REF.pack(length, segment_bytes, _REF_HAS_FD if has_fd else 0, 0)
+
+
+def decode_rows_ref(payload: Any) -> tuple[int, int, bool]:
+    """``(length, segment_bytes, has_fd)`` of a rows reference that fills ``payload``."""
+    view = memoryview(payload).cast("B")
+    if len(view) != _REF.size:
+        raise MalformedFrame(f"a rows reference of {len(view)} bytes; it takes {_REF.size}")
+    length, size, flags, reserved = _REF.unpack_from(view)
+    if flags & ~_REF_HAS_FD or reserved:
+        raise MalformedFrame(f"a rows reference with unknown flags {flags:#x} or reserved {reserved}")
+    if length > size:
+        raise MalformedFrame(f"a rows reference of {length} bytes in a segment of {size}")
+    return length, size, bool(flags & _REF_HAS_FD)

@@ -6,6 +6,8 @@ once; three shards equal to one. Over TCP and shared memory, blocking and asynci
 
 from __future__ import annotations
 
+import fcntl
+import os
 import threading
 
 import numpy as np
@@ -17,7 +19,8 @@ from aps.server.rows import RowTable
 from aps.tables import Table
 from aps.testing import RawClient
 from aps.wire.protocol import DType, Flag, Op, pack_header
-from aps.wire.rows import RowSection, encode_rows
+from aps.wire.rows import RowSection, encode_rows, encode_rows_ref
+from aps.wire.segments import SEALS
 
 DENSE = {"w": np.zeros(4, np.float32)}
 TABLES = {
@@ -243,27 +246,43 @@ def rows_frame(op, sections, with_values, dtype=DType.NONE, extra=b""):
      ErrorCode.MALFORMED_FRAME, "take 24 bytes; it carries 32"),
     ((pack_header(Op.PULL, int(Flag.ROWS), 0, 7, 0, 0, 8), (1).to_bytes(4, "little") + bytes(4)),
      ErrorCode.MALFORMED_FRAME, "truncated"),
-    ((pack_header(Op.PULL, int(Flag.ROWS), 0, 7, 0, 0, 4), bytes(4)), ErrorCode.MALFORMED_FRAME,
-     "its rows need 8 at least"),
-    ((pack_header(Op.PING, int(Flag.ROWS), 0, 7, 0, 0, 8), bytes(8)), ErrorCode.MALFORMED_FRAME,
-     "PING carries no rows"),
 ])
-def test_malformed_rows_frames_are_refused_and_the_connection_goes_on(server_process, transport, frame, code,
-                                                                       message):
+def test_malformed_rows_are_refused_and_the_connection_goes_on(server_process, transport, frame, code, message):
+    """(Over shared memory, the rows lie in the worker's rows segment: the same checks.)"""
+    server, raw = raw_pair(server_process, transport)
+    try:
+        raw.send_rows(*frame)
+        got, text = raw.error()
+        assert got == code and message in text, text
+        assert_served(raw, server)
+    finally:
+        raw.close()
+
+
+@pytest.mark.parametrize(("frame", "message"), [
+    ((pack_header(Op.PULL, int(Flag.ROWS), 0, 7, 0, 0, 4), bytes(4)), "its rows need 8 at least"),
+    ((pack_header(Op.PING, int(Flag.ROWS), 0, 7, 0, 0, 8), bytes(8)), "PING carries no rows"),
+])
+def test_malformed_rows_frames_are_refused_and_the_connection_goes_on(server_process, transport, frame, message):
     server, raw = raw_pair(server_process, transport)
     try:
         raw.send(*frame)
         got, text = raw.error()
-        assert got == code and message in text, text
-        header, payload = rows_frame(Op.PULL, [RowSection(0, np.array([5, 5]), None)], False)
-        raw.send(header, payload)  # the same connection is served
-        reply, rows = raw.reply()
-        assert reply.op == Op.PULL_REPLY and reply.flags & Flag.ROWS and reply.dtype == DType.NONE
-        values = np.frombuffer(rows, np.float32)[:6].reshape(2, 3)
-        assert np.array_equal(values, Local({"tags": TABLES["tags"]}).pull("tags", [5, 5]))
-        assert server.alive()
+        assert got == ErrorCode.MALFORMED_FRAME and message in text, text
+        assert_served(raw, server)
     finally:
         raw.close()
+
+
+def assert_served(raw, server, local=None) -> None:
+    """The same connection is served: a pull of rows gets their values (those of ``local``)."""
+    header, payload = rows_frame(Op.PULL, [RowSection(0, np.array([5, 5]), None)], False)
+    raw.send_rows(header, payload)
+    reply, rows = raw.reply()
+    assert reply.op == Op.PULL_REPLY and reply.flags & Flag.ROWS and reply.dtype == DType.NONE, reply
+    values = np.frombuffer(raw.rows_of(reply, rows), np.float32)[:6].reshape(2, 3)
+    assert np.array_equal(values, (local or Local({"tags": TABLES["tags"]})).pull("tags", [5, 5]))
+    assert server.alive()
 
 
 def test_a_half_sent_rows_frame_changes_nothing(server_process, transport):
@@ -275,12 +294,78 @@ def test_a_half_sent_rows_frame_changes_nothing(server_process, transport):
     raw.init(0, 1, DENSE, {"tags": TABLES["tags"]}, flags=int(Flag.REJOIN))
     assert raw.reply()[0].op == Op.INIT_REPLY
     header, payload = rows_frame(Op.PULL, [RowSection(0, np.arange(100), None)], False)
-    raw.send(header, payload)
+    raw.send_rows(header, payload)
     reply, rows = raw.reply()
-    assert np.array_equal(np.frombuffer(rows, np.float32).reshape(100, 3),
+    assert np.array_equal(np.frombuffer(raw.rows_of(reply, rows), np.float32).reshape(100, 3),
                           Local({"tags": TABLES["tags"]}).pull("tags", np.arange(100)))
     raw.close()
     assert server.alive()
+
+
+# Shared memory: rows references that lie ---------------------------------------------
+def _sealed(nbytes: int, seal: bool = True) -> int:
+    fd = os.memfd_create("test-lie", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+    os.ftruncate(fd, nbytes)
+    if seal:
+        fcntl.fcntl(fd, fcntl.F_ADD_SEALS, SEALS)
+    return fd
+
+
+@pytest.mark.parametrize(("lie", "code", "message"), [
+    ("length beyond the segment", ErrorCode.MALFORMED_FRAME, "bytes of rows in a segment of"),
+    ("no segment yet", ErrorCode.MALFORMED_FRAME, "in a segment of none"),
+    ("descriptor announced, not sent", ErrorCode.MALFORMED_FRAME, "descriptor did not come"),
+    ("unsealed segment", ErrorCode.MALFORMED_FRAME, "not sealed"),
+    ("segment smaller than it says", ErrorCode.PAYLOAD_SIZE_MISMATCH, "65536 needed"),
+    ("segment over the frame limit", ErrorCode.FRAME_TOO_LARGE, "--max-frame-bytes"),
+    ("reference of the wrong size", ErrorCode.MALFORMED_FRAME, "24-byte rows reference"),
+    ("unknown reference flags", ErrorCode.MALFORMED_FRAME, "unknown flags"),
+])
+def test_lying_rows_references_are_refused_and_the_connection_goes_on(server_process, lie, code, message):
+    """A shared-memory worker's rows reference (aps.wire.rows) that names bytes it does not
+    have, a segment it does not send, or one that is not what it says: refused, nothing
+    changed, the connection served on; the server holds no descriptor it was sent."""
+    server = server_process("--workers", "1", "--sync", "asp", "--max-frame-bytes", "1M")
+    raw = RawClient.to(server, "shm")
+    try:
+        raw.init(0, 1, DENSE, {"tags": TABLES["tags"]})
+        assert raw.reply()[0].op == Op.INIT_REPLY
+        header, payload = rows_frame(Op.PUSH, [RowSection(0, np.array([5]), np.ones((1, 3), np.float32))], True)
+        n = len(payload)
+        fd = None
+        if lie == "length beyond the segment":
+            raw.send_rows(header, payload)  # (a good one first: the segment is mapped)
+            assert raw.reply()[0].op == Op.PUSH_REPLY
+            raw.send_rows(header, payload, ref=encode_rows_ref(1 << 17, 1 << 17, False), fds=[])
+        elif lie == "no segment yet":
+            raw.send_rows(header, payload, ref=encode_rows_ref(n, 1 << 16, False), fds=[])
+        elif lie == "descriptor announced, not sent":
+            raw.send_rows(header, payload, ref=encode_rows_ref(n, 1 << 16, True), fds=[])
+        elif lie == "unsealed segment":
+            fd = _sealed(1 << 16, seal=False)
+            raw.send_rows(header, payload, ref=encode_rows_ref(n, 1 << 16, True), fds=[fd])
+        elif lie == "segment smaller than it says":
+            fd = _sealed(1 << 12)
+            raw.send_rows(header, payload, ref=encode_rows_ref(n, 1 << 16, True), fds=[fd])
+        elif lie == "segment over the frame limit":
+            fd = _sealed(2 << 20)
+            raw.send_rows(header, payload, ref=encode_rows_ref(n, 2 << 20, True), fds=[fd])
+        elif lie == "reference of the wrong size":
+            raw.send(pack_header(Op.PUSH, int(Flag.ROWS), DType.NONE, 7, 0, 0, 16), bytes(16))
+        else:
+            raw.send_rows(header, payload, ref=encode_rows_ref(n, 1 << 16, False)[:16] + bytes([2, 0, 0, 0]) + bytes(4),
+                          fds=[])
+        got, text = raw.error()
+        assert got == code and message in text, text
+        if fd is not None:
+            os.close(fd)
+        raw.rows_segment = None  # (the next request sends its segment afresh)
+        expected = Local({"tags": TABLES["tags"]})
+        if lie == "length beyond the segment":
+            expected.push({"tags": ([5], np.ones((1, 3), np.float32))})
+        assert_served(raw, server, expected)
+    finally:
+        raw.close()
 
 
 def test_a_model_without_tables_refuses_rows_on_the_wire(server_process, transport):
@@ -348,11 +433,11 @@ def test_a_failure_reading_rows_is_answered_and_the_server_goes_on(monkeypatch, 
 
     real, failures = Tables.pull, []
 
-    def pull(self, pulled):
+    def pull(self, pulled, room=None):
         if failures:
             failures.pop()
             raise MemoryError("no room for the rows")
-        return real(self, pulled)
+        return real(self, pulled, room)
 
     monkeypatch.setattr(Tables, "pull", pull)
     with aps.Server(workers=1, sync="asp", port=0, log_level="error").run_in_background() as server:
@@ -362,3 +447,20 @@ def test_a_failure_reading_rows_is_answered_and_the_server_goes_on(monkeypatch, 
             with pytest.raises(InternalServerError, match="reading the rows failed: MemoryError"):
                 worker.pull_rows("tags", [1, 2])
             assert np.array_equal(worker.pull_rows("tags", [1, 2]), Local().pull("tags", [1, 2]))
+
+
+def test_rows_gathered_elsewhere_still_reach_a_shared_memory_worker(monkeypatch):
+    """Over shared memory the engine gathers a reply's rows straight into the reply
+    segment; rows it read into arrays of their own instead are copied there, the same
+    values (and a reply segment made larger for a larger pull is mapped anew)."""
+    from aps.server.rows import Tables
+
+    real = Tables.pull
+    monkeypatch.setattr(Tables, "pull", lambda self, pulled, room=None: real(self, pulled))
+    local = Local()
+    with aps.Server(workers=1, sync="asp", port=0, log_level="error").run_in_background() as server:
+        with aps.Worker(server.address, 0, 1, transport="shm") as worker:
+            worker.init(DENSE, tables=TABLES)
+            for n in (3, 30_000, 5):  # (the last two take a new segment, then the same)
+                ids = np.arange(n) % TABLES["tags"].rows
+                assert np.array_equal(worker.pull_rows("tags", ids), local.pull("tags", ids))

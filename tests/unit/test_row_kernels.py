@@ -212,3 +212,19 @@ def test_an_index_too_large_to_address_is_refused_at_once():
     for capacity in (2**61 + 1, 2**62, -1):
         with pytest.raises(ValueError, match="an index holds 0 to 2"):
             _core.RowIndex(capacity)
+
+
+@given(seeds, st.integers(0, 200), st.integers(1, 60))
+def test_distinct_rows_are_the_same_on_both_and_leave_the_scratch_clean(seed, n, rows):
+    picked = np.random.default_rng(seed).integers(0, rows, n).astype(np.int64)
+    mark = np.zeros(rows, np.int32)
+    where, twin_where = np.empty(n, np.int64), np.empty(n, np.int64)
+    distinct = _core.rows_distinct(picked, where, mark)
+    twin = _reference.rows_distinct(picked, twin_where, mark.copy())
+    assert np.array_equal(distinct, twin) and np.array_equal(where, twin_where)
+    assert np.array_equal(distinct[where], picked)  # each entry's place among them
+    _, first = np.unique(picked, return_index=True)
+    assert np.array_equal(distinct, picked[np.sort(first)])  # in the order first met
+    assert not mark.any()
+    with pytest.raises(ValueError, match="is not one of"):
+        _core.rows_distinct(np.array([rows], np.int64), np.empty(1, np.int64), mark)

@@ -47,6 +47,7 @@ FUNCTION_SAMPLES = {
     "mix64": lambda: ((ids(1, 2), np.zeros(2, np.uint64)), {}),
     "rows_init": lambda: ((rows(2, 3), ids(1, 2), 7, _core.INIT_NORMAL, 0.1), {}),
     "rows_gather": lambda: ((rows(2, 2), rows(3, 2), ids(2, 0)), {}),
+    "rows_distinct": lambda: ((ids(2, 0, 2), np.empty(3, np.int64), np.zeros(3, np.int32)), {}),
     "rows_scatter": lambda: ((rows(3, 2), rows(2, 2), ids(2, 0)), {}),
     "rows_coalesce": lambda: ((rows(1, 2), ids(0, 0), rows(2, 2) + 1), {}),
     "rows_sgd": lambda: ((rows(1, 2), ids(0, 0), rows(2, 2) + 1, 0.1), {}),

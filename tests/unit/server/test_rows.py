@@ -303,3 +303,35 @@ def test_a_refused_request_evicts_nothing_and_a_reply_is_bounded(kernels):
     assert all(np.array_equal(before[key], after[key]) for key in before)  # nothing dropped
     with pytest.raises(InvalidIds, match="over the 65536 a frame may carry"):
         request(tables, "spare", np.zeros(4096, np.int64))  # 128 KiB of rows asked with 32 KiB of ids
+
+
+def test_rows_in_memory_their_sender_may_still_write_are_taken_safely(kernels):
+    """A shared-memory worker's rows lie in its segment, which it may write again at any
+    time: the ids checked are a copy (writing the segment afterwards changes nothing the
+    server uses), and gradient rows kept for a round are copied; rows read straight into a
+    reply's room lie there in the wire's layout, each table's 8-aligned."""
+    from aps.server.rows import Tables
+    from aps.wire.rows import RowSection, encode_rows
+
+    odd = Table(rows=100, dim=3, optimizer="sgd", lr=1.0)
+    tables = Tables({"odd": RowTable("odd", odd, kernels=kernels), "even": RowTable("even", Table(rows=100, dim=4),
+                                                                                  kernels=kernels)})
+    grads = np.ones((3, 3), np.float32)
+    parts = encode_rows([RowSection(0, np.array([1, 2, 1]), grads)], [3, 4], True)
+    parts += encode_rows([RowSection(0, np.array([7]), None), RowSection(1, np.array([9]), None)], [3, 4], False)
+    segment = np.frombuffer(b"".join(bytes(p) for p in parts), np.uint8).copy()
+    segment.flags.writeable = False  # (the server maps a worker's segment read-only)
+    pushed, pulled = tables.intake(segment, True, True, shared=True)
+    segment.flags.writeable = True
+    segment[:] = 0xFF  # the worker writes there again: ids of -1, NaN rows
+    assert [list(section.ids) for section in pushed] == [[1, 2, 1]]
+    assert [list(section.ids) for section in pulled] == [[7], [9]]
+    tables.accumulate(pushed, 1.0, True, 0)
+    kept = tables._round[0][0][2]
+    assert kept.flags.writeable and not np.shares_memory(kept, segment)
+    room = np.zeros(64, np.uint8)
+    into = tables.pull(pulled, lambda nbytes: room[:nbytes])
+    assert [np.shares_memory(rows, room) for rows in into] == [True, True]
+    expected = np.concatenate([tables["odd"].pull(np.array([7])).ravel(), np.zeros(1, np.float32),
+                               tables["even"].pull(np.array([9])).ravel()])
+    assert np.array_equal(room[: expected.nbytes].view(np.float32), expected)

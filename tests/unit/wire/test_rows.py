@@ -132,3 +132,17 @@ def test_what_cannot_be_encoded_is_refused_before_sending():
         encode_rows([RowSection(0, ids.astype(np.int32), None)], DIMS, False)
     with pytest.raises(ValueError, match=r"float32 of shape \(1, 3\)"):
         encode_rows([RowSection(0, ids, np.ones((1, 2), np.float32))], DIMS, True)
+
+
+def test_a_rows_reference_round_trips_and_a_bad_one_is_a_malformed_frame():
+    from aps.wire.rows import ROWS_REF_BYTES, decode_rows_ref, encode_rows_ref
+
+    assert decode_rows_ref(encode_rows_ref(100, 4096, True)) == (100, 4096, True)
+    assert decode_rows_ref(encode_rows_ref(0, 0, False)) == (0, 0, False)
+    assert len(encode_rows_ref(1, 2, False)) == ROWS_REF_BYTES
+    for wire, message in [(encode_rows_ref(1, 2, False)[:-1], "of 23 bytes"),
+                          (encode_rows_ref(5, 4, False), "of 5 bytes in a segment of 4"),
+                          (struct.pack("<QQII", 1, 2, 2, 0), "unknown flags"),
+                          (struct.pack("<QQII", 1, 2, 0, 9), "reserved 9")]:
+        with pytest.raises(MalformedFrame, match=message):
+            decode_rows_ref(wire)
