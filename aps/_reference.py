@@ -575,6 +575,13 @@ def _mix64(x: np.ndarray) -> np.ndarray:
     return x ^ (x >> _U64(31))
 
 
+def ids_range(ids: np.ndarray) -> tuple[int, int]:
+    """``(lowest, highest)`` of a non-empty vector of ids."""
+    if not len(ids):
+        raise ValueError("no ids")
+    return int(ids.min()), int(ids.max())
+
+
 def mix64(ids: np.ndarray, out: np.ndarray) -> None:
     """``out[i]`` = SplitMix64's finalizer of ``ids[i]`` as a 64-bit word."""
     _check_len("out", len(out), len(ids))
@@ -728,7 +735,7 @@ class RowIndex:
             if row is None and add:
                 row = self._rows[i] = len(self._rows)
             rows[e] = -1 if row is None else row
-        return len(self._rows) - before
+        return len(self._rows) - before if add else int(np.count_nonzero(rows < 0))
 
     def ids(self) -> np.ndarray:
         return np.array(list(self._rows), dtype=np.int64)

@@ -181,6 +181,11 @@ class Table:
 
     def check_ids(self, name: str, ids: Any) -> np.ndarray:
         """``ids`` as a contiguous int64 vector of this table's ids, or :class:`InvalidIds`."""
+        if type(ids) is np.ndarray and ids.dtype == np.int64 and ids.ndim == 1 and ids.flags.c_contiguous:
+            array = ids  # (the common case, checked in one native pass)
+            if len(array):
+                self._check_range(name, *_core.ids_range(array))
+            return array
         array = np.asarray(ids)
         if array.ndim != 1:
             raise InvalidIds(f"table {name!r}: ids must be one-dimensional, got shape {array.shape}")
@@ -190,12 +195,14 @@ class Table:
             raise InvalidIds(f"table {name!r}: id {int(array.max())} is beyond int64")
         array = np.ascontiguousarray(array, dtype=np.int64)
         if len(array):
-            low, high = int(array.min()), int(array.max())
-            if low < 0:
-                raise InvalidIds(f"table {name!r}: id {low} is negative")
-            if high >= self.rows:
-                raise InvalidIds(f"table {name!r}: id {high} is not below its {self.rows} rows")
+            self._check_range(name, int(array.min()), int(array.max()))
         return array
+
+    def _check_range(self, name: str, low: int, high: int) -> None:
+        if low < 0:
+            raise InvalidIds(f"table {name!r}: id {low} is negative")
+        if high >= self.rows:
+            raise InvalidIds(f"table {name!r}: id {high} is not below its {self.rows} rows")
 
     def check_rows(self, name: str, ids: np.ndarray, grads: Any) -> np.ndarray:
         """``grads`` as C-contiguous float32 rows, one per id, or :class:`InvalidIds`."""

@@ -51,10 +51,12 @@ static void aps_rows_init(float *out, const int64_t *ids, ptrdiff_t n, ptrdiff_t
 /* The index: open addressing with linear probing over `mask + 1` (a power of two) buckets
  * of 16 bytes, the key (-1: empty; ids are never negative) then its value (the id's row),
  * so that a probe reads one cache line. Looks each id up and, with `add`, gives an id it
- * lacks the next row (*size, then incremented); without, -1. The caller keeps the load at
- * most one half, so a probe is short and always ends. */
-static void aps_index_lookup(int64_t *buckets, uint64_t mask, const int64_t *ids, ptrdiff_t n, int64_t *rows, int add,
-                             int64_t *size) {
+ * lacks the next row (*size, then incremented); without, -1. Returns how many entries did
+ * not find their id. The caller keeps the load at most one half, so a probe is short and
+ * always ends. */
+static ptrdiff_t aps_index_lookup(int64_t *buckets, uint64_t mask, const int64_t *ids, ptrdiff_t n, int64_t *rows,
+                                  int add, int64_t *size) {
+    ptrdiff_t missing = 0;
     /* A large index is out of the cache and its buckets are random: ask for the bucket of
      * the id APS_AHEAD places on while this one is probed, so the misses overlap. */
     enum { APS_AHEAD = 16 };
@@ -70,6 +72,7 @@ static void aps_index_lookup(int64_t *buckets, uint64_t mask, const int64_t *ids
                 break;
             }
             if (k == -1) {
+                missing++;
                 if (add) {
                     buckets[2 * b] = id;
                     buckets[2 * b + 1] = *size;
@@ -82,6 +85,7 @@ static void aps_index_lookup(int64_t *buckets, uint64_t mask, const int64_t *ids
             b = (b + 1) & mask;
         }
     }
+    return missing;
 }
 
 /* out[e] = slab[rows[e]]: a batch's rows for a reply. The rows are random lines of a

@@ -12,8 +12,8 @@ cdef extern from "_rows.h" nogil:
     uint64_t aps_mix64(uint64_t x)
     void aps_rows_init(float* out, const int64_t* ids, Py_ssize_t n, Py_ssize_t dim, uint64_t seed, int kind,
                        double scale)
-    void aps_index_lookup(int64_t* buckets, uint64_t mask, const int64_t* ids, Py_ssize_t n, int64_t* rows,
-                          int add, int64_t* size)
+    Py_ssize_t aps_index_lookup(int64_t* buckets, uint64_t mask, const int64_t* ids, Py_ssize_t n, int64_t* rows,
+                                int add, int64_t* size)
     void aps_index_place(int64_t* buckets, uint64_t mask, const int64_t* ids, const int64_t* rows, Py_ssize_t n)
     void aps_rows_gather(float* out, const float* slab, const int64_t* rows, Py_ssize_t n, Py_ssize_t dim)
     void aps_rows_scatter(float* slab, const float* inp, const int64_t* rows, Py_ssize_t n, Py_ssize_t dim)
@@ -29,6 +29,23 @@ cdef Py_ssize_t _MAX_INDEX = 1 << 60
 
 #: Row initializers (rows_init's ``kind``).
 INIT_ZEROS, INIT_NORMAL, INIT_UNIFORM = 0, 1, 2
+
+
+def ids_range(const int64_t[::1] ids not None) -> tuple[int, int]:
+    """``(lowest, highest)`` of a non-empty vector of ids, in one pass."""
+    cdef Py_ssize_t i, n = ids.shape[0]
+    cdef int64_t low, high, x
+    if n == 0:
+        raise ValueError("no ids")
+    low = high = ids[0]
+    with nogil:
+        for i in range(1, n):
+            x = ids[i]
+            if x < low:
+                low = x
+            if x > high:
+                high = x
+    return low, high
 
 
 def mix64(const int64_t[::1] ids not None, uint64_t[::1] out not None) -> None:
@@ -227,9 +244,9 @@ cdef class RowIndex:
 
     def lookup(self, const int64_t[::1] ids not None, int64_t[::1] rows not None, bint add=True) -> int:
         """``rows[e]`` = the row of ``ids[e]``; an id not there yet gets the next row when
-        ``add``, else -1. Returns how many ids were added. Refuses a negative id, changing
-        nothing."""
-        cdef Py_ssize_t e, n = ids.shape[0]
+        ``add``, else -1. Returns how many ids were added (with ``add``), or how many
+        entries are -1 (without). Refuses a negative id, changing nothing."""
+        cdef Py_ssize_t e, n = ids.shape[0], missing = 0
         cdef int64_t before = self.size
         _check_len("rows", rows.shape[0], n)
         for e in range(n):
@@ -241,9 +258,9 @@ cdef class RowIndex:
             self._grow(self.size + n)
         if n:
             with nogil:
-                aps_index_lookup(&self.buckets[0, 0], self.buckets.shape[0] - 1, &ids[0], n, &rows[0], add,
-                                 &self.size)
-        return self.size - before
+                missing = aps_index_lookup(&self.buckets[0, 0], self.buckets.shape[0] - 1, &ids[0], n, &rows[0],
+                                           add, &self.size)
+        return self.size - before if add else missing
 
     def ids(self):
         """The ids held, in row order (``ids()[row]`` is the row's id)."""

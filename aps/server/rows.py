@@ -179,10 +179,11 @@ class RowTable:
     def _find(self, ids: np.ndarray) -> np.ndarray:
         """The rows of ``ids``, made (their initial values, zero state) where new; each one
         touched now."""
-        rows = self._held_rows(ids)
+        rows = np.empty(len(ids), np.int64)
+        missing = self.index.lookup(ids, rows, add=False)
         if self.evicts:
             self._touched[rows[rows >= 0]] = self.now
-        return self._make(ids, rows) if (rows < 0).any() else rows
+        return self._make(ids, rows) if missing else rows
 
     def _held_rows(self, ids: np.ndarray) -> np.ndarray:
         """The rows of ``ids``, -1 where not held."""

@@ -29,6 +29,8 @@ __all__ = ["RowRequests"]
 _GRADIENT_OPS = frozenset({Op.PUSH, Op.PUSH_PULL})
 _PULL_OPS = frozenset({Op.PULL, Op.PUSH_PULL})
 _ROW_OPS = _GRADIENT_OPS | _PULL_OPS
+_ROWS = int(Flag.ROWS)
+_NONE = int(DType.NONE)
 
 
 class RowRequests:
@@ -57,7 +59,7 @@ class RowRequests:
             raise NotInitialized(f"{Op(op).name} before a successful INIT")
         if not self.engine.rows:
             raise InvalidIds("the model declares no tables: there are no rows to pull or push")
-        if dense := op in _GRADIENT_OPS and header.dtype != DType.NONE:
+        if dense := op in _GRADIENT_OPS and header.dtype != _NONE:
             self._check_gradient_dtype(header)
             dense = self._gradient_destination(member, header, rows=True)
         at = len(dense) if dense else 0
@@ -70,7 +72,7 @@ class RowRequests:
         """The rows a request pushes (checked: refused before anything is made of them); the
         ones it pulls are kept on ``member`` until it is served."""
         member.rows_wanted = member.rows_out = None
-        if not header.flags & Flag.ROWS:
+        if not header.flags & _ROWS:
             return []
         pushing, pulling = header.op in _GRADIENT_OPS, header.op in _PULL_OPS
         fit = not (pushing and self.engine.is_duplicate(member, header.request_id, header.clock))
@@ -111,7 +113,7 @@ class RowRequests:
         snap.release()
         if self._can_write() and not self._silenced:
             length = sum(len(part) for part in rows)
-            header = pack_header(op, flags | Flag.ROWS, DType.NONE, self._rid, clock, version, length)
+            header = pack_header(op, flags | _ROWS, _NONE, self._rid, clock, version, length)
             self._traffic.bytes_out += len(header) + length
             self._write_parts((header, *rows), fds)
         self._done()

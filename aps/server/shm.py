@@ -398,9 +398,13 @@ def _laid_out(read: list[np.ndarray], segment) -> bool:
     ``segment``, as a reply's rows do there."""
     if segment is None:
         return False
-    at = segment.array.ctypes.data
+    start = at = _address(segment.array)
     for rows in read:
-        if rows.ctypes.data != at or not rows.flags.c_contiguous:
+        if _address(rows) != at or not rows.flags.c_contiguous:
             return False
         at += -(-rows.nbytes // 8) * 8
-    return at - segment.array.ctypes.data <= segment.nbytes
+    return at - start <= segment.nbytes
+
+
+def _address(array: np.ndarray) -> int:
+    return array.__array_interface__["data"][0]

@@ -228,3 +228,18 @@ def test_distinct_rows_are_the_same_on_both_and_leave_the_scratch_clean(seed, n,
     assert not mark.any()
     with pytest.raises(ValueError, match="is not one of"):
         _core.rows_distinct(np.array([rows], np.int64), np.empty(1, np.int64), mark)
+
+
+@given(st.lists(st.integers(-(2**63), 2**63 - 1), min_size=1, max_size=50))
+def test_the_range_of_ids_is_the_same_on_both(values):
+    ids = np.array(values, np.int64)
+    assert _core.ids_range(ids) == _reference.ids_range(ids) == (min(values), max(values))
+
+
+def test_a_lookup_without_adding_says_how_many_ids_it_did_not_find():
+    for kind in (_core, _reference):
+        index = kind.RowIndex(8)
+        assert index.lookup(np.array([3, 9], np.int64), np.empty(2, np.int64)) == 2  # added
+        rows = np.empty(4, np.int64)
+        assert index.lookup(np.array([9, 4, 4, 3], np.int64), rows, add=False) == 2
+        assert list(rows) == [1, -1, -1, 0] and len(index) == 2

@@ -44,6 +44,7 @@ FUNCTION_SAMPLES = {
     "use_f16c": lambda: ((), {"allowed": True}),
     "narrow": lambda: ((np.zeros(2, np.uint16), vec(1, 2), _core.BFLOAT16), {}),
     "widen": lambda: ((vec(0, 0), np.array([0x3F80, 0x4000], np.uint16), _core.BFLOAT16), {}),
+    "ids_range": lambda: ((ids(3, -1, 7),), {}),
     "mix64": lambda: ((ids(1, 2), np.zeros(2, np.uint64)), {}),
     "rows_init": lambda: ((rows(2, 3), ids(1, 2), 7, _core.INIT_NORMAL, 0.1), {}),
     "rows_gather": lambda: ((rows(2, 2), rows(3, 2), ids(2, 0)), {}),
