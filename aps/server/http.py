@@ -314,12 +314,13 @@ class HttpSide:
             second for the dashboard's history; None: no history.
         events_after: returns the membership events after a sequence number
             (``ServerStats.events_after``); None: no events.
+        ready: None while the server accepts workers, else why not (``/readyz``).
     """
 
     def __init__(self, config: ServerConfig, snapshot: Callable[[], dict], token: bytes | None, *,
                  totals: Callable[[], dict] | None = None,
                  events_after: Callable[[int], list[dict]] | None = None,
-                 tls: ssl.SSLContext | None = None) -> None:
+                 tls: ssl.SSLContext | None = None, ready: Callable[[], str | None] = lambda: None) -> None:
         self.config = config
         self._read_snapshot = snapshot
         self._token = token
@@ -327,6 +328,7 @@ class HttpSide:
         self._loopback = is_loopback(config.host)
         self._totals = totals
         self._events_after = events_after or (lambda seq: [])
+        self._ready = ready
         self._registry = CollectorRegistry(auto_describe=False)
         self._registry.register(StatsCollector(self._snapshot))
         self._runner: web.AppRunner | None = None
@@ -378,6 +380,8 @@ class HttpSide:
         app.router.add_get("/api/stats", self._stats)
         app.router.add_get("/api/config", self._config)
         app.router.add_get("/api/history", self._history_api)
+        app.router.add_get("/healthz", self._healthz)
+        app.router.add_get("/readyz", self._readyz)
         app.on_startup.append(self._start_ticker)
         app.on_shutdown.append(self._close_viewers)
         app.on_cleanup.append(self._stop_ticker)
@@ -464,6 +468,16 @@ class HttpSide:
     # plain requests -------------------------------------------------------
     async def _index(self, request: web.Request) -> web.StreamResponse:
         return web.FileResponse(os.path.join(WEB_DIR, "index.html"), headers={"Cache-Control": "no-cache"})
+
+    async def _healthz(self, request: web.Request) -> web.Response:
+        """Liveness: the server's loop answers (a probe needs no token)."""
+        return web.Response(text="ok\n")
+
+    async def _readyz(self, request: web.Request) -> web.Response:
+        """Readiness: 200 while the server accepts workers, else 503 saying why."""
+        reason = self._ready()
+        return web.Response(text="ready\n" if reason is None else f"not ready: {reason}\n",
+                            status=200 if reason is None else 503)
 
     async def _metrics(self, request: web.Request) -> web.Response:
         now = time.monotonic()
@@ -736,7 +750,7 @@ def _local_name(host: str) -> bool:
 
 
 def _is_public(path: str) -> bool:
-    return path in ("/", "/ws", "/favicon.ico") or path.startswith("/static/")
+    return path in ("/", "/ws", "/favicon.ico", "/healthz", "/readyz") or path.startswith("/static/")
 
 
 class _Connections:

@@ -227,7 +227,8 @@ class Server:
             # The HTTP side is read-only: a token made here guards the worker port only (as given
             # with --token, it guards both).
             self.http = HttpSide(config, self.engine.stats_snapshot, None if generated else token, tls=tls,
-                                 totals=lambda: self.engine.stats_totals(), events_after=stats.events_after)
+                                 totals=lambda: self.engine.stats_totals(), events_after=stats.events_after,
+                                 ready=lambda: "the server is stopping" if self._stopping.is_set() else None)
             try:
                 await self.http.start()
             except OSError as exc:

@@ -5,6 +5,7 @@ import signal
 import subprocess
 import sys
 import threading
+import urllib.request
 
 import numpy as np
 import pytest
@@ -74,6 +75,9 @@ def test_port_in_use_is_a_clear_error(server_process):
 def test_dashboard_port_in_use_is_a_clear_error(server_process):
     server = server_process("--workers", "1", "--http-port", "0")
     http_port = server.proc.stdout.readline().strip().rstrip("/").rsplit(":", 1)[1]  # aps: dashboard on URL
+    for probe, text in (("healthz", "ok\n"), ("readyz", "ready\n")):  # (what an orchestrator's probes ask)
+        with urllib.request.urlopen(f"http://127.0.0.1:{http_port}/{probe}", timeout=10) as answer:
+            assert answer.status == 200 and answer.read().decode() == text
     result = run_aps("serve", "--http-port", http_port)
     assert result.returncode == 2 and "(--http-port)" in result.stderr, result.stderr
     assert "another aps server may be running there" in result.stderr

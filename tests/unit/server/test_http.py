@@ -94,6 +94,27 @@ def test_every_endpoint_answers():
     drive(side(), scenario)
 
 
+def test_probes_answer_without_the_token_and_readiness_says_why_not():
+    """/healthz (the loop answers) and /readyz (the server accepts workers) are for an
+    orchestrator's probes: no token, no data; a server that is stopping is not ready."""
+    why = []
+
+    async def scenario(client):
+        for path, text in (("/healthz", "ok\n"), ("/readyz", "ready\n")):
+            answer = await client.get(path)
+            assert answer.status == 200 and await answer.text() == text
+        why.append("the server is stopping")
+        answer = await client.get("/readyz")
+        assert answer.status == 503 and await answer.text() == "not ready: the server is stopping\n"
+        assert (await client.get("/healthz")).status == 200
+        assert (await client.get("/api/stats")).status == 401  # (the data still asks for the token)
+
+    token = b"Zq3u9P0vB4h1xkTn7sWc2yLr8GdJ5mEaQiFo6XtKbHw"
+    http = HttpSide(ServerConfig(workers=2, token=token), snapshot, token,
+                    ready=lambda: why[0] if why else None)
+    drive(http, scenario)
+
+
 def test_the_token_guards_the_data_not_the_page(monkeypatch):
     monkeypatch.setattr(_http, "HELLO_TIMEOUT_S", 0.5)
 
