@@ -163,7 +163,9 @@ def run_local(args) -> int:
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--address", help="join this server instead of starting one (then also give --rank)")
+    parser.add_argument("--address", default=os.environ.get("APS_ADDRESS") or None,
+                        help="join this server instead of starting one (then also give --rank; default: "
+                             "$APS_ADDRESS, as aps launch and a cluster's manifests set it)")
     parser.add_argument("--rank", type=int, default=int(os.environ.get("RANK", 0)))
     parser.add_argument("--workers", type=int, default=int(os.environ.get("WORLD_SIZE", 4)))
     parser.add_argument("--sync", default="ssp", choices=("bsp", "asp", "ssp"))
