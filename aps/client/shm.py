@@ -119,8 +119,8 @@ class ShmConnection(BlockingSocket):
         self._reply_rows = None
 
 
-#: What a Unix socket may hold queued (its default, some 200 KiB, would cut the rows of a
-#: request or a reply, which cross the socket, into many writes and wake-ups).
+#: What a Unix socket may hold queued (its default, some 200 KiB, would cut an optimizer's
+#: state, which crosses the socket, into many writes and wake-ups).
 SOCKET_BUFFER_BYTES = 4 << 20
 
 

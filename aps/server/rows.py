@@ -220,7 +220,8 @@ class RowTable:
     def row_cost(self) -> int:
         """What a row costs against --table-memory: its values and state, 32 bytes of the
         index (16 a bucket, at most half of them full; while the index doubles it may take up
-        to 32 bytes a row more, which the limit does not count) and 4 of scratch."""
+        to 32 bytes a row more, which the limit does not count) and 4 of scratch (sized like
+        the slab, mapped only where rows were pushed)."""
         return self.table.row_bytes() + 36
 
     def untouched_since(self, now: int) -> tuple[np.ndarray, np.ndarray]:
@@ -254,12 +255,13 @@ class RowTable:
         capacity = max(capacity, 64)
         while capacity < count:
             capacity *= 2
-        self._rows = _grown(self._rows, capacity, held)
-        self._state = {key: _grown(slab, capacity, held) for key, slab in self._state.items()}
+        # Everything made before anything is replaced: out of memory half way, the table is as it was.
+        rows = _grown(self._rows, capacity, held)
+        state = {key: _grown(slab, capacity, held) for key, slab in self._state.items()}
         touched = np.zeros(capacity, np.int64)
         touched[:held] = self._touched[:held]
-        self._touched = touched
-        self._mark = np.zeros(capacity, np.int32)
+        mark = np.zeros(capacity, np.int32)
+        self._rows, self._state, self._touched, self._mark = rows, state, touched, mark
 
 
 class Tables(dict):
@@ -393,13 +395,28 @@ class Tables(dict):
             rows.commit(part)
 
     # An open round (BSP, softsync) ------------------------------------------
+    def kept(self, pushed: list) -> list:
+        """A push's rows as a round keeps them: gradient rows read in place from a worker's
+        shared segment (read-only views, which it may write again at any time) copied, and
+        the copies checked (NonFiniteGradient: the copy is what the round would apply)."""
+        out = []
+        for section in pushed:
+            values = section.values
+            if not values.flags.writeable:
+                values = values.copy()
+                if not self._order[section.table]._kernels.all_finite(values.reshape(-1)):
+                    raise NonFiniteGradient(f"table {self._order[section.table].name!r}: the gradient rows hold "
+                                            "NaN or infinity; nothing changed")
+                section = RowSection(section.table, section.ids, values)
+            out.append(section)
+        return out
+
     def accumulate(self, pushed: list, scale: float, first: bool, rank: int) -> None:
-        """Keep ``rank``'s push's rows for the round's aggregate update (``first``: a new round)."""
+        """Keep ``rank``'s push's rows (as :meth:`kept` gives them) for the round's aggregate
+        update (``first``: a new round)."""
         if first:
             self._round = {}
         for table, ids, values in pushed:
-            if not values.flags.writeable:  # (read in place from a worker's shared segment: kept, so copied)
-                values = values.copy()
             self._round.setdefault(table, []).append((rank, ids, values, scale))
 
     def take_round(self, scale: float) -> list:

@@ -39,7 +39,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from ..errors import AuthenticationError, ConfigurationError, FrameTooLarge, MalformedFrame
+from ..errors import AuthenticationError, ConfigurationError, FrameTooLarge, MalformedFrame, ServerError
 from ..wire.protocol import HEADER_SIZE, DType, Flag, Header, InitRequest, encode_slot, pack_header
 from ..wire.rows import ROWS_REF_BYTES, decode_rows_ref, encode_rows_ref
 from ..wire.segments import ANCILLARY_SPACE, Room, fds_from, map_received, scm_rights
@@ -171,7 +171,7 @@ class ShmSession(ServerSession):
     ) -> None:
         super().__init__(engine, max_payload, registry, token=token)
         self.sock = sock
-        try:  # (rows cross the socket: queued whole, not cut into 200 KiB writes and wake-ups)
+        try:  # (an optimizer's state crosses the socket: queued whole, not cut into 200 KiB writes)
             sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4 << 20)
         except OSError:
             pass
@@ -188,7 +188,10 @@ class ShmSession(ServerSession):
         self._lease: Snapshot | None = None  # the slot the worker is copying from
         self._max_payload = max_payload
         self._rows_in: np.ndarray | None = None  # the worker's rows segment (uint8, read-only)
-        self._reply_room = Room("aps-rows-reply", shared_read_only=True)  # replies' rows
+        # Replies' rows. It never shrinks: a worker may keep the descriptor of every segment it
+        # was sent, so a server that made smaller ones again and again could be made to hold
+        # them all; as it is, a connection holds at most twice its largest reply.
+        self._reply_room = Room("aps-rows-reply", shared_read_only=True, shrink=False)
         self._reply_fresh = False  # the reply segment is new: its descriptor goes with the next rows
         self._reading = True
         if not self._admit():
@@ -213,7 +216,8 @@ class ShmSession(ServerSession):
             self._fatal(AuthenticationError("descriptors sent before the handshake"), warn=False)
             return
         if msg_flags & socket.MSG_CTRUNC or len(self._fds) > _MAX_HELD_FDS:
-            self._fatal(MalformedFrame("too many file descriptors: only INIT carries one"))
+            self._fatal(MalformedFrame("too many file descriptors: a request carries one at most (INIT its "
+                                       "gradient segment, a request with rows a new rows segment)"))
             return
         if not nbytes:
             self._teardown(None)
@@ -303,10 +307,16 @@ class ShmSession(ServerSession):
     def _gradient_buffer(self, request: InitRequest) -> np.ndarray:
         if not self._fds:
             raise MalformedFrame("INIT over shared memory needs the gradient segment's descriptor")
-        fd = self._fds.popleft()
-        while self._fds:  # anything else that came along is not ours to keep
+        return map_received(self._claim_fd(), request.layout.nbytes, writable=False)
+
+    def _claim_fd(self) -> int:
+        """The descriptor of the request being handled: the last one received (it came with
+        the request's first byte; any before it were left by requests refused unclaimed, and
+        are closed)."""
+        fd = self._fds.pop()
+        while self._fds:
             os.close(self._fds.popleft())
-        return map_received(fd, request.layout.nbytes, writable=False)
+        return fd
 
     def frame_received(self, header: Header, payload: memoryview) -> None:
         # Any new request means the worker has finished copying the last weights.
@@ -347,17 +357,20 @@ class ShmSession(ServerSession):
         if has_fd:
             if not self._fds:
                 raise MalformedFrame("a rows reference announced a segment whose descriptor did not come")
-            fd = self._fds.pop()  # (the frame's own: it came with the frame's first byte, after any left over)
-            while self._fds:
-                os.close(self._fds.popleft())
+            fd = self._claim_fd()
             self._rows_in = None
-            if size > self._max_payload:
+            if size % 8:
                 os.close(fd)
-                raise FrameTooLarge(f"a rows segment of {size} bytes; at most {self._max_payload} (--max-frame-bytes)")
+                raise MalformedFrame(f"a rows segment of {size} bytes: its size is a multiple of 8")
+            mapped = min(size, self._max_payload - self._max_payload % 8)  # (no request's rows are longer)
             try:
-                self._rows_in = map_received(fd, size, writable=False).view(np.uint8)
-            except OSError as exc:
+                self._rows_in = map_received(fd, mapped, writable=False).view(np.uint8)
+            except ServerError:  # (not sealed, or smaller than it says)
+                raise
+            except (OSError, ValueError) as exc:
                 raise MalformedFrame(f"the rows segment cannot be mapped: {exc}") from None
+        if length > self._max_payload:
+            raise FrameTooLarge(f"{length} bytes of rows; at most {self._max_payload} (--max-frame-bytes)")
         rows_in = self._rows_in
         if rows_in is None or length > len(rows_in):
             raise MalformedFrame(f"{length} bytes of rows in a segment of "

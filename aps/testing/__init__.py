@@ -291,7 +291,7 @@ class RawShmClient(RawClient):
         ``fds``, as given: a lie)."""
         fresh = self.rows_segment is None or self.rows_segment.nbytes < len(rows)
         if fresh:
-            self.rows_segment = Segment.create(max(len(rows), 1 << 16) // 4 + 1, "test-rows")
+            self.rows_segment = Segment.create(-(-max(len(rows), 1 << 16) // 8) * 2, "test-rows")  # (8-aligned)
         self.rows_segment.array.view(np.uint8)[: len(rows)] = np.frombuffer(bytes(rows), np.uint8)
         if ref is None:
             ref = encode_rows_ref(len(rows), self.rows_segment.nbytes, fresh)

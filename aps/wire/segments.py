@@ -122,19 +122,20 @@ class Segment:
 class Room:
     """A segment that holds one message's bytes at a time (the rows of a request, or of a
     reply), made on the first message and made again, at twice the need, when a message
-    needs more than it has, or after a long run of messages that used a quarter of a large
-    one at most (so that one large message does not keep its memory for the connection's
-    life). Whoever holds the old segment keeps its mapping; it is freed when both ends
-    have let it go."""
+    needs more than it has, or (``shrink``) after a long run of messages that used a
+    quarter of a large one at most (so that one large message does not keep its memory for
+    the connection's life). Whoever holds the old segment keeps its mapping; it is freed
+    when both ends have let it go."""
 
     MIN_BYTES = 1 << 16
     SHRINK_ABOVE = 16 << 20
     SHRINK_AFTER = 64
 
-    def __init__(self, name: str, *, shared_read_only: bool = False) -> None:
+    def __init__(self, name: str, *, shared_read_only: bool = False, shrink: bool = True) -> None:
         self.segment: Segment | None = None
         self._name = name
         self._shared_read_only = shared_read_only
+        self._shrink = shrink  # False: made again only to grow
         self._small = 0  # messages in a row that used a quarter of the segment at most
 
     def take(self, nbytes: int) -> tuple[np.ndarray, bool]:
@@ -142,7 +143,7 @@ class Room:
         new (its descriptor is then to go with the message)."""
         segment = self.segment
         if segment is not None and segment.nbytes >= nbytes:
-            large = segment.nbytes > self.SHRINK_ABOVE and 4 * nbytes <= segment.nbytes
+            large = self._shrink and segment.nbytes > self.SHRINK_ABOVE and 4 * nbytes <= segment.nbytes
             self._small = self._small + 1 if large else 0
             if self._small < self.SHRINK_AFTER:
                 return segment.array.view(np.uint8)[:nbytes], False

@@ -20,7 +20,7 @@ from aps.tables import Table
 from aps.testing import RawClient
 from aps.wire.protocol import DType, Flag, Op, pack_header
 from aps.wire.rows import RowSection, encode_rows, encode_rows_ref
-from aps.wire.segments import SEALS
+from aps.wire.segments import SEALS, Segment
 
 DENSE = {"w": np.zeros(4, np.float32)}
 TABLES = {
@@ -317,7 +317,8 @@ def _sealed(nbytes: int, seal: bool = True) -> int:
     ("descriptor announced, not sent", ErrorCode.MALFORMED_FRAME, "descriptor did not come"),
     ("unsealed segment", ErrorCode.MALFORMED_FRAME, "not sealed"),
     ("segment smaller than it says", ErrorCode.PAYLOAD_SIZE_MISMATCH, "65536 needed"),
-    ("segment over the frame limit", ErrorCode.FRAME_TOO_LARGE, "--max-frame-bytes"),
+    ("rows over the frame limit", ErrorCode.FRAME_TOO_LARGE, "--max-frame-bytes"),
+    ("segment size not a multiple of 8", ErrorCode.MALFORMED_FRAME, "a multiple of 8"),
     ("reference of the wrong size", ErrorCode.MALFORMED_FRAME, "24-byte rows reference"),
     ("unknown reference flags", ErrorCode.MALFORMED_FRAME, "unknown flags"),
 ])
@@ -347,9 +348,12 @@ def test_lying_rows_references_are_refused_and_the_connection_goes_on(server_pro
         elif lie == "segment smaller than it says":
             fd = _sealed(1 << 12)
             raw.send_rows(header, payload, ref=encode_rows_ref(n, 1 << 16, True), fds=[fd])
-        elif lie == "segment over the frame limit":
+        elif lie == "rows over the frame limit":
             fd = _sealed(2 << 20)
-            raw.send_rows(header, payload, ref=encode_rows_ref(n, 2 << 20, True), fds=[fd])
+            raw.send_rows(header, payload, ref=encode_rows_ref(2 << 20, 2 << 20, True), fds=[fd])
+        elif lie == "segment size not a multiple of 8":
+            fd = _sealed((1 << 16) + 4)
+            raw.send_rows(header, payload, ref=encode_rows_ref(n, (1 << 16) + 4, True), fds=[fd])
         elif lie == "reference of the wrong size":
             raw.send(pack_header(Op.PUSH, int(Flag.ROWS), DType.NONE, 7, 0, 0, 16), bytes(16))
         else:
@@ -464,3 +468,26 @@ def test_rows_gathered_elsewhere_still_reach_a_shared_memory_worker(monkeypatch)
             for n in (3, 30_000, 5):  # (the last two take a new segment, then the same)
                 ids = np.arange(n) % TABLES["tags"].rows
                 assert np.array_equal(worker.pull_rows("tags", ids), local.pull("tags", ids))
+
+
+def test_a_rows_segment_larger_than_the_frame_limit_serves_rows_within_it(server_process):
+    """A worker's rows segment is twice its largest request: larger than --max-frame-bytes
+    once a request passed half of it. The server maps the limit's worth and serves rows
+    within it; descriptors left by refused requests are closed, not mistaken for the next."""
+    server = server_process("--workers", "1", "--sync", "asp", "--max-frame-bytes", "1M")
+    raw = RawClient.to(server, "shm")
+    try:
+        raw.send_rows(*rows_frame(Op.PULL, [RowSection(0, np.array([5]), None)], False))  # before INIT: refused
+        assert raw.error()[0] == ErrorCode.NOT_INITIALIZED
+        raw.rows_segment = None
+        raw.init(0, 1, DENSE, {"tags": TABLES["tags"]})  # (its segment's descriptor, not the one left over)
+        assert raw.reply()[0].op == Op.INIT_REPLY
+        header, payload = rows_frame(Op.PUSH, [RowSection(0, np.array([5]), np.ones((1, 3), np.float32))], True)
+        raw.rows_segment = Segment.create((2 << 20) // 4, "test-large")
+        raw.send_rows(header, payload, ref=encode_rows_ref(len(payload), 2 << 20, True), fds=[raw.rows_segment.fd])
+        assert raw.reply()[0].op == Op.PUSH_REPLY
+        local = Local({"tags": TABLES["tags"]})
+        local.push({"tags": ([5], np.ones((1, 3), np.float32))})
+        assert_served(raw, server, local)
+    finally:
+        raw.close()

@@ -158,13 +158,18 @@ class PushJob(Job):
                 table.advance()
             owner.rows.commit(staged)
         elif plan.kind is PlanKind.ACCUMULATE:
+            try:  # (the rows the round keeps: copies where read in place, checked as kept)
+                kept = owner.rows.kept(self.rows)
+            except NonFiniteGradient:
+                self.fail(False)
+                return
             aggregate = owner.aggregate
             if self.dense:
                 aggregate.adopt()
             elif plan.first:  # the round's sum starts from zero (and holds no dense gradient yet)
                 aggregate.current.fill(0.0)
             aggregate.dense = self.dense or (aggregate.dense and not plan.first)
-            owner.rows.accumulate(self.rows, plan.scale, plan.first, self.member.rank)
+            owner.rows.accumulate(kept, plan.scale, plan.first, self.member.rank)
         self.adopted = True  # from here on the gradient is in: a failure must not say otherwise
         result = owner.gradient_committed(self.member, plan, self.arrived, self.hyper)
         self.answered = True

@@ -323,12 +323,15 @@ def test_rows_in_memory_their_sender_may_still_write_are_taken_safely(kernels):
     segment.flags.writeable = False  # (the server maps a worker's segment read-only)
     pushed, pulled = tables.intake(segment, True, True, shared=True)
     segment.flags.writeable = True
-    segment[:] = 0xFF  # the worker writes there again: ids of -1, NaN rows
+    segment[:] = 0  # the worker writes there again: ids of 0, rows of zeros
     assert [list(section.ids) for section in pushed] == [[1, 2, 1]]
     assert [list(section.ids) for section in pulled] == [[7], [9]]
-    tables.accumulate(pushed, 1.0, True, 0)
+    tables.accumulate(tables.kept(pushed), 1.0, True, 0)
     kept = tables._round[0][0][2]
-    assert kept.flags.writeable and not np.shares_memory(kept, segment)
+    assert kept.flags.writeable and not np.shares_memory(kept, segment) and not kept.any()
+    segment[:] = 0xFF  # NaN written after the check: the copy a round would keep is refused
+    with pytest.raises(NonFiniteGradient, match="NaN or infinity"):
+        tables.kept(pushed)
     room = np.zeros(64, np.uint8)
     into = tables.pull(pulled, lambda nbytes: room[:nbytes])
     assert [np.shares_memory(rows, room) for rows in into] == [True, True]

@@ -51,3 +51,13 @@ def test_a_reader_maps_a_room_read_only():
     mapped = map_received(os.dup(room.segment.read_only_fd()), 16, writable=False).view(np.uint8)
     assert np.array_equal(mapped[:16], np.arange(16)) and not mapped.flags.writeable
     room.close()
+
+
+def test_a_room_that_may_not_shrink_is_made_again_only_to_grow():
+    room = Room("test-room", shrink=False)
+    room.take(Room.SHRINK_ABOVE)
+    large = room.segment
+    for _ in range(2 * Room.SHRINK_AFTER):
+        assert not room.take(100)[1]
+    assert room.segment is large
+    room.close()
