@@ -190,8 +190,9 @@ class ShmSession(ServerSession):
         self._rows_in: np.ndarray | None = None  # the worker's rows segment (uint8, read-only)
         # Replies' rows. It never shrinks: a worker may keep the descriptor of every segment it
         # was sent, so a server that made smaller ones again and again could be made to hold
-        # them all; as it is, a connection holds at most twice its largest reply.
-        self._reply_room = Room("aps-rows-reply", shared_read_only=True, shrink=False)
+        # them all; as it is, the segments a connection was sent add up to at most twice the
+        # frame limit (each at most the limit, or its reply: replies are no longer).
+        self._reply_room = Room("aps-rows-reply", shared_read_only=True, shrink=False, limit=max_payload)
         self._reply_fresh = False  # the reply segment is new: its descriptor goes with the next rows
         self._reading = True
         if not self._admit():

@@ -131,8 +131,10 @@ class Room:
     SHRINK_ABOVE = 16 << 20
     SHRINK_AFTER = 64
 
-    def __init__(self, name: str, *, shared_read_only: bool = False, shrink: bool = True) -> None:
+    def __init__(self, name: str, *, shared_read_only: bool = False, shrink: bool = True,
+                 limit: int | None = None) -> None:
         self.segment: Segment | None = None
+        self._limit = limit  # made no larger than this (or than the need, if larger)
         self._name = name
         self._shared_read_only = shared_read_only
         self._shrink = shrink  # False: made again only to grow
@@ -148,6 +150,8 @@ class Room:
             if self._small < self.SHRINK_AFTER:
                 return segment.array.view(np.uint8)[:nbytes], False
         size = -(-max(2 * nbytes, self.MIN_BYTES) // self.MIN_BYTES) * self.MIN_BYTES
+        if self._limit is not None and size > self._limit:
+            size = max(-(-nbytes // 8) * 8, self._limit - self._limit % 8)
         fresh = Segment.create(size // 4, self._name, shared_read_only=self._shared_read_only)
         if segment is not None:
             segment.close()

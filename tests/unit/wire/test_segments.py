@@ -61,3 +61,12 @@ def test_a_room_that_may_not_shrink_is_made_again_only_to_grow():
         assert not room.take(100)[1]
     assert room.segment is large
     room.close()
+
+
+def test_a_room_with_a_limit_is_made_no_larger_than_it_or_the_need():
+    room = Room("test-room", limit=100_004)
+    assert room.take(60_000)[1] and room.segment.nbytes == 100_000  # (not 2 x 60,000: the limit, 8-aligned)
+    assert room.take(100_000)[1] is False
+    room.take(150_000)
+    assert room.segment.nbytes == 150_000  # (a need over the limit: the need)
+    room.close()
