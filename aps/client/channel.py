@@ -227,6 +227,8 @@ class Channel(_OneServer, _ChannelSteps):
             if budget > 0:
                 run(self._leave(budget))
             self._disconnect()
+            if self._core.shm is not None:  # (a closed worker makes no request again)
+                self._core.shm.close_segments()
         finally:
             self._lock.release()
 

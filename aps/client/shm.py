@@ -57,6 +57,15 @@ class ShmConnection(BlockingSocket):
         self.grad_segment, previous.grad_segment = previous.grad_segment, None
         self.rows_room, previous.rows_room = previous.rows_room, None
 
+    def close_segments(self) -> None:
+        """Close the descriptors of the worker's own segments (the worker is closed: its
+        arrays keep their mappings)."""
+        if self.grad_segment is not None:
+            self.grad_segment.close()
+        if self.rows_room is not None:
+            self.rows_room.close()
+            self.rows_room = None
+
     def rows_request(self, parts: Sequence, rank: int) -> tuple[bytes, int | None]:
         """Put a request's rows (``parts``, aps.wire.rows) in the rows segment: their rows
         reference, and the segment's descriptor when the server is to map it."""

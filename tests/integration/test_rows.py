@@ -7,6 +7,7 @@ once; three shards equal to one. Over TCP and shared memory, blocking and asynci
 from __future__ import annotations
 
 import fcntl
+import gc
 import os
 import threading
 
@@ -491,3 +492,21 @@ def test_a_rows_segment_larger_than_the_frame_limit_serves_rows_within_it(server
         assert_served(raw, server, local)
     finally:
         raw.close()
+
+
+def test_a_closed_shared_memory_worker_holds_no_descriptor(server_process):
+    """A worker's own segments (its gradient's, its rows') are closed with it; the server's
+    (slots, reply segment) it was sent are not kept open either, once its arrays are gone."""
+    def held() -> int:
+        return len(os.listdir("/proc/self/fd"))
+
+    server = server_process("--workers", "1", "--sync", "asp")
+    before = held()
+    worker = aps.Worker(server.address, 0, 1, transport="shm")
+    worker.init(DENSE, tables=TABLES)
+    worker.push_rows("tags", [1, 2], np.ones((2, 3), np.float32))
+    assert np.array_equal(worker.pull_rows("tags", [1])[0], worker.pull_rows("tags", [1, 1])[1])
+    worker.close()
+    del worker  # (a mapping keeps a descriptor of its own while the arrays on it live: Python's mmap)
+    gc.collect()
+    assert held() == before
