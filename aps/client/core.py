@@ -34,7 +34,7 @@ from ..errors import (
 from ..layout import Layout, check_floating
 from ..tables import Table, check_tables
 from ..wire.framing import FrameReader
-from ..wire.rows import ROWS_REF_BYTES, encode_rows, reply_rows_bytes
+from ..wire.rows import ROWS_REF_BYTES, encode_rows, padded, reply_rows_bytes
 from ..wire.protocol import (
     MAX_STATE_HEAD_BYTES,
     DType,
@@ -168,6 +168,7 @@ class _ClientCore:
         self._rows: RowsCall | None = None
         self._row_parts: list[memoryview] = []  # the reply's rows still to arrive, in order
         self._rows_ref = memoryview(b"")  # over shared memory: the reply's rows reference
+        self._rows_need = 0  # and the bytes of rows it must name
         self._dense_part: memoryview | None = None  # a reply with rows: where its dense part went
 
     @property
@@ -539,6 +540,7 @@ class _ClientCore:
             if header.length < ROWS_REF_BYTES:
                 raise MalformedFrame(f"a reply of {header.length} bytes has no rows reference")
             self._rows_ref = memoryview(bytearray(ROWS_REF_BYTES))
+            self._rows_need = need
             self._row_parts = [self._rows_ref]
             return header.length - ROWS_REF_BYTES
         if header.length < need:
@@ -597,11 +599,11 @@ class _ClientCore:
         """A reply's rows over shared memory: copied out of the reply segment into the
         caller's arrays (before the next request, which lets the server write there again)."""
         rows = self._rows
-        view = self.shm.reply_rows(self._rows_ref, reply_rows_bytes(rows.pull, self.layout.table_dims))
+        view = self.shm.reply_rows(self._rows_ref, self._rows_need)
         at = 0
         for out in rows.outs:
             np.copyto(out, view[at : at + out.nbytes].view(np.float32).reshape(out.shape))
-            at += -(-out.nbytes // 8) * 8
+            at += padded(out.nbytes)
 
     def reset_stream(self) -> None:
         """Forget any half-read reply: the next bytes come from a new connection."""

@@ -28,7 +28,6 @@ class ShmConnection(BlockingSocket):
     def __init__(self, path: str, connect_timeout: float | None = 30.0) -> None:
         address = f"unix:{path}"
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        _roomy(sock)
         try:
             sock.settimeout(connect_timeout)
             sock.connect(path)
@@ -126,17 +125,4 @@ class ShmConnection(BlockingSocket):
             os.close(self._fds.popleft())
         self.slots.clear()
         self._reply_rows = None
-
-
-#: What a Unix socket may hold queued (its default, some 200 KiB, would cut an optimizer's
-#: state, which crosses the socket, into many writes and wake-ups).
-SOCKET_BUFFER_BYTES = 4 << 20
-
-
-def _roomy(sock: socket.socket) -> None:
-    """Let ``sock`` queue :data:`SOCKET_BUFFER_BYTES` (as far as the system allows)."""
-    try:
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, SOCKET_BUFFER_BYTES)
-    except OSError:  # (a limit of the system's: the default will do)
-        pass
 

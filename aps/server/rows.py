@@ -26,7 +26,7 @@ import numpy as np
 from .. import _core
 from ..errors import InvalidIds, NonFiniteGradient, TableMemoryFull
 from ..tables import Table
-from ..wire.rows import RowSection, decode_request_rows, reply_rows_bytes
+from ..wire.rows import RowSection, decode_request_rows, padded, reply_rows_bytes
 
 __all__ = ["RowTable", "Tables"]
 
@@ -380,7 +380,7 @@ class Tables(dict):
             dim = self.dims[table]
             view = into[at : at + 4 * len(ids) * dim].view(np.float32).reshape(len(ids), dim)
             out.append(tables[table].pull(ids, view, checked=True))
-            at += -(-view.nbytes // 8) * 8
+            at += padded(view.nbytes)
         return out
 
     def prepare(self, pushed: list, scale: float = 1.0) -> list:

@@ -41,7 +41,7 @@ import numpy as np
 
 from ..errors import AuthenticationError, ConfigurationError, FrameTooLarge, MalformedFrame, ServerError
 from ..wire.protocol import HEADER_SIZE, DType, Flag, Header, InitRequest, encode_slot, pack_header
-from ..wire.rows import ROWS_REF_BYTES, decode_rows_ref, encode_rows_ref
+from ..wire.rows import ROWS_REF_BYTES, decode_rows_ref, encode_rows_ref, padded
 from ..wire.segments import ANCILLARY_SPACE, Room, fds_from, map_received, scm_rights
 from .admission import RateLimitedLog
 from .session import ServerSession
@@ -171,10 +171,6 @@ class ShmSession(ServerSession):
     ) -> None:
         super().__init__(engine, max_payload, registry, token=token)
         self.sock = sock
-        try:  # (an optimizer's state crosses the socket: queued whole, not cut into 200 KiB writes)
-            sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4 << 20)
-        except OSError:
-            pass
         self.peer = f"unix:{sock.fileno()}"
         try:
             creds = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, 12)
@@ -388,13 +384,13 @@ class ShmSession(ServerSession):
     def _reply_rows(self, read: list[np.ndarray]) -> tuple[tuple, tuple[int, ...]]:
         """A reference to the rows ``read``, which the engine gathered into the reply
         segment (or are copied there now, if it could not)."""
-        total = sum(-(-rows.nbytes // 8) * 8 for rows in read)
+        total = sum(padded(rows.nbytes) for rows in read)
         segment = self._reply_room.segment
         if total and not _laid_out(read, segment):
             into, at = self._rows_room(total), 0
             for rows in read:
                 into[at : at + rows.nbytes] = rows.reshape(-1).view(np.uint8)
-                at += -(-rows.nbytes // 8) * 8
+                at += padded(rows.nbytes)
             segment = self._reply_room.segment
         fresh, self._reply_fresh = self._reply_fresh, False
         self._traffic.bytes_out += total
@@ -416,7 +412,7 @@ def _laid_out(read: list[np.ndarray], segment) -> bool:
     for rows in read:
         if _address(rows) != at or not rows.flags.c_contiguous:
             return False
-        at += -(-rows.nbytes // 8) * 8
+        at += padded(rows.nbytes)
     return at - start <= segment.nbytes
 
 

@@ -48,6 +48,7 @@ __all__ = [
     "encode_rows",
     "encode_rows_ref",
     "encode_tables",
+    "padded",
     "reply_rows_bytes",
     "reply_rows_parts",
     "rows_bytes",
@@ -190,7 +191,7 @@ def reply_rows_bytes(sections: Sequence[RowSection], dims: Sequence[int]) -> int
     """The length of the rows a reply carries for the pulled ``sections``: each table's
     rows in the order asked, float32, each block padded to 8 bytes (no heads: the asker
     knows what it asked)."""
-    return sum(_padded(4 * len(ids) * dims[table]) for table, ids, _ in sections)
+    return sum(padded(4 * len(ids) * dims[table]) for table, ids, _ in sections)
 
 
 def reply_rows_parts(rows: Sequence[np.ndarray]) -> list:
@@ -207,7 +208,8 @@ def reply_rows_parts(rows: Sequence[np.ndarray]) -> list:
 _PAD = bytes(4)
 
 
-def _padded(nbytes: int) -> int:
+def padded(nbytes: int) -> int:
+    """``nbytes`` rounded up to 8: where the next block of a reply's rows begins."""
     return nbytes + (-nbytes % 8)
 
 
