@@ -16,7 +16,8 @@ from typing import Any
 from .wire.tokens import check_token
 from .errors import ConfigurationError
 
-__all__ = ["RESUME_LATEST", "RUN_OPTIONS", "ServerConfig", "env_name", "generates_token", "resolve_token"]
+__all__ = ["MAX_WORKERS", "RESUME_LATEST", "RUN_OPTIONS", "ServerConfig", "env_name", "generates_token", "parse_workers",
+           "resolve_token"]
 
 SYNC_CHOICES = ("bsp", "asp", "ssp", "dssp", "softsync")
 LR_STALENESS_CHOICES = ("none", "inverse")
@@ -31,6 +32,8 @@ OPTIMIZER_STATE: dict[str, tuple[str, ...]] = {
 }
 LOG_LEVELS = ("debug", "info", "warning", "error")
 DEFAULT_PORT = 7450
+#: The most workers a server takes (a reply header says how many are live in 16 bits).
+MAX_WORKERS = 65535
 #: Options that must be finite (any float option must be a number: NaN is refused for all).
 _FINITE_OPTIONS = ("lr", "momentum", "weight_decay", "eps", "checkpoint_every")
 #: ``--resume`` without a path: the newest complete checkpoint in ``--checkpoint-dir``.
@@ -42,7 +45,19 @@ RUN_OPTIONS = (
     "optimizer", "lr", "momentum", "nesterov", "weight_decay", "betas", "eps", "shard", "shards",
 )
 #: The options every shard of a model must share: workers check them across shards.
-SHARED_OPTIONS = tuple(name for name in RUN_OPTIONS if name != "shard")
+SHARED_OPTIONS = (*(name for name in RUN_OPTIONS if name != "shard"), "min_workers")
+
+
+def parse_workers(text: str, min_workers: int | None = None) -> tuple[int | None, int]:
+    """``(MIN, MAX)`` of ``--workers``: ``"4"`` is a fixed size (MIN ``min_workers``, None
+    unless given apart), ``"2:6"`` elastic."""
+    low, sep, high = str(text).strip().partition(":")
+    try:
+        if sep:
+            return int(low), int(high)
+        return min_workers, int(low)
+    except ValueError:
+        raise ConfigurationError(f"--workers takes a number of workers P or MIN:MAX (such as 2:8), got {text!r}") from None
 
 
 def _opt(help: str, *, choices: tuple[str, ...] | None = None, metavar: str | None = None) -> dict:
@@ -55,7 +70,22 @@ class ServerConfig:
 
     host: str = field(default="127.0.0.1", metadata=_opt("address to listen on (0.0.0.0 for every interface)"))
     port: int = field(default=DEFAULT_PORT, metadata=_opt("TCP port; 0 picks a free one and prints it"))
-    workers: int = field(default=1, metadata=_opt("number of workers P; training starts when all have joined"))
+    workers: int = field(
+        default=1,
+        metadata=_opt("number of workers P, training starting when all have joined; or MIN:MAX, elastic: training "
+                      "starts when MIN have joined, others may join up to MAX and leave while MIN remain",
+                      metavar="P|MIN:MAX"),
+    )
+    min_workers: int | None = field(
+        default=None,
+        metadata=_opt("elastic: training starts when this many have joined and holds while fewer are live "
+                      "(--workers MIN:MAX sets it; default: --workers, a fixed size)", metavar="MIN"),
+    )
+    quorum_timeout: float = field(
+        default=300.0,
+        metadata=_opt("elastic: seconds training may hold below MIN live workers before the server checkpoints "
+                      "(with --checkpoint-dir) and goes on waiting", metavar="SECONDS"),
+    )
     shard: int = field(default=0, metadata=_opt("this server's shard I (0..K-1) of --shards K", metavar="I"))
     shards: int = field(
         default=1,
@@ -207,7 +237,25 @@ class ServerConfig:
     log_level: str = field(default="info", metadata=_opt("logging level", choices=LOG_LEVELS))
 
     def __post_init__(self) -> None:
+        if isinstance(self.workers, str):  # "N" or "MIN:MAX" (aps.Server(workers="2:8"), $APS_WORKERS)
+            self.min_workers, self.workers = parse_workers(self.workers, self.min_workers)
+        elif isinstance(self.workers, tuple):
+            self.min_workers, self.workers = self.workers
         self.validate()
+
+    @property
+    def elastic(self) -> bool:
+        """Workers may join and leave while training runs (``--workers MIN:MAX``, MIN < MAX)."""
+        return self.min_workers is not None and self.min_workers < self.workers
+
+    @property
+    def quorum(self) -> int:
+        """MIN: the live workers training needs to start and to go on."""
+        return self.workers if self.min_workers is None else self.min_workers
+
+    def describe_workers(self) -> str:
+        """``4`` or ``2:6``, as --workers takes it."""
+        return f"{self.min_workers}:{self.workers}" if self.elastic else str(self.workers)
 
     def validate(self) -> None:
         """Raise ConfigurationError if an option is out of range."""
@@ -220,6 +268,12 @@ class ServerConfig:
             raise ConfigurationError(f"--port {self.port} is out of range 0..65535")
         if self.workers < 1:
             raise ConfigurationError(f"--workers must be at least 1, got {self.workers}")
+        if self.workers > MAX_WORKERS:
+            raise ConfigurationError(f"--workers must be at most {MAX_WORKERS}, got {self.workers}")
+        if self.min_workers is not None and not 1 <= self.min_workers <= self.workers:
+            raise ConfigurationError(f"--workers MIN:MAX needs 1 <= MIN <= MAX, got {self.min_workers}:{self.workers}")
+        if not self.quorum_timeout > 0:
+            raise ConfigurationError(f"--quorum-timeout must be > 0 seconds, got {self.quorum_timeout}")
         if self.shards < 1:
             raise ConfigurationError(f"--shards must be at least 1, got {self.shards}")
         if not 0 <= self.shard < self.shards:
@@ -243,15 +297,16 @@ class ServerConfig:
         if self.softsync_n is not None:
             if self.sync != "softsync":
                 raise ConfigurationError("--softsync-n applies to --sync softsync only")
-            if not 1 <= self.softsync_n <= self.workers:
-                raise ConfigurationError(f"--softsync-n must be in 1..{self.workers}, got {self.softsync_n}")
+            if not 1 <= self.softsync_n <= self.quorum:
+                raise ConfigurationError(f"--softsync-n must be in 1..{self.quorum}"
+                                         + (" (MIN of --workers)" if self.elastic else "") + f", got {self.softsync_n}")
         if self.lr_staleness not in LR_STALENESS_CHOICES:
             raise ConfigurationError(f"unknown --lr-staleness {self.lr_staleness!r}")
         if self.async_scale not in ASYNC_SCALE_CHOICES:
             raise ConfigurationError(f"unknown --async-scale {self.async_scale!r}")
-        if not 0 <= self.backup_workers < self.workers:
+        if not 0 <= self.backup_workers < self.quorum:
             raise ConfigurationError(
-                f"backup workers must be in 0..{self.workers - 1} for {self.workers} workers, got {self.backup_workers}"
+                f"backup workers must be in 0..{self.quorum - 1} for {self.quorum} workers, got {self.backup_workers}"
             )
         if self.backup_workers and self.sync != "bsp":
             raise ConfigurationError("--backup-workers applies to --sync bsp only")

@@ -24,7 +24,7 @@ import os
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any, NoReturn
 
-from ..config import RESUME_LATEST, ServerConfig, env_name
+from ..config import RESUME_LATEST, ServerConfig, env_name, parse_workers
 from ..errors import ConfigurationError
 from ..lab.settings import (  # noqa: F401  (the commands and bench/ import them from here)
     SETTING_FORM,
@@ -256,6 +256,7 @@ def _parse_bool(text: str) -> bool:
 
 
 _CONVERTERS: dict[str, Callable[[str], Any]] = {
+    "workers": lambda text: parse_workers(text) if ":" in text else _parse_int(text),
     "betas": _parse_betas, "max_frame_bytes": parse_size, "stream_min_bytes": parse_size,
     "table_memory": parse_size,
 }
@@ -352,6 +353,8 @@ def given_options(args: argparse.Namespace | None = None, environ: Mapping[str, 
         if choices and value not in choices:
             raise ConfigurationError(f"{env_name(f.name)}={raw!r}: choose from {', '.join(choices)}")
         values[f.name] = value
+    if isinstance(values.get("workers"), tuple):  # --workers MIN:MAX
+        values["min_workers"], values["workers"] = values["workers"]
     return values
 
 

@@ -139,6 +139,10 @@ class AsyncWorker(_Workers):
         self._closing = True
         await asyncio.gather(*(channel.close() for channel in self._channels), return_exceptions=True)
 
+    async def leave(self) -> None:
+        """See :meth:`aps.Worker.leave`."""
+        await self.close()
+
     async def __aenter__(self) -> AsyncWorker:
         return self
 

@@ -38,12 +38,17 @@ def _names_shards(address: Any) -> bool:
     return isinstance(address, str) and "," in address
 
 
-def _from_env(address: str | None, rank: int | None, num_workers: int | None) -> tuple[str, int, int]:
-    """Fill in what was not given from ``APS_ADDRESS``, ``RANK`` and ``WORLD_SIZE``."""
+def _from_env(address: str | None, rank: int | None,
+              num_workers: int | None) -> tuple[str, int | None, int | None]:
+    """Fill in what was not given from ``APS_ADDRESS``, ``RANK`` and ``WORLD_SIZE``: without
+    ``$RANK`` the server assigns a free rank, without ``$WORLD_SIZE`` the worker takes its count."""
     values = []
     for given, variable, convert in ((address, "APS_ADDRESS", str), (rank, "RANK", int), (num_workers, "WORLD_SIZE", int)):
         if given is None:
             raw = os.environ.get(variable)
+            if raw is None and variable != "APS_ADDRESS":
+                values.append(None)
+                continue
             if raw is None:
                 raise ConfigurationError(f"no {variable.lower().replace('aps_', '')} given and ${variable} is not set")
             try:

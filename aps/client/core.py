@@ -43,7 +43,9 @@ from ..wire.protocol import (
     Op,
     decode_error,
     decode_join_progress,
+    decode_seated,
     decode_slot,
+    ANY_RANK,
     encode_init,
     pack_header,
 )
@@ -65,6 +67,7 @@ _REPLY = int(Op.REPLY)
 _INIT_REPLY = int(Op.INIT_REPLY)
 _JOIN_PROGRESS = int(Op.JOIN_PROGRESS)
 _ALIVE = int(Op.ALIVE)
+_SEATED = int(Op.SEATED)
 _DROPPED = int(Flag.DROPPED)
 _RUNNING = int(Flag.RUNNING)
 _FLOAT32 = int(DType.FLOAT32)
@@ -98,15 +101,23 @@ def _compression(compression: str | None, compress_pulls: bool) -> int:
 class _ClientCore:
     """Requests and replies of one worker, without I/O (see the module docstring)."""
 
-    def __init__(self, rank: int, num_workers: int) -> None:
-        if not isinstance(rank, (int, np.integer)) or not isinstance(num_workers, (int, np.integer)):
-            raise ConfigurationError("rank and num_workers must be integers")
-        if num_workers < 1:
+    def __init__(self, rank: int | None, num_workers: int | None) -> None:
+        if not isinstance(rank, (int, np.integer, type(None))) or not isinstance(num_workers,
+                                                                                 (int, np.integer, type(None))):
+            raise ConfigurationError("rank and num_workers must be integers (or None: the server's)")
+        if num_workers is not None and num_workers < 1:
             raise ConfigurationError(f"num_workers must be at least 1, got {num_workers}")
-        if not 0 <= rank < num_workers:
-            raise ConfigurationError(f"rank {rank} is out of range 0..{num_workers - 1}")
-        self.rank = int(rank)
-        self.num_workers = int(num_workers)
+        if rank is not None and not 0 <= rank < (num_workers or ANY_RANK):
+            raise ConfigurationError(f"rank {rank} is out of range 0..{(num_workers or ANY_RANK) - 1}")
+        #: This worker's rank: None until the server seats a worker that asked for any (rank=None).
+        self.rank = None if rank is None else int(rank)
+        #: The worker count it said it is one of (None: whatever the server runs).
+        self.given_workers = None if num_workers is None else int(num_workers)
+        #: The server's MIN and MAX workers (from its SEATED notice; None before the first INIT),
+        #: and the workers live at the server when it last answered a call (0: not said yet).
+        self.min_workers: int | None = None
+        self.max_workers: int | None = None
+        self.live = 0
         self.layout: Layout | None = None
         self.flat_weights: np.ndarray | None = None
         self.flat_grad: np.ndarray | None = None
@@ -172,6 +183,17 @@ class _ClientCore:
         self._dense_part: memoryview | None = None  # a reply with rows: where its dense part went
 
     @property
+    def num_workers(self) -> int | None:
+        """The workers of the run: for an elastic server (``--workers MIN:MAX``), those live
+        when it last answered a call; else its fixed count. Before the first INIT, the count
+        this worker was given (None: none)."""
+        if self.max_workers is None:
+            return self.given_workers
+        if self.min_workers < self.max_workers:
+            return self.live or self.min_workers
+        return self.max_workers
+
+    @property
     def compressing(self) -> bool:
         """Gradients go narrowed: compression is on and the transport is TCP (shared
         memory moves no bytes a narrower type would save)."""
@@ -224,7 +246,8 @@ class _ClientCore:
                                          "init with other tables than before")
             self._set_layout(layout)
             self.layout.flatten_into(params, self.flat_weights)
-            self._init_block = encode_init(self.rank, self.num_workers, self.layout)
+            self._init_block = encode_init(ANY_RANK if self.rank is None else self.rank, self.given_workers or 0,
+                                           self.layout)
         elif self.layout is None:
             raise NotInitialized("no model to join with: call init(params) first")
         block = self._init_block
@@ -232,7 +255,7 @@ class _ClientCore:
         if self.shm is not None:
             self._fds = (self.shm.grad_segment.fd,)
         # The header's version field carries the layout block's length (docs/protocol.md, INIT).
-        flags = Flag.REJOIN if rejoin and self.ever_joined else 0
+        flags = (Flag.REJOIN if rejoin and self.ever_joined else 0) | Flag.SEAT
         header = pack_header(Op.INIT, flags, _FLOAT32, self._next_request(Op.INIT), self.clock, len(block),
                              len(block) + self.layout.nbytes)
         self._reply_dtype = _FLOAT32
@@ -487,6 +510,10 @@ class _ClientCore:
             if header.length:
                 raise MalformedFrame(f"ALIVE notice with a {header.length}-byte payload")
             return None
+        if header.op == _SEATED:
+            if header.length > 64:
+                raise MalformedFrame(f"SEATED notice of {header.length} bytes")
+            return memoryview(bytearray(header.length))
         if header.op == _ERROR or header.op == _JOIN_PROGRESS:
             if header.length > _MAX_ERROR_PAYLOAD:
                 raise MalformedFrame(f"error frame of {header.length} bytes")
@@ -570,6 +597,15 @@ class _ClientCore:
             return
         if header.op == _ALIVE:  # its bytes have reset the receive's silence timer: nothing else to do
             return
+        if header.op == _SEATED:  # the INIT_REPLY follows: the rank seated under, the server's MIN:MAX
+            if header.request_id == self._request_id and self._expect == _INIT_REPLY:
+                rank, self.min_workers, self.max_workers = decode_seated(payload)
+                if self.rank is not None and rank != self.rank:
+                    raise ProtocolError(f"the server seated rank {rank}; this worker asked for rank {self.rank}")
+                if self.rank is None:  # (asked for any rank: a rejoin asks for this one)
+                    self.rank = rank
+                    self._init_block = encode_init(rank, self.given_workers or 0, self.layout)
+            return
         if header.op != _ERROR or header.request_id != 0:
             if header.request_id != self._request_id:
                 raise ProtocolError(f"reply to request {header.request_id}, expected {self._request_id}")
@@ -636,6 +672,8 @@ class _ClientCore:
             self.joined_running = bool(header.flags & _RUNNING)
         if op in _COUNTED_REPLIES:
             self.clock = header.clock
+            if header.live:
+                self.live = header.live
             if op in _WEIGHT_REPLIES and (header.dtype != _NONE or self._rows is None or self._rows.versioned):
                 # the version of the weights this worker holds
                 # (a reply of rows alone too: the rows are of that version, and BSP's round rule needs it;

@@ -92,14 +92,29 @@ class _Workers:
         return tuple(self._channels)
 
     @property
-    def rank(self) -> int:
-        """This worker's rank, ``0 <= rank < num_workers``."""
+    def rank(self) -> int | None:
+        """This worker's rank, ``0 <= rank < MAX``: the one it was given, or the one the server
+        assigned it at :meth:`init` (None before, when it asked for any: ``rank=None`` without ``$RANK``)."""
         return self._channels[0].rank
 
     @property
-    def num_workers(self) -> int:
-        """The number of workers P the server expects."""
+    def num_workers(self) -> int | None:
+        """The workers of the run: the server's fixed ``--workers P``, or for an elastic server
+        (``--workers MIN:MAX``) the workers live when it last answered this worker (it changes
+        as workers join and leave). Before :meth:`init`, the count given (None: none)."""
         return self._channels[0].num_workers
+
+    @property
+    def elastic(self) -> bool:
+        """The server runs ``--workers MIN:MAX``: workers may join and leave (known after :meth:`init`)."""
+        core = self._channels[0]._core
+        return core.max_workers is not None and core.min_workers < core.max_workers
+
+    @property
+    def workers_range(self) -> tuple[int, int] | None:
+        """The server's ``(MIN, MAX)`` workers (equal for a fixed size); None before :meth:`init`."""
+        core = self._channels[0]._core
+        return None if core.max_workers is None else (core.min_workers, core.max_workers)
 
     @property
     def address(self) -> str:
@@ -247,7 +262,20 @@ class _Workers:
     # Verbs: each once, as steps ----------------------------------------------
     def _init(self, params: Mapping[str, Any], timeout: float | None, tables: Mapping[str, Table] | None) -> Steps:
         pieces = [params] if self._one else self._adopt_layout(params, tables)
-        yield from self._each(lambda index, channel, turn: channel._init(pieces[index], timeout, tables))
+        first, seated = self._channels[0], False
+        if not self._one and first.rank is None:
+            # Asked for any rank: the first shard picks one, and the others seat this worker under it.
+            yield from first._init(pieces[0], timeout, tables)
+            for channel in self._channels[1:]:
+                channel._core.rank = first.rank
+            seated = True
+
+        def init(index: int, channel, turn) -> Steps:
+            if index == 0 and seated:
+                return first._core.weights
+            return (yield from channel._init(pieces[index], timeout, tables))
+
+        yield from self._each(init)
         if not self._one:
             # A shard may have come back meanwhile (init reconnects): check again; then the run
             # id of every shard, for every shard to keep (its checkpoints keep them), so that
@@ -530,9 +558,11 @@ class Worker(_Workers):
             across them (``aps serve --shard I --shards K``, see
             :mod:`aps.client.shards`): the same worker, over one channel per
             server (:attr:`shards`).
-        rank: this worker's rank, ``0 <= rank < num_workers`` (default: ``$RANK``).
+        rank: this worker's rank, ``0 <= rank < num_workers`` (default: ``$RANK``;
+            without it, the server assigns a free rank at :meth:`init`).
         num_workers: the number of workers P, which must equal the server's
-            ``--workers`` (default: ``$WORLD_SIZE``).
+            ``--workers`` (an elastic server's ``MIN:MAX`` takes any count up to MAX;
+            default: ``$WORLD_SIZE``; without it, the server's count).
         transport: ``"auto"`` (shared memory when co-located, when available;
             TCP otherwise) or ``"tcp"``.
         connect_timeout: seconds to wait for the server at the first
@@ -890,6 +920,12 @@ class Worker(_Workers):
             channel.close()
         if self._pool is not None:
             self._pool.shutdown()
+
+    def leave(self) -> None:
+        """Leave the run for good: the server stops counting this worker at once (an elastic
+        run goes on with the others; a BSP round no longer waits for it) and this worker
+        disconnects. The same as :meth:`close`."""
+        self.close()
 
     def __enter__(self) -> Worker:
         return self

@@ -30,26 +30,24 @@ from .. import _core
 from ..config import ServerConfig
 from ..errors import (
     InternalServerError,
-    InvalidState,
     LayoutMismatch,
     MalformedFrame,
     NonFiniteGradient,
     NotInitialized,
     OutOfOrder,
-    PayloadSizeMismatch,
     RankOutOfRange,
     RankTaken,
     ServerError,
-    WeightsRefused,
     WorkerCountMismatch,
 )
 from .durable import Durable
 from .lane import CallJob, Offload, UpdateLane
-from .jobs.state import LoadStateJob, LoadWeightsJob, ReadStateJob, StateCopies, StateCopy
+from .jobs.state import StateCopies
+from .loads import Loads
 from .jobs.updates import Aggregate, AggregateJob, PushJob, StreamingPush
 from ..layout import Layout
 from .optim import HyperGroups, make_optimizer
-from ..wire.protocol import HyperGroup, StateHead
+from ..wire.protocol import ANY_RANK, HyperGroup
 from .members import Member, PushResult, ReadyCallback, Seat
 from .stats import EngineView, RankView, ServerStats, TableView
 from .sync import RESUMED, STALE, Outcome, Plan, PlanKind, make_policy
@@ -65,7 +63,7 @@ log = logging.getLogger("aps.server")
 ErrorCallback = Callable[[ServerError], None]
 
 
-class Engine(Durable):
+class Engine(Durable, Loads):
     """The server's state machine (see the module docstring).
 
     Args:
@@ -92,7 +90,15 @@ class Engine(Durable):
         allocate: Callable[[int], object] | None = None,
     ) -> None:
         self.config = config
+        #: The ranks there are (MAX of an elastic ``--workers MIN:MAX``) and the live workers
+        #: training needs to start and to go on (MIN; all of them for a fixed size).
         self.num_workers = config.workers
+        self.quorum = config.quorum
+        #: Called with True when training holds because fewer than MIN workers are live
+        #: (elastic), with False when enough are back (the server keeps a deadline).
+        self.on_quorum: Callable[[bool], None] | None = None
+        #: Training holds: an elastic run has fewer than MIN live workers.
+        self.below_quorum = False
         self.policy = make_policy(config, window_type or kernels.StalenessWindow)
         self.table: ParameterTable | None = None
         self.layout: Layout | None = None
@@ -132,6 +138,7 @@ class Engine(Durable):
         #: The checkpoint this engine resumed from (its path), if any.
         self.resumed_from: str | None = None
         self._seats: dict[int, Seat] = {}
+        self._left = 0  # leaves so far: each seat notes when its worker left (assign_rank)
         # Where each rank that was live in the checkpoint goes when it reconnects (resume).
         self._placements: dict[int, tuple[int, bool, int]] = {}
         # The ranks that must be back before training starts again (None: all of them).
@@ -229,7 +236,7 @@ class Engine(Durable):
             live=window.num_live, started=self.started, version=self.version, pushes=self.pushes,
             dropped=policy.dropped, dropped_stale=policy.dropped_stale, run_id=self.run_id,
             resumed_from=self.resumed_from, parameters=self.layout.numel if self.layout is not None else 0,
-            ranks=tuple(ranks),
+            ranks=tuple(ranks), min_workers=self.quorum,
             tables=tuple(TableView(name=name, dim=rows.table.dim, optimizer=rows.table.optimizer, rows=len(rows),
                                    nbytes=rows.nbytes, rows_pulled=rows.rows_pulled, rows_pushed=rows.rows_pushed,
                                    rows_evicted=rows.rows_evicted) for name, rows in self.rows.items()),
@@ -238,11 +245,19 @@ class Engine(Durable):
     def join_progress(self) -> tuple[int, int, list[int]]:
         """Before training starts: how many of the workers it waits for have joined, how
         many it waits for, and the ranks still missing. A run resumed from a checkpoint
-        waits for the ranks that were live in it; a new run, for all of them."""
+        waits for the ranks that were live in it; a new run, for all of them; an elastic
+        run, for any MIN workers (no rank is missing then)."""
         joined = {rank for rank, member in self.members.items() if member.joined}
+        if self.config.elastic:
+            return min(len(joined), self.quorum), self.quorum, []
         wanted = range(self.num_workers) if self._start_ranks is None else sorted(self._start_ranks)
         missing = [rank for rank in wanted if rank not in joined]
         return len(wanted) - len(missing), len(wanted), missing
+
+    def _may_start(self) -> bool:
+        if self.config.elastic:
+            return sum(member.joined for member in self.members.values()) >= self.quorum
+        return not self.join_progress()[2]
 
     def waiting_to_start(self, member: Member) -> bool:
         """True while ``member`` has joined and its INIT waits for the others."""
@@ -253,18 +268,40 @@ class Engine(Durable):
         """Raise the ServerError a join of ``rank`` would meet (worker count, rank, a
         rank taken, a layout other than the model's or the one being registered);
         linear in the layout's size. Transports call it before they read a
-        joining worker's values."""
-        if num_workers != self.num_workers:
+        joining worker's values. ``rank`` ANY_RANK asks for a free rank (see
+        :meth:`assign_rank`); ``num_workers`` 0 takes the server's count; an elastic
+        server takes any count up to MAX (a launcher's world size of the moment)."""
+        if num_workers != 0 and (not 1 <= num_workers <= self.num_workers if self.config.elastic
+                                 else num_workers != self.num_workers):
             raise WorkerCountMismatch(
-                f"the worker says num_workers={num_workers}, but this server runs --workers {self.num_workers}"
+                f"the worker says num_workers={num_workers}, but this server runs --workers "
+                f"{self.config.describe_workers()}"
             )
-        if not 0 <= rank < self.num_workers:
+        if rank == ANY_RANK:
+            self.assign_rank()  # (raises when every rank is taken)
+        elif not 0 <= rank < self.num_workers:
             raise RankOutOfRange(f"rank {rank} is out of range 0..{self.num_workers - 1}")
-        if rank in self.members:
+        elif rank in self.members:
             raise RankTaken(f"rank {rank} is already connected")
         expected = self.layout if self.layout is not None else self._registering_layout
         if layout is not None and expected is not None:
             _check_model(expected, layout)
+
+    def assign_rank(self) -> int:
+        """A free rank for a worker that asks for any (``rank=None``): one never seated first,
+        then the one that left longest ago; a rank a resumed run waits for is given last
+        (its worker may still come back). Raises RankTaken when all are connected."""
+        free = [rank for rank in range(self.num_workers) if rank not in self.members]
+        if not free:
+            raise RankTaken(f"every rank 0..{self.num_workers - 1} is connected: this server runs --workers "
+                            f"{self.config.describe_workers()}")
+        seats, placements = self._seats, self._placements
+
+        def order(rank: int) -> tuple[bool, int, int]:
+            seat = seats.get(rank)
+            return rank in placements, -1 if seat is None else seat.left, rank
+
+        return min(free, key=order)
 
     def claim_registration(self, layout: Layout, owner: object) -> bool:
         """True when ``owner`` is to provide the initial weights: no model exists and
@@ -309,6 +346,8 @@ class Engine(Durable):
         ``rejoin``: the worker reconnects after losing its connection, and goes
         on from the clock it had (not the slowest worker's), which it says in ``clock`` (see :meth:`_place`).
         """
+        if rank == ANY_RANK:
+            rank, rejoin = self.assign_rank(), False
         self.check_join(rank, num_workers)
         if rejoin and clock > MAX_CLOCK:  # (the window's int64 arithmetic stays far from overflow)
             raise MalformedFrame(f"the rejoining INIT says clock {clock}; a clock is at most 2**53")
@@ -371,17 +410,25 @@ class Engine(Durable):
         log.info("worker %d %s at clock %d (%d/%d live)", member.rank, event, clock, self.policy.num_live,
                  self.num_workers)
         self.stats.membership(member.rank, event, clock, self.policy.num_live)
-        self._wait(member, on_ready, gate=False)
-        if not self.started and not self.join_progress()[2]:
+        # A worker joining a BSP round that is under way waits for it to close (its first
+        # weights are the round's update): the policy holds it, and so does its INIT.
+        self._wait(member, on_ready, gate=self.started and self.policy.is_held(member.rank))
+        if not self.started and self._may_start():
             self.started = True
             self.policy.resuming = False
             self.stats.training_started = self._now()
             self.stats.start_version = self.version
             if self.resumed_from is None:
-                log.info("all %d workers joined: training starts", self.num_workers)
+                if self.config.elastic:
+                    log.info("%d workers joined (--workers %s): training starts", self.policy.num_live,
+                             self.config.describe_workers())
+                else:
+                    log.info("all %d workers joined: training starts", self.num_workers)
             else:
                 log.info("%d workers back: training goes on from version %d", self.policy.num_live, self.version)
             self._serve_waiting()
+        elif self.started:
+            self._check_quorum()
         elif not self.started and self.on_membership_change is not None:
             self.on_membership_change()
         if self._parked:  # the model is in: the joins that waited for it go on
@@ -412,12 +459,33 @@ class Engine(Durable):
         if self.resumed_from is not None and not self.started:
             # Resuming, before everyone is back: it returns to where the checkpoint had it.
             self._placements[rank] = (seat.clock, seat.held, seat.credit)
+        seat.left = self._left = self._left + 1
         outcome = self.policy.leave(member.rank)
         log.info("worker %d %s (%d/%d live)", member.rank, how, self.policy.num_live, self.num_workers)
         self.stats.membership(rank, how, seat.clock, self.policy.num_live)
         if not self.started and self.on_membership_change is not None:
             self.on_membership_change()
+        if self.started:
+            self._check_quorum()
         self._after(outcome)
+
+    def _check_quorum(self) -> None:
+        """An elastic run holds every worker at the gate while fewer than MIN are live
+        (docs/algorithms.md, "Elastic membership"), and goes on when enough are back."""
+        below = self.config.elastic and self.policy.num_live < self.quorum
+        if below == self.below_quorum:
+            return
+        self.below_quorum = below
+        if below:
+            log.warning("only %d workers live, fewer than MIN=%d: training holds (every pull waits) until %d more "
+                        "join", self.policy.num_live, self.quorum, self.quorum - self.policy.num_live)
+        else:
+            log.info("%d workers live again (MIN=%d): training goes on", self.policy.num_live, self.quorum)
+        self.stats.quorum(below)
+        if self.on_quorum is not None:
+            self.on_quorum(below)
+        if not below:
+            self._serve_waiting()
 
     def _place(self, member: Member) -> int:
         """Seat ``member`` in the policy; returns its clock. A worker that reconnects
@@ -629,136 +697,6 @@ class Engine(Durable):
             self.table.optimizer.allocate_for(checked)  # momentum asked of a server started without
             member.hyper = checked
 
-    # Optimizer state (docs/protocol.md, STATE and LOAD_STATE) ---------------
-    def read_optimizer_state(self, member: Member, done: Callable[[StateCopy], None],
-                             failed: ErrorCallback) -> None:
-        """Copy the optimizer's state between two updates (a job of the update lane, see
-        :mod:`aps.server.jobs.state`) and call ``done`` with it: its step count, the weights version it
-        belongs to, and every array of ``state_arrays()`` in one buffer of its own.
-
-        Raises:
-            NotInitialized: ``member`` has not joined.
-        """
-        if not member.joined or self.table is None:
-            raise NotInitialized("STATE before a successful INIT")
-        self._lane.submit(ReadStateJob(self, member, done, failed))
-
-    def check_state(self, head: StateHead) -> bool:
-        """Whether the state ``head`` describes can be loaded now: False when it is to be
-        loaded, True when it was loaded into this run already (same digest: a no-op).
-
-        Raises:
-            NotInitialized: there is no model yet.
-            MalformedFrame: ``head`` carries no digest.
-            InvalidState: another optimizer, other arrays (or in another order), arrays
-                not of the model's size, or another state when this run has applied
-                updates (or loaded one with steps) already. Nothing changed.
-        """
-        table = self.table
-        if table is None:
-            raise NotInitialized("LOAD_STATE before a successful INIT")
-        optimizer = table.optimizer
-        if head.digest is None:
-            raise MalformedFrame("a LOAD_STATE carries the state's digest")
-        if head.optimizer != optimizer.name:
-            raise InvalidState(f"the state is {head.optimizer}'s; this server runs {optimizer.name}")
-        own = list(optimizer.loadable_state(head.arrays))
-        if list(head.arrays) != own:
-            extra = " (sgd keeps none without --momentum)" if optimizer.name == "sgd" and not own else ""
-            raise InvalidState(f"the {optimizer.name} state holds the arrays {own}{extra}, in that order; the state "
-                               f"to load holds {list(head.arrays)}")
-        if head.numel != optimizer.numel:
-            raise InvalidState(f"the state's arrays have {head.numel} elements each; the model has "
-                               f"{optimizer.numel}" + (" on this shard" if self.config.shards > 1 else ""))
-        if head.digest == self.loaded_state:
-            return True
-        if table.version == 0 and optimizer.steps == 0:
-            return False
-        if table.version == 0:
-            raise InvalidState(f"another optimizer state ({optimizer.steps} steps) was loaded into this run already: "
-                               "optimizer state can only be loaded into a run that has not started (loading the "
-                               "same state again is allowed)")
-        raise InvalidState(f"the server has applied {table.version} updates: optimizer state can only be loaded into "
-                           "a run that has not started (loading the same state again is allowed)")
-
-    def load_optimizer_state(self, member: Member, head: StateHead, arrays: dict[str, list[np.ndarray]],
-                             done: Callable[[bool], None], failed: ErrorCallback) -> None:
-        """Load a state into the optimizer between two updates (a job of the update lane, see
-        :mod:`aps.server.jobs.state`), once everything is checked again at its turn: ``done(True)``
-        when loaded, ``done(False)`` when the same state was loaded already, ``failed``
-        with the refusal (nothing changed). ``arrays``: each of ``head.arrays`` as a list
-        of consecutive flat float32 pieces.
-
-        Raises:
-            NotInitialized: ``member`` has not joined.
-        """
-        if not member.joined or self.table is None:
-            raise NotInitialized("LOAD_STATE before a successful INIT")
-        self._lane.submit(LoadStateJob(self, head, arrays, done, failed))
-
-    # Weights (docs/protocol.md, LOAD_WEIGHTS) ---------------------------------
-    def check_weights(self, digest: bytes, numel: int, version: int) -> bool:
-        """Whether weights of ``digest`` can be loaded now, sent by a worker that holds the
-        weights of ``version``: False when they are to be loaded, True when they were loaded
-        into this run already and the worker holds version 0 (a no-op: every rank of a job
-        may load the same checkpoint).
-
-        Raises:
-            NotInitialized: there is no model yet.
-            PayloadSizeMismatch: ``numel`` is not the model's (this shard's) size.
-            WeightsRefused: other weights were loaded already, or the server has taken a
-                gradient (computed on the weights it holds) or applied an update. Nothing changed.
-        """
-        table = self.table
-        if table is None:
-            raise NotInitialized("LOAD_WEIGHTS before a successful INIT")
-        if numel != table.numel:
-            raise PayloadSizeMismatch(f"LOAD_WEIGHTS of {numel} weights; the model has {table.numel}"
-                                      + (" on this shard" if self.config.shards > 1 else ""))
-        how = ("load them (model.load_state_dict) on every rank before its first step(), or resume the server "
-               "from its own checkpoint (aps serve --resume)")
-        if digest == self.loaded_weights and version == 0:
-            return True
-        if table.version > 0 or self.pushes > 0:
-            taken = (f"applied {table.version} updates" if table.version > 0
-                     else f"taken {self.pushes} gradients computed on its initial weights")
-            raise WeightsRefused(f"the server has {taken}: weights can only be loaded before the first update; "
-                                 f"{how}")
-        if self.loaded_weights is not None:
-            raise WeightsRefused("other weights were loaded into this run already (digest "
-                                 f"{self.loaded_weights.hex()}): every rank must load the same weights (the same "
-                                 "checkpoint)")
-        return False
-
-    def load_weights(self, member: Member, digest: bytes, values: np.ndarray, version: int,
-                     done: Callable[[bool], None], failed: ErrorCallback) -> None:
-        """Make ``values`` the server's weights between two updates (a job of the update lane,
-        see :mod:`aps.server.jobs.state`), once everything is checked again at its turn (see
-        :meth:`check_weights`; the digest, every value finite): ``done(True)`` when loaded,
-        ``done(False)`` when the same weights were loaded already, ``failed`` with the
-        refusal (nothing changed).
-
-        Raises:
-            NotInitialized: ``member`` has not joined.
-        """
-        if not member.joined or self.table is None:
-            raise NotInitialized("LOAD_WEIGHTS before a successful INIT")
-        self._lane.submit(LoadWeightsJob(self, digest, values, version, done, failed))
-
-    def weights_loaded(self, digest: bytes, slot) -> None:
-        """Weights were written into ``slot`` (by a LoadWeightsJob): they are the current
-        ones, still version 0."""
-        self.table.replace(slot)
-        self.loaded_weights = digest
-        self._narrowed.clear()  # narrowed copies of the weights they replace
-        log.info("weights loaded: the run starts from them (digest %s)", digest.hex())
-
-    def state_loaded(self, head: StateHead) -> None:
-        """A state was loaded (by a LoadStateJob): remember its digest."""
-        self.loaded_state = head.digest
-        self.state_generation += 1
-        log.info("optimizer state loaded: %s, %d steps (digest %s)", head.optimizer, head.steps, head.digest.hex())
-
     @staticmethod
     def _gradient_clock(member: Member, clock: int | None) -> int:
         """The iteration a push was computed in, for the policy's bound: on a connection that
@@ -890,7 +828,7 @@ class Engine(Durable):
         if (
             not self.started
             or member.waiter is None
-            or (member.gate and self.policy.is_held(member.rank))
+            or (member.gate and (self.below_quorum or self.policy.is_held(member.rank)))
             or self.table.version < member.required_version
         ):
             return False

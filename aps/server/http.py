@@ -134,8 +134,12 @@ class StatsCollector:
                                   value=counters.get("updates", 0))
         yield GaugeMetricFamily("aps_server_start_time_seconds", "When this server process started (Unix time): "
                                 "its counters count from then.", value=counters.get("since_unix", 0.0))
-        yield GaugeMetricFamily("aps_workers", "Workers the server was started for (--workers).",
+        yield GaugeMetricFamily("aps_workers", "Workers the server was started for (--workers; MAX of MIN:MAX).",
                                 value=server["workers"])
+        yield GaugeMetricFamily("aps_workers_min", "Live workers training needs (MIN of --workers MIN:MAX; "
+                                "--workers for a fixed size).", value=server.get("min_workers", server["workers"]))
+        yield GaugeMetricFamily("aps_quorum_held", "1 while an elastic run holds with fewer than MIN workers live.",
+                                value=float(server.get("quorum_held_s") is not None))
         yield GaugeMetricFamily("aps_shard", "This server's shard of the model (--shard; 0 when unsharded).",
                                 value=server.get("shard", 0))
         yield GaugeMetricFamily("aps_shards", "Shards the model is cut into (--shards).",

@@ -49,9 +49,10 @@ class Seat:
     its clock when it last left, and its last committed push, by which a push sent
     again after a lost reply is recognised (docs/protocol.md, "Duplicates")."""
 
-    __slots__ = ("clock", "held", "credit", "push_id", "push_clock", "result")
+    __slots__ = ("clock", "held", "credit", "push_id", "push_clock", "result", "left")
 
     def __init__(self) -> None:
+        self.left = -1  # when its worker last left, counted in leaves (not kept in checkpoints)
         self.clock = -1
         self.held = False  # held at the gate when it left
         self.credit = 0  # DSSP iterations it had been granted and not used

@@ -108,6 +108,7 @@ class Server:
         self._stopping: asyncio.Event | None = None
         self._watchdog: asyncio.Task | None = None
         self._progress: asyncio.Task | None = None
+        self._quorum_deadline: asyncio.TimerHandle | None = None  # (elastic: see _quorum_changed)
         self._unix: UnixListener | None = None
         self._port: int | None = None
         self._rewinding: tuple[int, str] | None = None  # (version, path): what a REWIND restarts this process from
@@ -165,6 +166,7 @@ class Server:
         shared = config.unix_socket != "none" and shm_available()
         allocate = (lambda numel: Segment.create(numel, "aps-slot", shared_read_only=True)) if shared else None
         self.engine = Engine(config, offload=self._offload, allocate=allocate)
+        self.engine.on_quorum = self._quorum_changed
         try:
             if checkpoint is not None:
                 self.engine.restore(checkpoint)
@@ -468,11 +470,43 @@ class Server:
         except RuntimeError:  # the loop closed meanwhile
             pass
 
+    def _quorum_changed(self, below: bool) -> None:
+        """An elastic run went below MIN live workers (training holds: after --quorum-timeout
+        seconds, the server checkpoints and goes on waiting) or back to MIN."""
+        deadline, self._quorum_deadline = self._quorum_deadline, None
+        if deadline is not None:
+            deadline.cancel()
+        if below:
+            self._quorum_deadline = self._loop.call_later(self.config.quorum_timeout, self._quorum_expired)
+
+    def _quorum_expired(self) -> None:
+        self._quorum_deadline = None
+        engine, timeout = self.engine, self.config.quorum_timeout
+        if not engine.below_quorum:
+            return
+        if engine.request_checkpoint is None:
+            log.warning("training has held for %.0f s with %d of MIN=%d workers live; no --checkpoint-dir, so no "
+                        "checkpoint: still waiting", timeout, engine.policy.num_live, engine.quorum)
+            return
+        log.warning("training has held for %.0f s with %d of MIN=%d workers live: checkpointing, then still waiting",
+                    timeout, engine.policy.num_live, engine.quorum)
+
+        def written(future) -> None:
+            exc = future.exception()
+            if exc is not None:
+                log.error("the checkpoint taken while training holds failed: %s", exc)
+            else:
+                log.warning("checkpoint %s written at version %d while training holds; waiting for workers",
+                            future.result()["path"], future.result()["version"])
+
+        engine.request_checkpoint("quorum").add_done_callback(written)
+
     async def close(self) -> None:
         """Stop listening, tell every connection and close it, stop the helper thread."""
-        for task in (self._watchdog, self._progress):
+        for task in (self._watchdog, self._progress, self._quorum_deadline):
             if task is not None:
                 task.cancel()
+        self._quorum_deadline = None
         if self.http is not None:
             await self.http.close()
         self._watchdog = self._progress = None

@@ -42,6 +42,7 @@ from ..wire.protocol import (
     NONCE_BYTES,
     MAX_LAYOUT_BYTES,
     REQUEST_OPS,
+    ANY_RANK,
     DType,
     Flag,
     Header,
@@ -50,6 +51,7 @@ from ..wire.protocol import (
     WEIGHTS_DIGEST_BYTES,
     decode_hyper,
     encode_error,
+    encode_seated,
     is_known_op,
     pack_header,
 )
@@ -179,6 +181,7 @@ class ServerSession(Handshake, RowRequests):
         self._rows_request = False  # the request being served carries rows (its reply does too)
         self._dense_reply = True  # its reply carries the dense weights
         self._init_rank = -1
+        self._seat_notice = False  # the INIT asked for a SEATED notice before its reply
         self._intake: InitIntake | None = None  # the INIT being read
         self._state_intake: StateIntake | WeightsIntake | None = None  # the LOAD_STATE (LOAD_WEIGHTS) being read
         self._bad_in_row = 0  # refused frames since the last request that was answered
@@ -636,17 +639,22 @@ class ServerSession(Handshake, RowRequests):
         intake = self._intake
         try:
             request = intake.check(self.engine, header.length)  # checked already, unless there were no values
-            self._init_rank = request.rank
+            if request.rank == ANY_RANK and not header.flags & Flag.SEAT:
+                raise MalformedFrame("an INIT asking for any rank must ask for its seat (Flag.SEAT): it would not "
+                                     "learn its rank")
+            self._seat_notice = bool(header.flags & Flag.SEAT)
+            rank = self.engine.assign_rank() if request.rank == ANY_RANK else request.rank
+            self._init_rank = rank
             values, intake.values = intake.values, None  # the engine's now: not kept here while INIT waits
             member = self.engine.join(
-                request.rank,
+                rank,
                 request.num_workers,
                 request.layout,
                 values,
                 self._send_init_reply,
                 self._init_failed,
                 grad=self._gradient_buffer(request),
-                rejoin=bool(header.flags & Flag.REJOIN),
+                rejoin=bool(header.flags & Flag.REJOIN) and rank == request.rank,
                 clock=header.clock,
             )
         except BaseException:
@@ -789,8 +797,11 @@ class ServerSession(Handshake, RowRequests):
 
     def _send_init_reply(self, snap: Snapshot, clock: int) -> None:
         # The reply may come before engine.join() returns: find the member by rank.
-        member = self.engine.members.get(self._init_rank)
+        engine = self.engine
+        member = engine.members.get(self._init_rank)
         self._intake = None
+        if self._seat_notice:
+            self._notice(Op.SEATED, encode_seated(self._init_rank, engine.quorum, engine.num_workers))
         self._reply_weights(Op.INIT_REPLY, snap, clock, Flag.RUNNING if member and member.joined_running else 0)
 
     def _send_pull_reply(self, snap: Snapshot, clock: int) -> None:
@@ -819,7 +830,8 @@ class ServerSession(Handshake, RowRequests):
 
     def _reply(self, op: int, *, clock: int = 0, version: int = 0, flags: int = 0, payload: bytes = b"") -> None:
         if self._can_write() and not self._silenced:
-            frame = pack_header(op, flags, 0, self._rid, clock, version, len(payload)) + payload
+            frame = pack_header(op, flags, 0, self._rid, clock, version, len(payload), self.engine.policy.num_live)
+            frame += payload
             self._traffic.bytes_out += len(frame)
             self._write(frame)
         self._done()

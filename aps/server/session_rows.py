@@ -113,7 +113,8 @@ class RowRequests:
         snap.release()
         if self._can_write() and not self._silenced:
             length = sum(len(part) for part in rows)
-            header = pack_header(op, flags | _ROWS, _NONE, self._rid, clock, version, length)
+            header = pack_header(op, flags | _ROWS, _NONE, self._rid, clock, version, length,
+                                 self.engine.policy.num_live)
             self._traffic.bytes_out += len(header) + length
             self._write_parts((header, *rows), fds)
         self._done()

@@ -328,7 +328,8 @@ class ShmSession(ServerSession):
         self._sent_slots.difference_update(dropped)
         fresh = segment.id not in self._sent_slots
         payload = encode_slot(segment.id, segment.nbytes, fresh, dropped) + b"".join(rows)  # (rows: a reference)
-        frame = pack_header(op, flags | _SHM, DType.FLOAT32, self._rid, clock, snap.version, len(payload)) + payload
+        frame = pack_header(op, flags | _SHM, DType.FLOAT32, self._rid, clock, snap.version, len(payload),
+                            self.engine.policy.num_live) + payload
         # The frame crosses the socket; the weights are copied out of the slot.
         self._traffic.bytes_out += HEADER_SIZE + len(payload) + segment.nbytes
         # The slot stays leased to this worker until its next request, which is

@@ -115,6 +115,8 @@ class EngineView:
     ranks: tuple[RankView, ...]
     #: The model's embedding tables, in their declared order (none: a model without tables).
     tables: tuple[TableView, ...] = ()
+    #: MIN of an elastic run (``workers`` is MAX); equal to ``workers`` for a fixed size.
+    min_workers: int = 0
 
 
 #: The keys of each group in a worker's ``hyperparameters`` (HyperGroup's fields).
@@ -245,6 +247,9 @@ class ServerStats:
         #: Every membership event since the server started, by kind.
         self.event_counts = dict.fromkeys(MEMBERSHIP_EVENTS, 0)
         self._event_seq = 0
+        #: Since when training holds for want of MIN live workers (None: it does not), and how often it has.
+        self.quorum_since: float | None = None
+        self.quorum_holds = 0
         #: Handshakes: failed (any reason), AUTH attempts held back for their turn, and
         #: refused outright (their address failed too often); see aps.server.admission.AuthThrottle.
         self.auth = {"failures": 0, "throttled": 0, "refused": 0}
@@ -287,6 +292,14 @@ class ServerStats:
         self.event_counts[event] += 1
         self.events.append({"seq": self._event_seq, "t": time.time(), "rank": rank, "event": event,
                             "clock": clock, "live": live})
+
+    def quorum(self, below: bool) -> None:
+        """An elastic run went below MIN live workers (training holds) or back to MIN."""
+        if below:
+            self.quorum_since = self._now()
+            self.quorum_holds += 1
+        else:
+            self.quorum_since = None
 
     def events_after(self, seq: int) -> list[dict]:
         """The kept membership events newer than ``seq`` (0: all kept), oldest first."""
@@ -379,7 +392,12 @@ class ServerStats:
                 "sync": engine.sync,
                 "optimizer": engine.optimizer,
                 "workers": engine.workers,
+                "min_workers": engine.min_workers or engine.workers,
                 "live": engine.live,
+                # an elastic run with fewer than min_workers live holds every pull (since when, on
+                # this process's monotonic clock: None when it does not hold)
+                "quorum_held_s": None if self.quorum_since is None else self._now() - self.quorum_since,
+                "quorum_holds": self.quorum_holds,
                 "started": engine.started,
                 "uptime_s": self._now() - self.created,
                 "version": version,

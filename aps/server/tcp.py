@@ -132,7 +132,8 @@ class TcpSession(ServerSession, asyncio.BufferedProtocol):
             data = memoryview(self.engine.narrowed_weights(snap, dtype)).cast("B")  # its own copy: no lease
             snap.release()
         extra = sum(len(part) for part in rows)
-        header = pack_header(op, flags, dtype, self._rid, clock, snap.version, len(data) + extra)
+        header = pack_header(op, flags, dtype, self._rid, clock, snap.version, len(data) + extra,
+                             self.engine.policy.num_live)
         self._traffic.bytes_out += HEADER_SIZE + len(data) + extra
         if self._vectored:
             transport.writelines((header, data, *rows))

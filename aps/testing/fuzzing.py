@@ -40,7 +40,7 @@ from aps.wire.protocol import (
 )
 
 N = 64  # the legitimate model: 64 floats
-_HEADER = struct.Struct("<IHBBB3xIQQQ")
+_HEADER = struct.Struct("<IHBBB3xIQQQ")  # (the live count of replies read as reserved)
 _LENGTHS = (0, 1, 8, 39, 40, 4 * N, 4 * N + 1, 1 << 16, (1 << 20) + 3, 1 << 32, (1 << 63) - 1)
 
 

@@ -185,10 +185,18 @@ def _places(places: tuple, address: str | None, rank: int | None, num_workers: i
     return (given.get("address", address), given.get("rank", rank), given.get("num_workers", num_workers), lr)
 
 
+_LR_SCALES = (None, "linear", "sqrt")
+
+
 def _check_alone(worker: Worker) -> None:
     """Neither RANK nor WORLD_SIZE set and none given: a single process is rank 0 of 1,
     provided the server expects one worker (else the server would wait for others forever)."""
-    expected = (worker.server_options or {}).get("workers")
+    options = worker.server_options or {}
+    expected, low = options.get("workers"), options.get("min_workers")
+    if low is not None and expected is not None and low < expected:
+        log.info("neither RANK nor WORLD_SIZE is set: the elastic server (--workers %d:%d) assigns this process a "
+                 "rank", low, expected)
+        return
     if expected is not None and expected != 1:
         raise ConfigurationError(
             f"neither RANK nor WORLD_SIZE is set and no rank= or num_workers= given, and the server at "
@@ -292,6 +300,11 @@ class Optimizer(torch.optim.Optimizer):
             :class:`aps.Worker`).
         compress_pulls: with ``compression``, receive the weights as 16-bit
             values too (see :class:`aps.Worker`).
+        scale_lr: on an elastic server (``--workers MIN:MAX``), follow the live
+            workers ``P`` with the learning rate: ``"linear"`` applies ``lr * P / MIN``,
+            ``"sqrt"`` ``lr * sqrt(P / MIN)`` (the groups' ``lr`` is for MIN workers and
+            stays as given; :attr:`lr_scale` is the factor of the last step); None
+            (default) keeps it. A fixed-size server's factor is always 1.
 
     ``param_groups`` and ``defaults`` are torch's, with the keys of the
     server's optimizer (SGD: ``lr``, ``momentum``, ``dampening``,
@@ -359,8 +372,14 @@ class Optimizer(torch.optim.Optimizer):
         reconnect_timeout: float | None = DEFAULT_RECONNECT_TIMEOUT,
         compression: str | None = None,
         compress_pulls: bool = False,
+        scale_lr: str | None = None,
     ) -> None:
         address, rank, num_workers, lr = _places(places, address, rank, num_workers, lr)
+        if scale_lr not in _LR_SCALES:
+            raise ConfigurationError(f"scale_lr is 'linear', 'sqrt' or None, not {scale_lr!r}")
+        self.scale_lr = scale_lr
+        #: The factor the learning rates were sent with at the last step (see ``scale_lr``).
+        self.lr_scale = 1.0
         if model is None and isinstance(params, torch.nn.Module):
             model = params
         groups = _split_groups(params)
@@ -417,8 +436,7 @@ class Optimizer(torch.optim.Optimizer):
         own_worker = worker is None
         alone = worker is None and rank is None and num_workers is None and \
             "RANK" not in os.environ and "WORLD_SIZE" not in os.environ
-        self.worker = worker or Worker(address, 0 if alone else rank, 1 if alone else num_workers,
-                                       transport=transport, token=token,
+        self.worker = worker or Worker(address, rank, num_workers, transport=transport, token=token,
                                        reconnect=reconnect, reconnect_timeout=reconnect_timeout,
                                        compression=compression, compress_pulls=compress_pulls)
         try:
@@ -867,6 +885,10 @@ class Optimizer(torch.optim.Optimizer):
                     "gradient: the server's model was laid out at init without it. Make the optimizer after "
                     "unfreezing (an lr of 0 keeps a group still until you raise it)")
         values = self._group_values()
+        scale = self._lr_factor()
+        if scale != 1.0:
+            values = [(lr * scale, *rest) for lr, *rest in values]
+        self.lr_scale = scale
         if values == self._sent:
             return
         groups, start = [], 0
@@ -877,6 +899,13 @@ class Optimizer(torch.optim.Optimizer):
             start = stop
         self.worker.set_hyperparameters(groups)
         self._sent = values
+
+    def _lr_factor(self) -> float:
+        """``scale_lr``'s factor for the workers live now (1 on a fixed-size server)."""
+        if self.scale_lr is None or not self.worker.elastic:
+            return 1.0
+        ratio = self.worker.num_workers / self.worker.workers_range[0]
+        return ratio if self.scale_lr == "linear" else math.sqrt(ratio)
 
     def _unscale(self, grad_scale: torch.Tensor) -> None:
         """Divide the gradients by GradScaler's scale, in their own dtype, as its ``unscale_`` does."""

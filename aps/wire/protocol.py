@@ -58,6 +58,9 @@ __all__ = [
     "decode_init",
     "decode_layout_block",
     "decode_join_progress",
+    "ANY_RANK",
+    "decode_seated",
+    "encode_seated",
     "encode_auth_reply",
     "encode_error",
     "decode_hello",
@@ -80,9 +83,9 @@ __all__ = [
 MAGIC = 0x31535041  # b"APS1" read as a little-endian uint32
 PROTOCOL_VERSION = 1
 
-# magic u32, protocol version u16, op u8, flags u8, dtype u8, 3 reserved bytes,
-# request id u32, clock u64, version u64, payload length u64.
-_HEADER = struct.Struct("<IHBBB3xIQQQ")
+# magic u32, protocol version u16, op u8, flags u8, dtype u8, live u16 (replies; 0 in
+# requests), 1 reserved byte, request id u32, clock u64, version u64, payload length u64.
+_HEADER = struct.Struct("<IHBBBHxIQQQ")
 HEADER_SIZE = _HEADER.size
 assert HEADER_SIZE == 40
 
@@ -127,6 +130,11 @@ class Op(IntEnum):
     LOAD_STATE_REPLY = 0x8E
     LOAD_WEIGHTS_REPLY = 0x8F
     REWIND_REPLY = 0x90
+    #: Not a reply: a notice the server sends just before an INIT_REPLY (same request id) to an
+    #: INIT that asked for it (Flag.SEAT):
+    #: the rank the worker was seated under (it may have asked for ANY_RANK) and the
+    #: server's MIN and MAX workers (equal for a fixed size). Payload: u32 rank, min, max.
+    SEATED = 0xFC
     #: Not a reply: a notice the server sends while it holds a request (a pull
     #: at the gate, a push in the lane) to say it is alive; no payload.
     ALIVE = 0xFD
@@ -179,6 +187,9 @@ class Flag(IntFlag):
     #: embedding tables (aps.wire.rows; docs/protocol.md, "Rows"). A request's dtype then
     #: names its dense part, NONE for none: a push of rows alone, a pull of rows alone.
     ROWS = 64
+    #: INIT: send a SEATED notice before the INIT_REPLY (the rank seated under, the server's
+    #: MIN and MAX workers). aps.Worker always asks; it must when it asks for ANY_RANK.
+    SEAT = 128
 
 
 class DType(IntEnum):
@@ -211,7 +222,8 @@ _NUMPY_DTYPES = {
 
 
 class Header(NamedTuple):
-    """A decoded frame header."""
+    """A decoded frame header. ``live``: in a reply to INIT, PULL, PUSH or PUSH_PULL, the
+    workers live at the server when it answered (0: not said)."""
 
     op: int
     flags: int
@@ -220,6 +232,7 @@ class Header(NamedTuple):
     clock: int
     version: int
     length: int
+    live: int = 0
 
 
 def pack_header(
@@ -230,9 +243,10 @@ def pack_header(
     clock: int = 0,
     version: int = 0,
     length: int = 0,
+    live: int = 0,
 ) -> bytes:
     """The 40 header bytes of a frame (hot paths pass the fields positionally)."""
-    return _HEADER.pack(MAGIC, PROTOCOL_VERSION, op, flags, dtype, request_id, clock, version, length)
+    return _HEADER.pack(MAGIC, PROTOCOL_VERSION, op, flags, dtype, live, request_id, clock, version, length)
 
 
 def unpack_header(data, max_payload: int | None = None) -> Header:
@@ -245,12 +259,12 @@ def unpack_header(data, max_payload: int | None = None) -> Header:
     An unknown op code is not an error here: the frame is intact and can be
     skipped; the receiver decides (see :func:`is_known_op`).
     """
-    magic, version, op, flags, dtype, request_id, clock, weights_version, length = _HEADER.unpack_from(data)
+    magic, version, op, flags, dtype, live, request_id, clock, weights_version, length = _HEADER.unpack_from(data)
     if magic != MAGIC:
         raise BadMagic(_bad_magic(magic))
     if version != PROTOCOL_VERSION:
         raise UnsupportedVersion(f"protocol version {version} is not supported (this side speaks {PROTOCOL_VERSION})")
-    header = Header(op, flags, dtype, request_id, clock, weights_version, length)
+    header = Header(op, flags, dtype, request_id, clock, weights_version, length, live)
     if max_payload is not None and length > max_payload:
         raise FrameTooLarge(f"frame payload of {length} bytes is over the limit of {max_payload} bytes")
     return header
@@ -525,6 +539,25 @@ def decode_slot(payload) -> tuple[int, int, bool, list[int]]:
 
 # JOIN_PROGRESS payload: u32 workers joined, u32 workers expected, u32 n,
 # then n u32 ranks that have not joined (the lowest, at most _MAX_MISSING).
+#: INIT's rank field asking the server for a free rank (``aps.Worker(rank=None)`` without $RANK).
+ANY_RANK = 0xFFFFFFFF
+_SEATED = struct.Struct("<III")
+
+
+def encode_seated(rank: int, min_workers: int, max_workers: int) -> bytes:
+    return _SEATED.pack(rank, min_workers, max_workers)
+
+
+def decode_seated(payload) -> tuple[int, int, int]:
+    """``(rank, min_workers, max_workers)`` of a SEATED notice."""
+    if len(payload) != _SEATED.size:
+        raise MalformedFrame(f"a SEATED notice carries {_SEATED.size} bytes, got {len(payload)}")
+    rank, low, high = _SEATED.unpack_from(payload)
+    if not 1 <= low <= high or rank >= high:
+        raise MalformedFrame(f"a SEATED notice says rank {rank} of {low}:{high} workers")
+    return rank, low, high
+
+
 _PROGRESS = struct.Struct("<III")
 _MAX_MISSING = 1024
 

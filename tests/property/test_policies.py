@@ -60,8 +60,16 @@ ranks = st.integers(0, 3)
 
 
 class PolicyMachine(RuleBasedStateMachine):
-    @initialize(config=configs)
-    def setup(self, config):
+    @initialize(config=configs, spare=st.integers(0, 3))
+    def setup(self, config, spare):
+        """``spare`` > 0: elastic, ``--workers MIN:P`` with ``MIN = P - spare`` (at least 1)."""
+        if spare and config["workers"] > 1:
+            low = max(1, config["workers"] - spare)
+            config = {**config, "min_workers": low}
+            if "backup_workers" in config:
+                config["backup_workers"] = min(config["backup_workers"], low - 1)
+            if "softsync_n" in config:
+                config["softsync_n"] = min(config["softsync_n"], low)
         self.config = config
         self.P = config["workers"]
         self.sync = config["sync"]
@@ -191,6 +199,8 @@ class PolicyMachine(RuleBasedStateMachine):
             return
         self.both("pull", rank)
         self.pulled[rank] = True
+        if self.native.engine.below_quorum:  # elastic, fewer than MIN live: every pull waits
+            assert self.native.workers[rank].waiting
 
     @rule(rank=ranks)
     def leave(self, rank):
@@ -284,6 +294,10 @@ class PolicyMachine(RuleBasedStateMachine):
         if not h.engine.started:
             return
         live = [r for r in range(self.P) if h.live(r)]
+        quorum = h.engine.config.quorum
+        assert h.engine.below_quorum == (len(live) < quorum and h.engine.config.elastic)
+        if h.engine.below_quorum:
+            return  # every pull waits for MIN workers (checked in pull)
         for r in live:
             if h.workers[r].waiting:
                 assert h.held(r), f"rank {r} waits but the policy does not hold it"

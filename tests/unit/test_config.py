@@ -53,6 +53,8 @@ EXAMPLES = {
     "host": ("0.0.0.0", "0.0.0.0", {"APS_INSECURE": "1"}),
     "port": ("0", 0, {}),
     "workers": ("3", 3, {}),
+    "min_workers": ("2", 2, {"APS_WORKERS": "4"}),
+    "quorum_timeout": ("30", 30.0, {}),
     "shard": ("1", 1, {"APS_SHARDS": "2"}),
     "shards": ("2", 2, {}),
     "sync": ("asp", "asp", {}),
@@ -132,3 +134,29 @@ def test_validation(options):
 def test_options_that_are_not_numbers_are_refused(option, value):
     with pytest.raises(ConfigurationError, match=f"--{option.replace('_', '-')} must be a finite number"):
         ServerConfig(**{option: value})
+
+
+@pytest.mark.parametrize("given", [["--workers", "2:6"], ["--min-workers", "2", "--workers", "6"]])
+def test_workers_min_max_is_elastic(given):
+    config = parse(given, {})
+    assert (config.min_workers, config.workers, config.quorum, config.elastic) == (2, 6, 2, True)
+    assert config.describe_workers() == "2:6"
+    assert parse([], {"APS_WORKERS": "2:6"}).min_workers == 2
+    assert ServerConfig(workers="3:5").quorum == 3
+    fixed = parse(["--workers", "4"], {})
+    assert (fixed.min_workers, fixed.quorum, fixed.elastic, fixed.describe_workers()) == (None, 4, False, "4")
+    assert not ServerConfig(workers="4:4").elastic  # MIN == MAX is a fixed size
+
+
+@pytest.mark.parametrize("workers", ["6:2", "0:4", "a:b", "2:", "2:70000"])
+def test_bad_workers_ranges_are_refused(workers):
+    with pytest.raises(ConfigurationError, match="workers"):
+        ServerConfig(workers=workers)
+
+
+def test_an_elastic_run_bounds_backups_and_softsync_by_min():
+    ServerConfig(workers="2:8", sync="softsync", softsync_n=2)
+    with pytest.raises(ConfigurationError, match="MIN"):
+        ServerConfig(workers="2:8", sync="softsync", softsync_n=3)
+    with pytest.raises(ConfigurationError, match="backup"):
+        ServerConfig(workers="2:8", backup_workers=2)

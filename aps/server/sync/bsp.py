@@ -13,9 +13,12 @@ class BSP(SyncPolicy):
     """One update per round with the mean of the round's gradients (docs/algorithms.md, BSP).
 
     A round is identified by the server version its gradients were computed
-    on. A worker that pushed into the open round is held until the round
-    closes: when every live worker has pushed into it, or, with ``k`` backup
-    workers, when ``max(1, P - k)`` live workers have. The round's gradients
+    on. Its members are the workers live when its first gradient arrives. A
+    worker that pushed into the open round is held until the round closes:
+    when every member still live has pushed into it, or, with ``k`` backup
+    workers, when ``max(1, P - k)`` of them have (``P`` the members still live).
+    A worker that joins after the round's first gradient is held until it
+    closes and takes part in the next one (docs/algorithms.md, "Elastic membership"). The round's gradients
     (including any from workers that pushed and then left) are summed in the
     aggregate buffer and applied as one update with their mean; each rank
     contributes at most one gradient per round. A gradient computed on an
@@ -36,6 +39,7 @@ class BSP(SyncPolicy):
         self._pushed: set[int] = set()  # the live ones among them
         self._closed = False  # the round closed; its update is pending
         self._held: set[int] = set()
+        self._members: set[int] = set()  # the open round's members: live at its first gradient
         # Restored from a checkpoint: ranks whose gradient is in the open round and that had not
         # left; they count as present (and held) again once they reconnect.
         self._restored_present: set[int] = set()
@@ -62,6 +66,9 @@ class BSP(SyncPolicy):
                 self._held.add(rank)
                 return self._maybe_close()
             return Outcome([rank])
+        if not self._contributed:  # the round's first gradient: its members are the live workers now
+            window = self.window
+            self._members = {r for r in range(self.num_workers) if window.is_live(r)}
         self._contributed.add(rank)
         self._pushed.add(rank)
         self._held.add(rank)
@@ -92,6 +99,7 @@ class BSP(SyncPolicy):
         self._contributed = {int(r) for r in state["contributed"] if int(r) in ranks}
         self._restored_present = {int(r) for r in state["pushed"] if int(r) in placements}
         self._pushed, self._held, self._closed = set(), set(), False
+        self._members = set(placements) if self._contributed else set()  # (the workers live in the checkpoint)
         # BSP holds at its own gate (the window is unbounded): the placement's flag says so.
         held = {int(r) for r in state["round_held"]}
         return {rank: (clock, rank in held, credit) for rank, (clock, _, credit) in placements.items()}
@@ -107,7 +115,7 @@ class BSP(SyncPolicy):
         dropped = set(self._contributed)
         out = {rank: ((clock - 1, False, credit) if rank in dropped else (clock, held, credit))
                for rank, (clock, held, credit) in placements.items()}
-        self._contributed, self._restored_present = set(), set()
+        self._contributed, self._restored_present, self._members = set(), set(), set()
         return out, dropped
 
     def join(self, rank: int, clock: int = -1, held: bool = False, credit: int = 0) -> int:
@@ -117,17 +125,25 @@ class BSP(SyncPolicy):
             self._pushed.add(rank)
             if held:
                 self._held.add(rank)
+        elif self._contributed and rank not in self._members and not self.resuming:
+            # A round is under way without it: it waits for that round's update, and joins the next.
+            self._held.add(rank)
         return self.window.join(rank, clock, False, credit)
 
     def aggregate_applied(self) -> None:
         self._closed = False
         self._contributed.clear()
         self._pushed.clear()
+        self._members.clear()
 
     def _maybe_close(self) -> Outcome:
         if self._closed or not self._contributed or self.resuming:
             return Outcome()
-        if len(self._pushed) < max(1, self.window.num_live - self.backup):
+        window = self.window
+        live = sum(1 for rank in self._members if window.is_live(rank))
+        if live == 0 and window.num_live == 0:
+            return Outcome()  # nobody is left to wait for it: it stays open for those who come back
+        if live and len(self._pushed & self._members) < max(1, live - self.backup):
             return Outcome()
         self._closed = True
         released = sorted(self._held)

@@ -15,7 +15,8 @@ class Softsync(SyncPolicy):
     Gradients from any workers are added to the aggregate buffer, each scaled
     by ``alpha(tau) / lr`` with ``tau`` its staleness in versions; once the
     buffer holds ``c = max(1, floor(P / n))`` of them (``P`` the live
-    workers), one update applies their mean:
+    workers, but no more than were live at the aggregate's first gradient: a worker
+    that joins meanwhile counts from the next one), one update applies their mean:
     ``w <- w - (1/c) * sum_l alpha(tau_l) * g_l``. There is no barrier:
     pulls are answered at once, unless ``--staleness`` adds an SSP bound.
     ``n = 1`` collects ``P`` gradients per update; ``n = P`` applies each alone.
@@ -29,11 +30,16 @@ class Softsync(SyncPolicy):
         self.n = config.softsync_n or 1
         self._count = 0  # gradients in the aggregate
         self._closing = False  # an aggregate update is pending
+        self._started_live = 0  # the live workers at the aggregate's first gradient (0: it is empty)
 
     @property
     def group_size(self) -> int:
-        """``c``: gradients per update, for the live workers now."""
-        return max(1, self.window.num_live // self.n)
+        """``c``: gradients per update, for the live workers now, but no more than were live
+        at the aggregate's first gradient (joins count from the next aggregate)."""
+        live = self.window.num_live
+        if self._started_live:
+            live = min(live, self._started_live)
+        return max(1, live // self.n)
 
     def plan(self, rank: int, grad_version: int, version: int, clock: int = -1) -> Plan:
         newer = self._newer(grad_version, version)
@@ -51,6 +57,8 @@ class Softsync(SyncPolicy):
         if plan.kind is PlanKind.DROP:
             self._count_drop(plan)
         else:
+            if self._count == 0:
+                self._started_live = self.window.num_live
             self._count += 1
         return self._maybe_apply(released)
 
@@ -60,16 +68,18 @@ class Softsync(SyncPolicy):
     def state(self) -> dict:
         if self._closing:
             raise RuntimeError("softsync state taken while an update is pending")
-        return {**super().state(), "count": self._count}
+        return {**super().state(), "count": self._count, "started_live": self._started_live}
 
     def restore(self, state: dict) -> dict[int, tuple[int, bool, int]]:
         placements = super().restore(state)
         self._count = int(state["count"])
+        self._started_live = int(state.get("started_live", 0)) if self._count else 0
         self._closing = False
         return placements
 
     def aggregate_applied(self) -> None:
         self._count = 0
+        self._started_live = 0
         self._closing = False
 
     def _maybe_apply(self, released: list[int]) -> Outcome:
