@@ -114,6 +114,10 @@ class AsyncWorker(_Workers):
         """See :meth:`aps.Worker.ping`."""
         return await arun(self._ping())
 
+    async def claim(self, name: str, count: int = 1) -> int:
+        """See :meth:`aps.Worker.claim`."""
+        return await arun(self._claim(name, count))
+
     async def set_hyperparameters(self, groups: Sequence[Mapping[str, float]]) -> None:
         """See :meth:`aps.Worker.set_hyperparameters`."""
         await arun(self._set_hyperparameters(groups))

@@ -46,6 +46,8 @@ from ..wire.protocol import (
     decode_seated,
     decode_slot,
     ANY_RANK,
+    MAX_COUNTER,
+    MAX_COUNTER_NAME,
     encode_init,
     pack_header,
 )
@@ -442,6 +444,16 @@ class _ClientCore:
         if payload is None:
             raise ProtocolError("a STATE reply without its payload")
         return state_from_reply(payload, header.version)
+
+    def claim_request(self, name: str, count: int) -> list:
+        """CLAIM: add ``count`` to the run's counter ``name``; the reply's version is its value before."""
+        raw = name.encode("utf-8")
+        if not 0 < len(raw) <= MAX_COUNTER_NAME:
+            raise ConfigurationError(f"a counter's name is 1 to {MAX_COUNTER_NAME} UTF-8 bytes, got {len(raw)}")
+        if not isinstance(count, (int, np.integer)) or not 0 <= count <= MAX_COUNTER:
+            raise ConfigurationError(f"a claim adds 0 to 2**53, not {count!r}")
+        header = pack_header(Op.CLAIM, 0, 0, self._next_request(Op.CLAIM), self.clock, int(count), len(raw))
+        return [header, raw]
 
     def shards_request(self, runs: list[str]) -> list:
         """SHARDS: the run id of every shard of the model, for this one to keep."""

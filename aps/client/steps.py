@@ -239,6 +239,10 @@ class _ChannelSteps:
             raise NotInitialized("call init(params) before set_hyperparameters")
         return encode_hyper(resolve_hyperparameters(groups, layout.numel, server_hyperparameters(self.server_info)))
 
+    def _claim(self, name: str, count: int) -> Steps:
+        """The run's counter ``name`` before ``count`` was added (CLAIM)."""
+        return (yield from self._call("claim", lambda: self._core.claim_request(name, count))).version
+
     def _record_shard_runs(self, runs: list[str]) -> Steps:
         """Tell this shard's server the run id of every shard (see aps.client.shards)."""
         yield from self._call("shards", lambda: self._core.shards_request(runs))

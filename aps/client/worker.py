@@ -377,6 +377,10 @@ class _Workers:
     def _ping(self) -> Steps:
         return min((yield from self._each(lambda index, channel, turn: channel._ping())))
 
+    def _claim(self, name: str, count: int) -> Steps:
+        self._require_layout("claim")
+        return (yield from self._channels[0]._claim(name, count))  # (a sharded run's counters: shard 0's)
+
     def _set_hyperparameters(self, groups: Sequence[Mapping[str, float]]) -> Steps:
         if self._one:
             payloads = [(self._channels[0]._hyper_payload(groups), None)]
@@ -768,6 +772,20 @@ class Worker(_Workers):
     def ping(self) -> int:
         """One empty round trip; returns the server's version (sharded: the smallest)."""
         return run(self._ping())
+
+    def claim(self, name: str, count: int = 1) -> int:
+        """Add ``count`` to the run's counter ``name`` (made at 0 by the first claim) and return
+        its value before: an atomic fetch-and-add on the server, so each value is handed out
+        once across every worker, those that join later included; 0 reads it. Counters are
+        kept in checkpoints (a resumed run goes on from the checkpoint's values) and live on
+        shard 0 of a sharded model. :class:`aps.torch.ElasticSampler` claims the chunks of an
+        epoch with it.
+
+        Raises:
+            ConfigurationError: a name of more than 256 UTF-8 bytes, a count over 2**53.
+            MalformedFrame: the run has 4,096 counters already, or the value would pass 2**53.
+        """
+        return run(self._claim(name, count))
 
     def set_hyperparameters(self, groups: Sequence[Mapping[str, float]]) -> None:
         """Set the optimizer values the server applies this worker's following pushes with,

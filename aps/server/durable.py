@@ -45,6 +45,7 @@ class Durable:
             "run_id": self.run_id,
             "shard_runs": self.shard_runs,
             "version": table.version,
+            **({"claims": dict(self.counters)} if self.counters else {}),
             "pushes": self.pushes,
             "layout": layout_json(layout),
             "config": {name: getattr(config, name) for name in RUN_OPTIONS},
@@ -123,6 +124,7 @@ class Durable:
             self.run_id = str(manifest["run_id"])
             runs = manifest.get("shard_runs")
             self.shard_runs = [str(r) for r in runs] if isinstance(runs, list) else None
+            self.counters = {str(name): int(value) for name, value in manifest.get("claims", {}).items()}
         except (KeyError, ValueError, TypeError, IndexError, InvalidIds) as exc:
             if self.table is not None:
                 self.table.close()

@@ -47,7 +47,7 @@ from .loads import Loads
 from .jobs.updates import Aggregate, AggregateJob, PushJob, StreamingPush
 from ..layout import Layout
 from .optim import HyperGroups, make_optimizer
-from ..wire.protocol import ANY_RANK, HyperGroup
+from ..wire.protocol import ANY_RANK, MAX_COUNTER, MAX_COUNTER_NAME, MAX_COUNTERS, HyperGroup
 from .members import Member, PushResult, ReadyCallback, Seat
 from .stats import EngineView, RankView, ServerStats, TableView
 from .sync import RESUMED, STALE, Outcome, Plan, PlanKind, make_policy
@@ -139,6 +139,8 @@ class Engine(Durable, Loads):
         self.resumed_from: str | None = None
         self._seats: dict[int, Seat] = {}
         self._left = 0  # leaves so far: each seat notes when its worker left (assign_rank)
+        #: The run's counters (CLAIM): name -> value, kept in checkpoints.
+        self.counters: dict[str, int] = {}
         # Where each rank that was live in the checkpoint goes when it reconnects (resume).
         self._placements: dict[int, tuple[int, bool, int]] = {}
         # The ranks that must be back before training starts again (None: all of them).
@@ -302,6 +304,24 @@ class Engine(Durable, Loads):
             return rank in placements, -1 if seat is None else seat.left, rank
 
         return min(free, key=order)
+
+    def claim(self, name: str, count: int) -> int:
+        """Add ``count`` to the counter ``name`` (made at 0); returns its value before: each
+        value is handed out once, whoever asks (docs/protocol.md, CLAIM).
+
+        Raises:
+            MalformedFrame: a name that is empty or too long, more counters than a run keeps,
+                or a value over 2**53 (nothing changed)."""
+        if not 0 < len(name.encode("utf-8")) <= MAX_COUNTER_NAME:
+            raise MalformedFrame(f"a counter's name is 1 to {MAX_COUNTER_NAME} UTF-8 bytes")
+        value = self.counters.get(name)
+        if value is None and len(self.counters) >= MAX_COUNTERS:
+            raise MalformedFrame(f"this run keeps {MAX_COUNTERS} counters already: name no new one")
+        value = value or 0
+        if value + count > MAX_COUNTER:
+            raise MalformedFrame(f"counter {name!r} at {value} cannot take {count} more (2**53 at most)")
+        self.counters[name] = value + count
+        return value
 
     def claim_registration(self, layout: Layout, owner: object) -> bool:
         """True when ``owner`` is to provide the initial weights: no model exists and

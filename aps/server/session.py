@@ -41,6 +41,7 @@ from ..wire.protocol import (
     MAX_HYPER_GROUPS,
     NONCE_BYTES,
     MAX_LAYOUT_BYTES,
+    MAX_COUNTER_NAME,
     REQUEST_OPS,
     ANY_RANK,
     DType,
@@ -491,6 +492,10 @@ class ServerSession(Handshake, RowRequests):
                     raise PayloadSizeMismatch(f"LOAD_WEIGHTS payload of {length} bytes; {what} take {expected}")
                 self._state_intake = WeightsIntake(numel)
                 dest = self._state_intake.digest
+            elif op == Op.CLAIM:
+                if length > MAX_COUNTER_NAME:
+                    raise MalformedFrame(f"a counter's name is {MAX_COUNTER_NAME} bytes at most, got {length}")
+                dest = memoryview(bytearray(length)) if length else None
             elif op == Op.SHARDS:
                 if length > MAX_SHARDS_BYTES:
                     raise MalformedFrame(f"SHARDS carries {MAX_SHARDS_BYTES} bytes at most, got {length}")
@@ -733,6 +738,14 @@ class ServerSession(Handshake, RowRequests):
         self.engine.record_shard_runs(runs)
         self._reply(Op.SHARDS_REPLY)
 
+    def _on_claim(self, header: Header, payload: memoryview, stream) -> None:
+        self._require_member()
+        try:
+            name = bytes(payload).decode("utf-8")
+        except UnicodeDecodeError:
+            raise MalformedFrame("a counter's name is UTF-8") from None
+        self._reply(Op.CLAIM_REPLY, version=self.engine.claim(name, header.version))
+
     def _on_hyper(self, header: Header, payload: memoryview, stream) -> None:
         self.engine.set_hyperparameters(self._require_member(), decode_hyper(payload),
                                         check_only=bool(header.flags & Flag.CHECK))
@@ -956,6 +969,7 @@ _HANDLERS = {
     Op.LOAD_STATE: ServerSession._on_load_state,
     Op.LOAD_WEIGHTS: ServerSession._on_load_weights,
     Op.REWIND: ServerSession._on_rewind,
+    Op.CLAIM: ServerSession._on_claim,
 }
 
 

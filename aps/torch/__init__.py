@@ -54,8 +54,9 @@ from ..client.steps import DEFAULT_RECONNECT_TIMEOUT
 from ..client.channel import run
 from ..client.worker import Worker
 from .embedding import Embedding, EmbeddingBag, bind_tables, distinct_ids
+from .sampler import ElasticSampler
 
-__all__ = ["Embedding", "EmbeddingBag", "Optimizer", "Pacer"]
+__all__ = ["ElasticSampler", "Embedding", "EmbeddingBag", "Optimizer", "Pacer"]
 
 #: The dtypes a trainable parameter may have; 16-bit ones train on float32 master weights.
 _TRAINABLE = (torch.float32, torch.bfloat16, torch.float16)

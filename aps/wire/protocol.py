@@ -59,6 +59,9 @@ __all__ = [
     "decode_layout_block",
     "decode_join_progress",
     "ANY_RANK",
+    "MAX_COUNTER",
+    "MAX_COUNTER_NAME",
+    "MAX_COUNTERS",
     "decode_seated",
     "encode_seated",
     "encode_auth_reply",
@@ -112,6 +115,10 @@ class Op(IntEnum):
     #: "Sharded resume"): with Flag.CHECK, the versions of this run's checkpoints; else
     #: restart from the checkpoint at the version its header names.
     REWIND = 16
+    #: Add the header's ``version`` to the run's counter named by the payload (UTF-8, at most
+    #: MAX_COUNTER_NAME bytes) and answer with its value before (the reply's ``version``):
+    #: an atomic fetch-and-add that claims work once across workers (aps.torch.ElasticSampler).
+    CLAIM = 17
 
     REPLY = 0x80
     INIT_REPLY = 0x81
@@ -130,6 +137,7 @@ class Op(IntEnum):
     LOAD_STATE_REPLY = 0x8E
     LOAD_WEIGHTS_REPLY = 0x8F
     REWIND_REPLY = 0x90
+    CLAIM_REPLY = 0x91
     #: Not a reply: a notice the server sends just before an INIT_REPLY (same request id) to an
     #: INIT that asked for it (Flag.SEAT):
     #: the rank the worker was seated under (it may have asked for ANY_RANK) and the
@@ -146,7 +154,7 @@ class Op(IntEnum):
 
 REQUEST_OPS = frozenset(
     {Op.INIT, Op.PULL, Op.PUSH, Op.PUSH_PULL, Op.LEAVE, Op.PING, Op.STATS, Op.HELLO, Op.AUTH, Op.CHECKPOINT,
-     Op.SHARDS, Op.HYPER, Op.STATE, Op.LOAD_STATE, Op.LOAD_WEIGHTS, Op.REWIND}
+     Op.SHARDS, Op.HYPER, Op.STATE, Op.LOAD_STATE, Op.LOAD_WEIGHTS, Op.REWIND, Op.CLAIM}
 )
 #: What a connection may ask before it has authenticated (when the server has a token).
 HANDSHAKE_OPS = frozenset({Op.HELLO, Op.AUTH})
@@ -539,6 +547,12 @@ def decode_slot(payload) -> tuple[int, int, bool, list[int]]:
 
 # JOIN_PROGRESS payload: u32 workers joined, u32 workers expected, u32 n,
 # then n u32 ranks that have not joined (the lowest, at most _MAX_MISSING).
+#: A counter's name (CLAIM) is 1 to this many UTF-8 bytes; a run keeps at most MAX_COUNTERS.
+MAX_COUNTER_NAME = 256
+MAX_COUNTERS = 4096
+#: The most a counter may hold (and a CLAIM add): exact in a float64, as JSON keeps it.
+MAX_COUNTER = 1 << 53
+
 #: INIT's rank field asking the server for a free rank (``aps.Worker(rank=None)`` without $RANK).
 ANY_RANK = 0xFFFFFFFF
 _SEATED = struct.Struct("<III")
