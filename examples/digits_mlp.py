@@ -110,6 +110,8 @@ def train_worker(address: str, rank: int, workers: int, args, report=None) -> di
             history.append(entry)
             if report is not None:
                 report(rank, entry)
+        if getattr(args, "save", None) and rank == 0:
+            np.savez(args.save, **weights)
     return {"rank": rank, "history": history}
 
 
@@ -177,6 +179,7 @@ def main(argv=None) -> int:
     parser.add_argument("--hidden", type=int, default=64)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--slowdown", type=float, default=0.0, help="seconds the last worker sleeps per step")
+    parser.add_argument("--save", help="with --address: rank 0 writes the final weights to this .npz file")
     args = parser.parse_args(argv)
     if args.address:
         result = train_worker(args.address, args.rank, args.workers, args)

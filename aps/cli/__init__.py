@@ -11,13 +11,13 @@ import sys
 
 from .._version import __version__
 from ..errors import APSError, ConfigurationError
-from . import bench, checkpoint, compare, launch, serve, simulate, status, token
+from . import bench, checkpoint, compare, launch, serve, simulate, slurm, status, token
 from ._args import ArgumentParser
 
 __all__ = ["build_parser", "main"]
 
 #: The subcommands, in the order ``aps --help`` lists them.
-COMMANDS = (serve, status, checkpoint, bench, simulate, launch, compare, token)
+COMMANDS = (serve, status, checkpoint, bench, simulate, launch, slurm, compare, token)
 
 
 def build_parser() -> argparse.ArgumentParser:

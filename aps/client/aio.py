@@ -6,6 +6,7 @@ asyncio programs: the same steps (:class:`aps.client.worker._Workers`, each serv
 from __future__ import annotations
 
 import asyncio
+import os
 import ssl
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
@@ -38,9 +39,9 @@ class AsyncWorker(_Workers):
     @classmethod
     async def connect(
         cls,
-        address: str | Sequence[str],
-        rank: int,
-        num_workers: int,
+        address: str | Sequence[str] | None = None,
+        rank: int | None = None,
+        num_workers: int | None = None,
         transport: str = "auto",
         *,
         connect_timeout: float | None = 30.0,
@@ -61,7 +62,8 @@ class AsyncWorker(_Workers):
         options = dict(connect_timeout=connect_timeout, timeout=timeout, heartbeat=heartbeat,
                        server_timeout=server_timeout, token=token, tls=tls, reconnect=reconnect,
                        reconnect_timeout=reconnect_timeout, compression=compression, compress_pulls=compress_pulls)
-        addresses = split_addresses(address) if _names_shards(address) else [address]
+        named = address if address is not None else os.environ.get("APS_ADDRESS", "")
+        addresses = split_addresses(named) if _names_shards(named) else [address]
         sharded = len(addresses) > 1
         tasks = [asyncio.ensure_future(AsyncChannel.open(one, rank, num_workers, "tcp", as_shard=sharded, **options))
                  for one in addresses]

@@ -159,7 +159,7 @@ def _leave_at_exit() -> None:
         try:
             channel._leave_at_exit(max(deadline - time.monotonic(), 0.0))
         except Exception as exc:  # noqa: BLE001 - the exit goes on whatever one channel does
-            log.debug("rank %d: leaving at exit failed: %s", channel.rank, exc)
+            log.debug("rank %s: leaving at exit failed: %s", channel.rank, exc)
 
 
 atexit.register(_leave_at_exit)
@@ -202,7 +202,7 @@ class Channel(_OneServer, _ChannelSteps):
             if self._conn is not None and time.monotonic() - self._last_io >= interval:
                 run(self._roundtrip(lambda: self._core.simple_request(Op.PING), max(interval, 1.0) * 6))
         except APSError as exc:
-            log.warning("rank %d: heartbeat failed: %s", self.rank, exc)
+            log.warning("rank %s: heartbeat failed: %s", self.rank, exc)
             return False
         finally:
             self._lock.release()
@@ -286,7 +286,7 @@ class AsyncChannel(_OneServer, _ChannelSteps):
                 if not self._lock.locked() and time.monotonic() - self._last_io >= interval:
                     await arun(self._roundtrip(lambda: self._core.simple_request(Op.PING), max(interval, 1.0) * 6))
         except APSError as exc:
-            log.warning("rank %d: heartbeat failed: %s", self.rank, exc)
+            log.warning("rank %s: heartbeat failed: %s", self.rank, exc)
 
     async def close(self) -> None:
         """Leave the server and disconnect (a call another task is in is ended first)."""

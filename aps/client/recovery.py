@@ -100,7 +100,7 @@ class _Reconnecting(_Retrying):
         super().__init__(RECONNECT, timeout)
         self.worker, self.lost = worker, lost
         self._note_at = self.start + _RETRY_NOTE_EVERY
-        log.warning("rank %d: lost the server at %s (%s); reconnecting%s", worker.rank, worker.address, lost,
+        log.warning("rank %s: lost the server at %s (%s); reconnecting%s", worker.rank, worker.address, lost,
                     "" if timeout is None else f" for up to {timeout:g} s")
 
     def check_closed(self) -> None:
@@ -122,13 +122,13 @@ class _Reconnecting(_Retrying):
             ) from exc
         if now >= self._note_at:
             self._note_at = now + _RETRY_NOTE_EVERY
-            log.warning("rank %d: still reconnecting to %s after %.0f s: %s", self.worker.rank, self.worker.address,
+            log.warning("rank %s: still reconnecting to %s after %.0f s: %s", self.worker.rank, self.worker.address,
                         now - self.start, exc)
         return self.next_wait()
 
     def done(self) -> None:
         core = self.worker._core
-        log.warning("rank %d: back at %s after %.1f s (version %d, clock %d)", self.worker.rank, self.worker.address,
+        log.warning("rank %s: back at %s after %.1f s (version %d, clock %d)", self.worker.rank, self.worker.address,
                     time.monotonic() - self.start, core.version, core.clock)
 
 
@@ -155,13 +155,13 @@ class _WaitingForServer(_Retrying):
             ) from None
         if self.refused == 0:
             limit = "with no limit" if self.timeout is None else f"for up to {self.timeout:g} s (connect_timeout)"
-            log.warning("rank %d: no server at %s yet (%s); waiting for it %s", self.rank, self.address, exc, limit)
+            log.warning("rank %s: no server at %s yet (%s); waiting for it %s", self.rank, self.address, exc, limit)
         self.refused += 1
         return self.next_wait()
 
     def done(self) -> None:
         if self.refused:
-            log.info("rank %d: the server at %s answered after %.1f s", self.rank, self.address,
+            log.info("rank %s: the server at %s answered after %.1f s", self.rank, self.address,
                      time.monotonic() - self.start)
 
 
@@ -190,7 +190,7 @@ def _note_dropped_after_resume(core: _ClientCore, address: str, as_shard: bool, 
     """The server came back older than the weights the push in flight was computed on
     (``sent``: it goes to the shard all the same, which drops it and counts its iteration)."""
     if sent:
-        log.warning("rank %d: the shard at %s resumed from a checkpoint at version %d, before the weights this "
+        log.warning("rank %s: the shard at %s resumed from a checkpoint at version %d, before the weights this "
                     "gradient was computed on (version %d): it drops its piece of the gradient and counts the "
                     "iteration, as the other shards do (they keep theirs)", core.rank, address, core.version,
                     core.pending_push_version)
@@ -198,12 +198,12 @@ def _note_dropped_after_resume(core: _ClientCore, address: str, as_shard: bool, 
     if as_shard:
         # docs/algorithms.md, "Sharded resume": the other shards keep what they applied (or, under
         # BSP, come back to one round with it).
-        log.warning("rank %d: the shard at %s resumed from a checkpoint at version %d, before the weights this "
+        log.warning("rank %s: the shard at %s resumed from a checkpoint at version %d, before the weights this "
                     "gradient was computed on (version %d): its piece of the gradient is dropped there (the "
                     "other shards keep theirs; under BSP every shard then goes back to one round, if they have "
                     "checkpoints of one)", core.rank, address, core.version, core.pending_push_version)
     else:
-        log.warning("rank %d: the server resumed from a checkpoint at version %d, before the weights this gradient "
+        log.warning("rank %s: the server resumed from a checkpoint at version %d, before the weights this gradient "
                     "was computed on (version %d): the gradient is dropped, and the updates made after that "
                     "checkpoint are lost; going on from the server's weights and clock (%d)", core.rank,
                     core.version, core.pending_push_version, core.clock)

@@ -165,13 +165,13 @@ def common_cut(rank: int, now: list[int], versions: list[list[int]], target: int
     common = set(versions[0]).intersection(*versions[1:])
     cut = max((v for v in common if v <= target), default=None)
     if cut is None:
-        log.error("rank %d: shard versions %s after a shard resumed older, and no round that every shard has "
+        log.error("rank %s: shard versions %s after a shard resumed older, and no round that every shard has "
                   "a checkpoint of (at most version %d; the shards' checkpoints: %s): each shard goes on from "
                   "where it is, and the rounds the resumed shard lost stay lost for its range (take "
                   "checkpoints with --checkpoint-every-updates to have the shards' at the same rounds)",
                   rank, now, target, versions)
     else:
-        log.warning("rank %d: a shard resumed older; every shard goes back to round %d (shard versions %s)",
+        log.warning("rank %s: a shard resumed older; every shard goes back to round %d (shard versions %s)",
                     rank, cut, now)
     return cut
 

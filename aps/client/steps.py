@@ -207,7 +207,7 @@ class _ChannelSteps:
         except APSTimeoutError:
             raise self._init_timeout(timeout) from None
         if params is not None and self._core.joined_running:
-            log.warning("rank %d joined a running model at %s at version %d: the values passed to init() were "
+            log.warning("rank %s joined a running model at %s at version %d: the values passed to init() were "
                         "not used; the server's weights were returned", self.rank, self.address, self.version)
         return self._core.weights
 
@@ -536,11 +536,12 @@ class _ChannelSteps:
         return APSConnectionError(f"the worker is disconnected{why}; call reconnect()")
 
     def _init_timeout(self, timeout: float | None) -> InitTimeout:
-        return InitTimeout(f"not all {self.num_workers} workers joined {self.address} within {timeout} s: "
+        what = "not enough" if self.num_workers is None else f"not all {self.num_workers}"
+        return InitTimeout(f"{what} workers joined {self.address} within {timeout} s: "
                            f"{_describe_progress(self._core.join_progress)}")
 
     def _note_init_wait(self, waited: float) -> None:
         """``init`` has waited ``waited`` seconds: say for what (one line, now and then)."""
-        log.warning("rank %d: waiting for the other workers at %s for %.0f s: %s", self.rank, self.address,
+        log.warning("rank %s: waiting for the other workers at %s for %.0f s: %s", self.rank, self.address,
                     waited, _describe_progress(self._core.join_progress))
 

@@ -99,16 +99,14 @@ class _Workers:
 
     @property
     def num_workers(self) -> int | None:
-        """The workers of the run: the server's fixed ``--workers P``, or for an elastic server
-        (``--workers MIN:MAX``) the workers live when it last answered this worker (it changes
-        as workers join and leave). Before :meth:`init`, the count given (None: none)."""
+        """The server's fixed ``--workers P``, or for an elastic server (``MIN:MAX``) the workers
+        live at its last answer. Before :meth:`init`, the count given (None: none)."""
         return self._channels[0].num_workers
 
     @property
     def elastic(self) -> bool:
-        """The server runs ``--workers MIN:MAX``: workers may join and leave (known after :meth:`init`)."""
-        core = self._channels[0]._core
-        return core.max_workers is not None and core.min_workers < core.max_workers
+        """The server runs ``--workers MIN:MAX`` (known after :meth:`init`)."""
+        return (span := self.workers_range) is not None and span[0] < span[1]
 
     @property
     def workers_range(self) -> tuple[int, int] | None:
@@ -458,7 +456,7 @@ class _Workers:
         """Several shards' requests ended: raise the first failure, after saying the others."""
         if errors:
             for extra in errors[1:]:
-                log.warning("rank %d: another shard failed too: %s: %s", self.rank, type(extra).__name__, extra)
+                log.warning("rank %s: another shard failed too: %s: %s", self.rank, type(extra).__name__, extra)
             raise errors[0]
 
     def _check_open(self) -> None:
@@ -486,7 +484,7 @@ class _Workers:
         try:
             versions = yield from self._each(lambda index, channel, turn: channel._checkpoint_versions())
         except ServerError as exc:  # no --checkpoint-dir, an older server: each goes on from where it is
-            log.error("rank %d: a shard resumed older, and the shards cannot be brought back to one round: %s",
+            log.error("rank %s: a shard resumed older, and the shards cannot be brought back to one round: %s",
                       self.rank, exc)
             return
         cut = common_cut(self.rank, self._versions(), list(versions), target)
@@ -495,7 +493,7 @@ class _Workers:
         try:
             yield from self._each(lambda index, channel, turn: channel._rewind(cut, self.reconnect_timeout))
         except ServerError as exc:
-            log.error("rank %d: a shard refused to go back to round %d: %s", self.rank, cut, exc)
+            log.error("rank %s: a shard refused to go back to round %d: %s", self.rank, cut, exc)
             return
         self._clock_offsets = [0] * len(self._channels)  # one round again: they count alike
 
@@ -774,17 +772,10 @@ class Worker(_Workers):
         return run(self._ping())
 
     def claim(self, name: str, count: int = 1) -> int:
-        """Add ``count`` to the run's counter ``name`` (made at 0 by the first claim) and return
-        its value before: an atomic fetch-and-add on the server, so each value is handed out
-        once across every worker, those that join later included; 0 reads it. Counters are
-        kept in checkpoints (a resumed run goes on from the checkpoint's values) and live on
-        shard 0 of a sharded model. :class:`aps.torch.ElasticSampler` claims the chunks of an
-        epoch with it.
-
-        Raises:
-            ConfigurationError: a name of more than 256 UTF-8 bytes, a count over 2**53.
-            MalformedFrame: the run has 4,096 counters already, or the value would pass 2**53.
-        """
+        """Add ``count`` to the run's counter ``name`` (0 at first; adding 0 reads it) and return
+        its value before: an atomic fetch-and-add on the server (shard 0), kept in checkpoints,
+        so each value goes to one worker (:class:`aps.torch.ElasticSampler` claims chunks so).
+        A name is 1 to 256 UTF-8 bytes; a run keeps 4,096 counters of at most 2**53."""
         return run(self._claim(name, count))
 
     def set_hyperparameters(self, groups: Sequence[Mapping[str, float]]) -> None:
@@ -940,9 +931,8 @@ class Worker(_Workers):
             self._pool.shutdown()
 
     def leave(self) -> None:
-        """Leave the run for good: the server stops counting this worker at once (an elastic
-        run goes on with the others; a BSP round no longer waits for it) and this worker
-        disconnects. The same as :meth:`close`."""
+        """Leave the run for good (the server stops counting this worker at once) and
+        disconnect: :meth:`close` by its elastic name."""
         self.close()
 
     def __enter__(self) -> Worker:

@@ -138,6 +138,7 @@ class Engine(Durable, Loads):
         #: The checkpoint this engine resumed from (its path), if any.
         self.resumed_from: str | None = None
         self._seats: dict[int, Seat] = {}
+        self._waited_out = False  # a resumed elastic run stopped waiting for its checkpoint's ranks
         self._left = 0  # leaves so far: each seat notes when its worker left (assign_rank)
         #: The run's counters (CLAIM): name -> value, kept in checkpoints.
         self.counters: dict[str, int] = {}
@@ -250,16 +251,52 @@ class Engine(Durable, Loads):
         waits for the ranks that were live in it; a new run, for all of them; an elastic
         run, for any MIN workers (no rank is missing then)."""
         joined = {rank for rank, member in self.members.items() if member.joined}
-        if self.config.elastic:
+        if self.config.elastic and (self._start_ranks is None or self._waited_out):
             return min(len(joined), self.quorum), self.quorum, []
         wanted = range(self.num_workers) if self._start_ranks is None else sorted(self._start_ranks)
         missing = [rank for rank in wanted if rank not in joined]
         return len(wanted) - len(missing), len(wanted), missing
 
     def _may_start(self) -> bool:
-        if self.config.elastic:
+        if self.config.elastic and (self._start_ranks is None or self._waited_out):
             return sum(member.joined for member in self.members.values()) >= self.quorum
         return not self.join_progress()[2]
+
+    def give_up_waiting(self) -> None:
+        """A resumed elastic run has waited long enough (``--quorum-timeout``) for the ranks live
+        in its checkpoint: it starts with any MIN workers, now or when they are there."""
+        if self.started or not self.config.elastic or self._start_ranks is None:
+            return
+        self._waited_out = True
+        missing = self.join_progress()[2]
+        log.warning("resumed elastic run: not every rank of the checkpoint came back in time; training goes on "
+                    "with any %d workers%s", self.quorum, f" (missing: {missing})" if missing else "")
+        if self._may_start():
+            self._start()
+        elif self.on_membership_change is not None:
+            self.on_membership_change()
+
+    def _start(self) -> None:
+        self.started = True
+        self.policy.resuming = False
+        self.stats.training_started = self._now()
+        self.stats.start_version = self.version
+        if self.resumed_from is None and self.config.elastic:
+            log.info("%d workers joined (--workers %s): training starts", self.policy.num_live,
+                     self.config.describe_workers())
+        elif self.resumed_from is None:
+            log.info("all %d workers joined: training starts", self.num_workers)
+        else:
+            log.info("%d workers back: training goes on from version %d", self.policy.num_live, self.version)
+        if self.config.elastic and self._placements:
+            # Ranks of the checkpoint not back yet come back as any worker that left does: at the
+            # clock they had, unless every live worker has gone past it (_place).
+            for rank, (clock, held, credit) in self._placements.items():
+                seat = self._seat(rank)
+                seat.clock, seat.held, seat.credit = clock, held, credit
+            self._placements.clear()
+            self.policy.forget_restored()
+        self._serve_waiting()
 
     def waiting_to_start(self, member: Member) -> bool:
         """True while ``member`` has joined and its INIT waits for the others."""
@@ -434,19 +471,7 @@ class Engine(Durable, Loads):
         # weights are the round's update): the policy holds it, and so does its INIT.
         self._wait(member, on_ready, gate=self.started and self.policy.is_held(member.rank))
         if not self.started and self._may_start():
-            self.started = True
-            self.policy.resuming = False
-            self.stats.training_started = self._now()
-            self.stats.start_version = self.version
-            if self.resumed_from is None:
-                if self.config.elastic:
-                    log.info("%d workers joined (--workers %s): training starts", self.policy.num_live,
-                             self.config.describe_workers())
-                else:
-                    log.info("all %d workers joined: training starts", self.num_workers)
-            else:
-                log.info("%d workers back: training goes on from version %d", self.policy.num_live, self.version)
-            self._serve_waiting()
+            self._start()
         elif self.started:
             self._check_quorum()
         elif not self.started and self.on_membership_change is not None:
@@ -529,7 +554,9 @@ class Engine(Durable, Loads):
             return policy.join(rank, *placement)
         window = policy.window
         if seat is not None and seat.clock > window.min_clock:
-            held = seat.held and window.bounded and seat.clock - window.min_clock > window.lower
+            # (held only behind a live worker: the slowest clock of workers gone holds nobody)
+            held = (seat.held and window.bounded and window.num_live > 0
+                    and seat.clock - window.min_clock > window.lower)
             return policy.join(rank, seat.clock, held, seat.credit)
         return policy.join(rank)
 

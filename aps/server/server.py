@@ -242,14 +242,19 @@ class Server:
                                          f"{exc.strerror or exc}{_busy_hint(exc, '--http-port')}") from None
         self._watchdog = loop.create_task(self._watch_connections(self.config.heartbeat_timeout))
         self._progress = loop.create_task(self._report_join_progress())
+        engine = self.engine
+        if engine.resumed_from is not None and config.elastic and not (config.shards > 1 and config.sync == "bsp"):
+            # A resumed elastic run waits for its checkpoint's ranks this long, then for any MIN
+            # (a sharded BSP run keeps waiting: its shards must find one common round).
+            self._quorum_deadline = loop.call_later(config.quorum_timeout, engine.give_up_waiting)
         log.info(
-            "listening on %s%s%s: %d workers, sync %s, optimizer %s lr=%g",
+            "listening on %s%s%s: %s workers, sync %s, optimizer %s lr=%g",
             self.address,
             f" and {self.unix_path} (shared memory)" if self.unix_path else "",
             (f" (a token is required: made for this run, in {self.token_file}, where this user's workers and "
              "aps status find it)" if self.token_file else " (a token is required)") if token is not None
             else " (no token: anyone who reaches the port can join)",
-            self.config.workers,
+            self.config.describe_workers(),
             self.config.sync,
             self.config.optimizer,
             self.config.lr,

@@ -843,7 +843,8 @@ class ServerSession(Handshake, RowRequests):
 
     def _reply(self, op: int, *, clock: int = 0, version: int = 0, flags: int = 0, payload: bytes = b"") -> None:
         if self._can_write() and not self._silenced:
-            frame = pack_header(op, flags, 0, self._rid, clock, version, len(payload), self.engine.policy.num_live)
+            live = self.engine.policy.num_live if self.member is not None else 0  # (said to workers only)
+            frame = pack_header(op, flags, 0, self._rid, clock, version, len(payload), live)
             frame += payload
             self._traffic.bytes_out += len(frame)
             self._write(frame)

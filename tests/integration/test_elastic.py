@@ -257,3 +257,26 @@ def test_scale_lr_follows_the_live_workers(server_process):
         optimizer.worker.close()
     with pytest.raises(aps.ConfigurationError, match="scale_lr"):
         aps.torch.Optimizer([("p", torch.nn.Parameter(torch.zeros(4)))], address=server.address, scale_lr="cubic")
+
+
+def test_the_live_count_is_said_to_workers_only(server_process):
+    import socket as sockets
+
+    from aps.wire.protocol import HEADER_SIZE, Op, encode_hello, pack_header, unpack_header
+
+    server = server_process("--workers", "1:3", "--sync", "asp")
+    import aps
+
+    with aps.Worker(server.address) as member:
+        member.init({"w": np.zeros(4, np.float32)})
+        host, port = server.address.rsplit("//", 1)[1].rsplit(":", 1)
+        with sockets.create_connection((host, int(port)), timeout=10) as stranger:
+            hello = encode_hello("stranger", "")
+            stranger.sendall(pack_header(Op.HELLO, request_id=1, length=len(hello)) + hello)
+            reply = b""
+            while len(reply) < HEADER_SIZE:
+                reply += stranger.recv(HEADER_SIZE - len(reply))
+            header = unpack_header(reply)
+        assert header.op == Op.HELLO_REPLY and header.live == 0  # (one worker is live)
+        member.push_pull(np.ones(4, np.float32))
+        assert member.num_workers == 1

@@ -160,6 +160,10 @@ class SyncPolicy:
             if live
         }
 
+    def forget_restored(self) -> None:
+        """Training started without some ranks of the checkpoint (an elastic run): they come
+        back as new arrivals, not into the round the checkpoint caught open."""
+
     def leave(self, rank: int) -> Outcome:
         """``rank`` leaves the live set; nobody waits for it any more."""
         return Outcome(self.window.leave(rank))

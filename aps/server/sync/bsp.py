@@ -18,7 +18,8 @@ class BSP(SyncPolicy):
     when every member still live has pushed into it, or, with ``k`` backup
     workers, when ``max(1, P - k)`` of them have (``P`` the members still live).
     A worker that joins after the round's first gradient is held until it
-    closes and takes part in the next one (docs/algorithms.md, "Elastic membership"). The round's gradients
+    closes and takes part in the next one, unless every member has left: then
+    it joins the open round (docs/algorithms.md, "Elastic membership"). The round's gradients
     (including any from workers that pushed and then left) are summed in the
     aggregate buffer and applied as one update with their mean; each rank
     contributes at most one gradient per round. A gradient computed on an
@@ -126,9 +127,15 @@ class BSP(SyncPolicy):
             if held:
                 self._held.add(rank)
         elif self._contributed and rank not in self._members and not self.resuming:
-            # A round is under way without it: it waits for that round's update, and joins the next.
-            self._held.add(rank)
+            if any(self.window.is_live(member) for member in self._members):
+                # A round is under way without it: it waits for that round's update, and joins the next.
+                self._held.add(rank)
+            else:  # every member of the round left: nobody else would close it, so it takes part
+                self._members.add(rank)
         return self.window.join(rank, clock, False, credit)
+
+    def forget_restored(self) -> None:
+        self._restored_present.clear()
 
     def aggregate_applied(self) -> None:
         self._closed = False

@@ -95,6 +95,20 @@ def test_bsp_a_round_whose_members_all_left_is_applied_for_a_worker_that_joined_
     np.testing.assert_allclose(h.engine.weights, -ONES)
 
 
+def test_bsp_a_worker_joining_after_every_member_left_takes_part_in_the_open_round():
+    h = elastic(workers="1:3", sync="bsp")
+    h.join(0)
+    h.join(1)
+    h.push(0, ONES)
+    h.leave(0)
+    h.leave(1)  # the round holds rank 0's gradient, and nobody is left
+    h.join(2)
+    assert not h.workers[2].waiting and not h.held(2)
+    h.push(2, 3 * ONES, then_pull=True)
+    assert h.engine.version == 1 and not h.workers[2].waiting
+    np.testing.assert_allclose(h.engine.weights, -2 * ONES)  # the mean of 1 and 3
+
+
 def test_softsync_a_join_counts_from_the_next_update():
     h = elastic(workers="2:3", sync="softsync", softsync_n=1)  # c = P
     h.join(0)
@@ -150,3 +164,62 @@ def test_a_fixed_size_run_never_holds_for_a_quorum():
     assert not h.engine.below_quorum
     h.push(0, ONES, then_pull=True)
     assert not h.workers[0].waiting
+
+
+def resumed_from(original: Harness, **options) -> Harness:
+    from tests.unit.server.test_resume import checkpoint_of
+
+    resumed = elastic(**options)
+    resumed.engine.restore(checkpoint_of(original))
+    return resumed
+
+
+def test_a_resumed_elastic_run_waits_for_its_ranks_then_for_any_min_and_late_ranks_come_back_as_rejoins():
+    original = elastic(workers="2:3", sync="ssp", staleness=2)
+    for rank in range(3):
+        original.join(rank)
+    for _ in range(4):
+        for rank in range(3):
+            original.push(rank, ONES, then_pull=True)
+    resumed = resumed_from(original, workers="2:3", sync="ssp", staleness=2)
+    resumed.join(0, rejoin=True, clock=4)
+    resumed.join(1, rejoin=True, clock=4)
+    assert not resumed.engine.started and resumed.engine.join_progress() == (2, 3, [2])  # the checkpoint's ranks
+    resumed.engine.give_up_waiting()  # (the server calls it after --quorum-timeout)
+    assert resumed.engine.started and not resumed.workers[0].waiting
+    for _ in range(6):
+        for rank in (0, 1):
+            resumed.push(rank, ONES, then_pull=True)
+    resumed.join(2, rejoin=True, clock=4)  # rank 2 comes back late: at the slowest live clock, not its own
+    assert resumed.window.clock(2) == resumed.window.min_clock == 10 and not resumed.held(2)
+    resumed.push(0, ONES, then_pull=True)
+    assert not resumed.workers[0].waiting  # nobody waits for rank 2 to catch up
+
+
+def test_bsp_a_late_rank_of_the_checkpoints_open_round_is_not_held_without_a_round():
+    original = elastic(workers="1:3", sync="bsp")
+    for rank in range(3):
+        original.join(rank)
+    original.push(2, ONES)  # rank 2's gradient is in the open round
+    resumed = resumed_from(original, workers="1:3", sync="bsp")
+    resumed.join(0, rejoin=True, clock=0)
+    resumed.engine.give_up_waiting()
+    assert resumed.engine.started
+    resumed.push(0, ONES, then_pull=True)  # the round closes on 0 alone (with rank 2's gradient kept in it)
+    resumed.leave(0)
+    resumed.join(2, rejoin=True, clock=1)
+    assert not resumed.workers[2].waiting and not resumed.held(2)
+
+
+@pytest.mark.parametrize("sync", ["ssp", "dssp"])
+def test_a_rank_held_when_it_left_is_not_held_when_it_comes_back_alone(sync):
+    h = elastic(workers="1:3", sync=sync, staleness=1)
+    h.join(0)
+    h.join(1)
+    h.push(1, ONES, then_pull=True)
+    h.push(1, ONES, then_pull=True)  # two ahead of rank 0: held at the gate
+    assert h.held(1)
+    h.leave(1)  # its connection goes
+    h.leave(0)  # the slower one leaves for good
+    h.join(1, rejoin=True, clock=2)
+    assert not h.held(1) and not h.workers[1].waiting
