@@ -238,7 +238,9 @@ class _ClientCore:
         self.run_id = run_id
 
     def init_request(self, params: Mapping[str, Any] | None, rejoin: bool = False,
-                     tables: Mapping[str, Table] | None = None) -> list:
+                     tables: Mapping[str, Table] | None = None, values: bool = True) -> list:
+        """INIT; ``values`` False sends the layout alone (the server has the model: the
+        values would be read and dropped)."""
         if params is not None:
             if not isinstance(params, Mapping) or not params:
                 raise ConfigurationError("init takes a non-empty mapping of name to float32 array")
@@ -259,9 +261,9 @@ class _ClientCore:
         # The header's version field carries the layout block's length (docs/protocol.md, INIT).
         flags = (Flag.REJOIN if rejoin and self.ever_joined else 0) | Flag.SEAT
         header = pack_header(Op.INIT, flags, _FLOAT32, self._next_request(Op.INIT), self.clock, len(block),
-                             len(block) + self.layout.nbytes)
+                             len(block) + (self.layout.nbytes if values else 0))
         self._reply_dtype = _FLOAT32
-        return [header, block, self._weights_bytes]
+        return [header, block, self._weights_bytes] if values else [header, block]
 
     def pull_request(self, rows: RowsCall | None = None) -> list:
         """PULL: the weights; with ``rows`` (or the rows this call pulls already, when it is

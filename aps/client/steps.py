@@ -202,7 +202,8 @@ class _ChannelSteps:
     def _init(self, params: Mapping[str, Any] | None, timeout: float | None,
               tables: Mapping[str, Any] | None = None) -> Steps:
         try:
-            yield from self._call("init", lambda: self._core.init_request(params, tables=tables), timeout,
+            yield from self._call("init", lambda: self._core.init_request(params, tables=tables,
+                                                                          values=not self._registered()), timeout,
                                   waiting=self._note_init_wait)
         except APSTimeoutError:
             raise self._init_timeout(timeout) from None
@@ -238,6 +239,10 @@ class _ChannelSteps:
         if layout is None:
             raise NotInitialized("call init(params) before set_hyperparameters")
         return encode_hyper(resolve_hyperparameters(groups, layout.numel, server_hyperparameters(self.server_info)))
+
+    def _registered(self) -> bool:
+        """The server said in the handshake that it has the model: an INIT need not send values."""
+        return bool((server_options(self.server_info) or {}).get("registered"))
 
     def _claim(self, name: str, count: int) -> Steps:
         """The run's counter ``name`` before ``count`` was added (CLAIM)."""
@@ -382,7 +387,8 @@ class _ChannelSteps:
 
     def _rejoin(self, timeout: float | None) -> Steps:
         """INIT again under this rank; then the values this connection had (set_hyperparameters)."""
-        yield from self._roundtrip(lambda: self._core.init_request(None, rejoin=True), timeout,
+        yield from self._roundtrip(lambda: self._core.init_request(None, rejoin=True, values=not self._registered()),
+                                   timeout,
                                    waiting=self._note_init_wait)
         payload = self._core.hyperparameters
         if payload is not None:

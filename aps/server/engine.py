@@ -369,6 +369,11 @@ class Engine(Durable, Loads):
         self._registrar, self._registering_layout = owner, layout
         return True
 
+    @property
+    def registering(self) -> bool:
+        """A worker is sending the model's initial weights."""
+        return self._registrar is not None
+
     def release_registration(self, owner: object) -> None:
         """``owner``'s values will not come (its INIT failed, its connection died)."""
         if self._registrar is owner:
@@ -611,7 +616,8 @@ class Engine(Durable, Loads):
     def shard_description(self) -> str:
         """What the handshake tells workers of this shard (JSON): its index, the options all
         the shards share (ServerConfig.shard_description) and the shards' recorded run ids."""
-        return json.dumps({**self.config.shard_description(), "runs": self.shard_runs}, separators=(",", ":"))
+        return json.dumps({**self.config.shard_description(), "runs": self.shard_runs,
+                           "registered": self.table is not None}, separators=(",", ":"))
 
     def record_shard_runs(self, runs: list[str]) -> list[str]:
         """A sharded worker says which run each shard holds; the first record stands (a

@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from ..errors import MalformedFrame, PayloadSizeMismatch, ServerOverloaded
+from ..errors import MalformedFrame, NotInitialized, PayloadSizeMismatch, ServerOverloaded
 from ..wire.protocol import (
     WEIGHTS_DIGEST_BYTES,
     Flag,
@@ -89,11 +89,15 @@ class InitIntake:
             self.release()
             request = decode_layout_block(block)
             values = payload_bytes - len(block)
-            if values != request.layout.nbytes:
+            if values not in (0, request.layout.nbytes):
                 raise PayloadSizeMismatch(
-                    f"INIT carries {values} bytes of values; its layout needs {request.layout.nbytes}"
+                    f"INIT carries {values} bytes of values; its layout needs {request.layout.nbytes} (or none, "
+                    "to join a model the server has)"
                 )
             engine.check_join(request.rank, request.num_workers, request.layout)
+            if values == 0 and request.layout.nbytes and engine.table is None and not engine.registering:
+                raise NotInitialized("this INIT carries no initial values and the server has no model yet: send "
+                                     "them")
             self.request = request
         return self.request
 

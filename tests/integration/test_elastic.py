@@ -280,3 +280,37 @@ def test_the_live_count_is_said_to_workers_only(server_process):
         assert header.op == Op.HELLO_REPLY and header.live == 0  # (one worker is live)
         member.push_pull(np.ones(4, np.float32))
         assert member.num_workers == 1
+
+
+def test_a_worker_joining_a_model_the_server_has_sends_no_values(server_process, transport):
+    import aps
+
+    server = server_process("--workers", "1:3", "--sync", "asp")
+    model = {"w": np.zeros(1 << 22, np.float32)}  # 16 MiB
+    with aps.Worker(server.address, transport=transport) as first:
+        first.init(model)
+        before = fetch_stats(server.address)["server"]["bytes_in"]
+        with aps.Worker(server.address, transport=transport) as second:
+            second.init(model)
+            assert second.rank == 1 and second.shards[0]._core.joined_running
+        joined = fetch_stats(server.address)["server"]["bytes_in"] - before
+        assert joined < 1 << 20, joined  # the layout, not 16 MiB of values read and dropped
+
+def test_an_init_without_values_is_refused_while_there_is_no_model(server_process):
+    from aps.errors import ErrorCode
+    from aps.layout import Layout
+    from aps.testing import RawClient
+    from aps.wire.protocol import DType, Op, encode_init
+
+    server = server_process("--workers", "1", "--sync", "asp")
+    raw = RawClient.to(server, "tcp")
+    try:
+        block = encode_init(0, 1, Layout.from_arrays({"w": np.zeros(4, np.float32)}))
+        raw.frame(Op.INIT, block, dtype=DType.FLOAT32, version=len(block))
+        code, message = raw.error()
+        assert code == ErrorCode.NOT_INITIALIZED and "no initial values" in message
+        raw.init(0, 1, {"w": np.zeros(4, np.float32)})  # the same connection then joins with values
+        header, _ = raw.reply()
+        assert header.op == Op.INIT_REPLY
+    finally:
+        raw.close()
