@@ -78,6 +78,7 @@ class Run:
             self.procs[row].wait()
 
 
+@pytest.mark.slow  # (seven processes, a kill, a checkpoint: about 8 s each)
 @pytest.mark.parametrize("sync", ["bsp", "asp", "ssp", "dssp", "softsync"])
 def test_workers_join_and_leave_a_running_model_and_every_gradient_counts_once(sync, tmp_path, server_process):
     options = {"bsp": [], "asp": [], "ssp": ["--staleness", "2"], "dssp": ["--staleness", "1", "--max-staleness", "4"],

@@ -14,7 +14,8 @@ from aps.checkpoint import load_checkpoint
 from aps.cli.checkpoint import request_checkpoint
 from aps.errors import TableMismatch
 from aps.tables import Table
-from aps.testing import ServerProcess
+from aps.testing import ServerProcess, wait_for
+from aps.cli.status import fetch_stats
 
 DENSE = {"w": np.zeros(64, np.float32)}
 TABLES = {"items": Table(rows=10**9, dim=8, optimizer="adagrad", lr=0.05),
@@ -36,6 +37,8 @@ def test_a_worker_that_declares_other_tables_is_refused_naming_the_table_and_fie
     with client(server.address, 0, 2) as first:
         joined = threading.Thread(target=first.init, args=(DENSE,), kwargs={"tables": TABLES})
         joined.start()
+        # (the first declaration is the run's: the second waits until it is in)
+        wait_for(lambda: fetch_stats(server.address)["server"]["live"] == 1, what="the first worker seated")
         with client(server.address, 1, 2) as second:
             with pytest.raises(TableMismatch, match=message):
                 second.init(DENSE, tables=other)
