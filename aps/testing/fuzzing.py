@@ -24,10 +24,12 @@ import numpy as np
 import aps
 from aps.layout import Layout
 from aps.wire.protocol import (
+    ANY_RANK,
     HEADER_SIZE,
     MAGIC,
     NONCE_BYTES,
     PROTOCOL_VERSION,
+    Flag,
     HyperGroup,
     Op,
     auth_proof,
@@ -74,12 +76,19 @@ def valid_frame(rng: random.Random, token: bytes | None) -> bytes:
     if kind == 0:  # an INIT for a seat that is taken, or a rank out of range, or another model
         names = ("w",) if rng.random() < 0.5 else tuple(f"t{i}" for i in range(rng.randrange(1, 5)))
         layout = Layout(names, tuple((rng.randrange(1, 2 * N),) for _ in names))
-        block = encode_init(rng.randrange(0, 3), rng.randrange(1, 3), layout)
-        values = np.full(layout.numel, rng.choice([1e6, -1e6, float("nan"), 0.0]), np.float32).tobytes()
-        return pack_header(Op.INIT, 0, 1, 1, 0, len(block), len(block) + len(values)) + block + values
+        # any rank (ANY_RANK) and any count (0), with or without the SEAT flag, with or without values
+        rank = rng.choice([0, 1, 2, ANY_RANK])
+        block = encode_init(rank, rng.choice([0, 1, 2]), layout)
+        values = b"" if rng.random() < 0.25 else \
+            np.full(layout.numel, rng.choice([1e6, -1e6, float("nan"), 0.0]), np.float32).tobytes()
+        flags = rng.choice([0, Flag.SEAT, Flag.SEAT | Flag.REJOIN])
+        return pack_header(Op.INIT, flags, 1, 1, 0, len(block), len(block) + len(values)) + block + values
     if kind == 1:
         payload = np.full(N, rng.choice([1e9, float("inf"), float("nan")]), np.float32).tobytes()
         return pack_header(Op.PUSH_PULL, 0, 1, 2, 0, 0, len(payload)) + payload
+    if kind == 5 and rng.random() < 0.5:  # a counter: a name too long, not UTF-8, or a count past 2**53
+        name = rng.choice([b"c", b"x" * 300, b"\xff\xfe", b""])
+        return pack_header(Op.CLAIM, 0, 0, 5, 0, rng.choice([1, 1 << 60]), len(name)) + name
     if kind == 6:  # per-group optimizer values, sound or not
         stops = sorted(rng.sample(range(1, 2 * N), rng.randrange(1, 4)))
         groups = [HyperGroup(stop, rng.choice([0.1, -1.0, float("nan"), 1e39]), 0.0, rng.choice([0.0, 0.9, 2.0]), 0.0)
