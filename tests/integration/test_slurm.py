@@ -27,7 +27,7 @@ def test_the_sbatch_template_trains_two_shards_and_four_workers_as_by_hand(tmp_p
     with SlurmCluster(nodes=3, cpus_per_node=2) as cluster:
         env = {"APS": f"{python} -m aps", "TRAIN": train, "APS_SERVE_ARGS": SERVE,
                "PATH": f"{os.path.dirname(python)}:{os.environ['PATH']}"}
-        job = cluster.sbatch(str(TEMPLATE), env=env, cwd=str(ROOT))
+        job = cluster.sbatch(str(TEMPLATE), f"--output={tmp_path}/aps-%j.out", env=env, cwd=str(ROOT))
         state = cluster.wait(job, timeout=240)
         output = Path(cluster.output_path(job)).read_text()
         assert state == "COMPLETED", output[-4000:]
