@@ -6,7 +6,6 @@ asyncio programs: the same steps (:class:`aps.client.worker._Workers`, each serv
 from __future__ import annotations
 
 import asyncio
-import os
 import ssl
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
@@ -14,9 +13,9 @@ from typing import Any
 import numpy as np
 
 from ..errors import ConfigurationError
-from .arguments import _check_transport, _names_shards
+from .arguments import _check_transport
 from .channel import AsyncChannel, arun
-from .shards import _AsyncTurn, in_shard_order, split_addresses
+from .shards import _AsyncTurn, in_shard_order, server_addresses
 from .steps import DEFAULT_RECONNECT_TIMEOUT, DEFAULT_SERVER_TIMEOUT, Steps
 from .worker import _Workers
 
@@ -62,8 +61,7 @@ class AsyncWorker(_Workers):
         options = dict(connect_timeout=connect_timeout, timeout=timeout, heartbeat=heartbeat,
                        server_timeout=server_timeout, token=token, tls=tls, reconnect=reconnect,
                        reconnect_timeout=reconnect_timeout, compression=compression, compress_pulls=compress_pulls)
-        named = address if address is not None else os.environ.get("APS_ADDRESS", "")
-        addresses = split_addresses(named) if _names_shards(named) else [address]
+        addresses = server_addresses(address)
         sharded = len(addresses) > 1
         tasks = [asyncio.ensure_future(AsyncChannel.open(one, rank, num_workers, "tcp", as_shard=sharded, **options))
                  for one in addresses]

@@ -26,6 +26,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import os
 import queue
 import re
 import threading
@@ -49,6 +50,7 @@ from ..wire.protocol import (
     state_digest,
     weights_digest,
 )
+from .arguments import _names_shards
 from .payloads import checked_state, flat_weights_of, resolve_hyperparameters
 
 __all__ = ["split_addresses"]
@@ -66,6 +68,13 @@ def split_addresses(address: str | Sequence[str]) -> list[str]:
     if not parts or any(not p for p in parts):
         raise ConfigurationError(f"an empty server address in {address!r}")
     return parts
+
+
+def server_addresses(address: Any) -> list:
+    """The server of each channel a worker opens: ``address``, or ``$APS_ADDRESS`` when it is
+    None, cut into the shards it names (one element, the address as given, when it names one)."""
+    named = address if address is not None else os.environ.get("APS_ADDRESS", "")
+    return split_addresses(named) if _names_shards(named) else [address]
 
 
 def send_order(rank: int, count: int) -> list[int]:

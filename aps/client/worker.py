@@ -33,7 +33,6 @@ from ..errors import (
 from ..layout import Layout, check_floating, shard_bounds
 from ..tables import Table, check_tables
 from ..wire.protocol import weights_digest
-from .arguments import _names_shards
 from .channel import Channel, run
 from .payloads import server_hyperparameters
 from .rowsets import rows_call, split
@@ -50,7 +49,7 @@ from .shards import (
     in_shard_order,
     joined_state,
     send_order,
-    split_addresses,
+    server_addresses,
     state_payloads,
     weights_payloads,
 )
@@ -653,8 +652,7 @@ class Worker(_Workers):
         options = dict(connect_timeout=connect_timeout, timeout=timeout, heartbeat=heartbeat,
                        server_timeout=server_timeout, token=token, tls=tls, reconnect=reconnect,
                        reconnect_timeout=reconnect_timeout, compression=compression, compress_pulls=compress_pulls)
-        named = address if address is not None else os.environ.get("APS_ADDRESS", "")
-        addresses = split_addresses(named) if _names_shards(named) else [address]
+        addresses = server_addresses(address)
         channels: list[Channel] = []
         try:
             for one in addresses:

@@ -41,7 +41,6 @@ from __future__ import annotations
 import logging
 import math
 import os
-import time
 import weakref
 from collections.abc import Callable, Mapping
 from typing import Any
@@ -54,6 +53,7 @@ from ..client.steps import DEFAULT_RECONNECT_TIMEOUT
 from ..client.channel import run
 from ..client.worker import Worker
 from .embedding import Embedding, EmbeddingBag, bind_tables, distinct_ids
+from .pacing import Pacer
 from .sampler import ElasticSampler
 
 __all__ = ["ElasticSampler", "Embedding", "EmbeddingBag", "Optimizer", "Pacer"]
@@ -96,47 +96,6 @@ def _loaded_hook(ref: weakref.ref) -> Callable:
             optimizer._module_loaded = True
 
     return hook
-
-
-class Pacer:
-    """Pads iterations to emulate a slower device (``aps launch --step-time``).
-
-    Each iteration (from the end of one ``step()`` to the start of the next
-    push) is stretched by sleeping to ``step_time * slowdown``, times a
-    lognormal factor of spread ``jitter`` and mean 1. Work that already takes
-    longer is not shortened.
-    """
-
-    def __init__(self, step_time: float, slowdown: float = 1.0, jitter: float = 0.0, seed: int = 0) -> None:
-        if step_time < 0 or slowdown <= 0 or jitter < 0:
-            raise ConfigurationError("step time and jitter must be >= 0 and the slowdown > 0")
-        self.target = step_time * slowdown
-        self.jitter = jitter
-        self._rng = np.random.default_rng(seed)
-        self._since = time.monotonic()
-
-    @classmethod
-    def from_env(cls, rank: int) -> Pacer | None:
-        """The pacing ``aps launch`` asked for (``APS_STEP_TIME``, ``APS_SLOWDOWN``, ``APS_JITTER``), if any."""
-        step_time = float(os.environ.get("APS_STEP_TIME", "0") or 0)
-        if step_time <= 0:
-            return None
-        slowdown = float(os.environ.get("APS_SLOWDOWN", "1") or 1)
-        jitter = float(os.environ.get("APS_JITTER", "0") or 0)
-        return cls(step_time, slowdown, jitter, seed=rank)
-
-    def wait(self) -> None:
-        """Sleep out the rest of this iteration's emulated time."""
-        target = self.target
-        if self.jitter:
-            target *= math.exp(self._rng.normal(-0.5 * self.jitter**2, self.jitter))
-        remaining = target - (time.monotonic() - self._since)
-        if remaining > 0:
-            time.sleep(remaining)
-
-    def restart(self) -> None:
-        """The next iteration starts now."""
-        self._since = time.monotonic()
 
 
 #: What each server optimizer takes from a param group: the four HYPER values, in order.
