@@ -2,11 +2,13 @@
 """Elastic membership's two targets, measured (issue: elastic training on cluster engines).
 
 ``join``: what a join costs the running workers. A server of ``--workers 1:3`` (ASP) holds a
-64 MiB model; two workers run a push_pull loop (over ``--transport``) and a third joins
-(its INIT sends the model's 64 MiB, read and dropped since the model exists). Every
+64 MiB model; two workers run a push_pull loop (over TCP, then shared memory; ``--think``
+seconds between two: their compute, elsewhere) and a third joins twice (the first join may
+grow the server's pool of snapshot slots: its spare is made off the update lane). Every
 push_pull of the running workers is timed; the figure is the longest one that overlapped
 the join, against the median of those before it: the target is at most one round trip
-more (``longest <= 2 x median``).
+more (``longest <= 2 x median``). On a machine of few cores the joining process's own work
+(its buffers, the weights copied in) competes with the running workers for the CPUs.
 
 ``resize``: what a resize from 4 to 8 workers buys. Separate hosts are network namespaces
 (aps/testing/netns.py), each worker host's link limited to ``--rate-mbit`` (1 Gbit/s) in
@@ -74,10 +76,11 @@ def agent(argv: list[str]) -> int:
 
 def join_agent(argv: list[str]) -> int:
     """A running worker of ``join``: joins, says ``ready``, runs push_pull until its stdin
-    closes, then prints the (start, end) wall-clock times of every step as JSON."""
+    closes (sleeping THINK seconds between two, its compute elsewhere: a GPU's), then prints
+    the (start, end) wall-clock times of every step as JSON."""
     import aps
 
-    address, transport, numel = argv[0], argv[1], int(argv[2])
+    address, transport, numel, think = argv[0], argv[1], int(argv[2]), float(argv[3])
     steps, stop = [], threading.Event()
     with aps.Worker(address, transport=transport) as worker:
         worker.init({"w": np.zeros(numel, np.float32)})
@@ -88,11 +91,12 @@ def join_agent(argv: list[str]) -> int:
             began = time.time()
             worker.push_pull(grad)
             steps.append((began, time.time()))
+            time.sleep(think)
     print(json.dumps(steps), flush=True)
     return 0
 
 
-def measure_join(transport: str, mib: int, seconds: float) -> dict:
+def measure_join(transport: str, mib: int, seconds: float, think: float = 0.0) -> dict:
     import aps
     from aps.testing import ServerProcess
 
@@ -100,7 +104,8 @@ def measure_join(transport: str, mib: int, seconds: float) -> dict:
     server = ServerProcess("--workers", "1:3", "--sync", "asp", "--lr", "0.0001", "--momentum", "0",
                            "--max-frame-bytes", str((mib + 16) << 20), "--log-level", "warning")
     try:
-        agents = [subprocess.Popen([sys.executable, __file__, "--join-agent", server.address, transport, str(numel)],
+        agents = [subprocess.Popen([sys.executable, __file__, "--join-agent", server.address, transport, str(numel),
+                                    str(think)],
                                    stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True) for _ in range(2)]
         for proc in agents:
             assert proc.stdout.readline().strip() == "ready"
@@ -129,7 +134,8 @@ def measure_join(transport: str, mib: int, seconds: float) -> dict:
         rows.append({"join_s": joined - joined_at, "longest_around_join_s": longest,
                      "push_pulls_around_join": len(around), "delay_in_round_trips": (longest - median) / median})
     first = rows[0]
-    return {"transport": transport, "model_mib": mib, "median_push_pull_s": median, **first, "second_join": rows[1],
+    return {"transport": transport, "model_mib": mib, "think_s": think, "median_push_pull_s": median, **first,
+            "second_join": rows[1],
             "target_met": first["longest_around_join_s"] <= 2 * median}
 
 
@@ -199,6 +205,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--only", choices=("join", "resize"), help="one of the two (default both)")
     parser.add_argument("--join-mib", type=int, default=64)
+    parser.add_argument("--think", type=float, default=0.0,
+                        help="seconds the running workers of join spend between two push_pulls (their compute)")
     parser.add_argument("--rate-mbit", type=float, default=1000.0)
     parser.add_argument("--window", type=float, default=4.0, help="seconds a resize window lasts")
     parser.add_argument("--repeats", type=int, default=4)
@@ -206,9 +214,10 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     report: dict = {"bench": "elastic", "machine": machine_info(), "command": "python bench/elastic.py " + " ".join(argv)}
     if args.only in (None, "join"):
-        report["join"] = [measure_join(t, args.join_mib, 3.0) for t in ("tcp", "shm")]
+        report["join"] = [measure_join(t, args.join_mib, 3.0, args.think) for t in ("tcp", "shm")]
         for row in report["join"]:
-            print(f"join of a {row['model_mib']} MiB model over {row['transport']}: longest push_pull around it "
+            print(f"join of a {row['model_mib']} MiB model over {row['transport']} (workers think {args.think:g} s): "
+                  f"longest push_pull around it "
                   f"{row['longest_around_join_s'] * 1e3:.1f} ms against a median of "
                   f"{row['median_push_pull_s'] * 1e3:.1f} ms ({row['delay_in_round_trips']:.2f} round trips "
                   f"more; target <= 1: {'met' if row['target_met'] else 'NOT met'}); a second join: "

@@ -142,6 +142,7 @@ class _ClientCore:
         self._reply: Header | None = None
         self._payload: memoryview | None = None
         self._init_block: bytes = b""
+        self._unsent_values: Mapping[str, Any] | None = None  # init()'s values, not yet in flat_weights
         self.connection_lost = False
         #: The server answered an INIT of this worker at least once (it has a place in a run).
         self.ever_joined = False
@@ -249,12 +250,17 @@ class _ClientCore:
                 self.layout.require_same(layout, "init with a different model than before",
                                          "init with other tables than before")
             self._set_layout(layout)
-            self.layout.flatten_into(params, self.flat_weights)
+            # Copied into the flat weights when they are sent: a server that has the model
+            # answers with its own weights, so a join costs no pass over the model here.
+            self._unsent_values = params
             self._init_block = encode_init(ANY_RANK if self.rank is None else self.rank, self.given_workers or 0,
                                            self.layout)
         elif self.layout is None:
             raise NotInitialized("no model to join with: call init(params) first")
         block = self._init_block
+        if values and self._unsent_values is not None:  # (a retry to a server without the model)
+            self.layout.flatten_into(self._unsent_values, self.flat_weights)
+            self._unsent_values = None
         self.join_progress = None
         if self.shm is not None:
             self._fds = (self.shm.grad_segment.fd,)
@@ -683,6 +689,7 @@ class _ClientCore:
         self._payload = None
         if op == _INIT_REPLY:
             self.joined = self.ever_joined = True
+            self._unsent_values = None  # (the server's weights are in)
             self.joined_running = bool(header.flags & _RUNNING)
         if op in _COUNTED_REPLIES:
             self.clock = header.clock

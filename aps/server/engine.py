@@ -76,6 +76,9 @@ class Engine(Durable, Loads):
         window_type: the StalenessWindow implementation (defaults to ``kernels``').
         allocate: allocator of the table's snapshot slots (memory blocks, see
             :class:`aps.server.table.HeapBlock`).
+        background: runs slow preparations (a spare slot for a worker joining a
+            running model) on a thread of their own and calls back on the loop;
+            None: slots are made when an update needs them.
     """
 
     def __init__(
@@ -87,7 +90,8 @@ class Engine(Durable, Loads):
         offload_threshold: int = 1 << 22,
         kernels: ModuleType = _core,
         window_type: type | None = None,
-        allocate: Callable[[int], object] | None = None,
+        allocate: Callable[..., object] | None = None,
+        background: Offload | None = None,
     ) -> None:
         self.config = config
         #: The ranks there are (MAX of an elastic ``--workers MIN:MAX``) and the live workers
@@ -118,6 +122,7 @@ class Engine(Durable, Loads):
         self.aggregate: Aggregate | None = None
         self._now = now
         self._allocate = allocate
+        self._background = background
         self._pending_aggregates = 0
         # The values of the last gradient added to the open round (BSP, softsync): the
         # round's update is applied with them (None: the optimizer's own).
@@ -413,6 +418,8 @@ class Engine(Durable, Loads):
         self.check_join(rank, num_workers)
         if rejoin and clock > MAX_CLOCK:  # (the window's int64 arithmetic stays far from overflow)
             raise MalformedFrame(f"the rejoining INIT says clock {clock}; a clock is at most 2**53")
+        if self.table is not None and self._background is not None and not __import__("os").environ.get("APS_NO_SPARE"):
+            self.table.add_spare(self._background)  # the slot its lease will hold, made off the lane
         member = Member(rank)
         member.rejoin = rejoin
         member.rejoin_clock = clock if rejoin else -1

@@ -164,8 +164,11 @@ class Server:
         self._executor = ThreadPoolExecutor(1, thread_name_prefix="aps-update")
         config = self.config
         shared = config.unix_socket != "none" and shm_available()
-        allocate = (lambda numel: Segment.create(numel, "aps-slot", shared_read_only=True)) if shared else None
-        self.engine = Engine(config, offload=self._offload, allocate=allocate)
+        allocate = (
+            (lambda numel, populate=False: Segment.create(numel, "aps-slot", shared_read_only=True, populate=populate))
+            if shared else None
+        )
+        self.engine = Engine(config, offload=self._offload, allocate=allocate, background=self._background)
         self.engine.on_quorum = self._quorum_changed
         try:
             if checkpoint is not None:
@@ -630,6 +633,20 @@ class Server:
                         conn.notify_join_progress(payload)
         finally:
             engine.on_membership_change = None
+
+    def _background(self, work, done) -> None:
+        """``work()`` on the loop's default executor (not the update lane's thread), then
+        ``done`` on the loop with its result or the exception it raised."""
+
+        def run() -> object:
+            try:
+                return work()
+            except Exception as exc:
+                log.warning("background work failed: %s: %s", type(exc).__name__, exc)
+                return exc
+
+        future = self._loop.run_in_executor(None, run)
+        future.add_done_callback(lambda fut: None if fut.cancelled() else done(fut.result()))
 
     def _offload(self, kernel, done) -> None:
         loop = self._loop

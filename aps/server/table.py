@@ -12,7 +12,11 @@ returns the weights of exactly one version, whatever else is going on
 
 Slots are allocated on demand and recycled; there are at most three plus
 the number of replies still in flight (each connection has at most one: it
-reads no further request until its reply has left).
+reads no further request until its reply has left). A worker joining a running
+model will hold one more lease: :meth:`ParameterTable.add_spare` makes that
+slot ahead, off the loop and off the update lane, its pages already faulted in
+(a fresh 64 MiB slot costs its first writer some 50-80 ms of page faults, which
+the lane would otherwise pay in the middle of everyone's updates).
 """
 
 from __future__ import annotations
@@ -38,10 +42,12 @@ class HeapBlock:
     __slots__ = ("id", "fd", "array", "nbytes")
     _ids = itertools.count(1)
 
-    def __init__(self, numel: int) -> None:
+    def __init__(self, numel: int, *, populate: bool = False) -> None:
         self.id = next(self._ids)
         self.fd = -1
         self.array = np.empty(numel, np.float32)
+        if populate:  # its pages faulted in now, not by its first writer (numpy lets go of the GIL)
+            self.array.fill(0)
         self.nbytes = self.array.nbytes
 
     def close(self) -> None:
@@ -113,7 +119,8 @@ class ParameterTable:
         optimizer: the update rule and its state.
         allocate: returns a new memory block of the given length in float32
             elements (:class:`HeapBlock` by default; the shared-memory
-            transport allocates memfd segments that workers can map).
+            transport allocates memfd segments that workers can map), its
+            pages faulted in when called with ``populate=True``.
     """
 
     def __init__(
@@ -129,6 +136,7 @@ class ParameterTable:
         self.optimizer = optimizer
         self._allocate = allocate or HeapBlock
         self._slots: list[_Slot] = []
+        self._spare_coming = self._closed = False
         # The most slots in use at once (leased, or current) in this window of updates and in the last.
         self._peak = self._kept_peak = self._updates = 0
         self._current = self._new_slot()
@@ -210,8 +218,33 @@ class ParameterTable:
         """The ids of the blocks of every slot the table keeps."""
         return {slot.block.id for slot in self._slots}
 
+    def add_spare(self, background: Callable[[Callable[[], object], Callable[[object], None]], None]) -> None:
+        """Make one more free slot, unless two are free already: a worker is joining, and
+        its lease will keep one more slot in use. ``background(make, done)`` runs ``make``
+        on another thread (the allocation, and the page faults of the slot's first write,
+        stay out of the loop and the update lane) and calls ``done`` on the loop with its
+        result (the block, or the exception it raised: then the slot is made when needed,
+        as without a spare). One spare at a time."""
+        free = sum(1 for slot in self._slots if slot.leases == 0 and slot is not self._current)
+        if self._spare_coming or self._closed or free >= 2:
+            return
+        self._spare_coming = True
+        numel = self.layout.numel
+
+        def made(block) -> None:
+            self._spare_coming = False
+            if isinstance(block, BaseException):
+                return
+            if self._closed:
+                block.close()
+            else:
+                self._slots.append(_Slot(block))
+
+        background(lambda: self._allocate(numel, populate=True), made)
+
     def close(self) -> None:
         """Give back every block (the server is stopping)."""
+        self._closed = True
         for slot in self._slots:
             slot.block.close()
 

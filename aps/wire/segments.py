@@ -83,16 +83,19 @@ class Segment:
         self._read_only_fd = -1
 
     @classmethod
-    def create(cls, numel: int, name: str, *, shared_read_only: bool = False) -> Segment:
+    def create(cls, numel: int, name: str, *, shared_read_only: bool = False, populate: bool = False) -> Segment:
         """A new sealed segment of ``numel`` float32 elements, mapped writable here
         (``shared_read_only``: with a read-only descriptor for readers, opened now, so
-        that nothing can fail later while it is handed out)."""
+        that nothing can fail later while it is handed out; ``populate``: its pages
+        allocated and mapped now, not by the first write)."""
         fd = os.memfd_create(name, os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
         try:
             nbytes = 4 * numel
             os.ftruncate(fd, nbytes)
             fcntl.fcntl(fd, fcntl.F_ADD_SEALS, SEALS)
             segment = cls(fd, _map(fd, nbytes, writable=True))
+            if populate:  # (a write, not MAP_POPULATE: mmap() holds the GIL, numpy lets go of it)
+                segment.array.fill(0)
         except BaseException:
             os.close(fd)
             raise

@@ -156,3 +156,16 @@ def test_a_compressed_push_is_sent_again_exactly_as_first_sent():
     assert head.dtype == DType.BFLOAT16 and head.flags == Flag.NARROW and head.length == 10
     assert bytes(first[1]) == bytes(again[1])
     assert np.frombuffer(bytes(first[1]), np.uint16).tolist() == [0x3F80, 0x4000, 0x4040, 0x3F80, 0xBF00]
+
+
+def test_an_init_without_values_copies_none_and_a_retry_with_values_sends_the_callers():
+    """A server that has the model gets the layout alone and the values are not copied; if the
+    INIT goes again to a server without the model (it restarted meanwhile), the caller's values
+    are what it sends."""
+    core = _ClientCore(0, 1)
+    params = {"a": np.array([1, 2, 3], np.float32), "b": np.array([4, 5], np.float32)}
+    sent = core.init_request(params, values=False)
+    assert len(sent) == 2 and (core.flat_weights == 0).all()  # header and layout; nothing copied
+    again = core.init_request(None, rejoin=True, values=True)
+    assert unpack_header(again[0]).length == len(again[1]) + 20
+    assert np.frombuffer(bytes(again[2]), np.float32).tolist() == [1, 2, 3, 4, 5]

@@ -70,3 +70,59 @@ def test_abandoned_update_changes_nothing():
     table.abandon(slot)
     assert table.version == 0 and (table.weights == 0).all()
     assert update(table, 1.0) == 1 and (table.weights == 1).all()
+
+
+def test_a_spare_slot_is_made_ahead_for_a_join():
+    """add_spare makes the slot a joining worker's lease will need, before an update needs it:
+    its page faults paid off the lane; one at a time; nothing when two are free already."""
+    table = make_table()
+    made: list = []
+    asked: list = []
+
+    def background(make, done):  # runs later, as a thread would
+        asked.append(True)
+        made.append((make, done))
+
+    lease = table.snapshot()
+    update(table, 1.0)  # slots: the leased version 0, the current version 1
+    assert table.slot_count == 2
+    table.add_spare(background)
+    table.add_spare(background)  # one is coming already
+    assert len(asked) == 1
+    make, done = made.pop()
+    block = make()
+    assert block.nbytes == 4 * table.numel
+    done(block)
+    assert table.slot_count == 3 and block.id in table.slot_ids()
+    second = table.snapshot()  # the joiner's lease: the update writes into the spare, no new slot
+    update(table, 1.0)
+    assert table.slot_count == 3 and (lease.array == 0).all() and (second.array == 1).all()
+    lease.release()
+    second.release()
+    update(table, 1.0)
+    table.add_spare(background)  # two free already (versions 0 and 1): nothing to make
+    assert len(asked) == 1 and (table.weights == 3).all()
+
+
+def test_a_spare_that_fails_or_comes_late_changes_nothing():
+    table = make_table()
+    calls: list = []
+    table.add_spare(lambda make, done: calls.append(done))
+    calls.pop()(MemoryError("no room"))  # the background work failed: slots are made when needed
+    assert table.slot_count == 1
+    update(table, 1.0)
+    assert (table.weights == 1).all()
+    table.add_spare(lambda make, done: calls.append((make, done)))  # asked again: it may come now
+
+    class Block:
+        def __init__(self):
+            self.closed = False
+
+        def close(self):
+            self.closed = True
+
+    late = Block()
+    _, done = calls.pop()
+    table.close()
+    done(late)  # the table closed meanwhile: the block is given back, not kept
+    assert late.closed
