@@ -12,7 +12,8 @@ more (``longest <= 2 x median``). On a machine of few cores the joining process'
 
 ``resize``: what a resize from 4 to 8 workers buys. Separate hosts are network namespaces
 (aps/testing/netns.py), each worker host's link limited to ``--rate-mbit`` (1 Gbit/s) in
-each direction by tbf, the server's host unlimited. A server of ``--workers 4:8`` (ASP,
+each direction by tbf (a 128 KiB bucket: the link carries its rate, no bursts above it),
+the server's host unlimited. A server of ``--workers 4:8`` (ASP,
 plain SGD, a 1 MiB model) serves 8 worker processes, one per host; windows with 4 live
 workers and windows with 8 alternate (the other 4 join before an 8-window, every one of
 them a new join, and leave after it). A window's figure is the server's updates per
@@ -37,6 +38,10 @@ import numpy as np
 from aps.cli._args import ArgumentParser
 from aps.lab.bench import machine_info, write_report
 
+#: The worker links' tbf bucket: two GSO packets, so a link carries its rate and no more
+#: (a bucket of a timer tick's worth, 500 KB at 1 Gbit/s and HZ 250, refills while a worker
+#: waits for its reply and passes half of each 1 MiB message at once: aps.testing.netns.tbf_params).
+BURST = 128 << 10
 TOKEN = "elastic-bench-" + "Qm9vdHN0cmFwIHRva2VuIGZvciB0aGUgZWxhc3RpYyBiZW5jaA"  # (a bench of its own network)
 
 
@@ -146,7 +151,7 @@ def measure_resize(rate_mbit: float, mib: float, window: float, repeats: int) ->
     numel = int(mib * (1 << 18))
     with Network(max_hosts=9) as network:
         server_host = network.add_host("ps")
-        hosts = [network.add_host(f"w{i}", rate_mbit=rate_mbit) for i in range(8)]
+        hosts = [network.add_host(f"w{i}", rate_mbit=rate_mbit, burst=BURST) for i in range(8)]
         server = server_host.serve("--workers", "4:8", "--sync", "asp", "--lr", "0.0001", "--momentum", "0",
                                    "--log-level", "warning", env={"APS_TOKEN": TOKEN})
         agents = [host.popen([sys.executable, __file__, "--agent", server.address, str(numel)],
@@ -184,7 +189,11 @@ def measure_resize(rate_mbit: float, mib: float, window: float, repeats: int) ->
             proc.stdin.write("quit\n")
             proc.stdin.flush()
     four, eight = statistics.median(windows[4]), statistics.median(windows[8])
-    return {"rate_mbit": rate_mbit, "model_mib": mib, "window_s": window, "updates_per_s": windows,
+    # A push_pull sends the model and receives it, one after the other, over the worker's link.
+    link_bound = rate_mbit * 1e6 / 8 / (2 * numel * 4)
+    return {"rate_mbit": rate_mbit, "tbf_burst_bytes": BURST, "model_mib": mib, "window_s": window,
+            "link_bound_per_worker": link_bound, "per_worker_4": four / 4, "per_worker_8": eight / 8,
+            "updates_per_s": windows,
             "cpu_busy": busy, "cpus": os.cpu_count(),
             "median_4": four, "median_8": eight, "ratio": eight / four, "target": 1.6, "target_met": eight / four >= 1.6}
 
@@ -226,7 +235,9 @@ def main(argv: list[str] | None = None) -> int:
         row = report["resize"] = measure_resize(args.rate_mbit, 1.0, args.window, args.repeats)
         print(f"resize 4 -> 8 workers, 1 MiB, ASP, {row['rate_mbit']:g} Mbit/s a worker host: "
               f"{row['median_4']:.0f} -> {row['median_8']:.0f} updates/s = {row['ratio']:.2f}x "
-              f"(target >= 1.6: {'met' if row['target_met'] else 'NOT met'}); CPUs busy "
+              f"(target >= 1.6: {'met' if row['target_met'] else 'NOT met'}); a worker's "
+              f"{row['per_worker_4']:.0f} -> {row['per_worker_8']:.0f} updates/s against its link's "
+              f"{row['link_bound_per_worker']:.0f}; CPUs busy "
               f"{statistics.median(row['cpu_busy'][4]):.0%} -> {statistics.median(row['cpu_busy'][8]):.0%} "
               f"of {row['cpus']}", flush=True)
     if args.out:

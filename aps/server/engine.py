@@ -418,7 +418,7 @@ class Engine(Durable, Loads):
         self.check_join(rank, num_workers)
         if rejoin and clock > MAX_CLOCK:  # (the window's int64 arithmetic stays far from overflow)
             raise MalformedFrame(f"the rejoining INIT says clock {clock}; a clock is at most 2**53")
-        if self.table is not None and self._background is not None and not __import__("os").environ.get("APS_NO_SPARE"):
+        if self.table is not None and self._background is not None:
             self.table.add_spare(self._background)  # the slot its lease will hold, made off the lane
         member = Member(rank)
         member.rejoin = rejoin

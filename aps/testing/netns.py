@@ -238,17 +238,26 @@ def kernel_hz() -> int:
     return 100
 
 
-def tbf_params(rate_mbit: float, latency_ms: float = 20.0) -> list[str]:
+def tbf_params(rate_mbit: float, latency_ms: float = 20.0, burst: int | None = None) -> list[str]:
     """``tc`` arguments of a tbf qdisc limiting to ``rate_mbit`` Mbit/s.
 
-    The bucket holds one timer tick's worth of the rate (so the rate is reached
-    at the kernel's HZ), and at least two 64 KiB GSO packets (so offloaded
-    segments pass whole); ``latency_ms`` bounds the queue.
+    By default the bucket holds one timer tick's worth of the rate (so the rate
+    is reached at the kernel's HZ even without high-resolution timers), and at
+    least two 64 KiB GSO packets (so offloaded segments pass whole);
+    ``latency_ms`` bounds the queue. ``burst`` (bytes, at least 2 x 64 KiB)
+    sets the bucket instead: a bucket of a tick's worth (500 KB at 1 Gbit/s
+    and HZ 250) lets a message of a few hundred KB through at the speed of
+    memory after every pause, so a link of messages with gaps between them
+    carries more than its rate; 128 KiB holds the rate with the hrtimers every
+    current kernel's tbf uses.
     """
     if rate_mbit <= 0:
         raise ValueError(f"rate_mbit must be positive, not {rate_mbit}")
+    if burst is not None and burst < 2 * 65536:
+        raise ValueError(f"a tbf burst of {burst} bytes cannot pass two 64 KiB GSO packets")
     rate_bytes = rate_mbit * 1e6 / 8
-    burst = max(int(rate_bytes / kernel_hz()), 2 * 65536)
+    if burst is None:
+        burst = max(int(rate_bytes / kernel_hz()), 2 * 65536)
     return ["tbf", "rate", f"{int(rate_mbit * 1000)}kbit", "burst", str(burst), "latency", f"{latency_ms}ms"]
 
 
@@ -342,15 +351,16 @@ class Host:
             "bridge": _run(["tc", "-n", self.network.bridge_netns, "qdisc", "show", "dev", self.bridge_port]).stdout,
         }
 
-    def set_rate(self, rate_mbit: float | None) -> None:
-        """Limit this host's link to ``rate_mbit`` Mbit/s each way (tbf on both veth ends); None lifts it."""
+    def set_rate(self, rate_mbit: float | None, burst: int | None = None) -> None:
+        """Limit this host's link to ``rate_mbit`` Mbit/s each way (tbf on both veth ends, its
+        bucket ``burst`` bytes: see :func:`tbf_params`); None lifts it."""
         ends = ((self.netns, self.interface), (self.network.bridge_netns, self.bridge_port))
         for netns, dev in ends:
             if rate_mbit is None:
                 if self.rate_mbit is not None:
                     _run(["tc", "-n", netns, "qdisc", "del", "dev", dev, "root"])
             else:
-                _run(["tc", "-n", netns, "qdisc", "replace", "dev", dev, "root", *tbf_params(rate_mbit)])
+                _run(["tc", "-n", netns, "qdisc", "replace", "dev", dev, "root", *tbf_params(rate_mbit, burst=burst)])
         self.rate_mbit = rate_mbit
 
 
@@ -430,9 +440,9 @@ class Network:
         _ip("netns", "add", netns)
         _ip("-n", netns, "link", "set", "lo", "up")
 
-    def add_host(self, name: str, rate_mbit: float | None = None) -> Host:
+    def add_host(self, name: str, rate_mbit: float | None = None, burst: int | None = None) -> Host:
         """A new host namespace joined to the bridge; its link limited to ``rate_mbit``
-        Mbit/s in each direction when given."""
+        Mbit/s in each direction when given (a tbf bucket of ``burst`` bytes: :func:`tbf_params`)."""
         if not self._open or self._closed:
             raise NetnsError(f"{self.name} is not open (use it as a context manager)")
         if len(self.hosts) >= self.max_hosts:
@@ -455,7 +465,7 @@ class Network:
         _ip(*hn, "link", "set", host.interface, "up")
         os.makedirs(host.runtime_dir, mode=0o700, exist_ok=True)
         if rate_mbit is not None:
-            host.set_rate(rate_mbit)
+            host.set_rate(rate_mbit, burst)
         return host
 
     def _popen(self, host: Host, argv: list[str], **kwargs: Any) -> subprocess.Popen:

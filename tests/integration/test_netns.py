@@ -17,7 +17,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from aps.testing.netns import PREFIX, Network, NetnsError, cleanup_stale, list_netns, pid_alive, require_netns
+from aps.testing.netns import (PREFIX, Network, NetnsError, cleanup_stale, list_netns, pid_alive, require_netns,
+                               tbf_params)
 
 PY = sys.executable
 ROOT = str(Path(__file__).resolve().parents[2])
@@ -267,6 +268,20 @@ def test_rate_limit_both_directions(network):
     print(f"\nshaped at 100 Mbit/s: up {up:.1f} Mbit/s, down {down:.1f} Mbit/s")
     assert 50 <= up <= 130, up
     assert 50 <= down <= 130, down
+
+
+def test_a_small_bucket_holds_the_rate_for_messages_with_pauses(network):
+    """tbf_params(burst=): a 128 KiB bucket, not a timer tick's worth; a bucket under two GSO
+    packets is refused."""
+    with pytest.raises(ValueError, match="two 64 KiB GSO packets"):
+        tbf_params(100, burst=65536)
+    assert tbf_params(1000, burst=131072)[4] == "131072"
+    require_netns(shaping=True)
+    limited, free = network.add_host("limited", rate_mbit=100, burst=131072), network.add_host("free")
+    for side, qdisc in limited.qdiscs().items():
+        assert "rate 100Mbit burst 128Kb" in qdisc, (side, qdisc)
+    up = transfer_mbit(limited, free, 1.5)
+    assert 50 <= up <= 130, up
 
 
 def test_serve_and_worker_on_two_hosts(network):
