@@ -113,6 +113,11 @@ class _ClientCore:
             raise ConfigurationError(f"rank {rank} is out of range 0..{(num_workers or ANY_RANK) - 1}")
         #: This worker's rank: None until the server seats a worker that asked for any (rank=None).
         self.rank = None if rank is None else int(rank)
+        #: The server chose the rank (rank=None): if another worker takes it while this one
+        #: reconnects, this one may take another (see :meth:`reseat`).
+        self.rank_assigned = rank is None
+        #: The rank changed at the last reconnect: the push in flight is not sent again.
+        self.reseated = False
         #: The worker count it said it is one of (None: whatever the server runs).
         self.given_workers = None if num_workers is None else int(num_workers)
         #: The server's MIN and MAX workers (from its SEATED notice; None before the first INIT),
@@ -371,6 +376,13 @@ class _ClientCore:
     def pending_push_version(self) -> int:
         """The version of the weights the push of this call was computed on (sent or not)."""
         return self._push[3] if self._push is not None else self._computed_version
+
+    def reseat(self) -> int:
+        """The rank the server gave this worker went to another while it reconnected: ask
+        for any rank again (returns the one lost). Only a worker whose rank the server chose."""
+        lost, self.rank, self.reseated = self.rank, None, True
+        self._init_block = encode_init(ANY_RANK, self.given_workers or 0, self.layout)
+        return lost
 
     def forget_push(self, dropped: bool = False) -> None:
         """The push in flight will not be sent again (``dropped``: it was not applied)."""

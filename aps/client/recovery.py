@@ -171,6 +171,16 @@ def _after_recovery(core: _ClientCore, kind: str, request, address: str = "", as
     or ``(None, None)`` when nothing is left to send. ``sync``: the server's policy."""
     if kind == "init":
         return None, None  # the rejoin was the init
+    if core.reseated:
+        core.reseated = False
+        if kind in ("push", "push_pull") and core.has_pending_push:
+            # Its old rank's server-side record (docs/protocol.md, "Duplicates") is not this seat's:
+            # sent again, a push applied before the connection went would be applied twice.
+            log.warning("rank %s: the gradient in flight when the connection went is not sent again under the new "
+                        "rank (the server may have applied it before); going on from the server's weights",
+                        core.rank)
+            core.forget_push()
+            return ("pull", core.pull_request) if kind == "push_pull" else (None, None)
     if kind in ("push", "push_pull"):
         # (sent or not: a push built after the rejoin says the weights it was computed on)
         if core.pending_push_version > core.version:

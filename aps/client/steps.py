@@ -326,6 +326,8 @@ class _ChannelSteps:
             except APSTimeoutError:
                 raise self._init_timeout(timeout) from None
             except RankTaken:
+                if self._reseat():
+                    continue
                 if time.monotonic() > deadline:
                     raise
                 yield SLEEP, self, 0.05
@@ -364,6 +366,10 @@ class _ChannelSteps:
                 yield LOCKED, self, self._reopen(lost, attempt, self._requested_transport)
                 try:
                     yield from self._rejoin(attempt.remaining())
+                except RankTaken:
+                    if not self._reseat():
+                        raise
+                    yield from self._rejoin(attempt.remaining())
                 except APSTimeoutError:
                     raise APSTimeoutError(f"the server at {self.address} is back, but waits for the other workers: "
                                           f"{_describe_progress(self._core.join_progress)}") from None
@@ -374,6 +380,18 @@ class _ChannelSteps:
                     attempt.check_closed()
         attempt.done()
         self._start_heartbeat()
+
+    def _reseat(self) -> bool:
+        """A rejoin found this worker's rank taken: when the server had chosen it (rank=None)
+        and the worker is not one shard's part of a sharded worker (every shard seats it
+        under the same rank), ask for any rank again; True if so."""
+        core = self._core
+        if not core.rank_assigned or self._as_shard or core.rank is None:
+            return False
+        lost = core.reseat()
+        log.warning("rank %d was given to another worker while this one reconnected to %s: asking for another rank",
+                    lost, self.address)
+        return True
 
     def _reopen(self, lost: BaseException | None, attempt: _Reconnecting | None, transport: str) -> Steps:
         """(Under the lock.) Drop the connection and open a new one."""

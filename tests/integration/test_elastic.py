@@ -9,6 +9,7 @@ import collections
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -315,3 +316,41 @@ def test_an_init_without_values_is_refused_while_there_is_no_model(server_proces
         assert header.op == Op.INIT_REPLY
     finally:
         raw.close()
+
+
+def test_a_worker_whose_assigned_rank_was_taken_while_it_reconnected_takes_another(server_process, caplog):
+    """rank=None: the server chose the rank, so a worker that finds it taken when it comes back
+    asks for any; the gradient in flight is not sent again under the new rank (the old rank's
+    record of it is not the new seat's), and every other gradient counts once."""
+    import threading
+
+    import aps
+
+    server = server_process("--workers", "1:3", "--sync", "asp", "--lr", "1")
+    model = {"w": np.zeros(4, np.float32)}
+    a, b, d = (aps.Worker(server.address, transport="tcp") for _ in range(3))
+    for worker in (a, b, d):
+        worker.init(model)
+    assert (a.rank, b.rank, d.rank) == (0, 1, 2)
+    a.push_pull(np.ones(4, np.float32))
+    a.shards[0]._conn.sock.shutdown(socket.SHUT_RDWR)  # the network drops a's connection
+    deadline = time.monotonic() + 10
+    while b.push_pull(np.zeros(4, np.float32)) is not None and b.num_workers != 2:
+        assert time.monotonic() < deadline, "the server never saw rank 0 go"
+        time.sleep(0.05)
+    with aps.Worker(server.address, transport="tcp") as c:
+        c.init(model)
+        assert c.rank == 0  # the only free rank: a's
+        c.push_pull(np.full(4, 2, np.float32))
+        leaving = threading.Timer(0.5, d.leave)  # rank 2 frees while a retries
+        leaving.start()
+        with caplog.at_level("WARNING", logger="aps.worker"):
+            weights = a.push_pull(np.full(4, 100, np.float32))
+        leaving.join()
+        assert a.rank == 2 and a.num_workers == 3
+        assert "was given to another worker" in caplog.text and "not sent again" in caplog.text
+        np.testing.assert_array_equal(weights["w"], -3 * np.ones(4))  # a's 1 and c's 2; not a's 100
+        a.push_pull(np.full(4, 4, np.float32))  # a trains on under rank 2
+        np.testing.assert_array_equal(a.weights["w"], -7 * np.ones(4))
+    for worker in (a, b, d):
+        worker.close()
