@@ -140,12 +140,15 @@ class AsyncWorker(_Workers):
 
     async def close(self) -> None:
         """See :meth:`aps.Worker.close`."""
-        self._closing = True
-        await asyncio.gather(*(channel.close() for channel in self._channels), return_exceptions=True)
+        await self._close()
 
-    async def leave(self) -> None:
+    async def leave(self, *, finished: bool = False) -> None:
         """See :meth:`aps.Worker.leave`."""
-        await self.close()
+        await self._close(finished)
+
+    async def _close(self, finished: bool = False) -> None:
+        self._closing = True
+        await asyncio.gather(*(channel.close(finished) for channel in self._channels), return_exceptions=True)
 
     async def __aenter__(self) -> AsyncWorker:
         return self

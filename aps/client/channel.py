@@ -208,8 +208,9 @@ class Channel(_OneServer, _ChannelSteps):
             self._lock.release()
         return True
 
-    def close(self, budget: float = 5.0, wait: bool = True) -> None:
-        """Leave the server (LEAVE, within ``budget`` seconds) and disconnect. A call
+    def close(self, budget: float = 5.0, wait: bool = True, finished: bool = False) -> None:
+        """Leave the server (LEAVE, within ``budget`` seconds; ``finished``: this worker's
+        training is done) and disconnect. A call
         another thread is in (reconnecting, or held at the gate) is ended after half a
         second (its connection shut), and waited for unless ``wait`` is False (the exit
         hook: it cannot be asked to leave in between)."""
@@ -225,7 +226,7 @@ class Channel(_OneServer, _ChannelSteps):
             self._lock.acquire()
         try:
             if budget > 0:
-                run(self._leave(budget))
+                run(self._leave(budget, finished))
             self._disconnect()
             if self._core.shm is not None:  # (a closed worker makes no request again)
                 self._core.shm.close_segments()
@@ -288,8 +289,9 @@ class AsyncChannel(_OneServer, _ChannelSteps):
         except APSError as exc:
             log.warning("rank %s: heartbeat failed: %s", self.rank, exc)
 
-    async def close(self) -> None:
-        """Leave the server and disconnect (a call another task is in is ended first)."""
+    async def close(self, finished: bool = False) -> None:
+        """Leave the server (``finished``: this worker's training is done) and disconnect (a
+        call another task is in is ended first)."""
         self._closed = self._closing = True
         if self._heartbeat_task is not None:
             self._heartbeat_task.cancel()
@@ -303,7 +305,7 @@ class AsyncChannel(_OneServer, _ChannelSteps):
             pass
         if self._conn is None:
             return
-        await arun(self._leave(5.0))
+        await arun(self._leave(5.0, finished))
         conn = self._conn
         self._disconnect()
         if conn is not None:

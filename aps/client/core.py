@@ -400,8 +400,8 @@ class _ClientCore:
         wire = self._rows_wire(buffers) if flags & _ROWS else buffers  # (over shm: the gradient is in its segment)
         return [pack_header(op, flags, dtype, rid, clock, version, sum(len(b) for b in wire)), *wire]
 
-    def simple_request(self, op: Op) -> list:
-        return [self._header(op)]
+    def simple_request(self, op: Op, flags: int = 0) -> list:
+        return [self._header(op, flags=flags)]
 
     def hyper_request(self, payload: bytes, check: bool = False) -> list:
         """HYPER: the per-group optimizer values (an :func:`aps.wire.protocol.encode_hyper` payload);

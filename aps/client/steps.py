@@ -39,7 +39,7 @@ from ..errors import (
 )
 from ..layout import Layout
 from ..wire.net import client_context, parse_address
-from ..wire.protocol import Op, encode_hyper, host_identity
+from ..wire.protocol import Flag, Op, encode_hyper, host_identity
 from ..wire.segments import shm_available
 from .arguments import _check_heartbeat, _check_reconnect, _check_transport, _from_env, _refuse_one_shard, _with_scheme
 from .core import _DROPPED, COMPRESSION, _ClientCore, _compression
@@ -307,11 +307,13 @@ class _ChannelSteps:
             np.copyto(flat, values)
         return not header.flags & _DROPPED
 
-    def _leave(self, timeout: float | None) -> Steps:
-        """LEAVE (the server stops counting this worker); errors are the connection's end anyway."""
+    def _leave(self, timeout: float | None, finished: bool = False) -> Steps:
+        """LEAVE (the server stops counting this worker; ``finished``: its training is done,
+        Flag.FINISHED); errors are the connection's end anyway."""
         if self._conn is not None and self._core.joined:
+            flags = Flag.FINISHED if finished else 0
             try:
-                yield from self._roundtrip(lambda: self._core.simple_request(Op.LEAVE), timeout)
+                yield from self._roundtrip(lambda: self._core.simple_request(Op.LEAVE, flags), timeout)
             except APSError:
                 pass
 

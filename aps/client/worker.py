@@ -922,16 +922,19 @@ class Worker(_Workers):
         A worker still open when its process exits leaves by itself (an ``atexit`` hook
         does what this does, within a few seconds in all), so that a script that ends
         without calling it is counted as having left, not as a crash."""
+        self.leave()
+
+    def leave(self, *, finished: bool = False) -> None:
+        """Leave the run for good (the server stops counting this worker at once) and
+        disconnect: :meth:`close` by its elastic name. ``finished``: this worker's
+        training is done and the run is ending: an elastic server then holds the
+        workers still training below MIN no more (they finish their part), where a
+        plain leave (a worker scaled away) holds them until MIN are back."""
         self._closing = True
         for channel in self._channels:
-            channel.close()
+            channel.close(finished=finished)
         if self._pool is not None:
             self._pool.shutdown()
-
-    def leave(self) -> None:
-        """Leave the run for good (the server stops counting this worker at once) and
-        disconnect: :meth:`close` by its elastic name."""
-        self.close()
 
     def __enter__(self) -> Worker:
         return self

@@ -103,6 +103,8 @@ class Engine(Durable, Loads):
         self.on_quorum: Callable[[bool], None] | None = None
         #: Training holds: an elastic run has fewer than MIN live workers.
         self.below_quorum = False
+        #: A worker left saying its training is done: the run is ending, MIN holds nobody.
+        self.draining = False
         self.policy = make_policy(config, window_type or kernels.StalenessWindow)
         self.table: ParameterTable | None = None
         self.layout: Layout | None = None
@@ -244,7 +246,7 @@ class Engine(Durable, Loads):
             live=window.num_live, started=self.started, version=self.version, pushes=self.pushes,
             dropped=policy.dropped, dropped_stale=policy.dropped_stale, run_id=self.run_id,
             resumed_from=self.resumed_from, parameters=self.layout.numel if self.layout is not None else 0,
-            ranks=tuple(ranks), min_workers=self.quorum,
+            ranks=tuple(ranks), min_workers=self.quorum, draining=self.draining,
             tables=tuple(TableView(name=name, dim=rows.table.dim, optimizer=rows.table.optimizer, rows=len(rows),
                                    nbytes=rows.nbytes, rows_pulled=rows.rows_pulled, rows_pushed=rows.rows_pushed,
                                    rows_evicted=rows.rows_evicted) for name, rows in self.rows.items()),
@@ -519,6 +521,10 @@ class Engine(Durable, Loads):
         seat.left = self._left = self._left + 1
         outcome = self.policy.leave(member.rank)
         log.info("worker %d %s (%d/%d live)", member.rank, how, self.policy.num_live, self.num_workers)
+        if how == "finished" and self.config.elastic and not self.draining:
+            self.draining = True
+            log.info("rank %d finished training: the run is ending, and fewer than MIN=%d live workers no longer "
+                     "hold the others", rank, self.quorum)
         self.stats.membership(rank, how, seat.clock, self.policy.num_live)
         if not self.started and self.on_membership_change is not None:
             self.on_membership_change()
@@ -529,7 +535,7 @@ class Engine(Durable, Loads):
     def _check_quorum(self) -> None:
         """An elastic run holds every worker at the gate while fewer than MIN are live
         (docs/algorithms.md, "Elastic membership"), and goes on when enough are back."""
-        below = self.config.elastic and self.policy.num_live < self.quorum
+        below = self.config.elastic and not self.draining and self.policy.num_live < self.quorum
         if below == self.below_quorum:
             return
         self.below_quorum = below

@@ -689,7 +689,7 @@ class ServerSession(Handshake, RowRequests):
     def _on_leave(self, header: Header, payload: memoryview, stream) -> None:
         member = self._require_member()
         self.member = None
-        self.engine.leave(member, "left")
+        self.engine.leave(member, "finished" if header.flags & Flag.FINISHED else "left")
         self._reply(Op.LEAVE_REPLY)
 
     def _on_checkpoint(self, header: Header, payload: memoryview, stream) -> None:

@@ -41,9 +41,9 @@ WAIT_BUCKETS_S = (0.001, 0.005, 0.01, 0.05, 0.1, 0.5, 1.0, 5.0, 10.0, 60.0)
 #: Membership events kept (the newest; each kind is also counted for ever).
 EVENTS_KEPT = 200
 #: What can happen to a rank's membership: it joined (a new process, or the same one
-#: reconnecting), said goodbye, its connection was lost, or the server dropped it
+#: reconnecting), said goodbye (its training finished, or not), its connection was lost, or the server dropped it
 #: for silence (missed heartbeats, or a reply it never read).
-MEMBERSHIP_EVENTS = ("joined", "rejoined", "left", "disconnected", "timed out")
+MEMBERSHIP_EVENTS = ("joined", "rejoined", "left", "finished", "disconnected", "timed out")
 #: The counts a checkpoint carries over to the run's next process (see ServerStats.carry).
 CARRIED_COUNTERS = ("rejected", "duplicates")
 
@@ -117,6 +117,8 @@ class EngineView:
     tables: tuple[TableView, ...] = ()
     #: MIN of an elastic run (``workers`` is MAX); equal to ``workers`` for a fixed size.
     min_workers: int = 0
+    #: A worker finished training (LEAVE, Flag.FINISHED): fewer than MIN live hold nobody.
+    draining: bool = False
 
 
 #: The keys of each group in a worker's ``hyperparameters`` (HyperGroup's fields).
@@ -398,6 +400,8 @@ class ServerStats:
                 # this process's monotonic clock: None when it does not hold)
                 "quorum_held_s": None if self.quorum_since is None else self._now() - self.quorum_since,
                 "quorum_holds": self.quorum_holds,
+                # a worker left saying its training is done: the run is ending, MIN holds nobody
+                "draining": engine.draining,
                 "started": engine.started,
                 "uptime_s": self._now() - self.created,
                 "version": version,

@@ -177,6 +177,9 @@ class Flag(IntFlag):
     #: INIT_REPLY: the worker joined a model that was already training; the
     #: weights are the server's and the values it sent were not used.
     RUNNING = 4
+    #: LEAVE: this worker's training is done, the run is ending: an elastic server holds
+    #: the workers still training below MIN no more (docs/algorithms.md, "Elastic membership").
+    FINISHED = 4
     #: INIT: the worker reconnects after losing its connection (its header's
     #: clock is the clock it had); it goes on from there, and a push it sends
     #: again is recognised (docs/protocol.md, "Reconnecting").

@@ -354,3 +354,34 @@ def test_a_worker_whose_assigned_rank_was_taken_while_it_reconnected_takes_anoth
         np.testing.assert_array_equal(a.weights["w"], -7 * np.ones(4))
     for worker in (a, b, d):
         worker.close()
+
+
+def test_a_worker_that_finished_lets_the_others_end_below_min(server_process):
+    """leave(finished=True): the run is ending, so the workers still training are not held
+    below MIN (a plain leave holds them: the test above); the server counts it as finished."""
+    import threading
+
+    import aps
+
+    server = server_process("--workers", "2:3", "--sync", "asp", "--lr", "1", "--http-port", "0")
+    model = {"w": np.zeros(4, np.float32)}
+    with aps.Worker(server.address) as stays, aps.Worker(server.address) as done:
+        joining = threading.Thread(target=done.init, args=(model,))
+        joining.start()
+        stays.init(model)
+        joining.join()
+        done.push_pull(np.ones(4, np.float32))
+        assert fetch_stats(server.address)["server"]["draining"] is False
+        done.leave(finished=True)
+        results: list = []
+        steps = threading.Thread(target=lambda: results.extend(stays.push_pull(np.ones(4, np.float32))["w"]
+                                                               for _ in range(3)))
+        steps.start()  # one live worker of MIN 2, not held
+        steps.join(20)
+        assert not steps.is_alive(), "a worker was held below MIN after another finished"
+        np.testing.assert_array_equal(results[-1], -4 * np.ones(4))
+        stats = fetch_stats(server.address)
+        assert stats["server"]["draining"] is True and stats["server"]["quorum_held_s"] is None
+        events = stats["server"]["membership_events"]
+        assert events["finished"] == 1 and events["left"] == 0
+        assert stays.num_workers == 1

@@ -81,7 +81,7 @@ def test_every_endpoint_answers():
         families = {f.name: f for f in text_string_to_metric_families(await metrics.text())}
         assert families["aps_version"].samples[0].value == 7
         assert {s.labels["event"]: s.value for s in families["aps_membership_events"].samples} == {
-            "joined": 2, "rejoined": 0, "left": 0, "disconnected": 0, "timed_out": 0}
+            "joined": 2, "rejoined": 0, "left": 0, "finished": 0, "disconnected": 0, "timed_out": 0}
         stats = await client.get("/api/stats")
         assert await stats.json() == snapshot()
         config = await (await client.get("/api/config")).json()
