@@ -8,7 +8,9 @@ grow the server's pool of snapshot slots: its spare is made off the update lane)
 push_pull of the running workers is timed; the figure is the longest one that overlapped
 the join, against the median of those before it: the target is at most one round trip
 more (``longest <= 2 x median``). On a machine of few cores the joining process's own work
-(its buffers, the weights copied in) competes with the running workers for the CPUs.
+(its buffers, the weights copied in) competes with the running workers for the CPUs: the
+control, measured the same way in the same run, is no join at all but that work alone (a
+fresh 64 MiB buffer filled by a copy, in the bench's process).
 
 ``resize``: what a resize from 4 to 8 workers buys. Separate hosts are network namespaces
 (aps/testing/netns.py), each worker host's link limited to ``--rate-mbit`` (1 Gbit/s) in
@@ -122,6 +124,15 @@ def measure_join(transport: str, mib: int, seconds: float, think: float = 0.0) -
                 newcomer.init({"w": np.zeros(numel, np.float32)})
                 joins.append((joined_at, time.time()))
                 time.sleep(seconds / 2)
+        # The control: not a join, the work any newcomer's process does on this machine whatever
+        # the server: its weights received into a fresh buffer (pages faulted in, 64 MiB copied).
+        time.sleep(seconds)
+        began = time.time()
+        sent = np.full(numel, 0.5, np.float32)
+        received = np.empty(numel, np.float32)
+        np.copyto(received, sent)
+        joins.append((began, time.time()))
+        del sent, received
         for proc in agents:
             proc.stdin.close()
         steps = []
@@ -140,7 +151,7 @@ def measure_join(transport: str, mib: int, seconds: float, think: float = 0.0) -
                      "push_pulls_around_join": len(around), "delay_in_round_trips": (longest - median) / median})
     first = rows[0]
     return {"transport": transport, "model_mib": mib, "think_s": think, "median_push_pull_s": median, **first,
-            "second_join": rows[1],
+            "second_join": rows[1], "control": rows[2],
             "target_met": first["longest_around_join_s"] <= 2 * median}
 
 
@@ -230,7 +241,8 @@ def main(argv: list[str] | None = None) -> int:
                   f"{row['longest_around_join_s'] * 1e3:.1f} ms against a median of "
                   f"{row['median_push_pull_s'] * 1e3:.1f} ms ({row['delay_in_round_trips']:.2f} round trips "
                   f"more; target <= 1: {'met' if row['target_met'] else 'NOT met'}); a second join: "
-                  f"{row['second_join']['delay_in_round_trips']:.2f} round trips more", flush=True)
+                  f"{row['second_join']['delay_in_round_trips']:.2f}; the control (a fresh 64 MiB buffer filled, "
+                  f"no join): {row['control']['delay_in_round_trips']:.2f}", flush=True)
     if args.only in (None, "resize"):
         row = report["resize"] = measure_resize(args.rate_mbit, 1.0, args.window, args.repeats)
         print(f"resize 4 -> 8 workers, 1 MiB, ASP, {row['rate_mbit']:g} Mbit/s a worker host: "
