@@ -42,8 +42,10 @@ RESUME_LATEST = "latest"
 #: and refuses a value given that differs (the others are the operator's to change).
 RUN_OPTIONS = (
     "workers", "sync", "staleness", "max_staleness", "softsync_n", "backup_workers", "lr_staleness", "async_scale",
-    "optimizer", "lr", "momentum", "nesterov", "weight_decay", "betas", "eps", "shard", "shards",
+    "optimizer", "lr", "momentum", "nesterov", "weight_decay", "betas", "eps", "shard", "shards", "staleness_cutoff",
 )
+#: Run options newer than some checkpoints: a manifest that does not say one had it at this value.
+RUN_OPTIONS_SINCE = {"staleness_cutoff": None}
 #: The options every shard of a model must share: workers check them across shards.
 SHARED_OPTIONS = (*(name for name in RUN_OPTIONS if name != "shard"), "min_workers")
 
@@ -103,6 +105,11 @@ class ServerConfig:
     )
     max_staleness: int | None = field(
         default=None, metadata=_opt("DSSP upper bound s_U (default max(15, s_L))", metavar="S_U")
+    )
+    staleness_cutoff: int | None = field(
+        default=None,
+        metadata=_opt("drop a gradient computed more than R versions before the one it would be applied to "
+                      "(counted, its worker not held; asp, ssp, dssp, softsync; default: none)", metavar="R"),
     )
     softsync_n: int | None = field(
         default=None, metadata=_opt("n-softsync: one update per max(1, P // n) gradients (default 1)", metavar="N")
@@ -294,6 +301,12 @@ class ServerConfig:
                 raise ConfigurationError(
                     f"--max-staleness ({self.max_staleness}) must be at least --staleness ({lower})"
                 )
+        if self.staleness_cutoff is not None:
+            if self.staleness_cutoff < 0:
+                raise ConfigurationError(f"--staleness-cutoff must be >= 0, got {self.staleness_cutoff}")
+            if self.sync == "bsp":
+                raise ConfigurationError("--staleness-cutoff applies to asp, ssp, dssp and softsync: a BSP round takes "
+                                         "only gradients computed on its own version (staleness 0)")
         if self.softsync_n is not None:
             if self.sync != "softsync":
                 raise ConfigurationError("--softsync-n applies to --sync softsync only")
@@ -398,6 +411,8 @@ class ServerConfig:
             text += " lr/staleness"
         if self.async_scale == "mean" and self.sync in ("asp", "ssp", "dssp"):
             text += " mean-scaled"
+        if self.staleness_cutoff is not None:
+            text += f" cutoff={self.staleness_cutoff}"
         return text
 
 

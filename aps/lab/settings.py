@@ -85,9 +85,10 @@ class Setting:
 
 def parse_setting(text: str) -> Setting:
     """``bsp[:K]``, ``asp``, ``ssp:S``, ``dssp:S_L:S_U``, ``softsync:N[:S]``; append
-    ``+inverse`` for ``--lr-staleness inverse``."""
+    ``+inverse`` for ``--lr-staleness inverse`` and ``+cutoff:R`` for ``--staleness-cutoff R``
+    (``asp+cutoff:8+inverse``)."""
     label = text.strip()
-    body, _, extra = label.partition("+")
+    body, *extras = label.split("+")
     name, *args = body.split(":")
     try:
         numbers = [int(a) for a in args]
@@ -109,10 +110,14 @@ def parse_setting(text: str) -> Setting:
             options["staleness"] = numbers[1]
     else:
         raise ConfigurationError(f"bad sync setting {text!r}: use {SETTING_FORM}")
-    if extra:
-        if extra != "inverse":
-            raise ConfigurationError(f"bad sync setting {text!r}: the only suffix is +inverse")
-        options["lr_staleness"] = "inverse"
+    for extra in extras:
+        key, _, value = extra.partition(":")
+        if extra == "inverse" and "lr_staleness" not in options:
+            options["lr_staleness"] = "inverse"
+        elif key == "cutoff" and value.isdigit() and "staleness_cutoff" not in options:
+            options["staleness_cutoff"] = int(value)
+        else:
+            raise ConfigurationError(f"bad sync setting {text!r}: the suffixes are +inverse and +cutoff:R, once each")
     return Setting(label, options)
 
 

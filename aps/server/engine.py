@@ -50,7 +50,7 @@ from .optim import HyperGroups, make_optimizer
 from ..wire.protocol import ANY_RANK, MAX_COUNTER, MAX_COUNTER_NAME, MAX_COUNTERS, HyperGroup
 from .members import Member, PushResult, ReadyCallback, Seat
 from .stats import EngineView, RankView, ServerStats, TableView
-from .sync import RESUMED, STALE, Outcome, Plan, PlanKind, make_policy
+from .sync import CUTOFF, RESUMED, STALE, Outcome, Plan, PlanKind, make_policy
 from .rows import RowTable, Tables
 from .table import ParameterTable, Snapshot
 
@@ -244,7 +244,8 @@ class Engine(Durable, Loads):
             optimizer=table.optimizer.describe() if table is not None else config.optimizer,
             defaults=table.optimizer.defaults if table is not None else None, workers=self.num_workers,
             live=window.num_live, started=self.started, version=self.version, pushes=self.pushes,
-            dropped=policy.dropped, dropped_stale=policy.dropped_stale, run_id=self.run_id,
+            dropped=policy.dropped, dropped_stale=policy.dropped_stale,
+            dropped_cutoff=policy.dropped_cutoff, run_id=self.run_id,
             resumed_from=self.resumed_from, parameters=self.layout.numel if self.layout is not None else 0,
             ranks=tuple(ranks), min_workers=self.quorum, draining=self.draining,
             tables=tuple(TableView(name=name, dim=rows.table.dim, optimizer=rows.table.optimizer, rows=len(rows),
@@ -815,6 +816,12 @@ class Engine(Durable, Loads):
                             "reconnected) is older than the %s bound allows: dropped, not applied; it goes on from "
                             "the newest weights", rank, self.table.version - plan.staleness, plan.staleness,
                             policy.name)
+            elif plan.reason == CUTOFF:
+                ws.dropped_cutoff += 1
+                if ws.dropped_cutoff == 1 or ws.dropped_cutoff % 1000 == 0:  # (not a line per push)
+                    log.info("worker %d: a gradient %d versions old, beyond --staleness-cutoff %d: dropped (%d so "
+                             "far from this worker)", rank, plan.staleness, self.config.staleness_cutoff,
+                             ws.dropped_cutoff)
         else:
             ws.staleness.add(plan.staleness)
         if window.controller_calls != consulted:

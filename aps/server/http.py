@@ -162,13 +162,15 @@ class StatsCollector:
         refused = CounterMetricFamily("aps_gradients_not_applied", "Gradients not applied, by rank and reason: "
                                       "closed_round (BSP, dropped), stale (older than the SSP/DSSP bound allows, "
                                       "sent again after a reconnect: dropped), resumed (computed on weights newer "
-                                      "than a shard that resumed from an older checkpoint holds: dropped) or "
+                                      "than a shard that resumed from an older checkpoint holds: dropped), cutoff (older "
+                                      "than --staleness-cutoff: dropped) or "
                                       "non_finite (NaN or infinity, rejected).", labels=["rank", "reason"])
         for w in workers:
-            stale, resumed = w.get("dropped_stale", 0), w.get("dropped_resumed", 0)
-            refused.add_metric([str(w["rank"]), "closed_round"], w["dropped"] - stale - resumed)
+            stale, resumed, cut = w.get("dropped_stale", 0), w.get("dropped_resumed", 0), w.get("dropped_cutoff", 0)
+            refused.add_metric([str(w["rank"]), "closed_round"], w["dropped"] - stale - resumed - cut)
             refused.add_metric([str(w["rank"]), "stale"], stale)
             refused.add_metric([str(w["rank"]), "resumed"], resumed)
+            refused.add_metric([str(w["rank"]), "cutoff"], cut)
             refused.add_metric([str(w["rank"]), "non_finite"], w["rejected"])
         yield refused
         yield CounterMetricFamily("aps_duplicate_pushes", "Pushes sent again after a lost reply, recognised and "

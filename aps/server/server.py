@@ -36,7 +36,7 @@ from ..checkpoint import (
     read_manifest,
 )
 from ..wire.tokens import new_token, remove_token_file, token_path, write_token_file
-from ..config import RESUME_LATEST, RUN_OPTIONS, ServerConfig, generates_token, resolve_token
+from ..config import RESUME_LATEST, RUN_OPTIONS, RUN_OPTIONS_SINCE, ServerConfig, generates_token, resolve_token
 from ..errors import APSError, CheckpointError, CheckpointFailed, ConfigurationError
 from ..wire.protocol import encode_join_progress
 from ..wire.net import server_context
@@ -383,6 +383,8 @@ class Server:
             given = {name for name in RUN_OPTIONS if getattr(config, name) != getattr(defaults, name)}
         changes = {}
         for name in RUN_OPTIONS:
+            if name not in saved and name in RUN_OPTIONS_SINCE:  # (a checkpoint older than the option)
+                saved = {**saved, name: RUN_OPTIONS_SINCE[name]}
             if name not in saved:
                 raise CheckpointError(f"checkpoint {checkpoint.path} does not say its --{name.replace('_', '-')}")
             value = tuple(saved[name]) if isinstance(saved[name], list) else saved[name]

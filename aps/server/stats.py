@@ -109,6 +109,7 @@ class EngineView:
     pushes: int
     dropped: int
     dropped_stale: int
+    dropped_cutoff: int
     run_id: Any
     resumed_from: Any
     parameters: int
@@ -174,7 +175,7 @@ class WorkerStats:
     """Counters for one rank (kept across reconnects)."""
 
     __slots__ = (
-        "pushes", "dropped", "dropped_stale", "dropped_resumed", "rejected", "staleness", "r_star", "release_gap", "waits", "wait_total",
+        "pushes", "dropped", "dropped_stale", "dropped_resumed", "dropped_cutoff", "rejected", "staleness", "r_star", "release_gap", "waits", "wait_total",
         "wait_max", "pulls", "wait_buckets",
     )
 
@@ -183,6 +184,7 @@ class WorkerStats:
         self.dropped = 0  # for any reason (BSP's closed round, or older than the bound)
         self.dropped_stale = 0  # older than the staleness bound (computed before a reconnect)
         self.dropped_resumed = 0  # computed on weights newer than a shard that resumed older holds
+        self.dropped_cutoff = 0  # older than --staleness-cutoff
         self.rejected = 0
         self.staleness = Histogram()
         self.r_star = Histogram()
@@ -370,6 +372,7 @@ class ServerStats:
                     "dropped": ws.dropped,
                     "dropped_stale": ws.dropped_stale,
                     "dropped_resumed": ws.dropped_resumed,
+                    "dropped_cutoff": ws.dropped_cutoff,
                     "rejected": ws.rejected,
                     "staleness_mean": ws.staleness.mean,
                     "staleness_hist": ws.staleness.to_dict(),
@@ -410,6 +413,7 @@ class ServerStats:
                 "pushes": engine.pushes,
                 "dropped": engine.dropped,
                 "dropped_stale": engine.dropped_stale,
+                "dropped_cutoff": engine.dropped_cutoff,
                 "rejected": run["rejected"],
                 "duplicates": run["duplicates"],
                 # what this process counted (from 0 when it started; the figures above are the run's)

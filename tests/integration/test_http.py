@@ -443,3 +443,28 @@ def test_a_model_without_tables_shows_no_tables(server_process):
         status = subprocess.run([sys.executable, "-m", "aps", "status", server.address], capture_output=True,
                                 text=True, timeout=60)
         assert status.returncode == 0 and not any(line.startswith("table ") for line in status.stdout.splitlines())
+
+
+def test_a_gradient_beyond_the_cutoff_is_dropped_counted_and_its_worker_goes_on(server_process):
+    server = server_process("--workers", "2", "--sync", "asp", "--lr", "1", "--staleness-cutoff", "1",
+                            "--http-port", "0")
+    base = http_address(server)
+    workers = [aps.Worker(server.address, rank, 2, transport="tcp") for rank in range(2)]
+    joining = threading.Thread(target=workers[1].init, args=({"w": np.zeros(2, np.float32)},))
+    joining.start()
+    workers[0].init({"w": np.zeros(2, np.float32)})
+    joining.join(10)
+    for _ in range(2):
+        workers[0].push_pull({"w": np.array([1, 0], np.float32)})
+    old = workers[1].push_pull({"w": np.array([0, 1], np.float32)})  # computed on version 0, met at 2
+    np.testing.assert_array_equal(old["w"], [-2, 0])  # not applied; the newest weights back
+    fresh = workers[1].push_pull({"w": np.array([0, 1], np.float32)})  # on version 2: applied
+    np.testing.assert_array_equal(fresh["w"], [-2, -1])
+    metrics = samples(asyncio.run(get(base + "metrics"))[1])
+    assert metrics[("aps_gradients_not_applied_total", (("rank", "1"), ("reason", "cutoff")))] == 1
+    assert metrics[("aps_gradients_not_applied_total", (("rank", "0"), ("reason", "cutoff")))] == 0
+    assert metrics[("aps_gradients_not_applied_total", (("rank", "1"), ("reason", "closed_round")))] == 0
+    stats = fetch_stats(server.address)
+    assert stats["server"]["dropped_cutoff"] == 1 and stats["workers"][1]["dropped_cutoff"] == 1
+    for worker in workers:
+        worker.close()

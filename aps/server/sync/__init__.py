@@ -6,14 +6,14 @@ from ... import _core
 from ...config import ServerConfig
 from ...errors import ConfigurationError
 from .asp import ASP
-from .base import CLOSED_ROUND, RESUMED, STALE, Outcome, Plan, PlanKind, SyncPolicy
+from .base import CLOSED_ROUND, CUTOFF, RESUMED, STALE, Outcome, Plan, PlanKind, SyncPolicy
 from .bsp import BSP
 from .dssp import DSSP
 from .softsync import Softsync
 from .ssp import SSP
 
 __all__ = [
-    "ASP", "BSP", "CLOSED_ROUND", "DSSP", "POLICIES", "RESUMED", "STALE", "Outcome", "Plan", "PlanKind", "SSP", "Softsync",
+    "ASP", "BSP", "CLOSED_ROUND", "CUTOFF", "DSSP", "POLICIES", "RESUMED", "STALE", "Outcome", "Plan", "PlanKind", "SSP", "Softsync",
     "SyncPolicy", "make_policy",
 ]
 

@@ -18,7 +18,7 @@ from typing import ClassVar
 from ... import _core
 from ...config import ServerConfig
 
-__all__ = ["CLOSED_ROUND", "RESUMED", "STALE", "ApplyOnArrival", "Outcome", "Plan", "PlanKind", "SyncPolicy"]
+__all__ = ["CLOSED_ROUND", "CUTOFF", "RESUMED", "STALE", "ApplyOnArrival", "Outcome", "Plan", "PlanKind", "SyncPolicy"]
 
 
 class PlanKind(Enum):
@@ -34,6 +34,8 @@ class PlanKind(Enum):
 CLOSED_ROUND = "closed_round"
 STALE = "stale"
 RESUMED = "resumed"
+#: ... or it was computed more than ``--staleness-cutoff`` versions before the one it would meet.
+CUTOFF = "cutoff"
 
 
 @dataclass(slots=True)
@@ -45,7 +47,7 @@ class Plan:
         scale: factor the gradient is multiplied by before the optimizer sees it.
         first: for ACCUMULATE, the gradient starts a new aggregate.
         staleness: ``V - v_g`` in server versions when the gradient is applied.
-        reason: for DROP, why: :data:`CLOSED_ROUND`, :data:`STALE` or :data:`RESUMED`.
+        reason: for DROP, why: :data:`CLOSED_ROUND`, :data:`STALE`, :data:`RESUMED` or :data:`CUTOFF`.
     """
 
     kind: PlanKind
@@ -83,9 +85,11 @@ class SyncPolicy:
         self.num_workers = config.workers
         bounds = config.staleness_bounds()
         self.window = window_type(self.num_workers, *bounds) if bounds else window_type(self.num_workers)
-        #: Gradients dropped (for any reason), and among them those older than the bound.
+        #: Gradients dropped (for any reason), and among them those older than the bound,
+        #: and those older than the cut-off.
         self.dropped = 0
         self.dropped_stale = 0
+        self.dropped_cutoff = 0
         #: Restored from a checkpoint, and not every worker is back yet: no round closes
         #: (no update is formed from a part of the cluster); the engine clears it at the start.
         self.resuming = False
@@ -131,6 +135,7 @@ class SyncPolicy:
             "controller_calls": calls,
             "dropped": self.dropped,
             "dropped_stale": self.dropped_stale,
+            "dropped_cutoff": self.dropped_cutoff,
             "clocks": list(clocks),
             "live": [bool(x) for x in live],
             "held": [bool(x) for x in held],
@@ -153,6 +158,7 @@ class SyncPolicy:
                             int(state.get("released_max", -1)))
         self.dropped = int(state.get("dropped", 0))
         self.dropped_stale = int(state.get("dropped_stale", 0))
+        self.dropped_cutoff = int(state.get("dropped_cutoff", 0))
         self.resuming = True
         return {
             rank: (int(clock), bool(held) and self.window.bounded, int(credit))
@@ -187,6 +193,14 @@ class SyncPolicy:
     def _stale(self, grad_version: int, version: int) -> Plan:
         return Plan(PlanKind.DROP, staleness=version - grad_version, reason=STALE)
 
+    def _cut(self, grad_version: int, version: int) -> Plan | None:
+        """A DROP for a gradient more than ``--staleness-cutoff`` versions old (docs/algorithms.md,
+        "Staleness cut-off"), else None. Like every dropped push it ends its iteration."""
+        cutoff = self.config.staleness_cutoff
+        if cutoff is not None and version - grad_version > cutoff:
+            return Plan(PlanKind.DROP, staleness=version - grad_version, reason=CUTOFF)
+        return None
+
     @staticmethod
     def _newer(grad_version: int, version: int) -> Plan | None:
         """A DROP for a gradient computed on weights newer than this shard's (it resumed
@@ -198,6 +212,8 @@ class SyncPolicy:
         self.dropped += 1
         if plan.reason == STALE:
             self.dropped_stale += 1
+        elif plan.reason == CUTOFF:
+            self.dropped_cutoff += 1
 
     def commit(self, rank: int, plan: Plan, now: float) -> Outcome:
         """The gradient was accepted and ``plan`` carried out; count the push."""
@@ -227,6 +243,9 @@ class ApplyOnArrival(SyncPolicy):
             return newer
         if not self.admits(rank, clock):
             return self._stale(grad_version, version)
+        cut = self._cut(grad_version, version)
+        if cut is not None:
+            return cut
         staleness = version - grad_version
         scale = self.staleness_scale(staleness)
         if self._mean:

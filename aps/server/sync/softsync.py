@@ -47,6 +47,9 @@ class Softsync(SyncPolicy):
             return newer
         if not self.admits(rank, clock):  # (only with --staleness: otherwise unbounded)
             return self._stale(grad_version, version)
+        cut = self._cut(grad_version, version)
+        if cut is not None:
+            return cut
         staleness = version - grad_version
         return Plan(
             PlanKind.ACCUMULATE, scale=self.staleness_scale(staleness), first=self._count == 0, staleness=staleness
