@@ -117,10 +117,11 @@ def _run_options(saved: dict) -> dict:
     valid together (as ``aps serve`` would take them)."""
     import typing
 
-    from ..config import RUN_OPTIONS, ServerConfig
+    from ..config import RUN_OPTIONS, RUN_OPTIONS_SINCE, ServerConfig
     from ..errors import ConfigurationError
 
     hints = typing.get_type_hints(ServerConfig)
+    saved = {**RUN_OPTIONS_SINCE, **saved}  # (options newer than the checkpoint: it had their former value)
     options = {name: _typed(saved.get(name, _MISSING), hints[name], f"config.{name}") for name in RUN_OPTIONS}
     try:
         ServerConfig(**options)

@@ -381,10 +381,9 @@ class Server:
         if given is None:  # the Python API: what differs from the defaults was given
             defaults = ServerConfig()
             given = {name for name in RUN_OPTIONS if getattr(config, name) != getattr(defaults, name)}
+        saved = {**RUN_OPTIONS_SINCE, **saved}  # (options newer than the checkpoint: it had their former value)
         changes = {}
         for name in RUN_OPTIONS:
-            if name not in saved and name in RUN_OPTIONS_SINCE:  # (a checkpoint older than the option)
-                saved = {**saved, name: RUN_OPTIONS_SINCE[name]}
             if name not in saved:
                 raise CheckpointError(f"checkpoint {checkpoint.path} does not say its --{name.replace('_', '-')}")
             value = tuple(saved[name]) if isinstance(saved[name], list) else saved[name]

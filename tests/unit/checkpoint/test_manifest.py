@@ -27,6 +27,7 @@ from aps.checkpoint import reading as ckpt_reading
 from aps.server.engine import Engine
 from aps.cli import main
 from aps.cli.checkpoint import request_checkpoint
+from aps.cli.status import fetch_stats
 from aps.config import RUN_OPTIONS, ServerConfig
 from aps.errors import CheckpointError
 
@@ -386,3 +387,18 @@ def test_a_read_that_hangs_is_given_up_and_one_that_goes_on_is_not(run_copy, mon
 
     monkeypatch.setattr(ckpt_reading, "_hash_fd", slow)  # where the reader looks it up
     assert ckpt.find_resumable(newest, stall=0.5).path == newest
+
+
+def test_a_checkpoint_older_than_an_option_resumes_with_the_options_former_value(run_copy):
+    """A manifest written before --staleness-cutoff existed does not say it: the run had none."""
+    directory, (older, newest) = run_copy
+    edited(newest, lambda m: m["config"].pop("staleness_cutoff"))
+    server = ServerProcess("--resume", str(newest), "--fork-run", "--checkpoint-dir", str(directory / "forked"))
+    try:
+        stats = fetch_stats(server.address)["server"]
+        assert stats["sync"] == "ssp s=2" and stats["version"] > 0 and stats["dropped_cutoff"] == 0
+    finally:
+        server.stop()
+    edited(newest, lambda m: m["config"].pop("sync"))  # an option every checkpoint says: refused
+    with pytest.raises(RuntimeError, match="config.sync: is missing"):
+        ServerProcess("--resume", str(newest), "--fork-run", "--checkpoint-dir", str(directory / "forked2"))
