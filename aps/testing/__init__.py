@@ -182,7 +182,8 @@ class RawClient:
             assert header.op == Op.AUTH_REPLY, f"expected an AUTH reply, got op {header.op}"
 
     def send(self, *parts: bytes) -> None:
-        self.sock.sendall(b"".join(bytes(p) for p in parts))
+        for part in parts:  # no joined copy: a large payload starts leaving at once
+            self.sock.sendall(part)
 
     def push(self, grad: np.ndarray, *, op: int = Op.PUSH, dtype: int = DType.FLOAT32, version: int = 0,
              request_id: int = 0) -> None:
@@ -205,11 +206,12 @@ class RawClient:
 
     def init(self, rank: int, num_workers: int, params: dict[str, np.ndarray], tables=None, **fields) -> None:
         layout = Layout.from_arrays(params, tables)
-        values = b"".join(np.ascontiguousarray(v, np.float32).tobytes() for v in params.values())
+        values = [memoryview(np.ascontiguousarray(v, np.float32)).cast("B") for v in params.values()]
         block = encode_init(rank, num_workers, layout)
         fields.setdefault("dtype", DType.FLOAT32)
         fields.setdefault("version", len(block))  # the layout block's length
-        self.frame(Op.INIT, block + values, **fields)
+        fields.setdefault("length", len(block) + sum(len(v) for v in values))
+        self.send(pack_header(Op.INIT, **fields), block, *values)
 
     def recv_exact(self, n: int) -> bytes:
         data = bytearray()

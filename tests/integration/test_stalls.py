@@ -49,11 +49,23 @@ def test_a_reader_that_never_drains_its_reply_is_dropped(server_process):
     server = server_process("--workers", "2", "--sync", "ssp", "--staleness", "0",
                             "--heartbeat-timeout", str(HEARTBEAT))
     numel = 16 << 20
-    raw = RawClient(server.port)
+    values = np.zeros(numel, np.float32)
+    values.fill(0)  # its pages made now: the raw client says nothing between its handshake and its INIT
     worker = aps.Worker(server.address, 1, 2, transport="tcp")
     joining = threading.Thread(target=worker.init, args=({"w": np.zeros(numel, np.float32)},))
     joining.start()
-    raw.init(0, 2, {"w": np.zeros(numel, np.float32)})
+    raw = RawClient(server.port)  # idle past the heartbeat timeout, it would be dropped before its INIT
+    try:
+        _never_drains(server, raw, worker, joining, values)
+    finally:
+        raw.close()
+        worker.close()
+        joining.join(30)
+
+
+def _never_drains(server, raw, worker, joining, values):
+    numel = values.size
+    raw.init(0, 2, {"w": values})
     assert raw.reply()[0].op == Op.INIT_REPLY  # it reads this one
     joining.join(30)
     worker.push(worker.grads)
@@ -69,8 +81,6 @@ def test_a_reader_that_never_drains_its_reply_is_dropped(server_process):
     log = server.log()
     # the server's drain deadline, or the kernel's user timeout on a window that stayed shut
     assert "read nothing of its reply" in log or "Connection timed out" in log, log
-    raw.close()
-    worker.close()
 
 
 def test_a_worker_killed_in_the_middle_of_a_reply_leaves_and_nobody_waits(server_process, tmp_path):
