@@ -191,9 +191,10 @@ class RawClient:
         payload = np.ascontiguousarray(grad).tobytes()
         self.send(pack_header(op, 0, dtype, request_id, 0, version, len(payload)), payload)
 
-    def frame(self, op: int, payload: bytes = b"", **fields) -> None:
-        fields.setdefault("length", len(payload))
-        self.send(pack_header(op, **fields), payload)
+    def frame(self, op: int, *payload: bytes, **fields) -> None:
+        """A frame whose payload is ``payload``'s parts, sent as they are (not joined)."""
+        fields.setdefault("length", sum(len(memoryview(part).cast("B")) for part in payload))
+        self.send(pack_header(op, **fields), *payload)
 
     def send_rows(self, header: bytes, rows: bytes) -> None:
         """A request with rows (Flag.ROWS; ``header`` says ``rows``'s length, after any dense
@@ -206,12 +207,11 @@ class RawClient:
 
     def init(self, rank: int, num_workers: int, params: dict[str, np.ndarray], tables=None, **fields) -> None:
         layout = Layout.from_arrays(params, tables)
-        values = [memoryview(np.ascontiguousarray(v, np.float32)).cast("B") for v in params.values()]
+        values = [np.ascontiguousarray(v, np.float32) for v in params.values()]
         block = encode_init(rank, num_workers, layout)
         fields.setdefault("dtype", DType.FLOAT32)
         fields.setdefault("version", len(block))  # the layout block's length
-        fields.setdefault("length", len(block) + sum(len(v) for v in values))
-        self.send(pack_header(Op.INIT, **fields), block, *values)
+        self.frame(Op.INIT, block, *values, **fields)
 
     def recv_exact(self, n: int) -> bytes:
         data = bytearray()

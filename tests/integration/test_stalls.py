@@ -50,37 +50,32 @@ def test_a_reader_that_never_drains_its_reply_is_dropped(server_process):
                             "--heartbeat-timeout", str(HEARTBEAT))
     numel = 16 << 20
     values = np.zeros(numel, np.float32)
-    values.fill(0)  # its pages made now: the raw client says nothing between its handshake and its INIT
+    values.fill(0)  # its pages made before the raw client connects: it says nothing between handshake and INIT
     worker = aps.Worker(server.address, 1, 2, transport="tcp")
     joining = threading.Thread(target=worker.init, args=({"w": np.zeros(numel, np.float32)},))
     joining.start()
-    raw = RawClient(server.port)  # idle past the heartbeat timeout, it would be dropped before its INIT
+    raw = RawClient(server.port)  # connected last: idle past the heartbeat timeout, it would be dropped
     try:
-        _never_drains(server, raw, worker, joining, values)
+        raw.init(0, 2, {"w": values})
+        assert raw.reply()[0].op == Op.INIT_REPLY  # it reads this one
+        joining.join(30)
+        worker.push(worker.grads)
+        raw.push(np.zeros(numel, np.float32), op=Op.PUSH_PULL, request_id=2)  # and then never reads again
+        worker.pull()
+        start = time.monotonic()
+        worker.push(worker.grads)  # ahead of rank 0 by one: held until rank 0 pushes, which it never will
+        worker.pull()  # goes on once the server has dropped the reader that stopped reading
+        assert time.monotonic() - start > HEARTBEAT
+        # dropped by the server (timed out), or by the kernel (disconnected)
+        wait_for(lambda: "worker 0 timed out" in server.log() or "worker 0 disconnected" in server.log(), 10.0,
+                 "rank 0 to be dropped")
+        log = server.log()
+        # the server's drain deadline, or the kernel's user timeout on a window that stayed shut
+        assert "read nothing of its reply" in log or "Connection timed out" in log, log
     finally:
         raw.close()
         worker.close()
         joining.join(30)
-
-
-def _never_drains(server, raw, worker, joining, values):
-    numel = values.size
-    raw.init(0, 2, {"w": values})
-    assert raw.reply()[0].op == Op.INIT_REPLY  # it reads this one
-    joining.join(30)
-    worker.push(worker.grads)
-    raw.push(np.zeros(numel, np.float32), op=Op.PUSH_PULL, request_id=2)  # and then never reads again
-    worker.pull()
-    start = time.monotonic()
-    worker.push(worker.grads)  # ahead of rank 0 by one: held until rank 0 pushes, which it never will
-    worker.pull()  # goes on once the server has dropped the reader that stopped reading
-    assert time.monotonic() - start > HEARTBEAT
-    # dropped by the server (timed out), or by the kernel (disconnected)
-    wait_for(lambda: "worker 0 timed out" in server.log() or "worker 0 disconnected" in server.log(), 10.0,
-             "rank 0 to be dropped")
-    log = server.log()
-    # the server's drain deadline, or the kernel's user timeout on a window that stayed shut
-    assert "read nothing of its reply" in log or "Connection timed out" in log, log
 
 
 def test_a_worker_killed_in_the_middle_of_a_reply_leaves_and_nobody_waits(server_process, tmp_path):
