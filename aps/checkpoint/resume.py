@@ -138,6 +138,8 @@ def _resume_fields(m: dict) -> None:
     if "sequence" in m:
         _int(m["sequence"], "sequence")
     _need("layout" in m, "layout", "is missing")  # its form: read_manifest
+    if "draining" in m:
+        _bool(m["draining"], "draining")
     if "table_steps" in m:
         steps = _object(m["table_steps"], "table_steps")
         declared = m["layout"].get("tables", {}) if isinstance(m["layout"], dict) else {}

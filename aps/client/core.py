@@ -116,7 +116,7 @@ class _ClientCore:
         #: The server chose the rank (rank=None): if another worker takes it while this one
         #: reconnects, this one may take another (see :meth:`reseat`).
         self.rank_assigned = rank is None
-        #: The rank changed at the last reconnect: the push in flight is not sent again.
+        #: The rank changed while this call reconnected: the push in flight is not sent again.
         self.reseated = False
         #: The worker count it said it is one of (None: whatever the server runs).
         self.given_workers = None if num_workers is None else int(num_workers)
@@ -296,6 +296,7 @@ class _ClientCore:
         computed on the weights held now."""
         self._push = None
         self._rows = None
+        self.reseated = False
         self._computed_clock, self._computed_version = self.clock, self.version
 
     def push_request(self, grads: Any, then_pull: bool, rows: RowsCall | None = None) -> list:

@@ -179,7 +179,7 @@ def _after_recovery(core: _ClientCore, kind: str, request, address: str = "", as
             log.warning("rank %s: the gradient in flight when the connection went is not sent again under the new "
                         "rank (the server may have applied it before); going on from the server's weights",
                         core.rank)
-            core.forget_push()
+            core.forget_push(dropped=True)  # (as far as this worker can know: last_push_dropped)
             return ("pull", core.pull_request) if kind == "push_pull" else (None, None)
     if kind in ("push", "push_pull"):
         # (sent or not: a push built after the rejoin says the weights it was computed on)

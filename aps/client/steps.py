@@ -68,6 +68,9 @@ EACH = 8  # (EACH, worker, call, in_turn): call(index, channel, turn)'s steps on
 Steps = Generator[tuple, Any, Any]
 
 _REJOIN_PATIENCE = 5.0  # seconds reconnect() waits for the server to let the old connection go
+#: How long a rank the server gave a worker may stay taken when that server did not say its
+#: --heartbeat-timeout (an older one, or none set), before the worker asks for another: the default.
+_SEAT_PATIENCE = 30.0
 _FAREWELL_S = 0.5  # how long to look for the server's last words when a send fails
 #: Seconds without a byte from the server, while a reply is due, after which it is taken to be gone.
 DEFAULT_SERVER_TIMEOUT = 60.0
@@ -320,6 +323,7 @@ class _ChannelSteps:
     def _reconnect(self, timeout: float | None) -> Steps:
         """Open a new connection and rejoin under the same rank (see :meth:`aps.Worker.reconnect`)."""
         deadline = time.monotonic() + _REJOIN_PATIENCE
+        taken_since = None
         while True:
             yield LOCKED, self, self._reopen(None, None, self.transport)
             try:
@@ -328,11 +332,12 @@ class _ChannelSteps:
             except APSTimeoutError:
                 raise self._init_timeout(timeout) from None
             except RankTaken:
-                if self._reseat():
+                taken_since = taken_since or time.monotonic()
+                if self._reseat(taken_since):
                     continue
-                if time.monotonic() > deadline:
+                if time.monotonic() > deadline and not self._may_reseat():
                     raise
-                yield SLEEP, self, 0.05
+                yield SLEEP, self, 0.05 if time.monotonic() < deadline else 0.25
                 continue
             self._start_heartbeat()  # the old connection's heartbeat stopped with it
             return weights
@@ -363,14 +368,16 @@ class _ChannelSteps:
     def _recover(self, lost: BaseException) -> Steps:
         """Reconnect and rejoin under this rank, with backoff, within ``reconnect_timeout``."""
         attempt = _Reconnecting(self, lost, self.reconnect_timeout)
+        taken_since = None  # (when a rejoin first found this worker's rank taken)
         while True:
             try:
                 yield LOCKED, self, self._reopen(lost, attempt, self._requested_transport)
                 try:
                     yield from self._rejoin(attempt.remaining())
                 except RankTaken:
-                    if not self._reseat():
-                        raise
+                    taken_since = taken_since or time.monotonic()
+                    if not self._reseat(taken_since):
+                        raise  # (tried again after a wait, while the reconnect's time lasts)
                     yield from self._rejoin(attempt.remaining())
                 except APSTimeoutError:
                     raise APSTimeoutError(f"the server at {self.address} is back, but waits for the other workers: "
@@ -383,14 +390,29 @@ class _ChannelSteps:
         attempt.done()
         self._start_heartbeat()
 
-    def _reseat(self) -> bool:
-        """A rejoin found this worker's rank taken: when the server had chosen it (rank=None)
-        and the worker is not one shard's part of a sharded worker (every shard seats it
-        under the same rank), ask for any rank again; True if so."""
+    def _may_reseat(self) -> bool:
+        """Whether this worker may take another rank when its own is taken: the server had
+        chosen it (rank=None) and the worker is not one shard's part of a sharded worker
+        (every shard seats it under the same rank)."""
         core = self._core
-        if not core.rank_assigned or self._as_shard or core.rank is None:
+        return core.rank_assigned and not self._as_shard and core.rank is not None
+
+    def _seat_patience(self) -> float:
+        """How long this worker's rank may stay taken before it was given to another worker.
+        The holder may be this worker's own old connection, which the server drops once it
+        has been silent for its --heartbeat-timeout (checked every second at most)."""
+        timeout = (self.server_options or {}).get("heartbeat_timeout")
+        if isinstance(timeout, (int, float)) and not isinstance(timeout, bool) and timeout > 0:
+            return float(timeout) + 1.5
+        return _SEAT_PATIENCE
+
+    def _reseat(self, taken_since: float) -> bool:
+        """A rejoin has found this worker's rank taken since ``taken_since`` (monotonic): once
+        that has lasted past :meth:`_seat_patience` and :meth:`_may_reseat`, ask for any rank
+        again; True if so."""
+        if not self._may_reseat() or time.monotonic() - taken_since < self._seat_patience():
             return False
-        lost = core.reseat()
+        lost = self._core.reseat()
         log.warning("rank %d was given to another worker while this one reconnected to %s: asking for another rank",
                     lost, self.address)
         return True

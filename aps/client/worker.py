@@ -224,8 +224,8 @@ class _Workers:
     @property
     def last_push_dropped(self) -> bool:
         """True when the server dropped the last gradient, not applied: it arrived for a closed
-        BSP round, or (SSP, DSSP) it was computed before a reconnect and is older than the
-        staleness bound allows. The next pull brings the newest weights."""
+        BSP round, it was older than the staleness bound or cut-off allows, or it was in flight
+        when a reconnect gave this worker another rank (not sent again: it may not count)."""
         return any(channel.last_push_dropped for channel in self._channels)
 
     def half_buffers(self) -> tuple[np.ndarray, np.ndarray]:

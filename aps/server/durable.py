@@ -58,6 +58,8 @@ class Durable:
             # an open round of rows alone (no dense gradient in its sum: its update leaves the dense part)
             **({"round_dense": False} if self.aggregate is not None and not self.aggregate.dense else {}),
             "seats": {str(rank): seat.to_json() for rank, seat in sorted(self._seats.items())},
+            # a worker finished (leave(finished=True)): the run is ending, MIN no longer holds the rest
+            **({"draining": True} if self.draining else {}),
             "counters": self.stats.run_counters(),
             **({"loaded_weights": self.loaded_weights.hex()} if self.loaded_weights is not None else {}),
         }
@@ -125,6 +127,7 @@ class Durable:
             runs = manifest.get("shard_runs")
             self.shard_runs = [str(r) for r in runs] if isinstance(runs, list) else None
             self.counters = {str(name): int(value) for name, value in manifest.get("claims", {}).items()}
+            self.draining = manifest.get("draining", False) is True
         except (KeyError, ValueError, TypeError, IndexError, InvalidIds) as exc:
             if self.table is not None:
                 self.table.close()

@@ -629,9 +629,12 @@ class Engine(Durable, Loads):
     @property
     def shard_description(self) -> str:
         """What the handshake tells workers of this shard (JSON): its index, the options all
-        the shards share (ServerConfig.shard_description) and the shards' recorded run ids."""
+        the shards share (ServerConfig.shard_description), the shards' recorded run ids,
+        whether the model is registered, and its --heartbeat-timeout (how long a silent
+        connection keeps its rank: a worker reseated by the server waits that long)."""
         return json.dumps({**self.config.shard_description(), "runs": self.shard_runs,
-                           "registered": self.table is not None}, separators=(",", ":"))
+                           "registered": self.table is not None,
+                           "heartbeat_timeout": self.config.heartbeat_timeout}, separators=(",", ":"))
 
     def record_shard_runs(self, runs: list[str]) -> list[str]:
         """A sharded worker says which run each shard holds; the first record stands (a

@@ -22,6 +22,7 @@ the lane would otherwise pay in the middle of everyone's updates).
 from __future__ import annotations
 
 import itertools
+import threading
 from collections.abc import Callable
 
 import numpy as np
@@ -137,6 +138,8 @@ class ParameterTable:
         self._allocate = allocate or HeapBlock
         self._slots: list[_Slot] = []
         self._spare_coming = self._closed = False
+        self._spare_lock = threading.Lock()
+        self._spare: object | None = None  # made on the background thread, not yet taken in (add_spare)
         # The most slots in use at once (leased, or current) in this window of updates and in the last.
         self._peak = self._kept_peak = self._updates = 0
         self._current = self._new_slot()
@@ -229,22 +232,39 @@ class ParameterTable:
         if self._spare_coming or self._closed or free >= 2:
             return
         self._spare_coming = True
-        numel = self.layout.numel
+        numel, lock = self.layout.numel, self._spare_lock
+
+        def make():
+            block = self._allocate(numel, populate=True)
+            with lock:  # (on the background thread: the table may be closing)
+                if self._closed:
+                    block.close()
+                    return None
+                self._spare = block  # close() gives it back if ``made`` never runs (the loop stopped)
+            return block
 
         def made(block) -> None:
             self._spare_coming = False
-            if isinstance(block, BaseException):
+            if block is None or isinstance(block, BaseException):
                 return
-            if self._closed:
-                block.close()
+            with lock:
+                if self._spare is block:
+                    self._spare = None
+                closed = self._closed
+            if closed:
+                block.close()  # (closing twice is nothing)
             else:
                 self._slots.append(_Slot(block))
 
-        background(lambda: self._allocate(numel, populate=True), made)
+        background(make, made)
 
     def close(self) -> None:
-        """Give back every block (the server is stopping)."""
-        self._closed = True
+        """Give back every block (the server is stopping), a spare still on its way too."""
+        with self._spare_lock:
+            self._closed = True
+            spare, self._spare = self._spare, None
+        if spare is not None:
+            spare.close()
         for slot in self._slots:
             slot.block.close()
 

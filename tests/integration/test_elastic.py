@@ -326,9 +326,9 @@ def test_a_worker_whose_assigned_rank_was_taken_while_it_reconnected_takes_anoth
 
     import aps
 
-    server = server_process("--workers", "1:3", "--sync", "asp", "--lr", "1")
+    server = server_process("--workers", "1:3", "--sync", "asp", "--lr", "1", "--heartbeat-timeout", "2")
     model = {"w": np.zeros(4, np.float32)}
-    a, b, d = (aps.Worker(server.address, transport="tcp") for _ in range(3))
+    a, b, d = (aps.Worker(server.address, transport="tcp", heartbeat=0.3) for _ in range(3))
     for worker in (a, b, d):
         worker.init(model)
     assert (a.rank, b.rank, d.rank) == (0, 1, 2)
@@ -338,7 +338,7 @@ def test_a_worker_whose_assigned_rank_was_taken_while_it_reconnected_takes_anoth
     while b.push_pull(np.zeros(4, np.float32)) is not None and b.num_workers != 2:
         assert time.monotonic() < deadline, "the server never saw rank 0 go"
         time.sleep(0.05)
-    with aps.Worker(server.address, transport="tcp") as c:
+    with aps.Worker(server.address, transport="tcp", heartbeat=0.3) as c:
         c.init(model)
         assert c.rank == 0  # the only free rank: a's
         c.push_pull(np.full(4, 2, np.float32))
@@ -347,13 +347,41 @@ def test_a_worker_whose_assigned_rank_was_taken_while_it_reconnected_takes_anoth
         with caplog.at_level("WARNING", logger="aps.worker"):
             weights = a.push_pull(np.full(4, 100, np.float32))
         leaving.join()
-        assert a.rank == 2 and a.num_workers == 3
+        assert a.rank == 2 and a.num_workers == 3 and a.last_push_dropped  # (not sent again: not known to count)
         assert "was given to another worker" in caplog.text and "not sent again" in caplog.text
         np.testing.assert_array_equal(weights["w"], -3 * np.ones(4))  # a's 1 and c's 2; not a's 100
         a.push_pull(np.full(4, 4, np.float32))  # a trains on under rank 2
         np.testing.assert_array_equal(a.weights["w"], -7 * np.ones(4))
     for worker in (a, b, d):
         worker.close()
+
+
+@pytest.mark.parametrize("how", ["reconnect", "lost"])
+def test_a_worker_whose_old_connection_still_holds_its_rank_gets_it_back(server_process, how):
+    """rank=None: a worker comes back while the server still counts its old connection (the
+    network dropped it without a word): RankTaken, from its own old connection, until the
+    server drops that one after --heartbeat-timeout. It waits for its rank, as a worker of a
+    given rank does, rather than taking another; its push in flight counts once."""
+    import aps
+
+    server = server_process("--workers", "1:3", "--sync", "asp", "--lr", "1", "--heartbeat-timeout", "2")
+    with aps.Worker(server.address, transport="tcp", heartbeat=0.3) as a:
+        a.init({"w": np.zeros(4, np.float32)})
+        a.push_pull(np.ones(4, np.float32))
+        sock = a.shards[0]._conn.sock
+        kept = os.dup(sock.fileno())  # the old connection stays open at the server: no FIN
+        try:
+            if how == "reconnect":
+                a.reconnect()
+            else:
+                sock.shutdown(socket.SHUT_RD)  # this end reads nothing more: the push's reply is lost
+                a.push_pull(np.full(4, 2, np.float32))
+        finally:
+            os.close(kept)
+        assert a.rank == 0 and not a.last_push_dropped
+        weights = a.pull()
+        np.testing.assert_array_equal(weights["w"], np.full(4, -1.0 if how == "reconnect" else -3.0))
+        assert fetch_stats(server.address)["server"]["pushes"] == (1 if how == "reconnect" else 2)
 
 
 def test_a_worker_that_finished_lets_the_others_end_below_min(server_process):

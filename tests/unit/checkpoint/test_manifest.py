@@ -261,6 +261,7 @@ WRONG = [
     (("shard_runs",), [5], "shard_runs[0]: is a number (5), not a run id"),
     (("table_steps",), [1], "table_steps: is a list ([1]), not an object"),
     (("table_steps",), {"t": 1}, "table_steps.t: names no declared table"),
+    (("draining",), "yes", "draining: is a string (\"yes\"), not true or false"),
 ]
 
 
@@ -402,3 +403,16 @@ def test_a_checkpoint_older_than_an_option_resumes_with_the_options_former_value
     edited(newest, lambda m: m["config"].pop("sync"))  # an option every checkpoint says: refused
     with pytest.raises(RuntimeError, match="config.sync: is missing"):
         ServerProcess("--resume", str(newest), "--fork-run", "--checkpoint-dir", str(directory / "forked2"))
+
+
+def test_a_run_that_was_ending_resumes_ending(run_copy):
+    """A worker had finished (leave(finished=True)): the resumed run still lets the others end
+    below MIN; a manifest that does not say so (written before) resumes as not ending."""
+    directory, (older, newest) = run_copy
+    engine = restored_engine(ckpt.find_resumable(newest))
+    assert engine.draining is False and "draining" not in engine.checkpoint_state()[0]
+    engine.draining = True
+    manifest, _ = engine.checkpoint_state()
+    assert manifest["draining"] is True
+    edited(newest, lambda m: m.update(draining=True))
+    assert restored_engine(ckpt.find_resumable(newest)).draining is True

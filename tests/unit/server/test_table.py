@@ -126,3 +126,44 @@ def test_a_spare_that_fails_or_comes_late_changes_nothing():
     table.close()
     done(late)  # the table closed meanwhile: the block is given back, not kept
     assert late.closed
+
+
+
+def test_a_spare_made_but_never_taken_in_is_given_back_at_close():
+    """The loop stopped before it took the spare in (its callback cancelled, or the loop
+    closed): the table still gives the block back when it closes; one made after the close
+    is given back at once."""
+    import threading
+
+    from aps.server.table import HeapBlock
+
+    blocks: list = []
+
+    class Block(HeapBlock):
+        def __init__(self, numel, populate=False):
+            super().__init__(numel, populate=populate)
+            self.closed = False
+            blocks.append(self)
+
+        def close(self):
+            self.closed = True
+
+    layout = Layout(("w",), ((8,),))
+    tables = [ParameterTable(layout, np.zeros(8, np.float32), SGD(8, lr=1.0), allocate=Block) for _ in range(2)]
+    asked: list = []
+    for table in tables:
+        table.add_spare(lambda make, done: asked.append((make, done)))
+    make, _ = asked[0]  # ``done`` never runs
+    thread = threading.Thread(target=make)
+    thread.start()
+    thread.join()
+    spare = blocks[-1]
+    assert not spare.closed and tables[0].slot_count == 1
+    tables[0].close()
+    assert spare.closed and blocks[0].closed and not blocks[1].closed  # (blocks[1]: the other table's)
+
+    make, done = asked[1]
+    tables[1].close()
+    assert make() is None and blocks[-1].closed  # allocated after the close: given back there
+    done(None)
+    assert tables[1].slot_count == 1
