@@ -9,7 +9,25 @@ FLOAT32: int
 FLOAT16: int
 BFLOAT16: int
 
+COMPENSATE_DC: int
+COMPENSATE_DC_ADAPTIVE: int
+COMPENSATE_GAP: int
+
 def fused_multiply_add() -> bool: ...
+def compensate(
+    out: np.ndarray,
+    grad: np.ndarray,
+    w: np.ndarray,
+    w_then: np.ndarray,
+    state_out: np.ndarray | None,
+    state_in: np.ndarray | None,
+    kind: int,
+    lam: float = ...,
+    decay: float = ...,
+    eps: float = ...,
+    corr: float = ...,
+) -> bool: ...
+def step_scale(c_out: np.ndarray, c_in: np.ndarray, w_out: np.ndarray, w_in: np.ndarray, decay: float) -> None: ...
 def use_f16c(allowed: bool = ...) -> bool: ...
 def narrow(out: np.ndarray, x: np.ndarray, dtype: int) -> int: ...
 def widen(out: np.ndarray, x: np.ndarray, dtype: int) -> None: ...

@@ -14,6 +14,9 @@ import numpy as np
 
 __all__ = [
     "BFLOAT16",
+    "COMPENSATE_DC",
+    "COMPENSATE_DC_ADAPTIVE",
+    "COMPENSATE_GAP",
     "FLOAT16",
     "FLOAT32",
     "INIT_NORMAL",
@@ -24,6 +27,7 @@ __all__ = [
     "accumulate",
     "adam_step",
     "all_finite",
+    "compensate",
     "dssp_controller",
     "fused_multiply_add",
     "mix64",
@@ -36,6 +40,7 @@ __all__ = [
     "rows_scatter",
     "rows_sgd",
     "sgd_step",
+    "step_scale",
     "use_f16c",
     "widen",
 ]
@@ -739,3 +744,52 @@ class RowIndex:
 
     def ids(self) -> np.ndarray:
         return np.array(list(self._rows), dtype=np.int64)
+
+
+#: Kinds of delay compensation (see :func:`compensate`).
+COMPENSATE_DC, COMPENSATE_DC_ADAPTIVE, COMPENSATE_GAP = 1, 2, 3
+
+
+@np.errstate(all="ignore")
+def compensate(out: np.ndarray, grad: np.ndarray, w: np.ndarray, w_then: np.ndarray, state_out: np.ndarray | None,
+               state_in: np.ndarray | None, kind: int, lam: float = 0.0, decay: float = 0.0, eps: float = 0.0,
+               corr: float = 1.0) -> bool:
+    """``out`` = ``grad`` (computed on ``w_then``) compensated for being applied to ``w``
+    (see the native twin; docs/algorithms.md, "Delay compensation")."""
+    n = len(grad)
+    for name, array in (("out", out), ("w", w), ("w_then", w_then)):
+        _check_len(name, len(array), n)
+    if kind not in (COMPENSATE_DC, COMPENSATE_DC_ADAPTIVE, COMPENSATE_GAP):
+        raise ValueError(f"unknown compensation kind {kind}")
+    if kind != COMPENSATE_DC:
+        if state_in is None:
+            raise ValueError("this compensation needs its state")
+        _check_len("state_in", len(state_in), n)
+    if kind == COMPENSATE_DC_ADAPTIVE:
+        if state_out is None:
+            raise ValueError("the adaptive compensation writes its state")
+        _check_len("state_out", len(state_out), n)
+    g = np.array(grad, dtype=_F32)
+    d = np.asarray(w, _F32) - np.asarray(w_then, _F32)
+    if kind == COMPENSATE_GAP:
+        gap = np.abs(d) / (np.asarray(state_in, _F32) * _F32(corr) + _F32(eps))
+        result = g / np.maximum(gap, _F32(1.0))
+    else:
+        lam32 = _F32(lam)
+        if kind == COMPENSATE_DC_ADAPTIVE:
+            ms = np.asarray(state_in, _F32) * _F32(decay) + _F32(1.0 - decay) * (g * g)
+            state_out[:] = ms
+            lam32 = lam32 / np.sqrt(ms + _F32(eps))
+        result = g + lam32 * ((g * g) * d)
+    out[:] = result
+    return _finite(g, result)
+
+
+@np.errstate(all="ignore")
+def step_scale(c_out: np.ndarray, c_in: np.ndarray, w_out: np.ndarray, w_in: np.ndarray, decay: float) -> None:
+    """Gap-aware's running step scale after an update (see the native twin)."""
+    n = len(c_in)
+    for name, array in (("c_out", c_out), ("w_out", w_out), ("w_in", w_in)):
+        _check_len(name, len(array), n)
+    c_out[:] = np.asarray(c_in, _F32) * _F32(decay) + _F32(1.0 - decay) * np.abs(np.asarray(w_out, _F32)
+                                                                               - np.asarray(w_in, _F32))

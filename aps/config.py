@@ -43,11 +43,35 @@ RESUME_LATEST = "latest"
 RUN_OPTIONS = (
     "workers", "sync", "staleness", "max_staleness", "softsync_n", "backup_workers", "lr_staleness", "async_scale",
     "optimizer", "lr", "momentum", "nesterov", "weight_decay", "betas", "eps", "shard", "shards", "staleness_cutoff",
+    "compensation",
 )
 #: Run options newer than some checkpoints: a manifest that does not say one had it at this value.
-RUN_OPTIONS_SINCE = {"staleness_cutoff": None}
+RUN_OPTIONS_SINCE = {"staleness_cutoff": None, "compensation": "none"}
 #: The options every shard of a model must share: workers check them across shards.
 SHARED_OPTIONS = (*(name for name in RUN_OPTIONS if name != "shard"), "min_workers")
+
+
+#: The kinds ``--compensation`` takes, with whether each takes a LAMBDA.
+COMPENSATIONS = {"none": False, "dc": True, "dc-adaptive": True, "gap": False}
+
+
+def parse_compensation(text: str) -> tuple[str, float]:
+    """``(kind, lambda)`` of a ``--compensation`` value: ``none``, ``dc:LAMBDA``,
+    ``dc-adaptive:LAMBDA`` or ``gap`` (lambda 0 where it takes none)."""
+    kind, sep, value = str(text).partition(":")
+    if kind not in COMPENSATIONS:
+        raise ConfigurationError(f"unknown --compensation {text!r}: none, dc:LAMBDA, dc-adaptive:LAMBDA or gap")
+    if not COMPENSATIONS[kind]:
+        if sep:
+            raise ConfigurationError(f"--compensation {kind} takes no value, got {text!r}")
+        return kind, 0.0
+    try:
+        lam = float(value)
+    except ValueError:
+        raise ConfigurationError(f"--compensation {kind} takes a LAMBDA ({kind}:0.04), got {text!r}") from None
+    if not (lam >= 0.0 and lam < float("inf")):
+        raise ConfigurationError(f"--compensation {kind}: LAMBDA must be a finite number >= 0, got {value}")
+    return kind, lam
 
 
 def parse_workers(text: str, min_workers: int | None = None) -> tuple[int | None, int]:
@@ -110,6 +134,12 @@ class ServerConfig:
         default=None,
         metadata=_opt("drop a gradient computed more than R versions before the one it would be applied to "
                       "(counted, its worker not held; asp, ssp, dssp, softsync; default: none)", metavar="R"),
+    )
+    compensation: str = field(
+        default="none",
+        metadata=_opt("compensate each stale gradient for the weights it is applied to: dc:LAMBDA (DC-ASGD), "
+                      "dc-adaptive:LAMBDA (its adaptive variant) or gap (gap-aware); asp, ssp, dssp, softsync "
+                      "(docs/algorithms.md, \"Delay compensation\"; default: none)", metavar="KIND"),
     )
     softsync_n: int | None = field(
         default=None, metadata=_opt("n-softsync: one update per max(1, P // n) gradients (default 1)", metavar="N")
@@ -307,6 +337,9 @@ class ServerConfig:
             if self.sync == "bsp":
                 raise ConfigurationError("--staleness-cutoff applies to asp, ssp, dssp and softsync: a BSP round takes "
                                          "only gradients computed on its own version (staleness 0)")
+        if parse_compensation(self.compensation)[0] != "none" and self.sync == "bsp":
+            raise ConfigurationError("--compensation applies to asp, ssp, dssp and softsync: a BSP round takes only "
+                                     "gradients computed on its own version (staleness 0)")
         if self.softsync_n is not None:
             if self.sync != "softsync":
                 raise ConfigurationError("--softsync-n applies to --sync softsync only")
@@ -413,6 +446,8 @@ class ServerConfig:
             text += " mean-scaled"
         if self.staleness_cutoff is not None:
             text += f" cutoff={self.staleness_cutoff}"
+        if self.compensation != "none":
+            text += f" compensation={self.compensation}"
         return text
 
 

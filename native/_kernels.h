@@ -189,4 +189,57 @@ static inline int aps_accumulate(float *out, const float *in, const float *g, fl
     return !bad;
 }
 
+/* Delay compensation of a stale gradient (docs/algorithms.md, "Delay
+ * compensation"), out of place, one pass: g was computed on the weights
+ * w_then and is applied to w. kind 1 (DC-ASGD): out = g + lam*((g*g)*(w -
+ * w_then)). kind 2 (DC-ASGD's adaptive variant): the mean square
+ * ms' = ms*decay + keep*(g*g) is written to s_out, and lam becomes
+ * lam / sqrt(ms' + eps). kind 3 (gap-aware): the gap |w - w_then| over the
+ * typical step c = s_in*corr (bias-corrected, see aps_step_scale) plus eps,
+ * and out = g / max(1, gap). Returns 1 when every gradient element and every
+ * output is finite. out may be g. */
+static inline int aps_compensate(float *out, const float *g, const float *w, const float *w_then, float *s_out,
+                                 const float *s_in, ptrdiff_t n, int kind, float lam, float decay, float keep,
+                                 float eps, float corr) {
+    int bad = 0;
+    ptrdiff_t i;
+    if (kind == 1) {
+        APS_IVDEP
+        for (i = 0; i < n; i++) {
+            float gi = g[i], d = w[i] - w_then[i], o = gi + lam * ((gi * gi) * d);
+            bad |= APS_BAD(gi) | APS_BAD(o);
+            out[i] = o;
+        }
+    } else if (kind == 2) {
+        APS_IVDEP
+        for (i = 0; i < n; i++) {
+            float gi = g[i], d = w[i] - w_then[i], ms = s_in[i] * decay + keep * (gi * gi);
+            float o = gi + (lam / sqrtf(ms + eps)) * ((gi * gi) * d);
+            bad |= APS_BAD(gi) | APS_BAD(o);
+            s_out[i] = ms;
+            out[i] = o;
+        }
+    } else {
+        APS_IVDEP
+        for (i = 0; i < n; i++) {
+            float gi = g[i], gap = fabsf(w[i] - w_then[i]) / (s_in[i] * corr + eps);
+            float o = gi / (gap > 1.0f ? gap : 1.0f);
+            bad |= APS_BAD(gi) | APS_BAD(o);
+            out[i] = o;
+        }
+    }
+    return !bad;
+}
+
+/* Gap-aware's running step scale, after an update from w_in to w_out:
+ * c_out = c_in*decay + keep*|w_out - w_in| (an exponential mean of each
+ * parameter's step; its bias is corrected where it is read). */
+static inline void aps_step_scale(float *c_out, const float *c_in, const float *w_out, const float *w_in,
+                                  ptrdiff_t n, float decay, float keep) {
+    ptrdiff_t i;
+    APS_IVDEP
+    for (i = 0; i < n; i++)
+        c_out[i] = c_in[i] * decay + keep * fabsf(w_out[i] - w_in[i]);
+}
+
 #endif

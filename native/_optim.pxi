@@ -28,6 +28,11 @@ cdef extern from "_kernels.h" nogil:
                  float wd, float shrink, int decoupled, int decay)
     int aps_accumulate(float* out, const float* inp, const float* g, float s, int first, Py_ssize_t n)
     int aps_fused_multiply_add()
+    int aps_compensate(float* out, const float* g, const float* w, const float* w_then, float* s_out,
+                       const float* s_in, Py_ssize_t n, int kind, float lam, float decay, float keep, float eps,
+                       float corr)
+    void aps_step_scale(float* c_out, const float* c_in, const float* w_out, const float* w_in, Py_ssize_t n,
+                        float decay, float keep)
 
 cdef extern from "_half.h" nogil:
     enum:
@@ -279,3 +284,60 @@ def adam_step(float[::1] w_out not None, const float[::1] w_in not None,
                       <float> eps, <float> weight_decay, <float> (1.0 - lr * weight_decay), decoupled,
                       weight_decay != 0.0)
     return bool(ok)
+
+
+#: Kinds of delay compensation (aps_compensate): DC-ASGD, its adaptive variant, gap-aware.
+COMPENSATE_DC = 1
+COMPENSATE_DC_ADAPTIVE = 2
+COMPENSATE_GAP = 3
+
+
+def compensate(float[::1] out not None, const float[::1] grad not None, const float[::1] w not None,
+               const float[::1] w_then not None, float[::1] state_out, const float[::1] state_in, int kind,
+               double lam=0.0, double decay=0.0, double eps=0.0, double corr=1.0) -> bool:
+    """``out`` = the float32 gradient ``grad``, computed on the weights ``w_then``, compensated
+    for being applied to ``w`` (docs/algorithms.md, "Delay compensation"), in one pass.
+
+    ``kind`` COMPENSATE_DC: ``grad + lam * grad * grad * (w - w_then)``. COMPENSATE_DC_ADAPTIVE:
+    the mean square ``state_out = decay * state_in + (1 - decay) * grad * grad`` is written, and
+    ``lam`` is divided by ``sqrt(state_out + eps)``. COMPENSATE_GAP: ``grad / max(1, gap)``, the
+    gap ``|w - w_then| / (corr * state_in + eps)`` (``state_in``: the running step scale, see
+    :func:`step_scale`; ``corr`` its bias correction). Returns False (``out`` is then scratch)
+    when ``grad`` or ``out`` is not finite. ``out`` may be ``grad``.
+    """
+    cdef Py_ssize_t n = grad.shape[0]
+    _check_len("out", out.shape[0], n)
+    _check_len("w", w.shape[0], n)
+    _check_len("w_then", w_then.shape[0], n)
+    if kind != COMPENSATE_DC and kind != COMPENSATE_DC_ADAPTIVE and kind != COMPENSATE_GAP:
+        raise ValueError(f"unknown compensation kind {kind}")
+    if kind != COMPENSATE_DC:
+        if state_in is None:
+            raise ValueError("this compensation needs its state")
+        _check_len("state_in", state_in.shape[0], n)
+    if kind == COMPENSATE_DC_ADAPTIVE:
+        if state_out is None:
+            raise ValueError("the adaptive compensation writes its state")
+        _check_len("state_out", state_out.shape[0], n)
+    if n == 0:
+        return True
+    cdef float* so = &state_out[0] if kind == COMPENSATE_DC_ADAPTIVE else NULL
+    cdef const float* si = &state_in[0] if kind != COMPENSATE_DC else NULL
+    cdef int ok
+    with nogil:
+        ok = aps_compensate(&out[0], &grad[0], &w[0], &w_then[0], so, si, n, kind, <float> lam, <float> decay,
+                            <float> (1.0 - decay), <float> eps, <float> corr)
+    return bool(ok)
+
+
+def step_scale(float[::1] c_out not None, const float[::1] c_in not None, const float[::1] w_out not None,
+               const float[::1] w_in not None, double decay) -> None:
+    """Gap-aware's running step scale after an update from ``w_in`` to ``w_out``:
+    ``c_out = decay * c_in + (1 - decay) * |w_out - w_in|``. ``c_out`` may be ``c_in``."""
+    cdef Py_ssize_t n = c_in.shape[0]
+    _check_len("c_out", c_out.shape[0], n)
+    _check_len("w_out", w_out.shape[0], n)
+    _check_len("w_in", w_in.shape[0], n)
+    if n:
+        with nogil:
+            aps_step_scale(&c_out[0], &c_in[0], &w_out[0], &w_in[0], n, <float> decay, <float> (1.0 - decay))

@@ -138,6 +138,8 @@ def _resume_fields(m: dict) -> None:
     if "sequence" in m:
         _int(m["sequence"], "sequence")
     _need("layout" in m, "layout", "is missing")  # its form: read_manifest
+    if "compensation" in m:
+        _int(_object(m["compensation"], "compensation").get("steps", _MISSING), "compensation.steps", 0, 2**53)
     if "draining" in m:
         _bool(m["draining"], "draining")
     if "table_steps" in m:

@@ -42,8 +42,9 @@ def register(commands) -> None:
     parser.add_argument("--iterations", type=int, help="total iterations, all workers together (default 10000)")
     parser.add_argument(
         "--sync", action="append", type=sync_setting, metavar="SETTING",
-        help=f"bsp[:K], asp, ssp:S, dssp:S_L:S_U, softsync:N[:S], each with +cutoff:R (--staleness-cutoff) "
-             f"and +inverse (lr/tau) suffixes (repeatable; default {' '.join(DEFAULT_SETTINGS)})",
+        help=f"bsp[:K], asp, ssp:S, dssp:S_L:S_U, softsync:N[:S], each with +cutoff:R (--staleness-cutoff), "
+             f"+dc:LAMBDA, +dc-adaptive:LAMBDA or +gap (--compensation) and +inverse (lr/tau) suffixes "
+             f"(repeatable; default {' '.join(DEFAULT_SETTINGS)})",
     )
     parser.add_argument("--stragglers", type=stragglers_arg, metavar="RATE:DURATION:SLOWDOWN",
                         help="Markov on/off stragglers: each worker turns slow RATE times per virtual second, stays "

@@ -10,6 +10,7 @@ import sys
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+from ..config import COMPENSATIONS, parse_compensation
 from ..errors import ConfigurationError
 
 
@@ -85,8 +86,8 @@ class Setting:
 
 def parse_setting(text: str) -> Setting:
     """``bsp[:K]``, ``asp``, ``ssp:S``, ``dssp:S_L:S_U``, ``softsync:N[:S]``; append
-    ``+inverse`` for ``--lr-staleness inverse`` and ``+cutoff:R`` for ``--staleness-cutoff R``
-    (``asp+cutoff:8+inverse``)."""
+    ``+inverse`` for ``--lr-staleness inverse``, ``+cutoff:R`` for ``--staleness-cutoff R``, and
+    ``+dc:LAMBDA``, ``+dc-adaptive:LAMBDA`` or ``+gap`` for ``--compensation`` (``asp+cutoff:8+gap``)."""
     label = text.strip()
     body, *extras = label.split("+")
     name, *args = body.split(":")
@@ -116,8 +117,12 @@ def parse_setting(text: str) -> Setting:
             options["lr_staleness"] = "inverse"
         elif key == "cutoff" and value.isdigit() and "staleness_cutoff" not in options:
             options["staleness_cutoff"] = int(value)
+        elif key in COMPENSATIONS and key != "none" and "compensation" not in options:
+            parse_compensation(extra)  # (its own message for a bad LAMBDA)
+            options["compensation"] = extra
         else:
-            raise ConfigurationError(f"bad sync setting {text!r}: the suffixes are +inverse and +cutoff:R, once each")
+            raise ConfigurationError(f"bad sync setting {text!r}: the suffixes are +inverse, +cutoff:R and one "
+                                     "compensation (+dc:LAMBDA, +dc-adaptive:LAMBDA or +gap), once each")
     return Setting(label, options)
 
 

@@ -34,6 +34,9 @@ class Durable:
         optimizer = table.optimizer
         policy_state = policy.state()
         arrays = dict(optimizer.state_arrays())
+        compensation = table.compensation
+        if compensation is not None:
+            arrays.update(compensation.state_arrays())
         for name, rows in self.rows.items():  # (taken on the loop: pulls make rows)
             arrays.update({f"tables/{name}/{key}": value for key, value in rows.arrays().items()})
         if self.aggregate is not None and (policy_state.get("contributed") or policy_state.get("count")):
@@ -54,6 +57,8 @@ class Durable:
             "optimizer": {"name": optimizer.name, "steps": optimizer.steps, **optimizer.hyperparameters(),
                           **({"loaded_state": self.loaded_state.hex()} if self.loaded_state is not None else {})},
             "policy": policy_state,
+            **({"compensation": {"kind": compensation.describe(), "steps": compensation.steps}}
+               if compensation is not None else {}),
             **({"table_steps": {name: rows.steps for name, rows in self.rows.items()}} if self.rows else {}),
             # an open round of rows alone (no dense gradient in its sum: its update leaves the dense part)
             **({"round_dense": False} if self.aggregate is not None and not self.aggregate.dense else {}),
@@ -100,6 +105,13 @@ class Durable:
                 layout.flatten_into({name: checkpoint.state[f"{key}/{name}"] for name in layout.names}, flat)
                 state[key] = flat
             optimizer.load_state(state, int(saved["steps"]))
+            compensation = self.table.compensation
+            if compensation is not None:  # (its state, made by the same --compensation: a run option)
+                kept = {}
+                for key in compensation.state_arrays():
+                    kept[key] = flat = np.empty(layout.numel, np.float32)
+                    layout.flatten_into({name: checkpoint.state[f"{key}/{name}"] for name in layout.names}, flat)
+                compensation.load_state(kept, int(manifest["compensation"]["steps"]))
             loaded = saved.get("loaded_state")
             self.loaded_state = bytes.fromhex(loaded) if isinstance(loaded, str) else None
             loaded = manifest.get("loaded_weights")

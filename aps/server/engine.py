@@ -27,7 +27,7 @@ from types import ModuleType
 import numpy as np
 
 from .. import _core
-from ..config import ServerConfig
+from ..config import ServerConfig, parse_compensation
 from ..errors import (
     InternalServerError,
     LayoutMismatch,
@@ -46,6 +46,7 @@ from .jobs.state import StateCopies
 from .loads import Loads
 from .jobs.updates import Aggregate, AggregateJob, PushJob, StreamingPush
 from ..layout import Layout
+from .compensation import Compensation
 from .optim import HyperGroups, make_optimizer
 from ..wire.protocol import ANY_RANK, MAX_COUNTER, MAX_COUNTER_NAME, MAX_COUNTERS, HyperGroup
 from .members import Member, PushResult, ReadyCallback, Seat
@@ -438,6 +439,7 @@ class Engine(Durable, Loads):
             return
         member.connected = False
         member.waiter = None
+        member.keep_pulled(None)
         self._waiting.pop(member.rank, None)
         if self.members.get(member.rank) is member:
             del self.members[member.rank]
@@ -603,6 +605,13 @@ class Engine(Durable, Loads):
         # Everything is allocated before anything is kept: a failure (out of
         # memory) leaves the server without a model, as before.
         table = ParameterTable(layout, values, optimizer, self._allocate)
+        kind, lam = parse_compensation(config.compensation)
+        if kind != "none":
+            try:
+                table.compensation = Compensation(kind, lam, layout.numel, self.kernels)
+            except BaseException:
+                table.close()
+                raise
         try:
             aggregate = Aggregate(layout.numel) if self.policy.aggregates else None
         except BaseException:
@@ -743,8 +752,8 @@ class Engine(Durable, Loads):
         except ServerError:
             return None
         plan = self.policy.plan(member.rank, grad_version, table.version, self._gradient_clock(member, clock))
-        if plan.kind is not PlanKind.APPLY:
-            return None
+        if plan.kind is not PlanKind.APPLY or table.compensation is not None:
+            return None  # (compensated: the whole gradient is compensated first, then applied)
         stream = StreamingPush(table, self._lane, member, plan)
         return stream if stream.start() else None
 
@@ -790,6 +799,20 @@ class Engine(Durable, Loads):
             )
 
     # Reports from the update lane's jobs (aps.server.lane.UpdateOwner) -----------
+    def weights_pushed_on(self, member: Member, version: int) -> Snapshot | None:
+        """A lease on the weights of ``version`` that ``member`` was given (the ones its
+        gradient was computed on: delay compensation), or None when they were not kept."""
+        pulled = member.pulled
+        return pulled.again() if pulled is not None and pulled.version == version else None
+
+    def _let_go_of_old_weights(self) -> None:
+        """The weights a worker was given that are more than --staleness-cutoff versions old:
+        a gradient computed on them is dropped, so they are not kept for it."""
+        oldest = self.table.version - self.config.staleness_cutoff
+        for member in self.members.values():
+            if member.pulled is not None and member.pulled.version < oldest:
+                member.keep_pulled(None)
+
     def gradient_committed(self, member: Member, plan: Plan, arrived: float,
                            hyper: HyperGroups | None = None) -> PushResult:
         """A gradient was applied (and published), accumulated or dropped (``hyper``: the
@@ -797,6 +820,8 @@ class Engine(Durable, Loads):
         policy, stats, rank = self.policy, self.stats, member.rank
         if plan.kind is PlanKind.APPLY:
             stats.published(self.table.version)
+            if self.table.compensation is not None and self.config.staleness_cutoff is not None:
+                self._let_go_of_old_weights()
         elif plan.kind is PlanKind.ACCUMULATE:
             self._round_hyper = hyper
         window = policy.window
@@ -880,6 +905,8 @@ class Engine(Durable, Loads):
         self._pending_aggregates -= 1
         if applied:
             self.stats.published(self.table.version)
+            if self.table.compensation is not None and self.config.staleness_cutoff is not None:
+                self._let_go_of_old_weights()
         else:  # the version its workers were promised will not come: the one before it will do
             decided = self.decided_version
             for member in self.members.values():
@@ -923,7 +950,10 @@ class Engine(Durable, Loads):
                 except Exception as exc:  # (out of memory, say): the reply says so, nobody waits
                     log.exception("reading the rows worker %d asked for failed", member.rank)
                     member.rows_out = exc
-            waiter(self.table.snapshot(), self.policy.clock(member.rank))
+            snapshot = self.table.snapshot()
+            if self.table.compensation is not None:
+                member.keep_pulled(snapshot.again())  # what its next gradient is computed on
+            waiter(snapshot, self.policy.clock(member.rank))
         except Exception:  # one connection's failure must not keep the others waiting
             log.exception("answering worker %d failed", member.rank)
         return True

@@ -45,7 +45,7 @@ if TYPE_CHECKING:
     from .optim import HyperGroups
     from .rows import Tables
     from .sync import Plan, SyncPolicy
-    from .table import ParameterTable
+    from .table import ParameterTable, Snapshot
 
 __all__ = [
     "CallJob", "Job", "Kernel", "Offload", "PushAnswer", "Reservation", "MemberView", "StateOwner", "UpdateLane",
@@ -89,6 +89,9 @@ class UpdateOwner(Protocol):
                            hyper: HyperGroups | None = None) -> PushAnswer:
         """The gradient was applied, accumulated or dropped: count it, release whom it releases.
         ``hyper``: the values the push came with (an aggregate update it closes uses them)."""
+
+    def weights_pushed_on(self, member: MemberView, version: int) -> Snapshot | None:
+        """A lease on the weights of ``version`` ``member`` was given (delay compensation), or None."""
 
     def gradient_refused(self, rank: int, reason: object) -> ServerError:
         """The kernel refused the gradient (``reason``: False, or the exception it

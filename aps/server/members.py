@@ -104,7 +104,7 @@ class Member:
     __slots__ = (
         "rank", "grad", "grad_bytes", "grad16", "grad16_bytes", "grad_dtype", "connected", "joined", "joined_running",
         "waiter", "gate", "waiting_since", "required_version", "rejoin", "rejoin_clock", "push_id", "push_clock", "hyper",
-        "rows_wanted", "rows_out", "rows_room",
+        "rows_wanted", "rows_out", "rows_room", "pulled",
     )
 
     def __init__(self, rank: int) -> None:
@@ -133,6 +133,15 @@ class Member:
         #: Where its connection wants a reply's rows gathered (shared memory: the reply
         #: segment; a callable giving ``nbytes`` of room), or None (new arrays).
         self.rows_room: Callable[[int], np.ndarray] | None = None
+        #: With delay compensation: a lease on the weights it was last given (its next
+        #: gradient is computed on them), or None (docs/algorithms.md, "Delay compensation").
+        self.pulled = None
+
+    def keep_pulled(self, snapshot) -> None:
+        """Hold ``snapshot`` (a lease; None: none) as the weights it was last given."""
+        if self.pulled is not None:
+            self.pulled.release()
+        self.pulled = snapshot
 
     def receive_gradient(self, dtype: int) -> memoryview:
         """Where the next push's payload goes: ``grad``, or (for a compressed push,

@@ -94,6 +94,10 @@ class Snapshot:
         """The memory block holding these weights (its ``id``, and ``fd`` when shared)."""
         return self._slot.block
 
+    def again(self) -> Snapshot:
+        """One more lease on the same weights (released on its own)."""
+        return Snapshot(self._slot, self.version)
+
     def release(self) -> None:
         """End the lease (idempotent)."""
         slot, self._slot = self._slot, None
@@ -135,6 +139,8 @@ class ParameterTable:
             raise ValueError(f"initial weights have shape {initial.shape}, the layout needs ({layout.numel},)")
         self.layout = layout
         self.optimizer = optimizer
+        #: The delay compensation stale gradients get (aps.server.compensation), or None.
+        self.compensation = None
         self._allocate = allocate or HeapBlock
         self._slots: list[_Slot] = []
         self._spare_coming = self._closed = False

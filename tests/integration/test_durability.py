@@ -123,7 +123,9 @@ def one_worker_run(tmp_path, optimizer_flags, steps, interrupt_at=None, lose=3):
                     "--port", port, "--checkpoint-dir", str(tmp_path), "--resume"))).start()
                 restarted.append(None)
             weights = worker.push_pull({"w": stepped_gradient(weights["w"], worker.clock)})
-        result = weights["w"].copy(), worker.version
+        live = restarted[-1] if restarted else server
+        state = read_checkpoint(request_checkpoint(live.address)["path"]).state  # the state the run ends with
+        result = weights["w"].copy(), worker.version, state
         worker.close()
         if interrupt_at is not None:  # it went back to the checkpoint, and said so
             assert f"version {interrupt_at}, clocks [{interrupt_at}]" in restarted[-1].log()
@@ -136,13 +138,23 @@ def one_worker_run(tmp_path, optimizer_flags, steps, interrupt_at=None, lose=3):
                 other.stop()
 
 
-@pytest.mark.parametrize("optimizer_flags", [["--optimizer", "sgd", "--lr", "0.05", "--momentum", "0.9"],
-                                             ["--optimizer", "adam", "--lr", "0.01"]], ids=["sgd-momentum", "adam"])
+@pytest.mark.parametrize("optimizer_flags", [
+    ["--optimizer", "sgd", "--lr", "0.05", "--momentum", "0.9"],
+    ["--optimizer", "adam", "--lr", "0.01"],
+    ["--optimizer", "sgd", "--lr", "0.05", "--momentum", "0.9", "--compensation", "dc-adaptive:0.5"],
+    ["--optimizer", "adam", "--lr", "0.01", "--compensation", "gap"],
+], ids=["sgd-momentum", "adam", "dc-adaptive", "gap"])
 def test_interrupted_and_resumed_equals_uninterrupted_bit_for_bit(tmp_path, optimizer_flags):
-    straight, version = one_worker_run(tmp_path / "a", optimizer_flags, 30)
-    resumed, version_resumed = one_worker_run(tmp_path / "b", optimizer_flags, 30, interrupt_at=12)
+    """(Compensated: the running mean square or step scale the run ends with, too.)"""
+    straight, version, state = one_worker_run(tmp_path / "a", optimizer_flags, 30)
+    resumed, version_resumed, state_resumed = one_worker_run(tmp_path / "b", optimizer_flags, 30, interrupt_at=12)
     assert version == version_resumed == 30
     assert np.array_equal(straight, resumed)  # the optimizer's state was restored, not reset
+    assert sorted(state) == sorted(state_resumed)
+    for key, value in state.items():
+        assert np.array_equal(value, state_resumed[key]), key
+    if "--compensation" in optimizer_flags:
+        assert any(key.startswith("compensation_") and value.any() for key, value in state.items())
 
 
 def test_a_push_sent_again_after_a_lost_reply_is_not_applied_twice(tmp_path):

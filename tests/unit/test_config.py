@@ -61,6 +61,7 @@ EXAMPLES = {
     "staleness": ("7", 7, {"APS_SYNC": "ssp"}),
     "max_staleness": ("9", 9, {"APS_SYNC": "dssp"}),
     "staleness_cutoff": ("4", 4, {"APS_SYNC": "asp"}),
+    "compensation": ("dc-adaptive:2", "dc-adaptive:2", {"APS_SYNC": "asp"}),
     "softsync_n": ("2", 2, {"APS_SYNC": "softsync", "APS_WORKERS": "4"}),
     "backup_workers": ("1", 1, {"APS_WORKERS": "3"}),
     "lr_staleness": ("inverse", "inverse", {}),

@@ -40,6 +40,11 @@ FUNCTION_SAMPLES = {
         (vec(0, 0), vec(1, 2), vec(0.5, -0.5), vec(0, 0), vec(0, 0), vec(0, 0), vec(0, 0), 1, 1e-3),
         {},
     ),
+    "compensate": lambda: (
+        (vec(0, 0), vec(1, 2), vec(1, 1), vec(0, 1), vec(0, 0), vec(1, 1), _core.COMPENSATE_DC_ADAPTIVE),
+        {"lam": 0.5, "decay": 0.95, "eps": 1e-7},
+    ),
+    "step_scale": lambda: ((vec(0, 0), vec(1, 1), vec(1, 2), vec(0, 0), 0.99), {}),
     "dssp_controller": lambda: ((2.0, 1.0, 2.0, 0.5, 3), {}),
     "use_f16c": lambda: ((), {"allowed": True}),
     "narrow": lambda: ((np.zeros(2, np.uint16), vec(1, 2), _core.BFLOAT16), {}),

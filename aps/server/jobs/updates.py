@@ -78,7 +78,7 @@ class PushJob(Job):
 
     __slots__ = (
         "owner", "member", "grad_version", "arrived", "on_done", "on_error", "plan", "slot", "w_in", "answered",
-        "adopted", "hyper", "clock", "rows", "dense",
+        "adopted", "hyper", "clock", "rows", "dense", "then",
     )
 
     def __init__(
@@ -108,6 +108,8 @@ class PushJob(Job):
         self.clock = clock
         self.rows = rows or []
         self.dense = dense
+        #: With delay compensation: a lease on the weights the gradient was computed on.
+        self.then = None
 
     def prepare(self) -> int:
         table = self.owner.table
@@ -118,6 +120,9 @@ class PushJob(Job):
         if plan.kind is PlanKind.APPLY:
             self.slot = table.begin_update()
             self.w_in = table.current_array()
+        if table.compensation is not None and plan.kind is not PlanKind.DROP:
+            self.w_in = table.current_array()
+            self.then = self.owner.weights_pushed_on(self.member, self.grad_version)
         return len(self.member.grad)
 
     def run(self) -> bool:
@@ -127,8 +132,19 @@ class PushJob(Job):
         if not self.dense:
             return True  # (its rows are checked at intake, and applied in the commit)
         grad, dtype = member.gradient, member.grad_dtype
+        compensation = owner.table.compensation
+        if compensation is not None and plan.kind is not PlanKind.DROP:
+            compensation.begin()
+            if self.then is not None:  # (none: its worker's weights were not kept; applied as it is)
+                grad = compensation.gradient(grad, dtype, self.w_in, self.then.array, 0, len(grad))
+                if grad is None:
+                    return False
+                dtype = owner.kernels.FLOAT32
         if plan.kind is PlanKind.APPLY:
-            return owner.table.optimizer.step(self.slot.array, self.w_in, grad, plan.scale, dtype, self.hyper)
+            ok = owner.table.optimizer.step(self.slot.array, self.w_in, grad, plan.scale, dtype, self.hyper)
+            if ok and compensation is not None:
+                compensation.stepped(self.slot.array, self.w_in, 0, len(grad))
+            return ok
         if plan.kind is PlanKind.ACCUMULATE:
             aggregate = owner.aggregate
             return owner.kernels.accumulate(aggregate.spare, aggregate.current, grad, plan.scale, plan.first, dtype)
@@ -154,6 +170,8 @@ class PushJob(Job):
                 table.publish(self.slot)
                 self.slot = None  # the table's now
                 table.optimizer.commit()
+                if table.compensation is not None:
+                    table.compensation.commit()
             else:
                 table.advance()
             owner.rows.commit(staged)
@@ -166,17 +184,21 @@ class PushJob(Job):
             aggregate = owner.aggregate
             if self.dense:
                 aggregate.adopt()
+                if table.compensation is not None:
+                    table.compensation.commit()
             elif plan.first:  # the round's sum starts from zero (and holds no dense gradient yet)
                 aggregate.current.fill(0.0)
             aggregate.dense = self.dense or (aggregate.dense and not plan.first)
             owner.rows.accumulate(kept, plan.scale, plan.first, self.member.rank)
         self.adopted = True  # from here on the gradient is in: a failure must not say otherwise
+        self._let_go()
         result = owner.gradient_committed(self.member, plan, self.arrived, self.hyper)
         self.answered = True
         self.on_done(result)
 
     def fail(self, exc: object) -> None:
         """Refused (``exc`` False) or failed: give the slot back, tell the worker (once)."""
+        self._let_go()
         if self.slot is not None:
             self.owner.table.abandon(self.slot)
             self.slot = None
@@ -190,6 +212,12 @@ class PushJob(Job):
             ))
             return
         self.on_error(self.owner.gradient_refused(self.member.rank, exc))
+
+    def _let_go(self) -> None:
+        """End the lease on the weights the gradient was computed on (compensation)."""
+        if self.then is not None:
+            self.then.release()
+            self.then = None
 
 
 class AggregateJob(Job):
@@ -218,8 +246,14 @@ class AggregateJob(Job):
         owner = self.owner
         if self.slot is None:
             return True
-        return owner.table.optimizer.step(self.slot.array, self.w_in, owner.aggregate.current, self.scale,
-                                          groups=self.hyper)
+        compensation = owner.table.compensation
+        if compensation is not None:
+            compensation.begin()
+        ok = owner.table.optimizer.step(self.slot.array, self.w_in, owner.aggregate.current, self.scale,
+                                        groups=self.hyper)
+        if ok and compensation is not None:
+            compensation.stepped(self.slot.array, self.w_in, 0, len(self.w_in))
+        return ok
 
     def commit(self, result: object) -> None:
         owner, table = self.owner, self.owner.table
@@ -237,6 +271,8 @@ class AggregateJob(Job):
             table.publish(self.slot)
             self.slot = None
             table.optimizer.commit()
+            if table.compensation is not None:
+                table.compensation.commit()
         else:
             table.advance()
         owner.rows.commit(staged)

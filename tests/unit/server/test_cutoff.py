@@ -68,6 +68,12 @@ def test_settings_take_the_cutoff_as_a_suffix():
     assert parse_setting("asp+cutoff:8").options == {"sync": "asp", "staleness_cutoff": 8}
     assert parse_setting("dssp:3:15+cutoff:4+inverse").options == {
         "sync": "dssp", "staleness": 3, "max_staleness": 15, "staleness_cutoff": 4, "lr_staleness": "inverse"}
-    for bad in ("asp+cutoff", "asp+cutoff:x", "asp+cutoff:1+cutoff:2", "asp+fast"):
+    assert parse_setting("asp+dc-adaptive:2+inverse").options == {
+        "sync": "asp", "compensation": "dc-adaptive:2", "lr_staleness": "inverse"}
+    assert parse_setting("dssp:3:15+gap+cutoff:4").options == {
+        "sync": "dssp", "staleness": 3, "max_staleness": 15, "compensation": "gap", "staleness_cutoff": 4}
+    with pytest.raises(ConfigurationError, match="finite number"):
+        parse_setting("asp+dc:-2")
+    for bad in ("asp+cutoff", "asp+cutoff:x", "asp+cutoff:1+cutoff:2", "asp+fast", "asp+gap+dc:1", "asp+none"):
         with pytest.raises(ConfigurationError, match="suffixes"):
             parse_setting(bad)
