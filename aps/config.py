@@ -278,6 +278,9 @@ class ServerConfig:
             self.min_workers, self.workers = parse_workers(self.workers, self.min_workers)
         elif isinstance(self.workers, tuple):
             self.min_workers, self.workers = self.workers
+        kind, lam = parse_compensation(self.compensation)  # (one spelling per value: dc:.10 is dc:0.1)
+        text = repr(lam).removesuffix(".0")
+        self.compensation = f"{kind}:{text}" if COMPENSATIONS[kind] else kind
         self.validate()
 
     @property

@@ -62,7 +62,8 @@ def register(commands) -> None:
                        "digits: scikit-learn's 8x8 digits; default: none, synchronization only)")
     train.add_argument("--experiment", choices=tuple(EXPERIMENTS), help="a paper's experiment at its own scale: "
                        "zhang (30 learners, n-softsync, fixed lr and lr/tau) or zhao (4 and 16 heterogeneous workers, "
-                       "persistent and on/off stragglers, BSP/ASP/SSP/DSSP with and without lr/tau), 3 seeds each; "
+                       "persistent and on/off stragglers, BSP/ASP/SSP/DSSP with and without lr/tau) or compensation "
+                       "(both papers' clusters: ASP, ASP lr/tau, DC-ASGD, gap-aware, a cut-off and DSSP), 3 seeds each; "
                        "--train mnist unless --train digits is given (a quick look); --sync, --lr, --momentum, "
                        "--batch-size, --lr-staleness, --eval-every, --target, --seeds, --seed, --jobs and --out still "
                        "apply (default: none)")

@@ -43,7 +43,24 @@ LABELS = {"bsp": "BSP", "asp": "ASP", "ssp": "SSP", "dssp": "DSSP", "softsync": 
 
 
 def label(setting: str, lr_staleness: str = "none") -> str:
-    """A readable name: ``dssp:3:15`` -> ``DSSP [3,15]``, ``ssp:3`` -> ``SSP s=3``."""
+    """A readable name: ``dssp:3:15`` -> ``DSSP [3,15]``, ``ssp:3`` -> ``SSP s=3``, and the
+    suffixes: ``asp+cutoff:8+gap+inverse`` -> ``ASP cut-off 8 gap lr/tau``."""
+    body, *extras = setting.split("+")
+    text = _base_label(body)
+    for extra in extras:
+        key, _, value = extra.partition(":")
+        if extra == "inverse":
+            lr_staleness = "inverse"
+        elif key == "cutoff":
+            text += f" cut-off {value}"
+        elif key in ("dc", "dc-adaptive"):
+            text += f" {'DC' if key == 'dc' else 'DC-a'} {value}"
+        else:
+            text += f" {extra}"
+    return text + (" lr/tau" if lr_staleness == "inverse" else "")
+
+
+def _base_label(setting: str) -> str:
     name, *numbers = setting.split(":")
     text = LABELS.get(name, name)
     if name == "ssp":
@@ -54,7 +71,7 @@ def label(setting: str, lr_staleness: str = "none") -> str:
         text += f" n={numbers[0]}"
     elif name == "bsp" and numbers:
         text += f" k={numbers[0]}"
-    return text + (" lr/tau" if lr_staleness == "inverse" else "")
+    return text
 
 
 #: ``--compression`` values: none (float32), or 16-bit pushes, and pushes and pulls.

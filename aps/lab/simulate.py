@@ -110,6 +110,17 @@ EXPERIMENTS = {
         target=0.9,
     ),
 }
+# Beyond lr/tau: delay compensation (DC-ASGD's adaptive variant at the paper's lambda0 = 2, gap-aware)
+# and a delay cut-off, against ASP and DSSP with a fixed rate and ASP with lr/tau, on Zhang's 30
+# learners and Zhao's four clusters (docs/science/papers.md, "Beyond lr/tau").
+EXPERIMENTS["compensation"] = Experiment(
+    title="Beyond lr/tau: DC-ASGD, gap-aware and a delay cut-off against ASP, ASP lr/tau and DSSP",
+    clusters=(EXPERIMENTS["zhang"].clusters[0], *EXPERIMENTS["zhao"].clusters),
+    sync=("asp", "asp+inverse", "asp+dc-adaptive:2", "asp+gap", "asp+cutoff:20", "dssp:3:15", "dssp:3:15+dc-adaptive:2",
+          "dssp:3:15+gap"),
+    lr_staleness="none",
+    target=0.9,
+)
 #: What a preset sets, and so may not be given with --experiment.
 _CLUSTER_OPTIONS = ("speeds", "workers", "hetero", "jitter", "stragglers", "budget", "iterations")
 #: What only training uses (refused without --train or --experiment rather than ignored).
@@ -258,11 +269,13 @@ def run_training(args, clusters: list[ClusterSpec], settings: list[Setting], *,
     modes = {"both": ("none", "inverse"), "none": ("none",), "inverse": ("inverse",)}[args.lr_staleness]
     runs = [(cluster, setting, mode, seed) for seed in range(args.seed, args.seed + args.seeds)
             for cluster in clusters for setting in settings
-            for mode in (("none",) if setting.options.get("sync") == "bsp" else modes)]
+            for mode in (("none",) if setting.options.get("sync") == "bsp" else
+                         # (a setting that says its own, +inverse, is run with it alone)
+                         (setting.options["lr_staleness"],) if "lr_staleness" in setting.options else modes)]
     for cluster, setting, mode, _ in runs:  # every configuration checked before the first run
         try:
-            ServerConfig(workers=len(cluster.speeds), lr=args.lr, momentum=args.momentum, lr_staleness=mode,
-                         **setting.options)
+            ServerConfig(workers=len(cluster.speeds), lr=args.lr, momentum=args.momentum,
+                         **{"lr_staleness": mode, **setting.options})
         except ConfigurationError as exc:
             raise ConfigurationError(f"--sync {setting.label}: {exc}") from None
     out = args.out or tempfile.mkdtemp(prefix="aps-simulate-")

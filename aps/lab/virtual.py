@@ -143,8 +143,8 @@ def train_virtual(
     data = load(dataset, seed=init_seed) if isinstance(dataset, str) else dataset
     workers = len(speeds)
     trainer = VirtualTrainer(data, workers, batch_size=batch_size, init_seed=init_seed, seed=seed)
-    config = ServerConfig(workers=workers, lr=lr, momentum=momentum, lr_staleness=lr_staleness, heartbeat_timeout=0,
-                          **setting.options)
+    config = ServerConfig(workers=workers, lr=lr, momentum=momentum, heartbeat_timeout=0,
+                          **{"lr_staleness": lr_staleness, **setting.options})  # (a +inverse setting says its own)
     times = IterationTimes(speeds, jitter, stragglers, seed)
     wall = time.perf_counter()
     cluster = VirtualCluster(config, times, trainer.layout, trainer.initial, trainer.compute)

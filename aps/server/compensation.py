@@ -105,8 +105,9 @@ class Compensation:
         if set(arrays) != set(own):
             raise ValueError(f"the {self.kind} compensation keeps {sorted(own)}, got {sorted(arrays)}")
         for name, value in arrays.items():
-            if value.shape != own[name].shape or not self._kernels.all_finite(np.ascontiguousarray(value, np.float32)):
-                raise ValueError(f"{name} must hold {self.numel} finite values")
+            value = np.ascontiguousarray(value, np.float32)
+            if value.shape != own[name].shape or not self._kernels.all_finite(value) or (value < 0).any():
+                raise ValueError(f"{name} must hold {self.numel} finite values >= 0 (a mean of squares or of steps)")
             np.copyto(own[name], value)
         self.steps = int(steps)
 

@@ -439,7 +439,6 @@ class Engine(Durable, Loads):
             return
         member.connected = False
         member.waiter = None
-        member.keep_pulled(None)
         self._waiting.pop(member.rank, None)
         if self.members.get(member.rank) is member:
             del self.members[member.rank]
@@ -511,6 +510,7 @@ class Engine(Durable, Loads):
         on_error(InternalServerError(f"the server could not seat rank {member.rank}: {type(exc).__name__}: {exc}"))
 
     def _commit_leave(self, member: Member, how: str = "disconnected") -> None:
+        member.keep_pulled(None)  # (here: after its pushes queued before it left)
         if not member.joined:
             return
         member.joined = False
@@ -805,6 +805,16 @@ class Engine(Durable, Loads):
         pulled = member.pulled
         return pulled.again() if pulled is not None and pulled.version == version else None
 
+    def gradient_compensated(self, member: Member, version: int, compensated: bool) -> None:
+        ws = self.stats.workers[member.rank]
+        if compensated:
+            ws.compensated += 1
+            return
+        ws.uncompensated += 1
+        if ws.uncompensated == 1 or ws.uncompensated % 1000 == 0:  # (not a line per push)
+            log.warning("worker %d: its gradient was computed on version %d, whose weights the server did not keep "
+                        "for it: applied without compensation (%d so far)", member.rank, version, ws.uncompensated)
+
     def _let_go_of_old_weights(self) -> None:
         """The weights a worker was given that are more than --staleness-cutoff versions old:
         a gradient computed on them is dropped, so they are not kept for it."""
@@ -951,7 +961,7 @@ class Engine(Durable, Loads):
                     log.exception("reading the rows worker %d asked for failed", member.rank)
                     member.rows_out = exc
             snapshot = self.table.snapshot()
-            if self.table.compensation is not None:
+            if self.table.compensation is not None and member.dense_wanted:
                 member.keep_pulled(snapshot.again())  # what its next gradient is computed on
             waiter(snapshot, self.policy.clock(member.rank))
         except Exception:  # one connection's failure must not keep the others waiting

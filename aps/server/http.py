@@ -173,6 +173,13 @@ class StatsCollector:
             refused.add_metric([str(w["rank"]), "cutoff"], cut)
             refused.add_metric([str(w["rank"]), "non_finite"], w["rejected"])
         yield refused
+        compensated = CounterMetricFamily("aps_gradients_compensated", "With --compensation: gradients taken by "
+                                          "rank, compensated (done) or not (without_weights: computed on weights the "
+                                          "server did not keep).", labels=["rank", "outcome"])
+        for w in workers:
+            compensated.add_metric([str(w["rank"]), "done"], w.get("compensated", 0))
+            compensated.add_metric([str(w["rank"]), "without_weights"], w.get("uncompensated", 0))
+        yield compensated
         yield CounterMetricFamily("aps_duplicate_pushes", "Pushes sent again after a lost reply, recognised and "
                                   "not applied twice.", value=counters.get("duplicates", 0))
         for direction, key, text in (("received", "bytes_in", "Bytes received"), ("sent", "bytes_out", "Bytes sent")):

@@ -93,6 +93,10 @@ class UpdateOwner(Protocol):
     def weights_pushed_on(self, member: MemberView, version: int) -> Snapshot | None:
         """A lease on the weights of ``version`` ``member`` was given (delay compensation), or None."""
 
+    def gradient_compensated(self, member: MemberView, version: int, compensated: bool) -> None:
+        """With delay compensation: ``member``'s gradient (computed on ``version``) was taken,
+        compensated or (the weights of ``version`` not kept) not."""
+
     def gradient_refused(self, rank: int, reason: object) -> ServerError:
         """The kernel refused the gradient (``reason``: False, or the exception it
         raised): count it; returns the error for the worker."""

@@ -149,6 +149,8 @@ class Loads:
         """Weights were written into ``slot`` (by a LoadWeightsJob): they are the current
         ones, still version 0."""
         self.table.replace(slot)
+        for member in self.members.values():  # (the weights they were given are not these, though still version 0)
+            member.keep_pulled(None)
         self.loaded_weights = digest
         self._narrowed.clear()  # narrowed copies of the weights they replace
         log.info("weights loaded: the run starts from them (digest %s)", digest.hex())

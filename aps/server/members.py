@@ -104,7 +104,7 @@ class Member:
     __slots__ = (
         "rank", "grad", "grad_bytes", "grad16", "grad16_bytes", "grad_dtype", "connected", "joined", "joined_running",
         "waiter", "gate", "waiting_since", "required_version", "rejoin", "rejoin_clock", "push_id", "push_clock", "hyper",
-        "rows_wanted", "rows_out", "rows_room", "pulled",
+        "rows_wanted", "rows_out", "rows_room", "pulled", "dense_wanted",
     )
 
     def __init__(self, rank: int) -> None:
@@ -136,6 +136,8 @@ class Member:
         #: With delay compensation: a lease on the weights it was last given (its next
         #: gradient is computed on them), or None (docs/algorithms.md, "Delay compensation").
         self.pulled = None
+        #: Its pending reply carries the dense weights (False: rows alone).
+        self.dense_wanted = True
 
     def keep_pulled(self, snapshot) -> None:
         """Hold ``snapshot`` (a lease; None: none) as the weights it was last given."""

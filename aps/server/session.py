@@ -672,6 +672,7 @@ class ServerSession(Handshake, RowRequests):
     def _on_pull(self, header: Header, payload: memoryview, stream) -> None:
         member = self._require_member()
         self._request_rows(member, header, payload)
+        member.dense_wanted = self._dense_reply  # (rows alone: it keeps the weights it had)
         self.engine.pull(member, self._send_pull_reply)
 
     def _on_push(self, header: Header, payload: memoryview, stream) -> None:
@@ -802,6 +803,7 @@ class ServerSession(Handshake, RowRequests):
             self._done()
             return
         self._dropped = result.dropped
+        self.member.dense_wanted = self._dense_reply  # (rows alone: it keeps the weights it had)
         self.engine.pull(self.member, self._send_push_pull_reply)
 
     def _send_push_reply(self, result: PushResult) -> None:

@@ -176,7 +176,7 @@ class WorkerStats:
 
     __slots__ = (
         "pushes", "dropped", "dropped_stale", "dropped_resumed", "dropped_cutoff", "rejected", "staleness", "r_star", "release_gap", "waits", "wait_total",
-        "wait_max", "pulls", "wait_buckets",
+        "wait_max", "pulls", "wait_buckets", "compensated", "uncompensated",
     )
 
     def __init__(self) -> None:
@@ -185,6 +185,8 @@ class WorkerStats:
         self.dropped_stale = 0  # older than the staleness bound (computed before a reconnect)
         self.dropped_resumed = 0  # computed on weights newer than a shard that resumed older holds
         self.dropped_cutoff = 0  # older than --staleness-cutoff
+        # --compensation: gradients compensated, and taken without the weights they were computed on
+        self.compensated = self.uncompensated = 0
         self.rejected = 0
         self.staleness = Histogram()
         self.r_star = Histogram()
@@ -373,6 +375,8 @@ class ServerStats:
                     "dropped_stale": ws.dropped_stale,
                     "dropped_resumed": ws.dropped_resumed,
                     "dropped_cutoff": ws.dropped_cutoff,
+                    "compensated": ws.compensated,
+                    "uncompensated": ws.uncompensated,
                     "rejected": ws.rejected,
                     "staleness_mean": ws.staleness.mean,
                     "staleness_hist": ws.staleness.to_dict(),

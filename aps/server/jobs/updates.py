@@ -191,6 +191,8 @@ class PushJob(Job):
             aggregate.dense = self.dense or (aggregate.dense and not plan.first)
             owner.rows.accumulate(kept, plan.scale, plan.first, self.member.rank)
         self.adopted = True  # from here on the gradient is in: a failure must not say otherwise
+        if self.dense and table.compensation is not None and plan.kind is not PlanKind.DROP:
+            owner.gradient_compensated(self.member, self.grad_version, self.then is not None)
         self._let_go()
         result = owner.gradient_committed(self.member, plan, self.arrived, self.hyper)
         self.answered = True

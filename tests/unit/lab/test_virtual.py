@@ -181,6 +181,28 @@ def test_an_experiment_runs_every_cluster_of_its_preset(tmp_path, monkeypatch, c
     assert "--experiment zhao sets the clusters" in capsys.readouterr().err
 
 
+def test_compensated_settings_train_with_the_servers_kernels_and_say_so_in_their_labels(tmp_path, monkeypatch):
+    """``asp+gap``, ``asp+dc-adaptive:2``: the virtual server compensates with the real kernels
+    (the runs differ from ASP's on the same seed); ``asp+inverse`` is ASP with lr/tau."""
+    from aps.cli import main
+    from aps.lab import simulate
+
+    tiny = simulate.Experiment(
+        title="compensated", clusters=(simulate.ClusterSpec("four, one slow", (1.0, 1.0, 1.0, 3.0), iterations=60),),
+        sync=("asp", "asp+inverse", "asp+gap", "asp+dc-adaptive:2", "asp+cutoff:2"), lr_staleness="none",
+        target=0.3, seeds=1)
+    monkeypatch.setitem(simulate.EXPERIMENTS, "compensation", tiny)
+    out = tmp_path / "c"
+    assert main(["simulate", "--experiment", "compensation", "--train", "digits", "--out", str(out)]) == 0
+    records = {r["label"]: r for r in json.loads((out / "results.json").read_text())}
+    assert list(records) == ["ASP", "ASP lr/tau", "ASP gap", "ASP DC-a 2", "ASP cut-off 2"]
+    assert records["ASP lr/tau"]["lr_staleness"] == "inverse"
+    curves = {label: [row[1] for row in r["curve_gradients"]] for label, r in records.items()}
+    for label in ("ASP lr/tau", "ASP gap", "ASP DC-a 2"):
+        assert curves[label] != curves["ASP"], label
+    assert records["ASP cut-off 2"]["updates"] < records["ASP"]["updates"]  # (the slow worker's gradients cut)
+
+
 def test_the_tables_give_the_median_time_its_range_and_how_many_runs_got_there():
     from aps.lab.compare import markdown
 
@@ -209,8 +231,8 @@ def test_the_presets_are_valid_and_the_simulate_flags_that_would_be_ignored_are_
             assert (cluster.budget is None) != (cluster.iterations is None), (name, cluster.name)
             for text in experiment.sync:
                 for mode in ("none", "inverse"):  # every server the preset would start
-                    ServerConfig(workers=len(cluster.speeds), lr=experiment.lr, lr_staleness=mode,
-                                 **parse_setting(text).options)
+                    ServerConfig(workers=len(cluster.speeds), lr=experiment.lr,
+                                 **{"lr_staleness": mode, **parse_setting(text).options})
     for argv, message in [
         (["--lr", "0.1"], "--lr applies to training: add --train"),
         (["--seeds", "3", "--budget", "5"], "--budget, --seeds apply to training"),

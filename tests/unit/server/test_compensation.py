@@ -205,6 +205,9 @@ def test_without_the_weights_it_was_computed_on_a_gradient_is_applied_as_it_is()
     h.push(0, G0, version=1, then_pull=True)  # rank 0 was given version 0, not 1
     expected = W0 - F(0.1) * G1 - F(0.1) * G0
     np.testing.assert_allclose(h.engine.weights, expected, rtol=1e-6)
+    stats = h.engine.stats.workers
+    assert (stats[0].compensated, stats[0].uncompensated) == (0, 1)
+    assert (stats[1].compensated, stats[1].uncompensated) == (1, 0)
 
 
 def test_the_weights_kept_are_one_lease_per_worker_let_go_when_it_leaves_or_past_the_cutoff():
@@ -257,8 +260,9 @@ def test_compensation_state_goes_through_a_checkpoint_and_the_run_continues_exac
                                   h.engine.table.compensation.state_arrays()["compensation_mean_square"])
     with pytest.raises(ValueError, match="keeps"):
         engine.table.compensation.load_state({"momentum_buffer": saved["momentum_buffer"]}, 1)
-    with pytest.raises(ValueError, match="finite"):
-        engine.table.compensation.load_state({"compensation_mean_square": np.full(5, np.inf, F)}, 1)
+    for bad in (np.inf, -1e-7):  # (a negative mean square makes every gradient NaN; a negative step scale, 0)
+        with pytest.raises(ValueError, match="finite values >= 0"):
+            engine.table.compensation.load_state({"compensation_mean_square": np.full(5, bad, F)}, 1)
 
 
 @pytest.mark.parametrize("value, message", [
@@ -270,10 +274,18 @@ def test_bad_values_are_refused(value, message):
         ServerConfig(sync="asp", compensation=value)
 
 
+def test_one_value_has_one_spelling():
+    """(Compared as text across shards and against a checkpoint: dc:.10 is dc:0.1.)"""
+    assert ServerConfig(sync="asp", compensation="dc:.10").compensation == "dc:0.1"
+    assert ServerConfig(sync="asp", compensation="dc-adaptive:2.0").compensation == "dc-adaptive:2"
+    assert ServerConfig(sync="asp", compensation="gap").compensation == "gap"
+
+
 def test_bsp_refuses_it_and_the_sync_description_says_it():
     with pytest.raises(ConfigurationError, match="staleness 0"):
         ServerConfig(sync="bsp", compensation="gap")
     assert "compensation=dc:0.04" in ServerConfig(sync="dssp", compensation="dc:0.04").describe_sync()
+    assert ServerConfig(sync="asp", compensation="dc:.5") == ServerConfig(sync="asp", compensation="dc:0.5")
     assert Engine(ServerConfig(sync="asp")).table is None  # (none made before a model)
 
 
@@ -292,3 +304,32 @@ def test_softsync_compensates_each_gradient_of_a_group_against_the_weights_it_is
     h.push(0, G0, version=0)  # (given version 0 at its INIT, kept)
     expected = w1 - F(0.1) * ((G1 + dc(G0, w1, W0, 0.5)) * F(0.5))
     np.testing.assert_allclose(h.engine.weights, expected, rtol=1e-6)
+
+
+def test_a_push_queued_before_its_worker_left_is_still_compensated():
+    """The worker's connection goes while its gradient waits in the lane behind another (offloaded)
+    update: compensated against the weights it was given all the same; let go of after it."""
+    pending = []
+
+    def drain():
+        while pending:
+            run, done = pending.pop(0)
+            done(run())
+
+    h = Harness(workers=3, sync="asp", numel=5, compensation="dc:0.5", lr=0.1,
+                offload=lambda run, done: pending.append((run, done)))
+    h.engine._lane._threshold = 0  # every update offloaded: the lane stays busy until drained
+    h.join_all(W0)
+    h.push(1, G1, then_pull=True)
+    drain()
+    h.pull(2)
+    h.push(2, G1)  # in the lane
+    h.push(0, G0)  # queued behind it, computed on version 0
+    member = h.workers[0].member
+    h.leave(0)
+    assert member.pulled is not None and member.pulled.version == 0  # (still kept for its push)
+    drain()
+    drain()
+    w2 = W0 - F(0.1) * G1 - F(0.1) * G1
+    np.testing.assert_allclose(h.engine.weights, w2 - F(0.1) * dc(G0, w2, W0, 0.5), rtol=1e-6)
+    assert member.pulled is None
