@@ -335,6 +335,8 @@ def _run_one(run: Run, pool: _Pool, evaluate, args, out=sys.stdout, bar=None) ->
         "max_gap": max((w["max_release_gap"] or 0) for w in workers),
         "diverged": any(r["diverged"] for r in results),
         "staleness_hist": {str(k): n for k, n in merge_counts(w["staleness_hist"] for w in workers).items()},
+        # (--compensation: the gradients the server compensated)
+        "compensated": sum(w.get("compensated", 0) for w in workers),
     }
     best = max(acc for _, acc in run.curve)
     if bar is not None:

@@ -20,7 +20,7 @@ def test_compare_on_a_tiny_budget_writes_well_formed_results(tmp_path):
     budget = 1.5
     out = tmp_path / "results"
     done = subprocess.run(
-        [sys.executable, "-m", "aps", "compare", "--workers", "2", "--speeds", "1,2", "--paradigms", "bsp,ssp:2",
+        [sys.executable, "-m", "aps", "compare", "--workers", "2", "--speeds", "1,2", "--paradigms", "bsp,ssp:2+gap",
          "--budget", str(budget), "--step-time", "0.02", "--dataset", "digits", "--target", "0.3",
          "--out", str(out)],
         capture_output=True, text=True, timeout=240,
@@ -32,7 +32,7 @@ def test_compare_on_a_tiny_budget_writes_well_formed_results(tmp_path):
     assert {(r["cluster"], r["sync"], r["lr_staleness"]) for r in records} == {
         (cluster, sync, mode)
         for cluster in ("homogeneous", "heterogeneous")
-        for sync, modes in (("bsp", ["none"]), ("ssp:2", ["none", "inverse"]))
+        for sync, modes in (("bsp", ["none"]), ("ssp:2+gap", ["none", "inverse"]))  # (a real server, gap-aware)
         for mode in modes
     }
     for r in records:
@@ -55,12 +55,13 @@ def test_compare_on_a_tiny_budget_writes_well_formed_results(tmp_path):
         assert r["iterations_per_s"] > 0 and r["updates"] > 0
         assert r["mean_staleness"] == 0.0 if r["sync"] == "bsp" else r["mean_staleness"] >= 0.0
         assert r["diverged"] is False
+        assert (r["compensated"] > 0) == (r["sync"] == "ssp:2+gap")
     bsp = {r["cluster"]: r for r in records if r["sync"] == "bsp"}
     assert bsp["heterogeneous"]["mean_wait_s"] > 0  # the fast worker waits for the slow one
     png = (out / "accuracy.png").read_bytes()
     assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 10_000
     table = (out / "results.md").read_text()
-    assert "### heterogeneous cluster (speeds 1,2)" in table and "| SSP s=2 lr/tau |" in table
+    assert "### heterogeneous cluster (speeds 1,2)" in table and "| SSP s=2 gap lr/tau |" in table
     assert "| BSP |" in done.stdout
     assert f"the plot is {out / 'accuracy.png'}" in done.stdout
 
