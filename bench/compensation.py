@@ -3,13 +3,13 @@
 
 The server's update of a ``--model``-byte float32 model (the optimizer's fused
 kernel writing the next weights into a free slot), plain and with each
-``--compensation`` (the compensation pass into scratch, then the same kernel;
-gap also updates its step scale after), for SGD, SGD with momentum and Adam:
-the ratio of median times, compensated over plain, in the same process. The
-bound is the passes each reads and writes over the model: plain SGD moves 3
-vectors (w, g in; w' out), DC 7 (g, w, w_then in, g' out; then g', w in and
-w' out), so about 2.3x for plain SGD; less against momentum and Adam, which
-move more of their own. Example:
+``--compensation`` (``Compensation.apply``: block by block, the compensation
+into scratch still in cache, the same kernel, and gap's step scale), for SGD,
+SGD with momentum and Adam: the ratio of median times, compensated over plain,
+in the same process. In memory traffic plain SGD moves 3 vectors (w, g in; w'
+out), DC 4 (w_then more): about 1.3x; the rest is the compensation's
+arithmetic (a division and a square root per element for dc-adaptive, two
+divisions and the step scale for gap). Example:
 ``python bench/compensation.py --out bench/results/compensation.json``.
 """
 
@@ -31,13 +31,12 @@ KINDS = ("none", "dc", "dc-adaptive", "gap")
 
 
 def one_update(optimizer, compensation, w_out, w_in, w_then, grad) -> None:
-    g = grad
-    if compensation is not None:
+    """One update as the server's PushJob makes it (compensated: Compensation.apply)."""
+    if compensation is None:
+        assert optimizer.step(w_out, w_in, grad)
+    else:
         compensation.begin()
-        g = compensation.gradient(grad, 1, w_in, w_then, 0, len(grad))
-    assert optimizer.step(w_out, w_in, g)
-    if compensation is not None:
-        compensation.stepped(w_out, w_in, 0, len(grad))
+        assert compensation.apply(optimizer, w_out, w_in, grad, 1, w_then, 1.0)
         compensation.commit()
     optimizer.commit()
 

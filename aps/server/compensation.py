@@ -12,9 +12,10 @@ takes it, element by element, in one native pass (``_core.compensate``):
   after every update the table publishes).
 
 The compensated gradient is written to a scratch vector the optimizer's kernel
-then reads (``scale`` and the optimizer's own rule apply to it unchanged): one
-more pass over the model than a plain update, and the kernels of every optimizer
-stay as they are. The state is double-buffered like the optimizer's: written
+then reads (``scale`` and the optimizer's own rule apply to it unchanged), a
+block of :data:`BLOCK` elements at a time, so that the block is still in the
+core's cache when it is read back: the memory traffic of one fused pass, and
+the kernels of every optimizer stay as they are. The state is double-buffered like the optimizer's: written
 aside by a job, adopted by :meth:`Compensation.commit`, thrown away otherwise.
 """
 
@@ -35,6 +36,9 @@ MEAN_SQUARE_DECAY = 0.95
 STEP_SCALE_DECAY = 0.99
 #: Added under the square root (dc-adaptive) and to the step scale (gap): no division by zero.
 EPS = 1e-7
+#: Elements compensated and applied at a time (:meth:`Compensation.apply`): the compensated
+#: block is read back by the optimizer's kernel while it is still in the core's cache.
+BLOCK = 1 << 16
 #: The state each kind keeps, as checkpoints name it.
 STATE_NAME = {"dc-adaptive": "compensation_mean_square", "gap": "compensation_step_scale"}
 
@@ -80,6 +84,22 @@ class Compensation:
         ok = self._kernels.compensate(out, source, w[start:stop], w_then[start:stop], state_out, state_in,
                                       self._code, self.lam, MEAN_SQUARE_DECAY, EPS, corr)
         return self._scratch if ok else None
+
+    def apply(self, optimizer, w_out: np.ndarray, w_in: np.ndarray, grad: np.ndarray, dtype: int,
+              w_then: np.ndarray, scale: float, groups=None) -> bool:
+        """The update of ``w_in`` into ``w_out`` with ``grad`` compensated for ``w_then -> w_in``:
+        block by block, the compensation then ``optimizer``'s kernel (``scale``, ``groups`` as
+        :meth:`aps.server.optim.Optimizer.step` takes them), then the step scale; False (nothing
+        to commit) when anything is not finite."""
+        numel = len(w_in)
+        for start in range(0, numel, BLOCK):
+            stop = min(numel, start + BLOCK)
+            compensated = self.gradient(grad, dtype, w_in, w_then, start, stop)
+            if compensated is None or not optimizer.step_slice(w_out, w_in, compensated, scale, start, stop,
+                                                               _core.FLOAT32, groups):
+                return False
+            self.stepped(w_out, w_in, start, stop)
+        return True
 
     def stepped(self, w_out: np.ndarray, w_in: np.ndarray, start: int, stop: int) -> None:
         """The weights ``[start, stop)`` went from ``w_in`` to ``w_out`` (gap: the step scale follows)."""

@@ -135,6 +135,9 @@ class PushJob(Job):
         compensation = owner.table.compensation
         if compensation is not None and plan.kind is not PlanKind.DROP:
             compensation.begin()
+            if self.then is not None and plan.kind is PlanKind.APPLY:
+                return compensation.apply(owner.table.optimizer, self.slot.array, self.w_in, grad, dtype,
+                                          self.then.array, plan.scale, self.hyper)
             if self.then is not None:  # (none: its worker's weights were not kept; applied as it is)
                 grad = compensation.gradient(grad, dtype, self.w_in, self.then.array, 0, len(grad))
                 if grad is None:

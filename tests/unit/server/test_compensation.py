@@ -333,3 +333,37 @@ def test_a_push_queued_before_its_worker_left_is_still_compensated():
     w2 = W0 - F(0.1) * G1 - F(0.1) * G1
     np.testing.assert_allclose(h.engine.weights, w2 - F(0.1) * dc(G0, w2, W0, 0.5), rtol=1e-6)
     assert member.pulled is None
+
+
+@pytest.mark.parametrize("kind", ["dc:0.5", "dc-adaptive:0.5", "gap"])
+@pytest.mark.parametrize("optimizer", list(OPTIMIZERS))
+def test_block_by_block_is_the_whole_vector_at_once(kind, optimizer):
+    """Compensation.apply (blocks kept in cache) writes what the compensation of the whole
+    gradient, then the optimizer's step over it, then the step scale would: bit for bit."""
+    from aps.config import parse_compensation
+    from aps.server.compensation import BLOCK
+    from aps.server.optim import make_optimizer
+
+    n = 2 * BLOCK + 123
+    g, w, w_then, _ = vectors(n=n, seed=3)
+    options = dict(OPTIMIZERS[optimizer])
+    name = options.pop("optimizer", "sgd")
+    results = []
+    for blocked in (True, False):
+        opt = make_optimizer(name, n, **options)
+        comp = Compensation(*parse_compensation(kind), n)
+        out = np.empty(n, F)
+        for _ in range(2):  # (the second with state: momentum, moments, mean square, step scale)
+            comp.begin()
+            if blocked:
+                assert comp.apply(opt, out, w, g, _core.FLOAT32, w_then, 0.5)
+            else:
+                compensated = comp.gradient(g, _core.FLOAT32, w, w_then, 0, n)
+                assert opt.step(out, w, compensated, 0.5)
+                comp.stepped(out, w, 0, n)
+            comp.commit()
+            opt.commit()
+        results.append((out.copy(), {k: v.copy() for k, v in comp.state_arrays().items()}))
+    np.testing.assert_array_equal(results[0][0], results[1][0])
+    for key in results[0][1]:
+        np.testing.assert_array_equal(results[0][1][key], results[1][1][key])
