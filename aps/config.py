@@ -74,6 +74,11 @@ def parse_compensation(text: str) -> tuple[str, float]:
     return kind, lam
 
 
+def format_compensation(kind: str, lam: float) -> str:
+    """The one spelling of a ``--compensation`` value (``dc:.10`` is ``dc:0.1``; exact, not rounded)."""
+    return f"{kind}:{repr(float(lam)).removesuffix('.0')}" if COMPENSATIONS[kind] else kind
+
+
 def parse_workers(text: str, min_workers: int | None = None) -> tuple[int | None, int]:
     """``(MIN, MAX)`` of ``--workers``: ``"4"`` is a fixed size (MIN ``min_workers``, None
     unless given apart), ``"2:6"`` elastic."""
@@ -278,9 +283,7 @@ class ServerConfig:
             self.min_workers, self.workers = parse_workers(self.workers, self.min_workers)
         elif isinstance(self.workers, tuple):
             self.min_workers, self.workers = self.workers
-        kind, lam = parse_compensation(self.compensation)  # (one spelling per value: dc:.10 is dc:0.1)
-        text = repr(lam).removesuffix(".0")
-        self.compensation = f"{kind}:{text}" if COMPENSATIONS[kind] else kind
+        self.compensation = format_compensation(*parse_compensation(self.compensation))  # (compared as text)
         self.validate()
 
     @property

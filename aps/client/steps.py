@@ -71,6 +71,8 @@ _REJOIN_PATIENCE = 5.0  # seconds reconnect() waits for the server to let the ol
 #: How long a rank the server gave a worker may stay taken when that server did not say its
 #: --heartbeat-timeout (an older one, or none set), before the worker asks for another: the default.
 _SEAT_PATIENCE = 30.0
+#: The most it waits, whatever timeout the server says (a bound on reconnect()'s loop).
+_SEAT_PATIENCE_MAX = 300.0
 _FAREWELL_S = 0.5  # how long to look for the server's last words when a send fails
 #: Seconds without a byte from the server, while a reply is due, after which it is taken to be gone.
 DEFAULT_SERVER_TIMEOUT = 60.0
@@ -403,7 +405,7 @@ class _ChannelSteps:
         has been silent for its --heartbeat-timeout (checked every second at most)."""
         timeout = (self.server_options or {}).get("heartbeat_timeout")
         if isinstance(timeout, (int, float)) and not isinstance(timeout, bool) and timeout > 0:
-            return float(timeout) + 1.5
+            return min(float(timeout) + 1.5, _SEAT_PATIENCE_MAX)
         return _SEAT_PATIENCE
 
     def _reseat(self, taken_since: float) -> bool:

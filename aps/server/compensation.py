@@ -26,7 +26,7 @@ from types import ModuleType
 import numpy as np
 
 from .. import _core
-from ..config import COMPENSATIONS
+from ..config import format_compensation
 from ..errors import ConfigurationError
 
 __all__ = ["Compensation"]
@@ -132,4 +132,4 @@ class Compensation:
         self.steps = int(steps)
 
     def describe(self) -> str:
-        return self.kind + (f":{self.lam:g}" if COMPENSATIONS[self.kind] else "")
+        return format_compensation(self.kind, self.lam)

@@ -101,16 +101,11 @@ class Durable:
             keys = list(optimizer.state_arrays()) or [
                 key for key in optimizer.state_names if f"{key}/{layout.names[0]}" in checkpoint.state]
             for key in keys:
-                flat = np.empty(layout.numel, np.float32)
-                layout.flatten_into({name: checkpoint.state[f"{key}/{name}"] for name in layout.names}, flat)
-                state[key] = flat
+                state[key] = _flat_state(checkpoint, layout, key)
             optimizer.load_state(state, int(saved["steps"]))
             compensation = self.table.compensation
             if compensation is not None:  # (its state, made by the same --compensation: a run option)
-                kept = {}
-                for key in compensation.state_arrays():
-                    kept[key] = flat = np.empty(layout.numel, np.float32)
-                    layout.flatten_into({name: checkpoint.state[f"{key}/{name}"] for name in layout.names}, flat)
+                kept = {key: _flat_state(checkpoint, layout, key) for key in compensation.state_arrays()}
                 compensation.load_state(kept, int(manifest["compensation"]["steps"]))
             loaded = saved.get("loaded_state")
             self.loaded_state = bytes.fromhex(loaded) if isinstance(loaded, str) else None
@@ -154,3 +149,9 @@ class Durable:
         log.info("resumed from %s: version %d, clocks %s; training goes on once all %d workers are back",
                  checkpoint.path, self.version, manifest["policy"]["clocks"], self.num_workers)
 
+
+def _flat_state(checkpoint, layout, key: str) -> np.ndarray:
+    """The state array ``key`` of ``checkpoint`` (kept per tensor, ``key/name``) as one flat vector."""
+    flat = np.empty(layout.numel, np.float32)
+    layout.flatten_into({name: checkpoint.state[f"{key}/{name}"] for name in layout.names}, flat)
+    return flat

@@ -818,6 +818,8 @@ class Engine(Durable, Loads):
     def _let_go_of_old_weights(self) -> None:
         """The weights a worker was given that are more than --staleness-cutoff versions old:
         a gradient computed on them is dropped, so they are not kept for it."""
+        if self.table.compensation is None or self.config.staleness_cutoff is None:
+            return
         oldest = self.table.version - self.config.staleness_cutoff
         for member in self.members.values():
             if member.pulled is not None and member.pulled.version < oldest:
@@ -830,8 +832,7 @@ class Engine(Durable, Loads):
         policy, stats, rank = self.policy, self.stats, member.rank
         if plan.kind is PlanKind.APPLY:
             stats.published(self.table.version)
-            if self.table.compensation is not None and self.config.staleness_cutoff is not None:
-                self._let_go_of_old_weights()
+            self._let_go_of_old_weights()
         elif plan.kind is PlanKind.ACCUMULATE:
             self._round_hyper = hyper
         window = policy.window
@@ -915,8 +916,7 @@ class Engine(Durable, Loads):
         self._pending_aggregates -= 1
         if applied:
             self.stats.published(self.table.version)
-            if self.table.compensation is not None and self.config.staleness_cutoff is not None:
-                self._let_go_of_old_weights()
+            self._let_go_of_old_weights()
         else:  # the version its workers were promised will not come: the one before it will do
             decided = self.decided_version
             for member in self.members.values():

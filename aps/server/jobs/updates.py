@@ -117,11 +117,12 @@ class PushJob(Job):
         plan = self.plan = self.owner.policy.plan(self.member.rank, self.grad_version, table.version, self.clock)
         if not self.dense:
             return 0
+        compensated = table.compensation is not None and plan.kind is not PlanKind.DROP
         if plan.kind is PlanKind.APPLY:
             self.slot = table.begin_update()
+        if plan.kind is PlanKind.APPLY or compensated:
             self.w_in = table.current_array()
-        if table.compensation is not None and plan.kind is not PlanKind.DROP:
-            self.w_in = table.current_array()
+        if compensated:
             self.then = self.owner.weights_pushed_on(self.member, self.grad_version)
         return len(self.member.grad)
 
