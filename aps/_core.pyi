@@ -8,6 +8,7 @@ from typing_extensions import disjoint_base
 FLOAT32: int
 FLOAT16: int
 BFLOAT16: int
+STREAM_MIN: int
 
 COMPENSATE_DC: int
 COMPENSATE_DC_ADAPTIVE: int

@@ -208,6 +208,11 @@ class ServerConfig:
             metavar="SIZE",
         ),
     )
+    kernel_threads: int = field(
+        default=0,
+        metadata=_opt("threads one large update (4 MiB and up) runs on, bit for bit the one-thread result "
+                      "(0: half the cores, at most 8)", metavar="N"),
+    )
     table_memory: int = field(
         default=0,
         metadata=_opt(
@@ -374,6 +379,8 @@ class ServerConfig:
             raise ConfigurationError(f"--max-connections must be at least 1, got {self.max_connections}")
         if not self.handshake_timeout > 0:
             raise ConfigurationError(f"--handshake-timeout must be > 0, got {self.handshake_timeout}")
+        if not 0 <= self.kernel_threads <= 64:
+            raise ConfigurationError(f"--kernel-threads must be in 0..64, got {self.kernel_threads}")
         if self.table_memory < 0:
             raise ConfigurationError(f"--table-memory must be >= 0, got {self.table_memory}")
         if self.stream_min_bytes < 0:

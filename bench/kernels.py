@@ -7,9 +7,12 @@ next weights into a fresh snapshot slot and the next state into a spare, so
 that an update is a transaction; then ``commit``) against
 ``torch.optim.SGD/Adam/AdamW(fused=True)`` updating the same sizes in place,
 with one thread and with every thread (``torch.set_num_threads``; aps's
-kernels run on one thread). ``ratio`` is torch's time over aps's: 1.0 or more
-means the server's pass is at least as fast. Windows of ``--updates`` updates
-are interleaved over ``--repeats``; medians. Example:
+kernels run on ``--kernel-threads``, 1 by default, and on every thread). Where
+``deepspeed`` is installed, ``DeepSpeedCPUAdam`` (its AVX-512/AVX2 CPU Adam,
+compiled at first use; it runs on torch's threads) is timed for Adam and
+AdamW too. ``ratio`` is the peer's time over aps's: 1.0 or more means the
+server's pass is at least as fast. Windows of ``--updates`` updates are
+interleaved over ``--repeats``; medians. Example:
 ``python bench/kernels.py --out bench/results/kernels.json``.
 """
 
@@ -25,7 +28,12 @@ import numpy as np
 import torch
 
 from aps.cli._args import ArgumentParser
-from aps.server.optim import make_optimizer
+from aps.server.optim import KernelThreads, make_optimizer
+
+try:
+    from deepspeed.ops.adam import DeepSpeedCPUAdam
+except ImportError:  # (not installed: aps does not depend on it)
+    DeepSpeedCPUAdam = None
 
 OPTIMIZERS = {
     "sgd-momentum": ("sgd", {"lr": 0.01, "momentum": 0.9}, lambda p: torch.optim.SGD(p, lr=0.01, momentum=0.9,
@@ -36,12 +44,15 @@ OPTIMIZERS = {
 }
 
 
-def aps_setup(name: str, numel: int):
+DEEPSPEED = {"adam": {"lr": 1e-3, "adamw_mode": False}, "adamw": {"lr": 1e-3, "weight_decay": 0.01, "adamw_mode": True}}
+
+
+def aps_setup(name: str, numel: int, threads: KernelThreads):
     kind, options = OPTIMIZERS[name][:2]
     rng = np.random.default_rng(0)
     slots = [rng.standard_normal(numel, dtype=np.float32), np.empty(numel, np.float32)]
     grad = np.float32(1e-3) * rng.standard_normal(numel, dtype=np.float32)
-    optimizer = make_optimizer(kind, numel, **options)
+    optimizer = make_optimizer(kind, numel, threads=threads, **options)
 
     def update() -> None:
         assert optimizer.step(slots[1], slots[0], grad)
@@ -51,11 +62,11 @@ def aps_setup(name: str, numel: int):
     return update
 
 
-def torch_setup(name: str, numel: int):
+def torch_setup(name: str, numel: int, deepspeed: bool = False):
     torch.manual_seed(0)
     param = torch.nn.Parameter(torch.randn(numel))
     param.grad = torch.randn(numel) * 1e-3
-    optimizer = OPTIMIZERS[name][2]([param])
+    optimizer = DeepSpeedCPUAdam([param], **DEEPSPEED[name]) if deepspeed else OPTIMIZERS[name][2]([param])
     return optimizer.step
 
 
@@ -71,31 +82,37 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--sizes", default="1,16,64,256", help="MiB of parameters, comma-separated (default 1,16,64,256)")
     parser.add_argument("--updates", type=int, default=5, help="updates per window (default 5)")
     parser.add_argument("--repeats", type=int, default=5, help="windows per configuration (default 5)")
+    parser.add_argument("--kernel-threads", type=int, default=1,
+                        help="threads of aps's passes (aps serve --kernel-threads; default 1)")
     parser.add_argument("--out", help="also write the JSON report to this file")
     args = parser.parse_args(argv)
     threads = os.cpu_count() or 1
-    report: dict = {"threads": threads, "updates": args.updates, "repeats": args.repeats, "results": []}
+    ours = KernelThreads(args.kernel_threads)
+    report: dict = {"threads": threads, "kernel_threads": args.kernel_threads, "updates": args.updates,
+                    "repeats": args.repeats, "deepspeed": DeepSpeedCPUAdam is not None, "results": []}
     for size in (int(s) for s in args.sizes.split(",")):
         numel = (size << 20) // 4
         for name in OPTIMIZERS:
-            setups = {"aps": aps_setup(name, numel), "torch": torch_setup(name, numel)}
+            setups = {"aps": aps_setup(name, numel, ours), "torch": torch_setup(name, numel)}
+            if DeepSpeedCPUAdam is not None and name in DEEPSPEED:
+                setups["deepspeed"] = torch_setup(name, numel, deepspeed=True)
             for update in setups.values():
                 update()  # (pages touched, state made)
-            times: dict[str, list[float]] = {"aps": [], "torch-1": [], f"torch-{threads}": []}
+            times: dict[str, list[float]] = {"aps": []}
             for _ in range(args.repeats):
                 times["aps"].append(timed(setups["aps"], args.updates))
-                for key, count in (("torch-1", 1), (f"torch-{threads}", threads)):
-                    torch.set_num_threads(count)
-                    times[key].append(timed(setups["torch"], args.updates))
+                for peer in (p for p in setups if p != "aps"):
+                    for count in sorted({1, threads}):
+                        torch.set_num_threads(count)
+                        times.setdefault(f"{peer}-{count}", []).append(timed(setups[peer], args.updates))
             medians = {key: statistics.median(values) for key, values in times.items()}
             row = {"optimizer": name, "mib": size, "ms": {key: round(v * 1e3, 3) for key, v in medians.items()},
-                   "ratio_1_thread": round(medians["torch-1"] / medians["aps"], 3),
-                   f"ratio_{threads}_threads": round(medians[f"torch-{threads}"] / medians["aps"], 3)}
+                   "ratio": {key: round(v / medians["aps"], 3) for key, v in medians.items() if key != "aps"}}
             report["results"].append(row)
-            print(f"{size:4d} MiB {name:13s} aps {medians['aps'] * 1e3:8.2f} ms; torch fused 1 thread "
-                  f"{medians['torch-1'] * 1e3:8.2f} ms ({row['ratio_1_thread']:.2f}x), {threads} threads "
-                  f"{medians[f'torch-{threads}'] * 1e3:8.2f} ms ({row[f'ratio_{threads}_threads']:.2f}x)", flush=True)
+            peers = "; ".join(f"{key} {medians[key] * 1e3:.2f} ms ({ratio:.2f}x)" for key, ratio in row["ratio"].items())
+            print(f"{size:4d} MiB {name:13s} aps {medians['aps'] * 1e3:8.2f} ms; {peers}", flush=True)
             del setups
+    ours.close()
     text = json.dumps(report, indent=1)
     if args.out:
         with open(args.out, "w") as f:

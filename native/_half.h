@@ -184,8 +184,71 @@ static inline int aps_all_finite_16(const uint16_t *x, ptrdiff_t n, int dtype) {
 
 #define APS_AT(p) ((p) == NULL ? NULL : (p) + i)
 
+/* Large updates are written around the cache. An update out of place writes
+ * its results into buffers it does not read (a fresh snapshot slot, the
+ * spare optimizer state): ordinary stores first read every line they write
+ * (read-for-ownership), a third more memory traffic for SGD with momentum
+ * and Adam, and the results are read next by a socket, another process or
+ * the next update, not by this core. So from APS_STREAM_MIN elements on, a
+ * kernel computes tiles of APS_STREAM_TILE elements into L1-resident scratch
+ * (the same arithmetic, the same loop: bit for bit the direct call) and
+ * copies each tile out with streaming stores, which skip that read. The
+ * compiler does not emit streaming stores itself, and writing every kernel's
+ * every variant with intrinsics would fork the arithmetic; a 512-byte tile
+ * costs one pass over L1. Outputs that are their inputs (in place), or not
+ * 16-byte aligned, are written directly. */
+#define APS_STREAM_TILE 128
+#define APS_STREAM_MIN (1 << 18)
+
+static inline int aps_streamable(const float *out, const float *in) {
+#if defined(__SSE2__)
+    return out == NULL || (out != in && ((uintptr_t)out & 15u) == 0);
+#else
+    (void)out, (void)in;
+    return 0;
+#endif
+}
+
+static inline void aps_stream(float *out, const float *tile, ptrdiff_t m) {
+#if defined(__SSE2__)
+    ptrdiff_t j = 0;
+    for (; j + 4 <= m; j += 4)
+        _mm_stream_ps(out + j, _mm_load_ps(tile + j));
+    for (; j < m; j++)
+        out[j] = tile[j];
+#else
+    memcpy(out, tile, (size_t)m * sizeof(float));
+#endif
+}
+
+/* CALL runs on tile i..i+m with the gradient at gi (widened if 16-bit), its
+ * outputs in t0, t1, t2; OUT copies them out. */
+#define APS_TILES(CALL, OUT)                                                 \
+    float tg[APS_STREAM_TILE] __attribute__((aligned(64)));                  \
+    float t0[APS_STREAM_TILE] __attribute__((aligned(64)));                  \
+    float t1[APS_STREAM_TILE] __attribute__((aligned(64)));                  \
+    float t2[APS_STREAM_TILE] __attribute__((aligned(64)));                  \
+    ptrdiff_t i, m;                                                          \
+    int ok = 1;                                                              \
+    (void)t1, (void)t2;                                                      \
+    for (i = 0; i < n && ok; i += m) {                                       \
+        const float *gi = tg;                                                \
+        m = n - i < APS_STREAM_TILE ? n - i : APS_STREAM_TILE;               \
+        if (dtype == APS_FLOAT32)                                            \
+            gi = (const float *)g + i;                                       \
+        else                                                                 \
+            aps_widen(tg, (const uint16_t *)g + i, m, dtype);                \
+        ok = (CALL);                                                         \
+        if (ok) {                                                            \
+            OUT;                                                             \
+        }                                                                    \
+    }                                                                        \
+    _mm_sfence();                                                            \
+    return ok;
+
 static inline int aps_sgd_plain_any(float *out, const float *w, const void *g, int dtype, float a, float s,
                                     ptrdiff_t n) {
+    /* (aps_sgd_plain streams by itself: one output, no state) */
     if (dtype == APS_FLOAT32)
         return aps_sgd_plain(out, w, (const float *)g, a, s, n);
     APS_BLOCKS(aps_sgd_plain(out + i, w + i, scratch, a, s, m))
@@ -194,6 +257,14 @@ static inline int aps_sgd_plain_any(float *out, const float *w, const void *g, i
 static inline int aps_sgd_any(float *w_out, const float *w_in, const void *g, int dtype, float *buf_out,
                               const float *buf_in, ptrdiff_t n, float a, float s, float wd, float mu, float keep,
                               int nesterov, int first) {
+#if defined(__SSE2__)
+    if (n >= APS_STREAM_MIN && aps_streamable(w_out, w_in) && aps_streamable(buf_out, buf_in)) {
+        APS_TILES(aps_sgd(t0, w_in + i, gi, buf_out == NULL ? NULL : t1, APS_AT(buf_in), m, a, s, wd, mu, keep,
+                          nesterov, first),
+                  aps_stream(w_out + i, t0, m);
+                  if (buf_out != NULL) aps_stream(buf_out + i, t1, m))
+    }
+#endif
     if (dtype == APS_FLOAT32)
         return aps_sgd(w_out, w_in, (const float *)g, buf_out, buf_in, n, a, s, wd, mu, keep, nesterov, first);
     APS_BLOCKS(aps_sgd(w_out + i, w_in + i, scratch, APS_AT(buf_out), APS_AT(buf_in), m, a, s, wd, mu, keep,
@@ -204,6 +275,14 @@ static inline int aps_adam_any(float *w_out, const float *w_in, const void *g, i
                                const float *m_in, float *v_out, const float *v_in, ptrdiff_t n, float s,
                                float neg_step_size, float bias2_sqrt, float w1, int lerp_low, float w1c, float b2,
                                float c2, float eps, float wd, float shrink, int decoupled, int decay) {
+#if defined(__SSE2__)
+    if (n >= APS_STREAM_MIN && aps_streamable(w_out, w_in) && aps_streamable(m_out, m_in) &&
+        aps_streamable(v_out, v_in)) {
+        APS_TILES(aps_adam(t0, w_in + i, gi, t1, m_in + i, t2, v_in + i, m, s, neg_step_size, bias2_sqrt, w1,
+                           lerp_low, w1c, b2, c2, eps, wd, shrink, decoupled, decay),
+                  aps_stream(w_out + i, t0, m); aps_stream(m_out + i, t1, m); aps_stream(v_out + i, t2, m))
+    }
+#endif
     if (dtype == APS_FLOAT32)
         return aps_adam(w_out, w_in, (const float *)g, m_out, m_in, v_out, v_in, n, s, neg_step_size, bias2_sqrt,
                         w1, lerp_low, w1c, b2, c2, eps, wd, shrink, decoupled, decay);
@@ -213,6 +292,11 @@ static inline int aps_adam_any(float *w_out, const float *w_in, const void *g, i
 
 static inline int aps_accumulate_any(float *out, const float *in, const void *g, int dtype, float s, int first,
                                      ptrdiff_t n) {
+#if defined(__SSE2__)
+    if (n >= APS_STREAM_MIN && aps_streamable(out, in)) {
+        APS_TILES(aps_accumulate(t0, APS_AT(in), gi, s, first, m), aps_stream(out + i, t0, m))
+    }
+#endif
     if (dtype == APS_FLOAT32)
         return aps_accumulate(out, in, (const float *)g, s, first, n);
     APS_BLOCKS(aps_accumulate(out + i, APS_AT(in), scratch, s, first, m))

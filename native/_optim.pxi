@@ -39,6 +39,7 @@ cdef extern from "_half.h" nogil:
         APS_FLOAT32
         APS_FLOAT16
         APS_BFLOAT16
+        APS_STREAM_MIN
     int aps_f16c_allowed
     int aps_use_f16c()
     void aps_widen(float* out, const uint16_t* inp, Py_ssize_t n, int dtype)
@@ -58,6 +59,9 @@ cdef extern from "_half.h" nogil:
 FLOAT32 = APS_FLOAT32
 FLOAT16 = APS_FLOAT16
 BFLOAT16 = APS_BFLOAT16
+#: From this many elements on, an update out of place writes its results with
+#: streaming stores, around the cache (native/_half.h).
+STREAM_MIN = APS_STREAM_MIN
 
 
 def fused_multiply_add():

@@ -47,9 +47,10 @@ from .loads import Loads
 from .jobs.updates import Aggregate, AggregateJob, PushJob, StreamingPush
 from ..layout import Layout
 from .compensation import Compensation
-from .optim import HyperGroups, make_optimizer
+from .optim import HyperGroups, KernelThreads, default_kernel_threads, make_optimizer
 from ..wire.protocol import ANY_RANK, MAX_COUNTER, MAX_COUNTER_NAME, MAX_COUNTERS, HyperGroup
 from .members import Member, PushResult, ReadyCallback, Seat
+from .narrowing import NarrowedWeights
 from .stats import EngineView, RankView, ServerStats, TableView
 from .sync import CUTOFF, RESUMED, STALE, Outcome, Plan, PlanKind, make_policy
 from .rows import RowTable, Tables
@@ -164,8 +165,8 @@ class Engine(Durable, Loads):
         #: any worker is released into the next: the checkpointer takes a sharded BSP run's
         #: checkpoints there, so that every shard has them at the same rounds.
         self.on_round: Callable[[int], None] | None = None
-        # The newest weights narrowed for compressed pulls, per element type: (version, words).
-        self._narrowed: dict[int, tuple[int, np.ndarray]] = {}
+        #: The weights rounded to 16 bits for compressed pulls (off the loop when large).
+        self.narrowed = NarrowedWeights(kernels, background)
         #: The digest of the optimizer state loaded into this run (LOAD_STATE), if any: kept in
         #: checkpoints, so that loading the same state again is a no-op, not a refusal.
         self.loaded_state: bytes | None = None
@@ -206,18 +207,6 @@ class Engine(Durable, Loads):
     def rejected(self) -> int:
         """Gradients refused for holding NaN or infinity."""
         return self.stats.rejected
-
-    def narrowed_weights(self, snap: Snapshot, dtype: int) -> np.ndarray:
-        """The weights of ``snap`` rounded to 16 bits (``dtype`` BFLOAT16 or FLOAT16), for
-        a compressed pull: computed once per version and element type, in a buffer of
-        their own (a reply being sent keeps its buffer alive; a newer version gets a new one)."""
-        kept = self._narrowed.get(dtype)
-        if kept is not None and kept[0] == snap.version:
-            return kept[1]
-        words = np.empty(len(snap.array), np.uint16)
-        self.kernels.narrow(words, snap.array, dtype)
-        self._narrowed[dtype] = (snap.version, words)
-        return words
 
     def stats_snapshot(self) -> dict:
         """Everything :mod:`aps.server.stats` counts, as a JSON-able dict (see ``aps status``)."""
@@ -601,6 +590,7 @@ class Engine(Durable, Loads):
             betas=config.betas,
             eps=config.eps,
             kernels=self.kernels,
+            threads=KernelThreads(config.kernel_threads or default_kernel_threads()),
         )
         # Everything is allocated before anything is kept: a failure (out of
         # memory) leaves the server without a model, as before.

@@ -152,7 +152,7 @@ class Loads:
         for member in self.members.values():  # (the weights they were given are not these, though still version 0)
             member.keep_pulled(None)
         self.loaded_weights = digest
-        self._narrowed.clear()  # narrowed copies of the weights they replace
+        self.narrowed.forget()  # narrowed copies of the weights they replace
         log.info("weights loaded: the run starts from them (digest %s)", digest.hex())
 
     def state_loaded(self: Engine, head: StateHead) -> None:

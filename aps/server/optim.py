@@ -10,7 +10,10 @@ weight is not finite; then nothing changed. :meth:`Optimizer.commit` adopts
 the new state. So every update is a transaction, which is what lets the
 server refuse a bad gradient without a separate checking pass, and apply a
 gradient piece by piece while it arrives. The kernels release the GIL, and
-the parameter table only ever runs one step at a time.
+the parameter table only ever runs one step at a time. A large step may be
+cut into ranges run at once on several threads (:class:`KernelThreads`,
+``aps serve --kernel-threads``): every element is computed alone, so the
+result is bit for bit the one-thread result.
 
 Per-group values. A worker may ask for its pushes to be applied with values
 of its own (a HYPER request, ``Worker.set_hyperparameters``): consecutive
@@ -25,9 +28,11 @@ given none uses the values the optimizer was made with.
 from __future__ import annotations
 
 import bisect
+import concurrent.futures
 import functools
 import math
-from collections.abc import Iterator, Mapping, Sequence
+import os
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from types import ModuleType
 from typing import Any
 
@@ -38,7 +43,8 @@ from ..config import OPTIMIZER_STATE
 from ..errors import ConfigurationError, InvalidHyperparameters
 from ..wire.protocol import MAX_HYPER_GROUPS, HyperGroup, check_stops
 
-__all__ = ["SGD", "Adam", "AdamW", "HyperGroups", "Optimizer", "OPTIMIZERS", "make_optimizer"]
+__all__ = ["SGD", "Adam", "AdamW", "HyperGroups", "KernelThreads", "Optimizer", "OPTIMIZERS", "default_kernel_threads",
+           "make_optimizer"]
 
 
 _FLOAT32_MAX = float(np.finfo(np.float32).max)
@@ -47,6 +53,59 @@ _FLOAT32_MAX = float(np.finfo(np.float32).max)
 def _require(condition: bool, message: str) -> None:
     if not condition:
         raise ConfigurationError(message)
+
+
+def default_kernel_threads() -> int:
+    """Threads for one large update when ``--kernel-threads`` is 0 (auto): half the cores this
+    process may run on (the other half left to the event loop, the transports and co-located
+    workers), at most 8 (the memory bandwidth of a socket is spent by then); 1 on two cores."""
+    return max(1, min(8, len(os.sched_getaffinity(0)) // 2))
+
+
+class KernelThreads:
+    """Runs a kernel over a range of the flat vector on up to ``count`` threads.
+
+    The range is cut into ``count`` parts of whole 64-byte lines; the calling
+    thread runs the first and ``count - 1`` pool threads the others. A range
+    shorter than :attr:`MIN_ELEMENTS` runs on the calling thread alone (handing
+    work to a thread costs tens of microseconds). The kernels compute each
+    element alone, so the parts' results are bit for bit one call's.
+    """
+
+    #: 4 MiB of float32: below it, one thread (a 4 MiB SGD pass takes about a millisecond).
+    MIN_ELEMENTS = 1 << 20
+    _LINE = 16  # float32 elements in a 64-byte cache line
+
+    def __init__(self, count: int = 1) -> None:
+        if count < 1:
+            raise ConfigurationError(f"kernel threads must be >= 1, got {count}")
+        self.count = count
+        self._pool = (concurrent.futures.ThreadPoolExecutor(count - 1, thread_name_prefix="aps-kernel")
+                      if count > 1 else None)
+
+    def run(self, kernel: Callable[[int, int], bool], start: int, stop: int) -> bool:
+        """``kernel(lo, hi)`` over parts of ``[start, stop)``; True when every part returned True.
+        Returns only when every part is done (its outputs are no longer being written)."""
+        pool = self._pool
+        if pool is None or stop - start < self.MIN_ELEMENTS:
+            return kernel(start, stop)
+        line = self._LINE
+        part = -(-(stop - start) // (self.count * line)) * line
+        cuts = [*range(start, stop, part), stop]
+        futures = [pool.submit(kernel, lo, hi) for lo, hi in zip(cuts[1:-1], cuts[2:])]
+        try:
+            ok = kernel(cuts[0], cuts[1])
+        finally:
+            concurrent.futures.wait(futures)
+        return all([ok] + [future.result() for future in futures])
+
+    def close(self) -> None:
+        if self._pool is not None:
+            self._pool.shutdown(wait=True)
+
+
+#: One thread: what an optimizer runs on unless the server gives it more.
+ONE_THREAD = KernelThreads(1)
 
 
 class HyperGroups:
@@ -96,6 +155,8 @@ class Optimizer:
         self.lr = float(lr)
         self.steps = 0
         self._kernels = kernels
+        #: The threads a large step runs on (the server sets its --kernel-threads).
+        self.threads = ONE_THREAD
 
     def step(self, w_out: np.ndarray, w_in: np.ndarray, grad: np.ndarray, scale: float = 1.0,
              grad_dtype: int = _core.FLOAT32, groups: HyperGroups | None = None) -> bool:
@@ -108,13 +169,16 @@ class Optimizer:
     def step_slice(self, w_out, w_in, grad, scale: float, start: int, stop: int,
                    grad_dtype: int = _core.FLOAT32, groups: HyperGroups | None = None) -> bool:
         """The part ``[start, stop)`` of :meth:`step` (for a gradient still arriving): one
-        kernel call per group range it covers."""
-        if groups is None:
-            return self._step_range(w_out, w_in, grad, scale, start, stop, grad_dtype, self.defaults)
-        for lo, hi, values in groups.ranges(start, stop):
-            if not self._step_range(w_out, w_in, grad, scale, lo, hi, grad_dtype, values):
+        kernel call per group range it covers (cut further across :attr:`threads`)."""
+        ranges = [(start, stop, self.defaults)] if groups is None else groups.ranges(start, stop)
+        for lo, hi, values in ranges:
+            kernel = functools.partial(self._range_kernel, w_out, w_in, grad, scale, grad_dtype, values)
+            if not self.threads.run(kernel, lo, hi):
                 return False
         return True
+
+    def _range_kernel(self, w_out, w_in, grad, scale, grad_dtype, values, start: int, stop: int) -> bool:
+        return self._step_range(w_out, w_in, grad, scale, start, stop, grad_dtype, values)
 
     def _step_range(self, w_out, w_in, grad, scale: float, start: int, stop: int, grad_dtype: int,
                     values: HyperGroup) -> bool:
@@ -471,11 +535,17 @@ def make_optimizer(
     betas: tuple[float, float] = (0.9, 0.999),
     eps: float = 1e-8,
     kernels: ModuleType = _core,
+    threads: KernelThreads = ONE_THREAD,
 ) -> Optimizer:
-    """The optimizer called ``name`` (``sgd``, ``adam`` or ``adamw``) for ``numel`` parameters."""
+    """The optimizer called ``name`` (``sgd``, ``adam`` or ``adamw``) for ``numel`` parameters,
+    its large steps run on ``threads``."""
+    optimizer: Optimizer
     if name == "sgd":
-        return SGD(numel, lr, momentum=momentum, weight_decay=weight_decay, nesterov=nesterov, kernels=kernels)
-    if name in ("adam", "adamw"):
+        optimizer = SGD(numel, lr, momentum=momentum, weight_decay=weight_decay, nesterov=nesterov, kernels=kernels)
+    elif name in ("adam", "adamw"):
         _require(momentum == 0.0 and not nesterov, f"--momentum/--nesterov apply to sgd, not {name}")
-        return OPTIMIZERS[name](numel, lr, betas=betas, eps=eps, weight_decay=weight_decay, kernels=kernels)
-    raise ConfigurationError(f"unknown optimizer {name!r}: choose from {', '.join(OPTIMIZERS)}")
+        optimizer = OPTIMIZERS[name](numel, lr, betas=betas, eps=eps, weight_decay=weight_decay, kernels=kernels)
+    else:
+        raise ConfigurationError(f"unknown optimizer {name!r}: choose from {', '.join(OPTIMIZERS)}")
+    optimizer.threads = threads
+    return optimizer

@@ -11,6 +11,7 @@ early wait in the reader's staging buffer, and reading pauses if that fills.
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import logging
 import time
@@ -208,9 +209,10 @@ class ServerSession(Handshake, RowRequests):
             self._write(part)
 
     def _send_weights(self, op: int, snap: Snapshot, clock: int, flags: int, rows: tuple = (),
-                      fds: tuple = ()) -> None:
+                      fds: tuple = (), narrowed: np.ndarray | None = None) -> None:
         """Send the weights of ``snap`` (then ``rows``: buffers of a reply's rows, and ``fds``
-        to pass with them), keeping or releasing the lease as the transport needs."""
+        to pass with them), keeping or releasing the lease as the transport needs; ``narrowed``:
+        send these 16-bit words of them instead (a compressed pull, TCP)."""
         raise NotImplementedError
 
     def _gradient_destination(self, member: Member, header: Header, rows: bool = False) -> memoryview | None:
@@ -860,11 +862,20 @@ class ServerSession(Handshake, RowRequests):
             if reply is None:  # (sent: rows alone, or an error)
                 return
             (rows, fds), flags = reply, flags | _ROWS
+        if self._weights_dtype != _FLOAT32 and op != Op.INIT_REPLY and self._can_write() and not self._silenced:
+            # Rounded to 16 bits first (off the loop for a large model): answered when ready.
+            self.engine.narrowed.get(snap, self._weights_dtype,
+                                     functools.partial(self._send_reply_weights, op, snap, clock, flags, rows, fds))
+            return
+        self._send_reply_weights(op, snap, clock, flags, rows, fds)
+
+    def _send_reply_weights(self, op: int, snap: Snapshot, clock: int, flags: int, rows: tuple, fds: tuple,
+                            narrowed: np.ndarray | None = None) -> None:
         if not self._can_write() or self._silenced:
             snap.release()
         else:
             try:
-                self._send_weights(op, snap, clock, flags, rows, fds)
+                self._send_weights(op, snap, clock, flags, rows, fds, narrowed)
             except Exception:  # out of descriptors, say: this connection cannot be answered
                 log.exception("%s: sending weights failed; dropping the connection", self._who())
                 snap.release()

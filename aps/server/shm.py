@@ -321,7 +321,7 @@ class ShmSession(ServerSession):
         super().frame_received(header, payload)
 
     def _send_weights(self, op: int, snap: Snapshot, clock: int, flags: int, rows: tuple = (),
-                      fds: tuple = ()) -> None:
+                      fds: tuple = (), narrowed: np.ndarray | None = None) -> None:
         segment = snap.segment
         live = self.engine.table.slot_ids()
         dropped = [sid for sid in self._sent_slots if sid not in live]

@@ -273,6 +273,7 @@ class ParameterTable:
             spare.close()
         for slot in self._slots:
             slot.block.close()
+        self.optimizer.threads.close()
 
     def _new_slot(self) -> _Slot:
         slot = _Slot(self._allocate(self.layout.numel))

@@ -15,8 +15,10 @@ import asyncio
 import logging
 from typing import TYPE_CHECKING
 
+import numpy as np
+
 from ..errors import PayloadSizeMismatch
-from ..wire.protocol import HEADER_SIZE, DType, Header, Op, pack_header
+from ..wire.protocol import HEADER_SIZE, DType, Header, pack_header
 from ..wire.net import set_keepalive, set_nodelay
 from .session import ServerSession, dtype_name
 
@@ -125,11 +127,11 @@ class TcpSession(ServerSession, asyncio.BufferedProtocol):
         return dest
 
     def _send_weights(self, op: int, snap: Snapshot, clock: int, flags: int, rows: tuple = (),
-                      fds: tuple = ()) -> None:
+                      fds: tuple = (), narrowed: np.ndarray | None = None) -> None:
         transport, data, dtype = self.transport, snap.bytes, DType.FLOAT32
-        if self._weights_dtype != DType.FLOAT32 and op != Op.INIT_REPLY:
+        if narrowed is not None:
             dtype = self._weights_dtype
-            data = memoryview(self.engine.narrowed_weights(snap, dtype)).cast("B")  # its own copy: no lease
+            data = memoryview(narrowed).cast("B")  # its own copy: no lease
             snap.release()
         extra = sum(len(part) for part in rows)
         header = pack_header(op, flags, dtype, self._rid, clock, snap.version, len(data) + extra,

@@ -158,3 +158,64 @@ def test_kernels_reject_other_dtypes():
     w = np.zeros(4, np.float64)
     with pytest.raises((ValueError, TypeError)):
         _core.sgd_step(w, w, w, None, None, 0.1)
+
+
+def _chunked(kernel, n, *arrays, chunk=_core.STREAM_MIN // 3):
+    """Run ``kernel`` over slices of ``arrays`` shorter than STREAM_MIN: the direct path."""
+    oks = [kernel(*(a if a is None or np.ndim(a) == 0 else a[i:i + chunk] for a in arrays))
+           for i in range(0, n, chunk)]
+    return all(oks)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("offset", [0, 1], ids=["aligned", "unaligned"])
+def test_large_updates_written_around_the_cache_equal_the_direct_path(dtype, offset):
+    """From STREAM_MIN elements on, the kernels stage tiles and stream them out: bit for bit what
+    the same kernels write directly (short slices, or outputs not 16-byte aligned)."""
+    n = _core.STREAM_MIN + 37
+    rng = np.random.default_rng(7)
+    w, g, m = (rng.standard_normal(n + offset).astype(np.float32)[offset:] for _ in range(3))
+    v = np.abs(m) + 1
+    code = _core.FLOAT32
+    if dtype == "bfloat16":
+        code = _core.BFLOAT16
+        words = np.empty(n, np.uint16)
+        _core.narrow(words, g, code)
+        g = words
+
+    def outputs(k):
+        return [np.empty(n + offset, np.float32)[offset:] for _ in range(k)]
+
+    calls = {
+        "sgd momentum": (lambda wo, bo, w, g, b: _core.sgd_step(wo, w, g, bo, b, 0.1, momentum=0.9, grad_dtype=code),
+                         2, (w, g, m)),
+        "sgd first": (lambda wo, bo, w, g: _core.sgd_step(wo, w, g, bo, None, 0.1, momentum=0.9, weight_decay=0.01,
+                                                          first=True, grad_dtype=code), 2, (w, g)),
+        "sgd decay": (lambda wo, w, g: _core.sgd_step(wo, w, g, None, None, 0.1, weight_decay=0.01, grad_dtype=code),
+                      1, (w, g)),
+        "adamw": (lambda wo, mo, vo, w, g, m, v: _core.adam_step(wo, w, g, mo, m, vo, v, 3, 1e-3, weight_decay=0.01,
+                                                                 decoupled=True, grad_dtype=code), 3, (w, g, m, v)),
+        "accumulate": (lambda o, a, g: _core.accumulate(o, a, g, 0.5, False, code), 1, (m, g)),
+    }
+    for name, (kernel, count, inputs) in calls.items():
+        whole, parts = outputs(count), outputs(count)
+        assert kernel(*whole, *inputs) is True, name
+        assert _chunked(kernel, n, *parts, *inputs), name
+        for a, b in zip(whole, parts):
+            np.testing.assert_array_equal(a, b, err_msg=name)
+
+
+@pytest.mark.parametrize("where", [0, _core.STREAM_MIN - 1, _core.STREAM_MIN + 36])
+def test_a_large_refused_update_touches_no_input(where):
+    n = _core.STREAM_MIN + 37
+    rng = np.random.default_rng(where)
+    w, g, m = (rng.standard_normal(n).astype(np.float32) for _ in range(3))
+    v = np.abs(m)
+    g[where] = np.nan
+    before = [a.copy() for a in (w, g, m, v)]
+    scratch = [np.empty_like(w) for _ in range(3)]
+    assert _core.sgd_step(scratch[0], w, g, scratch[1], m, 0.1, momentum=0.9) is False
+    assert _core.adam_step(scratch[0], w, g, scratch[1], m, scratch[2], v, 3, 1e-3) is False
+    assert _core.accumulate(scratch[0], m, g, 1.0, False) is False
+    for a, b in zip((w, g, m, v), before):
+        np.testing.assert_array_equal(a, b)

@@ -19,6 +19,7 @@ one proceeds.
 
 from __future__ import annotations
 
+import functools
 import logging
 from collections.abc import Callable
 from typing import TYPE_CHECKING
@@ -151,7 +152,8 @@ class PushJob(Job):
             return ok
         if plan.kind is PlanKind.ACCUMULATE:
             aggregate = owner.aggregate
-            return owner.kernels.accumulate(aggregate.spare, aggregate.current, grad, plan.scale, plan.first, dtype)
+            return owner.table.optimizer.threads.run(functools.partial(
+                _accumulate, owner.kernels, aggregate, grad, plan.scale, plan.first, dtype), 0, len(grad))
         return owner.kernels.all_finite(grad, dtype)
 
     def commit(self, result: object) -> None:
@@ -298,6 +300,13 @@ class AggregateJob(Job):
         if not self.reported:
             self.reported = True
             self.owner.aggregate_committed(False)
+
+
+def _accumulate(kernels, aggregate: Aggregate, grad, scale: float, first: bool, dtype: int, start: int,
+                stop: int) -> bool:
+    """The round's running sum plus ``scale * grad`` on ``[start, stop)``, into the spare."""
+    current = None if first else aggregate.current[start:stop]
+    return kernels.accumulate(aggregate.spare[start:stop], current, grad[start:stop], scale, first, dtype)
 
 
 class StreamingPush:
