@@ -23,6 +23,7 @@ import time
 import numpy as np
 
 from aps.cli._args import ArgumentParser, parse_size
+from aps.lab.bench import machine_info, write_report
 from aps.server.compensation import Compensation
 from aps.server.optim import make_optimizer
 
@@ -54,7 +55,7 @@ def main(argv: list[str] | None = None) -> int:
     w_then = w_in + np.float32(1e-3) * rng.standard_normal(n, dtype=np.float32)
     grad = np.float32(1e-3) * rng.standard_normal(n, dtype=np.float32)
     w_out = np.empty_like(w_in)
-    report: dict = {"model_bytes": args.model, "updates": args.updates, "repeats": args.repeats, "optimizers": {}}
+    report: dict = {**machine_info(), "model_bytes": args.model, "updates": args.updates, "repeats": args.repeats, "optimizers": {}}
     for name, options in OPTIMIZERS.items():
         setups = {}
         for kind in KINDS:
@@ -77,12 +78,9 @@ def main(argv: list[str] | None = None) -> int:
         }
         print(f"{name:9s} plain {medians['none'] * 1e3:7.2f} ms/update; "
               + ", ".join(f"{kind} {medians[kind] / medians['none']:.2f}x" for kind in KINDS if kind != "none"))
-    text = json.dumps(report, indent=1)
-    if args.out:
-        with open(args.out, "w") as f:
-            f.write(text + "\n")
-    else:
-        print(text)
+    write_report(report, args.out)
+    if not args.out:
+        print(json.dumps(report, indent=1))
     return 0
 
 

@@ -28,6 +28,7 @@ import numpy as np
 import torch
 
 from aps.cli._args import ArgumentParser
+from aps.lab.bench import machine_info, write_report
 from aps.server.optim import KernelThreads, make_optimizer
 
 try:
@@ -88,7 +89,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     threads = os.cpu_count() or 1
     ours = KernelThreads(args.kernel_threads)
-    report: dict = {"threads": threads, "kernel_threads": args.kernel_threads, "updates": args.updates,
+    report: dict = {**machine_info(), "threads": threads, "kernel_threads": args.kernel_threads, "updates": args.updates,
                     "repeats": args.repeats, "deepspeed": DeepSpeedCPUAdam is not None, "results": []}
     for size in (int(s) for s in args.sizes.split(",")):
         numel = (size << 20) // 4
@@ -113,12 +114,9 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{size:4d} MiB {name:13s} aps {medians['aps'] * 1e3:8.2f} ms; {peers}", flush=True)
             del setups
     ours.close()
-    text = json.dumps(report, indent=1)
-    if args.out:
-        with open(args.out, "w") as f:
-            f.write(text + "\n")
-    else:
-        print(text)
+    write_report(report, args.out)
+    if not args.out:
+        print(json.dumps(report, indent=1))
     return 0
 
 
