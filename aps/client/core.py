@@ -176,6 +176,13 @@ class _ClientCore:
         #: The half buffers are the caller's model (see Worker.half_buffers): a push of
         #: ``_half_grad`` goes as it is, and every weights reply ends in ``_half_weights``.
         self.half_views = False
+        #: Shared-memory weights are read where they lie (aps.Worker's ``zero_copy``): the
+        #: weights are read-only views into the slot of the last weights reply, replaced at
+        #: the next one; over a socket, read-only views into the worker's own buffer.
+        self.zero_copy = False
+        self._own_weights: np.ndarray | None = None  # the buffer weights sent over a socket land in
+        self._own_views: tuple[np.ndarray, Mapping[str, np.ndarray]] | None = None  # zero_copy: its read-only views
+        self._slot_views: dict[int, tuple[np.ndarray, Mapping[str, np.ndarray]]] = {}  # and each slot's
         self._reply_dtype = _FLOAT32  # what the weights reply of the request in flight carries
         #: The HYPER payload the server last accepted from this worker: the values live with
         #: the connection, so the worker sends them again when it reconnects.
@@ -264,7 +271,7 @@ class _ClientCore:
             raise NotInitialized("no model to join with: call init(params) first")
         block = self._init_block
         if values and self._unsent_values is not None:  # (a retry to a server without the model)
-            self.layout.flatten_into(self._unsent_values, self.flat_weights)
+            self.layout.flatten_into(self._unsent_values, self._own_weights)
             self._unsent_values = None
         self.join_progress = None
         if self.shm is not None:
@@ -527,6 +534,7 @@ class _ClientCore:
         self.layout = layout
         adopted = getattr(self, "_adopted", None)
         self.flat_weights = adopted[0] if adopted is not None else np.zeros(layout.numel, np.float32)
+        self._own_weights = self.flat_weights
         if self.shm is not None:  # gradients are written straight into shared memory
             self.flat_grad = self.shm.gradient_buffer(layout.numel, self.rank)
         else:
@@ -536,6 +544,29 @@ class _ClientCore:
         # Read-only mappings: the views are fixed; write into them, never replace them.
         self.weights = MappingProxyType(layout.views(self.flat_weights))
         self.grads = MappingProxyType(layout.views(self.flat_grad))
+        if self.zero_copy:
+            held = self.flat_weights.view()
+            held.flags.writeable = False
+            self._own_views = (held, MappingProxyType(layout.views(held)))
+            self.flat_weights, self.weights = self._own_views
+
+    def hold(self, values: np.ndarray) -> None:
+        """The weights are ``values`` from now on (the server took them: LOAD_WEIGHTS)."""
+        own = self._own_weights
+        if values is not own and not np.shares_memory(values, own):
+            np.copyto(own, values)
+        if self.zero_copy:
+            self.flat_weights, self.weights = self._own_views
+
+    def _hold_slot(self, slot_id: int, slot: np.ndarray) -> None:
+        """zero_copy: the weights are read-only views into ``slot`` (one set of views per slot)."""
+        held = self._slot_views.get(slot_id)
+        if held is None or held[0] is not slot:
+            slots = self.shm.slots
+            for gone in [sid for sid in self._slot_views if sid not in slots]:
+                del self._slot_views[gone]
+            held = self._slot_views[slot_id] = (slot, MappingProxyType(self.layout.views(slot)))
+        self.flat_weights, self.weights = held
 
     # Replies (FrameHandler) -------------------------------------------------
     def frame_buffer(self, header: Header) -> memoryview | None:
@@ -645,18 +676,24 @@ class _ClientCore:
             if header.op != self._expect and header.op != _ERROR:
                 raise ProtocolError(f"reply op {header.op} to a request expecting {self._expect}")
         if header.flags & _SHM and header.op in _WEIGHT_REPLIES:
-            # One copy out of the leased snapshot slot into this worker's weights.
+            # The leased snapshot slot: read where it lies, or copied into this worker's weights.
             slot_id, nbytes, has_fd, dropped = decode_slot(payload)
-            if nbytes != self.flat_weights.nbytes:
-                raise MalformedFrame(f"slot of {nbytes} bytes; the model has {self.flat_weights.nbytes}")
-            np.copyto(self.flat_weights, self.shm.slot(slot_id, nbytes, has_fd, dropped))
+            if nbytes != self._own_weights.nbytes:
+                raise MalformedFrame(f"slot of {nbytes} bytes; the model has {self._own_weights.nbytes}")
+            slot = self.shm.slot(slot_id, nbytes, has_fd, dropped)
+            if self.zero_copy:
+                self._hold_slot(slot_id, slot)
+            else:
+                np.copyto(self.flat_weights, slot)
         elif header.dtype in _HALF and header.op in _WEIGHT_REPLIES:
             if not self.half_views:  # (with half views, the 16-bit weights are what the caller reads)
-                _core.widen(self.flat_weights, self._half_weights, header.dtype)
+                _core.widen(self._own_weights, self._half_weights, header.dtype)
         elif self.half_views and header.op in _WEIGHT_REPLIES:  # float32 weights (INIT, a rejoin)
-            _core.narrow(self._half_weights, self.flat_weights, self.compression)
+            _core.narrow(self._half_weights, self._own_weights, self.compression)
         elif header.op == _STATE_REPLY and header.request_id == self._request_id:
             self._state_reply = payload
+        if self.zero_copy and header.op in _WEIGHT_REPLIES and not header.flags & _SHM and header.dtype != _NONE:
+            self.flat_weights, self.weights = self._own_views  # (they came over a socket)
         if header.flags & _ROWS and self.shm is not None and header.op in _WEIGHT_REPLIES:
             self._rows_from_segment()
         elif header.op == _REWIND_REPLY and header.request_id == self._request_id:

@@ -95,7 +95,8 @@ class _ChannelSteps:
                  connect_timeout: float | None = 30.0, timeout: float | None = None, heartbeat: float | None = 5.0,
                  server_timeout: float | None = DEFAULT_SERVER_TIMEOUT, token: str | None = None, tls: Any = None,
                  reconnect: bool = True, reconnect_timeout: float | None = DEFAULT_RECONNECT_TIMEOUT,
-                 compression: str | None = None, compress_pulls: bool = False, as_shard: bool = False) -> None:
+                 compression: str | None = None, compress_pulls: bool = False, as_shard: bool = False,
+                 zero_copy: bool = False) -> None:
         _check_transport(transport)
         _check_heartbeat(heartbeat, server_timeout)
         narrow = _compression(compression, compress_pulls)
@@ -111,6 +112,7 @@ class _ChannelSteps:
         self.address = str(self._parsed)
         self._core = _ClientCore(rank, num_workers)
         self._core.compression, self._core.compress_pulls = narrow, bool(compress_pulls)
+        self._core.zero_copy = bool(zero_copy)
         self._connect_timeout = connect_timeout
         self.timeout = timeout
         self.server_timeout = server_timeout
@@ -307,9 +309,8 @@ class _ChannelSteps:
         header = yield from self._call("load_weights", lambda: self._core.load_weights_request(digest, values))
         if values is None:
             return True
-        flat = self.flat_weights
-        if flat is not None and values is not flat and not np.shares_memory(values, flat):
-            np.copyto(flat, values)
+        if self.flat_weights is not None:
+            self._core.hold(values)
         return not header.flags & _DROPPED
 
     def _leave(self, timeout: float | None, finished: bool = False) -> Steps:

@@ -34,14 +34,13 @@ from ..layout import Layout, check_floating, shard_bounds
 from ..tables import Table, check_tables
 from ..wire.protocol import weights_digest
 from .channel import Channel, run
+from .fanout import ThreadedFanOut
 from .payloads import server_hyperparameters
 from .rowsets import rows_call, split
 from .shards import (
-    _renumber,
     _ShardThreads,
+    _renumber,
     check_fp16_range,
-    _Turn,
-    _Turnstile,
     check_runs,
     check_values,
     common_cut,
@@ -197,13 +196,19 @@ class _Workers:
 
     @property
     def weights(self) -> Mapping[str, np.ndarray]:
-        """The last weights received, as views into :attr:`flat_weights` (updated in place by every pull)."""
+        """The last weights received, as views into :attr:`flat_weights` (updated in place by
+        every pull; with ``zero_copy``, read-only views replaced by every pull)."""
         return self._channels[0].weights if self._one else self._weights
 
     @property
     def grads(self) -> Mapping[str, np.ndarray]:
         """Gradient buffers, as views into :attr:`flat_grad`: write gradients here and ``push(worker.grads)``."""
         return self._channels[0].grads if self._one else self._grads
+
+    @property
+    def zero_copy(self) -> bool:
+        """The weights are read-only views, replaced by every pull (see :class:`Worker`)."""
+        return self._channels[0]._core.zero_copy
 
     @property
     def flat_weights(self) -> np.ndarray | None:
@@ -550,7 +555,7 @@ class _Workers:
         return [self._slice(flat, index) for index in range(len(self._channels))]
 
 
-class Worker(_Workers):
+class Worker(ThreadedFanOut, _Workers):
     """A blocking client for one training process.
 
     Args:
@@ -613,6 +618,12 @@ class Worker(_Workers):
             values too (the server keeps float32 master weights; the worker
             computes on weights rounded to 16 bits: see docs/design.md, "Wire
             compression", for the cost).
+        zero_copy: over shared memory, a pull moves no weight bytes: :attr:`weights`
+            and :attr:`flat_weights` are read-only views into the server's snapshot
+            slot the reply named, which stays unchanged until the next weights
+            reply replaces them (read them again after each call; a write raises
+            ``ValueError``). Over TCP they are read-only views of the worker's own
+            buffer. One server only (a sharded worker copies).
 
     Raises:
         ConfigurationError: bad address, rank or transport; servers that are not
@@ -645,6 +656,7 @@ class Worker(_Workers):
         reconnect_timeout: float | None = DEFAULT_RECONNECT_TIMEOUT,
         compression: str | None = None,
         compress_pulls: bool = False,
+        zero_copy: bool = False,
     ) -> None:
         self._pool: _ShardThreads | None = None
         if compression is None:
@@ -653,10 +665,13 @@ class Worker(_Workers):
                        server_timeout=server_timeout, token=token, tls=tls, reconnect=reconnect,
                        reconnect_timeout=reconnect_timeout, compression=compression, compress_pulls=compress_pulls)
         addresses = server_addresses(address)
+        if zero_copy and len(addresses) > 1:
+            raise ConfigurationError("zero_copy needs one server: a sharded worker joins its shards' weights")
         channels: list[Channel] = []
         try:
             for one in addresses:
-                channels.append(Channel(one, rank, num_workers, transport, as_shard=len(addresses) > 1, **options))
+                channels.append(Channel(one, rank, num_workers, transport, as_shard=len(addresses) > 1,
+                                        zero_copy=zero_copy, **options))
             if len(channels) > 1:
                 channels = in_shard_order(channels)
         except BaseException:
@@ -941,60 +956,3 @@ class Worker(_Workers):
 
     def __exit__(self, *exc) -> None:
         self.close()
-
-    # Every shard at once, in threads -------------------------------------------
-    def _fan_out(self, call: Callable[[int, Channel, Any], Steps], in_turn: bool) -> list:
-        """The EACH step: ``call``'s steps for every shard at once, shard 0's in this thread
-        and each other's in one of the pool's; raises the first failure after every shard
-        finished (none is left half-way in its request)."""
-        turnstile = _Turnstile()
-        turns = self._turns(in_turn, lambda position: _Turn(turnstile, position))
-        results: list = [None] * len(self._channels)
-
-        def one(index: int, channel: Channel) -> None:
-            turn = turns[index]
-            try:
-                results[index] = run(call(index, channel, turn))
-            finally:
-                if turn is not None:
-                    turn.done()  # sent or failed: the next shard's turn
-
-        with self._lock:
-            self._check_open()
-            for channel in self._channels:
-                channel._interrupted = False
-            futures = [self._pool.submit(index, one, index, channel) for index, channel in enumerate(self._channels)
-                       if index]
-            errors: list[BaseException] = []
-            try:
-                try:
-                    one(0, self._channels[0])
-                except Exception as exc:
-                    errors.append(exc)
-                for future in futures:
-                    try:
-                        future.result()
-                    except Exception as exc:
-                        errors.append(exc)
-            except BaseException:  # Ctrl-C: every shard's request ends, not the first one's only
-                self._interrupt(futures)
-                raise
-            finally:
-                self._settle_clock()
-            self._failed(errors)
-        return results
-
-    def _interrupt(self, futures: list) -> None:
-        """End the requests still running on the other shards (their connections are shut,
-        as close() does, and the calls do not get back to their servers by themselves), and
-        wait for their threads a little."""
-        for channel in self._channels:
-            channel._interrupted = True
-            conn = channel._conn
-            if conn is not None:
-                conn.shutdown()
-        for future in futures:
-            try:
-                future.result(timeout=5.0)
-            except Exception:  # noqa: S110 - each ends with its connection's error
-                pass

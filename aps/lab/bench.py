@@ -8,9 +8,11 @@ measures what each transport cannot beat:
 - TCP: a plain blocking-socket ping-pong of the same payload between two
   processes on 127.0.0.1 (send N bytes, receive N bytes back);
 - shared memory: one memcpy plus one fused update pass of the same size
-  (what a push_pull costs when no byte crosses a socket), and, for the round
-  trip of small payloads, a 1-byte pipe ping-pong between two processes (what
-  waking the other side costs).
+  (what a push_pull costs when no byte crosses a socket), the update pass
+  alone (what a zero-copy push_pull, ``aps zero-copy``, cannot beat: its pull
+  reads the slot where it lies), and, for the round trip of small payloads, a
+  1-byte pipe ping-pong between two processes (what waking the other side
+  costs).
 
 The machine is shared and noisy, so measurements are interleaved: every
 repeat measures the bounds and then each aps configuration back to back, and
@@ -184,11 +186,12 @@ class _PushPullClient:
     """Context manager yielding one aps push_pull step on a model of ``nbytes``."""
 
     def __init__(self, address: str, rank: int, workers: int, nbytes: int, transport: str,
-                 tls_ca: str | None = None) -> None:
+                 tls_ca: str | None = None, zero_copy: bool = False) -> None:
         self.args = (address, rank, workers)
         self.transport = transport
         self.numel = nbytes // 4
         self.tls_ca = tls_ca
+        self.zero_copy = zero_copy
 
     def __enter__(self):
         import ssl
@@ -196,7 +199,7 @@ class _PushPullClient:
         from ..client.worker import Worker
 
         tls = ssl.create_default_context(cafile=self.tls_ca) if self.tls_ca else None
-        self.worker = worker = Worker(*self.args, transport=self.transport, tls=tls)
+        self.worker = worker = Worker(*self.args, transport=self.transport, tls=tls, zero_copy=self.zero_copy)
         worker.init({"w": np.zeros(self.numel, np.float32)})
         grad = worker.flat_grad  # zeros: the weights stay finite whatever the lr
         return lambda: worker.push_pull(grad)
@@ -269,34 +272,50 @@ class PipeBound:
 
 
 class _CopyUpdate:
-    """Context manager yielding one memcpy plus one fused SGD pass over ``nbytes``."""
+    """Context manager yielding one memcpy plus one fused SGD pass over ``nbytes`` (``copy``
+    False: the pass alone)."""
 
-    def __init__(self, nbytes: int) -> None:
+    def __init__(self, nbytes: int, copy: bool = True, shared: bool = False) -> None:
         self.numel = nbytes // 4
+        self.copy = copy
+        self.shared = shared
 
     def __enter__(self):
         from .. import _core
 
-        w = np.ones(self.numel, np.float32)
-        g = np.zeros(self.numel, np.float32)
-        slot = np.empty_like(w)
+        if self.shared:  # in shared segments, as the server's slots and the worker's gradient are
+            from ..wire.segments import Segment
+
+            self.segments = [Segment.create(self.numel, "aps-bench") for _ in range(3)]
+            w, g, slot = (segment.array for segment in self.segments)
+            w[:] = 1.0
+        else:  # (numpy's memory: transparent huge pages where the kernel gives them)
+            w = np.ones(self.numel, np.float32)
+            g = np.zeros(self.numel, np.float32)
+            slot = np.empty_like(w)
         out = np.empty_like(w)
 
         def step() -> None:
             _core.sgd_step(slot, w, g, None, None, 0.01)  # the server's update, out of place
             np.copyto(out, slot)  # the worker's copy out of the slot
 
-        return step
+        def update() -> None:
+            _core.sgd_step(slot, w, g, None, None, 0.01)
+
+        return step if self.copy else update
 
     def __exit__(self, *exc) -> None:
-        pass
+        for segment in getattr(self, "segments", ()):
+            segment.close()
 
 
 class CopyUpdateBound:
-    """The shared-memory bound: a memcpy and a fused update pass, in one process."""
+    """The shared-memory bound: a memcpy and a fused update pass, in one process (``copy``
+    False: the update pass alone, the bound of a zero-copy pull; ``shared``: over shared
+    segments, whose pages the kernel may not make huge)."""
 
-    def __init__(self, nbytes: int) -> None:
-        self.session = Session(_CopyUpdate, [(nbytes,)])
+    def __init__(self, nbytes: int, copy: bool = True, shared: bool = False) -> None:
+        self.session = Session(_CopyUpdate, [(nbytes, copy, shared)])
 
     def measure(self, seconds: float, min_iters: int) -> list[tuple[int, float]]:
         return self.session.measure(seconds, min_iters)
@@ -307,7 +326,9 @@ class CopyUpdateBound:
 
 #: What an aps row measures, by its system name: the server's extra flags.
 VARIANTS = {"aps": [], "aps no-stream": ["--stream-min-bytes", "0"], "aps tls": ["--tls-cert"],
-            "aps dashboard": ["--http-port", "0"]}
+            "aps dashboard": ["--http-port", "0"], "aps zero-copy": []}
+#: What shared memory measures: the worker copying its weights out of the slot, and reading them there.
+SHM_VARIANTS = ("aps", "aps zero-copy")
 
 
 class ApsSession:
@@ -329,8 +350,8 @@ class ApsSession:
                 self.http_address = _read_dashboard(self.server)
             self.session = Session(
                 _PushPullClient,
-                [(address, r, workers, nbytes, transport, tls.ca if variant == "aps tls" else None)
-                 for r in range(workers)],
+                [(address, r, workers, nbytes, transport, tls.ca if variant == "aps tls" else None,
+                  variant == "aps zero-copy") for r in range(workers)],
             )
         except BaseException:
             stop_server(self.server)
@@ -459,6 +480,8 @@ def _measure(sizes, worker_counts, seconds, min_iters, repeats, transports, tcp_
         bounds = {"socket ping-pong": BoundSession(nbytes)} if "tcp" in transports else {}
         if "shm" in transports:
             bounds["memcpy+update"] = CopyUpdateBound(nbytes)
+            bounds["update pass"] = CopyUpdateBound(nbytes, copy=False)
+            bounds["update pass shm"] = CopyUpdateBound(nbytes, copy=False, shared=True)
             if nbytes <= _SMALL:
                 bounds["pipe ping-pong"] = PipeBound()
         sessions: dict[tuple[str, int, str], ApsSession] = {}
@@ -466,7 +489,7 @@ def _measure(sizes, worker_counts, seconds, min_iters, repeats, transports, tcp_
         try:
             for transport in transports:
                 for workers in worker_counts:
-                    for variant in tcp_variants if transport == "tcp" else ("aps",):
+                    for variant in tcp_variants if transport == "tcp" else SHM_VARIANTS:
                         sessions[transport, workers, variant] = ApsSession(nbytes, workers, transport, variant, tls)
                         samples[transport, workers, variant] = []
             for _ in range(repeats):
@@ -483,7 +506,8 @@ def _measure(sizes, worker_counts, seconds, min_iters, repeats, transports, tcp_
         for name in bounds:
             kind = "tcp" if name == "socket ping-pong" else "shm"
             rows.append({"system": name, "transport": kind, "payload_bytes": nbytes, "workers": 1,
-                         **summary[name], "ratio_throughput": None, "ratio_rtt": None, "ratio_to_tcp": None})
+                         **summary[name], "ratio_throughput": None, "ratio_rtt": None, "ratio_to_tcp": None,
+                         "ratio_update_pass": None, "ratio_update_pass_shm": None})
             if name == "pipe ping-pong":
                 rows[-1]["gbps"] = rows[-1]["gbps_samples"] = None  # a wake-up bound: its bytes mean nothing
         for (transport, workers, variant), a in ((k, summary[k]) for k in sessions):
@@ -495,7 +519,11 @@ def _measure(sizes, worker_counts, seconds, min_iters, repeats, transports, tcp_
             row = {"system": variant, "transport": transport, "payload_bytes": nbytes, "workers": workers, **a,
                    "ratio_throughput": _median_ratio(a["gbps_samples"], throughput_bound["gbps_samples"]),
                    "ratio_rtt": _median_ratio(a["rtt_samples_us"], rtt_bound["rtt_samples_us"]),
-                   "ratio_to_tcp": None}
+                   "ratio_to_tcp": None, "ratio_update_pass": None, "ratio_update_pass_shm": None}
+            if transport == "shm":  # (the round trip against the update pass alone: zero copy's bound)
+                row["ratio_update_pass"] = _median_ratio(a["rtt_samples_us"], summary["update pass"]["rtt_samples_us"])
+                row["ratio_update_pass_shm"] = _median_ratio(a["rtt_samples_us"],
+                                                             summary["update pass shm"]["rtt_samples_us"])
             if ("tcp", workers, "aps") in sessions and (transport, variant) != ("tcp", "aps"):
                 row["ratio_to_tcp"] = _median_ratio(a["gbps_samples"], summary["tcp", workers, "aps"]["gbps_samples"])
             rows.append(row)
@@ -531,6 +559,9 @@ def machine_info() -> dict:
 
 def _print_row(row: dict) -> None:
     extra = f", {row['ratio_to_tcp']:.2f}x aps tcp" if row["ratio_to_tcp"] else ""
+    if row.get("ratio_update_pass"):
+        extra += (f", rtt {row['ratio_update_pass']:.2f}x the update pass "
+                  f"({row['ratio_update_pass_shm']:.2f}x over shared segments)")
     system = "" if row["system"] == "aps" else f" ({row['system']})"
     print(
         f"  {format_size(row['payload_bytes']):>5} {row['transport']}{system} x{row['workers']}: {row['gbps']:.2f} GB/s "
@@ -546,13 +577,14 @@ def _cell(value, spec: str, width: int) -> str:
 def format_table(rows: list[dict]) -> str:
     header = (
         f"{'payload':>8} {'system':<17} {'via':<4} {'workers':>7} {'rtt us':>10} {'GB/s':>7} "
-        f"{'x bound GB/s':>12} {'x bound rtt':>11} {'x tcp':>6}"
+        f"{'x bound GB/s':>12} {'x bound rtt':>11} {'x tcp':>6} {'x update':>8} {'x upd shm':>9}"
     )
     lines = [header, "-" * len(header)]
     for row in rows:
         lines.append(
             f"{format_size(row['payload_bytes']):>8} {row['system']:<17} {row['transport']:<4} {row['workers']:>7} "
             f"{row['rtt_us']:>10.1f} {_cell(row['gbps'], '.2f', 7)} {_cell(row['ratio_throughput'], '.2f', 12)} "
-            f"{_cell(row['ratio_rtt'], '.2f', 11)} {_cell(row['ratio_to_tcp'], '.1f', 6)}"
+            f"{_cell(row['ratio_rtt'], '.2f', 11)} {_cell(row['ratio_to_tcp'], '.1f', 6)} "
+            f"{_cell(row.get('ratio_update_pass'), '.2f', 8)} {_cell(row.get('ratio_update_pass_shm'), '.2f', 9)}"
         )
     return "\n".join(lines)

@@ -10,8 +10,11 @@ gradients and weights never do (see ``segments``). The optimizer's state
   once, so a worker still writing cannot sneak a bad value past the check).
 - The server keeps its snapshot slots in segments. A weights reply names a
   slot (with its descriptor, the first time this worker sees it); the worker
-  copies the weights out: one copy. The slot stays leased to the worker until
-  its next request, so the copy always reads exactly one version.
+  copies the weights out (one copy), or reads them where they lie (a worker with
+  ``zero_copy``: its weights are read-only views into the slot). The slot stays
+  leased to the worker until the next weights reply replaces it, or until it
+  leaves or its connection ends: whatever the worker does meanwhile (a push, a
+  heartbeat, a refused request) it reads exactly one version.
 - Rows of embedding tables (Flag.ROWS) do not cross the socket either: a
   request's lie in the worker's rows segment (the worker may write there again
   at any time: the server copies the ids it checks, and its update kernels read
@@ -40,7 +43,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from ..errors import AuthenticationError, ConfigurationError, FrameTooLarge, MalformedFrame, ServerError
-from ..wire.protocol import HEADER_SIZE, DType, Flag, Header, InitRequest, encode_slot, pack_header
+from ..wire.protocol import HEADER_SIZE, DType, Flag, Header, InitRequest, Op, encode_slot, pack_header
 from ..wire.rows import ROWS_REF_BYTES, decode_rows_ref, encode_rows_ref, padded
 from ..wire.segments import ANCILLARY_SPACE, Room, fds_from, map_received, scm_rights
 from .admission import RateLimitedLog
@@ -60,6 +63,7 @@ _MAX_HELD_FDS = 4  # descriptors waiting for an INIT to claim them
 ACCEPT_RETRY_S = 0.5
 _accept_failures = RateLimitedLog()
 _SHM = int(Flag.SHM)
+_LEAVE = int(Op.LEAVE)
 
 
 class UnixListener:
@@ -181,7 +185,7 @@ class ShmSession(ServerSession):
         self._fds: deque[int] = deque()  # descriptors received and not yet claimed
         self._out: deque[tuple[memoryview, tuple[int, ...]]] = deque()  # frames the socket could not take yet
         self._sent_slots: set[int] = set()  # slots this worker has mapped
-        self._lease: Snapshot | None = None  # the slot the worker is copying from
+        self._lease: Snapshot | None = None  # the slot of the last weights this worker was sent
         self._max_payload = max_payload
         self._rows_in: np.ndarray | None = None  # the worker's rows segment (uint8, read-only)
         # Replies' rows. It never shrinks: a worker may keep the descriptor of every segment it
@@ -316,8 +320,8 @@ class ShmSession(ServerSession):
         return fd
 
     def frame_received(self, header: Header, payload: memoryview) -> None:
-        # Any new request means the worker has finished copying the last weights.
-        self._release_leases()
+        if header.op == _LEAVE:  # (any other request may come while the worker reads its weights)
+            self._release_leases()
         super().frame_received(header, payload)
 
     def _send_weights(self, op: int, snap: Snapshot, clock: int, flags: int, rows: tuple = (),
@@ -332,10 +336,12 @@ class ShmSession(ServerSession):
                             self.engine.policy.num_live) + payload
         # The frame crosses the socket; the weights are copied out of the slot.
         self._traffic.bytes_out += HEADER_SIZE + len(payload) + segment.nbytes
-        # The slot stays leased to this worker until its next request, which is
-        # read only once this frame has left: its descriptor stays valid meanwhile.
+        # The slot stays leased to this worker until the next weights reply (or its leave):
+        # its descriptor stays valid while this frame waits to leave.
         self._write(frame, ([segment.read_only_fd()] if fresh else []) + list(fds))
         self._sent_slots.add(segment.id)
+        if self._lease is not snap:
+            self._release_leases()
         self._lease = snap
 
     # Rows (aps.server.session_rows) -----------------------------------------------

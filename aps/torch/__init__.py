@@ -392,6 +392,12 @@ class Optimizer(torch.optim.Optimizer):
         self.staging = (self.device.type != "cpu") if staging is None else bool(staging)
         if not self.staging and self.device.type != "cpu":
             raise ConfigurationError(f"staging=False needs a model on the CPU, not on {self.device}")
+        if worker is not None and worker.zero_copy:
+            # torch cannot mark a tensor read-only: a write into a parameter that is a view of
+            # the server's slot would end the process, not raise. The parameters keep their own
+            # storage and each pull copies into it (one memcpy: see docs/design.md).
+            raise ConfigurationError("aps.torch.Optimizer copies the weights into the model's parameters: give it "
+                                     "a worker made without zero_copy")
         self._pinned: list[int] = []
         own_worker = worker is None
         alone = worker is None and rank is None and num_workers is None and \

@@ -126,14 +126,16 @@ def test_bench_runs_and_writes_json(tmp_path):
     assert result.returncode == 0, result.stderr
     report = json.loads(out.read_text())
     systems = {(row["system"], row["transport"]) for row in report["rows"]}
-    assert systems == {("socket ping-pong", "tcp"), ("memcpy+update", "shm"), ("pipe ping-pong", "shm"),
-                       ("aps", "tcp"), ("aps", "shm")}
+    assert systems == {("socket ping-pong", "tcp"), ("memcpy+update", "shm"), ("update pass", "shm"), ("update pass shm", "shm"),
+                       ("pipe ping-pong", "shm"), ("aps", "tcp"), ("aps", "shm"), ("aps zero-copy", "shm")}
     for row in report["rows"]:
         assert row["round_trips"] >= 2 and row["rtt_us"] > 0
-        if row["system"] == "aps":
+        if row["system"].startswith("aps"):
             assert row["gbps"] > 0 and row["ratio_throughput"] > 0 and row["ratio_rtt"] > 0
     shm = next(r for r in report["rows"] if r["system"] == "aps" and r["transport"] == "shm")
     assert shm["ratio_to_tcp"] > 0
+    zero_copy = next(r for r in report["rows"] if r["system"] == "aps zero-copy")
+    assert zero_copy["ratio_to_tcp"] > 0 and zero_copy["ratio_update_pass"] > 0 and shm["ratio_update_pass_shm"] > 0
     assert "x bound" in result.stdout
 
 

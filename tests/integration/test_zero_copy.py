@@ -1,0 +1,134 @@
+"""Zero-copy pulls over shared memory (``aps.Worker(zero_copy=True)``): the weights are
+read-only views into the server's leased snapshot slot, one version until the next
+weights reply."""
+
+import os
+import threading
+
+import numpy as np
+import pytest
+
+import aps
+from aps.testing import mapped_memfds
+
+N = 1000
+
+
+def _pair(server, zero_copy=True, transport="shm"):
+    """Worker 0 (``zero_copy``) and worker 1 (copies), both joined."""
+    a = aps.Worker(server.address, 0, 2, transport=transport, zero_copy=zero_copy)
+    b = aps.Worker(server.address, 1, 2, transport="shm")
+    joining = threading.Thread(target=b.init, args=({"w": np.zeros(N, np.float32)},))
+    joining.start()
+    a.init({"w": np.zeros(N, np.float32)})
+    joining.join()
+    return a, b
+
+
+def _in_a_slot(array: np.ndarray) -> bool:
+    """``array``'s memory lies in one of the server's snapshot slots mapped here."""
+    address = array.__array_interface__["data"][0]
+    for line in mapped_memfds(os.getpid(), "aps-slot"):
+        start, end = (int(x, 16) for x in line.split()[0].split("-"))
+        if start <= address < end:
+            return True
+    return False
+
+
+def test_weights_are_read_only_views_into_the_slot(server_process):
+    server = server_process("--workers", "2", "--sync", "asp", "--lr", "1")
+    a, b = _pair(server)
+    try:
+        assert a.zero_copy and not b.zero_copy
+        weights = a.push_pull({"w": np.ones(N, np.float32)})
+        assert weights["w"].tolist() == [-1.0] * N and a.version == 1
+        assert weights is a.weights and weights["w"].base is not None
+        assert _in_a_slot(a.flat_weights) and _in_a_slot(weights["w"]), "no copy: the slot itself"
+        assert not _in_a_slot(b.flat_weights), "a worker without zero_copy reads its own buffer"
+        with pytest.raises(ValueError, match="read-only"):
+            weights["w"][0] = 5.0
+        with pytest.raises(ValueError, match="read-only"):
+            a.flat_weights[:] = 0.0
+        assert a.pull()["w"].tolist() == [-1.0] * N, "the failed writes changed nothing"
+    finally:
+        a.close()
+        b.close()
+
+
+def test_a_view_holds_one_version_until_the_next_weights_reply(server_process):
+    """Pushes, heartbeats and refused requests in between leave the slot leased: updates
+    by another worker (which reuse every free slot) never write into it."""
+    server = server_process("--workers", "2", "--sync", "asp", "--lr", "1")
+    a, b = _pair(server)
+    try:
+        held = a.pull()["w"]
+        before = held.copy()
+        version = a.version
+        a.push({"w": np.ones(N, np.float32)})  # a push with no pull: the weights stay these
+        a.ping()
+        bad = np.ones(N, np.float32)
+        bad[3] = np.nan
+        with pytest.raises(aps.NonFiniteGradient):
+            a.push({"w": bad})
+        for _ in range(30):  # many versions: free slots are taken again and again
+            b.push_pull({"w": np.ones(N, np.float32)})
+        assert a.weights["w"] is held and np.array_equal(held, before), "the view still holds its version"
+        assert a.version == version
+        fresh = a.pull()["w"]
+        assert fresh is not held and fresh[0] == -(1.0 + 30) and a.version == 31
+    finally:
+        a.close()
+        b.close()
+
+
+def test_over_tcp_the_views_are_of_the_workers_own_buffer(server_process):
+    server = server_process("--workers", "2", "--sync", "asp", "--lr", "1")
+    a, b = _pair(server, transport="tcp")
+    try:
+        assert a.transport == "tcp"
+        weights = a.push_pull({"w": np.full(N, 2.0, np.float32)})
+        assert weights["w"].tolist() == [-2.0] * N and not _in_a_slot(weights["w"])
+        with pytest.raises(ValueError, match="read-only"):
+            weights["w"][:] = 0.0
+    finally:
+        a.close()
+        b.close()
+
+
+def test_loaded_weights_are_held_read_only(server_process):
+    server = server_process("--workers", "2", "--sync", "asp", "--lr", "1")
+    a, b = _pair(server)
+    try:
+        values = np.arange(N, dtype=np.float32)
+        assert a.load_weights({"w": values})
+        assert a.weights["w"].tolist() == values.tolist() and not a.flat_weights.flags.writeable
+        assert b.pull()["w"].tolist() == values.tolist()
+        assert a.pull()["w"].tolist() == values.tolist() and _in_a_slot(a.flat_weights)
+    finally:
+        a.close()
+        b.close()
+
+
+def test_a_reconnected_worker_reads_the_new_connections_slot(server_process):
+    server = server_process("--workers", "2", "--sync", "asp", "--lr", "1")
+    a, b = _pair(server)
+    try:
+        a.push_pull({"w": np.ones(N, np.float32)})
+        weights = a.reconnect()
+        assert weights["w"].tolist() == [-1.0] * N and _in_a_slot(weights["w"])
+        assert a.push_pull({"w": np.ones(N, np.float32)})["w"].tolist() == [-2.0] * N
+    finally:
+        a.close()
+        b.close()
+
+
+def test_zero_copy_needs_one_server_and_a_numpy_model(server_process):
+    with pytest.raises(aps.ConfigurationError, match="one server"):
+        aps.Worker(["tcp://127.0.0.1:1", "tcp://127.0.0.1:2"], 0, 1, zero_copy=True)
+    torch = pytest.importorskip("torch")
+    import aps.torch as aps_torch
+
+    server = server_process("--workers", "1", "--sync", "asp")
+    with aps.Worker(server.address, 0, 1, zero_copy=True) as worker:
+        with pytest.raises(aps.ConfigurationError, match="without zero_copy"):
+            aps_torch.Optimizer(torch.nn.Linear(2, 2).parameters(), worker=worker)
