@@ -29,6 +29,7 @@ import torch
 
 from aps.cli._args import ArgumentParser
 from aps.lab.bench import machine_info, write_report
+from aps.layout import line_aligned
 from aps.server.optim import KernelThreads, make_optimizer
 
 try:
@@ -51,8 +52,10 @@ DEEPSPEED = {"adam": {"lr": 1e-3, "adamw_mode": False}, "adamw": {"lr": 1e-3, "w
 def aps_setup(name: str, numel: int, threads: KernelThreads):
     kind, options = OPTIMIZERS[name][:2]
     rng = np.random.default_rng(0)
-    slots = [rng.standard_normal(numel, dtype=np.float32), np.empty(numel, np.float32)]
-    grad = np.float32(1e-3) * rng.standard_normal(numel, dtype=np.float32)
+    slots = [line_aligned(numel), line_aligned(numel)]  # (as the server makes its slots)
+    slots[0][:] = rng.standard_normal(numel, dtype=np.float32)
+    grad = line_aligned(numel)  # (as the server receives a gradient: see aps.server.intake)
+    grad[:] = np.float32(1e-3) * rng.standard_normal(numel, dtype=np.float32)
     optimizer = make_optimizer(kind, numel, threads=threads, **options)
 
     def update() -> None:

@@ -20,7 +20,8 @@ request, runs one fused update pass of the worker's gradient (in shared
 memory) into a slot, and replies with one byte; each worker writes its
 gradient, sends, waits, and copies the slot out. How the bound falls from 4
 to 64 workers is the machine's (its cores, caches and scheduler); a
-transport's ratio over the bound's is aps's own. Example:
+transport's ratio over the bound's is aps's own. ``shm-zc`` runs the
+workers with ``zero_copy`` (no copy of the slot per step). Example:
 ``python bench/many_workers.py --niced --out bench/results/many-workers.json``.
 """
 
@@ -49,7 +50,8 @@ TARGET = 0.8
 def _worker(address: str, rank: int, workers: int, numel: int, transport: str, nice: int, ready, stop) -> None:
     if nice:
         os.nice(nice)
-    with aps.Worker(address, rank, workers, transport=transport) as worker:
+    with aps.Worker(address, rank, workers, transport=transport.removesuffix("-zc"),
+                    zero_copy=transport.endswith("-zc")) as worker:
         worker.init({"w": np.zeros(numel, np.float32)})
         grad = worker.flat_grad
         ready.wait()
@@ -196,9 +198,10 @@ def main(argv: list[str] | None = None) -> int:
     parser = ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", type=parse_size, default=1 << 20, help="model size (default 1M)")
     parser.add_argument("--workers", type=int_list, default=[4, 16, 64], help="worker counts (default 4,16,64)")
-    parser.add_argument("--transports", type=choice_list(("tcp", "shm", "bound")), default=["tcp", "shm", "bound"],
+    parser.add_argument("--transports", type=choice_list(("tcp", "shm", "shm-zc", "bound")),
+                        default=["tcp", "shm", "bound"],
                         help="transports (default tcp,shm,bound: the bound is shared memory with nothing of aps, "
-                             "see bare_window)")
+                             "see bare_window; shm-zc: shared memory with zero_copy workers)")
     parser.add_argument("--niced", action="store_true", help="also run every configuration with the workers at nice 19")
     parser.add_argument("--seconds", type=float, default=3.0, help="seconds per window (default 3)")
     parser.add_argument("--repeats", type=int, default=3, help="windows per configuration (default 3)")

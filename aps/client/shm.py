@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import os
+import select
 import socket
+import time
 from collections import deque
 from collections.abc import Sequence
 
@@ -44,6 +46,9 @@ class ShmConnection(BlockingSocket):
         self.rows_room: Room | None = None
         self._rows_sent = False  # the server of this connection has the rows segment's descriptor
         self._reply_rows: np.ndarray | None = None  # the server's reply segment (uint8, read-only)
+        #: Seconds to poll for a reply before sleeping in the kernel (aps.Worker's ``spin``).
+        self.spin = 0.0
+        self._poll: select.poll | None = None
 
     def gradient_buffer(self, numel: int, rank: int) -> np.ndarray:
         """The worker's gradient vector, in a new shared segment (created once)."""
@@ -113,6 +118,23 @@ class ShmConnection(BlockingSocket):
             return self.slots[slot_id]
         except KeyError:
             raise MalformedFrame(f"weights in slot {slot_id}, which this worker has not mapped") from None
+
+    def receive(self, reader, done, timeout: float | None = None, idle: float | None = None) -> None:
+        if self.spin and not done():
+            self._spin()
+        super().receive(reader, done, timeout, idle)
+
+    def _spin(self) -> None:
+        """Poll the socket without sleeping until it is readable or ``spin`` seconds have
+        passed: a reply due within microseconds then needs no wake-up of this process."""
+        poll = self._poll
+        if poll is None:
+            poll = self._poll = select.poll()
+            poll.register(self.sock, select.POLLIN)
+        clock = time.perf_counter
+        end = clock() + self.spin
+        while not poll.poll(0) and clock() < end:
+            pass
 
     def _recv_into(self, buffer: memoryview) -> int:
         nbytes, ancdata, _, _ = self.sock.recvmsg_into([buffer], ANCILLARY_SPACE)

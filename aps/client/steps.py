@@ -64,6 +64,9 @@ SLEEP = 6  # (SLEEP, channel, seconds): True when the channel was closed meanwhi
 LOCKED = 7  # (LOCKED, channel, steps): run the steps holding the channel's lock; their result
 EACH = 8  # (EACH, worker, call, in_turn): call(index, channel, turn)'s steps on every channel at once
 
+#: The longest ``spin`` a worker may ask for (seconds): polling longer only burns a core.
+_MAX_SPIN = 0.01
+
 #: A generator of steps returning ``T``.
 Steps = Generator[tuple, Any, Any]
 
@@ -96,7 +99,7 @@ class _ChannelSteps:
                  server_timeout: float | None = DEFAULT_SERVER_TIMEOUT, token: str | None = None, tls: Any = None,
                  reconnect: bool = True, reconnect_timeout: float | None = DEFAULT_RECONNECT_TIMEOUT,
                  compression: str | None = None, compress_pulls: bool = False, as_shard: bool = False,
-                 zero_copy: bool = False) -> None:
+                 zero_copy: bool = False, spin: float = 0.0) -> None:
         _check_transport(transport)
         _check_heartbeat(heartbeat, server_timeout)
         narrow = _compression(compression, compress_pulls)
@@ -113,6 +116,9 @@ class _ChannelSteps:
         self._core = _ClientCore(rank, num_workers)
         self._core.compression, self._core.compress_pulls = narrow, bool(compress_pulls)
         self._core.zero_copy = bool(zero_copy)
+        if not isinstance(spin, (int, float)) or not 0.0 <= spin <= _MAX_SPIN:
+            raise ConfigurationError(f"spin must be from 0 to {_MAX_SPIN} seconds, got {spin!r}")
+        self._spin = float(spin)
         self._connect_timeout = connect_timeout
         self.timeout = timeout
         self.server_timeout = server_timeout
@@ -561,6 +567,7 @@ class _ChannelSteps:
                     raise
                 if self._core.shm is not None:
                     shm.adopt(self._core.shm)
+                shm.spin = self._spin
                 self._core.shm = shm
                 return shm
         if transport == "shm":

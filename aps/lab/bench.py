@@ -186,12 +186,12 @@ class _PushPullClient:
     """Context manager yielding one aps push_pull step on a model of ``nbytes``."""
 
     def __init__(self, address: str, rank: int, workers: int, nbytes: int, transport: str,
-                 tls_ca: str | None = None, zero_copy: bool = False) -> None:
+                 tls_ca: str | None = None, options: dict | None = None) -> None:
         self.args = (address, rank, workers)
         self.transport = transport
         self.numel = nbytes // 4
         self.tls_ca = tls_ca
-        self.zero_copy = zero_copy
+        self.options = options or {}
 
     def __enter__(self):
         import ssl
@@ -199,7 +199,7 @@ class _PushPullClient:
         from ..client.worker import Worker
 
         tls = ssl.create_default_context(cafile=self.tls_ca) if self.tls_ca else None
-        self.worker = worker = Worker(*self.args, transport=self.transport, tls=tls, zero_copy=self.zero_copy)
+        self.worker = worker = Worker(*self.args, transport=self.transport, tls=tls, **self.options)
         worker.init({"w": np.zeros(self.numel, np.float32)})
         grad = worker.flat_grad  # zeros: the weights stay finite whatever the lr
         return lambda: worker.push_pull(grad)
@@ -326,9 +326,12 @@ class CopyUpdateBound:
 
 #: What an aps row measures, by its system name: the server's extra flags.
 VARIANTS = {"aps": [], "aps no-stream": ["--stream-min-bytes", "0"], "aps tls": ["--tls-cert"],
-            "aps dashboard": ["--http-port", "0"], "aps zero-copy": []}
-#: What shared memory measures: the worker copying its weights out of the slot, and reading them there.
-SHM_VARIANTS = ("aps", "aps zero-copy")
+            "aps dashboard": ["--http-port", "0"], "aps zero-copy": [], "aps spin": []}
+#: The worker's options of a variant (the others' workers are made with none).
+CLIENT_OPTIONS = {"aps zero-copy": {"zero_copy": True}, "aps spin": {"spin": 200e-6}}
+#: What shared memory measures: the worker copying its weights out of the slot, reading them
+#: there, and polling 200 us for each reply before sleeping.
+SHM_VARIANTS = ("aps", "aps zero-copy", "aps spin")
 
 
 class ApsSession:
@@ -351,7 +354,7 @@ class ApsSession:
             self.session = Session(
                 _PushPullClient,
                 [(address, r, workers, nbytes, transport, tls.ca if variant == "aps tls" else None,
-                  variant == "aps zero-copy") for r in range(workers)],
+                  CLIENT_OPTIONS.get(variant)) for r in range(workers)],
             )
         except BaseException:
             stop_server(self.server)

@@ -28,6 +28,7 @@ import numpy as np
 from .. import _core
 from ..config import format_compensation
 from ..errors import ConfigurationError
+from ..layout import line_aligned
 
 __all__ = ["Compensation"]
 
@@ -54,7 +55,7 @@ class Compensation:
         self._code = {"dc": kernels.COMPENSATE_DC, "dc-adaptive": kernels.COMPENSATE_DC_ADAPTIVE,
                       "gap": kernels.COMPENSATE_GAP}[kind]
         self._scratch = np.zeros(numel, np.float32)
-        self._state = [np.zeros(numel, np.float32), np.zeros(numel, np.float32)] if kind in STATE_NAME else None
+        self._state = [line_aligned(numel), line_aligned(numel)] if kind in STATE_NAME else None
         #: Updates the step scale has taken in (gap: its bias correction), or gradients the mean
         #: square has (dc-adaptive).
         self.steps = 0

@@ -41,6 +41,7 @@ import numpy as np
 from .. import _core
 from ..config import OPTIMIZER_STATE
 from ..errors import ConfigurationError, InvalidHyperparameters
+from ..layout import line_aligned
 from ..wire.protocol import MAX_HYPER_GROUPS, HyperGroup, check_stops
 
 __all__ = ["SGD", "Adam", "AdamW", "HyperGroups", "KernelThreads", "Optimizer", "OPTIMIZERS", "default_kernel_threads",
@@ -324,7 +325,7 @@ class SGD(Optimizer):
         self.dampening = float(dampening)
         self.weight_decay = float(weight_decay)
         self.nesterov = bool(nesterov)
-        self._buffers = [np.zeros(numel, np.float32), np.zeros(numel, np.float32)] if momentum else None
+        self._buffers = [line_aligned(numel), line_aligned(numel)] if momentum else None
         #: The step count when the buffers came: their first update starts them from the gradient.
         self._buffers_since = 0
 
@@ -354,7 +355,7 @@ class SGD(Optimizer):
         # Both made before either is published: a MemoryError leaves the optimizer as it was.
         # An update running meanwhile on a helper thread reads _buffers once per range: ranges
         # it did before see none (and this member's pushes with momentum come after its HYPER).
-        buffers = [np.zeros(self.numel, np.float32), np.zeros(self.numel, np.float32)]
+        buffers = [line_aligned(self.numel), line_aligned(self.numel)]
         self._buffers_since = self.steps
         self._buffers = buffers
 
@@ -454,8 +455,8 @@ class Adam(Optimizer):
         self.betas = (beta1, beta2)
         self.eps = float(eps)
         self.weight_decay = float(weight_decay)
-        self._m = [np.zeros(numel, np.float32), np.zeros(numel, np.float32)]
-        self._v = [np.zeros(numel, np.float32), np.zeros(numel, np.float32)]
+        self._m = [line_aligned(numel), line_aligned(numel)]
+        self._v = [line_aligned(numel), line_aligned(numel)]
 
     @property
     def exp_avg(self) -> np.ndarray:

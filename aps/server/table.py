@@ -27,7 +27,7 @@ from collections.abc import Callable
 
 import numpy as np
 
-from ..layout import Layout
+from ..layout import Layout, line_aligned
 from .optim import Optimizer
 
 __all__ = ["ParameterTable", "Snapshot"]
@@ -46,7 +46,7 @@ class HeapBlock:
     def __init__(self, numel: int, *, populate: bool = False) -> None:
         self.id = next(self._ids)
         self.fd = -1
-        self.array = np.empty(numel, np.float32)
+        self.array = line_aligned(numel)  # (whole cache lines for the kernels' streaming stores)
         if populate:  # its pages faulted in now, not by its first writer (numpy lets go of the GIL)
             self.array.fill(0)
         self.nbytes = self.array.nbytes

@@ -127,7 +127,8 @@ def test_bench_runs_and_writes_json(tmp_path):
     report = json.loads(out.read_text())
     systems = {(row["system"], row["transport"]) for row in report["rows"]}
     assert systems == {("socket ping-pong", "tcp"), ("memcpy+update", "shm"), ("update pass", "shm"), ("update pass shm", "shm"),
-                       ("pipe ping-pong", "shm"), ("aps", "tcp"), ("aps", "shm"), ("aps zero-copy", "shm")}
+                       ("pipe ping-pong", "shm"), ("aps", "tcp"), ("aps", "shm"), ("aps zero-copy", "shm"),
+                       ("aps spin", "shm")}
     for row in report["rows"]:
         assert row["round_trips"] >= 2 and row["rtt_us"] > 0
         if row["system"].startswith("aps"):

@@ -255,3 +255,17 @@ def test_the_server_refuses_an_unsealed_or_foreign_descriptor(server_process):
     raw.init(0, 1, {"w": np.zeros(N, np.float32)})  # a proper one is taken
     assert raw.reply()[0].op == Op.INIT_REPLY
     raw.close()
+
+
+def test_a_spinning_worker_trains_as_one_that_sleeps(server_process):
+    server = server_process("--workers", "1", "--sync", "asp", "--lr", "1")
+    with aps.Worker(server.address, 0, 1, transport="shm", spin=0.005) as worker:
+        assert worker.shards[0]._conn.spin == 0.005
+        worker.init({"w": np.zeros(4, np.float32)})
+        for step in range(1, 21):
+            assert worker.push_pull({"w": np.ones(4, np.float32)})["w"].tolist() == [-float(step)] * 4
+        worker.reconnect()
+        assert worker.shards[0]._conn.spin == 0.005, "a new connection spins too"
+        assert worker.pull()["w"].tolist() == [-20.0] * 4
+    with aps.Worker(server.address, 0, 1, transport="shm") as worker:
+        assert worker.shards[0]._conn.spin == 0.0, "off unless asked for"

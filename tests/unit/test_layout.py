@@ -4,7 +4,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from aps.errors import DTypeMismatch, LayoutMismatch
-from aps.layout import SHARD_ALIGN, Layout, shard_bounds
+from aps.layout import SHARD_ALIGN, Layout, line_aligned, shard_bounds
 
 
 def test_offsets_and_views_share_memory():
@@ -97,3 +97,27 @@ def test_shards_cut_the_flat_vector_into_balanced_pieces_that_put_back_together(
 def test_one_shard_is_the_whole_layout():
     layout = Layout(("w", "b"), ((4, 3), (3,)))
     assert layout.shard(0, 1) == layout and shard_bounds(layout.numel, 1) == (0, 15)
+
+
+@pytest.mark.parametrize("numel", [1, 15, 16, 1000, (1 << 20) + 3])
+def test_line_aligned_vectors_start_a_cache_line(numel):
+    vector = line_aligned(numel)
+    assert vector.dtype == np.float32 and vector.shape == (numel,) and not vector.any()
+    assert vector.ctypes.data % 64 == 0
+    vector[:] = 1.0  # writable, and its own
+    assert line_aligned(numel).sum() == 0
+
+
+def test_the_servers_slots_and_optimizer_state_start_cache_lines():
+    """The kernels' streaming stores write whole lines only into outputs that start one
+    (numpy's own large arrays start 16 bytes into a page)."""
+    from aps.server.jobs.updates import Aggregate
+    from aps.server.optim import make_optimizer
+    from aps.server.table import HeapBlock
+
+    numel = (1 << 20) + 5
+    arrays = [HeapBlock(numel).array, *Aggregate(numel)._buffers]
+    arrays += make_optimizer("sgd", numel, lr=0.1, momentum=0.9)._buffers
+    adam = make_optimizer("adam", numel, lr=0.1)
+    arrays += adam._m + adam._v
+    assert all(array.ctypes.data % 64 == 0 for array in arrays)

@@ -28,6 +28,7 @@ import numpy as np
 
 from ..lane import Job, PushAnswer, MemberView, UpdateLane, UpdateOwner
 from ...errors import InternalServerError, NonFiniteGradient
+from ...layout import line_aligned
 from ..sync import Plan, PlanKind
 from ..table import ParameterTable
 
@@ -47,7 +48,7 @@ class Aggregate:
     __slots__ = ("_buffers", "dense")
 
     def __init__(self, numel: int) -> None:
-        self._buffers = [np.zeros(numel, np.float32), np.zeros(numel, np.float32)]
+        self._buffers = [line_aligned(numel), line_aligned(numel)]
         #: Some push of the open round carried a dense gradient (a round of rows alone
         #: leaves the dense weights and their optimizer's state as they are).
         self.dense = True
