@@ -2,6 +2,7 @@
 read-only views into the server's leased snapshot slot, one version until the next
 weights reply."""
 
+import contextlib
 import os
 import threading
 
@@ -14,15 +15,16 @@ from aps.testing import mapped_memfds
 N = 1000
 
 
+@contextlib.contextmanager
 def _pair(server, zero_copy=True, transport="shm"):
-    """Worker 0 (``zero_copy``) and worker 1 (copies), both joined."""
-    a = aps.Worker(server.address, 0, 2, transport=transport, zero_copy=zero_copy)
-    b = aps.Worker(server.address, 1, 2, transport="shm")
-    joining = threading.Thread(target=b.init, args=({"w": np.zeros(N, np.float32)},))
-    joining.start()
-    a.init({"w": np.zeros(N, np.float32)})
-    joining.join()
-    return a, b
+    """Worker 0 (``zero_copy``) and worker 1 (copies), both joined; both closed after."""
+    with aps.Worker(server.address, 0, 2, transport=transport, zero_copy=zero_copy) as a, \
+            aps.Worker(server.address, 1, 2, transport="shm") as b:
+        joining = threading.Thread(target=b.init, args=({"w": np.zeros(N, np.float32)},))
+        joining.start()
+        a.init({"w": np.zeros(N, np.float32)})
+        joining.join()
+        yield a, b
 
 
 def _in_a_slot(array: np.ndarray) -> bool:
@@ -37,8 +39,7 @@ def _in_a_slot(array: np.ndarray) -> bool:
 
 def test_weights_are_read_only_views_into_the_slot(server_process):
     server = server_process("--workers", "2", "--sync", "asp", "--lr", "1")
-    a, b = _pair(server)
-    try:
+    with _pair(server) as (a, b):
         assert a.zero_copy and not b.zero_copy
         weights = a.push_pull({"w": np.ones(N, np.float32)})
         assert weights["w"].tolist() == [-1.0] * N and a.version == 1
@@ -50,17 +51,13 @@ def test_weights_are_read_only_views_into_the_slot(server_process):
         with pytest.raises(ValueError, match="read-only"):
             a.flat_weights[:] = 0.0
         assert a.pull()["w"].tolist() == [-1.0] * N, "the failed writes changed nothing"
-    finally:
-        a.close()
-        b.close()
 
 
 def test_a_view_holds_one_version_until_the_next_weights_reply(server_process):
     """Pushes, heartbeats and refused requests in between leave the slot leased: updates
     by another worker (which reuse every free slot) never write into it."""
     server = server_process("--workers", "2", "--sync", "asp", "--lr", "1")
-    a, b = _pair(server)
-    try:
+    with _pair(server) as (a, b):
         held = a.pull()["w"]
         before = held.copy()
         version = a.version
@@ -76,50 +73,35 @@ def test_a_view_holds_one_version_until_the_next_weights_reply(server_process):
         assert a.version == version
         fresh = a.pull()["w"]
         assert fresh is not held and fresh[0] == -(1.0 + 30) and a.version == 31
-    finally:
-        a.close()
-        b.close()
 
 
 def test_over_tcp_the_views_are_of_the_workers_own_buffer(server_process):
     server = server_process("--workers", "2", "--sync", "asp", "--lr", "1")
-    a, b = _pair(server, transport="tcp")
-    try:
+    with _pair(server, transport="tcp") as (a, b):
         assert a.transport == "tcp"
         weights = a.push_pull({"w": np.full(N, 2.0, np.float32)})
         assert weights["w"].tolist() == [-2.0] * N and not _in_a_slot(weights["w"])
         with pytest.raises(ValueError, match="read-only"):
             weights["w"][:] = 0.0
-    finally:
-        a.close()
-        b.close()
 
 
 def test_loaded_weights_are_held_read_only(server_process):
     server = server_process("--workers", "2", "--sync", "asp", "--lr", "1")
-    a, b = _pair(server)
-    try:
+    with _pair(server) as (a, b):
         values = np.arange(N, dtype=np.float32)
         assert a.load_weights({"w": values})
         assert a.weights["w"].tolist() == values.tolist() and not a.flat_weights.flags.writeable
         assert b.pull()["w"].tolist() == values.tolist()
         assert a.pull()["w"].tolist() == values.tolist() and _in_a_slot(a.flat_weights)
-    finally:
-        a.close()
-        b.close()
 
 
 def test_a_reconnected_worker_reads_the_new_connections_slot(server_process):
     server = server_process("--workers", "2", "--sync", "asp", "--lr", "1")
-    a, b = _pair(server)
-    try:
+    with _pair(server) as (a, b):
         a.push_pull({"w": np.ones(N, np.float32)})
         weights = a.reconnect()
         assert weights["w"].tolist() == [-1.0] * N and _in_a_slot(weights["w"])
         assert a.push_pull({"w": np.ones(N, np.float32)})["w"].tolist() == [-2.0] * N
-    finally:
-        a.close()
-        b.close()
 
 
 def test_zero_copy_needs_one_server_and_a_numpy_model(server_process):
