@@ -544,9 +544,8 @@ class _ClientCore:
         # Read-only mappings: the views are fixed; write into them, never replace them.
         self.weights = MappingProxyType(layout.views(self.flat_weights))
         self.grads = MappingProxyType(layout.views(self.flat_grad))
-        if self.zero_copy:
-            held = self.flat_weights.view()
-            held.flags.writeable = False
+        if self.zero_copy:  # (over a read-only buffer: the views cannot be made writeable again)
+            held = np.frombuffer(memoryview(self.flat_weights).toreadonly(), np.float32)
             self._own_views = (held, MappingProxyType(layout.views(held)))
             self.flat_weights, self.weights = self._own_views
 
@@ -559,14 +558,26 @@ class _ClientCore:
             self.flat_weights, self.weights = self._own_views
 
     def _hold_slot(self, slot_id: int, slot: np.ndarray) -> None:
-        """zero_copy: the weights are read-only views into ``slot`` (one set of views per slot)."""
-        held = self._slot_views.get(slot_id)
+        """zero_copy: the weights are read-only views into ``slot`` (one set of views per slot;
+        those of slots the server has dropped go, so that their memory can)."""
+        views = self._slot_views
+        held = views.get(slot_id)
         if held is None or held[0] is not slot:
+            held = views[slot_id] = (slot, MappingProxyType(self.layout.views(slot)))
+        if len(views) > 1:
             slots = self.shm.slots
-            for gone in [sid for sid in self._slot_views if sid not in slots]:
-                del self._slot_views[gone]
-            held = self._slot_views[slot_id] = (slot, MappingProxyType(self.layout.views(slot)))
+            for gone in [sid for sid, (array, _) in views.items() if slots.get(sid) is not array]:
+                del views[gone]
         self.flat_weights, self.weights = held
+
+    def keep_weights(self) -> None:
+        """zero_copy: before this worker's lease on its slot ends (it leaves, or its connection is
+        gone), its weights become read-only views of its own copy of the slot, which the server
+        may write again afterwards."""
+        if self._own_views is not None and self.flat_weights is not self._own_views[0]:
+            np.copyto(self._own_weights, self.flat_weights)
+            self.flat_weights, self.weights = self._own_views
+        self._slot_views.clear()
 
     # Replies (FrameHandler) -------------------------------------------------
     def frame_buffer(self, header: Header) -> memoryview | None:

@@ -323,6 +323,7 @@ class _ChannelSteps:
         """LEAVE (the server stops counting this worker; ``finished``: its training is done,
         Flag.FINISHED); errors are the connection's end anyway."""
         if self._conn is not None and self._core.joined:
+            self._core.keep_weights()  # (while the slot is still this worker's)
             flags = Flag.FINISHED if finished else 0
             try:
                 yield from self._roundtrip(lambda: self._core.simple_request(Op.LEAVE, flags), timeout)
@@ -578,6 +579,7 @@ class _ChannelSteps:
 
     def _disconnect(self, reason: BaseException | None = None) -> None:
         conn, self._conn = self._conn, None
+        self._core.keep_weights()  # (the server may write the leased slot again)
         if conn is not None:
             conn.close()
             self._lost_because = reason

@@ -621,9 +621,11 @@ class Worker(ThreadedFanOut, _Workers):
         zero_copy: over shared memory, a pull moves no weight bytes: :attr:`weights`
             and :attr:`flat_weights` are read-only views into the server's snapshot
             slot the reply named, which stays unchanged until the next weights
-            reply replaces them (read them again after each call; a write raises
-            ``ValueError``). Over TCP they are read-only views of the worker's own
-            buffer. One server only (a sharded worker copies).
+            reply replaces them (read them again after each call: a view kept
+            past the next reply may show another version, so ``.copy()`` what
+            you keep; a write raises ``ValueError``). On ``close()`` the worker
+            keeps a copy of its last weights. Over TCP they are read-only views
+            of the worker's own buffer. One server only (a sharded worker copies).
         spin: over shared memory, seconds to poll for each reply before sleeping
             in the kernel (at most 0.01; 0, the default: sleep at once). A reply
             due within that time then costs no wake-up of this process: a 4 KiB

@@ -4,6 +4,7 @@ weights reply."""
 
 import contextlib
 import os
+import socket
 import threading
 
 import numpy as np
@@ -83,6 +84,73 @@ def test_over_tcp_the_views_are_of_the_workers_own_buffer(server_process):
         assert weights["w"].tolist() == [-2.0] * N and not _in_a_slot(weights["w"])
         with pytest.raises(ValueError, match="read-only"):
             weights["w"][:] = 0.0
+        with pytest.raises(ValueError, match="WRITEABLE"):  # (their buffer is read-only too)
+            weights["w"].flags.writeable = True
+
+
+def test_a_worker_that_left_keeps_its_last_weights(server_process):
+    """Its lease ends with its LEAVE: it copies the slot first, so that the weights it reads
+    afterwards stay those of its last reply while other workers go on."""
+    server = server_process("--workers", "2", "--sync", "asp", "--lr", "1")
+    with _pair(server) as (a, b):
+        for _ in range(3):
+            a.push_pull({"w": np.ones(N, np.float32)})
+        a.close()
+        for _ in range(20):  # (free slots, the one a read included, are written again)
+            b.push_pull({"w": np.ones(N, np.float32)})
+        assert a.weights["w"].tolist() == [-3.0] * N and a.flat_weights.tolist() == [-3.0] * N
+        assert not _in_a_slot(a.flat_weights) and not a.flat_weights.flags.writeable
+
+
+def test_a_lost_connection_leaves_the_worker_its_last_weights(server_process):
+    server = server_process("--workers", "2", "--sync", "asp", "--lr", "1")
+    with aps.Worker(server.address, 0, 2, transport="shm", zero_copy=True, reconnect=False) as a, \
+            aps.Worker(server.address, 1, 2, transport="shm") as b:
+        joining = threading.Thread(target=b.init, args=({"w": np.zeros(N, np.float32)},))
+        joining.start()
+        a.init({"w": np.zeros(N, np.float32)})
+        joining.join()
+        a.push_pull({"w": np.ones(N, np.float32)})
+        a._channels[0]._conn.sock.shutdown(socket.SHUT_RDWR)  # (the connection fails under it)
+        with pytest.raises(aps.APSConnectionError):
+            a.ping()
+        for _ in range(20):
+            b.push_pull({"w": np.ones(N, np.float32)})
+        assert a.weights["w"].tolist() == [-1.0] * N and not _in_a_slot(a.flat_weights)
+
+
+def test_the_views_of_slots_the_server_dropped_go(server_process):
+    """Six workers holding six versions make the server add slots; once they are gone it
+    drops them, and the zero_copy worker, which read every one, lets go of them too."""
+    holders = 6
+    server = server_process("--workers", str(holders + 2), "--sync", "asp", "--lr", "1")
+    workers = [aps.Worker(server.address, rank, holders + 2, transport="shm", zero_copy=rank == 0)
+               for rank in range(holders + 2)]
+    try:
+        joining = [threading.Thread(target=w.init, args=({"w": np.zeros(N, np.float32)},)) for w in workers]
+        for thread in joining:
+            thread.start()
+        for thread in joining:
+            thread.join()
+        a, b, core = workers[0], workers[1], workers[0]._channels[0]._core
+        for holder in workers[2:]:
+            b.push_pull({"w": np.ones(N, np.float32)})
+            holder.pull()
+            a.pull()
+        peak = len(core._slot_views)
+        for holder in workers[2:]:
+            holder.close()
+        for step in range(600):  # (the server keeps the last 256 updates' peak of slots in use)
+            b.push_pull({"w": np.ones(N, np.float32)})
+            if step % 50 == 0:
+                a.pull()
+        a.pull()
+        assert peak >= holders and len(core.shm.slots) < peak, "the server dropped slots"
+        assert set(core._slot_views) <= set(core.shm.slots), "no views of a dropped slot are kept"
+        assert a.weights["w"][0] == -(holders + 600.0)
+    finally:
+        for worker in workers:
+            worker.close()
 
 
 def test_loaded_weights_are_held_read_only(server_process):
