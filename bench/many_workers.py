@@ -111,8 +111,14 @@ def _bare_worker(path: str, rank: int, workers: int, numel: int, nice: int, read
     while not stop.is_set():
         step += 1
         grads[rank].fill(1e-6 * (step % 7))
-        sock.send(bytes([rank]))
-        np.copyto(weights, slots[sock.recv(1)[0]])
+        try:
+            sock.send(bytes([rank]))
+            reply = sock.recv(1)
+        except (BrokenPipeError, ConnectionResetError):
+            break  # (the window is over: the bare server closed first)
+        if not reply:
+            break
+        np.copyto(weights, slots[reply[0]])
     sock.close()
 
 

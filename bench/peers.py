@@ -1,7 +1,8 @@
 #!/usr/bin/env python
 """aps against the peers people would otherwise use, measured in the same run.
 
-For each payload size, interleaved and repeated like ``aps bench``:
+For each payload size, interleaved and repeated like ``aps bench``, each system
+running alone (started for its window and stopped after it):
 
 - aps over TCP and over shared memory: one worker process doing push_pull
   against a real ``aps serve`` (ASP, SGD);
@@ -161,17 +162,18 @@ def run(sizes: list[int], seconds: float, min_iters: int, repeats: int, out: str
             "torch rpc": lambda: RpcSession(nbytes),
             "gloo all_reduce": lambda: GlooSession(nbytes),
         }
-        sessions, samples = {}, {}
-        try:
+        # Each system runs alone: started for its window and stopped after it (an idle torch RPC
+        # process keeps a core busy, 1.0 core each measured here, which would slow whatever runs
+        # beside it), the systems' windows interleaved over the repeats.
+        samples: dict[str, list] = {name: [] for name in systems}
+        for _ in range(repeats):
             for name, make in systems.items():
-                sessions[name] = make()
-                samples[name] = []
-            for _ in range(repeats):
-                for name, session in sessions.items():
+                session = make()
+                try:
+                    session.measure(min(seconds, 0.5), 1)  # (warm: connections made, pages touched)
                     samples[name].append(session.measure(seconds, min_iters))
-        finally:
-            for session in sessions.values():
-                session.close()
+                finally:
+                    session.close()
         summary = {name: summarize(values, nbytes) for name, values in samples.items()}
         for name, s in summary.items():
             row = {"system": name, "payload_bytes": nbytes, **s}
