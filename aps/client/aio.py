@@ -114,6 +114,10 @@ class AsyncWorker(_Workers):
         """See :meth:`aps.Worker.ping`."""
         return await arun(self._ping())
 
+    async def log(self, scalars: Mapping[str, Any], step: int | None = None, *, batch: Any = None) -> None:
+        """See :meth:`aps.Worker.log`."""
+        await arun(self._log(scalars, step, batch))
+
     async def claim(self, name: str, count: int = 1) -> int:
         """See :meth:`aps.Worker.claim`."""
         return await arun(self._claim(name, count))
@@ -147,6 +151,8 @@ class AsyncWorker(_Workers):
         await self._close(finished)
 
     async def _close(self, finished: bool = False) -> None:
+        if not self._closing:
+            await arun(self._log_rest())
         self._closing = True
         await asyncio.gather(*(channel.close(finished) for channel in self._channels), return_exceptions=True)
 

@@ -483,6 +483,10 @@ class _ClientCore:
         header = pack_header(Op.CLAIM, 0, 0, self._next_request(Op.CLAIM), self.clock, int(count), len(raw))
         return [header, raw]
 
+    def log_request(self, payload: bytes) -> list:
+        """LOG: what the training loop reported (aps.client.logbook)."""
+        return [self._header(Op.LOG, len(payload)), payload]
+
     def shards_request(self, runs: list[str]) -> list:
         """SHARDS: the run id of every shard of the model, for this one to keep."""
         payload = json.dumps(runs).encode()

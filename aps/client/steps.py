@@ -261,6 +261,10 @@ class _ChannelSteps:
         """The run's counter ``name`` before ``count`` was added (CLAIM)."""
         return (yield from self._call("claim", lambda: self._core.claim_request(name, count))).version
 
+    def _log(self, payload: bytes) -> Steps:
+        """Send what the training loop logged (LOG)."""
+        yield from self._call("log", lambda: self._core.log_request(payload))
+
     def _record_shard_runs(self, runs: list[str]) -> Steps:
         """Tell this shard's server the run id of every shard (see aps.client.shards)."""
         yield from self._call("shards", lambda: self._core.shards_request(runs))

@@ -24,6 +24,7 @@ import numpy as np
 
 from ..errors import (
     APSConnectionError,
+    APSError,
     ConfigurationError,
     InvalidHyperparameters,
     LayoutMismatch,
@@ -35,6 +36,7 @@ from ..tables import Table, check_tables
 from ..wire.protocol import weights_digest
 from .channel import Channel, run
 from .fanout import ThreadedFanOut
+from .logbook import Logbook
 from .payloads import server_hyperparameters
 from .rowsets import rows_call, split
 from .shards import (
@@ -72,6 +74,7 @@ class _Workers:
         self._channels = channels
         self._one = len(channels) == 1
         self._closing = False
+        self._logbook = Logbook()  # (what log() keeps for the next LOG)
         self._layout: Layout | None = None  # (K > 1: the whole model's; K = 1: the channel's)
         self._bounds: tuple[int, ...] = ()
         # Per shard: this worker's clock minus the shard's count (see clock).
@@ -382,6 +385,19 @@ class _Workers:
     def _claim(self, name: str, count: int) -> Steps:
         self._require_layout("claim")
         return (yield from self._channels[0]._claim(name, count))  # (a sharded run's counters: shard 0's)
+
+    def _log(self, scalars: Mapping[str, Any], step: int | None, batch: Any) -> Steps:
+        self._require_layout("log")
+        if self._logbook.add(scalars, self.clock if step is None else step, batch):
+            yield from self._channels[0]._log(self._logbook.take())  # (a sharded run's: shard 0's)
+
+    def _log_rest(self) -> Steps:
+        """Send what is left to log before leaving (a server gone by then is no error)."""
+        if self._logbook.pending and self.layout is not None:
+            try:
+                yield from self._channels[0]._log(self._logbook.take())
+            except APSError:
+                pass
 
     def _set_hyperparameters(self, groups: Sequence[Mapping[str, float]]) -> Steps:
         if self._one:
@@ -792,6 +808,19 @@ class Worker(ThreadedFanOut, _Workers):
         """One empty round trip; returns the server's version (sharded: the smallest)."""
         return run(self._ping())
 
+    def log(self, scalars: Mapping[str, Any], step: int | None = None, *, batch: Any = None) -> None:
+        """Report the training loop's scalars (``{"loss": 0.41, "lr": 0.1}``: numbers, numpy
+        scalars, one-element tensors) at ``step`` (default: this worker's :attr:`clock`).
+
+        The server keeps them per rank as curves over the run, drawn on its dashboard beside
+        this process's CPU and memory, and exports the newest in ``/metrics``. No round trip:
+        they are sent about once a second, and on :meth:`close`. ``batch`` (the step's input:
+        an array, or bytes) sends a digest of it, by which the server warns when two ranks
+        train on the same data. At most 32 names a worker, each 1 to 64 characters of
+        ``A-Z a-z 0-9 _ . : / -``; a bad one raises ``ValueError`` and nothing is kept.
+        """
+        run(self._log(scalars, step, batch))
+
     def claim(self, name: str, count: int = 1) -> int:
         """Add ``count`` to the run's counter ``name`` (0 at first; adding 0 reads it) and return
         its value before: an atomic fetch-and-add on the server (shard 0), kept in checkpoints,
@@ -953,6 +982,8 @@ class Worker(ThreadedFanOut, _Workers):
         training is done and the run is ending: an elastic server then holds the
         workers still training below MIN no more (they finish their part), where a
         plain leave (a worker scaled away) holds them until MIN are back."""
+        if not self._closing:
+            run(self._log_rest())
         self._closing = True
         for channel in self._channels:
             channel.close(finished=finished)

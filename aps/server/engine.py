@@ -54,6 +54,7 @@ from .narrowing import NarrowedWeights
 from .stats import EngineView, RankView, ServerStats, TableView
 from .sync import CUTOFF, RESUMED, STALE, Outcome, Plan, PlanKind, make_policy
 from .rows import RowTable, Tables
+from .scalars import Scalars
 from .table import ParameterTable, Snapshot
 
 __all__ = ["Engine", "Member", "PushResult", "Seat"]
@@ -151,6 +152,7 @@ class Engine(Durable, Loads):
         self._left = 0  # leaves so far: each seat notes when its worker left (assign_rank)
         #: The run's counters (CLAIM): name -> value, kept in checkpoints.
         self.counters: dict[str, int] = {}
+        self.scalars = Scalars()  #: what the workers' training loops report (LOG)
         # Where each rank that was live in the checkpoint goes when it reconnects (resume).
         self._placements: dict[int, tuple[int, bool, int]] = {}
         # The ranks that must be back before training starts again (None: all of them).
@@ -237,8 +239,8 @@ class Engine(Durable, Loads):
             dropped=policy.dropped, dropped_stale=policy.dropped_stale,
             dropped_cutoff=policy.dropped_cutoff, run_id=self.run_id,
             resumed_from=self.resumed_from, parameters=self.layout.numel if self.layout is not None else 0,
-            ranks=tuple(ranks), min_workers=self.quorum, draining=self.draining,
-            tables=tuple(TableView(name=name, dim=rows.table.dim, optimizer=rows.table.optimizer, rows=len(rows),
+            ranks=tuple(ranks), min_workers=self.quorum, draining=self.draining, reports=self.scalars.newest(),
+            warnings=tuple(self.scalars.warnings), tables=tuple(TableView(name=name, dim=rows.table.dim, optimizer=rows.table.optimizer, rows=len(rows),
                                    nbytes=rows.nbytes, rows_pulled=rows.rows_pulled, rows_pushed=rows.rows_pushed,
                                    rows_evicted=rows.rows_evicted) for name, rows in self.rows.items()),
         )

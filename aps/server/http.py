@@ -42,24 +42,23 @@ import os
 import ssl
 import time
 from collections import deque
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from urllib.parse import urlsplit
 
 from aiohttp import WSCloseCode, web
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 
 from .._version import __version__
 from ..config import ServerConfig, is_loopback
 from .admission import RateLimitedLog
-from .stats import MEMBERSHIP_EVENTS, RATE_WINDOW_S, WAIT_BUCKETS_S, RowRates, lr_range
+from .metrics import StatsCollector
+from .scalars import Scalars
+from .stats import RATE_WINDOW_S, RowRates, lr_range
 
-__all__ = ["HttpSide", "StatsCollector", "STALENESS_BUCKETS"]
+__all__ = ["HttpSide"]
 
 log = logging.getLogger("aps.server")
 
-#: The ``le`` bounds of the staleness histograms (in versions).
-STALENESS_BUCKETS = (0, 1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 64, 128, 255)
 #: Requests larger than this are refused (there is nothing to post).
 MAX_REQUEST_BYTES = 64 << 10
 #: Open HTTP connections (viewers included): one more closes the oldest between requests, or
@@ -99,9 +98,6 @@ KEEPALIVE_S = 15.0
 SNAPSHOT_MAX_AGE_S = 0.5
 #: /metrics serves the same exposition for this long (a scrape costs ~0.4 ms per worker).
 METRICS_MAX_AGE_S = 1.0
-#: aps_worker_learning_rate exports at most this many groups of a rank (the first ones), so a
-#: worker with many param groups cannot swell every scrape; /api/stats has them all.
-MAX_EXPORTED_GROUPS = 16
 #: Where the dashboard's files are (inside the package).
 WEB_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "web")
 #: WebSocket close codes: no or wrong token; too many dashboards open.
@@ -111,209 +107,8 @@ CLOSE_UNAUTHORIZED, CLOSE_TOO_MANY = 4401, 4429
 _VIEWER_WORKER_KEYS = (
     "rank", "live", "clock", "gap", "held", "credit", "pushes", "dropped", "rejected", "staleness_mean", "pulls",
     "waits", "wait_s_total", "wait_s_mean", "wait_s_max", "r_star_hist", "max_release_gap", "last_interval_s",
-    "hyperparameters_own",
+    "hyperparameters_own", "reported",
 )
-
-
-class StatsCollector:
-    """A ``prometheus_client`` collector over the server's statistics snapshot."""
-
-    def __init__(self, snapshot: Callable[[], dict]) -> None:
-        self._snapshot = snapshot
-
-    def collect(self) -> Iterator:
-        stats = self._snapshot()
-        server, workers = stats["server"], stats["workers"]
-        # Every counter counts from 0 with this process (a resumed run's version and run totals
-        # come back lower than a dead process last exported: as counters they would read as a
-        # reset, and rate() and increase() would count them again). The version is a gauge.
-        counters = server.get("counters") or {}
-        yield GaugeMetricFamily("aps_version", "Version of the weights: updates published in the whole run "
-                                "(a resumed run starts at its checkpoint's).", value=server["version"])
-        yield CounterMetricFamily("aps_updates", "Updates applied to the weights by this server process.",
-                                  value=counters.get("updates", 0))
-        yield GaugeMetricFamily("aps_server_start_time_seconds", "When this server process started (Unix time): "
-                                "its counters count from then.", value=counters.get("since_unix", 0.0))
-        yield GaugeMetricFamily("aps_workers", "Workers the server was started for (--workers; MAX of MIN:MAX).",
-                                value=server["workers"])
-        yield GaugeMetricFamily("aps_workers_min", "Live workers training needs (MIN of --workers MIN:MAX; "
-                                "--workers for a fixed size).", value=server.get("min_workers", server["workers"]))
-        yield GaugeMetricFamily("aps_quorum_held", "1 while an elastic run holds with fewer than MIN workers live.",
-                                value=float(server.get("quorum_held_s") is not None))
-        yield GaugeMetricFamily("aps_shard", "This server's shard of the model (--shard; 0 when unsharded).",
-                                value=server.get("shard", 0))
-        yield GaugeMetricFamily("aps_shards", "Shards the model is cut into (--shards).",
-                                value=server.get("shards", 1))
-        yield GaugeMetricFamily("aps_workers_live", "Workers connected and counted by the sync policy.",
-                                value=server["live"])
-        yield GaugeMetricFamily("aps_training_started", "1 once every worker joined and training runs.",
-                                value=float(server["started"]))
-        yield GaugeMetricFamily("aps_updates_per_second", "Updates per second over the last 10 seconds.",
-                                value=server["updates_per_s"])
-        by_rank = {
-            "pushes": ("aps_pushes", "Gradients taken from each rank (applied, accumulated or dropped)."),
-            "pulls": ("aps_pulls", "Weights sent to each rank after the sync policy released it."),
-        }
-        for key, (name, text) in by_rank.items():
-            family = CounterMetricFamily(name, text, labels=["rank"])
-            for w in workers:
-                family.add_metric([str(w["rank"])], w[key])
-            yield family
-        refused = CounterMetricFamily("aps_gradients_not_applied", "Gradients not applied, by rank and reason: "
-                                      "closed_round (BSP, dropped), stale (older than the SSP/DSSP bound allows, "
-                                      "sent again after a reconnect: dropped), resumed (computed on weights newer "
-                                      "than a shard that resumed from an older checkpoint holds: dropped), cutoff (older "
-                                      "than --staleness-cutoff: dropped) or "
-                                      "non_finite (NaN or infinity, rejected).", labels=["rank", "reason"])
-        for w in workers:
-            stale, resumed, cut = w.get("dropped_stale", 0), w.get("dropped_resumed", 0), w.get("dropped_cutoff", 0)
-            refused.add_metric([str(w["rank"]), "closed_round"], w["dropped"] - stale - resumed - cut)
-            refused.add_metric([str(w["rank"]), "stale"], stale)
-            refused.add_metric([str(w["rank"]), "resumed"], resumed)
-            refused.add_metric([str(w["rank"]), "cutoff"], cut)
-            refused.add_metric([str(w["rank"]), "non_finite"], w["rejected"])
-        yield refused
-        compensated = CounterMetricFamily("aps_gradients_compensated", "With --compensation: gradients taken by "
-                                          "rank, compensated (done) or not (without_weights: computed on weights the "
-                                          "server did not keep).", labels=["rank", "outcome"])
-        for w in workers:
-            compensated.add_metric([str(w["rank"]), "done"], w.get("compensated", 0))
-            compensated.add_metric([str(w["rank"]), "without_weights"], w.get("uncompensated", 0))
-        yield compensated
-        yield CounterMetricFamily("aps_duplicate_pushes", "Pushes sent again after a lost reply, recognised and "
-                                  "not applied twice.", value=counters.get("duplicates", 0))
-        for direction, key, text in (("received", "bytes_in", "Bytes received"), ("sent", "bytes_out", "Bytes sent")):
-            family = CounterMetricFamily(f"aps_{direction}_bytes", f"{text}, by transport (shared memory: the "
-                                         "gradients read in place and the weights copied out).",
-                                         labels=["transport"])
-            for name, traffic in server["transports"].items():
-                family.add_metric([name], traffic[key])
-            yield family
-        for key, name, text in (("clock", "aps_worker_clock", "Each rank's clock: gradients it has pushed."),
-                                ("gap", "aps_worker_gap", "Each live rank's clock minus the slowest live one's.")):
-            family = GaugeMetricFamily(name, text, labels=["rank"])
-            for w in workers:
-                if w[key] is not None:
-                    family.add_metric([str(w["rank"])], w[key])
-            yield family
-        rates = GaugeMetricFamily("aps_worker_learning_rate", "Learning rate each connected rank's gradients are "
-                                  "applied with, by group of parameters (its own, or the server's as group 0; "
-                                  f"the first {MAX_EXPORTED_GROUPS} groups).", labels=["rank", "group"])
-        for w in workers:
-            for index, group in enumerate((w.get("hyperparameters") or ())[:MAX_EXPORTED_GROUPS]):
-                rates.add_metric([str(w["rank"]), str(index)], group["lr"])
-        yield rates
-        held = GaugeMetricFamily("aps_worker_held", "1 while the rank is held at the gate.", labels=["rank"])
-        for w in workers:
-            held.add_metric([str(w["rank"])], float(w["held"]))
-        yield held
-        staleness = HistogramMetricFamily("aps_gradient_staleness", "Staleness of each gradient taken, in "
-                                          "versions (server version minus the version it was computed on).",
-                                          labels=["rank"])
-        waits = HistogramMetricFamily("aps_gate_wait_seconds", "Time each pull waited at the sync policy's gate.",
-                                      labels=["rank"])
-        for w in workers:
-            rank = str(w["rank"])
-            counts = {int(k): v for k, v in w["staleness_hist"].items()}
-            buckets = [(repr(float(bound)), sum(v for k, v in counts.items() if k <= bound))
-                       for bound in STALENESS_BUCKETS]
-            buckets.append(("+Inf", sum(counts.values())))
-            staleness.add_metric([rank], buckets, sum_value=sum(k * v for k, v in counts.items()))
-            cumulative, rows = 0, []
-            for bound, n in zip(WAIT_BUCKETS_S, w["wait_buckets"]):
-                cumulative += n
-                rows.append((repr(float(bound)), cumulative))
-            rows.append(("+Inf", w["pulls"]))
-            waits.add_metric([rank], rows, sum_value=w["wait_s_total"])
-        yield staleness
-        yield waits
-        yield from _checkpoint_metrics(server.get("checkpoints"))
-        events = CounterMetricFamily("aps_membership_events", "Membership events by kind: joined, rejoined "
-                                     "(reconnected), left, disconnected, timed out (dropped for silence).",
-                                     labels=["event"])
-        counts = server.get("membership_events", {})
-        for event in MEMBERSHIP_EVENTS:
-            events.add_metric([event.replace(" ", "_")], counts.get(event, 0))
-        yield events
-        yield from _auth_metrics(server)
-        yield from _table_metrics(server.get("tables"))
-        process = server["process"]
-        yield GaugeMetricFamily("aps_server_resident_memory_bytes", "Resident memory of the server process.",
-                                value=process["rss_bytes"])
-        yield CounterMetricFamily("aps_server_cpu_seconds", "CPU time of the server process (user and system).",
-                                  value=process["cpu_s"])
-
-
-def _checkpoint_metrics(status: dict | None) -> Iterator:
-    """The checkpoint families, from the server's start (nothing without --checkpoint-dir):
-    a failing disk shows before the first checkpoint is ever written."""
-    if not status:
-        return
-    now = time.time()
-    written = status.get("last_written_unix")
-    yield GaugeMetricFamily("aps_checkpoint_age_seconds", "Seconds since the last checkpoint was written (before "
-                            "the first: since the server started keeping them).",
-                            value=max(0.0, now - (written if written is not None else status["since_unix"])))
-    if status.get("last_written_version") is not None:
-        yield GaugeMetricFamily("aps_checkpoint_version", "Version of the last checkpoint written.",
-                                value=status["last_written_version"])
-    for key, text in (("written", "Checkpoints written"), ("failed", "Checkpoints that failed"),
-                      ("skipped", "Timed checkpoints skipped (the previous one was still being written)")):
-        yield CounterMetricFamily(f"aps_checkpoints_{key}", f"{text} by this server process.", value=status[key])
-    yield GaugeMetricFamily("aps_checkpoint_failing", "1 while the newest checkpoint attempt failed.",
-                            value=float(bool(status.get("failing"))))
-    yield GaugeMetricFamily("aps_checkpoint_failures_in_a_row", "Checkpoints failed since the last one written.",
-                            value=status.get("failed_in_a_row", 0))
-    error = status.get("last_error")
-    if error:
-        yield GaugeMetricFamily("aps_checkpoint_last_failure_timestamp_seconds", "When the newest checkpoint "
-                                "failure happened (Unix time).", value=error["unix"])
-        info = GaugeMetricFamily("aps_checkpoint_last_failure_info", "The newest checkpoint failure: its error, "
-                                 "the version it was for, and why it was taken (always 1).",
-                                 labels=["error", "version", "reason"])
-        info.add_metric([error["error"][:_LABEL_CHARS], str(error["version"]), error["reason"]], 1.0)
-        yield info
-
-
-#: A label value of the exposition (the newest error) is cut to this many characters.
-_LABEL_CHARS = 200
-
-
-def _auth_metrics(server: dict) -> Iterator:
-    """Failed handshakes and what the throttle did about them; INITs refused for the layout budget."""
-    auth = server.get("auth", {})
-    yield CounterMetricFamily("aps_auth_failures", "Handshakes failed: a wrong token, or a request before it.",
-                              value=auth.get("failures", 0))
-    yield CounterMetricFamily("aps_auth_throttled", "AUTH attempts held back for their turn after failures "
-                              "from the same address.", value=auth.get("throttled", 0))
-    yield CounterMetricFamily("aps_auth_refused", "AUTH attempts refused unchecked: their address failed too "
-                              "often lately.", value=auth.get("refused", 0))
-    yield CounterMetricFamily("aps_layout_budget_refusals", "INITs refused while the layout blocks being read "
-                              "used up the server's budget for them.",
-                              value=server.get("strangers", {}).get("layout_refused", 0))
-
-
-def _table_metrics(tables: dict | None) -> Iterator:
-    """Each embedding table's rows and bytes held, and the rows this process pulled, pushed
-    and evicted (counters: rate() gives rows per second); nothing for a model without tables."""
-    if not tables:
-        return
-    families = (
-        (GaugeMetricFamily, "aps_table_rows", "rows", "Rows each embedding table holds (those touched, not evicted)."),
-        (GaugeMetricFamily, "aps_table_bytes", "bytes", "Bytes each embedding table's rows take: their values, "
-         "their optimizer state and the index."),
-        (CounterMetricFamily, "aps_table_rows_pulled", "rows_pulled", "Rows pulled from each embedding table "
-         "(ids asked for, duplicates counted)."),
-        (CounterMetricFamily, "aps_table_rows_pushed", "rows_pushed", "Rows pushed to each embedding table and "
-         "applied (ids pushed, duplicates counted)."),
-        (CounterMetricFamily, "aps_table_rows_evicted", "rows_evicted", "Rows each embedding table evicted "
-         "(least recently used, to stay within --table-memory)."),
-    )
-    for kind, name, key, text in families:
-        family = kind(name, text, labels=["table"])
-        for table, values in tables.items():
-            family.add_metric([table], values.get(key, 0))
-        yield family
 
 
 class HttpSide:
@@ -328,12 +123,15 @@ class HttpSide:
         events_after: returns the membership events after a sequence number
             (``ServerStats.events_after``); None: no events.
         ready: None while the server accepts workers, else why not (``/readyz``).
+        scalars: what the workers' training loops report (``Engine.scalars``), drawn as
+            curves; None: nothing.
     """
 
     def __init__(self, config: ServerConfig, snapshot: Callable[[], dict], token: bytes | None, *,
                  totals: Callable[[], dict] | None = None,
                  events_after: Callable[[int], list[dict]] | None = None,
-                 tls: ssl.SSLContext | None = None, ready: Callable[[], str | None] = lambda: None) -> None:
+                 tls: ssl.SSLContext | None = None, ready: Callable[[], str | None] = lambda: None,
+                 scalars: Scalars | None = None) -> None:
         self.config = config
         self._read_snapshot = snapshot
         self._token = token
@@ -342,6 +140,7 @@ class HttpSide:
         self._totals = totals
         self._events_after = events_after or (lambda seq: [])
         self._ready = ready
+        self._scalars = scalars if scalars is not None else Scalars()
         self._registry = CollectorRegistry(auto_describe=False)
         self._registry.register(StatsCollector(self._snapshot))
         self._runner: web.AppRunner | None = None
@@ -393,6 +192,7 @@ class HttpSide:
         app.router.add_get("/api/stats", self._stats)
         app.router.add_get("/api/config", self._config)
         app.router.add_get("/api/history", self._history_api)
+        app.router.add_get("/api/scalars", self._scalars_api)
         app.router.add_get("/healthz", self._healthz)
         app.router.add_get("/readyz", self._readyz)
         app.on_startup.append(self._start_ticker)
@@ -507,6 +307,9 @@ class HttpSide:
     async def _history_api(self, request: web.Request) -> web.Response:
         return _json_response({"every_s": 1, "points": list(self._history)})
 
+    async def _scalars_api(self, request: web.Request) -> web.Response:
+        return _json_response({"curves": self._scalars.curves(), "newest": self._scalars.newest()})
+
     # the dashboard's WebSocket ----------------------------------------------
     async def _websocket(self, request: web.Request) -> web.StreamResponse:
         origin = request.headers.get("Origin")
@@ -556,6 +359,7 @@ class HttpSide:
         history, events = list(self._history), self._events_after(0)
         viewer.point_seq = history[-1]["seq"] if history else self._point_seq
         viewer.event_seq = events[-1]["seq"] if events else 0
+        viewer.scalar_seq, curves = self._scalars.seq, self._scalars.curves()
         # The current statistics too, so that the page's first paint is complete (not "no
         # workers yet" beside a version of 192 until the first frame, half a second later).
         frame = self._build_frame()
@@ -563,6 +367,7 @@ class HttpSide:
             "type": "hello", "run_id": frame["server"].get("run_id"), "aps_version": __version__,
             "config": self.config.public(), "history": history, "events": events, "history_every_s": 1,
             "rate_window_s": RATE_WINDOW_S, "server": frame["server"], "workers": frame["workers"],
+            "curves": curves, "warnings": frame["warnings"],
         }
         try:
             await asyncio.wait_for(ws.send_str(_dumps(hello)), SEND_TIMEOUT_S)
@@ -584,11 +389,15 @@ class HttpSide:
                     continue
                 points = [p for p in self._history if p["seq"] > viewer.point_seq]
                 events = self._events_after(viewer.event_seq)
+                scalars = self._scalars.points_after(viewer.scalar_seq)  # [seq, rank, name, step, value]
+                if scalars:
+                    viewer.scalar_seq = scalars[-1][0]
                 if points:
                     viewer.point_seq = points[-1]["seq"]
                 if events:
                     viewer.event_seq = events[-1]["seq"]
-                text = frame["text"][:-1] + f', "points": {_dumps(points)}, "events": {_dumps(events)}}}'
+                text = (frame["text"][:-1] + f', "points": {_dumps(points)}, "events": {_dumps(events)}, '
+                        f'"scalars": {_dumps(scalars)}}}')
                 await asyncio.wait_for(viewer.ws.send_str(text), SEND_TIMEOUT_S)
         except asyncio.TimeoutError:
             log.info("a dashboard took no frame for %g s: cut off", SEND_TIMEOUT_S)
@@ -606,8 +415,9 @@ class HttpSide:
             server = {**server, "tables": self._row_rates.rated(server)}  # (the shared snapshot stays as it is)
         workers = [{**{key: w.get(key) for key in _VIEWER_WORKER_KEYS}, "lr_range": lr_range(w.get("hyperparameters"))}
                    for w in stats["workers"]]
-        text = _dumps({"type": "stats", "server": server, "workers": workers})
-        return {"server": server, "workers": workers, "text": text}
+        warnings = stats.get("warnings", [])
+        text = _dumps({"type": "stats", "server": server, "workers": workers, "warnings": warnings})
+        return {"server": server, "workers": workers, "warnings": warnings, "text": text}
 
     async def _start_ticker(self, app: web.Application) -> None:
         self._ticker = asyncio.create_task(self._tick())
@@ -682,7 +492,7 @@ class HttpSide:
 class _Viewer:
     """One dashboard's WebSocket: woken for each frame; where its points and events are."""
 
-    __slots__ = ("ws", "transport", "wake", "point_seq", "event_seq")
+    __slots__ = ("ws", "transport", "wake", "point_seq", "event_seq", "scalar_seq")
 
     def __init__(self, ws: web.WebSocketResponse, transport: asyncio.BaseTransport | None) -> None:
         self.ws = ws
@@ -690,6 +500,7 @@ class _Viewer:
         self.wake = asyncio.Event()
         self.point_seq = 0
         self.event_seq = 0
+        self.scalar_seq = 0
 
     def transport_abort(self) -> None:
         if self.transport is not None and not self.transport.is_closing():

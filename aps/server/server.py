@@ -233,7 +233,8 @@ class Server:
             # with --token, it guards both).
             self.http = HttpSide(config, self.engine.stats_snapshot, None if generated else token, tls=tls,
                                  totals=lambda: self.engine.stats_totals(), events_after=stats.events_after,
-                                 ready=lambda: "the server is stopping" if self._stopping.is_set() else None)
+                                 ready=lambda: "the server is stopping" if self._stopping.is_set() else None,
+                                 scalars=self.engine.scalars)
             try:
                 await self.http.start()
             except OSError as exc:

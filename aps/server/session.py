@@ -58,6 +58,7 @@ from ..wire.protocol import (
     pack_header,
 )
 from ..wire.framing import FrameReader
+from ..wire.scalars import MAX_LOG_BYTES, decode_log
 from .admission import StrangerGuard, _refusals, _strangers
 from .handshake import Handshake
 from .session_rows import RowRequests
@@ -96,6 +97,10 @@ _NARROW = int(Flag.NARROW)
 _HALF = frozenset({int(DType.BFLOAT16), int(DType.FLOAT16)})
 #: A SHARDS request (the shards' run ids, JSON) is at most this long.
 MAX_SHARDS_BYTES = 16 << 10
+#: Requests with a small payload, read whole: the most bytes each may carry (a counter's name, the
+#: shards' run ids, a handshake's nonce or proof, a LOG).
+_SMALL_PAYLOADS = {Op.CLAIM: MAX_COUNTER_NAME, Op.SHARDS: MAX_SHARDS_BYTES, Op.HELLO: NONCE_BYTES,
+                   Op.AUTH: NONCE_BYTES, Op.LOG: MAX_LOG_BYTES}
 _FLOAT32 = int(DType.FLOAT32)
 _CHECK = int(Flag.CHECK)
 _ROWS = int(Flag.ROWS)
@@ -494,16 +499,8 @@ class ServerSession(Handshake, RowRequests):
                     raise PayloadSizeMismatch(f"LOAD_WEIGHTS payload of {length} bytes; {what} take {expected}")
                 self._state_intake = WeightsIntake(numel)
                 dest = self._state_intake.digest
-            elif op == Op.CLAIM:
-                if length > MAX_COUNTER_NAME:
-                    raise MalformedFrame(f"a counter's name is {MAX_COUNTER_NAME} bytes at most, got {length}")
-                dest = memoryview(bytearray(length)) if length else None
-            elif op == Op.SHARDS:
-                if length > MAX_SHARDS_BYTES:
-                    raise MalformedFrame(f"SHARDS carries {MAX_SHARDS_BYTES} bytes at most, got {length}")
-                dest = memoryview(bytearray(length)) if length else None
-            elif op in HANDSHAKE_OPS:
-                limit = NONCE_BYTES
+            elif op in _SMALL_PAYLOADS:  # read whole, within the op's limit
+                limit = _SMALL_PAYLOADS[op]
                 if length > limit or (op == Op.AUTH and length != limit):
                     raise MalformedFrame(f"{Op(op).name} carries {limit} bytes at most, got {length}")
                 dest = memoryview(bytearray(length)) if length else None
@@ -749,6 +746,14 @@ class ServerSession(Handshake, RowRequests):
             raise MalformedFrame("a counter's name is UTF-8") from None
         self._reply(Op.CLAIM_REPLY, version=self.engine.claim(name, header.version))
 
+    def _on_log(self, header: Header, payload: memoryview, stream) -> None:
+        member = self._require_member()
+        try:
+            self.engine.scalars.record(member.rank, decode_log(payload))
+        except ValueError as exc:  # (too many names)
+            raise MalformedFrame(str(exc)) from None
+        self._reply(Op.LOG_REPLY)
+
     def _on_hyper(self, header: Header, payload: memoryview, stream) -> None:
         self.engine.set_hyperparameters(self._require_member(), decode_hyper(payload),
                                         check_only=bool(header.flags & Flag.CHECK))
@@ -984,6 +989,7 @@ _HANDLERS = {
     Op.LOAD_WEIGHTS: ServerSession._on_load_weights,
     Op.REWIND: ServerSession._on_rewind,
     Op.CLAIM: ServerSession._on_claim,
+    Op.LOG: ServerSession._on_log,
 }
 
 

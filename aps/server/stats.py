@@ -14,7 +14,7 @@ import os
 import time
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import psutil
@@ -120,6 +120,10 @@ class EngineView:
     min_workers: int = 0
     #: A worker finished training (LEAVE, Flag.FINISHED): fewer than MIN live hold nobody.
     draining: bool = False
+    #: What each rank's training loop reported last (LOG; aps.server.scalars.Scalars.newest).
+    reports: dict = field(default_factory=dict)
+    #: Warnings about what the workers report (two ranks training on the same batches).
+    warnings: tuple = ()
 
 
 #: The keys of each group in a worker's ``hyperparameters`` (HyperGroup's fields).
@@ -390,6 +394,8 @@ class ServerStats:
                     "release_gap_hist": ws.release_gap.to_dict(),
                     "max_release_gap": ws.release_gap.max,
                     "last_interval_s": interval if interval == interval else None,  # NaN: fewer than 2 pushes
+                    # what its training loop logged last (aps.Worker.log), its process's CPU and memory
+                    "reported": engine.reports.get(rank),
                     **self._hyperparameters(seat, engine.defaults),
                 }
             )
@@ -447,6 +453,7 @@ class ServerStats:
             },
             "workers": workers,
             "events": list(self.events),
+            "warnings": list(engine.warnings),
         }
 
     @staticmethod

@@ -12,6 +12,7 @@ after its k-th step are exactly -k, and it checks that after every step.
 from __future__ import annotations
 
 import os
+import json
 import random
 import socket
 import struct
@@ -89,6 +90,12 @@ def valid_frame(rng: random.Random, token: bytes | None) -> bytes:
     if kind == 5 and rng.random() < 0.5:  # a counter: a name too long, not UTF-8, or a count past 2**53
         name = rng.choice([b"c", b"x" * 300, b"\xff\xfe", b""])
         return pack_header(Op.CLAIM, 0, 0, 5, 0, rng.choice([1, 1 << 60]), len(name)) + name
+    if kind == 5 and rng.random() < 0.5:  # what a training loop reports: sound, too many names, or not what a LOG is
+        payload = rng.choice([
+            b'{"points": [[1, {"loss": 0.5}]], "process": {"pid": 1, "cpu_s": 1.0, "rss_bytes": 1}}',
+            json.dumps({"points": [[2, {f"n{i}": 1.0 for i in range(40)}]]}).encode(),
+            b'{"points": [[1, {"loss": NaN}]], "batches": [[1, "0123456789abcdef"]]}', b"[" * 5000, b"\xff"])
+        return pack_header(Op.LOG, 0, 0, 6, 0, 0, len(payload)) + payload
     if kind == 6:  # per-group optimizer values, sound or not
         stops = sorted(rng.sample(range(1, 2 * N), rng.randrange(1, 4)))
         groups = [HyperGroup(stop, rng.choice([0.1, -1.0, float("nan"), 1e39]), 0.0, rng.choice([0.0, 0.9, 2.0]), 0.0)

@@ -119,6 +119,9 @@ class Op(IntEnum):
     #: MAX_COUNTER_NAME bytes) and answer with its value before (the reply's ``version``):
     #: an atomic fetch-and-add that claims work once across workers (aps.torch.ElasticSampler).
     CLAIM = 17
+    #: What the worker's training loop reports (aps.Worker.log): its scalars, its process's
+    #: CPU time and memory, its batches' digests; a JSON object (aps.wire.scalars), after INIT.
+    LOG = 18
 
     REPLY = 0x80
     INIT_REPLY = 0x81
@@ -138,6 +141,7 @@ class Op(IntEnum):
     LOAD_WEIGHTS_REPLY = 0x8F
     REWIND_REPLY = 0x90
     CLAIM_REPLY = 0x91
+    LOG_REPLY = 0x92
     #: Not a reply: a notice the server sends just before an INIT_REPLY (same request id) to an
     #: INIT that asked for it (Flag.SEAT):
     #: the rank the worker was seated under (it may have asked for ANY_RANK) and the
@@ -154,7 +158,8 @@ class Op(IntEnum):
 
 REQUEST_OPS = frozenset(
     {Op.INIT, Op.PULL, Op.PUSH, Op.PUSH_PULL, Op.LEAVE, Op.PING, Op.STATS, Op.HELLO, Op.AUTH, Op.CHECKPOINT,
-     Op.SHARDS, Op.HYPER, Op.STATE, Op.LOAD_STATE, Op.LOAD_WEIGHTS, Op.REWIND, Op.CLAIM}
+     Op.SHARDS, Op.HYPER, Op.STATE, Op.LOAD_STATE, Op.LOAD_WEIGHTS, Op.REWIND, Op.CLAIM,
+     Op.LOG}
 )
 #: What a connection may ask before it has authenticated (when the server has a token).
 HANDSHAKE_OPS = frozenset({Op.HELLO, Op.AUTH})

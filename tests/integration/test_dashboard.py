@@ -336,3 +336,63 @@ def test_each_embedding_table_shows_its_rows_held_and_rows_per_second(browser):
     finally:
         stop.set()
         server.stop()
+
+
+def test_what_the_workers_log_is_drawn_per_rank_with_their_processes(browser, monkeypatch):
+    """Two workers log their loss (and one an accuracy) with their batches: the page draws a
+    chart per scalar with a line per rank and their newest values, shows each worker's CPU
+    use and memory, and warns once the two train on the same batches."""
+    import threading
+
+    import numpy as np
+
+    import aps
+    from aps.client import logbook
+
+    monkeypatch.setattr(logbook, "LOG_EVERY_S", 0.2)
+    stop = threading.Event()
+
+    def train(address: str, rank: int) -> None:
+        with aps.Worker(address, rank, 2, transport="tcp") as worker:
+            worker.init({"w": np.zeros(4, np.float32)})
+            step = 0
+            while not stop.is_set():
+                worker.push_pull({"w": np.ones(4, np.float32)})
+                batch = np.full(16, step % 100, np.float32)  # the same data on both ranks: no sampler
+                scalars = {"loss": 2.0 / (1 + step) + rank} | ({"accuracy": step / (step + 10)} if rank else {})
+                worker.log(scalars, step=step, batch=batch)
+                step += 1
+                time.sleep(0.02)
+
+    server = ServerProcess("--workers", "2", "--sync", "asp", "--http-port", "0")
+    threads = [threading.Thread(target=train, args=(server.address, rank), daemon=True) for rank in range(2)]
+    try:
+        url = server.proc.stdout.readline().split(" on ", 1)[1].strip()
+        browser.get(url)
+        wait_until(lambda: browser.execute_script("return document.body.dataset.state") == "live", 15,
+                   "the page to connect")
+        assert not browser.find_element("id", "training-card").is_displayed(), "nothing logged yet"
+        for thread in threads:
+            thread.start()
+        wait_until(lambda: browser.find_element("id", "training-card").is_displayed(), 30, "the training card")
+        charts = ("return Object.fromEntries([...document.querySelectorAll('#curves .curve')].map(c => "
+                  "[c.querySelector('canvas').dataset.scalar, [c.querySelector('.curve-ranks').textContent, "
+                  "c.querySelector('canvas').dataset.empty || 'drawn']]))")
+        shown = wait_until(lambda: (got := browser.execute_script(charts)) and "1:" in got.get("loss", [""])[0]
+                           and got, 30, "a chart per scalar, both ranks on the loss")
+        assert sorted(shown) == ["accuracy", "loss"]
+        assert shown["loss"][0].startswith("rank 0: ") and shown["accuracy"][0].startswith("rank 1: ")
+        assert shown["loss"][1] == shown["accuracy"][1] == "drawn"
+        cells = "return [...document.querySelectorAll('#workers tr[data-rank]')].map(r => [r.cells[15].textContent, r.cells[16].textContent])"
+        wait_until(lambda: all(cpu not in ("", "–") and memory.endswith("B")
+                               for cpu, memory in browser.execute_script(cells)), 30, "each worker's CPU and memory")
+        warning = wait_until(lambda: browser.find_element("id", "data-warnings").is_displayed()
+                             and text_of(browser, "data-warnings"), 30, "the same-data warning")
+        assert "ranks 0 and 1 trained on the same batches" in warning
+        errors = [entry for entry in browser.get_log("browser") if entry["level"] == "SEVERE"]
+        assert not errors, errors
+    finally:
+        stop.set()
+        for thread in threads:
+            thread.join(10)
+        server.stop()

@@ -221,11 +221,13 @@ def test_the_cli_reference_lists_every_command_and_flag_with_its_env_twin():
 
 def test_the_api_reference_documents_every_public_name():
     import aps
+    import aps.lightning
     import aps.torch
 
     page = (DOCS / "reference" / "api.md").read_text()
     documented = set(re.findall(r"^::: (aps\.[\w.]+)$", page, re.M))
     public = {f"aps.{n}" for n in aps.__all__ if n != "__version__"} | {f"aps.torch.{n}" for n in aps.torch.__all__}
+    public |= {f"aps.lightning.{n}" for n in aps.lightning.__all__}
     assert public - documented == set(), "add them to docs/reference/api.md"
     assert documented - public == set(), "documented but not exported"
 

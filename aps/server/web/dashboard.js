@@ -3,7 +3,8 @@
  *
  * Opens the server's WebSocket (path "ws" next to this page), sends the token
  * as the first message, then renders the "hello" and "stats" messages: header
- * numbers, each rank's clock (bar chart and table), the embedding tables (when
+ * numbers, each rank's clock (bar chart and table), what the workers log
+ * (worker.log: a chart per scalar, a line per rank), the embedding tables (when
  * the model has any), history line charts, DSSP r* grants, membership events,
  * configuration and traffic. When the socket
  * closes, the data stays on screen, greyed out, and the page retries every 2 s.
@@ -22,6 +23,8 @@
   const CODE_BUSY = 4429;
   const CODE_GOING_AWAY = 1001;    // the server is stopping
   const DASH = "–";
+  const CURVE_POINTS = 1024;       // a curve keeps at most this many points (then every other one)
+  const RANK_COLORS = ["#2f67c8", "#dd7a1f", "#1f8a4c", "#8c63c6", "#c23b32", "#0e8a96", "#a86a00", "#5a6b7f"];
 
   const $ = (id) => document.getElementById(id);
   const css = getComputedStyle(document.documentElement);
@@ -51,6 +54,9 @@
     rateWindowS: 10,     // the window of every updates/s shown (the hello says it)
     clockOffset: null,   // server unix time minus browser unix time, estimated from the points
     events: [],
+    curves: new Map(),   // scalar name -> Map(rank -> {steps, values}) (worker.log)
+    curveCards: new Map(),  // scalar name -> {card, canvas, ranks}
+    dataWarnings: [],
     dirty: { config: true, events: true },
   };
 
@@ -266,6 +272,8 @@
     if (isNum(msg.history_every_s) && msg.history_every_s > 0) app.everyS = msg.history_every_s;
     addPoints(msg.history, true);
     addEvents(msg.events);
+    setCurves(msg.curves);
+    if (Array.isArray(msg.warnings)) app.dataWarnings = msg.warnings;
     clearTimeout(app.helloTimer);
     app.everConnected = true;
     app.lostAt = null;
@@ -279,6 +287,8 @@
     if (Array.isArray(msg.workers)) app.workers = msg.workers.filter((w) => isObject(w) && isNum(w.rank));
     addPoints(msg.points, false);
     addEvents(msg.events);
+    addCurvePoints(msg.scalars);
+    if (Array.isArray(msg.warnings)) app.dataWarnings = msg.warnings;
     saveHistory();
     scheduleRender();
   }
@@ -314,7 +324,10 @@
 
   /** A new server (another run id): forget the old run's data. */
   function resetRun() {
-    Object.assign(app, { server: null, workers: [], points: [], events: [], clockOffset: null });
+    Object.assign(app, { server: null, workers: [], points: [], events: [], clockOffset: null, dataWarnings: [] });
+    app.curves.clear();
+    app.curveCards.forEach(({ card }) => card.remove());
+    app.curveCards.clear();
     try { sessionStorage.removeItem(HISTORY_KEY); } catch (_) { /* storage unavailable */ }
     app.dirty.events = true;
     app.rows.forEach((row) => row.remove());
@@ -338,6 +351,39 @@
     const oldest = app.points[app.points.length - 1].t - WINDOW_S;
     const keep = app.points.findIndex((p) => p.t >= oldest);
     if (keep > 0) app.points.splice(0, keep);
+  }
+
+  /** The curves the hello brings ({rank: {name: [[step, value], ...]}}): they replace what the page had. */
+  function setCurves(curves) {
+    if (!isObject(curves)) return;
+    app.curves.clear();
+    for (const [rank, names] of Object.entries(curves)) {
+      if (!isObject(names)) continue;
+      for (const [name, points] of Object.entries(names)) {
+        if (!Array.isArray(points)) continue;
+        for (const p of points) if (Array.isArray(p)) addCurvePoint(name, Number(rank), p[0], p[1]);
+      }
+    }
+  }
+
+  /** The points a frame brings: [seq, rank, name, step, value]. */
+  function addCurvePoints(list) {
+    if (!Array.isArray(list)) return;
+    for (const p of list) if (Array.isArray(p) && p.length === 5) addCurvePoint(p[2], p[1], p[3], p[4]);
+  }
+
+  function addCurvePoint(name, rank, step, value) {
+    if (typeof name !== "string" || !isNum(rank) || !isNum(step)) return;
+    let byRank = app.curves.get(name);
+    if (!byRank) { byRank = new Map(); app.curves.set(name, byRank); }
+    let curve = byRank.get(rank);
+    if (!curve) { curve = { steps: [], values: [] }; byRank.set(rank, curve); }
+    curve.steps.push(step);
+    curve.values.push(isNum(value) ? value : null);  // (NaN and infinities come as null: a gap)
+    if (curve.steps.length > CURVE_POINTS) {  // keep the run's shape: every other point
+      curve.steps = curve.steps.filter((_, i) => i % 2 === 0);
+      curve.values = curve.values.filter((_, i) => i % 2 === 0);
+    }
   }
 
   const eventKey = (e) => (isNum(e.seq) ? `#${e.seq}` : `${e.t}/${e.rank}/${e.event}`);
@@ -396,7 +442,7 @@
     renderPending = true;
     requestAnimationFrame(() => {
       renderPending = false;
-      for (const part of [renderHeader, renderWorkers, renderTables, renderHistory, renderRStar, renderEvents,
+      for (const part of [renderHeader, renderWorkers, renderTraining, renderTables, renderHistory, renderRStar, renderEvents,
         renderConfig, renderTraffic]) {
         try { part(); } catch (err) { console.warn("aps dashboard: render failed", err); }
       }
@@ -480,7 +526,7 @@
     if (row) return row;
     row = el("tr");
     row.dataset.rank = String(rank);
-    for (let i = 0; i < 15; i++) row.appendChild(el("td", "", i >= 2 ? "num" : ""));
+    for (let i = 0; i < 17; i++) row.appendChild(el("td", "", i >= 2 ? "num" : ""));
     row.cells[1].appendChild(el("span"));
     $("workers").appendChild(row);
     app.rows.set(rank, row);
@@ -490,7 +536,7 @@
   function renderWorkers() {
     const workers = app.workers, slowest = slowestRank(workers), dssp = syncName() === "dssp";
     for (const w of workers) {
-      const row = workerRow(w.rank), state = workerState(w);
+      const row = workerRow(w.rank), state = workerState(w), reported = isObject(w.reported) ? w.reported : null;
       row.className = `${state === "gone" ? "is-gone" : ""} ${w.rank === slowest ? "is-slowest" : ""}`.trim();
       row.cells[0].title = w.rank === slowest ? "slowest live worker" : "";
       const badge = row.cells[1].firstChild;
@@ -502,6 +548,8 @@
         fmtFixed(w.wait_s_total, 2), dssp ? String(rStarGrants(w.r_star_hist)) : DASH, fmtInt(w.dropped),
         fmtInt(w.rejected), fmtLr(w),
         isNum(w.last_interval_s) && w.last_interval_s > 0 ? fmtFixed(1 / w.last_interval_s, 1) : DASH,
+        reported && isNum(reported.cpu_percent) ? fmtFixed(reported.cpu_percent, 0) : DASH,
+        reported && isObject(reported.process) ? fmtBytes(reported.process.rss_bytes) : DASH,
       ];
       row.cells[13].title = w.hyperparameters_own === true ? "set by the worker" : "";
       values.forEach((text, i) => {
@@ -514,6 +562,50 @@
       if (!ranks.has(rank)) { row.remove(); app.rows.delete(rank); }
     }
     drawBars($("clocks"), workers.map((w) => clockBar(w, w.rank === slowest)), { axisLabel: "rank", empty: emptyText("no workers yet") });
+  }
+
+  /** What the workers log: a chart per scalar name (a line per rank), and the data warnings. */
+  function renderTraining() {
+    const names = [...app.curves.keys()].sort();
+    $("training-card").hidden = !names.length && !app.dataWarnings.length;
+    const warnings = $("data-warnings");
+    warnings.hidden = !app.dataWarnings.length;
+    const text = app.dataWarnings.map((w) => (isObject(w) ? String(w.message) : "")).join(" ");
+    if (warnings.textContent !== text) warnings.textContent = text;
+    setText("curves-count", names.length ? `${names.length} scalar${names.length > 1 ? "s" : ""}` : "");
+    for (const name of names) {
+      let entry = app.curveCards.get(name);
+      if (!entry) {
+        const card = el("div", "", "curve"), head = el("div", "", "curve-head");
+        head.appendChild(el("h3", name));
+        const ranks = el("span", "", "curve-ranks");
+        head.appendChild(ranks);
+        const canvas = el("canvas", "", "chart");
+        canvas.dataset.scalar = name;
+        canvas.setAttribute("aria-label", `${name} logged by each rank, against its step`);
+        card.append(head, canvas);
+        $("curves").appendChild(card);
+        entry = { card, canvas, ranks };
+        app.curveCards.set(name, entry);
+        if (window.ResizeObserver) new ResizeObserver(() => scheduleRender()).observe(canvas);
+      }
+      const byRank = app.curves.get(name);
+      const shown = [...byRank.entries()].sort((a, b) => a[0] - b[0]).slice(0, 6);
+      const parts = shown.map(([rank, c]) => [rank, `${rank}: ${fmtG(c.values[c.values.length - 1])}`]);
+      const more = byRank.size > 6 ? ` +${byRank.size - 6}` : "";
+      const label = `rank ${parts.map(([, text]) => text).join(" · ")}${more}`;
+      if (entry.ranks.textContent !== label) {  // each rank's newest value, in its line's color
+        entry.ranks.textContent = "rank ";
+        parts.forEach(([rank, text], i) => {
+          if (i) entry.ranks.appendChild(document.createTextNode(" · "));
+          const span = el("span", text);
+          span.style.color = RANK_COLORS[rank % RANK_COLORS.length];
+          entry.ranks.appendChild(span);
+        });
+        if (more) entry.ranks.appendChild(document.createTextNode(more));
+      }
+      drawCurveChart(entry.canvas, byRank);
+    }
   }
 
   /** A bar of the clocks chart: colored by state, the gap to the slowest written above. */
@@ -689,9 +781,9 @@
     return v.toFixed(digits);
   }
 
-  /** Horizontal grid lines and y labels; returns the plot box. */
+  /** Horizontal grid lines and y labels (of base + each tick: scale.base, 0 by default); returns the plot box. */
   function drawYAxis(ctx, w, h, scale, pad) {
-    const labels = scale.ticks.map((v) => fmtTick(v, scale.step));
+    const labels = scale.ticks.map((v) => fmtTick((scale.base || 0) + v, scale.step));
     const left = Math.ceil(Math.max(...[...labels, pad.xLabel || ""].map((s) => ctx.measureText(s).width))) + 10;
     const box = { x: left, y: pad.top, w: w - left - pad.right, h: h - pad.top - pad.bottom };
     ctx.textAlign = "right";
@@ -808,6 +900,55 @@
       ctx.beginPath();
       ctx.arc(x, y, 3, 0, 2 * Math.PI);
       ctx.fill();
+    }
+  }
+
+  /** One scalar against the step, a line per rank (colored by rank); nulls leave gaps. */
+  function drawCurveChart(canvas, byRank) {
+    const c = prepareCanvas(canvas);
+    if (!c) return;
+    const curves = [...byRank.entries()].sort((a, b) => a[0] - b[0]);
+    let lo = Infinity, hi = -Infinity, first = Infinity, last = -Infinity;
+    for (const [, curve] of curves) {
+      curve.values.forEach((v, i) => {
+        if (v === null) return;
+        lo = Math.min(lo, v); hi = Math.max(hi, v);
+        first = Math.min(first, curve.steps[i]); last = Math.max(last, curve.steps[i]);
+      });
+    }
+    if (!(hi >= lo)) { drawEmpty(c, "no values yet"); return; }
+    const ctx = c.ctx;
+    const floor = lo >= 0 && lo < 0.25 * hi ? 0 : lo;  // (a loss going down to 0 reads best from 0)
+    let scale = niceTicks(hi - floor || Math.abs(hi) || 1, 4, false);
+    const base = Math.floor(floor / scale.step) * scale.step;
+    if (base + scale.top < hi) scale = { ...scale, top: scale.top + scale.step, ticks: [...scale.ticks, scale.top + scale.step] };
+    const box = drawYAxis(ctx, c.w, c.h, { ...scale, base }, { top: 8, right: 12, bottom: 20 });
+    const width = Math.max(1, last - first);
+    const xOf = (step) => box.x + ((step - first) / width) * box.w;
+    const yOf = (v) => box.y + box.h - ((v - base) / scale.top) * box.h;
+    ctx.fillStyle = COLORS.muted;
+    ctx.textAlign = "left";
+    ctx.fillText(`step ${fmtInt(first)}`, box.x, box.y + box.h + 11);
+    ctx.textAlign = "right";
+    ctx.fillText(fmtInt(last), box.x + box.w, box.y + box.h + 11);
+    ctx.lineJoin = "round";
+    ctx.lineWidth = 1.4;
+    for (const [rank, curve] of curves) {
+      ctx.strokeStyle = ctx.fillStyle = RANK_COLORS[rank % RANK_COLORS.length];
+      ctx.beginPath();
+      let drawing = false;
+      curve.values.forEach((v, i) => {
+        if (v === null) { drawing = false; return; }
+        const x = xOf(curve.steps[i]), y = yOf(v);
+        if (drawing) ctx.lineTo(x, y); else ctx.moveTo(x, y);
+        drawing = true;
+      });
+      ctx.stroke();
+      if (curve.values.length === 1 && curve.values[0] !== null) {
+        ctx.beginPath();
+        ctx.arc(xOf(curve.steps[0]), yOf(curve.values[0]), 2, 0, 2 * Math.PI);
+        ctx.fill();
+      }
     }
   }
 

@@ -19,6 +19,7 @@ from aiohttp.test_utils import TestClient, TestServer
 from prometheus_client.parser import text_string_to_metric_families
 
 from aps.server import http as _http
+from aps.server import metrics as _metrics
 from aps.server.http import HttpSide
 from aps.config import ServerConfig
 
@@ -555,7 +556,7 @@ def test_each_shard_says_which_it_is():
 
 def test_each_connected_rank_exports_its_learning_rates_with_the_groups_bounded():
     own = [{"stop": 10 * (i + 1), "lr": 0.1 / (i + 1), "weight_decay": 0.0, "momentum": 0.9, "dampening": 0.0}
-           for i in range(_http.MAX_EXPORTED_GROUPS + 4)]
+           for i in range(_metrics.MAX_EXPORTED_GROUPS + 4)]
 
     def with_rates() -> dict:
         stats = snapshot()
@@ -569,7 +570,7 @@ def test_each_connected_rank_exports_its_learning_rates_with_the_groups_bounded(
     async def scenario(client):
         families = {f.name: f for f in text_string_to_metric_families(await (await client.get("/metrics")).text())}
         rates = {(s.labels["rank"], s.labels["group"]): s.value for s in families["aps_worker_learning_rate"].samples}
-        assert rates == {**{("0", str(i)): own[i]["lr"] for i in range(_http.MAX_EXPORTED_GROUPS)}, ("1", "0"): 0.05}
+        assert rates == {**{("0", str(i)): own[i]["lr"] for i in range(_metrics.MAX_EXPORTED_GROUPS)}, ("1", "0"): 0.05}
 
     drive(side(snap=with_rates), scenario)
     frame = json.loads(side(snap=with_rates)._build_frame()["text"])  # the dashboard gets the range, not the groups
@@ -579,7 +580,7 @@ def test_each_connected_rank_exports_its_learning_rates_with_the_groups_bounded(
 
 
 def test_checkpoint_metrics_are_there_from_the_start_and_a_failure_is_an_alarm():
-    from aps.server.http import StatsCollector
+    from aps.server.metrics import StatsCollector
 
     def exported(checkpoints, **counters) -> dict:
         snap = snapshot()
