@@ -6,11 +6,7 @@ Lightning's own mechanism, and misuse is refused clearly."""
 from __future__ import annotations
 
 import importlib.util
-import json
-import os
 import pathlib
-import subprocess
-import sys
 
 import pytest
 
@@ -20,6 +16,7 @@ torch = pytest.importorskip("torch")
 import aps  # noqa: E402
 import aps.lightning  # noqa: E402
 from aps.cli.status import fetch_stats  # noqa: E402
+from tests.trainers import run_worker_scripts  # noqa: E402
 
 pytestmark = [
     # Lightning's advice for this small CPU run (loader workers, few batches): not what is tested.
@@ -63,17 +60,11 @@ def test_one_bsp_worker_equals_lightning_with_its_own_sgd(server_process, option
     assert reported["scalars"]["lr"]["value"] == pytest.approx(0.05), "the scheduler's second epoch"
 
 
+@pytest.mark.slow  # (three processes, each importing Lightning: 10 to 20 s)
 def test_asp_workers_read_their_own_part_of_the_data_and_learn(server_process, tmp_path):
     workers = 2
     server = server_process("--workers", str(workers), "--sync", "asp", *SGD)
-    env = {**os.environ, "PYTHONWARNINGS": "ignore"}
-    procs = [subprocess.Popen([sys.executable, str(SCRIPT), server.address, str(rank), str(workers),
-                               str(tmp_path / f"{rank}.json")], env=env, stdout=subprocess.DEVNULL,
-                              stderr=subprocess.PIPE, text=True) for rank in range(workers)]
-    for proc in procs:
-        _, err = proc.communicate(timeout=240)
-        assert proc.returncode == 0, err[-3000:]
-    results = [json.loads((tmp_path / f"{rank}.json").read_text()) for rank in range(workers)]
+    results = run_worker_scripts(SCRIPT, server.address, workers, tmp_path, timeout=240)
     size = len(lw.loader().dataset)
     for epoch in range(4):  # each epoch, the two workers' samples are the dataset, each once
         per_epoch = [r["seen"][epoch * (size // workers): (epoch + 1) * (size // workers)] for r in results]

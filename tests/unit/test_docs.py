@@ -221,6 +221,7 @@ def test_the_cli_reference_lists_every_command_and_flag_with_its_env_twin():
 
 def test_the_api_reference_documents_every_public_name():
     import aps
+    import aps.huggingface
     import aps.lightning
     import aps.torch
 
@@ -228,6 +229,7 @@ def test_the_api_reference_documents_every_public_name():
     documented = set(re.findall(r"^::: (aps\.[\w.]+)$", page, re.M))
     public = {f"aps.{n}" for n in aps.__all__ if n != "__version__"} | {f"aps.torch.{n}" for n in aps.torch.__all__}
     public |= {f"aps.lightning.{n}" for n in aps.lightning.__all__}
+    public |= {f"aps.huggingface.{n}" for n in aps.huggingface.__all__}
     assert public - documented == set(), "add them to docs/reference/api.md"
     assert documented - public == set(), "documented but not exported"
 

@@ -1,0 +1,122 @@
+"""Hugging Face on an aps server: :class:`Trainer`, a ``transformers.Trainer`` whose steps the server takes.
+
+One process needs nothing of this module: ``transformers.Trainer(model, args, train_dataset=...,
+optimizers=(aps.torch.Optimizer(model, ...), scheduler))`` trains with aps as it is (and so does
+``accelerate``'s loop with an ``aps.torch.Optimizer`` given to ``accelerator.prepare``). Several
+worker processes need what :class:`Trainer` adds, since ``transformers`` learns the ranks from
+``torch.distributed``, which an aps run does not start::
+
+    trainer = aps.huggingface.Trainer(model=model, args=args, train_dataset=dataset)
+    trainer.train()  # each worker process: RANK and WORLD_SIZE from its launcher
+
+- each worker reads its own part of the data (a ``DistributedSampler`` with aps's rank and
+  worker count, seeded with ``args.seed``, its epoch set each epoch);
+- without ``optimizers=``, the optimizer is an :class:`aps.torch.Optimizer` laid out as the
+  Trainer lays out its own (weight decay on all but biases and norms), with ``args``'s learning
+  rate, betas and weight decay; the server must run AdamW (``aps serve --optimizer adamw``), the
+  Trainer's default, or what the arguments ask for;
+- rank 0 alone writes checkpoints (with the server's optimizer state);
+  ``train(resume_from_checkpoint=...)`` loads it back into the server, once whichever workers load it;
+- each step's loss and learning rate, with a digest of its batch, and what the Trainer logs
+  go to the server (:meth:`aps.Worker.log`).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import transformers
+from torch.utils.data import DistributedSampler
+
+from .errors import ConfigurationError
+from .torch import Optimizer
+from .torch.reporting import Reporter
+
+__all__ = ["Trainer"]
+
+#: What ``TrainingArguments.optim`` names, as the server's optimizer.
+_OPTIM = {"adamw_torch": "adamw", "adamw_torch_fused": "adamw", "adamw_hf": "adamw", "sgd": "sgd"}
+
+
+class Trainer(transformers.Trainer):
+    """A ``transformers.Trainer`` for one worker of an aps run (see the module).
+
+    Args:
+        *args, **kwargs: what ``transformers.Trainer`` takes.
+        aps_address: the server; default ``APS_ADDRESS``.
+        aps_rank, aps_workers: this worker's rank and the run's workers; default ``RANK`` and
+            ``WORLD_SIZE`` (0 of 1 when unset).
+        aps_options: what else :class:`aps.torch.Optimizer` takes (``transport``, ``token``...).
+    """
+
+    def __init__(self, *args: Any, aps_address: str | None = None, aps_rank: int | None = None,
+                 aps_workers: int | None = None, aps_options: dict[str, Any] | None = None, **kwargs: Any) -> None:
+        from .torch import _places
+
+        address, rank, workers, _ = _places((), aps_address, aps_rank, aps_workers, None)
+        self.aps_address, self.aps_rank, self.aps_workers = address, 0 if rank is None else rank, workers or 1
+        if not 0 <= self.aps_rank < self.aps_workers:
+            raise ConfigurationError(f"rank {self.aps_rank} is not one of {self.aps_workers} workers")
+        self._aps_options = dict(aps_options or {})
+        self._reporter: Reporter | None = None
+        super().__init__(*args, **kwargs)
+        if isinstance(self.optimizer, Optimizer):
+            self._reporter = Reporter(self.optimizer.worker)
+
+    def _get_train_sampler(self, train_dataset: Any = None) -> torch.utils.data.Sampler | None:
+        dataset = self.train_dataset if train_dataset is None else train_dataset
+        if dataset is None or not hasattr(dataset, "__len__"):
+            return super()._get_train_sampler(train_dataset)
+        return DistributedSampler(dataset, num_replicas=self.aps_workers, rank=self.aps_rank, seed=self.args.seed)
+
+    def create_optimizer(self, model: torch.nn.Module | None = None) -> torch.optim.Optimizer:
+        if self.optimizer is not None:
+            return self.optimizer
+        model = self.model if model is None else model
+        kind = _OPTIM.get(str(getattr(self.args.optim, "value", self.args.optim)))
+        if kind is None:
+            raise ConfigurationError(f"TrainingArguments(optim={self.args.optim!r}): an aps server runs SGD, Adam or "
+                                     "AdamW (optim='adamw_torch' or 'sgd'), or give optimizers=(aps.torch.Optimizer)")
+        decay = set(self.get_decay_parameter_names(model))
+        named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+        groups = [{"params": [p for n, p in named if n in decay], "weight_decay": self.args.weight_decay},
+                  {"params": [p for n, p in named if n not in decay], "weight_decay": 0.0}]
+        groups = [group for group in groups if group["params"]]
+        if kind != "sgd":
+            for group in groups:
+                group["betas"] = (self.args.adam_beta1, self.args.adam_beta2)
+        self.optimizer = Optimizer(groups, address=self.aps_address, rank=self.aps_rank, num_workers=self.aps_workers,
+                                   model=model, lr=self.args.learning_rate, **self._aps_options)
+        served, eps = self.optimizer.server_optimizer, self.optimizer.defaults.get("eps")
+        wrong = (f"TrainingArguments(optim={self.args.optim!r}) is {kind}; the server runs {served} (start it with "
+                 f"aps serve --optimizer {kind}, or set optim)") if served != kind else \
+                (f"TrainingArguments(adam_epsilon={self.args.adam_epsilon}); the server's is {eps} (start it with "
+                 f"aps serve --eps {self.args.adam_epsilon})") if eps is not None and eps != self.args.adam_epsilon \
+                else None
+        if wrong is not None:
+            self.optimizer.close()
+            self.optimizer = None
+            raise ConfigurationError(wrong)
+        self._reporter = Reporter(self.optimizer.worker)
+        return self.optimizer
+
+    def training_step(self, model: torch.nn.Module, inputs: dict[str, Any], *args: Any, **kwargs: Any) -> torch.Tensor:
+        loss = super().training_step(model, inputs, *args, **kwargs)
+        if self._reporter is not None:
+            lr = self.lr_scheduler.get_last_lr()[0] if self.lr_scheduler is not None else None
+            self._reporter.step(self.state.global_step, loss=loss, lr=lr, batch=inputs)
+        return loss
+
+    def log(self, logs: dict[str, float], *args: Any, **kwargs: Any) -> None:
+        super().log(logs, *args, **kwargs)
+        if self._reporter is not None:  # (the Trainer's own figures: grad_norm, epoch, eval_loss...)
+            self._reporter.step(self.state.global_step, metrics={k: v for k, v in logs.items() if k != "loss"})
+
+    def _save_checkpoint(self, model: torch.nn.Module, trial: Any) -> None:
+        if self.aps_rank == 0:  # (every worker is "process 0" to transformers: rank 0 alone writes)
+            super()._save_checkpoint(model, trial)
+
+    def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
+        if self.aps_rank == 0:
+            super().save_model(output_dir, _internal_call)
