@@ -42,11 +42,12 @@ _OPTIM = {"adamw_torch": "adamw", "adamw_torch_fused": "adamw", "adamw_hf": "ada
 class Trainer(transformers.Trainer):
     """A ``transformers.Trainer`` for one worker of an aps run (see the module).
 
+    Besides what ``transformers.Trainer`` takes:
+
     Args:
-        *args, **kwargs: what ``transformers.Trainer`` takes.
         aps_address: the server; default ``APS_ADDRESS``.
-        aps_rank, aps_workers: this worker's rank and the run's workers; default ``RANK`` and
-            ``WORLD_SIZE`` (0 of 1 when unset).
+        aps_rank: this worker's rank; default ``RANK`` (0 when unset).
+        aps_workers: the run's workers; default ``WORLD_SIZE`` (1 when unset).
         aps_options: what else :class:`aps.torch.Optimizer` takes (``transport``, ``token``...).
     """
 

@@ -223,6 +223,7 @@ def test_the_api_reference_documents_every_public_name():
     import aps
     import aps.huggingface
     import aps.lightning
+    import aps.ray
     import aps.torch
 
     page = (DOCS / "reference" / "api.md").read_text()
@@ -230,6 +231,7 @@ def test_the_api_reference_documents_every_public_name():
     public = {f"aps.{n}" for n in aps.__all__ if n != "__version__"} | {f"aps.torch.{n}" for n in aps.torch.__all__}
     public |= {f"aps.lightning.{n}" for n in aps.lightning.__all__}
     public |= {f"aps.huggingface.{n}" for n in aps.huggingface.__all__}
+    public |= {f"aps.ray.{n}" for n in aps.ray.__all__}
     assert public - documented == set(), "add them to docs/reference/api.md"
     assert documented - public == set(), "documented but not exported"
 

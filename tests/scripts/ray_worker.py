@@ -1,0 +1,41 @@
+"""The training loop Ray Train runs in each worker (tests/integration/test_ray.py): the digits MLP
+on an aps server through aps.ray, each worker its part of the data, a checkpoint each epoch."""
+
+import ray.train
+import torch
+from torch import nn
+from torch.nn import functional as F
+from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
+
+import aps.ray
+from aps import workloads
+
+
+def train_loop(config: dict) -> None:
+    torch.manual_seed(0)
+    torch.set_num_threads(1)
+    context = ray.train.get_context()
+    data = workloads.load("digits", seed=0)
+    model = nn.Sequential(nn.Flatten(), nn.Linear(64, 32), nn.ReLU(), nn.Linear(32, 10))
+    optimizer = aps.ray.optimizer(model, config["server"], transport="tcp")
+    saved = aps.ray.restore(model, optimizer, config.get("resume"))  # (None: Ray's own, when it restarts a run)
+    start = saved["epoch"] + 1 if saved else 0
+    dataset = TensorDataset(data.x_train, data.y_train)
+    sampler = DistributedSampler(dataset, num_replicas=context.get_world_size(), rank=context.get_world_rank(),
+                                 shuffle=False)
+    loader = DataLoader(dataset, batch_size=32, sampler=sampler)
+    for epoch in range(start, config["epochs"]):
+        sampler.set_epoch(epoch)
+        for x, y in loader:
+            optimizer.zero_grad()
+            loss = F.cross_entropy(model(x), y)
+            loss.backward()
+            optimizer.step()
+            optimizer.worker.log({"loss": loss})
+        with torch.no_grad():
+            accuracy = float((model(data.x_test).argmax(1) == data.y_test).float().mean())
+        weights = {name: p.detach().clone().tolist() for name, p in model.named_parameters()} \
+            if config.get("return_weights") else None
+        ray.train.report({"epoch": epoch, "started_at": start, "accuracy": accuracy, "weights": weights},
+                         checkpoint=aps.ray.checkpoint(model, optimizer, epoch=epoch))
+    optimizer.close()
