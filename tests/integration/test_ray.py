@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import importlib.util
 import pathlib
+import shutil
 import sys
+import tempfile
 
 import pytest
 
@@ -27,16 +29,18 @@ SCRIPT = pathlib.Path(__file__).parent.parent / "scripts" / "ray_worker.py"
 
 
 @pytest.fixture(scope="module")
-def cluster(tmp_path_factory):
+def cluster():
     spec = importlib.util.spec_from_file_location("ray_worker", SCRIPT)
     module = importlib.util.module_from_spec(spec)
     sys.modules["ray_worker"] = module
     spec.loader.exec_module(module)
     ray.cloudpickle.register_pickle_by_value(module)  # (Ray's workers need not import it)
-    ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False,
-             _temp_dir=str(tmp_path_factory.mktemp("ray")))
+    # (a short directory of its own: Ray's socket paths under it must stay within 107 characters)
+    folder = tempfile.mkdtemp(prefix="ray-", dir="/tmp")
+    ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False, _temp_dir=folder)
     yield module
     ray.shutdown()
+    shutil.rmtree(folder, ignore_errors=True)
 
 
 def _fit(module, server, workers, tmp_path, epochs, **options):
