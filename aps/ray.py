@@ -12,7 +12,7 @@
         optimizer = aps.ray.optimizer(model, config["server"])    # rank and workers: Ray Train's
         for epoch in range(10):
             ...                                                   # the usual loop: the server takes the steps
-            ray.train.report({"loss": loss}, checkpoint=aps.ray.checkpoint(model, optimizer))
+            aps.ray.report(optimizer, {"loss": loss}, checkpoint=aps.ray.checkpoint(model, optimizer))
 
     ray.train.torch.TorchTrainer(train_loop, train_loop_config={"server": connection},
                                  scaling_config=ray.train.ScalingConfig(num_workers=4)).fit()
@@ -21,7 +21,9 @@
 thread of an actor process, placed by Ray like any actor (``num_cpus=1`` by default; put it
 beside the driver, or on a node of its own with Ray's options). Each worker of the trainer
 makes its :class:`aps.torch.Optimizer` with :func:`optimizer`, which takes its rank and the
-worker count from Ray Train's context (and the server's address). :func:`checkpoint` puts
+worker count from Ray Train's context (and the server's address); :func:`report` is
+``ray.train.report`` that also sends the numbers reported to the server (its dashboard
+draws them per rank). :func:`checkpoint` puts
 the model's weights and the server's optimizer state in a ``ray.train.Checkpoint``, and
 :func:`restore` loads them back (into the server once, whichever workers load it) from
 ``ray.train.get_checkpoint()`` when a run resumes. The process group Ray Train starts
@@ -41,8 +43,9 @@ import torch
 from .errors import ConfigurationError
 from .server.server import Server
 from .torch import Optimizer
+from .wire.scalars import check_scalar_name
 
-__all__ = ["ServerActor", "checkpoint", "optimizer", "restore"]
+__all__ = ["ServerActor", "checkpoint", "optimizer", "report", "restore"]
 
 _STATE_FILE = "aps.pt"
 
@@ -92,6 +95,24 @@ def optimizer(params: Any, server: dict[str, Any] | str, **options: Any) -> Opti
         options.setdefault("token", server.get("token"))
         server = server["address"]
     return Optimizer(params, server, **options)
+
+
+def report(server_optimizer: Optimizer, metrics: dict[str, Any], checkpoint: ray.train.Checkpoint | None = None,
+           **options: Any) -> None:
+    """``ray.train.report(metrics, checkpoint)``, and the metrics that are numbers to the server too
+    (:meth:`aps.Worker.log`, at this worker's clock), for its dashboard and ``/metrics``."""
+    scalars = {}
+    for name, value in metrics.items():
+        if isinstance(value, torch.Tensor) and value.numel() == 1:
+            value = value.item()
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            try:
+                check_scalar_name(name)
+            except ValueError:
+                continue  # (a name the server cannot take: Ray has it all the same)
+            scalars[name] = float(value)
+    server_optimizer.worker.log(scalars)
+    ray.train.report(metrics, checkpoint=checkpoint, **options)
 
 
 def checkpoint(model: torch.nn.Module, server_optimizer: Optimizer, **extra: Any) -> ray.train.Checkpoint:

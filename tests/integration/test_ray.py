@@ -45,8 +45,8 @@ def cluster():
 
 def _fit(module, server, workers, tmp_path, epochs, **options):
     trainer = ray.train.torch.TorchTrainer(
-        module.train_loop, train_loop_config={"server": ray.get(server.connection.remote()), "epochs": epochs,
-                                              **options.pop("config", {})},
+        module.train_loop, train_loop_config={"server": ray.get(server.connection.remote()) if server else None,
+                                              "epochs": epochs, **options.pop("config", {})},
         scaling_config=ray.train.ScalingConfig(num_workers=workers, use_gpu=False),
         run_config=ray.train.RunConfig(storage_path=str(tmp_path), name="run"), **options)
     return trainer.fit()
@@ -58,8 +58,17 @@ def test_torchtrainer_workers_learn_on_a_server_actor(cluster, tmp_path):
     assert result.error is None and result.metrics["accuracy"] > 0.85, result.metrics
     stats = ray.get(server.stats.remote())
     assert [w["pushes"] > 0 for w in stats["workers"]] == [True, True]
-    assert {"loss"} <= set(stats["workers"][1]["reported"]["scalars"])
+    assert {"loss", "accuracy", "epoch", "started_at"} == set(stats["workers"][1]["reported"]["scalars"]), \
+        "the numbers aps.ray.report had"
     ray.get(server.stop.remote())
+
+
+def test_one_bsp_worker_equals_the_same_loop_with_torchs_own_sgd(cluster, tmp_path):
+    plain = _fit(cluster, None, 1, tmp_path / "plain", epochs=2, config={"plain": True, "return_weights": True})
+    server = aps.ray.ServerActor.remote(workers=1, sync="bsp", optimizer="sgd", lr=0.05, momentum=0.9)
+    served = _fit(cluster, server, 1, tmp_path / "aps", epochs=2, config={"return_weights": True})
+    assert served.metrics["weights"] == plain.metrics["weights"], "bit for bit"
+    assert ray.get(server.stats.remote())["server"]["version"] == 2 * 45
 
 
 def test_a_resumed_run_goes_on_from_rays_checkpoint_exactly(cluster, tmp_path):

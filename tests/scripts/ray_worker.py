@@ -1,6 +1,9 @@
 """The training loop Ray Train runs in each worker (tests/integration/test_ray.py): the digits MLP
 on an aps server through aps.ray, each worker its part of the data, a checkpoint each epoch."""
 
+import os
+import tempfile
+
 import ray.train
 import torch
 from torch import nn
@@ -17,8 +20,12 @@ def train_loop(config: dict) -> None:
     context = ray.train.get_context()
     data = workloads.load("digits", seed=0)
     model = nn.Sequential(nn.Flatten(), nn.Linear(64, 32), nn.ReLU(), nn.Linear(32, 10))
-    optimizer = aps.ray.optimizer(model, config["server"], transport="tcp")
-    saved = aps.ray.restore(model, optimizer, config.get("resume"))  # (None: Ray's own, when it restarts a run)
+    if config.get("plain"):  # the same loop with torch's own optimizer, for comparison
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+        saved = None
+    else:
+        optimizer = aps.ray.optimizer(model, config["server"], transport="tcp")
+        saved = aps.ray.restore(model, optimizer, config.get("resume"))  # (None: Ray's own, when it restarts a run)
     start = saved["epoch"] + 1 if saved else 0
     dataset = TensorDataset(data.x_train, data.y_train)
     sampler = DistributedSampler(dataset, num_replicas=context.get_world_size(), rank=context.get_world_rank(),
@@ -31,11 +38,16 @@ def train_loop(config: dict) -> None:
             loss = F.cross_entropy(model(x), y)
             loss.backward()
             optimizer.step()
-            optimizer.worker.log({"loss": loss})
         with torch.no_grad():
             accuracy = float((model(data.x_test).argmax(1) == data.y_test).float().mean())
         weights = {name: p.detach().clone().tolist() for name, p in model.named_parameters()} \
             if config.get("return_weights") else None
-        ray.train.report({"epoch": epoch, "started_at": start, "accuracy": accuracy, "weights": weights},
-                         checkpoint=aps.ray.checkpoint(model, optimizer, epoch=epoch))
-    optimizer.close()
+        metrics = {"epoch": epoch, "started_at": start, "loss": loss.item(), "accuracy": accuracy, "weights": weights}
+        if config.get("plain"):  # (Ray keeps the metrics reported with a checkpoint)
+            folder = tempfile.mkdtemp(prefix="plain-")
+            torch.save(model.state_dict(), os.path.join(folder, "model.pt"))
+            ray.train.report(metrics, checkpoint=ray.train.Checkpoint.from_directory(folder))
+            continue
+        aps.ray.report(optimizer, metrics, checkpoint=aps.ray.checkpoint(model, optimizer, epoch=epoch))
+    if not config.get("plain"):
+        optimizer.close()
