@@ -131,3 +131,8 @@ def test_misuse_is_refused_saying_what_to_do(server_process, tmp_path):
                                       data_collator=hw.collate, aps_address=server.address)
     with pytest.raises(aps.ConfigurationError, match="server's optimizer|server runs sgd"):
         trainer.train()  # (the Trainer's default is AdamW; this server runs SGD)
+    trainer = aps.huggingface.Trainer(model=hw.model(), args=hw.arguments(str(tmp_path), optim="sgd"),
+                                      train_dataset=hw.Blocks(), data_collator=hw.collate, aps_address=server.address,
+                                      aps_rank=1, aps_workers=2)
+    with pytest.raises(aps.APSError, match="1 worker|workers"):  # (the server was started for one)
+        trainer.train()
