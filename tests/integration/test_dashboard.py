@@ -386,6 +386,9 @@ def test_what_the_workers_log_is_drawn_per_rank_with_their_processes(browser, mo
         cells = "return [...document.querySelectorAll('#workers tr[data-rank]')].map(r => [r.cells[15].textContent, r.cells[16].textContent])"
         wait_until(lambda: all(cpu not in ("", "–") and memory.endswith("B")
                                for cpu, memory in browser.execute_script(cells)), 30, "each worker's CPU and memory")
+        box = "const b = document.querySelector('.workers-card .table-box'); return [b.scrollWidth, b.clientWidth]"
+        scroll_width, width = browser.execute_script(box)
+        assert scroll_width <= width, f"the workers table scrolls sideways at 1440 px ({scroll_width} > {width})"
         warning = wait_until(lambda: browser.find_element("id", "data-warnings").is_displayed()
                              and text_of(browser, "data-warnings"), 30, "the same-data warning")
         assert "ranks 0 and 1 trained on the same batches" in warning
