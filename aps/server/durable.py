@@ -1,9 +1,11 @@
 """What a checkpoint keeps of the engine, and taking it up again: the :class:`Durable`
 part of :class:`aps.server.engine.Engine` (a mixin, so that the engine's module holds
-its rules and this one what outlives the process)."""
+its rules and this one what outlives the process: the checkpoint's state and its
+capture, the shards' run ids and the counters workers claim from)."""
 
 from __future__ import annotations
 
+import json
 import logging
 from typing import TYPE_CHECKING
 
@@ -11,7 +13,8 @@ import numpy as np
 
 from ..checkpoint.format import layout_json
 from ..config import RUN_OPTIONS
-from ..errors import CheckpointError, InvalidIds
+from ..errors import CheckpointError, InvalidIds, LayoutMismatch, MalformedFrame
+from ..wire.protocol import MAX_COUNTER, MAX_COUNTER_NAME, MAX_COUNTERS
 from .members import Seat
 from .rows import RowTable, Tables
 
@@ -148,6 +151,60 @@ class Durable:
         self.resumed_from = str(checkpoint.path)
         log.info("resumed from %s: version %d, clocks %s; training goes on once all %d workers are back",
                  checkpoint.path, self.version, manifest["policy"]["clocks"], self.num_workers)
+
+    # What the run keeps beside its weights -----------------------------------
+    def capture_checkpoint(self: Engine, job) -> None:
+        """Queue ``job`` (an ``aps.server.checkpointer.CaptureJob``) in the update lane: it runs
+        between two updates, and sees every update decided before it."""
+        self._lane.submit(job)
+
+    @property
+    def shard_description(self: Engine) -> str:
+        """What the handshake tells workers of this shard (JSON): its index, the options all
+        the shards share (ServerConfig.shard_description), the shards' recorded run ids,
+        whether the model is registered, and its --heartbeat-timeout (how long a silent
+        connection keeps its rank: a worker reseated by the server waits that long)."""
+        return json.dumps({**self.config.shard_description(), "runs": self.shard_runs,
+                           "registered": self.table is not None,
+                           "heartbeat_timeout": self.config.heartbeat_timeout}, separators=(",", ":"))
+
+    def record_shard_runs(self: Engine, runs: list[str]) -> list[str]:
+        """A sharded worker says which run each shard holds; the first record stands (a
+        resumed shard has it from its checkpoint). Returns the record."""
+        shards = self.config.shards
+        if shards == 1:
+            raise MalformedFrame("SHARDS is for a model sharded across servers (--shards > 1)")
+        if (not isinstance(runs, list) or len(runs) != shards
+                or not all(isinstance(r, str) and 0 < len(r) <= 64 for r in runs)):
+            raise MalformedFrame(f"SHARDS takes a JSON list of the {shards} shards' run ids")
+        if runs[self.config.shard] != self.run_id:
+            raise MalformedFrame(f"SHARDS gives shard {self.config.shard} run {runs[self.config.shard]}, but this "
+                                 f"shard holds run {self.run_id}")
+        if self.shard_runs is None:
+            self.shard_runs = list(runs)
+        elif runs != self.shard_runs:
+            odd = next(i for i, (kept, given) in enumerate(zip(self.shard_runs, runs)) if kept != given)
+            raise LayoutMismatch(f"this model's shards are runs {self.shard_runs}, but shard {odd} now holds run "
+                                 f"{runs[odd]}: it was started without --resume, or from another run's checkpoint")
+        return self.shard_runs
+
+    def claim(self: Engine, name: str, count: int) -> int:
+        """Add ``count`` to the counter ``name`` (made at 0); returns its value before: each
+        value is handed out once, whoever asks (docs/protocol.md, CLAIM).
+
+        Raises:
+            MalformedFrame: a name that is empty or too long, more counters than a run keeps,
+                or a value over 2**53 (nothing changed)."""
+        if not 0 < len(name.encode("utf-8")) <= MAX_COUNTER_NAME:
+            raise MalformedFrame(f"a counter's name is 1 to {MAX_COUNTER_NAME} UTF-8 bytes")
+        value = self.counters.get(name)
+        if value is None and len(self.counters) >= MAX_COUNTERS:
+            raise MalformedFrame(f"this run keeps {MAX_COUNTERS} counters already: name no new one")
+        value = value or 0
+        if value + count > MAX_COUNTER:
+            raise MalformedFrame(f"counter {name!r} at {value} cannot take {count} more (2**53 at most)")
+        self.counters[name] = value + count
+        return value
 
 
 def _flat_state(checkpoint, layout, key: str) -> np.ndarray:
