@@ -251,6 +251,12 @@ def format_manifest(path: pathlib.Path, manifest: Mapping[str, Any], problems: M
         count = sum(math.prod(s) for s in shapes)
         field("model", f"{len(shapes)} tensor{'' if len(shapes) == 1 else 's'}, "
                        f"{count:,} parameter{'' if count == 1 else 's'}")
+    curves = [e for e in manifest.get("scalars") or () if isinstance(e, list) and len(e) == 5]
+    if curves:  # (what the workers logged: aps.server.scalars)
+        ranks = {e[0] for e in curves if isinstance(e[0], int)}
+        names = sorted({e[1] for e in curves if isinstance(e[1], str)})
+        field("logged", f"{len(curves)} curve{'' if len(curves) == 1 else 's'} of {len(ranks)} "
+                        f"rank{'' if len(ranks) == 1 else 's'}: {', '.join(names[:8])}{', ...' if len(names) > 8 else ''}")
     lines.append("  files")
     files = manifest.get("files", {})
     width = max((len(name) for name in [*files, ckpt.MANIFEST_FILE]), default=0)

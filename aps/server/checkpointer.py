@@ -67,7 +67,8 @@ class Capture:
 
     manifest: dict
     snapshot: Snapshot
-    state: dict[str, np.ndarray]  # flat copies, by optimizer state name (and "aggregate", "tables/NAME/KEY")
+    state: dict[str, np.ndarray]  # flat copies, by optimizer state name (and "aggregate", "tables/NAME/KEY",
+    # "round/NAME/KEY", "scalars/steps" and "scalars/values")
     loop_seconds: float = 0.0  # time the event loop spent on this checkpoint so far
 
 
@@ -382,7 +383,7 @@ class Checkpointer:
         weights = layout.views(capture.snapshot.array)
         state: dict[str, np.ndarray] = {}
         for key, flat in capture.state.items():
-            if key == "aggregate" or key.startswith(("tables/", "round/")):  # (the tables' arrays as they are)
+            if key == "aggregate" or key.startswith(("tables/", "round/", "scalars/")):  # (as they are)
                 state[key] = flat
             else:
                 state.update((f"{key}/{tensor}", view) for tensor, view in layout.views(flat).items())

@@ -47,6 +47,9 @@ class Durable:
             for name, saved in self.rows.open_round().items():  # the round's rows, as its sum is kept
                 for key, value in zip(("ids", "grads", "ranks"), saved):
                     arrays[f"round/{name}/{key}"] = value
+        scalars, steps, values = self.scalars.saved()
+        if scalars:
+            arrays["scalars/steps"], arrays["scalars/values"] = steps, values
         manifest = {
             "run_id": self.run_id,
             "shard_runs": self.shard_runs,
@@ -69,6 +72,8 @@ class Durable:
             # a worker finished (leave(finished=True)): the run is ending, MIN no longer holds the rest
             **({"draining": True} if self.draining else {}),
             "counters": self.stats.run_counters(),
+            # the curves of what the workers logged (aps.server.scalars; their points in "scalars/...")
+            **({"scalars": scalars} if scalars else {}),
             **({"loaded_weights": self.loaded_weights.hex()} if self.loaded_weights is not None else {}),
         }
         return manifest, arrays
@@ -148,6 +153,13 @@ class Durable:
             self.stats.carry({})
             detail = f"missing {exc}" if isinstance(exc, KeyError) else str(exc)
             raise CheckpointError(f"checkpoint {checkpoint.path} cannot be resumed: {detail}") from None
+        if "scalars" in manifest:  # (curves to look at: a checkpoint whose curves do not fit still resumes)
+            try:
+                self.scalars.restore(manifest["scalars"], checkpoint.state.get("scalars/steps"),
+                                     checkpoint.state.get("scalars/values"))
+            except ValueError as exc:
+                log.warning("checkpoint %s: the curves of what the workers logged are not taken up (%s); they "
+                            "start afresh", checkpoint.path, exc)
         self.resumed_from = str(checkpoint.path)
         log.info("resumed from %s: version %d, clocks %s; training goes on once all %d workers are back",
                  checkpoint.path, self.version, manifest["policy"]["clocks"], self.num_workers)

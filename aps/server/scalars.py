@@ -11,6 +11,10 @@ values. Two ranks reporting the same batches at the same steps (:data:`SAME_BATC
 them) read the same data: the server warns once for the pair (each rank is meant to read its own part:
 a sampler). What is kept is bounded: :data:`MAX_NAMES` names a rank, ranks as the
 server has, :data:`RECENT_POINTS` points waiting for the dashboards.
+
+Checkpoints keep the curves (:meth:`Scalars.saved`, taken up by :meth:`Scalars.restore`):
+a resumed server draws the run from its start. What a process reported of itself (CPU,
+memory) and the batch digests are the processes' and start afresh.
 """
 
 from __future__ import annotations
@@ -21,7 +25,9 @@ import time
 from collections import deque
 from dataclasses import dataclass, field
 
-from ..wire.scalars import LogReport
+import numpy as np
+
+from ..wire.scalars import MAX_STEP, LogReport, check_scalar_name
 
 __all__ = ["CURVE_POINTS", "MAX_NAMES", "Curve", "Scalars"]
 
@@ -42,17 +48,29 @@ WARNINGS_KEPT = 32
 
 
 class Curve:
-    """One scalar of one rank: at most CURVE_POINTS (step, value) points over the run, and its newest."""
+    """One scalar of one rank: at most CURVE_POINTS (step, value) points over the run, and its newest.
 
-    __slots__ = ("steps", "values", "stride", "seen", "last_step", "last_value")
+    The points are in numpy arrays (grown as they fill, up to CURVE_POINTS), so that a
+    checkpoint takes every curve of the run in a few copies (:meth:`Scalars.saved`)."""
 
-    def __init__(self) -> None:
-        self.steps: list[int] = []
-        self.values: list[float] = []
+    __slots__ = ("_steps", "_values", "count", "stride", "seen", "last_step", "last_value")
+
+    def __init__(self, capacity: int = 16) -> None:
+        self._steps = np.empty(capacity, np.int64)
+        self._values = np.empty(capacity, np.float64)
+        self.count = 0  # points kept
         self.stride = 1  # a point is kept every this many
         self.seen = 0
         self.last_step = 0
         self.last_value = math.nan
+
+    @property
+    def steps(self) -> np.ndarray:
+        return self._steps[: self.count]
+
+    @property
+    def values(self) -> np.ndarray:
+        return self._values[: self.count]
 
     def add(self, step: int, value: float) -> bool:
         """Record one value; True when the curve kept it as a point. The value it has at its
@@ -63,15 +81,35 @@ class Curve:
         self.seen += 1
         if (self.seen - 1) % self.stride:
             return False
-        self.steps.append(step)
-        self.values.append(value)
-        if len(self.steps) >= CURVE_POINTS:
-            del self.steps[1::2], self.values[1::2]
+        n = self.count
+        if n == len(self._steps):
+            capacity = min(CURVE_POINTS, 2 * n)
+            self._steps = np.concatenate((self._steps, np.empty(capacity - n, np.int64)))
+            self._values = np.concatenate((self._values, np.empty(capacity - n, np.float64)))
+        self._steps[n], self._values[n] = step, value
+        n += 1
+        if n >= CURVE_POINTS:  # every other point goes: the first stays, the spacing doubles
+            kept = (n + 1) // 2
+            self._steps[:kept] = self._steps[0:n:2].copy()
+            self._values[:kept] = self._values[0:n:2].copy()
+            n = kept
             self.stride *= 2
+        self.count = n
         return True
 
     def points(self) -> list[list]:
-        return [[s, v] for s, v in zip(self.steps, self.values)]
+        return [[s, v] for s, v in zip(self.steps.tolist(), self.values.tolist())]
+
+    @classmethod
+    def restored(cls, steps: np.ndarray, values: np.ndarray, stride: int, seen: int) -> Curve:
+        """The curve :meth:`Scalars.saved` kept: its points, then its newest (step, value)."""
+        count = len(steps) - 1
+        curve = cls(min(CURVE_POINTS, max(16, 2 * count)))
+        curve._steps[:count], curve._values[:count] = steps[:-1], values[:-1]
+        curve.count = count
+        curve.last_step, curve.last_value = int(steps[-1]), float(values[-1])
+        curve.stride, curve.seen = stride, seen
+        return curve
 
 
 @dataclass(slots=True)
@@ -79,7 +117,7 @@ class _Rank:
     curves: dict[str, Curve] = field(default_factory=dict)
     process: dict | None = None
     cpu_percent: float | None = None  # over the last two reports of the same process
-    reported: float = 0.0  # time.monotonic() of the last report
+    reported: float | None = None  # time.monotonic() of the last report in this process
     batches: deque = field(default_factory=lambda: deque(maxlen=BATCHES_KEPT))
     batch_set: set = field(default_factory=set)
 
@@ -122,7 +160,8 @@ class Scalars:
         now = self._now()
         if report.process is not None:
             before = seat.process
-            if before is not None and before["pid"] == report.process["pid"] and now > seat.reported:
+            if (before is not None and before["pid"] == report.process["pid"] and seat.reported is not None
+                    and now > seat.reported):
                 seat.cpu_percent = 100.0 * max(0.0, report.process["cpu_s"] - before["cpu_s"]) / (now - seat.reported)
             elif before is not None:
                 seat.cpu_percent = None  # (another process took the rank)
@@ -158,6 +197,56 @@ class Scalars:
                 log.warning("%s", message)
                 self.warnings.append({"t": time.time(), "ranks": list(pair), "message": message})
 
+    def saved(self) -> tuple[list[list], np.ndarray, np.ndarray]:
+        """What a checkpoint keeps: an index, ``[[rank, name, points, stride, seen], ...]``
+        (JSON), and each curve's points then its newest point, in the index's order, as
+        steps (int64) and values (float64)."""
+        index: list[list] = []
+        steps: list = []
+        values: list = []
+        for rank, seat in sorted(self._ranks.items()):
+            for name, curve in seat.curves.items():
+                index.append([rank, name, curve.count, curve.stride, curve.seen])
+                steps += (curve.steps, (curve.last_step,))
+                values += (curve.values, (curve.last_value,))
+        if not index:
+            return index, np.empty(0, np.int64), np.empty(0, np.float64)
+        return index, np.concatenate(steps, dtype=np.int64), np.concatenate(values, dtype=np.float64)
+
+    def restore(self, index: object, steps: object, values: object) -> None:
+        """Take up the curves of :meth:`saved` (a resumed run), replacing any. ValueError
+        saying why, and nothing kept, when they do not hold together."""
+        if not isinstance(index, list):
+            raise ValueError("the index is not a list")
+        if not all(isinstance(a, np.ndarray) and a.ndim == 1 for a in (steps, values)) \
+                or steps.dtype != np.int64 or values.dtype != np.float64 or len(steps) != len(values):
+            raise ValueError("the points are not two int64 and float64 vectors of one length")
+        if len(steps) and not (0 <= steps.min() and steps.max() <= MAX_STEP):
+            raise ValueError(f"a step is out of range 0..{MAX_STEP}")
+        ranks: dict[int, _Rank] = {}
+        at = 0
+        for entry in index:
+            if not (isinstance(entry, list) and len(entry) == 5
+                    and all(isinstance(n, int) and not isinstance(n, bool) for n in entry[:1] + entry[2:])):
+                raise ValueError(f"an entry of the index is not [rank, name, points, stride, seen]: {entry!r:.80}")
+            rank, name, points, stride, seen = entry
+            check_scalar_name(name)
+            if not (0 <= rank < 2**31 and 0 <= points < CURVE_POINTS and stride >= 1 and stride & (stride - 1) == 0
+                    and max(1, points) <= seen <= MAX_STEP + 1):
+                raise ValueError(f"rank {rank}'s curve {name!r} has points {points}, stride {stride}, seen {seen}")
+            seat = ranks.setdefault(rank, _Rank())
+            if name in seat.curves or len(seat.curves) >= MAX_NAMES:
+                raise ValueError(f"rank {rank} has {name!r} twice, or more than {MAX_NAMES} names")
+            end = at + points + 1
+            if end > len(steps):
+                raise ValueError(f"rank {rank}'s curve {name!r} runs past the points kept")
+            seat.curves[name] = Curve.restored(steps[at:end], values[at:end], stride, seen)
+            at = end
+        if at != len(steps):
+            raise ValueError(f"{len(steps) - at} points belong to no curve")
+        self._ranks = ranks
+        self.recent.clear()
+
     def forget(self, rank: int) -> None:
         """Drop what ``rank`` reported (a run whose size shrank for good)."""
         self._ranks.pop(rank, None)
@@ -190,7 +279,7 @@ class Scalars:
                             for name, c in seat.curves.items()},
                 "process": seat.process,
                 "cpu_percent": seat.cpu_percent,
-                "reported_s_ago": now - seat.reported,
+                "reported_s_ago": None if seat.reported is None else now - seat.reported,
             }
             for rank, seat in sorted(self._ranks.items())
         }

@@ -5,6 +5,7 @@ statistics; bad reports refused whole; two ranks on the same data warned of."""
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import json
 import threading
 
@@ -13,6 +14,7 @@ import numpy as np
 import pytest
 
 import aps
+from aps.checkpoint import MANIFEST_FILE
 from aps.cli.status import fetch_stats
 from aps.client import logbook
 from aps.errors import ErrorCode
@@ -92,6 +94,59 @@ def test_the_dashboard_gets_the_curves_then_each_new_point(server_process, monke
     assert hello["curves"] == {"0": {"loss": [[1, 3.0], [2, 2.0], [2, 2.5]]}}
     assert seen == [[0, "loss", 3, 1.0], [0, "acc", 3, 0.5]]
     worker.close()
+
+
+def test_a_resumed_server_draws_the_curves_from_the_runs_start(server_process, tmp_path, monkeypatch):
+    """The curves are in the checkpoint: a server resumed from it serves them as they were,
+    and a worker back on it adds to them."""
+    monkeypatch.setattr(logbook, "LOG_EVERY_S", 0.0)
+    options = ("--workers", "1", "--sync", "asp", "--checkpoint-dir", str(tmp_path))
+    server = server_process(*options, "--http-port", "0")
+    base = http_address(server)
+    (worker,) = _join(server, count=1)
+    for step in range(1, 6):
+        worker.push_pull({"w": np.ones(N, np.float32)})
+        worker.log({"loss": 1.0 / step, "acc": float("nan") if step == 3 else step / 10})
+    worker.close()
+    before = json.loads(asyncio.run(get(base + "api/scalars"))[1])["curves"]
+    assert [step for step, _ in before["0"]["loss"]] == [1, 2, 3, 4, 5] and before["0"]["acc"][2] == [3, None]
+    server.stop()  # (a clean stop writes a checkpoint)
+    resumed = server_process(*options, "--resume", "--http-port", "0")
+    base = http_address(resumed)
+    assert json.loads(asyncio.run(get(base + "api/scalars"))[1])["curves"] == before
+    (worker,) = _join(resumed, count=1)
+    worker.push_pull({"w": np.ones(N, np.float32)})
+    worker.log({"loss": 0.125}, step=6)
+    worker.close()
+    after = json.loads(asyncio.run(get(base + "api/scalars"))[1])["curves"]
+    assert after["0"]["loss"] == before["0"]["loss"] + [[6, 0.125]]
+    assert fetch_stats(resumed.address)["workers"][0]["reported"]["scalars"]["loss"] == {"step": 6, "value": 0.125}
+
+
+def test_curves_that_do_not_fit_are_left_out_and_the_run_resumes(server_process, tmp_path):
+    """Curves are to look at: a checkpoint whose curves do not hold together (a writer's bug:
+    its checksum matches) resumes all the same, without them, and the log says so."""
+    options = ("--workers", "1", "--sync", "asp", "--checkpoint-dir", str(tmp_path))
+    server = server_process(*options)
+    (worker,) = _join(server, count=1)
+    worker.push_pull({"w": np.ones(N, np.float32)})
+    worker.log({"loss": 1.0})
+    worker.close()
+    version = fetch_stats(server.address)["server"]["version"]
+    server.stop()
+    newest = sorted(path for path in tmp_path.glob("checkpoint-*") if path.is_dir())[-1]
+    manifest = json.loads((newest / MANIFEST_FILE).read_text())
+    assert manifest["scalars"] == [[0, "loss", 1, 1, 1]]
+    manifest["scalars"] = [[0, "loss", 400, 1, 400]]  # (more points than the checkpoint holds)
+    data = json.dumps(manifest).encode()
+    (newest / MANIFEST_FILE).write_bytes(data)
+    (newest / "manifest.sha256").write_text(f"{hashlib.sha256(data).hexdigest()}  {MANIFEST_FILE}\n")
+    resumed = server_process(*options, "--resume", "--http-port", "0")
+    base = http_address(resumed)
+    said = resumed.wait_for_log("not taken up")
+    assert "runs past the points kept" in said and "start afresh" in said
+    assert json.loads(asyncio.run(get(base + "api/scalars"))[1])["curves"] == {}
+    assert fetch_stats(resumed.address)["server"]["version"] == version
 
 
 def test_two_ranks_on_the_same_batches_are_warned_of(server_process):

@@ -483,6 +483,12 @@ def test_cli_inspect_prints_the_manifest_and_verifies(tmp_path, capsys):
     assert "dssp staleness=3 max_staleness=15\n" in out and "workers    4" in out
     assert "2025-01-02T03:04:05+00:00" in out and "1 tensor, 1 parameter\n" in out
 
+    # The curves the workers logged (the manifest's index; the points in state.safetensors).
+    scalars = [[0, "loss", 3, 1, 3], [0, "lr", 3, 1, 3], [1, "loss", 2, 1, 2]]
+    path = write(tmp_path, 6, 60, scalars=scalars, weights={"w": np.ones(1)})
+    assert main(["checkpoint", "inspect", str(path)]) == 0
+    assert "logged     3 curves of 2 ranks: loss, lr\n" in capsys.readouterr().out
+
 
 def test_cli_inspect_of_a_corrupt_checkpoint_exits_1(tmp_path, capsys):
     path = write(tmp_path, 1, 10)

@@ -87,6 +87,73 @@ def test_the_store_keeps_each_ranks_curves_and_its_process():
     assert scalars.points_after(scalars.seq) == [] and len(scalars.points_after(scalars.seq - 1)) == 1
 
 
+def _logged(scalars: Scalars, steps: range) -> None:
+    for step in steps:
+        scalars.record(0, LogReport(points=[(step, "loss", 1.0 / (step + 1)), (step, "lr", 0.1)]))
+        if step % 3 == 0:
+            scalars.record(2, LogReport(points=[(step, "loss", math.nan if step % 9 == 0 else step / 7)]))
+
+
+def _same(a: Scalars, b: Scalars) -> bool:
+    """Equal curves and newest values (NaN equal to NaN)."""
+    return json.dumps(a.curves()) == json.dumps(b.curves()) and \
+        json.dumps({r: n["scalars"] for r, n in a.newest().items()}) == \
+        json.dumps({r: n["scalars"] for r, n in b.newest().items()})
+
+
+def test_a_checkpoints_curves_resume_as_if_the_server_had_not_stopped():
+    """Saved (halved curves, NaN values) and taken up in a new store, the curves and newest
+    values are the same, and go on exactly as the store that never stopped."""
+    steps = 3 * CURVE_POINTS + 17
+    kept = Scalars()
+    _logged(kept, range(steps))
+    assert kept._ranks[0].curves["loss"].stride > 1, "the curves were halved"
+    index, saved_steps, saved_values = kept.saved()
+    json.dumps(index, allow_nan=False)  # (the manifest's part is strict JSON)
+    assert [entry[:2] for entry in index] == [[0, "loss"], [0, "lr"], [2, "loss"]]
+    resumed = Scalars()
+    resumed.record(5, LogReport(points=[(1, "stale", 1.0)]))  # (replaced by the restore)
+    resumed.restore(json.loads(json.dumps(index)), saved_steps, saved_values)
+    assert _same(resumed, kept) and "5" not in resumed.curves()
+    assert resumed.points_after(0) == [], "nothing waits for the dashboards: they read the curves"
+    assert resumed.newest()[0]["reported_s_ago"] is None and resumed.newest()[0]["process"] is None
+    _logged(kept, range(steps, 2 * steps))
+    _logged(resumed, range(steps, 2 * steps))
+    assert _same(resumed, kept)
+    empty = Scalars().saved()
+    assert empty[0] == [] and len(empty[1]) == len(empty[2]) == 0
+
+
+@pytest.mark.parametrize("spoil", [
+    lambda i, s, v: ({"0": i}, s, v),
+    lambda i, s, v: (i + [[0, "loss", 0, 1, 1]], np.append(s, 1), np.append(v, 1.0)),  # a name twice
+    lambda i, s, v: ([[0, "lo ss", *i[0][2:]]] + i[1:], s, v),
+    lambda i, s, v: ([[-1, *i[0][1:]]] + i[1:], s, v),
+    lambda i, s, v: ([[True, *i[0][1:]]] + i[1:], s, v),
+    lambda i, s, v: ([[0, "loss", CURVE_POINTS, 1, CURVE_POINTS]] + i[1:], s, v),
+    lambda i, s, v: ([[0, "loss", i[0][2], 3, i[0][4]]] + i[1:], s, v),  # a stride not a power of 2
+    lambda i, s, v: ([[0, "loss", i[0][2], i[0][3], 0]] + i[1:], s, v),
+    lambda i, s, v: ([[0, "loss", i[0][2], i[0][3]]] + i[1:], s, v),
+    lambda i, s, v: (i, s[:-1], v[:-1]),  # points missing
+    lambda i, s, v: (i, np.append(s, 1), np.append(v, 1.0)),  # points of no curve
+    lambda i, s, v: (i, s.astype(np.float64), v),
+    lambda i, s, v: (i, s, v[:-1]),
+    lambda i, s, v: (i, None, v),
+    lambda i, s, v: (i, np.where(np.arange(len(s)) == 3, -1, s), v),
+    lambda i, s, v: ([[r, f"n{k}", 0, 1, 1] for k in range(MAX_NAMES + 1) for r in (0,)],
+                     np.ones(MAX_NAMES + 1, np.int64), np.ones(MAX_NAMES + 1)),
+])
+def test_curves_that_do_not_hold_together_are_refused_and_nothing_changes(spoil):
+    source = Scalars()
+    _logged(source, range(40))
+    index, steps, values = source.saved()
+    target = Scalars()
+    target.record(1, LogReport(points=[(1, "kept", 1.0)]))
+    with pytest.raises(ValueError):
+        target.restore(*spoil(index, steps, values))
+    assert target.curves() == {"1": {"kept": [[1, 1.0]]}}
+
+
 def test_a_rank_logs_a_bounded_number_of_names():
     scalars = Scalars()
     scalars.record(0, LogReport(points=[(1, f"n{i}", 1.0) for i in range(MAX_NAMES)]))
