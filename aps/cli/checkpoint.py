@@ -28,6 +28,7 @@ from typing import Any
 
 from .. import checkpoint as ckpt
 from ..errors import CheckpointError
+from ..wire.scalars import check_scalar_name
 from ._args import ArgumentParser, add_token_arguments, token_advice, token_from_args
 
 __all__ = ["ACTIONS", "format_manifest", "register", "request_checkpoint"]
@@ -251,10 +252,11 @@ def format_manifest(path: pathlib.Path, manifest: Mapping[str, Any], problems: M
         count = sum(math.prod(s) for s in shapes)
         field("model", f"{len(shapes)} tensor{'' if len(shapes) == 1 else 's'}, "
                        f"{count:,} parameter{'' if count == 1 else 's'}")
-    curves = [e for e in manifest.get("scalars") or () if isinstance(e, list) and len(e) == 5]
+    logged = manifest.get("scalars")
+    curves = [e for e in logged if isinstance(e, list) and len(e) == 5] if isinstance(logged, list) else []
     if curves:  # (what the workers logged: aps.server.scalars)
         ranks = {e[0] for e in curves if isinstance(e[0], int)}
-        names = sorted({e[1] for e in curves if isinstance(e[1], str)})
+        names = sorted({e[1] for e in curves if isinstance(e[1], str) and _is_scalar_name(e[1])})
         field("logged", f"{len(curves)} curve{'' if len(curves) == 1 else 's'} of {len(ranks)} "
                         f"rank{'' if len(ranks) == 1 else 's'}: {', '.join(names[:8])}{', ...' if len(names) > 8 else ''}")
     lines.append("  files")
@@ -304,3 +306,12 @@ def run_list(args: argparse.Namespace) -> int:
         print(f"{len(temporaries)} temporary director{'y' if len(temporaries) == 1 else 'ies'} left by an "
               f"interrupted or ongoing write (not checkpoints; safe to delete once no server writes here): {names}")
     return 0
+
+
+def _is_scalar_name(name: str) -> bool:
+    """``name`` may name a logged scalar (what inspect prints of a manifest it does not trust)."""
+    try:
+        check_scalar_name(name)
+    except ValueError:
+        return False
+    return True

@@ -157,7 +157,7 @@ class Durable:
             try:
                 self.scalars.restore(manifest["scalars"], checkpoint.state.get("scalars/steps"),
                                      checkpoint.state.get("scalars/values"))
-            except ValueError as exc:
+            except Exception as exc:  # (whatever the reason: the weights and the run go on)
                 log.warning("checkpoint %s: the curves of what the workers logged are not taken up (%s); they "
                             "start afresh", checkpoint.path, exc)
         self.resumed_from = str(checkpoint.path)

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import logging
 import math
+import reprlib
 import time
 from collections import deque
 from dataclasses import dataclass, field
@@ -45,6 +46,9 @@ BATCHES_KEPT = 256
 SAME_BATCHES = 8
 #: Warnings kept (the newest; one per pair of ranks).
 WARNINGS_KEPT = 32
+#: Curves a checkpoint keeps at most (128 ranks of 32 names; the ranks beyond, in rank order,
+#: are left out with a warning): the capture is on the loop and the index in the manifest.
+SAVED_CURVES = 4096
 
 
 class Curve:
@@ -134,6 +138,7 @@ class Scalars:
         self._shared: dict[tuple[int, int], int] = {}  # (rank, rank) -> batches seen by both
         self.warnings: deque[dict] = deque(maxlen=WARNINGS_KEPT)
         self._warned: set[tuple[int, int]] = set()
+        self._saved_all_warned = False
 
     @property
     def seq(self) -> int:
@@ -205,6 +210,12 @@ class Scalars:
         steps: list = []
         values: list = []
         for rank, seat in sorted(self._ranks.items()):
+            if len(index) + len(seat.curves) > SAVED_CURVES:
+                if not self._saved_all_warned:
+                    self._saved_all_warned = True
+                    log.warning("checkpoints keep the curves of the first %d logged scalars; those of rank %d "
+                                "and after are left out", SAVED_CURVES, rank)
+                break
             for name, curve in seat.curves.items():
                 index.append([rank, name, curve.count, curve.stride, curve.seen])
                 steps += (curve.steps, (curve.last_step,))
@@ -228,11 +239,15 @@ class Scalars:
         for entry in index:
             if not (isinstance(entry, list) and len(entry) == 5
                     and all(isinstance(n, int) and not isinstance(n, bool) for n in entry[:1] + entry[2:])):
-                raise ValueError(f"an entry of the index is not [rank, name, points, stride, seen]: {entry!r:.80}")
+                raise ValueError(f"an entry of the index is not [rank, name, points, stride, seen]: "
+                                 f"{reprlib.repr(entry)}")
             rank, name, points, stride, seen = entry
+            if not isinstance(name, str):
+                raise ValueError(f"a curve's name is {type(name).__name__}, not a string")
             check_scalar_name(name)
-            if not (0 <= rank < 2**31 and 0 <= points < CURVE_POINTS and stride >= 1 and stride & (stride - 1) == 0
-                    and max(1, points) <= seen <= MAX_STEP + 1):
+            # (a curve that has seen SEEN values keeps every STRIDE-th, the first included)
+            if not (0 <= rank < 2**31 and 1 <= seen <= MAX_STEP + 1 and 0 < points < CURVE_POINTS
+                    and stride & (stride - 1) == 0 and 1 <= stride <= seen and points == -(-seen // stride)):
                 raise ValueError(f"rank {rank}'s curve {name!r} has points {points}, stride {stride}, seen {seen}")
             seat = ranks.setdefault(rank, _Rank())
             if name in seat.curves or len(seat.curves) >= MAX_NAMES:

@@ -488,6 +488,12 @@ def test_cli_inspect_prints_the_manifest_and_verifies(tmp_path, capsys):
     path = write(tmp_path, 6, 60, scalars=scalars, weights={"w": np.ones(1)})
     assert main(["checkpoint", "inspect", str(path)]) == 0
     assert "logged     3 curves of 2 ranks: loss, lr\n" in capsys.readouterr().out
+    for odd in (5, True, {"0": 1}, [[0, "a\x1b[31mred", 1, 1, 1], [[[]]], "x"]):  # (inspect trusts no manifest)
+        path = write(tmp_path, 7 + len(str(odd)), 70, scalars=odd, weights={"w": np.ones(1)})
+        assert main(["checkpoint", "inspect", str(path)]) == 0
+        out = capsys.readouterr().out
+        assert "\x1b" not in out and ("logged     1 curve of 1 rank: \n" in out if isinstance(odd, list)
+                                       else "logged" not in out)
 
 
 def test_cli_inspect_of_a_corrupt_checkpoint_exits_1(tmp_path, capsys):

@@ -1,13 +1,16 @@
 """What workers report (LOG): the wire's checks, the curves' bound, the server's store."""
 
+import inspect
 import json
 import math
+import sys
 
 import numpy as np
 import pytest
 
 from aps.client.logbook import LOG_EVERY_S, MAX_NAMES, Logbook, batch_digest
 from aps.errors import MalformedFrame
+from aps.server import scalars as scalars_module
 from aps.server.scalars import BATCHES_KEPT, CURVE_POINTS, SAME_BATCHES, Curve, Scalars
 from aps.wire.scalars import MAX_LOG_BYTES, MAX_LOG_POINTS, LogReport, decode_log, encode_log
 
@@ -134,6 +137,9 @@ def test_a_checkpoints_curves_resume_as_if_the_server_had_not_stopped():
     lambda i, s, v: ([[0, "loss", i[0][2], 3, i[0][4]]] + i[1:], s, v),  # a stride not a power of 2
     lambda i, s, v: ([[0, "loss", i[0][2], i[0][3], 0]] + i[1:], s, v),
     lambda i, s, v: ([[0, "loss", i[0][2], i[0][3]]] + i[1:], s, v),
+    lambda i, s, v: ([[0, "loss", i[0][2], 2 ** 40, i[0][4]]] + i[1:], s, v),  # a stride that keeps no more
+    lambda i, s, v: ([[0, "loss", i[0][2] - 1, i[0][3], i[0][4]]] + i[1:], s[1:], v[1:]),  # points != seen/stride
+    lambda i, s, v: ([[0, ["loss"], *i[0][2:]]] + i[1:], s, v),
     lambda i, s, v: (i, s[:-1], v[:-1]),  # points missing
     lambda i, s, v: (i, np.append(s, 1), np.append(v, 1.0)),  # points of no curve
     lambda i, s, v: (i, s.astype(np.float64), v),
@@ -152,6 +158,36 @@ def test_curves_that_do_not_hold_together_are_refused_and_nothing_changes(spoil)
     with pytest.raises(ValueError):
         target.restore(*spoil(index, steps, values))
     assert target.curves() == {"1": {"kept": [[1, 1.0]]}}
+
+
+def test_a_deeply_nested_entry_is_refused_at_any_depth_of_the_stack():
+    """The message describes a bad entry without walking all of it (a resume runs deep in the
+    server's stack: a RecursionError there would stop the resume)."""
+    entry: list = []
+    for _ in range(300):
+        entry = [entry]
+
+    def at_depth(n: int) -> None:
+        if n > 0:
+            return at_depth(n - 1)
+        with pytest.raises(ValueError, match="not \\[rank, name, points, stride, seen\\]"):
+            Scalars().restore([entry], np.zeros(1, np.int64), np.zeros(1))
+
+    at_depth(sys.getrecursionlimit() - len(inspect.stack()) - 100)
+
+
+def test_a_checkpoint_keeps_a_bounded_number_of_curves(monkeypatch, caplog):
+    monkeypatch.setattr(scalars_module, "SAVED_CURVES", 5)
+    scalars = Scalars()
+    for rank in range(4):
+        scalars.record(rank, LogReport(points=[(1, "loss", 1.0), (1, "lr", 0.1)]))
+    for _ in range(2):
+        index, steps, values = scalars.saved()
+        assert [entry[:2] for entry in index] == [[0, "loss"], [0, "lr"], [1, "loss"], [1, "lr"]]
+        assert len(steps) == len(values) == 8
+    said = [r.getMessage() for r in caplog.records if "left out" in r.getMessage()]
+    assert said == ["checkpoints keep the curves of the first 5 logged scalars; those of rank 2 and after are "
+                    "left out"], "said once"
 
 
 def test_a_rank_logs_a_bounded_number_of_names():
