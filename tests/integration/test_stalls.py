@@ -58,9 +58,11 @@ def test_a_reader_that_never_drains_its_reply_is_dropped(server_process):
     try:
         raw.init(0, 2, {"w": values})
         assert raw.reply()[0].op == Op.INIT_REPLY  # it reads this one
+        # at once (a worker quiet for the heartbeat timeout after a reply is dropped for that): its reply is
+        # held at the gate until rank 1 has pushed too, then leaves, 64 MiB that it never reads
+        raw.push(np.zeros(numel, np.float32), op=Op.PUSH_PULL, request_id=2)
         joining.join(30)
         worker.push(worker.grads)
-        raw.push(np.zeros(numel, np.float32), op=Op.PUSH_PULL, request_id=2)  # and then never reads again
         worker.pull()
         start = time.monotonic()
         worker.push(worker.grads)  # ahead of rank 0 by one: held until rank 0 pushes, which it never will
