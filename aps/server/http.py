@@ -52,7 +52,7 @@ from .._version import __version__
 from ..config import ServerConfig, is_loopback
 from .admission import RateLimitedLog
 from .metrics import StatsCollector
-from .scalars import Scalars
+from .scalars import Drawn, Scalars
 from .stats import RATE_WINDOW_S, RowRates, lr_range
 
 __all__ = ["HttpSide"]
@@ -157,6 +157,8 @@ class HttpSide:
         self._frame: dict | None = None  # the newest frame's shared part
         self._cached: tuple[float, dict] | None = None  # (monotonic time, snapshot)
         self._exposition: tuple[float, bytes] | None = None
+        self._drawn: tuple[int, int, list[bytes]] | None = None  # the curves written last: (seq, changes, pieces)
+        self._drawing: asyncio.Task | None = None  # the curves being written, on a thread
         self._connections: _Connections | None = None  # once listening (start)
         self.port: int | None = None
 
@@ -307,8 +309,40 @@ class HttpSide:
     async def _history_api(self, request: web.Request) -> web.Response:
         return _json_response({"every_s": 1, "points": list(self._history)})
 
-    async def _scalars_api(self, request: web.Request) -> web.Response:
-        return _json_response({"curves": self._scalars.curves(), "newest": self._scalars.newest()})
+    async def _scalars_api(self, request: web.Request) -> web.StreamResponse:
+        _, pieces = await self._curves_json()
+        head, tail = b'{"curves": {', f'}}, "newest": {_dumps(self._scalars.newest())}}}'.encode()
+        response = web.StreamResponse(headers={"Content-Type": "application/json"})
+        response.content_length = len(head) + sum(map(len, pieces)) + 2 * max(0, len(pieces) - 1) + len(tail)
+        await response.prepare(request)
+        await response.write(head)
+        for at, piece in enumerate(pieces):  # a rank at a time: the loop serves the workers in between
+            await response.write(b", " + piece if at else piece)
+        await response.write(tail)
+        await response.write_eof()
+        return response
+
+    async def _curves_json(self) -> tuple[int, list[bytes]]:
+        """(seq, the curves' JSON a rank a piece: :meth:`Drawn.pieces`), as of this call or
+        later. The curves are copied on the loop and written as JSON on a thread: at the bound
+        (a million points) the writing takes about a second, which the loop must not stop for.
+        One copy is written at a time, shared by every request that waits for it; it is kept
+        while the curves stay the same."""
+        asked = self._scalars.changes
+        while True:
+            if self._drawn is not None and self._drawn[1] >= asked:
+                return self._drawn[0], self._drawn[2]
+            if self._drawing is None:
+                self._drawing = asyncio.create_task(self._draw(self._scalars.drawn()))
+            await asyncio.shield(self._drawing)  # (a request that goes away cancels nobody else's wait)
+
+    async def _draw(self, drawn: Drawn) -> None:
+        try:
+            pieces = await asyncio.to_thread(drawn.pieces)
+            if self._drawn is None or drawn.changes > self._drawn[1]:
+                self._drawn = (drawn.seq, drawn.changes, pieces)
+        finally:
+            self._drawing = None
 
     # the dashboard's WebSocket ----------------------------------------------
     async def _websocket(self, request: web.Request) -> web.StreamResponse:
@@ -355,26 +389,32 @@ class HttpSide:
             return None
         viewer = _Viewer(ws, transport)
         self._viewers.add(viewer)  # counted from now: hellos under way included
-        # what the hello holds: the frames go on from there
-        history, events = list(self._history), self._events_after(0)
-        viewer.point_seq = history[-1]["seq"] if history else self._point_seq
-        viewer.event_seq = events[-1]["seq"] if events else 0
-        viewer.scalar_seq, curves = self._scalars.seq, self._scalars.curves()
-        # The current statistics too, so that the page's first paint is complete (not "no
-        # workers yet" beside a version of 192 until the first frame, half a second later).
-        frame = self._build_frame()
-        hello = {
-            "type": "hello", "run_id": frame["server"].get("run_id"), "aps_version": __version__,
-            "config": self.config.public(), "history": history, "events": events, "history_every_s": 1,
-            "rate_window_s": RATE_WINDOW_S, "server": frame["server"], "workers": frame["workers"],
-            "curves": curves, "warnings": frame["warnings"],
-        }
         try:
-            await asyncio.wait_for(ws.send_str(_dumps(hello)), SEND_TIMEOUT_S)
+            # what the hello holds, the frames go on from: the curves (written on a thread) as of
+            # their seq, the rest as of the moment they are written
+            viewer.scalar_seq, pieces = await self._curves_json()
+            curves = await asyncio.to_thread(lambda: "{" + b", ".join(pieces).decode() + "}")
+            history, events = list(self._history), self._events_after(0)
+            viewer.point_seq = history[-1]["seq"] if history else self._point_seq
+            viewer.event_seq = events[-1]["seq"] if events else 0
+            # The current statistics too, so that the page's first paint is complete (not "no
+            # workers yet" beside a version of 192 until the first frame, half a second later).
+            frame = self._build_frame()
+            hello = {
+                "type": "hello", "run_id": frame["server"].get("run_id"), "aps_version": __version__,
+                "config": self.config.public(), "history": history, "events": events, "history_every_s": 1,
+                "rate_window_s": RATE_WINDOW_S, "server": frame["server"], "workers": frame["workers"],
+                "warnings": frame["warnings"],
+            }
+            await asyncio.wait_for(ws.send_str(f'{_dumps(hello)[:-1]}, "curves": {curves}}}'), SEND_TIMEOUT_S)
         except (asyncio.TimeoutError, ConnectionError, RuntimeError):
             self._viewers.discard(viewer)
             viewer.transport_abort()
             return None
+        except BaseException:
+            self._viewers.discard(viewer)
+            viewer.transport_abort()
+            raise
         return viewer
 
     async def _send_frames(self, viewer: _Viewer) -> None:

@@ -19,6 +19,7 @@ memory) and the batch digests are the processes' and start afresh.
 
 from __future__ import annotations
 
+import json
 import logging
 import math
 import reprlib
@@ -30,7 +31,7 @@ import numpy as np
 
 from ..wire.scalars import MAX_STEP, LogReport, check_scalar_name
 
-__all__ = ["CURVE_POINTS", "MAX_NAMES", "Curve", "Scalars"]
+__all__ = ["CURVE_POINTS", "MAX_NAMES", "Curve", "Drawn", "Scalars"]
 
 log = logging.getLogger("aps.server")
 
@@ -133,6 +134,7 @@ class Scalars:
         self._now = now
         self._ranks: dict[int, _Rank] = {}
         self._seq = 0
+        self._changes = 0  # the curves changed this many times (a point kept, a restore, a rank forgotten)
         #: (seq, rank, name, step, value) of every point curves kept, newest last (the dashboards').
         self.recent: deque[tuple[int, int, str, int, float]] = deque(maxlen=RECENT_POINTS)
         self._shared: dict[tuple[int, int], int] = {}  # (rank, rank) -> batches seen by both
@@ -161,6 +163,7 @@ class Scalars:
                 curve = seat.curves[name] = Curve()
             if curve.add(step, value):
                 self._seq += 1
+                self._changes += 1
                 self.recent.append((self._seq, rank, name, step, value))
         now = self._now()
         if report.process is not None:
@@ -260,11 +263,13 @@ class Scalars:
         if at != len(steps):
             raise ValueError(f"{len(steps) - at} points belong to no curve")
         self._ranks = ranks
+        self._changes += 1
         self.recent.clear()
 
     def forget(self, rank: int) -> None:
         """Drop what ``rank`` reported (a run whose size shrank for good)."""
-        self._ranks.pop(rank, None)
+        if self._ranks.pop(rank, None) is not None:
+            self._changes += 1
 
     def points_after(self, seq: int) -> list[list]:
         """[seq, rank, name, step, value] of the points recorded after ``seq``, oldest first."""
@@ -279,11 +284,24 @@ class Scalars:
         out.reverse()
         return out
 
+    @property
+    def changes(self) -> int:
+        """How many times the curves changed: a :meth:`drawn` copy with as many is current."""
+        return self._changes
+
     def curves(self) -> dict[str, dict[str, list]]:
         """Every curve, ``{rank: {name: [[step, value], ...]}}`` (rank as a string: JSON's keys;
         values may be NaN or infinite: the JSON written of them has null)."""
         return {str(rank): {name: curve.points() for name, curve in seat.curves.items()}
                 for rank, seat in sorted(self._ranks.items())}
+
+    def drawn(self) -> Drawn:
+        """Every curve as it is now, copied (a few copies: on the loop) to be written as JSON
+        on another thread (:meth:`Drawn.json`; at the bound that takes a second)."""
+        return Drawn(self._seq, self._changes,
+                     [(str(rank), [(name, c.steps.copy(), c.values.copy(), bool(np.isfinite(c.values).all()))
+                                   for name, c in seat.curves.items()])
+                      for rank, seat in sorted(self._ranks.items())])
 
     def newest(self) -> dict[int, dict]:
         """Per rank: each name's newest (step, value), its process and CPU use, and when it last reported."""
@@ -299,3 +317,39 @@ class Scalars:
             for rank, seat in sorted(self._ranks.items())
         }
 
+
+
+@dataclass(frozen=True, slots=True)
+class Drawn:
+    """A copy of every curve (:meth:`Scalars.drawn`), its own: any thread may write it out."""
+
+    seq: int  # the newest point's sequence number then: the points after it are not in it
+    changes: int  # Scalars.changes then
+    ranks: list[tuple[str, list[tuple[str, np.ndarray, np.ndarray, bool]]]]  # (name, steps, values, all finite)
+
+    def json(self) -> str:
+        """``{rank: {name: [[step, value], ...]}}`` as JSON text (:meth:`Scalars.curves`), with
+        null for a value that is not finite (strict JSON: what browsers parse)."""
+        return "{" + b", ".join(self.pieces()).decode() + "}"
+
+    def pieces(self) -> list[bytes]:
+        """The inside of :meth:`json`'s object, a rank a piece (``"rank": {...}``, UTF-8), to
+        be joined with ``, `` (or sent one after the other with a ``, `` between).
+
+        Written a curve at a time: the encoder holds the GIL for the whole of one call, and a
+        thread writing a million points in one call would stop the loop as if it wrote them
+        itself. No numpy call that lets go of the GIL runs here either (whether the values are
+        finite was found on the loop): a thread that lets go of the GIL and takes it again every
+        few hundred microseconds keeps a waiting thread out for as long as it runs (the waiter
+        is never owed a forced switch), and the loop is that waiter."""
+        ranks = []
+        for rank, curves in self.ranks:
+            seat = []
+            for name, steps, values, finite in curves:
+                kept = values.tolist()
+                if not finite:
+                    kept = [v if math.isfinite(v) else None for v in kept]
+                points = json.dumps(list(map(list, zip(steps.tolist(), kept))), allow_nan=False)
+                seat.append(f"{json.dumps(name)}: {points}")
+            ranks.append(f"{json.dumps(rank)}: {{{', '.join(seat)}}}".encode())
+        return ranks

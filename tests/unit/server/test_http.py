@@ -9,6 +9,7 @@ import json
 import logging
 import math
 import socket
+import threading
 import time
 from types import SimpleNamespace
 
@@ -21,6 +22,8 @@ from prometheus_client.parser import text_string_to_metric_families
 from aps.server import http as _http
 from aps.server import metrics as _metrics
 from aps.server.http import HttpSide
+from aps.server.scalars import Drawn, Scalars
+from aps.wire.scalars import LogReport
 from aps.config import ServerConfig
 
 
@@ -724,3 +727,93 @@ def test_the_dashboard_gets_each_tables_rows_per_second_and_the_api_its_counts()
     http._cached = None
     api = http._snapshot()["server"]["tables"]  # the JSON API: the counts alone, as aps status --json
     assert api["items"]["rows_pulled"] == 240 and "rows_pulled_per_s" not in api["items"]
+
+
+class _HeldDrawing:
+    """Drawn.pieces, held on its thread until released: what the loop does meanwhile shows."""
+
+    def __init__(self, monkeypatch) -> None:
+        self.threads: list[int] = []
+        self.started = threading.Event()
+        self.release = threading.Event()
+        write = Drawn.pieces
+
+        def held(drawn):
+            self.threads.append(threading.get_ident())
+            self.started.set()
+            assert self.release.wait(10)
+            return write(drawn)
+
+        monkeypatch.setattr(Drawn, "pieces", held)
+
+    async def wait_started(self) -> None:
+        assert await asyncio.to_thread(self.started.wait, 10)
+        self.started.clear()
+
+
+def _with_scalars(scalars: Scalars) -> HttpSide:
+    return HttpSide(ServerConfig(workers=2, sync="asp"), snapshot, None, scalars=scalars)
+
+
+def test_the_curves_are_written_off_the_loop_once_for_all_who_wait(monkeypatch):
+    """At the bound the curves' JSON takes a second: it is written on a thread while the loop
+    goes on, and requests that come meanwhile share it (those asked before a change; one
+    asked after gets the change)."""
+    scalars = Scalars()
+    scalars.record(0, LogReport(points=[(1, "loss", 2.0), (2, "loss", math.nan)]))
+    held = _HeldDrawing(monkeypatch)
+    http = _with_scalars(scalars)
+
+    async def scenario(client):
+        async def curves():
+            answer = await client.get("/api/scalars")
+            assert answer.status == 200
+            return json.loads(await answer.text())
+
+        early = [asyncio.create_task(curves()) for _ in range(5)]
+        await held.wait_started()
+        scalars.record(1, LogReport(points=[(3, "loss", 0.5)]))  # the loop goes on meanwhile
+        later = asyncio.create_task(curves())
+        await asyncio.sleep(0.1)
+        assert not later.done() and not any(task.done() for task in early)
+        held.release.set()
+        return await asyncio.gather(*early), await later, threading.get_ident()
+
+    early, later, loop_thread = asyncio.run(_drive_returning(http, scenario))
+    assert all(answer["curves"] == {"0": {"loss": [[1, 2.0], [2, None]]}} for answer in early)
+    assert later["curves"] == {"0": {"loss": [[1, 2.0], [2, None]]}, "1": {"loss": [[3, 0.5]]}}
+    assert later["newest"]["1"]["scalars"]["loss"] == {"step": 3, "value": 0.5}
+    assert len(held.threads) == 2, "one writing for the five that waited together, one for the change"
+    assert loop_thread not in held.threads, "written on another thread than the loop's"
+
+
+def test_a_point_logged_while_the_hello_is_written_comes_in_the_next_frame_once(monkeypatch):
+    scalars = Scalars()
+    scalars.record(0, LogReport(points=[(1, "loss", 2.0)]))
+    held = _HeldDrawing(monkeypatch)
+    http = _with_scalars(scalars)
+
+    async def scenario(client):
+        async with client.ws_connect("/ws") as ws:
+            await ws.send_str(json.dumps({"token": ""}))
+            await held.wait_started()
+            scalars.record(0, LogReport(points=[(2, "loss", 1.0)]))
+            held.release.set()
+            hello = await receive_json(ws)
+            assert hello["type"] == "hello" and hello["curves"] == {"0": {"loss": [[1, 2.0]]}}
+            assert hello["workers"] and hello["config"]["workers"] == 2
+            seen = []
+            for _ in range(4):
+                frame = await receive_json(ws)
+                seen += [point[1:] for point in frame["scalars"]]
+                if frame["scalars"]:
+                    scalars.record(0, LogReport(points=[(3 + len(seen), "loss", 0.5)]))
+        assert seen[:2] == [[0, "loss", 2, 1.0], [0, "loss", 4, 0.5]], "each point once, in order, none lost"
+
+    drive(http, scenario)
+    assert len(held.threads) == 1
+
+
+async def _drive_returning(http: HttpSide, scenario):
+    async with TestClient(TestServer(http.app())) as client:
+        return await scenario(client)

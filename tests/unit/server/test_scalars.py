@@ -256,3 +256,22 @@ def test_batch_digests_tell_batches_apart():
     assert batch_digest(a) == batch_digest(a.copy()) != batch_digest(a + 1)
     assert batch_digest(a) != batch_digest(a.reshape(3, 4)) != batch_digest(a.astype(np.float64))
     assert batch_digest(b"abc") != batch_digest(b"abd") and len(batch_digest(b"")) == 16
+
+
+def test_a_drawn_copy_is_the_curves_as_json_and_stays_as_it_was():
+    scalars = Scalars()
+    _logged(scalars, range(40))
+    scalars.record(1, LogReport(points=[(5, "acc", math.inf), (6, "acc", -math.inf)]))
+    before = scalars.changes
+    drawn = scalars.drawn()
+    expected = json.loads(json.dumps(scalars.curves()).replace("NaN", "null").replace("-Infinity", "null")
+                          .replace("Infinity", "null"))
+    _logged(scalars, range(40, 2000))  # (full curves thin out: their arrays are rewritten in place)
+    assert scalars.changes > before and drawn.changes == before
+    assert json.loads(drawn.json()) == expected, "what it was when drawn, non-finite values as null"
+    assert drawn.seq == 2 * 40 + 14 + 2 and expected["2"]["loss"][0] == [0, None]
+    assert json.loads(scalars.drawn().json()) != expected
+    changes = scalars.changes
+    scalars.forget(7)  # (not there: nothing changes)
+    scalars.forget(1)
+    assert scalars.changes == changes + 1 and "1" not in json.loads(scalars.drawn().json())
