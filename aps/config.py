@@ -36,6 +36,8 @@ DEFAULT_PORT = 7450
 MAX_WORKERS = 65535
 #: Options that must be finite (any float option must be a number: NaN is refused for all).
 _FINITE_OPTIONS = ("lr", "momentum", "weight_decay", "eps", "checkpoint_every")
+#: The optimizer's options, with what torch.optim requires of each (its optimizers refuse the rest).
+_OPTIMIZER_RANGES = (("lr", ">= 0"), ("momentum", ">= 0"), ("weight_decay", ">= 0"), ("eps", ">= 0"))
 #: ``--resume`` without a path: the newest complete checkpoint in ``--checkpoint-dir``.
 RESUME_LATEST = "latest"
 #: The options that define a run: a resumed server takes them from the checkpoint,
@@ -213,12 +215,13 @@ class ServerConfig:
         metadata=_opt("threads one large update (4 MiB and up) runs on, bit for bit the one-thread result "
                       "(0: half the cores, at most 8)", metavar="N"),
     )
-    table_memory: int = field(
-        default=0,
+    table_memory: int | None = field(
+        default=None,
         metadata=_opt(
-            "the bytes the rows of the embedding tables may take (K/M/G suffixes; 0: no limit): beyond it the "
-            "least recently used rows of tables declared evict=True are dropped (touched again, they start "
-            "from their initial values); a request that cannot fit is refused (TABLE_MEMORY_FULL)",
+            "the bytes the rows of the embedding tables may take (K/M/G suffixes; 0: no limit; default: half "
+            "the memory available at start, as its log line says): beyond it the least recently used rows of "
+            "tables declared evict=True are dropped (touched again, they start from their initial values); a "
+            "push that cannot fit is refused (TABLE_MEMORY_FULL) and changes nothing",
             metavar="SIZE",
         ),
     )
@@ -280,6 +283,12 @@ class ServerConfig:
         default=False,
         metadata=_opt("with --resume: go on from the checkpoint as a new run, under a run id of its own (the "
                       "original run's server may still be live; its workers are not served here)"),
+    )
+    resume_unsigned: bool = field(
+        default=False,
+        metadata=_opt("with --resume and a token: resume a checkpoint that is not signed with it (written by a "
+                      "server without a token of its operator's, or with another one): only when you know where "
+                      "it comes from"),
     )
     log_level: str = field(default="info", metadata=_opt("logging level", choices=LOG_LEVELS))
 
@@ -371,6 +380,7 @@ class ServerConfig:
             raise ConfigurationError(
                 f"unknown optimizer {self.optimizer!r}: choose from {', '.join(OPTIMIZER_CHOICES)}"
             )
+        self._validate_optimizer()
         if self.heartbeat_timeout < 0:
             raise ConfigurationError(f"--heartbeat-timeout must be >= 0, got {self.heartbeat_timeout}")
         if self.max_frame_bytes < 1 << 16:
@@ -381,7 +391,7 @@ class ServerConfig:
             raise ConfigurationError(f"--handshake-timeout must be > 0, got {self.handshake_timeout}")
         if not 0 <= self.kernel_threads <= 64:
             raise ConfigurationError(f"--kernel-threads must be in 0..64, got {self.kernel_threads}")
-        if self.table_memory < 0:
+        if self.table_memory is not None and self.table_memory < 0:
             raise ConfigurationError(f"--table-memory must be >= 0, got {self.table_memory}")
         if self.stream_min_bytes < 0:
             raise ConfigurationError(f"--stream-min-bytes must be >= 0, got {self.stream_min_bytes}")
@@ -413,8 +423,31 @@ class ServerConfig:
             raise ConfigurationError("--resume without a PATH resumes from --checkpoint-dir: give one of them")
         if self.fork_run and self.resume is None:
             raise ConfigurationError("--fork-run starts a new run from a checkpoint: give --resume PATH with it")
+        if self.resume_unsigned and self.resume is None:
+            raise ConfigurationError("--resume-unsigned is about the checkpoint --resume names: give --resume with it")
         if self.log_level not in LOG_LEVELS:
             raise ConfigurationError(f"unknown log level {self.log_level!r}")
+
+    def _validate_optimizer(self) -> None:
+        """The ranges torch.optim's SGD, Adam and AdamW accept, checked as they check them
+        (the kernels' float32 limits are the server's to check: aps.server.optim)."""
+        for name, rule in _OPTIMIZER_RANGES:
+            value = getattr(self, name)
+            if not value >= 0.0:
+                raise ConfigurationError(f"--{name.replace('_', '-')} must be {rule} (as torch.optim requires), "
+                                         f"got {value}")
+        betas = self.betas
+        if not isinstance(betas, (tuple, list)) or len(betas) != 2:
+            raise ConfigurationError(f"--betas takes two numbers B1,B2, got {betas!r}")
+        for index, beta in enumerate(betas):
+            if not 0.0 <= beta < 1.0:
+                raise ConfigurationError(f"--betas: beta{index + 1} must be in [0, 1) (as torch.optim requires), "
+                                         f"got {beta}")
+        if self.optimizer != "sgd" and (self.momentum or self.nesterov):
+            raise ConfigurationError(f"--momentum and --nesterov apply to --optimizer sgd, not {self.optimizer} "
+                                     "(Adam's momentum is --betas)")
+        if self.nesterov and not self.momentum > 0.0:
+            raise ConfigurationError("--nesterov needs a --momentum > 0 (as torch.optim.SGD requires)")
 
     def public(self) -> dict[str, Any]:
         """Every option but the token, by field name (what may be shown or saved)."""

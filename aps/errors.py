@@ -20,6 +20,7 @@ __all__ = [
     "APSConnectionError",
     "APSTimeoutError",
     "AuthenticationError",
+    "ServerUnproven",
     "BadMagic",
     "CheckpointError",
     "CheckpointFailed",
@@ -90,41 +91,57 @@ class ErrorCode(IntEnum):
 
 
 class APSError(Exception):
-    """Base class of every error aps raises on purpose."""
+    """Base class of every error aps raises on purpose.
+
+    Troubleshooting: docs/guide/troubleshooting.md."""
 
 
 class ConfigurationError(APSError, ValueError):
-    """An option or argument is invalid (bad flag value, bad address, ...)."""
+    """An option or argument is invalid (bad flag value, bad address, ...).
+
+    Troubleshooting: docs/guide/troubleshooting.md."""
 
 
 class APSTimeoutError(APSError, TimeoutError):
-    """A wait ran out of time."""
+    """A wait ran out of time.
+
+    Troubleshooting: docs/guide/troubleshooting.md."""
 
 
 class InitTimeout(APSTimeoutError):
-    """``Worker.init`` waited longer than its timeout for all workers to join."""
+    """``Worker.init`` waited longer than its timeout for all workers to join.
+
+    Troubleshooting: docs/guide/troubleshooting.md#workers-wait-for-the-others."""
 
 
 class APSConnectionError(APSError, ConnectionError):
-    """The connection to the server failed or was lost. Recoverable: reconnect."""
+    """The connection to the server failed or was lost. Recoverable: reconnect.
+
+    Troubleshooting: docs/guide/troubleshooting.md#workers-keep-reconnecting."""
 
 
 class ServerSilent(APSTimeoutError, APSConnectionError):
     """The server sent nothing for ``server_timeout`` seconds while a reply was due:
     it hung, or its host or the network is gone. The connection is dropped
-    (a ConnectionError: reconnect when it is back)."""
+    (a ConnectionError: reconnect when it is back).
+
+    Troubleshooting: docs/guide/troubleshooting.md#workers-keep-reconnecting."""
 
 
 class CheckpointError(APSError, ValueError):
     """A checkpoint cannot be written, read or used: a missing, corrupt or truncated
     file, a checksum that does not hold, a configuration that conflicts with the
-    command line, or a directory that is read-only or full. The message says which."""
+    command line, or a directory that is read-only or full. The message says which.
+
+    Troubleshooting: docs/guide/troubleshooting.md#a-resume-is-refused."""
 
 
 class RunChanged(APSConnectionError):
     """The worker reconnected, but the server at its address no longer serves its run
     (it restarted without ``--resume``, or from another run's checkpoint): the
-    worker's weights, clock and version mean nothing there."""
+    worker's weights, clock and version mean nothing there.
+
+    Troubleshooting: docs/guide/troubleshooting.md#the-run-changed."""
 
 
 #: The classes by code, filled in by :meth:`ServerError.__init_subclass__`.
@@ -139,6 +156,8 @@ class ServerError(APSError):
     Attributes:
         code: the :class:`ErrorCode` from the frame.
         message: the server's explanation.
+
+    Troubleshooting: docs/guide/troubleshooting.md.
     """
 
     code: ErrorCode = ErrorCode.INTERNAL
@@ -168,7 +187,9 @@ class ServerError(APSError):
 
 
 class ProtocolError(ServerError):
-    """A frame broke the wire protocol (see docs/protocol.md)."""
+    """A frame broke the wire protocol (see docs/protocol.md).
+
+    Troubleshooting: docs/guide/troubleshooting.md."""
 
     # The parent of the protocol errors registers no code: raised as it is, it goes out
     # as a malformed frame, and an error frame with that code comes back as MalformedFrame.
@@ -176,91 +197,151 @@ class ProtocolError(ServerError):
 
 
 class BadMagic(ProtocolError, code=ErrorCode.BAD_MAGIC):
-    """The frame does not start with the aps magic number."""
+    """The frame does not start with the aps magic number.
+
+    Troubleshooting: docs/guide/troubleshooting.md."""
 
 
 class UnsupportedVersion(ProtocolError, code=ErrorCode.UNSUPPORTED_VERSION):
-    """The peer speaks a protocol version this side does not."""
+    """The peer speaks a protocol version this side does not.
+
+    Troubleshooting: docs/guide/troubleshooting.md."""
 
 
 class UnknownOp(ProtocolError, code=ErrorCode.UNKNOWN_OP):
-    """The frame's operation code is not one this side knows."""
+    """The frame's operation code is not one this side knows.
+
+    Troubleshooting: docs/guide/troubleshooting.md."""
 
 
 class FrameTooLarge(ProtocolError, code=ErrorCode.FRAME_TOO_LARGE):
-    """The frame's payload length is over the configured limit."""
+    """The frame's payload length is over the configured limit.
+
+    Troubleshooting: docs/guide/troubleshooting.md."""
 
 
 class MalformedFrame(ProtocolError, code=ErrorCode.MALFORMED_FRAME):
-    """The frame's payload cannot be parsed."""
+    """The frame's payload cannot be parsed.
+
+    Troubleshooting: docs/guide/troubleshooting.md."""
 
 
 class PayloadSizeMismatch(ServerError, ValueError, code=ErrorCode.PAYLOAD_SIZE_MISMATCH):
-    """The payload's size does not match the registered model layout."""
+    """The payload's size does not match the registered model layout.
+
+    Troubleshooting: docs/guide/troubleshooting.md."""
 
 
 class DTypeMismatch(ServerError, TypeError, code=ErrorCode.DTYPE_MISMATCH):
-    """The payload's dtype is not the model's (float32)."""
+    """The payload's dtype is not the model's (float32).
+
+    Troubleshooting: docs/guide/troubleshooting.md."""
 
 
 class LayoutMismatch(ServerError, ValueError, code=ErrorCode.LAYOUT_MISMATCH):
-    """Tensor names or shapes differ from the registered model."""
+    """Tensor names or shapes differ from the registered model.
+
+    Troubleshooting: docs/guide/troubleshooting.md#the-model-is-from-a-previous-run."""
 
 
 class RankOutOfRange(ServerError, ValueError, code=ErrorCode.RANK_OUT_OF_RANGE):
-    """The rank is not in ``0..num_workers-1``."""
+    """The rank is not in ``0..num_workers-1``.
+
+    Troubleshooting: docs/guide/troubleshooting.md#workers-wait-for-the-others."""
 
 
 class RankTaken(ServerError, code=ErrorCode.RANK_TAKEN):
-    """Another live connection already holds this rank."""
+    """Another live connection already holds this rank.
+
+    Troubleshooting: docs/guide/troubleshooting.md#workers-wait-for-the-others."""
 
 
 class WorkerCountMismatch(ServerError, ValueError, code=ErrorCode.WORKER_COUNT_MISMATCH):
-    """The worker's ``num_workers`` differs from the server's ``--workers``."""
+    """The worker's ``num_workers`` differs from the server's ``--workers``.
+
+    Troubleshooting: docs/guide/troubleshooting.md#workers-wait-for-the-others."""
 
 
 class NonFiniteGradient(ServerError, ValueError, code=ErrorCode.NON_FINITE_GRADIENT):
-    """The gradient holds NaN or infinity; it was rejected and changed nothing."""
+    """The gradient holds NaN or infinity; it was rejected and changed nothing.
+
+    Troubleshooting: docs/guide/troubleshooting.md#a-gradient-is-not-finite."""
 
 
 class NotInitialized(ServerError, code=ErrorCode.NOT_INITIALIZED):
-    """The connection sent a request that needs ``init`` first."""
+    """The connection sent a request that needs ``init`` first.
+
+    Troubleshooting: docs/guide/troubleshooting.md."""
 
 
 class OutOfOrder(ServerError, code=ErrorCode.OUT_OF_ORDER):
-    """The request breaks the iteration order (e.g. a push while held at the gate)."""
+    """The request breaks the iteration order (e.g. a push while held at the gate).
+
+    Troubleshooting: docs/guide/troubleshooting.md."""
 
 
 class ShuttingDown(ServerError, APSConnectionError, code=ErrorCode.SHUTTING_DOWN):
-    """The server is shutting down (a ConnectionError: reconnect to a new one)."""
+    """The server is shutting down (a ConnectionError). A server started with
+    ``--checkpoint-dir`` can be resumed from its checkpoint (``resumable``): a worker
+    waits for it and rejoins by itself, for up to its ``reconnect_timeout``; one
+    without ends for good, and the worker's call raises this at once.
+
+    Attributes:
+        resumable: the server said it can be resumed where it stopped.
+
+    Troubleshooting: docs/guide/troubleshooting.md#workers-keep-reconnecting.
+    """
+
+    resumable = True
 
 
 class Evicted(ServerError, APSConnectionError, code=ErrorCode.EVICTED):
     """The server dropped this connection: it heard nothing from the worker for
     ``--heartbeat-timeout`` seconds, or the worker did not read its reply (a
-    frozen or stuck process). ``reconnect()`` rejoins."""
+    frozen or stuck process). ``reconnect()`` rejoins.
+
+    Troubleshooting: docs/guide/troubleshooting.md#workers-keep-reconnecting."""
 
 
 class ServerOverloaded(ServerError, APSConnectionError, code=ErrorCode.OVERLOADED):
     """The server refused the connection: it already has ``--max-connections``
-    connections. Try again later."""
+    connections. Try again later.
+
+    Troubleshooting: docs/guide/troubleshooting.md#authentications-refused-or-slow."""
 
 
 class AuthenticationError(ServerError, APSConnectionError, code=ErrorCode.AUTHENTICATION):
     """The handshake failed: a missing or wrong token (the server closes the
     connection), or a server that cannot prove it knows the token (the worker
-    refuses it)."""
+    refuses it).
+
+    Troubleshooting: docs/guide/troubleshooting.md#authentications-refused-or-slow."""
+
+
+class ServerUnproven(AuthenticationError):
+    """The worker has a token (given, or found in its user's token file) and the server
+    at its address cannot prove it knows it: it asks for no token, or its proof is wrong.
+    Whoever listens there now is not the server the token belongs to (after a server dies,
+    anybody may take its port). A worker's first connection raises it at once; a worker
+    reconnecting to a lost server keeps waiting for the real one (it logs that it refused
+    this one), up to its ``reconnect_timeout``.
+
+    Troubleshooting: docs/guide/troubleshooting.md#the-server-cannot-prove-it-knows-the-token."""
 
 
 class CheckpointFailed(ServerError, code=ErrorCode.CHECKPOINT_FAILED):
     """The server could not write the checkpoint it was asked for (no ``--checkpoint-dir``,
-    a full or read-only directory); training goes on."""
+    a full or read-only directory); training goes on.
+
+    Troubleshooting: docs/guide/troubleshooting.md."""
 
 
 class InvalidHyperparameters(ServerError, ValueError, code=ErrorCode.INVALID_HYPERPARAMETERS):
     """A HYPER request (``Worker.set_hyperparameters``) was refused: a value that is not
     finite or out of range, group stops that do not cut the model, or too many groups.
-    The message names the group and the value; nothing changed."""
+    The message names the group and the value; nothing changed.
+
+    Troubleshooting: docs/guide/troubleshooting.md."""
 
 
 class InvalidState(ServerError, ValueError, code=ErrorCode.INVALID_STATE):
@@ -268,23 +349,31 @@ class InvalidState(ServerError, ValueError, code=ErrorCode.INVALID_STATE):
     another optimizer, other or missing arrays, arrays not of the model's size, values that
     are not finite, a bad step count, or a server that has applied updates already (a
     state is loaded into a run that has not started). The message says which; nothing
-    changed."""
+    changed.
+
+    Troubleshooting: docs/guide/troubleshooting.md."""
 
 
 class TableMismatch(ServerError, ValueError, code=ErrorCode.TABLE_MISMATCH):
     """An embedding table was declared otherwise than the run's (another number of rows,
     dimension, initializer or optimizer: the message names the table and the field), or a
-    request names a table the model does not have."""
+    request names a table the model does not have.
+
+    Troubleshooting: docs/guide/troubleshooting.md."""
 
 
 class InvalidIds(ServerError, ValueError, code=ErrorCode.INVALID_IDS):
     """Row ids that are not int64 ids of the table (negative, at least its ``rows``, not
-    integers), or gradient rows of another dimension: refused, and nothing changed."""
+    integers), or gradient rows of another dimension: refused, and nothing changed.
+
+    Troubleshooting: docs/guide/troubleshooting.md."""
 
 
 class TableMemoryFull(ServerError, MemoryError, code=ErrorCode.TABLE_MEMORY_FULL):
     """The rows a request would make do not fit in the server's ``--table-memory``, and no
-    table declared ``evict=True`` has rows to give up: refused, and nothing changed."""
+    table declared ``evict=True`` has rows to give up: refused, and nothing changed.
+
+    Troubleshooting: docs/guide/troubleshooting.md#table-memory-is-full."""
 
 
 class WeightsRefused(ServerError, ValueError, code=ErrorCode.WEIGHTS_REFUSED):
@@ -292,11 +381,15 @@ class WeightsRefused(ServerError, ValueError, code=ErrorCode.WEIGHTS_REFUSED):
     first ``aps.torch.Optimizer.step()``) were refused: the server has applied updates (or
     taken gradients computed on its initial weights) already, another worker loaded other
     weights into this run, or a value is not finite. The message says which and how to
-    load them; nothing changed."""
+    load them; nothing changed.
+
+    Troubleshooting: docs/guide/troubleshooting.md."""
 
 
 class InternalServerError(ServerError, code=ErrorCode.INTERNAL):
-    """The server failed unexpectedly while handling the request."""
+    """The server failed unexpectedly while handling the request.
+
+    Troubleshooting: docs/guide/troubleshooting.md."""
 
 
 

@@ -2,7 +2,8 @@
 
 A :class:`Table` says what a table is (its key space, the length of a row, how a row
 starts, the optimizer its rows are trained with); the server makes a row the first time
-an id is touched and keeps only the rows touched (:mod:`aps.server.rows`). Everything a
+an id is pushed and keeps only the rows pushed (:mod:`aps.server.rows`); a pull of a row
+never pushed reads its initial values. Everything a
 worker and every shard must agree on is here, computed the same way by every party: the
 id hash, which shard holds an id, and each row's initial values.
 """
@@ -38,8 +39,9 @@ class Table:
     """An embedding table: ``rows`` ids (int64 in ``[0, rows)``), each a float32 row of
     ``dim`` values.
 
-    ``rows`` is a key space, not an allocation: a server holds the rows touched, each made
-    on its first touch from its id alone (the same on every shard and after a resume).
+    ``rows`` is a key space, not an allocation: a server holds the rows pushed, each made
+    by its first push from its id alone (the same on every shard and after a resume); a
+    pull of a row never pushed reads those initial values (:meth:`initial_rows`).
 
     Args:
         rows: the number of ids, up to 2**63.
@@ -54,7 +56,8 @@ class Table:
         betas: Adam's (beta1, beta2).
         seed: mixed with the table's name into the seed of its rows' initial values.
         evict: whether the server may drop the least recently used rows when its table
-            memory is full (a dropped row touched again starts from its initial values).
+            memory (``--table-memory``, by default half the memory available at its start)
+            is full (a dropped row touched again starts from its initial values).
 
     Raises:
         ConfigurationError: a value out of range, naming the field.

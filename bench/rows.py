@@ -3,7 +3,7 @@
 
 One batch of ``--batch`` ids (Zipf(1.1)-skewed: a few ids many times, as recommender
 traffic is) into a table of ``--rows`` declared rows of ``--dim`` float32 values, of which
-``--touched`` rows are held (made by pulls first). Per optimizer, in one thread:
+``--touched`` rows are held (made by pushes of zeros first). Per optimizer, in one thread:
 
 - ``aps pull``: ``RowTable.pull(ids, out=...)`` (the index lookup and the gather of rows);
 - ``aps push``: ``RowTable.push(ids, grads)`` (lookup, distinct rows copied out, the
@@ -71,7 +71,8 @@ def main(argv: list[str] | None = None) -> int:
     for name in ("sgd", "adagrad", "rowwise_adagrad", "adam"):
         table = RowTable("items", Table(rows=args.rows, dim=args.dim, init="uniform:0.01", optimizer=name, lr=0.01))
         for start in range(0, args.touched, 100_000):
-            table.pull(np.arange(start, min(start + 100_000, args.touched), dtype=np.int64))
+            made = np.arange(start, min(start + 100_000, args.touched), dtype=np.int64)
+            table.push(made, np.zeros((len(made), args.dim), np.float32))
         emb = None
         if name in TORCH:
             emb = torch.nn.Embedding(args.touched, args.dim, sparse=True)

@@ -94,8 +94,8 @@ def main(argv: list[str] | None = None) -> int:
         for transport in ("tcp", "shm"):
             with aps.Worker(server.address, 0, 1, transport=transport) as worker:
                 worker.init(dense, tables=tables)
-                for warm in ids:  # the rows exist before they are timed
-                    worker.pull_rows("items", warm)
+                for warm in ids:  # the rows exist before they are timed (made by a push: a pull makes none)
+                    worker.push_rows("items", warm, np.zeros((len(warm), args.dim), np.float32))
                 out = np.empty((args.batch, args.dim), np.float32)
 
                 def dense_step(i):

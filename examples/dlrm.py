@@ -9,7 +9,7 @@ the 8 embeddings, and a top MLP over them and the bottom output, then a sigmoid
 (the loss is ``binary_cross_entropy_with_logits``).
 
 The tables declare 10^6 to 10^8 rows each (2.7 * 10^8 ids in all): the server makes
-a row the first time an id is touched and holds only those, so the workers and the
+a row the first time an id is pushed and holds only those, so the workers and the
 server stay small. Each step is one round trip: ``opt.step(prefetch=...)`` pushes
 the dense gradient and the batch's gradient rows, and pulls the dense weights and
 the next batch's rows. The rows are trained by the server with Adagrad

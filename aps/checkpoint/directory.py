@@ -3,6 +3,7 @@ one to resume from or load."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import pathlib
 import secrets
@@ -30,6 +31,45 @@ def _entries(directory: pathlib.Path) -> list[os.DirEntry]:
         return []
     except OSError as exc:
         raise CheckpointError(f"cannot read checkpoint directory {directory}: {_reason(exc)}") from exc
+
+
+#: The incarnations of the run that served from a directory, oldest first (one a line): what
+#: a server resumed from there descends from, checkpoints or not (aps.server.twin).
+LINEAGE_FILE = "lineage"
+#: The lines it keeps (the newest).
+LINEAGE_KEPT = 64
+
+
+def read_lineage(directory: StrPath) -> list[str]:
+    """The incarnations :func:`record_incarnation` wrote in ``directory``, oldest first
+    (none when there is no journal, or it cannot be read: it is a record, not state)."""
+    try:
+        with open(pathlib.Path(directory) / LINEAGE_FILE, encoding="ascii") as journal:
+            lines = journal.read(LINEAGE_KEPT * 32).split()
+    except (OSError, UnicodeDecodeError):
+        return []
+    return [line for line in lines if len(line) == 16 and all(c in "0123456789abcdef" for c in line)]
+
+
+def record_incarnation(directory: StrPath, incarnation: str, *, new_run: bool = False) -> None:
+    """Add ``incarnation`` to ``directory``'s journal (``new_run``: start it afresh; written
+    whole and renamed into place; the caller holds the directory's lock). A server records
+    itself when it takes the directory, before it serves: a server that dies before its first
+    checkpoint is still an ancestor of the one resumed after it."""
+    directory = pathlib.Path(directory)
+    before = [] if new_run else [i for i in read_lineage(directory) if i != incarnation]
+    kept = [*before, incarnation][-LINEAGE_KEPT:]
+    partial = directory / f".{LINEAGE_FILE}-{os.getpid()}-{secrets.token_hex(4)}"
+    try:
+        with open(partial, "w", encoding="ascii") as journal:
+            journal.write("\n".join(kept) + "\n")
+            journal.flush()
+            os.fsync(journal.fileno())
+        os.replace(partial, directory / LINEAGE_FILE)
+    except OSError as exc:
+        with contextlib.suppress(OSError):
+            os.unlink(partial)
+        raise CheckpointError(f"cannot write {directory / LINEAGE_FILE}: {_reason(exc)}") from exc
 
 
 def list_checkpoints(directory: StrPath) -> list[pathlib.Path]:
@@ -230,12 +270,12 @@ def remove_temporaries(directory: StrPath, *, every: bool = False) -> list[pathl
 
 
 def _readable_or_older(path: pathlib.Path, older: list[pathlib.Path], directory: pathlib.Path, hint: str,
-                       resumable: bool) -> Checkpoint:
+                       resumable: bool, key: bytes | None = None) -> Checkpoint:
     """Checkpoint ``path``, read (and with ``resumable``, checked for a resume); if it does
     not read, a CheckpointError naming the first of ``older`` that does, with ``hint``
     (formatted with its path) on how to use it."""
     try:
-        checkpoint = _read(path, True)
+        checkpoint = _read(path, True, key)
         if resumable:
             _check_resumable(checkpoint.path, checkpoint.manifest)
         return checkpoint
@@ -243,7 +283,7 @@ def _readable_or_older(path: pathlib.Path, older: list[pathlib.Path], directory:
         failure = str(exc)
     for candidate in older:
         try:
-            manifest = _verify(candidate, True)
+            manifest = _verify(candidate, True, key)
             if resumable:
                 _check_resumable(candidate, manifest)
         except CheckpointError:
@@ -254,16 +294,17 @@ def _readable_or_older(path: pathlib.Path, older: list[pathlib.Path], directory:
     raise CheckpointError(f"{failure}; there is no older checkpoint in {directory}")
 
 
-def _newest_readable(directory: pathlib.Path, hint: str, resumable: bool = False) -> Checkpoint | None:
+def _newest_readable(directory: pathlib.Path, hint: str, resumable: bool = False,
+                     key: bytes | None = None) -> Checkpoint | None:
     """The newest complete checkpoint in ``directory`` (None: there is none); see
     :func:`_readable_or_older`."""
     candidates = list_checkpoints(directory)
     if not candidates:
         return None
-    return _readable_or_older(candidates[0], candidates[1:], directory, hint, resumable)
+    return _readable_or_older(candidates[0], candidates[1:], directory, hint, resumable, key)
 
 
-def _named(path: pathlib.Path, hint: str, resumable: bool) -> Checkpoint:
+def _named(path: pathlib.Path, hint: str, resumable: bool, key: bytes | None = None) -> Checkpoint:
     """Checkpoint ``path`` itself, named by the caller; if it does not read, the message also
     names the next older intact one in its directory, when its directory holds older ones."""
     match = _NAME.fullmatch(path.name)
@@ -271,14 +312,14 @@ def _named(path: pathlib.Path, hint: str, resumable: bool) -> Checkpoint:
     if match is not None:
         older = [c for c in list_checkpoints(path.parent) if int(_NAME.fullmatch(c.name).group(1)) < int(match.group(1))]
     if not older:
-        checkpoint = _read(path, True)
+        checkpoint = _read(path, True, key)
         if resumable:
             _check_resumable(checkpoint.path, checkpoint.manifest)
         return checkpoint
-    return _readable_or_older(path, older, path.parent, hint, resumable)
+    return _readable_or_older(path, older, path.parent, hint, resumable, key)
 
 
-def find_resumable(path: StrPath, *, stall: float | None = None) -> Checkpoint | None:
+def find_resumable(path: StrPath, *, stall: float | None = None, key: bytes | None = None) -> Checkpoint | None:
     """The checkpoint ``aps serve --resume PATH`` resumes from.
 
     Args:
@@ -286,6 +327,8 @@ def find_resumable(path: StrPath, *, stall: float | None = None) -> Checkpoint |
             complete checkpoint).
         stall: give up when the read makes no progress for this many seconds
             (default :data:`READ_STALL_S`).
+        key: the run's signing key (:func:`checkpoint_key` of its token): the
+            checkpoint must be signed with it (``manifest.hmac``).
 
     Returns:
         The checkpoint, verified, and its manifest checked for a resume
@@ -303,10 +346,10 @@ def find_resumable(path: StrPath, *, stall: float | None = None) -> Checkpoint |
 
     def find() -> Checkpoint | None:
         if is_checkpoint(path):
-            return _named(path, hint, resumable=True)
+            return _named(path, hint, resumable=True, key=key)
         if path.exists() and not path.is_dir():
             raise CheckpointError(f"cannot resume from {path}: it is neither a checkpoint nor a directory of them")
-        return _newest_readable(path, hint, resumable=True)
+        return _newest_readable(path, hint, resumable=True, key=key)
 
     return _with_deadline(f"checkpoints at {path}", find, stall)
 

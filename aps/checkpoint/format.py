@@ -4,6 +4,7 @@ atomically (:func:`write_checkpoint`)."""
 from __future__ import annotations
 
 import hashlib
+import hmac
 import json
 import logging
 import os
@@ -31,6 +32,9 @@ FORMAT = "aps-checkpoint"
 FORMAT_VERSION = 2
 MODEL_FILE, STATE_FILE, MANIFEST_FILE = "model.safetensors", "state.safetensors", "manifest.json"
 MANIFEST_SUM_FILE = "manifest.sha256"
+#: The manifest's HMAC-SHA256 under the run's key (:func:`checkpoint_key`), when its writer
+#: had a token of its operator's: what shows the checkpoint was neither altered nor forged.
+MANIFEST_MAC_FILE = "manifest.hmac"
 #: A checkpoint read that makes no progress (opens, chunks read) for this many seconds is given up.
 READ_STALL_S = 60.0
 
@@ -44,6 +48,18 @@ _CHUNK = 8 << 20  # read and hashed without the GIL (hashlib lets go of it above
 _RESERVED = ("format", "format_version", "files")
 _MANIFEST_MAX_BYTES = 64 << 20  # far beyond any manifest (a few kB, plus ~200 bytes per worker)
 _SUM_LINE = re.compile(rb"([0-9a-f]{64})  " + re.escape(MANIFEST_FILE.encode()) + rb"\n?")
+_MAC_LINE = _SUM_LINE  # (the same form: 64 hexadecimal digits, two spaces, the manifest's name)
+
+
+def checkpoint_key(token: bytes) -> bytes:
+    """The key a server with ``token`` signs its checkpoints with (derived from the token,
+    so that the token itself keys nothing but the handshake)."""
+    return hmac.new(token, b"aps/1 checkpoint manifest", hashlib.sha256).digest()
+
+
+def sign_manifest(manifest: bytes, key: bytes) -> str:
+    """The HMAC-SHA256 of a manifest's bytes under ``key``, in hexadecimal."""
+    return hmac.new(key, manifest, hashlib.sha256).hexdigest()
 
 
 @dataclass
@@ -132,6 +148,8 @@ def write_checkpoint(
     manifest: Mapping[str, Any],
     weights: Mapping[str, np.ndarray],
     state: Mapping[str, np.ndarray],
+    *,
+    key: bytes | None = None,
 ) -> pathlib.Path:
     """Write a checkpoint atomically: ``directory/name`` appears complete, or not at all.
 
@@ -147,6 +165,8 @@ def write_checkpoint(
         weights: the model tensors, float32 (others are converted), C-contiguous
             for a write without a copy.
         state: every other array (any numeric dtype); may be empty.
+        key: sign the manifest with this key (:func:`checkpoint_key`), in
+            ``manifest.hmac``.
 
     Returns:
         The path of the new checkpoint.
@@ -164,9 +184,9 @@ def write_checkpoint(
         raise ValueError(f"a checkpoint name is a plain directory name not starting with '.', got {name!r}")
     model = {str(k): np.asarray(v, dtype=np.float32, order="C") for k, v in weights.items()}
     extra = {str(k): np.asarray(v, order="C") for k, v in state.items()}
-    for key, value in extra.items():
+    for array_name, value in extra.items():
         if value.dtype.kind not in "biuf":
-            raise TypeError(f"state array {key!r} has dtype {value.dtype}; checkpoints hold numeric arrays only")
+            raise TypeError(f"state array {array_name!r} has dtype {value.dtype}; checkpoints hold numeric arrays only")
     fields = {k: v for k, v in manifest.items() if k not in _RESERVED}
     try:
         if "layout" in fields:
@@ -199,6 +219,8 @@ def write_checkpoint(
         written = {"format": FORMAT, "format_version": FORMAT_VERSION, **fields, "files": files}
         text = (_pretty(written) + "\n").encode("utf-8")
         _write_small(temporary / MANIFEST_FILE, text)
+        if key is not None:
+            _write_small(temporary / MANIFEST_MAC_FILE, f"{sign_manifest(text, key)}  {MANIFEST_FILE}\n".encode())
         # Last, so that a manifest is never taken for checked without its checksum.
         _write_small(temporary / MANIFEST_SUM_FILE, _sum_line(text))
         _fsync_directory(temporary)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import errno
 import hashlib
+import hmac
 import json
 import os
 import pathlib
@@ -22,10 +23,12 @@ from ..errors import CheckpointError
 from .format import (
     _CHUNK,
     _MANIFEST_MAX_BYTES,
+    _MAC_LINE,
     _SUM_LINE,
     FORMAT,
     FORMAT_VERSION,
     MANIFEST_FILE,
+    MANIFEST_MAC_FILE,
     MANIFEST_SUM_FILE,
     MODEL_FILE,
     READ_STALL_S,
@@ -39,6 +42,7 @@ from .format import (
     _reading,
     _reason,
     log,
+    sign_manifest,
 )
 
 
@@ -138,7 +142,7 @@ def _read_small(fd: int, limit: int) -> bytes | None:
 _warned_unchecked: set[str] = set()
 
 
-def read_manifest(path: StrPath) -> dict:
+def read_manifest(path: StrPath, *, key: bytes | None = None) -> dict:
     """The manifest of the checkpoint at ``path``, checked against its checksum
     (``manifest.sha256``) and for form and format version.
 
@@ -148,10 +152,10 @@ def read_manifest(path: StrPath) -> dict:
             or is of another format or a newer format version.
     """
     path = pathlib.Path(path)
-    return _with_deadline(f"checkpoint {path}", lambda: _read_manifest(path))
+    return _with_deadline(f"checkpoint {path}", lambda: _read_manifest(path, key))
 
 
-def _read_manifest(path: pathlib.Path) -> dict:
+def _read_manifest(path: pathlib.Path, key: bytes | None = None) -> dict:
     try:
         mode = os.stat(path).st_mode
     except FileNotFoundError:
@@ -171,6 +175,8 @@ def _read_manifest(path: pathlib.Path) -> dict:
             raise _problem(path, "corrupt", f"{MANIFEST_SUM_FILE} does not hold a SHA-256 line for {MANIFEST_FILE}")
         if hashlib.sha256(data).hexdigest() != match.group(1).decode():
             raise _problem(path, "corrupt", f"checksum mismatch in {MANIFEST_FILE}")
+    if key is not None:
+        _check_signature(path, data, key)
     try:
         text = data.decode("utf-8")
     except UnicodeDecodeError:
@@ -210,6 +216,22 @@ def _read_manifest(path: pathlib.Path) -> dict:
     if "layout" in manifest:
         _manifest_layout(path, manifest)
     return manifest
+
+
+def _check_signature(path: pathlib.Path, data: bytes, key: bytes) -> None:
+    """Raise CheckpointError unless ``manifest.hmac`` holds the HMAC of ``data`` (the manifest's
+    bytes) under ``key`` (:func:`checkpoint_key` of the run's token)."""
+    line = _read_file(path, MANIFEST_MAC_FILE, 4096, None)
+    if line is None:
+        raise CheckpointError(
+            f"checkpoint {path} is not signed: it was written by a server without a token of its operator's "
+            f"(--token, --token-file), so nothing shows it was not altered or forged; resume it with "
+            f"--resume-unsigned if you know where it comes from")
+    match = _MAC_LINE.fullmatch(line)
+    if match is None or not hmac.compare_digest(match.group(1).decode(), sign_manifest(data, key)):
+        raise CheckpointError(
+            f"checkpoint {path} is not signed with this server's token: it was written by a server with another "
+            f"token, or altered since (its {MANIFEST_MAC_FILE} does not match {MANIFEST_FILE}): refused")
 
 
 def _read_file(path: pathlib.Path, name: str, limit: int, missing: str | None) -> bytes | None:
@@ -328,7 +350,7 @@ def file_problems(path: StrPath, manifest: Mapping[str, Any], *, verify: bool = 
     return {name: None if problem is None else problem[1] for name, problem in found.items()}
 
 
-def verify_checkpoint(path: StrPath, *, verify: bool = True) -> dict:
+def verify_checkpoint(path: StrPath, *, verify: bool = True, key: bytes | None = None) -> dict:
     """Check the checkpoint at ``path`` without loading its arrays: manifest, each file's size
     and checksum (if ``verify``), and the model tensors' names, shapes and dtype.
 
@@ -339,18 +361,18 @@ def verify_checkpoint(path: StrPath, *, verify: bool = True) -> dict:
         CheckpointError: as :func:`read_checkpoint`.
     """
     path = pathlib.Path(path)
-    return _with_deadline(f"checkpoint {path}", lambda: _verify(path, verify))
+    return _with_deadline(f"checkpoint {path}", lambda: _verify(path, verify, key))
 
 
-def _verify(path: pathlib.Path, verify: bool) -> dict:
-    manifest = _read_manifest(path)
+def _verify(path: pathlib.Path, verify: bool, key: bytes | None = None) -> dict:
+    manifest = _read_manifest(path, key)
     for problem in _problems(path, manifest, verify).values():
         if problem is not None:
             raise _problem(path, *problem)
     return manifest
 
 
-def read_checkpoint(path: StrPath, *, verify: bool = True) -> Checkpoint:
+def read_checkpoint(path: StrPath, *, verify: bool = True, key: bytes | None = None) -> Checkpoint:
     """Read and check the checkpoint at ``path`` (a ``checkpoint-*`` directory).
 
     Args:
@@ -367,11 +389,11 @@ def read_checkpoint(path: StrPath, *, verify: bool = True) -> Checkpoint:
             layout or are not float32; the message says which file and what.
     """
     path = pathlib.Path(path)
-    return _with_deadline(f"checkpoint {path}", lambda: _read(path, verify))
+    return _with_deadline(f"checkpoint {path}", lambda: _read(path, verify, key))
 
 
-def _read(path: pathlib.Path, verify: bool) -> Checkpoint:
-    manifest = _verify(path, verify)
+def _read(path: pathlib.Path, verify: bool, key: bytes | None = None) -> Checkpoint:
+    manifest = _verify(path, verify, key)
     weights = _load(path, MODEL_FILE)
     state = _load(path, STATE_FILE)
     if "layout" in manifest:

@@ -24,7 +24,7 @@ import os
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any, NoReturn
 
-from ..config import RESUME_LATEST, ServerConfig, env_name, parse_workers
+from ..config import DEFAULT_PORT, RESUME_LATEST, ServerConfig, env_name, parse_workers
 from ..errors import ConfigurationError
 from ..lab.settings import (  # noqa: F401  (the commands and bench/ import them from here)
     SETTING_FORM,
@@ -55,6 +55,7 @@ __all__ = [
     "parse_size",
     "parse_speeds",
     "require",
+    "server_address",
     "size_list",
     "sync_setting",
     "token_advice",
@@ -193,7 +194,18 @@ def sync_setting(text: str) -> Setting:
         raise argparse.ArgumentTypeError(str(exc)) from None
 
 
-# The token of a client command (aps status, aps checkpoint now) ----------------------------------------
+# The server and token of a client command (aps status, aps checkpoint now) ------------------------------
+
+#: The address ``aps serve`` listens on by default: a client command's server when none is given.
+LOCAL_ADDRESS = f"tcp://127.0.0.1:{DEFAULT_PORT}"
+#: How a client command's help says where its server is when the command line names none.
+ADDRESS_DEFAULT = f"default: $APS_ADDRESS, else {LOCAL_ADDRESS}, where aps serve listens by default"
+
+
+def server_address(given: str | None) -> str:
+    """The server a client command talks to: ``given``, else ``$APS_ADDRESS``, else
+    :data:`LOCAL_ADDRESS`."""
+    return given or os.environ.get("APS_ADDRESS") or LOCAL_ADDRESS
 
 
 def add_token_arguments(parser: argparse.ArgumentParser) -> None:

@@ -29,7 +29,7 @@ from typing import Any
 from .. import checkpoint as ckpt
 from ..errors import CheckpointError
 from ..wire.scalars import check_scalar_name
-from ._args import ArgumentParser, add_token_arguments, token_advice, token_from_args
+from ._args import ADDRESS_DEFAULT, ArgumentParser, add_token_arguments, server_address, token_advice, token_from_args
 
 __all__ = ["ACTIONS", "format_manifest", "register", "request_checkpoint"]
 
@@ -94,7 +94,7 @@ def _add_now(actions) -> None:
         "prints its path when it is on disk. Training goes on meanwhile.",
     )
     parser.add_argument("address", nargs="?", default=None, metavar="ADDR",
-                        help="the server, tcp://HOST:PORT (default $APS_ADDRESS)")
+                        help=f"the server, tcp://HOST:PORT ({ADDRESS_DEFAULT})")
     add_token_arguments(parser)
     parser.add_argument("--timeout", type=float, default=120.0, help="seconds to wait for the checkpoint "
                         "(default 120)")
@@ -126,13 +126,9 @@ def request_checkpoint(address: str, token: str | None = None, timeout: float = 
 
 
 def run_now(args: argparse.Namespace) -> int:
-    import os
-
     from ..errors import ConfigurationError
 
-    address = args.address or os.environ.get("APS_ADDRESS")
-    if not address:
-        raise ConfigurationError("no server address given and $APS_ADDRESS is not set")
+    address = server_address(args.address)
     if not args.timeout > 0:
         raise ConfigurationError(f"--timeout must be > 0 seconds, got {args.timeout}")
     with token_advice(args):
@@ -173,6 +169,9 @@ def _manifest_entry(path: pathlib.Path) -> tuple[int, str, str]:
     checked = (path / ckpt.MANIFEST_SUM_FILE).is_file()
     status = (f"ok ({ckpt.MANIFEST_SUM_FILE})" if checked
               else "no checksum (format version 1): checked for form only")
+    status += (f"; signed ({ckpt.MANIFEST_MAC_FILE}: a resume with the run's token checks it)"
+               if (path / ckpt.MANIFEST_MAC_FILE).is_file() else
+               "; not signed (its server had no token of its operator's)")
     return len(data), hashlib.sha256(data).hexdigest(), status
 
 

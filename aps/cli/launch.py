@@ -8,7 +8,9 @@
 
 Each worker runs the script with ``APS_ADDRESS``, ``RANK``, ``WORLD_SIZE`` and
 ``LOCAL_RANK`` set (as ``torchrun`` would), one torch thread
-(``OMP_NUM_THREADS=1``), and its output in ``LOG_DIR/worker-RANK.log``. With
+(``OMP_NUM_THREADS=1``), and its output in ``LOG_DIR/worker-RANK.log``; as
+each worker finishes, the launcher prints its last line of output (its
+result, as a training script prints it). With
 ``--step-time T --slowdown ...`` each worker's iterations are padded to its
 multiple of ``T`` by ``aps.torch.Optimizer`` (``APS_STEP_TIME``,
 ``APS_SLOWDOWN``, ``APS_JITTER``): emulated devices of different speeds, by
@@ -196,9 +198,15 @@ class _Signals:
 def _watch(procs: list[subprocess.Popen], server: Server, args, stop: _Signals) -> int:
     """Wait for every worker; stop at the first failure or signal. Returns the exit status."""
     monitor = _Monitor(server, len(procs), args.log_dir, bar=not args.no_progress)
+    finished: set[int] = set()
     try:
         while not stop.received:
             codes = [p.poll() for p in procs]
+            for rank, code in enumerate(codes):
+                if code == 0 and rank not in finished:  # what it printed last: its result, as a rule
+                    finished.add(rank)
+                    last = _last_line(os.path.join(args.log_dir, f"worker-{rank}.log"))
+                    monitor.say(f"aps: worker {rank} finished" + (f": {last}" if last else " (it printed nothing)"))
             failed = [(rank, code) for rank, code in enumerate(codes) if code not in (None, 0)]
             if failed:
                 rank, code = failed[0]
@@ -252,6 +260,14 @@ class _Monitor:
             clocks = " ".join(str(w["clock"]) for w in stats["workers"])
             self.bar.set_postfix_str(f"clocks {clocks}  live {stats['server']['live']}", refresh=True)
 
+    def say(self, line: str) -> None:
+        """Print ``line`` on stdout (above the progress bar, when there is one)."""
+        if self.bar is not None:
+            self.bar.write(line, file=sys.stdout)
+            sys.stdout.flush()
+        else:
+            print(line, flush=True)
+
     def _note_waiting(self, stats: dict) -> None:
         workers = stats["workers"]
         missing = [w["rank"] for w in workers if not w["live"]]
@@ -274,6 +290,18 @@ def _progress(workers: int):
     except ImportError:
         return None
     return tqdm(total=None, unit=" updates", dynamic_ncols=True, leave=True, desc=f"{workers} workers")
+
+
+def _last_line(path: str, limit: int = 1 << 16) -> str:
+    """The last line of ``path`` that is not blank (read from its last ``limit`` bytes; a
+    carriage return ends a line too), or "" when there is none."""
+    try:
+        with open(path, "rb") as fh:
+            fh.seek(max(0, fh.seek(0, os.SEEK_END) - limit))
+            tail = fh.read().decode("utf-8", "replace")
+    except OSError:
+        return ""
+    return next((line.strip() for line in reversed(tail.splitlines()) if line.strip()), "")
 
 
 def _show_tail(path: str, lines: int = 15) -> None:

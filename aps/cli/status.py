@@ -11,7 +11,7 @@ from ..wire.protocol import Op
 from ..server.stats import lr_range
 from ..client.tcp import control_request
 from ..wire.net import parse_address
-from ._args import add_token_arguments, number, require, token_advice, token_from_args
+from ._args import ADDRESS_DEFAULT, add_token_arguments, number, require, server_address, token_advice, token_from_args
 
 __all__ = ["checkpoint_alarm", "fetch_stats", "format_lr", "format_stats", "register"]
 
@@ -24,8 +24,8 @@ def register(commands) -> None:
         "held and pulled and pushed, and per worker its clock, staleness, time waited at the gate, DSSP grants "
         "and learning rate.",
     )
-    parser.add_argument("address", type=_addresses,
-                        help="the server, tcp://HOST:PORT; the shards of a model, comma-separated")
+    parser.add_argument("address", nargs="?", default=None, type=_addresses,
+                        help=f"the server, tcp://HOST:PORT; the shards of a model, comma-separated ({ADDRESS_DEFAULT})")
     parser.add_argument("--json", action="store_true", help="print the raw statistics as JSON")
     parser.add_argument("--watch", type=number, metavar="SECONDS", help="refresh every SECONDS until interrupted (default: print once)")
     parser.add_argument("--timeout", type=number, default=10.0, help="seconds to wait for the server")
@@ -51,10 +51,11 @@ def fetch_stats(address: str, timeout: float = 10.0, token: str | None = None) -
 def run(args: argparse.Namespace) -> int:
     require(args.watch is None or args.watch > 0, f"--watch must be > 0 seconds, got {args.watch}")
     require(args.timeout > 0, f"--timeout must be > 0 seconds, got {args.timeout}")
+    addresses = args.address or _addresses(server_address(None))
     token = token_from_args(args)
     while True:
         with token_advice(args):
-            every = [fetch_stats(address, args.timeout, token) for address in args.address]
+            every = [fetch_stats(address, args.timeout, token) for address in addresses]
         if args.json:
             print(json.dumps(every[0] if len(every) == 1 else every, indent=2), flush=True)
         else:

@@ -29,6 +29,7 @@ from ..errors import (
     NotInitialized,
     ProtocolError,
     RunChanged,
+    ShuttingDown,
     error_from_code,
 )
 from ..layout import Layout, check_floating
@@ -71,6 +72,7 @@ _JOIN_PROGRESS = int(Op.JOIN_PROGRESS)
 _ALIVE = int(Op.ALIVE)
 _SEATED = int(Op.SEATED)
 _DROPPED = int(Flag.DROPPED)
+_RESUMABLE = int(Flag.RESUMABLE)
 _RUNNING = int(Flag.RUNNING)
 _FLOAT32 = int(DType.FLOAT32)
 _SHM = int(Flag.SHM)
@@ -154,6 +156,7 @@ class _ClientCore:
         #: The run the server holds (from the handshake): a worker that reconnects
         #: to another run refuses to go on (see check_run).
         self.run_id: str | None = None
+        self.incarnation: str | None = None  # the server that served this worker last (ServerInfo.lineage)
         # The push in flight (op, request id, clock, version, frames): what to send again
         # if its reply is lost.
         self._push: tuple | None = None
@@ -240,15 +243,28 @@ class _ClientCore:
         self._reply_dtype = _FLOAT32
         return 0, 0
 
-    def check_run(self, run_id: str, address: str) -> None:
-        """The server at ``address`` holds run ``run_id``: refuse to go on in another run."""
+    def check_run(self, run_id: str, address: str, lineage: list[str] | tuple[str, ...] = ()) -> None:
+        """The server at ``address`` holds run ``run_id``, and descends from ``lineage`` (its
+        run's incarnations, its own last): refuse to go on in another run, or with a server of
+        this run that the one that served this worker last did not lead to (a second server of
+        the run, started from a copy of its checkpoints while the first went on)."""
         if self.ever_joined and self.run_id is not None and run_id != self.run_id:
             raise RunChanged(
                 f"the server at {address} came back serving another run (run id {run_id or 'none'}, this worker's "
                 f"is {self.run_id}): it restarted without --resume, or from another run's checkpoint, so this "
                 "worker's weights and clock mean nothing there"
             )
+        if self.ever_joined and self.incarnation is not None and lineage and self.incarnation not in lineage:
+            raise RunChanged(
+                f"the server at {address} serves this worker's run {run_id}, but it does not descend from the "
+                f"server that served this worker last (incarnation {self.incarnation}; this one is {lineage[-1]}, "
+                f"resumed from {lineage[-2] if len(lineage) > 1 else 'no checkpoint'}): two servers serve one run, "
+                "one of them started from a copy of the other's checkpoints. A copy is a run of its own: start it "
+                "with --fork-run"
+            )
         self.run_id = run_id
+        if lineage:
+            self.incarnation = lineage[-1]
 
     def init_request(self, params: Mapping[str, Any] | None, rejoin: bool = False,
                      tables: Mapping[str, Table] | None = None, values: bool = True) -> list:
@@ -745,6 +761,8 @@ class _ClientCore:
             code, message = decode_error(self._payload)
             self._payload = None
             error = error_from_code(code, message)
+            if isinstance(error, ShuttingDown):
+                error.resumable = bool(header.flags & _RESUMABLE)
             if self.shm is not None:  # (a refused request may have left its rows segment unmapped)
                 self.shm.rows_unsent()
             # An error answering no request (id 0) means the server is closing

@@ -18,6 +18,8 @@ from ..errors import (
     AuthenticationError,
     RankTaken,
     RunChanged,
+    ServerUnproven,
+    ShuttingDown,
 )
 from ..wire.protocol import describe_join_progress
 from .tcp import NoServerYet
@@ -36,7 +38,14 @@ _RETRY_NOTE_EVERY = 30.0  # how often a worker that keeps failing to reconnect s
 
 
 def _recoverable(exc: BaseException) -> bool:
-    """A lost connection that trying again may cure (not a refused token, not another run)."""
+    """A lost connection that trying again may cure (not a refused token, not another run, not
+    a server that shut down for good: one that cannot be resumed, docs/protocol.md). A server
+    that cannot prove it knows the token (ServerUnproven) is somebody else on the lost server's
+    port: the real one may come back there."""
+    if isinstance(exc, ShuttingDown) and not exc.resumable:
+        return False
+    if isinstance(exc, ServerUnproven):
+        return True
     return isinstance(exc, APSConnectionError) and not isinstance(exc, (AuthenticationError, RunChanged))
 
 
@@ -100,8 +109,10 @@ class _Reconnecting(_Retrying):
         super().__init__(RECONNECT, timeout)
         self.worker, self.lost = worker, lost
         self._note_at = self.start + _RETRY_NOTE_EVERY
-        log.warning("rank %s: lost the server at %s (%s); reconnecting%s", worker.rank, worker.address, lost,
-                    "" if timeout is None else f" for up to {timeout:g} s")
+        self._unproven_said = False
+        log.warning("rank %s: lost the server at %s (%s); reconnecting%s (to stop waiting: Ctrl-C, or "
+                    "reconnect_timeout= of the worker, reconnect=False not to wait at all)", worker.rank,
+                    worker.address, lost, " with no time limit" if timeout is None else f" for up to {timeout:g} s")
 
     def check_closed(self) -> None:
         """Raise if the worker was closed meanwhile (from another thread or task)."""
@@ -112,7 +123,12 @@ class _Reconnecting(_Retrying):
     def failed(self, exc: BaseException) -> float:
         """An attempt failed with ``exc``: raise if it cannot be cured or time is up; else the seconds to wait."""
         self.check_closed()
-        if not (_recoverable(exc) or isinstance(exc, (RankTaken, APSTimeoutError))):
+        # A handshake refused while reconnecting, either way (the server there cannot prove it
+        # knows the token, or it does not take this worker's): after a server dies, anybody
+        # may take its port, and must not be able to end its workers by doing so. They wait
+        # for the real one, within the reconnect's time.
+        squatted = isinstance(exc, AuthenticationError) and self.worker._core.ever_joined
+        if not (_recoverable(exc) or squatted or isinstance(exc, (RankTaken, APSTimeoutError))):
             raise exc
         now = time.monotonic()
         if self.expired():
@@ -120,6 +136,10 @@ class _Reconnecting(_Retrying):
                 f"rank {self.worker.rank}: could not get back to the server at {self.worker.address} within "
                 f"{now - self.start:.0f} s (reconnect_timeout): {exc}"
             ) from exc
+        if squatted and not self._unproven_said:
+            self._unproven_said = True  # (said once: it may squat the port for long)
+            log.warning("rank %s: refused the server now at %s: %s; waiting for the real one", self.worker.rank,
+                        self.worker.address, exc)
         if now >= self._note_at:
             self._note_at = now + _RETRY_NOTE_EVERY
             log.warning("rank %s: still reconnecting to %s after %.0f s: %s", self.worker.rank, self.worker.address,

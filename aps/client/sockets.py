@@ -16,6 +16,7 @@ from ..errors import (
     ConfigurationError,
     MalformedFrame,
     ServerSilent,
+    ServerUnproven,
     error_from_code,
 )
 from ..wire.protocol import (
@@ -29,7 +30,7 @@ from ..wire.protocol import (
     decode_hello_reply,
     pack_header,
 )
-from ..wire.tokens import find_token, token_dir
+from ..wire.tokens import find_token, token_dir, token_path
 from ..wire.framing import FrameReader
 from ..wire.segments import scm_rights
 
@@ -224,11 +225,19 @@ def _handshake_steps(token: bytes | None, address: str, found: bool) -> _Steps:
     client_nonce = os.urandom(NONCE_BYTES)
     required, server_nonce, info = decode_hello_reply((yield Op.HELLO, client_nonce))
     if not required:
-        # A token found in a file may be a dead server's, on a port a server without one took since.
-        if token is not None and not found:
-            raise AuthenticationError(
-                f"the server at {address} asks for no token, but this worker has one: it may not be the server "
-                "you meant (start it with --token, or give the worker no token)"
+        # A server that asks for no token cannot prove it knows this one: it may be anybody's
+        # (another user's server on the port of one of this user's that is gone, whose token
+        # file is still there). A worker that holds a token trains only where it is proved.
+        if token is not None and found:
+            raise ServerUnproven(
+                f"the server at {address} asks for no token, so it cannot prove it is the server whose token "
+                f"file this worker found ({token_file_of(address)}): that server is gone, and whoever listens "
+                "on its port now may be anybody. Refused; if you trust this server, delete that file"
+            )
+        if token is not None:
+            raise ServerUnproven(
+                f"the server at {address} asks for no token, so it cannot prove it knows the one this worker "
+                "has: it may not be the server you meant (start it with --token, or give the worker no token)"
             )
         return info
     if token is None:
@@ -238,8 +247,18 @@ def _handshake_steps(token: bytes | None, address: str, found: bool) -> _Steps:
     reply = yield Op.AUTH, auth_proof(token, "client", server_nonce, client_nonce)
     proof, info = decode_auth_reply(reply)
     if not hmac.compare_digest(proof, auth_proof(token, "server", server_nonce, client_nonce)):
-        raise AuthenticationError(f"the server at {address} could not prove it knows the token: refused")
+        raise ServerUnproven(f"the server at {address} could not prove it knows the token: refused")
     return info
+
+
+def token_file_of(address: str) -> str:
+    """The token file a server of this user at ``address`` (``tcp://HOST:PORT``) writes."""
+    _, _, rest = address.partition("://")
+    host, _, port = rest.rpartition(":")
+    try:
+        return token_path(host, int(port))
+    except ValueError:
+        return token_dir()
 
 
 def client_token(token: str | bytes | None) -> bytes | None:

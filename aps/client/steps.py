@@ -35,6 +35,7 @@ from ..errors import (
     RankTaken,
     ServerError,
     ServerSilent,
+    ShuttingDown,
     error_from_code,
 )
 from ..layout import Layout
@@ -542,7 +543,7 @@ class _ChannelSteps:
                 tcp.close()
                 tcp = yield CONNECT, self
                 info = yield HANDSHAKE, self, tcp, token, True
-            self._core.check_run(info.run_id, self.address)
+            self._core.check_run(info.run_id, self.address, info.incarnations)
             self.server_info = info
             if not self._as_shard:
                 _refuse_one_shard(info, self.address)
@@ -577,7 +578,8 @@ class _ChannelSteps:
                 return shm
         if transport == "shm":
             tcp.close()
-            where = "does not share this host" if shm_available() else "cannot be reached by shared memory here"
+            where = ("does not share this host (or offers it no Unix socket)" if shm_available()
+                     else "cannot be reached by shared memory here")
             raise ConfigurationError(f"the server at {self.address} {where}: use transport='tcp' or 'auto'")
         return tcp
 
@@ -593,7 +595,10 @@ class _ChannelSteps:
         """The error for a request on a dropped connection: why it was dropped, when known."""
         reason = getattr(self, "_lost_because", None)
         if isinstance(reason, ServerError) and isinstance(reason, APSConnectionError):  # ShuttingDown, Evicted
-            return error_from_code(reason.code, f"{reason.message}; call reconnect()")
+            error = error_from_code(reason.code, f"{reason.message}; call reconnect()")
+            if isinstance(reason, ShuttingDown):
+                error.resumable = reason.resumable  # (a server gone for good is not waited for by a later call)
+            return error
         if isinstance(reason, APSConnectionError):  # the same kind of error as when it happened
             return type(reason)(f"{reason}; call reconnect()")
         why = f" ({reason})" if isinstance(reason, APSError) else ""

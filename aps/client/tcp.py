@@ -11,14 +11,13 @@ from __future__ import annotations
 
 import asyncio
 import errno
-import os
 import socket
 import ssl
 from collections.abc import Callable, Sequence
 
 from ..errors import APSConnectionError, APSError, APSTimeoutError, AuthenticationError
 from ..wire.framing import FrameReader
-from ..wire.net import client_context, parse_address, set_keepalive, set_nodelay
+from ..wire.net import client_context, connect_failure, parse_address, set_keepalive, set_nodelay
 from .sockets import (
     IOV_MAX,
     BlockingSocket,
@@ -51,8 +50,7 @@ class NoServerYet(APSConnectionError):
 def _cannot_connect(address: str, exc: OSError) -> APSConnectionError:
     kind = NoServerYet if exc.errno in _NOT_YET else APSConnectionError
     # (asyncio's sock_connect puts "Connect call failed (...)" where the reason goes: say the reason)
-    reason = os.strerror(exc.errno) if exc.errno else str(exc)
-    return kind(f"cannot connect to {address}: {reason}")
+    return kind(f"cannot connect to {address}: {connect_failure(parse_address(address).host, exc)}")
 
 
 class BlockingConnection(BlockingSocket):

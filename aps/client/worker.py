@@ -607,8 +607,9 @@ class Worker(ThreadedFanOut, _Workers):
         request: ``pull_rows({table: ids, ...}, out={table: array, ...})`` returns ``{table: rows}``.
 
         Rows follow the sync policy as the weights do: the call waits until the policy releases
-        this worker (docs/algorithms.md, "Rows"). Rows never touched are made from their
-        initial values. With ``--shards K``, each shard is asked for the ids it holds, at once.
+        this worker (docs/algorithms.md, "Rows"). Rows never pushed read as their initial
+        values (the server keeps nothing for them: a row is made by its first push). With
+        ``--shards K``, each shard is asked for the ids it holds, at once.
 
         Raises:
             InvalidIds: an unknown table, ids that are not integers or not in ``[0, rows)``, a

@@ -1,5 +1,5 @@
 """What a connection may cost before it is a worker: strangers' share of the event loop
-(:class:`StrangerGuard`), failed AUTH attempts by address (:class:`AuthThrottle`), and
+(:class:`StrangerGuard`), failed AUTH attempts by who made them (:class:`AuthThrottle`), and
 warnings about floods of them (:class:`RateLimitedLog`). :class:`Connections` holds a
 server's sessions and what they share."""
 
@@ -8,7 +8,9 @@ from __future__ import annotations
 import asyncio
 import ctypes
 import ctypes.util
+import ipaddress
 import logging
+import struct
 import time
 from collections import OrderedDict, deque
 from typing import TYPE_CHECKING
@@ -16,7 +18,7 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     from .session import ServerSession
 
-__all__ = ["AuthThrottle", "Connections", "RateLimitedLog", "StrangerGuard"]
+__all__ = ["AuthThrottle", "Connections", "RateLimitedLog", "StrangerGuard", "auth_key", "tcp_peer_uid"]
 
 log = logging.getLogger("aps.server")
 
@@ -35,31 +37,45 @@ TRIM_AFTER_S = 1.0
 
 
 class AuthThrottle:
-    """Failed AUTH attempts by peer address: after :attr:`FREE` failures each attempt waits
-    its turn, exponentially longer (from :attr:`BASE_S`, at most :attr:`MAX_DELAY_S`; the
-    turns of parallel connections are taken one after the other), and after
-    :attr:`LOCKOUT_AFTER` failures every attempt is refused for :attr:`LOCKOUT_S`. An
-    address is forgotten :attr:`FORGET_S` after its last failure; at most :attr:`MAX_PEERS`
-    are remembered (the least recently failed go first), so the table's memory is bounded.
-    """
+    """Failed AUTH attempts, by who made them (:func:`auth_key`: a local user by uid, a
+    remote peer by address), and all of them together.
+
+    A principal that has not failed is checked at once, always: nobody else's failures
+    delay or refuse it (another user of the host guessing on loopback shares its address
+    with every local worker, not its uid). After :attr:`FREE` failures a principal's
+    attempts wait their turn, exponentially longer (from :attr:`BASE_S`, at most
+    :attr:`MAX_DELAY_S`; the turns of its parallel connections are taken one after the
+    other, each waiting as if those before it failed); an attempt that would wait more than :attr:`MAX_WAIT_S` is refused. And once
+    all principals together have failed more than the server's budget (:attr:`BURST`,
+    refilled at :attr:`RATE` a second), every attempt of a principal that has failed also
+    takes a turn of the server's, :attr:`RATE` a second for all of them at once: guessing
+    from many addresses is no faster than from one, past their first few tries. A success
+    forgets the principal's failures; a principal is forgotten :attr:`FORGET_S` after its
+    last failure, and at most :attr:`MAX_PEERS` are remembered (the least recently failed
+    go first), so the table's memory is bounded."""
 
     FREE = 3
     BASE_S = 0.1
     MAX_DELAY_S = 2.0
-    LOCKOUT_AFTER = 8
-    LOCKOUT_S = 60.0
+    MAX_WAIT_S = 5.0  # (below the default --handshake-timeout, which closes a stranger still waiting)
+    BURST = 32
+    RATE = 10.0
     FORGET_S = 600.0
     MAX_PEERS = 4096
 
     class _Peer:
-        __slots__ = ("failures", "next_at", "blocked_until", "last")
+        __slots__ = ("failures", "pending", "next_at", "last")
 
         def __init__(self) -> None:
             self.failures = 0
-            self.next_at = self.blocked_until = self.last = 0.0
+            self.pending = 0  # attempts given a turn and not yet checked
+            self.next_at = self.last = 0.0
 
     def __init__(self) -> None:
         self._peers: OrderedDict[str, AuthThrottle._Peer] = OrderedDict()
+        self._credit = float(self.BURST)  # failures all principals may still have before turns are the server's
+        self._refilled = 0.0
+        self._server_next_at = 0.0
 
     def __len__(self) -> int:
         return len(self._peers)
@@ -71,23 +87,34 @@ class AuthThrottle:
 
     def _get(self, key: str, now: float) -> AuthThrottle._Peer | None:
         peer = self._peers.get(key)
-        if peer is not None and now - peer.last > self.FORGET_S and now >= peer.blocked_until:
+        if peer is not None and now - peer.last > self.FORGET_S:
             del self._peers[key]
             return None
         return peer
 
-    def refused_for(self, key: str, now: float) -> float:
-        """Seconds ``key`` stays refused (0: it may try)."""
-        peer = self._get(key, now)
-        return max(0.0, peer.blocked_until - now) if peer is not None else 0.0
+    def _refill(self, now: float) -> float:
+        self._credit = min(float(self.BURST), self._credit + (now - self._refilled) * self.RATE)
+        self._refilled = now
+        return self._credit
 
-    def wait(self, key: str, now: float) -> float:
-        """Seconds an attempt from ``key`` arriving now waits before it is checked (its turn is taken)."""
+    def wait(self, key: str, now: float) -> float | None:
+        """Seconds an attempt of ``key`` arriving now waits before it is checked (its turn is
+        taken), or None when that would be more than :attr:`MAX_WAIT_S` (refuse it)."""
         peer = self._get(key, now)
-        if peer is None:
+        if peer is None or peer.failures == 0:
             return 0.0
         at = max(now, peer.next_at)
-        peer.next_at = at + self._delay(peer.failures)
+        server_turn = self._refill(now) <= 0
+        if server_turn:
+            at = max(at, self._server_next_at)
+        if at - now > self.MAX_WAIT_S:
+            return None
+        # The attempts already waiting count as failures: guesses sent in parallel wait as
+        # long as guesses sent one after the other.
+        peer.next_at = at + self._delay(peer.failures + peer.pending)
+        peer.pending += 1
+        if server_turn:
+            self._server_next_at = at + 1.0 / self.RATE
         return at - now
 
     def failed(self, key: str, now: float) -> None:
@@ -100,8 +127,95 @@ class AuthThrottle:
         peer.failures += 1
         peer.last = now
         peer.next_at = max(peer.next_at, now + self._delay(peer.failures))
-        if peer.failures >= self.LOCKOUT_AFTER:
-            peer.blocked_until = now + self.LOCKOUT_S
+        self._refill(now)
+        self._credit = max(-float(self.BURST), self._credit - 1)
+
+    def checked(self, key: str) -> None:
+        """An attempt of ``key`` that :meth:`wait` gave a turn was checked (or given up)."""
+        peer = self._peers.get(key)
+        if peer is not None and peer.pending > 0:
+            peer.pending -= 1
+
+    def succeeded(self, key: str) -> None:
+        """``key`` proved the token: its failures were typos, or a token since replaced."""
+        self._peers.pop(key, None)
+
+    def failures(self, key: str, now: float) -> int:
+        peer = self._get(key, now)
+        return 0 if peer is None else peer.failures
+
+
+def auth_key(peer: object, local: object) -> str:
+    """Whom failed AUTH attempts of a connection from ``peer`` to ``local`` (socket
+    addresses) count against: a peer on this host (from a loopback address, or from the
+    address it connected to) by its user (``uid N``: every local user shares the host's
+    addresses, and any of them may send from any of 127/8), a remote IPv4 peer by its
+    address, an IPv6 one by its /64 (what one host is given)."""
+    if not isinstance(peer, tuple) or not isinstance(local, tuple):
+        return str(peer)
+    try:
+        address = ipaddress.ip_address(str(peer[0]).split("%", 1)[0])
+    except ValueError:
+        return str(peer[0])
+    if isinstance(address, ipaddress.IPv6Address) and address.ipv4_mapped is not None:
+        address = address.ipv4_mapped
+    if address.is_loopback or _same_address(address, local):  # (a peer on this host, by any of its addresses)
+        uid = tcp_peer_uid(peer, local)
+        if uid is not None:
+            return f"uid {uid}"
+        return str(address)
+    if isinstance(address, ipaddress.IPv6Address):
+        return str(ipaddress.IPv6Network((address, 64), strict=False))
+    return str(address)
+
+
+def _same_address(address: ipaddress.IPv4Address | ipaddress.IPv6Address, local: tuple) -> bool:
+    try:
+        mine = ipaddress.ip_address(str(local[0]).split("%", 1)[0])
+    except ValueError:
+        return False
+    if isinstance(mine, ipaddress.IPv6Address) and mine.ipv4_mapped is not None:
+        mine = mine.ipv4_mapped
+    return mine == address
+
+
+def tcp_peer_uid(peer: tuple, local: tuple) -> int | None:
+    """The uid of the process that owns the other end of the TCP connection from ``peer``
+    to ``local``, when that end is on this host (Linux: ``/proc/net/tcp`` and ``tcp6`` list
+    every socket of the host's network namespace with its owner, as ``ss -e`` shows);
+    None when it cannot be found."""
+    wanted = [(_proc_address(peer[0], peer[1], v6), _proc_address(local[0], local[1], v6)) for v6 in (False, True)]
+    for path, (mine, theirs) in zip(("/proc/net/tcp", "/proc/net/tcp6"), wanted):
+        if mine is None or theirs is None:
+            continue
+        try:
+            with open(path, "rb") as table:
+                for line in table:
+                    fields = line.split()
+                    if len(fields) > 7 and fields[1] == mine and fields[2] == theirs:
+                        return int(fields[7])
+        except (OSError, ValueError):
+            continue
+    return None
+
+
+def _proc_address(host: str, port: int, v6: bool) -> bytes | None:
+    """``host:port`` as ``/proc/net/tcp`` (``v6``: ``tcp6``) writes it: the address's 32-bit
+    words in the host's byte order, in hexadecimal, then the port; None when the address
+    cannot be in that table."""
+    try:
+        address = ipaddress.ip_address(str(host).split("%", 1)[0])
+    except ValueError:
+        return None
+    if isinstance(address, ipaddress.IPv6Address) and address.ipv4_mapped is not None:
+        address = address.ipv4_mapped
+    if v6 and isinstance(address, ipaddress.IPv4Address):
+        address = ipaddress.IPv6Address(b"\0" * 10 + b"\xff\xff" + address.packed)  # as a dual-stack socket has it
+    elif not v6 and isinstance(address, ipaddress.IPv6Address):
+        return None
+    packed = address.packed
+    words = struct.unpack(f"={len(packed) // 4}I", packed)
+    return ("".join(f"{word:08X}" for word in words) + f":{port:04X}").encode()
 
 
 class StrangerGuard:

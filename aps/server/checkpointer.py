@@ -41,6 +41,7 @@ from ..checkpoint import (
     lock_directory,
     next_sequence,
     prune,
+    record_incarnation,
     remove_temporaries,
     write_checkpoint,
 )
@@ -133,9 +134,10 @@ class Checkpointer:
         engine: the engine whose state is saved.
     """
 
-    def __init__(self, config: ServerConfig, engine: Engine) -> None:
+    def __init__(self, config: ServerConfig, engine: Engine, *, key: bytes | None = None) -> None:
         self.config = config
         self.engine = engine
+        self._key = key  # what its checkpoints are signed with (checkpoint_key of the operator's token)
         self.directory = config.checkpoint_dir
         self._buffers: dict[str, np.ndarray] = {}
         self._executor: ThreadPoolExecutor | None = None
@@ -237,6 +239,12 @@ class Checkpointer:
                     f"--checkpoint-dir {self.directory} holds checkpoints of another run (the newest is {found[0]}): "
                     "give --resume to go on with it, or another --checkpoint-dir to start a new run"
                 )
+        # (a fork is a new run: its journal starts with it, as its lineage does)
+        try:
+            record_incarnation(self.directory, engine.incarnation, new_run=engine.lineage == [engine.incarnation])
+        except CheckpointError as exc:  # (a record: a full disk must not keep the server from starting)
+            log.warning("%s: a server resumed from here before this one checkpoints will not be one its workers "
+                        "follow", exc)
 
     def request(self, reason: str = "request") -> asyncio.Future:
         """Write a checkpoint as soon as possible; the future gets ``{"path", "version"}``
@@ -387,7 +395,7 @@ class Checkpointer:
                 state[key] = flat
             else:
                 state.update((f"{key}/{tensor}", view) for tensor, view in layout.views(flat).items())
-        path = write_checkpoint(self.directory, name, capture.manifest, weights, state)
+        path = write_checkpoint(self.directory, name, capture.manifest, weights, state, key=self._key)
         for old in prune(self.directory, self.config.checkpoint_keep, self.engine.run_id):
             log.debug("removed old checkpoint %s", old)
         return str(path)

@@ -21,6 +21,7 @@ aside by a job, adopted by :meth:`Compensation.commit`, thrown away otherwise.
 
 from __future__ import annotations
 
+import math
 from types import ModuleType
 
 import numpy as np
@@ -30,7 +31,7 @@ from ..config import format_compensation
 from ..errors import ConfigurationError
 from ..layout import line_aligned
 
-__all__ = ["Compensation"]
+__all__ = ["Compensation", "check_lambda"]
 
 #: The running means' decays: DC-ASGD's adaptive mean square (the paper's m), the gap's step scale.
 MEAN_SQUARE_DECAY = 0.95
@@ -42,6 +43,31 @@ EPS = 1e-7
 BLOCK = 1 << 16
 #: The state each kind keeps, as checkpoints name it.
 STATE_NAME = {"dc-adaptive": "compensation_mean_square", "gap": "compensation_step_scale"}
+_FLOAT32_MAX = float(np.finfo(np.float32).max)
+
+
+def check_lambda(kind: str, lam: float) -> None:
+    """Refuse, with ConfigurationError, a LAMBDA the kernel cannot compute with: it takes it in
+    float32, and dc-adaptive divides it by ``sqrt(mean square + EPS)``, which is ``sqrt(EPS)`` for a
+    parameter whose gradients are all 0 so far (a run that would refuse every gradient as not finite)."""
+    if kind not in ("dc", "dc-adaptive"):
+        return
+    given = format_compensation(kind, lam)
+    with np.errstate(over="ignore"):
+        single = np.float32(lam)
+        factor = single / np.sqrt(np.float32(EPS)) if kind == "dc-adaptive" else single
+    if not np.isfinite(single) or not np.isfinite(factor):
+        limit = _FLOAT32_MAX * (math.sqrt(np.float32(EPS)) if kind == "dc-adaptive" else 1.0)
+        unit = 10.0 ** (math.floor(math.log10(limit)) - 5)
+        largest = math.floor(limit / unit) * unit  # (said in 6 digits, rounded down)
+        what = (f"LAMBDA / sqrt(mean square + {EPS:g}) reaches {lam / math.sqrt(EPS):g} for a parameter whose "
+                "gradients have been 0," if kind == "dc-adaptive" and np.isfinite(single) else f"LAMBDA {lam:g} is")
+        raise ConfigurationError(f"--compensation {given}: {what} beyond float32 (at most {_FLOAT32_MAX:.4g}), the "
+                                 "precision the kernel computes in, and gradients would be refused as not finite: "
+                                 f"give a LAMBDA of at most {largest:.6g}")
+    if single == 0.0 and lam != 0.0:
+        raise ConfigurationError(f"--compensation {given}: LAMBDA is 0 in float32, the precision the kernel computes "
+                                 "in: give 0 (no compensation: --compensation none) or a larger value")
 
 
 class Compensation:
@@ -50,6 +76,7 @@ class Compensation:
     def __init__(self, kind: str, lam: float, numel: int, kernels: ModuleType = _core) -> None:
         if kind not in STATE_NAME and kind != "dc":
             raise ConfigurationError(f"no compensation of kind {kind!r}")
+        check_lambda(kind, lam)
         self.kind, self.lam, self.numel = kind, float(lam), numel
         self._kernels = kernels
         self._code = {"dc": kernels.COMPENSATE_DC, "dc-adaptive": kernels.COMPENSATE_DC_ADAPTIVE,

@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import json
 import logging
+import re
+import reprlib
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -21,9 +23,14 @@ from .rows import RowTable, Tables
 if TYPE_CHECKING:
     from .engine import Engine
 
-__all__ = ["Durable"]
+__all__ = ["MAX_LINEAGE", "Durable"]
 
 log = logging.getLogger("aps.server")
+
+#: The incarnations a lineage keeps (the newest): a worker's last server is among them
+#: unless the run restarted this many times since that worker last reached it.
+MAX_LINEAGE = 64
+_INCARNATION = re.compile(r"[0-9a-f]{16}")
 
 
 class Durable:
@@ -52,6 +59,8 @@ class Durable:
             arrays["scalars/steps"], arrays["scalars/values"] = steps, values
         manifest = {
             "run_id": self.run_id,
+            "lineage": list(self.lineage),
+            **({"served_at": self.address} if self.address else {}),
             "shard_runs": self.shard_runs,
             "version": table.version,
             **({"claims": dict(self.counters)} if self.counters else {}),
@@ -139,6 +148,7 @@ class Durable:
             self.pushes = int(manifest["pushes"])
             self.stats.carry(manifest.get("counters", {}))
             self.run_id = str(manifest["run_id"])
+            self.carry_lineage(manifest.get("lineage"))
             runs = manifest.get("shard_runs")
             self.shard_runs = [str(r) for r in runs] if isinstance(runs, list) else None
             self.counters = {str(name): int(value) for name, value in manifest.get("claims", {}).items()}
@@ -169,6 +179,23 @@ class Durable:
         """Queue ``job`` (an ``aps.server.checkpointer.CaptureJob``) in the update lane: it runs
         between two updates, and sees every update decided before it."""
         self._lane.submit(job)
+
+    @property
+    def lineage_text(self: Engine) -> str:
+        """:attr:`lineage`, as the handshake says it (ServerInfo.lineage)."""
+        return ",".join(self.lineage)
+
+    def carry_lineage(self: Engine, saved: object) -> None:
+        """Go on from a checkpoint's lineage (a list of incarnation ids, oldest first; one
+        that does not hold together is left out, with a warning: the workers then know this
+        server by its own incarnation alone)."""
+        if saved is None:
+            return
+        if (not isinstance(saved, list) or not all(isinstance(i, str) and _INCARNATION.fullmatch(i) for i in saved)):
+            log.warning("the checkpoint's lineage is not a list of incarnation ids: left out (%s)",
+                        reprlib.repr(saved))
+            return
+        self.lineage = [*saved, self.incarnation][-MAX_LINEAGE:]
 
     @property
     def shard_description(self: Engine) -> str:

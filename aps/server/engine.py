@@ -18,6 +18,7 @@ always sees its own updates.
 from __future__ import annotations
 
 import logging
+import secrets
 import time
 import uuid
 from collections.abc import Callable
@@ -29,6 +30,7 @@ from .. import _core
 from ..config import ServerConfig, parse_compensation
 from ..errors import (
     InternalServerError,
+    LayoutMismatch,
     MalformedFrame,
     NonFiniteGradient,
     NotInitialized,
@@ -36,6 +38,7 @@ from ..errors import (
     RankOutOfRange,
     RankTaken,
     ServerError,
+    TableMismatch,
     WorkerCountMismatch,
 )
 from .durable import Durable
@@ -51,6 +54,7 @@ from .members import Member, PushResult, ReadyCallback, Seat
 from .narrowing import NarrowedWeights
 from .stats import EngineView, RankView, ServerStats, TableView
 from .sync import CUTOFF, RESUMED, STALE, Outcome, Plan, PlanKind, make_policy
+from .memory import TableMemory
 from .rows import RowTable, Tables
 from .scalars import Scalars
 from .table import ParameterTable, Snapshot
@@ -109,12 +113,16 @@ class Engine(Durable, Loads):
         self.policy = make_policy(config, window_type or kernels.StalenessWindow)
         self.table: ParameterTable | None = None
         self.layout: Layout | None = None
-        #: The model's embedding tables: the rows touched, by table name (aps.server.rows).
+        #: The bytes the tables' rows may take: --table-memory, or a share of the memory available now.
+        self.table_memory = TableMemory.resolve(config.table_memory)
+        #: The model's embedding tables: the rows pushed, by table name (aps.server.rows).
         self.rows = Tables()
         self.members: dict[int, Member] = {}
         self.started = False
         self.pushes = 0
-        self.address = ""  # set by the server, for statistics
+        #: Where the server listens (set by it): in the statistics, and kept in checkpoints as
+        #: ``served_at`` (a server resumed from them asks there whether the run is still served).
+        self.address = ""
         #: Called when a worker joins or leaves before training starts (the server
         #: then tells the workers waiting in INIT who has joined).
         self.on_membership_change: Callable[[], None] | None = None
@@ -139,6 +147,12 @@ class Engine(Durable, Loads):
         self._lane = UpdateLane(offload, offload_threshold)
         #: This run's identity: new for a new model, kept across checkpoints and resumes.
         self.run_id = uuid.uuid4().hex
+        #: This server's own identity within the run, drawn anew at every start, and the run's
+        #: incarnations that led to it (its checkpoint's lineage, then its own; at most
+        #: durable.MAX_LINEAGE, oldest first): workers refuse a server their last one is not an
+        #: ancestor of (two servers of one run, one started from a copy of its checkpoints).
+        self.incarnation = secrets.token_hex(8)
+        self.lineage: list[str] = [self.incarnation]
         #: The run id of every shard of this model, in shard order, as a sharded worker recorded
         #: them (SHARDS): kept in checkpoints, so that shards resumed from the checkpoints of
         #: different runs are told apart. None until recorded (and when unsharded).
@@ -241,6 +255,7 @@ class Engine(Durable, Loads):
             warnings=tuple(self.scalars.warnings), tables=tuple(TableView(name=name, dim=rows.table.dim, optimizer=rows.table.optimizer, rows=len(rows),
                                    nbytes=rows.nbytes, rows_pulled=rows.rows_pulled, rows_pushed=rows.rows_pushed,
                                    rows_evicted=rows.rows_evicted) for name, rows in self.rows.items()),
+            table_memory=(self.rows.used, self.table_memory.limit, self.table_memory.available),
         )
 
     def join_progress(self) -> tuple[int, int, list[int]]:
@@ -591,7 +606,7 @@ class Engine(Durable, Loads):
             raise
         self.table, self.layout, self.aggregate = table, layout, aggregate
         self.rows = Tables(((name, RowTable(name, declared, kernels=self.kernels)) for name, declared in layout.tables),
-                           limit=self.config.table_memory, max_reply=self.config.max_frame_bytes)
+                           memory=self.table_memory, max_reply=self.config.max_frame_bytes)
         log.info(
             "model registered: %d tensors, %d parameters (%.1f MiB); %s; %s",
             len(layout),
@@ -841,7 +856,6 @@ class Engine(Durable, Loads):
             cause = f"{type(reason).__name__}: {reason}"
             log.error("worker %d: its update failed and changed nothing (%s)", rank, cause)
             return InternalServerError(f"the update failed and changed nothing: {cause}")
-        log.warning("worker %d: rejected a gradient holding NaN or infinity", rank)
         return NonFiniteGradient(
             "the gradient holds NaN or infinity (or would make the weights overflow); "
             "it was rejected and changed nothing"
@@ -931,5 +945,14 @@ class Engine(Durable, Loads):
 
 def _check_model(model: Layout, joining: Layout) -> None:
     """Raise unless a joining worker's model is the run's: its tensors (LayoutMismatch)
-    and its tables (TableMismatch, naming the table and the field)."""
-    model.require_same(joining, "the model differs from the registered one", "the model's tables differ from the run's")
+    and its tables (TableMismatch, naming the table and the field), saying what the server
+    holds and what to do."""
+    names = [name for name, _ in model.tables]
+    tables = ", ".join(names[:5]) + (" ..." if len(names) > 5 else "")
+    held = (f"this server holds another model already ({len(model)} tensors, {model.numel} parameters, "
+            f"{f'tables {tables}' if tables else 'no tables'})")
+    try:
+        model.require_same(joining, f"{held}; this model's tensors differ", f"{held}; this model's tables differ")
+    except (LayoutMismatch, TableMismatch) as exc:
+        raise type(exc)(f"{exc}. Start a fresh server (aps serve) for a new model; the workers of this "
+                        "server's run init with the model it holds") from None

@@ -1,5 +1,5 @@
 """The handshake of a connection (docs/protocol.md, "Authentication"): HELLO, then AUTH where
-the server has a token, whose failures are throttled by the peer's address (a mixin of
+the server has a token, whose failures are throttled by who made them (a mixin of
 :class:`aps.server.session.ServerSession`, which holds the state it reads)."""
 
 from __future__ import annotations
@@ -27,6 +27,7 @@ class Handshake:
     engine: Engine
     peer: str
     peer_key: str
+    _auth_key: str | None
     unix_path: str
     _loop: asyncio.AbstractEventLoop
     _guard: StrangerGuard
@@ -47,55 +48,55 @@ class Handshake:
         required = not self._authenticated
         self._reply(Op.HELLO_REPLY, payload=encode_hello_reply(required, self._server_nonce, host_identity(),
                                                               self.unix_path, self.engine.run_id,
-                                                              self.engine.shard_description))
+                                                              self.engine.shard_description, self.engine.lineage_text))
 
     def _on_auth(self, header: Header, payload: memoryview, stream) -> None:
         if self._token is None:
             raise AuthenticationError("this server has no token (it was started without --token)")
         if not self._server_nonce or len(self._client_nonce) != NONCE_BYTES:
             self._auth_failed("AUTH without a HELLO carrying a nonce first")
-        # Guesses are throttled by the peer's address: every attempt after a few failures
-        # waits its turn, longer and longer, and then the address is refused for a while.
-        if self._refused():
-            return
-        wait = self._guard.throttle.wait(self.peer_key, self._loop.time())
+        # Guesses are throttled by who makes them (AuthThrottle): a principal that has not
+        # failed is checked at once; one that has waits its turn, longer and longer.
+        if self._auth_key is None:
+            self._auth_key = self._find_auth_key()
+        wait = self._guard.throttle.wait(self._auth_key, self._loop.time())
         proof = bytes(payload)
-        if wait > 0:
+        if wait is None:
+            self.engine.stats.auth["refused"] += 1
+            _auth_failures.warning(self._loop.time(), "%s: refused an AUTH attempt: %s has too many waiting",
+                                   self.peer, self._auth_key)
+            self._fatal(ServerOverloaded(
+                f"too many authentication attempts from {self._auth_key} after failed ones: try again later"),
+                warn=False)
+        elif wait > 0:
             self.engine.stats.auth["throttled"] += 1
             self._loop.call_later(wait, self._check_proof, proof)
         else:
             self._check_proof(proof)
 
-    def _refused(self) -> bool:
-        """Refuse the AUTH attempt (and close) while the peer's address is locked out."""
-        now = self._loop.time()
-        refused = self._guard.throttle.refused_for(self.peer_key, now)
-        if not refused:
-            return False
-        self.engine.stats.auth["refused"] += 1
-        _auth_failures.warning(now, "%s: refused an AUTH attempt: too many failed ones from %s", self.peer,
-                               self.peer_key)
-        self._fatal(ServerOverloaded(
-            f"too many failed authentications from {self.peer_key}: refused for {refused:.0f} s more"), warn=False)
-        return True
+    def _find_auth_key(self) -> str:
+        """Whom this connection's failed AUTH attempts count against (see :func:`auth_key`)."""
+        return self.peer_key
 
     def _check_proof(self, proof: bytes) -> None:
-        # (attempts that waited their turn meet a lockout that began meanwhile)
-        if self._lost or self._refused():
+        self._guard.throttle.checked(self._auth_key)
+        if self._lost:
             return
         expected = auth_proof(self._token, "client", self._server_nonce, self._client_nonce)
         if not hmac.compare_digest(expected, proof):
-            self._guard.throttle.failed(self.peer_key, self._loop.time())
+            self._guard.throttle.failed(self._auth_key, self._loop.time())
             try:
-                self._auth_failed("a wrong token")
+                self._auth_failed(f"a wrong token (from {self._auth_key})")
             except AuthenticationError as exc:
                 self._fatal(exc, warn=False)
             return
+        self._guard.throttle.succeeded(self._auth_key)
         self._authenticated = True
         proof = auth_proof(self._token, "server", self._server_nonce, self._client_nonce)
         self._server_nonce = b""  # one AUTH per nonce
         self._reply(Op.AUTH_REPLY, payload=encode_auth_reply(proof, host_identity(), self.unix_path,
-                                                             self.engine.run_id, self.engine.shard_description))
+                                                             self.engine.run_id, self.engine.shard_description,
+                                                             self.engine.lineage_text))
 
     def _auth_failed(self, what: str) -> NoReturn:
         """The peer failed the handshake: log it (rate-limited, with its address), count it, refuse, close."""

@@ -166,15 +166,17 @@ class HttpSide:
     def scheme(self) -> str:
         return "https" if self._tls is not None else "http"
 
-    def token_hint(self, url: str) -> str | None:
+    def token_hint(self, url: str, token_file: str | None = None) -> str | None:
         """What ``aps serve`` prints under the dashboard's address when the page will ask
         for the token: how to open it with the token in the link. The token itself is
-        never printed (it was given with --token or --token-file: the operator has it)."""
+        never printed (output goes to logs others may read): it was given with --token or
+        --token-file, or it is in ``token_file``, the file the server made it in."""
         if self._token is None:
             return None
+        where = (f"the first line of {token_file}" if token_file is not None
+                 else "the value of --token (or of the --token-file's first line)")
         return (f"aps: the dashboard asks for the server's token: enter it on the page, or open "
-                f"{url}#token=TOKEN with the value of --token (or of the --token-file's first line); "
-                "the page takes it out of the address bar")
+                f"{url}#token=TOKEN with {where}; the page takes it out of the address bar")
 
     def _snapshot(self) -> dict:
         """The statistics, read at most once per SNAPSHOT_MAX_AGE_S whoever asks."""

@@ -143,7 +143,7 @@ class StatsCollector:
             events.add_metric([event.replace(" ", "_")], counts.get(event, 0))
         yield events
         yield from _auth_metrics(server)
-        yield from _table_metrics(server.get("tables"))
+        yield from _table_metrics(server.get("tables"), server.get("table_memory"))
         yield from _report_metrics(workers, stats.get("warnings", ()))
         process = server["process"]
         yield GaugeMetricFamily("aps_server_resident_memory_bytes", "Resident memory of the server process.",
@@ -193,19 +193,28 @@ def _auth_metrics(server: dict) -> Iterator:
     yield CounterMetricFamily("aps_auth_failures", "Handshakes failed: a wrong token, or a request before it.",
                               value=auth.get("failures", 0))
     yield CounterMetricFamily("aps_auth_throttled", "AUTH attempts held back for their turn after failures "
-                              "from the same address.", value=auth.get("throttled", 0))
-    yield CounterMetricFamily("aps_auth_refused", "AUTH attempts refused unchecked: their address failed too "
-                              "often lately.", value=auth.get("refused", 0))
+                              "by the same user (on this host) or address.", value=auth.get("throttled", 0))
+    yield CounterMetricFamily("aps_auth_refused", "AUTH attempts refused unchecked: too many of the same "
+                              "user's or address's were waiting their turn after failures.", value=auth.get("refused", 0))
     yield CounterMetricFamily("aps_layout_budget_refusals", "INITs refused while the layout blocks being read "
                               "used up the server's budget for them.",
                               value=server.get("strangers", {}).get("layout_refused", 0))
 
 
-def _table_metrics(tables: dict | None) -> Iterator:
+def _table_metrics(tables: dict | None, memory: dict | None) -> Iterator:
     """Each embedding table's rows and bytes held, and the rows this process pulled, pushed
-    and evicted (counters: rate() gives rows per second); nothing for a model without tables."""
+    and evicted (counters: rate() gives rows per second); the bytes the rows take against
+    the limit, and the limit; nothing for a model without tables."""
     if not tables:
         return
+    if memory:
+        yield GaugeMetricFamily("aps_table_memory_bytes", "Bytes the embedding tables' rows take as --table-memory "
+                                "counts them (values, optimizer state, index and scratch of the rows held).",
+                                value=memory["bytes"])
+        if memory.get("limit"):
+            yield GaugeMetricFamily("aps_table_memory_limit_bytes", "Bytes the embedding tables' rows may take "
+                                    "(--table-memory, or by default half the memory available at start); a push "
+                                    "past it evicts (evict=True tables) or is refused.", value=memory["limit"])
     families = (
         (GaugeMetricFamily, "aps_table_rows", "rows", "Rows each embedding table holds (those touched, not evicted)."),
         (GaugeMetricFamily, "aps_table_bytes", "bytes", "Bytes each embedding table's rows take: their values, "

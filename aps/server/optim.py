@@ -44,8 +44,8 @@ from ..errors import ConfigurationError, InvalidHyperparameters
 from ..layout import line_aligned
 from ..wire.protocol import MAX_HYPER_GROUPS, HyperGroup, check_stops
 
-__all__ = ["SGD", "Adam", "AdamW", "HyperGroups", "KernelThreads", "Optimizer", "OPTIMIZERS", "default_kernel_threads",
-           "make_optimizer"]
+__all__ = ["SGD", "Adam", "AdamW", "HyperGroups", "KernelThreads", "Optimizer", "OPTIMIZERS", "check_kernel_values",
+           "default_kernel_threads", "float32_problem", "make_optimizer"]
 
 
 _FLOAT32_MAX = float(np.finfo(np.float32).max)
@@ -54,6 +54,57 @@ _FLOAT32_MAX = float(np.finfo(np.float32).max)
 def _require(condition: bool, message: str) -> None:
     if not condition:
         raise ConfigurationError(message)
+
+
+def float32_problem(value: float) -> str | None:
+    """Why the update kernels, which compute in float32, cannot take ``value`` as given:
+    beyond float32's range (it would be infinite there), or not 0 but rounded to 0 (the
+    kernel would not see it); None when they can."""
+    with np.errstate(over="ignore"):
+        single = np.float32(value)  # (rounded to nearest; infinite beyond the range)
+    if not np.isfinite(single):
+        return f"is {value:g}, beyond float32 (at most {_FLOAT32_MAX:.4g}), the precision the update kernels compute in"
+    if single == 0.0 and value != 0.0:
+        return (f"is {value:g}, which is 0 in float32 (the precision the update kernels compute in; the smallest "
+                f"it holds is {float(np.finfo(np.float32).smallest_subnormal):.2g}): give 0 or a larger value")
+    return None
+
+
+def check_kernel_values(name: str, *, lr: float, momentum: float = 0.0, weight_decay: float = 0.0,
+                        betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8) -> None:
+    """Refuse, with ConfigurationError, an optimizer's values the update kernels cannot compute
+    with (a run that would refuse every gradient as not finite): each value as the kernels take
+    it, in float32, and what they derive from them before the first update (Adam's step size
+    ``lr / (1 - beta1)`` at its first step, the largest it takes; AdamW's decay ``lr *
+    weight_decay``). The ranges torch.optim checks are :class:`aps.config.ServerConfig`'s."""
+    given = {"lr": lr, "weight_decay": weight_decay}
+    if name == "sgd":
+        given["momentum"] = momentum
+    else:
+        given.update(beta1=betas[0], beta2=betas[1], eps=eps)
+    for option, value in given.items():
+        problem = float32_problem(value)
+        if problem is not None:
+            flag = "--" + option.replace("_", "-") if not option.startswith("beta") else f"--betas {option}"
+            raise ConfigurationError(f"{flag} {problem}")
+    problem = _derived_problem(name, lr, float(betas[0]), weight_decay)
+    if problem is not None:
+        raise ConfigurationError(f"--lr {lr:g}, --betas {betas[0]:g},{betas[1]:g}, --weight-decay {weight_decay:g}: "
+                                 f"{problem}")
+
+
+def _derived_problem(name: str, lr: float, beta1: float, weight_decay: float) -> str | None:
+    """Why what Adam's and AdamW's kernels derive from their values overflows float32, or None."""
+    if name not in ("adam", "adamw"):
+        return None
+    with np.errstate(over="ignore"):
+        if lr and 0.0 <= beta1 < 1.0 and not np.isfinite(np.float32(lr / (1.0 - beta1))):
+            return (f"{name}'s first step size lr / (1 - beta1) = {lr / (1.0 - beta1):g} is beyond float32 (at most "
+                    f"{_FLOAT32_MAX:.4g}), the precision the update kernels compute in: lower lr or beta1")
+        if name == "adamw" and not np.isfinite(np.float32(1.0 - lr * weight_decay)):
+            return (f"adamw's decay factor 1 - lr * weight_decay = {1.0 - lr * weight_decay:g} is beyond float32 (at "
+                    f"most {_FLOAT32_MAX:.4g}), the precision the update kernels compute in")
+    return None
 
 
 def default_kernel_threads() -> int:
@@ -474,6 +525,10 @@ class Adam(Optimizer):
         for name, beta in (("beta1", group.momentum), ("beta2", group.dampening)):
             if not beta < 1.0:
                 raise InvalidHyperparameters(f"group {index}: {name} is {beta}; it must be in [0, 1)")
+        problem = _derived_problem(self.name, group.lr, group.momentum, group.weight_decay)
+        if problem is not None:
+            raise InvalidHyperparameters(f"group {index}: lr {group.lr:g}, beta1 {group.momentum:g}, weight decay "
+                                         f"{group.weight_decay:g}: {problem}")
 
     def _step_range(self, w_out, w_in, grad, scale, start, stop, grad_dtype, values):
         # A group's momentum and dampening carry Adam's beta1 and beta2.
@@ -541,6 +596,8 @@ def make_optimizer(
     """The optimizer called ``name`` (``sgd``, ``adam`` or ``adamw``) for ``numel`` parameters,
     its large steps run on ``threads``."""
     optimizer: Optimizer
+    if name in OPTIMIZERS:
+        check_kernel_values(name, lr=lr, momentum=momentum, weight_decay=weight_decay, betas=betas, eps=eps)
     if name == "sgd":
         optimizer = SGD(numel, lr, momentum=momentum, weight_decay=weight_decay, nesterov=nesterov, kernels=kernels)
     elif name in ("adam", "adamw"):

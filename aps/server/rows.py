@@ -1,19 +1,27 @@
-"""The embedding tables a server holds: rows made on their first touch, found by id,
+"""The embedding tables a server holds: rows made by their first push, found by id,
 trained by a row-wise optimizer (docs/design.md, "Embedding tables").
 
 One :class:`RowTable` per table: an index from id to row (:class:`aps._core.RowIndex`:
 open addressing over int64 keys, at most half full, 16 bytes a bucket) and a slab, one
-float32 array of rows in the order their ids were first touched, with the optimizer's
+float32 array of rows in the order their ids were first pushed, with the optimizer's
 state in slabs of the same rows. The slab grows by doubling into ``np.empty`` arrays,
 whose pages the kernel maps only when they are first written, so the process holds the
-rows touched, not the capacity. Why not a dict of rows: an object per id (some 100 bytes)
+rows pushed, not the capacity. A pull keeps nothing: a row not held yet is read as its
+initial values (:meth:`aps.tables.Table.initial_rows`, a function of its id alone), which
+its first push starts from. Why not a dict of rows: an object per id (some 100 bytes)
 and a Python step per id; here a batch's lookup is one native pass, and its rows are
 gathered for a reply with one ``np.take``.
 
 A push is a transaction: the ids and rows are checked, the gradient must be finite, the
-distinct rows it touches are copied out, the kernel runs on the copies, and they are
-written back only when every new weight is finite. A refused push changes no value; it
-may leave the rows it named made (at their initial values), as a pull of them would.
+distinct rows it touches are copied out (a new row's initial values made aside), the
+kernel runs on the copies, and they are written back, the new rows added, only when every
+new weight is finite. Room for the new rows (slab and index) is made before anything is
+written, so that writing cannot fail half way. A refused push changes nothing.
+
+The rows pushed are bounded by a limit (:class:`aps.server.memory.TableMemory`: the
+``--table-memory`` given, or by default half the memory available at start): a push that
+would make rows past it evicts the least recently used rows of the tables declared
+``evict=True``, or is refused (:class:`aps.errors.TableMemoryFull`) with nothing changed.
 """
 
 from __future__ import annotations
@@ -27,6 +35,7 @@ from .. import _core
 from ..errors import InvalidIds, NonFiniteGradient, TableMemoryFull
 from ..tables import Table
 from ..wire.rows import RowSection, decode_request_rows, padded, reply_rows_bytes
+from .memory import TableMemory
 
 __all__ = ["RowTable", "Tables"]
 
@@ -70,9 +79,10 @@ class RowTable:
 
     # Requests ---------------------------------------------------------------
     def pull(self, ids: Any, out: np.ndarray | None = None, checked: bool = False) -> np.ndarray:
-        """The rows of ``ids`` (duplicates allowed, order kept), made on their first touch,
-        into ``out`` (a float32 array of shape ``(len(ids), dim)``) or a new array
-        (``checked``: ``ids`` are this table's, int64 and contiguous, checked already)."""
+        """The rows of ``ids`` (duplicates allowed, order kept) into ``out`` (a float32 array
+        of shape ``(len(ids), dim)``) or a new array (``checked``: ``ids`` are this table's,
+        int64 and contiguous, checked already): the rows held as they are, the others at
+        their initial values, the values their first push starts from. Nothing is kept."""
         if not checked:
             ids = self.table.check_ids(self.name, ids)
         if out is None:
@@ -80,8 +90,23 @@ class RowTable:
         elif out.dtype != np.float32 or out.shape != (len(ids), self.table.dim) or not out.flags.c_contiguous:
             raise InvalidIds(f"table {self.name!r}: out must be C-contiguous float32 of shape "
                              f"({len(ids)}, {self.table.dim})")
-        rows = self._find(ids)  # (before reading the slab: it may grow it)
-        self._kernels.rows_gather(out, self._rows, rows)
+        rows = np.empty(len(ids), np.int64)
+        missing = self.index.lookup(ids, rows, add=False)
+        kernels = self._kernels
+        if missing == len(ids):
+            kernels.rows_init(out, ids, self._seed, *self._init)
+        else:
+            held = rows >= 0
+            if self.evicts:
+                self._touched[rows[held]] = self.now
+            if missing:
+                fresh = ~held
+                initial = np.empty((missing, self.table.dim), np.float32)
+                kernels.rows_init(initial, np.ascontiguousarray(ids[fresh]), self._seed, *self._init)
+                rows[fresh] = rows[held][0]  # (any row held: gathered, then replaced)
+            kernels.rows_gather(out, self._rows, rows)
+            if missing:
+                out[fresh] = initial
         self.rows_pulled += len(ids)
         return out
 
@@ -97,26 +122,47 @@ class RowTable:
 
     def prepare(self, ids: np.ndarray, grads: np.ndarray, scale: float = 1.0) -> _Staged | None:
         """The first half of a push of checked ``ids`` and ``grads``: the new values of the
-        rows it touches and of their state, computed aside (:meth:`commit` writes them).
-        Raises NonFiniteGradient, with nothing changed, for a result that is not finite (a
-        gradient that is not makes one; :meth:`push` and ``Tables.check`` refuse it first). A
-        push of several tables prepares each, then commits each."""
+        rows it touches and of their state, computed aside (a row not held yet from its
+        initial values and zero state), and room made for the rows it adds (:meth:`commit`
+        writes them all). Raises NonFiniteGradient, with nothing changed, for a result that
+        is not finite (a gradient that is not makes one; :meth:`push` and ``Tables.check``
+        refuse it first). A push of several tables prepares each, then commits each."""
         if not len(ids):
             return None
         if scale != 1.0:
             grads = grads * np.float32(scale)
-        found = self._find(ids)
+        table, kernels = self.table, self._kernels
+        held = len(self)
+        found = np.empty(len(ids), np.int64)
+        added, index = None, None
+        if self.index.lookup(ids, found, add=False):
+            added = _place_new(ids, found, held)
+            # Room first (allocations that may fail; nothing the table holds changes).
+            self._make_room(held + len(added), held)
+            index = self._index_with_room(held + len(added))
         # The distinct rows, in the order first named (one native pass, no sort), and each
         # entry's place among them.
-        table, kernels = self.table, self._kernels
         where = np.empty(len(found), np.int64)
         rows = kernels.rows_distinct(found, where, self._mark)
         compact = np.empty((len(rows), table.dim), np.float32)
-        kernels.rows_gather(compact, self._rows, rows)
-        state = {}
-        for key, slab in self._state.items():
-            state[key] = np.empty((len(rows), slab.shape[1]), np.float32)
-            kernels.rows_gather(state[key], slab, rows)
+        state = {key: np.empty((len(rows), slab.shape[1]), np.float32) for key, slab in self._state.items()}
+        new = 0 if added is None else len(added)
+        if new == len(rows):  # every row new (numbered in the order first named, as ``rows`` are)
+            kernels.rows_init(compact, added, self._seed, *self._init)
+            for values in state.values():
+                values.fill(0.0)
+        else:  # rows held: gathered (a new row's place, from row 0, is written after)
+            source = rows if not new else np.where(rows < held, rows, 0)
+            kernels.rows_gather(compact, self._rows, source)
+            for key, slab in self._state.items():
+                kernels.rows_gather(state[key], slab, source)
+            if new:
+                fresh = rows >= held
+                initial = np.empty((new, table.dim), np.float32)
+                kernels.rows_init(initial, added[rows[fresh] - held], self._seed, *self._init)
+                compact[fresh] = initial
+                for values in state.values():
+                    values[fresh] = 0.0
         if table.optimizer == "sgd":
             ok = kernels.rows_sgd(compact, where, grads, table.lr)
         else:
@@ -131,13 +177,21 @@ class RowTable:
         if not ok:
             raise NonFiniteGradient(f"table {self.name!r}: the update would make a weight or its optimizer state "
                                     "infinite; nothing changed")
-        return _Staged(rows, compact, state, len(ids))
+        return _Staged(rows, compact, state, len(ids), added, index)
 
     def commit(self, staged: _Staged | None) -> None:
-        """Write what :meth:`prepare` computed (cannot fail)."""
+        """Write what :meth:`prepare` computed, the rows it adds first (cannot fail: their
+        room is made)."""
         if staged is None:
             return
         kernels = self._kernels
+        if staged.added is not None:
+            held, index = len(self), staged.index if staged.index is not None else self.index
+            index.lookup(staged.added, np.empty(len(staged.added), np.int64))  # rows held, held + 1...
+            self.index = index
+            self._touched[held : held + len(staged.added)] = self.now
+        if self.evicts:
+            self._touched[staged.rows] = self.now
         kernels.rows_scatter(self._rows, staged.values, staged.rows)
         for key, slab in self._state.items():
             kernels.rows_scatter(slab, staged.state[key], staged.rows)
@@ -147,7 +201,7 @@ class RowTable:
     # Checkpoints ------------------------------------------------------------
     def arrays(self) -> dict[str, np.ndarray]:
         """Copies of what a checkpoint keeps, in row order: ``ids``, ``rows`` and each
-        state array (rows never touched are not there)."""
+        state array (rows never pushed are not there)."""
         count = len(self)
         out = {"ids": self.index.ids(), "rows": self._rows[:count].copy()}
         out.update({key: slab[:count].copy() for key, slab in self._state.items()})
@@ -176,43 +230,33 @@ class RowTable:
         return restored
 
     # The index and the slab ------------------------------------------------
-    def _find(self, ids: np.ndarray) -> np.ndarray:
-        """The rows of ``ids``, made (their initial values, zero state) where new; each one
-        touched now."""
-        rows = np.empty(len(ids), np.int64)
-        missing = self.index.lookup(ids, rows, add=False)
-        if self.evicts:
-            self._touched[rows[rows >= 0]] = self.now
-        return self._make(ids, rows) if missing else rows
-
     def _held_rows(self, ids: np.ndarray) -> np.ndarray:
         """The rows of ``ids``, -1 where not held."""
         rows = np.empty(len(ids), np.int64)
         self.index.lookup(ids, rows, add=False)
         return rows
 
-    def _make(self, ids: np.ndarray, rows: np.ndarray) -> np.ndarray:
-        held = len(self.index)
-        missing = int(np.count_nonzero(rows < 0))
-        # Room first (an upper bound: duplicates among the new ids count twice), so that
-        # the index never names a row the slab lacks, even when making room fails.
-        self._make_room(held + missing, held)
-        added = self.index.lookup(ids, rows)
-        if added:
-            fresh = rows >= held
-            _, first = np.unique(rows[fresh], return_index=True)  # the new rows in order, each once
-            kind, scale = self._init
-            self._kernels.rows_init(self._rows[held : held + added], ids[fresh][first], self._seed, kind, scale)
-            for slab in self._state.values():
-                slab[held : held + added] = 0.0
-            self._touched[held : held + added] = self.now
-        return rows
+    def _index_with_room(self, count: int) -> Any:
+        """None when the index takes ``count`` ids without growing, else a new index that
+        does, holding the same ids at the same rows (made now: adding the ids cannot then
+        fail for want of memory). An index that tells no size (the reference twin's) grows
+        as it goes."""
+        capacity = self.index.nbytes // 32  # (16 bytes a bucket, at most half of them full)
+        if not capacity or count <= capacity:
+            return None
+        index = self._kernels.RowIndex(count)
+        held = self.index.ids()
+        index.lookup(held, np.empty(len(held), np.int64))
+        return index
 
-    def touch(self, ids: np.ndarray) -> int:
+    def touch(self, ids: np.ndarray, pushed: bool = True) -> int:
         """Mark the rows of ``ids`` held touched now (so that no eviction takes them);
-        returns how many rows ``ids`` would make (the distinct ids not held)."""
+        returns how many rows a push of ``ids`` would make (the distinct ids not held; 0
+        for a pull, which makes none)."""
         rows = self._held_rows(ids)
         self._touched[rows[rows >= 0]] = self.now
+        if not pushed:
+            return 0
         missing = ids[rows < 0]
         return len(np.unique(missing)) if len(missing) > 1 else len(missing)
 
@@ -270,13 +314,16 @@ class Tables(dict):
     and push them as one transaction; and the rows of an open BSP/softsync round, kept
     until its aggregate update applies them, summed by id, once."""
 
-    def __init__(self, *args: Any, limit: int = 0, max_reply: int = 4 << 30, **kwargs: Any) -> None:
+    def __init__(self, *args: Any, limit: int = 0, memory: TableMemory | None = None, max_reply: int = 4 << 30,
+                 **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         #: The most bytes of rows one reply may carry (a frame's limit).
         self.max_reply = max_reply
         self._round: dict[int, list[tuple[int, np.ndarray, np.ndarray, float]]] = {}  # table: (rank, ids, rows, scale)
-        #: ``--table-memory``: the bytes the tables' rows may take (0: no limit).
-        self.limit = limit
+        #: Where the limit came from (``--table-memory``, or the default).
+        self.memory = memory if memory is not None else TableMemory(limit)
+        #: The bytes the tables' rows may take, as :attr:`used` counts them (0: no limit).
+        self.limit = limit = self.memory.limit
         self._now = 0  # requests checked so far: the clock of the rows' last touch
         for rows in self.values():
             rows.evicts = bool(limit) and rows.table.evict
@@ -296,6 +343,11 @@ class Tables(dict):
     @property
     def nbytes(self) -> int:
         return sum(rows.nbytes for rows in self.values())
+
+    @property
+    def used(self) -> int:
+        """The bytes the rows held take as the limit counts them (:attr:`RowTable.row_cost`)."""
+        return sum(len(rows) * rows.row_cost for rows in self.values())
 
     def intake(self, payload: Any, push: bool, pull: bool, fit: bool = True,
                shared: bool = False) -> tuple[list, list]:
@@ -334,18 +386,20 @@ class Tables(dict):
             self._now += 1
             for rows in tables:
                 rows.now = self._now
-            self._fit([(tables[table], ids) for table, ids, _ in (*pushed, *pulled)])
+            for table, ids, _ in pulled:  # (the rows it reads stay: a pull makes none)
+                tables[table].touch(ids, pushed=False)
+            self._fit([(tables[table], ids) for table, ids, _ in pushed])
 
-    def _fit(self, parts: list[tuple[RowTable, np.ndarray]]) -> None:
+    def _fit(self, pushed: list[tuple[RowTable, np.ndarray]]) -> None:
         """Room within the limit (rows counted at their :attr:`RowTable.row_cost`) for the rows
-        a request makes (its rows held are touched now,
-        so they stay): the least recently used rows of the tables that may evict are dropped,
-        down to seven eighths of the limit (an eviction pays for many requests); else
-        TableMemoryFull, with nothing dropped. A request that makes no row always fits.
+        a request's push makes (its rows held are touched now, so they stay): the least
+        recently used rows of the tables that may evict are dropped, down to seven eighths of
+        the limit (an eviction pays for many requests); else TableMemoryFull, with nothing
+        dropped. A request that makes no row (a pull, a push of rows held) always fits.
         Requests in flight (one per worker at most) may pass the limit by the rows they make,
         never more."""
-        need = sum(rows.touch(ids) * rows.row_cost for rows, ids in parts)
-        held = sum(len(rows) * rows.row_cost for rows in self.values())
+        need = sum(rows.touch(ids) * rows.row_cost for rows, ids in pushed)
+        held = self.used
         if not need or held + need <= self.limit:
             return
         target = held + need - self.limit + self.limit // 8
@@ -353,10 +407,11 @@ class Tables(dict):
         freeable = sum(len(found) * rows.row_cost for rows, found, _ in candidates)
         if freeable < held + need - self.limit:
             raise TableMemoryFull(
-                f"the rows of the tables take {held} bytes of the {self.limit} --table-memory allows, and this "
-                f"request makes up to {need} more; "
+                f"the rows of the tables take {held} bytes of the {self.limit} --table-memory allows "
+                f"({self.memory.source()}), and this push makes up to {need} more; "
                 + ("the tables that may evict (evict=True) have too few rows to give up" if candidates else
-                   "no table is declared evict=True") + ": nothing changed")
+                   "no table is declared evict=True") + ": nothing changed. Start the server with a larger "
+                "--table-memory SIZE (0: no limit), or declare the tables evict=True")
         order = np.concatenate([touched for _, _, touched in candidates]).argsort(kind="stable")
         owner = np.concatenate([np.full(len(found), i) for i, (_, found, _) in enumerate(candidates)])[order]
         row = np.concatenate([found for _, found, _ in candidates])[order]
@@ -368,9 +423,10 @@ class Tables(dict):
                 rows.drop(mine)
 
     def pull(self, pulled: list, room: Callable[[int], np.ndarray] | None = None) -> list[np.ndarray]:
-        """The rows a request asked for, table after table (made on their first touch): in
-        new arrays, or gathered straight into ``room(nbytes)`` (a reply's rows, each table's
-        8-aligned, as aps.wire.rows lays them out: a shared-memory reply segment)."""
+        """The rows a request asked for, table after table (a row not held yet at its initial
+        values, kept nowhere): in new arrays, or gathered straight into ``room(nbytes)`` (a
+        reply's rows, each table's 8-aligned, as aps.wire.rows lays them out: a shared-memory
+        reply segment)."""
         tables = self._order
         if room is None:
             return [tables[table].pull(ids, checked=True) for table, ids, _ in pulled]
@@ -457,12 +513,28 @@ class Tables(dict):
 
 
 class _Staged(NamedTuple):
-    """A prepared push of one table: its rows (slab positions), their new values and state."""
+    """A prepared push of one table: its rows (slab positions), their new values and state;
+    the ids it adds (in the order of their rows, from the rows held on; None: none) and the
+    index with room for them (None: the table's has room)."""
 
     rows: np.ndarray
     values: np.ndarray
     state: dict[str, np.ndarray]
     count: int
+    added: np.ndarray | None = None
+    index: Any = None
+
+
+def _place_new(ids: np.ndarray, rows: np.ndarray, held: int) -> np.ndarray:
+    """Number the ids not held (``rows`` -1) ``held``, ``held + 1``... in the order first
+    named, in ``rows``; returns them, each once, in that order."""
+    fresh = np.flatnonzero(rows < 0)
+    distinct, first, inverse = np.unique(ids[fresh], return_index=True, return_inverse=True)
+    order = np.argsort(first, kind="stable")
+    place = np.empty(len(distinct), np.int64)
+    place[order] = np.arange(len(distinct))
+    rows[fresh] = held + place[inverse.reshape(-1)]
+    return np.ascontiguousarray(distinct[order])
 
 
 def _merged(pushes: list, scale: float) -> tuple[np.ndarray, np.ndarray, np.ndarray]:

@@ -13,8 +13,10 @@ import errno
 import logging
 import os
 import pathlib
+import shutil
 import signal
 import sys
+import tempfile
 import threading
 import uuid
 from collections.abc import Callable
@@ -24,27 +26,33 @@ from typing import Any
 import numpy as np
 
 from .checkpointer import Checkpointer
+from .compensation import check_lambda
 from .engine import Engine
 from .lane import run_kernel
+from .optim import check_kernel_values
 from ..checkpoint import (
     Checkpoint,
+    checkpoint_key,
     find_resumable,
     is_checkpoint,
     list_checkpoints,
     lock_run_directory,
     read_checkpoint,
+    read_lineage,
     read_manifest,
 )
 from ..wire.tokens import new_token, remove_token_file, token_path, write_token_file
-from ..config import RESUME_LATEST, RUN_OPTIONS, RUN_OPTIONS_SINCE, ServerConfig, generates_token, resolve_token
-from ..errors import APSError, CheckpointError, CheckpointFailed, ConfigurationError
+from ..config import (RESUME_LATEST, RUN_OPTIONS, RUN_OPTIONS_SINCE, ServerConfig, generates_token,
+                      parse_compensation, resolve_token)
+from ..errors import APSError, CheckpointError, CheckpointFailed, ConfigurationError, ShuttingDown
 from ..wire.protocol import encode_join_progress
 from ..wire.net import server_context
-from ..wire.net import format_address
+from ..wire.net import connect_failure, format_address
 from ..wire.segments import Segment, default_socket_path, shm_available
 from .admission import Connections
 from .shm import ShmSession, UnixListener
 from .tcp import TcpSession
+from .twin import serving_run
 
 __all__ = ["Server", "new_event_loop"]
 
@@ -56,6 +64,8 @@ _JOIN_PROGRESS_EVERY_S = 2.0
 _JOIN_PROGRESS_COALESCE_S = 0.2
 # A rewind's reply leaves before the process restarts.
 _REWIND_REPLY_S = 0.1
+# The environment variable a rewinding server hands its lineage on in (see _carry_rewound_lineage).
+_REWOUND_LINEAGE = "_APS_REWOUND_LINEAGE"
 
 
 def _busy_hint(exc: OSError, flag: str) -> str:
@@ -110,6 +120,7 @@ class Server:
         self._progress: asyncio.Task | None = None
         self._quorum_deadline: asyncio.TimerHandle | None = None  # (elastic: see _quorum_changed)
         self._unix: UnixListener | None = None
+        self._unix_directory: str | None = None  # a private directory made for the Unix socket (see _listen_unix)
         self._port: int | None = None
         self._rewinding: tuple[int, str] | None = None  # (version, path): what a REWIND restarts this process from
         self._run_lock = None  # the lock on the directory the run was resumed from (see _checkpoint_to_resume)
@@ -122,6 +133,7 @@ class Server:
         #: The file holding the token this server made itself (None: it was given one, or none).
         self.token_file: str | None = None
         self._token: bytes | None = None
+        self._checkpoint_key: bytes | None = None
 
     @property
     def address(self) -> str:
@@ -154,8 +166,12 @@ class Server:
         if generated:
             token = new_token().encode("utf-8")
         self._token = token
+        # A token of the operator's (given, so the same at every start) signs the run's
+        # checkpoints, and a resume reads only those it signed (--resume-unsigned aside).
+        self._checkpoint_key = None if token is None or generated else checkpoint_key(token)
         try:
             checkpoint = self._checkpoint_to_resume()  # before anything starts: a bad one changes nothing
+            _check_kernel_values(self.config)  # (the run's values: a resumed run's are the checkpoint's)
         except BaseException:
             self._release_run_lock()
             raise
@@ -175,12 +191,16 @@ class Server:
                 self.engine.restore(checkpoint)
                 if config.fork_run:
                     self._fork(checkpoint)
+                else:
+                    self._carry_journal(checkpoint)
+                    self._carry_rewound_lineage()
+                    await self._refuse_a_live_twin(checkpoint, token)
             if config.checkpoint_dir is not None:
                 if self._run_lock is not None and _same_directory(self._run_lock.name, config.checkpoint_dir):
                     # The checkpointer takes the same lock on the same file (a second flock of
                     # one file conflicts even within a process): it holds the directory from now.
                     self._release_run_lock()
-                self.checkpointer = Checkpointer(config, self.engine)
+                self.checkpointer = Checkpointer(config, self.engine, key=self._checkpoint_key)
                 self.checkpointer.start()
                 self.engine.request_checkpoint = self.checkpointer.request
                 self.engine.request_rewind = self._request_rewind
@@ -203,8 +223,8 @@ class Server:
             )
         except OSError as exc:
             await self._abandon_start()
-            raise ConfigurationError(f"cannot listen on {config.host}:{config.port}: {exc.strerror or exc}"
-                                     f"{_busy_hint(exc, '--port')}") from None
+            raise ConfigurationError(f"cannot listen on {config.host}:{config.port}: "
+                                     f"{connect_failure(config.host, exc)}{_busy_hint(exc, '--port')}") from None
         self._port = self._listener.sockets[0].getsockname()[1]
         self.engine.address = self.address
         try:
@@ -214,24 +234,21 @@ class Server:
             await self._abandon_start()
             raise
         if shared:
-            path = default_socket_path(self._port) if config.unix_socket == "auto" else config.unix_socket
             try:
-                self._unix = UnixListener(
-                    path, lambda sock: ShmSession(self.engine, max_payload, self.connections, sock, token),
-                    sweep=config.unix_socket == "auto",
-                )
-            except (OSError, ConfigurationError) as exc:
+                self._unix = self._listen_unix(lambda sock: ShmSession(self.engine, max_payload, self.connections,
+                                                                       sock, token))
+            except ConfigurationError:
                 self._listener.close()
                 await self._abandon_start()
-                raise ConfigurationError(f"cannot listen on {path}: {exc}") from None
-            self.unix_path = path
+                raise
+            self.unix_path = self._unix.path if self._unix is not None else ""
         if config.http_port is not None:
             from .http import HttpSide
 
             stats = self.engine.stats
-            # The HTTP side is read-only: a token made here guards the worker port only (as given
-            # with --token, it guards both).
-            self.http = HttpSide(config, self.engine.stats_snapshot, None if generated else token, tls=tls,
+            # The token guards the HTTP side too, made here or given: what the run is (its id, its
+            # workers, its curves) is no business of the host's other users.
+            self.http = HttpSide(config, self.engine.stats_snapshot, token, tls=tls,
                                  totals=lambda: self.engine.stats_totals(), events_after=stats.events_after,
                                  ready=lambda: "the server is stopping" if self._stopping.is_set() else None,
                                  scalars=self.engine.scalars)
@@ -239,11 +256,11 @@ class Server:
                 await self.http.start()
             except OSError as exc:
                 self._listener.close()
-                if self._unix is not None:
-                    self._unix.close()
+                self._close_unix()
                 await self._abandon_start()
-                raise ConfigurationError(f"cannot listen on {config.host}:{config.http_port} (--http-port): "
-                                         f"{exc.strerror or exc}{_busy_hint(exc, '--http-port')}") from None
+                raise ConfigurationError(
+                    f"cannot listen on {config.host}:{config.http_port} (--http-port): "
+                    f"{connect_failure(config.host, exc)}{_busy_hint(exc, '--http-port')}") from None
         self._watchdog = loop.create_task(self._watch_connections(self.config.heartbeat_timeout))
         self._progress = loop.create_task(self._report_join_progress())
         engine = self.engine
@@ -252,7 +269,7 @@ class Server:
             # (a sharded BSP run keeps waiting: its shards must find one common round).
             self._quorum_deadline = loop.call_later(config.quorum_timeout, engine.give_up_waiting)
         log.info(
-            "listening on %s%s%s: %s workers, sync %s, optimizer %s lr=%g",
+            "listening on %s%s%s: %s workers, sync %s, optimizer %s lr=%g; %s",
             self.address,
             f" and {self.unix_path} (shared memory)" if self.unix_path else "",
             (f" (a token is required: made for this run, in {self.token_file}, where this user's workers and "
@@ -262,6 +279,7 @@ class Server:
             self.config.sync,
             self.config.optimizer,
             self.config.lr,
+            self.engine.table_memory.describe(),
         )
 
     # Rewinding (REWIND: a sharded BSP worker brings every shard back to one round) ----------
@@ -298,9 +316,7 @@ class Server:
         self._rewinding = (version, path)
         # No new connection reaches this process: the next ones reach the restarted one.
         self._listener.close()
-        if self._unix is not None:
-            self._unix.close()
-            self._unix = None
+        self._close_unix()
         log.warning("rewinding to version %d (from %d): restarting from %s", version, engine.version, path)
         asyncio.get_running_loop().call_later(_REWIND_REPLY_S, self._restart, path)
         return {"rewound": True, "version": version, "path": path}
@@ -311,9 +327,53 @@ class Server:
         command = [*self.restart_command, "--port", str(self._port), "--resume", path]
         if self.http is not None and self.http.port is not None:
             command += ["--http-port", str(self.http.port)]
+        os.environ[_REWOUND_LINEAGE] = self.engine.lineage_text
         sys.stdout.flush()
         sys.stderr.flush()
         os.execv(command[0], command)
+
+    def _listen_unix(self, on_connection: Callable) -> UnixListener | None:
+        """The Unix socket co-located workers reach the server by (shared memory): at
+        ``--unix-socket PATH`` (or a ConfigurationError saying why not); with ``auto``, in this
+        user's private directory (:func:`default_socket_path`), else, when that cannot be
+        used (another local user made it first, say), in a fresh private directory beside it;
+        else none, with a warning: co-located workers then use TCP."""
+        config = self.config
+        if config.unix_socket != "auto":
+            try:
+                return UnixListener(config.unix_socket, on_connection)
+            except (OSError, ConfigurationError) as exc:
+                raise ConfigurationError(f"cannot listen on {config.unix_socket}: {exc}") from None
+        path = default_socket_path(self._port)
+        try:
+            return UnixListener(path, on_connection, sweep=True)
+        except (OSError, ConfigurationError) as exc:
+            refused = exc
+        base = os.path.dirname(os.path.dirname(path))
+        directory = None
+        try:
+            directory = tempfile.mkdtemp(prefix=f"aps-{os.getuid()}-", dir=base)  # (made private, 0700, ours)
+            listener = UnixListener(os.path.join(directory, f"{self._port}.sock"), on_connection)
+        except (OSError, ConfigurationError) as exc:
+            if directory is not None:
+                _remove_directory(directory)
+            log.warning("cannot use %s (%s), nor a new private directory in %s (%s): no shared memory; workers on "
+                        "this host use TCP", path, refused, base, exc)
+            return None
+        log.warning("cannot use %s (%s): the Unix socket for shared memory is %s instead (workers learn it when they "
+                    "connect)", path, refused, listener.path)
+        self._unix_directory = directory
+        return listener
+
+    def _close_unix(self) -> None:
+        """Stop listening on the Unix socket; remove the directory made for it, if any."""
+        if self._unix is not None:
+            self._unix.close()
+            self._unix = None
+        if self._unix_directory is not None:
+            _remove_directory(self._unix_directory)
+            self._unix_directory = None
+
     def _publish_token(self, token: bytes | None) -> None:
         """Write the token this server made to its file (see :mod:`aps.wire.tokens`); without
         one, remove a file left at this address by a server that is gone (this one
@@ -341,12 +401,46 @@ class Server:
             self._run_lock.close()
             self._run_lock = None
 
+    async def _refuse_a_live_twin(self, checkpoint: Checkpoint, token: bytes | None) -> None:
+        """Refuse to resume a run that a live server still serves: the one that wrote the
+        checkpoint, asked where it served (aps.server.twin). A copy of a live run's checkpoints
+        resumed elsewhere would be a second server of one run, under one run id."""
+        served_at = checkpoint.manifest.get("served_at")
+        info = await asyncio.to_thread(serving_run, served_at, token)
+        if info is not None and info.run_id == self.engine.run_id:
+            raise CheckpointError(
+                f"run {self.engine.run_id} is still served at {served_at} (incarnation "
+                f"{info.incarnations[-1] if info.incarnations else '?'}), by the server whose checkpoint "
+                f"{checkpoint.path} is: resuming it here would make two servers of one run. Stop that server first "
+                "(then resume from its newest checkpoint), or give --fork-run to go on from the checkpoint as a new "
+                "run with a run id of its own")
+
+    def _carry_journal(self, checkpoint: Checkpoint) -> None:
+        """The incarnations that served the run from the checkpoint's directory after it was
+        written (they died before a checkpoint of their own) are ancestors too: their workers
+        follow this server (aps.checkpoint.read_lineage)."""
+        engine = self.engine
+        saved = engine.lineage[:-1]
+        journal = read_lineage(checkpoint.path.parent)
+        if saved and saved[-1] in journal:
+            later = [i for i in journal[journal.index(saved[-1]) + 1:] if i not in saved and i != engine.incarnation]
+            engine.carry_lineage([*saved, *later])
+
+    def _carry_rewound_lineage(self) -> None:
+        """A server that rewound (REWIND: the same process, started again from an older
+        checkpoint of its own) goes on from its own lineage, not the older checkpoint's: its
+        workers were last served by it."""
+        saved = os.environ.pop(_REWOUND_LINEAGE, None)
+        if saved:
+            self.engine.carry_lineage(saved.split(","))
+
     def _fork(self, checkpoint: Checkpoint) -> None:
         """``--fork-run``: the resumed state goes on under a new run id, so that workers of the
         original run (whose server may be live) are refused here (RunChanged), and this
         run's checkpoints are its own. Shards record their runs again as workers join."""
         engine = self.engine
         original, engine.run_id, engine.shard_runs = engine.run_id, uuid.uuid4().hex, None
+        engine.lineage = [engine.incarnation]
         log.warning("--fork-run: checkpoint %s of run %s goes on as a new run, %s (workers of the original run "
                     "are not served here)", checkpoint.path, original, engine.run_id)
 
@@ -369,7 +463,7 @@ class Server:
                 f": a second server resuming it (--resume {where}) would make two copies of one run, under one run "
                 "id. Stop that server first (then resume from its newest checkpoint), or give --fork-run to go on "
                 "from the checkpoint as a new run with a run id of its own"))
-        checkpoint = find_resumable(where)
+        checkpoint = find_resumable(where, key=None if config.resume_unsigned else self._checkpoint_key)
         if checkpoint is None:
             if config.resume != RESUME_LATEST:
                 raise CheckpointError(f"--resume {where}: no checkpoint there")
@@ -522,12 +616,13 @@ class Server:
         self._watchdog = self._progress = None
         if self._listener is not None:
             self._listener.close()
-        if self._unix is not None:
-            self._unix.close()
-            self._unix = None
+        self._close_unix()
         sessions = list(self.connections)
+        notice, resumable = self._shutdown_notice()
+        if any(conn.member is not None for conn in sessions):
+            log.info("telling the workers: %s", notice.message)
         for conn in sessions:
-            conn.announce_shutdown()
+            conn.announce_shutdown(notice, resumable)
         if self.checkpointer is not None:
             # After the announcement (nothing more is answered: a push taken from now on
             # is in the checkpoint, or is sent again after the restart) and before the
@@ -550,6 +645,17 @@ class Server:
             self.engine.table.close()
         self._unpublish_token()
         log.info("server stopped")
+
+    def _shutdown_notice(self) -> tuple[ShuttingDown, bool]:
+        """What the workers are told as the server stops, and whether it can be resumed: with
+        --checkpoint-dir it checkpoints now, and a server resumed from there takes them back
+        (they wait for it); without, nothing can take the run up again (their calls end)."""
+        directory = self.config.checkpoint_dir if self.checkpointer is not None else None
+        if directory is None:
+            return ShuttingDown("the server is shutting down, for good: it keeps no checkpoints (no "
+                                "--checkpoint-dir), so no server can take this run up again"), False
+        return ShuttingDown(f"the server is shutting down; it checkpoints to {directory}, and a server resumed from "
+                            f"there (aps serve --checkpoint-dir {directory} --resume) takes its workers back"), True
 
     async def serve(self, announce: Callable[[str], None] | None = None) -> None:
         """Start, call ``announce(address)``, serve until :meth:`stop`, then close."""
@@ -597,7 +703,7 @@ class Server:
         _print_address(address)
         if self.http_address is not None:
             sys.stdout.write(f"aps: dashboard on {self.http_address}\n")
-            if (hint := self.http.token_hint(self.http_address)) is not None:
+            if (hint := self.http.token_hint(self.http_address, self.token_file)) is not None:
                 sys.stdout.write(hint + "\n")
         if self.token_file is not None:
             sys.stdout.write(f"aps: token in {self.token_file} (workers and aps status of this user find it)\n")
@@ -663,6 +769,15 @@ class Server:
         future.add_done_callback(finished)
 
 
+def _check_kernel_values(config: ServerConfig) -> None:
+    """Refuse (ConfigurationError) a learning rate, momentum, betas, eps, weight decay or
+    compensation LAMBDA the update kernels cannot compute with in their float32, before
+    anything listens: such a run would refuse every gradient as not finite."""
+    check_kernel_values(config.optimizer, lr=config.lr, momentum=config.momentum, weight_decay=config.weight_decay,
+                        betas=config.betas, eps=config.eps)
+    check_lambda(*parse_compensation(config.compensation))
+
+
 def _run_checkpoints(directory: str, run_id: str) -> dict[int, str]:
     """The complete checkpoints of run ``run_id`` in ``directory``, by version (the newest
     of a version when there are several)."""
@@ -697,6 +812,11 @@ def _raise_descriptor_limit(connections: int) -> None:
     if soft != resource.RLIM_INFINITY and soft < connections + 64:
         log.warning("the descriptor limit (%d) is below --max-connections %d: some connections will fail",
                     soft, connections)
+
+
+def _remove_directory(directory: str) -> None:
+    """Remove a directory this server made, and what it left there (a socket file)."""
+    shutil.rmtree(directory, ignore_errors=True)
 
 
 def _same_directory(lock_file: str, directory: str) -> bool:

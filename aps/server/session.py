@@ -153,6 +153,7 @@ class ServerSession(Handshake, RowRequests, RunRequests):
         self.peer = "?"
         #: The peer's address as failed AUTH attempts are counted by (its host, or its user).
         self.peer_key = "?"
+        self._auth_key: str | None = None  # whom failed AUTHs count against, found at the first
         self._guard: StrangerGuard = getattr(registry, "guard", None) or StrangerGuard()
         self._parked: tuple[Header, memoryview] | None = None  # a stranger's request waiting its turn
         self._loop = asyncio.get_event_loop()
@@ -339,14 +340,15 @@ class ServerSession(Handshake, RowRequests, RunRequests):
             self._loop.call_soon(self._resume)
 
     # Server control -------------------------------------------------------------
-    def announce_shutdown(self) -> None:
-        """The server is stopping: say so, and send nothing after (see :meth:`close`).
+    def announce_shutdown(self, notice: ShuttingDown, resumable: bool) -> None:
+        """The server is stopping: say so (``resumable``: it can be resumed where it stops,
+        flag RESUMABLE), and send nothing after (see :meth:`close`).
 
         The server announces to every session before closing any, so no
         worker is released by another's departure in between.
         """
         if self._can_write():
-            self._reply_error(0, ShuttingDown("the server is shutting down"))
+            self._reply_error(0, notice, warn=False, flags=Flag.RESUMABLE if resumable else 0)
         self._silenced = True
 
     def notify_join_progress(self, payload: bytes) -> None:
@@ -778,13 +780,13 @@ class ServerSession(Handshake, RowRequests, RunRequests):
                 return
         self._done()
 
-    def _reply_error(self, rid: int, exc: ServerError, *, warn: bool = True) -> None:
+    def _reply_error(self, rid: int, exc: ServerError, *, warn: bool = True, flags: int = 0) -> None:
         """Send an error frame (does not end the request: callers decide)."""
         if warn:
             self._warn("%s: %s", exc.code.name, exc.message)
         if self._can_write() and not self._silenced:
             payload = encode_error(exc.code, exc.message)
-            frame = pack_header(Op.ERROR, 0, 0, rid, 0, 0, len(payload)) + payload
+            frame = pack_header(Op.ERROR, flags, 0, rid, 0, 0, len(payload)) + payload
             self._traffic.bytes_out += len(frame)
             self._write(frame)
 

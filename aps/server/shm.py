@@ -79,8 +79,8 @@ class UnixListener:
         self._on_connection = on_connection
         directory = os.path.dirname(path)
         os.makedirs(directory, mode=0o700, exist_ok=True)
-        info = os.stat(directory)
-        if info.st_uid != os.getuid() or stat.S_IMODE(info.st_mode) & 0o077:
+        info, link = os.stat(directory), os.lstat(directory)  # (a link another user made to a dir of ours: refused)
+        if info.st_uid != os.getuid() or link.st_uid != os.getuid() or stat.S_IMODE(info.st_mode) & 0o077:
             raise ConfigurationError(f"{directory} must belong to this user and be private (mode 0700)")
         if sweep:
             _sweep_stale_sockets(directory, keep=path)

@@ -116,6 +116,9 @@ class EngineView:
     ranks: tuple[RankView, ...]
     #: The model's embedding tables, in their declared order (none: a model without tables).
     tables: tuple[TableView, ...] = ()
+    #: The bytes the tables' rows take as --table-memory counts them, the limit (0: none), and
+    #: the memory available at start the limit is half of (None: --table-memory was given).
+    table_memory: tuple[int, int, int | None] = (0, 0, None)
     #: MIN of an elastic run (``workers`` is MAX); equal to ``workers`` for a fixed size.
     min_workers: int = 0
     #: A worker finished training (LEAVE, Flag.FINISHED): fewer than MIN live hold nobody.
@@ -261,7 +264,7 @@ class ServerStats:
         self.quorum_since: float | None = None
         self.quorum_holds = 0
         #: Handshakes: failed (any reason), AUTH attempts held back for their turn, and
-        #: refused outright (their address failed too often); see aps.server.admission.AuthThrottle.
+        #: refused (too many of theirs waiting after failures); see aps.server.admission.AuthThrottle.
         self.auth = {"failures": 0, "throttled": 0, "refused": 0}
         #: INITs refused because the layout blocks being read used up the server's budget.
         self.strangers = {"layout_refused": 0}
@@ -450,6 +453,7 @@ class ServerStats:
                 "strangers": dict(self.strangers),
                 # name -> rows held, their bytes, and this process's counts (from 0 when it started)
                 "tables": {table.name: _table(table) for table in engine.tables},
+                "table_memory": _table_memory(*engine.table_memory),
             },
             "workers": workers,
             "events": list(self.events),
@@ -472,6 +476,13 @@ def _table(table: TableView) -> dict:
     """One table of the snapshot's ``tables``."""
     return {"dim": table.dim, "optimizer": table.optimizer, "rows": table.rows, "bytes": table.nbytes,
             "rows_pulled": table.rows_pulled, "rows_pushed": table.rows_pushed, "rows_evicted": table.rows_evicted}
+
+
+def _table_memory(used: int, limit: int, available: int | None) -> dict:
+    """The snapshot's ``table_memory``: the bytes the rows take as the limit counts them, the
+    limit (None: no limit), and whether it is the default (half the memory available at start)."""
+    return {"bytes": used, "limit": limit or None, "default": available is not None,
+            "available_at_start": available}
 
 
 class RowRates:

@@ -20,6 +20,7 @@ import numpy as np
 from ..errors import PayloadSizeMismatch
 from ..wire.protocol import HEADER_SIZE, DType, Header, pack_header
 from ..wire.net import set_keepalive, set_nodelay
+from .admission import auth_key
 from .session import ServerSession, dtype_name
 
 if TYPE_CHECKING:
@@ -42,6 +43,7 @@ class TcpSession(ServerSession, asyncio.BufferedProtocol):
     ) -> None:
         super().__init__(engine, max_payload, registry, unix_path, token)
         self.transport: asyncio.Transport | None = None
+        self._addresses: tuple = (None, None)  # (peer, local): whom failed AUTHs count against
         self._vectored = type(self._loop).__module__.startswith("uvloop")
         self._leases: list[Snapshot] = []
         # Gradients at least this large are applied while they arrive, when the
@@ -60,10 +62,14 @@ class TcpSession(ServerSession, asyncio.BufferedProtocol):
         peer = transport.get_extra_info("peername")
         self.peer = f"{peer[0]}:{peer[1]}" if isinstance(peer, tuple) else str(peer)
         self.peer_key = str(peer[0]) if isinstance(peer, tuple) else self.peer
+        self._addresses = (peer, transport.get_extra_info("sockname"))
         if not self._admit():
             return
         self.registry.add(self)
         log.debug("%s: connected", self.peer)
+
+    def _find_auth_key(self) -> str:
+        return auth_key(*self._addresses)
 
     def get_buffer(self, sizehint: int) -> memoryview:
         return self.reader.get_buffer(sizehint)

@@ -87,6 +87,8 @@ class ServerProcess:
         # file), for the helper's own requests; None when it has none (--insecure)
         token = args[args.index("--token") + 1] if "--token" in args else full_env.get("APS_TOKEN")
         self.token = token.encode() if token else find_token(host, self.port)
+        #: The server made its token itself (no --token, none in the environment: its token file).
+        self.token_made = not token and self.token is not None
 
     def _read_first_line(self, timeout: float) -> str:
         lines: queue.Queue[str] = queue.Queue()

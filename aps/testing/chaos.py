@@ -51,13 +51,16 @@ from pathlib import Path
 import numpy as np
 
 from .ledger import LedgerLayout, analyse_ledger
+from .users import as_second_user, second_user_env, second_user_unavailable
 
 ROOT = Path(__file__).resolve().parents[1]
 PY = sys.executable
 
 #: Every fault kind, in the order the report lists them.
 FAULT_KINDS = ("worker_kill", "worker_stop", "shard_kill", "shard_kill_older", "shard_stop", "cut", "disk_full",
-               "strangers")
+               "strangers", "guesser", "impostor")
+#: The kinds that need a second user of the host (root, to run them as ``nobody``).
+SECOND_USER_KINDS = ("guesser", "impostor")
 #: The sync policies a soak runs (``--sync``).
 POLICIES = {"bsp": ("--sync", "bsp"), "ssp": ("--sync", "ssp", "--staleness", "2"), "asp": ("--sync", "asp")}
 #: The ledger's SGD: every weight counts its applications.
@@ -145,6 +148,16 @@ class _Place:
         if self.host is not None:
             return self.host.popen(argv, **kwargs)
         return subprocess.Popen(argv, **kwargs)
+
+
+class _SecondUser(_Place):
+    """Where the second user's processes run: ``place``, as ``nobody``."""
+
+    def __init__(self, place: _Place) -> None:
+        super().__init__(place.host)
+
+    def popen(self, argv: list[str], **kwargs) -> subprocess.Popen:
+        return super().popen(as_second_user(argv), **kwargs)
 
 
 class LogTail:
@@ -342,6 +355,7 @@ class Soak:
         self.stranger_place = _Place()
         self.workers: list[WorkerProc | None] = [None] * config.workers
         self.other_procs: list[subprocess.Popen] = []
+        self.second_user_homes: list[str] = []
         self.all_workers: list[subprocess.Popen] = []  # every worker process ever started, to stop by pid
         self.all_shards: list[subprocess.Popen] = []
         self.tails = [LogTail(self.dir / f"worker-{r}.log") for r in range(config.workers)]
@@ -398,6 +412,9 @@ class Soak:
         else:
             self.shard_places = [_Place() for _ in range(cfg.shards)]
             self.worker_places = [_Place() for _ in range(cfg.workers)]
+        reason = second_user_unavailable()
+        if reason is not None:
+            self.notes.append(f"second-user attackers (guesser, impostor) off: {reason}")
         reason = tmpfs_unavailable_reason()
         if reason is None:
             # room for the kept checkpoints, one being written and one left over, and slack
@@ -420,6 +437,8 @@ class Soak:
             kinds = [k for k in kinds if k != "cut"]
         if not self.tmpfs:
             kinds = [k for k in kinds if k != "disk_full"]
+        if second_user_unavailable() is not None:
+            kinds = [k for k in kinds if k not in SECOND_USER_KINDS]
         return kinds
 
     def shard_argv(self, index: int, port: int, resume: str | None) -> list[str]:
@@ -489,6 +508,8 @@ class Soak:
         left = [p.pid for p in procs + self.all_shards if p.poll() is None]
         if left:
             errors.append(f"processes left: {left}")
+        for home in self.second_user_homes:
+            shutil.rmtree(home, ignore_errors=True)
         if self._own_dir and not self.cfg.keep_run_dir and not errors:
             shutil.rmtree(self.dir, ignore_errors=True)
         self.cleanup_errors = errors
@@ -594,7 +615,9 @@ class Soak:
         self.wait(fault.seconds)
         self._signal(shard.proc, signal.SIGCONT)
 
-    def _fault_shard_kill(self, fault: Fault, older: bool = False) -> None:
+    def _fault_shard_kill(self, fault: Fault, older: bool = False, meanwhile=None) -> None:
+        """Kill a shard (kill -9), and resume it after ``fault.seconds`` (``meanwhile()`` runs
+        while it is down instead of a plain wait, when given)."""
         from aps.checkpoint import list_checkpoints, read_checkpoint
 
         index = fault.target
@@ -625,7 +648,10 @@ class Soak:
                      resumed_from=path.name if path else None)
         fault.detail.update(crash)
         self.crashes.append(crash)
-        self.wait(fault.seconds)
+        if meanwhile is None:
+            self.wait(fault.seconds)
+        else:
+            meanwhile()
         try:
             restarted = self.start_shard(index, resume)
         except RuntimeError as exc:  # the resume was refused: say so, start from the newest instead
@@ -687,17 +713,82 @@ class Soak:
                                           "--seconds", str(fault.seconds), "--out", str(out)],
                                          stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                                          stdin=subprocess.DEVNULL, env=self.env)
+        self._attack(fault, proc, out, fault.seconds + 15.0)
+
+    def _attack(self, fault: Fault, proc: subprocess.Popen, out: Path, seconds: float) -> None:
+        """Wait (training goes on) while the attacker ``proc`` runs, for ``seconds`` at most;
+        then its JSON summary (``out``) and the pushes made meanwhile go into the fault's detail."""
         self.other_procs.append(proc)
         before = list(self.acks)
-        end = time.monotonic() + fault.seconds + 15.0
+        end = time.monotonic() + seconds
         while proc.poll() is None and time.monotonic() < end:
             self.wait(0.2)
         _stop_process(proc, grace=1.0, signum=signal.SIGKILL)
         self.other_procs.remove(proc)
         fault.detail["pushes_during"] = sum(self.acks) - sum(before)
         with contextlib.suppress(OSError, ValueError):
-            fault.detail.update(json.loads(out.read_text()))
+            summary = json.loads(out.read_text())
+            summary.pop("took", None)
+            fault.detail.update(summary)
             out.unlink()
+
+    def _second_user_env(self) -> dict:
+        """The second user's environment: a home of its own (removed at cleanup), this
+        package on its path, no token."""
+        env = second_user_env()
+        self.second_user_homes.append(env["HOME"])
+        env["PYTHONPATH"] = self.env["PYTHONPATH"]
+        return env
+
+    def _fault_guesser(self, fault: Fault) -> None:
+        """Another user of a shard's host guesses at its token, from several loopback addresses
+        where the shard listens on loopback: the workers train on, and no guess is let in."""
+        shard, place = self.shards[fault.target], self.shard_places[fault.target]
+        env = self._second_user_env()
+        out = Path(env["HOME"]) / "guesses.json"
+        sources = ",".join(f"127.0.0.{n}" for n in range(1, 7)) if place.host is None else place.address
+        proc = place.popen(as_second_user([
+            PY, "-m", "aps.testing.chaos_processes", "guesser", "--address", shard.address, "--count",
+            str(max(8, int(fault.seconds * 4))), "--parallel", "4", "--sources", sources, "--timeout", "15",
+            "--out", str(out)]), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, stdin=subprocess.DEVNULL,
+            env=env)
+        self._attack(fault, proc, out, fault.seconds + 30.0)
+
+    def _worker_refusals(self) -> int:
+        """How many times the workers have said they refused a server on a shard's address."""
+        total = 0
+        for rank in range(self.cfg.workers):
+            with contextlib.suppress(OSError):
+                total += (self.dir / f"worker-{rank}.err").read_bytes().count(b"refused the server now at")
+        return total
+
+    def _fault_impostor(self, fault: Fault) -> None:
+        """A shard dies (kill -9) and another user of its host starts a server of its own on the
+        shard's port, asking for no token and at lr 1000, for ``seconds``; then the real shard
+        is resumed there. The workers refuse the impostor (it cannot prove it knows the
+        token) and wait for the real one: the impostor is sent nothing, the ledger holds."""
+        self._fault_shard_kill(fault, meanwhile=lambda: self._squat(fault))
+
+    def _squat(self, fault: Fault) -> None:
+        index = fault.target
+        shard, place = self.shards[index], self.shard_places[index]
+        argv = [PY, "-m", "aps", "serve", "--host", place.address, "--port", str(shard.port), "--insecure",
+                "--workers", str(self.cfg.workers), "--sync", "asp", "--lr", "1000"]
+        try:
+            impostor = ShardProc(index, _SecondUser(place), argv, self._second_user_env(),
+                                 self.dir / f"impostor-{len(self.faults)}.log")
+        except RuntimeError as exc:  # (the port not free yet: the real shard's socket lingers)
+            fault.detail["impostor_not_started"] = str(exc)[-300:]
+            self.wait(fault.seconds)
+            return
+        self.other_procs.append(impostor.proc)
+        refusals = self._worker_refusals()
+        self.wait(fault.seconds)
+        said = impostor.log_since_start()
+        fault.detail["impostor_joins"] = len(re.findall(r"joined|worker \d+ ", said))
+        fault.detail["workers_refused_it"] = self._worker_refusals() - refusals
+        _stop_process(impostor.proc, grace=2.0)
+        self.other_procs.remove(impostor.proc)
 
     # The run --------------------------------------------------------------------
     def run(self) -> dict:
@@ -727,7 +818,8 @@ class Soak:
             took = self.wait_progress(ended, cfg.recovery_s)
             alive = all(s.alive() for s in self.shards)
             fault.recovered_s = None if took is None else round(took, 2)
-            fault.survived = took is not None and alive and not fault.detail.get("no_checkpoint_after")
+            fault.survived = (took is not None and alive and not fault.detail.get("no_checkpoint_after")
+                              and not fault.detail.get("accepted") and not fault.detail.get("impostor_joins"))
             if not fault.survived:
                 self.say(f"fault {len(self.faults)} NOT survived: {fault.detail} acks {self.acks}\n"
                          f"{self._shard_tails()}")

@@ -179,6 +179,73 @@ def stranger_main(args: argparse.Namespace) -> int:
     return 0
 
 
+def guesser_main(args: argparse.Namespace) -> int:
+    """Guesses at a server's token, as another user of its host would: ``count`` AUTH
+    attempts with a wrong token (each on a connection of its own, a proper HELLO first), at
+    most ``parallel`` at once, each sent from the next of ``sources`` (loopback addresses:
+    any local process may send from any of 127/8). Writes a JSON summary to ``out``: the
+    answers by kind (``wrong``, ``refused``, ``accepted``: a guess let in, which must never
+    happen, ``lost``), and the seconds each took to be answered."""
+    import concurrent.futures
+
+    from aps.errors import ErrorCode
+    from aps.testing import HEADER_SIZE, unpack_header
+    from aps.wire.protocol import NONCE_BYTES, Op, auth_proof, decode_error, decode_hello_reply, pack_header
+
+    host, port = args.address.split("://")[-1].rsplit(":", 1)
+    sources = args.sources.split(",")
+
+    def read_frame(sock: socket.socket) -> tuple:
+        data = b""
+        while len(data) < HEADER_SIZE:
+            chunk = sock.recv(HEADER_SIZE - len(data))
+            if not chunk:
+                raise ConnectionError("closed")
+            data += chunk
+        header = unpack_header(data)
+        payload = b""
+        while len(payload) < header.length:
+            chunk = sock.recv(header.length - len(payload))
+            if not chunk:
+                raise ConnectionError("closed")
+            payload += chunk
+        return header, payload
+
+    def attempt(index: int) -> tuple[str, float]:
+        try:
+            sock = socket.create_connection((host, int(port)), timeout=args.timeout,
+                                            source_address=(sources[index % len(sources)], 0))
+        except OSError:
+            return "lost", 0.0
+        try:
+            nonce = secrets.token_bytes(NONCE_BYTES)
+            sock.sendall(pack_header(Op.HELLO, length=NONCE_BYTES) + nonce)
+            header, payload = read_frame(sock)
+            _, server_nonce, _ = decode_hello_reply(payload)
+            proof = auth_proof(secrets.token_urlsafe(32).encode(), "client", server_nonce, nonce)
+            began = time.monotonic()
+            sock.sendall(pack_header(Op.AUTH, length=len(proof)) + proof)
+            header, payload = read_frame(sock)
+            took = time.monotonic() - began
+            if header.op == Op.AUTH | Op.REPLY:
+                return "accepted", took
+            code, _ = decode_error(payload) if header.op == Op.ERROR else (None, "")
+            return ("wrong" if code == ErrorCode.AUTHENTICATION else
+                    "refused" if code == ErrorCode.OVERLOADED else "lost"), took
+        except (OSError, ConnectionError, ValueError):
+            return "lost", 0.0
+        finally:
+            sock.close()
+
+    with concurrent.futures.ThreadPoolExecutor(args.parallel) as pool:
+        answers = list(pool.map(attempt, range(args.count)))
+    summary = dict(Counter(kind for kind, _ in answers))
+    summary["took"] = [round(took, 4) for _, took in answers]
+    with open(args.out, "w") as fh:
+        json.dump(summary, fh)
+    return 0
+
+
 def pull_main(args: argparse.Namespace) -> int:
     """Rejoin as rank 0 and save the server(s)' weights (the ledger) to ``out`` (.npy)."""
     import aps
@@ -216,6 +283,13 @@ def _program(argv: list[str]) -> int:
     s.add_argument("--connections", type=int, default=8)
     s.add_argument("--pings", type=int, default=256)
     s.add_argument("--out", required=True)
+    g = sub.add_parser("guesser")
+    g.add_argument("--address", required=True)
+    g.add_argument("--count", type=int, required=True)
+    g.add_argument("--parallel", type=int, default=1)
+    g.add_argument("--sources", default="127.0.0.1")
+    g.add_argument("--timeout", type=float, default=60.0)
+    g.add_argument("--out", required=True)
     p = sub.add_parser("pull")
     p.add_argument("--addresses", required=True)
     p.add_argument("--workers", type=int, required=True)
@@ -223,7 +297,8 @@ def _program(argv: list[str]) -> int:
     p.add_argument("--slots", type=int, required=True)
     p.add_argument("--out", required=True)
     args = parser.parse_args(argv)
-    return {"worker": worker_main, "stranger": stranger_main, "pull": pull_main}[args.role](args)
+    return {"worker": worker_main, "stranger": stranger_main, "guesser": guesser_main,
+            "pull": pull_main}[args.role](args)
 
 
 if __name__ == "__main__":

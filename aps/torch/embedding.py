@@ -83,7 +83,7 @@ class _Rows(torch.nn.Module):
 
 class Embedding(_Rows):
     """``torch.nn.Embedding`` whose rows live in an aps table: ``num_embeddings`` ids (up to
-    2**63; a row exists on the server once touched) of ``embedding_dim`` values.
+    2**63; a row exists on the server once pushed) of ``embedding_dim`` values.
 
     Args:
         num_embeddings: the number of ids, as ``nn.Embedding``'s.

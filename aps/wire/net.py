@@ -12,8 +12,8 @@ from typing import NamedTuple
 
 from ..errors import ConfigurationError
 
-__all__ = ["SCHEMES", "Address", "client_context", "format_address", "parse_address", "server_context",
-           "set_keepalive", "set_nodelay"]
+__all__ = ["SCHEMES", "Address", "client_context", "connect_failure", "format_address", "parse_address",
+           "server_context", "set_keepalive", "set_nodelay"]
 
 SCHEMES = ("tcp", "tls")
 
@@ -60,6 +60,20 @@ def parse_address(text: str) -> Address:
     if not 0 < port <= 65535:
         raise ConfigurationError(f"port {port} out of range 1..65535 in {text!r}: expected tcp://HOST:PORT")
     return Address(scheme, host, port)
+
+
+def connect_failure(host: str, exc: OSError) -> str:
+    """Why a connection to (or a listener on) ``host`` failed, in words: a name that does not
+    resolve is ``host not found: HOST``, not the resolver's bare error number."""
+    if isinstance(exc, socket.gaierror):
+        if exc.errno in _NOT_FOUND:
+            return f"host not found: {host} (is the name right, and known to this machine's DNS or /etc/hosts?)"
+        return f"cannot look up host {host}: {exc.strerror or exc}"
+    return os.strerror(exc.errno) if exc.errno else str(exc)
+
+
+#: What getaddrinfo says of a name no resolver knows (EAI_NODATA: the name has no address).
+_NOT_FOUND = frozenset(getattr(socket, name) for name in ("EAI_NONAME", "EAI_NODATA") if hasattr(socket, name))
 
 
 # TLS

@@ -175,6 +175,10 @@ class Flag(IntFlag):
     #: (sent again after a reconnect). LOAD_STATE and LOAD_WEIGHTS replies: this state
     #: (these weights) was loaded into the run already (same digest); nothing was loaded again.
     DROPPED = 1
+    #: ERROR of code SHUTTING_DOWN: the server can be resumed where it stops (it checkpoints
+    #: as it shuts down: ``aps serve --checkpoint-dir DIR --resume``), so a worker waits for it
+    #: and rejoins; without it the server ends for good, and the worker's call raises at once.
+    RESUMABLE = 1
     #: Shared-memory transport: the array is not in the payload. On PUSH, the
     #: gradient is in the worker's shared gradient segment; on a weights reply,
     #: the payload is a slot descriptor (see encode_slot).
@@ -425,9 +429,13 @@ def _parse_layout(view: memoryview) -> tuple[int, int, Layout, int]:
 # run id (the identity of the training run the server holds, kept across
 # checkpoints and resumes; absent from older servers: read as ""), u16 length
 # + UTF-8 JSON object of the shard's index and the options every shard of a
-# model shares (ServerConfig.shard_description; absent from older servers).
+# model shares (ServerConfig.shard_description; absent from older servers),
+# u16 length + ASCII lineage: the incarnations of the run that led to this
+# server, comma-separated, oldest first, this server's own last (each start
+# of a server draws an incarnation id of its own; a resume carries on its
+# checkpoint's lineage; absent from older servers).
 _U16 = struct.Struct("<H")
-_HELLO_FIELDS = 4
+_HELLO_FIELDS = 5
 
 
 class ServerInfo(NamedTuple):
@@ -437,6 +445,12 @@ class ServerInfo(NamedTuple):
     unix_path: str  # its Unix socket ("" when it has none)
     run_id: str
     shard: str = ""  # JSON: its shard index and the options the shards share ("" from older servers)
+    lineage: str = ""  # the run's incarnations that led to this server, oldest first, its own last
+
+    @property
+    def incarnations(self) -> list[str]:
+        """:attr:`lineage` as a list (empty from older servers)."""
+        return self.lineage.split(",") if self.lineage else []
 
 
 def host_identity() -> str:
@@ -451,9 +465,9 @@ def host_identity() -> str:
     return f"{socket.gethostname()}/{boot}"
 
 
-def encode_hello(host: str, unix_path: str, run_id: str = "", shard: str = "") -> bytes:
+def encode_hello(host: str, unix_path: str, run_id: str = "", shard: str = "", lineage: str = "") -> bytes:
     parts = []
-    for text in (host, unix_path, run_id, shard):
+    for text in (host, unix_path, run_id, shard, lineage):
         raw = text.encode("utf-8")
         parts += [_U16.pack(len(raw)), raw]
     return b"".join(parts)
@@ -502,9 +516,9 @@ def auth_proof(token: bytes, role: str, server_nonce: bytes, client_nonce: bytes
 
 
 def encode_hello_reply(auth_required: bool, server_nonce: bytes, host: str, unix_path: str, run_id: str = "",
-                       shard: str = "") -> bytes:
+                       shard: str = "", lineage: str = "") -> bytes:
     head = _HELLO_REPLY.pack(_AUTH_REQUIRED if auth_required else 0) + server_nonce
-    return head if auth_required else head + encode_hello(host, unix_path, run_id, shard)
+    return head if auth_required else head + encode_hello(host, unix_path, run_id, shard, lineage)
 
 
 def decode_hello_reply(payload) -> tuple[bool, bytes, ServerInfo | None]:
@@ -519,8 +533,9 @@ def decode_hello_reply(payload) -> tuple[bool, bytes, ServerInfo | None]:
     return required, nonce, None if required else decode_hello(rest)
 
 
-def encode_auth_reply(server_proof: bytes, host: str, unix_path: str, run_id: str = "", shard: str = "") -> bytes:
-    return server_proof + encode_hello(host, unix_path, run_id, shard)
+def encode_auth_reply(server_proof: bytes, host: str, unix_path: str, run_id: str = "", shard: str = "",
+                      lineage: str = "") -> bytes:
+    return server_proof + encode_hello(host, unix_path, run_id, shard, lineage)
 
 
 def decode_auth_reply(payload) -> tuple[bytes, ServerInfo]:

@@ -22,12 +22,19 @@ from collections import Counter
 from ..errors import ConfigurationError
 
 __all__ = [
-    "MIN_TOKEN_BITS", "check_token", "find_token", "new_token", "remove_token_file", "token_bits", "token_dir",
+    "MIN_GUESS_BITS", "MIN_TOKEN_BITS", "check_token", "guess_bits", "find_token", "new_token", "remove_token_file", "token_bits", "token_dir",
     "token_path", "write_token_file",
 ]
 
 #: Tokens estimated weaker than this are refused (a guess per nanosecond for 10^22 years).
 MIN_TOKEN_BITS = 128
+#: ... and tokens that zxcvbn (Dropbox's estimator: dictionary words, names, keyboard
+#: walks, sequences, repeats, dates, l33t) finds guessable in fewer than 2^this tries
+#: (:func:`guess_bits`).
+MIN_GUESS_BITS = 100
+#: zxcvbn reads at most this many characters of a token (its work grows with the length;
+#: it takes at most 72).
+_ESTIMATED_CHARS = 64
 #: What a refusal tells the operator to do.
 HOW_TO_MAKE_ONE = "make one with `aps token` (or python -c 'import secrets; print(secrets.token_urlsafe(32))')"
 
@@ -71,10 +78,24 @@ def token_bits(token: str) -> float:
     return _period(token) * math.log2(max(alphabet, 2))
 
 
+def guess_bits(token: str) -> float:
+    """log2 of the guesses zxcvbn (Dropbox's estimator) says an attacker who knows how
+    people make secrets needs for ``token``'s first :data:`_ESTIMATED_CHARS` characters:
+    a token made of words, names, keyboard walks, sequences, repeats, dates or l33t scores
+    what those are worth, not what its length suggests. What it does not recognise it
+    counts at log2(10) bits a character, whatever the alphabet: a random token of 43
+    base64 characters (``aps token``) scores about 140, one of 32 hexadecimal characters
+    about 105 (a few in a hundred fall under 100: make another, or use ``aps token``)."""
+    from zxcvbn import zxcvbn
+
+    return float(zxcvbn(token[:_ESTIMATED_CHARS])["guesses_log10"]) / math.log10(2)
+
+
 def check_token(token: str, what: str = "--token") -> None:
     """Raise ConfigurationError unless ``token`` looks strong enough: at least
     :data:`MIN_TOKEN_BITS` by :func:`token_bits`, at least 8 different characters,
-    and no character making up more than a third of it."""
+    no character making up more than a third of it, and at least
+    :data:`MIN_GUESS_BITS` by :func:`guess_bits` (zxcvbn)."""
     bits = token_bits(token)
     if bits < MIN_TOKEN_BITS:
         raise ConfigurationError(
@@ -84,6 +105,13 @@ def check_token(token: str, what: str = "--token") -> None:
     counts = Counter(token)
     if len(counts) < 8 or max(counts.values()) * 3 > len(token):
         raise ConfigurationError(f"{what} is too repetitive to be a secret; {HOW_TO_MAKE_ONE}")
+    guessed = guess_bits(token)
+    if guessed < MIN_GUESS_BITS:
+        raise ConfigurationError(
+            f"{what} is guessable: by zxcvbn's estimate of how people make secrets (words, keyboard walks, "
+            f"sequences, dates), it falls in about 2^{guessed:.0f} guesses, and at least 2^{MIN_GUESS_BITS} are "
+            f"needed; {HOW_TO_MAKE_ONE}"
+        )
 
 
 def _period(text: str) -> int:
@@ -105,13 +133,23 @@ def _period(text: str) -> int:
 # Token files ------------------------------------------------------------------------------
 def token_dir() -> str:
     """Where this user's servers keep their token files: ``$APS_RUNTIME_DIR``, else
-    ``$XDG_RUNTIME_DIR/aps``, else ``~/.aps``, each with ``tokens`` below it."""
+    ``$XDG_RUNTIME_DIR/aps`` when that runtime directory is this user's alone (as systemd
+    makes it; one that others can write to is passed over, or another user could make
+    ``aps`` in it first), else ``~/.aps``, each with ``tokens`` below it."""
     base = os.environ.get("APS_RUNTIME_DIR")
     if not base:
         runtime = os.environ.get("XDG_RUNTIME_DIR")
-        base = os.path.join(runtime, "aps") if runtime and os.path.isdir(runtime) else os.path.join(
+        base = os.path.join(runtime, "aps") if runtime and _own_private(runtime) else os.path.join(
             os.path.expanduser("~"), ".aps")
     return os.path.join(base, "tokens")
+
+
+def _own_private(path: str) -> bool:
+    try:
+        info = os.stat(path)
+    except OSError:
+        return False
+    return stat.S_ISDIR(info.st_mode) and info.st_uid == os.getuid() and not info.st_mode & 0o022
 
 
 def token_path(host: str, port: int) -> str:

@@ -5,7 +5,8 @@ aps's docstrings are Google style with two habits from Sphinx: roles
 (``Example::`` and an indented block). mkdocstrings renders markdown, so this
 extension (``extensions:`` of the python handler in mkdocs.yml) turns a role
 into a cross-reference, a link where the name is documented and plain code
-where it is not, and a literal block into a fenced Python block. The source
+where it is not, and a literal block into a fenced Python block; a page of the
+docs named by its path (``docs/guide/troubleshooting.md#...``) becomes a link. The source
 stays as it is: ``help()`` and editors read it as before.
 """
 
@@ -17,6 +18,8 @@ from typing import Any
 import griffe
 
 ROLE = re.compile(r":(?:class|meth|func|attr|exc|data|mod|obj):`~?([^`]+)`")
+#: A page of the documentation named by its path in the repository (``docs/guide/x.md#part``).
+PAGE = re.compile(r"(?<![\w/`\[])(?<!\]\()docs/((?:[\w-]+/)*[\w-]+\.md)(#[\w-]+)?")
 
 
 def _role(match: re.Match[str]) -> str:
@@ -62,9 +65,15 @@ def literal_blocks(text: str) -> str:
     return "\n".join(out)
 
 
+def _page(match: re.Match[str]) -> str:
+    # The API reference is docs/reference/api.md: a page's path from there.
+    return f"[docs/{match[1]}{match[2] or ''}](../{match[1]}{match[2] or ''})"
+
+
 def to_markdown(text: str) -> str:
-    """A docstring's reST roles and literal blocks, as markdown."""
-    return ROLE.sub(_role, literal_blocks(text))
+    """A docstring's reST roles and literal blocks, as markdown; a page of the docs named by
+    its path in the repository, as a link to it."""
+    return PAGE.sub(_page, ROLE.sub(_role, literal_blocks(text)))
 
 
 class SphinxMarkup(griffe.Extension):

@@ -78,7 +78,7 @@ def test_dashboard_port_in_use_is_a_clear_error(server_process):
     for probe, text in (("healthz", "ok\n"), ("readyz", "ready\n")):  # (what an orchestrator's probes ask)
         with urllib.request.urlopen(f"http://127.0.0.1:{http_port}/{probe}", timeout=10) as answer:
             assert answer.status == 200 and answer.read().decode() == text
-    result = run_aps("serve", "--http-port", http_port)
+    result = run_aps("serve", "--port", "0", "--http-port", http_port)  # (no fixed worker port: it may be taken)
     assert result.returncode == 2 and "(--http-port)" in result.stderr, result.stderr
     assert "another aps server may be running there" in result.stderr
     assert "--http-port 0 to pick a free port" in result.stderr
@@ -221,3 +221,43 @@ def test_bench_measures_what_applying_gradients_while_they_arrive_is_worth(tmp_p
     assert set(rows) == {"socket ping-pong", "aps", "aps no-stream"}
     assert rows["aps no-stream"]["ratio_to_tcp"] > 0 and rows["aps"]["ratio_to_tcp"] is None
     assert "aps no-stream" in result.stdout
+
+
+@pytest.mark.parametrize("flags, said", [
+    (["--lr", "-1"], "--lr must be >= 0 (as torch.optim requires), got -1.0"),
+    (["--optimizer", "adam", "--betas", "0.9,1"], "beta2 must be in [0, 1)"),
+    (["--optimizer", "adam", "--momentum", "0.9"], "--momentum and --nesterov apply to --optimizer sgd, not adam"),
+    (["--nesterov"], "--nesterov needs a --momentum > 0"),
+    (["--lr", "1e39"], "--lr is 1e+39, beyond float32"),
+    (["--optimizer", "adam", "--lr", "1e36", "--betas", "0.99999,0.999"], "adam's first step size"),
+])
+def test_optimizer_values_torch_or_the_kernels_refuse_stop_the_server_before_it_listens(flags, said):
+    result = run_aps("serve", "--port", "0", *flags)
+    assert result.returncode == 2 and said in result.stderr, result.stderr
+    assert "serving on" not in result.stdout
+
+
+def test_status_without_an_address_asks_aps_address_then_the_local_default(server_process, monkeypatch):
+    import os
+
+    from aps.cli import build_parser
+    from aps.cli._args import server_address
+
+    server = server_process("--workers", "1")
+    found = run_aps("status", env=dict(os.environ, APS_ADDRESS=server.address))
+    assert found.returncode == 0 and f"aps {server.address}" in found.stdout, found.stderr
+    # without $APS_ADDRESS: the address aps serve listens on by default (not asked here: it may be anyone's)
+    assert build_parser().parse_args(["status"]).address is None  # no argparse error
+    monkeypatch.delenv("APS_ADDRESS", raising=False)
+    assert server_address(None) == "tcp://127.0.0.1:7450" and server_address("tcp://h:1") == "tcp://h:1"
+    assert "$APS_ADDRESS, else tcp://127.0.0.1:7450" in " ".join(run_aps("status", "--help").stdout.split())
+
+
+def test_an_unknown_host_is_said_so_with_its_name():
+    result = run_aps("status", "tcp://no-such-host.invalid:7450", "--timeout", "5")
+    assert result.returncode == 1 and "Unknown error" not in result.stderr, result.stderr
+    # (a resolver that answers says the name is unknown; none reachable: the lookup failed)
+    assert ("host not found: no-such-host.invalid" in result.stderr
+            or "cannot look up host no-such-host.invalid" in result.stderr), result.stderr
+    served = run_aps("serve", "--host", "no-such-host.invalid", "--port", "0", "--insecure")
+    assert served.returncode == 2 and "no-such-host.invalid" in served.stderr and "Unknown error" not in served.stderr

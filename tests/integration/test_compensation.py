@@ -5,6 +5,7 @@ compensates against, whatever else the worker asked for meanwhile."""
 from __future__ import annotations
 
 import numpy as np
+import pytest
 
 from aps.cli.status import fetch_stats
 from aps.client.channel import run
@@ -59,3 +60,36 @@ def test_weights_loaded_after_init_are_not_taken_for_a_move(server_process):
         worker.load_weights({"w": W0})
         weights = worker.push_pull({"w": G1})["w"]
         np.testing.assert_allclose(weights, W0 - F(0.1) * G1, rtol=1e-6)
+
+
+def test_a_lambda_the_kernel_cannot_compute_with_is_refused_at_start(server_process):
+    """--compensation dc:1e300 is finite in float64 but infinite in the kernel's float32 (and
+    dc-adaptive:1e38 overflows once divided by sqrt(1e-7)): every push would be refused as a
+    non-finite gradient, the worker told its gradient was at fault. The server refuses to start,
+    saying why and what it takes; at the largest LAMBDA it takes, a run trains."""
+    import subprocess
+    import sys
+
+    import aps
+
+    for value, said in (("dc:1e300", "LAMBDA 1e+300 is beyond float32"),
+                        ("dc-adaptive:1e38", "reaches 3.16228e+41 for a parameter whose gradients have been 0")):
+        refused = subprocess.run([sys.executable, "-m", "aps", "serve", "--port", "0", "--sync", "asp",
+                                  "--compensation", value], capture_output=True, text=True, timeout=60)
+        assert refused.returncode == 2, refused.stderr
+        assert said in refused.stderr and "give a LAMBDA of at most" in refused.stderr, refused.stderr
+        assert "serving on" not in refused.stdout
+        with pytest.raises(aps.ConfigurationError, match="beyond float32"):
+            aps.Server(sync="asp", port=0, compensation=value).run_in_background().start()
+    largest = refused.stderr.rsplit("at most ", 1)[1].strip()
+    server = server_process("--workers", "2", "--sync", "asp", "--lr", "0.1", "--compensation", f"dc-adaptive:{largest}")
+    with aps.Worker(server.address, 0, 2) as a, aps.Worker(server.address, 1, 2) as b:
+        import threading
+
+        joining = threading.Thread(target=a.init, args=({"w": W0},))
+        joining.start()
+        b.init({"w": W0})
+        joining.join()
+        b.push_pull({"w": np.zeros(4, F)})  # a gradient of zeros on weights that have not moved: taken
+        weights = a.push_pull({"w": G1})["w"]  # (stale by one version: compensated, and finite)
+        assert np.all(np.isfinite(weights)) and a.version == 2

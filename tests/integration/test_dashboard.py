@@ -60,6 +60,12 @@ def workers(address: str, count: int, slowdown: list[float], logs) -> list[subpr
     return procs
 
 
+def opened(url: str, server: ServerProcess) -> str:
+    """The dashboard's address as its user opens it: with the token in the link when the
+    server made its own (its HTTP side needs it; the page takes it out of the address bar)."""
+    return f"{url}#token={server.token.decode()}" if server.token_made else url
+
+
 def wait_until(condition, timeout: float, what: str):
     return wait_for(condition, timeout, what, every=0.1)  # the page updates at most twice a second
 
@@ -76,7 +82,7 @@ def test_the_dashboard_follows_two_workers_training_under_ssp(browser, tmp_path)
         line = server.proc.stdout.readline()
         assert line.startswith("aps: dashboard on http://127.0.0.1:"), line
         url = line.split(" on ", 1)[1].strip()
-        browser.get(url)
+        browser.get(opened(url, server))
         wait_until(lambda: browser.execute_script("return document.body.dataset.state") == "live", 15,
                    "the page to connect")
         procs = workers(server.address, 2, [1.0, 2.0], tmp_path)
@@ -138,7 +144,7 @@ def test_the_dashboard_asks_for_the_token_or_takes_it_from_the_address(browser):
         assert hint.startswith("aps: the dashboard asks for the server's token") and f"{url}#token=TOKEN" in hint, hint
         assert "Zq3u9P0vB4h1xkTn7sWc2yLr8GdJ5mEaQiFo6XtKbHw" not in hint
         state = lambda: browser.execute_script("return document.body.dataset.state")  # noqa: E731
-        browser.get(url)
+        browser.get(opened(url, server))
         wait_until(lambda: state() == "login", 15, "the page to ask for the token")
         assert browser.find_element("id", "login").is_displayed()
         assert text_of(browser, "version").strip() in ("", "–")  # nothing shown without it
@@ -178,7 +184,7 @@ def test_a_failing_checkpoint_is_an_alarm_on_the_dashboard(browser, tmp_path):
     worker = None
     try:
         url = server.proc.stdout.readline().split(" on ", 1)[1].strip()
-        browser.get(url)
+        browser.get(opened(url, server))
         wait_until(lambda: browser.execute_script("return document.body.dataset.state") == "live", 15,
                    "the page to connect")
         alarm = browser.find_element("id", "checkpoint-alarm")
@@ -240,7 +246,7 @@ def test_one_window_for_the_rates_each_ranks_iterations_and_a_history_kept_acros
         url = server.proc.stdout.readline().split(" on ", 1)[1].strip()
         http_port = url.rstrip("/").rsplit(":", 1)[1]
         thread.start()
-        browser.get(url)
+        browser.get(opened(url, server))
         wait_until(lambda: browser.execute_script("return document.body.dataset.state") == "live", 15,
                    "the page to connect")
         wait_until(lambda: int(browser.execute_script("return document.body.dataset.points || '0'")) >= 6, 60,
@@ -262,7 +268,9 @@ def test_one_window_for_the_rates_each_ranks_iterations_and_a_history_kept_acros
         server.stop()  # a clean stop writes a checkpoint: the resumed server goes on with the run id
         resumed = ServerProcess("--workers", "1", "--sync", "asp", "--http-port", http_port,
                                 "--checkpoint-dir", str(tmp_path), "--resume")
-        browser.refresh()  # a page opened after the resume (a reload): the history from before is there
+        # A page opened after the resume: the history from before is there. (The resumed server
+        # made a new token: the page is opened with it, as its user would.)
+        browser.get(opened(url, resumed))
         wait_until(lambda: browser.execute_script("return document.body.dataset.state") == "live", 20,
                    "the page to connect to the resumed server")
         # (the socket is live before its first statistics arrive: the run id comes with them)
@@ -309,7 +317,7 @@ def test_each_embedding_table_shows_its_rows_held_and_rows_per_second(browser):
     thread = threading.Thread(target=train, args=(server.address,), daemon=True)
     try:
         url = server.proc.stdout.readline().split(" on ", 1)[1].strip()
-        browser.get(url)
+        browser.get(opened(url, server))
         wait_until(lambda: browser.execute_script("return document.body.dataset.state") == "live", 15,
                    "the page to connect")
         time.sleep(1.0)  # a few frames: no model, no tables, no card
@@ -324,13 +332,14 @@ def test_each_embedding_table_shows_its_rows_held_and_rows_per_second(browser):
         wait_until(lambda: (row := browser.execute_script(cells)) and float(row[5]) == pytest.approx(
             2 * float(row[6]), rel=0.1), 20, "20 rows pulled for every 10 pushed")  # (once the window holds a few)
         assert text_of(browser, "tables-window") == "rows/s over the last 10 s"
-        wait_until(lambda: int(browser.execute_script(cells)[3]) == 1000, 30, "every id held")
+        wait_until(lambda: int(browser.execute_script(cells)[3]) == 500, 30, "every id pushed held")
         stop.set()
         thread.join(30)
         wait_until(lambda: browser.execute_script(cells)[7:9] == [str(moved["pulled"]), str(moved["pushed"])], 10,
                    f"the rows counted: {moved}")
         assert browser.execute_script(cells)[9] == "0"  # none evicted
-        assert "B" in browser.execute_script(cells)[4] and text_of(browser, "tables-total").endswith(" held")
+        assert "B" in browser.execute_script(cells)[4] and " of " in text_of(browser, "tables-total")
+        assert text_of(browser, "tables-total").endswith(" held")  # the rows' bytes, of the server's limit
         errors = [entry for entry in browser.get_log("browser") if entry["level"] == "SEVERE"]
         assert not errors, errors
     finally:
@@ -368,7 +377,7 @@ def test_what_the_workers_log_is_drawn_per_rank_with_their_processes(browser, mo
     threads = [threading.Thread(target=train, args=(server.address, rank), daemon=True) for rank in range(2)]
     try:
         url = server.proc.stdout.readline().split(" on ", 1)[1].strip()
-        browser.get(url)
+        browser.get(opened(url, server))
         wait_until(lambda: browser.execute_script("return document.body.dataset.state") == "live", 15,
                    "the page to connect")
         assert not browser.find_element("id", "training-card").is_displayed(), "nothing logged yet"

@@ -197,3 +197,24 @@ def test_launch_with_shards_trains_across_several_servers(tmp_path):
         log = (tmp_path / f"worker-{rank}.log").read_text()
         assert re.search(rf"rank {rank}: \d+ iterations", log), log
     assert "test accuracy" in (tmp_path / "worker-0.log").read_text()
+
+
+def test_launch_prints_each_workers_last_line_as_it_finishes(tmp_path):
+    """What a run came to: each worker's last line of output (its result), as it ends."""
+    script = tmp_path / "train.py"
+    script.write_text(
+        "import os\n"
+        "import numpy as np\n"
+        "import aps\n"
+        "with aps.Worker.from_env() as worker:\n"
+        "    worker.init({'w': np.zeros(4, np.float32)})\n"
+        "    worker.push_pull(worker.grads)\n"
+        "print('some progress', flush=True)\n"
+        "print(f\"rank {os.environ['RANK']}: final loss 0.0{os.environ['RANK']}\\n\", flush=True)\n"
+    )
+    code, out, err = finish(launch("--workers", "2", "--sync", "asp", "--no-dashboard", str(script),
+                                   log_dir=tmp_path / "logs"), timeout=60)
+    assert code == 0, err
+    for rank in range(2):
+        assert f"aps: worker {rank} finished: rank {rank}: final loss 0.0{rank}\n" in out, out
+    assert out.index("finished: rank") < out.index("all 2 workers finished")

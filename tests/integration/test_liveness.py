@@ -84,3 +84,55 @@ def test_a_hung_server_is_noticed_instead_of_blocking_forever(server_process, tr
         server.signal(signal.SIGCONT)
     for w in workers:
         w.close()
+
+
+@pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM], ids=["ctrl-c", "sigterm"])
+def test_a_server_stopped_for_good_ends_its_workers_calls_at_once(server_process, client, signum):
+    """Without --checkpoint-dir nothing can take the run up again: the workers' calls end with
+    ShuttingDown at once (saying so), not after reconnect_timeout seconds of knocking."""
+    server = server_process("--workers", "1", "--sync", "asp")
+    worker = client(server.address, 0, 1, reconnect_timeout=30)
+    worker.init({"w": np.zeros(8, np.float32)})
+    worker.push_pull(worker.grads)
+    server.signal(signum)
+    assert server.proc.wait(10) == 0
+    started = time.monotonic()
+    with pytest.raises(aps.ShuttingDown) as raised:
+        worker.push_pull(worker.grads)
+    assert raised.value.resumable is False, raised.value
+    assert "for good" in str(raised.value) and "no --checkpoint-dir" in str(raised.value)
+    with pytest.raises(aps.ShuttingDown):  # and a later call does not wait either
+        worker.pull()
+    assert time.monotonic() - started < 3
+    worker.close()
+
+
+def test_a_server_that_can_be_resumed_says_so_and_its_workers_wait_for_it(tmp_path, caplog):
+    """With --checkpoint-dir the server checkpoints as it stops and says how to resume it: its
+    worker waits (saying how long, and how to stop waiting) and goes on with the resumed server."""
+    from aps.testing import ServerProcess
+
+    flags = ("--workers", "1", "--sync", "asp", "--checkpoint-dir", str(tmp_path), "--checkpoint-every", "0")
+    server = ServerProcess(*flags)
+    resumed = []
+    try:
+        worker = aps.Worker(server.address, 0, 1, transport="tcp", reconnect_timeout=30)
+        worker.init({"w": np.zeros(8, np.float32)})
+        worker.push_pull(worker.grads)
+        server.signal(signal.SIGINT)
+        assert server.proc.wait(10) == 0
+        timer = threading.Timer(0.5, lambda: resumed.append(ServerProcess(*flags, "--resume", "--port",
+                                                                          str(server.port))))
+        timer.start()
+        with caplog.at_level("WARNING", logger="aps.worker"):
+            worker.push_pull(worker.grads)  # waits for the resumed server, then goes on
+        timer.join()
+        assert worker.version == 2 and resumed[0].alive()
+        lost = next(r.getMessage() for r in caplog.records if "lost the server" in r.getMessage())
+        assert f"it checkpoints to {tmp_path}" in lost and f"--checkpoint-dir {tmp_path} --resume" in lost, lost
+        assert "reconnecting for up to 30 s (to stop waiting: Ctrl-C, or reconnect_timeout=" in lost, lost
+        worker.close()
+    finally:
+        server.stop()
+        for other in resumed:
+            other.stop()

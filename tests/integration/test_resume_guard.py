@@ -11,17 +11,21 @@ import json
 import os
 import pathlib
 import re
+import secrets
+import shutil
 import time
 
 import numpy as np
 import pytest
 
 import aps
-from aps.checkpoint import MANIFEST_FILE, MODEL_FILE, list_checkpoints, read_checkpoint
+from aps.checkpoint import (LINEAGE_FILE, MANIFEST_FILE, MANIFEST_MAC_FILE, MANIFEST_SUM_FILE, MODEL_FILE, list_checkpoints,
+                            read_checkpoint)
 from aps.cli.checkpoint import request_checkpoint
 from aps.cli.status import fetch_stats
+from aps.errors import RunChanged
 
-from aps.testing import ServerProcess
+from aps.testing import TOKEN, ServerProcess
 
 
 def refused_to_start(*flags: str, timeout: float = 30.0) -> str:
@@ -181,3 +185,140 @@ def test_fork_run_goes_on_from_a_live_runs_checkpoint_as_a_new_run(tmp_path):
         server.stop()
     said = refused_to_start("--fork-run")
     assert re.search(r"--fork-run starts a new run from a checkpoint: give --resume PATH", said), said
+
+
+# A copy of a live run's checkpoint -------------------------------------------------------------------------
+
+
+def test_a_copy_of_a_live_runs_checkpoint_is_not_resumed_elsewhere(tmp_path):
+    """``cp -r DIR/checkpoint-... OTHER/`` then ``aps serve --checkpoint-dir OTHER --resume``:
+    the directory's lock is not in the copy, but the run's server is asked where the
+    checkpoint says it served, and it is live: refused, naming it and --fork-run. Once it is
+    gone, the copy resumes the run."""
+    server, (path, _) = run_with_checkpoints(tmp_path / "run")
+    other = tmp_path / "copy"
+    other.mkdir()
+    copied = other / pathlib.Path(path).name
+    shutil.copytree(path, copied)
+    said = refused_to_start("--checkpoint-dir", str(other), "--resume")
+    assert f"run {run_id(server)} is still served at {server.address}" in said and "--fork-run" in said, said
+    server.proc.kill()
+    server.proc.wait(10)
+    server.stop()
+    resumed = ServerProcess("--checkpoint-dir", str(other), "--resume")
+    try:
+        assert "version 1," in resumed.wait_for_log("resumed from")
+    finally:
+        resumed.stop()
+
+
+def test_a_worker_refuses_a_server_of_its_run_that_its_last_server_did_not_lead_to(tmp_path):
+    """Each start of a server draws an incarnation; a resumed one carries on its checkpoint's
+    lineage. A worker served by one resumed from a copy (the run's first server gone) goes on
+    with it; when a server resumed from the original checkpoints then takes the address, it
+    lacks what the worker's last server applied: the worker refuses it (RunChanged)."""
+    first, (path, _) = run_with_checkpoints(tmp_path / "run")
+    port = first.port
+    worker = aps.Worker(first.address, 0, 1, transport="tcp", reconnect_timeout=60, heartbeat=0.5)
+    worker.init({"w": np.zeros(4, np.float32)})
+    first.proc.kill()
+    first.proc.wait(10)
+    first.stop()
+    other = tmp_path / "copy"
+    other.mkdir()
+    shutil.copytree(path, other / pathlib.Path(path).name)
+    copy = ServerProcess("--checkpoint-dir", str(other), "--resume", "--port", str(port))
+    try:
+        worker.push_pull({"w": np.ones(4, np.float32)})  # reconnected: the copy's lineage holds the first server
+        lineage = read_checkpoint(request_checkpoint(copy.address)["path"]).manifest["lineage"]
+        assert len(lineage) == 2 and len(set(lineage)) == 2
+    finally:
+        copy.proc.kill()
+        copy.proc.wait(10)
+        copy.stop()
+    original = ServerProcess("--checkpoint-dir", str(tmp_path / "run"), "--resume", "--port", str(port))
+    try:
+        with pytest.raises(RunChanged, match="does not descend from the server that served this worker last"):
+            worker.push_pull({"w": np.ones(4, np.float32)})
+    finally:
+        worker.close()
+        original.stop()
+
+
+# Signed checkpoints ------------------------------------------------------------------------------------------
+
+
+def signed_run(directory, token: str) -> tuple[ServerProcess, str]:
+    """A server with ``token`` that wrote one checkpoint into ``directory``, killed."""
+    server = ServerProcess("--workers", "1", "--sync", "asp", "--lr", "1", "--checkpoint-dir", str(directory),
+                           "--checkpoint-every", "0", "--token", token)
+    with aps.Worker(server.address, 0, 1, transport="tcp", token=token, reconnect=False) as worker:
+        worker.init({"w": np.zeros(4, np.float32)})
+        worker.push_pull({"w": np.ones(4, np.float32)})
+        path = request_checkpoint(server.address, token=token)["path"]
+    server.proc.kill()
+    server.proc.wait(10)
+    server.stop()
+    return server, path
+
+
+def test_a_checkpoint_is_signed_with_the_runs_token_and_a_forged_one_is_refused(tmp_path):
+    """With a token of the operator's, each checkpoint's manifest is signed (HMAC-SHA256 under
+    a key derived from the token, in manifest.hmac). A manifest altered and given a matching
+    SHA-256, as anyone can compute one, is refused; so is a checkpoint signed with another
+    token, or not signed; --resume-unsigned takes the unsigned one when asked."""
+    token, other = TOKEN, secrets.token_urlsafe(32)
+    _, path = signed_run(tmp_path / "run", token)
+    assert (pathlib.Path(path) / MANIFEST_MAC_FILE).exists()
+    resumed = ServerProcess("--checkpoint-dir", str(tmp_path / "run"), "--resume", "--token", token)
+    resumed.stop()
+    # a forgery: lr 1 -> 1000, with the SHA-256 line recomputed
+    manifest = pathlib.Path(path, MANIFEST_FILE)
+    forged = manifest.read_bytes().replace(b'"lr": 1.0', b'"lr": 1000.0', 1)
+    manifest.write_bytes(forged)
+    pathlib.Path(path, MANIFEST_SUM_FILE).write_text(f"{hashlib.sha256(forged).hexdigest()}  {MANIFEST_FILE}\n")
+    said = refused_to_start("--checkpoint-dir", str(tmp_path / "run"), "--resume", path, "--token", token)
+    assert "is not signed with this server's token" in said and "altered" in said, said
+    # signed with another token
+    _, elsewhere = signed_run(tmp_path / "other", other)
+    said = refused_to_start("--resume", elsewhere, "--token", token)
+    assert "is not signed with this server's token" in said, said
+    # not signed at all (its server had no token of the operator's), taken when asked
+    unsigned, paths = run_with_checkpoints(tmp_path / "unsigned", count=1)
+    unsigned.stop()
+    assert not (pathlib.Path(paths[0]) / MANIFEST_MAC_FILE).exists()
+    said = refused_to_start("--resume", paths[0], "--token", token)
+    assert "is not signed" in said and "--resume-unsigned" in said, said
+    taken = ServerProcess("--resume", paths[0], "--token", token, "--resume-unsigned")
+    try:
+        assert "version 1," in taken.wait_for_log("resumed from")
+    finally:
+        taken.stop()
+
+
+def test_a_server_killed_before_its_first_checkpoint_still_leads_to_the_next(tmp_path):
+    """The directory keeps a journal of the incarnations that served from it: a server
+    resumed there, killed before it wrote a checkpoint of its own, is an ancestor of the
+    next one resumed there (from the same, older checkpoint), and its workers follow."""
+    directory = tmp_path / "run"
+    options = ("--checkpoint-dir", str(directory), "--checkpoint-every", "0")
+    first = ServerProcess("--workers", "1", "--sync", "asp", "--lr", "1", *options)
+    port = str(first.port)
+    worker = aps.Worker(first.address, 0, 1, transport="tcp", reconnect_timeout=60, heartbeat=0.5)
+    servers = [first]
+    try:
+        worker.init({"w": np.zeros(4, np.float32)})
+        worker.push_pull({"w": np.ones(4, np.float32)})
+        request_checkpoint(first.address)
+        for _ in range(2):
+            servers[-1].proc.kill()
+            servers[-1].proc.wait(10)
+            servers.append(ServerProcess(*options, "--resume", "--port", port))
+            worker.push_pull({"w": np.ones(4, np.float32)})  # it follows each, none wrote a checkpoint
+        lineage = read_checkpoint(request_checkpoint(servers[-1].address)["path"]).manifest["lineage"]
+        assert len(lineage) == 3 and len(set(lineage)) == 3, lineage
+        assert (directory / LINEAGE_FILE).read_text().split() == lineage
+    finally:
+        worker.close()
+        for server in servers:
+            server.stop()

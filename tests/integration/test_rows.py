@@ -398,18 +398,20 @@ def test_table_memory_evicts_the_least_recently_used_rows_or_refuses(server_proc
         for step in range(40):  # 40 x 500 rows of 64 bytes: five times the limit, through the cache
             worker.push_rows("cache", hot, np.ones((8, 16), np.float32))
             local.push({"cache": (hot, np.ones((8, 16), np.float32))})
-            worker.pull_rows("cache", 10**6 + step * 500 + np.arange(500))
+            worker.push_rows("cache", 10**6 + step * 500 + np.arange(500), np.zeros((500, 16), np.float32))
         assert np.array_equal(worker.pull_rows("cache", hot), local.pull("cache", hot))  # the hot rows stayed
         # the cold row was evicted: touched again, it starts from its initial values, its update gone
         assert np.array_equal(worker.pull_rows("cache", [10**6]), Local(tables).pull("cache", [10**6]))
+        assert not worker.pull_rows("fixed", np.arange(5000)).any()  # a pull makes no row: past the limit too
         with pytest.raises(aps.errors.TableMemoryFull, match="--table-memory"):
-            worker.pull_rows("fixed", np.arange(5000))  # 320 KB at least: more than all of the limit
+            worker.push_rows("fixed", np.arange(5000), np.ones((5000, 16), np.float32))  # more than all the limit
+        assert not worker.pull_rows("fixed", np.arange(5000)).any()  # nothing changed
         worker.push_rows("fixed", [1], np.ones((1, 16), np.float32))  # and it goes on
         assert worker.pull_rows("fixed", [1]).tolist() == [[-1.0] * 16]
 
 
 def test_the_servers_memory_follows_the_rows_touched(server_process, transport):
-    """A table of 10^10 declared rows, 10^6 of them touched through the wire: the server's RSS
+    """A table of 10^10 declared rows, 10^6 of them pushed through the wire: the server's RSS
     grows by at most 1.5x the bytes of those rows and their state."""
     import psutil
 

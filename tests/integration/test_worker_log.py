@@ -21,7 +21,7 @@ from aps.errors import ErrorCode
 from aps.wire.protocol import Op
 
 from .test_bad_input import assert_error, join_pair
-from .test_http import get, http_address, samples
+from .test_http import get, http_address, made_token, samples
 
 N = 8
 
@@ -79,7 +79,7 @@ def test_the_dashboard_gets_the_curves_then_each_new_point(server_process, monke
 
     async def watch():
         async with aiohttp.ClientSession() as session, session.ws_connect(base.replace("http", "ws") + "ws") as ws:
-            await ws.send_str(json.dumps({"token": ""}))
+            await ws.send_str(json.dumps({"token": made_token(base)}))
             hello = json.loads((await ws.receive(timeout=10)).data)
             await asyncio.to_thread(worker.log, {"loss": 1.0, "acc": 0.5}, 3)
             seen = []

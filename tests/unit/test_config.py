@@ -69,7 +69,7 @@ EXAMPLES = {
     "optimizer": ("adamw", "adamw", {}),
     "lr": ("0.5", 0.5, {}),
     "momentum": ("0.9", 0.9, {}),
-    "nesterov": ("1", True, {}),
+    "nesterov": ("1", True, {"APS_MOMENTUM": "0.9"}),
     "weight_decay": ("0.001", 0.001, {}),
     "betas": ("0.5,0.6", (0.5, 0.6), {}),
     "eps": ("1e-6", 1e-6, {}),
@@ -94,6 +94,7 @@ EXAMPLES = {
     "checkpoint_keep": ("5", 5, {}),
     "resume": ("/var/aps/checkpoint-00000001-v10", "/var/aps/checkpoint-00000001-v10", {}),
     "fork_run": ("1", True, {"APS_RESUME": "/var/aps/checkpoint-00000001-v10"}),
+    "resume_unsigned": ("1", True, {"APS_RESUME": "/var/aps/checkpoint-00000001-v10"}),
     "log_level": ("debug", "debug", {}),
 }
 
@@ -163,3 +164,33 @@ def test_an_elastic_run_bounds_backups_and_softsync_by_min():
         ServerConfig(workers="2:8", sync="softsync", softsync_n=3)
     with pytest.raises(ConfigurationError, match="backup"):
         ServerConfig(workers="2:8", backup_workers=2)
+
+
+@pytest.mark.parametrize("options, message", [
+    ({"lr": -1.0}, "--lr must be >= 0"),
+    ({"momentum": -0.5}, "--momentum must be >= 0"),
+    ({"weight_decay": -1e-4}, "--weight-decay must be >= 0"),
+    ({"optimizer": "adam", "eps": -1e-8}, "--eps must be >= 0"),
+    ({"optimizer": "adam", "betas": (1.0, 0.999)}, "beta1 must be in \\[0, 1\\)"),
+    ({"optimizer": "adamw", "betas": (0.9, -0.1)}, "beta2 must be in \\[0, 1\\)"),
+    ({"optimizer": "adam", "betas": (0.9, float("nan"))}, "beta2 must be in \\[0, 1\\)"),
+    ({"nesterov": True}, "--nesterov needs a --momentum > 0"),
+    ({"optimizer": "adam", "momentum": 0.9}, "apply to --optimizer sgd, not adam"),
+    ({"optimizer": "adamw", "nesterov": True, "momentum": 0.9}, "apply to --optimizer sgd, not adamw"),
+])
+def test_optimizer_values_outside_torchs_ranges_are_refused(options, message):
+    """What torch.optim's SGD, Adam and AdamW refuse, refused when the options are made."""
+    with pytest.raises(ConfigurationError, match=message):
+        ServerConfig(**options)
+
+
+def test_the_ranges_hold_for_flags_and_environment_twins_alike():
+    with pytest.raises(ConfigurationError, match="--lr must be >= 0"):
+        parse(["--lr", "-1"])
+    with pytest.raises(ConfigurationError, match="--lr must be >= 0"):
+        parse([], {"APS_LR": "-0.1"})
+    with pytest.raises(ConfigurationError, match="beta1 must be in"):
+        parse(["--optimizer", "adam", "--betas", "1.5,0.9"])
+    # the edges torch accepts
+    assert parse(["--lr", "0", "--momentum", "0", "--weight-decay", "0"]).lr == 0.0
+    assert parse(["--optimizer", "adam", "--betas", "0,0", "--eps", "0"]).betas == (0.0, 0.0)

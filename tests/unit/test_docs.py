@@ -181,6 +181,7 @@ def test_the_readme_pytorch_example_runs_as_written(home):
     losses = [float(v) for v in re.findall(r"^epoch \d: loss (\d+\.\d+)$", out, re.M)]
     assert len(losses) == 3, out
     assert all(loss == loss and loss < 10 for loss in losses), losses  # finite, trained
+    assert losses[0] > losses[1] > losses[2] and losses[2] < 0.6, losses  # it learns: the loss falls
 
 
 # The documentation site ---------------------------------------------------------------------------
@@ -244,3 +245,22 @@ def test_every_page_is_in_the_site_and_every_figure_resolves():
     for page in DOCS.rglob("*.md"):
         for image in re.findall(r"!\[[^\]]*\]\(([^)]+)\)", page.read_text()):
             assert (page.parent / image).resolve().is_file(), f"{page.name}: {image}"
+
+
+def test_every_error_class_points_at_the_troubleshooting_page_and_its_parts_exist():
+    """Each error class aps defines names the troubleshooting page in its docstring (the
+    API reference makes it a link), at a part of the page that exists."""
+    import inspect
+
+    import aps.errors
+
+    page = (DOCS / "guide" / "troubleshooting.md").read_text()
+    anchors = {re.sub(r"[^\w\- ]", "", title).strip().lower().replace(" ", "-")
+               for title in re.findall(r"^## (.+)$", page, re.M)}
+    classes = [cls for _, cls in inspect.getmembers(aps.errors, inspect.isclass)
+               if issubclass(cls, aps.errors.APSError) and cls.__module__ == "aps.errors"]
+    assert len(classes) > 30
+    for cls in classes:
+        found = re.findall(r"docs/guide/troubleshooting\.md(?:#([\w-]+))?", cls.__doc__ or "")
+        assert found, f"{cls.__name__}'s docstring does not name docs/guide/troubleshooting.md"
+        assert all(anchor in anchors for anchor in found if anchor), (cls.__name__, found, sorted(anchors))

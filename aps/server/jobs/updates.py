@@ -170,8 +170,8 @@ class PushJob(Job):
             if self.rows:
                 try:
                     staged = owner.rows.prepare(self.rows, plan.scale)
-                except NonFiniteGradient:
-                    self.fail(False)
+                except NonFiniteGradient as exc:
+                    self.fail(exc)  # (its message names the table)
                     return
             if self.dense:
                 table.publish(self.slot)
@@ -185,8 +185,8 @@ class PushJob(Job):
         elif plan.kind is PlanKind.ACCUMULATE:
             try:  # (the rows the round keeps: copies where read in place, checked as kept)
                 kept = owner.rows.kept(self.rows)
-            except NonFiniteGradient:
-                self.fail(False)
+            except NonFiniteGradient as exc:
+                self.fail(exc)
                 return
             aggregate = owner.aggregate
             if self.dense:
@@ -220,6 +220,8 @@ class PushJob(Job):
                 f"the gradient was taken (do not send it again), but the server failed after: {exc}"
             ))
             return
+        if exc is False:  # the kernel refused it: say where
+            exc = refusal(self.owner.table, self.owner.kernels, self.member.gradient, self.member.grad_dtype)
         self.on_error(self.owner.gradient_refused(self.member.rank, exc))
 
     def _let_go(self) -> None:
@@ -227,6 +229,41 @@ class PushJob(Job):
         if self.then is not None:
             self.then.release()
             self.then = None
+
+
+#: The tensors a refusal names one by one (the others are counted).
+_NAMED_TENSORS = 3
+
+
+def refusal(table: ParameterTable, kernels, grad: np.ndarray, dtype: int) -> NonFiniteGradient:
+    """The error for a dense gradient ``grad`` (float32, or 16-bit words of ``dtype``) the
+    kernel refused: the tensors of the model's layout it holds NaN or infinity in, each with
+    how many elements and the first one; or, every element finite, that the update would
+    make a weight or the optimizer's state overflow (computed on the refusal only)."""
+    layout = table.layout
+    bad = [(name, shape, offset, size)
+           for name, shape, offset, size in zip(layout.names, layout.shapes, layout.offsets, layout.sizes)
+           if not kernels.all_finite(grad[offset : offset + size], dtype)]
+    if not bad:
+        compensated = (f", compensated for its delay (--compensation {table.compensation.describe()})"
+                       if table.compensation is not None else "")
+        return NonFiniteGradient(
+            f"the gradient is finite, but the update{compensated} would make a weight or the optimizer's state "
+            "NaN or infinity (an overflow: a learning rate or a gradient too large?); it was rejected and changed "
+            "nothing")
+    described = []
+    for name, shape, offset, size in bad[:_NAMED_TENSORS]:
+        values = grad[offset : offset + size]
+        if dtype != kernels.FLOAT32:
+            wide = np.empty(size, np.float32)
+            kernels.widen(wide, values, dtype)
+            values = wide
+        where = np.flatnonzero(~np.isfinite(values))
+        first = ", ".join(str(int(i)) for i in np.unravel_index(int(where[0]), shape)) if shape else ""
+        described.append(f"{name!r} ({len(where)} of {size} elements; {name}[{first}] is {values[where[0]]})")
+    more = f" and {len(bad) - _NAMED_TENSORS} more tensors" if len(bad) > _NAMED_TENSORS else ""
+    return NonFiniteGradient(f"the gradient holds NaN or infinity in {', '.join(described)}{more}; it was rejected "
+                             "and changed nothing")
 
 
 class AggregateJob(Job):

@@ -621,7 +621,9 @@
   /**
    * The model's embedding tables, one row each (<tr data-table="NAME">): rows and bytes held,
    * rows pulled and pushed per second (over the window of every rate shown, the server's
-   * frames say) and since the server process started, rows evicted. No tables: no card.
+   * frames say) and since the server process started, rows evicted; the bytes the rows take
+   * against the server's limit (--table-memory, or half the memory available at its start).
+   * No tables: no card.
    */
   function renderTables() {
     const tables = app.server && isObject(app.server.tables) ? app.server.tables : {};
@@ -652,7 +654,16 @@
     for (const [name, row] of app.tableRows) {
       if (!Object.prototype.hasOwnProperty.call(tables, name)) { row.remove(); app.tableRows.delete(name); }
     }
-    setText("tables-total", names.length ? `${fmtBytes(held)} held` : "");
+    const memory = app.server && isObject(app.server.table_memory) ? app.server.table_memory : null;
+    let total = names.length ? `${fmtBytes(held)} held` : "", title = "";
+    if (names.length && memory && isNum(memory.bytes)) {
+      total = isNum(memory.limit) ? `${fmtBytes(memory.bytes)} of ${fmtBytes(memory.limit)} held`
+        : `${fmtBytes(memory.bytes)} held, no limit`;
+      title = !isNum(memory.limit) ? "--table-memory 0: the rows may take any memory"
+        : memory.default ? "the limit: half the memory available when the server started (--table-memory sets it)"
+          : "the limit: --table-memory";
+    }
+    setText("tables-total", total, title);
   }
 
   function renderHistory() {

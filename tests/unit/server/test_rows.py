@@ -1,7 +1,8 @@
 """The embedding tables a server holds (aps.server.rows.RowTable) with both kernel
-implementations: rows made from their id on first touch, pulls and pushes by id against
-torch's own sparse embedding and optimizers, refusals that change nothing, checkpoints,
-memory that follows the rows touched, and ids spread evenly over shards."""
+implementations: rows made from their id by their first push (a pull reads a row not held
+at its initial values and keeps nothing), pulls and pushes by id against torch's own sparse
+embedding and optimizers, refusals that change nothing, checkpoints, memory that follows
+the rows pushed, the limit on it, and ids spread evenly over shards."""
 
 from __future__ import annotations
 
@@ -78,21 +79,54 @@ def test_a_row_is_the_same_whoever_makes_it_and_whenever(kernels):
     first, second = RowTable("a", table, kernels=kernels), RowTable("a", table, kernels=kernels)
     ids = np.array([3, 10**11, 42, 3, 999_999_999_999], np.int64)
     a = first.pull(ids)
-    second.pull(ids[::-1].copy())
+    second.push(ids[::-1].copy(), np.zeros((5, 8), np.float32))  # made by a push (of nothing)
     b = second.pull(ids)
     assert np.array_equal(a, b) and np.array_equal(a[0], a[3])
     np.testing.assert_array_equal(a, table.initial_rows("a", ids))
     other = RowTable("b", table, kernels=kernels).pull(ids)  # another table's rows differ
     assert not np.array_equal(a, other)
-    assert len(first) == 4
+    assert len(first) == 0 and len(second) == 4
 
 
-def test_a_pull_that_makes_more_rows_than_the_slab_holds_grows_it(kernels):
-    table = Table(rows=10**6, dim=3, init="uniform:1")
+@pytest.mark.parametrize("optimizer", ["sgd", "adagrad", "rowwise_adagrad", "adam"])
+@pytest.mark.parametrize("init", ["zeros", "normal:0.3", "uniform:2"])
+def test_a_pull_keeps_nothing_and_reads_what_the_first_push_starts_from(kernels, optimizer, init):
+    """A pull of rows not held reads their initial values and makes no row, however many it
+    asks for; the first push of a row starts from exactly those values (and zero state): the
+    same table pushed without any pull before holds the same rows, bit for bit."""
+    table = Table(rows=10**12, dim=6, init=init, optimizer=optimizer, lr=0.1)
+    pulled, direct = RowTable("t", table, kernels=kernels), RowTable("t", table, kernels=kernels)
+    ids = np.array([10**11, 7, 7, 123_456_789, 5], np.int64)
+    before = pulled.pull(ids)
+    for _ in range(3):
+        pulled.pull(np.arange(10**9, 10**9 + 2000))
+    assert len(pulled) == 0 and pulled.rows_pulled == 6005 and pulled.steps == 0
+    assert pulled.arrays()["ids"].size == 0
+    np.testing.assert_array_equal(before, table.initial_rows("t", ids))
+    pulled.push(ids, np.zeros((5, 6), np.float32))  # zero gradients: every optimizer keeps the values
+    np.testing.assert_array_equal(pulled.pull(ids), before)
+    direct.push(ids, np.zeros((5, 6), np.float32))
+    grads = np.random.default_rng(0).standard_normal((4, 6)).astype(np.float32)
+    for rows in (pulled, direct):
+        rows.push(np.array([7, 99, 5, 99]), grads)  # a row held, and one made by this push (twice)
+    assert pulled.pull([99])[0].tolist() != table.initial_rows("t", np.array([99]))[0].tolist()
+    direct, pulled = direct.arrays(), pulled.arrays()
+    assert sorted(direct) == sorted(pulled) and sorted(pulled["ids"].tolist()) == [5, 7, 99, 123_456_789, 10**11]
+    for key in direct:
+        assert np.array_equal(direct[key], pulled[key]), key
+
+
+def test_a_pull_of_rows_held_and_not_reads_each_as_it_is(kernels):
+    table = Table(rows=10**6, dim=3, init="uniform:1", optimizer="sgd", lr=1.0)
     rows = RowTable("t", table, capacity=2, kernels=kernels)
-    ids = np.arange(1000, 0, -3, dtype=np.int64)
-    np.testing.assert_array_equal(rows.pull(ids), table.initial_rows("t", ids))
-    np.testing.assert_array_equal(rows.pull(ids[::-1].copy()), table.initial_rows("t", ids[::-1]))
+    held = np.arange(1000, 0, -3, dtype=np.int64)  # more rows than the slab holds: it grows
+    rows.push(held, np.ones((len(held), 3), np.float32))
+    ids = np.array([2, 1000, 5, 997, 2, 1], np.int64)  # 2, 5: not held; 1000, 997, 1: held
+    expected = table.initial_rows("t", ids)
+    expected[[1, 3, 5]] -= np.float32(1.0)
+    np.testing.assert_array_equal(rows.pull(ids), expected)
+    np.testing.assert_array_equal(rows.pull(held), table.initial_rows("t", held) - np.float32(1.0))
+    assert len(rows) == len(held)
 
 
 def test_pulls_go_into_the_callers_buffer_in_order_with_duplicates():
@@ -114,6 +148,7 @@ def test_pulls_go_into_the_callers_buffer_in_order_with_duplicates():
     ([1, 2], np.ones((2, 4), np.int32), InvalidIds, "must be floats, got int32"),
     ([1, 2], np.array([[1, 1, 1, np.nan], [1, 1, 1, 1]]), NonFiniteGradient, "NaN or infinity"),
     ([1, 2], np.full((2, 4), 1e38), NonFiniteGradient, "would make a weight or its optimizer state infinite"),
+    ([7, 1, 8], np.full((3, 4), 1e38), NonFiniteGradient, "would make a weight or its optimizer state infinite"),
 ])
 def test_bad_pushes_are_refused_and_change_nothing(kernels, ids, grads, error, message):
     rows = RowTable("t", Table(rows=100, dim=4, init="uniform:1", optimizer="adagrad", lr=1e10), kernels=kernels)
@@ -237,7 +272,8 @@ def test_the_least_recently_used_rows_give_way_and_come_back_from_their_initial_
     hot = np.arange(10)
     for step in range(50):  # the hot rows are touched every request, the cold ones once
         request(tables, "items", hot, np.ones((10, 8), np.float32))
-        request(tables, "items", 1000 + step * 100 + np.arange(100))
+        request(tables, "items", 1000 + step * 100 + np.arange(100), np.zeros((100, 8), np.float32))
+        request(tables, "items", 10**8 + step * 1000 + np.arange(1000))  # a pull makes no row, evicts none
         assert tables.nbytes <= tables.limit + 100 * row_cost
     rows = tables["items"]
     assert rows.rows_evicted > 0 and len(rows) < 5010
@@ -258,8 +294,9 @@ def test_a_request_that_cannot_fit_is_refused_and_changes_nothing(kernels):
     tables = Tables({"keep": RowTable("keep", keep, kernels=kernels), "spare": RowTable("spare", spare,
                                                                                          kernels=kernels)},
                     limit=250 * cost)
-    request(tables, "spare", np.arange(200))
-    request(tables, "keep", np.arange(200))  # the table that may evict gives up its rows
+    zeros = np.zeros((200, 8), np.float32)
+    request(tables, "spare", np.arange(200), zeros)
+    request(tables, "keep", np.arange(200), zeros)  # the table that may evict gives up its rows
     assert len(tables["spare"]) < 200 and len(tables["keep"]) == 200
     before = tables["keep"].arrays()
     with pytest.raises(TableMemoryFull, match="no rows to give up|too few rows"):
@@ -267,9 +304,12 @@ def test_a_request_that_cannot_fit_is_refused_and_changes_nothing(kernels):
     after = tables["keep"].arrays()
     assert all(np.array_equal(before[key], after[key]) for key in before)
     alone = Tables({"keep": RowTable("keep", keep, kernels=kernels)}, limit=100 * cost)
-    with pytest.raises(TableMemoryFull, match="no table is declared evict=True"):
-        request(alone, "keep", np.arange(200))
-    assert len(alone["keep"]) == 0
+    with pytest.raises(TableMemoryFull, match=r"no table is declared evict=True: nothing changed\. Start the "
+                       r"server with a larger --table-memory SIZE \(0: no limit\), or declare the tables evict=True"):
+        request(alone, "keep", np.arange(200), zeros)
+    assert len(alone["keep"]) == 0 and alone.used == 0
+    request(alone, "keep", np.arange(200))  # a pull of as many rows goes through: it makes none
+    assert len(alone["keep"]) == 0 and alone.used == 0
 
 
 def test_a_request_that_makes_no_row_fits_whatever_the_tables_hold(kernels):
@@ -279,12 +319,12 @@ def test_a_request_that_makes_no_row_fits_whatever_the_tables_hold(kernels):
 
     table = Table(rows=10**6, dim=8, optimizer="sgd", lr=1.0)
     tables = Tables({"keep": RowTable("keep", table, kernels=kernels)}, limit=10**9)
-    request(tables, "keep", np.arange(300))
+    request(tables, "keep", np.arange(300), np.zeros((300, 8), np.float32))
     tables.limit = 100 * tables["keep"].row_cost  # (as if the limit were passed by requests in flight)
     request(tables, "keep", np.arange(300), np.ones((300, 8), np.float32))  # rows held: fits
     assert np.array_equal(request(tables, "keep", [5, 5, 5]), RowTable("keep", table).pull([5, 5, 5]) - 1.0)
     tables.limit = 301 * tables["keep"].row_cost
-    request(tables, "keep", np.full(5000, 777))  # one new row, named 5,000 times: fits
+    request(tables, "keep", np.full(5000, 777), np.zeros((5000, 8), np.float32))  # one new row, 5,000 times: fits
     assert len(tables["keep"]) == 301
 
 
@@ -298,7 +338,7 @@ def test_a_refused_request_evicts_nothing_and_a_reply_is_bounded(kernels):
     request(tables, "spare", np.arange(200), np.ones((200, 8), np.float32))
     before = tables["spare"].arrays()
     with pytest.raises(TableMemoryFull, match="too few rows to give up"):
-        request(tables, "spare", 10**5 + np.arange(1000))  # more than all the limit: refused first
+        request(tables, "spare", 10**5 + np.arange(1000), np.zeros((1000, 8), np.float32))  # past all the limit
     after = tables["spare"].arrays()
     assert all(np.array_equal(before[key], after[key]) for key in before)  # nothing dropped
     with pytest.raises(InvalidIds, match="over the 65536 a frame may carry"):
@@ -338,3 +378,75 @@ def test_rows_in_memory_their_sender_may_still_write_are_taken_safely(kernels):
     expected = np.concatenate([tables["odd"].pull(np.array([7])).ravel(), np.zeros(1, np.float32),
                                tables["even"].pull(np.array([9])).ravel()])
     assert np.array_equal(room[: expected.nbytes].view(np.float32), expected)
+
+
+def test_a_push_of_several_tables_refused_in_one_changes_none(kernels):
+    """The second table's update would overflow: the first table's rows, held and new, and
+    the second's are as before, and no row was made in either."""
+    from aps.server.rows import Tables
+    from aps.wire.rows import RowSection
+
+    calm = Table(rows=100, dim=4, init="uniform:1", optimizer="adam", lr=0.1)
+    wild = Table(rows=100, dim=4, init="uniform:1", optimizer="adagrad", lr=1e10)
+    tables = Tables({"calm": RowTable("calm", calm, kernels=kernels), "wild": RowTable("wild", wild, kernels=kernels)})
+    for name in tables:
+        request(tables, name, [1, 2], np.ones((2, 4), np.float32))
+    before = {name: rows.arrays() for name, rows in tables.items()}
+    pushed = [RowSection(0, np.array([1, 50, 51]), np.ones((3, 4), np.float32)),
+              RowSection(1, np.array([2, 60]), np.full((2, 4), 1e38, np.float32))]
+    tables.check(pushed, [])
+    with pytest.raises(NonFiniteGradient, match="table 'wild': the update would make"):
+        tables.commit(tables.prepare(pushed))
+    for name, rows in tables.items():
+        assert len(rows) == 2 and rows.steps == 1
+        after = rows.arrays()
+        assert all(np.array_equal(before[name][key], after[key]) for key in after), name
+    assert np.array_equal(tables["calm"].pull([50]), calm.initial_rows("calm", np.array([50])))
+
+
+def test_the_default_limit_is_half_the_memory_available_and_given_overrides_it():
+    import psutil
+
+    from aps.errors import TableMemoryFull
+    from aps.server.memory import TableMemory, available_memory
+    from aps.server.rows import Tables
+
+    default = TableMemory.resolve(None)
+    assert 0 < default.limit <= psutil.virtual_memory().total // 2 and default.default
+    assert default.available == pytest.approx(available_memory(), rel=0.5)
+    assert "table memory up to" in default.describe() and "half the" in default.describe()
+    assert TableMemory.resolve(None, available=3 << 30).limit == 3 << 29
+    given = TableMemory.resolve(64 << 20)
+    assert (given.limit, given.default, given.describe()) == (64 << 20, False, "table memory up to 64.0 MiB "
+                                                                                "(--table-memory)")
+    assert TableMemory.resolve(0).limit == 0 and "unlimited" in TableMemory.resolve(0).describe()
+    table = Table(rows=10**6, dim=8)
+    small = TableMemory.resolve(None, available=2 * 100 * (table.row_bytes() + 36))
+    tables = Tables({"t": RowTable("t", table)}, memory=small)
+    assert tables.limit == small.limit
+    request(tables, "t", np.arange(100), np.zeros((100, 8), np.float32))
+    with pytest.raises(TableMemoryFull, match=r"\(the default: half the 13\.3 KiB available when the server "
+                                              r"started\), and this push makes up to 68 more"):
+        request(tables, "t", [100], np.zeros((1, 8), np.float32))
+    assert len(tables["t"]) == 100
+
+
+def test_the_memory_available_is_what_the_tightest_control_group_leaves(tmp_path):
+    """A container's or a batch job's limit (cgroup v2 up the hierarchy, or v1) counts: the
+    tightest limit less its use; none (``max``, v1's huge number) is no limit."""
+    from aps.server.memory import _cgroup_room
+
+    def write(path, **files):
+        (tmp_path / path).mkdir(parents=True, exist_ok=True)
+        for name, text in files.items():
+            (tmp_path / path / name.replace("_", ".", 1)).write_text(text)
+
+    write("job/step", memory_max="max\n", memory_current="5\n")
+    write("job", memory_max=f"{3 << 30}\n", memory_current=f"{1 << 30}\n")
+    assert _cgroup_room("0::/job/step\n", tmp_path) == 2 << 30
+    write("job/step", memory_max=f"{1 << 30}\n", memory_current=f"{1 << 29}\n")
+    assert _cgroup_room("0::/job/step\n", tmp_path) == 1 << 29
+    assert _cgroup_room("0::/elsewhere\n", tmp_path) is None and _cgroup_room("garbage\n", tmp_path) is None
+    write("memory/slurm", **{"memory_limit_in_bytes": f"{4 << 30}\n", "memory_usage_in_bytes": f"{1 << 30}\n"})
+    write("memory", **{"memory_limit_in_bytes": "9223372036854771712\n", "memory_usage_in_bytes": "7\n"})
+    assert _cgroup_room("12:cpu,cpuacct:/slurm\n4:memory:/slurm\n", tmp_path) == 3 << 30

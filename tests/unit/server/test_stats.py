@@ -183,17 +183,23 @@ def test_each_table_shows_its_rows_and_bytes_held_and_the_rows_pulled_and_pushed
     assert list(tables) == ["items", "users"]  # in their declared order
     assert tables["items"] == {"dim": 8, "optimizer": "sgd", "rows": 0, "bytes": h.engine.rows["items"].nbytes,
                                "rows_pulled": 0, "rows_pushed": 0, "rows_evicted": 0}
-    pull_rows(h, 0, [5, 7, 5, 10**8])  # a duplicate: counted, one row held
+    pull_rows(h, 0, [5, 7, 5, 10**8])  # a duplicate: counted; a pull makes no row
     tables = h.engine.stats_snapshot()["server"]["tables"]
-    assert (tables["items"]["rows"], tables["items"]["rows_pulled"], tables["items"]["rows_pushed"]) == (3, 4, 0)
+    assert (tables["items"]["rows"], tables["items"]["rows_pulled"], tables["items"]["rows_pushed"]) == (0, 4, 0)
     first_bytes = tables["items"]["bytes"]
-    assert first_bytes >= 3 * 8 * 4 and first_bytes == h.engine.rows["items"].nbytes
+    assert first_bytes == h.engine.rows["items"].nbytes
     assert tables["users"]["rows"] == tables["users"]["rows_pulled"] == 0
+    assert h.engine.stats_snapshot()["server"]["table_memory"]["bytes"] == 0
     push_rows(h, 0, np.arange(1000, 1200), 8)  # 200 new rows
     push_rows(h, 1, [1, 2, 2], 4)
-    tables = h.engine.stats_snapshot()["server"]["tables"]
-    assert (tables["items"]["rows"], tables["items"]["rows_pulled"], tables["items"]["rows_pushed"]) == (203, 4, 200)
+    snapshot = h.engine.stats_snapshot()["server"]
+    tables = snapshot["tables"]
+    assert (tables["items"]["rows"], tables["items"]["rows_pulled"], tables["items"]["rows_pushed"]) == (200, 4, 200)
     assert tables["items"]["bytes"] >= first_bytes + 200 * 8 * 4  # grows with the rows (values)
+    assert snapshot["table_memory"] == {"bytes": 200 * (8 * 4 + 36) + 2 * (2 * 4 * 4 + 36),
+                                        "limit": h.engine.table_memory.limit, "default": True,
+                                        "available_at_start": h.engine.table_memory.available}
+    assert snapshot["table_memory"]["limit"] > 0  # (the default: half the memory available at start)
     assert (tables["users"]["rows"], tables["users"]["rows_pulled"], tables["users"]["rows_pushed"]) == (2, 0, 3)
     assert tables["users"]["bytes"] >= 2 * 2 * 4 * 4  # values and Adagrad's state
     assert tables["users"]["optimizer"] == "adagrad"
@@ -202,7 +208,7 @@ def test_each_table_shows_its_rows_and_bytes_held_and_the_rows_pulled_and_pushed
     header = next(i for i, line in enumerate(lines) if line.startswith("table "))
     assert lines[header].split() == ["table", "dim", "optimizer", "rows", "held", "bytes", "rows", "pulled", "rows",
                                      "pushed", "evicted"]
-    assert lines[header + 1].split()[:4] == ["items", "8", "sgd", "203"]
+    assert lines[header + 1].split()[:4] == ["items", "8", "sgd", "200"]
     assert lines[header + 1].split()[-3:] == ["4", "200", "0"]
     assert lines[header + 2].split()[:4] == ["users", "4", "adagrad", "2"]
     assert lines[header + 2].split()[-3:] == ["0", "3", "0"]
@@ -227,17 +233,17 @@ def test_the_table_counters_start_at_zero_with_the_process_and_the_rows_held_go_
     push_rows(original, 0, np.arange(50), 8)
     pull_rows(original, 0, np.arange(60))
     before = original.engine.stats_snapshot()["server"]["tables"]["items"]
-    assert (before["rows"], before["rows_pulled"], before["rows_pushed"]) == (60, 60, 50)
+    assert (before["rows"], before["rows_pulled"], before["rows_pushed"]) == (50, 60, 50)
 
     resumed = Harness(workers=1, sync="asp", numel=4, tables=tuple(original.layout.tables))
     resumed.engine.restore(checkpoint_of(original))
     after = resumed.engine.stats_snapshot()["server"]["tables"]["items"]
-    assert after["rows"] == 60 and after["bytes"] > 0  # what the server holds: the checkpoint's rows
+    assert after["rows"] == 50 and after["bytes"] > 0  # what the server holds: the checkpoint's rows
     assert (after["rows_pulled"], after["rows_pushed"], after["rows_evicted"]) == (0, 0, 0)  # this process's counts
     resumed.join(0, rejoin=True)
     pull_rows(resumed, 0, [1, 2])
     after = resumed.engine.stats_snapshot()["server"]["tables"]["items"]
-    assert (after["rows"], after["rows_pulled"], after["rows_pushed"]) == (60, 2, 0)
+    assert (after["rows"], after["rows_pulled"], after["rows_pushed"]) == (50, 2, 0)
 
 
 def test_the_rows_evicted_are_counted():
@@ -248,10 +254,10 @@ def test_the_rows_evicted_are_counted():
     h.join_all()
     for start in range(0, 2000, 100):
         ids = np.arange(start, start + 100)
-        h.engine.rows.check([], [(0, ids, None)])  # (as a session checks a request's rows: room made)
-        pull_rows(h, 0, ids)
+        h.engine.rows.check([(0, ids, np.zeros((100, 16), np.float32))], [])  # (as a session does: room made)
+        push_rows(h, 0, ids, 16)
     items = h.engine.stats_snapshot()["server"]["tables"]["items"]
-    assert items["rows_pulled"] == 2000 and items["rows_evicted"] > 0
+    assert items["rows_pushed"] == 2000 and items["rows_evicted"] > 0
     assert items["rows"] + items["rows_evicted"] == 2000  # every id once: held, or evicted
     assert items["bytes"] <= 64 * 1024 + 100 * (table.row_bytes() + 32)
 

@@ -1,0 +1,181 @@
+"""What another user of the server's host can and cannot do, tried as that user (``nobody``,
+by ``setpriv``; the tests need root and are skipped without it): guessing the token on
+loopback slows that user's guesses and nobody else's, a server of theirs on the port of one
+that died trains none of the first user's workers, and a loopback server's HTTP side tells
+them nothing of the run. Real server and worker processes, loopback only."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import threading
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import aps
+from aps.cli.checkpoint import request_checkpoint
+from aps.cli.status import fetch_stats
+from aps.server.admission import AuthThrottle
+from aps.testing import ServerProcess
+from aps.testing.users import as_second_user, second_user_env, second_user_unavailable
+from aps.wire.tokens import token_path
+
+pytestmark = pytest.mark.skipif(second_user_unavailable() is not None, reason=str(second_user_unavailable()))
+
+
+@pytest.fixture
+def nobody_home():
+    """A home of the second user's (its programs write there), removed afterwards."""
+    env = second_user_env()
+    yield env
+    shutil.rmtree(env["HOME"], ignore_errors=True)
+
+
+def guesses(server: ServerProcess, env: dict, count: int, parallel: int, sources: list[str]) -> subprocess.Popen:
+    """The second user guessing at ``server``'s token: ``count`` wrong AUTHs, from ``sources``."""
+    out = Path(env["HOME"]) / "guesses.json"
+    proc = subprocess.Popen(as_second_user([
+        sys.executable, "-m", "aps.testing.chaos_processes", "guesser", "--address", server.address, "--count",
+        str(count), "--parallel", str(parallel), "--sources", ",".join(sources), "--out", str(out)]), env=env)
+    proc.out = out
+    return proc
+
+
+def finished(proc: subprocess.Popen, timeout: float = 60) -> dict:
+    assert proc.wait(timeout) == 0
+    return json.loads(proc.out.read_text())
+
+
+def trains(address: str, transport: str) -> None:
+    with aps.Worker(address, 0, 1, transport=transport, reconnect=False) as worker:
+        assert worker.transport == ("shm" if transport == "auto" else transport)
+        worker.init({"w": np.zeros(4, np.float32)})
+        worker.push_pull({"w": np.ones(4, np.float32)})
+
+
+def test_another_user_guessing_on_loopback_locks_out_none_of_the_workers(server_process, nobody_home, monkeypatch):
+    """``nobody`` guesses from 127.0.0.1 and five more loopback addresses (any local process
+    may send from any of 127/8): its guesses are counted as one user's, whatever address they
+    come from, and slowed; meanwhile this user's workers over TCP, shared memory and auto,
+    one that reconnects, and ``aps status`` are all let in at once."""
+    monkeypatch.delenv("APS_TOKEN", raising=False)
+    server = server_process("--workers", "1", "--sync", "asp", "--lr", "1")
+    count = AuthThrottle.FREE + 8  # 0.1 + 0.2 + 0.4 + 0.8 + 1.6 + 2 + 2 + 2 s of turns
+    guesser = guesses(server, nobody_home, count, 3, [f"127.0.0.{n}" for n in range(1, 7)])
+    began = time.monotonic()
+    throttled = lambda: fetch_stats(server.address)["server"]["auth"]["throttled"]  # noqa: E731
+    deadline = time.monotonic() + 30
+    while throttled() == 0:  # the second user is being held back now
+        assert time.monotonic() < deadline and guesser.poll() is None, "the guesses were never throttled"
+        time.sleep(0.05)
+    for transport in ("tcp", "shm", "auto"):
+        trains(server.address, transport)
+    with aps.Worker(server.address, 0, 1, transport="tcp") as worker:
+        worker.init({"w": np.zeros(4, np.float32)})
+        worker.reconnect(timeout=10)
+        worker.push_pull({"w": np.ones(4, np.float32)})
+    status = subprocess.run([sys.executable, "-m", "aps", "status", server.address], capture_output=True, text=True,
+                            timeout=60)
+    assert status.returncode == 0, status.stderr
+    assert guesser.poll() is None, "the workers were let in while the second user was still held back"
+    summary = finished(guesser)
+    spent = time.monotonic() - began
+    # (an attempt whose turn would come too late is refused unchecked: the second user's own)
+    assert "accepted" not in summary and "lost" not in summary, summary
+    assert summary.get("wrong", 0) + summary.get("refused", 0) == count and summary["wrong"] >= count - 3, summary
+    delays = [min(AuthThrottle.BASE_S * 2 ** k, AuthThrottle.MAX_DELAY_S) for k in range(count - AuthThrottle.FREE)]
+    # (the first few sent together take their turns before the failures of those before them are known)
+    assert spent >= sum(delays) / 2, f"{count} guesses in {spent:.1f} s: they were not throttled as one user's"
+    auth = fetch_stats(server.address)["server"]["auth"]
+    assert auth["failures"] == summary["wrong"] and auth["throttled"] >= summary["wrong"] - AuthThrottle.FREE, auth
+    assert "uid 65534" in server.log()
+
+
+def test_an_impostor_on_a_dead_servers_port_trains_none_of_its_workers(server_process, nobody_home, tmp_path,
+                                                                       monkeypatch):
+    """The first user's server dies (kill -9: its token file stays); ``nobody`` starts a server
+    of its own, asking for no token and at lr 1000, on the same port. A new worker that finds
+    the token file refuses it at once (ServerUnproven); a running worker reconnecting refuses
+    it too, and waits for the real server, which it goes on with once that is resumed there.
+    Neither sends the impostor anything of its model."""
+    monkeypatch.delenv("APS_TOKEN", raising=False)
+    options = ("--workers", "1", "--sync", "asp", "--lr", "1", "--checkpoint-dir", str(tmp_path / "ckpt"))
+    real = server_process(*options)
+    port, path = real.port, token_path("127.0.0.1", real.port)
+    running = aps.Worker(real.address, 0, 1, transport="tcp", reconnect_timeout=60)
+    running.init({"w": np.zeros(4, np.float32)})
+    running.push_pull({"w": np.ones(4, np.float32)})
+    request_checkpoint(real.address)
+    real.proc.kill()
+    real.proc.wait()
+    assert os.path.exists(path)
+    answers: list = []
+
+    def go_on() -> None:
+        try:
+            answers.append(running.push_pull({"w": np.ones(4, np.float32)}))
+        except BaseException as exc:  # noqa: BLE001 (what it raised is the test's)
+            answers.append(exc)
+
+    pushing = threading.Thread(target=go_on)
+    pushing.start()  # reconnecting: nothing listens yet
+    impostor = ServerProcess("--workers", "1", "--sync", "asp", "--lr", "1000", "--insecure", "--port", str(port),
+                             env=nobody_home,
+                             popen=lambda argv, **kwargs: subprocess.Popen(as_second_user(argv), **kwargs))
+    try:
+        assert "no token" in impostor.log()
+        with pytest.raises(aps.ServerUnproven, match="cannot prove") as raised:
+            aps.Worker(real.address, 0, 1, transport="tcp", reconnect=False)
+        assert path in str(raised.value)
+        time.sleep(2.0)  # the running worker meets the impostor a few times meanwhile
+        assert pushing.is_alive() and not answers, answers
+        log = impostor.log()
+        assert "joined" not in log and "worker 0" not in log, log
+    finally:
+        impostor.stop()
+    resumed = server_process(*options, "--resume", "--port", str(port))
+    pushing.join(60)
+    running.close()
+    assert not pushing.is_alive() and len(answers) == 1 and not isinstance(answers[0], BaseException), answers
+    assert answers[0]["w"].tolist() == [-2.0] * 4, "trained by the real server at lr 1, from its checkpoint"
+    assert resumed.alive()
+
+
+def test_another_user_reads_nothing_of_a_loopback_run_over_http(server_process, nobody_home, monkeypatch):
+    """A loopback server that made its own token guards its HTTP side with it too: the
+    second user gets the liveness probe and the page (which holds no data), not the run's
+    statistics, configuration, curves or metrics; this user, with the token, gets them."""
+    monkeypatch.delenv("APS_TOKEN", raising=False)
+    server = server_process("--workers", "1", "--sync", "asp", "--http-port", "0")
+    base = server.proc.stdout.readline().split(" on ", 1)[1].strip()
+    hint = server.proc.stdout.readline()
+    assert "asks for the server's token" in hint and token_path("127.0.0.1", server.port) in hint, hint
+    script = ("import sys, urllib.request, urllib.error\n"
+              "for path in sys.argv[2:]:\n"
+              "    try:\n"
+              "        code = urllib.request.urlopen(sys.argv[1] + path, timeout=10).status\n"
+              "    except urllib.error.HTTPError as exc:\n"
+              "        code = exc.code\n"
+              "    print(path, code)\n")
+    paths = ["healthz", "", "api/stats", "api/config", "api/history", "api/scalars", "metrics"]
+    done = subprocess.run(as_second_user([sys.executable, "-c", script, base, *paths]), env=nobody_home,
+                          capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    codes = dict(line.split() if " " in line.strip() else ("", line.strip()) for line in done.stdout.splitlines())
+    assert codes.pop("healthz") == "200" and codes.pop("") == "200", done.stdout
+    assert set(codes.values()) == {"401"}, done.stdout
+    request = urllib.request.Request(base + "api/stats", headers={"Authorization": f"Bearer {server.token.decode()}"})
+    with urllib.request.urlopen(request, timeout=10) as answer:
+        assert answer.status == 200 and json.load(answer)["server"]["run_id"]
+    with pytest.raises(urllib.error.HTTPError) as refused:
+        urllib.request.urlopen(base + "api/stats", timeout=10)
+    refused.value.close()  # (the error holds the response: its socket)
+    assert refused.value.code == 401
