@@ -196,15 +196,16 @@ def test_a_copy_of_a_live_runs_checkpoint_is_not_resumed_elsewhere(tmp_path):
     checkpoint says it served, and it is live: refused, naming it and --fork-run. Once it is
     gone, the copy resumes the run."""
     server, (path, _) = run_with_checkpoints(tmp_path / "run")
-    other = tmp_path / "copy"
-    other.mkdir()
-    copied = other / pathlib.Path(path).name
-    shutil.copytree(path, copied)
-    said = refused_to_start("--checkpoint-dir", str(other), "--resume")
-    assert f"run {run_id(server)} is still served at {server.address}" in said and "--fork-run" in said, said
-    server.proc.kill()
-    server.proc.wait(10)
-    server.stop()
+    try:
+        other = tmp_path / "copy"
+        other.mkdir()
+        shutil.copytree(path, other / pathlib.Path(path).name)
+        said = refused_to_start("--checkpoint-dir", str(other), "--resume")
+        assert f"run {run_id(server)} is still served at {server.address}" in said and "--fork-run" in said, said
+        server.proc.kill()
+        server.proc.wait(10)
+    finally:
+        server.stop()
     resumed = ServerProcess("--checkpoint-dir", str(other), "--resume")
     try:
         assert "version 1," in resumed.wait_for_log("resumed from")
@@ -219,11 +220,13 @@ def test_a_worker_refuses_a_server_of_its_run_that_its_last_server_did_not_lead_
     lacks what the worker's last server applied: the worker refuses it (RunChanged)."""
     first, (path, _) = run_with_checkpoints(tmp_path / "run")
     port = first.port
-    worker = aps.Worker(first.address, 0, 1, transport="tcp", reconnect_timeout=60, heartbeat=0.5)
-    worker.init({"w": np.zeros(4, np.float32)})
-    first.proc.kill()
-    first.proc.wait(10)
-    first.stop()
+    try:
+        worker = aps.Worker(first.address, 0, 1, transport="tcp", reconnect_timeout=60, heartbeat=0.5)
+        worker.init({"w": np.zeros(4, np.float32)})
+        first.proc.kill()
+        first.proc.wait(10)
+    finally:
+        first.stop()
     other = tmp_path / "copy"
     other.mkdir()
     shutil.copytree(path, other / pathlib.Path(path).name)
