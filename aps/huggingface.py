@@ -3,12 +3,18 @@
 One process needs nothing of this module: ``transformers.Trainer(model, args, train_dataset=...,
 optimizers=(aps.torch.Optimizer(model, ...), scheduler))`` trains with aps as it is (and so does
 ``accelerate``'s loop with an ``aps.torch.Optimizer`` given to ``accelerator.prepare``). Several
-worker processes need what :class:`Trainer` adds, since ``transformers`` learns the ranks from
-``torch.distributed``, which an aps run does not start::
+worker processes need what :class:`Trainer` and :class:`TrainingArguments` add::
 
+    args = aps.huggingface.TrainingArguments("out", num_train_epochs=10)
     trainer = aps.huggingface.Trainer(model=model, args=args, train_dataset=dataset)
     trainer.train()  # each worker process: RANK and WORLD_SIZE from its launcher
 
+- each worker trains alone as far as ``transformers`` and ``accelerate`` know: under a
+  launcher (torchrun, ``aps launch``, Slurm) they would start a ``torch.distributed`` process
+  group, wrap the model in ``DistributedDataParallel`` and average the gradients of all ranks
+  before each push (and on the CPU place the model on ``cpu:RANK``, a copy: the optimizer's
+  pushes and pulls would miss the model). :class:`TrainingArguments` set up one process whatever
+  the launcher set; arguments of ``transformers`` given to :class:`Trainer` are set up again so;
 - each worker reads its own part of the data (a ``DistributedSampler`` with aps's rank and
   worker count, seeded with ``args.seed``, its epoch set each epoch);
 - without ``optimizers=``, the optimizer is an :class:`aps.torch.Optimizer` laid out as the
@@ -23,20 +29,77 @@ worker processes need what :class:`Trainer` adds, since ``transformers`` learns 
 
 from __future__ import annotations
 
+import contextlib
+import logging
+import os
+from collections.abc import Iterator
+from functools import cached_property
 from typing import Any
 
 import torch
 import transformers
+from accelerate.utils import DistributedType
 from torch.utils.data import DistributedSampler
 
+from .client.arguments import _from_env
 from .errors import ConfigurationError
 from .torch import Optimizer
 from .torch.reporting import Reporter
 
-__all__ = ["Trainer"]
+__all__ = ["Trainer", "TrainingArguments"]
+
+log = logging.getLogger("aps.huggingface")
 
 #: What ``TrainingArguments.optim`` names, as the server's optimizer.
 _OPTIM = {"adamw_torch": "adamw", "adamw_torch_fused": "adamw", "adamw_hf": "adamw", "sgd": "sgd"}
+#: What launchers set that makes ``accelerate`` start a process group (torchrun's, MPI's).
+_LAUNCHED = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "PMI_SIZE", "OMPI_COMM_WORLD_SIZE",
+             "MV2_COMM_WORLD_SIZE")
+
+
+@contextlib.contextmanager
+def _unlaunched() -> Iterator[None]:
+    """The launcher's variables hidden from this process's environment for a while."""
+    hidden = {name: os.environ.pop(name) for name in _LAUNCHED if name in os.environ}
+    try:
+        yield
+    finally:
+        os.environ.update(hidden)
+
+
+def _set_up_alone(args: transformers.TrainingArguments) -> torch.device:
+    """``args``'s device, set up (``TrainingArguments._setup_devices``) as one process's whatever
+    launched it; on a GPU, the one ``LOCAL_RANK`` names (as a launcher places its processes)."""
+    local_rank = os.environ.get("LOCAL_RANK")
+    with _unlaunched():
+        device = transformers.TrainingArguments._setup_devices.func(args)
+    if device.type == "cuda" and local_rank and torch.cuda.device_count() > int(local_rank):
+        device = torch.device("cuda", int(local_rank))
+        torch.cuda.set_device(device)
+    return device
+
+
+class TrainingArguments(transformers.TrainingArguments):
+    """``transformers.TrainingArguments`` for one worker of an aps run: the same fields, set up
+    as one process whatever launched it (``RANK``, ``WORLD_SIZE`` and ``LOCAL_RANK`` are aps's
+    to read): ``transformers`` and ``accelerate`` start no process group (which would ask for
+    ``MASTER_ADDR`` under a plain launch, and average the workers' gradients under torchrun)."""
+
+    _setup_devices = cached_property(_set_up_alone)
+
+
+def _alone(args: transformers.TrainingArguments) -> transformers.TrainingArguments:
+    """``args`` set up as one process's (see :class:`TrainingArguments`), in place, when they
+    were set up for several."""
+    state = args.distributed_state
+    if isinstance(args, TrainingArguments) or state is None or state.distributed_type == DistributedType.NO:
+        return args
+    log.warning("the TrainingArguments were set up for %d processes of torch.distributed (%s): an aps worker "
+                "trains alone, so they are set up again as one process's (aps.huggingface.TrainingArguments "
+                "are so from the start)", args.world_size, state.distributed_type)
+    args.__dict__.pop("_setup_devices", None)
+    args.__dict__["_setup_devices"] = _set_up_alone(args)
+    return args
 
 
 class Trainer(transformers.Trainer):
@@ -49,19 +112,24 @@ class Trainer(transformers.Trainer):
         aps_rank: this worker's rank; default ``RANK`` (0 when unset).
         aps_workers: the run's workers; default ``WORLD_SIZE`` (1 when unset).
         aps_options: what else :class:`aps.torch.Optimizer` takes (``transport``, ``token``...).
+
+    ``args`` are best :class:`TrainingArguments`; those of ``transformers`` that a launcher
+    made set up for several processes are set up again as one process's (a warning says so),
+    and without ``args`` the Trainer's defaults are :class:`TrainingArguments`.
     """
 
-    def __init__(self, *args: Any, aps_address: str | None = None, aps_rank: int | None = None,
-                 aps_workers: int | None = None, aps_options: dict[str, Any] | None = None, **kwargs: Any) -> None:
-        from .torch import _places
-
-        address, rank, workers, _ = _places((), aps_address, aps_rank, aps_workers, None)
-        self.aps_address, self.aps_rank, self.aps_workers = address, 0 if rank is None else rank, workers or 1
+    def __init__(self, model: Any = None, args: transformers.TrainingArguments | None = None, *rest: Any,
+                 aps_address: str | None = None, aps_rank: int | None = None, aps_workers: int | None = None,
+                 aps_options: dict[str, Any] | None = None, **kwargs: Any) -> None:
+        address, rank, workers = _from_env(aps_address, aps_rank, aps_workers)
+        self.aps_address, self.aps_rank = address, 0 if rank is None else rank
+        self.aps_workers = 1 if workers is None else workers
         if not 0 <= self.aps_rank < self.aps_workers:
             raise ConfigurationError(f"rank {self.aps_rank} is not one of {self.aps_workers} workers")
         self._aps_options = dict(aps_options or {})
         self._reporter: Reporter | None = None
-        super().__init__(*args, **kwargs)
+        args = TrainingArguments(output_dir="tmp_trainer") if args is None else _alone(args)
+        super().__init__(model, args, *rest, **kwargs)
         if isinstance(self.optimizer, Optimizer):
             self._reporter = Reporter(self.optimizer.worker)
 

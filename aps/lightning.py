@@ -36,6 +36,7 @@ import torch
 from lightning.fabric.plugins.environments import ClusterEnvironment
 from lightning.pytorch.strategies import ParallelStrategy
 
+from .client.arguments import _from_env
 from .errors import ConfigurationError
 from .torch import Optimizer
 from .torch.reporting import Reporter
@@ -111,9 +112,7 @@ class Strategy(ParallelStrategy):
 
     def __init__(self, address: str | None = None, *, rank: int | None = None, num_workers: int | None = None,
                  device: str | torch.device = "cpu", report: bool = True, **options: Any) -> None:
-        from .torch import _places
-
-        address, rank, num_workers, _ = _places((), address, rank, num_workers, None)
+        address, rank, num_workers = _from_env(address, rank, num_workers)
         rank = 0 if rank is None else rank
         num_workers = 1 if num_workers is None else num_workers
         if not 0 <= rank < num_workers:

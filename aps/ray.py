@@ -26,12 +26,14 @@ worker count from Ray Train's context (and the server's address); :func:`report`
 draws them per rank). :func:`checkpoint` puts
 the model's weights and the server's optimizer state in a ``ray.train.Checkpoint``, and
 :func:`restore` loads them back (into the server once, whichever workers load it) from
-``ray.train.get_checkpoint()`` when a run resumes. The process group Ray Train starts
+``ray.train.get_checkpoint()`` when a run resumes; a run Ray Train restarts after a worker
+failed goes on from the server actor's state instead. The process group Ray Train starts
 (``torch.distributed``, gloo) is not used: the server's sync policy keeps the workers together.
 """
 
 from __future__ import annotations
 
+import logging
 import os
 import secrets
 import tempfile
@@ -48,6 +50,8 @@ from .wire.scalars import check_scalar_name
 __all__ = ["ServerActor", "checkpoint", "optimizer", "report", "restore"]
 
 _STATE_FILE = "aps.pt"
+
+log = logging.getLogger("aps.ray")
 
 
 @ray.remote(num_cpus=1)
@@ -85,7 +89,12 @@ class ServerActor:
 def optimizer(params: Any, server: dict[str, Any] | str, **options: Any) -> Optimizer:
     """An :class:`aps.torch.Optimizer` for this Ray Train worker, on ``server`` (what
     :meth:`ServerActor.connection` returns, or an address): its rank and the worker count from
-    ``ray.train.get_context()``; ``options`` as the optimizer takes them."""
+    ``ray.train.get_context()``; ``options`` as the optimizer takes them.
+
+    Every worker of the trainer must make one: it returns once all have joined the server. A
+    run's first start waits so at the server; a run Ray Train restarts after a failure rejoins
+    a server that trains on, and without this wait the first worker back would train alone
+    (under BSP, into a step its peers, held at ``ray.train.report``, never take)."""
     context = ray.train.get_context()
     rank, workers = context.get_world_rank(), context.get_world_size()
     if options.get("rank", rank) != rank or options.get("num_workers", workers) != workers:
@@ -94,7 +103,26 @@ def optimizer(params: Any, server: dict[str, Any] | str, **options: Any) -> Opti
     if isinstance(server, dict):
         options.setdefault("token", server.get("token"))
         server = server["address"]
-    return Optimizer(params, server, **options)
+    made = Optimizer(params, server, **options)
+    if workers > 1:
+        try:
+            _barrier()
+        except BaseException:
+            made.close()
+            raise
+    return made
+
+
+def _barrier() -> None:
+    """Wait for every worker of this Ray Train run (Ray Train's barrier; the process group's
+    under Ray Train v1, which has none)."""
+    try:
+        from ray.train.collective import barrier
+    except ImportError:
+        if torch.distributed.is_available() and torch.distributed.is_initialized():
+            torch.distributed.barrier()
+        return
+    barrier()
 
 
 def report(server_optimizer: Optimizer, metrics: dict[str, Any], checkpoint: ray.train.Checkpoint | None = None,
@@ -128,12 +156,22 @@ def restore(model: torch.nn.Module, server_optimizer: Optimizer,
             saved: ray.train.Checkpoint | None = None) -> dict[str, Any] | None:
     """Load a checkpoint made by :func:`checkpoint` (default: ``ray.train.get_checkpoint()``,
     the one a resumed run starts from) into the model and the server; returns what else it
-    holds, or None when there is none."""
+    holds, or None when there is none.
+
+    Call it before the first step. A server that has applied updates already (Ray Train
+    restarted the workers after a failure, and the server actor lives on) is newer than any
+    checkpoint: the model keeps the server's weights (its optimizer made them the model's),
+    the server keeps its state, and only what else the checkpoint holds is returned."""
     saved = saved if saved is not None else ray.train.get_checkpoint()
     if saved is None:
         return None
     with saved.as_directory() as directory:
         state = torch.load(os.path.join(directory, _STATE_FILE), weights_only=False)
-    model.load_state_dict(state.pop("model"))
-    server_optimizer.load_state_dict(state.pop("optimizer"))
+    weights, optimizer_state = state.pop("model"), state.pop("optimizer")
+    if server_optimizer.version > 0:
+        log.info("rank %d: the server has applied %d updates: going on from its weights and state, not the "
+                 "checkpoint's", server_optimizer.worker.rank, server_optimizer.version)
+        return state
+    model.load_state_dict(weights)
+    server_optimizer.load_state_dict(optimizer_state)
     return state

@@ -11,6 +11,8 @@ from __future__ import annotations
 import asyncio
 import atexit
 import logging
+import os
+import sys
 import threading
 import time
 import weakref
@@ -29,8 +31,10 @@ log = logging.getLogger("aps.worker")
 
 #: Seconds the exit hook spends in all saying goodbye for the channels still open (see _leave_at_exit).
 EXIT_LEAVE_S = 3.0
+#: Seconds a channel its script let go of (collected without close()) spends saying goodbye.
+DROP_LEAVE_S = 1.0
 #: The blocking channels that are open, held weakly: a worker its script dropped is not kept alive
-#: here (it frees its socket when collected, see Channel.__del__).
+#: here (it leaves and frees its socket when collected, see Channel.__del__).
 _OPEN: weakref.WeakSet = weakref.WeakSet()
 
 
@@ -178,6 +182,7 @@ class Channel(_OneServer, _ChannelSteps):
         self._lock = threading.RLock()
         self._stop = threading.Event()
         self._heartbeat_thread: threading.Thread | None = None
+        self._pid = os.getpid()
         run(self._connect_first())
         self._start_heartbeat()
         _OPEN.add(self)
@@ -237,10 +242,21 @@ class Channel(_OneServer, _ChannelSteps):
         self.close(budget, wait=False)
 
     def __del__(self) -> None:
-        # Dropped without close(): free the socket (the server sees the worker leave).
+        # Dropped without close(), as a worker or optimizer local to a script's main() is when
+        # main() returns: it leaves, as the exit hook has those still held at exit leave (not
+        # while the interpreter finalizes, nor in a forked child, which shares the socket).
         stop, conn = getattr(self, "_stop", None), getattr(self, "_conn", None)
         if stop is not None:
             stop.set()
+        if (conn is not None and not self._closing and getattr(self, "_pid", None) == os.getpid()
+                and not sys.is_finalizing() and self._lock.acquire(blocking=False)):
+            try:
+                run(self._leave(DROP_LEAVE_S))
+            except Exception as exc:  # noqa: BLE001 - a finalizer raises nothing
+                log.debug("rank %s: leaving when dropped failed: %s", self.rank, exc)
+            finally:
+                self._lock.release()
+            conn = self._conn
         if conn is not None:
             conn.close()
 

@@ -884,8 +884,18 @@ class Optimizer(torch.optim.Optimizer):
             torch._foreach_mul_(grads, inv_scale.to(grads[0].device))
 
     def _adopt_stray_grads(self) -> None:
-        # model.zero_grad() (set_to_none, the torch default) or other code may
-        # have replaced a .grad: copy it back into the buffer and re-attach.
+        # model.zero_grad() (set_to_none, the torch default) or other code may have replaced
+        # a .grad: copy it back into the buffer and re-attach. model.to("cpu:N") (accelerate)
+        # replaces the storage of the parameters and of their .grad, the views: attach again,
+        # or no step would reach the model.
+        if any(param.data_ptr() != weights.data_ptr() for param, weights, _ in self._viewed):
+            moved = [(param, param.grad) for param, _, _ in self._viewed]
+            if any(p.dtype != w.dtype or p.device != w.device for p, w, _ in self._viewed):
+                raise ConfigurationError("the model was moved to another dtype or device after the optimizer was "
+                                         "made: make the optimizer after moving the model")
+            self._attach()
+            for (_, grad), (_, _, grads) in zip(moved, self._viewed):
+                grads.copy_(grad) if grad is not None else grads.zero_()
         for param, _, grads in self._viewed:
             grad = param.grad
             if grad is grads:

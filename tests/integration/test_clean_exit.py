@@ -1,4 +1,6 @@
-"""A worker process that ends without ``close()`` leaves cleanly (issue 23, point 11).
+"""A worker process that ends without ``close()`` leaves cleanly (issue 23, point 11), and so
+does a worker its script lets go of, as an optimizer local to ``main()`` is when ``main()``
+returns (issue 45, point 14).
 
 Training scripts (pytorch/examples among them) never call ``close()``: their ranks must be
 counted as having left, not as crashes, and the server's log must say what its membership
@@ -59,20 +61,31 @@ SCRIPT = textwrap.dedent("""
         time.sleep(0.5)  # the pull is in flight
 """)
 
-#: The same with aps.torch, the way pytorch/examples' scripts end: the optimizer left open.
+#: The same with aps.torch, the way pytorch/examples' scripts end: the optimizer left open, a
+#: global of the module ("global") or a local of main(), freed when main() returns ("local", as
+#: mnist and imagenet have it).
 TORCH_SCRIPT = textwrap.dedent("""
     import sys
     import torch
     import aps.torch
 
-    address, rank, workers, transport = sys.argv[1:5]
-    model = torch.nn.Linear(4, 2)
-    opt = aps.torch.Optimizer(model, address, int(rank), int(workers), transport=transport)
-    for _ in range(3):
-        opt.zero_grad()
-        model(torch.ones(3, 4)).sum().backward()
-        opt.step()
-    print("trained", flush=True)
+    def main():
+        address, rank, workers, transport = sys.argv[1:5]
+        model = torch.nn.Linear(4, 2)
+        opt = aps.torch.Optimizer(model, address, int(rank), int(workers), transport=transport)
+        for _ in range(3):
+            opt.zero_grad()
+            model(torch.ones(3, 4)).sum().backward()
+            opt.step()
+        print("trained", flush=True)
+        return opt
+
+    if sys.argv[5] == "global":
+        opt = main()
+    else:
+        main()
+        print("returned", flush=True)
+        sys.stdin.readline()  # (the process is still there: the leave was the drop's, not the exit's)
 """)
 
 
@@ -114,12 +127,25 @@ def test_a_script_that_ends_without_close_has_left(server_process, transport):
     assert log_events(server) == events(server) == [(0, "joined"), (0, "left")]
 
 
+def test_a_torch_script_whose_optimizer_is_local_to_main_has_left_when_main_returns(server_process):
+    server = server_process("--workers", "1", "--sync", "bsp")
+    proc = start_script(TORCH_SCRIPT, server.address, 0, 1, "auto", "local")
+    try:
+        assert [proc.stdout.readline().strip() for _ in range(2)] == ["trained", "returned"], proc.stderr.read()
+        wait_event(server, (0, "left"))  # (the process is still there, waiting on its stdin)
+    finally:
+        finished(proc, 30.0, read=True)
+    assert counts(server)["disconnected"] == 0
+    assert log_events(server) == events(server) == [(0, "joined"), (0, "left")]
+
+
 @pytest.mark.slow
-def test_every_rank_of_a_torch_script_that_ends_without_close_has_left(server_process, transport):
+@pytest.mark.parametrize("scope", ["global", "local"])
+def test_every_rank_of_a_torch_script_that_ends_without_close_has_left(server_process, transport, scope):
     server = server_process("--workers", "2", "--sync", "bsp")
-    procs = [start_script(TORCH_SCRIPT, server.address, rank, 2, transport) for rank in range(2)]
+    procs = [start_script(TORCH_SCRIPT, server.address, rank, 2, transport, scope) for rank in range(2)]
     for proc in procs:
-        finished(proc, 120.0)
+        finished(proc, 120.0)  # (a "local" script's wait on its stdin ends as its stdin is closed)
     wait_for(lambda: counts(server)["left"] == 2, 15.0, "both ranks to leave")
     assert counts(server)["disconnected"] == 0
     assert sorted(log_events(server)) == sorted(events(server)) == [(0, "joined"), (0, "left"), (1, "joined"),
@@ -165,18 +191,37 @@ def test_the_exit_is_bounded_while_a_thread_is_held_at_the_gate(server_process, 
         thread.join(10)
 
 
-def test_the_exit_hook_keeps_no_worker_alive(server_process):
+def test_the_exit_hook_keeps_no_worker_alive_and_a_dropped_worker_leaves(server_process, transport):
     import gc
     import weakref
 
     server = server_process("--workers", "1", "--sync", "asp")
-    worker = aps.Worker(server.address, 0, 1, transport="tcp")
+    worker = aps.Worker(server.address, 0, 1, transport=transport)
     worker.init({"w": np.zeros(8, np.float32)})
     ref = weakref.ref(worker)
     del worker
     gc.collect()
     assert ref() is None
-    wait_event(server, (0, "disconnected"))  # dropped without close(): its socket was freed
+    wait_event(server, (0, "left"))  # dropped without close(): it left, as close() leaves
+    assert counts(server)["disconnected"] == 0
+
+
+def test_a_dropped_worker_whose_server_is_gone_is_freed_at_once(server_process):
+    import gc
+    import weakref
+
+    server = server_process("--workers", "1", "--sync", "asp")
+    worker = aps.Worker(server.address, 0, 1, transport="tcp", reconnect=False)
+    worker.init({"w": np.zeros(8, np.float32)})
+    ref = weakref.ref(worker)
+    server.proc.send_signal(signal.SIGSTOP)  # (it answers nothing: the goodbye is bounded)
+    try:
+        start = time.monotonic()
+        del worker
+        gc.collect()
+        assert ref() is None and time.monotonic() - start < aps.client.channel.DROP_LEAVE_S + 1.0
+    finally:
+        server.proc.send_signal(signal.SIGCONT)
 
 
 def test_log_lines_and_events_agree(server_process):

@@ -1,14 +1,19 @@
 """Hugging Face with aps against real servers: ``transformers.Trainer`` and ``accelerate``'s loop
 with an ``aps.torch.Optimizer`` equal their own SGD bit for bit (one BSP worker, a warm-up
 schedule, gradient accumulation and clipping as the Trainer does them);
-``aps.huggingface.Trainer`` workers split the data and learn; checkpoints go through the
-Trainer's own save and resume; misuse is refused clearly."""
+``aps.huggingface.Trainer`` workers split the data and learn, and launched as the docs say
+(torchrun, ``RANK=$rank WORLD_SIZE=2 python ...``) each pushes its own gradients, which the
+server applies; checkpoints go through the Trainer's own save and resume; misuse is refused
+clearly."""
 
 from __future__ import annotations
 
 import importlib.util
+import json
+import os
 import pathlib
 
+import numpy as np
 import pytest
 
 transformers = pytest.importorskip("transformers", reason="transformers is not installed (pip install -e '.[hf]')")
@@ -19,7 +24,7 @@ import aps  # noqa: E402
 import aps.huggingface  # noqa: E402
 import aps.torch  # noqa: E402
 from aps.cli.status import fetch_stats  # noqa: E402
-from tests.trainers import run_worker_scripts  # noqa: E402
+from tests.trainers import launch_workers, run_worker_scripts  # noqa: E402
 
 SCRIPT = pathlib.Path(__file__).parent.parent / "scripts" / "hf_worker.py"
 _spec = importlib.util.spec_from_file_location("hf_worker", SCRIPT)
@@ -27,6 +32,7 @@ hw = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(hw)
 
 SGD = ("--optimizer", "sgd", "--lr", "0.05")
+LAUNCHED = SCRIPT.parent / "hf_launched.py"
 
 
 def _same(a: torch.nn.Module, b: torch.nn.Module) -> None:
@@ -122,7 +128,8 @@ def test_a_trainer_checkpoint_carries_the_servers_state_and_resumes_exactly(serv
 def test_misuse_is_refused_saying_what_to_do(server_process, tmp_path):
     server = server_process("--workers", "1", "--sync", "bsp", *SGD)
     with pytest.raises(aps.ConfigurationError, match="rank 3 is not one of 2"):
-        aps.huggingface.Trainer(model=hw.model(), args=hw.arguments(str(tmp_path)), aps_rank=3, aps_workers=2)
+        aps.huggingface.Trainer(model=hw.model(), args=hw.arguments(str(tmp_path)), aps_address=server.address,
+                                aps_rank=3, aps_workers=2)
     trainer = aps.huggingface.Trainer(model=hw.model(), args=hw.arguments(str(tmp_path), optim="adafactor"),
                                       train_dataset=hw.Blocks(), data_collator=hw.collate, aps_address=server.address)
     with pytest.raises(aps.ConfigurationError, match="SGD, Adam or AdamW"):
@@ -136,3 +143,58 @@ def test_misuse_is_refused_saying_what_to_do(server_process, tmp_path):
                                       aps_rank=1, aps_workers=2)
     with pytest.raises(aps.APSError, match="1 worker|workers"):  # (the server was started for one)
         trainer.train()
+
+
+def test_the_trainer_reads_the_launchers_rank_and_sets_up_one_process(server_process, tmp_path, monkeypatch):
+    """What torchrun sets (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR...) is aps's to read: transformers and
+    accelerate start no process group (which would average the workers' gradients, and under a plain
+    RANK=... WORLD_SIZE=... launch ask for MASTER_ADDR), and the model stays where the optimizer put it."""
+    server = server_process("--workers", "2", "--sync", "asp", *SGD)
+    monkeypatch.setenv("APS_ADDRESS", server.address)
+    for name, value in {"RANK": "1", "WORLD_SIZE": "2", "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "2"}.items():
+        monkeypatch.setenv(name, value)
+    monkeypatch.delenv("MASTER_ADDR", raising=False)
+    args = aps.huggingface.TrainingArguments(str(tmp_path), use_cpu=True, report_to=[], optim="sgd")
+    assert args.world_size == 1 and args.device == torch.device("cpu") and os.environ["WORLD_SIZE"] == "2"
+    trainer = aps.huggingface.Trainer(model=hw.model(), args=args, train_dataset=hw.Blocks(), data_collator=hw.collate)
+    assert (trainer.aps_rank, trainer.aps_workers) == (1, 2)
+    assert trainer.accelerator.distributed_type == accelerate.utils.DistributedType.NO
+    assert not torch.distributed.is_initialized()
+    sampler = trainer._get_train_sampler()
+    assert (sampler.rank, sampler.num_replicas) == (1, 2), "its own half of the data"
+    monkeypatch.setenv("RANK", "2")
+    with pytest.raises(aps.ConfigurationError, match="rank 2 is not one of 2"):
+        aps.huggingface.Trainer(model=hw.model(), args=args)
+
+
+@pytest.mark.slow  # (two processes importing transformers, each launch: about 10 s here)
+@pytest.mark.parametrize("how", ["torchrun", "torchrun-transformers-args", "env"])
+def test_workers_launched_as_the_docs_say_train_on_their_own_gradients(server_process, tmp_path, how):
+    """Two workers under torchrun (with aps's TrainingArguments, or transformers' own, which transformers
+    sets up for torch.distributed: DistributedDataParallel, and on the CPU the model copied to cpu:RANK,
+    out of the optimizer's reach) and under RANK=$rank WORLD_SIZE=2 python ...: the server's weights are
+    the initial ones less lr times every gradient pushed, and every push carries its worker's own."""
+    server = server_process("--workers", "2", "--sync", "asp", *SGD)
+    launch_workers(LAUNCHED, server.address, 2, tmp_path, how.split("-")[0],
+                   env={"ARGS": "transformers"} if how.endswith("transformers-args") else None)
+    results = [(json.loads((tmp_path / f"{rank}.json").read_text()), dict(np.load(tmp_path / f"{rank}.npz")))
+               for rank in range(2)]
+    for rank, (facts, _) in enumerate(results):
+        assert (facts["rank"], facts["workers"]) == (rank, 2), "RANK and WORLD_SIZE, from the launcher"
+        assert facts["wrapped"] == "GPT2LMHeadModel" and facts["world_size"] == 1, "no DistributedDataParallel"
+        if how != "torchrun-transformers-args":  # (there transformers started one; it is left unused)
+            assert not facts["process_group"]
+    (_, first), (_, second) = results
+    initial = first["initial"]
+    assert np.array_equal(initial, second["initial"])
+    assert not np.array_equal(first["grads"][0], second["grads"][0]), "each its own gradient, not an average"
+    pushes = np.concatenate([first["grads"], second["grads"]])
+    assert np.abs(pushes).sum(axis=1).min() > 0, "every push carries a gradient"
+    version = fetch_stats(server.address)["server"]["version"]
+    assert version == len(pushes), "ASP: one update a push"
+    last, arrays = max(results, key=lambda result: result[0]["version"])
+    assert last["version"] == version
+    assert not np.array_equal(arrays["final"], initial), "the weights moved"
+    # SGD at a constant rate: the server's weights are the initial ones less lr times every push
+    expected = initial.astype(np.float64) - last["lr"] * pushes.astype(np.float64).sum(axis=0)
+    np.testing.assert_allclose(arrays["final"], expected, rtol=1e-4, atol=1e-6)

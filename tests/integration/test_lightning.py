@@ -1,11 +1,13 @@
 """PyTorch Lightning with aps (``Trainer(strategy=aps.lightning.Strategy(...))``) against
 real servers: one BSP worker equals Lightning's own SGD bit for bit, several ASP worker
-processes split the data and learn, checkpoints carry the server's state through
-Lightning's own mechanism, and misuse is refused clearly."""
+processes split the data and learn (also launched as the docs say: ``RANK=$rank WORLD_SIZE=2
+python ...`` and torchrun), checkpoints carry the server's state through Lightning's own
+mechanism, and misuse is refused clearly."""
 
 from __future__ import annotations
 
 import importlib.util
+import json
 import pathlib
 
 import pytest
@@ -16,7 +18,7 @@ torch = pytest.importorskip("torch")
 import aps  # noqa: E402
 import aps.lightning  # noqa: E402
 from aps.cli.status import fetch_stats  # noqa: E402
-from tests.trainers import run_worker_scripts  # noqa: E402
+from tests.trainers import launch_workers, run_worker_scripts  # noqa: E402
 
 pytestmark = [
     # Lightning's advice for this small CPU run (loader workers, few batches): not what is tested.
@@ -111,3 +113,34 @@ def test_misuse_is_refused_saying_what_to_do(server_process):
     with pytest.raises(aps.APSError, match="1 worker|workers"):  # the server was started for one
         lw.trainer(aps.lightning.Strategy(server.address, rank=1, num_workers=2, init_timeout=5),
                    epochs=1).fit(lw.Digits(), lw.loader())
+
+
+def test_the_strategy_reads_its_rank_and_server_from_the_launcher(monkeypatch):
+    monkeypatch.setenv("APS_ADDRESS", "tcp://127.0.0.1:1")
+    monkeypatch.setenv("RANK", "1")
+    monkeypatch.setenv("WORLD_SIZE", "3")
+    strategy = aps.lightning.Strategy()
+    assert (strategy.global_rank, strategy.world_size) == (1, 3)
+    assert strategy.distributed_sampler_kwargs == {"num_replicas": 3, "rank": 1}
+    assert strategy.cluster_environment.global_rank() == 1 and strategy.cluster_environment.world_size() == 3
+    assert aps.lightning.Strategy(rank=0, num_workers=2).world_size == 2, "what is given comes first"
+    monkeypatch.setenv("WORLD_SIZE", "x")
+    with pytest.raises(aps.ConfigurationError, match="WORLD_SIZE"):
+        aps.lightning.Strategy()
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    with pytest.raises(aps.ConfigurationError, match="rank 1 is not one of 1"):
+        aps.lightning.Strategy()
+
+
+@pytest.mark.slow  # (two processes importing Lightning, each launch: about 10 s here)
+@pytest.mark.parametrize("how", ["env", "torchrun"])
+def test_workers_launched_as_the_docs_say_take_their_ranks_from_the_launcher(server_process, tmp_path, how):
+    server = server_process("--workers", "2", "--sync", "asp", *SGD)
+    launch_workers(SCRIPT, server.address, 2, tmp_path, how, timeout=240)
+    results = [json.loads((tmp_path / f"{rank}.json").read_text()) for rank in range(2)]
+    assert [(r["rank"], r["workers"]) for r in results] == [(0, 2), (1, 2)]
+    size = len(lw.loader().dataset)
+    assert not set(results[0]["seen"]) & set(results[1]["seen"]), "each its own part of the epoch"
+    assert len(set(results[0]["seen"]) | set(results[1]["seen"])) == size
+    stats = fetch_stats(server.address)
+    assert [w["pushes"] > 0 for w in stats["workers"]] == [True, True] and stats["warnings"] == []

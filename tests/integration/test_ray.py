@@ -1,5 +1,6 @@
 """Ray Train with aps (``aps.ray``) on a local Ray cluster: the server as a Ray actor, a
-``TorchTrainer``'s workers training on it, checkpoints through Ray's, and misuse refused."""
+``TorchTrainer``'s workers training on it, checkpoints through Ray's, a run Ray restarts after a
+worker failed going on from the server's state, and misuse refused."""
 
 from __future__ import annotations
 
@@ -43,12 +44,14 @@ def cluster():
     shutil.rmtree(folder, ignore_errors=True)
 
 
-def _fit(module, server, workers, tmp_path, epochs, **options):
+def _fit(module, server, workers, tmp_path, epochs, max_failures=0, **options):
     trainer = ray.train.torch.TorchTrainer(
         module.train_loop, train_loop_config={"server": ray.get(server.connection.remote()) if server else None,
                                               "epochs": epochs, **options.pop("config", {})},
         scaling_config=ray.train.ScalingConfig(num_workers=workers, use_gpu=False),
-        run_config=ray.train.RunConfig(storage_path=str(tmp_path), name="run"), **options)
+        run_config=ray.train.RunConfig(storage_path=str(tmp_path), name="run",
+                                       failure_config=ray.train.FailureConfig(max_failures=max_failures)),
+        **options)
     return trainer.fit()
 
 
@@ -58,8 +61,8 @@ def test_torchtrainer_workers_learn_on_a_server_actor(cluster, tmp_path):
     assert result.error is None and result.metrics["accuracy"] > 0.85, result.metrics
     stats = ray.get(server.stats.remote())
     assert [w["pushes"] > 0 for w in stats["workers"]] == [True, True]
-    assert {"loss", "accuracy", "epoch", "started_at"} == set(stats["workers"][1]["reported"]["scalars"]), \
-        "the numbers aps.ray.report had"
+    reported = set(stats["workers"][1]["reported"]["scalars"])
+    assert reported == {"loss", "accuracy", "epoch", "started_at", "joined_at"}, "the numbers aps.ray.report had"
     ray.get(server.stop.remote())
 
 
@@ -90,3 +93,20 @@ def test_a_trainer_of_more_workers_than_the_server_is_refused(cluster, tmp_path)
     server = aps.ray.ServerActor.remote(workers=1, sync="asp", optimizer="sgd")
     with pytest.raises(Exception, match="1 worker|workers"):
         _fit(cluster, server, 2, tmp_path, epochs=1)
+
+
+def test_a_run_ray_restarts_after_a_failure_goes_on_from_the_servers_state(cluster, tmp_path):
+    server = aps.ray.ServerActor.remote(workers=2, sync="bsp", optimizer="sgd", lr=0.05, momentum=0.9)
+    marker = tmp_path / "failed"
+    result = _fit(cluster, server, 2, tmp_path, epochs=3, max_failures=1,
+                  config={"fail": {"epoch": 0, "rank": 1, "marker": str(marker)}})
+    assert marker.exists(), "the failure was injected"
+    assert result.error is None, result.error
+    metrics = result.metrics
+    assert metrics["epoch"] == 2 and metrics["started_at"] == 1, "Ray's restart went on after the checkpoint's epoch"
+    # The restarted workers took the server's weights and state (its 23 updates of epoch 0, and what rank 0
+    # pushed before the failure stopped it), then trained epochs 1 and 2 together: 23 BSP rounds each.
+    assert metrics["joined_at"] >= 23, metrics["joined_at"]
+    assert ray.get(server.stats.remote())["server"]["version"] == metrics["joined_at"] + 2 * 23
+    assert metrics["accuracy"] > 0.85, metrics
+    ray.get(server.stop.remote())

@@ -127,3 +127,25 @@ def test_an_optimizer_cannot_be_copied_into_one_without_a_connection(server_proc
         with pytest.raises(TypeError, match="state_dict"):
             copy.deepcopy(opt)
         one_step(model, opt)
+
+
+def test_a_model_moved_after_the_optimizer_was_made_still_trains_or_is_refused(server_process):
+    """``model.to("cpu:N")`` (what accelerate does under a launcher) copies every parameter to
+    new storage: the optimizer's steps would no longer reach the model, silently. The next
+    step attaches the model to the worker's buffers again, and it trains as torch's SGD does;
+    a model moved to another dtype is refused with what to do."""
+    torch.manual_seed(0)
+    model = torch.nn.Linear(2, 1)
+    reference = copy.deepcopy(model)
+    plain = torch.optim.SGD(reference.parameters(), lr=LR, momentum=MOMENTUM)
+    with aps.torch.Optimizer(model, sgd_server(server_process).address, 0, 1, transport="tcp") as opt:
+        model.to(torch.device("cpu", 0))
+        for _ in range(3):
+            one_step(model, opt)
+            one_step(reference, plain)
+        torch.testing.assert_close(model.weight.detach(), reference.weight.detach())
+        torch.testing.assert_close(model.bias.detach(), reference.bias.detach())
+        model.double()
+        model(torch.ones(3, 2, dtype=torch.float64)).sum().backward()
+        with pytest.raises(ConfigurationError, match="after the optimizer was made"):
+            opt.step()

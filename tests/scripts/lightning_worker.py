@@ -67,9 +67,14 @@ def trainer(strategy=None, epochs: int = 2, **options) -> L.Trainer:
 if __name__ == "__main__":
     import aps.lightning
 
-    address, rank, workers, out = sys.argv[1:5]
+    if len(sys.argv) == 2:  # launched as the docs say: APS_ADDRESS, RANK and WORLD_SIZE from the launcher
+        strategy, epochs = aps.lightning.Strategy(), 1
+        out = f"{sys.argv[1]}/{strategy.global_rank}.json"
+    else:
+        address, rank, workers, out = sys.argv[1:5]
+        strategy, epochs = aps.lightning.Strategy(address, rank=int(rank), num_workers=int(workers)), 4
     module = Digits()
-    trainer(aps.lightning.Strategy(address, rank=int(rank), num_workers=int(workers)), epochs=4).fit(
-        module, loader(shuffle=True))
+    trainer(strategy, epochs=epochs).fit(module, loader(shuffle=True))
     with open(out, "w") as file:
-        json.dump({"accuracy": accuracy(module), "seen": module.seen}, file)
+        json.dump({"accuracy": accuracy(module), "seen": module.seen, "rank": strategy.global_rank,
+                   "workers": strategy.world_size}, file)
