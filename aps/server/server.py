@@ -406,7 +406,9 @@ class Server:
         checkpoint, asked where it served (aps.server.twin). A copy of a live run's checkpoints
         resumed elsewhere would be a second server of one run, under one run id."""
         served_at = checkpoint.manifest.get("served_at")
-        info = await asyncio.to_thread(serving_run, served_at, token)
+        # (this server's token is proved only to an address a checkpoint signed with it gave)
+        signed = self._checkpoint_key is not None and not self.config.resume_unsigned
+        info = await asyncio.to_thread(serving_run, served_at, token if signed else None)
         if info is not None and info.run_id == self.engine.run_id:
             raise CheckpointError(
                 f"run {self.engine.run_id} is still served at {served_at} (incarnation "

@@ -23,7 +23,7 @@ from ..wire.protocol import (
     pack_header,
     unpack_header,
 )
-from ..wire.tokens import find_token
+from ..wire.tokens import token_path
 
 __all__ = ["serving_run"]
 
@@ -36,7 +36,8 @@ def serving_run(address: object, token: bytes | None, timeout: float = PROBE_TIM
     """What the server at ``address`` (``tcp://HOST:PORT``) says of itself, when one answers
     there and proves it knows ``token`` (or the token its user's file keeps for that address,
     when the two users are one); None when none answers, it cannot be asked (TLS), or it
-    cannot prove a token: nothing can be told of it."""
+    cannot prove a token: nothing can be told of it. ``token`` is sent proofs of only where
+    the address comes from a checkpoint signed with it (a forged address could relay them)."""
     if not isinstance(address, str):
         return None
     try:
@@ -46,9 +47,10 @@ def serving_run(address: object, token: bytes | None, timeout: float = PROBE_TIM
     if parsed.scheme != "tcp":
         return None
     host = _ANY.get(parsed.host, parsed.host)
-    # The token its user's file keeps for that address first (a server of this user's that
-    # made its own), then this server's (one given to both).
-    tokens = [t for t in dict.fromkeys((find_token(host, parsed.port), token)) if t is not None]
+    # The token its user's file keeps for exactly that address first (a server of this user's
+    # that made its own; not another loopback name's: a proof is worth something to whoever
+    # can relay it to the server it belongs to), then this server's (one given to both).
+    tokens = [t for t in dict.fromkeys((_token_of(host, parsed.port), token)) if t is not None]
     for secret in tokens or [None]:
         try:
             info = _ask(host, parsed.port, secret, timeout)
@@ -57,6 +59,17 @@ def serving_run(address: object, token: bytes | None, timeout: float = PROBE_TIM
         if info is not None:
             return info
     return None
+
+
+def _token_of(host: str, port: int) -> bytes | None:
+    try:
+        with open(token_path(host, port), "rb") as held:
+            info = os.fstat(held.fileno())
+            if info.st_uid != os.getuid() or info.st_mode & 0o077:
+                return None
+            return held.read(4096).strip() or None
+    except OSError:
+        return None
 
 
 def _ask(host: str, port: int, secret: bytes | None, timeout: float) -> ServerInfo | None:
