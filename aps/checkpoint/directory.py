@@ -4,6 +4,8 @@ one to resume from or load."""
 from __future__ import annotations
 
 import contextlib
+import hashlib
+import hmac
 import os
 import pathlib
 import secrets
@@ -40,29 +42,45 @@ LINEAGE_FILE = "lineage"
 LINEAGE_KEPT = 64
 
 
-def read_lineage(directory: StrPath) -> list[str]:
-    """The incarnations :func:`record_incarnation` wrote in ``directory``, oldest first
-    (none when there is no journal, or it cannot be read: it is a record, not state)."""
+def read_lineage(directory: StrPath, *, key: bytes | None = None, run_id: str = "") -> list[str]:
+    """The incarnations :func:`record_incarnation` wrote in ``directory``, oldest first (none
+    when there is no journal, or it cannot be read: it is a record, not state). With ``key``
+    (:func:`checkpoint_key`), only those signed with it for run ``run_id``."""
     try:
         with open(pathlib.Path(directory) / LINEAGE_FILE, encoding="ascii") as journal:
-            lines = journal.read(LINEAGE_KEPT * 32).split()
+            lines = journal.read(LINEAGE_KEPT * 128).splitlines()
     except (OSError, UnicodeDecodeError):
         return []
-    return [line for line in lines if len(line) == 16 and all(c in "0123456789abcdef" for c in line)]
+    out = []
+    for line in lines:
+        incarnation, _, mac = line.strip().partition(" ")
+        if len(incarnation) != 16 or any(c not in "0123456789abcdef" for c in incarnation):
+            continue
+        if key is not None and not hmac.compare_digest(mac, _journal_mac(key, run_id, incarnation)):
+            continue
+        out.append(incarnation)
+    return out
 
 
-def record_incarnation(directory: StrPath, incarnation: str, *, new_run: bool = False) -> None:
-    """Add ``incarnation`` to ``directory``'s journal (``new_run``: start it afresh; written
-    whole and renamed into place; the caller holds the directory's lock). A server records
-    itself when it takes the directory, before it serves: a server that dies before its first
-    checkpoint is still an ancestor of the one resumed after it."""
+def _journal_mac(key: bytes, run_id: str, incarnation: str) -> str:
+    return hmac.new(key, f"aps/1 lineage {run_id} {incarnation}".encode(), hashlib.sha256).hexdigest()
+
+
+def record_incarnation(directory: StrPath, incarnation: str, *, new_run: bool = False, key: bytes | None = None,
+                       run_id: str = "") -> None:
+    """Add ``incarnation`` to ``directory``'s journal (``new_run``: start it afresh; signed with
+    ``key`` for run ``run_id`` when given; written whole and renamed into place; the caller
+    holds the directory's lock). A server records itself when it takes the directory, before
+    it serves: a server that dies before its first checkpoint is still an ancestor of the one
+    resumed after it."""
     directory = pathlib.Path(directory)
-    before = [] if new_run else [i for i in read_lineage(directory) if i != incarnation]
+    before = [] if new_run else [i for i in read_lineage(directory, key=key, run_id=run_id) if i != incarnation]
     kept = [*before, incarnation][-LINEAGE_KEPT:]
+    lines = [f"{i} {_journal_mac(key, run_id, i)}" if key is not None else i for i in kept]
     partial = directory / f".{LINEAGE_FILE}-{os.getpid()}-{secrets.token_hex(4)}"
     try:
-        with open(partial, "w", encoding="ascii") as journal:
-            journal.write("\n".join(kept) + "\n")
+        with open(os.open(partial, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600), "w", encoding="ascii") as journal:
+            journal.write("\n".join(lines) + "\n")
             journal.flush()
             os.fsync(journal.fileno())
         os.replace(partial, directory / LINEAGE_FILE)

@@ -211,7 +211,7 @@ def write_checkpoint(
         directory.mkdir(parents=True, exist_ok=True)
         if os.path.lexists(target):
             raise CheckpointError(f"cannot write checkpoint {target}: it already exists")
-        os.mkdir(temporary)
+        os.mkdir(temporary, 0o700)  # the run's weights, id and lineage: its user's alone
         files = {
             MODEL_FILE: _write_tensors(temporary / MODEL_FILE, model, {"format": "pt"}),
             STATE_FILE: _write_tensors(temporary / STATE_FILE, extra, None),

@@ -259,9 +259,11 @@ def _is_count(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool) and value >= 0
 
 
-def _file_problem(path: pathlib.Path, name: str, entry: Mapping[str, Any], *, verify: bool) -> tuple[str, str] | None:
+def _file_problem(path: pathlib.Path, name: str, entry: Mapping[str, Any], *, verify: bool,
+                  held: dict[str, int] | None = None) -> tuple[str, str] | None:
     """What is wrong with file ``name`` given its manifest ``entry``, as ``(what, detail)``
-    (``("corrupt", "checksum mismatch in model.safetensors")``), or None."""
+    (``("corrupt", "checksum mismatch in model.safetensors")``), or None. With ``held``, an
+    intact file's descriptor stays open there, for what is loaded to be what was checked."""
     try:
         fd = _open_regular(path / name)
     except FileNotFoundError:
@@ -270,43 +272,47 @@ def _file_problem(path: pathlib.Path, name: str, entry: Mapping[str, Any], *, ve
         return "corrupt", f"{name} {exc.strerror}"
     except OSError as exc:
         return "unreadable", f"{name}: {_reason(exc)}"
+    problem = None
     try:
         size = os.fstat(fd).st_size
         expected = entry["bytes"]
         if size < expected:
-            return "truncated", f"{name} has {size} bytes, the manifest says {expected}"
-        if size > expected:
-            return "corrupt", f"{name} has {size} bytes, the manifest says {expected}"
-        if verify:
-            _, digest = _hash_fd(fd)
-            if digest != str(entry["sha256"]).lower():
-                return "corrupt", f"checksum mismatch in {name}"
+            problem = "truncated", f"{name} has {size} bytes, the manifest says {expected}"
+        elif size > expected:
+            problem = "corrupt", f"{name} has {size} bytes, the manifest says {expected}"
+        elif verify and _hash_fd(fd)[1] != str(entry["sha256"]).lower():
+            problem = "corrupt", f"checksum mismatch in {name}"
     except OSError as exc:
-        return "unreadable", f"{name}: {_reason(exc)}"
-    finally:
+        problem = "unreadable", f"{name}: {_reason(exc)}"
+    if problem is not None or held is None or name in held:
         os.close(fd)
-    return None
+    else:
+        held[name] = fd
+    return problem
 
 
 _DTYPE_NAMES = {"F32": "float32", "F64": "float64", "F16": "float16", "BF16": "bfloat16"}
 
 
-def _tensor_problem(path: pathlib.Path, manifest: Mapping[str, Any]) -> tuple[str, str] | None:
+def _tensor_problem(path: pathlib.Path, manifest: Mapping[str, Any], fd: int | None = None) -> tuple[str, str] | None:
     """What is wrong with the model tensors against the manifest's layout (names, shapes,
-    float32), from the file's header alone; None if nothing is."""
-    try:
-        fd = _open_regular(path / MODEL_FILE)
-    except _NotRegular as exc:
-        return "corrupt", f"{MODEL_FILE} {exc.strerror}"
-    except OSError as exc:
-        return "corrupt", f"{MODEL_FILE} cannot be read: {_reason(exc)}"
+    float32), from the file's header alone (``fd``: the file, open already); None if nothing is."""
+    owned = fd is None
+    if owned:
+        try:
+            fd = _open_regular(path / MODEL_FILE)
+        except _NotRegular as exc:
+            return "corrupt", f"{MODEL_FILE} {exc.strerror}"
+        except OSError as exc:
+            return "corrupt", f"{MODEL_FILE} cannot be read: {_reason(exc)}"
     try:
         with safetensors.safe_open(_fd_path(fd), framework="np") as f:
             found = {key: (tuple(f.get_slice(key).get_shape()), f.get_slice(key).get_dtype()) for key in f.keys()}
     except (safetensors.SafetensorError, OSError) as exc:
         return "corrupt", f"{MODEL_FILE} cannot be read: {_reason(exc)}"
     finally:
-        os.close(fd)
+        if owned:
+            os.close(fd)
     for key, (_, dtype) in found.items():
         if dtype != "F32":
             return "corrupt", f"model tensor {key!r} in {MODEL_FILE} is {_DTYPE_NAMES.get(dtype, dtype)}, not float32"
@@ -326,11 +332,14 @@ def _tensor_problem(path: pathlib.Path, manifest: Mapping[str, Any]) -> tuple[st
     return None
 
 
-def _problems(path: pathlib.Path, manifest: Mapping[str, Any], verify: bool) -> dict[str, tuple[str, str] | None]:
-    """Per listed file, what is wrong with it as ``(what, detail)``, or None."""
-    found = {name: _file_problem(path, name, entry, verify=verify) for name, entry in manifest["files"].items()}
+def _problems(path: pathlib.Path, manifest: Mapping[str, Any], verify: bool,
+              held: dict[str, int] | None = None) -> dict[str, tuple[str, str] | None]:
+    """Per listed file, what is wrong with it as ``(what, detail)``, or None (``held``: see
+    :func:`_file_problem`)."""
+    found = {name: _file_problem(path, name, entry, verify=verify, held=held)
+             for name, entry in manifest["files"].items()}
     if found[MODEL_FILE] is None:
-        found[MODEL_FILE] = _tensor_problem(path, manifest)
+        found[MODEL_FILE] = _tensor_problem(path, manifest, None if held is None else held.get(MODEL_FILE))
     return found
 
 
@@ -364,9 +373,9 @@ def verify_checkpoint(path: StrPath, *, verify: bool = True, key: bytes | None =
     return _with_deadline(f"checkpoint {path}", lambda: _verify(path, verify, key))
 
 
-def _verify(path: pathlib.Path, verify: bool, key: bytes | None = None) -> dict:
+def _verify(path: pathlib.Path, verify: bool, key: bytes | None = None, held: dict[str, int] | None = None) -> dict:
     manifest = _read_manifest(path, key)
-    for problem in _problems(path, manifest, verify).values():
+    for problem in _problems(path, manifest, verify, held).values():
         if problem is not None:
             raise _problem(path, *problem)
     return manifest
@@ -393,25 +402,25 @@ def read_checkpoint(path: StrPath, *, verify: bool = True, key: bytes | None = N
 
 
 def _read(path: pathlib.Path, verify: bool, key: bytes | None = None) -> Checkpoint:
-    manifest = _verify(path, verify, key)
-    weights = _load(path, MODEL_FILE)
-    state = _load(path, STATE_FILE)
+    # Each file is opened once: what is loaded is what was checked, whatever is renamed or
+    # swapped in the directory meanwhile (its signature vouches for the checksums).
+    held: dict[str, int] = {}
+    try:
+        manifest = _verify(path, verify, key, held)
+        weights = _load(path, MODEL_FILE, held[MODEL_FILE])
+        state = _load(path, STATE_FILE, held[STATE_FILE])
+    finally:
+        for fd in held.values():
+            os.close(fd)
     if "layout" in manifest:
         weights = {name: weights[name] for name in _manifest_layout(path, manifest).names}
     return Checkpoint(path, manifest, weights, state)
 
 
-def _load(path: pathlib.Path, name: str) -> dict[str, np.ndarray]:
-    try:
-        fd = _open_regular(path / name)
-    except _NotRegular as exc:
-        raise _problem(path, "corrupt", f"{name} {exc.strerror}") from None
-    except OSError as exc:
-        raise _problem(path, "corrupt", f"{name} cannot be read: {_reason(exc)}") from exc
+def _load(path: pathlib.Path, name: str, fd: int) -> dict[str, np.ndarray]:
     try:
         return safetensors.numpy.load_file(_fd_path(fd))
     except (safetensors.SafetensorError, OSError) as exc:
         raise _problem(path, "corrupt", f"{name} cannot be read: {_reason(exc)}") from exc
     finally:
-        os.close(fd)
         _progress()

@@ -74,7 +74,7 @@ def run(steps: Steps) -> Any:
                 value = BlockingConnection(channel._parsed.host, channel._parsed.port, channel._connect_timeout,
                                            channel.server_timeout, channel._tls)
             elif kind == HANDSHAKE:
-                value = handshake(step[2], step[3], step[1]._connect_timeout, found=step[4])
+                value = handshake(step[2], step[3], step[1]._connect_timeout, found=step[4], claim=step[1].claim())
             elif kind == CONNECT_SHM:
                 value = ShmConnection(step[2], step[1]._connect_timeout)
             else:  # pragma: no cover - a step this driver does not know is a bug
@@ -122,7 +122,8 @@ async def arun(steps: Steps) -> Any:
                 value = await AsyncConnection.open(channel._parsed.host, channel._parsed.port,
                                                    channel._connect_timeout, channel.server_timeout, channel._tls)
             elif kind == HANDSHAKE:
-                value = await handshake_async(step[2], step[3], step[1]._connect_timeout, found=step[4])
+                value = await handshake_async(step[2], step[3], step[1]._connect_timeout, found=step[4],
+                                              claim=step[1].claim())
             else:  # pragma: no cover - CONNECT_SHM: an asyncio channel speaks TCP only
                 raise AssertionError(f"unknown step {step!r}")
         except BaseException as exc:  # noqa: BLE001 - handed to the steps, which decide

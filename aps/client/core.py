@@ -254,11 +254,12 @@ class _ClientCore:
                 f"is {self.run_id}): it restarted without --resume, or from another run's checkpoint, so this "
                 "worker's weights and clock mean nothing there"
             )
-        if self.ever_joined and self.incarnation is not None and lineage and self.incarnation not in lineage:
+        if self.ever_joined and self.incarnation is not None and self.incarnation not in lineage:
             raise RunChanged(
                 f"the server at {address} serves this worker's run {run_id}, but it does not descend from the "
-                f"server that served this worker last (incarnation {self.incarnation}; this one is {lineage[-1]}, "
-                f"resumed from {lineage[-2] if len(lineage) > 1 else 'no checkpoint'}): two servers serve one run, "
+                f"server that served this worker last (incarnation {self.incarnation}; this one is "
+                f"{lineage[-1] if lineage else 'of an aps that says none'}, resumed from "
+                f"{lineage[-2] if len(lineage) > 1 else 'no checkpoint'}): two servers serve one run, "
                 "one of them started from a copy of the other's checkpoints. A copy is a run of its own: start it "
                 "with --fork-run"
             )

@@ -15,12 +15,15 @@ from ..errors import (
     AuthenticationError,
     ConfigurationError,
     MalformedFrame,
+    ServerError,
+    ServerOverloaded,
     ServerSilent,
     ServerUnproven,
     error_from_code,
 )
 from ..wire.protocol import (
     NONCE_BYTES,
+    PROOF_BYTES,
     Header,
     Op,
     ServerInfo,
@@ -219,11 +222,15 @@ def _checked(reply: _OneReply, op: int) -> tuple[Header, bytes]:
 _Steps = Generator[tuple[int, bytes], bytes, ServerInfo]
 
 
-def _handshake_steps(token: bytes | None, address: str, found: bool) -> _Steps:
+def _handshake_steps(token: bytes | None, address: str, found: bool, claim: bytes = b"") -> _Steps:
     if token is None and not found:
         token, found = find_client_token(None, address)
     client_nonce = os.urandom(NONCE_BYTES)
-    required, server_nonce, info = decode_hello_reply((yield Op.HELLO, client_nonce))
+    try:
+        hello = yield Op.HELLO, client_nonce
+    except ServerError as exc:
+        raise _unproven(exc, token, address) from None
+    required, server_nonce, info = decode_hello_reply(hello)
     if not required:
         # A server that asks for no token cannot prove it knows this one: it may be anybody's
         # (another user's server on the port of one of this user's that is gone, whose token
@@ -244,11 +251,27 @@ def _handshake_steps(token: bytes | None, address: str, found: bool) -> _Steps:
         raise AuthenticationError(
             f"the server at {address} needs a token: pass token= or set $APS_TOKEN (a server this user started "
             f"on loopback without one has its own, in {token_dir()}, found there by itself)")
-    reply = yield Op.AUTH, auth_proof(token, "client", server_nonce, client_nonce)
+    try:
+        reply = yield Op.AUTH, auth_proof(token, "client", server_nonce, client_nonce, claim) + claim
+    except AuthenticationError:
+        raise  # (the server's answer to the proof: the wrong token, or another server's)
+    except ServerError as exc:
+        raise _unproven(exc, token, address) from None
     proof, info = decode_auth_reply(reply)
-    if not hmac.compare_digest(proof, auth_proof(token, "server", server_nonce, client_nonce)):
+    said = bytes(memoryview(reply)[PROOF_BYTES:])
+    if not hmac.compare_digest(proof, auth_proof(token, "server", server_nonce, client_nonce, claim + said)):
         raise ServerUnproven(f"the server at {address} could not prove it knows the token: refused")
     return info
+
+
+def _unproven(exc: ServerError, token: bytes | None, address: str) -> ServerError:
+    """An error frame in the handshake, before the server proved it knows the token: with a
+    token in hand, what such a server says is worth nothing (ServerUnproven: a worker that
+    reconnects waits for its real server); without one, it is the server's error."""
+    if token is None or isinstance(exc, ServerOverloaded):  # (a busy server: it is tried again anyway)
+        return exc
+    return ServerUnproven(f"the server at {address} answered the handshake with an error before it proved it knows "
+                          f"the token ({exc}): refused")
 
 
 def token_file_of(address: str) -> str:
@@ -302,33 +325,45 @@ def newer_token(token: bytes | None, found: bool, host: str, port: int) -> bytes
     return fresh if fresh is not None and fresh != token else None
 
 
-def handshake(conn, token: bytes | None, timeout: float | None, *, found: bool = False) -> ServerInfo:
+def handshake(conn, token: bytes | None, timeout: float | None, *, found: bool = False,
+              claim: bytes = b"") -> ServerInfo:
     """HELLO, and AUTH when the server asks for a token (each side proves it knows
     it; the token never crosses the wire). Returns what the server says of itself
     (:class:`aps.wire.protocol.ServerInfo`). Raises AuthenticationError.
 
     ``token`` None: the token file of the server's address, if there is one
     (:func:`find_client_token`); ``found``: ``token`` was looked up in such a file, not
-    given (a server that asks for none is then no reason to refuse)."""
-    steps = _handshake_steps(token, conn.address, found)
+    given (what a refusal then says). ``claim``: the run and shard this client means to
+    reach (:func:`aps.wire.protocol.encode_claim`), which its proof vouches for: a proof
+    relayed to another server opens nothing there."""
+    steps = _handshake_steps(token, conn.address, found, claim)
     request = next(steps)
     while True:
         op, payload = request
-        _, payload = exchange(conn, op, timeout, payload)
         try:
-            request = steps.send(payload)
+            try:
+                _, payload = exchange(conn, op, timeout, payload)
+            except ServerError as exc:  # (the steps say what it means)
+                request = steps.throw(exc)
+            else:
+                request = steps.send(payload)
         except StopIteration as done:
             return done.value
 
 
-async def handshake_async(conn, token: bytes | None, timeout: float | None, *, found: bool = False) -> ServerInfo:
+async def handshake_async(conn, token: bytes | None, timeout: float | None, *, found: bool = False,
+                          claim: bytes = b"") -> ServerInfo:
     """:func:`handshake` on an asyncio connection."""
-    steps = _handshake_steps(token, str(conn.address), found)
+    steps = _handshake_steps(token, str(conn.address), found, claim)
     request = next(steps)
     while True:
         op, payload = request
-        _, payload = await exchange_async(conn, op, timeout, payload)
         try:
-            request = steps.send(payload)
+            try:
+                _, payload = await exchange_async(conn, op, timeout, payload)
+            except ServerError as exc:  # (the steps say what it means)
+                request = steps.throw(exc)
+            else:
+                request = steps.send(payload)
         except StopIteration as done:
             return done.value

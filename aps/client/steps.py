@@ -35,12 +35,13 @@ from ..errors import (
     RankTaken,
     ServerError,
     ServerSilent,
+    ServerUnproven,
     ShuttingDown,
     error_from_code,
 )
 from ..layout import Layout
 from ..wire.net import client_context, parse_address
-from ..wire.protocol import Flag, Op, encode_hyper, host_identity
+from ..wire.protocol import Flag, Op, encode_claim, encode_hyper, host_identity
 from ..wire.segments import shm_available
 from .arguments import _check_heartbeat, _check_reconnect, _check_transport, _from_env, _refuse_one_shard, _with_scheme
 from .core import _DROPPED, COMPRESSION, _ClientCore, _compression
@@ -108,6 +109,7 @@ class _ChannelSteps:
         self._closing = False
         self._as_shard = as_shard  # one of a sharded worker's servers
         self._token = client_token(token)
+        self._proven: bytes | None = None  # the token the server proved at the last handshake
         if isinstance(address, (list, tuple)) and len(address) == 1:
             address = address[0]
         address, rank, num_workers = _from_env(address, rank, num_workers)
@@ -534,6 +536,10 @@ class _ChannelSteps:
         try:
             # Read again at every connection: a server restarted on this port made a new token.
             token, found = find_client_token(self._token, host, port)
+            if token is None and self._proven is not None:
+                # Its file is gone (a clean shutdown removes it): whoever serves here now must
+                # still prove the token this worker's server proved, or be somebody else.
+                token, found = self._proven, True
             try:
                 info = yield HANDSHAKE, self, tcp, token, found
             except AuthenticationError:
@@ -543,6 +549,8 @@ class _ChannelSteps:
                 tcp.close()
                 tcp = yield CONNECT, self
                 info = yield HANDSHAKE, self, tcp, token, True
+            self._proven = token
+            self._check_same_shard(info)
             self._core.check_run(info.run_id, self.address, info.incarnations)
             self.server_info = info
             if not self._as_shard:
@@ -582,6 +590,31 @@ class _ChannelSteps:
                      else "cannot be reached by shared memory here")
             raise ConfigurationError(f"the server at {self.address} {where}: use transport='tcp' or 'auto'")
         return tcp
+
+    def _check_same_shard(self, info) -> None:
+        """The server that answered is the shard this worker reached here before: another shard
+        of the model (a relay on this address to a live shard, or shards started again at each
+        other's addresses) is not its server (ServerUnproven: a reconnecting worker waits)."""
+        before = server_options(self.server_info) if self.server_info is not None else None
+        now = server_options(info)
+        if not before or not now:
+            return
+        was, is_ = (before.get("shard"), before.get("shards")), (now.get("shard"), now.get("shards"))
+        if was != is_:
+            raise ServerUnproven(f"the server answering at {self.address} is shard {is_[0]} of {is_[1]}, not shard "
+                                 f"{was[0]} of {was[1]} that this worker reached there: not its server")
+
+    def claim(self) -> bytes:
+        """What this channel's handshake vouches for (aps.wire.protocol.encode_claim): the run
+        and shard it was connected to before, once it has been; nothing the first time."""
+        info = self.server_info
+        if info is None or not info.run_id:
+            return b""
+        options = server_options(info) or {}
+        shard, shards = options.get("shard", 0), options.get("shards", 1)
+        if not isinstance(shard, int) or not isinstance(shards, int):
+            return b""
+        return encode_claim(info.run_id, shard, shards)
 
     def _disconnect(self, reason: BaseException | None = None) -> None:
         conn, self._conn = self._conn, None

@@ -8,9 +8,7 @@ from __future__ import annotations
 import asyncio
 import ctypes
 import ctypes.util
-import ipaddress
 import logging
-import struct
 import time
 from collections import OrderedDict, deque
 from typing import TYPE_CHECKING
@@ -18,7 +16,7 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     from .session import ServerSession
 
-__all__ = ["AuthThrottle", "Connections", "RateLimitedLog", "StrangerGuard", "auth_key", "tcp_peer_uid"]
+__all__ = ["AuthThrottle", "Connections", "RateLimitedLog", "StrangerGuard"]
 
 log = logging.getLogger("aps.server")
 
@@ -37,7 +35,7 @@ TRIM_AFTER_S = 1.0
 
 
 class AuthThrottle:
-    """Failed AUTH attempts, by who made them (:func:`auth_key`: a local user by uid, a
+    """Failed AUTH attempts, by who made them (:func:`aps.server.peers.principal`: a local user by uid, a
     remote peer by address), and all of them together.
 
     A principal that has not failed is checked at once, always: nobody else's failures
@@ -145,79 +143,6 @@ class AuthThrottle:
         return 0 if peer is None else peer.failures
 
 
-def auth_key(peer: object, local: object) -> str:
-    """Whom failed AUTH attempts of a connection from ``peer`` to ``local`` (socket
-    addresses) count against: a peer on this host (from a loopback address, or from the
-    address it connected to) by its user (``uid N``: every local user shares the host's
-    addresses, and any of them may send from any of 127/8), a remote IPv4 peer by its
-    address, an IPv6 one by its /64 (what one host is given)."""
-    if not isinstance(peer, tuple) or not isinstance(local, tuple):
-        return str(peer)
-    try:
-        address = ipaddress.ip_address(str(peer[0]).split("%", 1)[0])
-    except ValueError:
-        return str(peer[0])
-    if isinstance(address, ipaddress.IPv6Address) and address.ipv4_mapped is not None:
-        address = address.ipv4_mapped
-    if address.is_loopback or _same_address(address, local):  # (a peer on this host, by any of its addresses)
-        uid = tcp_peer_uid(peer, local)
-        if uid is not None:
-            return f"uid {uid}"
-        return str(address)
-    if isinstance(address, ipaddress.IPv6Address):
-        return str(ipaddress.IPv6Network((address, 64), strict=False))
-    return str(address)
-
-
-def _same_address(address: ipaddress.IPv4Address | ipaddress.IPv6Address, local: tuple) -> bool:
-    try:
-        mine = ipaddress.ip_address(str(local[0]).split("%", 1)[0])
-    except ValueError:
-        return False
-    if isinstance(mine, ipaddress.IPv6Address) and mine.ipv4_mapped is not None:
-        mine = mine.ipv4_mapped
-    return mine == address
-
-
-def tcp_peer_uid(peer: tuple, local: tuple) -> int | None:
-    """The uid of the process that owns the other end of the TCP connection from ``peer``
-    to ``local``, when that end is on this host (Linux: ``/proc/net/tcp`` and ``tcp6`` list
-    every socket of the host's network namespace with its owner, as ``ss -e`` shows);
-    None when it cannot be found."""
-    wanted = [(_proc_address(peer[0], peer[1], v6), _proc_address(local[0], local[1], v6)) for v6 in (False, True)]
-    for path, (mine, theirs) in zip(("/proc/net/tcp", "/proc/net/tcp6"), wanted):
-        if mine is None or theirs is None:
-            continue
-        try:
-            with open(path, "rb") as table:
-                for line in table:
-                    fields = line.split()
-                    if len(fields) > 7 and fields[1] == mine and fields[2] == theirs:
-                        return int(fields[7])
-        except (OSError, ValueError):
-            continue
-    return None
-
-
-def _proc_address(host: str, port: int, v6: bool) -> bytes | None:
-    """``host:port`` as ``/proc/net/tcp`` (``v6``: ``tcp6``) writes it: the address's 32-bit
-    words in the host's byte order, in hexadecimal, then the port; None when the address
-    cannot be in that table."""
-    try:
-        address = ipaddress.ip_address(str(host).split("%", 1)[0])
-    except ValueError:
-        return None
-    if isinstance(address, ipaddress.IPv6Address) and address.ipv4_mapped is not None:
-        address = address.ipv4_mapped
-    if v6 and isinstance(address, ipaddress.IPv4Address):
-        address = ipaddress.IPv6Address(b"\0" * 10 + b"\xff\xff" + address.packed)  # as a dual-stack socket has it
-    elif not v6 and isinstance(address, ipaddress.IPv6Address):
-        return None
-    packed = address.packed
-    words = struct.unpack(f"={len(packed) // 4}I", packed)
-    return ("".join(f"{word:08X}" for word in words) + f":{port:04X}").encode()
-
-
 class StrangerGuard:
     """What the strangers of one server may cost, all of them together (see
     docs/design.md, "Strangers"): a share of the loop's time for their requests
@@ -227,7 +152,9 @@ class StrangerGuard:
     def __init__(self) -> None:
         self.layout_free = LAYOUT_BUDGET
         self.throttle = AuthThrottle()
-        self._waiting: deque[ServerSession] = deque()
+        # the requests waiting their turn, by whom they come from (served round-robin: one
+        # user's or address's flood waits behind its own, not in front of another's)
+        self._waiting: OrderedDict[str, deque[ServerSession]] = OrderedDict()
         self._credit = STRANGER_BURST_S
         self._refilled = time.perf_counter()
         self._turn: asyncio.Handle | None = None
@@ -251,8 +178,18 @@ class StrangerGuard:
 
     def enqueue(self, session: ServerSession) -> None:
         """``session`` holds a request for its turn."""
-        self._waiting.append(session)
+        self._waiting.setdefault(session.peer_key, deque()).append(session)
         self._schedule(session._loop)
+
+    def _next(self) -> ServerSession:
+        """The next request's session: the first of the principal whose turn it is."""
+        key, queue = next(iter(self._waiting.items()))
+        session = queue.popleft()
+        if queue:
+            self._waiting.move_to_end(key)
+        else:
+            del self._waiting[key]
+        return session
 
     def _schedule(self, loop: asyncio.AbstractEventLoop) -> None:
         if self._turn is not None or not self._waiting:
@@ -270,7 +207,7 @@ class StrangerGuard:
             started = self._refill()
             if self._credit <= 0:
                 break
-            session = self._waiting.popleft()
+            session = self._next()
             if session._lost:
                 continue
             served += 1

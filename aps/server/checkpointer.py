@@ -241,7 +241,8 @@ class Checkpointer:
                 )
         # (a fork is a new run: its journal starts with it, as its lineage does)
         try:
-            record_incarnation(self.directory, engine.incarnation, new_run=engine.lineage == [engine.incarnation])
+            record_incarnation(self.directory, engine.incarnation, new_run=engine.lineage == [engine.incarnation],
+                               key=self._key, run_id=engine.run_id)
         except CheckpointError as exc:  # (a record: a full disk must not keep the server from starting)
             log.warning("%s: a server resumed from here before this one checkpoints will not be one its workers "
                         "follow", exc)

@@ -9,7 +9,17 @@ import os
 from typing import TYPE_CHECKING, NoReturn
 
 from ..errors import AuthenticationError, ServerOverloaded
-from ..wire.protocol import NONCE_BYTES, Header, Op, auth_proof, encode_auth_reply, encode_hello_reply, host_identity
+from ..wire.protocol import (
+    NONCE_BYTES,
+    PROOF_BYTES,
+    Header,
+    Op,
+    auth_proof,
+    decode_claim,
+    encode_hello,
+    encode_hello_reply,
+    host_identity,
+)
 from .admission import _auth_failures
 
 if TYPE_CHECKING:
@@ -59,6 +69,9 @@ class Handshake:
         # failed is checked at once; one that has waits its turn, longer and longer.
         if self._auth_key is None:
             self._auth_key = self._find_auth_key()
+            if self._auth_key is None:  # its socket closed already: nothing is checked, nobody charged
+                self.abort()
+                return
         wait = self._guard.throttle.wait(self._auth_key, self._loop.time())
         proof = bytes(payload)
         if wait is None:
@@ -74,15 +87,17 @@ class Handshake:
         else:
             self._check_proof(proof)
 
-    def _find_auth_key(self) -> str:
-        """Whom this connection's failed AUTH attempts count against (see :func:`auth_key`)."""
+    def _find_auth_key(self) -> str | None:
+        """Whom this connection's failed AUTH attempts count against (see
+        :func:`aps.server.peers.principal`; None: the peer is gone)."""
         return self.peer_key
 
-    def _check_proof(self, proof: bytes) -> None:
+    def _check_proof(self, payload: bytes) -> None:
         self._guard.throttle.checked(self._auth_key)
         if self._lost:
             return
-        expected = auth_proof(self._token, "client", self._server_nonce, self._client_nonce)
+        proof, claim = payload[:PROOF_BYTES], payload[PROOF_BYTES:]
+        expected = auth_proof(self._token, "client", self._server_nonce, self._client_nonce, claim)
         if not hmac.compare_digest(expected, proof):
             self._guard.throttle.failed(self._auth_key, self._loop.time())
             try:
@@ -91,12 +106,30 @@ class Handshake:
                 self._fatal(exc, warn=False)
             return
         self._guard.throttle.succeeded(self._auth_key)
-        self._authenticated = True
-        proof = auth_proof(self._token, "server", self._server_nonce, self._client_nonce)
+        engine = self.engine
+        said = encode_hello(host_identity(), self.unix_path, engine.run_id, engine.shard_description,
+                            engine.lineage_text)
+        proof = auth_proof(self._token, "server", self._server_nonce, self._client_nonce, claim + said)
         self._server_nonce = b""  # one AUTH per nonce
-        self._reply(Op.AUTH_REPLY, payload=encode_auth_reply(proof, host_identity(), self.unix_path,
-                                                             self.engine.run_id, self.engine.shard_description,
-                                                             self.engine.lineage_text))
+        self._reply(Op.AUTH_REPLY, payload=proof + said)
+        mismatch = self._not_me(decode_claim(claim))
+        if mismatch is None:
+            self._authenticated = True
+            return
+        # The token's holder means another server: its proof, relayed here, opens nothing. It
+        # has the truth (proved) to tell why, and the connection closes.
+        _auth_failures.warning(self._loop.time(), "%s: a proof meant for %s: not opened", self.peer, mismatch)
+        self.close()
+
+    def _not_me(self, claim: dict[str, str]) -> str | None:
+        """What of a client's claim is not this server (None: all of it is, or it claims nothing)."""
+        config, run = self.engine.config, claim.get("run")
+        if run and run != self.engine.run_id:
+            return f"run {run}"
+        shard = claim.get("shard")
+        if shard and shard != f"{config.shard}/{config.shards}":
+            return f"shard {shard}"
+        return None
 
     def _auth_failed(self, what: str) -> NoReturn:
         """The peer failed the handshake: log it (rate-limited, with its address), count it, refuse, close."""

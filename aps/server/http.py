@@ -50,14 +50,17 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_l
 
 from .._version import __version__
 from ..config import ServerConfig, is_loopback
-from .admission import RateLimitedLog
+from .admission import AuthThrottle, RateLimitedLog
 from .metrics import StatsCollector
+from .peers import principal
 from .scalars import Drawn, Scalars
 from .stats import RATE_WINDOW_S, RowRates, lr_range
 
 __all__ = ["HttpSide"]
 
 log = logging.getLogger("aps.server")
+#: Wrong tokens, logged at most five a minute whoever sends them.
+_failures = RateLimitedLog(logger=log)
 
 #: Requests larger than this are refused (there is nothing to post).
 MAX_REQUEST_BYTES = 64 << 10
@@ -131,8 +134,13 @@ class HttpSide:
                  totals: Callable[[], dict] | None = None,
                  events_after: Callable[[int], list[dict]] | None = None,
                  tls: ssl.SSLContext | None = None, ready: Callable[[], str | None] = lambda: None,
-                 scalars: Scalars | None = None) -> None:
+                 scalars: Scalars | None = None, throttle: AuthThrottle | None = None,
+                 auth_counts: dict[str, int] | None = None) -> None:
         self.config = config
+        # Wrong tokens are throttled as the TCP side's failed handshakes are, by the same
+        # principals, in the same table and counters (the server's, when it hands them over).
+        self._throttle = throttle if throttle is not None else AuthThrottle()
+        self._auth_counts = auth_counts if auth_counts is not None else {"failures": 0, "throttled": 0, "refused": 0}
         self._read_snapshot = snapshot
         self._token = token
         self._tls = tls
@@ -269,7 +277,7 @@ class HttpSide:
         if self._token is not None and not _is_public(request.path):
             given = request.headers.get("Authorization", "")
             scheme, _, credential = given.partition(" ")
-            if scheme.lower() != "bearer" or not self._token_ok(credential.strip()):
+            if scheme.lower() != "bearer" or not await self._proved(credential.strip(), request.transport):
                 return web.json_response({"error": "this server needs its token: Authorization: Bearer TOKEN"},
                                          status=401, headers={"WWW-Authenticate": 'Bearer realm="aps"'})
         if conn is not None and (self._token is None or not _is_public(request.path)):
@@ -281,6 +289,39 @@ class HttpSide:
 
     def _token_ok(self, given: str) -> bool:
         return self._token is None or hmac.compare_digest(given.encode("utf-8", "replace"), self._token)
+
+    async def _proved(self, given: str, transport) -> bool:
+        """Whether ``given`` is the token, checked once the principal of the request
+        (:func:`aps.server.peers.principal`) has waited its turn after failures
+        (:class:`aps.server.admission.AuthThrottle`): False too when its turn would come
+        too late, or the peer is gone."""
+        if self._token is None:
+            return True
+        extra = transport.get_extra_info if transport is not None else (lambda name: None)
+        key = principal(extra("peername"), extra("sockname"))
+        if key is None:
+            return False
+        loop = asyncio.get_running_loop()
+        wait = self._throttle.wait(key, loop.time())
+        if wait is None:
+            self._auth_counts["refused"] += 1
+            return False
+        if wait > 0:
+            self._auth_counts["throttled"] += 1
+            try:
+                await asyncio.sleep(wait)
+            finally:
+                self._throttle.checked(key)
+        else:
+            self._throttle.checked(key)
+        if self._token_ok(given):
+            if self._throttle.failures(key, loop.time()):
+                self._throttle.succeeded(key)
+            return True
+        self._throttle.failed(key, loop.time())
+        self._auth_counts["failures"] += 1
+        _failures.warning(loop.time(), "%s: a wrong token over HTTP (from %s)", extra("peername"), key)
+        return False
 
     # plain requests -------------------------------------------------------
     async def _index(self, request: web.Request) -> web.StreamResponse:
@@ -380,7 +421,7 @@ class HttpSide:
             token = said.get("token", "") if isinstance(said, dict) else None
         except (asyncio.TimeoutError, ValueError, RecursionError):
             token = None
-        if not isinstance(token, str) or not self._token_ok(token):
+        if not isinstance(token, str) or not await self._proved(token, transport):
             what = "this server needs its token" if self._token is not None else "send {\"token\": \"\"} first"
             await _refuse(ws, CLOSE_UNAUTHORIZED, what)
             return None

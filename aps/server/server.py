@@ -45,7 +45,7 @@ from ..wire.tokens import new_token, remove_token_file, token_path, write_token_
 from ..config import (RESUME_LATEST, RUN_OPTIONS, RUN_OPTIONS_SINCE, ServerConfig, generates_token,
                       parse_compensation, resolve_token)
 from ..errors import APSError, CheckpointError, CheckpointFailed, ConfigurationError, ShuttingDown
-from ..wire.protocol import encode_join_progress
+from ..wire.protocol import encode_claim, encode_join_progress
 from ..wire.net import server_context
 from ..wire.net import connect_failure, format_address
 from ..wire.segments import Segment, default_socket_path, shm_available
@@ -251,7 +251,8 @@ class Server:
             self.http = HttpSide(config, self.engine.stats_snapshot, token, tls=tls,
                                  totals=lambda: self.engine.stats_totals(), events_after=stats.events_after,
                                  ready=lambda: "the server is stopping" if self._stopping.is_set() else None,
-                                 scalars=self.engine.scalars)
+                                 scalars=self.engine.scalars, throttle=self.connections.guard.throttle,
+                                 auth_counts=stats.auth)
             try:
                 await self.http.start()
             except OSError as exc:
@@ -408,7 +409,9 @@ class Server:
         served_at = checkpoint.manifest.get("served_at")
         # (this server's token is proved only to an address a checkpoint signed with it gave)
         signed = self._checkpoint_key is not None and not self.config.resume_unsigned
-        info = await asyncio.to_thread(serving_run, served_at, token if signed else None)
+        config = self.config
+        claim = encode_claim(self.engine.run_id, config.shard, config.shards)
+        info = await asyncio.to_thread(serving_run, served_at, token if signed else None, claim)
         if info is not None and info.run_id == self.engine.run_id:
             raise CheckpointError(
                 f"run {self.engine.run_id} is still served at {served_at} (incarnation "
@@ -423,7 +426,7 @@ class Server:
         follow this server (aps.checkpoint.read_lineage)."""
         engine = self.engine
         saved = engine.lineage[:-1]
-        journal = read_lineage(checkpoint.path.parent)
+        journal = read_lineage(checkpoint.path.parent, key=self._checkpoint_key, run_id=engine.run_id)
         if saved and saved[-1] in journal:
             later = [i for i in journal[journal.index(saved[-1]) + 1:] if i not in saved and i != engine.incarnation]
             engine.carry_lineage([*saved, *later])

@@ -14,6 +14,7 @@ import asyncio
 import functools
 import logging
 import time
+from collections import Counter
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -40,7 +41,9 @@ from ..wire.protocol import (
     MAX_HYPER_GROUPS,
     NONCE_BYTES,
     MAX_LAYOUT_BYTES,
+    MAX_CLAIM_BYTES,
     MAX_COUNTER_NAME,
+    PROOF_BYTES,
     REQUEST_OPS,
     ANY_RANK,
     DType,
@@ -97,7 +100,7 @@ MAX_SHARDS_BYTES = 16 << 10
 #: Requests with a small payload, read whole: the most bytes each may carry (a counter's name, the
 #: shards' run ids, a handshake's nonce or proof, a LOG).
 _SMALL_PAYLOADS = {Op.CLAIM: MAX_COUNTER_NAME, Op.SHARDS: MAX_SHARDS_BYTES, Op.HELLO: NONCE_BYTES,
-                   Op.AUTH: NONCE_BYTES, Op.LOG: MAX_LOG_BYTES}
+                   Op.AUTH: PROOF_BYTES + MAX_CLAIM_BYTES, Op.LOG: MAX_LOG_BYTES}
 _FLOAT32 = int(DType.FLOAT32)
 _CHECK = int(Flag.CHECK)
 _ROWS = int(Flag.ROWS)
@@ -267,7 +270,11 @@ class ServerSession(Handshake, RowRequests, RunRequests):
             return True
         strangers = [c for c in self.registry if not c.trusted and not c._lost]
         if strangers:
-            oldest = min(strangers, key=lambda c: c._connected_at)
+            # The oldest of whoever holds the most: a flood of one user's (or one address's)
+            # connections makes room with its own, not with another's handshake.
+            held = Counter(c.peer_key for c in strangers)
+            crowd = max(held, key=held.__getitem__)
+            oldest = min((c for c in strangers if c.peer_key == crowd), key=lambda c: c._connected_at)
             oldest._evict("made room for a newer connection (--max-connections reached)", abort=True)
             return True
         _refusals.warning(self._loop.time(), "refused a connection from %s: --max-connections %d reached",
@@ -500,7 +507,7 @@ class ServerSession(Handshake, RowRequests, RunRequests):
                 dest = self._state_intake.digest
             elif op in _SMALL_PAYLOADS:  # read whole, within the op's limit
                 limit = _SMALL_PAYLOADS[op]
-                if length > limit or (op == Op.AUTH and length != limit):
+                if length > limit or (op == Op.AUTH and length < PROOF_BYTES):
                     raise MalformedFrame(f"{Op(op).name} carries {limit} bytes at most, got {length}")
                 dest = memoryview(bytearray(length)) if length else None
             elif length:

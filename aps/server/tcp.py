@@ -20,7 +20,7 @@ import numpy as np
 from ..errors import PayloadSizeMismatch
 from ..wire.protocol import HEADER_SIZE, DType, Header, pack_header
 from ..wire.net import set_keepalive, set_nodelay
-from .admission import auth_key
+from .peers import principal
 from .session import ServerSession, dtype_name
 
 if TYPE_CHECKING:
@@ -61,15 +61,15 @@ class TcpSession(ServerSession, asyncio.BufferedProtocol):
         transport.set_write_buffer_limits(high=0)
         peer = transport.get_extra_info("peername")
         self.peer = f"{peer[0]}:{peer[1]}" if isinstance(peer, tuple) else str(peer)
-        self.peer_key = str(peer[0]) if isinstance(peer, tuple) else self.peer
         self._addresses = (peer, transport.get_extra_info("sockname"))
+        self.peer_key = principal(*self._addresses) or self.peer  # (who it is, for room at --max-connections)
         if not self._admit():
             return
         self.registry.add(self)
         log.debug("%s: connected", self.peer)
 
-    def _find_auth_key(self) -> str:
-        return auth_key(*self._addresses)
+    def _find_auth_key(self) -> str | None:
+        return principal(*self._addresses)
 
     def get_buffer(self, sizehint: int) -> memoryview:
         return self.reader.get_buffer(sizehint)

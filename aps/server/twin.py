@@ -9,12 +9,14 @@ from __future__ import annotations
 import hmac
 import os
 import socket
+import time
 
 from ..errors import APSError
 from ..wire.net import parse_address
 from ..wire.protocol import (
     HEADER_SIZE,
     NONCE_BYTES,
+    PROOF_BYTES,
     Op,
     ServerInfo,
     auth_proof,
@@ -27,17 +29,22 @@ from ..wire.tokens import token_path
 
 __all__ = ["serving_run"]
 
-#: Seconds the question may take (the answer of a live server on loopback takes a millisecond).
+#: Seconds the whole question may take (a live server on loopback answers in a millisecond).
 PROBE_TIMEOUT_S = 2.0
+#: The longest reply taken (a HELLO or AUTH reply is a few hundred bytes).
+_REPLY_MAX = 16 << 10
 _ANY = {"0.0.0.0": "127.0.0.1", "::": "::1", "": "127.0.0.1"}
 
 
-def serving_run(address: object, token: bytes | None, timeout: float = PROBE_TIMEOUT_S) -> ServerInfo | None:
+def serving_run(address: object, token: bytes | None, claim: bytes = b"",
+                timeout: float = PROBE_TIMEOUT_S) -> ServerInfo | None:
     """What the server at ``address`` (``tcp://HOST:PORT``) says of itself, when one answers
-    there and proves it knows ``token`` (or the token its user's file keeps for that address,
-    when the two users are one); None when none answers, it cannot be asked (TLS), or it
-    cannot prove a token: nothing can be told of it. ``token`` is sent proofs of only where
-    the address comes from a checkpoint signed with it (a forged address could relay them)."""
+    there and proves it knows ``token`` (or the token its user's file keeps for exactly that
+    address, when the two users are one); None when none answers, it cannot be asked (TLS),
+    it asks for no token or cannot prove one (nothing it says can be trusted), or it takes
+    longer than ``timeout`` seconds in all. ``claim`` (the run and shard asked about) binds
+    the proof: relayed to another server, it opens nothing there. ``token`` is proved only
+    where the address comes from a checkpoint signed with it."""
     if not isinstance(address, str):
         return None
     try:
@@ -48,14 +55,14 @@ def serving_run(address: object, token: bytes | None, timeout: float = PROBE_TIM
         return None
     host = _ANY.get(parsed.host, parsed.host)
     # The token its user's file keeps for exactly that address first (a server of this user's
-    # that made its own; not another loopback name's: a proof is worth something to whoever
-    # can relay it to the server it belongs to), then this server's (one given to both).
+    # that made its own; not another loopback name's), then this server's (one given to both).
     tokens = [t for t in dict.fromkeys((_token_of(host, parsed.port), token)) if t is not None]
-    for secret in tokens or [None]:
+    deadline = time.monotonic() + timeout
+    for secret in tokens:
         try:
-            info = _ask(host, parsed.port, secret, timeout)
+            info = _ask(host, parsed.port, secret, claim, deadline)
         except (OSError, APSError, ValueError):
-            return None  # nothing answers there, or not as a server of ours does
+            return None  # nothing answers there, or not as a server of ours does, in time
         if info is not None:
             return info
     return None
@@ -72,34 +79,44 @@ def _token_of(host: str, port: int) -> bytes | None:
         return None
 
 
-def _ask(host: str, port: int, secret: bytes | None, timeout: float) -> ServerInfo | None:
-    """HELLO (and AUTH with ``secret`` where asked): what the server says of itself, or None."""
-    with socket.create_connection((host, port), timeout=timeout) as sock:
+def _ask(host: str, port: int, secret: bytes, claim: bytes, deadline: float) -> ServerInfo | None:
+    """HELLO and AUTH with ``secret``: what the server proved of itself, or None."""
+    with socket.create_connection((host, port), timeout=_left(deadline)) as sock:
         nonce = os.urandom(NONCE_BYTES)
-        op, payload = _exchange(sock, Op.HELLO, nonce)
+        op, payload = _exchange(sock, Op.HELLO, nonce, deadline)
         if op != Op.HELLO_REPLY:
             return None
-        required, server_nonce, info = decode_hello_reply(payload)
+        required, server_nonce, _ = decode_hello_reply(payload)
         if not required:
-            return info
-        if secret is None:
-            return None
-        op, payload = _exchange(sock, Op.AUTH, auth_proof(secret, "client", server_nonce, nonce))
+            return None  # (whoever it is proves nothing of what it says)
+        proof = auth_proof(secret, "client", server_nonce, nonce, claim)
+        op, payload = _exchange(sock, Op.AUTH, proof + claim, deadline)
         if op != Op.AUTH_REPLY:
             return None
         proof, info = decode_auth_reply(payload)
-        return info if hmac.compare_digest(proof, auth_proof(secret, "server", server_nonce, nonce)) else None
+        said = payload[PROOF_BYTES:]
+        proved = hmac.compare_digest(proof, auth_proof(secret, "server", server_nonce, nonce, claim + said))
+        return info if proved else None
 
 
-def _exchange(sock: socket.socket, op: int, payload: bytes) -> tuple[int, bytes]:
+def _left(deadline: float) -> float:
+    left = deadline - time.monotonic()
+    if left <= 0:
+        raise TimeoutError("the question took too long")
+    return left
+
+
+def _exchange(sock: socket.socket, op: int, payload: bytes, deadline: float) -> tuple[int, bytes]:
+    sock.settimeout(_left(deadline))
     sock.sendall(pack_header(op, request_id=1, length=len(payload)) + payload)
-    header = unpack_header(_read(sock, HEADER_SIZE), max_payload=1 << 16)
-    return header.op, _read(sock, header.length)
+    header = unpack_header(_read(sock, HEADER_SIZE, deadline), max_payload=_REPLY_MAX)
+    return header.op, _read(sock, header.length, deadline)
 
 
-def _read(sock: socket.socket, size: int) -> bytes:
+def _read(sock: socket.socket, size: int, deadline: float) -> bytes:
     data = bytearray()
     while len(data) < size:
+        sock.settimeout(_left(deadline))
         chunk = sock.recv(size - len(data))
         if not chunk:
             raise ConnectionError("closed")

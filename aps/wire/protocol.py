@@ -496,23 +496,49 @@ def decode_hello(payload) -> ServerInfo:
 # The handshake. HELLO carries the client's nonce (NONCE_BYTES, or nothing);
 # HELLO_REPLY: u8 flags (bit 0: a token is required), 7 reserved bytes, the
 # server's nonce, then (when no token is required) the HELLO fields above.
-# AUTH carries the client's proof; AUTH_REPLY the server's proof, then the
-# HELLO fields. A proof is HMAC-SHA256(token, role || server nonce || client
-# nonce): the token never crosses the wire, each connection's nonces are fresh
-# (a proof from one connection is worthless on another), and the worker
-# checks the server's proof too (a server without the token cannot pass for
-# the real one).
+# AUTH carries the client's proof, then its claim (what it means to reach,
+# "run=ID;shard=I/K", once it knows; empty before); AUTH_REPLY the server's
+# proof, then the HELLO fields. A proof is HMAC-SHA256(token, role || server
+# nonce || client nonce || bound): the client's binds its claim, the server's
+# the claim and the HELLO fields after it. The token never crosses the wire,
+# each connection's nonces are fresh (a proof from one connection is
+# worthless on another), the worker checks the server's proof too (a server
+# without the token cannot pass for the real one, nor change what it says of
+# itself), and a server refuses (answers, proved, and closes) a claim that is
+# not itself: a proof relayed to another shard of the run, or another run
+# with the same token, opens nothing there.
 NONCE_BYTES = 32
+PROOF_BYTES = 32  # an HMAC-SHA256
 _HELLO_REPLY = struct.Struct("<B7x")
 _AUTH_REQUIRED = 1
 
 
-def auth_proof(token: bytes, role: str, server_nonce: bytes, client_nonce: bytes) -> bytes:
-    """``role`` is "client" or "server"."""
+#: The most a client's claim (what server it means to reach) may hold, in bytes.
+MAX_CLAIM_BYTES = 512
+
+
+def auth_proof(token: bytes, role: str, server_nonce: bytes, client_nonce: bytes, bound: bytes = b"") -> bytes:
+    """``role`` is "client" or "server"; ``bound``: what else the proof vouches for (the
+    client's claim; the server's: the claim and what the server says of itself)."""
     import hashlib
     import hmac
 
-    return hmac.new(token, f"aps/1 {role}".encode() + server_nonce + client_nonce, hashlib.sha256).digest()
+    return hmac.new(token, f"aps/1 {role}".encode() + server_nonce + client_nonce + bound, hashlib.sha256).digest()
+
+
+def encode_claim(run_id: str, shard: int, shards: int) -> bytes:
+    """A client's claim: the run and the shard it means to reach (it reached them before)."""
+    return f"run={run_id};shard={shard}/{shards}".encode("ascii", "replace")[:MAX_CLAIM_BYTES]
+
+
+def decode_claim(claim: bytes) -> dict[str, str]:
+    """``{"run": ..., "shard": "I/K"}`` of a claim (empty: none; unknown parts ignored)."""
+    out = {}
+    for part in bytes(claim).decode("ascii", "replace").split(";"):
+        key, sep, value = part.partition("=")
+        if sep:
+            out[key] = value
+    return out
 
 
 def encode_hello_reply(auth_required: bool, server_nonce: bytes, host: str, unix_path: str, run_id: str = "",
@@ -541,9 +567,9 @@ def encode_auth_reply(server_proof: bytes, host: str, unix_path: str, run_id: st
 def decode_auth_reply(payload) -> tuple[bytes, ServerInfo]:
     """``(server proof, the server's ServerInfo)``."""
     view = memoryview(payload)
-    if len(view) < 32:
+    if len(view) < PROOF_BYTES:
         raise MalformedFrame(f"AUTH reply of {len(view)} bytes is too short")
-    return bytes(view[:32]), decode_hello(view[32:])
+    return bytes(view[:PROOF_BYTES]), decode_hello(view[PROOF_BYTES:])
 
 
 # Shared-memory weights reply payload: u64 slot id, u64 slot bytes, u32 flags

@@ -22,7 +22,7 @@ from collections import Counter
 from ..errors import ConfigurationError
 
 __all__ = [
-    "MIN_GUESS_BITS", "MIN_TOKEN_BITS", "check_token", "guess_bits", "find_token", "new_token", "remove_token_file", "token_bits", "token_dir",
+    "MIN_GUESS_BITS", "MIN_TOKEN_BITS", "check_token", "guess_bits", "recognised", "find_token", "new_token", "remove_token_file", "token_bits", "token_dir",
     "token_path", "write_token_file",
 ]
 
@@ -32,6 +32,9 @@ MIN_TOKEN_BITS = 128
 #: walks, sequences, repeats, dates, l33t) finds guessable in fewer than 2^this tries
 #: (:func:`guess_bits`).
 MIN_GUESS_BITS = 100
+#: What zxcvbn recognises that tells a token a person made: words and names (and their l33t),
+#: keyboard walks, runs like abcdef or 13579, repeats.
+_PEOPLE_MAKE = frozenset({"dictionary", "spatial", "sequence", "repeat"})
 #: zxcvbn reads at most this many characters of a token (its work grows with the length;
 #: it takes at most 72).
 _ESTIMATED_CHARS = 64
@@ -82,20 +85,39 @@ def guess_bits(token: str) -> float:
     """log2 of the guesses zxcvbn (Dropbox's estimator) says an attacker who knows how
     people make secrets needs for ``token``'s first :data:`_ESTIMATED_CHARS` characters:
     a token made of words, names, keyboard walks, sequences, repeats, dates or l33t scores
-    what those are worth, not what its length suggests. What it does not recognise it
-    counts at log2(10) bits a character, whatever the alphabet: a random token of 43
-    base64 characters (``aps token``) scores about 140, one of 32 hexadecimal characters
-    about 105 (a few in a hundred fall under 100: make another, or use ``aps token``)."""
+    what those are worth, not what its length suggests."""
+    return _estimate(token)[0]
+
+
+def recognised(token: str) -> float:
+    """The share of ``token``'s first :data:`_ESTIMATED_CHARS` characters that zxcvbn takes for
+    something people make secrets of (a word, a walk, a run, a repeat): high for a token a
+    person made, low for a random one (a random token of 32 hexadecimal characters has about
+    a tenth)."""
+    return _estimate(token)[1]
+
+
+def _estimate(token: str) -> tuple[float, float]:
     from zxcvbn import zxcvbn
 
-    return float(zxcvbn(token[:_ESTIMATED_CHARS])["guesses_log10"]) / math.log10(2)
+    part = token[:_ESTIMATED_CHARS]
+    if not part:
+        return 0.0, 1.0
+    found = zxcvbn(part)
+    # (dates and years are left out: a random token of hexadecimal or decimal digits is full
+    # of what reads as one)
+    covered = sum(len(match["token"]) for match in found["sequence"] if match["pattern"] in _PEOPLE_MAKE)
+    return float(found["guesses_log10"]) / math.log10(2), covered / len(part)
 
 
 def check_token(token: str, what: str = "--token") -> None:
     """Raise ConfigurationError unless ``token`` looks strong enough: at least
-    :data:`MIN_TOKEN_BITS` by :func:`token_bits`, at least 8 different characters,
-    no character making up more than a third of it, and at least
-    :data:`MIN_GUESS_BITS` by :func:`guess_bits` (zxcvbn)."""
+    :data:`MIN_TOKEN_BITS` by :func:`token_bits`, at least 8 different characters, no
+    character making up more than a third of it, and, when zxcvbn finds most of it made of
+    what people make secrets of (:func:`recognised`: half or more), at least
+    :data:`MIN_GUESS_BITS` by :func:`guess_bits`. (zxcvbn counts what it does not recognise
+    at log2(10) bits a character, whatever the alphabet: its estimate alone would refuse
+    random tokens of 128 bits, as 22 base64 or 24 alphanumeric characters.)"""
     bits = token_bits(token)
     if bits < MIN_TOKEN_BITS:
         raise ConfigurationError(
@@ -105,17 +127,19 @@ def check_token(token: str, what: str = "--token") -> None:
     counts = Counter(token)
     if len(counts) < 8 or max(counts.values()) * 3 > len(token):
         raise ConfigurationError(f"{what} is too repetitive to be a secret; {HOW_TO_MAKE_ONE}")
-    guessed = guess_bits(token)
-    if guessed < MIN_GUESS_BITS:
+    guessed, share = _estimate(token)
+    if share >= 0.5 and guessed < MIN_GUESS_BITS:
         raise ConfigurationError(
-            f"{what} is guessable: by zxcvbn's estimate of how people make secrets (words, keyboard walks, "
-            f"sequences, dates), it falls in about 2^{guessed:.0f} guesses, and at least 2^{MIN_GUESS_BITS} are "
-            f"needed; {HOW_TO_MAKE_ONE}"
+            f"{what} is guessable: zxcvbn's estimate of how people make secrets finds {share:.0%} of it made of "
+            f"words, keyboard walks, sequences or dates, and it falls in about 2^{guessed:.0f} guesses "
+            f"(at least 2^{MIN_GUESS_BITS} are needed); {HOW_TO_MAKE_ONE}"
         )
 
 
 def _period(text: str) -> int:
-    """The length of the shortest unit ``text`` repeats (its own length when none)."""
+    """The length of the shortest unit ``text`` repeats, at least twice (``abcabcab``: 3), or
+    its own length when it repeats none (a random token that merely ends as it began is not
+    a repetition)."""
     n = len(text)
     # The prefix function of Knuth-Morris-Pratt: n - border is the smallest period.
     border = [0] * n
@@ -127,7 +151,7 @@ def _period(text: str) -> int:
             k += 1
         border[i] = k
     period = n - border[-1]
-    return period if period < n else n
+    return period if 2 * period <= n else n
 
 
 # Token files ------------------------------------------------------------------------------

@@ -314,7 +314,8 @@ def test_a_slowloris_wave_does_not_lock_out_the_scrapers(server_process):
                 fresh.append(await scrape(base, 5.0))
                 began = time.monotonic()
                 try:
-                    async with session.get(base + "metrics", timeout=aiohttp.ClientTimeout(total=5)) as response:
+                    async with session.get(base + "metrics", timeout=aiohttp.ClientTimeout(total=5),
+                                           headers=_bearer(base)) as response:
                         await response.read()
                         kept.append((response.status, time.monotonic() - began))
                 except (aiohttp.ClientError, asyncio.TimeoutError):

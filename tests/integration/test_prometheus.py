@@ -23,6 +23,7 @@ import urllib.request
 import pytest
 
 from aps.cli.status import fetch_stats
+from aps.wire.tokens import token_path
 from aps.testing import workers as _workers
 
 from aps.testing import SPAWN, ServerProcess, wait_for
@@ -42,7 +43,7 @@ def free_port() -> int:
 class Prometheus:
     """``prometheus`` on loopback scraping ``target`` every SCRAPE_S, its storage in ``directory``."""
 
-    def __init__(self, directory, target: str) -> None:
+    def __init__(self, directory, target: str, credentials_file: str | None = None) -> None:
         self.port = free_port()
         config = directory / "prometheus.yml"
         config.write_text(
@@ -51,7 +52,10 @@ class Prometheus:
             f"  scrape_timeout: {int(SCRAPE_S * 800)}ms\n"
             "scrape_configs:\n"
             "  - job_name: aps\n"
-            "    static_configs:\n"
+            # (a loopback server's own token: Prometheus reads the file at every scrape, so a
+            # server restarted on the port with a new one is scraped on)
+            + (f"    authorization:\n      credentials_file: {credentials_file}\n" if credentials_file else "")
+            + "    static_configs:\n"
             f"      - targets: ['{target}']\n"
         )
         self.log = open(directory / "prometheus.log", "w")
@@ -110,7 +114,7 @@ def test_a_real_prometheus_counts_the_updates_of_a_killed_and_resumed_run_once(t
     prometheus = worker = None
     stop_path = str(tmp_path / "stop")
     try:
-        prometheus = Prometheus(tmp_path, f"127.0.0.1:{http_port}")
+        prometheus = Prometheus(tmp_path, f"127.0.0.1:{http_port}", token_path("127.0.0.1", port))
         wait_for(lambda: prometheus.query("aps_updates_total"), 15, "a first scrape (before training)", every=0.1)
         worker = SPAWN.Process(target=_workers.resilient_worker, daemon=True,
                                args=(server.address, 0, 1, 64, 10**9, 0.002, "tcp", stop_path))

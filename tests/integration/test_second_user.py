@@ -7,8 +7,10 @@ them nothing of the run. Real server and worker processes, loopback only."""
 from __future__ import annotations
 
 import json
+import re
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import threading
@@ -24,7 +26,7 @@ import aps
 from aps.cli.checkpoint import request_checkpoint
 from aps.cli.status import fetch_stats
 from aps.server.admission import AuthThrottle
-from aps.testing import ServerProcess
+from aps.testing import TOKEN, ServerProcess, wait_for
 from aps.testing.users import as_second_user, second_user_env, second_user_unavailable
 from aps.wire.tokens import token_path
 
@@ -99,13 +101,59 @@ def test_another_user_guessing_on_loopback_locks_out_none_of_the_workers(server_
     assert "uid 65534" in server.log()
 
 
+#: An impostor that answers every HELLO with an error frame (a layout mismatch, a shutdown
+#: for good ...), as the second user: it must end no worker that holds a token.
+ERROR_FRAMES = """
+import socket, struct, sys
+from aps.errors import ErrorCode
+from aps.wire.protocol import HEADER_SIZE, Op, encode_error, pack_header, unpack_header
+code = ErrorCode[sys.argv[2]]
+listener = socket.create_server(("127.0.0.1", int(sys.argv[1])))
+print("listening", flush=True)
+while True:
+    conn, _ = listener.accept()
+    try:
+        conn.settimeout(2)
+        header = unpack_header(conn.recv(HEADER_SIZE, socket.MSG_WAITALL))
+        payload = encode_error(code, "the impostor says no")
+        conn.sendall(pack_header(Op.ERROR, header.request_id, 0, 0, 0, 0, len(payload)) + payload)
+    except OSError:
+        pass
+    conn.close()
+"""
+
+
+def start_impostor(kind: str, port: int, env: dict):
+    """``nobody``'s impostor on ``port``: a real ``aps serve --insecure`` at lr 1000, or a
+    process that answers every HELLO with an error frame of code ``kind``."""
+    if kind == "server":
+        impostor = ServerProcess("--workers", "1", "--sync", "asp", "--lr", "1000", "--insecure", "--port", str(port),
+                                 env=env, popen=lambda argv, **kwargs: subprocess.Popen(as_second_user(argv), **kwargs))
+        assert "no token" in impostor.log()
+        return impostor.stop
+    proc = subprocess.Popen(as_second_user([sys.executable, "-c", ERROR_FRAMES, str(port), kind]), env=env,
+                            stdout=subprocess.PIPE, text=True)
+    assert proc.stdout.readline().strip() == "listening"
+
+    def stop() -> None:
+        proc.kill()
+        proc.wait(10)
+        proc.stdout.close()
+
+    return stop
+
+
+@pytest.mark.parametrize("kind", ["server", "LAYOUT_MISMATCH", "SHUTTING_DOWN"])
+@pytest.mark.parametrize("how", ["kill", "sigint"])
 def test_an_impostor_on_a_dead_servers_port_trains_none_of_its_workers(server_process, nobody_home, tmp_path,
-                                                                       monkeypatch):
-    """The first user's server dies (kill -9: its token file stays); ``nobody`` starts a server
-    of its own, asking for no token and at lr 1000, on the same port. A new worker that finds
-    the token file refuses it at once (ServerUnproven); a running worker reconnecting refuses
-    it too, and waits for the real server, which it goes on with once that is resumed there.
-    Neither sends the impostor anything of its model."""
+                                                                       monkeypatch, kind, how):
+    """The first user's server stops: killed (kill -9: its token file stays) or stopped with
+    Ctrl-C (it checkpoints and tells its workers to wait for it; its token file goes). ``nobody``
+    serves on the same port: a server of its own, asking for no token and at lr 1000, or one
+    that answers every handshake with an error frame. A new worker refuses it at once
+    (ServerUnproven); a running worker reconnecting refuses it too, whatever it answers, and
+    waits for the real server, which it goes on with once that is resumed there. Neither
+    sends the impostor anything of its model."""
     monkeypatch.delenv("APS_TOKEN", raising=False)
     options = ("--workers", "1", "--sync", "asp", "--lr", "1", "--checkpoint-dir", str(tmp_path / "ckpt"))
     real = server_process(*options)
@@ -114,9 +162,12 @@ def test_an_impostor_on_a_dead_servers_port_trains_none_of_its_workers(server_pr
     running.init({"w": np.zeros(4, np.float32)})
     running.push_pull({"w": np.ones(4, np.float32)})
     request_checkpoint(real.address)
-    real.proc.kill()
-    real.proc.wait()
-    assert os.path.exists(path)
+    if how == "kill":
+        real.proc.kill()
+    else:
+        real.signal(signal.SIGINT)
+    real.proc.wait(30)
+    assert os.path.exists(path) == (how == "kill")
     answers: list = []
 
     def go_on() -> None:
@@ -127,20 +178,16 @@ def test_an_impostor_on_a_dead_servers_port_trains_none_of_its_workers(server_pr
 
     pushing = threading.Thread(target=go_on)
     pushing.start()  # reconnecting: nothing listens yet
-    impostor = ServerProcess("--workers", "1", "--sync", "asp", "--lr", "1000", "--insecure", "--port", str(port),
-                             env=nobody_home,
-                             popen=lambda argv, **kwargs: subprocess.Popen(as_second_user(argv), **kwargs))
+    stop = start_impostor(kind, port, nobody_home)
     try:
-        assert "no token" in impostor.log()
-        with pytest.raises(aps.ServerUnproven, match="cannot prove") as raised:
-            aps.Worker(real.address, 0, 1, transport="tcp", reconnect=False)
-        assert path in str(raised.value)
+        if how == "kill":
+            with pytest.raises(aps.ServerUnproven) as raised:
+                aps.Worker(real.address, 0, 1, transport="tcp", reconnect=False)
+            assert path in str(raised.value) or "before it proved" in str(raised.value)
         time.sleep(2.0)  # the running worker meets the impostor a few times meanwhile
         assert pushing.is_alive() and not answers, answers
-        log = impostor.log()
-        assert "joined" not in log and "worker 0" not in log, log
     finally:
-        impostor.stop()
+        stop()
     resumed = server_process(*options, "--resume", "--port", str(port))
     pushing.join(60)
     running.close()
@@ -172,10 +219,114 @@ def test_another_user_reads_nothing_of_a_loopback_run_over_http(server_process, 
     codes = dict(line.split() if " " in line.strip() else ("", line.strip()) for line in done.stdout.splitlines())
     assert codes.pop("healthz") == "200" and codes.pop("") == "200", done.stdout
     assert set(codes.values()) == {"401"}, done.stdout
+    # Guessing the token over HTTP is throttled as over the worker port: by the guesser's user.
+    guess = ("import sys, time, urllib.request, urllib.error\n"
+             "began = time.monotonic()\n"
+             "for n in range(8):\n"
+             "    request = urllib.request.Request(sys.argv[1] + 'metrics', headers={'Authorization': f'Bearer {n}'})\n"
+             "    try:\n"
+             "        urllib.request.urlopen(request, timeout=30)\n"
+             "    except urllib.error.HTTPError as exc:\n"
+             "        assert exc.code == 401, exc.code\n"
+             "        exc.close()\n"
+             "print(time.monotonic() - began)\n")
+    done = subprocess.run(as_second_user([sys.executable, "-c", guess, base]), env=nobody_home, capture_output=True,
+                          text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    turns = [AuthThrottle.BASE_S * 2 ** k for k in range(8 - AuthThrottle.FREE - 1)]
+    assert float(done.stdout) >= sum(turns) * 0.9, (done.stdout, turns)
+    began = time.monotonic()
     request = urllib.request.Request(base + "api/stats", headers={"Authorization": f"Bearer {server.token.decode()}"})
     with urllib.request.urlopen(request, timeout=10) as answer:
-        assert answer.status == 200 and json.load(answer)["server"]["run_id"]
+        assert answer.status == 200 and json.load(answer)["server"]["auth"]["failures"] == 8
+    assert time.monotonic() - began < 1.0, "this user's token is checked at once"
     with pytest.raises(urllib.error.HTTPError) as refused:
         urllib.request.urlopen(base + "api/stats", timeout=10)
     refused.value.close()  # (the error holds the response: its socket)
     assert refused.value.code == 401
+
+
+#: A relay on a dead shard's port, as the second user: it passes a reconnecting worker's
+#: handshake on to the live shard, then tries the authenticated connection for itself (STATS).
+RELAY = """
+import json, socket, sys
+from aps.wire.protocol import HEADER_SIZE, Op, pack_header, unpack_header
+listener = socket.create_server(("127.0.0.1", int(sys.argv[1])))
+print("listening", flush=True)
+out = open(sys.argv[3], "a")
+
+def frame(sock):
+    head = sock.recv(HEADER_SIZE, socket.MSG_WAITALL)
+    header = unpack_header(head)
+    return header, head + (sock.recv(header.length, socket.MSG_WAITALL) if header.length else b"")
+
+while True:
+    worker, _ = listener.accept()
+    said = {}
+    try:
+        upstream = socket.create_connection(("127.0.0.1", int(sys.argv[2])), timeout=5)
+        worker.settimeout(5)
+        for _ in range(2):  # HELLO, AUTH: passed on, and their replies back
+            _, request = frame(worker)
+            upstream.sendall(request)
+            header, reply = frame(upstream)
+            worker.sendall(reply)
+            said[Op(header.op).name] = True
+        upstream.sendall(pack_header(Op.STATS, request_id=9))
+        header, _ = frame(upstream)
+        said["stats"] = Op(header.op).name
+    except (OSError, ValueError) as exc:
+        said["stats"] = said.get("stats") or f"closed ({type(exc).__name__})"
+    out.write(json.dumps(said) + "\\n")
+    out.flush()
+    worker.close()
+"""
+
+
+def test_a_relay_on_a_dead_shards_port_opens_nothing_on_the_live_shard(server_process, nobody_home, tmp_path,
+                                                                    monkeypatch):
+    """Two shards share a token. Shard 1 dies; ``nobody`` listens on its port and relays a
+    reconnecting worker's handshake to shard 0, then tries the connection for itself. The
+    worker's proof names the run and shard it means: shard 0 answers it (proved, so the worker
+    learns it reached another shard) and closes, authenticated for no one; the worker waits
+    for its shard, and goes on with it once it is resumed."""
+    monkeypatch.setenv("APS_TOKEN", TOKEN)
+    dirs = [tmp_path / f"shard{i}" for i in range(2)]
+    options = ("--workers", "1", "--sync", "asp", "--lr", "1", "--shards", "2", "--token", TOKEN)
+    shards = [server_process(*options, "--shard", str(i), "--checkpoint-dir", str(dirs[i])) for i in range(2)]
+    worker = aps.Worker([s.address for s in shards], 0, 1, transport="tcp", reconnect_timeout=60)
+    worker.init({"w": np.zeros(64, np.float32)})
+    worker.push_pull({"w": np.ones(64, np.float32)})
+    request_checkpoint(shards[1].address, token=TOKEN)
+    port = shards[1].port
+    shards[1].proc.kill()
+    shards[1].proc.wait(10)
+    answers: list = []
+
+    def go_on() -> None:
+        try:
+            answers.append(worker.push_pull({"w": np.ones(64, np.float32)}))
+        except BaseException as exc:  # noqa: BLE001 (what it raised is the test's)
+            answers.append(exc)
+
+    record = Path(nobody_home["HOME"]) / "relayed.jsonl"
+    relay = subprocess.Popen(as_second_user([sys.executable, "-c", RELAY, str(port), str(shards[0].port),
+                                             str(record)]), env=nobody_home, stdout=subprocess.PIPE, text=True)
+    try:
+        assert relay.stdout.readline().strip() == "listening"
+        pushing = threading.Thread(target=go_on)
+        pushing.start()
+        wait_for(lambda: record.exists() and record.read_text().count("\n") >= 1, timeout=60,
+                 what="the worker's handshakes relayed")
+        assert pushing.is_alive() and not answers, answers
+    finally:
+        relay.kill()
+        relay.wait(10)
+        relay.stdout.close()
+    relayed = [json.loads(line) for line in record.read_text().splitlines()]
+    assert all(said.get("AUTH_REPLY") and said["stats"] != "STATS_REPLY" for said in relayed), relayed
+    server_process(*options, "--shard", "1", "--checkpoint-dir", str(dirs[1]), "--resume", "--port", str(port))
+    pushing.join(60)
+    worker.close()
+    assert len(answers) == 1 and not isinstance(answers[0], BaseException), answers
+    assert re.search(r"a proof meant for (run|shard) \S+: not opened", shards[0].log())

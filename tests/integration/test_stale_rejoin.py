@@ -20,13 +20,14 @@ import sys
 import time
 from pathlib import Path
 
-import aiohttp
 import numpy as np
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from aps.cli.status import fetch_stats
 from aps.testing import TOKEN, wait_for
+
+from .test_http import get, http_address
 
 PY = sys.executable
 ROOT = str(Path(__file__).resolve().parents[2])
@@ -155,9 +156,9 @@ def metric(text: str, name: str, **labels: str) -> float:
 
 
 async def _get(url: str) -> str:
-    async with aiohttp.ClientSession() as session, session.get(url) as response:
-        assert response.status == 200
-        return await response.text()
+    status, text, _ = await get(url)
+    assert status == 200
+    return text
 
 
 SYNCS = {"ssp": ["--sync", "ssp", "--staleness", "2"],
@@ -174,7 +175,7 @@ def test_a_push_frozen_across_a_rejoin_is_dropped_not_applied(server_process, tr
     s = 2
     server = server_process("--workers", str(P), *SYNCS[sync], "--lr", "1", "--heartbeat-timeout", str(HEARTBEAT),
                             "--http-port", "0")
-    http = server.proc.stdout.readline().split(" on ", 1)[1].strip()
+    http = http_address(server)
     procs = {rank: start_worker(subprocess.Popen, server.address, rank, transport,
                                 "freeze" if rank == THE_ONE else "steady", tmp_path)
              for rank in range(P)}

@@ -528,3 +528,23 @@ def test_cli_list_newest_first_with_temporaries(tmp_path, capsys):
         main(["checkpoint", "list", str(tmp_path / "missing")])
     assert exited.value.code == 1
     assert capsys.readouterr().err == f"aps checkpoint: {tmp_path / 'missing'} does not exist\n"
+
+
+def test_the_lineage_journal_keeps_the_newest_and_with_a_key_only_what_it_signed(tmp_path):
+    from aps.checkpoint import LINEAGE_FILE, checkpoint_key, read_lineage, record_incarnation
+
+    ids = [f"{n:016x}" for n in range(70)]
+    for n, incarnation in enumerate(ids[:3]):
+        record_incarnation(tmp_path, incarnation, new_run=n == 0)
+    assert read_lineage(tmp_path) == ids[:3]
+    record_incarnation(tmp_path, ids[3], new_run=True)  # a new run's journal starts with it
+    assert read_lineage(tmp_path) == ids[3:4]
+    key = checkpoint_key(b"a token of the operator's")
+    for incarnation in ids:
+        record_incarnation(tmp_path, incarnation, key=key, run_id="run")
+    assert read_lineage(tmp_path, key=key, run_id="run") == ids[-64:]
+    assert read_lineage(tmp_path, key=key, run_id="another run") == []
+    with open(tmp_path / LINEAGE_FILE, "a") as journal:  # a line written by someone without the key
+        journal.write("deadbeefdeadbeef\n" f"{'ab' * 8} {'0' * 64}\n")
+    assert read_lineage(tmp_path, key=key, run_id="run") == ids[-64:]
+    assert oct((tmp_path / LINEAGE_FILE).stat().st_mode & 0o777) == oct(0o600)

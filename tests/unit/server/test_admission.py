@@ -8,7 +8,9 @@ import socket
 
 import pytest
 
-from aps.server.admission import AuthThrottle, auth_key, tcp_peer_uid
+from aps.server.admission import AuthThrottle
+from aps.server import peers
+from aps.server.peers import GONE, principal, tcp_peer_uid
 
 
 def fail(throttle: AuthThrottle, key: str, now: float) -> float | None:
@@ -106,7 +108,8 @@ def test_a_loopback_peer_counts_as_its_user_whatever_its_address():
             try:
                 assert peer[0] == source
                 assert tcp_peer_uid(peer, accepted.getsockname()) == os.getuid()
-                assert auth_key(peer, accepted.getsockname()) == f"uid {os.getuid()}"
+                assert peers._read_table(peer, accepted.getsockname()) == os.getuid()  # (where sock_diag is not)
+                assert principal(peer, accepted.getsockname()) == f"uid {os.getuid()}"
             finally:
                 client.close()
                 accepted.close()
@@ -115,6 +118,25 @@ def test_a_loopback_peer_counts_as_its_user_whatever_its_address():
 
 
 def test_a_remote_peer_counts_as_its_address_or_its_ipv6_64():
-    assert auth_key(("192.0.2.7", 5000), ("192.0.2.1", 7450)) == "192.0.2.7"
-    assert auth_key(("2001:db8:1:2:aaaa::7", 5000, 0, 0), ("2001:db8::1", 7450, 0, 0)) == "2001:db8:1:2::/64"
-    assert auth_key(("::ffff:192.0.2.7", 5000, 0, 0), ("::ffff:192.0.2.1", 7450, 0, 0)) == "192.0.2.7"
+    assert principal(("192.0.2.7", 5000), ("192.0.2.1", 7450)) == "192.0.2.7"
+    assert principal(("2001:db8:1:2:aaaa::7", 5000, 0, 0), ("2001:db8::1", 7450, 0, 0)) == "2001:db8:1:2::/64"
+    assert principal(("::ffff:192.0.2.7", 5000, 0, 0), ("::ffff:192.0.2.1", 7450, 0, 0)) == "192.0.2.7"
+
+
+def test_a_closed_peer_is_no_one_not_root():
+    """A socket its process closed lingers in the kernel's table as root's (TIME_WAIT, or
+    orphaned while it closes): it is gone, and counts as no one."""
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen()
+    try:
+        client = socket.create_connection(listener.getsockname())
+        accepted, peer = listener.accept()
+        local = accepted.getsockname()
+        assert tcp_peer_uid(peer, local) == os.getuid()
+        client.close()  # the client's end closes first: it lingers in TIME_WAIT once both have closed
+        accepted.close()
+        assert tcp_peer_uid(peer, local) == GONE and principal(peer, local) is None
+        assert peers._read_table(peer, local) == GONE
+    finally:
+        listener.close()
