@@ -11,6 +11,7 @@ generator of steps (:class:`_Workers` here, each server's part in
 
 from __future__ import annotations
 
+import atexit
 import logging
 import os
 import ssl
@@ -60,6 +61,24 @@ from .steps import DEFAULT_RECONNECT_TIMEOUT, DEFAULT_SERVER_TIMEOUT, EACH, Step
 __all__ = ["Worker"]
 
 log = logging.getLogger("aps.worker")
+
+#: The blocking workers that have logged something (held weakly): what they have not sent yet
+#: goes out at interpreter exit, before their channels leave (_log_rest_at_exit).
+_LOGGING: weakref.WeakSet = weakref.WeakSet()
+
+
+def _log_rest_at_exit() -> None:
+    """At interpreter exit, before the channels' own hook (registered first: atexit runs the
+    last one first) makes them leave: each worker's last logged points go out, as close()
+    sends them. A script rarely calls close(): its last second of curves would be lost."""
+    for worker in list(_LOGGING):
+        try:
+            worker._send_log_rest()
+        except Exception as exc:  # noqa: BLE001 - the exit goes on whatever one worker does
+            log.debug("rank %s: sending what was logged at exit failed: %s", worker.rank, exc)
+
+
+atexit.register(_log_rest_at_exit)
 
 
 class _Workers(WorkerFacts):
@@ -666,12 +685,13 @@ class Worker(ThreadedFanOut, _Workers):
 
         The server keeps them per rank as curves over the run, drawn on its dashboard beside
         this process's CPU and memory, and exports the newest in ``/metrics``. No round trip:
-        they are sent about once a second, and on :meth:`close`. ``batch`` (the step's input:
+        they are sent about once a second, and on :meth:`close` (or at exit). ``batch`` (the step's input:
         an array, or bytes) sends a digest of it, by which the server warns when two ranks
         train on the same data. At most 32 names a worker, each 1 to 64 characters of
         ``A-Z a-z 0-9 _ . : / -``; a bad one raises ``ValueError`` and nothing is kept.
         """
         run(self._log(scalars, step, batch))
+        _LOGGING.add(self)  # (its last points go out at exit, if it is never closed)
 
     def claim(self, name: str, count: int = 1) -> int:
         """Add ``count`` to the run's counter ``name`` (0 at first; adding 0 reads it) and return
@@ -827,6 +847,17 @@ class Worker(ThreadedFanOut, _Workers):
         does what this does, within a few seconds in all), so that a script that ends
         without calling it is counted as having left, not as a crash."""
         self.leave()
+
+    def _send_log_rest(self) -> None:
+        """What is left to log, sent now unless the worker is closing, or another thread holds
+        its channel in a call (nothing waits at exit)."""
+        channel = self._channels[0]
+        if self._closing or channel._closing or not channel._lock.acquire(blocking=False):
+            return
+        try:
+            run(self._log_rest())
+        finally:
+            channel._lock.release()
 
     def leave(self, *, finished: bool = False) -> None:
         """Leave the run for good (the server stops counting this worker at once) and

@@ -7,6 +7,8 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import json
+import subprocess
+import sys
 import threading
 
 import aiohttp
@@ -212,3 +214,19 @@ def test_a_log_before_init_is_refused(server_process):
     raw.frame(Op.LOG, b'{"points": []}')
     assert_error(raw, ErrorCode.NOT_INITIALIZED)
     raw.close()
+
+
+def test_what_a_script_logged_last_reaches_the_server_when_it_exits_without_close(server_process):
+    """A training script rarely calls close(): the points it logged in its last second (here
+    all of them, a few steps in well under a second) are sent as it exits."""
+    server = server_process("--workers", "1", "--sync", "asp")
+    script = ("import sys, numpy as np, aps\n"
+              "worker = aps.Worker(sys.argv[1], 0, 1)\n"
+              "worker.init({'w': np.zeros(4, np.float32)})\n"
+              "for step in range(3):\n"
+              "    worker.push_pull({'w': np.ones(4, np.float32)})\n"
+              "    worker.log({'loss': 1.0 / (step + 1)}, step=step)\n")
+    done = subprocess.run([sys.executable, "-c", script, server.address], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    reported = fetch_stats(server.address)["workers"][0]["reported"]
+    assert reported["scalars"]["loss"] == {"step": 2, "value": 1.0 / 3}, reported
