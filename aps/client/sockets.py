@@ -35,6 +35,7 @@ from ..wire.protocol import (
 )
 from ..wire.tokens import find_token, token_dir, token_path
 from ..wire.framing import FrameReader
+from ..wire.net import parse_address
 from ..wire.segments import scm_rights
 
 __all__ = [
@@ -276,12 +277,11 @@ def _unproven(exc: ServerError, token: bytes | None, address: str) -> ServerErro
 
 def token_file_of(address: str) -> str:
     """The token file a server of this user at ``address`` (``tcp://HOST:PORT``) writes."""
-    _, _, rest = address.partition("://")
-    host, _, port = rest.rpartition(":")
     try:
-        return token_path(host, int(port))
-    except ValueError:
+        parsed = parse_address(address)
+    except ConfigurationError:
         return token_dir()
+    return token_path(parsed.host, parsed.port)
 
 
 def client_token(token: str | bytes | None) -> bytes | None:

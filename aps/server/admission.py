@@ -35,15 +35,16 @@ TRIM_AFTER_S = 1.0
 
 
 class AuthThrottle:
-    """Failed AUTH attempts, by who made them (:func:`aps.server.peers.principal`: a local user by uid, a
-    remote peer by address), and all of them together.
+    """Failed AUTH attempts, by who made them (:func:`aps.server.peers.principal`: a local user
+    by uid, a remote peer by address), and all of them together.
 
     A principal that has not failed is checked at once, always: nobody else's failures
     delay or refuse it (another user of the host guessing on loopback shares its address
     with every local worker, not its uid). After :attr:`FREE` failures a principal's
     attempts wait their turn, exponentially longer (from :attr:`BASE_S`, at most
     :attr:`MAX_DELAY_S`; the turns of its parallel connections are taken one after the
-    other, each waiting as if those before it failed); an attempt that would wait more than :attr:`MAX_WAIT_S` is refused. And once
+    other, each waiting as if those before it failed); an attempt that would wait more than
+    :attr:`MAX_WAIT_S` is refused. And once
     all principals together have failed more than the server's budget (:attr:`BURST`,
     refilled at :attr:`RATE` a second), every attempt of a principal that has failed also
     takes a turn of the server's, :attr:`RATE` a second for all of them at once: guessing

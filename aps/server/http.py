@@ -315,8 +315,7 @@ class HttpSide:
         else:
             self._throttle.checked(key)
         if self._token_ok(given):
-            if self._throttle.failures(key, loop.time()):
-                self._throttle.succeeded(key)
+            self._throttle.succeeded(key)
             return True
         self._throttle.failed(key, loop.time())
         self._auth_counts["failures"] += 1

@@ -31,7 +31,8 @@ _NLMSG = struct.Struct("=IHHII")  # nlmsghdr: length, type, flags, sequence, por
 _REQUEST = struct.Struct("=BBBxI")  # inet_diag_req_v2: family, protocol, extensions, (pad), states
 _SOCKID = struct.Struct(">HH16s16s")  # inet_diag_sockid: source port, destination port, addresses (then if, cookie)
 _SOCKID_TAIL = struct.Struct("=III")  # its interface and cookie (INET_DIAG_NOCOOKIE: any)
-_MESSAGE = struct.Struct("=BBBB48xIIIII")  # inet_diag_msg: family, state, timer, retrans, id, expires, queues, uid, inode
+# inet_diag_msg: family, state, timer, retrans, (id), expires, queues, uid, inode
+_MESSAGE = struct.Struct("=BBBB48xIIIII")
 _NO_COOKIE = 0xFFFFFFFF
 
 

@@ -11,7 +11,7 @@ import os
 import socket
 import time
 
-from ..errors import APSError
+from ..errors import APSError, ConfigurationError
 from ..wire.net import parse_address
 from ..wire.protocol import (
     HEADER_SIZE,
@@ -25,7 +25,7 @@ from ..wire.protocol import (
     pack_header,
     unpack_header,
 )
-from ..wire.tokens import token_path
+from ..wire.tokens import find_token
 
 __all__ = ["serving_run"]
 
@@ -56,7 +56,11 @@ def serving_run(address: object, token: bytes | None, claim: bytes = b"",
     host = _ANY.get(parsed.host, parsed.host)
     # The token its user's file keeps for exactly that address first (a server of this user's
     # that made its own; not another loopback name's), then this server's (one given to both).
-    tokens = [t for t in dict.fromkeys((_token_of(host, parsed.port), token)) if t is not None]
+    try:
+        mine = find_token(host, parsed.port, other_loopback_names=False)
+    except ConfigurationError:  # (a file another user could have written: not used)
+        mine = None
+    tokens = [t for t in dict.fromkeys((mine, token)) if t is not None]
     deadline = time.monotonic() + timeout
     for secret in tokens:
         try:
@@ -66,17 +70,6 @@ def serving_run(address: object, token: bytes | None, claim: bytes = b"",
         if info is not None:
             return info
     return None
-
-
-def _token_of(host: str, port: int) -> bytes | None:
-    try:
-        with open(token_path(host, port), "rb") as held:
-            info = os.fstat(held.fileno())
-            if info.st_uid != os.getuid() or info.st_mode & 0o077:
-                return None
-            return held.read(4096).strip() or None
-    except OSError:
-        return None
 
 
 def _ask(host: str, port: int, secret: bytes, claim: bytes, deadline: float) -> ServerInfo | None:

@@ -64,7 +64,6 @@ __all__ = [
     "MAX_COUNTERS",
     "decode_seated",
     "encode_seated",
-    "encode_auth_reply",
     "encode_error",
     "decode_hello",
     "decode_hello_reply",
@@ -557,11 +556,6 @@ def decode_hello_reply(payload) -> tuple[bool, bytes, ServerInfo | None]:
     rest = view[_HELLO_REPLY.size + NONCE_BYTES :]
     required = bool(flags & _AUTH_REQUIRED)
     return required, nonce, None if required else decode_hello(rest)
-
-
-def encode_auth_reply(server_proof: bytes, host: str, unix_path: str, run_id: str = "", shard: str = "",
-                      lineage: str = "") -> bytes:
-    return server_proof + encode_hello(host, unix_path, run_id, shard, lineage)
 
 
 def decode_auth_reply(payload) -> tuple[bytes, ServerInfo]:

@@ -234,12 +234,13 @@ def remove_token_file(path: str, token: str | None) -> None:
         pass
 
 
-def find_token(host: str, port: int) -> bytes | None:
+def find_token(host: str, port: int, *, other_loopback_names: bool = True) -> bytes | None:
     """The token a server of this user on ``host:port`` wrote, or None: its own file,
-    and for a loopback name, the files of the other loopback names at the same port.
-    A file that another user could have written (or planted) is refused with an error."""
+    and for a loopback name (``other_loopback_names``), the files of the other loopback
+    names at the same port. A file that another user could have written (or planted) is
+    refused with an error."""
     names = [host.strip("[]").lower()]
-    if names[0] in _LOOPBACK_NAMES or names[0].startswith("127."):
+    if other_loopback_names and (names[0] in _LOOPBACK_NAMES or names[0].startswith("127.")):
         names += [name for name in _LOOPBACK_NAMES if name != names[0]]
     for name in names:
         path = token_path(name, port)
