@@ -430,7 +430,7 @@ class ServerConfig:
 
     def _validate_optimizer(self) -> None:
         """The ranges torch.optim's SGD, Adam and AdamW accept, checked as they check them
-        (the kernels' float32 limits are the server's to check: aps.server.optim)."""
+        (the kernels' float32 limits are the server's to check: aps.server.engine.optim)."""
         for name, rule in _OPTIMIZER_RANGES:
             value = getattr(self, name)
             if not value >= 0.0:

@@ -2,7 +2,7 @@
 
 A :class:`Table` says what a table is (its key space, the length of a row, how a row
 starts, the optimizer its rows are trained with); the server makes a row the first time
-an id is pushed and keeps only the rows pushed (:mod:`aps.server.rows`); a pull of a row
+an id is pushed and keeps only the rows pushed (:mod:`aps.server.engine.rows`); a pull of a row
 never pushed reads its initial values. Everything a
 worker and every shard must agree on is here, computed the same way by every party: the
 id hash, which shard holds an id, and each row's initial values.

@@ -24,8 +24,8 @@ import numpy as np
 
 from aps.cli._args import ArgumentParser, parse_size
 from aps.lab.bench import machine_info, write_report
-from aps.server.compensation import Compensation
-from aps.server.optim import make_optimizer
+from aps.server.engine.compensation import Compensation
+from aps.server.engine.optim import make_optimizer
 
 OPTIMIZERS = {"sgd": {"lr": 0.01}, "momentum": {"lr": 0.01, "momentum": 0.9}, "adam": {"lr": 1e-3}}
 KINDS = ("none", "dc", "dc-adaptive", "gap")

@@ -31,7 +31,7 @@ from aps.cli._args import ArgumentParser
 from aps.config import ServerConfig
 from aps.lab.bench import machine_info, write_report
 from aps.server.http import HttpSide
-from aps.server.scalars import CURVE_POINTS, MAX_NAMES, SAVED_CURVES, Scalars
+from aps.server.engine.scalars import CURVE_POINTS, MAX_NAMES, SAVED_CURVES, Scalars
 from aps.wire.scalars import LogReport
 
 TARGET = 0.1

@@ -30,7 +30,7 @@ import torch
 from aps.cli._args import ArgumentParser
 from aps.lab.bench import machine_info, write_report
 from aps.layout import line_aligned
-from aps.server.optim import KernelThreads, make_optimizer
+from aps.server.engine.optim import KernelThreads, make_optimizer
 
 try:
     from deepspeed.ops.adam import DeepSpeedCPUAdam

@@ -28,7 +28,7 @@ import torch
 from aps import _core
 from aps.cli._args import ArgumentParser
 from aps.lab.bench import machine_info, write_report
-from aps.server.rows import RowTable
+from aps.server.engine.rows import RowTable
 from aps.tables import Table
 
 TORCH = {"sgd": torch.optim.SGD, "adagrad": torch.optim.Adagrad, "adam": torch.optim.SparseAdam}

@@ -33,7 +33,7 @@ from aps.lab.bench import machine_info
 from aps.lab.compare import label
 from aps.workloads import load
 from aps.lab.simulate import draw_staleness
-from aps.server.stats import merge_counts
+from aps.server.engine.stats import merge_counts
 from aps.lab.virtual import agreement, train_virtual
 
 

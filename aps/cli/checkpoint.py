@@ -253,7 +253,7 @@ def format_manifest(path: pathlib.Path, manifest: Mapping[str, Any], problems: M
                        f"{count:,} parameter{'' if count == 1 else 's'}")
     logged = manifest.get("scalars")
     curves = [e for e in logged if isinstance(e, list) and len(e) == 5] if isinstance(logged, list) else []
-    if curves:  # (what the workers logged: aps.server.scalars)
+    if curves:  # (what the workers logged: aps.server.engine.scalars)
         ranks = {e[0] for e in curves if isinstance(e[0], int)}
         names = sorted({e[1] for e in curves if isinstance(e[1], str) and _is_scalar_name(e[1])})
         field("logged", f"{len(curves)} curve{'' if len(curves) == 1 else 's'} of {len(ranks)} "

@@ -8,7 +8,7 @@ import time
 
 from ..errors import ConfigurationError
 from ..wire.protocol import Op
-from ..server.stats import lr_range
+from ..server.engine.stats import lr_range
 from ..client.tcp import control_request
 from ..wire.net import parse_address
 from ._args import ADDRESS_DEFAULT, add_token_arguments, number, require, server_address, token_advice, token_from_args

@@ -33,7 +33,7 @@ import numpy as np
 from ..config import ServerConfig
 from ..errors import ConfigurationError
 from ..server.server import Server
-from ..server.stats import merge_counts
+from ..server.engine.stats import merge_counts
 from .settings import command_line, describe_speeds, parse_setting, parse_speeds, require
 
 __all__ = ["DEFAULT_PARADIGMS", "Run", "compare"]

@@ -352,7 +352,7 @@ def plot_staleness(records: list[dict], path: str, command: str) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    from ..server.stats import merge_counts
+    from ..server.engine.stats import merge_counts
 
     clusters = list(dict.fromkeys(r["cluster"] for r in records))
     columns = min(2, len(clusters))

@@ -33,7 +33,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from .lane import Job
+from .engine.lane import Job
 from ..checkpoint import (
     check_writable,
     checkpoint_name,
@@ -50,7 +50,7 @@ from ..errors import CheckpointError, CheckpointFailed
 if TYPE_CHECKING:
     from .engine import Engine
     from ..config import ServerConfig
-    from .table import Snapshot
+    from .engine.table import Snapshot
 
 __all__ = ["Checkpointer"]
 

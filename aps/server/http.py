@@ -53,8 +53,8 @@ from ..config import ServerConfig, is_loopback
 from .admission import AuthThrottle, RateLimitedLog
 from .metrics import StatsCollector
 from .peers import principal
-from .scalars import Drawn, Scalars
-from .stats import RATE_WINDOW_S, RowRates, lr_range
+from .engine.scalars import Drawn, Scalars
+from .engine.stats import RATE_WINDOW_S, RowRates, lr_range
 
 __all__ = ["HttpSide"]
 

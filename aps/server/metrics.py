@@ -11,7 +11,7 @@ from collections.abc import Callable, Iterator
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 
-from .stats import MEMBERSHIP_EVENTS, WAIT_BUCKETS_S
+from .engine.stats import MEMBERSHIP_EVENTS, WAIT_BUCKETS_S
 
 __all__ = ["MAX_EXPORTED_GROUPS", "STALENESS_BUCKETS", "StatsCollector"]
 

@@ -26,10 +26,10 @@ from typing import Any
 import numpy as np
 
 from .checkpointer import Checkpointer
-from .compensation import check_lambda
+from .engine.compensation import check_lambda
 from .engine import Engine
-from .lane import run_kernel
-from .optim import check_kernel_values
+from .engine.lane import run_kernel
+from .engine.optim import check_kernel_values
 from ..checkpoint import (
     Checkpoint,
     checkpoint_key,

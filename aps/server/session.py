@@ -67,9 +67,9 @@ from .intake import _STATE_FIXED, InitIntake, StateIntake, WeightsIntake
 
 if TYPE_CHECKING:
     from .engine import Engine
-    from .members import Member, PushResult
-    from .jobs.updates import StreamingPush
-    from .table import Snapshot
+    from .engine.members import Member, PushResult
+    from .engine.jobs.updates import StreamingPush
+    from .engine.table import Snapshot
 
 __all__ = ["ServerSession", "dtype_name"]
 

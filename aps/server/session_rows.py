@@ -21,8 +21,8 @@ from ..wire.rows import reply_rows_parts
 
 if TYPE_CHECKING:
     from .engine import Engine
-    from .members import Member
-    from .table import Snapshot
+    from .engine.members import Member
+    from .engine.table import Snapshot
 
 __all__ = ["RowRequests"]
 

@@ -16,7 +16,7 @@ from ..wire.scalars import decode_log
 if TYPE_CHECKING:
     from .engine import Engine
     from .intake import StateIntake
-    from .jobs.state import StateCopy
+    from .engine.jobs.state import StateCopy
 
 __all__ = ["RunRequests"]
 

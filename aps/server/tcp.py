@@ -25,8 +25,8 @@ from .session import ServerSession, dtype_name
 
 if TYPE_CHECKING:
     from .engine import Engine
-    from .members import Member
-    from .table import Snapshot
+    from .engine.members import Member
+    from .engine.table import Snapshot
 
 __all__ = ["TcpSession"]
 

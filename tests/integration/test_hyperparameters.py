@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 import aps
-from aps.server.jobs import updates as _updates
+from aps.server.engine.jobs import updates as _updates
 from aps.errors import ErrorCode, InvalidHyperparameters, NotInitialized
 from aps.wire.protocol import MAX_HYPER_GROUPS, HyperGroup, Op, encode_hyper
 from aps.testing import RawClient

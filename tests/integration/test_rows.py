@@ -1,5 +1,5 @@
 """Rows of embedding tables pulled and pushed by id through real servers: exactly the table's
-own update (bit for bit against :class:`aps.server.rows.RowTable` run here), into the
+own update (bit for bit against :class:`aps.server.engine.rows.RowTable` run here), into the
 caller's arrays, alone or in the same request as the dense part; bad ids, rows and frames
 refused with a clear error and nothing changed; BSP rounds of rows summed by id and applied
 once; three shards equal to one. Over TCP and shared memory, blocking and asyncio."""
@@ -16,7 +16,7 @@ import pytest
 
 import aps
 from aps.errors import ErrorCode, InvalidIds, NonFiniteGradient
-from aps.server.rows import RowTable
+from aps.server.engine.rows import RowTable
 from aps.tables import Table
 from aps.testing import RawClient
 from aps.wire.protocol import DType, Flag, Op, pack_header
@@ -436,7 +436,7 @@ def test_a_failure_reading_rows_is_answered_and_the_server_goes_on(monkeypatch, 
     """Reading the rows asked for fails (out of memory, say): the worker gets an error, not a
     wait without end, and the next request is served."""
     from aps.errors import InternalServerError
-    from aps.server.rows import Tables
+    from aps.server.engine.rows import Tables
 
     real, failures = Tables.pull, []
 
@@ -460,7 +460,7 @@ def test_rows_gathered_elsewhere_still_reach_a_shared_memory_worker(monkeypatch)
     """Over shared memory the engine gathers a reply's rows straight into the reply
     segment; rows it read into arrays of their own instead are copied there, the same
     values (and a reply segment made larger for a larger pull is mapped anew)."""
-    from aps.server.rows import Tables
+    from aps.server.engine.rows import Tables
 
     real = Tables.pull
     monkeypatch.setattr(Tables, "pull", lambda self, pulled, room=None: real(self, pulled))

@@ -18,7 +18,7 @@ import aps
 from aps.cli.status import fetch_stats
 from aps.errors import TableMemoryFull
 from aps.server import http as _http
-from aps.server.rows import RowTable
+from aps.server.engine.rows import RowTable
 from aps.tables import Table
 from aps.testing import RawClient
 from aps.wire.protocol import Flag, Op

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from aps.errors import ConfigurationError, InvalidHyperparameters, MalformedFrame
-from aps.server.optim import SGD, Adam, AdamW
+from aps.server.engine.optim import SGD, Adam, AdamW
 from aps.wire.protocol import MAX_HYPER_GROUPS, HyperGroup, ServerInfo, decode_hyper, encode_hyper
 from aps.client.shards import shard_groups
 from aps.client.payloads import resolve_hyperparameters, server_hyperparameters
@@ -120,7 +120,7 @@ def test_momentum_buffers_are_made_only_when_a_group_asks_and_a_failed_allocatio
     sgd = SGD(N, 0.1)
     sgd.allocate_for(sgd.check_groups([HyperGroup(N, 0.1, 0, 0.0, 0.5)]))
     assert sgd.momentum_buffer is None
-    import aps.server.optim
+    import aps.server.engine.optim
 
     real_zeros = np.zeros
     calls = []
@@ -131,11 +131,11 @@ def test_momentum_buffers_are_made_only_when_a_group_asks_and_a_failed_allocatio
             raise MemoryError("no room for the second buffer")
         return real_zeros(*args, **kwargs)
 
-    monkeypatch.setattr(aps.server.optim.np, "zeros", zeros)
+    monkeypatch.setattr(aps.server.engine.optim.np, "zeros", zeros)
     with pytest.raises(MemoryError):
         sgd.allocate_for(sgd.check_groups([HyperGroup(N, 0.1, 0, 0.9, 0)]))
     assert sgd.momentum_buffer is None and sgd.state_arrays() == {}
-    monkeypatch.setattr(aps.server.optim.np, "zeros", real_zeros)
+    monkeypatch.setattr(aps.server.engine.optim.np, "zeros", real_zeros)
     sgd.allocate_for(sgd.check_groups([HyperGroup(N, 0.1, 0, 0.9, 0)]))
     assert sgd.momentum_buffer.shape == (N,) and not sgd.momentum_buffer.any()
 
@@ -238,7 +238,7 @@ def test_missing_values_are_the_servers():
 
 
 def test_neighbours_with_equal_values_are_one_range_and_huge_values_are_refused_early():
-    from aps.server.optim import HyperGroups
+    from aps.server.engine.optim import HyperGroups
 
     merged = HyperGroups([HyperGroup(10, 0.1, 0, 0.9, 0), HyperGroup(20, 0.1, 0, 0.9, 0),
                           HyperGroup(N, 0.2, 0, 0.9, 0)])

@@ -104,7 +104,7 @@ def test_inside_the_library_only_the_native_extension_is_imported_through_the_pa
     assert others == []
 
 
-@pytest.mark.parametrize("package", ["aps.server.jobs", "aps.server.lane", "aps.server.stats"])
+@pytest.mark.parametrize("package", ["aps.server.engine.jobs", "aps.server.engine.lane", "aps.server.engine.stats"])
 def test_the_jobs_and_the_statistics_do_not_import_the_engine_even_for_types(package):
     graph = _graph(type_checking=True)
     modules = {package} | (graph.find_descendants(package) if graph.find_children(package) else set())

@@ -111,9 +111,9 @@ def test_line_aligned_vectors_start_a_cache_line(numel):
 def test_the_servers_slots_and_optimizer_state_start_cache_lines():
     """The kernels' streaming stores write whole lines only into outputs that start one
     (numpy's own large arrays start 16 bytes into a page)."""
-    from aps.server.jobs.updates import Aggregate
-    from aps.server.optim import make_optimizer
-    from aps.server.table import HeapBlock
+    from aps.server.engine.jobs.updates import Aggregate
+    from aps.server.engine.optim import make_optimizer
+    from aps.server.engine.table import HeapBlock
 
     numel = (1 << 20) + 5
     arrays = [HeapBlock(numel).array, *Aggregate(numel)._buffers]

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from aps.errors import InvalidState, MalformedFrame, NotInitialized
-from aps.server.optim import SGD, Adam
+from aps.server.engine.optim import SGD, Adam
 from aps.wire.protocol import (
     MAX_STATE_HEAD_BYTES,
     MAX_STEPS,

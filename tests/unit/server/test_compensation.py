@@ -12,7 +12,7 @@ import pytest
 from aps import _core, _reference
 from aps.config import ServerConfig
 from aps.errors import ConfigurationError
-from aps.server.compensation import EPS, MEAN_SQUARE_DECAY, STEP_SCALE_DECAY, Compensation
+from aps.server.engine.compensation import EPS, MEAN_SQUARE_DECAY, STEP_SCALE_DECAY, Compensation
 from aps.server.engine import Engine
 from tests.harness import Harness
 
@@ -341,8 +341,8 @@ def test_block_by_block_is_the_whole_vector_at_once(kind, optimizer):
     """Compensation.apply (blocks kept in cache) writes what the compensation of the whole
     gradient, then the optimizer's step over it, then the step scale would: bit for bit."""
     from aps.config import parse_compensation
-    from aps.server.compensation import BLOCK
-    from aps.server.optim import make_optimizer
+    from aps.server.engine.compensation import BLOCK
+    from aps.server.engine.optim import make_optimizer
 
     n = 2 * BLOCK + 123
     g, w, w_then, _ = vectors(n=n, seed=3)

@@ -8,7 +8,7 @@ import pytest
 from aps.config import ServerConfig
 from aps.errors import ConfigurationError
 from aps.lab.settings import parse_setting
-from aps.server.sync import CUTOFF, PlanKind, make_policy
+from aps.server.engine.sync import CUTOFF, PlanKind, make_policy
 from tests.harness import Harness
 
 

@@ -14,7 +14,7 @@ from aps.errors import (
     RankTaken,
     WorkerCountMismatch,
 )
-from aps.server.members import Member
+from aps.server.engine.members import Member
 from aps.layout import Layout
 from tests.harness import Harness
 

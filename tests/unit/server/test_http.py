@@ -22,7 +22,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from aps.server import http as _http
 from aps.server import metrics as _metrics
 from aps.server.http import HttpSide
-from aps.server.scalars import Drawn, Scalars
+from aps.server.engine.scalars import Drawn, Scalars
 from aps.wire.scalars import LogReport
 from aps.config import ServerConfig
 

@@ -9,7 +9,7 @@ import pytest
 from aps import _core
 from aps.config import ServerConfig
 from aps.errors import ConfigurationError
-from aps.server.optim import HyperGroup, KernelThreads, default_kernel_threads, make_optimizer
+from aps.server.engine.optim import HyperGroup, KernelThreads, default_kernel_threads, make_optimizer
 from tests.harness import Harness
 
 N = 100_003  # odd: the parts end with a remainder

@@ -9,8 +9,8 @@ import numpy as np
 import pytest
 
 from aps.errors import ConfigurationError, InvalidHyperparameters
-from aps.server.compensation import EPS, Compensation, check_lambda
-from aps.server.optim import Adam, check_kernel_values, make_optimizer
+from aps.server.engine.compensation import EPS, Compensation, check_lambda
+from aps.server.engine.optim import Adam, check_kernel_values, make_optimizer
 from aps.wire.protocol import HyperGroup
 
 N = 64

@@ -4,8 +4,8 @@ import numpy as np
 import pytest
 
 from aps import _core, _reference
-from aps.server.narrowing import INLINE_MAX, NarrowedWeights
-from aps.server.table import HeapBlock, Snapshot, _Slot
+from aps.server.engine.narrowing import INLINE_MAX, NarrowedWeights
+from aps.server.engine.table import HeapBlock, Snapshot, _Slot
 
 
 class Background:

@@ -6,7 +6,7 @@ import pytest
 torch = pytest.importorskip("torch")
 
 from aps import _core, _reference  # noqa: E402
-from aps.server.optim import SGD, Adam, AdamW, make_optimizer  # noqa: E402
+from aps.server.engine.optim import SGD, Adam, AdamW, make_optimizer  # noqa: E402
 
 STEPS = 40
 N = 1031  # odd, so vector loops end with a remainder

@@ -456,7 +456,7 @@ def test_a_rejoining_worker_that_says_a_clock_beyond_2_53_is_refused_and_seats_n
     """The clock a resumed shard takes from a rejoining worker is bounded: the window's int64
     arithmetic (clock + 1 at each push, the slowest clock) must never wrap."""
     from aps.errors import MalformedFrame
-    from aps.server.engine import MAX_CLOCK
+    from aps.server.engine.engine import MAX_CLOCK
 
     _, h = _lost_iterations("ssp", 2, staleness=1)
     for clock in (MAX_CLOCK + 1, (1 << 64) - 1):

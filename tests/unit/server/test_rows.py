@@ -1,4 +1,4 @@
-"""The embedding tables a server holds (aps.server.rows.RowTable) with both kernel
+"""The embedding tables a server holds (aps.server.engine.rows.RowTable) with both kernel
 implementations: rows made from their id by their first push (a pull reads a row not held
 at its initial values and keeps nothing), pulls and pushes by id against torch's own sparse
 embedding and optimizers, refusals that change nothing, checkpoints, memory that follows
@@ -15,7 +15,7 @@ import torch
 
 import aps
 from aps.errors import ConfigurationError, InvalidIds, NonFiniteGradient
-from aps.server.rows import RowTable
+from aps.server.engine.rows import RowTable
 from aps.tables import Table, check_tables, shard_of
 
 torch.sparse.check_sparse_tensor_invariants.disable()  # (torch warns unless a program chooses)
@@ -210,7 +210,7 @@ def test_memory_follows_the_rows_touched_not_the_key_space():
     script = """
 import numpy as np, psutil
 from aps.tables import Table
-from aps.server.rows import RowTable
+from aps.server.engine.rows import RowTable
 table = Table(rows=10**10, dim=64, init="uniform:0.01", optimizer="adagrad", lr=0.1)
 process = psutil.Process()
 before = process.memory_info().rss
@@ -263,7 +263,7 @@ def request(tables, name, ids, grads=None):
 
 
 def test_the_least_recently_used_rows_give_way_and_come_back_from_their_initial_values(kernels):
-    from aps.server.rows import Tables
+    from aps.server.engine.rows import Tables
 
     table = Table(rows=10**9, dim=8, init="normal:0.1", optimizer="sgd", lr=1.0, evict=True)
     row_cost = table.row_bytes() + 32
@@ -286,7 +286,7 @@ def test_the_least_recently_used_rows_give_way_and_come_back_from_their_initial_
 
 def test_a_request_that_cannot_fit_is_refused_and_changes_nothing(kernels):
     from aps.errors import TableMemoryFull
-    from aps.server.rows import Tables
+    from aps.server.engine.rows import Tables
 
     keep = Table(rows=10**6, dim=8, optimizer="sgd", lr=1.0)
     spare = Table(rows=10**6, dim=8, optimizer="sgd", lr=1.0, evict=True)
@@ -315,7 +315,7 @@ def test_a_request_that_cannot_fit_is_refused_and_changes_nothing(kernels):
 def test_a_request_that_makes_no_row_fits_whatever_the_tables_hold(kernels):
     """Past the limit (requests in flight may pass it), a request of rows held, or of one new
     id many times over, is counted for what it makes: nothing, or one row."""
-    from aps.server.rows import Tables
+    from aps.server.engine.rows import Tables
 
     table = Table(rows=10**6, dim=8, optimizer="sgd", lr=1.0)
     tables = Tables({"keep": RowTable("keep", table, kernels=kernels)}, limit=10**9)
@@ -330,7 +330,7 @@ def test_a_request_that_makes_no_row_fits_whatever_the_tables_hold(kernels):
 
 def test_a_refused_request_evicts_nothing_and_a_reply_is_bounded(kernels):
     from aps.errors import TableMemoryFull
-    from aps.server.rows import Tables
+    from aps.server.engine.rows import Tables
 
     spare = Table(rows=10**6, dim=8, optimizer="sgd", lr=1.0, evict=True)
     cost = spare.row_bytes() + 32
@@ -350,7 +350,7 @@ def test_rows_in_memory_their_sender_may_still_write_are_taken_safely(kernels):
     time: the ids checked are a copy (writing the segment afterwards changes nothing the
     server uses), and gradient rows kept for a round are copied; rows read straight into a
     reply's room lie there in the wire's layout, each table's 8-aligned."""
-    from aps.server.rows import Tables
+    from aps.server.engine.rows import Tables
     from aps.wire.rows import RowSection, encode_rows
 
     odd = Table(rows=100, dim=3, optimizer="sgd", lr=1.0)
@@ -383,7 +383,7 @@ def test_rows_in_memory_their_sender_may_still_write_are_taken_safely(kernels):
 def test_a_push_of_several_tables_refused_in_one_changes_none(kernels):
     """The second table's update would overflow: the first table's rows, held and new, and
     the second's are as before, and no row was made in either."""
-    from aps.server.rows import Tables
+    from aps.server.engine.rows import Tables
     from aps.wire.rows import RowSection
 
     calm = Table(rows=100, dim=4, init="uniform:1", optimizer="adam", lr=0.1)
@@ -408,8 +408,8 @@ def test_the_default_limit_is_half_the_memory_available_and_given_overrides_it()
     import psutil
 
     from aps.errors import TableMemoryFull
-    from aps.server.memory import TableMemory, available_memory
-    from aps.server.rows import Tables
+    from aps.server.engine.memory import TableMemory, available_memory
+    from aps.server.engine.rows import Tables
 
     default = TableMemory.resolve(None)
     assert 0 < default.limit <= psutil.virtual_memory().total // 2 and default.default
@@ -434,7 +434,7 @@ def test_the_default_limit_is_half_the_memory_available_and_given_overrides_it()
 def test_the_memory_available_is_what_the_tightest_control_group_leaves(tmp_path):
     """A container's or a batch job's limit (cgroup v2 up the hierarchy, or v1) counts: the
     tightest limit less its use; none (``max``, v1's huge number) is no limit."""
-    from aps.server.memory import _cgroup_room
+    from aps.server.engine.memory import _cgroup_room
 
     def write(path, **files):
         (tmp_path / path).mkdir(parents=True, exist_ok=True)

@@ -10,8 +10,8 @@ import pytest
 
 from aps.client.logbook import LOG_EVERY_S, MAX_NAMES, Logbook, batch_digest
 from aps.errors import MalformedFrame
-from aps.server import scalars as scalars_module
-from aps.server.scalars import BATCHES_KEPT, CURVE_POINTS, SAME_BATCHES, Curve, Scalars
+from aps.server.engine import scalars as scalars_module
+from aps.server.engine.scalars import BATCHES_KEPT, CURVE_POINTS, SAME_BATCHES, Curve, Scalars
 from aps.wire.scalars import MAX_LOG_BYTES, MAX_LOG_POINTS, LogReport, decode_log, encode_log
 
 

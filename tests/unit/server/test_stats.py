@@ -5,7 +5,7 @@ import time
 import numpy as np
 import pytest
 
-from aps.server.stats import RATE_WINDOW_S, ServerStats
+from aps.server.engine.stats import RATE_WINDOW_S, ServerStats
 from tests.harness import Harness
 
 
@@ -64,7 +64,7 @@ def test_the_snapshot_counts_bytes_per_transport_and_reports_the_process():
 
 
 def test_histograms_stay_small_whatever_they_are_fed():
-    from aps.server.stats import EXACT_BELOW, Histogram
+    from aps.server.engine.stats import EXACT_BELOW, Histogram
 
     hist = Histogram()
     values = list(range(100_000)) + [1 << 40]
@@ -263,7 +263,7 @@ def test_the_rows_evicted_are_counted():
 
 
 def test_rows_per_second_are_over_the_window_of_the_snapshots_shown():
-    from aps.server.stats import RowRates
+    from aps.server.engine.stats import RowRates
 
     def server(uptime: float, pulled: int, pushed: int, **more) -> dict:
         tables = {"items": {"rows": 1, "bytes": 2, "rows_pulled": pulled, "rows_pushed": pushed, "rows_evicted": 0}}

@@ -1,8 +1,8 @@
 import numpy as np
 
 from aps.layout import Layout
-from aps.server.optim import SGD
-from aps.server.table import SLOT_MEMORY, ParameterTable
+from aps.server.engine.optim import SGD
+from aps.server.engine.table import SLOT_MEMORY, ParameterTable
 
 
 def make_table(n=8):
@@ -135,7 +135,7 @@ def test_a_spare_made_but_never_taken_in_is_given_back_at_close():
     is given back at once."""
     import threading
 
-    from aps.server.table import HeapBlock
+    from aps.server.engine.table import HeapBlock
 
     blocks: list = []
 

@@ -15,8 +15,8 @@ from dataclasses import dataclass
 from enum import Enum
 from typing import ClassVar
 
-from ... import _core
-from ...config import ServerConfig
+from .... import _core
+from ....config import ServerConfig
 
 __all__ = ["CLOSED_ROUND", "CUTOFF", "RESUMED", "STALE", "ApplyOnArrival", "Outcome", "Plan", "PlanKind", "SyncPolicy"]
 

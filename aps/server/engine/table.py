@@ -27,7 +27,7 @@ from collections.abc import Callable
 
 import numpy as np
 
-from ..layout import Layout, line_aligned
+from ...layout import Layout, line_aligned
 from .optim import Optimizer
 
 __all__ = ["ParameterTable", "Snapshot"]
@@ -139,7 +139,7 @@ class ParameterTable:
             raise ValueError(f"initial weights have shape {initial.shape}, the layout needs ({layout.numel},)")
         self.layout = layout
         self.optimizer = optimizer
-        #: The delay compensation stale gradients get (aps.server.compensation), or None.
+        #: The delay compensation stale gradients get (aps.server.engine.compensation), or None.
         self.compensation = None
         self._allocate = allocate or HeapBlock
         self._slots: list[_Slot] = []

@@ -27,14 +27,14 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from ..lane import Job, PushAnswer, MemberView, UpdateLane, UpdateOwner
-from ...errors import InternalServerError, NonFiniteGradient
-from ...layout import line_aligned
+from ....errors import InternalServerError, NonFiniteGradient
+from ....layout import line_aligned
 from ..sync import Plan, PlanKind
 from ..table import ParameterTable
 
 if TYPE_CHECKING:
     from ..optim import HyperGroups
-    from ...errors import ServerError
+    from ....errors import ServerError
 
 __all__ = ["Aggregate", "AggregateJob", "PushJob", "StreamingPush", "UpdateOwner"]
 

@@ -74,7 +74,7 @@ class RankView:
 
 @dataclass(frozen=True, slots=True)
 class TableView:
-    """One embedding table as the engine holds it at one moment (aps.server.rows.RowTable).
+    """One embedding table as the engine holds it at one moment (aps.server.engine.rows.RowTable).
 
     Attributes:
         name, dim, optimizer: its declaration's; rows: the rows held; nbytes: the bytes
@@ -123,7 +123,7 @@ class EngineView:
     min_workers: int = 0
     #: A worker finished training (LEAVE, Flag.FINISHED): fewer than MIN live hold nobody.
     draining: bool = False
-    #: What each rank's training loop reported last (LOG; aps.server.scalars.Scalars.newest).
+    #: What each rank's training loop reported last (LOG; aps.server.engine.scalars.Scalars.newest).
     reports: dict = field(default_factory=dict)
     #: Warnings about what the workers report (two ranks training on the same batches).
     warnings: tuple = ()

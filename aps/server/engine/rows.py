@@ -18,7 +18,7 @@ kernel runs on the copies, and they are written back, the new rows added, only w
 new weight is finite. Room for the new rows (slab and index) is made before anything is
 written, so that writing cannot fail half way. A refused push changes nothing.
 
-The rows pushed are bounded by a limit (:class:`aps.server.memory.TableMemory`: the
+The rows pushed are bounded by a limit (:class:`aps.server.engine.memory.TableMemory`: the
 ``--table-memory`` given, or by default half the memory available at start): a push that
 would make rows past it evicts the least recently used rows of the tables declared
 ``evict=True``, or is refused (:class:`aps.errors.TableMemoryFull`) with nothing changed.
@@ -31,10 +31,10 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-from .. import _core
-from ..errors import InvalidIds, NonFiniteGradient, TableMemoryFull
-from ..tables import Table
-from ..wire.rows import RowSection, decode_request_rows, padded, reply_rows_bytes
+from ... import _core
+from ...errors import InvalidIds, NonFiniteGradient, TableMemoryFull
+from ...tables import Table
+from ...wire.rows import RowSection, decode_request_rows, padded, reply_rows_bytes
 from .memory import TableMemory
 
 __all__ = ["RowTable", "Tables"]

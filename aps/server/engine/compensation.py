@@ -26,10 +26,10 @@ from types import ModuleType
 
 import numpy as np
 
-from .. import _core
-from ..config import format_compensation
-from ..errors import ConfigurationError
-from ..layout import line_aligned
+from ... import _core
+from ...config import format_compensation
+from ...errors import ConfigurationError
+from ...layout import line_aligned
 
 __all__ = ["Compensation", "check_lambda"]
 
@@ -117,7 +117,7 @@ class Compensation:
               w_then: np.ndarray, scale: float, groups=None) -> bool:
         """The update of ``w_in`` into ``w_out`` with ``grad`` compensated for ``w_then -> w_in``:
         block by block, the compensation then ``optimizer``'s kernel (``scale``, ``groups`` as
-        :meth:`aps.server.optim.Optimizer.step` takes them), then the step scale; False (nothing
+        :meth:`aps.server.engine.optim.Optimizer.step` takes them), then the step scale; False (nothing
         to commit) when anything is not finite."""
         numel = len(w_in)
         for start in range(0, numel, BLOCK):

@@ -1,7 +1,7 @@
 """Loading a run's optimizer state and weights, and reading the state back: the
 :class:`Loads` part of :class:`aps.server.engine.Engine` (a mixin, as
-:mod:`aps.server.durable` is), whose work runs as jobs of the update lane
-(:mod:`aps.server.jobs.state`) between two updates."""
+:mod:`aps.server.engine.durable` is), whose work runs as jobs of the update lane
+(:mod:`aps.server.engine.jobs.state`) between two updates."""
 
 from __future__ import annotations
 
@@ -11,12 +11,12 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from ..errors import InvalidState, MalformedFrame, NotInitialized, PayloadSizeMismatch, ServerError, WeightsRefused
-from ..wire.protocol import StateHead
+from ...errors import InvalidState, MalformedFrame, NotInitialized, PayloadSizeMismatch, ServerError, WeightsRefused
+from ...wire.protocol import StateHead
 from .jobs.state import LoadStateJob, LoadWeightsJob, ReadStateJob, StateCopy
 
 if TYPE_CHECKING:
-    from .engine import Engine
+    from . import Engine
     from .members import Member
 
 __all__ = ["Loads"]
@@ -33,7 +33,7 @@ class Loads:
     def read_optimizer_state(self: Engine, member: Member, done: Callable[[StateCopy], None],
                              failed: ErrorCallback) -> None:
         """Copy the optimizer's state between two updates (a job of the update lane, see
-        :mod:`aps.server.jobs.state`) and call ``done`` with it: its step count, the weights version it
+        :mod:`aps.server.engine.jobs.state`) and call ``done`` with it: its step count, the weights version it
         belongs to, and every array of ``state_arrays()`` in one buffer of its own.
 
         Raises:
@@ -84,7 +84,7 @@ class Loads:
     def load_optimizer_state(self: Engine, member: Member, head: StateHead, arrays: dict[str, list[np.ndarray]],
                              done: Callable[[bool], None], failed: ErrorCallback) -> None:
         """Load a state into the optimizer between two updates (a job of the update lane, see
-        :mod:`aps.server.jobs.state`), once everything is checked again at its turn: ``done(True)``
+        :mod:`aps.server.engine.jobs.state`), once everything is checked again at its turn: ``done(True)``
         when loaded, ``done(False)`` when the same state was loaded already, ``failed``
         with the refusal (nothing changed). ``arrays``: each of ``head.arrays`` as a list
         of consecutive flat float32 pieces.
@@ -133,7 +133,7 @@ class Loads:
     def load_weights(self: Engine, member: Member, digest: bytes, values: np.ndarray, version: int,
                      done: Callable[[bool], None], failed: ErrorCallback) -> None:
         """Make ``values`` the server's weights between two updates (a job of the update lane,
-        see :mod:`aps.server.jobs.state`), once everything is checked again at its turn (see
+        see :mod:`aps.server.engine.jobs.state`), once everything is checked again at its turn (see
         :meth:`check_weights`; the digest, every value finite): ``done(True)`` when loaded,
         ``done(False)`` when the same weights were loaded already, ``failed`` with the
         refusal (nothing changed).

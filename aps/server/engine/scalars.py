@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from ..wire.scalars import MAX_STEP, LogReport, check_scalar_name
+from ...wire.scalars import MAX_STEP, LogReport, check_scalar_name
 
 __all__ = ["CURVE_POINTS", "MAX_NAMES", "Curve", "Drawn", "Scalars"]
 

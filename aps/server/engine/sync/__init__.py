@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from ... import _core
-from ...config import ServerConfig
-from ...errors import ConfigurationError
+from .... import _core
+from ....config import ServerConfig
+from ....errors import ConfigurationError
 from .asp import ASP
 from .base import CLOSED_ROUND, CUTOFF, RESUMED, STALE, Outcome, Plan, PlanKind, SyncPolicy
 from .bsp import BSP

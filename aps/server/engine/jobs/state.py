@@ -32,8 +32,8 @@ from collections.abc import Callable
 import numpy as np
 
 from ..lane import Job, MemberView, StateOwner
-from ...errors import InternalServerError, InvalidState, ServerError, WeightsRefused
-from ...wire.protocol import StateHead, encode_state_head, negative_second_moment, state_digest, weights_digest
+from ....errors import InternalServerError, InvalidState, ServerError, WeightsRefused
+from ....wire.protocol import StateHead, encode_state_head, negative_second_moment, state_digest, weights_digest
 
 __all__ = ["LoadStateJob", "LoadWeightsJob", "ReadStateJob", "StateCopy"]
 

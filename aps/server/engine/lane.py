@@ -16,7 +16,7 @@ failure path the lane always takes: when ``prepare`` or ``commit`` raises
 ``fail``, which gives back what the job claimed and answers whoever waits
 for it; then the next job runs. Nothing a job does can stall the lane. While a large
 gradient streams in, the lane may be *reserved* for it (see
-``aps.server.jobs.updates.StreamingPush``); any other submission cancels the
+``aps.server.engine.jobs.updates.StreamingPush``); any other submission cancels the
 reservation first, so a slow sender never holds up anyone else.
 
 The jobs see the engine only through the interfaces here: :class:`MemberView` (a
@@ -38,8 +38,8 @@ if TYPE_CHECKING:
 
     import numpy as np
 
-    from ..errors import ServerError
-    from ..wire.protocol import StateHead
+    from ...errors import ServerError
+    from ...wire.protocol import StateHead
     from .jobs.state import StateCopies
     from .jobs.updates import Aggregate
     from .optim import HyperGroups

@@ -38,11 +38,11 @@ from typing import Any
 
 import numpy as np
 
-from .. import _core
-from ..config import OPTIMIZER_STATE
-from ..errors import ConfigurationError, InvalidHyperparameters
-from ..layout import line_aligned
-from ..wire.protocol import MAX_HYPER_GROUPS, HyperGroup, check_stops
+from ... import _core
+from ...config import OPTIMIZER_STATE
+from ...errors import ConfigurationError, InvalidHyperparameters
+from ...layout import line_aligned
+from ...wire.protocol import MAX_HYPER_GROUPS, HyperGroup, check_stops
 
 __all__ = ["SGD", "Adam", "AdamW", "HyperGroups", "KernelThreads", "Optimizer", "OPTIMIZERS", "check_kernel_values",
            "default_kernel_threads", "float32_problem", "make_optimizer"]

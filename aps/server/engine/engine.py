@@ -7,8 +7,8 @@ directly, and the simulator run it on a virtual clock.
 
 Ordering. Every change of state (a join, a leave, a gradient's plan and
 commit, an aggregate update) goes through one FIFO, the update lane
-(``aps.server.lane``), and runs in arrival order; the jobs that compute live in
-``aps.server.jobs.updates`` and report back through the engine's
+(``aps.server.engine.lane``), and runs in arrival order; the jobs that compute live in
+``aps.server.engine.jobs.updates`` and report back through the engine's
 ``gradient_committed``, ``gradient_refused`` and ``aggregate_committed``.
 A pull is answered when the policy no longer holds its worker and the table
 has published every update decided before the worker's release, so a worker
@@ -26,9 +26,9 @@ from types import ModuleType
 
 import numpy as np
 
-from .. import _core
-from ..config import ServerConfig, parse_compensation
-from ..errors import (
+from ... import _core
+from ...config import ServerConfig, parse_compensation
+from ...errors import (
     InternalServerError,
     LayoutMismatch,
     MalformedFrame,
@@ -46,10 +46,10 @@ from .lane import CallJob, Offload, UpdateLane
 from .jobs.state import StateCopies
 from .loads import Loads
 from .jobs.updates import Aggregate, AggregateJob, PushJob, StreamingPush
-from ..layout import Layout
+from ...layout import Layout
 from .compensation import Compensation
 from .optim import HyperGroups, KernelThreads, default_kernel_threads, make_optimizer
-from ..wire.protocol import ANY_RANK, HyperGroup
+from ...wire.protocol import ANY_RANK, HyperGroup
 from .members import Member, PushResult, ReadyCallback, Seat
 from .narrowing import NarrowedWeights
 from .stats import EngineView, RankView, ServerStats, TableView
@@ -80,7 +80,7 @@ class Engine(Durable, Loads):
         kernels: the native module or its reference twin.
         window_type: the StalenessWindow implementation (defaults to ``kernels``').
         allocate: allocator of the table's snapshot slots (memory blocks, see
-            :class:`aps.server.table.HeapBlock`).
+            :class:`aps.server.engine.table.HeapBlock`).
         background: runs slow preparations (a spare slot for a worker joining a
             running model) on a thread of their own and calls back on the loop;
             None: slots are made when an update needs them.
@@ -115,7 +115,7 @@ class Engine(Durable, Loads):
         self.layout: Layout | None = None
         #: The bytes the tables' rows may take: --table-memory, or a share of the memory available now.
         self.table_memory = TableMemory.resolve(config.table_memory)
-        #: The model's embedding tables: the rows pushed, by table name (aps.server.rows).
+        #: The model's embedding tables: the rows pushed, by table name (aps.server.engine.rows).
         self.rows = Tables()
         self.members: dict[int, Member] = {}
         self.started = False
@@ -189,7 +189,7 @@ class Engine(Durable, Loads):
         self.loaded_weights: bytes | None = None
         #: Counts the loads: a state copy made before one is not the state after it.
         self.state_generation = 0
-        #: The newest copy of the optimizer's state that a STATE reply still holds (aps.server.jobs.state).
+        #: The newest copy of the optimizer's state that a STATE reply still holds (aps.server.engine.jobs.state).
         self.state_copies = StateCopies()
 
     # Introspection ---------------------------------------------------------
@@ -223,7 +223,7 @@ class Engine(Durable, Loads):
         return self.stats.rejected
 
     def stats_snapshot(self) -> dict:
-        """Everything :mod:`aps.server.stats` counts, as a JSON-able dict (see ``aps status``)."""
+        """Everything :mod:`aps.server.engine.stats` counts, as a JSON-able dict (see ``aps status``)."""
         return self.stats.snapshot(self.view())
 
     def stats_totals(self) -> dict:
@@ -718,7 +718,7 @@ class Engine(Durable, Loads):
         Raises:
             NotInitialized: ``member`` has not joined.
             InvalidHyperparameters: a value or a stop is refused (see
-                :meth:`aps.server.optim.Optimizer.check_groups`); nothing changed.
+                :meth:`aps.server.engine.optim.Optimizer.check_groups`); nothing changed.
         """
         if not member.joined or self.table is None:
             raise NotInitialized("HYPER before a successful INIT: the groups are checked against the model")
@@ -749,7 +749,7 @@ class Engine(Durable, Loads):
                 f"the gradient claims weights of version {grad_version}, but the server is at {self.decided_version}"
             )
 
-    # Reports from the update lane's jobs (aps.server.lane.UpdateOwner) -----------
+    # Reports from the update lane's jobs (aps.server.engine.lane.UpdateOwner) -----------
     def weights_pushed_on(self, member: Member, version: int) -> Snapshot | None:
         """A lease on the weights of ``version`` that ``member`` was given (the ones its
         gradient was computed on: delay compensation), or None when they were not kept."""

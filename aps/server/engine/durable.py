@@ -13,15 +13,15 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from ..checkpoint.format import layout_json
-from ..config import RUN_OPTIONS
-from ..errors import CheckpointError, InvalidIds, LayoutMismatch, MalformedFrame
-from ..wire.protocol import MAX_COUNTER, MAX_COUNTER_NAME, MAX_COUNTERS
+from ...checkpoint.format import layout_json
+from ...config import RUN_OPTIONS
+from ...errors import CheckpointError, InvalidIds, LayoutMismatch, MalformedFrame
+from ...wire.protocol import MAX_COUNTER, MAX_COUNTER_NAME, MAX_COUNTERS
 from .members import Seat
 from .rows import RowTable, Tables
 
 if TYPE_CHECKING:
-    from .engine import Engine
+    from . import Engine
 
 __all__ = ["MAX_LINEAGE", "Durable"]
 
@@ -81,7 +81,7 @@ class Durable:
             # a worker finished (leave(finished=True)): the run is ending, MIN no longer holds the rest
             **({"draining": True} if self.draining else {}),
             "counters": self.stats.run_counters(),
-            # the curves of what the workers logged (aps.server.scalars; their points in "scalars/...")
+            # the curves of what the workers logged (aps.server.engine.scalars; their points in "scalars/...")
             **({"scalars": scalars} if scalars else {}),
             **({"loaded_weights": self.loaded_weights.hex()} if self.loaded_weights is not None else {}),
         }

@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from .. import _core
+from ... import _core
 from .optim import HyperGroups
 
 if TYPE_CHECKING:

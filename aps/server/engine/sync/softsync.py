@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from ... import _core
-from ...config import ServerConfig
+from .... import _core
+from ....config import ServerConfig
 from .base import Outcome, Plan, PlanKind, SyncPolicy
 
 __all__ = ["Softsync"]
