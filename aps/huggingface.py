@@ -30,6 +30,7 @@ worker processes need what :class:`Trainer` and :class:`TrainingArguments` add::
 from __future__ import annotations
 
 import contextlib
+import inspect
 import logging
 import os
 from collections.abc import Iterator
@@ -38,10 +39,10 @@ from typing import Any
 
 import torch
 import transformers
-from accelerate.utils import DistributedType
+from accelerate.utils import DistributedType  # type: ignore[import-untyped]  # (accelerate ships no types)
 from torch.utils.data import DistributedSampler
 
-from .client.arguments import _from_env
+from .client.arguments import from_env
 from .errors import ConfigurationError
 from .torch import Optimizer
 from .torch.reporting import Reporter
@@ -53,8 +54,15 @@ log = logging.getLogger("aps.huggingface")
 #: What ``TrainingArguments.optim`` names, as the server's optimizer.
 _OPTIM = {"adamw_torch": "adamw", "adamw_torch_fused": "adamw", "adamw_hf": "adamw", "sgd": "sgd"}
 #: What launchers set that makes ``accelerate`` start a process group (torchrun's, MPI's).
-_LAUNCHED = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "PMI_SIZE", "OMPI_COMM_WORLD_SIZE",
-             "MV2_COMM_WORLD_SIZE")
+_LAUNCHED = (
+    "RANK",
+    "WORLD_SIZE",
+    "LOCAL_RANK",
+    "LOCAL_WORLD_SIZE",
+    "PMI_SIZE",
+    "OMPI_COMM_WORLD_SIZE",
+    "MV2_COMM_WORLD_SIZE",
+)
 
 
 @contextlib.contextmanager
@@ -71,8 +79,9 @@ def _set_up_alone(args: transformers.TrainingArguments) -> torch.device:
     """``args``'s device, set up (``TrainingArguments._setup_devices``) as one process's whatever
     launched it; on a GPU, the one ``LOCAL_RANK`` names (as a launcher places its processes)."""
     local_rank = os.environ.get("LOCAL_RANK")
+    setup = inspect.getattr_static(transformers.TrainingArguments, "_setup_devices")  # (the cached_property)
     with _unlaunched():
-        device = transformers.TrainingArguments._setup_devices.func(args)
+        device: torch.device = setup.func(args)
     if device.type == "cuda" and local_rank and torch.cuda.device_count() > int(local_rank):
         device = torch.device("cuda", int(local_rank))
         torch.cuda.set_device(device)
@@ -94,9 +103,13 @@ def _alone(args: transformers.TrainingArguments) -> transformers.TrainingArgumen
     state = args.distributed_state
     if isinstance(args, TrainingArguments) or state is None or state.distributed_type == DistributedType.NO:
         return args
-    log.warning("the TrainingArguments were set up for %d processes of torch.distributed (%s): an aps worker "
-                "trains alone, so they are set up again as one process's (aps.huggingface.TrainingArguments "
-                "are so from the start)", args.world_size, state.distributed_type)
+    log.warning(
+        "the TrainingArguments were set up for %d processes of torch.distributed (%s): an aps worker "
+        "trains alone, so they are set up again as one process's (aps.huggingface.TrainingArguments "
+        "are so from the start)",
+        args.world_size,
+        state.distributed_type,
+    )
     args.__dict__.pop("_setup_devices", None)
     args.__dict__["_setup_devices"] = _set_up_alone(args)
     return args
@@ -118,10 +131,18 @@ class Trainer(transformers.Trainer):
     and without ``args`` the Trainer's defaults are :class:`TrainingArguments`.
     """
 
-    def __init__(self, model: Any = None, args: transformers.TrainingArguments | None = None, *rest: Any,
-                 aps_address: str | None = None, aps_rank: int | None = None, aps_workers: int | None = None,
-                 aps_options: dict[str, Any] | None = None, **kwargs: Any) -> None:
-        address, rank, workers = _from_env(aps_address, aps_rank, aps_workers)
+    def __init__(
+        self,
+        model: Any = None,
+        args: transformers.TrainingArguments | None = None,
+        *rest: Any,
+        aps_address: str | None = None,
+        aps_rank: int | None = None,
+        aps_workers: int | None = None,
+        aps_options: dict[str, Any] | None = None,
+        **kwargs: Any,
+    ) -> None:
+        address, rank, workers = from_env(aps_address, aps_rank, aps_workers)
         self.aps_address, self.aps_rank = address, 0 if rank is None else rank
         self.aps_workers = 1 if workers is None else workers
         if not 0 <= self.aps_rank < self.aps_workers:
@@ -143,26 +164,47 @@ class Trainer(transformers.Trainer):
         if self.optimizer is not None:
             return self.optimizer
         model = self.model if model is None else model
+        if model is None:
+            raise ConfigurationError("the Trainer has no model to optimize")
         kind = _OPTIM.get(str(getattr(self.args.optim, "value", self.args.optim)))
         if kind is None:
-            raise ConfigurationError(f"TrainingArguments(optim={self.args.optim!r}): an aps server runs SGD, Adam or "
-                                     "AdamW (optim='adamw_torch' or 'sgd'), or give optimizers=(aps.torch.Optimizer)")
+            raise ConfigurationError(
+                f"TrainingArguments(optim={self.args.optim!r}): an aps server runs SGD, Adam or "
+                "AdamW (optim='adamw_torch' or 'sgd'), or give optimizers=(aps.torch.Optimizer)"
+            )
         decay = set(self.get_decay_parameter_names(model))
         named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
-        groups = [{"params": [p for n, p in named if n in decay], "weight_decay": self.args.weight_decay},
-                  {"params": [p for n, p in named if n not in decay], "weight_decay": 0.0}]
+        groups = [
+            {"params": [p for n, p in named if n in decay], "weight_decay": self.args.weight_decay},
+            {"params": [p for n, p in named if n not in decay], "weight_decay": 0.0},
+        ]
         groups = [group for group in groups if group["params"]]
         if kind != "sgd":
             for group in groups:
                 group["betas"] = (self.args.adam_beta1, self.args.adam_beta2)
-        self.optimizer = Optimizer(groups, address=self.aps_address, rank=self.aps_rank, num_workers=self.aps_workers,
-                                   model=model, lr=self.args.learning_rate, **self._aps_options)
+        self.optimizer = Optimizer(
+            groups,
+            address=self.aps_address,
+            rank=self.aps_rank,
+            num_workers=self.aps_workers,
+            model=model,
+            lr=self.args.learning_rate,
+            **self._aps_options,
+        )
         served, eps = self.optimizer.server_optimizer, self.optimizer.defaults.get("eps")
-        wrong = (f"TrainingArguments(optim={self.args.optim!r}) is {kind}; the server runs {served} (start it with "
-                 f"aps serve --optimizer {kind}, or set optim)") if served != kind else \
-                (f"TrainingArguments(adam_epsilon={self.args.adam_epsilon}); the server's is {eps} (start it with "
-                 f"aps serve --eps {self.args.adam_epsilon})") if eps is not None and eps != self.args.adam_epsilon \
-                else None
+        wrong = (
+            (
+                f"TrainingArguments(optim={self.args.optim!r}) is {kind}; the server runs {served} (start it with "
+                f"aps serve --optimizer {kind}, or set optim)"
+            )
+            if served != kind
+            else (
+                f"TrainingArguments(adam_epsilon={self.args.adam_epsilon}); the server's is {eps} (start it with "
+                f"aps serve --eps {self.args.adam_epsilon})"
+            )
+            if eps is not None and eps != self.args.adam_epsilon
+            else None
+        )
         if wrong is not None:
             self.optimizer.close()
             self.optimizer = None

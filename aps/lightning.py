@@ -36,7 +36,7 @@ import torch
 from lightning.fabric.plugins.environments import ClusterEnvironment
 from lightning.pytorch.strategies import ParallelStrategy
 
-from .client.arguments import _from_env
+from .client.arguments import from_env
 from .errors import ConfigurationError
 from .torch import Optimizer
 from .torch.reporting import Reporter
@@ -110,9 +110,17 @@ class Strategy(ParallelStrategy):
 
     strategy_name = "aps"
 
-    def __init__(self, address: str | None = None, *, rank: int | None = None, num_workers: int | None = None,
-                 device: str | torch.device = "cpu", report: bool = True, **options: Any) -> None:
-        address, rank, num_workers = _from_env(address, rank, num_workers)
+    def __init__(
+        self,
+        address: str | None = None,
+        *,
+        rank: int | None = None,
+        num_workers: int | None = None,
+        device: str | torch.device = "cpu",
+        report: bool = True,
+        **options: Any,
+    ) -> None:
+        address, rank, num_workers = from_env(address, rank, num_workers)
         rank = 0 if rank is None else rank
         num_workers = 1 if num_workers is None else num_workers
         if not 0 <= rank < num_workers:
@@ -178,18 +186,28 @@ class Strategy(ParallelStrategy):
     def _serve(self, optimizer: torch.optim.Optimizer) -> Optimizer:
         kind = _SERVED.get(type(optimizer))
         if kind is None:
-            raise ConfigurationError(f"configure_optimizers returned {type(optimizer).__name__}: an aps server runs "
-                                     "SGD, Adam or AdamW (torch.optim's), or return an aps.torch.Optimizer")
+            raise ConfigurationError(
+                f"configure_optimizers returned {type(optimizer).__name__}: an aps server runs "
+                "SGD, Adam or AdamW (torch.optim's), or return an aps.torch.Optimizer"
+            )
         groups = [{"params": g["params"], **{k: g[k] for k in _VALUES[kind] if k in g}} for g in optimizer.param_groups]
-        served = Optimizer(groups, address=self._address, rank=self._rank, num_workers=self._num_workers,
-                           model=self.lightning_module, **self._options)
+        served = Optimizer(
+            groups,
+            address=self._address,
+            rank=self._rank,
+            num_workers=self._num_workers,
+            model=self.lightning_module,
+            **self._options,
+        )
         if served.server_optimizer != kind:
             served.close()
-            raise ConfigurationError(f"configure_optimizers returned torch.optim.{type(optimizer).__name__}; the server "
-                                     f"at {served.worker.address} runs {served.server_optimizer} (start it with "
-                                     f"aps serve --optimizer {kind}, or return the optimizer it runs)")
+            raise ConfigurationError(
+                f"configure_optimizers returned torch.optim.{type(optimizer).__name__}; the server "
+                f"at {served.worker.address} runs {served.server_optimizer} (start it with "
+                f"aps serve --optimizer {kind}, or return the optimizer it runs)"
+            )
         # Lightning zeroes the gradients through the torch optimizer: in place, where the pushes read them.
-        optimizer.zero_grad = served.zero_grad
+        optimizer.zero_grad = served.zero_grad  # type: ignore[method-assign]  # (the instance's, on purpose)
         return served
 
     def optimizer_step(self, optimizer: Any, closure: Any, model: Any = None, **kwargs: Any) -> Any:
@@ -204,12 +222,13 @@ class Strategy(ParallelStrategy):
 
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
         out = super().training_step(*args, **kwargs)
-        if self._reporter is not None:
-            trainer = self.lightning_module.trainer
+        if self._reporter is not None and (module := self.lightning_module) is not None:
+            trainer = module.trainer
             optimizer = self.optimizers[0] if self.optimizers else None
             lr = optimizer.param_groups[0]["lr"] if optimizer is not None else None
-            self._reporter.step(trainer.global_step, loss=out, lr=lr, metrics=trainer.callback_metrics,
-                                batch=args[0] if args else None)
+            self._reporter.step(
+                trainer.global_step, loss=out, lr=lr, metrics=trainer.callback_metrics, batch=args[0] if args else None
+            )
         return out
 
     # Checkpoints ------------------------------------------------------------------------

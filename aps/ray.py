@@ -125,8 +125,9 @@ def _barrier() -> None:
     barrier()
 
 
-def report(server_optimizer: Optimizer, metrics: dict[str, Any], checkpoint: ray.train.Checkpoint | None = None,
-           **options: Any) -> None:
+def report(
+    server_optimizer: Optimizer, metrics: dict[str, Any], checkpoint: ray.train.Checkpoint | None = None, **options: Any
+) -> None:
     """``ray.train.report(metrics, checkpoint)``, and the metrics that are numbers to the server too
     (:meth:`aps.Worker.log`, at this worker's clock), for its dashboard and ``/metrics``."""
     scalars = {}
@@ -147,13 +148,16 @@ def checkpoint(model: torch.nn.Module, server_optimizer: Optimizer, **extra: Any
     """A ``ray.train.Checkpoint`` of the model's weights, the server's optimizer state and
     ``extra`` (an epoch, a scheduler's state...). Every worker may make one: Ray keeps rank 0's."""
     directory = tempfile.mkdtemp(prefix="aps-ray-")
-    torch.save({"model": model.state_dict(), "optimizer": server_optimizer.state_dict(), **extra},
-               os.path.join(directory, _STATE_FILE))
+    torch.save(
+        {"model": model.state_dict(), "optimizer": server_optimizer.state_dict(), **extra},
+        os.path.join(directory, _STATE_FILE),
+    )
     return ray.train.Checkpoint.from_directory(directory)
 
 
-def restore(model: torch.nn.Module, server_optimizer: Optimizer,
-            saved: ray.train.Checkpoint | None = None) -> dict[str, Any] | None:
+def restore(
+    model: torch.nn.Module, server_optimizer: Optimizer, saved: ray.train.Checkpoint | None = None
+) -> dict[str, Any] | None:
     """Load a checkpoint made by :func:`checkpoint` (default: ``ray.train.get_checkpoint()``,
     the one a resumed run starts from) into the model and the server; returns what else it
     holds, or None when there is none.
@@ -169,8 +173,11 @@ def restore(model: torch.nn.Module, server_optimizer: Optimizer,
         state = torch.load(os.path.join(directory, _STATE_FILE), weights_only=False)
     weights, optimizer_state = state.pop("model"), state.pop("optimizer")
     if server_optimizer.version > 0:
-        log.info("rank %d: the server has applied %d updates: going on from its weights and state, not the "
-                 "checkpoint's", server_optimizer.worker.rank, server_optimizer.version)
+        log.info(
+            "rank %d: the server has applied %d updates: going on from its weights and state, not the checkpoint's",
+            server_optimizer.worker.rank,
+            server_optimizer.version,
+        )
         return state
     model.load_state_dict(weights)
     server_optimizer.load_state_dict(optimizer_state)

@@ -58,13 +58,24 @@ class AsyncWorker(_Workers):
         _check_transport(transport)
         if transport == "shm":
             raise ConfigurationError("AsyncWorker speaks TCP only; use aps.Worker for shared memory")
-        options = dict(connect_timeout=connect_timeout, timeout=timeout, heartbeat=heartbeat,
-                       server_timeout=server_timeout, token=token, tls=tls, reconnect=reconnect,
-                       reconnect_timeout=reconnect_timeout, compression=compression, compress_pulls=compress_pulls)
+        options = dict(
+            connect_timeout=connect_timeout,
+            timeout=timeout,
+            heartbeat=heartbeat,
+            server_timeout=server_timeout,
+            token=token,
+            tls=tls,
+            reconnect=reconnect,
+            reconnect_timeout=reconnect_timeout,
+            compression=compression,
+            compress_pulls=compress_pulls,
+        )
         addresses = server_addresses(address)
         sharded = len(addresses) > 1
-        tasks = [asyncio.ensure_future(AsyncChannel.open(one, rank, num_workers, "tcp", as_shard=sharded, **options))
-                 for one in addresses]
+        tasks = [
+            asyncio.ensure_future(AsyncChannel.open(one, rank, num_workers, "tcp", as_shard=sharded, **options))
+            for one in addresses
+        ]
         try:
             channels = list(await asyncio.gather(*tasks))
             return cls(in_shard_order(channels) if sharded else channels)
@@ -83,8 +94,9 @@ class AsyncWorker(_Workers):
         """Whether every server's connection is open (it is not between a loss and the rejoin)."""
         return all(channel._conn is not None for channel in self._channels)
 
-    async def init(self, params: Mapping[str, Any], *, tables: Mapping[str, Any] | None = None,
-                   timeout: float | None = 300.0) -> Mapping[str, np.ndarray]:
+    async def init(
+        self, params: Mapping[str, Any], *, tables: Mapping[str, Any] | None = None, timeout: float | None = 300.0
+    ) -> Mapping[str, np.ndarray]:
         """See :meth:`aps.Worker.init`."""
         return await arun(self._init(params, timeout, tables))
 
@@ -92,21 +104,30 @@ class AsyncWorker(_Workers):
         """See :meth:`aps.Worker.pull`."""
         return await arun(self._pull(rows, out))
 
-    async def pull_rows(self, table: str | Mapping[str, Any], ids: Any = None, *, out: Any = None):
+    async def pull_rows(
+        self, table: str | Mapping[str, Any], ids: Any = None, *, out: Any = None, keep_version: bool = False
+    ) -> Any:
         """See :meth:`aps.Worker.pull_rows`."""
-        return await arun(self._pull_rows(table, ids, out))
+        return await arun(self._pull_rows(table, ids, out, versioned=not keep_version))
 
     async def push_rows(self, table: str | Mapping[str, Any], ids: Any = None, grads: Any = None) -> None:
         """See :meth:`aps.Worker.push_rows`."""
         await arun(self._push_rows(table, ids, grads))
 
-    async def push(self, grads: Mapping[str, np.ndarray] | np.ndarray, *,
-                   rows: Mapping[str, Any] | None = None) -> None:
+    async def push(
+        self, grads: Mapping[str, np.ndarray] | np.ndarray, *, rows: Mapping[str, Any] | None = None
+    ) -> None:
         """See :meth:`aps.Worker.push`."""
         await arun(self._push(grads, False, rows))
 
-    async def push_pull(self, grads: Mapping[str, np.ndarray] | np.ndarray, *, rows: Mapping[str, Any] | None = None,
-                        pull_rows: Mapping[str, Any] | None = None, out: Mapping[str, np.ndarray] | None = None):
+    async def push_pull(
+        self,
+        grads: Mapping[str, np.ndarray] | np.ndarray,
+        *,
+        rows: Mapping[str, Any] | None = None,
+        pull_rows: Mapping[str, Any] | None = None,
+        out: Mapping[str, np.ndarray] | None = None,
+    ):
         """See :meth:`aps.Worker.push_pull`."""
         return await arun(self._push(grads, True, rows, pull_rows, out))
 
@@ -166,8 +187,9 @@ class AsyncWorker(_Workers):
         """The EACH step: ``call``'s steps for every shard at once (one task each); their
         results in shard order, or the first failure once every shard finished."""
         events = [asyncio.Event() for _ in self._channels]
-        turns = self._turns(in_turn, lambda position: _AsyncTurn(events[position - 1] if position else None,
-                                                                 events[position]))
+        turns = self._turns(
+            in_turn, lambda position: _AsyncTurn(events[position - 1] if position else None, events[position])
+        )
 
         async def one(index: int, channel: AsyncChannel):
             turn = turns[index]
@@ -180,8 +202,9 @@ class AsyncWorker(_Workers):
         async with self._lock:
             self._check_open()
             try:
-                results = await asyncio.gather(*(one(index, channel) for index, channel in enumerate(self._channels)),
-                                               return_exceptions=True)
+                results = await asyncio.gather(
+                    *(one(index, channel) for index, channel in enumerate(self._channels)), return_exceptions=True
+                )
             finally:
                 self._settle_clock()
         self._failed([result for result in results if isinstance(result, BaseException)])

@@ -14,6 +14,8 @@ from ..errors import ConfigurationError
 from ..wire.net import Address
 from ..wire.protocol import ServerInfo
 
+__all__ = ["from_env"]
+
 _TRANSPORTS = ("auto", "tcp", "shm")
 
 
@@ -28,7 +30,8 @@ def _refuse_one_shard(info: ServerInfo, address: str) -> None:
         shard = described.get("shard")
         raise ConfigurationError(
             f"the server at {address} is shard {shard} of {shards} (--shard {shard} --shards {shards}): give the "
-            "worker every shard's address (comma-separated, or a list)")
+            "worker every shard's address (comma-separated, or a list)"
+        )
 
 
 def _names_shards(address: Any) -> bool:
@@ -38,25 +41,42 @@ def _names_shards(address: Any) -> bool:
     return isinstance(address, str) and "," in address
 
 
-def _from_env(address: str | None, rank: int | None,
-              num_workers: int | None) -> tuple[str, int | None, int | None]:
-    """Fill in what was not given from ``APS_ADDRESS``, ``RANK`` and ``WORLD_SIZE``: without
-    ``$RANK`` the server assigns a free rank, without ``$WORLD_SIZE`` the worker takes its count."""
-    values = []
-    for given, variable, convert in ((address, "APS_ADDRESS", str), (rank, "RANK", int), (num_workers, "WORLD_SIZE", int)):
-        if given is None:
-            raw = os.environ.get(variable)
-            if raw is None and variable != "APS_ADDRESS":
-                values.append(None)
-                continue
-            if raw is None:
-                raise ConfigurationError(f"no {variable.lower().replace('aps_', '')} given and ${variable} is not set")
-            try:
-                given = convert(raw)
-            except ValueError:
-                raise ConfigurationError(f"${variable}={raw!r} is not valid") from None
-        values.append(given)
-    return values[0], values[1], values[2]
+def from_env(address: str | None, rank: int | None, num_workers: int | None) -> tuple[str, int | None, int | None]:
+    """What a worker was given, with what was not filled in from the environment that
+    ``aps launch`` and torchrun set: ``APS_ADDRESS``, ``RANK`` and ``WORLD_SIZE``.
+
+    Args:
+        address: the server's address, or None for ``$APS_ADDRESS``.
+        rank: this worker's rank, or None for ``$RANK`` (without it, None: the server
+            assigns a free rank).
+        num_workers: the run's workers, or None for ``$WORLD_SIZE`` (without it, None: the
+            worker takes the server's count).
+
+    Returns:
+        ``(address, rank, num_workers)``.
+
+    Raises:
+        ConfigurationError: no address given and ``$APS_ADDRESS`` not set, or a variable
+            that is not valid (``RANK=x``).
+    """
+    if address is None:
+        address = os.environ.get("APS_ADDRESS")
+        if address is None:
+            raise ConfigurationError("no address given and $APS_ADDRESS is not set")
+    return address, _number(rank, "RANK"), _number(num_workers, "WORLD_SIZE")
+
+
+def _number(given: int | None, variable: str) -> int | None:
+    """``given``, or the integer the environment ``variable`` holds (None: not set)."""
+    if given is not None:
+        return given
+    raw = os.environ.get(variable)
+    if raw is None:
+        return None
+    try:
+        return int(raw)
+    except ValueError:
+        raise ConfigurationError(f"${variable}={raw!r} is not valid") from None
 
 
 def _check_heartbeat(heartbeat: float | None, server_timeout: float | None = None) -> None:
@@ -69,8 +89,9 @@ def _check_heartbeat(heartbeat: float | None, server_timeout: float | None = Non
 def _check_reconnect(reconnect: bool, reconnect_timeout: float | None) -> float | None:
     """Seconds to keep trying to reconnect (None: forever), or 0 when the worker does not."""
     if reconnect_timeout is not None and reconnect_timeout <= 0:
-        raise ConfigurationError(f"reconnect_timeout must be a positive number of seconds or None, got "
-                                 f"{reconnect_timeout}")
+        raise ConfigurationError(
+            f"reconnect_timeout must be a positive number of seconds or None, got {reconnect_timeout}"
+        )
     return reconnect_timeout if reconnect else 0
 
 

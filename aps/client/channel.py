@@ -71,15 +71,20 @@ def run(steps: Steps) -> Any:
                     value = stop.wait(step[2])  # close() meanwhile ends the wait
             elif kind == CONNECT:
                 channel = step[1]
-                value = BlockingConnection(channel._parsed.host, channel._parsed.port, channel._connect_timeout,
-                                           channel.server_timeout, channel._tls)
+                value = BlockingConnection(
+                    channel._parsed.host,
+                    channel._parsed.port,
+                    channel._connect_timeout,
+                    channel.server_timeout,
+                    channel._tls,
+                )
             elif kind == HANDSHAKE:
                 value = handshake(step[2], step[3], step[1]._connect_timeout, found=step[4], claim=step[1].claim())
             elif kind == CONNECT_SHM:
                 value = ShmConnection(step[2], step[1]._connect_timeout)
             else:  # pragma: no cover - a step this driver does not know is a bug
                 raise AssertionError(f"unknown step {step!r}")
-        except BaseException as exc:  # noqa: BLE001 - handed to the steps, which decide
+        except BaseException as exc:  # handed to the steps, which decide
             error = exc
         del step
 
@@ -119,21 +124,33 @@ async def arun(steps: Steps) -> Any:
                 value = step[1]._closing
             elif kind == CONNECT:
                 channel = step[1]
-                value = await AsyncConnection.open(channel._parsed.host, channel._parsed.port,
-                                                   channel._connect_timeout, channel.server_timeout, channel._tls)
+                value = await AsyncConnection.open(
+                    channel._parsed.host,
+                    channel._parsed.port,
+                    channel._connect_timeout,
+                    channel.server_timeout,
+                    channel._tls,
+                )
             elif kind == HANDSHAKE:
-                value = await handshake_async(step[2], step[3], step[1]._connect_timeout, found=step[4],
-                                              claim=step[1].claim())
+                value = await handshake_async(
+                    step[2], step[3], step[1]._connect_timeout, found=step[4], claim=step[1].claim()
+                )
             else:  # pragma: no cover - CONNECT_SHM: an asyncio channel speaks TCP only
                 raise AssertionError(f"unknown step {step!r}")
-        except BaseException as exc:  # noqa: BLE001 - handed to the steps, which decide
+        except BaseException as exc:  # handed to the steps, which decide
             error = exc
         del step
 
 
-class _OneServer:
+class _OneServer(_ChannelSteps):
     """The calls of one server, as a sharded worker's :attr:`~aps.Worker.shards` offer them
-    (each as the driver runs it; :class:`aps.Worker` has them all, documented)."""
+    (each as the driver runs it; :class:`aps.Worker` has them all, documented): the base of
+    the two drivers' channels."""
+
+    @staticmethod
+    def _run_steps(steps: Steps) -> Any:  # pragma: no cover - each driver has its own
+        """Run ``steps`` as the driver does (:func:`run`, or :func:`arun`'s awaitable)."""
+        raise NotImplementedError
 
     def optimizer_state(self):
         return self._run_steps(self._optimizer_state())
@@ -163,14 +180,14 @@ def _leave_at_exit() -> None:
     for channel in list(_OPEN):
         try:
             channel._leave_at_exit(max(deadline - time.monotonic(), 0.0))
-        except Exception as exc:  # noqa: BLE001 - the exit goes on whatever one channel does
+        except Exception as exc:  # the exit goes on whatever one channel does
             log.debug("rank %s: leaving at exit failed: %s", channel.rank, exc)
 
 
 atexit.register(_leave_at_exit)
 
 
-class Channel(_OneServer, _ChannelSteps):
+class Channel(_OneServer):
     """The blocking client of one server (see :class:`aps.Worker` for the arguments),
     connected when made: TCP, or shared memory when the server shares this host."""
 
@@ -194,8 +211,8 @@ class Channel(_OneServer, _ChannelSteps):
         if self._heartbeat is None or self._stop.is_set() or (thread is not None and thread.is_alive()):
             return
         self._heartbeat_thread = threading.Thread(
-            target=_heartbeats, args=(weakref.ref(self), self._stop, self._heartbeat), name="aps-heartbeat",
-            daemon=True)
+            target=_heartbeats, args=(weakref.ref(self), self._stop, self._heartbeat), name="aps-heartbeat", daemon=True
+        )
         self._heartbeat_thread.start()
 
     def _ping_if_idle(self, interval: float) -> bool:
@@ -249,11 +266,16 @@ class Channel(_OneServer, _ChannelSteps):
         stop, conn = getattr(self, "_stop", None), getattr(self, "_conn", None)
         if stop is not None:
             stop.set()
-        if (conn is not None and not self._closing and getattr(self, "_pid", None) == os.getpid()
-                and not sys.is_finalizing() and self._lock.acquire(blocking=False)):
+        if (
+            conn is not None
+            and not self._closing
+            and getattr(self, "_pid", None) == os.getpid()
+            and not sys.is_finalizing()
+            and self._lock.acquire(blocking=False)
+        ):
             try:
                 run(self._leave(DROP_LEAVE_S))
-            except Exception as exc:  # noqa: BLE001 - a finalizer raises nothing
+            except Exception as exc:  # a finalizer raises nothing
                 log.debug("rank %s: leaving when dropped failed: %s", self.rank, exc)
             finally:
                 self._lock.release()
@@ -271,7 +293,7 @@ def _heartbeats(ref: weakref.ref, stop: threading.Event, interval: float) -> Non
         del channel
 
 
-class AsyncChannel(_OneServer, _ChannelSteps):
+class AsyncChannel(_OneServer):
     """The asyncio client of one server over TCP: made by :meth:`open`."""
 
     _run_steps = staticmethod(arun)

@@ -97,17 +97,16 @@ def _compression(compression: str | None, compress_pulls: bool) -> int:
     try:
         return COMPRESSION[compression]
     except (KeyError, TypeError):
-        raise ConfigurationError(
-            f"unknown compression {compression!r}: choose 'bf16', 'fp16' or None"
-        ) from None
+        raise ConfigurationError(f"unknown compression {compression!r}: choose 'bf16', 'fp16' or None") from None
 
 
 class _ClientCore:
     """Requests and replies of one worker, without I/O (see the module docstring)."""
 
     def __init__(self, rank: int | None, num_workers: int | None) -> None:
-        if not isinstance(rank, (int, np.integer, type(None))) or not isinstance(num_workers,
-                                                                                 (int, np.integer, type(None))):
+        if not isinstance(rank, (int, np.integer, type(None))) or not isinstance(
+            num_workers, (int, np.integer, type(None))
+        ):
             raise ConfigurationError("rank and num_workers must be integers (or None: the server's)")
         if num_workers is not None and num_workers < 1:
             raise ConfigurationError(f"num_workers must be at least 1, got {num_workers}")
@@ -142,8 +141,9 @@ class _ClientCore:
         #: The last JOIN_PROGRESS notice while INIT waited: (joined, workers, missing ranks).
         self.join_progress: tuple[int, int, list[int]] | None = None
         self.reader = FrameReader(self, max_payload=None)
-        self._weights_bytes: memoryview | None = None
-        self._grad_bytes: memoryview | None = None
+        # The flat weight and gradient buffers' bytes (empty until the layout is known).
+        self._weights_bytes = memoryview(b"")
+        self._grad_bytes = memoryview(b"")
         self._request_id = 0
         self._expect: int | None = None
         self._reply: Header | None = None
@@ -171,7 +171,7 @@ class _ClientCore:
         self._fds: tuple[int, ...] = ()
         #: Over TCP, gradients go as this element type (FLOAT32, or BFLOAT16/FLOAT16:
         #: narrowed here, widened by the server's kernel), and with ``compress_pulls``
-        #: the weights come back as it too (see docs/design.md, "Wire compression").
+        #: the weights come back as it too (see docs/design/wire.md, "Wire compression").
         self.compression = _FLOAT32
         self.compress_pulls = False
         self._half_grad: np.ndarray | None = None  # the narrowed gradient being sent
@@ -183,7 +183,7 @@ class _ClientCore:
         #: weights are read-only views into the slot of the last weights reply, replaced at
         #: the next one; over a socket, read-only views into the worker's own buffer.
         self.zero_copy = False
-        self._own_weights: np.ndarray | None = None  # the buffer weights sent over a socket land in
+        self._own_weights = np.empty(0, np.float32)  # the buffer weights sent over a socket land in
         self._own_views: tuple[np.ndarray, Mapping[str, np.ndarray]] | None = None  # zero_copy: its read-only views
         self._slot_views: dict[int, tuple[np.ndarray, Mapping[str, np.ndarray]]] = {}  # and each slot's
         self._reply_dtype = _FLOAT32  # what the weights reply of the request in flight carries
@@ -205,11 +205,12 @@ class _ClientCore:
         """The workers of the run: for an elastic server (``--workers MIN:MAX``), those live
         when it last answered a call; else its fixed count. Before the first INIT, the count
         this worker was given (None: none)."""
-        if self.max_workers is None:
+        low, high = self.min_workers, self.max_workers
+        if low is None or high is None:
             return self.given_workers
-        if self.min_workers < self.max_workers:
-            return self.live or self.min_workers
-        return self.max_workers
+        if low < high:
+            return self.live or low
+        return high
 
     @property
     def compressing(self) -> bool:
@@ -237,11 +238,17 @@ class _ClientCore:
         notes what the reply will carry."""
         if self.compressing and self.compress_pulls:
             self._reply_dtype = self.compression
-            if self._half_weights is None:
-                self._half_weights = np.zeros(self.layout.numel, np.uint16)
+            self._half_weights_buffer()
             return _NARROW, self.compression
         self._reply_dtype = _FLOAT32
         return 0, 0
+
+    def _half_weights_buffer(self) -> np.ndarray:
+        """The buffer 16-bit weights are received into (made at the first compressed pull)."""
+        half = self._half_weights
+        if half is None:
+            half = self._half_weights = np.zeros(self._require_layout().numel, np.uint16)
+        return half
 
     def check_run(self, run_id: str, address: str, lineage: list[str] | tuple[str, ...] = ()) -> None:
         """The server at ``address`` holds run ``run_id``, and descends from ``lineage`` (its
@@ -267,43 +274,61 @@ class _ClientCore:
         if lineage:
             self.incarnation = lineage[-1]
 
-    def init_request(self, params: Mapping[str, Any] | None, rejoin: bool = False,
-                     tables: Mapping[str, Table] | None = None, values: bool = True) -> list:
+    def init_request(
+        self,
+        params: Mapping[str, Any] | None,
+        rejoin: bool = False,
+        tables: Mapping[str, Table] | None = None,
+        values: bool = True,
+    ) -> list:
         """INIT; ``values`` False sends the layout alone (the server has the model: the
         values would be read and dropped)."""
         if params is not None:
             if not isinstance(params, Mapping) or not params:
                 raise ConfigurationError("init takes a non-empty mapping of name to float32 array")
-            layout = Layout.from_arrays(params, check_tables(tables))
+            given = Layout.from_arrays(params, check_tables(tables))
             if self.layout is not None:
-                self.layout.require_same(layout, "init with a different model than before",
-                                         "init with other tables than before")
-            self._set_layout(layout)
+                self.layout.require_same(
+                    given, "init with a different model than before", "init with other tables than before"
+                )
+            self._set_layout(given)
+        layout = self.layout
+        if layout is None:
+            raise NotInitialized("no model to join with: call init(params) first")
+        if params is not None:
             # Copied into the flat weights when they are sent: a server that has the model
             # answers with its own weights, so a join costs no pass over the model here.
             self._unsent_values = params
-            self._init_block = encode_init(ANY_RANK if self.rank is None else self.rank, self.given_workers or 0,
-                                           self.layout)
-        elif self.layout is None:
-            raise NotInitialized("no model to join with: call init(params) first")
+            self._init_block = encode_init(
+                ANY_RANK if self.rank is None else self.rank, self.given_workers or 0, layout
+            )
         block = self._init_block
         if values and self._unsent_values is not None:  # (a retry to a server without the model)
-            self.layout.flatten_into(self._unsent_values, self._own_weights)
+            layout.flatten_into(self._unsent_values, self._own_weights)
             self._unsent_values = None
         self.join_progress = None
         if self.shm is not None:
-            self._fds = (self.shm.grad_segment.fd,)
+            segment = self.shm.grad_segment
+            assert segment is not None  # (made with the layout: _set_layout)
+            self._fds = (segment.fd,)
         # The header's version field carries the layout block's length (docs/protocol.md, INIT).
         flags = (Flag.REJOIN if rejoin and self.ever_joined else 0) | Flag.SEAT
-        header = pack_header(Op.INIT, flags, _FLOAT32, self._next_request(Op.INIT), self.clock, len(block),
-                             len(block) + (self.layout.nbytes if values else 0))
+        header = pack_header(
+            Op.INIT,
+            flags,
+            _FLOAT32,
+            self._next_request(Op.INIT),
+            self.clock,
+            len(block),
+            len(block) + (layout.nbytes if values else 0),
+        )
         self._reply_dtype = _FLOAT32
         return [header, block, self._weights_bytes] if values else [header, block]
 
     def pull_request(self, rows: RowsCall | None = None) -> list:
         """PULL: the weights; with ``rows`` (or the rows this call pulls already, when it is
         sent again after a reconnect) the rows too, or those alone (``rows.dense`` False)."""
-        self._require_layout()
+        layout = self._require_layout()
         rows = self._rows if rows is None else rows
         if rows is None:
             flags, dtype = self._weights_request()
@@ -312,7 +337,7 @@ class _ClientCore:
         flags, dtype = self._weights_request() if rows.dense else (0, _NONE)
         if rows.dense and not flags:
             dtype = _FLOAT32  # (with rows, the dtype names the dense part: NONE is none)
-        parts = self._rows_wire(encode_rows(rows.pull, self.layout.table_dims, False))
+        parts = self._rows_wire(encode_rows(rows.pull, layout.table_dims, False))
         return [self._header(Op.PULL, sum(len(p) for p in parts), dtype, flags | _ROWS), *parts]
 
     def begin_call(self) -> None:
@@ -326,22 +351,24 @@ class _ClientCore:
     def push_request(self, grads: Any, then_pull: bool, rows: RowsCall | None = None) -> list:
         """PUSH (PUSH_PULL): the gradient ``grads``; with ``rows``, rows pushed (and pulled)
         too, after it, or alone (``rows.dense`` False: ``grads`` is not read)."""
-        self._require_layout()
+        layout = self._require_layout()
         clock, version = self._computed_clock, self._computed_version
         op = Op.PUSH_PULL if then_pull else Op.PUSH
-        flags, dtype, buffers = 0, _NONE, []
+        flags, dtype, buffers = 0, _NONE, list[Any]()
         if rows is None or rows.dense:
             flags, dtype, buffers = self._dense_push(grads, then_pull)
         if rows is not None:
-            dims = self.layout.table_dims
+            dims = layout.table_dims
             buffers += encode_rows(rows.push, dims, True)
             if then_pull:
                 buffers += encode_rows(rows.pull, dims, False)
                 self._rows = rows
             flags |= _ROWS
         wire = self._rows_wire(buffers) if flags & _ROWS else buffers
-        frames = [pack_header(op, flags, dtype, self._next_request(op), clock, version,
-                              sum(len(b) for b in wire)), *wire]
+        frames = [
+            pack_header(op, flags, dtype, self._next_request(op), clock, version, sum(len(b) for b in wire)),
+            *wire,
+        ]
         self._push = (op, self._request_id, clock, version, buffers, flags, dtype)
         return frames
 
@@ -371,16 +398,17 @@ class _ClientCore:
             return _SHM, _FLOAT32, []
         flags, _ = self._weights_request() if then_pull else (0, 0)
         if self.compressing:
-            half = self._half_grad if already_half else self._narrowed(buffers)
-            return flags, self.compression, [memoryview(half).cast("B")]
+            half = self._half_grad if already_half and self._half_grad is not None else self._narrowed(buffers)
+            return flags, self.compression, [half.data.cast("B")]
         return flags, _FLOAT32, buffers
 
     def _narrowed(self, buffers: list) -> np.ndarray:
         """The gradient in ``buffers`` rounded to the compression's 16 bits (to nearest
         even), in this worker's half buffer; refuses one that overflows fp16."""
-        if self._half_grad is None:
-            self._half_grad = np.zeros(self.layout.numel, np.uint16)
-        half, offset, overflowed = self._half_grad, 0, 0
+        half = self._half_grad
+        if half is None:
+            half = self._half_grad = np.zeros(self._require_layout().numel, np.uint16)
+        offset, overflowed = 0, 0
         for view in buffers:
             values = np.frombuffer(view, np.float32)
             overflowed += _core.narrow(half[offset : offset + len(values)], values, self.compression)
@@ -402,11 +430,11 @@ class _ClientCore:
         """The version of the weights the push of this call was computed on (sent or not)."""
         return self._push[3] if self._push is not None else self._computed_version
 
-    def reseat(self) -> int:
+    def reseat(self) -> int | None:
         """The rank the server gave this worker went to another while it reconnected: ask
         for any rank again (returns the one lost). Only a worker whose rank the server chose."""
         lost, self.rank, self.reseated = self.rank, None, True
-        self._init_block = encode_init(ANY_RANK, self.given_workers or 0, self.layout)
+        self._init_block = encode_init(ANY_RANK, self.given_workers or 0, self._require_layout())
         return lost
 
     def forget_push(self, dropped: bool = False) -> None:
@@ -418,7 +446,9 @@ class _ClientCore:
     def resend_push(self) -> list:
         """The push in flight again, exactly as first sent (same request id and clock:
         the server recognises it if it took it already, see docs/protocol.md)."""
-        op, rid, clock, version, buffers, flags, dtype = self._push
+        push = self._push
+        assert push is not None  # (called for the push in flight: has_pending_push)
+        op, rid, clock, version, buffers, flags, dtype = push
         self._request_id, self._expect, self._reply = rid, op | _REPLY, None
         if self.shm is None:
             self._reply_dtype = dtype if flags & _NARROW else _FLOAT32
@@ -443,17 +473,23 @@ class _ClientCore:
     def load_state_request(self, head: bytes, arrays: list[np.ndarray], check: bool = False) -> list:
         """LOAD_STATE: ``head`` (from :func:`state_payload`) and the arrays; ``check``: the
         head alone, to be checked (Flag.CHECK), nothing loaded."""
-        parts = [head] if check else [head, *(memoryview(array).cast("B") for array in arrays if array.size)]
-        return [self._header(Op.LOAD_STATE, sum(len(part) for part in parts), _FLOAT32,
-                             Flag.CHECK if check else 0), *parts]
+        parts = [head] if check else [head, *(array.data.cast("B") for array in arrays if array.size)]
+        return [
+            self._header(Op.LOAD_STATE, sum(len(part) for part in parts), _FLOAT32, Flag.CHECK if check else 0),
+            *parts,
+        ]
 
     def load_weights_request(self, digest: bytes, values: np.ndarray | None) -> list:
         """LOAD_WEIGHTS: the digest and the flat weights; ``values`` None: the digest alone,
         to be checked (Flag.CHECK), nothing loaded. The header's version is the version of
         the weights this worker holds."""
-        parts = [digest] if values is None else [digest, memoryview(values).cast("B")]
-        return [self._header(Op.LOAD_WEIGHTS, sum(len(part) for part in parts), _FLOAT32,
-                             Flag.CHECK if values is None else 0), *parts]
+        parts = [digest] if values is None else [digest, values.data.cast("B")]
+        return [
+            self._header(
+                Op.LOAD_WEIGHTS, sum(len(part) for part in parts), _FLOAT32, Flag.CHECK if values is None else 0
+            ),
+            *parts,
+        ]
 
     def rewind_request(self, version: int | None) -> list:
         """REWIND: the versions of the run's checkpoints (``version`` None, Flag.CHECK), or a
@@ -510,7 +546,7 @@ class _ClientCore:
         return [self._header(Op.SHARDS, len(payload)), payload]
 
     def _gradient_buffers(self, grads: Any) -> list:
-        layout = self.layout
+        layout = self._require_layout()
         if grads is self.flat_grad or grads is self.grads:
             return [self._grad_bytes]
         if isinstance(grads, np.ndarray):
@@ -519,7 +555,9 @@ class _ClientCore:
             if grads.dtype == np.float32:
                 return [self._contiguous(grads, "flat gradient")]
             check_floating(grads.dtype, "the flat gradient")
-            np.copyto(self.flat_grad, grads, casting="same_kind")  # float64/float16: one conversion, in place
+            flat_grad = self.flat_grad
+            assert flat_grad is not None  # (made with the layout)
+            np.copyto(flat_grad, grads, casting="same_kind")  # float64/float16: one conversion, in place
             return [self._grad_bytes]
         if not isinstance(grads, Mapping):
             raise ConfigurationError("push takes a mapping of name to array, or a flat float32 array")
@@ -538,11 +576,13 @@ class _ClientCore:
             raise DTypeMismatch(f"{name} is {array.dtype}, the model is float32")
         if not array.flags.c_contiguous:
             array = np.ascontiguousarray(array)
-        return memoryview(array).cast("B")
+        return array.data.cast("B")
 
-    def _require_layout(self) -> None:
+    def _require_layout(self) -> Layout:
+        """The model's layout (NotInitialized before init)."""
         if self.layout is None:
             raise NotInitialized("call init(params) before pull or push")
+        return self.layout
 
     def adopt(self, weights: np.ndarray, grad: np.ndarray) -> None:
         """Keep the weights and (over TCP) the gradients in these buffers, not in buffers of
@@ -554,20 +594,25 @@ class _ClientCore:
             return
         self.layout = layout
         adopted = getattr(self, "_adopted", None)
-        self.flat_weights = adopted[0] if adopted is not None else np.zeros(layout.numel, np.float32)
-        self._own_weights = self.flat_weights
+        weights = adopted[0] if adopted is not None else np.zeros(layout.numel, np.float32)
         if self.shm is not None:  # gradients are written straight into shared memory
-            self.flat_grad = self.shm.gradient_buffer(layout.numel, self.rank)
+            grad = self.shm.gradient_buffer(layout.numel, self.rank)
         else:
-            self.flat_grad = adopted[1] if adopted is not None else np.zeros(layout.numel, np.float32)
-        self._weights_bytes = memoryview(self.flat_weights).cast("B")
-        self._grad_bytes = memoryview(self.flat_grad).cast("B")
+            grad = adopted[1] if adopted is not None else np.zeros(layout.numel, np.float32)
+        self.flat_weights, self.flat_grad, self._own_weights = weights, grad, weights
+        self._weights_bytes = weights.data.cast("B")
+        self._grad_bytes = grad.data.cast("B")
         # Read-only mappings: the views are fixed; write into them, never replace them.
-        self.weights = MappingProxyType(layout.views(self.flat_weights))
-        self.grads = MappingProxyType(layout.views(self.flat_grad))
+        self.weights = MappingProxyType(layout.views(weights))
+        self.grads = MappingProxyType(layout.views(grad))
         if self.zero_copy:  # (over a read-only buffer: the views cannot be made writeable again)
-            held = np.frombuffer(memoryview(self.flat_weights).toreadonly(), np.float32)
+            held = np.frombuffer(weights.data.toreadonly(), np.float32)
             self._own_views = (held, MappingProxyType(layout.views(held)))
+            self._hold_own_views()
+
+    def _hold_own_views(self) -> None:
+        """zero_copy: the weights are the read-only views of this worker's own buffer."""
+        if self._own_views is not None:
             self.flat_weights, self.weights = self._own_views
 
     def hold(self, values: np.ndarray) -> None:
@@ -576,17 +621,16 @@ class _ClientCore:
         if values is not own and not np.shares_memory(values, own):
             np.copyto(own, values)
         if self.zero_copy:
-            self.flat_weights, self.weights = self._own_views
+            self._hold_own_views()
 
-    def _hold_slot(self, slot_id: int, slot: np.ndarray) -> None:
+    def _hold_slot(self, slot_id: int, slot: np.ndarray, slots: Mapping[int, np.ndarray]) -> None:
         """zero_copy: the weights are read-only views into ``slot`` (one set of views per slot;
-        those of slots the server has dropped go, so that their memory can)."""
+        those of slots the server has dropped, no longer in ``slots``, go, so that their memory can)."""
         views = self._slot_views
         held = views.get(slot_id)
         if held is None or held[0] is not slot:
-            held = views[slot_id] = (slot, MappingProxyType(self.layout.views(slot)))
+            held = views[slot_id] = (slot, MappingProxyType(self._require_layout().views(slot)))
         if len(views) > 1:
-            slots = self.shm.slots
             for gone in [sid for sid, (array, _) in views.items() if slots.get(sid) is not array]:
                 del views[gone]
         self.flat_weights, self.weights = held
@@ -595,9 +639,10 @@ class _ClientCore:
         """zero_copy: before this worker's lease on its slot ends (it leaves, or its connection is
         gone), its weights become read-only views of its own copy of the slot, which the server
         may write again afterwards."""
-        if self._own_views is not None and self.flat_weights is not self._own_views[0]:
-            np.copyto(self._own_weights, self.flat_weights)
-            self.flat_weights, self.weights = self._own_views
+        own, held = self._own_views, self.flat_weights
+        if own is not None and held is not None and held is not own[0]:
+            np.copyto(self._own_weights, held)
+            self.flat_weights, self.weights = own
         self._slot_views.clear()
 
     # Replies (FrameHandler) -------------------------------------------------
@@ -616,8 +661,9 @@ class _ClientCore:
             return memoryview(bytearray(header.length))
         if header.op in _WEIGHT_REPLIES:
             length = header.length
-            asked = self._rows is not None and header.op != _INIT_REPLY
-            if asked != bool(header.flags & _ROWS) or (asked and self._rows.dense != (header.dtype != _NONE)):
+            rows = self._rows if header.op != _INIT_REPLY else None
+            asked = rows is not None
+            if asked != bool(header.flags & _ROWS) or (rows is not None and rows.dense != (header.dtype != _NONE)):
                 raise MalformedFrame("a weights reply that does not carry what was asked for (rows, dense weights)")
             if header.flags & _ROWS:
                 length = self._expect_rows(header)
@@ -630,7 +676,7 @@ class _ClientCore:
                     raise MalformedFrame("unexpected shared-memory weights reply")
                 target = memoryview(bytearray(length))
             elif header.dtype in _HALF and header.dtype == self._reply_dtype and header.op != _INIT_REPLY:
-                target = memoryview(self._half_weights).cast("B")  # widened into the weights once all here
+                target = self._half_weights_buffer().data.cast("B")  # widened into the weights once all here
             elif header.dtype == _FLOAT32:
                 target = self._weights_bytes
             else:
@@ -643,7 +689,7 @@ class _ClientCore:
             limit = 8 + MAX_STATE_HEAD_BYTES + 8 + _MAX_STATE_ARRAYS * self.layout.nbytes
             if header.length > limit:
                 raise MalformedFrame(f"STATE reply of {header.length} bytes; at most {limit} are expected")
-            return memoryview(np.empty(header.length, np.uint8)) if header.length else None  # 8-aligned
+            return np.empty(header.length, np.uint8).data if header.length else None  # 8-aligned
         if header.op == _REWIND_REPLY:  # a small JSON object (the versions of the run's checkpoints)
             if header.length > _MAX_REWIND_REPLY:
                 raise MalformedFrame(f"REWIND reply of {header.length} bytes")
@@ -658,7 +704,7 @@ class _ClientCore:
         rows = self._rows
         if rows is None or header.op == _INIT_REPLY:
             raise MalformedFrame("a reply with rows to a request that asked for none")
-        need = reply_rows_bytes(rows.pull, self.layout.table_dims)
+        need = reply_rows_bytes(rows.pull, self._require_layout().table_dims)
         if self.shm is not None:  # the rows are in the reply segment: the payload ends with their reference
             if header.length < ROWS_REF_BYTES:
                 raise MalformedFrame(f"a reply of {header.length} bytes has no rows reference")
@@ -671,7 +717,7 @@ class _ClientCore:
         parts = []
         for out in rows.outs:
             if out.nbytes:
-                parts.append(memoryview(out).cast("B"))
+                parts.append(out.data.cast("B"))
             if out.nbytes % 8:
                 parts.append(memoryview(bytearray(4)))
         parts.reverse()  # (taken from the end)
@@ -686,7 +732,9 @@ class _ClientCore:
 
     def frame_received(self, header: Header, payload: memoryview) -> None:
         if header.flags & _ROWS and header.op in _WEIGHT_REPLIES:
-            payload, self._dense_part = (self._dense_part if header.dtype != _NONE else payload), None
+            dense, self._dense_part = self._dense_part, None
+            if header.dtype != _NONE and dense is not None:
+                payload = dense
         if header.op == _JOIN_PROGRESS:  # a notice while INIT waits, not its reply
             if header.request_id == self._request_id and self._expect == _INIT_REPLY:
                 self.join_progress = decode_join_progress(payload)
@@ -700,44 +748,49 @@ class _ClientCore:
                     raise ProtocolError(f"the server seated rank {rank}; this worker asked for rank {self.rank}")
                 if self.rank is None:  # (asked for any rank: a rejoin asks for this one)
                     self.rank = rank
-                    self._init_block = encode_init(rank, self.given_workers or 0, self.layout)
+                    self._init_block = encode_init(rank, self.given_workers or 0, self._require_layout())
             return
         if header.op != _ERROR or header.request_id != 0:
             if header.request_id != self._request_id:
                 raise ProtocolError(f"reply to request {header.request_id}, expected {self._request_id}")
             if header.op != self._expect and header.op != _ERROR:
                 raise ProtocolError(f"reply op {header.op} to a request expecting {self._expect}")
+        shm = self.shm
         if header.flags & _SHM and header.op in _WEIGHT_REPLIES:
             # The leased snapshot slot: read where it lies, or copied into this worker's weights.
+            if shm is None:
+                raise MalformedFrame("unexpected shared-memory weights reply")
             slot_id, nbytes, has_fd, dropped = decode_slot(payload)
             if nbytes != self._own_weights.nbytes:
                 raise MalformedFrame(f"slot of {nbytes} bytes; the model has {self._own_weights.nbytes}")
-            slot = self.shm.slot(slot_id, nbytes, has_fd, dropped)
+            slot = shm.slot(slot_id, nbytes, has_fd, dropped)
             if self.zero_copy:
-                self._hold_slot(slot_id, slot)
+                self._hold_slot(slot_id, slot, shm.slots)
             else:
-                np.copyto(self.flat_weights, slot)
+                np.copyto(self._own_weights, slot)
         elif header.dtype in _HALF and header.op in _WEIGHT_REPLIES:
             if not self.half_views:  # (with half views, the 16-bit weights are what the caller reads)
-                _core.widen(self._own_weights, self._half_weights, header.dtype)
+                _core.widen(self._own_weights, self._half_weights_buffer(), header.dtype)
         elif self.half_views and header.op in _WEIGHT_REPLIES:  # float32 weights (INIT, a rejoin)
-            _core.narrow(self._half_weights, self._own_weights, self.compression)
+            _core.narrow(self._half_weights_buffer(), self._own_weights, self.compression)
         elif header.op == _STATE_REPLY and header.request_id == self._request_id:
             self._state_reply = payload
         if self.zero_copy and header.op in _WEIGHT_REPLIES and not header.flags & _SHM and header.dtype != _NONE:
-            self.flat_weights, self.weights = self._own_views  # (they came over a socket)
-        if header.flags & _ROWS and self.shm is not None and header.op in _WEIGHT_REPLIES:
-            self._rows_from_segment()
+            self._hold_own_views()  # (they came over a socket)
+        if header.flags & _ROWS and shm is not None and header.op in _WEIGHT_REPLIES:
+            self._rows_from_segment(shm)
         elif header.op == _REWIND_REPLY and header.request_id == self._request_id:
             self._rewind_reply = bytes(payload)
         self._reply = header
         self._payload = payload
 
-    def _rows_from_segment(self) -> None:
+    def _rows_from_segment(self, shm: ShmConnection) -> None:
         """A reply's rows over shared memory: copied out of the reply segment into the
         caller's arrays (before the next request, which lets the server write there again)."""
         rows = self._rows
-        view = self.shm.reply_rows(self._rows_ref, self._rows_need)
+        if rows is None:  # (frame_buffer let no such reply through)
+            raise MalformedFrame("a reply with rows to a request that asked for none")
+        view = shm.reply_rows(self._rows_ref, self._rows_need)
         at = 0
         for out in rows.outs:
             np.copyto(out, view[at : at + out.nbytes].view(np.float32).reshape(out.shape))
@@ -757,6 +810,8 @@ class _ClientCore:
     def finish(self) -> Header:
         """Check the reply that arrived: raise the server's error, or record version and clock."""
         header, self._reply = self._reply, None
+        if header is None:
+            raise ProtocolError("no reply has arrived")
         op = header.op
         if op == _ERROR:
             code, message = decode_error(self._payload)
@@ -782,7 +837,7 @@ class _ClientCore:
             if op in _WEIGHT_REPLIES and (header.dtype != _NONE or self._rows is None or self._rows.versioned):
                 # the version of the weights this worker holds
                 # (a reply of rows alone too: the rows are of that version, and BSP's round rule needs it;
-                # the dense weights it holds are as they were: docs/design.md, "Embedding tables")
+                # the dense weights it holds are as they were: docs/design/engine.md, "Embedding tables")
                 self.version = header.version
             if op in _PUSH_REPLIES:
                 self.dropped = bool(header.flags & _DROPPED)

@@ -91,8 +91,12 @@ class Logbook:
         if batch is not None:
             self._batches.append((int(step), batch_digest(batch)))
             self._bytes += 40
-        return (self._now() - self._sent >= LOG_EVERY_S or self._bytes >= _SEND_AT_BYTES
-                or self._values + MAX_LOG_POINTS // 4 > MAX_LOG_POINTS or len(self._batches) >= MAX_LOG_POINTS)
+        return (
+            self._now() - self._sent >= LOG_EVERY_S
+            or self._bytes >= _SEND_AT_BYTES
+            or self._values + MAX_LOG_POINTS // 4 > MAX_LOG_POINTS
+            or len(self._batches) >= MAX_LOG_POINTS
+        )
 
     def take(self) -> bytes:
         """The payload of a LOG of everything waiting (emptied)."""
@@ -107,8 +111,10 @@ class Logbook:
                 self._process = psutil.Process()
             with self._process.oneshot():
                 cpu = self._process.cpu_times()
-                return {"pid": self._process.pid, "cpu_s": cpu.user + cpu.system,
-                        "rss_bytes": self._process.memory_info().rss}
+                return {
+                    "pid": self._process.pid,
+                    "cpu_s": cpu.user + cpu.system,
+                    "rss_bytes": self._process.memory_info().rss,
+                }
         except psutil.Error:
             return None
-

@@ -34,8 +34,14 @@ from ..wire.protocol import (
 )
 
 __all__ = [
-    "HYPER_KEYS", "checked_state", "flat_weights_of", "resolve_hyperparameters", "server_hyperparameters",
-    "server_options", "state_from_reply", "state_payload",
+    "HYPER_KEYS",
+    "checked_state",
+    "flat_weights_of",
+    "resolve_hyperparameters",
+    "server_hyperparameters",
+    "server_options",
+    "state_from_reply",
+    "state_payload",
 ]
 
 log = logging.getLogger("aps.worker")
@@ -123,8 +129,9 @@ def checked_state(state: Mapping[str, Any], numel: int) -> tuple[str, int, list[
         DTypeMismatch: an array is not float32.
     """
     if not isinstance(state, Mapping) or any(key not in state for key in ("optimizer", "steps", "arrays")):
-        raise InvalidState("an optimizer state is a mapping of 'optimizer', 'steps' and 'arrays' "
-                           "(what optimizer_state() returns)")
+        raise InvalidState(
+            "an optimizer state is a mapping of 'optimizer', 'steps' and 'arrays' (what optimizer_state() returns)"
+        )
     optimizer, steps, given = state["optimizer"], state["steps"], state["arrays"]
     if not isinstance(optimizer, str):
         raise InvalidState(f"the state's optimizer is {optimizer!r}; it must be a name (sgd, adam, adamw)")
@@ -195,5 +202,9 @@ def state_from_reply(payload: memoryview, version: int) -> dict[str, Any]:
     flat = np.frombuffer(payload, np.float32, offset=head.nbytes)
     numel = head.numel
     arrays = {name: flat[index * numel : (index + 1) * numel] for index, name in enumerate(head.arrays)}
-    return {"optimizer": head.optimizer, "steps": head.steps,
-            "version": head.version if head.version is not None else version, "arrays": arrays}
+    return {
+        "optimizer": head.optimizer,
+        "steps": head.steps,
+        "version": head.version if head.version is not None else version,
+        "arrays": arrays,
+    }

@@ -10,7 +10,7 @@ import logging
 import random
 import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 from ..errors import (
     APSConnectionError,
@@ -26,9 +26,8 @@ from .tcp import NoServerYet
 
 if TYPE_CHECKING:
     from .core import _ClientCore
-    from .steps import _ChannelSteps
 
-__all__ = []
+__all__: list[str] = []
 
 log = logging.getLogger("aps.worker")
 
@@ -102,17 +101,36 @@ class _Retrying:
         return wait if remaining is None else min(wait, remaining)
 
 
+class _LostChannel(Protocol):
+    """What a recovery reads of the channel it brings back to its server (one server's steps,
+    aps.client.steps): who it is, where, whether it was closed meanwhile, its protocol core."""
+
+    address: str
+    _closing: bool
+    _core: _ClientCore
+
+    @property
+    def rank(self) -> int | None: ...
+
+    def _disconnect(self, reason: BaseException | None = None) -> None: ...
+
+
 class _Reconnecting(_Retrying):
     """One recovery: the deadline, the attempts, and what is said about them."""
 
-    def __init__(self, worker: _ChannelSteps, lost: BaseException, timeout: float | None) -> None:
+    def __init__(self, worker: _LostChannel, lost: BaseException, timeout: float | None) -> None:
         super().__init__(RECONNECT, timeout)
         self.worker, self.lost = worker, lost
         self._note_at = self.start + _RETRY_NOTE_EVERY
         self._unproven_said = False
-        log.warning("rank %s: lost the server at %s (%s); reconnecting%s (to stop waiting: Ctrl-C, or "
-                    "reconnect_timeout= of the worker, reconnect=False not to wait at all)", worker.rank,
-                    worker.address, lost, " with no time limit" if timeout is None else f" for up to {timeout:g} s")
+        log.warning(
+            "rank %s: lost the server at %s (%s); reconnecting%s (to stop waiting: Ctrl-C, or "
+            "reconnect_timeout= of the worker, reconnect=False not to wait at all)",
+            worker.rank,
+            worker.address,
+            lost,
+            " with no time limit" if timeout is None else f" for up to {timeout:g} s",
+        )
 
     def check_closed(self) -> None:
         """Raise if the worker was closed meanwhile (from another thread or task)."""
@@ -138,18 +156,33 @@ class _Reconnecting(_Retrying):
             ) from exc
         if squatted and not self._unproven_said:
             self._unproven_said = True  # (said once: it may squat the port for long)
-            log.warning("rank %s: refused the server now at %s: %s; waiting for the real one", self.worker.rank,
-                        self.worker.address, exc)
+            log.warning(
+                "rank %s: refused the server now at %s: %s; waiting for the real one",
+                self.worker.rank,
+                self.worker.address,
+                exc,
+            )
         if now >= self._note_at:
             self._note_at = now + _RETRY_NOTE_EVERY
-            log.warning("rank %s: still reconnecting to %s after %.0f s: %s", self.worker.rank, self.worker.address,
-                        now - self.start, exc)
+            log.warning(
+                "rank %s: still reconnecting to %s after %.0f s: %s",
+                self.worker.rank,
+                self.worker.address,
+                now - self.start,
+                exc,
+            )
         return self.next_wait()
 
     def done(self) -> None:
         core = self.worker._core
-        log.warning("rank %s: back at %s after %.1f s (version %d, clock %d)", self.worker.rank, self.worker.address,
-                    time.monotonic() - self.start, core.version, core.clock)
+        log.warning(
+            "rank %s: back at %s after %.1f s (version %d, clock %d)",
+            self.worker.rank,
+            self.worker.address,
+            time.monotonic() - self.start,
+            core.version,
+            core.clock,
+        )
 
 
 class _WaitingForServer(_Retrying):
@@ -161,7 +194,7 @@ class _WaitingForServer(_Retrying):
     (WARNING, ``aps.worker``), the last raises the refusal with the time waited. Used
     by the blocking and the asyncio worker alike: only the sleep differs."""
 
-    def __init__(self, rank: int, address: str, timeout: float | None) -> None:
+    def __init__(self, rank: int | None, address: str, timeout: float | None) -> None:
         super().__init__(FIRST_CONNECT, timeout)
         self.rank, self.address = rank, address
         self.refused = 0
@@ -181,12 +214,17 @@ class _WaitingForServer(_Retrying):
 
     def done(self) -> None:
         if self.refused:
-            log.info("rank %s: the server at %s answered after %.1f s", self.rank, self.address,
-                     time.monotonic() - self.start)
+            log.info(
+                "rank %s: the server at %s answered after %.1f s",
+                self.rank,
+                self.address,
+                time.monotonic() - self.start,
+            )
 
 
-def _after_recovery(core: _ClientCore, kind: str, request, address: str = "", as_shard: bool = False,
-                    sync: str | None = None):
+def _after_recovery(
+    core: _ClientCore, kind: str, request, address: str = "", as_shard: bool = False, sync: str | None = None
+):
     """What finishes a call of ``kind`` once its worker has rejoined: ``(kind, request)``,
     or ``(None, None)`` when nothing is left to send. ``sync``: the server's policy."""
     if kind == "init":
@@ -196,9 +234,11 @@ def _after_recovery(core: _ClientCore, kind: str, request, address: str = "", as
         if kind in ("push", "push_pull") and core.has_pending_push:
             # Its old rank's server-side record (docs/protocol.md, "Duplicates") is not this seat's:
             # sent again, a push applied before the connection went would be applied twice.
-            log.warning("rank %s: the gradient in flight when the connection went is not sent again under the new "
-                        "rank (the server may have applied it before); going on from the server's weights",
-                        core.rank)
+            log.warning(
+                "rank %s: the gradient in flight when the connection went is not sent again under the new "
+                "rank (the server may have applied it before); going on from the server's weights",
+                core.rank,
+            )
             core.forget_push(dropped=True)  # (as far as this worker can know: last_push_dropped)
             return ("pull", core.pull_request) if kind == "push_pull" else (None, None)
     if kind in ("push", "push_pull"):
@@ -220,23 +260,39 @@ def _note_dropped_after_resume(core: _ClientCore, address: str, as_shard: bool, 
     """The server came back older than the weights the push in flight was computed on
     (``sent``: it goes to the shard all the same, which drops it and counts its iteration)."""
     if sent:
-        log.warning("rank %s: the shard at %s resumed from a checkpoint at version %d, before the weights this "
-                    "gradient was computed on (version %d): it drops its piece of the gradient and counts the "
-                    "iteration, as the other shards do (they keep theirs)", core.rank, address, core.version,
-                    core.pending_push_version)
+        log.warning(
+            "rank %s: the shard at %s resumed from a checkpoint at version %d, before the weights this "
+            "gradient was computed on (version %d): it drops its piece of the gradient and counts the "
+            "iteration, as the other shards do (they keep theirs)",
+            core.rank,
+            address,
+            core.version,
+            core.pending_push_version,
+        )
         return
     if as_shard:
         # docs/algorithms.md, "Sharded resume": the other shards keep what they applied (or, under
         # BSP, come back to one round with it).
-        log.warning("rank %s: the shard at %s resumed from a checkpoint at version %d, before the weights this "
-                    "gradient was computed on (version %d): its piece of the gradient is dropped there (the "
-                    "other shards keep theirs; under BSP every shard then goes back to one round, if they have "
-                    "checkpoints of one)", core.rank, address, core.version, core.pending_push_version)
+        log.warning(
+            "rank %s: the shard at %s resumed from a checkpoint at version %d, before the weights this "
+            "gradient was computed on (version %d): its piece of the gradient is dropped there (the "
+            "other shards keep theirs; under BSP every shard then goes back to one round, if they have "
+            "checkpoints of one)",
+            core.rank,
+            address,
+            core.version,
+            core.pending_push_version,
+        )
     else:
-        log.warning("rank %s: the server resumed from a checkpoint at version %d, before the weights this gradient "
-                    "was computed on (version %d): the gradient is dropped, and the updates made after that "
-                    "checkpoint are lost; going on from the server's weights and clock (%d)", core.rank,
-                    core.version, core.pending_push_version, core.clock)
+        log.warning(
+            "rank %s: the server resumed from a checkpoint at version %d, before the weights this gradient "
+            "was computed on (version %d): the gradient is dropped, and the updates made after that "
+            "checkpoint are lost; going on from the server's weights and clock (%d)",
+            core.rank,
+            core.version,
+            core.pending_push_version,
+            core.clock,
+        )
     core.forget_push(dropped=True)
 
 

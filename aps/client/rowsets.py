@@ -1,5 +1,5 @@
 """The rows of one request, as a worker builds them: which tables, which ids, which gradient
-rows, and where the rows asked for land (docs/design.md, "Embedding tables").
+rows, and where the rows asked for land (docs/design/engine.md, "Embedding tables").
 
 A :class:`RowsCall` is what the caller asked, checked and in the model's table order; the
 protocol core sends it (aps.wire.rows) and receives the rows straight into its ``outs``.
@@ -38,8 +38,13 @@ class RowsCall(NamedTuple):
     versioned: bool = True
 
 
-def rows_call(layout: Layout, push: Mapping[str, Any] | None, pull: Mapping[str, Any] | None,
-              out: Mapping[str, np.ndarray] | None, dense: bool) -> RowsCall:
+def rows_call(
+    layout: Layout,
+    push: Mapping[str, Any] | None,
+    pull: Mapping[str, Any] | None,
+    out: Mapping[str, np.ndarray] | None,
+    dense: bool,
+) -> RowsCall:
     """Check what a caller asked (tables known, ids int64 in range, gradient rows of the
     table's shape, ``out`` arrays of the right shape) and put it in table order.
 
@@ -72,11 +77,16 @@ def rows_call(layout: Layout, push: Mapping[str, Any] | None, pull: Mapping[str,
         target = None if out is None else out.get(name)
         if target is None:
             target = np.empty((len(ids), table.dim), np.float32)
-        elif (not isinstance(target, np.ndarray) or target.dtype != np.float32
-              or target.shape != (len(ids), table.dim) or not target.flags.c_contiguous
-              or not target.flags.writeable):
-            raise InvalidIds(f"table {name!r}: out must be a writable C-contiguous float32 array of shape "
-                             f"({len(ids)}, {table.dim})")
+        elif (
+            not isinstance(target, np.ndarray)
+            or target.dtype != np.float32
+            or target.shape != (len(ids), table.dim)
+            or not target.flags.c_contiguous
+            or not target.flags.writeable
+        ):
+            raise InvalidIds(
+                f"table {name!r}: out must be a writable C-contiguous float32 array of shape ({len(ids)}, {table.dim})"
+            )
         pulled.append(RowSection(index, ids, None))
         outs.append(target)
         names.append(name)
@@ -108,11 +118,13 @@ def split(call: RowsCall, shards: int, every: bool) -> Split:
     calls: list[list] = [[[], [], []] for _ in range(shards)]
     places: list[list[np.ndarray]] = [[] for _ in range(shards)]
     for section in call.push:
+        values = section.values
+        assert values is not None  # (a pushed section holds its gradient rows: rows_call)
         owner = shard_of(section.ids, shards)
         for shard in range(shards):
             mask = owner == shard
             if mask.any():
-                calls[shard][0].append(RowSection(section.table, section.ids[mask], section.values[mask]))
+                calls[shard][0].append(RowSection(section.table, section.ids[mask], values[mask]))
     for section, name, whole in zip(call.pull, call.names, call.outs):
         owner = shard_of(section.ids, shards)
         for shard in range(shards):
@@ -127,7 +139,7 @@ def split(call: RowsCall, shards: int, every: bool) -> Split:
         if not (every or call.dense or push or pull):
             out.append(None)
             continue
-        out.append(RowsCall(push, pull, [array for _, array in outs], call.dense, [name for name, _ in outs],
-                            call.versioned))
+        out.append(
+            RowsCall(push, pull, [array for _, array in outs], call.dense, [name for name, _ in outs], call.versioned)
+        )
     return Split(out, places)
-

@@ -83,8 +83,9 @@ def send_order(rank: int, count: int) -> list[int]:
     return [(rank + step) % count for step in range(count)]
 
 
-def hyper_payloads(groups: Sequence[Mapping[str, float]], numel: int, defaults: Mapping[str, float] | None,
-                   bounds: Sequence[int]) -> list[tuple[bytes, list[int]]]:
+def hyper_payloads(
+    groups: Sequence[Mapping[str, float]], numel: int, defaults: Mapping[str, float] | None, bounds: Sequence[int]
+) -> list[tuple[bytes, list[int]]]:
     """Each shard's HYPER payload for the model-wide ``groups`` (the groups that meet its
     range, their stops made local to it; every shard meets at least one group), with the
     model-wide number of each of its groups (for the messages)."""
@@ -94,8 +95,10 @@ def hyper_payloads(groups: Sequence[Mapping[str, float]], numel: int, defaults: 
     # The stops must cut the model for the cut by shard to mean anything; the shards
     # check the values (each sees its groups), as one server would.
     check_stops(records, numel)
-    return [(encode_hyper(shard_groups(records, lo, hi)), shard_group_numbers(records, lo, hi))
-            for lo, hi in zip(bounds, bounds[1:])]
+    return [
+        (encode_hyper(shard_groups(records, lo, hi)), shard_group_numbers(records, lo, hi))
+        for lo, hi in zip(bounds, bounds[1:])
+    ]
 
 
 def state_payloads(state: Mapping[str, Any], numel: int, bounds: Sequence[int]) -> list[tuple[bytes, list[np.ndarray]]]:
@@ -105,8 +108,9 @@ def state_payloads(state: Mapping[str, Any], numel: int, bounds: Sequence[int]) 
     payloads = []
     for lo, hi in zip(bounds, bounds[1:]):
         pieces = [array[lo:hi] for array in arrays]
-        payloads.append((encode_state_head(optimizer, steps, hi - lo, names, digest=state_digest(steps, pieces)),
-                         pieces))
+        payloads.append(
+            (encode_state_head(optimizer, steps, hi - lo, names, digest=state_digest(steps, pieces)), pieces)
+        )
     return payloads
 
 
@@ -118,14 +122,16 @@ def check_values(payloads: list[tuple[bytes, list[np.ndarray]]]) -> None:
         InvalidState: a negative second moment (``exp_avg_sq``).
     """
     names = decode_state_head(payloads[0][0]).arrays
-    problem = negative_second_moment({name: [pieces[index] for _, pieces in payloads]
-                                      for index, name in enumerate(names)})
+    problem = negative_second_moment(
+        {name: [pieces[index] for _, pieces in payloads] for index, name in enumerate(names)}
+    )
     if problem is not None:
         raise InvalidState(problem)
 
 
-def weights_payloads(params: Mapping[str, Any] | np.ndarray, layout: Layout | None,
-                     bounds: Sequence[int]) -> list[tuple[bytes, np.ndarray]]:
+def weights_payloads(
+    params: Mapping[str, Any] | np.ndarray, layout: Layout | None, bounds: Sequence[int]
+) -> list[tuple[bytes, np.ndarray]]:
     """Each shard's LOAD_WEIGHTS digest and weights: the whole model's (checked whole
     first, as one server would) cut by the shards' bounds."""
     if layout is None:
@@ -140,16 +146,24 @@ def joined_state(states: list[dict[str, Any]]) -> dict[str, Any]:
     first = states[0]
     steps = [state["steps"] for state in states]
     if len(set(steps)) > 1:
-        raise InvalidState(f"the shards' optimizers have applied different numbers of updates ({steps}, in shard "
-                           "order): the state was read while updates were being applied; read it again when no "
-                           "worker pushes (after a BSP round, or with the others waiting)")
+        raise InvalidState(
+            f"the shards' optimizers have applied different numbers of updates ({steps}, in shard "
+            "order): the state was read while updates were being applied; read it again when no "
+            "worker pushes (after a BSP round, or with the others waiting)"
+        )
     for index, state in enumerate(states):
         if state["optimizer"] != first["optimizer"] or list(state["arrays"]) != list(first["arrays"]):
-            raise InvalidState(f"shard {index} holds {state['optimizer']} state {list(state['arrays'])}, shard 0 "
-                               f"{first['optimizer']} state {list(first['arrays'])}")
+            raise InvalidState(
+                f"shard {index} holds {state['optimizer']} state {list(state['arrays'])}, shard 0 "
+                f"{first['optimizer']} state {list(first['arrays'])}"
+            )
     arrays = {name: np.concatenate([state["arrays"][name] for state in states]) for name in first["arrays"]}
-    return {"optimizer": first["optimizer"], "steps": first["steps"],
-            "version": min(state["version"] for state in states), "arrays": arrays}
+    return {
+        "optimizer": first["optimizer"],
+        "steps": first["steps"],
+        "version": min(state["version"] for state in states),
+        "arrays": arrays,
+    }
 
 
 def check_fp16_range(pieces: list, channels: list) -> None:
@@ -165,23 +179,30 @@ def check_fp16_range(pieces: list, channels: list) -> None:
     if overflowed:
         raise NonFiniteGradient(
             f"{overflowed} gradient element(s) beyond fp16's range (|x| > 65504): nothing was sent; "
-            "scale the loss down, or use compression='bf16' (float32's range)")
+            "scale the loss down, or use compression='bf16' (float32's range)"
+        )
 
 
-def common_cut(rank: int, now: list[int], versions: list[list[int]], target: int) -> int | None:
+def common_cut(rank: int | None, now: list[int], versions: list[list[int]], target: int) -> int | None:
     """The newest round at most ``target`` that every shard has a checkpoint of (None, with
     the reason logged, when there is none); ``now``: the shards' versions."""
     common = set(versions[0]).intersection(*versions[1:])
     cut = max((v for v in common if v <= target), default=None)
     if cut is None:
-        log.error("rank %s: shard versions %s after a shard resumed older, and no round that every shard has "
-                  "a checkpoint of (at most version %d; the shards' checkpoints: %s): each shard goes on from "
-                  "where it is, and the rounds the resumed shard lost stay lost for its range (take "
-                  "checkpoints with --checkpoint-every-updates to have the shards' at the same rounds)",
-                  rank, now, target, versions)
+        log.error(
+            "rank %s: shard versions %s after a shard resumed older, and no round that every shard has "
+            "a checkpoint of (at most version %d; the shards' checkpoints: %s): each shard goes on from "
+            "where it is, and the rounds the resumed shard lost stay lost for its range (take "
+            "checkpoints with --checkpoint-every-updates to have the shards' at the same rounds)",
+            rank,
+            now,
+            target,
+            versions,
+        )
     else:
-        log.warning("rank %s: a shard resumed older; every shard goes back to round %d (shard versions %s)",
-                    rank, cut, now)
+        log.warning(
+            "rank %s: a shard resumed older; every shard goes back to round %d (shard versions %s)", rank, cut, now
+        )
     return cut
 
 
@@ -200,7 +221,7 @@ def _renumber(exc: InvalidHyperparameters, numbers: list[int]) -> InvalidHyperpa
     match = re.match(r"group (\d+):", str(exc))
     if match is None or int(match.group(1)) >= len(numbers):
         return exc
-    return InvalidHyperparameters(f"group {numbers[int(match.group(1))]}:" + str(exc)[match.end():])
+    return InvalidHyperparameters(f"group {numbers[int(match.group(1))]}:" + str(exc)[match.end() :])
 
 
 def shard_groups(groups: list[HyperGroup], start: int, stop: int) -> list[HyperGroup]:
@@ -222,13 +243,16 @@ def in_shard_order(workers: list) -> list:
     by_index: dict[int, tuple[Any, dict]] = {}
     for worker, description in zip(workers, described):
         index, shards = description.get("shard"), description.get("shards")
-        if shards != count:
+        if shards != count or not isinstance(index, int) or not 0 <= index < count:
             raise ConfigurationError(
                 f"the server at {worker.address} is shard {index} of {shards} (--shard {index} --shards {shards}), "
-                f"but this worker was given {count} servers")
+                f"but this worker was given {count} servers"
+            )
         if index in by_index:
-            raise ConfigurationError(f"the servers at {by_index[index][0].address} and {worker.address} are both "
-                                     f"shard {index} (--shard {index})")
+            raise ConfigurationError(
+                f"the servers at {by_index[index][0].address} and {worker.address} are both "
+                f"shard {index} (--shard {index})"
+            )
         by_index[index] = (worker, description)
     first_worker, first = by_index[0]
     for index in range(1, count):
@@ -239,7 +263,8 @@ def in_shard_order(workers: list) -> list:
                 raise ConfigurationError(
                     f"shard {index} at {worker.address} was started with {flag} {description.get(name)}, shard 0 "
                     f"at {first_worker.address} with {flag} {value}: every shard must be started with the same "
-                    "options")
+                    "options"
+                )
     ordered = [by_index[index][0] for index in range(count)]
     check_runs(ordered, [by_index[index][1] for index in range(count)])
     return ordered
@@ -253,8 +278,10 @@ def _description(worker) -> dict:
     except ValueError:
         described = None
     if not isinstance(described, dict) or not isinstance(described.get("shard"), int):
-        raise ConfigurationError(f"the server at {worker.address} does not say which shard it is "
-                                 "(an older aps?): it cannot serve a sharded model")
+        raise ConfigurationError(
+            f"the server at {worker.address} does not say which shard it is "
+            "(an older aps?): it cannot serve a sharded model"
+        )
     return described
 
 
@@ -273,7 +300,8 @@ def check_runs(workers: list, described: list[dict] | None = None) -> None:
                 raise ConfigurationError(
                     f"shard {other} at {workers[other].address} holds run {actual}, but shard {index} at "
                     f"{workers[index].address} was trained beside run {expected} there: shard {other} was started "
-                    "without --resume, or resumed from another run's checkpoint")
+                    "without --resume, or resumed from another run's checkpoint"
+                )
 
 
 class _ShardThreads:
@@ -303,7 +331,7 @@ class _ShardThreads:
             future, function, args = job
             try:
                 future.set_result(function(*args))
-            except BaseException as exc:  # noqa: BLE001 - the caller's to raise
+            except BaseException as exc:  # the caller's to raise
                 future.set_exception(exc)
             del job, future, function, args
 
@@ -355,10 +383,8 @@ class _AsyncTurn:
         if self._before is not None and not self._mine.is_set():
             try:
                 await asyncio.wait_for(self._before.wait(), TURN_WAIT_S)
-            except asyncio.TimeoutError:
+            except TimeoutError:
                 pass
 
     def done(self) -> None:
         self._mine.set()
-
-

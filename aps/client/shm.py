@@ -50,7 +50,7 @@ class ShmConnection(BlockingSocket):
         self.spin = 0.0
         self._poll: select.poll | None = None
 
-    def gradient_buffer(self, numel: int, rank: int) -> np.ndarray:
+    def gradient_buffer(self, numel: int, rank: int | None) -> np.ndarray:
         """The worker's gradient vector, in a new shared segment (created once)."""
         if self.grad_segment is None or self.grad_segment.array.size != numel:
             self.grad_segment = Segment.create(numel, f"aps-grad-rank{rank}")
@@ -70,13 +70,14 @@ class ShmConnection(BlockingSocket):
             self.rows_room.close()
             self.rows_room = None
 
-    def rows_request(self, parts: Sequence, rank: int) -> tuple[bytes, int | None]:
+    def rows_request(self, parts: Sequence, rank: int | None) -> tuple[bytes, int | None]:
         """Put a request's rows (``parts``, aps.wire.rows) in the rows segment: their rows
         reference, and the segment's descriptor when the server is to map it."""
         nbytes = sum(len(part) for part in parts)
-        if self.rows_room is None:
-            self.rows_room = Room(f"aps-rows-rank{rank}")
-        into, fresh = self.rows_room.take(nbytes)
+        room = self.rows_room
+        if room is None:
+            room = self.rows_room = Room(f"aps-rows-rank{rank}")
+        into, fresh = room.take(nbytes)
         at = 0
         for part in parts:
             size = len(part)
@@ -84,7 +85,8 @@ class ShmConnection(BlockingSocket):
             at += size
         send = fresh or not self._rows_sent
         self._rows_sent = True
-        segment = self.rows_room.segment
+        segment = room.segment
+        assert segment is not None  # (take() made it)
         return encode_rows_ref(nbytes, segment.nbytes, send), (segment.fd if send else None)
 
     def rows_unsent(self) -> None:
@@ -102,9 +104,12 @@ class ShmConnection(BlockingSocket):
             if not self._fds:
                 raise MalformedFrame("a rows reference announced a segment whose descriptor did not come")
             self._reply_rows = map_received(self._fds.popleft(), size, writable=False).view(np.uint8)
-        if length and (self._reply_rows is None or length > len(self._reply_rows)):
+        mapped = self._reply_rows
+        if not length:
+            return np.zeros(0, np.uint8)
+        if mapped is None or length > len(mapped):
             raise MalformedFrame(f"a reply's rows of {length} bytes beyond the reply segment mapped")
-        return self._reply_rows[:length] if length else np.zeros(0, np.uint8)
+        return mapped[:length]
 
     def slot(self, slot_id: int, nbytes: int, has_fd: bool, dropped: Sequence[int]) -> np.ndarray:
         """The server's slot ``slot_id``, mapping it if its descriptor came with this reply."""
@@ -147,4 +152,3 @@ class ShmConnection(BlockingSocket):
             os.close(self._fds.popleft())
         self.slots.clear()
         self._reply_rows = None
-

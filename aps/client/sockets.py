@@ -1,4 +1,5 @@
-"""What the client connections of both transports share: sending views, errors, one-off requests, the handshake and the token."""
+"""What the client connections of both transports share: sending views, errors, one-off
+requests, the handshake and the token."""
 
 from __future__ import annotations
 
@@ -39,8 +40,17 @@ from ..wire.net import parse_address
 from ..wire.segments import scm_rights
 
 __all__ = [
-    "IOV_MAX", "BlockingSocket", "ClientSocket", "advance", "client_token", "exchange", "exchange_async", "find_client_token", "newer_token",
-    "handshake", "handshake_async",
+    "IOV_MAX",
+    "BlockingSocket",
+    "ClientSocket",
+    "advance",
+    "client_token",
+    "exchange",
+    "exchange_async",
+    "find_client_token",
+    "newer_token",
+    "handshake",
+    "handshake_async",
 ]
 
 #: Buffers one ``sendmsg`` call may take.
@@ -211,11 +221,14 @@ async def exchange_async(conn, op: int, timeout: float | None, payload: bytes = 
 
 
 def _checked(reply: _OneReply, op: int) -> tuple[Header, bytes]:
-    if reply.header.op == Op.ERROR:
+    header = reply.header
+    if header is None:  # (the receive returns once it came)
+        raise MalformedFrame(f"no reply to request op {op}")
+    if header.op == Op.ERROR:
         raise error_from_code(*decode_error(reply.payload))
-    if reply.header.op != op | Op.REPLY:
-        raise MalformedFrame(f"reply op {reply.header.op} to request op {op}")
-    return reply.header, reply.payload
+    if header.op != op | Op.REPLY:
+        raise MalformedFrame(f"reply op {header.op} to request op {op}")
+    return header, reply.payload
 
 
 # The handshake (docs/protocol.md, Handshake): one generator of requests for the
@@ -231,8 +244,8 @@ def _handshake_steps(token: bytes | None, address: str, found: bool, claim: byte
         hello = yield Op.HELLO, client_nonce
     except ServerError as exc:
         raise _unproven(exc, token, address) from None
-    required, server_nonce, info = decode_hello_reply(hello)
-    if not required:
+    _, server_nonce, info = decode_hello_reply(hello)
+    if info is not None:  # (the server said who it is at once: it asks for no token)
         # A server that asks for no token cannot prove it knows this one: it may be anybody's
         # (another user's server on the port of one of this user's that is gone, whose token
         # file is still there). A worker that holds a token trains only where it is proved.
@@ -251,7 +264,8 @@ def _handshake_steps(token: bytes | None, address: str, found: bool, claim: byte
     if token is None:
         raise AuthenticationError(
             f"the server at {address} needs a token: pass token= or set $APS_TOKEN (a server this user started "
-            f"on loopback without one has its own, in {token_dir()}, found there by itself)")
+            f"on loopback without one has its own, in {token_dir()}, found there by itself)"
+        )
     try:
         reply = yield Op.AUTH, auth_proof(token, "client", server_nonce, client_nonce, claim) + claim
     except AuthenticationError:
@@ -271,8 +285,10 @@ def _unproven(exc: ServerError, token: bytes | None, address: str) -> ServerErro
     reconnects waits for its real server); without one, it is the server's error."""
     if token is None or isinstance(exc, ServerOverloaded):  # (a busy server: it is tried again anyway)
         return exc
-    return ServerUnproven(f"the server at {address} answered the handshake with an error before it proved it knows "
-                          f"the token ({exc}): refused")
+    return ServerUnproven(
+        f"the server at {address} answered the handshake with an error before it proved it knows "
+        f"the token ({exc}): refused"
+    )
 
 
 def token_file_of(address: str) -> str:
@@ -325,8 +341,9 @@ def newer_token(token: bytes | None, found: bool, host: str, port: int) -> bytes
     return fresh if fresh is not None and fresh != token else None
 
 
-def handshake(conn, token: bytes | None, timeout: float | None, *, found: bool = False,
-              claim: bytes = b"") -> ServerInfo:
+def handshake(
+    conn, token: bytes | None, timeout: float | None, *, found: bool = False, claim: bytes = b""
+) -> ServerInfo:
     """HELLO, and AUTH when the server asks for a token (each side proves it knows
     it; the token never crosses the wire). Returns what the server says of itself
     (:class:`aps.wire.protocol.ServerInfo`). Raises AuthenticationError.
@@ -351,8 +368,9 @@ def handshake(conn, token: bytes | None, timeout: float | None, *, found: bool =
             return done.value
 
 
-async def handshake_async(conn, token: bytes | None, timeout: float | None, *, found: bool = False,
-                          claim: bytes = b"") -> ServerInfo:
+async def handshake_async(
+    conn, token: bytes | None, timeout: float | None, *, found: bool = False, claim: bytes = b""
+) -> ServerInfo:
     """:func:`handshake` on an asyncio connection."""
     steps = _handshake_steps(token, str(conn.address), found, claim)
     request = next(steps)

@@ -19,6 +19,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Generator, Mapping
+from types import EllipsisType
 from typing import Any
 
 import numpy as np
@@ -43,7 +44,7 @@ from ..layout import Layout
 from ..wire.net import client_context, parse_address
 from ..wire.protocol import Flag, Op, encode_claim, encode_hyper, host_identity
 from ..wire.segments import shm_available
-from .arguments import _check_heartbeat, _check_reconnect, _check_transport, _from_env, _refuse_one_shard, _with_scheme
+from .arguments import _check_heartbeat, _check_reconnect, _check_transport, from_env, _refuse_one_shard, _with_scheme
 from .core import _DROPPED, COMPRESSION, _ClientCore, _compression
 from .payloads import flat_weights_of, resolve_hyperparameters, server_hyperparameters, server_options, state_payload
 from .recovery import _after_recovery, _describe_progress, _Patience, _Reconnecting, _recoverable, _WaitingForServer
@@ -96,12 +97,27 @@ class _ChannelSteps:
     #: in progress does not get back to its server by itself (cleared at the next fan-out).
     _interrupted = False
 
-    def __init__(self, address: Any, rank: int | None, num_workers: int | None, transport: str = "auto", *,
-                 connect_timeout: float | None = 30.0, timeout: float | None = None, heartbeat: float | None = 5.0,
-                 server_timeout: float | None = DEFAULT_SERVER_TIMEOUT, token: str | None = None, tls: Any = None,
-                 reconnect: bool = True, reconnect_timeout: float | None = DEFAULT_RECONNECT_TIMEOUT,
-                 compression: str | None = None, compress_pulls: bool = False, as_shard: bool = False,
-                 zero_copy: bool = False, spin: float = 0.0) -> None:
+    def __init__(
+        self,
+        address: Any,
+        rank: int | None,
+        num_workers: int | None,
+        transport: str = "auto",
+        *,
+        connect_timeout: float | None = 30.0,
+        timeout: float | None = None,
+        heartbeat: float | None = 5.0,
+        server_timeout: float | None = DEFAULT_SERVER_TIMEOUT,
+        token: str | None = None,
+        tls: Any = None,
+        reconnect: bool = True,
+        reconnect_timeout: float | None = DEFAULT_RECONNECT_TIMEOUT,
+        compression: str | None = None,
+        compress_pulls: bool = False,
+        as_shard: bool = False,
+        zero_copy: bool = False,
+        spin: float = 0.0,
+    ) -> None:
         _check_transport(transport)
         _check_heartbeat(heartbeat, server_timeout)
         narrow = _compression(compression, compress_pulls)
@@ -112,7 +128,7 @@ class _ChannelSteps:
         self._proven: bytes | None = None  # the token the server proved at the last handshake
         if isinstance(address, (list, tuple)) and len(address) == 1:
             address = address[0]
-        address, rank, num_workers = _from_env(address, rank, num_workers)
+        address, rank, num_workers = from_env(address, rank, num_workers)
         self._parsed = _with_scheme(parse_address(address), tls)
         self._tls = client_context(tls if tls is not None else self._parsed.scheme == "tls")
         self.address = str(self._parsed)
@@ -139,11 +155,11 @@ class _ChannelSteps:
 
     # Views ------------------------------------------------------------------
     @property
-    def rank(self) -> int:
+    def rank(self) -> int | None:
         return self._core.rank
 
     @property
-    def num_workers(self) -> int:
+    def num_workers(self) -> int | None:
         return self._core.num_workers
 
     @property
@@ -193,39 +209,52 @@ class _ChannelSteps:
     def last_push_dropped(self) -> bool:
         return self._core.dropped
 
-    def half_buffers(self, weights: np.ndarray | None = None,
-                     grad: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
+    def half_buffers(
+        self, weights: np.ndarray | None = None, grad: np.ndarray | None = None
+    ) -> tuple[np.ndarray, np.ndarray]:
         """See :meth:`aps.Worker.half_buffers`; ``weights``/``grad``: the 16-bit buffers to
         use (a sharded worker's slices of its own), made here when not given."""
         core = self._core
-        if core.layout is None or not core.compressing or not core.compress_pulls:
-            raise ConfigurationError("half_buffers needs an initialized worker over TCP with compression "
-                                     "and compress_pulls")
+        layout, flat_weights = core.layout, core.flat_weights
+        if layout is None or flat_weights is None or not core.compressing or not core.compress_pulls:
+            raise ConfigurationError(
+                "half_buffers needs an initialized worker over TCP with compression and compress_pulls"
+            )
         if grad is not None and grad is not core._half_grad:  # the slices given are the buffers from now on
             core._half_grad, core.half_views = grad, False
         if weights is not None and weights is not core._half_weights:
             core._half_weights, core.half_views = weights, False
-        if core._half_grad is None:
-            core._half_grad = np.zeros(core.layout.numel, np.uint16)
-        if core._half_weights is None:
-            core._half_weights = np.zeros(core.layout.numel, np.uint16)
+        half_grad, half_weights = core._half_grad, core._half_weights
+        if half_grad is None:
+            half_grad = core._half_grad = np.zeros(layout.numel, np.uint16)
+        if half_weights is None:
+            half_weights = core._half_weights = np.zeros(layout.numel, np.uint16)
         if not core.half_views:
-            _core.narrow(core._half_weights, core.flat_weights, core.compression)
+            _core.narrow(half_weights, flat_weights, core.compression)
             core.half_views = True
-        return core._half_weights, core._half_grad
+        return half_weights, half_grad
 
     # Verbs ------------------------------------------------------------------
-    def _init(self, params: Mapping[str, Any] | None, timeout: float | None,
-              tables: Mapping[str, Any] | None = None) -> Steps:
+    def _init(
+        self, params: Mapping[str, Any] | None, timeout: float | None, tables: Mapping[str, Any] | None = None
+    ) -> Steps:
         try:
-            yield from self._call("init", lambda: self._core.init_request(params, tables=tables,
-                                                                          values=not self._registered()), timeout,
-                                  waiting=self._note_init_wait)
+            yield from self._call(
+                "init",
+                lambda: self._core.init_request(params, tables=tables, values=not self._registered()),
+                timeout,
+                waiting=self._note_init_wait,
+            )
         except APSTimeoutError:
             raise self._init_timeout(timeout) from None
         if params is not None and self._core.joined_running:
-            log.warning("rank %s joined a running model at %s at version %d: the values passed to init() were "
-                        "not used; the server's weights were returned", self.rank, self.address, self.version)
+            log.warning(
+                "rank %s joined a running model at %s at version %d: the values passed to init() were "
+                "not used; the server's weights were returned",
+                self.rank,
+                self.address,
+                self.version,
+            )
         return self._core.weights
 
     def _pull(self, rows: RowsCall | None = None) -> Steps:
@@ -235,8 +264,11 @@ class _ChannelSteps:
 
     def _push(self, grads: Any, then_pull: bool, turn: Any = None, rows: RowsCall | None = None) -> Steps:
         """Push ``grads`` (and ``rows``' rows; or those alone), then pull if ``then_pull``."""
-        yield from self._call("push_pull" if then_pull else "push",
-                              lambda: self._core.push_request(grads, then_pull=then_pull, rows=rows), turn=turn)
+        yield from self._call(
+            "push_pull" if then_pull else "push",
+            lambda: self._core.push_request(grads, then_pull=then_pull, rows=rows),
+            turn=turn,
+        )
         return self._core.weights
 
     def _ping(self) -> Steps:
@@ -287,8 +319,10 @@ class _ChannelSteps:
         deadline = None if timeout is None else time.monotonic() + timeout
         while self._core.version != version:
             if deadline is not None and time.monotonic() > deadline:
-                raise APSTimeoutError(f"the server at {self.address} said it would rewind to version {version}, "
-                                      f"but is at version {self._core.version} after {timeout:g} s")
+                raise APSTimeoutError(
+                    f"the server at {self.address} said it would rewind to version {version}, "
+                    f"but is at version {self._core.version} after {timeout:g} s"
+                )
             yield from self._ping()  # answered until the process restarts; then the worker rejoins it
             yield SLEEP, self, 0.02
 
@@ -360,7 +394,9 @@ class _ChannelSteps:
             return weights
 
     # Getting there and back -------------------------------------------------
-    def _call(self, kind: str, request, timeout: float | None = ..., *, waiting=None, turn=None) -> Steps:
+    def _call(
+        self, kind: str, request, timeout: float | EllipsisType | None = ..., *, waiting=None, turn=None
+    ) -> Steps:
         """:meth:`_roundtrip`, getting back to a lost server and finishing the call when
         the worker reconnects by itself (``kind``: init, pull, push, push_pull, ping...).
         Each loss of the server gets ``reconnect_timeout`` seconds."""
@@ -372,15 +408,21 @@ class _ChannelSteps:
                 if not self._reconnects(kind, exc):
                     raise
                 yield from self._recover(exc)
-            kind, request = _after_recovery(self._core, kind, request, self.address, self._as_shard,
-                                            (self.server_options or {}).get("sync"))
+            kind, request = _after_recovery(
+                self._core, kind, request, self.address, self._as_shard, (self.server_options or {}).get("sync")
+            )
             if kind is None:
                 return None
 
     def _reconnects(self, kind: str, exc: APSError) -> bool:
         """Whether a call of ``kind`` that failed with ``exc`` gets back to the server by itself."""
-        return (self.reconnect_timeout != 0 and _recoverable(exc) and not self._closing and not self._interrupted
-                and (self._core.ever_joined or kind == "init"))
+        return (
+            self.reconnect_timeout != 0
+            and _recoverable(exc)
+            and not self._closing
+            and not self._interrupted
+            and (self._core.ever_joined or kind == "init")
+        )
 
     def _recover(self, lost: BaseException) -> Steps:
         """Reconnect and rejoin under this rank, with backoff, within ``reconnect_timeout``."""
@@ -397,8 +439,10 @@ class _ChannelSteps:
                         raise  # (tried again after a wait, while the reconnect's time lasts)
                     yield from self._rejoin(attempt.remaining())
                 except APSTimeoutError:
-                    raise APSTimeoutError(f"the server at {self.address} is back, but waits for the other workers: "
-                                          f"{_describe_progress(self._core.join_progress)}") from None
+                    raise APSTimeoutError(
+                        f"the server at {self.address} is back, but waits for the other workers: "
+                        f"{_describe_progress(self._core.join_progress)}"
+                    ) from None
                 break
             except APSError as exc:
                 lost = exc
@@ -430,8 +474,11 @@ class _ChannelSteps:
         if not self._may_reseat() or time.monotonic() - taken_since < self._seat_patience():
             return False
         lost = self._core.reseat()
-        log.warning("rank %d was given to another worker while this one reconnected to %s: asking for another rank",
-                    lost, self.address)
+        log.warning(
+            "rank %d was given to another worker while this one reconnected to %s: asking for another rank",
+            lost,
+            self.address,
+        )
         return True
 
     def _reopen(self, lost: BaseException | None, attempt: _Reconnecting | None, transport: str) -> Steps:
@@ -446,18 +493,19 @@ class _ChannelSteps:
 
     def _rejoin(self, timeout: float | None) -> Steps:
         """INIT again under this rank; then the values this connection had (set_hyperparameters)."""
-        yield from self._roundtrip(lambda: self._core.init_request(None, rejoin=True, values=not self._registered()),
-                                   timeout,
-                                   waiting=self._note_init_wait)
+        yield from self._roundtrip(
+            lambda: self._core.init_request(None, rejoin=True, values=not self._registered()),
+            timeout,
+            waiting=self._note_init_wait,
+        )
         payload = self._core.hyperparameters
         if payload is not None:
             yield from self._roundtrip(lambda: self._core.hyper_request(payload), timeout)
 
-    def _roundtrip(self, request, timeout: float | None = ..., *, waiting=None, turn=None) -> Steps:
+    def _roundtrip(self, request, timeout: float | EllipsisType | None = ..., *, waiting=None, turn=None) -> Steps:
         """Build a request with ``request()``, send it (once ``turn`` says so, when given),
         return its reply. ``waiting(seconds)`` is called now and then while the reply takes long."""
-        return (yield LOCKED, self, self._exchange(request, self.timeout if timeout is ... else timeout,
-                                                   waiting, turn))
+        return (yield LOCKED, self, self._exchange(request, self.timeout if timeout is ... else timeout, waiting, turn))
 
     def _exchange(self, request, timeout: float | None, waiting, turn) -> Steps:
         """(Under the lock: the request's id is the one the reply will carry.)"""
@@ -586,8 +634,11 @@ class _ChannelSteps:
                 return shm
         if transport == "shm":
             tcp.close()
-            where = ("does not share this host (or offers it no Unix socket)" if shm_available()
-                     else "cannot be reached by shared memory here")
+            where = (
+                "does not share this host (or offers it no Unix socket)"
+                if shm_available()
+                else "cannot be reached by shared memory here"
+            )
             raise ConfigurationError(f"the server at {self.address} {where}: use transport='tcp' or 'auto'")
         return tcp
 
@@ -601,8 +652,10 @@ class _ChannelSteps:
             return
         was, is_ = (before.get("shard"), before.get("shards")), (now.get("shard"), now.get("shards"))
         if was != is_:
-            raise ServerUnproven(f"the server answering at {self.address} is shard {is_[0]} of {is_[1]}, not shard "
-                                 f"{was[0]} of {was[1]} that this worker reached there: not its server")
+            raise ServerUnproven(
+                f"the server answering at {self.address} is shard {is_[0]} of {is_[1]}, not shard "
+                f"{was[0]} of {was[1]} that this worker reached there: not its server"
+            )
 
     def claim(self) -> bytes:
         """What this channel's handshake vouches for (aps.wire.protocol.encode_claim): the run
@@ -624,7 +677,7 @@ class _ChannelSteps:
             self._lost_because = reason
         self._core.reset_stream()
 
-    def _disconnected(self) -> APSConnectionError:
+    def _disconnected(self) -> APSError:
         """The error for a request on a dropped connection: why it was dropped, when known."""
         reason = getattr(self, "_lost_because", None)
         if isinstance(reason, ServerError) and isinstance(reason, APSConnectionError):  # ShuttingDown, Evicted
@@ -639,11 +692,16 @@ class _ChannelSteps:
 
     def _init_timeout(self, timeout: float | None) -> InitTimeout:
         what = "not enough" if self.num_workers is None else f"not all {self.num_workers}"
-        return InitTimeout(f"{what} workers joined {self.address} within {timeout} s: "
-                           f"{_describe_progress(self._core.join_progress)}")
+        return InitTimeout(
+            f"{what} workers joined {self.address} within {timeout} s: {_describe_progress(self._core.join_progress)}"
+        )
 
     def _note_init_wait(self, waited: float) -> None:
         """``init`` has waited ``waited`` seconds: say for what (one line, now and then)."""
-        log.warning("rank %s: waiting for the other workers at %s for %.0f s: %s", self.rank, self.address,
-                    waited, _describe_progress(self._core.join_progress))
-
+        log.warning(
+            "rank %s: waiting for the other workers at %s for %.0f s: %s",
+            self.rank,
+            self.address,
+            waited,
+            _describe_progress(self._core.join_progress),
+        )

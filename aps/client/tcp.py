@@ -35,8 +35,7 @@ __all__ = ["AsyncConnection", "BlockingConnection", "NoServerYet", "control_requ
 #: What a connect to a server that is not (yet) listening fails with: refused (the host is
 #: up, nothing listens on the port), unreachable (its network or its address not up yet),
 #: reset or aborted (a listener that went away in the handshake).
-_NOT_YET = frozenset({errno.ECONNREFUSED, errno.ENETUNREACH, errno.EHOSTUNREACH, errno.ECONNRESET,
-                      errno.ECONNABORTED})
+_NOT_YET = frozenset({errno.ECONNREFUSED, errno.ENETUNREACH, errno.EHOSTUNREACH, errno.ECONNRESET, errno.ECONNABORTED})
 
 
 class NoServerYet(APSConnectionError):
@@ -131,7 +130,7 @@ class AsyncConnection(ClientSocket):
             except BaseException:
                 sock.close()
                 raise
-        except asyncio.TimeoutError:
+        except TimeoutError:
             raise APSTimeoutError(f"connecting to tcp://{host}:{port} timed out") from None
         except OSError as exc:
             raise _cannot_connect(f"tcp://{host}:{port}", exc) from None
@@ -193,7 +192,7 @@ class AsyncTlsConnection(AsyncConnection):
             reader, writer = await asyncio.wait_for(
                 asyncio.open_connection(host, port, ssl=tls, server_hostname=host), connect_timeout
             )
-        except asyncio.TimeoutError:
+        except TimeoutError:
             raise APSTimeoutError(f"connecting to {address} timed out") from None
         except ssl.SSLError as exc:
             raise _tls_failure(address, exc) from None

@@ -74,7 +74,7 @@ def _log_rest_at_exit() -> None:
     for worker in list(_LOGGING):
         try:
             worker._send_log_rest()
-        except Exception as exc:  # noqa: BLE001 - the exit goes on whatever one worker does
+        except Exception as exc:  # the exit goes on whatever one worker does
             log.debug("rank %s: sending what was logged at exit failed: %s", worker.rank, exc)
 
 
@@ -123,10 +123,12 @@ class _Workers(WorkerFacts):
         if self._one:
             return self._channels[0].half_buffers()
         if self._half is None:
-            if self._layout is None or not all(channel.compression and channel._core.compress_pulls
-                                               for channel in self._channels):
-                raise ConfigurationError("half_buffers needs an initialized worker over TCP with compression "
-                                         "and compress_pulls")
+            if self._layout is None or not all(
+                channel.compression and channel._core.compress_pulls for channel in self._channels
+            ):
+                raise ConfigurationError(
+                    "half_buffers needs an initialized worker over TCP with compression and compress_pulls"
+                )
             weights = np.zeros(self._layout.numel, np.uint16)
             grad = np.zeros(self._layout.numel, np.uint16)
             for index, channel in enumerate(self._channels):
@@ -171,34 +173,38 @@ class _Workers(WorkerFacts):
         yield from self._one_cut(before)
         return self.weights
 
-    def _push(self, grads: Mapping[str, np.ndarray] | np.ndarray, then_pull: bool,
-              rows: Mapping[str, Any] | None = None, pull_rows: Mapping[str, Any] | None = None,
-              out: Mapping[str, np.ndarray] | None = None) -> Steps:
+    def _push(
+        self,
+        grads: Mapping[str, np.ndarray] | np.ndarray,
+        then_pull: bool,
+        rows: Mapping[str, Any] | None = None,
+        pull_rows: Mapping[str, Any] | None = None,
+        out: Mapping[str, np.ndarray] | None = None,
+    ) -> Steps:
         if rows is not None or pull_rows is not None:
             if pull_rows is not None and not then_pull:
                 raise ConfigurationError("push() pulls no rows: use push_pull(grads, rows=..., pull_rows=...)")
-            call = yield from self._rows(grads, "push_pull" if then_pull else "push", rows, pull_rows, out,
-                                         dense=True)
+            call = yield from self._rows(grads, "push_pull" if then_pull else "push", rows, pull_rows, out, dense=True)
             return self.weights if pull_rows is None else (self.weights, dict(zip(call.names, call.outs)))
         pieces = [grads] if self._one else self._gradient_pieces(grads)
         if not self._one:
             check_fp16_range(pieces, self._channels)
         before = self._versions()
-        yield from self._each(lambda index, channel, turn: channel._push(pieces[index], then_pull, turn),
-                              in_turn=True)
+        yield from self._each(lambda index, channel, turn: channel._push(pieces[index], then_pull, turn), in_turn=True)
         yield from self._one_cut(before)
         return self.weights
 
     def _pull_rows(self, table: str | Mapping[str, Any], ids: Any, out: Any, versioned: bool = True) -> Steps:
-        """(``versioned`` False: the reply's version is not taken as the worker's: aps.torch's
-        forward, whose dense weights are the last step's.)"""
+        """(``versioned`` False: the reply's version is not taken as the worker's: see
+        ``pull_rows(keep_version=True)``.)"""
         if isinstance(table, Mapping):
             if ids is not None:
                 raise ConfigurationError("pull_rows({table: ids, ...}) takes no ids of its own")
             call = yield from self._rows(None, "pull", None, table, out, dense=False, versioned=versioned)
             return dict(zip(call.names, call.outs))
-        call = yield from self._rows(None, "pull", None, {table: ids}, None if out is None else {table: out},
-                                     dense=False, versioned=versioned)
+        call = yield from self._rows(
+            None, "pull", None, {table: ids}, None if out is None else {table: out}, dense=False, versioned=versioned
+        )
         return call.outs[0]
 
     def _push_rows(self, table: str | Mapping[str, Any], ids: Any, grads: Any) -> Steps:
@@ -210,8 +216,16 @@ class _Workers(WorkerFacts):
             rows = {table: (ids, grads)}
         yield from self._rows(None, "push", rows, None, None, dense=False)
 
-    def _rows(self, grads: Any, kind: str, push: Mapping[str, Any] | None, pull: Mapping[str, Any] | None,
-              out: Mapping[str, np.ndarray] | None, dense: bool, versioned: bool = True) -> Steps:
+    def _rows(
+        self,
+        grads: Any,
+        kind: str,
+        push: Mapping[str, Any] | None,
+        pull: Mapping[str, Any] | None,
+        out: Mapping[str, np.ndarray] | None,
+        dense: bool,
+        versioned: bool = True,
+    ) -> Steps:
         """A request with rows (``kind``: pull, push or push_pull; ``dense``: with the dense
         gradient or weights), each shard its ids (:func:`aps.tables.shard_of`); a push goes to
         every shard (each counts the iteration), a pull of rows alone to those holding some.
@@ -270,12 +284,14 @@ class _Workers(WorkerFacts):
                 pass
 
     def _set_hyperparameters(self, groups: Sequence[Mapping[str, float]]) -> Steps:
+        payloads: list[tuple[bytes, list[int] | None]]
         if self._one:
             payloads = [(self._channels[0]._hyper_payload(groups), None)]
         else:  # each shard the groups that meet its range, cut to it; every shard checks first
-            self._require_layout("set_hyperparameters")
-            payloads = hyper_payloads(groups, self._layout.numel, server_hyperparameters(self.server_info),
-                                      self._bounds)
+            layout, _, _ = self._whole("set_hyperparameters")
+            payloads = list(
+                hyper_payloads(groups, layout.numel, server_hyperparameters(self.server_info), self._bounds)
+            )
 
         def call(check: bool):
             def one(index: int, channel, turn) -> Steps:
@@ -284,6 +300,7 @@ class _Workers(WorkerFacts):
                     yield from channel._hyper(payload, check)
                 except InvalidHyperparameters as exc:  # named as the caller numbered the groups
                     raise (exc if numbers is None else _renumber(exc, numbers)) from None
+
             return one
 
         if not self._one:
@@ -299,8 +316,8 @@ class _Workers(WorkerFacts):
         if self._one:
             payloads = [self._channels[0]._state_payload(state)]
         else:  # each shard its range of every array; every shard checks its part first
-            self._require_layout("load_optimizer_state")
-            payloads = state_payloads(state, self._layout.numel, self._bounds)
+            layout, _, _ = self._whole("load_optimizer_state")
+            payloads = state_payloads(state, layout.numel, self._bounds)
             yield from self._each(lambda index, channel, turn: channel._load_state(payloads[index][0], [], True))
             check_values(payloads)
         return any((yield from self._each(lambda index, channel, turn: channel._load_state(*payloads[index]))))
@@ -338,7 +355,10 @@ class _Workers(WorkerFacts):
         every link busy one way at a time. ``make(position)`` makes one place."""
         turns: list = [None] * len(self._channels)
         if in_turn:
-            for position, index in enumerate(send_order(self.rank, len(self._channels))):
+            rank = self.rank
+            if rank is None:  # (a push comes after init, which seats this worker)
+                raise NotInitialized("call init(params) before push")
+            for position, index in enumerate(send_order(rank, len(self._channels))):
                 turns[index] = make(position)
         return turns
 
@@ -360,7 +380,10 @@ class _Workers(WorkerFacts):
 
     # A BSP shard that came back older ----------------------------------------
     def _versions(self) -> list[int] | None:
-        return None if self._one else [channel.version for channel in self._channels]
+        return None if self._one else self._shard_versions()
+
+    def _shard_versions(self) -> list[int]:
+        return [channel.version for channel in self._channels]
 
     def _one_cut(self, before: list[int] | None) -> Steps:
         """After a request in which a BSP shard came back older (its version went back): bring
@@ -368,16 +391,17 @@ class _Workers(WorkerFacts):
         (docs/algorithms.md, "Sharded resume"). Other policies' shards keep what they hold."""
         if before is None or not any(c.version < v for c, v in zip(self._channels, before)):
             return
-        if (self.server_options or {}).get("sync") != "bsp" or len(set(self._versions())) == 1:
+        if (self.server_options or {}).get("sync") != "bsp" or len(set(self._shard_versions())) == 1:
             return
-        target = min(self._versions())
+        target = min(self._shard_versions())
         try:
             versions = yield from self._each(lambda index, channel, turn: channel._checkpoint_versions())
         except ServerError as exc:  # no --checkpoint-dir, an older server: each goes on from where it is
-            log.error("rank %s: a shard resumed older, and the shards cannot be brought back to one round: %s",
-                      self.rank, exc)
+            log.error(
+                "rank %s: a shard resumed older, and the shards cannot be brought back to one round: %s", self.rank, exc
+            )
             return
-        cut = common_cut(self.rank, self._versions(), list(versions), target)
+        cut = common_cut(self.rank, self._shard_versions(), list(versions), target)
         if cut is None:
             return
         try:
@@ -395,8 +419,20 @@ class _Workers(WorkerFacts):
         if not self._one and self._layout is None:
             raise NotInitialized(f"call init(params) before {what}")
 
-    def _adopt_layout(self, params: Mapping[str, Any],
-                      tables: Mapping[str, Table] | None) -> list[Mapping[str, np.ndarray]]:
+    def _whole(self, what: str = "pull or push") -> tuple[Layout, np.ndarray, np.ndarray]:
+        """(K > 1) The whole model: its layout, flat weights and flat gradient.
+
+        Raises:
+            NotInitialized: before init.
+        """
+        layout, weights, grad = self._layout, self._flat_weights, self._flat_grad
+        if layout is None or weights is None or grad is None:
+            raise NotInitialized(f"call init(params) before {what}")
+        return layout, weights, grad
+
+    def _adopt_layout(
+        self, params: Mapping[str, Any], tables: Mapping[str, Table] | None
+    ) -> list[Mapping[str, np.ndarray]]:
         """The model ``params`` describes, in the flat buffers (made, and their slices given
         to the shards' channels, at the first init); each shard's range of it, as the
         tensors (and pieces) of its layout."""
@@ -404,28 +440,29 @@ class _Workers(WorkerFacts):
             raise ConfigurationError("init takes a non-empty mapping of name to float32 array")
         layout = Layout.from_arrays(params, check_tables(tables))
         if self._layout is not None:
-            self._layout.require_same(layout, "init with a different model than before",
-                                      "init with other tables than before")
+            self._layout.require_same(
+                layout, "init with a different model than before", "init with other tables than before"
+            )
         count = len(self._channels)
         if self._layout is None:
             self._bounds = shard_bounds(layout.numel, count)
-            self._flat_weights = np.zeros(layout.numel, np.float32)
-            self._flat_grad = np.zeros(layout.numel, np.float32)
+            weights = self._flat_weights = np.zeros(layout.numel, np.float32)
+            grad = self._flat_grad = np.zeros(layout.numel, np.float32)
             for index, channel in enumerate(self._channels):
-                channel._core.adopt(self._slice(self._flat_weights, index), self._slice(self._flat_grad, index))
+                channel._core.adopt(self._slice(weights, index), self._slice(grad, index))
             self._layout = layout
-            self._weights = MappingProxyType(layout.views(self._flat_weights))
-            self._grads = MappingProxyType(layout.views(self._flat_grad))
-        layout.flatten_into(params, self._flat_weights)
-        return [layout.shard(index, count).views(self._slice(self._flat_weights, index)) for index in range(count)]
+            self._weights = MappingProxyType(layout.views(weights))
+            self._grads = MappingProxyType(layout.views(grad))
+        _, weights, _ = self._whole("init")
+        layout.flatten_into(params, weights)
+        return [layout.shard(index, count).views(self._slice(weights, index)) for index in range(count)]
 
     def _gradient_pieces(self, grads: Mapping[str, np.ndarray] | np.ndarray) -> list:
         """Each shard's piece of ``grads``, put in the flat gradient buffer first (nothing
         to do when they are in it; the 16-bit buffer of :meth:`half_buffers` goes as it is)."""
-        self._require_layout()
+        layout, _, flat = self._whole()
         if self._half is not None and grads is self._half[1]:
             return [channel._core._half_grad for channel in self._channels]
-        flat, layout = self._flat_grad, self._layout
         if grads is not flat and grads is not self._grads:
             if isinstance(grads, np.ndarray):
                 if grads.shape != (layout.numel,):
@@ -502,7 +539,7 @@ class Worker(ThreadedFanOut, _Workers):
             float32's range. Over shared memory gradients stay float32.
         compress_pulls: with ``compression``, the weights come back as 16-bit
             values too (the server keeps float32 master weights; the worker
-            computes on weights rounded to 16 bits: see docs/design.md, "Wire
+            computes on weights rounded to 16 bits: see docs/design/wire.md, "Wire
             compression", for the cost).
         zero_copy: over shared memory, a pull moves no weight bytes: :attr:`weights`
             and :attr:`flat_weights` are read-only views into the server's snapshot
@@ -555,17 +592,36 @@ class Worker(ThreadedFanOut, _Workers):
         self._pool: _ShardThreads | None = None
         if compression is None:
             compression = os.environ.get("APS_COMPRESSION") or None
-        options = dict(connect_timeout=connect_timeout, timeout=timeout, heartbeat=heartbeat,
-                       server_timeout=server_timeout, token=token, tls=tls, reconnect=reconnect,
-                       reconnect_timeout=reconnect_timeout, compression=compression, compress_pulls=compress_pulls)
+        options = dict(
+            connect_timeout=connect_timeout,
+            timeout=timeout,
+            heartbeat=heartbeat,
+            server_timeout=server_timeout,
+            token=token,
+            tls=tls,
+            reconnect=reconnect,
+            reconnect_timeout=reconnect_timeout,
+            compression=compression,
+            compress_pulls=compress_pulls,
+        )
         addresses = server_addresses(address)
         if zero_copy and len(addresses) > 1:
             raise ConfigurationError("zero_copy needs one server: a sharded worker joins its shards' weights")
         channels: list[Channel] = []
         try:
             for one in addresses:
-                channels.append(Channel(one, rank, num_workers, transport, as_shard=len(addresses) > 1,
-                                        zero_copy=zero_copy, spin=spin, **options))
+                channels.append(
+                    Channel(
+                        one,
+                        rank,
+                        num_workers,
+                        transport,
+                        as_shard=len(addresses) > 1,
+                        zero_copy=zero_copy,
+                        spin=spin,
+                        **options,
+                    )
+                )
             if len(channels) > 1:
                 channels = in_shard_order(channels)
         except BaseException:
@@ -584,8 +640,9 @@ class Worker(ThreadedFanOut, _Workers):
         return cls(None, None, None, **options)
 
     # Requests -------------------------------------------------------------
-    def init(self, params: Mapping[str, Any], *, tables: Mapping[str, Table] | None = None,
-             timeout: float | None = 300.0) -> Mapping[str, np.ndarray]:
+    def init(
+        self, params: Mapping[str, Any], *, tables: Mapping[str, Table] | None = None, timeout: float | None = 300.0
+    ) -> Mapping[str, np.ndarray]:
         """Join the training and return the server's initial weights.
 
         The first worker to join provides the initial weights; later workers
@@ -619,7 +676,9 @@ class Worker(ThreadedFanOut, _Workers):
         """
         return run(self._pull(rows, out))
 
-    def pull_rows(self, table: str | Mapping[str, Any], ids: Any = None, *, out: Any = None):
+    def pull_rows(
+        self, table: str | Mapping[str, Any], ids: Any = None, *, out: Any = None, keep_version: bool = False
+    ) -> Any:
         """The rows of ``ids`` of embedding table ``table``: a float32 array of shape
         ``(len(ids), dim)`` (duplicates allowed, order kept), into ``out`` when given (a
         C-contiguous float32 array of that shape: no other copy is made). Several tables in one
@@ -630,11 +689,29 @@ class Worker(ThreadedFanOut, _Workers):
         values (the server keeps nothing for them: a row is made by its first push). With
         ``--shards K``, each shard is asked for the ids it holds, at once.
 
+        Args:
+            table: the table's name, or ``{table: ids}`` for several tables in one request.
+            ids: the ids (integers in ``[0, rows)``; duplicates allowed).
+            out: where the rows go (``{table: array}`` for several tables).
+            keep_version: leave :attr:`version` as it is: the version of the dense weights
+                this worker holds, which its next push says its gradient was computed on (a
+                forward that reads rows between two steps, as :class:`aps.torch.Embedding`
+                does). By default :attr:`version` becomes the version the rows were read at,
+                as a :meth:`pull` sets it (under the asynchronous policies, pull the dense
+                weights too).
+
+        Returns:
+            The rows (``out`` itself when given), or ``{table: rows}`` for several tables.
+
         Raises:
             InvalidIds: an unknown table, ids that are not integers or not in ``[0, rows)``, a
                 bad ``out`` (nothing is sent, nothing changes).
+
+        Example::
+
+            rows = worker.pull_rows("items", ids, keep_version=True)  # the next push says the weights held
         """
-        return run(self._pull_rows(table, ids, out))
+        return run(self._pull_rows(table, ids, out, versioned=not keep_version))
 
     def push_rows(self, table: str | Mapping[str, Any], ids: Any = None, grads: Any = None) -> None:
         """Push gradient rows ``grads`` (shape ``(len(ids), dim)``) for ``ids`` of table ``table``
@@ -664,8 +741,14 @@ class Worker(ThreadedFanOut, _Workers):
         """
         run(self._push(grads, False, rows))
 
-    def push_pull(self, grads: Mapping[str, np.ndarray] | np.ndarray, *, rows: Mapping[str, Any] | None = None,
-                  pull_rows: Mapping[str, Any] | None = None, out: Mapping[str, np.ndarray] | None = None):
+    def push_pull(
+        self,
+        grads: Mapping[str, np.ndarray] | np.ndarray,
+        *,
+        rows: Mapping[str, Any] | None = None,
+        pull_rows: Mapping[str, Any] | None = None,
+        out: Mapping[str, np.ndarray] | None = None,
+    ):
         """:meth:`push` then :meth:`pull` in one round trip.
 
         With ``rows`` (``{table: (ids, grads)}``: the last batch's gradient rows) and

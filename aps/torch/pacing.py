@@ -31,14 +31,15 @@ class Pacer:
         self._since = time.monotonic()
 
     @classmethod
-    def from_env(cls, rank: int) -> Pacer | None:
-        """The pacing ``aps launch`` asked for (``APS_STEP_TIME``, ``APS_SLOWDOWN``, ``APS_JITTER``), if any."""
+    def from_env(cls, rank: int | None) -> Pacer | None:
+        """The pacing ``aps launch`` asked for (``APS_STEP_TIME``, ``APS_SLOWDOWN``, ``APS_JITTER``), if any;
+        ``rank`` (this worker's; None: 0) seeds its jitter."""
         step_time = float(os.environ.get("APS_STEP_TIME", "0") or 0)
         if step_time <= 0:
             return None
         slowdown = float(os.environ.get("APS_SLOWDOWN", "1") or 1)
         jitter = float(os.environ.get("APS_JITTER", "0") or 0)
-        return cls(step_time, slowdown, jitter, seed=rank)
+        return cls(step_time, slowdown, jitter, seed=0 if rank is None else rank)
 
     def wait(self) -> None:
         """Sleep out the rest of this iteration's emulated time."""

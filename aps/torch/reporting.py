@@ -47,8 +47,15 @@ class Reporter:
         self._names: set[str] = set()
         self._refused: set[str] = set()
 
-    def step(self, step: int, *, loss: Any = None, lr: float | None = None, metrics: Mapping[str, Any] | None = None,
-             batch: Any = None) -> None:
+    def step(
+        self,
+        step: int,
+        *,
+        loss: Any = None,
+        lr: float | torch.Tensor | None = None,
+        metrics: Mapping[str, Any] | None = None,
+        batch: Any = None,
+    ) -> None:
         scalars: dict[str, float] = {}
         if isinstance(loss, Mapping):
             loss = loss.get("loss")

@@ -55,8 +55,9 @@ class ElasticSampler:
     those too.
     """
 
-    def __init__(self, size: int, worker: Worker, *, chunk: int = 256, shuffle: bool = True, seed: int = 0,
-                 name: str = "data") -> None:
+    def __init__(
+        self, size: int, worker: Worker, *, chunk: int = 256, shuffle: bool = True, seed: int = 0, name: str = "data"
+    ) -> None:
         if not isinstance(size, (int, np.integer)) or size < 0:
             raise ConfigurationError(f"size must be a whole number >= 0, got {size!r}")
         if not isinstance(chunk, (int, np.integer)) or chunk < 1:
@@ -106,7 +107,7 @@ class ElasticSampler:
                 return
             self.claimed.append(index)
             self.chunk_done = False
-            part = order[index * self.chunk:(index + 1) * self.chunk].tolist()
+            part = order[index * self.chunk : (index + 1) * self.chunk].tolist()
             for position, sample in enumerate(part, 1):
                 self.chunk_done = position == len(part)
                 yield sample

@@ -9,6 +9,7 @@ torch = pytest.importorskip("torch")
 
 import aps
 import aps.torch
+import aps.torch.optimizer
 from aps.errors import ConfigurationError, InvalidHyperparameters, InvalidState
 
 LR, MOMENTUM = 0.05, 0.9
@@ -113,7 +114,7 @@ def test_a_constructor_that_fails_after_connecting_closes_its_worker(server_proc
             super().__init__(*args, **kwargs)
             made.append(self)
 
-    monkeypatch.setattr(aps.torch, "Worker", Recorded)
+    monkeypatch.setattr(aps.torch.optimizer, "Worker", Recorded)  # (the worker the optimizer makes)
     monkeypatch.setenv("APS_STEP_TIME", "0.01")
     monkeypatch.setenv("APS_SLOWDOWN", "0")  # refused by the Pacer, made last
     with pytest.raises(ConfigurationError, match="slowdown"):

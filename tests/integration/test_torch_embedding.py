@@ -100,8 +100,8 @@ def test_a_prefetch_pulls_every_table_in_one_request(server_process):
         expected = model(items, tags, offsets, None).detach()
         opt.zero_grad()
         calls = []
-        pull_rows = opt.worker._pull_rows
-        opt.worker._pull_rows = lambda *args, **kwargs: calls.append(args) or pull_rows(*args, **kwargs)
+        pull_rows = opt.worker.pull_rows
+        opt.worker.pull_rows = lambda *args, **kwargs: calls.append(args) or pull_rows(*args, **kwargs)
         opt.prefetch({"items": items, "tags": tags})
         assert len(calls) == 1 and set(calls[0][0]) == {"items", "tags"}
         assert torch.equal(model(items, tags, offsets, None).detach(), expected)

@@ -154,6 +154,19 @@ def test_version_is_the_version_of_the_weights_held(server, client):
         assert (worker.version, worker.clock) == (2, 2)
 
 
+def test_a_pull_of_rows_keeps_the_version_of_the_weights_held_when_asked(server, client):
+    """``pull_rows(keep_version=True)`` reads the rows at the model's newest version and
+    leaves the worker's version (what its next push says) as the dense weights it holds."""
+    with client(server.address) as worker:
+        worker.init({"w": np.zeros(3, np.float32)}, tables={"items": aps.Table(rows=100, dim=2)})
+        worker.push(worker.grads)  # the model is at version 1; the worker holds version 0
+        rows = worker.pull_rows("items", [3, 4, 3], keep_version=True)
+        assert rows.shape == (3, 2) and np.array_equal(rows[0], rows[2]) and worker.version == 0
+        assert set(worker.pull_rows({"items": [5]}, keep_version=True)) == {"items"} and worker.version == 0
+        worker.pull_rows("items", [3])
+        assert worker.version == 1  # (by default, as a pull)
+
+
 def test_a_cancelled_request_never_corrupts_the_model(server):
     """Cancelled mid-send, the worker drops its connection rather than finish the
     frame with the next request's bytes."""

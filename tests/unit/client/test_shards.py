@@ -197,3 +197,16 @@ def test_the_asyncio_driver_never_swallows_a_cancellation():
 
     asyncio.run(main())
     assert closed == [True]
+
+
+def test_servers_that_are_not_shards_0_to_k_minus_1_of_one_model_are_refused():
+    from aps.client.shards import in_shard_order
+    from aps.errors import ConfigurationError
+
+    def server(shard: int) -> SimpleNamespace:
+        info = SimpleNamespace(shard=f'{{"shard": {shard}, "shards": 2}}', run_id="run-1")
+        return SimpleNamespace(address=f"tcp://s{shard}:1", server_info=info)
+
+    assert [w.address for w in in_shard_order([server(1), server(0)])] == ["tcp://s0:1", "tcp://s1:1"]
+    with pytest.raises(ConfigurationError, match="is shard 2 of 2"):
+        in_shard_order([server(0), server(2)])
