@@ -144,16 +144,24 @@ def _madd(x: np.ndarray, y: np.float32, z: np.ndarray, fused: bool) -> np.ndarra
 
 
 @np.errstate(all="ignore")  # non-finite values are reported, not warned about
-def accumulate(out: np.ndarray, inp: np.ndarray | None, grad: np.ndarray, scale: float = 1.0, first: bool = False,
-               grad_dtype: int = FLOAT32) -> bool:
+def accumulate(
+    out: np.ndarray,
+    inp: np.ndarray | None,
+    grad: np.ndarray,
+    scale: float = 1.0,
+    first: bool = False,
+    grad_dtype: int = FLOAT32,
+) -> bool:
     """``out = scale * grad`` when ``first``, else ``out = inp + scale * grad``; False if not finite."""
     _check_len("grad", len(grad), len(out))
     g = widened(grad, grad_dtype)
-    if not first:
+    if first:
+        result = g * _F32(scale)
+    else:
         if inp is None:
             raise ValueError("accumulate needs the running sum unless first")
         _check_len("inp", len(inp), len(out))
-    result = g * _F32(scale) if first else inp + g * _F32(scale)
+        result = inp + g * _F32(scale)
     out[:] = result
     return _finite(g, result)
 
@@ -188,7 +196,7 @@ def sgd_step(
         if buf_out is None or (buf_in is None and not first):
             raise ValueError("momentum needs momentum buffers")
         _check_len("buf_out", len(buf_out), n)
-        if first:
+        if first or buf_in is None:  # buf_in may be None on the first step only (checked above)
             buf = d.copy()
         else:
             _check_len("buf_in", len(buf_in), n)
@@ -221,8 +229,14 @@ def adam_step(
 ) -> bool:
     """One Adam or AdamW step, out of place, exactly as ``torch.optim.Adam[W]`` computes it."""
     n = len(w_in)
-    for what, arr in (("w_out", w_out), ("grad", grad), ("m_out", m_out), ("m_in", m_in), ("v_out", v_out),
-                      ("v_in", v_in)):
+    for what, arr in (
+        ("w_out", w_out),
+        ("grad", grad),
+        ("m_out", m_out),
+        ("m_in", m_in),
+        ("v_out", v_out),
+        ("v_in", v_in),
+    ):
         _check_len(what, len(arr), n)
     if step < 1:
         raise ValueError("step counts from 1")
@@ -446,8 +460,7 @@ class StalenessWindow:
             self._released_max = max(self._released_max, self._clock[rank])
         return self._clock[rank]
 
-    def restore(self, min_clock: int, last_r_star: int = -1, controller_calls: int = 0,
-                released_max: int = -1) -> None:
+    def restore(self, min_clock: int, last_r_star: int = -1, controller_calls: int = 0, released_max: int = -1) -> None:
         """With nobody live, set the slowest clock (where workers joining at the
         default clock start), the highest clock released and the controller's
         counters: resuming from a checkpoint. ``released_max < 0`` (a checkpoint
@@ -672,8 +685,9 @@ def rows_sgd(w: np.ndarray, where: np.ndarray, grad: np.ndarray, lr: float) -> b
 
 
 @np.errstate(all="ignore")
-def rows_adagrad(w: np.ndarray, state: np.ndarray, grad: np.ndarray, lr: float, eps: float = 1e-10,
-                 rowwise: bool = False) -> bool:
+def rows_adagrad(
+    w: np.ndarray, state: np.ndarray, grad: np.ndarray, lr: float, eps: float = 1e-10, rowwise: bool = False
+) -> bool:
     """Adagrad on compact, coalesced rows, as torch.optim.Adagrad with a sparse gradient
     (``rowwise``: one state value per row, the mean of g*g)."""
     rows, dim = w.shape
@@ -696,8 +710,17 @@ def rows_adagrad(w: np.ndarray, state: np.ndarray, grad: np.ndarray, lr: float, 
 
 
 @np.errstate(all="ignore")
-def rows_adam(w: np.ndarray, m: np.ndarray, v: np.ndarray, grad: np.ndarray, step: int, lr: float,
-              beta1: float = 0.9, beta2: float = 0.999, eps: float = 1e-8) -> bool:
+def rows_adam(
+    w: np.ndarray,
+    m: np.ndarray,
+    v: np.ndarray,
+    grad: np.ndarray,
+    step: int,
+    lr: float,
+    beta1: float = 0.9,
+    beta2: float = 0.999,
+    eps: float = 1e-8,
+) -> bool:
     """Lazy Adam on compact, coalesced rows, as torch.optim.SparseAdam."""
     rows, dim = w.shape
     _check_len("grad", len(grad), rows)
@@ -751,9 +774,19 @@ COMPENSATE_DC, COMPENSATE_DC_ADAPTIVE, COMPENSATE_GAP = 1, 2, 3
 
 
 @np.errstate(all="ignore")
-def compensate(out: np.ndarray, grad: np.ndarray, w: np.ndarray, w_then: np.ndarray, state_out: np.ndarray | None,
-               state_in: np.ndarray | None, kind: int, lam: float = 0.0, decay: float = 0.0, eps: float = 0.0,
-               corr: float = 1.0) -> bool:
+def compensate(
+    out: np.ndarray,
+    grad: np.ndarray,
+    w: np.ndarray,
+    w_then: np.ndarray,
+    state_out: np.ndarray | None,
+    state_in: np.ndarray | None,
+    kind: int,
+    lam: float = 0.0,
+    decay: float = 0.0,
+    eps: float = 0.0,
+    corr: float = 1.0,
+) -> bool:
     """``out`` = ``grad`` (computed on ``w_then``) compensated for being applied to ``w``
     (see the native twin; docs/algorithms.md, "Delay compensation")."""
     n = len(grad)
@@ -775,8 +808,9 @@ def compensate(out: np.ndarray, grad: np.ndarray, w: np.ndarray, w_then: np.ndar
         gap = np.abs(d) / (np.asarray(state_in, _F32) * _F32(corr) + _F32(eps))
         result = g / np.maximum(gap, _F32(1.0))
     else:
-        lam32 = _F32(lam)
+        lam32: np.floating | np.ndarray = _F32(lam)
         if kind == COMPENSATE_DC_ADAPTIVE:
+            assert state_out is not None  # checked above, before any work
             ms = np.asarray(state_in, _F32) * _F32(decay) + _F32(1.0 - decay) * (g * g)
             state_out[:] = ms
             lam32 = lam32 / np.sqrt(ms + _F32(eps))
@@ -791,5 +825,6 @@ def step_scale(c_out: np.ndarray, c_in: np.ndarray, w_out: np.ndarray, w_in: np.
     n = len(c_in)
     for name, array in (("c_out", c_out), ("w_out", w_out), ("w_in", w_in)):
         _check_len(name, len(array), n)
-    c_out[:] = np.asarray(c_in, _F32) * _F32(decay) + _F32(1.0 - decay) * np.abs(np.asarray(w_out, _F32)
-                                                                               - np.asarray(w_in, _F32))
+    c_out[:] = np.asarray(c_in, _F32) * _F32(decay) + _F32(1.0 - decay) * np.abs(
+        np.asarray(w_out, _F32) - np.asarray(w_in, _F32)
+    )

@@ -16,8 +16,16 @@ from typing import Any
 from .wire.tokens import check_token
 from .errors import ConfigurationError
 
-__all__ = ["MAX_WORKERS", "RESUME_LATEST", "RUN_OPTIONS", "ServerConfig", "env_name", "generates_token", "parse_workers",
-           "resolve_token"]
+__all__ = [
+    "MAX_WORKERS",
+    "RESUME_LATEST",
+    "RUN_OPTIONS",
+    "ServerConfig",
+    "env_name",
+    "generates_token",
+    "parse_workers",
+    "resolve_token",
+]
 
 SYNC_CHOICES = ("bsp", "asp", "ssp", "dssp", "softsync")
 LR_STALENESS_CHOICES = ("none", "inverse")
@@ -28,7 +36,9 @@ OPTIMIZER_CHOICES = ("sgd", "adam", "adamw")
 #: The arrays of each optimizer's state, in order, as STATE replies and checkpoints name them
 #: (torch.optim's names): what a worker checks a state against before sending it.
 OPTIMIZER_STATE: dict[str, tuple[str, ...]] = {
-    "sgd": ("momentum_buffer",), "adam": ("exp_avg", "exp_avg_sq"), "adamw": ("exp_avg", "exp_avg_sq"),
+    "sgd": ("momentum_buffer",),
+    "adam": ("exp_avg", "exp_avg_sq"),
+    "adamw": ("exp_avg", "exp_avg_sq"),
 }
 LOG_LEVELS = ("debug", "info", "warning", "error")
 DEFAULT_PORT = 7450
@@ -43,8 +53,24 @@ RESUME_LATEST = "latest"
 #: The options that define a run: a resumed server takes them from the checkpoint,
 #: and refuses a value given that differs (the others are the operator's to change).
 RUN_OPTIONS = (
-    "workers", "sync", "staleness", "max_staleness", "softsync_n", "backup_workers", "lr_staleness", "async_scale",
-    "optimizer", "lr", "momentum", "nesterov", "weight_decay", "betas", "eps", "shard", "shards", "staleness_cutoff",
+    "workers",
+    "sync",
+    "staleness",
+    "max_staleness",
+    "softsync_n",
+    "backup_workers",
+    "lr_staleness",
+    "async_scale",
+    "optimizer",
+    "lr",
+    "momentum",
+    "nesterov",
+    "weight_decay",
+    "betas",
+    "eps",
+    "shard",
+    "shards",
+    "staleness_cutoff",
     "compensation",
 )
 #: Run options newer than some checkpoints: a manifest that does not say one had it at this value.
@@ -90,7 +116,9 @@ def parse_workers(text: str, min_workers: int | None = None) -> tuple[int | None
             return int(low), int(high)
         return min_workers, int(low)
     except ValueError:
-        raise ConfigurationError(f"--workers takes a number of workers P or MIN:MAX (such as 2:8), got {text!r}") from None
+        raise ConfigurationError(
+            f"--workers takes a number of workers P or MIN:MAX (such as 2:8), got {text!r}"
+        ) from None
 
 
 def _opt(help: str, *, choices: tuple[str, ...] | None = None, metavar: str | None = None) -> dict:
@@ -105,25 +133,36 @@ class ServerConfig:
     port: int = field(default=DEFAULT_PORT, metadata=_opt("TCP port; 0 picks a free one and prints it"))
     workers: int = field(
         default=1,
-        metadata=_opt("number of workers P, training starting when all have joined; or MIN:MAX, elastic: training "
-                      "starts when MIN have joined, others may join up to MAX and leave while MIN remain",
-                      metavar="P|MIN:MAX"),
+        metadata=_opt(
+            "number of workers P, training starting when all have joined; or MIN:MAX, elastic: training "
+            "starts when MIN have joined, others may join up to MAX and leave while MIN remain",
+            metavar="P|MIN:MAX",
+        ),
     )
     min_workers: int | None = field(
         default=None,
-        metadata=_opt("elastic: training starts when this many have joined and holds while fewer are live "
-                      "(--workers MIN:MAX sets it; default: --workers, a fixed size)", metavar="MIN"),
+        metadata=_opt(
+            "elastic: training starts when this many have joined and holds while fewer are live "
+            "(--workers MIN:MAX sets it; default: --workers, a fixed size)",
+            metavar="MIN",
+        ),
     )
     quorum_timeout: float = field(
         default=300.0,
-        metadata=_opt("elastic: seconds training may hold below MIN live workers before the server checkpoints "
-                      "(with --checkpoint-dir) and goes on waiting", metavar="SECONDS"),
+        metadata=_opt(
+            "elastic: seconds training may hold below MIN live workers before the server checkpoints "
+            "(with --checkpoint-dir) and goes on waiting",
+            metavar="SECONDS",
+        ),
     )
     shard: int = field(default=0, metadata=_opt("this server's shard I (0..K-1) of --shards K", metavar="I"))
     shards: int = field(
         default=1,
-        metadata=_opt("cut the model into K contiguous ranges, one per aps serve process (shard I holds range I); "
-                      "workers are given every shard's address", metavar="K"),
+        metadata=_opt(
+            "cut the model into K contiguous ranges, one per aps serve process (shard I holds range I); "
+            "workers are given every shard's address",
+            metavar="K",
+        ),
     )
     sync: str = field(default="bsp", metadata=_opt("synchronization paradigm", choices=SYNC_CHOICES))
     staleness: int | None = field(
@@ -139,14 +178,20 @@ class ServerConfig:
     )
     staleness_cutoff: int | None = field(
         default=None,
-        metadata=_opt("drop a gradient computed more than R versions before the one it would be applied to "
-                      "(counted, its worker not held; asp, ssp, dssp, softsync; default: none)", metavar="R"),
+        metadata=_opt(
+            "drop a gradient computed more than R versions before the one it would be applied to "
+            "(counted, its worker not held; asp, ssp, dssp, softsync; default: none)",
+            metavar="R",
+        ),
     )
     compensation: str = field(
         default="none",
-        metadata=_opt("compensate each stale gradient for the weights it is applied to: dc:LAMBDA (DC-ASGD), "
-                      "dc-adaptive:LAMBDA (its adaptive variant) or gap (gap-aware); asp, ssp, dssp, softsync "
-                      "(docs/algorithms.md, \"Delay compensation\"; default: none)", metavar="KIND"),
+        metadata=_opt(
+            "compensate each stale gradient for the weights it is applied to: dc:LAMBDA (DC-ASGD), "
+            "dc-adaptive:LAMBDA (its adaptive variant) or gap (gap-aware); asp, ssp, dssp, softsync "
+            '(docs/algorithms.md, "Delay compensation"; default: none)',
+            metavar="KIND",
+        ),
     )
     softsync_n: int | None = field(
         default=None, metadata=_opt("n-softsync: one update per max(1, P // n) gradients (default 1)", metavar="N")
@@ -156,13 +201,18 @@ class ServerConfig:
     )
     lr_staleness: str = field(
         default="none",
-        metadata=_opt("staleness-aware learning rate: inverse divides lr by each gradient's staleness",
-                      choices=LR_STALENESS_CHOICES),
+        metadata=_opt(
+            "staleness-aware learning rate: inverse divides lr by each gradient's staleness",
+            choices=LR_STALENESS_CHOICES,
+        ),
     )
     async_scale: str = field(
         default="sum",
-        metadata=_opt("asp/ssp/dssp: mean scales each gradient by 1/P, so a round of pushes moves "
-                      "the weights about as far as one BSP step", choices=ASYNC_SCALE_CHOICES),
+        metadata=_opt(
+            "asp/ssp/dssp: mean scales each gradient by 1/P, so a round of pushes moves "
+            "the weights about as far as one BSP step",
+            choices=ASYNC_SCALE_CHOICES,
+        ),
     )
     optimizer: str = field(default="sgd", metadata=_opt("server-side optimizer", choices=OPTIMIZER_CHOICES))
     lr: float = field(default=0.01, metadata=_opt("learning rate"))
@@ -194,13 +244,18 @@ class ServerConfig:
     )
     max_connections: int = field(
         default=1024,
-        metadata=_opt("connections accepted at once; more are refused with an error (the server raises its "
-                      "descriptor limit to fit)", metavar="N"),
+        metadata=_opt(
+            "connections accepted at once; more are refused with an error (the server raises its "
+            "descriptor limit to fit)",
+            metavar="N",
+        ),
     )
     handshake_timeout: float = field(
         default=10.0,
-        metadata=_opt("seconds a connection that has not joined has to complete a frame (slow peers are closed)",
-                      metavar="SECONDS"),
+        metadata=_opt(
+            "seconds a connection that has not joined has to complete a frame (slow peers are closed)",
+            metavar="SECONDS",
+        ),
     )
     stream_min_bytes: int = field(
         default=1 << 20,
@@ -212,8 +267,11 @@ class ServerConfig:
     )
     kernel_threads: int = field(
         default=0,
-        metadata=_opt("threads one large update (4 MiB and up) runs on, bit for bit the one-thread result "
-                      "(0: half the cores, at most 8)", metavar="N"),
+        metadata=_opt(
+            "threads one large update (4 MiB and up) runs on, bit for bit the one-thread result "
+            "(0: half the cores, at most 8)",
+            metavar="N",
+        ),
     )
     table_memory: int | None = field(
         default=None,
@@ -241,8 +299,9 @@ class ServerConfig:
     )
     tls_cert: str | None = field(
         default=None,
-        metadata=_opt("serve TCP over TLS with this certificate (PEM; its chain, and the key unless --tls-key)",
-                      metavar="PATH"),
+        metadata=_opt(
+            "serve TCP over TLS with this certificate (PEM; its chain, and the key unless --tls-key)", metavar="PATH"
+        ),
     )
     tls_key: str | None = field(default=None, metadata=_opt("the private key of --tls-cert (PEM)", metavar="PATH"))
     tls_ca: str | None = field(
@@ -251,19 +310,27 @@ class ServerConfig:
     )
     insecure: bool = field(
         default=False,
-        metadata=_opt("serve without a token: anyone who reaches the port (on loopback: any user of this "
-                      "machine) can join, push, pull and read the model"),
+        metadata=_opt(
+            "serve without a token: anyone who reaches the port (on loopback: any user of this "
+            "machine) can join, push, pull and read the model"
+        ),
     )
     http_port: int | None = field(
         default=None,
-        metadata=_opt("serve a live dashboard (/), Prometheus metrics (/metrics) and a JSON API (/api/stats, "
-                      "/api/config) over HTTP on this port of --host (0 picks a free one and prints it); off by "
-                      "default (aps launch and aps demo: on, on a free port)", metavar="PORT"),
+        metadata=_opt(
+            "serve a live dashboard (/), Prometheus metrics (/metrics) and a JSON API (/api/stats, "
+            "/api/config) over HTTP on this port of --host (0 picks a free one and prints it); off by "
+            "default (aps launch and aps demo: on, on a free port)",
+            metavar="PORT",
+        ),
     )
     checkpoint_dir: str | None = field(
         default=None,
-        metadata=_opt("write checkpoints (weights, optimizer state, version, clocks) into this directory: "
-                      "periodically, on request (aps checkpoint now), and at a clean shutdown", metavar="DIR"),
+        metadata=_opt(
+            "write checkpoints (weights, optimizer state, version, clocks) into this directory: "
+            "periodically, on request (aps checkpoint now), and at a clean shutdown",
+            metavar="DIR",
+        ),
     )
     checkpoint_every: float = field(
         default=60.0,
@@ -275,20 +342,27 @@ class ServerConfig:
     checkpoint_keep: int = field(default=3, metadata=_opt("checkpoints kept; older ones are deleted", metavar="K"))
     resume: str | None = field(
         default=None,
-        metadata=_opt("continue a run from a checkpoint: PATH, or the newest complete one in --checkpoint-dir "
-                      "when given without PATH (a new run when there is none); flags left out take the "
-                      "checkpoint's values, flags given must agree with them", metavar="PATH"),
+        metadata=_opt(
+            "continue a run from a checkpoint: PATH, or the newest complete one in --checkpoint-dir "
+            "when given without PATH (a new run when there is none); flags left out take the "
+            "checkpoint's values, flags given must agree with them",
+            metavar="PATH",
+        ),
     )
     fork_run: bool = field(
         default=False,
-        metadata=_opt("with --resume: go on from the checkpoint as a new run, under a run id of its own (the "
-                      "original run's server may still be live; its workers are not served here)"),
+        metadata=_opt(
+            "with --resume: go on from the checkpoint as a new run, under a run id of its own (the "
+            "original run's server may still be live; its workers are not served here)"
+        ),
     )
     resume_unsigned: bool = field(
         default=False,
-        metadata=_opt("with --resume and a token: resume a checkpoint that is not signed with it (written by a "
-                      "server without a token of its operator's, or with another one): only when you know where "
-                      "it comes from"),
+        metadata=_opt(
+            "with --resume and a token: resume a checkpoint that is not signed with it (written by a "
+            "server without a token of its operator's, or with another one): only when you know where "
+            "it comes from"
+        ),
     )
     log_level: str = field(default="info", metadata=_opt("logging level", choices=LOG_LEVELS))
 
@@ -318,8 +392,11 @@ class ServerConfig:
         """Raise ConfigurationError if an option is out of range."""
         for f in dataclasses.fields(self):
             value = getattr(self, f.name)
-            if isinstance(value, float) and not math.isfinite(value) and (
-                    math.isnan(value) or f.name in _FINITE_OPTIONS):
+            if (
+                isinstance(value, float)
+                and not math.isfinite(value)
+                and (math.isnan(value) or f.name in _FINITE_OPTIONS)
+            ):
                 raise ConfigurationError(f"--{f.name.replace('_', '-')} must be a finite number, got {value}")
         if not 0 <= self.port <= 65535:
             raise ConfigurationError(f"--port {self.port} is out of range 0..65535")
@@ -334,8 +411,9 @@ class ServerConfig:
         if self.shards < 1:
             raise ConfigurationError(f"--shards must be at least 1, got {self.shards}")
         if not 0 <= self.shard < self.shards:
-            raise ConfigurationError(f"--shard must be in 0..{self.shards - 1} for --shards {self.shards}, "
-                                     f"got {self.shard}")
+            raise ConfigurationError(
+                f"--shard must be in 0..{self.shards - 1} for --shards {self.shards}, got {self.shard}"
+            )
         if self.sync not in SYNC_CHOICES:
             raise ConfigurationError(f"unknown sync paradigm {self.sync!r}: choose from {', '.join(SYNC_CHOICES)}")
         if self.staleness is not None:
@@ -355,17 +433,24 @@ class ServerConfig:
             if self.staleness_cutoff < 0:
                 raise ConfigurationError(f"--staleness-cutoff must be >= 0, got {self.staleness_cutoff}")
             if self.sync == "bsp":
-                raise ConfigurationError("--staleness-cutoff applies to asp, ssp, dssp and softsync: a BSP round takes "
-                                         "only gradients computed on its own version (staleness 0)")
+                raise ConfigurationError(
+                    "--staleness-cutoff applies to asp, ssp, dssp and softsync: a BSP round takes "
+                    "only gradients computed on its own version (staleness 0)"
+                )
         if parse_compensation(self.compensation)[0] != "none" and self.sync == "bsp":
-            raise ConfigurationError("--compensation applies to asp, ssp, dssp and softsync: a BSP round takes only "
-                                     "gradients computed on its own version (staleness 0)")
+            raise ConfigurationError(
+                "--compensation applies to asp, ssp, dssp and softsync: a BSP round takes only "
+                "gradients computed on its own version (staleness 0)"
+            )
         if self.softsync_n is not None:
             if self.sync != "softsync":
                 raise ConfigurationError("--softsync-n applies to --sync softsync only")
             if not 1 <= self.softsync_n <= self.quorum:
-                raise ConfigurationError(f"--softsync-n must be in 1..{self.quorum}"
-                                         + (" (MIN of --workers)" if self.elastic else "") + f", got {self.softsync_n}")
+                raise ConfigurationError(
+                    f"--softsync-n must be in 1..{self.quorum}"
+                    + (" (MIN of --workers)" if self.elastic else "")
+                    + f", got {self.softsync_n}"
+                )
         if self.lr_staleness not in LR_STALENESS_CHOICES:
             raise ConfigurationError(f"unknown --lr-staleness {self.lr_staleness!r}")
         if self.async_scale not in ASYNC_SCALE_CHOICES:
@@ -434,18 +519,21 @@ class ServerConfig:
         for name, rule in _OPTIMIZER_RANGES:
             value = getattr(self, name)
             if not value >= 0.0:
-                raise ConfigurationError(f"--{name.replace('_', '-')} must be {rule} (as torch.optim requires), "
-                                         f"got {value}")
+                raise ConfigurationError(
+                    f"--{name.replace('_', '-')} must be {rule} (as torch.optim requires), got {value}"
+                )
         betas = self.betas
         if not isinstance(betas, (tuple, list)) or len(betas) != 2:
             raise ConfigurationError(f"--betas takes two numbers B1,B2, got {betas!r}")
         for index, beta in enumerate(betas):
             if not 0.0 <= beta < 1.0:
-                raise ConfigurationError(f"--betas: beta{index + 1} must be in [0, 1) (as torch.optim requires), "
-                                         f"got {beta}")
+                raise ConfigurationError(
+                    f"--betas: beta{index + 1} must be in [0, 1) (as torch.optim requires), got {beta}"
+                )
         if self.optimizer != "sgd" and (self.momentum or self.nesterov):
-            raise ConfigurationError(f"--momentum and --nesterov apply to --optimizer sgd, not {self.optimizer} "
-                                     "(Adam's momentum is --betas)")
+            raise ConfigurationError(
+                f"--momentum and --nesterov apply to --optimizer sgd, not {self.optimizer} (Adam's momentum is --betas)"
+            )
         if self.nesterov and not self.momentum > 0.0:
             raise ConfigurationError("--nesterov needs a --momentum > 0 (as torch.optim.SGD requires)")
 
@@ -480,9 +568,9 @@ class ServerConfig:
         text = self.sync
         if self.sync == "bsp" and self.backup_workers:
             text += f" backup={self.backup_workers}"
-        elif self.sync == "dssp":
+        elif self.sync == "dssp" and bounds is not None:  # always bounded
             text += f" s_L={bounds[0]} s_U={bounds[1]}"
-        elif self.sync == "ssp":
+        elif self.sync == "ssp" and bounds is not None:  # always bounded
             text += f" s={bounds[0]}"
         elif self.sync == "softsync":
             text += f" n={self.softsync_n or 1}" + (f" s={bounds[0]}" if bounds else "")

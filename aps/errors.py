@@ -392,8 +392,6 @@ class InternalServerError(ServerError, code=ErrorCode.INTERNAL):
     Troubleshooting: docs/guide/troubleshooting.md."""
 
 
-
-
 def error_from_code(code: int, message: str) -> ServerError:
     """The exception instance for a wire error ``code`` (unknown codes map to ServerError)."""
     try:

@@ -13,6 +13,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 
 import numpy as np
+from numpy.typing import ArrayLike, DTypeLike
 
 from .errors import DTypeMismatch, LayoutMismatch, TableMismatch
 from .tables import Table
@@ -72,11 +73,11 @@ class Layout:
         object.__setattr__(self, "tables", tables)
 
     @classmethod
-    def from_arrays(cls, params: Mapping[str, object], tables: Mapping[str, Table] | None = None) -> Layout:
+    def from_arrays(cls, params: Mapping[str, ArrayLike], tables: Mapping[str, Table] | None = None) -> Layout:
         """The layout of a mapping of name to array-like, in the mapping's order (and of
         ``tables``, a mapping of name to :class:`aps.tables.Table`, in theirs)."""
         shapes = []
-        for name, value in params.items():
+        for value in params.values():
             shapes.append(tuple(int(d) for d in np.shape(value)))
         return cls(tuple(str(n) for n in params), tuple(shapes), tuple((tables or {}).items()))
 
@@ -130,13 +131,13 @@ class Layout:
             for name, shape, offset, size in zip(self.names, self.shapes, self.offsets, self.sizes)
         }
 
-    def flatten_into(self, params: Mapping[str, object], flat: np.ndarray) -> None:
+    def flatten_into(self, params: Mapping[str, ArrayLike], flat: np.ndarray) -> None:
         """Copy ``params`` into ``flat`` (float32, converting as needed), checking names and shapes."""
         self.check(params, what="init values", strict_dtype=False)
         for name, offset, size in zip(self.names, self.offsets, self.sizes):
             flat[offset : offset + size] = np.asarray(params[name], dtype=np.float32).reshape(-1)
 
-    def check(self, tensors: Mapping[str, object], *, what: str = "gradients", strict_dtype: bool = True) -> None:
+    def check(self, tensors: Mapping[str, ArrayLike], *, what: str = "gradients", strict_dtype: bool = True) -> None:
         """Raise LayoutMismatch or DTypeMismatch unless ``tensors`` matches this layout.
 
         ``strict_dtype``: every tensor must be a floating-point array (float32 goes as
@@ -175,9 +176,9 @@ class Layout:
             missing = [n for n in self.names if n not in theirs]
             extra = [n for n in other.names if n not in mine]
             return f"tensor names differ (missing {missing[:5]}, unexpected {extra[:5]})"
-        for name, mine, theirs in zip(self.names, self.shapes, other.shapes):
-            if mine != theirs:
-                return f"tensor {name!r} has shape {theirs}, the model's is {mine}"
+        for name, my_shape, their_shape in zip(self.names, self.shapes, other.shapes):
+            if my_shape != their_shape:
+                return f"tensor {name!r} has shape {their_shape}, the model's is {my_shape}"
         return "layouts differ"
 
     def require_same(self, other: Layout, tensors: str, tables: str) -> None:
@@ -216,13 +217,14 @@ def shard_bounds(numel: int, shards: int) -> tuple[int, ...]:
     if shards < 1:
         raise ValueError(f"shards must be at least 1, got {shards}")
     if numel < shards * SHARD_ALIGN and shards > 1:
-        raise LayoutMismatch(f"a model of {numel} parameters is too small for {shards} shards "
-                             f"(at least {SHARD_ALIGN} each)")
+        raise LayoutMismatch(
+            f"a model of {numel} parameters is too small for {shards} shards (at least {SHARD_ALIGN} each)"
+        )
     inner = [min(numel, round(numel * i / shards / SHARD_ALIGN) * SHARD_ALIGN) for i in range(1, shards)]
     return (0, *inner, numel)
 
 
-def check_floating(dtype: object, what: str) -> None:
+def check_floating(dtype: DTypeLike | None, what: str) -> None:
     """Raise DTypeMismatch unless ``dtype`` is a real floating-point dtype.
 
     float32 is the model's own; other floating dtypes (numpy's default float64,
@@ -232,8 +234,9 @@ def check_floating(dtype: object, what: str) -> None:
     if dtype == np.float32:
         return
     if dtype is None or not np.issubdtype(dtype, np.floating):
-        raise DTypeMismatch(f"{what} is {dtype}, the model is float32: pass floating-point arrays "
-                            f"(convert with .astype(np.float32))")
+        raise DTypeMismatch(
+            f"{what} is {dtype}, the model is float32: pass floating-point arrays (convert with .astype(np.float32))"
+        )
 
 
 def line_aligned(numel: int) -> np.ndarray:

@@ -143,8 +143,12 @@ class Table:
 
     def state_per_row(self) -> dict[str, int]:
         """The optimizer's state: float32 values per row, by name."""
-        return {"sgd": {}, "adagrad": {"sum": self.dim}, "rowwise_adagrad": {"sum": 1},
-                "adam": {"exp_avg": self.dim, "exp_avg_sq": self.dim}}[self.optimizer]
+        return {
+            "sgd": {},
+            "adagrad": {"sum": self.dim},
+            "rowwise_adagrad": {"sum": 1},
+            "adam": {"exp_avg": self.dim, "exp_avg_sq": self.dim},
+        }[self.optimizer]
 
     def row_bytes(self) -> int:
         """Bytes a row takes on a server: its values and its optimizer state."""
@@ -213,8 +217,10 @@ class Table:
         if array.dtype.kind != "f":
             raise InvalidIds(f"table {name!r}: gradient rows must be floats, got {array.dtype}")
         if array.shape != (len(ids), self.dim):
-            raise InvalidIds(f"table {name!r}: gradient rows must have shape ({len(ids)}, {self.dim}) "
-                             f"(one row of dim {self.dim} per id), got {array.shape}")
+            raise InvalidIds(
+                f"table {name!r}: gradient rows must have shape ({len(ids)}, {self.dim}) "
+                f"(one row of dim {self.dim} per id), got {array.shape}"
+            )
         return np.ascontiguousarray(array, dtype=np.float32)
 
 
@@ -253,8 +259,9 @@ def _finite_at_least(value: Any, low: float) -> bool:
 
 
 def _whole(value: Any, low: int, high: int) -> bool:
-    return (isinstance(value, (int, np.integer)) and not isinstance(value, (bool, np.bool_))
-            and low <= int(value) <= high)
+    return (
+        isinstance(value, (int, np.integer)) and not isinstance(value, (bool, np.bool_)) and low <= int(value) <= high
+    )
 
 
 def check_table_name(name: Any) -> str:

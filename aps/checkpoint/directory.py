@@ -66,8 +66,9 @@ def _journal_mac(key: bytes, run_id: str, incarnation: str) -> str:
     return hmac.new(key, f"aps/1 lineage {run_id} {incarnation}".encode(), hashlib.sha256).hexdigest()
 
 
-def record_incarnation(directory: StrPath, incarnation: str, *, new_run: bool = False, key: bytes | None = None,
-                       run_id: str = "") -> None:
+def record_incarnation(
+    directory: StrPath, incarnation: str, *, new_run: bool = False, key: bytes | None = None, run_id: str = ""
+) -> None:
     """Add ``incarnation`` to ``directory``'s journal (``new_run``: start it afresh; signed with
     ``key`` for run ``run_id`` when given; written whole and renamed into place; the caller
     holds the directory's lock). A server records itself when it takes the directory, before
@@ -171,8 +172,10 @@ def lock_directory(directory: StrPath):
     except OSError:
         holder = _lock_holder(handle)
         handle.close()
-        raise CheckpointError(f"another process (pid {holder}) is writing checkpoints into {directory}: "
-                              "give each server a --checkpoint-dir of its own") from None
+        raise CheckpointError(
+            f"another process (pid {holder}) is writing checkpoints into {directory}: "
+            "give each server a --checkpoint-dir of its own"
+        ) from None
     _claim(handle)
     return handle
 
@@ -209,8 +212,10 @@ def lock_run_directory(directory: StrPath, *, advice: str = ""):
     except OSError:
         holder = _lock_holder(handle)
         handle.close()
-        raise CheckpointError(f"{directory} is held by a live aps server (pid {holder}), which goes on with the run "
-                              f"whose checkpoints are there{advice}") from None
+        raise CheckpointError(
+            f"{directory} is held by a live aps server (pid {holder}), which goes on with the run "
+            f"whose checkpoints are there{advice}"
+        ) from None
     if writable:
         _claim(handle)
     return handle
@@ -234,8 +239,12 @@ def _lock_holder(handle) -> str:
                 if "->" in fields or len(fields) < 6 or fields[1] != "FLOCK":
                     continue  # a waiter, or another kind of lock
                 major, minor, inode = fields[5].split(":")
-                if (int(inode) == info.st_ino and int(major, 16) == os.major(info.st_dev)
-                        and int(minor, 16) == os.minor(info.st_dev) and fields[4] != "0"):
+                if (
+                    int(inode) == info.st_ino
+                    and int(major, 16) == os.major(info.st_dev)
+                    and int(minor, 16) == os.minor(info.st_dev)
+                    and fields[4] != "0"
+                ):
                     return fields[4]
     except (OSError, ValueError):
         pass
@@ -262,8 +271,11 @@ def list_temporaries(directory: StrPath) -> list[pathlib.Path]:
     """The temporary directories in ``directory`` that checkpoint writers left behind
     (or are still writing), sorted by name."""
     directory = pathlib.Path(directory)
-    return sorted(directory / e.name for e in _entries(directory)
-                  if _TEMPORARY.fullmatch(e.name) and e.is_dir(follow_symlinks=False))
+    return sorted(
+        directory / e.name
+        for e in _entries(directory)
+        if _TEMPORARY.fullmatch(e.name) and e.is_dir(follow_symlinks=False)
+    )
 
 
 def remove_temporaries(directory: StrPath, *, every: bool = False) -> list[pathlib.Path]:
@@ -287,8 +299,14 @@ def remove_temporaries(directory: StrPath, *, every: bool = False) -> list[pathl
     return removed
 
 
-def _readable_or_older(path: pathlib.Path, older: list[pathlib.Path], directory: pathlib.Path, hint: str,
-                       resumable: bool, key: bytes | None = None) -> Checkpoint:
+def _readable_or_older(
+    path: pathlib.Path,
+    older: list[pathlib.Path],
+    directory: pathlib.Path,
+    hint: str,
+    resumable: bool,
+    key: bytes | None = None,
+) -> Checkpoint:
     """Checkpoint ``path``, read (and with ``resumable``, checked for a resume); if it does
     not read, a CheckpointError naming the first of ``older`` that does, with ``hint``
     (formatted with its path) on how to use it."""
@@ -312,8 +330,9 @@ def _readable_or_older(path: pathlib.Path, older: list[pathlib.Path], directory:
     raise CheckpointError(f"{failure}; there is no older checkpoint in {directory}")
 
 
-def _newest_readable(directory: pathlib.Path, hint: str, resumable: bool = False,
-                     key: bytes | None = None) -> Checkpoint | None:
+def _newest_readable(
+    directory: pathlib.Path, hint: str, resumable: bool = False, key: bytes | None = None
+) -> Checkpoint | None:
     """The newest complete checkpoint in ``directory`` (None: there is none); see
     :func:`_readable_or_older`."""
     candidates = list_checkpoints(directory)
@@ -328,7 +347,11 @@ def _named(path: pathlib.Path, hint: str, resumable: bool, key: bytes | None = N
     match = _NAME.fullmatch(path.name)
     older = []
     if match is not None:
-        older = [c for c in list_checkpoints(path.parent) if int(_NAME.fullmatch(c.name).group(1)) < int(match.group(1))]
+        older = [
+            c
+            for c in list_checkpoints(path.parent)
+            if (m := _NAME.fullmatch(c.name)) is not None and int(m.group(1)) < int(match.group(1))
+        ]
     if not older:
         checkpoint = _read(path, True, key)
         if resumable:

@@ -134,8 +134,9 @@ def checkpoint_name(sequence: int, version: int) -> str:
 def _parse_name(name: str, group: int) -> int:
     match = _NAME.fullmatch(name)
     if match is None:
-        raise CheckpointError(f"{name!r} is not a checkpoint name (checkpoint-SEQUENCE-vVERSION) and its "
-                              "manifest does not say")
+        raise CheckpointError(
+            f"{name!r} is not a checkpoint name (checkpoint-SEQUENCE-vVERSION) and its manifest does not say"
+        )
     return int(match.group(group))
 
 

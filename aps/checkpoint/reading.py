@@ -57,8 +57,13 @@ class _NotRegular(OSError):
         self.kind = kind
 
 
-_KINDS = ((stat.S_ISDIR, "a directory"), (stat.S_ISFIFO, "a FIFO"), (stat.S_ISSOCK, "a socket"),
-          (stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device"))
+_KINDS = (
+    (stat.S_ISDIR, "a directory"),
+    (stat.S_ISFIFO, "a FIFO"),
+    (stat.S_ISSOCK, "a socket"),
+    (stat.S_ISCHR, "a character device"),
+    (stat.S_ISBLK, "a block device"),
+)
 
 
 def _open_regular(path: pathlib.Path) -> int:
@@ -118,8 +123,9 @@ def _with_deadline(what: str, read, stall: float | None = None):
     threading.Thread(target=run, name="aps-checkpoint-read", daemon=True).start()
     while not done.wait(min(1.0, stall / 4)):
         if time.monotonic() - last[0] > stall:
-            raise CheckpointError(f"reading {what} made no progress for {stall:g} s (a hung file system?): "
-                                  "gave up; nothing was changed")
+            raise CheckpointError(
+                f"reading {what} made no progress for {stall:g} s (a hung file system?): gave up; nothing was changed"
+            )
     if "error" in box:
         raise box.pop("error")
     return box["value"]
@@ -166,8 +172,9 @@ def _read_manifest(path: pathlib.Path, key: bytes | None = None) -> dict:
         raise CheckpointError(f"checkpoint {path} is not a directory")
     data = _read_file(path, MANIFEST_FILE, _MANIFEST_MAX_BYTES, "incomplete")
     if data is None:
-        raise _problem(path, "corrupt", f"{MANIFEST_FILE} is larger than {_MANIFEST_MAX_BYTES >> 20} MiB: "
-                       "not a manifest")
+        raise _problem(
+            path, "corrupt", f"{MANIFEST_FILE} is larger than {_MANIFEST_MAX_BYTES >> 20} MiB: not a manifest"
+        )
     line = _read_file(path, MANIFEST_SUM_FILE, 4096, None)
     if line is not None:
         match = _SUM_LINE.fullmatch(line)
@@ -188,30 +195,42 @@ def _read_manifest(path: pathlib.Path, key: bytes | None = None) -> dict:
     if not isinstance(manifest, dict):
         raise _problem(path, "corrupt", f"{MANIFEST_FILE} is not a JSON object")
     if manifest.get("format") != FORMAT:
-        raise CheckpointError(f"{path} is not an aps checkpoint: {MANIFEST_FILE} has format "
-                              f"{manifest.get('format')!r}, not {FORMAT!r}")
+        raise CheckpointError(
+            f"{path} is not an aps checkpoint: {MANIFEST_FILE} has format {manifest.get('format')!r}, not {FORMAT!r}"
+        )
     format_version = manifest.get("format_version")
     if not isinstance(format_version, int) or isinstance(format_version, bool) or format_version < 1:
         raise _problem(path, "corrupt", f"{MANIFEST_FILE} has no valid format_version ({format_version!r})")
     if format_version > FORMAT_VERSION:
-        raise CheckpointError(f"checkpoint {path} has format version {format_version}; this aps reads "
-                              f"up to version {FORMAT_VERSION}: upgrade aps to read it")
+        raise CheckpointError(
+            f"checkpoint {path} has format version {format_version}; this aps reads "
+            f"up to version {FORMAT_VERSION}: upgrade aps to read it"
+        )
     if line is None:
         if format_version >= 2:
             raise _problem(path, "incomplete", f"{MANIFEST_SUM_FILE} is missing")
         if str(path) not in _warned_unchecked:  # once per checkpoint, not at every look
             _warned_unchecked.add(str(path))
-            log.warning("checkpoint %s has format version 1, whose manifest has no checksum: %s is checked "
-                        "for form only (the checkpoints written from now on have one)", path, MANIFEST_FILE)
+            log.warning(
+                "checkpoint %s has format version 1, whose manifest has no checksum: %s is checked "
+                "for form only (the checkpoints written from now on have one)",
+                path,
+                MANIFEST_FILE,
+            )
     files = manifest.get("files")
     if not isinstance(files, dict) or any(f not in files for f in (MODEL_FILE, STATE_FILE)):
         raise _problem(path, "corrupt", f"{MANIFEST_FILE} does not list {MODEL_FILE} and {STATE_FILE}")
     for name, entry in files.items():
-        if (not isinstance(name, str) or not name or "/" in name or "\\" in name or name.startswith(".")
-                or name in (MANIFEST_FILE, MANIFEST_SUM_FILE)):
+        if (
+            not isinstance(name, str)
+            or not name
+            or "/" in name
+            or "\\" in name
+            or name.startswith(".")
+            or name in (MANIFEST_FILE, MANIFEST_SUM_FILE)
+        ):
             raise _problem(path, "corrupt", f"{MANIFEST_FILE} lists a file named {name!r}")
-        if (not isinstance(entry, dict) or not _is_count(entry.get("bytes"))
-                or not isinstance(entry.get("sha256"), str)):
+        if not isinstance(entry, dict) or not _is_count(entry.get("bytes")) or not isinstance(entry.get("sha256"), str):
             raise _problem(path, "corrupt", f"{MANIFEST_FILE} gives no size and sha256 for {name}")
     if "layout" in manifest:
         _manifest_layout(path, manifest)
@@ -226,12 +245,14 @@ def _check_signature(path: pathlib.Path, data: bytes, key: bytes) -> None:
         raise CheckpointError(
             f"checkpoint {path} is not signed: it was written by a server without a token of its operator's "
             f"(--token, --token-file), so nothing shows it was not altered or forged; resume it with "
-            f"--resume-unsigned if you know where it comes from")
+            f"--resume-unsigned if you know where it comes from"
+        )
     match = _MAC_LINE.fullmatch(line)
     if match is None or not hmac.compare_digest(match.group(1).decode(), sign_manifest(data, key)):
         raise CheckpointError(
             f"checkpoint {path} is not signed with this server's token: it was written by a server with another "
-            f"token, or altered since (its {MANIFEST_MAC_FILE} does not match {MANIFEST_FILE}): refused")
+            f"token, or altered since (its {MANIFEST_MAC_FILE} does not match {MANIFEST_FILE}): refused"
+        )
 
 
 def _read_file(path: pathlib.Path, name: str, limit: int, missing: str | None) -> bytes | None:
@@ -259,8 +280,9 @@ def _is_count(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool) and value >= 0
 
 
-def _file_problem(path: pathlib.Path, name: str, entry: Mapping[str, Any], *, verify: bool,
-                  held: dict[str, int] | None = None) -> tuple[str, str] | None:
+def _file_problem(
+    path: pathlib.Path, name: str, entry: Mapping[str, Any], *, verify: bool, held: dict[str, int] | None = None
+) -> tuple[str, str] | None:
     """What is wrong with file ``name`` given its manifest ``entry``, as ``(what, detail)``
     (``("corrupt", "checksum mismatch in model.safetensors")``), or None. With ``held``, an
     intact file's descriptor stays open there, for what is loaded to be what was checked."""
@@ -298,7 +320,7 @@ def _tensor_problem(path: pathlib.Path, manifest: Mapping[str, Any], fd: int | N
     """What is wrong with the model tensors against the manifest's layout (names, shapes,
     float32), from the file's header alone (``fd``: the file, open already); None if nothing is."""
     owned = fd is None
-    if owned:
+    if fd is None:
         try:
             fd = _open_regular(path / MODEL_FILE)
         except _NotRegular as exc:
@@ -323,8 +345,9 @@ def _tensor_problem(path: pathlib.Path, manifest: Mapping[str, Any], fd: int | N
         if name not in found:
             return "corrupt", f"{MODEL_FILE} lacks tensor {name!r} of the manifest's layout"
         if found[name][0] != shape:
-            return "corrupt", (f"tensor {name!r} in {MODEL_FILE} has shape {found[name][0]}, "
-                               f"the manifest's layout says {shape}")
+            return "corrupt", (
+                f"tensor {name!r} in {MODEL_FILE} has shape {found[name][0]}, the manifest's layout says {shape}"
+            )
     listed = set(layout.names)
     unexpected = [key for key in found if key not in listed]
     if unexpected:
@@ -332,12 +355,14 @@ def _tensor_problem(path: pathlib.Path, manifest: Mapping[str, Any], fd: int | N
     return None
 
 
-def _problems(path: pathlib.Path, manifest: Mapping[str, Any], verify: bool,
-              held: dict[str, int] | None = None) -> dict[str, tuple[str, str] | None]:
+def _problems(
+    path: pathlib.Path, manifest: Mapping[str, Any], verify: bool, held: dict[str, int] | None = None
+) -> dict[str, tuple[str, str] | None]:
     """Per listed file, what is wrong with it as ``(what, detail)``, or None (``held``: see
     :func:`_file_problem`)."""
-    found = {name: _file_problem(path, name, entry, verify=verify, held=held)
-             for name, entry in manifest["files"].items()}
+    found = {
+        name: _file_problem(path, name, entry, verify=verify, held=held) for name, entry in manifest["files"].items()
+    }
     if found[MODEL_FILE] is None:
         found[MODEL_FILE] = _tensor_problem(path, manifest, None if held is None else held.get(MODEL_FILE))
     return found

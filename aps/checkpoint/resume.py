@@ -79,8 +79,11 @@ def _list(value: Any, where: str, length: int | None = None) -> list:
 
 def _run_id(value: Any, where: str) -> str:
     _need(value is not _MISSING, where, "is missing")
-    _need(isinstance(value, str) and _RUN_ID.fullmatch(value) is not None, where,
-          f"is {_kind(value)}, not a run id (1 to 64 printable characters)")
+    _need(
+        isinstance(value, str) and _RUN_ID.fullmatch(value) is not None,
+        where,
+        f"is {_kind(value)}, not a run id (1 to 64 printable characters)",
+    )
     return value
 
 
@@ -97,8 +100,9 @@ def _typed(value: Any, hint: Any, where: str) -> Any:
         (inner,) = [a for a in args if a is not type(None)]
         return _typed(value, inner, where)
     if origin is tuple:
-        _need(isinstance(value, list) and len(value) == len(args), where,
-              f"is {_kind(value)}, not a list of {len(args)}")
+        _need(
+            isinstance(value, list) and len(value) == len(args), where, f"is {_kind(value)}, not a list of {len(args)}"
+        )
         return tuple(_typed(v, a, f"{where}[{i}]") for i, (v, a) in enumerate(zip(value, args)))
     if hint is bool:
         return _bool(value, where)
@@ -152,20 +156,29 @@ def _resume_fields(m: dict) -> None:
     workers = options["workers"]
     runs = m.get("shard_runs")
     if runs is not None:
-        _need(isinstance(runs, list) and len(runs) == options["shards"], "shard_runs",
-              f"is {_kind(runs)}, not a list of the {options['shards']} shards' run ids")
+        _need(
+            isinstance(runs, list) and len(runs) == options["shards"],
+            "shard_runs",
+            f"is {_kind(runs)}, not a list of the {options['shards']} shards' run ids",
+        )
         for i, run in enumerate(runs):
             _run_id(run, f"shard_runs[{i}]")
 
     optimizer = _object(m.get("optimizer", _MISSING), "optimizer")
     name = optimizer.get("name", _MISSING)
-    _need(name == options["optimizer"], "optimizer.name",
-          f"is {_kind(name)}, but the run's optimizer is {options['optimizer']!r}")
+    _need(
+        name == options["optimizer"],
+        "optimizer.name",
+        f"is {_kind(name)}, but the run's optimizer is {options['optimizer']!r}",
+    )
     _int(optimizer.get("steps", _MISSING), "optimizer.steps")
     loaded = optimizer.get("loaded_state")
     if loaded is not None:
-        _need(isinstance(loaded, str) and re.fullmatch(r"(?:[0-9a-f]{2})*", loaded) is not None,
-              "optimizer.loaded_state", f"is {_kind(loaded)}, not a hexadecimal digest")
+        _need(
+            isinstance(loaded, str) and re.fullmatch(r"(?:[0-9a-f]{2})*", loaded) is not None,
+            "optimizer.loaded_state",
+            f"is {_kind(loaded)}, not a hexadecimal digest",
+        )
 
     policy = _object(m.get("policy", _MISSING), "policy")
     sync = policy.get("name", _MISSING)
@@ -191,8 +204,11 @@ def _resume_fields(m: dict) -> None:
 
     for key, seat in _object(m.get("seats", _MISSING), "seats").items():
         where = f"seats.{key}"
-        _need(key.isascii() and key.isdigit() and str(int(key)) == key and int(key) < workers, "seats",
-              f"has a seat {key!r}, not a rank of the run's {workers} workers")
+        _need(
+            key.isascii() and key.isdigit() and str(int(key)) == key and int(key) < workers,
+            "seats",
+            f"has a seat {key!r}, not a rank of the run's {workers} workers",
+        )
         _object(seat, where)
         _int(seat.get("clock", _MISSING), f"{where}.clock", -1)
         _int(seat.get("push_id", _MISSING), f"{where}.push_id", -1, (1 << 64) - 1)
@@ -203,8 +219,11 @@ def _resume_fields(m: dict) -> None:
             _int(seat["credit"], f"{where}.credit")
         result = seat.get("push_result")
         if result is not None:
-            _need(isinstance(result, list) and len(result) == 5, f"{where}.push_result",
-                  f"is {_kind(result)}, not [version, clock, dropped, staleness, scale]")
+            _need(
+                isinstance(result, list) and len(result) == 5,
+                f"{where}.push_result",
+                f"is {_kind(result)}, not [version, clock, dropped, staleness, scale]",
+            )
             _int(result[0], f"{where}.push_result[0]")
             _int(result[1], f"{where}.push_result[1]", -1)
             _bool(result[2], f"{where}.push_result[2]")

@@ -99,7 +99,9 @@ class ArgumentParser(argparse.ArgumentParser):
         kwargs.setdefault("allow_abbrev", False)
         super().__init__(*args, **kwargs)
 
-    def parse_known_args(self, args=None, namespace=None):  # type: ignore[override]
+    def parse_known_args(  # type: ignore[override]  # one signature for typeshed's three overloads
+        self, args: Sequence[str] | None = None, namespace: Any = None
+    ) -> tuple[Any, list[str]]:
         namespace, extras = super().parse_known_args(args, namespace)
         # argparse hands a subcommand's leftovers up to the top parser, which would then say
         # "aps: error" without knowing the subcommand's flags: a subcommand reports them itself.
@@ -211,10 +213,16 @@ def server_address(given: str | None) -> str:
 def add_token_arguments(parser: argparse.ArgumentParser) -> None:
     """``--token`` and ``--token-file``: the token of the server a command talks to."""
     tokens = parser.add_mutually_exclusive_group()
-    tokens.add_argument("--token", help="the server's token, if it has one (default: $APS_TOKEN, else the token "
-                        "file a server of this user on loopback wrote for its address)")
-    tokens.add_argument("--token-file", metavar="PATH", help="read the server's token from the first line of "
-                        "this file, as aps serve --token-file does (default: none)")
+    tokens.add_argument(
+        "--token",
+        help="the server's token, if it has one (default: $APS_TOKEN, else the token "
+        "file a server of this user on loopback wrote for its address)",
+    )
+    tokens.add_argument(
+        "--token-file",
+        metavar="PATH",
+        help="read the server's token from the first line of this file, as aps serve --token-file does (default: none)",
+    )
 
 
 def token_from_args(args: argparse.Namespace) -> str | None:
@@ -224,7 +232,8 @@ def token_from_args(args: argparse.Namespace) -> str | None:
 
     if getattr(args, "token_file", None) is None:
         return args.token
-    return resolve_token(ServerConfig(token_file=args.token_file)).decode("utf-8")
+    token = resolve_token(ServerConfig(token_file=args.token_file))  # None only without a file
+    return None if token is None else token.decode("utf-8")
 
 
 @contextlib.contextmanager
@@ -238,8 +247,10 @@ def token_advice(args: argparse.Namespace) -> Iterator[None]:
         yield
     except AuthenticationError as exc:
         text = advised = str(exc)
-        for python, command in (("pass token= or set $APS_TOKEN", flags),
-                                ("aps.Worker(token=...) or $APS_TOKEN", "--token or --token-file, or APS_TOKEN")):
+        for python, command in (
+            ("pass token= or set $APS_TOKEN", flags),
+            ("aps.Worker(token=...) or $APS_TOKEN", "--token or --token-file, or APS_TOKEN"),
+        ):
             advised = advised.replace(python, command)
         given = args.token is not None or getattr(args, "token_file", None) is not None or os.environ.get("APS_TOKEN")
         if advised == text and not given:
@@ -269,7 +280,9 @@ def _parse_bool(text: str) -> bool:
 
 _CONVERTERS: dict[str, Callable[[str], Any]] = {
     "workers": lambda text: parse_workers(text) if ":" in text else _parse_int(text),
-    "betas": _parse_betas, "max_frame_bytes": parse_size, "stream_min_bytes": parse_size,
+    "betas": _parse_betas,
+    "max_frame_bytes": parse_size,
+    "stream_min_bytes": parse_size,
     "table_memory": parse_size,
 }
 
@@ -294,7 +307,25 @@ def _converter(f: dataclasses.Field) -> Callable[[str], Any]:
     kind = f.type if isinstance(f.type, str) else f.type.__name__
     kind = kind.split("|")[0].strip()  # "int | None" -> "int"
     # int()'s own "invalid literal for int() with base 10" tells a user nothing about the flag
-    return {"int": _parse_int, "float": _parse_float, "str": str, "bool": _parse_bool}[kind]
+    by_kind: dict[str, Callable[[str], Any]] = {
+        "int": _parse_int,
+        "float": _parse_float,
+        "str": str,
+        "bool": _parse_bool,
+    }
+    return by_kind[kind]
+
+
+def _argparse_type(conv: Callable[[str], Any]) -> Callable[[str], Any]:
+    """``conv`` as an argparse ``type=``: its errors become argparse's usage errors."""
+
+    def convert(text: str) -> Any:
+        try:
+            return conv(text)
+        except (ValueError, ConfigurationError) as exc:
+            raise argparse.ArgumentTypeError(str(exc)) from None
+
+    return convert
 
 
 def _flag(field_name: str) -> str:
@@ -318,20 +349,15 @@ def add_server_arguments(parser: argparse.ArgumentParser, *, skip: tuple[str, ..
             parser.add_argument(_flag(f.name), action="store_const", const=True, default=None, help=help_text)
             continue
         if f.name == "resume":  # --resume alone: the newest checkpoint
-            parser.add_argument(_flag(f.name), nargs="?", const=RESUME_LATEST, default=None,
-                                metavar=meta["metavar"], help=help_text)
+            parser.add_argument(
+                _flag(f.name), nargs="?", const=RESUME_LATEST, default=None, metavar=meta["metavar"], help=help_text
+            )
             continue
-
-        def convert(text: str, _conv=_converter(f)):
-            try:
-                return _conv(text)
-            except (ValueError, ConfigurationError) as exc:
-                raise argparse.ArgumentTypeError(str(exc)) from None
 
         choices = meta.get("choices")
         parser.add_argument(
             _flag(f.name),
-            type=convert,
+            type=_argparse_type(_converter(f)),
             default=None,
             choices=choices,
             # argparse lists the choices in --help only when no metavar hides them: {bsp,asp,...}
@@ -368,5 +394,3 @@ def given_options(args: argparse.Namespace | None = None, environ: Mapping[str, 
     if isinstance(values.get("workers"), tuple):  # --workers MIN:MAX
         values["min_workers"], values["workers"] = values["workers"]
     return values
-
-

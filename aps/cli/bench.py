@@ -16,25 +16,42 @@ def register(commands) -> None:
         "same run (a blocking-socket ping-pong of the same payload; a memcpy plus one update pass). "
         "Prints a table; writes JSON only with --out.",
     )
-    parser.add_argument("--sizes", type=size_list, default=size_list(_DEFAULT_SIZES), metavar="SIZES",
-                        help="payload sizes, multiples of 4 bytes")
+    parser.add_argument(
+        "--sizes",
+        type=size_list,
+        default=size_list(_DEFAULT_SIZES),
+        metavar="SIZES",
+        help="payload sizes, multiples of 4 bytes",
+    )
     parser.add_argument("--workers", type=int_list, default=[1, 2, 4], metavar="COUNTS", help="worker process counts")
     parser.add_argument("--seconds", type=number, default=1.0, help="length of one measuring window")
     parser.add_argument("--min-iters", type=int, default=5, help="least round trips per window")
     parser.add_argument("--repeats", type=int, default=5, help="interleaved windows per point")
-    parser.add_argument("--transports", type=choice_list(("tcp", "shm")), default=["tcp", "shm"], metavar="LIST",
-                        help="tcp, shm or both")
-    parser.add_argument("--streaming", choices=("on", "off", "both"), default="on",
-                        help="TCP: apply gradients while they arrive (on), only once complete (off), or both")
-    parser.add_argument("--tls", action="store_true",
-                        help="also measure TCP over TLS (a throwaway certificate; needs the bench extra)")
+    parser.add_argument(
+        "--transports",
+        type=choice_list(("tcp", "shm")),
+        default=["tcp", "shm"],
+        metavar="LIST",
+        help="tcp, shm or both",
+    )
+    parser.add_argument(
+        "--streaming",
+        choices=("on", "off", "both"),
+        default="on",
+        help="TCP: apply gradients while they arrive (on), only once complete (off), or both",
+    )
+    parser.add_argument(
+        "--tls", action="store_true", help="also measure TCP over TLS (a throwaway certificate; needs the bench extra)"
+    )
     parser.add_argument("--out", metavar="FILE", help="also write the JSON report to FILE (default: print only)")
     parser.set_defaults(run=run)
 
 
 def run(args: argparse.Namespace) -> int:
-    require(all(n > 0 and n % 4 == 0 for n in args.sizes),
-            f"--sizes must be positive multiples of 4 bytes, got {','.join(map(format_size, args.sizes))}")
+    require(
+        all(n > 0 and n % 4 == 0 for n in args.sizes),
+        f"--sizes must be positive multiples of 4 bytes, got {','.join(map(format_size, args.sizes))}",
+    )
     require(all(c >= 1 for c in args.workers), f"--workers takes counts of at least 1, got {args.workers}")
     require(args.seconds > 0, f"--seconds must be > 0, got {args.seconds:g}")
     require(args.min_iters >= 1, f"--min-iters must be at least 1, got {args.min_iters}")

@@ -54,8 +54,12 @@ def _add_inspect(actions) -> None:
         description="Print a checkpoint's manifest in a readable form and verify its files (sizes, SHA-256 "
         "checksums, model tensors). Exit status 1 if the checkpoint is damaged.",
     )
-    parser.add_argument("path", type=pathlib.Path, metavar="PATH",
-                        help="a checkpoint, or a checkpoint directory (its newest checkpoint)")
+    parser.add_argument(
+        "path",
+        type=pathlib.Path,
+        metavar="PATH",
+        help="a checkpoint, or a checkpoint directory (its newest checkpoint)",
+    )
     parser.add_argument("--json", action="store_true", help="print the manifest as JSON")
     parser.add_argument("--no-verify", action="store_true", help="check the files' sizes but not their checksums")
     parser.set_defaults(run=run_inspect)
@@ -70,8 +74,12 @@ def _add_verify(actions) -> None:
         "type and range of every field a resume takes up. Exit status 1 with the reason (and the next older "
         "intact checkpoint, if there is one) if it cannot be resumed.",
     )
-    parser.add_argument("path", type=pathlib.Path, metavar="PATH",
-                        help="a checkpoint, or a checkpoint directory (its newest checkpoint)")
+    parser.add_argument(
+        "path",
+        type=pathlib.Path,
+        metavar="PATH",
+        help="a checkpoint, or a checkpoint directory (its newest checkpoint)",
+    )
     parser.set_defaults(run=run_verify)
 
 
@@ -93,11 +101,11 @@ def _add_now(actions) -> None:
         description="Ask a running server (started with --checkpoint-dir) to write a checkpoint at once; "
         "prints its path when it is on disk. Training goes on meanwhile.",
     )
-    parser.add_argument("address", nargs="?", default=None, metavar="ADDR",
-                        help=f"the server, tcp://HOST:PORT ({ADDRESS_DEFAULT})")
+    parser.add_argument(
+        "address", nargs="?", default=None, metavar="ADDR", help=f"the server, tcp://HOST:PORT ({ADDRESS_DEFAULT})"
+    )
     add_token_arguments(parser)
-    parser.add_argument("--timeout", type=float, default=120.0, help="seconds to wait for the checkpoint "
-                        "(default 120)")
+    parser.add_argument("--timeout", type=float, default=120.0, help="seconds to wait for the checkpoint (default 120)")
     parser.set_defaults(run=run_now)
 
 
@@ -144,8 +152,11 @@ def run_inspect(args: argparse.Namespace) -> int:
     path = args.path
     if not ckpt.is_checkpoint(path):
         if not path.is_dir():
-            raise CheckpointError(f"no checkpoint at {path}: it does not exist" if not path.exists()
-                                  else f"{path} is neither a checkpoint nor a directory of them")
+            raise CheckpointError(
+                f"no checkpoint at {path}: it does not exist"
+                if not path.exists()
+                else f"{path} is neither a checkpoint nor a directory of them"
+            )
         found = ckpt.list_checkpoints(path)
         if not found:
             raise CheckpointError(f"no checkpoint in {path}")
@@ -155,8 +166,10 @@ def run_inspect(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(manifest, indent=2), flush=True)
     else:
-        print(format_manifest(path, manifest, problems, verified=not args.no_verify,
-                              manifest_file=_manifest_entry(path)), flush=True)
+        print(
+            format_manifest(path, manifest, problems, verified=not args.no_verify, manifest_file=_manifest_entry(path)),
+            flush=True,
+        )
     # The one-line reason on stderr, with the exit status, comes from the full check.
     if any(problem is not None for problem in problems.values()):
         ckpt.verify_checkpoint(path, verify=not args.no_verify)
@@ -167,11 +180,12 @@ def _manifest_entry(path: pathlib.Path) -> tuple[int, str, str]:
     """The manifest's size, SHA-256 and status line (it was read, so it matched its checksum if it has one)."""
     data = (path / ckpt.MANIFEST_FILE).read_bytes()
     checked = (path / ckpt.MANIFEST_SUM_FILE).is_file()
-    status = (f"ok ({ckpt.MANIFEST_SUM_FILE})" if checked
-              else "no checksum (format version 1): checked for form only")
-    status += (f"; signed ({ckpt.MANIFEST_MAC_FILE}: a resume with the run's token checks it)"
-               if (path / ckpt.MANIFEST_MAC_FILE).is_file() else
-               "; not signed (its server had no token of its operator's)")
+    status = f"ok ({ckpt.MANIFEST_SUM_FILE})" if checked else "no checksum (format version 1): checked for form only"
+    status += (
+        f"; signed ({ckpt.MANIFEST_MAC_FILE}: a resume with the run's token checks it)"
+        if (path / ckpt.MANIFEST_MAC_FILE).is_file()
+        else "; not signed (its server had no token of its operator's)"
+    )
     return len(data), hashlib.sha256(data).hexdigest(), status
 
 
@@ -187,8 +201,11 @@ def run_verify(args: argparse.Namespace) -> int:
         raise CheckpointError(f"no checkpoint in {path}")
     manifest = found.manifest
     checked = "" if (found.path / ckpt.MANIFEST_SUM_FILE).is_file() else " (format version 1: no manifest checksum)"
-    print(f"checkpoint {found.path}: intact and resumable{checked}: run {manifest['run_id']}, version "
-          f"{manifest['version']}, {manifest['config']['workers']} workers, {manifest['config']['sync']}", flush=True)
+    print(
+        f"checkpoint {found.path}: intact and resumable{checked}: run {manifest['run_id']}, version "
+        f"{manifest['version']}, {manifest['config']['workers']} workers, {manifest['config']['sync']}",
+        flush=True,
+    )
     return 0
 
 
@@ -218,8 +235,14 @@ def _fmt_setting(value: Any) -> str:
 _SYNC_OPTIONS = ("staleness", "max_staleness", "softsync_n", "backup_workers", "lr_staleness")
 
 
-def format_manifest(path: pathlib.Path, manifest: Mapping[str, Any], problems: Mapping[str, str | None],
-                    *, verified: bool = True, manifest_file: tuple[int, str, str] | None = None) -> str:
+def format_manifest(
+    path: pathlib.Path,
+    manifest: Mapping[str, Any],
+    problems: Mapping[str, str | None],
+    *,
+    verified: bool = True,
+    manifest_file: tuple[int, str, str] | None = None,
+) -> str:
     """A readable summary of a checkpoint's manifest and its files' status (what
     ``aps checkpoint inspect`` prints). ``problems``: from :func:`aps.checkpoint.file_problems`;
     ``manifest_file``: the manifest's own size, SHA-256 and status, for its line."""
@@ -241,23 +264,35 @@ def format_manifest(path: pathlib.Path, manifest: Mapping[str, Any], problems: M
     if "sync" in manifest:
         field("sync", _fmt_setting(manifest["sync"]))
     elif "sync" in config:  # what aps serve writes: the run's options
-        field("sync", _fmt_setting({"name": config["sync"], **{
-            k: config[k] for k in _SYNC_OPTIONS if config.get(k) is not None and k in config}}))
+        field(
+            "sync",
+            _fmt_setting(
+                {
+                    "name": config["sync"],
+                    **{k: config[k] for k in _SYNC_OPTIONS if config.get(k) is not None and k in config},
+                }
+            ),
+        )
     if "optimizer" in manifest:
         field("optimizer", _fmt_setting(manifest["optimizer"]))
     layout = manifest.get("layout")
     if isinstance(layout, Mapping) and isinstance(layout.get("shapes"), list):
         shapes = layout["shapes"]
         count = sum(math.prod(s) for s in shapes)
-        field("model", f"{len(shapes)} tensor{'' if len(shapes) == 1 else 's'}, "
-                       f"{count:,} parameter{'' if count == 1 else 's'}")
+        field(
+            "model",
+            f"{len(shapes)} tensor{'' if len(shapes) == 1 else 's'}, {count:,} parameter{'' if count == 1 else 's'}",
+        )
     logged = manifest.get("scalars")
     curves = [e for e in logged if isinstance(e, list) and len(e) == 5] if isinstance(logged, list) else []
     if curves:  # (what the workers logged: aps.server.engine.scalars)
         ranks = {e[0] for e in curves if isinstance(e[0], int)}
         names = sorted({e[1] for e in curves if isinstance(e[1], str) and _is_scalar_name(e[1])})
-        field("logged", f"{len(curves)} curve{'' if len(curves) == 1 else 's'} of {len(ranks)} "
-                        f"rank{'' if len(ranks) == 1 else 's'}: {', '.join(names[:8])}{', ...' if len(names) > 8 else ''}")
+        field(
+            "logged",
+            f"{len(curves)} curve{'' if len(curves) == 1 else 's'} of {len(ranks)} "
+            f"rank{'' if len(ranks) == 1 else 's'}: {', '.join(names[:8])}{', ...' if len(names) > 8 else ''}",
+        )
     lines.append("  files")
     files = manifest.get("files", {})
     width = max((len(name) for name in [*files, ckpt.MANIFEST_FILE]), default=0)
@@ -292,8 +327,10 @@ def run_list(args: argparse.Namespace) -> int:
             version, created = "-", f"damaged: {exc}"
         rows.append((path.name, str(version), created, _fmt_bytes(ckpt.directory_bytes(path))))
     if rows:
-        widths = [max(len(header), *(len(row[i]) for row in rows))
-                  for i, header in enumerate(("checkpoint", "version", "created"))]
+        widths = [
+            max(len(header), *(len(row[i]) for row in rows))
+            for i, header in enumerate(("checkpoint", "version", "created"))
+        ]
         print(f"{'checkpoint':<{widths[0]}}  {'version':>{widths[1]}}  {'created':<{widths[2]}}  size")
         for name, version, created, size in rows:
             print(f"{name:<{widths[0]}}  {version:>{widths[1]}}  {created:<{widths[2]}}  {size}")
@@ -302,8 +339,10 @@ def run_list(args: argparse.Namespace) -> int:
     temporaries = ckpt.list_temporaries(directory)
     if temporaries:
         names = ", ".join(t.name for t in temporaries[:3]) + (" ..." if len(temporaries) > 3 else "")
-        print(f"{len(temporaries)} temporary director{'y' if len(temporaries) == 1 else 'ies'} left by an "
-              f"interrupted or ongoing write (not checkpoints; safe to delete once no server writes here): {names}")
+        print(
+            f"{len(temporaries)} temporary director{'y' if len(temporaries) == 1 else 'ies'} left by an "
+            f"interrupted or ongoing write (not checkpoints; safe to delete once no server writes here): {names}"
+        )
     return 0
 
 

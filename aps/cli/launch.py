@@ -52,17 +52,29 @@ def register(commands) -> None:
         "with APS_ADDRESS, RANK and WORLD_SIZE set; --step-time and --slowdown emulate devices of different speeds.",
     )
     add_server_arguments(parser)
-    parser.add_argument("--step-time", type=number, default=0.0,
-                        help="emulated iteration time T of a speed-1 worker, in seconds (0: no emulation)")
+    parser.add_argument(
+        "--step-time",
+        type=number,
+        default=0.0,
+        help="emulated iteration time T of a speed-1 worker, in seconds (0: no emulation)",
+    )
     parser.add_argument("--slowdown", default="", help="per-worker multiples of T, e.g. 1,1,1,3 (default all 1)")
     parser.add_argument("--jitter", type=number, default=0.0, help="random variation of emulated iteration times")
     parser.add_argument("--log-dir", help="where worker-RANK.log go (default: a new temporary directory, printed)")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
-    parser.add_argument("--no-dashboard", action="store_true",
-                        help="no HTTP side (by default the dashboard and /metrics are on a free port, printed)")
     parser.add_argument(
-        "--example", nargs=argparse.REMAINDER, metavar="NAME [ARGS]",
-        help=f"last: run the built-in example ({' or '.join(EXAMPLES)}: python -m aps.workloads) with ARGS instead of a script",
+        "--no-dashboard",
+        action="store_true",
+        help="no HTTP side (by default the dashboard and /metrics are on a free port, printed)",
+    )
+    parser.add_argument(
+        "--example",
+        nargs=argparse.REMAINDER,
+        metavar="NAME [ARGS]",
+        help=(
+            f"last: run the built-in example ({' or '.join(EXAMPLES)}: python -m aps.workloads)"
+            " with ARGS instead of a script"
+        ),
     )
     parser.add_argument("script", nargs="?", help="the training script each worker runs")
     parser.add_argument("script_args", nargs=argparse.REMAINDER, help="arguments for the script")
@@ -99,12 +111,16 @@ def run(args: argparse.Namespace) -> int:
     if config.shard != 0:
         raise ConfigurationError("aps launch starts every shard itself: give --shards K, not --shard")
     if config.shards > 1 and config.port and config.http_port and abs(config.port - config.http_port) < config.shards:
-        raise ConfigurationError(f"with --shards {config.shards}, the shards listen on --port {config.port} and up, "
-                                 f"and serve HTTP on --http-port {config.http_port} and up: keep them at least "
-                                 f"{config.shards} apart")
+        raise ConfigurationError(
+            f"with --shards {config.shards}, the shards listen on --port {config.port} and up, "
+            f"and serve HTTP on --http-port {config.http_port} and up: keep them at least "
+            f"{config.shards} apart"
+        )
     if config.shards > 1 and config.resume not in (None, RESUME_LATEST):
-        raise ConfigurationError("with --shards, give --resume without a PATH: each shard resumes from the newest "
-                                 "checkpoint in its own directory (--checkpoint-dir DIR/shard-I)")
+        raise ConfigurationError(
+            "with --shards, give --resume without a PATH: each shard resumes from the newest "
+            "checkpoint in its own directory (--checkpoint-dir DIR/shard-I)"
+        )
     stop = _Signals()
     backgrounds: list = []
     procs: list[subprocess.Popen] = []
@@ -138,8 +154,16 @@ def run(args: argparse.Namespace) -> int:
             if token is not None:  # the workers prove they know the embedded server's token
                 env["APS_TOKEN"] = token.decode("utf-8")
             with open(os.path.join(args.log_dir, f"worker-{rank}.log"), "w") as log:
-                procs.append(subprocess.Popen(command, env=env, stdout=log, stderr=subprocess.STDOUT,
-                                              stdin=subprocess.DEVNULL, start_new_session=True))
+                procs.append(
+                    subprocess.Popen(
+                        command,
+                        env=env,
+                        stdout=log,
+                        stderr=subprocess.STDOUT,
+                        stdin=subprocess.DEVNULL,
+                        start_new_session=True,
+                    )
+                )
         status = _watch(procs, backgrounds[0].server, args, stop)
         if stop.received:
             name = signal.Signals(stop.received).name
@@ -271,7 +295,8 @@ class _Monitor:
     def _note_waiting(self, stats: dict) -> None:
         workers = stats["workers"]
         missing = [w["rank"] for w in workers if not w["live"]]
-        line = f"aps: waiting for workers to join: {describe_join_progress(len(workers) - len(missing), len(workers), missing)}"
+        progress = describe_join_progress(len(workers) - len(missing), len(workers), missing)
+        line = f"aps: waiting for workers to join: {progress}"
         if missing:
             line += f" (see {os.path.join(self.log_dir, f'worker-{missing[0]}.log')})"
         if self.bar is not None:

@@ -48,9 +48,12 @@ def register(commands) -> None:
         "serve flag applies to the shards.",
     )
     add_server_arguments(parser, skip=("shard",))
-    parser.add_argument("--linger", type=number, default=10.0,
-                        help="seconds a shard waits with no worker live, once training ran, before it stops "
-                             "(default 10)")
+    parser.add_argument(
+        "--linger",
+        type=number,
+        default=10.0,
+        help="seconds a shard waits with no worker live, once training ran, before it stops (default 10)",
+    )
     parser.add_argument("script", help="the training script each worker task runs")
     parser.add_argument("script_args", nargs=argparse.REMAINDER, help="arguments for the script")
     parser.set_defaults(run=run)
@@ -74,16 +77,18 @@ class SlurmStep:
         def number_of(name: str) -> int:
             raw = environ.get(name)
             if raw is None:
-                raise ConfigurationError(f"${name} is not set: run aps slurm as a task of a Slurm job step "
-                                         "(srun aps slurm ...)")
+                raise ConfigurationError(
+                    f"${name} is not set: run aps slurm as a task of a Slurm job step (srun aps slurm ...)"
+                )
             try:
                 return int(raw)
             except ValueError:
                 raise ConfigurationError(f"${name}={raw!r} is not a number") from None
 
         self.procid, self.ntasks = number_of("SLURM_PROCID"), number_of("SLURM_NTASKS")
-        counts = tasks_per_node(environ.get("SLURM_STEP_TASKS_PER_NODE") or environ.get("SLURM_TASKS_PER_NODE")
-                                or str(self.ntasks))
+        counts = tasks_per_node(
+            environ.get("SLURM_STEP_TASKS_PER_NODE") or environ.get("SLURM_TASKS_PER_NODE") or str(self.ntasks)
+        )
         if len(counts) != len(hostnames) or sum(counts) != self.ntasks:
             raise ConfigurationError(f"{self.ntasks} tasks on nodes {hostnames} as {counts}: they do not agree")
         #: The node of each task, in task order (Slurm's block layout).
@@ -101,8 +106,14 @@ def _hostnames(environ: Mapping[str, str]) -> list[str]:
     if not nodelist:
         raise ConfigurationError("$SLURM_JOB_NODELIST is not set: run aps slurm as a task of a Slurm job step")
     try:
-        out = subprocess.run(["scontrol", "show", "hostnames", nodelist], capture_output=True, text=True,
-                             check=True, timeout=30, env=dict(environ))
+        out = subprocess.run(
+            ["scontrol", "show", "hostnames", nodelist],
+            capture_output=True,
+            text=True,
+            check=True,
+            timeout=30,
+            env=dict(environ),
+        )
     except (OSError, subprocess.SubprocessError) as exc:
         raise APSError(f"scontrol show hostnames {nodelist} failed: {exc}") from None
     return out.stdout.split()
@@ -112,17 +123,22 @@ def run(args: argparse.Namespace) -> int:
     environ = os.environ
     step = SlurmStep(environ, _hostnames(environ))
     shards = args.shards or 1
-    require(1 <= shards < step.ntasks, f"--shards {shards} needs at least {shards + 1} tasks; the step has "
-                                       f"{step.ntasks}")
+    require(
+        1 <= shards < step.ntasks, f"--shards {shards} needs at least {shards + 1} tasks; the step has {step.ntasks}"
+    )
     require(args.linger > 0, f"--linger must be > 0 seconds, got {args.linger:g}")
     port = 7450 if args.port is None else args.port
     require(port > 0, "--port must be a fixed port under Slurm (the workers are told it)")
     if step.procid < shards:
         return _serve(args, step, shards, port)
     node = step.nodes[step.procid]
-    env = dict(environ, APS_ADDRESS=",".join(step.addresses(shards, port)), RANK=str(step.procid - shards),
-               # (the shards, tasks 0..K-1, come first on their nodes)
-               LOCAL_RANK=str(step.local - step.nodes[:shards].count(node)))
+    env = dict(
+        environ,
+        APS_ADDRESS=",".join(step.addresses(shards, port)),
+        RANK=str(step.procid - shards),
+        # (the shards, tasks 0..K-1, come first on their nodes)
+        LOCAL_RANK=str(step.local - step.nodes[:shards].count(node)),
+    )
     if isinstance(args.workers, tuple):  # --workers MIN:MAX: elastic, any count up to MAX
         env.pop("WORLD_SIZE", None)
     else:
@@ -145,8 +161,11 @@ def _serve(args: argparse.Namespace, step: SlurmStep, shards: int, port: int) ->
         args.checkpoint_dir = os.path.join(args.checkpoint_dir, f"shard-{index}")
     config = config_from_args(args)
     with Server(config).run_in_background() as background:
-        print(f"aps: shard {index} of {shards} serving on {step.nodes[index]}:{config.port} "
-              f"({config.describe_workers()} workers)", flush=True)
+        print(
+            f"aps: shard {index} of {shards} serving on {step.nodes[index]}:{config.port} "
+            f"({config.describe_workers()} workers)",
+            flush=True,
+        )
         server, idle_since = background.server, None
         while True:
             time.sleep(0.5)
@@ -159,6 +178,9 @@ def _serve(args: argparse.Namespace, step: SlurmStep, shards: int, port: int) ->
                 break
         if config.checkpoint_dir is not None:
             print(f"aps: shard {index}: final checkpoint {server.checkpoint()}", flush=True)
-        print(f"aps: shard {index}: no worker live for {args.linger:g} s after training: stopping at version "
-              f"{stats['version']}", flush=True)
+        print(
+            f"aps: shard {index}: no worker live for {args.linger:g} s after training: stopping at version "
+            f"{stats['version']}",
+            flush=True,
+        )
     return 0

@@ -24,10 +24,17 @@ def register(commands) -> None:
         "held and pulled and pushed, and per worker its clock, staleness, time waited at the gate, DSSP grants "
         "and learning rate.",
     )
-    parser.add_argument("address", nargs="?", default=None, type=_addresses,
-                        help=f"the server, tcp://HOST:PORT; the shards of a model, comma-separated ({ADDRESS_DEFAULT})")
+    parser.add_argument(
+        "address",
+        nargs="?",
+        default=None,
+        type=_addresses,
+        help=f"the server, tcp://HOST:PORT; the shards of a model, comma-separated ({ADDRESS_DEFAULT})",
+    )
     parser.add_argument("--json", action="store_true", help="print the raw statistics as JSON")
-    parser.add_argument("--watch", type=number, metavar="SECONDS", help="refresh every SECONDS until interrupted (default: print once)")
+    parser.add_argument(
+        "--watch", type=number, metavar="SECONDS", help="refresh every SECONDS until interrupted (default: print once)"
+    )
     parser.add_argument("--timeout", type=number, default=10.0, help="seconds to wait for the server")
     add_token_arguments(parser)
     parser.set_defaults(run=run)
@@ -134,13 +141,17 @@ def checkpoint_alarm(server: dict, now: float | None = None) -> str | None:
     now = time.time() if now is None else now
     error = status.get("last_error") or {}
     in_a_row = status.get("failed_in_a_row", 0)
-    text = (f"CHECKPOINTS FAILING: {in_a_row} failed in a row ({status.get('failed', in_a_row)} since the server "
-            f"started); the newest, of version {error.get('version', '?')}, {_fmt_age(now - error.get('unix', now))} "
-            f"ago: {error.get('error', 'unknown error')}")
+    text = (
+        f"CHECKPOINTS FAILING: {in_a_row} failed in a row ({status.get('failed', in_a_row)} since the server "
+        f"started); the newest, of version {error.get('version', '?')}, {_fmt_age(now - error.get('unix', now))} "
+        f"ago: {error.get('error', 'unknown error')}"
+    )
     written = status.get("last_written_unix")
     if written is not None:
-        text += (f"; the last checkpoint written is {_fmt_age(now - written)} old (version "
-                 f"{status.get('last_written_version')})")
+        text += (
+            f"; the last checkpoint written is {_fmt_age(now - written)} old (version "
+            f"{status.get('last_written_version')})"
+        )
     else:
         text += f"; none written in the {_fmt_age(now - status['since_unix'])} since the server started"
     return text
@@ -160,8 +171,10 @@ def _checkpoint_lines(server: dict) -> list[str]:
             f"skipped {status.get('skipped', last['skipped'])}"
         )
     elif status:
-        lines.append(f"checkpoints to {status['directory']}: none written yet "
-                     f"(failed {status['failed']}, skipped {status['skipped']})")
+        lines.append(
+            f"checkpoints to {status['directory']}: none written yet "
+            f"(failed {status['failed']}, skipped {status['skipped']})"
+        )
     if server.get("resumed_from"):
         lines.append(f"resumed from {server['resumed_from']}")
     return lines
@@ -174,11 +187,16 @@ def _table_lines(server: dict) -> list[str]:
     if not tables:
         return []
     width = max(5, *(len(name) for name in tables))
-    lines = ["", f"{'table':<{width}} {'dim':>5}  {'optimizer':<15} {'rows held':>12} {'bytes':>9} "
-                 f"{'rows pulled':>13} {'rows pushed':>13} {'evicted':>10}"]
+    lines = [
+        "",
+        f"{'table':<{width}} {'dim':>5}  {'optimizer':<15} {'rows held':>12} {'bytes':>9} "
+        f"{'rows pulled':>13} {'rows pushed':>13} {'evicted':>10}",
+    ]
     for name, t in tables.items():
-        lines.append(f"{name:<{width}} {t['dim']:>5}  {t['optimizer']:<15} {t['rows']:>12} {_fmt_bytes(t['bytes']):>9} "
-                     f"{t['rows_pulled']:>13} {t['rows_pushed']:>13} {t['rows_evicted']:>10}")
+        lines.append(
+            f"{name:<{width}} {t['dim']:>5}  {t['optimizer']:<15} {t['rows']:>12} {_fmt_bytes(t['bytes']):>9} "
+            f"{t['rows_pulled']:>13} {t['rows_pushed']:>13} {t['rows_evicted']:>10}"
+        )
     return lines
 
 
@@ -222,6 +240,7 @@ def format_stats(stats: dict) -> str:
         )
         own = own or bool(w.get("hyperparameters_own"))
     if own:
-        lines.append("* the worker's own optimizer values (set by it, e.g. by a torch LR scheduler); "
-                     "others use the server's")
+        lines.append(
+            "* the worker's own optimizer values (set by it, e.g. by a torch LR scheduler); others use the server's"
+        )
     return "\n".join(lines)

@@ -19,9 +19,12 @@ def register(commands) -> None:
         f"(256 bits; aps serve wants at least {MIN_TOKEN_BITS}). Give it to the server (--token, APS_TOKEN or "
         "--token-file) and to the workers (token=, APS_TOKEN).",
     )
-    parser.add_argument("--file", metavar="PATH",
-                        help="write it to PATH instead, readable by this user only (mode 0600; for --token-file); "
-                        "PATH must not exist yet (default: print it)")
+    parser.add_argument(
+        "--file",
+        metavar="PATH",
+        help="write it to PATH instead, readable by this user only (mode 0600; for --token-file); "
+        "PATH must not exist yet (default: print it)",
+    )
     parser.set_defaults(run=run)
 
 

@@ -39,6 +39,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Sequence
 
 import numpy as np
 
@@ -46,8 +47,17 @@ from ..errors import ConfigurationError
 from .settings import command_line, format_size
 
 __all__ = [
-    "VARIANTS", "ApsSession", "BoundSession", "CopyUpdateBound", "PipeBound", "Session", "TlsFiles", "machine_info",
-    "measure", "summarize", "write_report",
+    "VARIANTS",
+    "ApsSession",
+    "BoundSession",
+    "CopyUpdateBound",
+    "PipeBound",
+    "Session",
+    "TlsFiles",
+    "machine_info",
+    "measure",
+    "summarize",
+    "write_report",
 ]
 
 _DEFAULT_SIZES = "4K,64K,1M,16M,64M"
@@ -83,7 +93,9 @@ class Session:
         self._results = _CTX.Queue()
         self._control = _CTX.Queue()
         self.procs = [
-            _CTX.Process(target=_session_child, args=(target, args, self._go, self._control, self._results), daemon=True)
+            _CTX.Process(
+                target=_session_child, args=(target, args, self._go, self._control, self._results), daemon=True
+            )
             for args in args_list
         ]
         for proc in self.procs:
@@ -145,8 +157,8 @@ class _PingPongClient:
     def __enter__(self):
         self.sock = socket.create_connection(("127.0.0.1", self.port))
         self.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        out = memoryview(np.ones(self.nbytes, np.uint8))
-        back = memoryview(np.empty(self.nbytes, np.uint8))
+        out = np.ones(self.nbytes, np.uint8).data
+        back = np.empty(self.nbytes, np.uint8).data
         sock = self.sock
 
         def step() -> None:
@@ -185,8 +197,16 @@ def _echo_server(listener: socket.socket, nbytes: int) -> None:
 class _PushPullClient:
     """Context manager yielding one aps push_pull step on a model of ``nbytes``."""
 
-    def __init__(self, address: str, rank: int, workers: int, nbytes: int, transport: str,
-                 tls_ca: str | None = None, options: dict | None = None) -> None:
+    def __init__(
+        self,
+        address: str,
+        rank: int,
+        workers: int,
+        nbytes: int,
+        transport: str,
+        tls_ca: str | None = None,
+        options: dict | None = None,
+    ) -> None:
         self.args = (address, rank, workers)
         self.transport = transport
         self.numel = nbytes // 4
@@ -202,6 +222,7 @@ class _PushPullClient:
         self.worker = worker = Worker(*self.args, transport=self.transport, tls=tls, **self.options)
         worker.init({"w": np.zeros(self.numel, np.float32)})
         grad = worker.flat_grad  # zeros: the weights stay finite whatever the lr
+        assert grad is not None  # init made it
         return lambda: worker.push_pull(grad)
 
     def __exit__(self, *exc) -> None:
@@ -325,8 +346,14 @@ class CopyUpdateBound:
 
 
 #: What an aps row measures, by its system name: the server's extra flags.
-VARIANTS = {"aps": [], "aps no-stream": ["--stream-min-bytes", "0"], "aps tls": ["--tls-cert"],
-            "aps dashboard": ["--http-port", "0"], "aps zero-copy": [], "aps spin": []}
+VARIANTS = {
+    "aps": [],
+    "aps no-stream": ["--stream-min-bytes", "0"],
+    "aps tls": ["--tls-cert"],
+    "aps dashboard": ["--http-port", "0"],
+    "aps zero-copy": [],
+    "aps spin": [],
+}
 #: The worker's options of a variant (the others' workers are made with none).
 CLIENT_OPTIONS = {"aps zero-copy": {"zero_copy": True}, "aps spin": {"spin": 200e-6}}
 #: What shared memory measures: the worker copying its weights out of the slot, reading them
@@ -340,11 +367,16 @@ class ApsSession:
     have arrived, over TLS (with a throwaway certificate, see :class:`TlsFiles`), or
     with the HTTP side on a free port (its address in :attr:`http_address`)."""
 
-    def __init__(self, nbytes: int, workers: int, transport: str, variant: str = "aps",
-                 tls: TlsFiles | None = None) -> None:
+    def __init__(
+        self, nbytes: int, workers: int, transport: str, variant: str = "aps", tls: TlsFiles | None = None
+    ) -> None:
         extra = ["--sync", "asp", "--lr", "0.01", "--log-level", "warning"] + VARIANTS[variant]
+        ca = None
         if variant == "aps tls":
+            if tls is None:
+                raise ValueError("the 'aps tls' variant needs its TlsFiles")
             extra.append(tls.server)
+            ca = tls.ca
         self.server, address = start_server(workers, extra)
         #: ``http://HOST:PORT/`` of the server's HTTP side, or None without one.
         self.http_address: str | None = None
@@ -353,8 +385,18 @@ class ApsSession:
                 self.http_address = _read_dashboard(self.server)
             self.session = Session(
                 _PushPullClient,
-                [(address, r, workers, nbytes, transport, tls.ca if variant == "aps tls" else None,
-                  CLIENT_OPTIONS.get(variant)) for r in range(workers)],
+                [
+                    (
+                        address,
+                        r,
+                        workers,
+                        nbytes,
+                        transport,
+                        ca,
+                        CLIENT_OPTIONS.get(variant),
+                    )
+                    for r in range(workers)
+                ],
             )
         except BaseException:
             stop_server(self.server)
@@ -373,6 +415,7 @@ def start_server(workers: int, extra: list[str] | None = None) -> tuple[subproce
     cmd = [sys.executable, "-m", "aps", "serve", "--port", "0", "--workers", str(workers)]
     cmd += extra or ["--sync", "asp", "--lr", "0.01", "--log-level", "warning"]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True)
+    assert proc.stdout is not None  # stdout=PIPE
     line = proc.stdout.readline().strip()
     prefix = "aps: serving on "
     if not line.startswith(prefix):
@@ -384,6 +427,7 @@ def start_server(workers: int, extra: list[str] | None = None) -> tuple[subproce
 
 def _read_dashboard(proc: subprocess.Popen) -> str:
     """The HTTP side's address, from the second line ``aps serve --http-port`` prints."""
+    assert proc.stdout is not None  # start_server reads its stdout
     line = proc.stdout.readline().strip()
     prefix = "aps: dashboard on "
     if not line.startswith(prefix):
@@ -410,8 +454,13 @@ def summarize(samples: list[list[tuple[int, float]]], nbytes: int) -> dict:
         total = sum(count for count, _ in windows)
         rates.append(2 * nbytes * total / max(elapsed for _, elapsed in windows) / 1e9)
         trips += total
-    return {"rtt_us": statistics.median(rtts) * 1e6, "gbps": statistics.median(rates), "round_trips": trips,
-            "rtt_samples_us": [r * 1e6 for r in rtts], "gbps_samples": rates}
+    return {
+        "rtt_us": statistics.median(rtts) * 1e6,
+        "gbps": statistics.median(rates),
+        "round_trips": trips,
+        "rtt_samples_us": [r * 1e6 for r in rtts],
+        "gbps_samples": rates,
+    }
 
 
 _SMALL = 64 << 10  # payloads up to this size also get the pipe bound for their round trip
@@ -425,8 +474,9 @@ class TlsFiles:
         try:
             import trustme
         except ImportError:
-            raise ConfigurationError("aps bench --tls makes a throwaway certificate with trustme: "
-                                     "pip install 'aps[bench]'") from None
+            raise ConfigurationError(
+                "aps bench --tls makes a throwaway certificate with trustme: pip install 'aps[bench]'"
+            ) from None
         import tempfile
 
         self.directory = tempfile.mkdtemp(prefix="aps-bench-tls-")
@@ -449,13 +499,13 @@ def measure(
     min_iters: int,
     repeats: int,
     out: str | None,
-    transports: list[str] = ("tcp", "shm"),
+    transports: Sequence[str] = ("tcp", "shm"),
     tcp_variants: tuple[str, ...] = ("aps",),
 ) -> dict:
     """Measure every configuration; print the table; write the JSON report to ``out`` (if given).
 
     ``tcp_variants``: the systems of VARIANTS measured over TCP (shared memory runs "aps")."""
-    rows = []
+    rows: list[dict] = []
     tls = TlsFiles() if "aps tls" in tcp_variants else None
     try:
         _measure(sizes, worker_counts, seconds, min_iters, repeats, transports, tcp_variants, tls, rows)
@@ -480,7 +530,9 @@ def measure(
 
 def _measure(sizes, worker_counts, seconds, min_iters, repeats, transports, tcp_variants, tls, rows) -> None:
     for nbytes in sizes:
-        bounds = {"socket ping-pong": BoundSession(nbytes)} if "tcp" in transports else {}
+        bounds: dict[str, BoundSession | CopyUpdateBound | PipeBound] = {}
+        if "tcp" in transports:
+            bounds["socket ping-pong"] = BoundSession(nbytes)
         if "shm" in transports:
             bounds["memcpy+update"] = CopyUpdateBound(nbytes)
             bounds["update pass"] = CopyUpdateBound(nbytes, copy=False)
@@ -498,8 +550,8 @@ def _measure(sizes, worker_counts, seconds, min_iters, repeats, transports, tcp_
             for _ in range(repeats):
                 for key, bound in bounds.items():
                     samples[key].append(bound.measure(seconds, min_iters))
-                for key, session in sessions.items():
-                    samples[key].append(session.measure(seconds, min_iters))
+                for config, session in sessions.items():
+                    samples[config].append(session.measure(seconds, min_iters))
         finally:
             for bound in bounds.values():
                 bound.close()
@@ -508,9 +560,20 @@ def _measure(sizes, worker_counts, seconds, min_iters, repeats, transports, tcp_
         summary = {key: summarize(values, nbytes) for key, values in samples.items()}
         for name in bounds:
             kind = "tcp" if name == "socket ping-pong" else "shm"
-            rows.append({"system": name, "transport": kind, "payload_bytes": nbytes, "workers": 1,
-                         **summary[name], "ratio_throughput": None, "ratio_rtt": None, "ratio_to_tcp": None,
-                         "ratio_update_pass": None, "ratio_update_pass_shm": None})
+            rows.append(
+                {
+                    "system": name,
+                    "transport": kind,
+                    "payload_bytes": nbytes,
+                    "workers": 1,
+                    **summary[name],
+                    "ratio_throughput": None,
+                    "ratio_rtt": None,
+                    "ratio_to_tcp": None,
+                    "ratio_update_pass": None,
+                    "ratio_update_pass_shm": None,
+                }
+            )
             if name == "pipe ping-pong":
                 rows[-1]["gbps"] = rows[-1]["gbps_samples"] = None  # a wake-up bound: its bytes mean nothing
         for (transport, workers, variant), a in ((k, summary[k]) for k in sessions):
@@ -519,14 +582,23 @@ def _measure(sizes, worker_counts, seconds, min_iters, repeats, transports, tcp_
             else:
                 throughput_bound = summary["memcpy+update"]
                 rtt_bound = summary.get("pipe ping-pong", throughput_bound)
-            row = {"system": variant, "transport": transport, "payload_bytes": nbytes, "workers": workers, **a,
-                   "ratio_throughput": _median_ratio(a["gbps_samples"], throughput_bound["gbps_samples"]),
-                   "ratio_rtt": _median_ratio(a["rtt_samples_us"], rtt_bound["rtt_samples_us"]),
-                   "ratio_to_tcp": None, "ratio_update_pass": None, "ratio_update_pass_shm": None}
+            row = {
+                "system": variant,
+                "transport": transport,
+                "payload_bytes": nbytes,
+                "workers": workers,
+                **a,
+                "ratio_throughput": _median_ratio(a["gbps_samples"], throughput_bound["gbps_samples"]),
+                "ratio_rtt": _median_ratio(a["rtt_samples_us"], rtt_bound["rtt_samples_us"]),
+                "ratio_to_tcp": None,
+                "ratio_update_pass": None,
+                "ratio_update_pass_shm": None,
+            }
             if transport == "shm":  # (the round trip against the update pass alone: zero copy's bound)
                 row["ratio_update_pass"] = _median_ratio(a["rtt_samples_us"], summary["update pass"]["rtt_samples_us"])
-                row["ratio_update_pass_shm"] = _median_ratio(a["rtt_samples_us"],
-                                                             summary["update pass shm"]["rtt_samples_us"])
+                row["ratio_update_pass_shm"] = _median_ratio(
+                    a["rtt_samples_us"], summary["update pass shm"]["rtt_samples_us"]
+                )
             if ("tcp", workers, "aps") in sessions and (transport, variant) != ("tcp", "aps"):
                 row["ratio_to_tcp"] = _median_ratio(a["gbps_samples"], summary["tcp", workers, "aps"]["gbps_samples"])
             rows.append(row)
@@ -563,11 +635,14 @@ def machine_info() -> dict:
 def _print_row(row: dict) -> None:
     extra = f", {row['ratio_to_tcp']:.2f}x aps tcp" if row["ratio_to_tcp"] else ""
     if row.get("ratio_update_pass"):
-        extra += (f", rtt {row['ratio_update_pass']:.2f}x the update pass "
-                  f"({row['ratio_update_pass_shm']:.2f}x over shared segments)")
+        extra += (
+            f", rtt {row['ratio_update_pass']:.2f}x the update pass "
+            f"({row['ratio_update_pass_shm']:.2f}x over shared segments)"
+        )
     system = "" if row["system"] == "aps" else f" ({row['system']})"
     print(
-        f"  {format_size(row['payload_bytes']):>5} {row['transport']}{system} x{row['workers']}: {row['gbps']:.2f} GB/s "
+        f"  {format_size(row['payload_bytes']):>5} {row['transport']}{system} x{row['workers']}: "
+        f"{row['gbps']:.2f} GB/s "
         f"({row['ratio_throughput']:.2f} of bound{extra}), rtt {row['rtt_us']:.0f} us ({row['ratio_rtt']:.2f}x bound)",
         flush=True,
     )

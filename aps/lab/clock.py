@@ -22,7 +22,7 @@ from __future__ import annotations
 import heapq
 import math
 import statistics
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -64,8 +64,9 @@ class IterationTimes:
 
     _BLOCK = 4096
 
-    def __init__(self, speeds: list[float], jitter: float = 0.0, stragglers: Stragglers | None = None,
-                 seed: int = 0) -> None:
+    def __init__(
+        self, speeds: list[float], jitter: float = 0.0, stragglers: Stragglers | None = None, seed: int = 0
+    ) -> None:
         self.base = np.asarray(speeds, dtype=np.float64)
         self.jitter = float(jitter)
         self.stragglers = stragglers
@@ -111,8 +112,9 @@ class IterationTimes:
     def draw(self, rank: int, now: float) -> float:
         """The duration of ``rank``'s iteration starting at ``now``."""
         value = float(self.base[rank]) * self._factor()
-        if self.slow(rank, now):
-            value *= self.stragglers.slowdown
+        model = self.stragglers
+        if model is not None and self.slow(rank, now):  # (none straggles without a model)
+            value *= model.slowdown
         return value
 
 
@@ -135,8 +137,14 @@ class VirtualCluster:
         per_worker: pushes per worker.
     """
 
-    def __init__(self, config: ServerConfig, times: IterationTimes, layout: Layout, values: np.ndarray,
-                 compute: Compute | None = None) -> None:
+    def __init__(
+        self,
+        config: ServerConfig,
+        times: IterationTimes,
+        layout: Layout,
+        values: np.ndarray,
+        compute: Compute | None = None,
+    ) -> None:
         self.config = config
         self.times = times
         self.compute = compute
@@ -195,7 +203,9 @@ class VirtualCluster:
         """``rank`` holds the weights of ``snapshot``: compute on them, push when its iteration ends."""
         self._version[rank] = snapshot.version
         if self.compute is not None:  # (its member by rank: the last join releases everyone before it returns)
-            self.compute(rank, snapshot.array, self.engine.members[rank].grad)
+            grad = self.engine.members[rank].grad
+            assert grad is not None  # its join made its gradient buffer
+            self.compute(rank, snapshot.array, grad)
         snapshot.release()
         self._sequence += 1
         heapq.heappush(self._events, (self.now + self.times.draw(rank, self.now), self._sequence, rank))
@@ -246,7 +256,7 @@ class VirtualCluster:
         }
 
 
-def _percentile(sorted_values: list[float], q: float) -> float:
+def _percentile(sorted_values: Sequence[float], q: float) -> float:
     if not sorted_values:
         return 0.0
     index = min(len(sorted_values) - 1, max(0, math.ceil(q / 100.0 * len(sorted_values)) - 1))

@@ -119,11 +119,21 @@ def _pool_main(rank: int, workers: int, dataset_name: str, seed: int, conn) -> N
             run_seed = order["seed"]  # data order and pacing; the split and the initial weights keep `seed`
             pacer = Pacer(order["step_time"], order["speeds"][rank], order["jitter"], seed=1000 * run_seed + rank)
             compression = order.get("compression", "none")
-            result = workloads.train(dataset, order["address"], rank, workers, batch_size=order["batch_size"],
-                           duration=order["duration"], seed=seed, data_seed=run_seed, pacer=pacer,
-                           stop_on_divergence=True, transport=order.get("transport", "auto"),
-                           compression=None if compression == "none" else compression.split("+")[0],
-                           compress_pulls=compression.endswith("+pulls"))
+            result = workloads.train(
+                dataset,
+                order["address"],
+                rank,
+                workers,
+                batch_size=order["batch_size"],
+                duration=order["duration"],
+                seed=seed,
+                data_seed=run_seed,
+                pacer=pacer,
+                stop_on_divergence=True,
+                transport=order.get("transport", "auto"),
+                compression=None if compression == "none" else compression.split("+")[0],
+                compress_pulls=compression.endswith("+pulls"),
+            )
             conn.send(result)
         except Exception as exc:  # reported, and the comparison stops
             conn.send({"rank": rank, "error": f"{type(exc).__name__}: {exc}"})
@@ -163,8 +173,10 @@ class _Pool:
 
     def results(self, timeout: float) -> list[dict]:
         early, self._early = self._early, {}
-        return [early[rank] if rank in early else self._receive(rank, timeout, "finish its run")
-                for rank in range(len(self.pipes))]
+        return [
+            early[rank] if rank in early else self._receive(rank, timeout, "finish its run")
+            for rank in range(len(self.pipes))
+        ]
 
     def _receive(self, rank: int, timeout: float, what: str):
         pipe, proc = self.pipes[rank], self.procs[rank]
@@ -221,9 +233,17 @@ def _server_config(setting: str, lr_staleness: str, workers: int, args) -> Serve
     if "lr_staleness" in options:
         raise ConfigurationError(f"{setting!r}: choose the learning rate with --lr-staleness, not a +suffix")
     # The workers take $APS_TOKEN if it is set: the server then asks for the same one.
-    return ServerConfig(workers=workers, port=0, lr=args.lr, momentum=args.momentum, lr_staleness=lr_staleness,
-                        log_level="warning", token=os.environ.get("APS_TOKEN") or None,
-                        http_port=getattr(args, "http_port", None), **options)
+    return ServerConfig(
+        workers=workers,
+        port=0,
+        lr=args.lr,
+        momentum=args.momentum,
+        lr_staleness=lr_staleness,
+        log_level="warning",
+        token=os.environ.get("APS_TOKEN") or None,
+        http_port=getattr(args, "http_port", None),
+        **options,
+    )
 
 
 def _dashboard_port(args) -> None:
@@ -245,7 +265,9 @@ def _start_server(config: ServerConfig, args, out):
         if config.http_port is None or "--http-port" not in str(exc):
             raise
     background = Server(config.replace(http_port=0)).run_in_background().start()
-    args.http_port = background.server.http.port
+    http = background.server.http
+    assert http is not None  # started with an HTTP port
+    args.http_port = http.port
     print(f"aps: the dashboard moved: {background.server.http_address}", file=out, flush=True)
     return background
 
@@ -278,8 +300,7 @@ def _load() -> float:
         return 0.0
 
 
-def estimate_seconds(runs: int, budget: float, workers: int, cores: int | None = None,
-                     load: float = 0.0) -> float:
+def estimate_seconds(runs: int, budget: float, workers: int, cores: int | None = None, load: float = 0.0) -> float:
     """How long a comparison of ``runs`` runs of ``budget`` seconds on ``workers`` worker
     processes takes: their start-up once (slower on a loaded machine), then each run's budget
     and its overhead."""
@@ -291,11 +312,19 @@ def _run_one(run: Run, pool: _Pool, evaluate, args, out=sys.stdout, bar=None) ->
     eval_every = args.eval_every or max(0.5, args.budget / 25)
     with _start_server(config, args, out) as background:
         server = background.server
-        pool.dispatch({
-            "address": background.address, "duration": args.budget, "seed": args.seed + run.repeat,
-            "speeds": run.speeds, "step_time": args.step_time, "jitter": args.jitter, "batch_size": args.batch_size,
-            "compression": run.compression, "transport": args.transport,
-        })
+        pool.dispatch(
+            {
+                "address": background.address,
+                "duration": args.budget,
+                "seed": args.seed + run.repeat,
+                "speeds": run.speeds,
+                "step_time": args.step_time,
+                "jitter": args.jitter,
+                "batch_size": args.batch_size,
+                "compression": run.compression,
+                "transport": args.transport,
+            }
+        )
         deadline = time.monotonic() + _START_TIMEOUT
         while (started := server.engine.stats.training_started) is None:
             pool.check()
@@ -310,7 +339,7 @@ def _run_one(run: Run, pool: _Pool, evaluate, args, out=sys.stdout, bar=None) ->
             if now >= next_eval:
                 version, flat = server.weights()
                 engine = server.engine  # gradients applied so far (read after the weights: at most a push ahead)
-                applied = engine.pushes - engine.policy.dropped
+                applied = engine.training.pushes - engine.policy.dropped
                 run.curve.append([round(now - started, 3), evaluate(flat)])
                 run.curve_gradients.append([applied, run.curve[-1][1]])
                 if bar is not None:
@@ -325,7 +354,9 @@ def _run_one(run: Run, pool: _Pool, evaluate, args, out=sys.stdout, bar=None) ->
         results = pool.results(timeout=60)
     workers = stats["workers"]
     pulls = sum(w["pulls"] for w in workers)
-    applied = [(w["staleness_mean"], sum(w["staleness_hist"].values())) for w in workers if w["staleness_mean"] is not None]
+    applied = [
+        (w["staleness_mean"], sum(w["staleness_hist"].values())) for w in workers if w["staleness_mean"] is not None
+    ]
     run.stats = {
         "updates": stats["server"]["version"],
         "iterations": sum(r["iterations"] for r in results),
@@ -345,7 +376,8 @@ def _run_one(run: Run, pool: _Pool, evaluate, args, out=sys.stdout, bar=None) ->
         f"  {run.cluster:<13} {_run_label(run):<22} best {best:.3f}  "
         f"{run.stats['iterations_per_s']:.1f} it/s  wait {run.stats['mean_wait_s'] * 1e3:.0f} ms  "
         f"staleness {run.stats['mean_staleness']:.2f}" + ("  (diverged)" if run.stats["diverged"] else ""),
-        file=out, flush=True,
+        file=out,
+        flush=True,
     )
 
 
@@ -407,11 +439,22 @@ def markdown(records: list[dict], target: float, *, virtual: bool = False) -> st
     lines = []
     for cluster in dict.fromkeys(r["cluster"] for r in records):
         title = "### " + cluster_title(records, cluster)
-        lines += [title + (f", {repeats} runs each: median time (the range of those that reached the target), "
-                           "mean of the rest" if repeats > 1 else ""), ""]
-        head = f"| paradigm | {'virtual ' if virtual else ''}time to {target:g} |" + (" reached |" if repeats > 1 else "")
-        lines += [head + " best accuracy | iterations/s | mean wait | mean staleness |",
-                  "|---|---:|" + ("---:|" if repeats > 1 else "") + "---:|---:|---:|---:|"]
+        lines += [
+            title
+            + (
+                f", {repeats} runs each: median time (the range of those that reached the target), mean of the rest"
+                if repeats > 1
+                else ""
+            ),
+            "",
+        ]
+        head = f"| paradigm | {'virtual ' if virtual else ''}time to {target:g} |" + (
+            " reached |" if repeats > 1 else ""
+        )
+        lines += [
+            head + " best accuracy | iterations/s | mean wait | mean staleness |",
+            "|---|---:|" + ("---:|" if repeats > 1 else "") + "---:|---:|---:|---:|",
+        ]
         rows = [(name, rows) for (c, name), rows in groups.items() if c == cluster]
         rows.sort(key=lambda item: (_median_time(item[1]) is None, _median_time(item[1]) or 0))
         for name, runs in rows:
@@ -428,8 +471,11 @@ def markdown(records: list[dict], target: float, *, virtual: bool = False) -> st
             cells += [
                 f"{statistics.fmean(best):.3f}{spread}" + (f" ({diverged} diverged)" if diverged else ""),
                 f"{statistics.fmean(r['iterations_per_s'] for r in runs):.1f}",
-                (f"{statistics.fmean(r['mean_wait_s'] for r in runs):.3f} s" if virtual else
-                 f"{statistics.fmean(r['mean_wait_s'] for r in runs) * 1e3:.0f} ms"),
+                (
+                    f"{statistics.fmean(r['mean_wait_s'] for r in runs):.3f} s"
+                    if virtual
+                    else f"{statistics.fmean(r['mean_wait_s'] for r in runs) * 1e3:.0f} ms"
+                ),
                 f"{statistics.fmean(r['mean_staleness'] for r in runs):.2f}",
             ]
             lines.append("| " + " | ".join(cells) + " |")
@@ -445,8 +491,7 @@ _NOISE_S = 3.0
 _NOISE_FRACTION = 0.15
 
 
-def reading(records: list[dict], target: float, *, virtual: bool = False,
-            command: str = "aps demo") -> str:
+def reading(records: list[dict], target: float, *, virtual: bool = False, command: str = "aps demo") -> str:
     """What the table shows, in words, and how sure it is: per cluster, the paradigm that reached
     ``target`` first and whether the next one is clearly behind it. Over several runs, the spread
     of their times decides (ranges that overlap are a tie); over one run, a gap of a few seconds
@@ -456,18 +501,23 @@ def reading(records: list[dict], target: float, *, virtual: bool = False,
     unit = " virtual" if virtual else ""
     sentences = []
     for cluster in dict.fromkeys(r["cluster"] for r in records):
-        ranked = sorted(((name, rows) for (c, name), rows in groups.items() if c == cluster),
-                        key=lambda item: (_median_time(item[1]) is None, _median_time(item[1]) or 0))
+        ranked = sorted(
+            ((name, rows) for (c, name), rows in groups.items() if c == cluster),
+            key=lambda item: (_median_time(item[1]) is None, _median_time(item[1]) or 0),
+        )
         where = f"On the {cluster} cluster"
-        reached = [(name, _median_time(rows), rows) for name, rows in ranked if _median_time(rows) is not None]
+        reached = [(name, median_s, rows) for name, rows in ranked if (median_s := _median_time(rows)) is not None]
         if not reached:
             best_name, best_rows = max(ranked, key=lambda item: statistics.fmean(r["best_accuracy"] for r in item[1]))
-            sentences.append(f"{where} no paradigm reached {target:g} within the budget (the best was {best_name} "
-                             f"at {statistics.fmean(r['best_accuracy'] for r in best_rows):.3f}): give a longer "
-                             "--budget or a lower --target.")
+            sentences.append(
+                f"{where} no paradigm reached {target:g} within the budget (the best was {best_name} "
+                f"at {statistics.fmean(r['best_accuracy'] for r in best_rows):.3f}): give a longer "
+                "--budget or a lower --target."
+            )
             continue
         first, first_time, first_rows = reached[0]
-        level, behind = [], []
+        level: list[tuple[str, float]] = []
+        behind: list[tuple[str, float]] = []
         for name, median, rows in reached[1:]:
             if repeats > 1:
                 first_slowest = max(r["time_to_target_s"] for r in first_rows if r["time_to_target_s"] is not None)
@@ -480,29 +530,38 @@ def reading(records: list[dict], target: float, *, virtual: bool = False,
         text += f", median of {repeats})" if repeats > 1 else ")"
         if level:
             text += "; " + ", ".join(f"{name} ({median:.1f}{unit} s)" for name, median in level)
-            text += (" within the spread of the runs: level with it" if repeats > 1
-                     else " only a few seconds behind: level with it, as far as one run can tell")
+            text += (
+                " within the spread of the runs: level with it"
+                if repeats > 1
+                else " only a few seconds behind: level with it, as far as one run can tell"
+            )
         if behind:
-            text += "; clearly behind: " + ", ".join(f"{name} (+{median - first_time:.1f}{unit} s)"
-                                                     for name, median in behind)
+            text += "; clearly behind: " + ", ".join(
+                f"{name} (+{median - first_time:.1f}{unit} s)" for name, median in behind
+            )
         never = [name for name, rows in ranked if _median_time(rows) is None]
         if never:
             text += f"; never reached it: {', '.join(never)}"
         sentences.append(text + ".")
     if repeats > 1:
-        how_sure = (f"{repeats} runs each with different data orders and pacing: a paradigm is ahead only "
-                    "where all its runs beat all of the other's.")
+        how_sure = (
+            f"{repeats} runs each with different data orders and pacing: a paradigm is ahead only "
+            "where all its runs beat all of the other's."
+        )
     elif virtual:
         how_sure = "One seed each: run more seeds (--repeats 5) for a steadier answer."
     else:
-        how_sure = (f"This is one run of each: gaps of a few seconds are noise (start-up, evaluation times, the "
-                    f"machine's other work); for a steadier answer run {command} --repeats 3, or {command} --virtual "
-                    "(a virtual clock, several seeds, about a minute).")
+        how_sure = (
+            f"This is one run of each: gaps of a few seconds are noise (start-up, evaluation times, the "
+            f"machine's other work); for a steadier answer run {command} --repeats 3, or {command} --virtual "
+            "(a virtual clock, several seeds, about a minute)."
+        )
     return " ".join(sentences) + " " + how_sure
 
 
-def plot(records: list[dict], path: str, target: float, command: str, *, curve: str = "curve",
-         x_label: str = "wall time, s") -> None:
+def plot(
+    records: list[dict], path: str, target: float, command: str, *, curve: str = "curve", x_label: str = "wall time, s"
+) -> None:
     """Test accuracy against the x of ``record[curve]``'s ``[x, accuracy]`` rows, one panel
     per cluster, repeats averaged point by point."""
     import matplotlib
@@ -532,7 +591,7 @@ def plot(records: list[dict], path: str, target: float, command: str, *, curve: 
         low = min(min(acc for _, acc in r[curve][1:] or r[curve]) for r in records)
         ax.set_ylim(max(0.0, min(low, target - 0.1)), 1.0)
         ax.grid(alpha=0.3)
-    for ax in axes.flat[len(clusters):]:
+    for ax in axes.flat[len(clusters) :]:
         ax.set_visible(False)
     axes[0][-1].legend(fontsize=7, loc="lower right", ncol=2)
     fig.text(0.01, 0.01, command, fontsize=6, color="gray")
@@ -585,8 +644,9 @@ def _plan(args) -> _Plan:
     compressions = [c.strip() for c in args.compression.split(",") if c.strip()]
     wrong = [c for c in compressions if c not in COMPRESSIONS]
     if wrong or not compressions:
-        raise ConfigurationError(f"--compression takes {', '.join(COMPRESSIONS)} (comma-separated), "
-                                 f"got {args.compression!r}")
+        raise ConfigurationError(
+            f"--compression takes {', '.join(COMPRESSIONS)} (comma-separated), got {args.compression!r}"
+        )
     plan = _Plan(paradigms, modes, clusters, compressions)
     for setting in paradigms:  # every server this comparison will start, checked before any of them
         for mode in plan.modes_of(setting):
@@ -612,9 +672,13 @@ def compare(args, out=sys.stdout) -> list[dict]:
         args.out = tempfile.mkdtemp(prefix=f"aps-{getattr(args, 'command', 'compare')}-")
     os.makedirs(args.out, exist_ok=True)
     estimate = estimate_seconds(len(runs), args.budget, args.workers, load=_load())
-    print(f"{len(runs)} runs of {args.budget:g} s on {args.workers} workers ({args.dataset}, step time "
-          f"{args.step_time * 1e3:.0f} ms, target accuracy {args.target:g}): about {_duration(estimate)} in all; "
-          f"results in {args.out}", file=out, flush=True)
+    print(
+        f"{len(runs)} runs of {args.budget:g} s on {args.workers} workers ({args.dataset}, step time "
+        f"{args.step_time * 1e3:.0f} ms, target accuracy {args.target:g}): about {_duration(estimate)} in all; "
+        f"results in {args.out}",
+        file=out,
+        flush=True,
+    )
     _dashboard_port(args)
     if args.http_port is not None:
         print(f"aps: dashboard on http://127.0.0.1:{args.http_port}/ (each run's server in turn)", file=out, flush=True)
@@ -623,13 +687,18 @@ def compare(args, out=sys.stdout) -> list[dict]:
     evaluate = _evaluator(args.dataset, args.seed)
     pool = _Pool(args.workers, args.dataset, args.seed)
     # the start-up as measured, and what is left: the runs themselves
-    print(f"workers ready in {time.monotonic() - begun:.0f} s; the runs take about "
-          f"{_duration(len(runs) * (args.budget + _OVERHEAD_S))} more", file=out, flush=True)
+    print(
+        f"workers ready in {time.monotonic() - begun:.0f} s; the runs take about "
+        f"{_duration(len(runs) * (args.budget + _OVERHEAD_S))} more",
+        file=out,
+        flush=True,
+    )
     records: list[dict] = []
     try:
         for index, run in enumerate(runs, 1):
-            bar = _run_bar(f"{index}/{len(runs)} {run.cluster} {_run_label(run)}",
-                           args.budget, getattr(args, "no_progress", False))
+            bar = _run_bar(
+                f"{index}/{len(runs)} {run.cluster} {_run_label(run)}", args.budget, getattr(args, "no_progress", False)
+            )
             try:
                 _run_one(run, pool, evaluate, args, out, bar)
             finally:
@@ -645,11 +714,16 @@ def compare(args, out=sys.stdout) -> list[dict]:
     plot(records, os.path.join(args.out, "accuracy.png"), args.target, command)
     print("", file=out)
     print(markdown(records, args.target), file=out)
-    print(textwrap.fill(reading(records, args.target, command=f"aps {getattr(args, 'command', None) or 'compare'}"),
-                        100), file=out)
+    print(
+        textwrap.fill(reading(records, args.target, command=f"aps {getattr(args, 'command', None) or 'compare'}"), 100),
+        file=out,
+    )
     print("", file=out)
-    print(f"wrote {os.path.join(args.out, 'results.json')} and results.md; "
-          f"the plot is {os.path.join(args.out, 'accuracy.png')}", file=out)
+    print(
+        f"wrote {os.path.join(args.out, 'results.json')} and results.md; "
+        f"the plot is {os.path.join(args.out, 'accuracy.png')}",
+        file=out,
+    )
     return records
 
 
@@ -666,5 +740,12 @@ def _run_bar(description: str, budget: float, disabled: bool):
         from tqdm import tqdm
     except ImportError:
         return None
-    return tqdm(total=budget, desc=description, unit="s", dynamic_ncols=True, leave=False, disable=None,
-                bar_format="{desc}: {percentage:3.0f}%|{bar}| {n:.0f}/{total:.0f} s{postfix}")
+    return tqdm(
+        total=budget,
+        desc=description,
+        unit="s",
+        dynamic_ncols=True,
+        leave=False,
+        disable=None,
+        bar_format="{desc}: {percentage:3.0f}%|{bar}| {n:.0f}/{total:.0f} s{postfix}",
+    )

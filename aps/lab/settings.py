@@ -52,11 +52,15 @@ def parse_speeds(text: str, count: int | None = None, flag: str = "--speeds") ->
         values = [float(part) for part in _split(text)]
     except ValueError:
         values = []
-    if not values or (count is not None and len(values) != count) or \
-            not all(math.isfinite(v) and v > 0 for v in values):
+    if (
+        not values
+        or (count is not None and len(values) != count)
+        or not all(math.isfinite(v) and v > 0 for v in values)
+    ):
         how_many = "" if count is None else f"{count} "
-        raise ConfigurationError(f"{flag} needs {how_many}positive numbers separated by commas, such as 1,1,1,2.5, "
-                                 f"got {text!r}")
+        raise ConfigurationError(
+            f"{flag} needs {how_many}positive numbers separated by commas, such as 1,1,1,2.5, got {text!r}"
+        )
     return values
 
 
@@ -69,8 +73,10 @@ def describe_speeds(speeds: Sequence[float]) -> str:
         counts[s] = counts.get(s, 0) + 1
     if len(counts) <= 3:
         return f"{len(speeds)} workers, iteration times " + ", ".join(f"{s:g} (x{n})" for s, n in counts.items())
-    return (f"{len(speeds)} workers, iteration times {sum(speeds) / len(speeds):.2f} mean, "
-            f"{min(speeds):.2f}-{max(speeds):.2f}")
+    return (
+        f"{len(speeds)} workers, iteration times {sum(speeds) / len(speeds):.2f} mean, "
+        f"{min(speeds):.2f}-{max(speeds):.2f}"
+    )
 
 
 SETTING_FORM = "bsp[:K], asp, ssp:S, dssp:S_L:S_U or softsync:N[:S]"
@@ -121,8 +127,10 @@ def parse_setting(text: str) -> Setting:
             parse_compensation(extra)  # (its own message for a bad LAMBDA)
             options["compensation"] = extra
         else:
-            raise ConfigurationError(f"bad sync setting {text!r}: the suffixes are +inverse, +cutoff:R and one "
-                                     "compensation (+dc:LAMBDA, +dc-adaptive:LAMBDA or +gap), once each")
+            raise ConfigurationError(
+                f"bad sync setting {text!r}: the suffixes are +inverse, +cutoff:R and one "
+                "compensation (+dc:LAMBDA, +dc-adaptive:LAMBDA or +gap), once each"
+            )
     return Setting(label, options)
 
 

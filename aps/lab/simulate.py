@@ -101,11 +101,25 @@ EXPERIMENTS = {
         title="Zhao et al., dynamic SSP: heterogeneous clusters of 4 and 16 workers, persistent and on/off stragglers",
         clusters=(
             ClusterSpec("4 workers, one 3x slower", (1.0, 1.0, 1.0, 3.0), jitter=0.1, budget=600, eval_every=15.0),
-            ClusterSpec("4 workers, on/off stragglers", (1.0,) * 4, jitter=0.1,
-                        stragglers=Stragglers(0.005, 50.0, 4.0), budget=600, eval_every=15.0),
-            ClusterSpec("16 workers, four 3x slower", (1.0,) * 12 + (3.0,) * 4, jitter=0.1, budget=400, eval_every=10.0),
-            ClusterSpec("16 workers, on/off stragglers", (1.0,) * 16, jitter=0.1,
-                        stragglers=Stragglers(0.005, 50.0, 4.0), budget=400, eval_every=10.0),
+            ClusterSpec(
+                "4 workers, on/off stragglers",
+                (1.0,) * 4,
+                jitter=0.1,
+                stragglers=Stragglers(0.005, 50.0, 4.0),
+                budget=600,
+                eval_every=15.0,
+            ),
+            ClusterSpec(
+                "16 workers, four 3x slower", (1.0,) * 12 + (3.0,) * 4, jitter=0.1, budget=400, eval_every=10.0
+            ),
+            ClusterSpec(
+                "16 workers, on/off stragglers",
+                (1.0,) * 16,
+                jitter=0.1,
+                stragglers=Stragglers(0.005, 50.0, 4.0),
+                budget=400,
+                eval_every=10.0,
+            ),
         ),
         sync=("bsp", "asp", "ssp:3", "ssp:15", "dssp:3:15"),
         target=0.9,
@@ -119,11 +133,23 @@ EXPERIMENTS = {
 # 320 (16), and the whole experiment stays within 15 minutes with --jobs 2 on 2 cores.
 EXPERIMENTS["compensation"] = Experiment(
     title="Beyond lr/tau: DC-ASGD, gap-aware and a delay cut-off against ASP, ASP lr/tau and DSSP",
-    clusters=(dataclasses.replace(EXPERIMENTS["zhang"].clusters[0], iterations=7000),
-              *(dataclasses.replace(cluster, budget=300.0 if len(cluster.speeds) == 4 else 320.0)
-                for cluster in EXPERIMENTS["zhao"].clusters)),
-    sync=("asp", "asp+inverse", "asp+dc-adaptive:2", "asp+gap", "asp+cutoff:20", "dssp:3:15", "dssp:3:15+dc-adaptive:2",
-          "dssp:3:15+gap"),
+    clusters=(
+        dataclasses.replace(EXPERIMENTS["zhang"].clusters[0], iterations=7000),
+        *(
+            dataclasses.replace(cluster, budget=300.0 if len(cluster.speeds) == 4 else 320.0)
+            for cluster in EXPERIMENTS["zhao"].clusters
+        ),
+    ),
+    sync=(
+        "asp",
+        "asp+inverse",
+        "asp+dc-adaptive:2",
+        "asp+gap",
+        "asp+cutoff:20",
+        "dssp:3:15",
+        "dssp:3:15+dc-adaptive:2",
+        "dssp:3:15+gap",
+    ),
     lr_staleness="none",
     target=0.9,
 )
@@ -133,9 +159,7 @@ _CLUSTER_OPTIONS = ("speeds", "workers", "hetero", "jitter", "stragglers", "budg
 _TRAINING_OPTIONS = ("budget", "lr", "momentum", "batch_size", "lr_staleness", "eval_every", "target", "seeds", "jobs")
 
 
-def worker_speeds(
-    speeds: str | None, workers: int | None, hetero: str | None, seed: int
-) -> list[float]:
+def worker_speeds(speeds: str | None, workers: int | None, hetero: str | None, seed: int) -> list[float]:
     """Mean iteration time per worker, from ``--speeds`` or ``--workers`` with ``--hetero``."""
     if speeds:
         values = parse_speeds(speeds, workers)
@@ -158,8 +182,15 @@ def worker_speeds(
     return values
 
 
-def simulate(setting: Setting, speeds: list[float], *, iterations: int, jitter: float = 0.0, seed: int = 0,
-             stragglers: Stragglers | None = None) -> dict:
+def simulate(
+    setting: Setting,
+    speeds: list[float],
+    *,
+    iterations: int,
+    jitter: float = 0.0,
+    seed: int = 0,
+    stragglers: Stragglers | None = None,
+) -> dict:
     """Run one setting until the cluster has pushed ``iterations`` gradients in all.
 
     Returns a JSON-able dict: ``sync``, ``iterations_per_s`` (per simulated
@@ -220,9 +251,18 @@ def _one_run(dataset, cluster: ClusterSpec, options: dict, setting: Setting, mod
     options = dict(options)
     if options["eval_every"] is None:
         options["eval_every"] = cluster.eval_every
-    return train_virtual(setting, list(cluster.speeds), dataset=dataset, lr_staleness=mode, seed=seed,
-                         jitter=cluster.jitter, stragglers=cluster.stragglers, budget=cluster.budget,
-                         iterations=cluster.iterations, **options)
+    return train_virtual(
+        setting,
+        list(cluster.speeds),
+        dataset=dataset,
+        lr_staleness=mode,
+        seed=seed,
+        jitter=cluster.jitter,
+        stragglers=cluster.stragglers,
+        budget=cluster.budget,
+        iterations=cluster.iterations,
+        **options,
+    )
 
 
 def _in_order(runs: list, jobs: int, dataset, options: dict):
@@ -245,8 +285,10 @@ def run_experiment(args) -> int:
     """``aps simulate --experiment NAME``: a preset's clusters and settings; --sync, --lr, --lr-staleness,
     --target, --seeds and the rest may still change it."""
     given = [f"--{name}" for name in _CLUSTER_OPTIONS if getattr(args, name) is not None]
-    require(not given, f"--experiment {args.experiment} sets the clusters and the length of each run: "
-            f"drop {', '.join(given)}")
+    require(
+        not given,
+        f"--experiment {args.experiment} sets the clusters and the length of each run: drop {', '.join(given)}",
+    )
     experiment = EXPERIMENTS[args.experiment]
     for name in ("lr", "lr_staleness", "target", "seeds"):
         if getattr(args, name) is None:
@@ -259,8 +301,9 @@ def run_experiment(args) -> int:
     return run_training(args, list(experiment.clusters), settings, title=experiment.title)
 
 
-def run_training(args, clusters: list[ClusterSpec], settings: list[Setting], *,
-                 title: str | None = None, init_seed: int = 0) -> int:
+def run_training(
+    args, clusters: list[ClusterSpec], settings: list[Setting], *, title: str | None = None, init_seed: int = 0
+) -> int:
     """``aps simulate --train``: every cluster, setting (and learning-rate mode) for ``--seeds`` seeds;
     ``init_seed`` fixes the train/test split and the initial weights of every run."""
     import tempfile
@@ -273,53 +316,89 @@ def run_training(args, clusters: list[ClusterSpec], settings: list[Setting], *,
     require(0 < args.target <= 1, f"--target is a test accuracy in (0, 1], got {args.target}")
     require(args.eval_every is None or args.eval_every > 0, "--eval-every must be > 0")
     modes = {"both": ("none", "inverse"), "none": ("none",), "inverse": ("inverse",)}[args.lr_staleness]
-    runs = [(cluster, setting, mode, seed) for seed in range(args.seed, args.seed + args.seeds)
-            for cluster in clusters for setting in settings
-            for mode in (("none",) if setting.options.get("sync") == "bsp" else
-                         # (a setting that says its own, +inverse, is run with it alone)
-                         (setting.options["lr_staleness"],) if "lr_staleness" in setting.options else modes)]
+    runs = [
+        (cluster, setting, mode, seed)
+        for seed in range(args.seed, args.seed + args.seeds)
+        for cluster in clusters
+        for setting in settings
+        for mode in (
+            ("none",)
+            if setting.options.get("sync") == "bsp"
+            # (a setting that says its own, +inverse, is run with it alone)
+            else (setting.options["lr_staleness"],)
+            if "lr_staleness" in setting.options
+            else modes
+        )
+    ]
     for cluster, setting, mode, _ in runs:  # every configuration checked before the first run
         try:
-            ServerConfig(workers=len(cluster.speeds), lr=args.lr, momentum=args.momentum,
-                         **{"lr_staleness": mode, **setting.options})
+            ServerConfig(
+                workers=len(cluster.speeds),
+                lr=args.lr,
+                momentum=args.momentum,
+                **{"lr_staleness": mode, **setting.options},
+            )
         except ConfigurationError as exc:
             raise ConfigurationError(f"--sync {setting.label}: {exc}") from None
     out = args.out or tempfile.mkdtemp(prefix="aps-simulate-")
     os.makedirs(out, exist_ok=True)
     dataset = load(args.train, seed=init_seed)
-    print(f"{len(runs)} virtual runs{': ' + title if title else ''}; {args.train}, lr {args.lr:g}, "
-          f"batch {args.batch_size}; results in {out}", flush=True)
+    print(
+        f"{len(runs)} virtual runs{': ' + title if title else ''}; {args.train}, lr {args.lr:g}, "
+        f"batch {args.batch_size}; results in {out}",
+        flush=True,
+    )
     for cluster in clusters:
         limit = f"{cluster.budget:g} virtual s" if cluster.budget else f"{cluster.iterations} gradients"
         print(f"  {cluster.name}: {cluster.describe()}; {limit} per run", flush=True)
-    options = dict(lr=args.lr, momentum=args.momentum, batch_size=args.batch_size, eval_every=args.eval_every,
-                   target=args.target, init_seed=init_seed)
+    options = dict(
+        lr=args.lr,
+        momentum=args.momentum,
+        batch_size=args.batch_size,
+        eval_every=args.eval_every,
+        target=args.target,
+        init_seed=init_seed,
+    )
     records = []
     for index, (cluster, setting, mode, seed), record in _in_order(runs, args.jobs, dataset, options):
-        record.update(label=compare.label(setting.label, mode), cluster=cluster.name,
-                      cluster_description=cluster.describe(), repeat=seed - args.seed)
+        record.update(
+            label=compare.label(setting.label, mode),
+            cluster=cluster.name,
+            cluster_description=cluster.describe(),
+            repeat=seed - args.seed,
+        )
         records.append(record)
         reached = record["time_to_target_s"]
         where = f" {cluster.name}:" if len(clusters) > 1 else ""
-        print(f"  {index}/{len(runs)}{where} {record['label']:<22} seed {seed}: best {record['best_accuracy']:.3f}, "
-              f"{args.target:g} at {'never' if reached is None else f'{reached:.1f} s'}, staleness "
-              f"{record['mean_staleness']:.2f}, {record['wall_s']:.1f} s wall"
-              + ("  (diverged)" if record["diverged"] else ""), flush=True)
+        print(
+            f"  {index}/{len(runs)}{where} {record['label']:<22} seed {seed}: best {record['best_accuracy']:.3f}, "
+            f"{args.target:g} at {'never' if reached is None else f'{reached:.1f} s'}, staleness "
+            f"{record['mean_staleness']:.2f}, {record['wall_s']:.1f} s wall"
+            + ("  (diverged)" if record["diverged"] else ""),
+            flush=True,
+        )
         compare.write_records(records, os.path.join(out, "results.json"))  # an interrupted run keeps its runs
     table = compare.markdown(records, args.target, virtual=True)
     command = command_line()
     with open(os.path.join(out, "results.md"), "w") as fh:
         fh.write(f"Command: `{command}`\n\n" + (f"{title}\n\n" if title else "") + table)
     compare.plot(records, os.path.join(out, "accuracy.png"), args.target, command, x_label="virtual time, s")
-    compare.plot(records, os.path.join(out, "accuracy-gradients.png"), args.target, command,
-                 curve="curve_gradients", x_label="gradients applied")
+    compare.plot(
+        records,
+        os.path.join(out, "accuracy-gradients.png"),
+        args.target,
+        command,
+        curve="curve_gradients",
+        x_label="gradients applied",
+    )
     plot_staleness(records, os.path.join(out, "staleness.png"), command)
     print()
     print(table)
     print(textwrap.fill(compare.reading(records, args.target, virtual=True), 100))
     print()
-    print(f"wrote {os.path.join(out, 'results.json')}, results.md, accuracy.png, accuracy-gradients.png "
-          "and staleness.png")
+    print(
+        f"wrote {os.path.join(out, 'results.json')}, results.md, accuracy.png, accuracy-gradients.png and staleness.png"
+    )
     return 0
 
 
@@ -338,8 +417,15 @@ def draw_staleness(ax, hist: dict[int, int], label: str, color: str, style: str 
             tail = value + 1
             break
     mean = sum(v * n for v, n in hist.items()) / total
-    ax.step(list(values), [hist.get(v, 0) / total for v in values], where="mid", color=color, ls=style,
-            label=f"{label} (mean {mean:.2f})", lw=1.3)
+    ax.step(
+        list(values),
+        [hist.get(v, 0) / total for v in values],
+        where="mid",
+        color=color,
+        ls=style,
+        label=f"{label} (mean {mean:.2f})",
+        lw=1.3,
+    )
     return tail
 
 
@@ -364,9 +450,8 @@ def plot_staleness(records: list[dict], path: str, command: str) -> None:
             if r["cluster"] == cluster:
                 first.setdefault(r["sync"], r["label"])
         tail = 1
-        for index, (sync, label) in enumerate(first.items()):
-            hist = merge_counts(r["staleness_hist"] for r in records
-                                if r["cluster"] == cluster and r["label"] == label)
+        for index, label in enumerate(first.values()):
+            hist = merge_counts(r["staleness_hist"] for r in records if r["cluster"] == cluster and r["label"] == label)
             tail = max(tail, draw_staleness(ax, hist, label, f"C{index % 10}"))
         ax.set_xlim(-0.5, tail + 0.5)
         ax.set_title(textwrap.fill(compare.cluster_title(records, cluster), 80), fontsize=9)
@@ -375,7 +460,7 @@ def plot_staleness(records: list[dict], path: str, command: str) -> None:
         ax.grid(alpha=0.3)
         if ax.get_legend_handles_labels()[0]:
             ax.legend(fontsize=7)
-    for ax in axes.flat[len(clusters):]:
+    for ax in axes.flat[len(clusters) :]:
         ax.set_visible(False)
     fig.text(0.01, 0.01, command, fontsize=6, color="gray")
     fig.tight_layout(rect=(0, 0.03, 1, 1))
@@ -392,12 +477,28 @@ def compare_virtual(args) -> int:
     require(args.step_time > 0, "--virtual counts time in --step-time units: give a --step-time > 0")
     budget = args.budget / args.step_time
     eval_every = (args.eval_every or max(0.5, args.budget / 25)) / args.step_time  # the real runs' cadence
-    clusters = [ClusterSpec(name, tuple(speeds), jitter=args.jitter, budget=budget, eval_every=eval_every)
-                for name, speeds in plan.clusters.items()]
+    clusters = [
+        ClusterSpec(name, tuple(speeds), jitter=args.jitter, budget=budget, eval_every=eval_every)
+        for name, speeds in plan.clusters.items()
+    ]
     options = SimpleNamespace(
-        train=args.dataset, seeds=3 if args.repeats is None else args.repeats, seed=args.seed,
-        jobs=len(os.sched_getaffinity(0)), lr=args.lr, momentum=args.momentum, batch_size=args.batch_size,
-        lr_staleness=args.lr_staleness, target=args.target, out=args.out, eval_every=None)
-    return run_training(options, clusters, [parse_setting(p) for p in plan.paradigms], init_seed=args.seed,
-                        title=f"aps {getattr(args, 'command', 'compare')} --virtual: one virtual second is a speed-1 "
-                        f"worker's iteration ({args.step_time * 1e3:g} ms of --step-time), {budget:g} virtual s per run")
+        train=args.dataset,
+        seeds=3 if args.repeats is None else args.repeats,
+        seed=args.seed,
+        jobs=len(os.sched_getaffinity(0)),
+        lr=args.lr,
+        momentum=args.momentum,
+        batch_size=args.batch_size,
+        lr_staleness=args.lr_staleness,
+        target=args.target,
+        out=args.out,
+        eval_every=None,
+    )
+    return run_training(
+        options,
+        clusters,
+        [parse_setting(p) for p in plan.paradigms],
+        init_seed=args.seed,
+        title=f"aps {getattr(args, 'command', 'compare')} --virtual: one virtual second is a speed-1 "
+        f"worker's iteration ({args.step_time * 1e3:g} ms of --step-time), {budget:g} virtual s per run",
+    )

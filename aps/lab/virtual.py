@@ -33,7 +33,12 @@ from ..workloads.data import Dataset, load, shard
 from ..workloads.models import accuracy, make_model
 
 __all__ = [
-    "VirtualTrainer", "accuracy_at", "agreement", "curve_distance", "mean_staleness", "staleness_distance",
+    "VirtualTrainer",
+    "accuracy_at",
+    "agreement",
+    "curve_distance",
+    "mean_staleness",
+    "staleness_distance",
     "train_virtual",
 ]
 
@@ -87,7 +92,11 @@ class VirtualTrainer:
         if not math.isfinite(loss.item()):
             self.non_finite_loss = True
         loss.backward()
-        torch.cat([p.grad.reshape(-1) for p in self.params], out=torch.from_numpy(grad_out))
+        grads = []
+        for p in self.params:
+            assert p.grad is not None  # every parameter takes part in the loss
+            grads.append(p.grad.reshape(-1))
+        torch.cat(grads, out=torch.from_numpy(grad_out))
         self.gradients += 1
         self.seconds += time.perf_counter() - start
 
@@ -143,13 +152,22 @@ def train_virtual(
     data = load(dataset, seed=init_seed) if isinstance(dataset, str) else dataset
     workers = len(speeds)
     trainer = VirtualTrainer(data, workers, batch_size=batch_size, init_seed=init_seed, seed=seed)
-    config = ServerConfig(workers=workers, lr=lr, momentum=momentum, heartbeat_timeout=0,
-                          **{"lr_staleness": lr_staleness, **setting.options})  # (a +inverse setting says its own)
+    config = ServerConfig(
+        workers=workers,
+        lr=lr,
+        momentum=momentum,
+        heartbeat_timeout=0,
+        **{"lr_staleness": lr_staleness, **setting.options},
+    )  # (a +inverse setting says its own)
     times = IterationTimes(speeds, jitter, stragglers, seed)
     wall = time.perf_counter()
     cluster = VirtualCluster(config, times, trainer.layout, trainer.initial, trainer.compute)
     if eval_every is None:
-        horizon = budget if budget is not None else iterations * float(np.mean(speeds)) / workers
+        if budget is not None:
+            horizon = budget
+        else:
+            assert iterations is not None  # one of the two is given (checked above)
+            horizon = iterations * float(np.mean(speeds)) / workers
         eval_every = horizon / 25
     curve: list[list[float]] = []
     reached_at = reached_after = None
@@ -158,7 +176,9 @@ def train_virtual(
     def evaluate(at: float) -> None:
         nonlocal reached_at, reached_after
         applied = len(cluster.staleness)
-        acc = trainer.evaluate(cluster.engine.weights)
+        weights = cluster.engine.weights
+        assert weights is not None  # the cluster's workers have initialized the model
+        acc = trainer.evaluate(weights)
         curve.append([round(at, 6), applied, cluster.engine.version, acc])
         if target is not None and reached_at is None and acc >= target:
             reached_at, reached_after = at, applied

@@ -17,6 +17,7 @@ import tempfile
 import threading
 import time
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 import numpy as np
 
@@ -37,6 +38,9 @@ from aps.wire.protocol import (
 )
 from aps.wire.rows import ROWS_REF_BYTES, decode_rows_ref, encode_rows_ref
 from aps.wire.segments import ANCILLARY_SPACE, Segment, fds_from, map_received, scm_rights
+
+if TYPE_CHECKING:
+    from typing_extensions import Buffer  # collections.abc.Buffer from Python 3.12
 
 #: Worker processes for tests: forked from a server process that has imported what they use
 #: once (torch among it), instead of each starting an interpreter and importing it again.
@@ -60,8 +64,14 @@ class ServerProcess:
     to run the server inside a network namespace).
     """
 
-    def __init__(self, *args: str, env: dict[str, str] | None = None, timeout: float = 30.0,
-                 host: str = "127.0.0.1", popen: Callable[..., subprocess.Popen] = subprocess.Popen) -> None:
+    def __init__(
+        self,
+        *args: str,
+        env: dict[str, str] | None = None,
+        timeout: float = 30.0,
+        host: str = "127.0.0.1",
+        popen: Callable[..., subprocess.Popen] = subprocess.Popen,
+    ) -> None:
         self.log_file = tempfile.NamedTemporaryFile("w+", prefix="aps-serve-", suffix=".log", delete=False)
         cmd = [sys.executable, "-m", "aps", "serve", "--host", host]
         if "--port" not in args:
@@ -92,7 +102,9 @@ class ServerProcess:
 
     def _read_first_line(self, timeout: float) -> str:
         lines: queue.Queue[str] = queue.Queue()
-        threading.Thread(target=lambda: lines.put(self.proc.stdout.readline()), daemon=True).start()
+        stdout = self.proc.stdout
+        assert stdout is not None  # stdout=PIPE
+        threading.Thread(target=lambda: lines.put(stdout.readline()), daemon=True).start()
         try:
             return lines.get(timeout=timeout)
         except queue.Empty:
@@ -170,8 +182,9 @@ class RawClient:
     def to(cls, server: ServerProcess, transport: str, token=FIND) -> RawClient:
         """A raw client of ``server`` over ``transport`` ("tcp" or "shm")."""
         token = server.token if token is FIND else token
-        return RawClient(server.port, token=token) if transport == "tcp" else RawShmClient(server.unix_path,
-                                                                                            token=token)
+        return (
+            RawClient(server.port, token=token) if transport == "tcp" else RawShmClient(server.unix_path, token=token)
+        )
 
     def _authenticate(self, token: bytes | str | None) -> None:
         if token is None:
@@ -187,7 +200,7 @@ class RawClient:
             header, _ = self.reply()
             assert header.op == Op.AUTH_REPLY, f"expected an AUTH reply, got op {header.op}"
 
-    def send(self, *parts: bytes) -> None:
+    def send(self, *parts: Buffer) -> None:
         if sum(len(memoryview(part).cast("B")) for part in parts) <= _JOIN_BELOW:
             # one write: a peer that answers the header and closes still finds the whole frame sent
             self.sock.sendall(b"".join(memoryview(part).cast("B") for part in parts))
@@ -195,13 +208,14 @@ class RawClient:
         for part in parts:  # no joined copy: a large payload starts leaving at once
             self.sock.sendall(part)
 
-    def push(self, grad: np.ndarray, *, op: int = Op.PUSH, dtype: int = DType.FLOAT32, version: int = 0,
-             request_id: int = 0) -> None:
+    def push(
+        self, grad: np.ndarray, *, op: int = Op.PUSH, dtype: int = DType.FLOAT32, version: int = 0, request_id: int = 0
+    ) -> None:
         """Send a gradient the way this transport does."""
         payload = np.ascontiguousarray(grad).tobytes()
         self.send(pack_header(op, 0, dtype, request_id, 0, version, len(payload)), payload)
 
-    def frame(self, op: int, *payload: bytes, **fields) -> None:
+    def frame(self, op: int, *payload: Buffer, **fields) -> None:
         """A frame whose payload is ``payload``'s parts, sent as they are (not joined)."""
         fields.setdefault("length", sum(len(memoryview(part).cast("B")) for part in payload))
         self.send(pack_header(op, **fields), *payload)
@@ -217,7 +231,7 @@ class RawClient:
 
     def init(self, rank: int, num_workers: int, params: dict[str, np.ndarray], tables=None, **fields) -> None:
         layout = Layout.from_arrays(params, tables)
-        values = [np.ascontiguousarray(v, np.float32) for v in params.values()]
+        values = [np.ascontiguousarray(v, np.float32).data for v in params.values()]
         block = encode_init(rank, num_workers, layout)
         fields.setdefault("dtype", DType.FLOAT32)
         fields.setdefault("version", len(block))  # the layout block's length
@@ -279,8 +293,17 @@ class RawShmClient(RawClient):
             token = find_token("127.0.0.1", int(stem)) if stem.isdigit() else None
         self._authenticate(token)
 
-    def init(self, rank: int, num_workers: int, params: dict[str, np.ndarray], tables=None, *,
-             segment_numel: int | None = None, with_segment: bool = True, **fields) -> None:
+    def init(
+        self,
+        rank: int,
+        num_workers: int,
+        params: dict[str, np.ndarray],
+        tables=None,
+        *,
+        segment_numel: int | None = None,
+        with_segment: bool = True,
+        **fields,
+    ) -> None:
         layout = Layout.from_arrays(params, tables)
         values = b"".join(np.ascontiguousarray(v, np.float32).tobytes() for v in params.values())
         block = encode_init(rank, num_workers, layout)
@@ -292,8 +315,10 @@ class RawShmClient(RawClient):
         fds = [self.segment.fd] if with_segment else []
         self.sock.sendmsg([pack_header(Op.INIT, length=len(payload), **fields) + payload], scm_rights(fds))
 
-    def push(self, grad: np.ndarray, *, op: int = Op.PUSH, dtype: int = DType.FLOAT32, version: int = 0,
-             request_id: int = 0) -> None:
+    def push(
+        self, grad: np.ndarray, *, op: int = Op.PUSH, dtype: int = DType.FLOAT32, version: int = 0, request_id: int = 0
+    ) -> None:
+        assert self.segment is not None, "init first: it sends the gradient segment"
         self.segment.array[: grad.size] = np.asarray(grad, np.float32).ravel()
         self.send(pack_header(op, int(Flag.SHM), dtype, request_id, 0, version, 0))
 
@@ -301,23 +326,31 @@ class RawShmClient(RawClient):
         """``rows`` in this client's rows segment (a new one, with its descriptor, when they
         do not fit the last), the frame carrying their rows reference (or ``ref`` and
         ``fds``, as given: a lie)."""
-        fresh = self.rows_segment is None or self.rows_segment.nbytes < len(rows)
-        if fresh:
-            self.rows_segment = Segment.create(-(-max(len(rows), 1 << 16) // 8) * 2, "test-rows")  # (8-aligned)
-        self.rows_segment.array.view(np.uint8)[: len(rows)] = np.frombuffer(bytes(rows), np.uint8)
+        segment = self.rows_segment
+        fresh = segment is None or segment.nbytes < len(rows)
+        if segment is None or fresh:
+            segment = self.rows_segment = Segment.create(
+                -(-max(len(rows), 1 << 16) // 8) * 2, "test-rows"
+            )  # (8-aligned)
+        segment.array.view(np.uint8)[: len(rows)] = np.frombuffer(bytes(rows), np.uint8)
         if ref is None:
-            ref = encode_rows_ref(len(rows), self.rows_segment.nbytes, fresh)
-            fds = [self.rows_segment.fd] if fresh else []
+            ref = encode_rows_ref(len(rows), segment.nbytes, fresh)
+            fds = [segment.fd] if fresh else []
         h = unpack_header(bytes(header))
-        self.sock.sendmsg([pack_header(h.op, h.flags, h.dtype, h.request_id, h.clock, h.version, len(ref)) + ref],
-                          scm_rights(fds or []))
+        self.sock.sendmsg(
+            [pack_header(h.op, h.flags, h.dtype, h.request_id, h.clock, h.version, len(ref)) + ref],
+            scm_rights(fds or []),
+        )
 
     def rows_of(self, header, payload: bytes) -> bytes:
         """A reply's rows, out of the server's reply segment its rows reference names."""
         length, size, has_fd = decode_rows_ref(payload[-ROWS_REF_BYTES:])
         if has_fd:
             self.reply_rows = map_received(self.fds.pop(), size, writable=False).view(np.uint8)  # (its own: the last)
-        return self.reply_rows[:length].tobytes() if length else b""
+        if not length:
+            return b""
+        assert self.reply_rows is not None, "a reply with rows before the one that brought their segment"
+        return self.reply_rows[:length].tobytes()
 
     def recv_exact(self, n: int) -> bytes:
         data = bytearray()
@@ -389,7 +422,7 @@ def run_processes(target, args_list, timeout: float = 60.0) -> list:
         for proc in procs:
             proc.join(max(0.1, deadline - time.monotonic()))
             if proc.is_alive():
-                os.kill(proc.pid, signal.SIGKILL)
+                proc.kill()  # SIGKILL to its pid
                 proc.join(5)
     return out
 
@@ -413,8 +446,11 @@ class SteadyCluster:
         self.errors = SPAWN.Queue()
         self.stop = SPAWN.Event()
         self.procs = [
-            SPAWN.Process(target=_workers.steady_worker, daemon=True,
-                          args=(self.server.address, r, workers, numel, transport, self.steps, self.errors, self.stop))
+            SPAWN.Process(
+                target=_workers.steady_worker,
+                daemon=True,
+                args=(self.server.address, r, workers, numel, transport, self.steps, self.errors, self.stop),
+            )
             for r in range(workers)
         ]
         for p in self.procs:
@@ -432,7 +468,7 @@ class SteadyCluster:
     def close(self) -> None:
         self.stop.set()
         for p in self.procs:
-            if p.is_alive():
+            if p.is_alive() and p.pid is not None:  # (alive: started, with a pid)
                 os.kill(p.pid, signal.SIGCONT)
             p.join(10)
             if p.is_alive():

@@ -27,7 +27,8 @@ process cannot act on SIGTERM), namespaces are deleted, tmpfs mounts
 unmounted, whatever ended the run (an exception, Ctrl-C, SIGTERM).
 
 The ledger is in :mod:`aps.testing.ledger`, the programs of the worker, stranger and
-puller processes in :mod:`aps.testing.chaos_processes`.
+puller processes in :mod:`aps.testing.chaos_processes`, where they run and how they are
+started, logged and stopped in :mod:`aps.testing.places`.
 """
 
 from __future__ import annotations
@@ -47,25 +48,62 @@ import time
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from .ledger import LedgerLayout, analyse_ledger
+from .places import (
+    LogTail,
+    Place,
+    SecondUser,
+    ShardProc,
+    Tmpfs,
+    WorkerProc,
+    run_checked,
+    stop_process,
+    tmpfs_unavailable_reason,
+)
 from .users import as_second_user, second_user_env, second_user_unavailable
+
+if TYPE_CHECKING:
+    from .netns import Network
 
 ROOT = Path(__file__).resolve().parents[1]
 PY = sys.executable
 
 #: Every fault kind, in the order the report lists them.
-FAULT_KINDS = ("worker_kill", "worker_stop", "shard_kill", "shard_kill_older", "shard_stop", "cut", "disk_full",
-               "strangers", "guesser", "impostor")
+FAULT_KINDS = (
+    "worker_kill",
+    "worker_stop",
+    "shard_kill",
+    "shard_kill_older",
+    "shard_stop",
+    "cut",
+    "disk_full",
+    "strangers",
+    "guesser",
+    "impostor",
+)
 #: The kinds that need a second user of the host (root, to run them as ``nobody``).
 SECOND_USER_KINDS = ("guesser", "impostor")
 #: The sync policies a soak runs (``--sync``).
 POLICIES = {"bsp": ("--sync", "bsp"), "ssp": ("--sync", "ssp", "--staleness", "2"), "asp": ("--sync", "asp")}
 #: The ledger's SGD: every weight counts its applications.
-LEDGER_OPTIONS = ("--optimizer", "sgd", "--lr", "1", "--momentum", "0", "--weight-decay", "0",
-                  "--lr-staleness", "none", "--async-scale", "sum")
+LEDGER_OPTIONS = (
+    "--optimizer",
+    "sgd",
+    "--lr",
+    "1",
+    "--momentum",
+    "0",
+    "--weight-decay",
+    "0",
+    "--lr-staleness",
+    "none",
+    "--async-scale",
+    "sum",
+)
 
 
 # The fault schedule ------------------------------------------------------------------------------
@@ -88,8 +126,16 @@ class FaultSchedule:
     with a pause of ``gap`` seconds (uniform in the range) between one fault's recovery
     and the next."""
 
-    def __init__(self, seed: int, kinds: list[str], workers: int, shards: int, cut_hosts: int,
-                 gap: tuple[float, float] = (1.0, 4.0), max_fault_s: float = 6.0) -> None:
+    def __init__(
+        self,
+        seed: int,
+        kinds: list[str],
+        workers: int,
+        shards: int,
+        cut_hosts: int,
+        gap: tuple[float, float] = (1.0, 4.0),
+        max_fault_s: float = 6.0,
+    ) -> None:
         self.rng = random.Random(seed)
         self.kinds = list(kinds)
         self.workers, self.shards, self.cut_hosts = workers, shards, cut_hosts
@@ -112,186 +158,12 @@ class FaultSchedule:
             target = rng.randrange(self.cut_hosts)
         else:
             target = rng.randrange(self.shards)
-        seconds = {"worker_kill": rng.uniform(0.1, 2.0), "shard_kill": rng.uniform(0.1, 2.0),
-                   "shard_kill_older": rng.uniform(0.1, 2.0)}.get(kind) or rng.uniform(0.5, top)
+        seconds = {
+            "worker_kill": rng.uniform(0.1, 2.0),
+            "shard_kill": rng.uniform(0.1, 2.0),
+            "shard_kill_older": rng.uniform(0.1, 2.0),
+        }.get(kind) or rng.uniform(0.5, top)
         return Fault(kind, target, round(seconds, 2))
-
-
-# Processes ---------------------------------------------------------------------------------------
-def _stop_process(proc: subprocess.Popen, grace: float = 5.0, signum: int = signal.SIGTERM) -> None:
-    """End ``proc`` by its pid: SIGCONT (a stopped process cannot act on SIGTERM), ``signum``,
-    SIGKILL after ``grace`` seconds; then reap it."""
-    if proc.poll() is not None:
-        return
-    for sig in (signal.SIGCONT, signum):
-        with contextlib.suppress(ProcessLookupError):
-            proc.send_signal(sig)
-    try:
-        proc.wait(grace)
-    except subprocess.TimeoutExpired:
-        with contextlib.suppress(ProcessLookupError):
-            proc.kill()
-        proc.wait(10)
-
-
-class _Place:
-    """Where processes run: this host's loopback, or a network namespace (aps.testing.netns.Host)."""
-
-    def __init__(self, host=None) -> None:
-        self.host = host
-
-    @property
-    def address(self) -> str:
-        return self.host.address if self.host is not None else "127.0.0.1"
-
-    def popen(self, argv: list[str], **kwargs) -> subprocess.Popen:
-        if self.host is not None:
-            return self.host.popen(argv, **kwargs)
-        return subprocess.Popen(argv, **kwargs)
-
-
-class _SecondUser(_Place):
-    """Where the second user's processes run: ``place``, as ``nobody``."""
-
-    def __init__(self, place: _Place) -> None:
-        super().__init__(place.host)
-
-    def popen(self, argv: list[str], **kwargs) -> subprocess.Popen:
-        return super().popen(as_second_user(argv), **kwargs)
-
-
-class LogTail:
-    """New lines of a file that another process appends to, read from where the last call stopped."""
-
-    def __init__(self, path: Path) -> None:
-        self.path = path
-        self.offset = 0
-        self._partial = b""
-
-    def lines(self) -> list[str]:
-        try:
-            with open(self.path, "rb") as fh:
-                fh.seek(self.offset)
-                data = fh.read()
-        except FileNotFoundError:
-            return []
-        self.offset += len(data)
-        data = self._partial + data
-        *complete, self._partial = data.split(b"\n")
-        return [line.decode("utf-8", "replace") for line in complete]
-
-
-class ShardProc:
-    """One ``aps serve --shard I`` process; its output (both streams) in its own log file,
-    which is cut back to its last MiB when it passes ``LOG_CAP`` bytes."""
-
-    LOG_CAP = 8 << 20
-
-    def __init__(self, index: int, place: _Place, argv: list[str], env: dict, log_path: Path,
-                 timeout: float = 60.0) -> None:
-        self.index = index
-        self.log_path = log_path
-        self.started = time.monotonic()
-        self._log_start = log_path.stat().st_size if log_path.exists() else 0
-        with open(log_path, "ab") as log:
-            self.proc = place.popen(argv, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env)
-        self.address = self._wait_address(timeout)
-        self.port = int(self.address.rsplit(":", 1)[1])
-
-    def _wait_address(self, timeout: float) -> str:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            text = self.log_since_start()
-            match = re.search(r"^aps: serving on (\S+)", text, re.M)
-            if match:
-                return match.group(1)
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"shard {self.index} exited with {self.proc.returncode}:\n{text[-3000:]}")
-            time.sleep(0.05)
-        _stop_process(self.proc)
-        raise RuntimeError(f"shard {self.index} did not start within {timeout} s:\n{self.log_since_start()[-3000:]}")
-
-    def log_since_start(self) -> str:
-        try:
-            with open(self.log_path, "rb") as fh:
-                fh.seek(self._log_start)
-                return fh.read().decode("utf-8", "replace")
-        except OSError:
-            return ""
-
-    def cap_log(self) -> None:
-        with contextlib.suppress(OSError):
-            size = self.log_path.stat().st_size
-            if size > self.LOG_CAP:
-                with open(self.log_path, "rb") as fh:
-                    fh.seek(size - (1 << 20))
-                    tail = fh.read()
-                with open(self.log_path.with_suffix(".old.log"), "wb") as fh:
-                    fh.write(tail)
-                os.truncate(self.log_path, 0)  # the server appends (O_APPEND): it goes on at the new end
-                self._log_start = 0
-
-    def alive(self) -> bool:
-        return self.proc.poll() is None
-
-
-class WorkerProc:
-    """One worker process of rank ``rank`` (a new one after each kill); its log is shared by all."""
-
-    def __init__(self, rank: int, place: _Place, argv: list[str], env: dict, log_path: Path) -> None:
-        self.rank = rank
-        with open(log_path.with_suffix(".err"), "ab") as err:  # the child has its own descriptor
-            self.proc = place.popen(argv, stdout=subprocess.DEVNULL, stderr=err, stdin=subprocess.DEVNULL, env=env)
-
-
-def _run_checked(argv: list[str], timeout: float = 15.0) -> None:
-    done = subprocess.run(argv, capture_output=True, text=True, timeout=timeout, stdin=subprocess.DEVNULL)
-    if done.returncode != 0:
-        raise RuntimeError(f"{' '.join(argv)}: exit {done.returncode}: {done.stderr.strip()}")
-
-
-def tmpfs_unavailable_reason() -> str | None:
-    """Why a tmpfs cannot be mounted here (None when it can)."""
-    if os.geteuid() != 0:
-        return "mounting a tmpfs needs root"
-    if shutil.which("mount") is None or shutil.which("umount") is None:
-        return "mount/umount not found"
-    return None
-
-
-class Tmpfs:
-    """A small tmpfs mounted at ``path`` (a shard's checkpoint directory), to fill on demand."""
-
-    def __init__(self, path: Path, size: int) -> None:
-        self.path = path
-        self.size = size
-        path.mkdir(parents=True, exist_ok=True)
-        _run_checked(["mount", "-t", "tmpfs", "-o", f"size={size},mode=0700", "tmpfs", str(path)])
-        self.mounted = True
-        self.ballast = path / ".ballast"
-
-    def fill(self) -> int:
-        """Take every free byte (a ballast file); returns how many were taken."""
-        taken = 0
-        with contextlib.suppress(OSError), open(self.ballast, "ab", buffering=0) as fh:  # unbuffered: ENOSPC here
-            for size in (1 << 16, 512):  # then the last partial chunk
-                with contextlib.suppress(OSError):  # ENOSPC: full
-                    while True:
-                        taken += fh.write(b"\0" * size)
-        return taken
-
-    def free(self) -> None:
-        with contextlib.suppress(FileNotFoundError):
-            self.ballast.unlink()
-
-    def unmount(self) -> None:
-        if not self.mounted:
-            return
-        try:
-            _run_checked(["umount", str(self.path)])
-        except RuntimeError:  # a process still holds a file there: detach it now, freed when released
-            _run_checked(["umount", "-l", str(self.path)])
-        self.mounted = False
 
 
 # The cluster -------------------------------------------------------------------------------------
@@ -341,18 +213,23 @@ class Soak:
         self.bsp = config.sync == "bsp"
         self.t0 = time.monotonic()
         self.token = secrets.token_hex(32)
-        self.env = {**os.environ, "APS_TOKEN": self.token, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1",
-                    "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep)}
+        self.env = {
+            **os.environ,
+            "APS_TOKEN": self.token,
+            "PYTHONUNBUFFERED": "1",
+            "OMP_NUM_THREADS": "1",
+            "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep),
+        }
         self._own_dir = config.run_dir is None
         self.dir = Path(config.run_dir) if config.run_dir else Path(__import__("tempfile").mkdtemp(prefix="aps-chaos-"))
         self.dir.mkdir(parents=True, exist_ok=True)
         self.stop_path = self.dir / "stop"
-        self.network = None
+        self.network: Network | None = None
         self.tmpfs: list[Tmpfs] = []
         self.shards: list[ShardProc | None] = [None] * config.shards
-        self.shard_places: list[_Place] = []
-        self.worker_places: list[_Place] = []
-        self.stranger_place = _Place()
+        self.shard_places: list[Place] = []
+        self.worker_places: list[Place] = []
+        self.stranger_place = Place()
         self.workers: list[WorkerProc | None] = [None] * config.workers
         self.other_procs: list[subprocess.Popen] = []
         self.second_user_homes: list[str] = []
@@ -365,8 +242,9 @@ class Soak:
         self.rss: dict[int, dict] = {}
         self.unexpected_exits: list[dict] = []
         seconds = config.seconds + 120.0
-        self.layout = LedgerLayout(config.shards, config.workers,
-                                   int(math.ceil(seconds / max(config.step_time, 0.005) * 1.2)) + 256)
+        self.layout = LedgerLayout(
+            config.shards, config.workers, math.ceil(seconds / max(config.step_time, 0.005) * 1.2) + 256
+        )
         self.layout.check()
         P, MC = config.workers, self.layout.slots
         self.acked = np.zeros((config.shards, P, MC), bool)
@@ -406,12 +284,12 @@ class Soak:
         if use_netns:
             self.network = netns.Network("198.18.7.0/24", max_hosts=cfg.shards + cfg.workers + 1)
             self.network.open()
-            self.shard_places = [_Place(self.network.add_host(f"ps{i}")) for i in range(cfg.shards)]
-            self.worker_places = [_Place(self.network.add_host(f"w{r}")) for r in range(cfg.workers)]
-            self.stranger_place = _Place(self.network.add_host("stranger"))
+            self.shard_places = [Place(self.network.add_host(f"ps{i}")) for i in range(cfg.shards)]
+            self.worker_places = [Place(self.network.add_host(f"w{r}")) for r in range(cfg.workers)]
+            self.stranger_place = Place(self.network.add_host("stranger"))
         else:
-            self.shard_places = [_Place() for _ in range(cfg.shards)]
-            self.worker_places = [_Place() for _ in range(cfg.workers)]
+            self.shard_places = [Place() for _ in range(cfg.shards)]
+            self.worker_places = [Place() for _ in range(cfg.workers)]
         reason = second_user_unavailable()
         if reason is not None:
             self.notes.append(f"second-user attackers (guesser, impostor) off: {reason}")
@@ -425,9 +303,7 @@ class Soak:
             self.notes.append(f"disk-full off: {reason}")
             for i in range(cfg.shards):
                 (self.dir / f"ckpt-{i}").mkdir(exist_ok=True)
-        for i in range(cfg.shards):
-            self.start_shard(i)
-        self.addresses = [shard.address for shard in self.shards]
+        self.addresses = [self.start_shard(i).address for i in range(cfg.shards)]
         for r in range(cfg.workers):
             self.start_worker(r)
 
@@ -443,19 +319,20 @@ class Soak:
 
     def shard_argv(self, index: int, port: int, resume: str | None) -> list[str]:
         cfg = self.cfg
-        argv = [PY, "-m", "aps", "serve", "--host", self.shard_places[index].address, "--port", str(port),
-                "--shard", str(index), "--shards", str(cfg.shards), "--workers", str(cfg.workers),
-                *POLICIES[cfg.sync], *LEDGER_OPTIONS, "--heartbeat-timeout", str(cfg.heartbeat_timeout),
-                "--checkpoint-dir", str(self.dir / f"ckpt-{index}"), "--checkpoint-every", "0",
-                "--checkpoint-every-updates", str(cfg.checkpoint_every_updates),
-                "--checkpoint-keep", str(cfg.checkpoint_keep)]
+        argv = [PY, "-m", "aps", "serve", "--host", self.shard_places[index].address, "--port", str(port)]
+        argv += ["--shard", str(index), "--shards", str(cfg.shards), "--workers", str(cfg.workers)]
+        argv += [*POLICIES[cfg.sync], *LEDGER_OPTIONS, "--heartbeat-timeout", str(cfg.heartbeat_timeout)]
+        argv += ["--checkpoint-dir", str(self.dir / f"ckpt-{index}"), "--checkpoint-every", "0"]
+        argv += ["--checkpoint-every-updates", str(cfg.checkpoint_every_updates)]
+        argv += ["--checkpoint-keep", str(cfg.checkpoint_keep)]
         if resume is not None:
             argv += ["--resume"] if resume == "" else ["--resume", resume]
         return argv
 
     def start_shard(self, index: int, resume: str | None = None) -> ShardProc:
         place = self.shard_places[index]
-        port = self.shards[index].port if self.shards[index] is not None else 0
+        running = self.shards[index]
+        port = running.port if running is not None else 0
         env = dict(self.env)
         if place.host is not None:
             env["XDG_RUNTIME_DIR"] = place.host.runtime_dir
@@ -466,17 +343,17 @@ class Soak:
 
     def start_worker(self, rank: int) -> None:
         cfg = self.cfg
-        argv = [PY, "-m", "aps.testing.chaos_processes", "worker", "--addresses", ",".join(self.addresses),
-                "--rank", str(rank), "--workers", str(cfg.workers), "--shards", str(cfg.shards),
-                "--slots", str(self.layout.slots), "--transport", cfg.transport,
-                "--log", str(self.dir / f"worker-{rank}.log"), "--stop", str(self.stop_path),
-                "--step-time", str(cfg.step_time), "--server-timeout", str(cfg.server_timeout),
-                "--call-bound", str(cfg.call_bound)]
+        argv = [PY, "-m", "aps.testing.chaos_processes", "worker", "--addresses", ",".join(self.addresses)]
+        argv += ["--rank", str(rank), "--workers", str(cfg.workers), "--shards", str(cfg.shards)]
+        argv += ["--slots", str(self.layout.slots), "--transport", cfg.transport]
+        argv += ["--log", str(self.dir / f"worker-{rank}.log"), "--stop", str(self.stop_path)]
+        argv += ["--step-time", str(cfg.step_time), "--server-timeout", str(cfg.server_timeout)]
+        argv += ["--call-bound", str(cfg.call_bound)]
         if self.bsp:
             argv.append("--bsp")
-        self.workers[rank] = WorkerProc(rank, self.worker_places[rank], argv, self.env,
-                                        self.dir / f"worker-{rank}.log")
-        self.all_workers.append(self.workers[rank].proc)
+        worker = WorkerProc(rank, self.worker_places[rank], argv, self.env, self.dir / f"worker-{rank}.log")
+        self.workers[rank] = worker
+        self.all_workers.append(worker.proc)
 
     def cleanup(self) -> list[str]:
         """Stop every process by pid, delete the namespaces, unmount the tmpfs mounts."""
@@ -486,12 +363,12 @@ class Soak:
         procs = self.all_workers + list(self.other_procs)
         for proc in procs:
             try:
-                _stop_process(proc, grace=2.0, signum=signal.SIGKILL)
+                stop_process(proc, grace=2.0, signum=signal.SIGKILL)
             except Exception as exc:  # go on: the rest must still be stopped
                 errors.append(f"worker {proc.pid}: {exc!r}")
         for proc in self.all_shards:
             try:
-                _stop_process(proc, grace=10.0)
+                stop_process(proc, grace=10.0)
             except Exception as exc:
                 errors.append(f"shard {proc.pid}: {exc!r}")
         if self.network is not None:
@@ -552,8 +429,9 @@ class Soak:
             if shard is None or not shard.alive():
                 continue
             shard.cap_log()
-            entry = self.rss.setdefault(shard.proc.pid, {"shard": shard.index, "started": shard.started,
-                                                         "samples": [], "next": 0.0})
+            entry = self.rss.setdefault(
+                shard.proc.pid, {"shard": shard.index, "started": shard.started, "samples": [], "next": 0.0}
+            )
             if now >= entry["next"]:
                 entry["next"] = now + self.cfg.rss_every_s
                 rss = _rss(shard.proc.pid)
@@ -588,6 +466,18 @@ class Soak:
         return None
 
     # Faults -------------------------------------------------------------------
+    def _shard(self, index: int) -> ShardProc:
+        """Shard ``index``'s process (every shard has one once :meth:`setup` has run)."""
+        shard = self.shards[index]
+        assert shard is not None, f"shard {index} was never started"
+        return shard
+
+    def _worker(self, rank: int) -> WorkerProc:
+        """Worker ``rank``'s process (it has none only inside its own worker_kill fault)."""
+        worker = self.workers[rank]
+        assert worker is not None, f"worker {rank} is down"
+        return worker
+
     def inject(self, fault: Fault) -> None:
         getattr(self, f"_fault_{fault.kind}")(fault)
 
@@ -596,7 +486,7 @@ class Soak:
             proc.send_signal(signum)
 
     def _fault_worker_kill(self, fault: Fault) -> None:
-        worker = self.workers[fault.target]
+        worker = self._worker(fault.target)
         self.workers[fault.target] = None  # down on purpose: poll() does not restart it
         self._signal(worker.proc, signal.SIGKILL)
         worker.proc.wait(10)
@@ -604,13 +494,13 @@ class Soak:
         self.start_worker(fault.target)
 
     def _fault_worker_stop(self, fault: Fault) -> None:
-        worker = self.workers[fault.target]
+        worker = self._worker(fault.target)
         self._signal(worker.proc, signal.SIGSTOP)
         self.wait(fault.seconds)
         self._signal(worker.proc, signal.SIGCONT)
 
     def _fault_shard_stop(self, fault: Fault) -> None:
-        shard = self.shards[fault.target]
+        shard = self._shard(fault.target)
         self._signal(shard.proc, signal.SIGSTOP)
         self.wait(fault.seconds)
         self._signal(shard.proc, signal.SIGCONT)
@@ -621,7 +511,7 @@ class Soak:
         from aps.checkpoint import list_checkpoints, read_checkpoint
 
         index = fault.target
-        shard = self.shards[index]
+        shard = self._shard(index)
         # Freeze it first: no reply leaves it from now on, so the versions the workers logged
         # until now are within P updates of the version it dies at.
         self._signal(shard.proc, signal.SIGSTOP)
@@ -631,12 +521,18 @@ class Soak:
         shard.proc.wait(10)
         directory = self.dir / f"ckpt-{index}"
         found = []
-        for path in list_checkpoints(directory):  # newest first
+        for kept in list_checkpoints(directory):  # newest first
             with contextlib.suppress(Exception):
-                checkpoint = read_checkpoint(path)
-                found.append((path, checkpoint.version, list(checkpoint.manifest["policy"]["clocks"])))
-        crash = {"shard": index, "at": round(self.elapsed(), 1), "version_seen": seen,
-                 "newest": found[0][1] if found else None, "older": older and len(found) > 1}
+                checkpoint = read_checkpoint(kept)
+                found.append((kept, checkpoint.version, list(checkpoint.manifest["policy"]["clocks"])))
+        crash: dict[str, Any] = {
+            "shard": index,
+            "at": round(self.elapsed(), 1),
+            "version_seen": seen,
+            "newest": found[0][1] if found else None,
+            "older": older and len(found) > 1,
+        }
+        path: Path | None  # the checkpoint it resumes from
         if older and len(found) > 1:
             path, version, clocks = found[self.rng_pick(1, len(found) - 1)]
             resume = str(path)
@@ -644,8 +540,12 @@ class Soak:
             path, version, clocks = found[0] if found else (None, 0, [0] * self.cfg.workers)
             resume = ""
         newest_clocks = found[0][2] if found else [0] * self.cfg.workers
-        crash.update(resumed_version=version, resumed_clocks=clocks, newest_clocks=newest_clocks,
-                     resumed_from=path.name if path else None)
+        crash.update(
+            resumed_version=version,
+            resumed_clocks=clocks,
+            newest_clocks=newest_clocks,
+            resumed_from=path.name if path else None,
+        )
         fault.detail.update(crash)
         self.crashes.append(crash)
         if meanwhile is None:
@@ -676,12 +576,13 @@ class Soak:
     def _fault_cut(self, fault: Fault) -> None:
         host = self._cut_host(fault)
         fault.detail["host"] = host.name
+        assert self.network is not None  # kinds(): cuts only in namespaces
         link = ["ip", "-n", self.network.bridge_netns, "link", "set", host.bridge_port]
-        _run_checked([*link, "down"])
+        run_checked([*link, "down"])
         try:
             self.wait(fault.seconds)
         finally:
-            _run_checked([*link, "up"])
+            run_checked([*link, "up"])
 
     def _fault_disk_full(self, fault: Fault) -> None:
         from aps.checkpoint import list_checkpoints
@@ -707,12 +608,17 @@ class Soak:
             fault.detail["no_checkpoint_after"] = True
 
     def _fault_strangers(self, fault: Fault) -> None:
-        shard = self.shards[fault.target]
+        shard = self._shard(fault.target)
         out = self.dir / f"stranger-{len(self.faults)}.json"
-        proc = self.stranger_place.popen([PY, "-m", "aps.testing.chaos_processes", "stranger", "--address", shard.address,
-                                          "--seconds", str(fault.seconds), "--out", str(out)],
-                                         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                                         stdin=subprocess.DEVNULL, env=self.env)
+        argv = [PY, "-m", "aps.testing.chaos_processes", "stranger", "--address", shard.address]
+        argv += ["--seconds", str(fault.seconds), "--out", str(out)]
+        proc = self.stranger_place.popen(
+            argv,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+            stdin=subprocess.DEVNULL,
+            env=self.env,
+        )
         self._attack(fault, proc, out, fault.seconds + 15.0)
 
     def _attack(self, fault: Fault, proc: subprocess.Popen, out: Path, seconds: float) -> None:
@@ -723,7 +629,7 @@ class Soak:
         end = time.monotonic() + seconds
         while proc.poll() is None and time.monotonic() < end:
             self.wait(0.2)
-        _stop_process(proc, grace=1.0, signum=signal.SIGKILL)
+        stop_process(proc, grace=1.0, signum=signal.SIGKILL)
         self.other_procs.remove(proc)
         fault.detail["pushes_during"] = sum(self.acks) - sum(before)
         with contextlib.suppress(OSError, ValueError):
@@ -743,15 +649,20 @@ class Soak:
     def _fault_guesser(self, fault: Fault) -> None:
         """Another user of a shard's host guesses at its token, from several loopback addresses
         where the shard listens on loopback: the workers train on, and no guess is let in."""
-        shard, place = self.shards[fault.target], self.shard_places[fault.target]
+        shard, place = self._shard(fault.target), self.shard_places[fault.target]
         env = self._second_user_env()
         out = Path(env["HOME"]) / "guesses.json"
         sources = ",".join(f"127.0.0.{n}" for n in range(1, 7)) if place.host is None else place.address
-        proc = place.popen(as_second_user([
-            PY, "-m", "aps.testing.chaos_processes", "guesser", "--address", shard.address, "--count",
-            str(max(8, int(fault.seconds * 4))), "--parallel", "4", "--sources", sources, "--timeout", "15",
-            "--out", str(out)]), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, stdin=subprocess.DEVNULL,
-            env=env)
+        argv = [PY, "-m", "aps.testing.chaos_processes", "guesser", "--address", shard.address]
+        argv += ["--count", str(max(8, int(fault.seconds * 4))), "--parallel", "4", "--sources", sources]
+        argv += ["--timeout", "15", "--out", str(out)]
+        proc = place.popen(
+            as_second_user(argv),
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+            stdin=subprocess.DEVNULL,
+            env=env,
+        )
         self._attack(fault, proc, out, fault.seconds + 30.0)
 
     def _worker_refusals(self) -> int:
@@ -771,12 +682,13 @@ class Soak:
 
     def _squat(self, fault: Fault) -> None:
         index = fault.target
-        shard, place = self.shards[index], self.shard_places[index]
-        argv = [PY, "-m", "aps", "serve", "--host", place.address, "--port", str(shard.port), "--insecure",
-                "--workers", str(self.cfg.workers), "--sync", "asp", "--lr", "1000"]
+        shard, place = self._shard(index), self.shard_places[index]
+        argv = [PY, "-m", "aps", "serve", "--host", place.address, "--port", str(shard.port), "--insecure"]
+        argv += ["--workers", str(self.cfg.workers), "--sync", "asp", "--lr", "1000"]
         try:
-            impostor = ShardProc(index, _SecondUser(place), argv, self._second_user_env(),
-                                 self.dir / f"impostor-{len(self.faults)}.log")
+            impostor = ShardProc(
+                index, SecondUser(place), argv, self._second_user_env(), self.dir / f"impostor-{len(self.faults)}.log"
+            )
         except RuntimeError as exc:  # (the port not free yet: the real shard's socket lingers)
             fault.detail["impostor_not_started"] = str(exc)[-300:]
             self.wait(fault.seconds)
@@ -787,7 +699,7 @@ class Soak:
         said = impostor.log_since_start()
         fault.detail["impostor_joins"] = len(re.findall(r"joined|worker \d+ ", said))
         fault.detail["workers_refused_it"] = self._worker_refusals() - refusals
-        _stop_process(impostor.proc, grace=2.0)
+        stop_process(impostor.proc, grace=2.0)
         self.other_procs.remove(impostor.proc)
 
     # The run --------------------------------------------------------------------
@@ -796,10 +708,19 @@ class Soak:
         self._rng = random.Random(cfg.seed * 7919 + 1)
         self.setup()
         kinds = self.kinds()
-        schedule = FaultSchedule(cfg.seed, kinds, cfg.workers, cfg.shards,
-                                 cut_hosts=cfg.shards + cfg.workers, gap=cfg.gap, max_fault_s=cfg.max_fault_s)
-        self.say(f"{cfg.shards} shards, {cfg.workers} workers over {cfg.transport}, "
-                 f"{'namespaces' if self.network else 'loopback'}; faults: {', '.join(kinds)}")
+        schedule = FaultSchedule(
+            cfg.seed,
+            kinds,
+            cfg.workers,
+            cfg.shards,
+            cut_hosts=cfg.shards + cfg.workers,
+            gap=cfg.gap,
+            max_fault_s=cfg.max_fault_s,
+        )
+        self.say(
+            f"{cfg.shards} shards, {cfg.workers} workers over {cfg.transport}, "
+            f"{'namespaces' if self.network else 'loopback'}; faults: {', '.join(kinds)}"
+        )
         started = self.wait_progress(self.t0, 120.0)
         if started is None:
             raise RuntimeError(f"the workers did not start training: acks {self.acks}\n{self._shard_tails()}")
@@ -816,13 +737,19 @@ class Soak:
             self.inject(fault)
             ended = time.monotonic()
             took = self.wait_progress(ended, cfg.recovery_s)
-            alive = all(s.alive() for s in self.shards)
+            alive = all(self._shard(i).alive() for i in range(len(self.shards)))
             fault.recovered_s = None if took is None else round(took, 2)
-            fault.survived = (took is not None and alive and not fault.detail.get("no_checkpoint_after")
-                              and not fault.detail.get("accepted") and not fault.detail.get("impostor_joins"))
+            fault.survived = (
+                took is not None
+                and alive
+                and not fault.detail.get("no_checkpoint_after")
+                and not fault.detail.get("accepted")
+                and not fault.detail.get("impostor_joins")
+            )
             if not fault.survived:
-                self.say(f"fault {len(self.faults)} NOT survived: {fault.detail} acks {self.acks}\n"
-                         f"{self._shard_tails()}")
+                self.say(
+                    f"fault {len(self.faults)} NOT survived: {fault.detail} acks {self.acks}\n{self._shard_tails()}"
+                )
                 if took is None:
                     break  # the cluster is stuck: the report says so
         self.wait(max(0.0, end - time.monotonic()))
@@ -841,22 +768,29 @@ class Soak:
                 w.proc.wait(max(0.1, deadline - time.monotonic()))
             except subprocess.TimeoutExpired:
                 self.notes.append(f"worker {w.rank} did not stop by itself: killed")
-                _stop_process(w.proc, grace=1.0, signum=signal.SIGKILL)
+                stop_process(w.proc, grace=1.0, signum=signal.SIGKILL)
         self.poll()
         out = self.dir / "final.npy"
+        argv = [PY, "-m", "aps.testing.chaos_processes", "pull", "--addresses", ",".join(self.addresses)]
+        argv += ["--workers", str(cfg.workers), "--shards", str(cfg.shards), "--slots", str(self.layout.slots)]
+        argv += ["--out", str(out)]
         with open(self.dir / "pull.err", "wb") as err:
             pull = self.worker_places[0].popen(
-                [PY, "-m", "aps.testing.chaos_processes", "pull", "--addresses", ",".join(self.addresses), "--workers",
-                 str(cfg.workers), "--shards", str(cfg.shards), "--slots", str(self.layout.slots),
-                 "--out", str(out)], stdout=subprocess.DEVNULL, stderr=err, stdin=subprocess.DEVNULL, env=self.env)
+                argv,
+                stdout=subprocess.DEVNULL,
+                stderr=err,
+                stdin=subprocess.DEVNULL,
+                env=self.env,
+            )
         self.other_procs.append(pull)
         try:
             code = pull.wait(120)
         except subprocess.TimeoutExpired:
             code = None
         if code != 0:
-            raise RuntimeError(f"pulling the final weights failed ({code}): "
-                               f"{(self.dir / 'pull.err').read_text()[-2000:]}")
+            raise RuntimeError(
+                f"pulling the final weights failed ({code}): {(self.dir / 'pull.err').read_text()[-2000:]}"
+            )
         weights = np.load(out)
         ledger = analyse_ledger(weights, self.layout, self.acked, self.bsp)
         return self.report(ledger, progressed)
@@ -875,8 +809,11 @@ class Soak:
             total += crash["bound"]
             if crash["newest"] is not None:
                 lags.append(crash["version_seen"] - crash["newest"])
-        return {"bound": total, "newest_checkpoint_lag_max": max(lags, default=0),
-                "checkpoint_every_updates": self.cfg.checkpoint_every_updates}
+        return {
+            "bound": total,
+            "newest_checkpoint_lag_max": max(lags, default=0),
+            "checkpoint_every_updates": self.cfg.checkpoint_every_updates,
+        }
 
     def report(self, ledger: dict, progressed: float | None) -> dict:
         cfg = self.cfg
@@ -890,35 +827,57 @@ class Soak:
         rss_rows = []
         for pid, entry in self.rss.items():
             if "baseline" in entry:
-                rss_rows.append({"pid": pid, "shard": entry["shard"], "lived_s": round(entry["age"], 1),
-                                 "baseline_mib": round(entry["baseline"] / 2**20, 1),
-                                 "max_mib": round(entry["max"] / 2**20, 1),
-                                 "growth_mib": round((entry["max"] - entry["baseline"]) / 2**20, 1),
-                                 "samples": [(t, round(v / 2**20, 1)) for t, v in entry["samples"]]})
+                rss_rows.append(
+                    {
+                        "pid": pid,
+                        "shard": entry["shard"],
+                        "lived_s": round(entry["age"], 1),
+                        "baseline_mib": round(entry["baseline"] / 2**20, 1),
+                        "max_mib": round(entry["max"] / 2**20, 1),
+                        "growth_mib": round((entry["max"] - entry["baseline"]) / 2**20, 1),
+                        "samples": [(t, round(v / 2**20, 1)) for t, v in entry["samples"]],
+                    }
+                )
         longest = max(rss_rows, key=lambda row: row["lived_s"], default=None)
         bound = self.loss_bound()
         older = [c for c in self.crashes if c["older"]]
         return {
-            "sync": cfg.sync, "seed": cfg.seed, "shards": cfg.shards, "workers": cfg.workers,
-            "transport": cfg.transport, "network": "netns" if self.shard_places[0].host is not None else "loopback",
-            "seconds": round(time.monotonic() - self.t_train, 1), "ledger_size": self.layout.numel,
+            "sync": cfg.sync,
+            "seed": cfg.seed,
+            "shards": cfg.shards,
+            "workers": cfg.workers,
+            "transport": cfg.transport,
+            "network": "netns" if self.shard_places[0].host is not None else "loopback",
+            "seconds": round(time.monotonic() - self.t_train, 1),
+            "ledger_size": self.layout.numel,
             "checkpoint_every_updates": cfg.checkpoint_every_updates,
-            "faults_injected": len(self.faults), "faults_survived": sum(bool(f.survived) for f in self.faults),
+            "faults_injected": len(self.faults),
+            "faults_survived": sum(bool(f.survived) for f in self.faults),
             "faults_by_kind": by_kind,
-            "pushes_acknowledged": int(sum(self.acks)), "pushes_dropped": self.dropped,
+            "pushes_acknowledged": int(sum(self.acks)),
+            "pushes_dropped": self.dropped,
             "applied_twice": ledger["applied_twice"],
-            "lost": ledger["lost"], "lost_bound": bound["bound"],
+            "lost": ledger["lost"],
+            "lost_bound": bound["bound"],
             "newest_checkpoint_lag_max": bound["newest_checkpoint_lag_max"],
-            "older_resumes": len(older), "ledger": ledger,
-            "call_bound_s": round(cfg.call_bound, 1), "stalls": len(self.worker_over),
-            "slowest_call_s": round(max(self.worker_slowest), 3), "slowest_call_by_rank": self.worker_slowest,
+            "older_resumes": len(older),
+            "ledger": ledger,
+            "call_bound_s": round(cfg.call_bound, 1),
+            "stalls": len(self.worker_over),
+            "slowest_call_s": round(max(self.worker_slowest), 3),
+            "slowest_call_by_rank": self.worker_slowest,
             "stalls_at": self.worker_over[:50],
             "rss_growth_mib_max": max((row["growth_mib"] for row in rss_rows), default=None),
             "rss_growth_mib_longest": longest["growth_mib"] if longest else None,
-            "rss_longest_lived_s": longest["lived_s"] if longest else None, "rss": rss_rows,
-            "worker_errors": dict(self.worker_errors), "worker_error_samples": self.worker_error_samples,
-            "unexpected_exits": self.unexpected_exits, "recovered_at_end": progressed is not None,
-            "crashes": self.crashes, "faults": [vars(f) for f in self.faults], "notes": self.notes,
+            "rss_longest_lived_s": longest["lived_s"] if longest else None,
+            "rss": rss_rows,
+            "worker_errors": dict(self.worker_errors),
+            "worker_error_samples": self.worker_error_samples,
+            "unexpected_exits": self.unexpected_exits,
+            "recovered_at_end": progressed is not None,
+            "crashes": self.crashes,
+            "faults": [vars(f) for f in self.faults],
+            "notes": self.notes,
         }
 
     def _shard_tails(self) -> str:
@@ -955,5 +914,3 @@ def run_soak(config: SoakConfig) -> dict:
     report["cleanup_errors"] = errors
     report["run_dir"] = str(soak.dir) if soak.dir.exists() else None
     return report
-
-

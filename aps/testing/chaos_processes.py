@@ -52,9 +52,16 @@ def worker_main(args: argparse.Namespace) -> int:
     slowest = 0.0
     calls = 0
     try:
-        worker = aps.Worker(addresses if len(addresses) > 1 else addresses[0], args.rank, args.workers,
-                            transport=args.transport, heartbeat=args.heartbeat, server_timeout=args.server_timeout,
-                            reconnect=True, reconnect_timeout=args.reconnect_timeout)
+        worker = aps.Worker(
+            addresses if len(addresses) > 1 else addresses[0],
+            args.rank,
+            args.workers,
+            transport=args.transport,
+            heartbeat=args.heartbeat,
+            server_timeout=args.server_timeout,
+            reconnect=True,
+            reconnect_timeout=args.reconnect_timeout,
+        )
     except aps.APSError as exc:
         log.line("err", f"connect {type(exc).__name__}: {exc}", cap=50)
         return 3
@@ -213,8 +220,9 @@ def guesser_main(args: argparse.Namespace) -> int:
 
     def attempt(index: int) -> tuple[str, float]:
         try:
-            sock = socket.create_connection((host, int(port)), timeout=args.timeout,
-                                            source_address=(sources[index % len(sources)], 0))
+            sock = socket.create_connection(
+                (host, int(port)), timeout=args.timeout, source_address=(sources[index % len(sources)], 0)
+            )
         except OSError:
             return "lost", 0.0
         try:
@@ -230,8 +238,9 @@ def guesser_main(args: argparse.Namespace) -> int:
             if header.op == Op.AUTH | Op.REPLY:
                 return "accepted", took
             code, _ = decode_error(payload) if header.op == Op.ERROR else (None, "")
-            return ("wrong" if code == ErrorCode.AUTHENTICATION else
-                    "refused" if code == ErrorCode.OVERLOADED else "lost"), took
+            return (
+                "wrong" if code == ErrorCode.AUTHENTICATION else "refused" if code == ErrorCode.OVERLOADED else "lost"
+            ), took
         except (OSError, ConnectionError, ValueError):
             return "lost", 0.0
         finally:
@@ -239,7 +248,7 @@ def guesser_main(args: argparse.Namespace) -> int:
 
     with concurrent.futures.ThreadPoolExecutor(args.parallel) as pool:
         answers = list(pool.map(attempt, range(args.count)))
-    summary = dict(Counter(kind for kind, _ in answers))
+    summary: dict[str, int | list[float]] = dict(Counter(kind for kind, _ in answers))
     summary["took"] = [round(took, 4) for _, took in answers]
     with open(args.out, "w") as fh:
         json.dump(summary, fh)
@@ -252,8 +261,15 @@ def pull_main(args: argparse.Namespace) -> int:
 
     addresses = args.addresses.split(",")
     layout = LedgerLayout(args.shards, args.workers, args.slots)
-    with aps.Worker(addresses if len(addresses) > 1 else addresses[0], 0, args.workers, transport="tcp",
-                    heartbeat=1.0, reconnect=True, reconnect_timeout=60) as worker:
+    with aps.Worker(
+        addresses if len(addresses) > 1 else addresses[0],
+        0,
+        args.workers,
+        transport="tcp",
+        heartbeat=1.0,
+        reconnect=True,
+        reconnect_timeout=60,
+    ) as worker:
         weights = worker.init({"ledger": np.zeros(layout.numel, np.float32)}, timeout=60)
         np.save(args.out, np.asarray(weights["ledger"], np.float32))
     return 0
@@ -297,8 +313,9 @@ def _program(argv: list[str]) -> int:
     p.add_argument("--slots", type=int, required=True)
     p.add_argument("--out", required=True)
     args = parser.parse_args(argv)
-    return {"worker": worker_main, "stranger": stranger_main, "guesser": guesser_main,
-            "pull": pull_main}[args.role](args)
+    return {"worker": worker_main, "stranger": stranger_main, "guesser": guesser_main, "pull": pull_main}[args.role](
+        args
+    )
 
 
 if __name__ == "__main__":

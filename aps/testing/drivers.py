@@ -61,8 +61,9 @@ class AsyncDriven:
         self.close()
 
 
-def connect(driver: str, address: Any, rank: int | None, num_workers: int | None, transport: str = "auto",
-            **options: Any) -> Any:
+def connect(
+    driver: str, address: Any, rank: int | None, num_workers: int | None, transport: str = "auto", **options: Any
+) -> Any:
     """A worker of ``driver`` (``"blocking"``: :class:`aps.Worker`; ``"asyncio"``: an
     :class:`AsyncDriven` :class:`aps.AsyncWorker`), connected."""
     if driver == "blocking":

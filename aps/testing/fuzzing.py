@@ -67,8 +67,17 @@ def random_header(rng: random.Random, length: int | None = None) -> bytes:
     op = rng.choice([int(o) for o in Op]) if rng.random() < 0.7 else rng.getrandbits(8)
     if length is None:
         length = rng.choice(_LENGTHS) if rng.random() < 0.8 else rng.getrandbits(rng.choice([8, 16, 24, 63]))
-    return _HEADER.pack(magic, version, op, rng.getrandbits(8), rng.choice([0, 1, 1, 2, 3, rng.getrandbits(8)]),
-                        rng.getrandbits(32), rng.getrandbits(64), rng.getrandbits(64), length)
+    return _HEADER.pack(
+        magic,
+        version,
+        op,
+        rng.getrandbits(8),
+        rng.choice([0, 1, 1, 2, 3, rng.getrandbits(8)]),
+        rng.getrandbits(32),
+        rng.getrandbits(64),
+        rng.getrandbits(64),
+        length,
+    )
 
 
 def valid_frame(rng: random.Random, token: bytes | None) -> bytes:
@@ -80,8 +89,11 @@ def valid_frame(rng: random.Random, token: bytes | None) -> bytes:
         # any rank (ANY_RANK) and any count (0), with or without the SEAT flag, with or without values
         rank = rng.choice([0, 1, 2, ANY_RANK])
         block = encode_init(rank, rng.choice([0, 1, 2]), layout)
-        values = b"" if rng.random() < 0.25 else \
-            np.full(layout.numel, rng.choice([1e6, -1e6, float("nan"), 0.0]), np.float32).tobytes()
+        values = (
+            b""
+            if rng.random() < 0.25
+            else np.full(layout.numel, rng.choice([1e6, -1e6, float("nan"), 0.0]), np.float32).tobytes()
+        )
         flags = rng.choice([0, Flag.SEAT, Flag.SEAT | Flag.REJOIN])
         return pack_header(Op.INIT, flags, 1, 1, 0, len(block), len(block) + len(values)) + block + values
     if kind == 1:
@@ -91,22 +103,30 @@ def valid_frame(rng: random.Random, token: bytes | None) -> bytes:
         name = rng.choice([b"c", b"x" * 300, b"\xff\xfe", b""])
         return pack_header(Op.CLAIM, 0, 0, 5, 0, rng.choice([1, 1 << 60]), len(name)) + name
     if kind == 5 and rng.random() < 0.5:  # what a training loop reports: sound, too many names, or not what a LOG is
-        payload = rng.choice([
-            b'{"points": [[1, {"loss": 0.5}]], "process": {"pid": 1, "cpu_s": 1.0, "rss_bytes": 1}}',
-            json.dumps({"points": [[2, {f"n{i}": 1.0 for i in range(40)}]]}).encode(),
-            b'{"points": [[1, {"loss": NaN}]], "batches": [[1, "0123456789abcdef"]]}', b"[" * 5000, b"\xff"])
+        payload = rng.choice(
+            [
+                b'{"points": [[1, {"loss": 0.5}]], "process": {"pid": 1, "cpu_s": 1.0, "rss_bytes": 1}}',
+                json.dumps({"points": [[2, {f"n{i}": 1.0 for i in range(40)}]]}).encode(),
+                b'{"points": [[1, {"loss": NaN}]], "batches": [[1, "0123456789abcdef"]]}',
+                b"[" * 5000,
+                b"\xff",
+            ]
+        )
         return pack_header(Op.LOG, 0, 0, 6, 0, 0, len(payload)) + payload
     if kind == 6:  # per-group optimizer values, sound or not
         stops = sorted(rng.sample(range(1, 2 * N), rng.randrange(1, 4)))
-        groups = [HyperGroup(stop, rng.choice([0.1, -1.0, float("nan"), 1e39]), 0.0, rng.choice([0.0, 0.9, 2.0]), 0.0)
-                  for stop in stops]
+        groups = [
+            HyperGroup(stop, rng.choice([0.1, -1.0, float("nan"), 1e39]), 0.0, rng.choice([0.0, 0.9, 2.0]), 0.0)
+            for stop in stops
+        ]
         payload = encode_hyper(groups)
         return pack_header(Op.HYPER, 0, 0, 3, 0, 0, len(payload)) + payload
     if kind == 7:  # an optimizer state to load: another optimizer, other arrays or sizes, bad values
         numel = rng.choice([N, N + 1, 1 << 40])
         arrays = rng.choice([["momentum_buffer"], ["exp_avg", "exp_avg_sq"], []])
-        head = encode_state_head(rng.choice(["sgd", "adam"]), rng.choice([0, 5, -1 & 0xFFFF]), numel, arrays,
-                                 digest=rng.randbytes(16))
+        head = encode_state_head(
+            rng.choice(["sgd", "adam"]), rng.choice([0, 5, -1 & 0xFFFF]), numel, arrays, digest=rng.randbytes(16)
+        )
         values = np.full(min(numel, N) * len(arrays), rng.choice([0.5, float("nan")]), np.float32).tobytes()
         return pack_header(Op.LOAD_STATE, 0, 1, 4, 0, 0, len(head) + len(values)) + head + values
     op = [Op.PULL, Op.PING, Op.STATS, Op.LEAVE, Op.STATE][kind - 2 if kind < 6 else 4]
@@ -177,6 +197,8 @@ class Target:
             raise ConnectionError("no HELLO reply")
         required, server_nonce, _ = decode_hello_reply(payload)
         if required:
+            if self.token is None:  # loud: run_case takes an OSError for the server's doing
+                raise RuntimeError("the server asks for a token: give the fuzzer's target its token")
             proof = auth_proof(self.token, "client", server_nonce, nonce)
             _send(sock, pack_header(Op.AUTH, length=len(proof)) + proof)
             header, _ = _read_frame(sock)

@@ -116,13 +116,26 @@ def _which(name: str) -> str | None:
     return shutil.which(name) or shutil.which(name, path="/usr/local/sbin:/usr/sbin:/sbin")
 
 
-def _run(argv: Sequence[str], *, timeout: float, env: Mapping[str, str] | None = None, check: bool = True,
-         stdout: int | IO[str] = subprocess.PIPE, what: str | None = None) -> subprocess.CompletedProcess:
+def _run(
+    argv: Sequence[str],
+    *,
+    timeout: float,
+    env: Mapping[str, str] | None = None,
+    check: bool = True,
+    stdout: int | IO[str] = subprocess.PIPE,
+    what: str | None = None,
+) -> subprocess.CompletedProcess:
     """Run ``argv`` (text, stdout captured unless ``stdout`` is a file, stderr captured) for at
     most ``timeout`` s: then SIGTERM, SIGKILL after :data:`GRACE` s, and :class:`ImageError`."""
     what = what or argv[0]
-    proc = subprocess.Popen(list(argv), stdin=subprocess.DEVNULL, stdout=stdout, stderr=subprocess.PIPE,
-                            text=True, env=None if env is None else dict(env))
+    proc = subprocess.Popen(
+        list(argv),
+        stdin=subprocess.DEVNULL,
+        stdout=stdout,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=None if env is None else dict(env),
+    )
     try:
         out, err = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
@@ -163,7 +176,7 @@ def _ulimits() -> list[str]:
     return [f"nofile={nofile}:{nofile}", f"nproc={nproc}:{nproc}"]
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _conf_dir() -> str:
     directory = tempfile.mkdtemp(prefix="aps-podman-")
     atexit.register(shutil.rmtree, directory, ignore_errors=True)
@@ -172,7 +185,7 @@ def _conf_dir() -> str:
     Path(directory, "containers.conf").write_text(
         "# aps.testing.image: podman's settings for the tests (CONTAINERS_CONF), not the system's\n"
         f"[containers]\ndefault_ulimits = [{limits}]\n"
-        f"[engine]\nruntime = \"runc\"\n[engine.runtimes]\nrunc = [{json.dumps(runtime)}]\n"
+        f'[engine]\nruntime = "runc"\n[engine.runtimes]\nrunc = [{json.dumps(runtime)}]\n'
     )
     return directory
 
@@ -183,15 +196,22 @@ def podman_env() -> dict[str, str]:
     return dict(os.environ, CONTAINERS_CONF=os.path.join(_conf_dir(), "containers.conf"))
 
 
-def podman(*args: str, timeout: float = QUICK, check: bool = True,
-           stdout: int | IO[str] = subprocess.PIPE) -> subprocess.CompletedProcess:
+def podman(
+    *args: str, timeout: float = QUICK, check: bool = True, stdout: int | IO[str] = subprocess.PIPE
+) -> subprocess.CompletedProcess:
     """``podman ARGS`` with :func:`podman_env`, for at most ``timeout`` s."""
-    return _run([_which("podman") or "podman", *args], timeout=timeout, env=podman_env(), check=check,
-                stdout=stdout, what=f"podman {args[0] if args else ''}".strip())
+    return _run(
+        [_which("podman") or "podman", *args],
+        timeout=timeout,
+        env=podman_env(),
+        check=check,
+        stdout=stdout,
+        what=f"podman {args[0] if args else ''}".strip(),
+    )
 
 
 # Can it work here? -------------------------------------------------------------
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def podman_unavailable_reason() -> str | None:
     """Why podman cannot build and run this project's image here, or None when it can: not
     root, a command missing, or podman unable to start a container (tried once per process:
@@ -205,8 +225,19 @@ def podman_unavailable_reason() -> str | None:
         return f"no CA bundle at {HOST_CA} for pip in the build (Debian: apt-get install ca-certificates)"
     try:
         podman("version", "--format", "{{.Client.Version}}", timeout=30)
-        done = podman("run", "--rm", "--network", "none", "--label", f"{LABEL}={SESSION}", "--rootfs", "/:O",
-                      "/bin/true", timeout=90, check=False)
+        done = podman(
+            "run",
+            "--rm",
+            "--network",
+            "none",
+            "--label",
+            f"{LABEL}={SESSION}",
+            "--rootfs",
+            "/:O",
+            "/bin/true",
+            timeout=90,
+            check=False,
+        )
     except (OSError, ImageError) as exc:
         return f"podman does not answer here: {exc}"
     if done.returncode != 0:
@@ -298,14 +329,23 @@ def _bootstrap(tarball: Path, debs: Path, timeout: float) -> None:
     work = Path(tempfile.mkdtemp(prefix="bootstrap-", dir=tarball.parent))
     root = work / "root"
     try:
-        _run([_which("debootstrap") or "debootstrap", f"--variant={VARIANT}", f"--include={','.join(BASE_PACKAGES)}",
-              f"--cache-dir={debs}", SUITE, str(root), MIRROR],
-             timeout=timeout, what="debootstrap")
+        _run(
+            [
+                _which("debootstrap") or "debootstrap",
+                f"--variant={VARIANT}",
+                f"--include={','.join(BASE_PACKAGES)}",
+                f"--cache-dir={debs}",
+                SUITE,
+                str(root),
+                MIRROR,
+            ],
+            timeout=timeout,
+            what="debootstrap",
+        )
         for leftover in [*root.glob("var/cache/apt/archives/*.deb"), *root.glob("var/lib/apt/lists/*_*")]:
             leftover.unlink()
         partial = work / "rootfs.tar"
-        _run(["tar", "--numeric-owner", "--xattrs", "-C", str(root), "-cf", str(partial), "."],
-             timeout=600, what="tar")
+        _run(["tar", "--numeric-owner", "--xattrs", "-C", str(root), "-cf", str(partial), "."], timeout=600, what="tar")
         os.replace(partial, tarball)
     finally:
         _remove_tree(work)
@@ -326,16 +366,31 @@ def ensure_base_image(tag: str = BASE_TAG, *, timeout: float = 1200.0) -> str:
         tarball = cache / f"{SUITE}-{VARIANT}-{digest}.tar"
         if not tarball.exists():
             _bootstrap(tarball, cache / "debs", timeout)
-        podman("import", "--quiet",
-               "--change", "ENV PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin",
-               "--change", f"LABEL aps.base={digest}",
-               "--change", 'CMD ["/bin/bash"]',
-               str(tarball), tag, timeout=600)
+        podman(
+            "import",
+            "--quiet",
+            "--change",
+            "ENV PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin",
+            "--change",
+            f"LABEL aps.base={digest}",
+            "--change",
+            'CMD ["/bin/bash"]',
+            str(tarball),
+            tag,
+            timeout=600,
+        )
     return tag
 
 
-def build_image(tag: str, *, variant: str = "server", base: str | None = None, context: str | os.PathLike = ROOT,
-                timeout: float = 1800.0, log: str | os.PathLike | None = None) -> int:
+def build_image(
+    tag: str,
+    *,
+    variant: str = "server",
+    base: str | None = None,
+    context: str | os.PathLike = ROOT,
+    timeout: float = 1800.0,
+    log: str | os.PathLike | None = None,
+) -> int:
     """Build the repository's Dockerfile as ``tag`` (``VARIANT=variant``) on ``base`` (the
     Debian base, made first when None), and return the image's size in bytes. podman's
     output goes to ``log`` (a temporary file when None); a failure says its last lines."""
@@ -345,17 +400,35 @@ def build_image(tag: str, *, variant: str = "server", base: str | None = None, c
         stack.enter_context(_locked(cache_dir() / ".build.lock", timeout))  # one build at a time here
         before = _image_id(tag)
         fh: IO[str] = stack.enter_context(
-            tempfile.NamedTemporaryFile("w+", prefix="aps-image-build-", suffix=".log") if log is None
-            else open(log, "w+"))
-        done = podman("build", "--pull=never", "--layers", "--force-rm",
-                      "--build-arg", f"BASE={base}", "--build-arg", f"VARIANT={variant}",
-                      "--volume", f"{HOST_CA}:{HOST_CA}:ro",
-                      "--file", str(Path(context, "Dockerfile")), "--tag", tag, str(context),
-                      timeout=timeout, check=False, stdout=fh)
+            tempfile.NamedTemporaryFile("w+", prefix="aps-image-build-", suffix=".log")
+            if log is None
+            else open(log, "w+")
+        )
+        done = podman(
+            "build",
+            "--pull=never",
+            "--layers",
+            "--force-rm",
+            "--build-arg",
+            f"BASE={base}",
+            "--build-arg",
+            f"VARIANT={variant}",
+            "--volume",
+            f"{HOST_CA}:{HOST_CA}:ro",
+            "--file",
+            str(Path(context, "Dockerfile")),
+            "--tag",
+            tag,
+            str(context),
+            timeout=timeout,
+            check=False,
+            stdout=fh,
+        )
         if done.returncode != 0:
             fh.seek(0)
-            raise ImageError(f"podman build of {tag} failed (exit {done.returncode}):\n"
-                             f"{_tail(fh.read())}\n{_tail(done.stderr, 10)}")
+            raise ImageError(
+                f"podman build of {tag} failed (exit {done.returncode}):\n{_tail(fh.read())}\n{_tail(done.stderr, 10)}"
+            )
     if before and before != _image_id(tag):  # the tag's previous image, now untagged: not left behind
         podman("image", "rm", before, check=False)
     return image_size(tag)
@@ -404,8 +477,10 @@ class Container:
                 out = self.logs()
                 if text in out:
                     return out
-                raise ImageError(f"container {self.id[:12]} exited ({self.state().get('ExitCode')}) "
-                                 f"before saying {text!r}:\n{_tail(out)}")
+                raise ImageError(
+                    f"container {self.id[:12]} exited ({self.state().get('ExitCode')}) "
+                    f"before saying {text!r}:\n{_tail(out)}"
+                )
             if time.monotonic() > deadline:
                 raise ImageError(f"container {self.id[:12]} did not say {text!r} in {timeout:.0f} s:\n{_tail(out)}")
             time.sleep(0.2)

@@ -59,17 +59,27 @@ def analyse_ledger(weights: np.ndarray, layout: LedgerLayout, acked: np.ndarray,
     ``phantom`` (weights in the padding, or negative: must be 0).
     """
     P, MC = layout.ranks, layout.slots
-    out: dict[str, Any] = {"final_slots": [], "acknowledged": int(acked.sum()),
-                           "applied_twice": 0, "lost": 0, "skipped": 0, "zeros_below_final_slot": 0,
-                           "applied_unacknowledged": 0, "phantom": 0, "max_applications": 0.0,
-                           "per_shard": [], "twice_at": [], "lost_at": []}
+    out: dict[str, Any] = {
+        "final_slots": [],
+        "acknowledged": int(acked.sum()),
+        "applied_twice": 0,
+        "lost": 0,
+        "skipped": 0,
+        "zeros_below_final_slot": 0,
+        "applied_unacknowledged": 0,
+        "phantom": 0,
+        "max_applications": 0.0,
+        "per_shard": [],
+        "twice_at": [],
+        "lost_at": [],
+    }
     for s in range(layout.shards):
         final = np.array([int(np.flatnonzero(acked[s, r]).max()) + 1 if acked[s, r].any() else 0 for r in range(P)])
         below_final = np.arange(MC)[None, :] < final[:, None]
         out["final_slots"].append(final.tolist())
-        block = weights[s * layout.block:(s + 1) * layout.block]
-        padding = block[P * MC:]
-        w = block[:P * MC].reshape(P, MC).astype(np.float64)
+        block = weights[s * layout.block : (s + 1) * layout.block]
+        padding = block[P * MC :]
+        w = block[: P * MC].reshape(P, MC).astype(np.float64)
         nonzero = np.abs(w) > 1e-6
         if bsp:  # one application at slot v adds P / n, n the gradients of that round (all at slot v)
             single = P / np.maximum(1, nonzero.sum(axis=0))[None, :]
@@ -81,11 +91,16 @@ def analyse_ledger(weights: np.ndarray, layout: LedgerLayout, acked: np.ndarray,
         lost = acked[s] & ~nonzero
         skipped = ~acked[s] & ~nonzero & below_final
         unacked = ~acked[s] & nonzero
-        row = {"shard": s, "applied_twice": int(twice.sum()), "lost": int(lost.sum()), "skipped": int(skipped.sum()),
-               "applied_unacknowledged": int(unacked.sum()),
-               "phantom": int(negative.sum() + np.count_nonzero(np.abs(padding) > 1e-6)),
-               "applied": int(nonzero.sum()),
-               "max_applications": round(float(applications.max(initial=0.0)), 4)}
+        row = {
+            "shard": s,
+            "applied_twice": int(twice.sum()),
+            "lost": int(lost.sum()),
+            "skipped": int(skipped.sum()),
+            "applied_unacknowledged": int(unacked.sum()),
+            "phantom": int(negative.sum() + np.count_nonzero(np.abs(padding) > 1e-6)),
+            "applied": int(nonzero.sum()),
+            "max_applications": round(float(applications.max(initial=0.0)), 4),
+        }
         out["per_shard"].append(row)
         for key in ("applied_twice", "lost", "skipped", "applied_unacknowledged", "phantom"):
             out[key] += row[key]
@@ -93,8 +108,9 @@ def analyse_ledger(weights: np.ndarray, layout: LedgerLayout, acked: np.ndarray,
         out["max_applications"] = max(out["max_applications"], row["max_applications"])
         for r, c in zip(*np.nonzero(twice)):
             if len(out["twice_at"]) < 40:
-                out["twice_at"].append({"shard": s, "rank": int(r), "slot": int(c),
-                                        "applications": round(float(applications[r, c]), 3)})
+                out["twice_at"].append(
+                    {"shard": s, "rank": int(r), "slot": int(c), "applications": round(float(applications[r, c]), 3)}
+                )
         for r, c in zip(*np.nonzero(lost)):
             if len(out["lost_at"]) < 40:
                 out["lost_at"].append({"shard": s, "rank": int(r), "slot": int(c)})

@@ -88,8 +88,7 @@ class NetnsError(RuntimeError):
 def _run(argv: Sequence[str], timeout: float = CMD_TIMEOUT, check: bool = True) -> subprocess.CompletedProcess:
     """Run one command with a timeout; NetnsError (with its stderr) when it fails."""
     try:
-        done = subprocess.run(list(argv), capture_output=True, text=True, timeout=timeout,
-                              stdin=subprocess.DEVNULL)
+        done = subprocess.run(list(argv), capture_output=True, text=True, timeout=timeout, stdin=subprocess.DEVNULL)
     except subprocess.TimeoutExpired:
         raise NetnsError(f"{' '.join(argv)}: no answer in {timeout} s") from None
     except OSError as exc:
@@ -379,8 +378,9 @@ class Network:
         max_hosts: how many hosts :meth:`add_host` allows.
     """
 
-    def __init__(self, subnet: str = "198.18.0.0/24", *, mtu: int | None = None, grace: float = GRACE,
-                 max_hosts: int = 8) -> None:
+    def __init__(
+        self, subnet: str = "198.18.0.0/24", *, mtu: int | None = None, grace: float = GRACE, max_hosts: int = 8
+    ) -> None:
         self.subnet = ipaddress.ip_network(subnet)
         if not self.subnet.subnet_of(BENCHMARK_RANGE):  # type: ignore[arg-type]
             raise ValueError(f"subnet {subnet} is not inside {BENCHMARK_RANGE}")

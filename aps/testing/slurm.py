@@ -91,10 +91,21 @@ COMMANDS = ("sbatch", "scontrol", "sinfo", "srun", "scancel", "unshare", "mount"
 #: Where daemons live when PATH lacks the sbin directories.
 SBIN = ("/usr/sbin", "/sbin", "/usr/local/sbin")
 #: The states a job ends in (``scontrol show job``'s JobState).
-TERMINAL_STATES = frozenset({
-    "COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "PREEMPTED", "BOOT_FAIL",
-    "DEADLINE", "OUT_OF_MEMORY", "REVOKED", "SPECIAL_EXIT",
-})
+TERMINAL_STATES = frozenset(
+    {
+        "COMPLETED",
+        "FAILED",
+        "CANCELLED",
+        "TIMEOUT",
+        "NODE_FAIL",
+        "PREEMPTED",
+        "BOOT_FAIL",
+        "DEADLINE",
+        "OUT_OF_MEMORY",
+        "REVOKED",
+        "SPECIAL_EXIT",
+    }
+)
 #: Seconds any single Slurm command may take.
 CMD_TIMEOUT = 30.0
 #: Environment variables of an enclosing Slurm job that would confuse the cluster's commands.
@@ -120,8 +131,7 @@ def slurm_unavailable_reason() -> str | None:
         return f"a Slurm cluster in network namespaces needs root (running as uid {uid})"
     missing = [name for name in (*DAEMONS, *COMMANDS) if _which(name) is None]
     if missing:
-        return (f"not installed: {', '.join(missing)} "
-                "(apt-get install slurmctld slurmd slurm-client munge)")
+        return f"not installed: {', '.join(missing)} (apt-get install slurmctld slurmd slurm-client munge)"
     reason = netns_unavailable_reason()
     if reason is not None:
         return reason
@@ -173,9 +183,18 @@ class SlurmCluster:
         ``SLURM_CONF``); controller / hosts: the :class:`~aps.testing.netns.Host` objects.
     """
 
-    def __init__(self, nodes: int = 3, cpus_per_node: int = 2, *, partition: str = "debug",
-                 start_timeout: float = 60.0, grace: float = 5.0, keep: bool = False,
-                 subnet: str = "198.18.0.0/24", debug: str = "info") -> None:
+    def __init__(
+        self,
+        nodes: int = 3,
+        cpus_per_node: int = 2,
+        *,
+        partition: str = "debug",
+        start_timeout: float = 60.0,
+        grace: float = 5.0,
+        keep: bool = False,
+        subnet: str = "198.18.0.0/24",
+        debug: str = "info",
+    ) -> None:
         if nodes < 1 or cpus_per_node < 1:
             raise ValueError("nodes and cpus_per_node must be at least 1")
         self.node_count = nodes
@@ -235,9 +254,18 @@ class SlurmCluster:
         # munged wants every directory above its socket searchable by all, and its
         # key's directory private.
         os.chmod(self.root, 0o755)
-        layout = {"etc": 0o755, "munge": 0o755, "munge/key": 0o700, "state": 0o700, "spool": 0o755,
-                  "log": 0o755, "run": 0o755, "jobs": 0o755, "cgroup": 0o755,
-                  **{f"spool/{name}": 0o755 for name in self.nodes}}
+        layout = {
+            "etc": 0o755,
+            "munge": 0o755,
+            "munge/key": 0o700,
+            "state": 0o700,
+            "spool": 0o755,
+            "log": 0o755,
+            "run": 0o755,
+            "jobs": 0o755,
+            "cgroup": 0o755,
+            **{f"spool/{name}": 0o755 for name in self.nodes},
+        }
         for sub, mode in layout.items():
             os.mkdir(os.path.join(self.root, sub), mode)
             os.chmod(os.path.join(self.root, sub), mode)
@@ -270,8 +298,10 @@ class SlurmCluster:
         # /sys/fs/cgroup, which `ip netns exec` hides (it mounts a fresh sysfs): name v1 and
         # point it at an empty directory of ours (nothing is constrained, so it stays unused).
         with open(os.path.join(self.root, "etc", "cgroup.conf"), "w") as fh:
-            fh.write(f"CgroupPlugin=cgroup/v1\nCgroupMountpoint={self.root}/cgroup\nCgroupAutomount=no\n"
-                     "ConstrainCores=no\nConstrainRAMSpace=no\nConstrainDevices=no\n")
+            fh.write(
+                f"CgroupPlugin=cgroup/v1\nCgroupMountpoint={self.root}/cgroup\nCgroupAutomount=no\n"
+                "ConstrainCores=no\nConstrainRAMSpace=no\nConstrainDevices=no\n"
+            )
         env = {k: v for k, v in os.environ.items() if not _FOREIGN.match(k)}
         env["SLURM_CONF"] = self.conf
         self.env = env
@@ -326,8 +356,7 @@ class SlurmCluster:
 
     def _wrap(self, name: str, argv: Sequence[str]) -> list[str]:
         """``argv`` as run inside host ``name`` (to go after the host's ``ip netns exec``)."""
-        return [_which("unshare") or "unshare", "--uts", "sh", "-c", _WRAPPER, "sh", name, self.hosts_file,
-                *argv]
+        return [_which("unshare") or "unshare", "--uts", "sh", "-c", _WRAPPER, "sh", name, self.hosts_file, *argv]
 
     @property
     def exec_prefix(self) -> list[str]:
@@ -339,32 +368,45 @@ class SlurmCluster:
     def _spawn(self, label: str, host: Host, argv: Sequence[str]) -> subprocess.Popen:
         out = os.path.join(self.log_dir, f"{label}.out")
         with open(out, "ab") as fh:
-            proc = host.popen(self._wrap(host.name, argv), stdin=subprocess.DEVNULL, stdout=fh,
-                              stderr=subprocess.STDOUT, env=self.env, start_new_session=True)
+            proc = host.popen(
+                self._wrap(host.name, argv),
+                stdin=subprocess.DEVNULL,
+                stdout=fh,
+                stderr=subprocess.STDOUT,
+                env=self.env,
+                start_new_session=True,
+            )
         self._daemons.append((label, proc))
         return proc
 
     def _start_munged(self) -> None:
         assert self.controller is not None
         key_dir = os.path.join(self.root, "munge", "key")
-        self._spawn("munged", self.controller, [
-            _which("munged") or "munged", "--foreground", "--force",
-            f"--socket={self.munge_socket}",
-            f"--key-file={key_dir}/munge.key",
-            f"--seed-file={key_dir}/munged.seed",
-            f"--pid-file={self.root}/run/munged.pid",
-            f"--log-file={self.log_dir}/munged.log",
-        ])
-        self._poll(lambda: os.path.exists(self.munge_socket), time.monotonic() + 10.0,
-                   "munged did not create its socket")
+        self._spawn(
+            "munged",
+            self.controller,
+            [
+                _which("munged") or "munged",
+                "--foreground",
+                "--force",
+                f"--socket={self.munge_socket}",
+                f"--key-file={key_dir}/munge.key",
+                f"--seed-file={key_dir}/munged.seed",
+                f"--pid-file={self.root}/run/munged.pid",
+                f"--log-file={self.log_dir}/munged.log",
+            ],
+        )
+        self._poll(
+            lambda: os.path.exists(self.munge_socket), time.monotonic() + 10.0, "munged did not create its socket"
+        )
 
     def _start_daemons(self) -> None:
         assert self.controller is not None
-        self._spawn("slurmctld", self.controller,
-                    [_which("slurmctld") or "slurmctld", "-D", "-i", "-f", self.conf])
+        self._spawn("slurmctld", self.controller, [_which("slurmctld") or "slurmctld", "-D", "-i", "-f", self.conf])
         for name in self.nodes:
-            self._spawn(f"slurmd-{name}", self.hosts[name],
-                        [_which("slurmd") or "slurmd", "-D", "-N", name, "-f", self.conf])
+            self._spawn(
+                f"slurmd-{name}", self.hosts[name], [_which("slurmd") or "slurmd", "-D", "-N", name, "-f", self.conf]
+            )
 
     def _check_daemons(self) -> None:
         for label, proc in self._daemons:
@@ -391,6 +433,7 @@ class SlurmCluster:
         def idle() -> bool:
             states = self.node_states()
             return all(states.get(name) == "idle" for name in self.nodes)
+
         self._poll(idle, deadline, f"not every node idle within {self.start_timeout} s", interval=0.25)
 
     def close(self, failed: bool = False) -> None:
@@ -430,31 +473,37 @@ class SlurmCluster:
         return "".join(parts)
 
     # Commands -------------------------------------------------------------
-    def run(self, argv: Sequence[str], *, env: Mapping[str, str] | None = None, cwd: str | None = None,
-            timeout: float = CMD_TIMEOUT, check: bool = True) -> subprocess.CompletedProcess:
+    def run(
+        self,
+        argv: Sequence[str],
+        *,
+        env: Mapping[str, str] | None = None,
+        cwd: str | None = None,
+        timeout: float = CMD_TIMEOUT,
+        check: bool = True,
+    ) -> subprocess.CompletedProcess:
         """Run ``argv`` (e.g. ``["squeue"]``) in the controller's host with :attr:`env` (plus
         ``env``); output captured as text. SlurmError when it fails and ``check``."""
         assert self.controller is not None, "the cluster is not started"
         full_env = {**self.env, **(env or {})}
         try:
-            done = self.controller.run(self._wrap("ctl", argv), timeout=timeout, env=full_env,
-                                       cwd=cwd or self.job_dir)
+            done = self.controller.run(self._wrap("ctl", argv), timeout=timeout, env=full_env, cwd=cwd or self.job_dir)
         except subprocess.TimeoutExpired:
             raise SlurmError(f"{shlex.join(argv)}: no answer in {timeout} s") from None
         if check and done.returncode != 0:
             raise SlurmError(f"{shlex.join(argv)}: exit {done.returncode}: {done.stderr.strip()}")
         return done
 
-    def popen(self, argv: Sequence[str], host: str = "ctl", *, env: Mapping[str, str] | None = None,
-              **kwargs: Any) -> subprocess.Popen:
+    def popen(
+        self, argv: Sequence[str], host: str = "ctl", *, env: Mapping[str, str] | None = None, **kwargs: Any
+    ) -> subprocess.Popen:
         """``subprocess.Popen(argv)`` in host ``host`` (``ctl`` or a node) with :attr:`env`
         (plus ``env``), as that host's hostname, node names resolving; ended at exit."""
         target = self.controller if host == "ctl" else self.hosts[host]
         assert target is not None, "the cluster is not started"
         return target.popen(self._wrap(host, argv), env={**self.env, **(env or {})}, **kwargs)
 
-    def sbatch(self, script_path: str, *args: str, env: Mapping[str, str] | None = None,
-               cwd: str | None = None) -> int:
+    def sbatch(self, script_path: str, *args: str, env: Mapping[str, str] | None = None, cwd: str | None = None) -> int:
         """Submit ``script_path`` (``sbatch --parsable ARGS SCRIPT``); its job id.
 
         The job gets :attr:`env` plus ``env`` (sbatch's ``--export=ALL``) and runs in

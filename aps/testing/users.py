@@ -34,7 +34,10 @@ def second_user_env(home: str | None = None) -> dict[str, str]:
     if home is None:
         home = tempfile.mkdtemp(prefix="aps-second-user-")
         os.chown(home, SECOND_UID, SECOND_UID)
-    env = {key: value for key, value in os.environ.items()
-           if key not in ("APS_TOKEN", "APS_RUNTIME_DIR", "XDG_RUNTIME_DIR")}
+    env = {
+        key: value
+        for key, value in os.environ.items()
+        if key not in ("APS_TOKEN", "APS_RUNTIME_DIR", "XDG_RUNTIME_DIR")
+    }
     env.update(HOME=home, PYTHONDONTWRITEBYTECODE="1")
     return env

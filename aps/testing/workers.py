@@ -48,6 +48,7 @@ def constant_pusher(address: str, rank: int, workers: int, numel: int, pushes: i
     with aps.Worker(address, rank, workers, transport=transport) as worker:
         worker.init({"w": np.zeros(numel, np.float32)})
         grad = worker.flat_grad
+        assert grad is not None  # init made it
         for i in range(pushes):
             grad.fill(1.0 if (i + rank) % 2 else -0.5)
             worker.push_pull(grad)
@@ -117,8 +118,9 @@ def digits_batches(rank: int, workers: int, step: int, batch: int):
     return data.x_train[idx], data.y_train[idx]
 
 
-def torch_bsp_worker(address: str, rank: int, workers: int, steps: int, batch: int, transport: str = "auto",
-                     staging: bool = False):
+def torch_bsp_worker(
+    address: str, rank: int, workers: int, steps: int, batch: int, transport: str = "auto", staging: bool = False
+):
     """Trains the digits CNN through ``aps.torch.Optimizer``; returns its final parameters."""
     import torch
     from torch.nn import functional as F
@@ -155,8 +157,16 @@ def steady_worker(address: str, rank: int, workers: int, numel: int, transport: 
     worker.close()
 
 
-def resilient_worker(address: str, rank: int, workers: int, numel: int, steps: int, pause: float,
-                     transport: str = "auto", stop_path: str | None = None):
+def resilient_worker(
+    address: str,
+    rank: int,
+    workers: int,
+    numel: int,
+    steps: int,
+    pause: float,
+    transport: str = "auto",
+    stop_path: str | None = None,
+):
     """Trains until its clock reaches ``steps`` (or the file ``stop_path`` exists), whatever
     happens to the server meanwhile (the worker reconnects by itself). Returns (rank, clock,
     version, pushes sent, pushes dropped)."""

@@ -18,6 +18,7 @@ for the values, or none).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Protocol
 
 from .protocol import HEADER_SIZE, Header, unpack_header
@@ -57,16 +58,28 @@ class FrameReader:
     """
 
     __slots__ = (
-        "_handler", "_progress", "_more", "_max", "_buf", "_view", "_start", "_end", "_header", "_dest", "_base", "_got",
-        "_direct", "_held",
+        "_handler",
+        "_progress",
+        "_more",
+        "_max",
+        "_buf",
+        "_view",
+        "_start",
+        "_end",
+        "_header",
+        "_dest",
+        "_base",
+        "_got",
+        "_direct",
+        "_held",
     )
 
     def __init__(self, handler: FrameHandler, *, max_payload: int | None = None, staging_size: int = 1 << 16) -> None:
         if staging_size < HEADER_SIZE:
             raise ValueError("staging buffer smaller than a header")
-        self._handler = handler
-        self._progress = getattr(handler, "payload_progress", None)
-        self._more = getattr(handler, "frame_more", None)
+        self._handler: FrameHandler | None = handler  # None once detached
+        self._progress: Callable[[int], object] | None = getattr(handler, "payload_progress", None)
+        self._more: Callable[[Header, int], memoryview | None] | None = getattr(handler, "frame_more", None)
         self._max = max_payload
         self._buf = bytearray(staging_size)
         self._view = memoryview(self._buf)
@@ -148,12 +161,14 @@ class FrameReader:
         """Account for ``nbytes`` read into the last buffer; delivers complete frames."""
         if self._direct:
             self._direct = False
+            header, dest = self._header, self._dest
+            assert header is not None and dest is not None  # a direct read goes into the current frame's _dest
             self._got += nbytes
             if self._progress is not None:
                 self._progress(self._got)
-            if self._got == self._header.length:
+            if self._got == header.length:
                 self._finish()
-            elif self._got - self._base == len(self._dest):
+            elif self._got - self._base == len(dest):
                 self._next_part()
             return
         self._end += nbytes
@@ -171,6 +186,7 @@ class FrameReader:
                 self._header = header
                 self._got = 0
                 self._base = 0
+                assert self._handler is not None  # a detached reader is held: it parses no more
                 self._dest = self._checked(self._handler.frame_buffer(header), header.length)
                 if self._dest is not None and not len(self._dest) and header.length:
                     self._next_part()
@@ -200,15 +216,17 @@ class FrameReader:
 
     def _next_part(self) -> None:
         """The current destination is full and more payload is to come: ask where it goes."""
-        header = self._header
+        header, more = self._header, self._more
+        assert header is not None and more is not None  # _checked allows a short destination only with frame_more
         while True:
             self._base = self._got
-            self._dest = self._checked(self._more(header, self._got), header.length - self._got)
+            self._dest = self._checked(more(header, self._got), header.length - self._got)
             if self._dest is None or len(self._dest):
                 return
 
     def _finish(self) -> None:
         header, dest = self._header, self._dest
+        assert header is not None and self._handler is not None  # a whole frame arrived on an attached reader
         self._header = None
         self._dest = None
         self._got = self._base = 0

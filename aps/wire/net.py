@@ -12,8 +12,17 @@ from typing import NamedTuple
 
 from ..errors import ConfigurationError
 
-__all__ = ["SCHEMES", "Address", "client_context", "connect_failure", "format_address", "parse_address",
-           "server_context", "set_keepalive", "set_nodelay"]
+__all__ = [
+    "SCHEMES",
+    "Address",
+    "client_context",
+    "connect_failure",
+    "format_address",
+    "parse_address",
+    "server_context",
+    "set_keepalive",
+    "set_nodelay",
+]
 
 SCHEMES = ("tcp", "tls")
 
@@ -42,8 +51,9 @@ def parse_address(text: str) -> Address:
     if not sep:
         scheme, rest = "tcp", text
     if scheme not in SCHEMES:
-        raise ConfigurationError(f"unsupported address scheme {scheme!r} in {text!r}: expected tcp://HOST:PORT "
-                                 "or tls://HOST:PORT")
+        raise ConfigurationError(
+            f"unsupported address scheme {scheme!r} in {text!r}: expected tcp://HOST:PORT or tls://HOST:PORT"
+        )
     if rest.startswith("["):
         host, bracket, tail = rest[1:].partition("]")
         if not bracket or not tail.startswith(":"):

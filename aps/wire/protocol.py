@@ -156,9 +156,26 @@ class Op(IntEnum):
 
 
 REQUEST_OPS = frozenset(
-    {Op.INIT, Op.PULL, Op.PUSH, Op.PUSH_PULL, Op.LEAVE, Op.PING, Op.STATS, Op.HELLO, Op.AUTH, Op.CHECKPOINT,
-     Op.SHARDS, Op.HYPER, Op.STATE, Op.LOAD_STATE, Op.LOAD_WEIGHTS, Op.REWIND, Op.CLAIM,
-     Op.LOG}
+    {
+        Op.INIT,
+        Op.PULL,
+        Op.PUSH,
+        Op.PUSH_PULL,
+        Op.LEAVE,
+        Op.PING,
+        Op.STATS,
+        Op.HELLO,
+        Op.AUTH,
+        Op.CHECKPOINT,
+        Op.SHARDS,
+        Op.HYPER,
+        Op.STATE,
+        Op.LOAD_STATE,
+        Op.LOAD_WEIGHTS,
+        Op.REWIND,
+        Op.CLAIM,
+        Op.LOG,
+    }
 )
 #: What a connection may ask before it has authenticated (when the server has a token).
 HANDSHAKE_OPS = frozenset({Op.HELLO, Op.AUTH})
@@ -296,9 +313,11 @@ _HTTP_MAGIC = int.from_bytes(b"HTTP", "little")
 
 def _bad_magic(magic: int) -> str:
     if magic == _HTTP_MAGIC:
-        return (f"bad magic 0x{magic:08x} ('HTTP'): this is an HTTP server (the dashboard/metrics port, "
-                "--http-port?): point the worker at the server's worker port (the address `aps serve` "
-                "prints first, 'aps: serving on tcp://...')")
+        return (
+            f"bad magic 0x{magic:08x} ('HTTP'): this is an HTTP server (the dashboard/metrics port, "
+            "--http-port?): point the worker at the server's worker port (the address `aps serve` "
+            "prints first, 'aps: serving on tcp://...')"
+        )
     return f"bad magic 0x{magic:08x}: not an aps frame (expected 0x{MAGIC:08x})"
 
 
@@ -389,9 +408,7 @@ def decode_init(payload) -> InitRequest:
     offset += -offset % 8
     values = len(view) - offset
     if values != layout.nbytes:
-        raise PayloadSizeMismatch(
-            f"INIT carries {max(values, 0)} bytes of values; its layout needs {layout.nbytes}"
-        )
+        raise PayloadSizeMismatch(f"INIT carries {max(values, 0)} bytes of values; its layout needs {layout.nbytes}")
     return InitRequest(rank, num_workers, layout, offset)
 
 
@@ -540,8 +557,15 @@ def decode_claim(claim: bytes) -> dict[str, str]:
     return out
 
 
-def encode_hello_reply(auth_required: bool, server_nonce: bytes, host: str, unix_path: str, run_id: str = "",
-                       shard: str = "", lineage: str = "") -> bytes:
+def encode_hello_reply(
+    auth_required: bool,
+    server_nonce: bytes,
+    host: str,
+    unix_path: str,
+    run_id: str = "",
+    shard: str = "",
+    lineage: str = "",
+) -> bytes:
     head = _HELLO_REPLY.pack(_AUTH_REQUIRED if auth_required else 0) + server_nonce
     return head if auth_required else head + encode_hello(host, unix_path, run_id, shard, lineage)
 
@@ -670,21 +694,25 @@ def check_stops(groups: list[HyperGroup], numel: int) -> None:
         if group.stop <= previous:
             raise InvalidHyperparameters(
                 f"group {index}: stop {group.stop} is not after the previous group's stop ({previous}): "
-                "stops must be strictly increasing, from above 0")
+                "stops must be strictly increasing, from above 0"
+            )
         if group.stop > numel:
             raise InvalidHyperparameters(f"group {index}: stop {group.stop} is beyond the model's {numel} parameters")
         previous = group.stop
     if previous != numel:
-        raise InvalidHyperparameters(f"the last group stops at {previous}, but the model has {numel} parameters: "
-                                     "the last stop must be the model's size")
+        raise InvalidHyperparameters(
+            f"the last group stops at {previous}, but the model has {numel} parameters: "
+            "the last stop must be the model's size"
+        )
 
 
 def encode_hyper(groups: list[HyperGroup]) -> bytes:
     """A HYPER payload (the server checks the values; this only packs them)."""
     try:
         return _HYPER_HEAD.pack(len(groups)) + b"".join(
-            _HYPER_GROUP.pack(int(g.stop), float(g.lr), float(g.weight_decay), float(g.momentum),
-                              float(g.dampening)) for g in groups)
+            _HYPER_GROUP.pack(int(g.stop), float(g.lr), float(g.weight_decay), float(g.momentum), float(g.dampening))
+            for g in groups
+        )
     except struct.error as exc:
         raise ValueError(f"hyperparameter groups cannot be encoded: {exc}") from None
 
@@ -750,8 +778,9 @@ class StateHead(NamedTuple):
         return self.nbytes + 4 * self.numel * len(self.arrays)
 
 
-def encode_state_head(optimizer: str, steps: int, numel: int, arrays, *, version: int | None = None,
-                      digest: bytes | None = None) -> bytes:
+def encode_state_head(
+    optimizer: str, steps: int, numel: int, arrays, *, version: int | None = None, digest: bytes | None = None
+) -> bytes:
     """The head of a STATE reply or a LOAD_STATE payload (the arrays follow it, raw)."""
     described: dict = {"optimizer": optimizer, "steps": int(steps), "numel": int(numel), "arrays": list(arrays)}
     if version is not None:
@@ -771,8 +800,9 @@ def state_head_bytes(first: bytes | memoryview) -> int:
     """
     size, _ = _STATE_HEAD.unpack_from(first, 0)
     if size > MAX_STATE_HEAD_BYTES:
-        raise MalformedFrame(f"optimizer state description of {size} bytes; at most {MAX_STATE_HEAD_BYTES} "
-                             "are accepted")
+        raise MalformedFrame(
+            f"optimizer state description of {size} bytes; at most {MAX_STATE_HEAD_BYTES} are accepted"
+        )
     end = _STATE_HEAD.size + size
     return end + (-end % 8)
 
@@ -805,8 +835,10 @@ def decode_state_head(payload, max_steps: int = MAX_STEPS) -> StateHead:
     if not isinstance(optimizer, str):
         raise MalformedFrame("the optimizer state's description names no optimizer")
     if not isinstance(steps, int) or isinstance(steps, bool) or not 0 <= steps <= max_steps:
-        raise InvalidState(f"steps is {steps!r}; it must be an integer from 0 to "
-                           + ("2**53" if max_steps == MAX_STEPS else str(max_steps)))
+        raise InvalidState(
+            f"steps is {steps!r}; it must be an integer from 0 to "
+            + ("2**53" if max_steps == MAX_STEPS else str(max_steps))
+        )
     if not isinstance(numel, int) or isinstance(numel, bool) or numel < 0:
         raise MalformedFrame(f"the optimizer state's numel is {numel!r}; it must be an integer >= 0")
     if not isinstance(arrays, list) or not all(isinstance(name, str) for name in arrays):
@@ -839,8 +871,10 @@ def negative_second_moment(arrays) -> str | None:
         for part in value if isinstance(value, (list, tuple)) else (value,):
             if part.size and part.min() < 0:
                 index = int(np.flatnonzero(part < 0)[0])
-                return (f"{name}[{offset + index}] is {part[index]}: a second moment (a running mean of "
-                        "squares) is never negative")
+                return (
+                    f"{name}[{offset + index}] is {part[index]}: a second moment (a running mean of "
+                    "squares) is never negative"
+                )
             offset += part.size
     return None
 

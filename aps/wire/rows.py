@@ -101,8 +101,7 @@ def decode_tables(view: Any, offset: int, count: int) -> tuple[dict[str, Table],
             (size,) = _DESCRIPTION.unpack_from(view, offset)
             offset += _DESCRIPTION.size
             if size > MAX_DESCRIPTION_BYTES:
-                raise MalformedFrame(f"table {name!r}: a description of {size} bytes; at most "
-                                     f"{MAX_DESCRIPTION_BYTES}")
+                raise MalformedFrame(f"table {name!r}: a description of {size} bytes; at most {MAX_DESCRIPTION_BYTES}")
             described = json.loads(_take(view, offset, size).decode("utf-8"))
             offset += size
             if name in tables:
@@ -154,12 +153,12 @@ def encode_rows(sections: Sequence[RowSection], dims: Sequence[int], with_values
         if ids.dtype != np.int64 or ids.ndim != 1:
             raise ValueError(f"table {table}: ids are a vector of int64")
         out.append(_BLOCK.pack(table, len(ids)))
-        out.append(memoryview(ids).cast("B"))
+        out.append(ids.data.cast("B"))
         if with_values:
             values = np.ascontiguousarray(values)
             if values.dtype != np.float32 or values.shape != (len(ids), dims[table]):
                 raise ValueError(f"table {table}: rows are float32 of shape ({len(ids)}, {dims[table]})")
-            out.append(memoryview(values).cast("B"))
+            out.append(values.data.cast("B"))
             if values.nbytes % 8:
                 out.append(b"\0" * 4)
     return out
@@ -175,8 +174,9 @@ def decode_rows(payload: Any, dims: Sequence[int], with_values: bool) -> list[Ro
     return sections
 
 
-def decode_request_rows(payload: Any, dims: Sequence[int], push: bool,
-                        pull: bool) -> tuple[list[RowSection], list[RowSection]]:
+def decode_request_rows(
+    payload: Any, dims: Sequence[int], push: bool, pull: bool
+) -> tuple[list[RowSection], list[RowSection]]:
     """The rows part of a request (Flag.ROWS): a section of ids and gradient rows where the
     request pushes, then a section of ids where it pulls, filling ``payload`` exactly."""
     view = memoryview(payload).cast("B")
@@ -199,7 +199,7 @@ def reply_rows_parts(rows: Sequence[np.ndarray]) -> list:
     out: list = []
     for array in rows:
         if array.nbytes:
-            out.append(memoryview(array).cast("B"))
+            out.append(array.data.cast("B"))
         if array.nbytes % 8:
             out.append(_PAD)
     return out
@@ -227,13 +227,13 @@ def _decode(view: memoryview, offset: int, dims: Sequence[int], with_values: boo
             raise MalformedFrame("a rows section is truncated")
         table, n = _BLOCK.unpack_from(view, offset)
         if not previous < table < len(dims):
-            raise MalformedFrame(f"a rows section names table {table} out of order or unknown "
-                                 f"(the model has {len(dims)})")
+            raise MalformedFrame(
+                f"a rows section names table {table} out of order or unknown (the model has {len(dims)})"
+            )
         previous = table
         size = _block_bytes(n, dims[table], with_values)
         if offset + size > len(view):
-            raise MalformedFrame(f"table {table}: {n} ids need {size} bytes; the section has "
-                                 f"{len(view) - offset} left")
+            raise MalformedFrame(f"table {table}: {n} ids need {size} bytes; the section has {len(view) - offset} left")
         start = offset + _BLOCK.size
         ids = np.frombuffer(view, np.int64, n, start)
         values = None

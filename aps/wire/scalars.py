@@ -25,7 +25,14 @@ from dataclasses import dataclass, field
 from ..errors import MalformedFrame
 
 __all__ = [
-    "MAX_LOG_BYTES", "MAX_LOG_POINTS", "MAX_SCALAR_NAME", "MAX_STEP", "LogReport", "check_scalar_name", "decode_log", "encode_log",
+    "MAX_LOG_BYTES",
+    "MAX_LOG_POINTS",
+    "MAX_SCALAR_NAME",
+    "MAX_STEP",
+    "LogReport",
+    "check_scalar_name",
+    "decode_log",
+    "encode_log",
 ]
 
 #: A LOG's payload is at most this many bytes.
@@ -35,7 +42,7 @@ MAX_LOG_POINTS = 1024
 #: A scalar's name is at most this many characters.
 MAX_SCALAR_NAME = 64
 MAX_STEP = 1 << 53
-_NAME = re.compile(r"[A-Za-z0-9_.:/-]{1,%d}" % MAX_SCALAR_NAME)
+_NAME = re.compile(rf"[A-Za-z0-9_.:/-]{{1,{MAX_SCALAR_NAME}}}")
 _DIGEST = re.compile(r"[0-9a-f]{16}")
 
 
@@ -51,13 +58,17 @@ class LogReport:
 def check_scalar_name(name: object) -> str:
     """``name`` when it may name a scalar; ValueError saying why not."""
     if not isinstance(name, str) or not _NAME.fullmatch(name):
-        raise ValueError(f"a scalar's name is 1 to {MAX_SCALAR_NAME} characters of A-Z a-z 0-9 _ . : / -, "
-                         f"not {name!r:.80}")
+        raise ValueError(
+            f"a scalar's name is 1 to {MAX_SCALAR_NAME} characters of A-Z a-z 0-9 _ . : / -, not {name!r:.80}"
+        )
     return name
 
 
-def encode_log(points: list[tuple[int, dict[str, float]]], process: dict | None = None,
-               batches: list[tuple[int, str]] | None = None) -> bytes:
+def encode_log(
+    points: list[tuple[int, dict[str, float]]],
+    process: dict | None = None,
+    batches: list[tuple[int, str]] | None = None,
+) -> bytes:
     """The payload of a LOG (the caller has checked names, steps and counts)."""
     body: dict = {"points": [[step, values] for step, values in points]}
     if process is not None:
@@ -93,8 +104,9 @@ def decode_log(payload: memoryview | bytes) -> LogReport:
         if len(report.points) > MAX_LOG_POINTS:
             raise MalformedFrame(f"a LOG carries {MAX_LOG_POINTS} values at most")
     for entry in _list(body.get("batches", []), "batches"):
-        if not (isinstance(entry, list) and len(entry) == 2 and isinstance(entry[1], str)
-                and _DIGEST.fullmatch(entry[1])):
+        if not (
+            isinstance(entry, list) and len(entry) == 2 and isinstance(entry[1], str) and _DIGEST.fullmatch(entry[1])
+        ):
             raise MalformedFrame("a LOG's batch is [step, 16 hex digits]")
         report.batches.append((_step(entry[0]), entry[1]))
     if "process" in body:
@@ -118,8 +130,16 @@ def _process(value: object) -> dict:
     if not isinstance(value, dict) or set(value) != {"pid", "cpu_s", "rss_bytes"}:
         raise MalformedFrame("a LOG's process is {pid, cpu_s, rss_bytes}")
     pid, cpu, rss = value["pid"], value["cpu_s"], value["rss_bytes"]
-    if (isinstance(pid, bool) or not isinstance(pid, int) or not 0 < pid < 1 << 32
-            or isinstance(rss, bool) or not isinstance(rss, int) or not 0 <= rss < 1 << 60
-            or isinstance(cpu, bool) or not isinstance(cpu, (int, float)) or not (math.isfinite(cpu) and cpu >= 0)):
+    if (
+        isinstance(pid, bool)
+        or not isinstance(pid, int)
+        or not 0 < pid < 1 << 32
+        or isinstance(rss, bool)
+        or not isinstance(rss, int)
+        or not 0 <= rss < 1 << 60
+        or isinstance(cpu, bool)
+        or not isinstance(cpu, (int, float))
+        or not (math.isfinite(cpu) and cpu >= 0)
+    ):
         raise MalformedFrame("a LOG's process: pid a positive integer, cpu_s seconds, rss_bytes a byte count")
     return {"pid": pid, "cpu_s": float(cpu), "rss_bytes": rss}

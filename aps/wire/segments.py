@@ -134,8 +134,9 @@ class Room:
     SHRINK_ABOVE = 16 << 20
     SHRINK_AFTER = 64
 
-    def __init__(self, name: str, *, shared_read_only: bool = False, shrink: bool = True,
-                 limit: int | None = None) -> None:
+    def __init__(
+        self, name: str, *, shared_read_only: bool = False, shrink: bool = True, limit: int | None = None
+    ) -> None:
         self.segment: Segment | None = None
         self._limit = limit  # made no larger than this (or than the need, if larger)
         self._name = name

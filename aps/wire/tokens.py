@@ -22,8 +22,18 @@ from collections import Counter
 from ..errors import ConfigurationError
 
 __all__ = [
-    "MIN_GUESS_BITS", "MIN_TOKEN_BITS", "check_token", "guess_bits", "recognised", "find_token", "new_token", "remove_token_file", "token_bits", "token_dir",
-    "token_path", "write_token_file",
+    "MIN_GUESS_BITS",
+    "MIN_TOKEN_BITS",
+    "check_token",
+    "guess_bits",
+    "recognised",
+    "find_token",
+    "new_token",
+    "remove_token_file",
+    "token_bits",
+    "token_dir",
+    "token_path",
+    "write_token_file",
 ]
 
 #: Tokens estimated weaker than this are refused (a guess per nanosecond for 10^22 years).
@@ -163,8 +173,11 @@ def token_dir() -> str:
     base = os.environ.get("APS_RUNTIME_DIR")
     if not base:
         runtime = os.environ.get("XDG_RUNTIME_DIR")
-        base = os.path.join(runtime, "aps") if runtime and _own_private(runtime) else os.path.join(
-            os.path.expanduser("~"), ".aps")
+        base = (
+            os.path.join(runtime, "aps")
+            if runtime and _own_private(runtime)
+            else os.path.join(os.path.expanduser("~"), ".aps")
+        )
     return os.path.join(base, "tokens")
 
 
@@ -207,8 +220,7 @@ def write_token_file(host: str, port: int, token: str) -> str:
     _private_dir(os.path.dirname(path), create=True)
     partial = f"{path}.{os.getpid()}.tmp"
     try:
-        fd = os.open(partial, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | getattr(os, "O_CLOEXEC", 0),
-                     0o600)
+        fd = os.open(partial, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | getattr(os, "O_CLOEXEC", 0), 0o600)
     except FileExistsError:
         os.unlink(partial)
         return write_token_file(host, port, token)
@@ -267,8 +279,9 @@ def _read(path: str) -> str:
     try:
         info = os.fstat(fd)
         if not stat.S_ISREG(info.st_mode) or info.st_uid != os.getuid() or info.st_mode & 0o077:
-            raise ConfigurationError(f"{path} must be a regular file of this user's, readable by no one else "
-                                     "(mode 0600)")
+            raise ConfigurationError(
+                f"{path} must be a regular file of this user's, readable by no one else (mode 0600)"
+            )
         data = os.read(fd, 4096)
     finally:
         os.close(fd)

