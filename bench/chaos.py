@@ -11,7 +11,7 @@ authenticate. The model is a ledger (SGD lr=1, one weight per (shard, rank, cloc
 the final weights say whether any gradient was applied twice or lost beyond what the
 crashes allow. Reports faults injected and survived by kind, applied twice, lost
 against the bound, stalls beyond the documented deadline, server RSS growth: a table
-and JSON (see docs/design.md, "Chaos soak"). Needs root for namespaces and tmpfs
+and JSON (see docs/design/tools.md, "Chaos soak"). Needs root for namespaces and tmpfs
 (without, cuts and disk-full are left out and the report says so). Example::
 
     python bench/chaos.py --minutes 30 --seed 1 --out bench/results/chaos-30min.json

@@ -54,7 +54,7 @@ def aps_setup(name: str, numel: int, threads: KernelThreads):
     rng = np.random.default_rng(0)
     slots = [line_aligned(numel), line_aligned(numel)]  # (as the server makes its slots)
     slots[0][:] = rng.standard_normal(numel, dtype=np.float32)
-    grad = line_aligned(numel)  # (as the server receives a gradient: see aps.server.intake)
+    grad = line_aligned(numel)  # (as the server receives a gradient: see aps.server.requests.intake)
     grad[:] = np.float32(1e-3) * rng.standard_normal(numel, dtype=np.float32)
     optimizer = make_optimizer(kind, numel, threads=threads, **options)
 

@@ -77,7 +77,7 @@ class Harness:
         if values is None:
             values = np.zeros(self.numel, np.float32)
         worker.waiting = True
-        worker.member = self.engine.join(
+        worker.member = self.engine.membership.join(
             rank, self.P, self.layout, values, self._ready(worker), lambda exc: worker.errors.append(exc),
             rejoin=rejoin, clock=clock,
         )
@@ -88,7 +88,7 @@ class Harness:
 
     def leave(self, rank: int) -> None:
         worker = self.workers[rank]
-        self.engine.leave(worker.member)
+        self.engine.membership.leave(worker.member)
         worker.member = None
         worker.waiting = False
 
@@ -97,7 +97,7 @@ class Harness:
         worker = self.workers[rank]
         worker.waiting = True
         worker.member.rows_wanted = rows
-        self.engine.pull(worker.member, self._ready(worker))
+        self.engine.training.pull(worker.member, self._ready(worker))
 
     def push(self, rank: int, grad, *, version: int | None = None, then_pull: bool = False,
              request_id: int | None = None, clock: int | None = None, rows=None, pull_rows=None) -> None:
@@ -115,7 +115,7 @@ class Harness:
             if then_pull:
                 self.pull(rank, pull_rows)
 
-        self.engine.push(
+        self.engine.training.push(
             member,
             worker.version if version is None else version,
             done,
@@ -138,9 +138,9 @@ class Harness:
         engine = self.engine
         return (
             engine.version,
-            engine.decided_version,
-            engine.pushes,
-            engine.rejected,
+            engine.training.decided_version,
+            engine.training.pushes,
+            engine.stats.rejected,
             engine.policy.dropped,
             engine.policy.window.state(),
             tuple(engine.policy.is_held(r) for r in range(self.P)),

@@ -167,7 +167,7 @@ class VirtualCluster:
         self._ready = [self._released(rank) for rank in range(count)]
         self._done = [self._committed(rank) for rank in range(count)]
         self.members = [
-            self.engine.join(rank, count, layout, values, self._joined(rank), self._errors.append)
+            self.engine.membership.join(rank, count, layout, values, self._joined(rank), self._errors.append)
             for rank in range(count)
         ]
         if self._errors:
@@ -195,7 +195,7 @@ class VirtualCluster:
             self.per_worker[rank] += 1
             if not result.dropped:
                 self.staleness.append(result.staleness)
-            self.engine.pull(self.members[rank], self._ready[rank])
+            self.engine.training.pull(self.members[rank], self._ready[rank])
 
         return done
 
@@ -203,7 +203,7 @@ class VirtualCluster:
         """``rank`` holds the weights of ``snapshot``: compute on them, push when its iteration ends."""
         self._version[rank] = snapshot.version
         if self.compute is not None:  # (its member by rank: the last join releases everyone before it returns)
-            grad = self.engine.members[rank].grad
+            grad = self.engine.roster.members[rank].grad
             assert grad is not None  # its join made its gradient buffer
             self.compute(rank, snapshot.array, grad)
         snapshot.release()
@@ -224,7 +224,7 @@ class VirtualCluster:
         self.now = now
         self._pushed_at[rank] = now
         try:
-            self.engine.push(self.members[rank], self._version[rank], self._done[rank], self._errors.append)
+            self.engine.training.push(self.members[rank], self._version[rank], self._done[rank], self._errors.append)
         except APSError as exc:
             self._errors.append(exc)
         self.pushes += 1

@@ -1,7 +1,7 @@
 """What a connection may cost before it is a worker: strangers' share of the event loop
 (:class:`StrangerGuard`), failed AUTH attempts by who made them (:class:`AuthThrottle`), and
 warnings about floods of them (:class:`RateLimitedLog`). :class:`Connections` holds a
-server's sessions and what they share."""
+server's connections and what they share."""
 
 from __future__ import annotations
 
@@ -11,14 +11,25 @@ import ctypes.util
 import logging
 import time
 from collections import OrderedDict, deque
-from typing import TYPE_CHECKING
-
-if TYPE_CHECKING:
-    from .session import ServerSession
+from typing import Protocol
 
 __all__ = ["AuthThrottle", "Connections", "RateLimitedLog", "StrangerGuard"]
 
 log = logging.getLogger("aps.server")
+
+
+class Waiting(Protocol):
+    """A connection holding a stranger's request for its turn (:class:`StrangerGuard`)."""
+
+    @property
+    def peer_key(self) -> str: ...
+
+    @property
+    def lost(self) -> bool: ...
+
+    loop: asyncio.AbstractEventLoop
+
+    def serve_parked(self) -> None: ...
 
 #: Strangers (connections that have not joined as workers) get at most this share of the
 #: event loop's time for their requests, all of them together; members' frames go first.
@@ -146,7 +157,7 @@ class AuthThrottle:
 
 class StrangerGuard:
     """What the strangers of one server may cost, all of them together (see
-    docs/design.md, "Strangers"): a share of the loop's time for their requests
+    docs/design/server.md, "Strangers"): a share of the loop's time for their requests
     (served after members', in turn), a budget for the layout blocks being read,
     the failed-AUTH throttle, and memory handed back to the OS after they go."""
 
@@ -155,7 +166,7 @@ class StrangerGuard:
         self.throttle = AuthThrottle()
         # the requests waiting their turn, by whom they come from (served round-robin: one
         # user's or address's flood waits behind its own, not in front of another's)
-        self._waiting: OrderedDict[str, deque[ServerSession]] = OrderedDict()
+        self._waiting: OrderedDict[str, deque[Waiting]] = OrderedDict()
         self._credit = STRANGER_BURST_S
         self._refilled = time.perf_counter()
         self._turn: asyncio.Handle | None = None
@@ -177,20 +188,20 @@ class StrangerGuard:
     def charge(self, seconds: float) -> None:
         self._credit = max(-STRANGER_BURST_S, self._credit - seconds)
 
-    def enqueue(self, session: ServerSession) -> None:
-        """``session`` holds a request for its turn."""
-        self._waiting.setdefault(session.peer_key, deque()).append(session)
-        self._schedule(session._loop)
+    def enqueue(self, conn: Waiting) -> None:
+        """``conn`` holds a request for its turn."""
+        self._waiting.setdefault(conn.peer_key, deque()).append(conn)
+        self._schedule(conn.loop)
 
-    def _next(self) -> ServerSession:
-        """The next request's session: the first of the principal whose turn it is."""
+    def _next(self) -> Waiting:
+        """The next request's connection: the first of the principal whose turn it is."""
         key, queue = next(iter(self._waiting.items()))
-        session = queue.popleft()
+        conn = queue.popleft()
         if queue:
             self._waiting.move_to_end(key)
         else:
             del self._waiting[key]
-        return session
+        return conn
 
     def _schedule(self, loop: asyncio.AbstractEventLoop) -> None:
         if self._turn is not None or not self._waiting:
@@ -208,11 +219,11 @@ class StrangerGuard:
             started = self._refill()
             if self._credit <= 0:
                 break
-            session = self._next()
-            if session._lost:
+            conn = self._next()
+            if conn.lost:
                 continue
             served += 1
-            session._serve_parked()
+            conn.serve_parked()
             self.charge(time.perf_counter() - started)
         self._schedule(loop)
 
@@ -227,7 +238,7 @@ class StrangerGuard:
 
 
 class Connections(set):
-    """The open sessions of one server, and what they share (:attr:`guard`)."""
+    """The open connections of one server, and what they share (:attr:`guard`)."""
 
     def __init__(self, *args) -> None:
         super().__init__(*args)

@@ -96,15 +96,15 @@ class CaptureJob(Job):
 
     def _prepare(self) -> int | None:
         engine = self.engine
-        if engine.table is None:
+        if engine.model.table is None:
             raise CheckpointFailed("there is no model to checkpoint yet (no worker has sent its initial weights)")
-        self.manifest, sources = engine.checkpoint_state()
+        self.manifest, sources = engine.durability.checkpoint_state()
         for name, source in sources.items():
             buffer = self.buffers.get(name)
             if buffer is None or buffer.shape != source.shape:
                 buffer = self.buffers[name] = np.empty_like(source)
             self.pairs.append((name, buffer, source))
-        self.snapshot = engine.table.snapshot()
+        self.snapshot = engine.model.table.snapshot()
         return sum(source.size for _, _, source in self.pairs) or None
 
     def run(self) -> bool:
@@ -209,7 +209,7 @@ class Checkpointer:
         # resumed older can be joined by the others at one round (docs/algorithms.md, "Sharded resume").
         self._by_round = config.shards > 1 and config.sync == "bsp" and config.checkpoint_every_updates > 0
         if self._by_round:
-            self.engine.on_round = self._round_applied
+            self.engine.training.on_round = self._round_applied
         if config.checkpoint_every > 0 or (config.checkpoint_every_updates > 0 and not self._by_round):
             self._timer = asyncio.get_running_loop().create_task(self._tick())
 
@@ -232,7 +232,7 @@ class Checkpointer:
         for leftover in remove_temporaries(self.directory, every=True):  # ours alone now: all are stale
             log.warning("removed %s, a checkpoint that was never finished (the server stopped while writing it)",
                         leftover)
-        if engine.resumed_from is None:
+        if engine.durability.resumed_from is None:
             found = list_checkpoints(self.directory)
             if found:
                 raise CheckpointError(
@@ -240,9 +240,11 @@ class Checkpointer:
                     "give --resume to go on with it, or another --checkpoint-dir to start a new run"
                 )
         # (a fork is a new run: its journal starts with it, as its lineage does)
+        durability = engine.durability
         try:
-            record_incarnation(self.directory, engine.incarnation, new_run=engine.lineage == [engine.incarnation],
-                               key=self._key, run_id=engine.run_id)
+            record_incarnation(self.directory, durability.incarnation,
+                               new_run=durability.lineage == [durability.incarnation], key=self._key,
+                               run_id=durability.run_id)
         except CheckpointError as exc:  # (a record: a full disk must not keep the server from starting)
             log.warning("%s: a server resumed from here before this one checkpoints will not be one its workers "
                         "follow", exc)
@@ -258,13 +260,13 @@ class Checkpointer:
         refusal = None
         if self._executor is None:
             refusal = "this server writes no checkpoints (start it with --checkpoint-dir)"
-        elif engine.table is None:
+        elif engine.model.table is None:
             refusal = "there is no model to checkpoint yet (no worker has sent its initial weights)"
         if refusal is not None:
             future.set_exception(CheckpointFailed(refusal))
             return future
-        if engine.resumed_from is not None and not engine.started:
-            future.set_result({"path": engine.resumed_from, "version": engine.version})
+        if engine.durability.resumed_from is not None and not engine.roster.started:
+            future.set_result({"path": engine.durability.resumed_from, "version": engine.version})
             return future
         if self._busy or self._pending is not None:  # share the next one
             if self._next is None:
@@ -295,7 +297,8 @@ class Checkpointer:
             self._pending.cancel()
             self._begin_pending()
         engine = self.engine
-        if engine.table is not None and not (engine.resumed_from is not None and not engine.started):
+        resuming = engine.durability.resumed_from is not None and not engine.roster.started
+        if engine.model.table is not None and not resuming:
             try:
                 written = await asyncio.wait_for(asyncio.shield(self.request("shutdown")), _SHUTDOWN_WAIT_S)
                 log.info("checkpoint at shutdown: %s", written["path"])
@@ -339,12 +342,12 @@ class Checkpointer:
             now = time.monotonic()
             timed = every > 0 and now >= self._due
             counted = every_n > 0 and engine.version - self._last_version >= every_n
-            if not (timed or counted) or engine.table is None or not engine.started:
+            if not (timed or counted) or engine.model.table is None or not engine.roster.started:
                 continue
             if timed:
                 # From one start to the next, however long the writes take (beginning them
                 # earlier would bound the loss tighter, at the price of more writes: see
-                # docs/design.md, Checkpoints).
+                # docs/design/checkpoint.md).
                 self._due = max(self._due + every, now)
             if engine.version == self._last_version:
                 continue  # nothing changed since the last one
@@ -384,11 +387,11 @@ class Checkpointer:
 
             work.add_done_callback(written)
 
-        self.engine.capture_checkpoint(CaptureJob(self.engine, self._buffers, captured))
+        self.engine.durability.capture_checkpoint(CaptureJob(self.engine, self._buffers, captured))
 
     def _write(self, name: str, capture: Capture) -> str:
         """On the writer thread: the files, then the pruning."""
-        layout = self.engine.layout
+        layout = self.engine.model.layout
         weights = layout.views(capture.snapshot.array)
         state: dict[str, np.ndarray] = {}
         for key, flat in capture.state.items():
@@ -397,7 +400,7 @@ class Checkpointer:
             else:
                 state.update((f"{key}/{tensor}", view) for tensor, view in layout.views(flat).items())
         path = write_checkpoint(self.directory, name, capture.manifest, weights, state, key=self._key)
-        for old in prune(self.directory, self.config.checkpoint_keep, self.engine.run_id):
+        for old in prune(self.directory, self.config.checkpoint_keep, self.engine.durability.run_id):
             log.debug("removed old checkpoint %s", old)
         return str(path)
 

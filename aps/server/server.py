@@ -50,8 +50,9 @@ from ..wire.net import server_context
 from ..wire.net import connect_failure, format_address
 from ..wire.segments import Segment, default_socket_path, shm_available
 from .admission import Connections
-from .shm import ShmSession, UnixListener
-from .tcp import TcpSession
+from .connection import Connection
+from .shm import ShmTransport, UnixListener
+from .tcp import TcpTransport
 from .twin import serving_run
 
 __all__ = ["Server", "new_event_loop"]
@@ -185,10 +186,10 @@ class Server:
             if shared else None
         )
         self.engine = Engine(config, offload=self._offload, allocate=allocate, background=self._background)
-        self.engine.on_quorum = self._quorum_changed
+        self.engine.membership.on_quorum = self._quorum_changed
         try:
             if checkpoint is not None:
-                self.engine.restore(checkpoint)
+                self.engine.durability.restore(checkpoint)
                 if config.fork_run:
                     self._fork(checkpoint)
                 else:
@@ -207,14 +208,17 @@ class Server:
         except BaseException:
             self._executor.shutdown(wait=False)
             self._release_run_lock()
-            if self.engine.table is not None:
-                self.engine.table.close()
+            if self.engine.model.table is not None:
+                self.engine.model.table.close()
             raise
         max_payload = config.max_frame_bytes
+        engine, traffic = self.engine, self.engine.stats.traffic
         tls = server_context(config.tls_cert, config.tls_key, config.tls_ca) if config.tls_cert else None
         try:
             self._listener = await loop.create_server(
-                lambda: TcpSession(self.engine, max_payload, self.connections, self.unix_path, token),
+                lambda: TcpTransport(traffic["tcp"], config.heartbeat_timeout,
+                                     lambda transport: Connection(engine, transport, max_payload, self.connections,
+                                                                  self.unix_path, token)),
                 config.host,
                 config.port,
                 reuse_address=True,
@@ -226,7 +230,7 @@ class Server:
             raise ConfigurationError(f"cannot listen on {config.host}:{config.port}: "
                                      f"{connect_failure(config.host, exc)}{_busy_hint(exc, '--port')}") from None
         self._port = self._listener.sockets[0].getsockname()[1]
-        self.engine.address = self.address
+        self.engine.durability.address = self.address
         try:
             self._publish_token(token if generated else None)
         except ConfigurationError:
@@ -235,8 +239,9 @@ class Server:
             raise
         if shared:
             try:
-                self._unix = self._listen_unix(lambda sock: ShmSession(self.engine, max_payload, self.connections,
-                                                                       sock, token))
+                self._unix = self._listen_unix(lambda sock: ShmTransport(
+                    sock, traffic["shm"], max_payload, self._table_slots,
+                    lambda transport: Connection(engine, transport, max_payload, self.connections, token=token)))
             except ConfigurationError:
                 self._listener.close()
                 await self._abandon_start()
@@ -265,10 +270,11 @@ class Server:
         self._watchdog = loop.create_task(self._watch_connections(self.config.heartbeat_timeout))
         self._progress = loop.create_task(self._report_join_progress())
         engine = self.engine
-        if engine.resumed_from is not None and config.elastic and not (config.shards > 1 and config.sync == "bsp"):
+        resumed = engine.durability.resumed_from is not None
+        if resumed and config.elastic and not (config.shards > 1 and config.sync == "bsp"):
             # A resumed elastic run waits for its checkpoint's ranks this long, then for any MIN
             # (a sharded BSP run keeps waiting: its shards must find one common round).
-            self._quorum_deadline = loop.call_later(config.quorum_timeout, engine.give_up_waiting)
+            self._quorum_deadline = loop.call_later(config.quorum_timeout, engine.membership.give_up_waiting)
         log.info(
             "listening on %s%s%s: %s workers, sync %s, optimizer %s lr=%g; %s",
             self.address,
@@ -280,7 +286,7 @@ class Server:
             self.config.sync,
             self.config.optimizer,
             self.config.lr,
-            self.engine.table_memory.describe(),
+            self.engine.model.table_memory.describe(),
         )
 
     # Rewinding (REWIND: a sharded BSP worker brings every shard back to one round) ----------
@@ -292,7 +298,7 @@ class Server:
         process from the checkpoint of this run at ``version`` (after the reply has gone):
         every worker loses its connection and rejoins, as after a crash and ``--resume``."""
         engine, directory = self.engine, self.config.checkpoint_dir
-        found = await asyncio.to_thread(_run_checkpoints, directory, engine.run_id)
+        found = await asyncio.to_thread(_run_checkpoints, directory, engine.durability.run_id)
         if version is None:
             return {"versions": sorted(found), "version": engine.version}
         if self._rewinding is not None:  # another worker asked first
@@ -328,10 +334,15 @@ class Server:
         command = [*self.restart_command, "--port", str(self._port), "--resume", path]
         if self.http is not None and self.http.port is not None:
             command += ["--http-port", str(self.http.port)]
-        os.environ[_REWOUND_LINEAGE] = self.engine.lineage_text
+        os.environ[_REWOUND_LINEAGE] = self.engine.durability.lineage_text
         sys.stdout.flush()
         sys.stderr.flush()
         os.execv(command[0], command)
+
+    def _table_slots(self) -> set[int]:
+        """The ids of the weights table's snapshot slots now (a shared-memory worker's mapped ones go)."""
+        table = self.engine.model.table
+        return table.slot_ids() if table is not None else set()
 
     def _listen_unix(self, on_connection: Callable) -> UnixListener | None:
         """The Unix socket co-located workers reach the server by (shared memory): at
@@ -410,11 +421,11 @@ class Server:
         # (this server's token is proved only to an address a checkpoint signed with it gave)
         signed = self._checkpoint_key is not None and not self.config.resume_unsigned
         config = self.config
-        claim = encode_claim(self.engine.run_id, config.shard, config.shards)
+        claim = encode_claim(self.engine.durability.run_id, config.shard, config.shards)
         info = await asyncio.to_thread(serving_run, served_at, token if signed else None, claim)
-        if info is not None and info.run_id == self.engine.run_id:
+        if info is not None and info.run_id == self.engine.durability.run_id:
             raise CheckpointError(
-                f"run {self.engine.run_id} is still served at {served_at} (incarnation "
+                f"run {self.engine.durability.run_id} is still served at {served_at} (incarnation "
                 f"{info.incarnations[-1] if info.incarnations else '?'}), by the server whose checkpoint "
                 f"{checkpoint.path} is: resuming it here would make two servers of one run. Stop that server first "
                 "(then resume from its newest checkpoint), or give --fork-run to go on from the checkpoint as a new "
@@ -425,11 +436,12 @@ class Server:
         written (they died before a checkpoint of their own) are ancestors too: their workers
         follow this server (aps.checkpoint.read_lineage)."""
         engine = self.engine
-        saved = engine.lineage[:-1]
-        journal = read_lineage(checkpoint.path.parent, key=self._checkpoint_key, run_id=engine.run_id)
+        saved = engine.durability.lineage[:-1]
+        journal = read_lineage(checkpoint.path.parent, key=self._checkpoint_key, run_id=engine.durability.run_id)
         if saved and saved[-1] in journal:
-            later = [i for i in journal[journal.index(saved[-1]) + 1:] if i not in saved and i != engine.incarnation]
-            engine.carry_lineage([*saved, *later])
+            incarnation = engine.durability.incarnation
+            later = [i for i in journal[journal.index(saved[-1]) + 1:] if i not in saved and i != incarnation]
+            engine.durability.carry_lineage([*saved, *later])
 
     def _carry_rewound_lineage(self) -> None:
         """A server that rewound (REWIND: the same process, started again from an older
@@ -437,17 +449,18 @@ class Server:
         workers were last served by it."""
         saved = os.environ.pop(_REWOUND_LINEAGE, None)
         if saved:
-            self.engine.carry_lineage(saved.split(","))
+            self.engine.durability.carry_lineage(saved.split(","))
 
     def _fork(self, checkpoint: Checkpoint) -> None:
         """``--fork-run``: the resumed state goes on under a new run id, so that workers of the
         original run (whose server may be live) are refused here (RunChanged), and this
         run's checkpoints are its own. Shards record their runs again as workers join."""
         engine = self.engine
-        original, engine.run_id, engine.shard_runs = engine.run_id, uuid.uuid4().hex, None
-        engine.lineage = [engine.incarnation]
+        durability = engine.durability
+        original, durability.run_id, durability.shard_runs = durability.run_id, uuid.uuid4().hex, None
+        durability.lineage = [durability.incarnation]
         log.warning("--fork-run: checkpoint %s of run %s goes on as a new run, %s (workers of the original run "
-                    "are not served here)", checkpoint.path, original, engine.run_id)
+                    "are not served here)", checkpoint.path, original, engine.durability.run_id)
 
     def _checkpoint_to_resume(self) -> Checkpoint | None:
         """The checkpoint ``--resume`` names (None: a new run), with the run's options
@@ -523,7 +536,7 @@ class Server:
         """
 
         def grab() -> tuple[int, np.ndarray | None]:
-            table = self.engine.table
+            table = self.engine.model.table
             return (0, None) if table is None else (table.version, table.current_array().copy())
 
         return self._on_loop(grab, timeout)
@@ -591,14 +604,14 @@ class Server:
     def _quorum_expired(self) -> None:
         self._quorum_deadline = None
         engine, timeout = self.engine, self.config.quorum_timeout
-        if not engine.below_quorum:
+        if not engine.roster.below_quorum:
             return
         if engine.request_checkpoint is None:
             log.warning("training has held for %.0f s with %d of MIN=%d workers live; no --checkpoint-dir, so no "
-                        "checkpoint: still waiting", timeout, engine.policy.num_live, engine.quorum)
+                        "checkpoint: still waiting", timeout, engine.policy.num_live, engine.membership.quorum)
             return
         log.warning("training has held for %.0f s with %d of MIN=%d workers live: checkpointing, then still waiting",
-                    timeout, engine.policy.num_live, engine.quorum)
+                    timeout, engine.policy.num_live, engine.membership.quorum)
 
         def written(future) -> None:
             exc = future.exception()
@@ -622,11 +635,11 @@ class Server:
         if self._listener is not None:
             self._listener.close()
         self._close_unix()
-        sessions = list(self.connections)
+        connections = list(self.connections)
         notice, resumable = self._shutdown_notice()
-        if any(conn.member is not None for conn in sessions):
+        if any(conn.member is not None for conn in connections):
             log.info("telling the workers: %s", notice.message)
-        for conn in sessions:
+        for conn in connections:
             conn.announce_shutdown(notice, resumable)
         if self.checkpointer is not None:
             # After the announcement (nothing more is answered: a push taken from now on
@@ -635,7 +648,7 @@ class Server:
             await self.checkpointer.close()
             self.checkpointer = None
         self._release_run_lock()
-        for conn in sessions:
+        for conn in connections:
             conn.close()
         if self._listener is not None:
             await self._listener.wait_closed()
@@ -646,8 +659,8 @@ class Server:
         if self._executor is not None:
             self._executor.shutdown(wait=True)
             self._executor = None
-        if self.engine is not None and self.engine.table is not None:
-            self.engine.table.close()
+        if self.engine is not None and self.engine.model.table is not None:
+            self.engine.model.table.close()
         self._unpublish_token()
         log.info("server stopped")
 
@@ -717,7 +730,7 @@ class Server:
     async def _watch_connections(self, timeout: float) -> None:
         """Every second (or a quarter of the heartbeat timeout): notices for held
         requests, and workers that went silent or stopped reading are dropped
-        (see ServerSession.watch)."""
+        (see Connection.watch)."""
         loop = asyncio.get_running_loop()
         period = min(1.0, timeout / 4) if timeout > 0 else 1.0
         while True:
@@ -730,22 +743,22 @@ class Server:
         """Until training starts, tell the workers waiting in INIT who has joined."""
         engine = self.engine
         changed = asyncio.Event()
-        engine.on_membership_change = changed.set
+        engine.membership.on_membership_change = changed.set
         try:
-            while not engine.started:
+            while not engine.roster.started:
                 try:
                     await asyncio.wait_for(changed.wait(), _JOIN_PROGRESS_EVERY_S)
                 except TimeoutError:
                     pass
                 await asyncio.sleep(_JOIN_PROGRESS_COALESCE_S)
                 changed.clear()
-                joined, wanted, missing = engine.join_progress()
-                if joined and not engine.started:
+                joined, wanted, missing = engine.membership.join_progress()
+                if joined and not engine.roster.started:
                     payload = encode_join_progress(joined, wanted, missing)
                     for conn in list(self.connections):
                         conn.notify_join_progress(payload)
         finally:
-            engine.on_membership_change = None
+            engine.membership.on_membership_change = None
 
     def _background(self, work, done) -> None:
         """``work()`` on the loop's default executor (not the update lane's thread), then

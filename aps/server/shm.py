@@ -1,4 +1,4 @@
-"""Shared-memory transport, server side: the Unix listener and a co-located worker's session.
+"""Shared-memory transport, server side: the Unix listener and a co-located worker's transport.
 
 Control frames (the same protocol as TCP) travel over a Unix socket; the
 gradients and weights never do (see ``segments``). The optimizer's state
@@ -24,7 +24,7 @@ gradients and weights never do (see ``segments``). The optimizer's state
   next request (the segment is written only to answer one). The frames carry a
   rows reference (aps.wire.rows), with a segment's descriptor when it is new.
 
-asyncio transports cannot pass descriptors, so the sessions drive their
+asyncio transports cannot pass descriptors, so the transports drive their
 sockets with ``loop.add_reader`` and ``recvmsg_into``/``sendmsg``.
 """
 
@@ -47,14 +47,14 @@ from ..wire.protocol import HEADER_SIZE, DType, Flag, Header, InitRequest, Op, e
 from ..wire.rows import ROWS_REF_BYTES, decode_rows_ref, encode_rows_ref, padded
 from ..wire.segments import ANCILLARY_SPACE, Room, fds_from, map_received, scm_rights
 from .admission import RateLimitedLog
-from .session import ServerSession
 
 if TYPE_CHECKING:
-    from .engine import Engine
     from .engine.members import Member
+    from .engine.stats import Traffic
     from .engine.table import Snapshot
+    from .transport import Receiver
 
-__all__ = ["ShmSession", "UnixListener"]
+__all__ = ["ShmTransport", "UnixListener"]
 
 log = logging.getLogger("aps.server")
 
@@ -165,23 +165,35 @@ def _live(path: str) -> bool:
         probe.close()
 
 
-class ShmSession(ServerSession):
-    """One co-located worker: control frames on a Unix socket, arrays in shared memory."""
+class ShmTransport:
+    """One co-located worker: control frames on a Unix socket, arrays in shared memory.
+
+    Args:
+        sock: the accepted socket (non-blocking).
+        traffic: the server's byte counters for shared memory.
+        max_payload: the frame limit (a request's rows are no longer, nor a reply segment).
+        table_slots: the ids of the snapshot slots the weights table has now.
+        connect: makes the connection this transport carries (its receiver), given the transport.
+    """
 
     kind = "shm"
+    compressed = False
+    rows_shared = True  # (Tables.intake copies the ids, reads the gradient rows in place)
 
-    def __init__(
-        self, engine: Engine, max_payload: int, registry: set, sock: socket.socket, token: bytes | None = None
-    ) -> None:
-        super().__init__(engine, max_payload, registry, token=token)
+    def __init__(self, sock: socket.socket, traffic: Traffic, max_payload: int, table_slots: Callable[[], set],
+                 connect: Callable[[ShmTransport], Receiver]) -> None:
         self.sock = sock
+        self.traffic = traffic
         self.peer = f"unix:{sock.fileno()}"
+        self.peer_key = "?"
         try:
             creds = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, 12)
             self.peer = f"pid {int.from_bytes(creds[:4], sys.byteorder)}"
             self.peer_key = f"uid {int.from_bytes(creds[4:8], sys.byteorder)}"  # failed AUTHs count by user
         except (OSError, AttributeError):
             pass
+        self._loop = asyncio.get_event_loop()
+        self._table_slots = table_slots
         self._fds: deque[int] = deque()  # descriptors received and not yet claimed
         self._out: deque[tuple[memoryview, tuple[int, ...]]] = deque()  # frames the socket could not take yet
         self._sent_slots: set[int] = set()  # slots this worker has mapped
@@ -195,41 +207,44 @@ class ShmSession(ServerSession):
         self._reply_room = Room("aps-rows-reply", shared_read_only=True, shrink=False, limit=max_payload)
         self._reply_fresh = False  # the reply segment is new: its descriptor goes with the next rows
         self._reading = True
-        if not self._admit():
+        self._closed = False
+        self.writing = False  # the socket holds frames it could not take yet
+        self.receiver = connect(self)
+        if not self.receiver.opened():
             return
-        registry.add(self)
         self._loop.add_reader(sock.fileno(), self._readable)
         log.debug("%s: connected (shared memory)", self.peer)
 
     # Socket events ---------------------------------------------------------------
     def _readable(self) -> None:
         try:
-            nbytes, ancdata, msg_flags, _ = self.sock.recvmsg_into([self.reader.get_buffer()], ANCILLARY_SPACE)
+            nbytes, ancdata, msg_flags, _ = self.sock.recvmsg_into([self.receiver.get_buffer()], ANCILLARY_SPACE)
         except (BlockingIOError, InterruptedError):
             return
         except OSError as exc:
             self._teardown(exc)
             return
         self._fds.extend(fds_from(ancdata))
-        if self._fds and not self._authenticated:  # nothing is kept for a stranger
+        if self._fds and not self.receiver.authenticated:  # nothing is kept for a stranger
             while self._fds:
                 os.close(self._fds.popleft())
-            self._fatal(AuthenticationError("descriptors sent before the handshake"), warn=False)
+            self.receiver.fatal(AuthenticationError("descriptors sent before the handshake"), warn=False)
             return
         if msg_flags & socket.MSG_CTRUNC or len(self._fds) > _MAX_HELD_FDS:
-            self._fatal(MalformedFrame("too many file descriptors: a request carries one at most (INIT its "
-                                       "gradient segment, a request with rows a new rows segment)"))
+            self.receiver.fatal(MalformedFrame("too many file descriptors: a request carries one at most (INIT "
+                                               "its gradient segment, a request with rows a new rows segment)"))
             return
         if not nbytes:
             self._teardown(None)
             return
-        self._bytes_arrived(nbytes)
+        self.receiver.bytes_arrived(nbytes)
 
     def _writable(self) -> None:
         self._flush()
-        if not self._out and self._can_write():
+        if not self._out and self.can_write():
             self._loop.remove_writer(self.sock.fileno())
-            self._output_drained()
+            self.writing = False
+            self.receiver.output_drained()
 
     def _flush(self) -> None:
         """Send what is queued, each frame's descriptors with its first byte."""
@@ -252,14 +267,15 @@ class ShmSession(ServerSession):
             self._loop.remove_reader(self.sock.fileno())
             self._loop.remove_writer(self.sock.fileno())
             self.sock.close()
+        self._closed = True
         self._out.clear()
         while self._fds:
             os.close(self._fds.popleft())
         self._rows_in = None
         self._reply_room.close()
-        self._connection_lost(exc)
+        self.receiver.connection_lost(exc)
 
-    # ServerSession transport interface ------------------------------------------------
+    # Transport ------------------------------------------------------------------
     def close(self) -> None:
         self._flush()  # what the socket can still take (a last error frame)
         self._teardown(None)
@@ -267,45 +283,49 @@ class ShmSession(ServerSession):
     def abort(self) -> None:
         self._teardown(None)
 
-    def _unsent(self) -> int:
+    def unsent(self) -> int:
         return sum(len(data) for data, _ in self._out)
 
-    def _can_write(self) -> bool:
-        return not self._lost and self.sock.fileno() >= 0
+    def can_write(self) -> bool:
+        return not self._closed and self.sock.fileno() >= 0
 
-    def _write(self, data: bytes, fds: Sequence[int] = ()) -> None:
+    def write(self, data: bytes | memoryview, fds: Sequence[int] = ()) -> None:
         waiting = bool(self._out)
         self._out.append((memoryview(data), tuple(fds)))
         if not waiting:
             self._flush()
-            if self._out and self._can_write():  # the socket is full: finish when it has room
-                self._writing = True
+            if self._out and self.can_write():  # the socket is full: finish when it has room
+                self.writing = True
                 self._loop.add_writer(self.sock.fileno(), self._writable)
 
-    def _write_parts(self, parts: tuple, fds: tuple = ()) -> None:
+    def write_parts(self, parts: tuple, fds: Sequence[int] = ()) -> None:
         if sum(len(part) for part in parts) <= 1 << 16:  # (one message: the worker wakes once)
-            self._write(b"".join(parts), fds)
+            self.write(b"".join(parts), fds)
             return
         for i, part in enumerate(parts):
-            self._write(part, fds if i == 0 else ())
+            self.write(part, fds if i == 0 else ())
 
-    def _pause_reading(self) -> None:
+    def pause_reading(self) -> None:
         if self._reading:
             self._reading = False
             self._loop.remove_reader(self.sock.fileno())
 
-    def _resume_reading(self) -> None:
-        if not self._reading and self._can_write():
+    def resume_reading(self) -> None:
+        if not self._reading and self.can_write():
             self._reading = True
             self._loop.add_reader(self.sock.fileno(), self._readable)
 
-    def _gradient_destination(self, member: Member, header: Header, rows: bool = False) -> None:
+    def auth_key(self) -> str | None:
+        return self.peer_key
+
+    def gradient_destination(self, member: Member, header: Header, rows: bool = False) -> None:
         if not header.flags & _SHM or (header.length and not rows):
             raise MalformedFrame("over shared memory a push carries no payload but its rows: set the SHM flag")
-        self._traffic.bytes_in += member.grad.nbytes  # read in place from the worker's segment
+        assert member.grad is not None
+        self.traffic.bytes_in += member.grad.nbytes  # read in place from the worker's segment
         return None
 
-    def _gradient_buffer(self, request: InitRequest) -> np.ndarray:
+    def gradient_buffer(self, request: InitRequest) -> np.ndarray:
         if not self._fds:
             raise MalformedFrame("INIT over shared memory needs the gradient segment's descriptor")
         return map_received(self._claim_fd(), request.layout.nbytes, writable=False)
@@ -319,42 +339,45 @@ class ShmSession(ServerSession):
             os.close(self._fds.popleft())
         return fd
 
-    def frame_received(self, header: Header, payload: memoryview) -> None:
+    def frame_arrived(self, header: Header) -> None:
         if header.op == _LEAVE:  # (any other request may come while the worker reads its weights)
-            self._release_leases()
-        super().frame_received(header, payload)
+            self.release_leases()
 
-    def _send_weights(self, op: int, snap: Snapshot, clock: int, flags: int, rows: tuple = (),
-                      fds: tuple = (), narrowed: np.ndarray | None = None) -> None:
+    def send_weights(self, op: int, rid: int, snap: Snapshot, clock: int, flags: int, live: int,
+                     rows: tuple = (), fds: Sequence[int] = (), narrowed: np.ndarray | None = None,
+                     dtype: int = DType.FLOAT32) -> None:
         segment = snap.segment
-        live = self.engine.table.slot_ids()
-        dropped = [sid for sid in self._sent_slots if sid not in live]
+        slots = self._table_slots()
+        dropped = [sid for sid in self._sent_slots if sid not in slots]
         self._sent_slots.difference_update(dropped)
         fresh = segment.id not in self._sent_slots
         payload = encode_slot(segment.id, segment.nbytes, fresh, dropped) + b"".join(rows)  # (rows: a reference)
-        frame = pack_header(op, flags | _SHM, DType.FLOAT32, self._rid, clock, snap.version, len(payload),
-                            self.engine.policy.num_live) + payload
+        frame = pack_header(op, flags | _SHM, DType.FLOAT32, rid, clock, snap.version, len(payload), live) + payload
         # The frame crosses the socket; the weights are copied out of the slot.
-        self._traffic.bytes_out += HEADER_SIZE + len(payload) + segment.nbytes
+        self.traffic.bytes_out += HEADER_SIZE + len(payload) + segment.nbytes
         # The slot stays leased to this worker until the next weights reply (or its leave):
         # its descriptor stays valid while this frame waits to leave.
-        self._write(frame, ([segment.read_only_fd()] if fresh else []) + list(fds))
+        self.write(frame, ([segment.read_only_fd()] if fresh else []) + list(fds))
         self._sent_slots.add(segment.id)
         if self._lease is not snap:
-            self._release_leases()
+            self.release_leases()
         self._lease = snap
 
-    # Rows (aps.server.session_rows) -----------------------------------------------
-    def _rows_destination(self, header: Header) -> memoryview:
-        dest = super()._rows_destination(header)
-        if header.length - self._rows_at != ROWS_REF_BYTES:
+    def reply_left(self) -> None:
+        pass  # (the worker still copies out of the slot until its next request)
+
+    def release_leases(self) -> None:
+        lease, self._lease = self._lease, None
+        if lease is not None:
+            lease.release()
+
+    # Rows -----------------------------------------------------------------------------
+    def check_rows_frame(self, header: Header, rows_at: int) -> None:
+        if header.length - rows_at != ROWS_REF_BYTES:
             raise MalformedFrame(f"over shared memory a request's rows are in its rows segment: the frame carries "
-                                 f"a {ROWS_REF_BYTES}-byte rows reference, not {header.length - self._rows_at} bytes")
-        return dest
+                                 f"a {ROWS_REF_BYTES}-byte rows reference, not {header.length - rows_at} bytes")
 
-    _rows_shared = True  # (Tables.intake copies the ids, reads the gradient rows in place)
-
-    def _rows_payload(self, payload: memoryview) -> np.ndarray:
+    def rows_payload(self, payload: memoryview) -> np.ndarray:
         """The request's rows, in the worker's rows segment (mapped when its descriptor
         comes); the worker may write there again at any time (see Tables.intake)."""
         length, size, has_fd = decode_rows_ref(payload)
@@ -379,35 +402,30 @@ class ShmSession(ServerSession):
         if rows_in is None or length > len(rows_in):
             raise MalformedFrame(f"{length} bytes of rows in a segment of "
                                  f"{'none' if rows_in is None else len(rows_in)} mapped bytes")
-        self._traffic.bytes_in += length
+        self.traffic.bytes_in += length
         return rows_in[:length]
 
-    def _rows_room(self, nbytes: int) -> np.ndarray:
+    def rows_room(self, nbytes: int) -> np.ndarray:
         """Room for a reply's rows, at the start of the reply segment (made or made again)."""
         into, fresh = self._reply_room.take(nbytes)
         self._reply_fresh |= fresh
         return into
 
-    def _reply_rows(self, read: list[np.ndarray]) -> tuple[tuple, tuple[int, ...]]:
+    def reply_rows(self, read: list[np.ndarray]) -> tuple[tuple, tuple[int, ...]]:
         """A reference to the rows ``read``, which the engine gathered into the reply
         segment (or are copied there now, if it could not)."""
         total = sum(padded(rows.nbytes) for rows in read)
         segment = self._reply_room.segment
         if total and not _laid_out(read, segment):
-            into, at = self._rows_room(total), 0
+            into, at = self.rows_room(total), 0
             for rows in read:
                 into[at : at + rows.nbytes] = rows.reshape(-1).view(np.uint8)
                 at += padded(rows.nbytes)
             segment = self._reply_room.segment
         fresh, self._reply_fresh = self._reply_fresh, False
-        self._traffic.bytes_out += total
+        self.traffic.bytes_out += total
         size = segment.nbytes if segment is not None else 0
-        return (encode_rows_ref(total, size, fresh),), ((segment.read_only_fd(),) if fresh else ())
-
-    def _release_leases(self) -> None:
-        lease, self._lease = self._lease, None
-        if lease is not None:
-            lease.release()
+        return (encode_rows_ref(total, size, fresh),), ((segment.read_only_fd(),) if fresh and segment else ())
 
 
 def _laid_out(read: list[np.ndarray], segment) -> bool:

@@ -17,7 +17,7 @@ import aps
 from aps.errors import ErrorCode
 from aps.wire.protocol import DType, Op, encode_init, pack_header
 from aps.wire.segments import default_socket_path
-from aps.server.session import MAX_BAD_FRAMES, WARNINGS_PER_WINDOW
+from aps.server.connection import MAX_BAD_FRAMES, WARNINGS_PER_WINDOW
 from aps.testing.fuzzing import Target
 from aps.testing import RawClient, RawShmClient
 

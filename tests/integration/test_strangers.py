@@ -1,6 +1,6 @@
 """What a stranger may cost a server without a token (``--insecure``; on loopback, what any
 local user could do before a server made its own token): its requests get a share of the
-loop after the members' (docs/design.md, "Strangers"), INIT layout blocks in flight have one
+loop after the members' (docs/design/server.md, "Strangers"), INIT layout blocks in flight have one
 budget for all connections, and the memory strangers made the server hold goes back to the
 OS when they leave. And a server left to its defaults on loopback is not tokenless at all.
 

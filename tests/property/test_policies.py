@@ -199,7 +199,7 @@ class PolicyMachine(RuleBasedStateMachine):
             return
         self.both("pull", rank)
         self.pulled[rank] = True
-        if self.native.engine.below_quorum:  # elastic, fewer than MIN live: every pull waits
+        if self.native.engine.roster.below_quorum:  # elastic, fewer than MIN live: every pull waits
             assert self.native.workers[rank].waiting
 
     @rule(rank=ranks)
@@ -269,7 +269,7 @@ class PolicyMachine(RuleBasedStateMachine):
         if not hasattr(self, "native"):
             return
         np.testing.assert_allclose(self.native.engine.weights, self.expected, rtol=1e-5, atol=1e-5)
-        assert self.native.engine.pushes == sum(len(w.results) for w in self.native.workers)
+        assert self.native.engine.training.pushes == sum(len(w.results) for w in self.native.workers)
 
     @invariant()
     def bounds_hold(self):
@@ -291,12 +291,12 @@ class PolicyMachine(RuleBasedStateMachine):
         if not hasattr(self, "native"):
             return
         h = self.native
-        if not h.engine.started:
+        if not h.engine.roster.started:
             return
         live = [r for r in range(self.P) if h.live(r)]
         quorum = h.engine.config.quorum
-        assert h.engine.below_quorum == (len(live) < quorum and h.engine.config.elastic)
-        if h.engine.below_quorum:
+        assert h.engine.roster.below_quorum == (len(live) < quorum and h.engine.config.elastic)
+        if h.engine.roster.below_quorum:
             return  # every pull waits for MIN workers (checked in pull)
         for r in live:
             if h.workers[r].waiting:

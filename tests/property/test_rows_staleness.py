@@ -79,4 +79,4 @@ def test_rows_read_are_within_the_staleness_bound(config, schedule):
         assert not failures, failures
     assert released_with_rows >= sum(len(row) for row in history) - P  # (every pull but the last few was answered)
     assert all(sum(row) == -value for row, value in
-               zip(history, h.engine.rows["rows"].pull(np.arange(P, dtype=np.int64))[:, 0]))
+               zip(history, h.engine.model.rows["rows"].pull(np.arange(P, dtype=np.int64))[:, 0]))

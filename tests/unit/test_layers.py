@@ -1,8 +1,10 @@
-"""The package's rooms and who may import whom (docs/design.md, "Layers"): the
-import-linter contracts of pyproject.toml hold, and there is no import cycle at all."""
+"""The package's rooms and who may import whom (docs/design/index.md, "Layers"): the
+import-linter contracts of pyproject.toml hold, there is no import cycle at all (type
+annotations counted), and the server shares behaviour by holding parts, not by bases."""
 
 from __future__ import annotations
 
+import ast
 import os
 import subprocess
 import sys
@@ -80,6 +82,11 @@ def test_there_is_no_import_cycle_lazy_imports_included():
     assert _cycles(_graph()) == []
 
 
+def test_there_is_no_import_cycle_type_annotations_included():
+    """A part that names its host in an annotation depends on it: it names a Protocol instead."""
+    assert _cycles(_graph(type_checking=True)) == []
+
+
 def test_the_cycle_finder_finds_a_cycle():
     graph = grimp.ImportGraph()
     for module in ("p", "p.a", "p.b", "p.c"):
@@ -109,7 +116,32 @@ def test_the_jobs_and_the_statistics_do_not_import_the_engine_even_for_types(pac
     graph = _graph(type_checking=True)
     modules = {package} | (graph.find_descendants(package) if graph.find_children(package) else set())
     for module in modules:
-        assert "aps.server.engine" not in graph.find_modules_directly_imported_by(module), module
+        assert "aps.server.engine.engine" not in graph.find_modules_directly_imported_by(module), module
+
+
+def _server_classes() -> dict[str, tuple[str, list[str]]]:
+    """Every class of aps/server: its module and the names of its bases."""
+    classes = {}
+    for path in (ROOT / "aps" / "server").rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ClassDef):
+                classes[node.name] = (str(path.relative_to(ROOT)), [ast.unparse(b).split(".")[-1] for b in node.bases])
+    return classes
+
+
+def test_the_server_shares_behaviour_by_holding_parts_not_by_inheriting_them():
+    """A class of aps/server derives from a class of its own only where that class is a
+    Protocol or an abstract base that defines a family of kinds (the optimizers, the sync
+    policies, the lane's jobs, the request handlers): never a concrete class or a mixin."""
+    classes = _server_classes()
+
+    def abstract(name: str) -> bool:  # an ABC or a Protocol, or a family inside one (ApplyOnArrival)
+        bases = classes[name][1]
+        return bool({"ABC", "Protocol"} & set(bases)) or any(b in classes and abstract(b) for b in bases)
+
+    mixed = {f"{name} ({module}): {base}" for name, (module, bases) in classes.items()
+             for base in bases if base in classes and not abstract(base)}
+    assert mixed == set()
 
 
 def test_the_package_has_at_most_twelve_top_level_modules():

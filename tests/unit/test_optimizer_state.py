@@ -171,12 +171,12 @@ def test_a_read_waits_for_the_update_in_flight():
     pending = []
     h = Harness(workers=1, sync="asp", numel=N, momentum=0.9, offload=lambda kernel, done: pending.append((kernel,
                                                                                                            done)))
-    h.engine._lane._threshold = 0
+    h.engine.lane._threshold = 0
     h.join_all()
     member = h.workers[0].member
     h.push(0, ramp())  # its kernel runs "on the helper thread": not finished yet
     copies, done = answers()
-    h.engine.read_optimizer_state(member, done, pytest.fail)
+    h.engine.loads.read_optimizer_state(member, done, pytest.fail)
     assert not copies and len(pending) == 1
     while pending:
         kernel, finished = pending.pop(0)
@@ -197,16 +197,16 @@ def test_a_read_cancels_a_streaming_push_which_is_then_applied_whole():
     h.join_all()
     worker = h.workers[0]
     member = worker.member
-    stream = h.engine.begin_streaming_push(member, 0)
+    stream = h.engine.training.begin_streaming_push(member, 0)
     member.grad[:] = ramp()
     stream.feed(N // 2)  # half of it computed into the spare state
     copies, done = answers()
-    h.engine.read_optimizer_state(member, done, pytest.fail)
+    h.engine.loads.read_optimizer_state(member, done, pytest.fail)
     assert not stream.active and len(copies) == 1  # the lane was free: read before the push
     assert decode_state_head(copies[0].head).steps == 0 and not copies[0].arrays.any()
-    h.engine.push(member, 0, worker.results.append, worker.errors.append, stream=stream)
+    h.engine.training.push(member, 0, worker.results.append, worker.errors.append, stream=stream)
     assert h.engine.version == 1 and not worker.errors
-    np.testing.assert_array_equal(h.engine.table.optimizer.momentum_buffer, ramp())
+    np.testing.assert_array_equal(h.engine.model.table.optimizer.momentum_buffer, ramp())
 
 
 def test_readers_of_one_moment_share_one_copy():
@@ -214,10 +214,10 @@ def test_readers_of_one_moment_share_one_copy():
     h.join_all()
     copies, done = answers()
     for worker in h.workers:
-        h.engine.read_optimizer_state(worker.member, done, pytest.fail)
+        h.engine.loads.read_optimizer_state(worker.member, done, pytest.fail)
     assert copies[0] is copies[1] and copies[0].arrays.size == 2 * N
     h.push(0, ramp())
-    h.engine.read_optimizer_state(h.workers[0].member, done, pytest.fail)
+    h.engine.loads.read_optimizer_state(h.workers[0].member, done, pytest.fail)
     assert copies[2] is not copies[0] and decode_state_head(copies[2].head).steps == 1
 
 
@@ -225,7 +225,7 @@ def test_a_load_is_taken_before_the_first_update_and_never_after():
     h = Harness(workers=1, sync="asp", numel=N, momentum=0.9)
     engine = h.engine
     with pytest.raises(NotInitialized):
-        engine.check_state(load_head("sgd", 2, {"momentum_buffer": ramp()}))
+        engine.loads.check_state(load_head("sgd", 2, {"momentum_buffer": ramp()}))
     h.join_all()
     member = h.workers[0].member
     state = load_head("sgd", 2, {"momentum_buffer": ramp()})
@@ -238,46 +238,46 @@ def test_a_load_is_taken_before_the_first_update_and_never_after():
                                                                           f"has {N}"),
     ]:
         with pytest.raises(InvalidState, match=None) as info:
-            engine.check_state(wrong)
+            engine.loads.check_state(wrong)
         assert message in str(info.value)
     tampered = state._replace(digest=state_digest(3, [ramp()]))
-    engine.load_optimizer_state(member, tampered, {"momentum_buffer": [ramp()]}, done, failed)
+    engine.loads.load_optimizer_state(member, tampered, {"momentum_buffer": [ramp()]}, done, failed)
     assert "do not match the state's digest" in str(errors.pop())
-    assert engine.table.optimizer.steps == 0 and not engine.table.optimizer.momentum_buffer.any()
-    engine.load_optimizer_state(member, state, {"momentum_buffer": [ramp()[:7], ramp()[7:]]}, done, failed)
-    assert loaded == [True] and engine.table.optimizer.steps == 2 and engine.loaded_state == state.digest
-    np.testing.assert_array_equal(engine.table.optimizer.momentum_buffer, ramp())
-    engine.load_optimizer_state(member, state, {}, done, failed)  # the same again: nothing changes
+    assert engine.model.table.optimizer.steps == 0 and not engine.model.table.optimizer.momentum_buffer.any()
+    engine.loads.load_optimizer_state(member, state, {"momentum_buffer": [ramp()[:7], ramp()[7:]]}, done, failed)
+    assert loaded == [True] and engine.model.table.optimizer.steps == 2 and engine.loads.loaded_state == state.digest
+    np.testing.assert_array_equal(engine.model.table.optimizer.momentum_buffer, ramp())
+    engine.loads.load_optimizer_state(member, state, {}, done, failed)  # the same again: nothing changes
     other = load_head("sgd", 2, {"momentum_buffer": ramp(2.0)})
-    engine.load_optimizer_state(member, other, {"momentum_buffer": [ramp(2.0)]}, done, failed)
+    engine.loads.load_optimizer_state(member, other, {"momentum_buffer": [ramp(2.0)]}, done, failed)
     assert loaded == [True, False] and "another optimizer state (2 steps) was loaded" in str(errors.pop())
     h.push(0, ramp())
-    engine.load_optimizer_state(member, state, {}, done, failed)
-    engine.load_optimizer_state(member, other, {"momentum_buffer": [ramp(2.0)]}, done, failed)
+    engine.loads.load_optimizer_state(member, state, {}, done, failed)
+    engine.loads.load_optimizer_state(member, other, {"momentum_buffer": [ramp(2.0)]}, done, failed)
     assert loaded == [True, False, False]
     assert "the server has applied 1 updates: optimizer state can only be loaded into a run that has not started" \
         in str(errors.pop())
-    assert engine.table.optimizer.steps == 3 and not errors
+    assert engine.model.table.optimizer.steps == 3 and not errors
     # the loaded buffer was used by the update (steps 2: not a first step): 0.9 * ramp + ramp
-    np.testing.assert_array_equal(engine.table.optimizer.momentum_buffer, np.float32(0.9) * ramp() + ramp())
+    np.testing.assert_array_equal(engine.model.table.optimizer.momentum_buffer, np.float32(0.9) * ramp() + ramp())
 
 
 def test_a_resumed_run_knows_the_state_it_loaded():
     """The loaded state's digest is in checkpoints: after a resume, loading it again is a no-op."""
-    from tests.unit.server.test_resume import checkpoint_of
+    from tests.unit.server.engine.test_resume import checkpoint_of
 
     h = Harness(workers=1, sync="asp", numel=N, optimizer="adam", lr=1e-3)
     h.join_all()
     arrays = {"exp_avg": ramp(), "exp_avg_sq": ramp() ** 2}
     state = load_head("adam", 4, arrays)
     loaded, done = answers()
-    h.engine.load_optimizer_state(h.workers[0].member, state, {k: [v] for k, v in arrays.items()}, done, pytest.fail)
+    h.engine.loads.load_optimizer_state(h.workers[0].member, state, {k: [v] for k, v in arrays.items()}, done, pytest.fail)
     h.push(0, ramp())
     checkpoint = checkpoint_of(h)
     assert checkpoint.manifest["optimizer"]["loaded_state"] == state.digest.hex()
     resumed = Harness(workers=1, sync="asp", numel=N, optimizer="adam", lr=1e-3)
-    resumed.engine.restore(checkpoint)
-    assert resumed.engine.loaded_state == state.digest and resumed.engine.table.optimizer.steps == 5
-    assert resumed.engine.check_state(state) is True
+    resumed.engine.durability.restore(checkpoint)
+    assert resumed.engine.loads.loaded_state == state.digest and resumed.engine.model.table.optimizer.steps == 5
+    assert resumed.engine.loads.check_state(state) is True
     with pytest.raises(InvalidState, match="has applied 1 updates"):
-        resumed.engine.check_state(load_head("adam", 4, {"exp_avg": ramp(), "exp_avg_sq": ramp()}))
+        resumed.engine.loads.check_state(load_head("adam", 4, {"exp_avg": ramp(), "exp_avg_sq": ramp()}))

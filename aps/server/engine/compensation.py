@@ -60,14 +60,22 @@ def check_lambda(kind: str, lam: float) -> None:
         limit = _FLOAT32_MAX * (math.sqrt(np.float32(EPS)) if kind == "dc-adaptive" else 1.0)
         unit = 10.0 ** (math.floor(math.log10(limit)) - 5)
         largest = math.floor(limit / unit) * unit  # (said in 6 digits, rounded down)
-        what = (f"LAMBDA / sqrt(mean square + {EPS:g}) reaches {lam / math.sqrt(EPS):g} for a parameter whose "
-                "gradients have been 0," if kind == "dc-adaptive" and np.isfinite(single) else f"LAMBDA {lam:g} is")
-        raise ConfigurationError(f"--compensation {given}: {what} beyond float32 (at most {_FLOAT32_MAX:.4g}), the "
-                                 "precision the kernel computes in, and gradients would be refused as not finite: "
-                                 f"give a LAMBDA of at most {largest:.6g}")
+        what = (
+            f"LAMBDA / sqrt(mean square + {EPS:g}) reaches {lam / math.sqrt(EPS):g} for a parameter whose "
+            "gradients have been 0,"
+            if kind == "dc-adaptive" and np.isfinite(single)
+            else f"LAMBDA {lam:g} is"
+        )
+        raise ConfigurationError(
+            f"--compensation {given}: {what} beyond float32 (at most {_FLOAT32_MAX:.4g}), the "
+            "precision the kernel computes in, and gradients would be refused as not finite: "
+            f"give a LAMBDA of at most {largest:.6g}"
+        )
     if single == 0.0 and lam != 0.0:
-        raise ConfigurationError(f"--compensation {given}: LAMBDA is 0 in float32, the precision the kernel computes "
-                                 "in: give 0 (no compensation: --compensation none) or a larger value")
+        raise ConfigurationError(
+            f"--compensation {given}: LAMBDA is 0 in float32, the precision the kernel computes "
+            "in: give 0 (no compensation: --compensation none) or a larger value"
+        )
 
 
 class Compensation:
@@ -79,8 +87,11 @@ class Compensation:
         check_lambda(kind, lam)
         self.kind, self.lam, self.numel = kind, float(lam), numel
         self._kernels = kernels
-        self._code = {"dc": kernels.COMPENSATE_DC, "dc-adaptive": kernels.COMPENSATE_DC_ADAPTIVE,
-                      "gap": kernels.COMPENSATE_GAP}[kind]
+        self._code = {
+            "dc": kernels.COMPENSATE_DC,
+            "dc-adaptive": kernels.COMPENSATE_DC_ADAPTIVE,
+            "gap": kernels.COMPENSATE_GAP,
+        }[kind]
         self._scratch = np.zeros(numel, np.float32)
         self._state = [line_aligned(numel), line_aligned(numel)] if kind in STATE_NAME else None
         #: Updates the step scale has taken in (gap: its bias correction), or gradients the mean
@@ -92,8 +103,9 @@ class Compensation:
         """A job begins: nothing it writes is adopted unless it commits."""
         self._written = False
 
-    def gradient(self, grad: np.ndarray, dtype: int, w: np.ndarray, w_then: np.ndarray, start: int,
-                 stop: int) -> np.ndarray | None:
+    def gradient(
+        self, grad: np.ndarray, dtype: int, w: np.ndarray, w_then: np.ndarray, start: int, stop: int
+    ) -> np.ndarray | None:
         """The scratch vector, its ``[start, stop)`` the gradient ``grad`` (float32, or 16-bit
         words of ``dtype``) compensated for ``w_then -> w``; None when it is not finite."""
         out = self._scratch[start:stop]
@@ -106,15 +118,35 @@ class Compensation:
             state_in, state_out = self._state[0][start:stop], self._state[1][start:stop]
         corr = 1.0
         if self.kind == "gap":
-            corr = 1.0 / (1.0 - STEP_SCALE_DECAY ** self.steps) if self.steps else 0.0
+            corr = 1.0 / (1.0 - STEP_SCALE_DECAY**self.steps) if self.steps else 0.0
         if self.kind == "dc-adaptive":
             self._written = True
-        ok = self._kernels.compensate(out, source, w[start:stop], w_then[start:stop], state_out, state_in,
-                                      self._code, self.lam, MEAN_SQUARE_DECAY, EPS, corr)
+        ok = self._kernels.compensate(
+            out,
+            source,
+            w[start:stop],
+            w_then[start:stop],
+            state_out,
+            state_in,
+            self._code,
+            self.lam,
+            MEAN_SQUARE_DECAY,
+            EPS,
+            corr,
+        )
         return self._scratch if ok else None
 
-    def apply(self, optimizer, w_out: np.ndarray, w_in: np.ndarray, grad: np.ndarray, dtype: int,
-              w_then: np.ndarray, scale: float, groups=None) -> bool:
+    def apply(
+        self,
+        optimizer,
+        w_out: np.ndarray,
+        w_in: np.ndarray,
+        grad: np.ndarray,
+        dtype: int,
+        w_then: np.ndarray,
+        scale: float,
+        groups=None,
+    ) -> bool:
         """The update of ``w_in`` into ``w_out`` with ``grad`` compensated for ``w_then -> w_in``:
         block by block, the compensation then ``optimizer``'s kernel (``scale``, ``groups`` as
         :meth:`aps.server.engine.optim.Optimizer.step` takes them), then the step scale; False (nothing
@@ -123,22 +155,28 @@ class Compensation:
         for start in range(0, numel, BLOCK):
             stop = min(numel, start + BLOCK)
             compensated = self.gradient(grad, dtype, w_in, w_then, start, stop)
-            if compensated is None or not optimizer.step_slice(w_out, w_in, compensated, scale, start, stop,
-                                                               _core.FLOAT32, groups):
+            if compensated is None or not optimizer.step_slice(
+                w_out, w_in, compensated, scale, start, stop, _core.FLOAT32, groups
+            ):
                 return False
             self.stepped(w_out, w_in, start, stop)
         return True
 
     def stepped(self, w_out: np.ndarray, w_in: np.ndarray, start: int, stop: int) -> None:
         """The weights ``[start, stop)`` went from ``w_in`` to ``w_out`` (gap: the step scale follows)."""
-        if self.kind == "gap":
-            self._kernels.step_scale(self._state[1][start:stop], self._state[0][start:stop], w_out[start:stop],
-                                     w_in[start:stop], STEP_SCALE_DECAY)
+        if self.kind == "gap" and self._state is not None:
+            self._kernels.step_scale(
+                self._state[1][start:stop],
+                self._state[0][start:stop],
+                w_out[start:stop],
+                w_in[start:stop],
+                STEP_SCALE_DECAY,
+            )
             self._written = True
 
     def commit(self) -> None:
         """Adopt what the job wrote (its gradient or update was taken)."""
-        if self._written:
+        if self._written and self._state is not None:
             self._state.reverse()
             self.steps += 1
             self._written = False

@@ -19,117 +19,38 @@ gradient streams in, the lane may be *reserved* for it (see
 ``aps.server.engine.jobs.updates.StreamingPush``); any other submission cancels the
 reservation first, so a slow sender never holds up anyone else.
 
-The jobs see the engine only through the interfaces here: :class:`MemberView` (a
-worker's place: its rank, its receive buffer, its values), :class:`UpdateOwner`
-(what computing a gradient needs, and three reports back) and :class:`StateOwner`
-(what reading and loading the optimizer's state and the weights needs). So the
-jobs import the lane, never the engine, and the engine is one implementation.
+The jobs see the engine only through the owner each kind of job declares
+beside it (``aps.server.engine.jobs.updates.UpdateOwner``: what computing a
+gradient needs, and its reports back, which training implements;
+``aps.server.engine.jobs.state.StateOwner``: what reading and loading the
+optimizer's state and the weights needs, which the loads implement), and a
+worker's place through its ``Member`` record. So the jobs import the lane,
+the lane imports no job, and no job imports the engine.
 """
 
 from __future__ import annotations
 
+import functools
 import logging
+from abc import ABC, abstractmethod
 from collections import deque
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import Any, Protocol
 
-if TYPE_CHECKING:
-    from types import ModuleType
-
-    import numpy as np
-
-    from ...errors import ServerError
-    from ...wire.protocol import StateHead
-    from .jobs.state import StateCopies
-    from .jobs.updates import Aggregate
-    from .optim import HyperGroups
-    from .rows import Tables
-    from .sync import Plan, SyncPolicy
-    from .table import ParameterTable, Snapshot
-
-__all__ = [
-    "CallJob", "Job", "Kernel", "Offload", "PushAnswer", "Reservation", "MemberView", "StateOwner", "UpdateLane",
-    "UpdateOwner", "run_kernel",
-]
+__all__ = ["CallJob", "Job", "Kernel", "Offload", "Reservation", "UpdateLane", "run_kernel"]
 
 log = logging.getLogger("aps.server")
 
 #: A kernel: computes into memory set aside by ``prepare``; False means refused.
-Kernel = Callable[[], bool]
+Kernel = Callable[[], Any]
 #: ``offload(kernel, done)``: runs ``kernel`` off the loop and calls ``done(result)`` back on it.
 Offload = Callable[[Kernel, Callable[[object], None]], None]
-#: The engine's answer to a committed gradient (its ``PushResult``): a job hands it to its
-#: callback unread.
-PushAnswer = Any
 
 
-class MemberView(Protocol):
-    """What a job reads of a worker's seat at the server (the engine's ``Member``)."""
-
-    rank: int
-    grad: np.ndarray
-    grad_dtype: int
-    hyper: HyperGroups | None
-    connected: bool
-
-    def gradient(self) -> np.ndarray:
-        """The received gradient, in the element type it came in."""
-
-
-class UpdateOwner(Protocol):
-    """What a job computing a gradient may see of the engine."""
-
-    table: ParameterTable
-    policy: SyncPolicy
-    aggregate: Aggregate | None
-    kernels: ModuleType
-    rows: Tables  # the model's embedding tables
-
-    def gradient_committed(self, member: MemberView, plan: Plan, arrived: float,
-                           hyper: HyperGroups | None = None) -> PushAnswer:
-        """The gradient was applied, accumulated or dropped: count it, release whom it releases.
-        ``hyper``: the values the push came with (an aggregate update it closes uses them)."""
-
-    def weights_pushed_on(self, member: MemberView, version: int) -> Snapshot | None:
-        """A lease on the weights of ``version`` ``member`` was given (delay compensation), or None."""
-
-    def gradient_compensated(self, member: MemberView, version: int, compensated: bool) -> None:
-        """With delay compensation: ``member``'s gradient (computed on ``version``) was taken,
-        compensated or (the weights of ``version`` not kept) not."""
-
-    def gradient_refused(self, rank: int, reason: object) -> ServerError:
-        """The kernel refused the gradient (``reason``: False, or the exception it
-        raised): count it; returns the error for the worker."""
-
-    def aggregate_committed(self, applied: bool) -> None:
-        """An aggregate update finished (``applied``: it was published)."""
-
-
-class StateOwner(Protocol):
-    """What the jobs reading and loading the optimizer's state and the weights may see of the engine."""
-
-    table: ParameterTable
-    kernels: ModuleType
-    state_copies: StateCopies
-    state_generation: int
-
-    def check_state(self, head: StateHead) -> bool:
-        """Whether the state ``head`` describes may be loaded (False: the same one is loaded
-        already); raises the error for the worker otherwise."""
-
-    def state_loaded(self, head: StateHead) -> None:
-        """The state ``head`` describes was loaded."""
-
-    def check_weights(self, digest: bytes, numel: int, version: int) -> bool:
-        """Whether these weights may be loaded (False: the same are loaded already); raises
-        the error for the worker otherwise."""
-
-    def weights_loaded(self, digest: bytes, slot: Any) -> None:
-        """The weights were written into ``slot``: publish them."""
-
-
-class Job:
-    """One entry of the update lane (see the module docstring)."""
+class Job(ABC):
+    """One entry of the update lane (see the module docstring): the family of the lane's
+    kinds of work (a call, a gradient, an aggregate update, a state copy or load, a
+    checkpoint's capture)."""
 
     __slots__ = ()
 
@@ -137,16 +58,16 @@ class Job:
         """Plan the work; returns its size in elements, or None when there is no kernel."""
         return None
 
-    def run(self) -> bool:
+    def run(self) -> object:
         """The kernel: touches only the arrays ``prepare`` chose. False: refused."""
         return True
 
+    @abstractmethod
     def commit(self, result: object) -> None:
         """Adopt or discard what ``run`` computed: ``result`` is its return value,
         or the exception it raised."""
-        raise NotImplementedError
 
-    def fail(self, exc: BaseException) -> None:
+    def fail(self, exc: BaseException) -> None:  # noqa: B027  (a hook: a job that claims nothing gives nothing back)
         """``prepare`` or ``commit`` raised ``exc``: give back what was claimed, answer the waiters."""
 
 
@@ -242,7 +163,7 @@ class UpdateLane:
                         job.commit(True)
                     elif self._offload is not None and size >= self._threshold:
                         self._busy = True
-                        self._offload(job.run, lambda result, job=job: self._finished(job, result))
+                        self._offload(job.run, functools.partial(self._finished, job))
                     else:
                         job.commit(run_kernel(job.run))
                 except Exception as exc:  # one job's failure must not stall the others
@@ -262,8 +183,7 @@ class UpdateLane:
 
     @staticmethod
     def _fail(job: Job, exc: Exception) -> None:
-        log.error("%s failed in the update lane: %s: %s", type(job).__name__, type(exc).__name__, exc,
-                  exc_info=exc)
+        log.error("%s failed in the update lane: %s: %s", type(job).__name__, type(exc).__name__, exc, exc_info=exc)
         try:
             job.fail(exc)
         except Exception:  # its failure path failed too: what is left of it is lost, the lane goes on

@@ -1,6 +1,8 @@
 """A worker's place at the server: :class:`Member` (held by its connection while it is
 joined), :class:`Seat` (what the server remembers of a rank across connections and
-checkpoints) and :class:`PushResult` (the answer to an accepted push)."""
+checkpoints), :class:`PushResult` (the answer to an accepted push) and :class:`Roster`
+(every member and seat, and whether training goes: the record the engine's parts share,
+which membership writes and training reads)."""
 
 from __future__ import annotations
 
@@ -14,12 +16,15 @@ from ... import _core
 from .optim import HyperGroups
 
 if TYPE_CHECKING:
-    from .table import Snapshot  # noqa: F401  (in ReadyCallback's string)
+    from ...errors import ServerError
+    from .table import Snapshot
 
-__all__ = ["Member", "PushResult", "ReadyCallback", "Seat"]
+__all__ = ["ErrorCallback", "Member", "PushResult", "ReadyCallback", "Roster", "Seat"]
 
 #: ``on_ready(snapshot, clock)``: the worker is released; send it these weights.
 ReadyCallback = Callable[["Snapshot", int], None]
+#: ``on_error(error)``: the request is refused (nothing changed), with the error for the worker.
+ErrorCallback = Callable[["ServerError"], None]
 
 
 @dataclass(slots=True)
@@ -72,8 +77,9 @@ class Seat:
             "credit": self.credit,
             "push_id": self.push_id,
             "push_clock": self.push_clock,
-            "push_result": None if result is None else [result.version, result.clock, result.dropped,
-                                                        result.staleness, result.scale],
+            "push_result": None
+            if result is None
+            else [result.version, result.clock, result.dropped, result.staleness, result.scale],
         }
 
     @classmethod
@@ -102,9 +108,29 @@ class Member:
     """
 
     __slots__ = (
-        "rank", "grad", "grad_bytes", "grad16", "grad16_bytes", "grad_dtype", "connected", "joined", "joined_running",
-        "waiter", "gate", "waiting_since", "required_version", "rejoin", "rejoin_clock", "push_id", "push_clock", "hyper",
-        "rows_wanted", "rows_out", "rows_room", "pulled", "dense_wanted",
+        "rank",
+        "grad",
+        "grad_bytes",
+        "grad16",
+        "grad16_bytes",
+        "grad_dtype",
+        "connected",
+        "joined",
+        "joined_running",
+        "waiter",
+        "gate",
+        "waiting_since",
+        "required_version",
+        "rejoin",
+        "rejoin_clock",
+        "push_id",
+        "push_clock",
+        "hyper",
+        "rows_wanted",
+        "rows_out",
+        "rows_room",
+        "pulled",
+        "dense_wanted",
     )
 
     def __init__(self, rank: int) -> None:
@@ -127,19 +153,20 @@ class Member:
         self.push_clock: int | None = None
         self.hyper: HyperGroups | None = None
         #: The rows its pull asks for (sections of ids, aps.wire.rows), read when it is
-        #: served (rows_out: one array of rows a section), for its reply to carry.
+        #: served (rows_out: one array of rows a section, or why reading them failed), for its
+        #: reply to carry.
         self.rows_wanted: list | None = None
-        self.rows_out: list | None = None
+        self.rows_out: list | Exception | None = None
         #: Where its connection wants a reply's rows gathered (shared memory: the reply
         #: segment; a callable giving ``nbytes`` of room), or None (new arrays).
         self.rows_room: Callable[[int], np.ndarray] | None = None
         #: With delay compensation: a lease on the weights it was last given (its next
         #: gradient is computed on them), or None (docs/algorithms.md, "Delay compensation").
-        self.pulled = None
+        self.pulled: Snapshot | None = None
         #: Its pending reply carries the dense weights (False: rows alone).
         self.dense_wanted = True
 
-    def keep_pulled(self, snapshot) -> None:
+    def keep_pulled(self, snapshot: Snapshot | None) -> None:
         """Hold ``snapshot`` (a lease; None: none) as the weights it was last given."""
         if self.pulled is not None:
             self.pulled.release()
@@ -149,14 +176,50 @@ class Member:
         """Where the next push's payload goes: ``grad``, or (for a compressed push,
         ``dtype`` BFLOAT16 or FLOAT16) ``grad16``, made the first time."""
         self.grad_dtype = dtype
+        grad_bytes, grad16_bytes = self.grad_bytes, self.grad16_bytes
+        assert self.grad is not None and grad_bytes is not None, "a member receives pushes once joined"
         if dtype == _core.FLOAT32:
-            return self.grad_bytes
-        if self.grad16 is None:
+            return grad_bytes
+        if grad16_bytes is None:
             self.grad16 = np.zeros(len(self.grad), np.uint16)
-            self.grad16_bytes = memoryview(self.grad16).cast("B")
-        return self.grad16_bytes
+            grad16_bytes = self.grad16_bytes = memoryview(self.grad16).cast("B")  # type: ignore[arg-type]  # numpy arrays are buffers; its stubs do not say so
+        return grad16_bytes
 
     @property
     def gradient(self) -> np.ndarray:
         """The push received last, as its kernel takes it (see :attr:`grad_dtype`)."""
-        return self.grad if self.grad_dtype == _core.FLOAT32 else self.grad16
+        gradient = self.grad if self.grad_dtype == _core.FLOAT32 else self.grad16
+        assert gradient is not None, "a member's gradient is read once it pushed"
+        return gradient
+
+
+class Roster:
+    """Who is at the server: the members by rank (live connections), the seats by rank
+    (what is remembered of every rank that was ever seated), and whether training goes.
+
+    The engine's parts share it: membership (:mod:`aps.server.engine.membership`) is the
+    only one that seats and unseats, training (:mod:`aps.server.engine.training`) reads it
+    to release workers and records each rank's last push in its seat, durability keeps the
+    seats in checkpoints. A record, not a rule: its one method makes a seat.
+    """
+
+    __slots__ = ("members", "seats", "started", "below_quorum", "draining")
+
+    def __init__(self) -> None:
+        #: The joined (or joining) workers, by rank: each held by its connection.
+        self.members: dict[int, Member] = {}
+        #: What is remembered of each rank across its connections and checkpoints.
+        self.seats: dict[int, Seat] = {}
+        #: Training has started: the workers it waited for have joined.
+        self.started = False
+        #: Training holds: an elastic run has fewer than MIN live workers.
+        self.below_quorum = False
+        #: A worker left saying its training is done: the run is ending, MIN holds nobody.
+        self.draining = False
+
+    def seat(self, rank: int) -> Seat:
+        """The seat of ``rank``, made when it has none."""
+        seat = self.seats.get(rank)
+        if seat is None:
+            seat = self.seats[rank] = Seat()
+        return seat

@@ -54,14 +54,16 @@ class TableMemory:
         """What the start's log line says of it."""
         if not self.limit:
             return "table memory unlimited (--table-memory 0)"
-        if self.default:
-            return (f"table memory up to {_size(self.limit)} (half the {_size(self.available)} available at "
-                    "start; --table-memory sets it)")
+        if self.available is not None:  # (the default)
+            return (
+                f"table memory up to {_size(self.limit)} (half the {_size(self.available)} available at "
+                "start; --table-memory sets it)"
+            )
         return f"table memory up to {_size(self.limit)} (--table-memory)"
 
     def source(self) -> str:
         """Where the limit came from, for a refused push's error."""
-        if self.default:
+        if self.available is not None:  # (the default)
             return f"the default: half the {_size(self.available)} available when the server started"
         return "as given"
 
@@ -100,8 +102,8 @@ def _cgroup_room(listing: str | None = None, root: Path = _CGROUP) -> int | None
         elif "memory" in controllers.split(","):
             for where in (root / "memory" / path.lstrip("/"), root / "memory"):
                 rooms.append(_room(where / "memory.limit_in_bytes", where / "memory.usage_in_bytes"))
-    rooms = [room for room in rooms if room is not None]
-    return min(rooms) if rooms else None
+    found = [room for room in rooms if room is not None]
+    return min(found) if found else None
 
 
 def _room(limit_file: Path, usage_file: Path) -> int | None:

@@ -32,9 +32,10 @@ import concurrent.futures
 import functools
 import math
 import os
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from abc import ABC, abstractmethod
+from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
 from types import ModuleType
-from typing import Any
+from typing import cast
 
 import numpy as np
 
@@ -44,8 +45,20 @@ from ...errors import ConfigurationError, InvalidHyperparameters
 from ...layout import line_aligned
 from ...wire.protocol import MAX_HYPER_GROUPS, HyperGroup, check_stops
 
-__all__ = ["SGD", "Adam", "AdamW", "HyperGroups", "KernelThreads", "Optimizer", "OPTIMIZERS", "check_kernel_values",
-           "default_kernel_threads", "float32_problem", "make_optimizer"]
+__all__ = [
+    "SGD",
+    "Adam",
+    "AdamRule",
+    "AdamW",
+    "HyperGroups",
+    "KernelThreads",
+    "Optimizer",
+    "OPTIMIZERS",
+    "check_kernel_values",
+    "default_kernel_threads",
+    "float32_problem",
+    "make_optimizer",
+]
 
 
 _FLOAT32_MAX = float(np.finfo(np.float32).max)
@@ -65,13 +78,22 @@ def float32_problem(value: float) -> str | None:
     if not np.isfinite(single):
         return f"is {value:g}, beyond float32 (at most {_FLOAT32_MAX:.4g}), the precision the update kernels compute in"
     if single == 0.0 and value != 0.0:
-        return (f"is {value:g}, which is 0 in float32 (the precision the update kernels compute in; the smallest "
-                f"it holds is {float(np.finfo(np.float32).smallest_subnormal):.2g}): give 0 or a larger value")
+        return (
+            f"is {value:g}, which is 0 in float32 (the precision the update kernels compute in; the smallest "
+            f"it holds is {float(np.finfo(np.float32).smallest_subnormal):.2g}): give 0 or a larger value"
+        )
     return None
 
 
-def check_kernel_values(name: str, *, lr: float, momentum: float = 0.0, weight_decay: float = 0.0,
-                        betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8) -> None:
+def check_kernel_values(
+    name: str,
+    *,
+    lr: float,
+    momentum: float = 0.0,
+    weight_decay: float = 0.0,
+    betas: tuple[float, float] = (0.9, 0.999),
+    eps: float = 1e-8,
+) -> None:
     """Refuse, with ConfigurationError, an optimizer's values the update kernels cannot compute
     with (a run that would refuse every gradient as not finite): each value as the kernels take
     it, in float32, and what they derive from them before the first update (Adam's step size
@@ -89,8 +111,9 @@ def check_kernel_values(name: str, *, lr: float, momentum: float = 0.0, weight_d
             raise ConfigurationError(f"{flag} {problem}")
     problem = _derived_problem(name, lr, float(betas[0]), weight_decay)
     if problem is not None:
-        raise ConfigurationError(f"--lr {lr:g}, --betas {betas[0]:g},{betas[1]:g}, --weight-decay {weight_decay:g}: "
-                                 f"{problem}")
+        raise ConfigurationError(
+            f"--lr {lr:g}, --betas {betas[0]:g},{betas[1]:g}, --weight-decay {weight_decay:g}: {problem}"
+        )
 
 
 def _derived_problem(name: str, lr: float, beta1: float, weight_decay: float) -> str | None:
@@ -99,11 +122,15 @@ def _derived_problem(name: str, lr: float, beta1: float, weight_decay: float) ->
         return None
     with np.errstate(over="ignore"):
         if lr and 0.0 <= beta1 < 1.0 and not np.isfinite(np.float32(lr / (1.0 - beta1))):
-            return (f"{name}'s first step size lr / (1 - beta1) = {lr / (1.0 - beta1):g} is beyond float32 (at most "
-                    f"{_FLOAT32_MAX:.4g}), the precision the update kernels compute in: lower lr or beta1")
+            return (
+                f"{name}'s first step size lr / (1 - beta1) = {lr / (1.0 - beta1):g} is beyond float32 (at most "
+                f"{_FLOAT32_MAX:.4g}), the precision the update kernels compute in: lower lr or beta1"
+            )
         if name == "adamw" and not np.isfinite(np.float32(1.0 - lr * weight_decay)):
-            return (f"adamw's decay factor 1 - lr * weight_decay = {1.0 - lr * weight_decay:g} is beyond float32 (at "
-                    f"most {_FLOAT32_MAX:.4g}), the precision the update kernels compute in")
+            return (
+                f"adamw's decay factor 1 - lr * weight_decay = {1.0 - lr * weight_decay:g} is beyond float32 (at "
+                f"most {_FLOAT32_MAX:.4g}), the precision the update kernels compute in"
+            )
     return None
 
 
@@ -132,8 +159,9 @@ class KernelThreads:
         if count < 1:
             raise ConfigurationError(f"kernel threads must be >= 1, got {count}")
         self.count = count
-        self._pool = (concurrent.futures.ThreadPoolExecutor(count - 1, thread_name_prefix="aps-kernel")
-                      if count > 1 else None)
+        self._pool = (
+            concurrent.futures.ThreadPoolExecutor(count - 1, thread_name_prefix="aps-kernel") if count > 1 else None
+        )
 
     def run(self, kernel: Callable[[int, int], bool], start: int, stop: int) -> bool:
         """``kernel(lo, hi)`` over parts of ``[start, stop)``; True when every part returned True.
@@ -192,8 +220,8 @@ class HyperGroups:
         return len(self.groups)
 
 
-class Optimizer:
-    """Base class: an update rule with its (double-buffered) state for ``numel`` floats."""
+class Optimizer(ABC):
+    """The family of update rules, each with its (double-buffered) state for ``numel`` floats."""
 
     name = "optimizer"
     #: The names of :meth:`state_arrays`, in order (SGD has none without momentum).
@@ -210,16 +238,32 @@ class Optimizer:
         #: The threads a large step runs on (the server sets its --kernel-threads).
         self.threads = ONE_THREAD
 
-    def step(self, w_out: np.ndarray, w_in: np.ndarray, grad: np.ndarray, scale: float = 1.0,
-             grad_dtype: int = _core.FLOAT32, groups: HyperGroups | None = None) -> bool:
+    def step(
+        self,
+        w_out: np.ndarray,
+        w_in: np.ndarray,
+        grad: np.ndarray,
+        scale: float = 1.0,
+        grad_dtype: int = _core.FLOAT32,
+        groups: HyperGroups | None = None,
+    ) -> bool:
         """Write ``w_in`` updated with ``scale * grad`` into ``w_out`` and the next state
         into the spare; False (nothing to commit) when anything is not finite. ``grad``
         is float32, or 16-bit words of ``grad_dtype`` (a compressed push). ``groups``:
         the values of each range (a worker's HYPER); None: this optimizer's own."""
         return self.step_slice(w_out, w_in, grad, scale, 0, self.numel, grad_dtype, groups)
 
-    def step_slice(self, w_out, w_in, grad, scale: float, start: int, stop: int,
-                   grad_dtype: int = _core.FLOAT32, groups: HyperGroups | None = None) -> bool:
+    def step_slice(
+        self,
+        w_out,
+        w_in,
+        grad,
+        scale: float,
+        start: int,
+        stop: int,
+        grad_dtype: int = _core.FLOAT32,
+        groups: HyperGroups | None = None,
+    ) -> bool:
         """The part ``[start, stop)`` of :meth:`step` (for a gradient still arriving): one
         kernel call per group range it covers (cut further across :attr:`threads`)."""
         ranges = [(start, stop, self.defaults)] if groups is None else groups.ranges(start, stop)
@@ -232,10 +276,11 @@ class Optimizer:
     def _range_kernel(self, w_out, w_in, grad, scale, grad_dtype, values, start: int, stop: int) -> bool:
         return self._step_range(w_out, w_in, grad, scale, start, stop, grad_dtype, values)
 
-    def _step_range(self, w_out, w_in, grad, scale: float, start: int, stop: int, grad_dtype: int,
-                    values: HyperGroup) -> bool:
+    @abstractmethod
+    def _step_range(
+        self, w_out, w_in, grad, scale: float, start: int, stop: int, grad_dtype: int, values: HyperGroup
+    ) -> bool:
         """The kernel on ``[start, stop)`` with ``values`` (lr, weight decay, momentum, dampening)."""
-        raise NotImplementedError
 
     @functools.cached_property
     def defaults(self) -> HyperGroup:
@@ -255,18 +300,19 @@ class Optimizer:
         """
         if not 1 <= len(groups) <= MAX_HYPER_GROUPS:
             raise InvalidHyperparameters(f"{len(groups)} groups; from 1 to {MAX_HYPER_GROUPS} are accepted")
-        check_stops(groups, self.numel)
+        check_stops(list(groups), self.numel)
         for index, group in enumerate(groups):
             for name, value in zip(self.value_names, group[1:]):
                 if not math.isfinite(value) or abs(value) > _FLOAT32_MAX:  # the kernels take float32 values
-                    raise InvalidHyperparameters(f"group {index}: {name} is {value}; it must be finite in float32 "
-                                                 f"(at most {_FLOAT32_MAX:.4g})")
+                    raise InvalidHyperparameters(
+                        f"group {index}: {name} is {value}; it must be finite in float32 (at most {_FLOAT32_MAX:.4g})"
+                    )
                 if value < 0.0:
                     raise InvalidHyperparameters(f"group {index}: {name} is {value}; it must be >= 0")
             self._check_group(index, group)
         return HyperGroups(groups)
 
-    def _check_group(self, index: int, group: HyperGroup) -> None:
+    def _check_group(self, index: int, group: HyperGroup) -> None:  # noqa: B027  (a hook: SGD checks nothing more)
         """Refuse values this optimizer cannot take (finite and >= 0 is checked already)."""
 
     def commit(self) -> None:
@@ -303,12 +349,14 @@ class Optimizer:
             raise ValueError(f"the {self.name} state holds {sorted(own)}, got {sorted(arrays)}")
         pieces = {}
         for name, value in arrays.items():
-            parts = list(value) if isinstance(value, (list, tuple)) else [value]
+            parts = list(value) if isinstance(value, (list, tuple)) else [cast(np.ndarray, value)]
             if len(parts) == 1 and parts[0].shape != own[name].shape:
                 raise ValueError(f"{name} has shape {parts[0].shape}, the model needs {own[name].shape}")
             if any(part.ndim != 1 for part in parts) or sum(part.size for part in parts) != own[name].size:
-                raise ValueError(f"{name} has {sum(part.size for part in parts)} elements in pieces, the model "
-                                 f"needs {own[name].size}")
+                raise ValueError(
+                    f"{name} has {sum(part.size for part in parts)} elements in pieces, the model "
+                    f"needs {own[name].size}"
+                )
             pieces[name] = parts
         for name, parts in pieces.items():
             offset = 0
@@ -338,12 +386,12 @@ class Optimizer:
                 offset += part.size
         return None
 
-    def loadable_state(self, arrays: Mapping[str, Any]) -> Mapping[str, np.ndarray]:
-        """The arrays a state to load (``arrays``, by name) must have, names and sizes:
+    def loadable_state(self, arrays: Collection[str]) -> Mapping[str, np.ndarray]:
+        """The arrays a state to load (``arrays``: their names) must have, names and sizes:
         :meth:`state_arrays`, or what the optimizer takes up although it holds none yet."""
         return self.state_arrays()
 
-    def allocate_for(self, groups: HyperGroups) -> None:
+    def allocate_for(self, groups: HyperGroups) -> None:  # noqa: B027  (a hook: only SGD's momentum is made late)
         """Make the state that ``groups`` (checked by :meth:`check_groups`) need and this
         optimizer does not hold yet; raises MemoryError, changing nothing, if it cannot."""
 
@@ -394,7 +442,8 @@ class SGD(Optimizer):
         if self.nesterov and (group.momentum <= 0.0 or group.dampening != 0.0):
             raise InvalidHyperparameters(
                 f"group {index}: momentum {group.momentum}, dampening {group.dampening}: this server runs Nesterov "
-                "momentum (--nesterov), which needs a momentum > 0 and zero dampening")
+                "momentum (--nesterov), which needs a momentum > 0 and zero dampening"
+            )
 
     def allocate_for(self, groups: HyperGroups) -> None:
         """A worker asks for momentum (``torch.optim.SGD(..., momentum=0.9)``) from a server
@@ -455,8 +504,13 @@ class SGD(Optimizer):
         super().commit()
 
     def hyperparameters(self) -> dict:
-        return {"lr": self.lr, "momentum": self.momentum, "dampening": self.dampening,
-                "weight_decay": self.weight_decay, "nesterov": self.nesterov}
+        return {
+            "lr": self.lr,
+            "momentum": self.momentum,
+            "dampening": self.dampening,
+            "weight_decay": self.weight_decay,
+            "nesterov": self.nesterov,
+        }
 
     def state_arrays(self) -> dict[str, np.ndarray]:
         return {} if self._buffers is None else {"momentum_buffer": self._buffers[0]}
@@ -466,9 +520,11 @@ class SGD(Optimizer):
         if problem is None and steps == 0 and any(np.any(part) for part in arrays.get("momentum_buffer", ())):
             # The first update starts the buffer from the gradient (as torch.optim.SGD without
             # a buffer does): a buffer loaded with it would be ignored, not used.
-            return ("steps is 0 but the momentum buffer is not zero: before its first update sgd has no "
-                    "momentum buffer (the first update starts it from the gradient); give the steps the "
-                    "buffer was built over")
+            return (
+                "steps is 0 but the momentum buffer is not zero: before its first update sgd has no "
+                "momentum buffer (the first update starts it from the gradient); give the steps the "
+                "buffer was built over"
+            )
         return problem
 
     def describe(self) -> str:
@@ -480,13 +536,17 @@ class SGD(Optimizer):
         return f"sgd lr={self.lr:g}" + "".join(" " + e for e in extra)
 
 
-class Adam(Optimizer):
-    """Adam, computed as ``torch.optim.Adam`` computes it (weight decay added to the gradient)."""
+class AdamRule(Optimizer):
+    """The family of Adam's update, as ``torch.optim.Adam`` and ``AdamW`` compute it: the
+    two kinds differ in where the weight decay goes (:attr:`decoupled`) and its default."""
 
-    name = "adam"
     state_names = OPTIMIZER_STATE["adam"]
-    decoupled = False
     value_names = ("lr", "weight_decay", "beta1", "beta2")
+
+    @property
+    @abstractmethod
+    def decoupled(self) -> bool:
+        """The weight decay is applied to the weights (AdamW), not added to the gradient (Adam)."""
 
     def __init__(
         self,
@@ -527,8 +587,10 @@ class Adam(Optimizer):
                 raise InvalidHyperparameters(f"group {index}: {name} is {beta}; it must be in [0, 1)")
         problem = _derived_problem(self.name, group.lr, group.momentum, group.weight_decay)
         if problem is not None:
-            raise InvalidHyperparameters(f"group {index}: lr {group.lr:g}, beta1 {group.momentum:g}, weight decay "
-                                         f"{group.weight_decay:g}: {problem}")
+            raise InvalidHyperparameters(
+                f"group {index}: lr {group.lr:g}, beta1 {group.momentum:g}, weight decay "
+                f"{group.weight_decay:g}: {problem}"
+            )
 
     def _step_range(self, w_out, w_in, grad, scale, start, stop, grad_dtype, values):
         # A group's momentum and dampening carry Adam's beta1 and beta2.
@@ -567,13 +629,28 @@ class Adam(Optimizer):
         return text + (f" weight_decay={self.weight_decay:g}" if self.weight_decay else "")
 
 
-class AdamW(Adam):
+class Adam(AdamRule):
+    """Adam, computed as ``torch.optim.Adam`` computes it (weight decay added to the gradient)."""
+
+    name = "adam"
+    decoupled = False
+
+
+class AdamW(AdamRule):
     """AdamW: Adam with decoupled weight decay, as ``torch.optim.AdamW``."""
 
     name = "adamw"
     decoupled = True
 
-    def __init__(self, numel, lr, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.01, kernels=_core):
+    def __init__(
+        self,
+        numel: int,
+        lr: float,
+        betas: tuple[float, float] = (0.9, 0.999),
+        eps: float = 1e-8,
+        weight_decay: float = 0.01,
+        kernels: ModuleType = _core,
+    ) -> None:
         super().__init__(numel, lr, betas, eps, weight_decay, kernels)
 
 
@@ -602,7 +679,8 @@ def make_optimizer(
         optimizer = SGD(numel, lr, momentum=momentum, weight_decay=weight_decay, nesterov=nesterov, kernels=kernels)
     elif name in ("adam", "adamw"):
         _require(momentum == 0.0 and not nesterov, f"--momentum/--nesterov apply to sgd, not {name}")
-        optimizer = OPTIMIZERS[name](numel, lr, betas=betas, eps=eps, weight_decay=weight_decay, kernels=kernels)
+        rule = Adam if name == "adam" else AdamW
+        optimizer = rule(numel, lr, betas=betas, eps=eps, weight_decay=weight_decay, kernels=kernels)
     else:
         raise ConfigurationError(f"unknown optimizer {name!r}: choose from {', '.join(OPTIMIZERS)}")
     optimizer.threads = threads

@@ -1,5 +1,5 @@
 """The embedding tables a server holds: rows made by their first push, found by id,
-trained by a row-wise optimizer (docs/design.md, "Embedding tables").
+trained by a row-wise optimizer (docs/design/engine.md, "Embedding tables").
 
 One :class:`RowTable` per table: an index from id to row (:class:`aps._core.RowIndex`:
 open addressing over int64 keys, at most half full, 16 bytes a bucket) and a slab, one
@@ -88,8 +88,9 @@ class RowTable:
         if out is None:
             out = np.empty((len(ids), self.table.dim), np.float32)
         elif out.dtype != np.float32 or out.shape != (len(ids), self.table.dim) or not out.flags.c_contiguous:
-            raise InvalidIds(f"table {self.name!r}: out must be C-contiguous float32 of shape "
-                             f"({len(ids)}, {self.table.dim})")
+            raise InvalidIds(
+                f"table {self.name!r}: out must be C-contiguous float32 of shape ({len(ids)}, {self.table.dim})"
+            )
         rows = np.empty(len(ids), np.int64)
         missing = self.index.lookup(ids, rows, add=False)
         kernels = self._kernels
@@ -156,7 +157,7 @@ class RowTable:
             kernels.rows_gather(compact, self._rows, source)
             for key, slab in self._state.items():
                 kernels.rows_gather(state[key], slab, source)
-            if new:
+            if new and added is not None:
                 fresh = rows >= held
                 initial = np.empty((new, table.dim), np.float32)
                 kernels.rows_init(initial, added[rows[fresh] - held], self._seed, *self._init)
@@ -169,14 +170,25 @@ class RowTable:
             summed = np.zeros_like(compact)
             kernels.rows_coalesce(summed, where, grads)
             if table.optimizer == "adam":
-                ok = kernels.rows_adam(compact, state["exp_avg"], state["exp_avg_sq"], summed, self.steps + 1,
-                                       table.lr, table.betas[0], table.betas[1], table.eps)
+                ok = kernels.rows_adam(
+                    compact,
+                    state["exp_avg"],
+                    state["exp_avg_sq"],
+                    summed,
+                    self.steps + 1,
+                    table.lr,
+                    table.betas[0],
+                    table.betas[1],
+                    table.eps,
+                )
             else:
-                ok = kernels.rows_adagrad(compact, state["sum"].reshape(-1), summed, table.lr, table.eps,
-                                          table.optimizer == "rowwise_adagrad")
+                ok = kernels.rows_adagrad(
+                    compact, state["sum"].reshape(-1), summed, table.lr, table.eps, table.optimizer == "rowwise_adagrad"
+                )
         if not ok:
-            raise NonFiniteGradient(f"table {self.name!r}: the update would make a weight or its optimizer state "
-                                    "infinite; nothing changed")
+            raise NonFiniteGradient(
+                f"table {self.name!r}: the update would make a weight or its optimizer state infinite; nothing changed"
+            )
         return _Staged(rows, compact, state, len(ids), added, index)
 
     def commit(self, staged: _Staged | None) -> None:
@@ -196,7 +208,7 @@ class RowTable:
         for key, slab in self._state.items():
             kernels.rows_scatter(slab, staged.state[key], staged.rows)
         self.steps += 1
-        self.rows_pushed += staged.count
+        self.rows_pushed += staged.pushed
 
     # Checkpoints ------------------------------------------------------------
     def arrays(self) -> dict[str, np.ndarray]:
@@ -208,8 +220,9 @@ class RowTable:
         return out
 
     @classmethod
-    def restored(cls, name: str, table: Table, arrays: dict[str, np.ndarray], steps: int,
-                 kernels: Any = _core) -> RowTable:
+    def restored(
+        cls, name: str, table: Table, arrays: dict[str, np.ndarray], steps: int, kernels: Any = _core
+    ) -> RowTable:
         """The table a checkpoint's :meth:`arrays` describe, exactly."""
         ids = np.ascontiguousarray(arrays["ids"], dtype=np.int64)
         expected = {"ids", "rows", *table.state_per_row()}
@@ -314,8 +327,9 @@ class Tables(dict):
     and push them as one transaction; and the rows of an open BSP/softsync round, kept
     until its aggregate update applies them, summed by id, once."""
 
-    def __init__(self, *args: Any, limit: int = 0, memory: TableMemory | None = None, max_reply: int = 4 << 30,
-                 **kwargs: Any) -> None:
+    def __init__(
+        self, *args: Any, limit: int = 0, memory: TableMemory | None = None, max_reply: int = 4 << 30, **kwargs: Any
+    ) -> None:
         super().__init__(*args, **kwargs)
         #: The most bytes of rows one reply may carry (a frame's limit).
         self.max_reply = max_reply
@@ -349,8 +363,7 @@ class Tables(dict):
         """The bytes the rows held take as the limit counts them (:attr:`RowTable.row_cost`)."""
         return sum(len(rows) * rows.row_cost for rows in self.values())
 
-    def intake(self, payload: Any, push: bool, pull: bool, fit: bool = True,
-               shared: bool = False) -> tuple[list, list]:
+    def intake(self, payload: Any, push: bool, pull: bool, fit: bool = True, shared: bool = False) -> tuple[list, list]:
         """A request's rows (aps.wire.rows: the sections it pushes and pulls), decoded and
         checked (:meth:`check`). ``shared``: ``payload`` lies in memory its sender may write
         again at any time (a shared-memory worker's rows segment): the ids are copied, so
@@ -372,16 +385,17 @@ class Tables(dict):
             rows = tables[table]
             rows.table.check_ids(rows.name, ids)
             if not rows._kernels.all_finite(values.reshape(-1)):
-                raise NonFiniteGradient(f"table {rows.name!r}: the gradient rows hold NaN or infinity; "
-                                        "nothing changed")
+                raise NonFiniteGradient(f"table {rows.name!r}: the gradient rows hold NaN or infinity; nothing changed")
         reply = 0
         for table, ids, _ in pulled:
             rows = tables[table]
             rows.table.check_ids(rows.name, ids)
             reply += 4 * len(ids) * rows.table.dim
         if reply > self.max_reply:
-            raise InvalidIds(f"the rows asked for take {reply} bytes, over the {self.max_reply} a frame may carry "
-                             "(--max-frame-bytes): ask for fewer, or for each id once")
+            raise InvalidIds(
+                f"the rows asked for take {reply} bytes, over the {self.max_reply} a frame may carry "
+                "(--max-frame-bytes): ask for fewer, or for each id once"
+            )
         if self.limit and fit:  # (a push sent again, answered without applying it, is not fitted)
             self._now += 1
             for rows in tables:
@@ -409,9 +423,14 @@ class Tables(dict):
             raise TableMemoryFull(
                 f"the rows of the tables take {held} bytes of the {self.limit} --table-memory allows "
                 f"({self.memory.source()}), and this push makes up to {need} more; "
-                + ("the tables that may evict (evict=True) have too few rows to give up" if candidates else
-                   "no table is declared evict=True") + ": nothing changed. Start the server with a larger "
-                "--table-memory SIZE (0: no limit), or declare the tables evict=True")
+                + (
+                    "the tables that may evict (evict=True) have too few rows to give up"
+                    if candidates
+                    else "no table is declared evict=True"
+                )
+                + ": nothing changed. Start the server with a larger "
+                "--table-memory SIZE (0: no limit), or declare the tables evict=True"
+            )
         order = np.concatenate([touched for _, _, touched in candidates]).argsort(kind="stable")
         owner = np.concatenate([np.full(len(found), i) for i, (_, found, _) in enumerate(candidates)])[order]
         row = np.concatenate([found for _, found, _ in candidates])[order]
@@ -461,8 +480,10 @@ class Tables(dict):
             if not values.flags.writeable:
                 values = values.copy()
                 if not self._order[section.table]._kernels.all_finite(values.reshape(-1)):
-                    raise NonFiniteGradient(f"table {self._order[section.table].name!r}: the gradient rows hold "
-                                            "NaN or infinity; nothing changed")
+                    raise NonFiniteGradient(
+                        f"table {self._order[section.table].name!r}: the gradient rows hold "
+                        "NaN or infinity; nothing changed"
+                    )
                 section = RowSection(section.table, section.ids, values)
             out.append(section)
         return out
@@ -506,8 +527,9 @@ class Tables(dict):
             cuts = np.flatnonzero(np.diff(ranks)) + 1
             self._round[names.index(name)] = [
                 (int(part_ranks[0]), part_ids, part_grads, 1.0)
-                for part_ids, part_grads, part_ranks in zip(np.split(ids, cuts), np.split(grads, cuts),
-                                                            np.split(ranks, cuts))
+                for part_ids, part_grads, part_ranks in zip(
+                    np.split(ids, cuts), np.split(grads, cuts), np.split(ranks, cuts)
+                )
                 if len(part_ids)
             ]
 
@@ -520,7 +542,7 @@ class _Staged(NamedTuple):
     rows: np.ndarray
     values: np.ndarray
     state: dict[str, np.ndarray]
-    count: int
+    pushed: int
     added: np.ndarray | None = None
     index: Any = None
 
@@ -542,8 +564,9 @@ def _merged(pushes: list, scale: float) -> tuple[np.ndarray, np.ndarray, np.ndar
     ids, their gradient rows times their push's scale and ``scale``, and each row's rank."""
     pushes = sorted(pushes, key=lambda push: push[0])
     ids = np.concatenate([ids for _, ids, _, _ in pushes])
-    grads = np.concatenate([values * np.float32(each * scale) if each * scale != 1.0 else values
-                            for _, _, values, each in pushes])
+    grads = np.concatenate(
+        [values * np.float32(each * scale) if each * scale != 1.0 else values for _, _, values, each in pushes]
+    )
     ranks = np.concatenate([np.full(len(ids), rank, np.int64) for rank, ids, _, _ in pushes])
     return ids, grads, ranks
 

@@ -80,7 +80,11 @@ class Curve:
     def add(self, step: int, value: float) -> bool:
         """Record one value; True when the curve kept it as a point. The value it has at its
         newest step already is not counted again (a LOG sent again after a reconnect)."""
-        if self.seen and step == self.last_step and (value == self.last_value or math.isnan(value) and math.isnan(self.last_value)):
+        if (
+            self.seen
+            and step == self.last_step
+            and (value == self.last_value or (math.isnan(value) and math.isnan(self.last_value)))
+        ):
             return False
         self.last_step, self.last_value = step, value
         self.seen += 1
@@ -153,8 +157,10 @@ class Scalars:
         seat = self._ranks.get(rank)
         new_names = {name for _, name, _ in report.points if seat is None or name not in seat.curves}
         if len(new_names) + (len(seat.curves) if seat is not None else 0) > MAX_NAMES:
-            raise ValueError(f"a rank logs {MAX_NAMES} scalars at most; rank {rank} would log "
-                             f"{len(new_names) + (len(seat.curves) if seat else 0)}")
+            raise ValueError(
+                f"a rank logs {MAX_NAMES} scalars at most; rank {rank} would log "
+                f"{len(new_names) + (len(seat.curves) if seat else 0)}"
+            )
         if seat is None:
             seat = self._ranks[rank] = _Rank()
         for step, name, value in report.points:
@@ -168,8 +174,12 @@ class Scalars:
         now = self._now()
         if report.process is not None:
             before = seat.process
-            if (before is not None and before["pid"] == report.process["pid"] and seat.reported is not None
-                    and now > seat.reported):
+            if (
+                before is not None
+                and before["pid"] == report.process["pid"]
+                and seat.reported is not None
+                and now > seat.reported
+            ):
                 seat.cpu_percent = 100.0 * max(0.0, report.process["cpu_s"] - before["cpu_s"]) / (now - seat.reported)
             elif before is not None:
                 seat.cpu_percent = None  # (another process took the rank)
@@ -199,9 +209,11 @@ class Scalars:
             if count >= SAME_BATCHES:
                 self._warned.add(pair)
                 del self._shared[pair]
-                message = (f"ranks {pair[0]} and {pair[1]} trained on the same batches ({count} of their last "
-                           f"{BATCHES_KEPT}): each worker should read its own part of the data (a sampler: "
-                           f"docs/guide/pytorch.md, \"Data across workers\")")
+                message = (
+                    f"ranks {pair[0]} and {pair[1]} trained on the same batches ({count} of their last "
+                    f"{BATCHES_KEPT}): each worker should read its own part of the data (a sampler: "
+                    f'docs/guide/pytorch.md, "Data across workers")'
+                )
                 log.warning("%s", message)
                 self.warnings.append({"t": time.time(), "ranks": list(pair), "message": message})
 
@@ -216,8 +228,12 @@ class Scalars:
             if len(index) + len(seat.curves) > SAVED_CURVES:
                 if not self._saved_all_warned:
                     self._saved_all_warned = True
-                    log.warning("checkpoints keep the curves of the first %d logged scalars; those of rank %d "
-                                "and after are left out", SAVED_CURVES, rank)
+                    log.warning(
+                        "checkpoints keep the curves of the first %d logged scalars; those of rank %d "
+                        "and after are left out",
+                        SAVED_CURVES,
+                        rank,
+                    )
                 break
             for name, curve in seat.curves.items():
                 index.append([rank, name, curve.count, curve.stride, curve.seen])
@@ -232,25 +248,41 @@ class Scalars:
         saying why, and nothing kept, when they do not hold together."""
         if not isinstance(index, list):
             raise ValueError("the index is not a list")
-        if not all(isinstance(a, np.ndarray) and a.ndim == 1 for a in (steps, values)) \
-                or steps.dtype != np.int64 or values.dtype != np.float64 or len(steps) != len(values):
+        if (
+            not (isinstance(steps, np.ndarray) and isinstance(values, np.ndarray))
+            or steps.ndim != 1
+            or values.ndim != 1
+            or steps.dtype != np.int64
+            or values.dtype != np.float64
+            or len(steps) != len(values)
+        ):
             raise ValueError("the points are not two int64 and float64 vectors of one length")
         if len(steps) and not (0 <= steps.min() and steps.max() <= MAX_STEP):
             raise ValueError(f"a step is out of range 0..{MAX_STEP}")
         ranks: dict[int, _Rank] = {}
         at = 0
         for entry in index:
-            if not (isinstance(entry, list) and len(entry) == 5
-                    and all(isinstance(n, int) and not isinstance(n, bool) for n in entry[:1] + entry[2:])):
-                raise ValueError(f"an entry of the index is not [rank, name, points, stride, seen]: "
-                                 f"{reprlib.repr(entry)}")
+            if not (
+                isinstance(entry, list)
+                and len(entry) == 5
+                and all(isinstance(n, int) and not isinstance(n, bool) for n in entry[:1] + entry[2:])
+            ):
+                raise ValueError(
+                    f"an entry of the index is not [rank, name, points, stride, seen]: {reprlib.repr(entry)}"
+                )
             rank, name, points, stride, seen = entry
             if not isinstance(name, str):
                 raise ValueError(f"a curve's name is {type(name).__name__}, not a string")
             check_scalar_name(name)
             # (a curve that has seen SEEN values keeps every STRIDE-th, the first included)
-            if not (0 <= rank < 2**31 and 1 <= seen <= MAX_STEP + 1 and 0 < points < CURVE_POINTS
-                    and stride & (stride - 1) == 0 and 1 <= stride <= seen and points == -(-seen // stride)):
+            if not (
+                0 <= rank < 2**31
+                and 1 <= seen <= MAX_STEP + 1
+                and 0 < points < CURVE_POINTS
+                and stride & (stride - 1) == 0
+                and 1 <= stride <= seen
+                and points == -(-seen // stride)
+            ):
                 raise ValueError(f"rank {rank}'s curve {name!r} has points {points}, stride {stride}, seen {seen}")
             seat = ranks.setdefault(rank, _Rank())
             if name in seat.curves or len(seat.curves) >= MAX_NAMES:
@@ -292,31 +324,41 @@ class Scalars:
     def curves(self) -> dict[str, dict[str, list]]:
         """Every curve, ``{rank: {name: [[step, value], ...]}}`` (rank as a string: JSON's keys;
         values may be NaN or infinite: the JSON written of them has null)."""
-        return {str(rank): {name: curve.points() for name, curve in seat.curves.items()}
-                for rank, seat in sorted(self._ranks.items())}
+        return {
+            str(rank): {name: curve.points() for name, curve in seat.curves.items()}
+            for rank, seat in sorted(self._ranks.items())
+        }
 
     def drawn(self) -> Drawn:
         """Every curve as it is now, copied (a few copies: on the loop) to be written as JSON
         on another thread (:meth:`Drawn.json`; at the bound that takes a second)."""
-        return Drawn(self._seq, self._changes,
-                     [(str(rank), [(name, c.steps.copy(), c.values.copy(), bool(np.isfinite(c.values).all()))
-                                   for name, c in seat.curves.items()])
-                      for rank, seat in sorted(self._ranks.items())])
+        return Drawn(
+            self._seq,
+            self._changes,
+            [
+                (
+                    str(rank),
+                    [
+                        (name, c.steps.copy(), c.values.copy(), bool(np.isfinite(c.values).all()))
+                        for name, c in seat.curves.items()
+                    ],
+                )
+                for rank, seat in sorted(self._ranks.items())
+            ],
+        )
 
     def newest(self) -> dict[int, dict]:
         """Per rank: each name's newest (step, value), its process and CPU use, and when it last reported."""
         now = self._now()
         return {
             rank: {
-                "scalars": {name: {"step": c.last_step, "value": c.last_value}
-                            for name, c in seat.curves.items()},
+                "scalars": {name: {"step": c.last_step, "value": c.last_value} for name, c in seat.curves.items()},
                 "process": seat.process,
                 "cpu_percent": seat.cpu_percent,
                 "reported_s_ago": None if seat.reported is None else now - seat.reported,
             }
             for rank, seat in sorted(self._ranks.items())
         }
-
 
 
 @dataclass(frozen=True, slots=True)

@@ -23,7 +23,15 @@ if TYPE_CHECKING:
     from .optim import HyperGroups
 
 __all__ = [
-    "EngineView", "Histogram", "RankView", "RowRates", "ServerStats", "TableView", "Traffic", "WorkerStats", "lr_range",
+    "EngineView",
+    "Histogram",
+    "RankView",
+    "RowRates",
+    "ServerStats",
+    "TableView",
+    "Traffic",
+    "WorkerStats",
+    "lr_range",
     "merge_counts",
 ]
 
@@ -182,8 +190,22 @@ class WorkerStats:
     """Counters for one rank (kept across reconnects)."""
 
     __slots__ = (
-        "pushes", "dropped", "dropped_stale", "dropped_resumed", "dropped_cutoff", "rejected", "staleness", "r_star", "release_gap", "waits", "wait_total",
-        "wait_max", "pulls", "wait_buckets", "compensated", "uncompensated",
+        "pushes",
+        "dropped",
+        "dropped_stale",
+        "dropped_resumed",
+        "dropped_cutoff",
+        "rejected",
+        "staleness",
+        "r_star",
+        "release_gap",
+        "waits",
+        "wait_total",
+        "wait_max",
+        "pulls",
+        "wait_buckets",
+        "compensated",
+        "uncompensated",
     )
 
     def __init__(self) -> None:
@@ -287,8 +309,10 @@ class ServerStats:
 
     def run_counters(self) -> dict[str, int]:
         """The run's totals over all its processes (what a checkpoint keeps)."""
-        return {"rejected": self.carried["rejected"] + self.rejected,
-                "duplicates": self.carried["duplicates"] + self.duplicates}
+        return {
+            "rejected": self.carried["rejected"] + self.rejected,
+            "duplicates": self.carried["duplicates"] + self.duplicates,
+        }
 
     @property
     def bytes_in(self) -> int:
@@ -303,8 +327,9 @@ class ServerStats:
         ``clock``: its clock then; ``live``: the live workers after it."""
         self._event_seq += 1
         self.event_counts[event] += 1
-        self.events.append({"seq": self._event_seq, "t": time.time(), "rank": rank, "event": event,
-                            "clock": clock, "live": live})
+        self.events.append(
+            {"seq": self._event_seq, "t": time.time(), "rank": rank, "event": event, "clock": clock, "live": live}
+        )
 
     def quorum(self, below: bool) -> None:
         """An elastic run went below MIN live workers (training holds) or back to MIN."""
@@ -468,21 +493,27 @@ class ServerStats:
         if not seat.connected or defaults is None:
             return {"hyperparameters": None, "hyperparameters_own": None}
         own = seat.hyper is not None
-        groups = seat.hyper.groups if own else (defaults,)  # at most MAX_HYPER_GROUPS
+        groups = seat.hyper.groups if seat.hyper is not None else (defaults,)  # at most MAX_HYPER_GROUPS
         return {"hyperparameters": [dict(zip(HYPER_KEYS, group)) for group in groups], "hyperparameters_own": own}
 
 
 def _table(table: TableView) -> dict:
     """One table of the snapshot's ``tables``."""
-    return {"dim": table.dim, "optimizer": table.optimizer, "rows": table.rows, "bytes": table.nbytes,
-            "rows_pulled": table.rows_pulled, "rows_pushed": table.rows_pushed, "rows_evicted": table.rows_evicted}
+    return {
+        "dim": table.dim,
+        "optimizer": table.optimizer,
+        "rows": table.rows,
+        "bytes": table.nbytes,
+        "rows_pulled": table.rows_pulled,
+        "rows_pushed": table.rows_pushed,
+        "rows_evicted": table.rows_evicted,
+    }
 
 
 def _table_memory(used: int, limit: int, available: int | None) -> dict:
     """The snapshot's ``table_memory``: the bytes the rows take as the limit counts them, the
     limit (None: no limit), and whether it is the default (half the memory available at start)."""
-    return {"bytes": used, "limit": limit or None, "default": available is not None,
-            "available_at_start": available}
+    return {"bytes": used, "limit": limit or None, "default": available is not None, "available_at_start": available}
 
 
 class RowRates:

@@ -24,11 +24,15 @@ from __future__ import annotations
 import itertools
 import threading
 from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from ...layout import Layout, line_aligned
 from .optim import Optimizer
+
+if TYPE_CHECKING:
+    from .compensation import Compensation
 
 __all__ = ["ParameterTable", "Snapshot"]
 
@@ -100,7 +104,7 @@ class Snapshot:
 
     def release(self) -> None:
         """End the lease (idempotent)."""
-        slot, self._slot = self._slot, None
+        slot, self._slot = self._slot, None  # type: ignore[assignment]  # a released lease reads no slot again
         if slot is not None:
             slot.leases -= 1
 
@@ -133,19 +137,19 @@ class ParameterTable:
         layout: Layout,
         initial: np.ndarray,
         optimizer: Optimizer,
-        allocate: Callable[[int], object] | None = None,
+        allocate: Callable[..., Any] | None = None,
     ) -> None:
         if initial.shape != (layout.numel,):
             raise ValueError(f"initial weights have shape {initial.shape}, the layout needs ({layout.numel},)")
         self.layout = layout
         self.optimizer = optimizer
         #: The delay compensation stale gradients get (aps.server.engine.compensation), or None.
-        self.compensation = None
-        self._allocate = allocate or HeapBlock
+        self.compensation: Compensation | None = None
+        self._allocate: Callable[..., Any] = allocate or HeapBlock
         self._slots: list[_Slot] = []
         self._spare_coming = self._closed = False
         self._spare_lock = threading.Lock()
-        self._spare: object | None = None  # made on the background thread, not yet taken in (add_spare)
+        self._spare: Any = None  # made on the background thread, not yet taken in (add_spare)
         # The most slots in use at once (leased, or current) in this window of updates and in the last.
         self._peak = self._kept_peak = self._updates = 0
         self._current = self._new_slot()

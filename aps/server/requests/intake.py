@@ -1,4 +1,4 @@
-"""What a session reads before it hands a request to the engine, piece by piece and only as
+"""What a handler reads before it hands a request to the engine, piece by piece and only as
 its bytes arrive: an INIT's layout block and values (:class:`InitIntake`), a LOAD_STATE
 (:class:`StateIntake`) and a LOAD_WEIGHTS (:class:`WeightsIntake`), each checked before
 anything is kept."""
@@ -10,8 +10,8 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from ..errors import MalformedFrame, NotInitialized, PayloadSizeMismatch, ServerOverloaded
-from ..wire.protocol import (
+from ...errors import MalformedFrame, NotInitialized, PayloadSizeMismatch, ServerOverloaded
+from ...wire.protocol import (
     WEIGHTS_DIGEST_BYTES,
     Flag,
     Header,
@@ -21,16 +21,16 @@ from ..wire.protocol import (
     decode_state_head,
     state_head_bytes,
 )
-from .admission import LAYOUT_BUDGET
+from ..admission import LAYOUT_BUDGET
 
 if TYPE_CHECKING:
-    from .admission import StrangerGuard
-    from .engine import Engine
+    from ..admission import StrangerGuard
+    from ..engine import Engine
 
-__all__ = ["InitIntake", "StateIntake", "WeightsIntake"]
+__all__ = ["STATE_FIXED", "InitIntake", "StateIntake", "WeightsIntake"]
 
 _CHECK = int(Flag.CHECK)
-_STATE_FIXED = 8  # the fixed bytes that open a STATE reply or a LOAD_STATE payload
+STATE_FIXED = 8  # the fixed bytes that open a STATE reply or a LOAD_STATE payload
 
 
 class InitIntake:
@@ -48,7 +48,7 @@ class InitIntake:
 
     def __init__(self, block_bytes: int, guard: StrangerGuard) -> None:
         self.block_bytes = block_bytes
-        self.pieces: list = []
+        self.pieces: list[bytearray | mmap.mmap] = []
         self.request: InitRequest | None = None
         self.values: np.ndarray | None = None
         self.registering = False
@@ -59,6 +59,7 @@ class InitIntake:
         """Room for the next bytes of the layout block (``got`` of it have arrived);
         raises ServerOverloaded when the server's layout budget is spent."""
         size = min(self.PIECE, self.block_bytes - got)
+        piece: bytearray | mmap.mmap
         if not self.pieces:
             piece = bytearray(size)
         else:
@@ -94,8 +95,8 @@ class InitIntake:
                     f"INIT carries {values} bytes of values; its layout needs {request.layout.nbytes} (or none, "
                     "to join a model the server has)"
                 )
-            engine.check_join(request.rank, request.num_workers, request.layout)
-            if values == 0 and request.layout.nbytes and engine.table is None and not engine.registering:
+            engine.membership.check_join(request.rank, request.num_workers, request.layout)
+            if values == 0 and request.layout.nbytes and engine.model.table is None and not engine.membership.registering:
                 raise NotInitialized("this INIT carries no initial values and the server has no model yet: send "
                                      "them")
             self.request = request
@@ -115,7 +116,7 @@ class StateIntake:
     PIECE = 4 << 20
 
     def __init__(self) -> None:
-        self.fixed = memoryview(bytearray(_STATE_FIXED))
+        self.fixed = memoryview(bytearray(STATE_FIXED))
         self.rest: bytearray | None = None
         self.head: StateHead | None = None
         self.kept = False
@@ -126,10 +127,10 @@ class StateIntake:
         """Parse the description and check it (raises a ServerError); once the head has arrived."""
         if self.head is None:
             nbytes = state_head_bytes(self.fixed)
-            if header.length < nbytes or (self.rest is None and nbytes > _STATE_FIXED):
+            if header.length < nbytes or (self.rest is None and nbytes > STATE_FIXED):
                 raise MalformedFrame(f"LOAD_STATE payload of {header.length} bytes; its description takes {nbytes}")
             head = decode_state_head(bytes(self.fixed) + bytes(self.rest or b""))
-            self.kept = engine.check_state(head)
+            self.kept = engine.loads.check_state(head)
             expected = head.nbytes if header.flags & _CHECK else head.payload_bytes
             if header.length != expected:
                 what = "its description alone (CHECK)" if header.flags & _CHECK else \
@@ -143,7 +144,7 @@ class StateIntake:
         """Where the payload's bytes from ``got`` on go (None: read and drop them)."""
         if self.head is None:
             if self.rest is None:
-                size = state_head_bytes(self.fixed) - _STATE_FIXED
+                size = state_head_bytes(self.fixed) - STATE_FIXED
                 if size > 0:
                     self.rest = bytearray(min(size, header.length - got))
                     return memoryview(self.rest)
@@ -154,7 +155,7 @@ class StateIntake:
         index, start = divmod(offset, self._numel)
         piece = np.empty(min(self.PIECE, self._numel - start), np.float32)
         self.arrays[self.head.arrays[index]].append(piece)
-        return memoryview(piece).cast("B")
+        return piece.data.cast("B")
 
 
 class WeightsIntake:
@@ -174,7 +175,7 @@ class WeightsIntake:
     def check(self, engine: Engine, header: Header) -> None:
         """Check the digest against the run (raises a ServerError); once it has arrived."""
         if not self.checked:
-            self.kept = engine.check_weights(bytes(self.digest), self.numel, header.version)
+            self.kept = engine.loads.check_weights(bytes(self.digest), self.numel, header.version)
             self.checked = True
 
     def next_part(self, engine: Engine, header: Header, got: int) -> memoryview | None:
@@ -183,4 +184,4 @@ class WeightsIntake:
         if self.kept:
             return None
         self.values = np.empty(self.numel, np.float32)
-        return memoryview(self.values).cast("B")
+        return self.values.data.cast("B")

@@ -49,7 +49,7 @@ def server_fields(**options):
     harness = Harness(**{"workers": 2, "sync": "ssp", "staleness": 2, **options})
     harness.join_all()
     harness.push(0, np.ones(harness.numel, np.float32), then_pull=True)
-    fields, _ = harness.engine.checkpoint_state()
+    fields, _ = harness.engine.durability.checkpoint_state()
     return {k: v for k, v in json.loads(json.dumps(fields)).items() if k not in ("version", "run_id", "layout")}
 
 

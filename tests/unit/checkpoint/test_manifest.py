@@ -93,13 +93,13 @@ def restored_engine(checkpoint) -> Engine:
     options = {name: checkpoint.manifest["config"][name] for name in RUN_OPTIONS}
     options["betas"] = tuple(options["betas"])
     engine = Engine(ServerConfig(**options))
-    engine.restore(checkpoint)
+    engine.durability.restore(checkpoint)
     return engine
 
 
 def engine_state(engine: Engine) -> tuple:
-    manifest, arrays = engine.checkpoint_state()
-    return (json.dumps(manifest, sort_keys=True), engine.table.current_array().tobytes(),
+    manifest, arrays = engine.durability.checkpoint_state()
+    return (json.dumps(manifest, sort_keys=True), engine.model.table.current_array().tobytes(),
             {k: v.tobytes() for k, v in arrays.items()})
 
 
@@ -114,7 +114,7 @@ def test_the_real_manifest_is_checksummed_and_resumes(run_copy):
     checkpoint = ckpt.find_resumable(directory)
     assert checkpoint.path == newest and checkpoint.manifest["format_version"] == 2
     engine = restored_engine(checkpoint)  # well-typed all through: the engine takes it up
-    assert engine.version == checkpoint.version > 0 and engine.run_id == checkpoint.manifest["run_id"]
+    assert engine.version == checkpoint.version > 0 and engine.durability.run_id == checkpoint.manifest["run_id"]
 
 
 def test_every_flipped_bit_of_a_real_manifest_is_refused_or_changes_nothing(run_copy):
@@ -410,9 +410,9 @@ def test_a_run_that_was_ending_resumes_ending(run_copy):
     below MIN; a manifest that does not say so (written before) resumes as not ending."""
     directory, (older, newest) = run_copy
     engine = restored_engine(ckpt.find_resumable(newest))
-    assert engine.draining is False and "draining" not in engine.checkpoint_state()[0]
-    engine.draining = True
-    manifest, _ = engine.checkpoint_state()
+    assert engine.roster.draining is False and "draining" not in engine.durability.checkpoint_state()[0]
+    engine.roster.draining = True
+    manifest, _ = engine.durability.checkpoint_state()
     assert manifest["draining"] is True
     edited(newest, lambda m: m.update(draining=True))
-    assert restored_engine(ckpt.find_resumable(newest)).draining is True
+    assert restored_engine(ckpt.find_resumable(newest)).roster.draining is True

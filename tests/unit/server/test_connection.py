@@ -1,4 +1,12 @@
-"""The server's connection protocol, driven by hand with a fake transport."""
+"""The connection (aps.server.connection) driven by hand through its TCP transport over a fake asyncio transport.
+
+Seams: ``frame_buffer`` (the op looked up in the handler table: an unknown op, a reply's op,
+rows on an op that carries none are refused, their payload dropped, and the connection goes
+on); ``_serve`` (a handler's ServerError is the request's reply, any other failure an
+internal error; MAX_BAD_FRAMES refused in a row close the connection); ``done`` (the next
+frame waits until the reply has left); ``payload_progress`` (a streaming push fed as it
+arrives); ``connection_lost`` (a request in the engine's lane finishes without its
+connection). The handshake through a connection: tests/unit/server/requests/test_handshake.py."""
 
 import asyncio
 
@@ -7,9 +15,12 @@ import pytest
 
 from aps.server.engine import Engine
 from aps.config import ServerConfig
+from aps.errors import ErrorCode
 from aps.layout import Layout
-from aps.wire.protocol import HEADER_SIZE, DType, Op, encode_init, pack_header, unpack_header
-from aps.server.tcp import TcpSession
+from aps.wire.protocol import HEADER_SIZE, DType, Flag, Op, decode_error, encode_init, pack_header, unpack_header
+from aps.server.connection import MAX_BAD_FRAMES, Connection
+from aps.server.requests.training import Ping
+from aps.server.tcp import TcpTransport
 
 
 class FakeTransport:
@@ -55,17 +66,9 @@ class FakeTransport:
         return headers
 
 
-@pytest.fixture
-def loop():
-    loop = asyncio.new_event_loop()
-    asyncio.set_event_loop(loop)
-    yield loop
-    asyncio.set_event_loop(None)
-    loop.close()
-
-
 def connect(engine, loop):
-    conn = TcpSession(engine, 1 << 30, set())
+    conn = TcpTransport(engine.stats.traffic["tcp"], 0,
+                        lambda transport: Connection(engine, transport, 1 << 30, set()))
     transport = FakeTransport()
     conn.connection_made(transport)
     return conn, transport
@@ -111,9 +114,9 @@ def test_a_push_pull_finishing_after_its_connection_died_does_not_stall_others(l
         run, done = kernels.pop(0)
         done(run())
         loop.run_until_complete(asyncio.sleep(0))
-    assert engine.version == 2 and engine.pushes == 2
+    assert engine.version == 2 and engine.training.pushes == 2
     assert [h.op for h in tb.replies()] == [Op.INIT_REPLY, Op.PUSH_PULL_REPLY]
-    assert 0 not in engine.members and engine.idle
+    assert 0 not in engine.roster.members and engine.idle
     assert not [r for r in caplog.records if r.levelname == "ERROR"], "no internal error on the way"
 
 
@@ -129,13 +132,13 @@ def test_no_new_request_is_read_while_a_reply_is_still_leaving(loop):
     feed(conn, pipelined)
     loop.run_until_complete(asyncio.sleep(0))
     assert [h.op for h in transport.replies()] == [Op.INIT_REPLY, Op.PUSH_REPLY]  # then it waits
-    assert engine.table.slot_count <= 3
+    assert engine.model.table.slot_count <= 3
     transport.buffered = 0
     conn.resume_writing()  # the client caught up
     for _ in range(200):
         loop.run_until_complete(asyncio.sleep(0))
     assert len(transport.replies()) == 41
-    assert engine.version == 20 and engine.table.slot_count <= 3
+    assert engine.version == 20 and engine.model.table.slot_count <= 3
 
 
 @pytest.mark.parametrize("threshold, streams", [(1 << 10, True), (0, False), (1 << 20, False)])
@@ -146,7 +149,73 @@ def test_stream_min_bytes_decides_which_gradients_are_applied_while_they_arrive(
     feed(conn, init_frame(0, 1, n))
     frame = push_frame(Op.PUSH, n, value=1.0)
     feed(conn, frame[: HEADER_SIZE + 8 * 1024])  # half of the gradient has arrived
-    assert (conn._stream is not None) == streams
+    assert (conn.receiver.request.stream is not None) == streams
     feed(conn, frame[HEADER_SIZE + 8 * 1024 :])
     loop.run_until_complete(asyncio.sleep(0))
     assert engine.version == 1 and (engine.weights == -1.0).all()  # the same update either way
+
+
+def errors(transport):
+    """The error frames sent: (request id, code, message)."""
+    out, pos = [], 0
+    while pos < len(transport.out):
+        header = unpack_header(transport.out[pos : pos + HEADER_SIZE])
+        if header.op == Op.ERROR:
+            payload = transport.out[pos + HEADER_SIZE : pos + HEADER_SIZE + header.length]
+            out.append((header.request_id, *decode_error(payload)))
+        pos += HEADER_SIZE + header.length
+    return out
+
+
+def spin(loop, turns=50):
+    for _ in range(turns):
+        loop.run_until_complete(asyncio.sleep(0))
+
+
+@pytest.mark.parametrize("op, flags, code, message", [
+    (99, 0, ErrorCode.UNKNOWN_OP, "op code 99 is unknown, not a request"),
+    (Op.PUSH_REPLY, 0, ErrorCode.UNKNOWN_OP, f"op code {int(Op.PUSH_REPLY)} is a reply, not a request"),
+    (Op.PING, Flag.ROWS, ErrorCode.MALFORMED_FRAME, "PING carries no rows"),
+    (Op.PING, 0, ErrorCode.MALFORMED_FRAME, "PING carries no payload, got 100 bytes"),
+])
+def test_a_refused_frame_is_answered_its_payload_dropped_and_the_connection_goes_on(loop, op, flags, code,
+                                                                                    message):
+    engine = Engine(ServerConfig(workers=1, sync="asp"))
+    conn, transport = connect(engine, loop)
+    feed(conn, pack_header(op, flags, 0, 5, 0, 0, 100) + bytes(100) + pack_header(Op.PING, request_id=6))
+    spin(loop)
+    assert errors(transport) == [(5, code, message)]
+    assert [h.op for h in transport.replies()] == [Op.ERROR, Op.PING_REPLY] and not transport.closed
+
+
+def test_a_handlers_unexpected_failure_is_an_internal_error(loop, monkeypatch, caplog):
+    def broken(self, conn, request, payload):
+        raise RuntimeError("boom")
+
+    monkeypatch.setattr(Ping, "handle", broken)
+    engine = Engine(ServerConfig(workers=1, sync="asp"))
+    conn, transport = connect(engine, loop)
+    feed(conn, pack_header(Op.PING, request_id=3))
+    spin(loop)
+    assert errors(transport) == [(3, ErrorCode.INTERNAL, "internal error: boom")] and not transport.closed
+    assert any("internal error handling PING" in r.getMessage() for r in caplog.records)
+
+
+def test_too_many_refused_frames_in_a_row_close_the_connection(loop, caplog):
+    engine = Engine(ServerConfig(workers=1, sync="asp"))
+    conn, transport = connect(engine, loop)
+    feed(conn, b"".join(pack_header(99, request_id=i) for i in range(MAX_BAD_FRAMES + 3)))
+    spin(loop, 200)
+    sent = errors(transport)
+    assert len(sent) == MAX_BAD_FRAMES and transport.closed
+    assert sent[-1][0] == 0  # (fatal: about the connection)
+    assert sent[-1][2].endswith(f"({MAX_BAD_FRAMES} refused frames in a row: closing the connection)")
+
+
+def test_an_answered_request_resets_the_count_of_refused_frames(loop):
+    engine = Engine(ServerConfig(workers=1, sync="asp"))
+    conn, transport = connect(engine, loop)
+    bad = b"".join(pack_header(99, request_id=i) for i in range(MAX_BAD_FRAMES - 1))
+    feed(conn, bad + pack_header(Op.PING, request_id=100) + bad)
+    spin(loop, 200)
+    assert len(errors(transport)) == 2 * (MAX_BAD_FRAMES - 1) and not transport.closed

@@ -28,16 +28,57 @@ from __future__ import annotations
 import logging
 import weakref
 from collections.abc import Callable
+from types import ModuleType
+from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
 
-from ..lane import Job, MemberView, StateOwner
+from ..lane import Job
 from ....errors import InternalServerError, InvalidState, ServerError, WeightsRefused
 from ....wire.protocol import StateHead, encode_state_head, negative_second_moment, state_digest, weights_digest
 
-__all__ = ["LoadStateJob", "LoadWeightsJob", "ReadStateJob", "StateCopy"]
+if TYPE_CHECKING:
+    from ..members import Member
+    from ..table import ParameterTable, _Slot
+
+__all__ = ["LoadStateJob", "LoadWeightsJob", "ReadStateJob", "StateCopies", "StateCopy", "StateOwner"]
 
 log = logging.getLogger("aps.server")
+
+
+class StateOwner(Protocol):
+    """What the jobs reading and loading the optimizer's state and the weights may see of
+    the engine (its loads part)."""
+
+    @property
+    def table(self) -> ParameterTable:
+        """The model's weights table (a job runs once the model exists)."""
+
+    @property
+    def kernels(self) -> ModuleType:
+        """The native module or its reference twin."""
+
+    @property
+    def state_copies(self) -> StateCopies:
+        """The newest copy of the optimizer's state a reply still holds."""
+
+    @property
+    def state_generation(self) -> int:
+        """Counts the loads: a state copy made before one is not the state after it."""
+
+    def check_state(self, head: StateHead) -> bool:
+        """Whether the state ``head`` describes may be loaded (False: the same one is loaded
+        already); raises the error for the worker otherwise."""
+
+    def state_loaded(self, head: StateHead) -> None:
+        """The state ``head`` describes was loaded."""
+
+    def check_weights(self, digest: bytes, numel: int, version: int) -> bool:
+        """Whether these weights may be loaded (False: the same are loaded already); raises
+        the error for the worker otherwise."""
+
+    def weights_loaded(self, digest: bytes, slot: Any) -> None:
+        """The weights were written into ``slot``: publish them."""
 
 
 class StateCopy:
@@ -62,8 +103,13 @@ class ReadStateJob(Job):
 
     __slots__ = ("engine", "member", "done", "failed", "copy", "pairs")
 
-    def __init__(self, engine: StateOwner, member: MemberView, done: Callable[[StateCopy], None],
-                 failed: Callable[[ServerError], None]) -> None:
+    def __init__(
+        self,
+        engine: StateOwner,
+        member: Member,
+        done: Callable[[StateCopy], None],
+        failed: Callable[[ServerError], None],
+    ) -> None:
         self.engine = engine
         self.member = member
         self.done = done
@@ -118,8 +164,14 @@ class LoadStateJob(Job):
 
     __slots__ = ("engine", "head", "arrays", "done", "failed", "loading", "outcome")
 
-    def __init__(self, engine: StateOwner, head: StateHead, arrays: dict[str, list[np.ndarray]],
-                 done: Callable[[bool], None], failed: Callable[[ServerError], None]) -> None:
+    def __init__(
+        self,
+        engine: StateOwner,
+        head: StateHead,
+        arrays: dict[str, list[np.ndarray]],
+        done: Callable[[bool], None],
+        failed: Callable[[ServerError], None],
+    ) -> None:
         self.engine = engine
         self.head = head
         self.arrays = arrays
@@ -147,8 +199,10 @@ class LoadStateJob(Job):
     def run(self) -> object:
         head, arrays = self.head, self.arrays
         if state_digest(head.steps, (part for parts in arrays.values() for part in parts)) != head.digest:
-            return InvalidState("the arrays do not match the state's digest: they were damaged on the way, or the "
-                                "digest was computed otherwise (BLAKE2b-128 of steps as u64, then the arrays)")
+            return InvalidState(
+                "the arrays do not match the state's digest: they were damaged on the way, or the "
+                "digest was computed otherwise (BLAKE2b-128 of steps as u64, then the arrays)"
+            )
         optimizer = self.engine.table.optimizer
         problem = optimizer.state_problem(arrays, head.steps) or negative_second_moment(arrays)
         if problem is not None:
@@ -190,19 +244,27 @@ class LoadWeightsJob(Job):
 
     __slots__ = ("engine", "digest", "values", "version", "done", "failed", "slot", "outcome")
 
-    def __init__(self, engine: StateOwner, digest: bytes, values: np.ndarray, version: int,
-                 done: Callable[[bool], None], failed: Callable[[ServerError], None]) -> None:
+    def __init__(
+        self,
+        engine: StateOwner,
+        digest: bytes,
+        values: np.ndarray,
+        version: int,
+        done: Callable[[bool], None],
+        failed: Callable[[ServerError], None],
+    ) -> None:
         self.engine = engine
         self.digest = digest
-        self.values = values
+        self.values: np.ndarray | None = values
         self.version = version
         self.done = done
         self.failed = failed
-        self.slot = None  # the free snapshot slot the weights are written into
+        self.slot: _Slot | None = None  # the free snapshot slot the weights are written into
         self.outcome: object = None  # decided without a kernel (in prepare): what commit reports
 
     def prepare(self) -> int | None:
         # Checked again at its turn: a gradient may have been taken since the bytes arrived.
+        assert self.values is not None, "the values are let go of at the commit"
         try:
             kept = self.engine.check_weights(self.digest, self.values.size, self.version)
         except ServerError as exc:
@@ -215,15 +277,18 @@ class LoadWeightsJob(Job):
         return self.values.size
 
     def run(self) -> object:
-        values = self.values
+        values, slot = self.values, self.slot
+        assert values is not None and slot is not None, "prepare claimed a slot for the values"
         if weights_digest((values,)) != self.digest:
-            return WeightsRefused("the weights do not match their digest: they were damaged on the way, or the "
-                                  "digest was computed otherwise (BLAKE2b-128, person 'aps-weights', of the "
-                                  "float32 bytes)")
+            return WeightsRefused(
+                "the weights do not match their digest: they were damaged on the way, or the "
+                "digest was computed otherwise (BLAKE2b-128, person 'aps-weights', of the "
+                "float32 bytes)"
+            )
         if not self.engine.kernels.all_finite(values):
             index = int(np.flatnonzero(~np.isfinite(values))[0])
             return WeightsRefused(f"weight {index} is {values[index]}: every value must be finite")
-        np.copyto(self.slot.array, values)  # a free slot: nobody reads it until it is published
+        np.copyto(slot.array, values)  # a free slot: nobody reads it until it is published
         return True
 
     def commit(self, result: object) -> None:
@@ -271,14 +336,14 @@ class StateCopies:
 
     def __init__(self) -> None:
         self._key: tuple | None = None
-        self._copy: weakref.ref | None = None
-        self._arrays: weakref.ref | None = None
+        self._copy: weakref.ref[StateCopy] | None = None
+        self._arrays: weakref.ref[np.ndarray] | None = None
         self._head = b""
         self._version = 0
 
     def get(self, key: tuple) -> StateCopy | None:
         """The copy of the state at ``key`` (version, steps, generation), if a reply still holds it."""
-        if self._arrays is None or key != self._key:
+        if self._arrays is None or self._copy is None or key != self._key:
             return None
         copy = self._copy()
         if copy is None:

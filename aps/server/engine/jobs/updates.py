@@ -1,13 +1,14 @@
 """The jobs of the update lane that compute: a gradient, an aggregate update,
 and a gradient applied while it arrives.
 
-A job sees the engine only through :class:`UpdateOwner`: the pieces it
-computes with (table, policy, running sum, kernels) and three reports back
-(a gradient committed or refused, an aggregate update done). The engine does
-the bookkeeping behind those reports (counters, releases, statistics); the
-jobs do the arithmetic and keep it transactional: every kernel writes its
-results aside (a free slot, the optimizer's spare state, the spare sum), so a
-refusal or a cancellation simply throws them away.
+A job sees the engine only through :class:`UpdateOwner` (the engine's training
+part implements it): the pieces it computes with (table, policy, running sum,
+tables, kernels) and the reports back (a gradient committed or refused, an
+aggregate update done). Training does the bookkeeping behind those reports
+(counters, releases, statistics); the jobs do the arithmetic and keep it
+transactional: every kernel writes its results aside (a free slot, the
+optimizer's spare state, the spare sum), so a refusal or a cancellation simply
+throws them away.
 
 Failure discipline: until a job adopts its results (publishes the slot and
 the optimizer's state, or swaps in the new sum), a failure at any step
@@ -22,23 +23,71 @@ from __future__ import annotations
 import functools
 import logging
 from collections.abc import Callable
-from typing import TYPE_CHECKING
+from types import ModuleType
+from typing import TYPE_CHECKING, Protocol
 
 import numpy as np
 
-from ..lane import Job, PushAnswer, MemberView, UpdateLane, UpdateOwner
+from ..lane import Job, UpdateLane
 from ....errors import InternalServerError, NonFiniteGradient
 from ....layout import line_aligned
-from ..sync import Plan, PlanKind
+from ..sync import Plan, PlanKind, SyncPolicy
 from ..table import ParameterTable
 
 if TYPE_CHECKING:
+    from ..members import Member, PushResult
     from ..optim import HyperGroups
+    from ..rows import Tables
+    from ..table import Snapshot, _Slot
     from ....errors import ServerError
 
 __all__ = ["Aggregate", "AggregateJob", "PushJob", "StreamingPush", "UpdateOwner"]
 
 log = logging.getLogger("aps.server")
+
+
+class UpdateOwner(Protocol):
+    """What a job computing a gradient may see of the engine (its training part)."""
+
+    @property
+    def table(self) -> ParameterTable:
+        """The model's weights table (a job runs once the model exists)."""
+
+    @property
+    def aggregate(self) -> Aggregate | None:
+        """The round's running sum (None: the policy keeps none)."""
+
+    @property
+    def rows(self) -> Tables:
+        """The model's embedding tables."""
+
+    @property
+    def policy(self) -> SyncPolicy:
+        """The sync policy: it plans each gradient at its turn."""
+
+    @property
+    def kernels(self) -> ModuleType:
+        """The native module or its reference twin."""
+
+    def gradient_committed(
+        self, member: Member, plan: Plan, arrived: float, hyper: HyperGroups | None = None
+    ) -> PushResult:
+        """The gradient was applied, accumulated or dropped: count it, release whom it releases.
+        ``hyper``: the values the push came with (an aggregate update it closes uses them)."""
+
+    def weights_pushed_on(self, member: Member, version: int) -> Snapshot | None:
+        """A lease on the weights of ``version`` ``member`` was given (delay compensation), or None."""
+
+    def gradient_compensated(self, member: Member, version: int, compensated: bool) -> None:
+        """With delay compensation: ``member``'s gradient (computed on ``version``) was taken,
+        compensated or (the weights of ``version`` not kept) not."""
+
+    def gradient_refused(self, rank: int, reason: object) -> ServerError:
+        """The kernel refused the gradient (``reason``: False, or the exception it
+        raised): count it; returns the error for the worker."""
+
+    def aggregate_committed(self, applied: bool) -> None:
+        """An aggregate update finished (``applied``: it was published)."""
 
 
 class Aggregate:
@@ -79,17 +128,31 @@ class PushJob(Job):
     """
 
     __slots__ = (
-        "owner", "member", "grad_version", "arrived", "on_done", "on_error", "plan", "slot", "w_in", "answered",
-        "adopted", "hyper", "clock", "rows", "dense", "then",
+        "owner",
+        "member",
+        "grad_version",
+        "arrived",
+        "on_done",
+        "on_error",
+        "plan",
+        "slot",
+        "w_in",
+        "answered",
+        "adopted",
+        "hyper",
+        "clock",
+        "rows",
+        "dense",
+        "then",
     )
 
     def __init__(
         self,
         owner: UpdateOwner,
-        member: MemberView,
+        member: Member,
         grad_version: int,
         arrived: float,
-        on_done: Callable[[PushAnswer], None],
+        on_done: Callable[[PushResult], None],
         on_error: Callable[[ServerError], None],
         clock: int = -1,
         rows: list | None = None,
@@ -102,8 +165,8 @@ class PushJob(Job):
         self.on_done = on_done
         self.on_error = on_error
         self.plan: Plan | None = None
-        self.slot = None
-        self.w_in = None
+        self.slot: _Slot | None = None
+        self.w_in: np.ndarray | None = None
         self.answered = False
         self.adopted = False
         self.hyper = member.hyper
@@ -111,7 +174,7 @@ class PushJob(Job):
         self.rows = rows or []
         self.dense = dense
         #: With delay compensation: a lease on the weights the gradient was computed on.
-        self.then = None
+        self.then: Snapshot | None = None
 
     def prepare(self) -> int:
         table = self.owner.table
@@ -126,39 +189,49 @@ class PushJob(Job):
             self.w_in = table.current_array()
         if compensated:
             self.then = self.owner.weights_pushed_on(self.member, self.grad_version)
-        return len(self.member.grad)
+        return len(self.member.gradient)
 
     def run(self) -> bool:
         # One pass that reads each gradient element once and writes every
         # result aside: False means nothing changed (see aps/server/optim.py).
-        owner, member, plan = self.owner, self.member, self.plan
+        owner, member, plan, slot, w_in = self.owner, self.member, self.plan, self.slot, self.w_in
+        assert plan is not None, "planned in prepare"
         if not self.dense:
             return True  # (its rows are checked at intake, and applied in the commit)
         grad, dtype = member.gradient, member.grad_dtype
         compensation = owner.table.compensation
         if compensation is not None and plan.kind is not PlanKind.DROP:
+            assert w_in is not None, "compensated: prepare chose the weights it reads"
             compensation.begin()
             if self.then is not None and plan.kind is PlanKind.APPLY:
-                return compensation.apply(owner.table.optimizer, self.slot.array, self.w_in, grad, dtype,
-                                          self.then.array, plan.scale, self.hyper)
+                assert slot is not None, "applied: prepare claimed its slot"
+                return compensation.apply(
+                    owner.table.optimizer, slot.array, w_in, grad, dtype, self.then.array, plan.scale, self.hyper
+                )
             if self.then is not None:  # (none: its worker's weights were not kept; applied as it is)
-                grad = compensation.gradient(grad, dtype, self.w_in, self.then.array, 0, len(grad))
-                if grad is None:
+                compensated = compensation.gradient(grad, dtype, w_in, self.then.array, 0, len(grad))
+                if compensated is None:
                     return False
-                dtype = owner.kernels.FLOAT32
+                grad, dtype = compensated, owner.kernels.FLOAT32
         if plan.kind is PlanKind.APPLY:
-            ok = owner.table.optimizer.step(self.slot.array, self.w_in, grad, plan.scale, dtype, self.hyper)
+            assert slot is not None and w_in is not None, "applied: prepare claimed its slot"
+            ok = owner.table.optimizer.step(slot.array, w_in, grad, plan.scale, dtype, self.hyper)
             if ok and compensation is not None:
-                compensation.stepped(self.slot.array, self.w_in, 0, len(grad))
+                compensation.stepped(slot.array, w_in, 0, len(grad))
             return ok
         if plan.kind is PlanKind.ACCUMULATE:
             aggregate = owner.aggregate
-            return owner.table.optimizer.threads.run(functools.partial(
-                _accumulate, owner.kernels, aggregate, grad, plan.scale, plan.first, dtype), 0, len(grad))
+            assert aggregate is not None, "a policy that accumulates keeps a running sum"
+            return owner.table.optimizer.threads.run(
+                functools.partial(_accumulate, owner.kernels, aggregate, grad, plan.scale, plan.first, dtype),
+                0,
+                len(grad),
+            )
         return owner.kernels.all_finite(grad, dtype)
 
     def commit(self, result: object) -> None:
         owner, table, plan = self.owner, self.owner.table, self.plan
+        assert plan is not None, "planned in prepare"
         if result is not True:
             self.fail(result)
             return
@@ -174,6 +247,7 @@ class PushJob(Job):
                     self.fail(exc)  # (its message names the table)
                     return
             if self.dense:
+                assert self.slot is not None, "applied: prepare claimed its slot"
                 table.publish(self.slot)
                 self.slot = None  # the table's now
                 table.optimizer.commit()
@@ -189,6 +263,7 @@ class PushJob(Job):
                 self.fail(exc)
                 return
             aggregate = owner.aggregate
+            assert aggregate is not None, "a policy that accumulates keeps a running sum"
             if self.dense:
                 aggregate.adopt()
                 if table.compensation is not None:
@@ -216,9 +291,11 @@ class PushJob(Job):
         self.answered = True
         if self.adopted:  # applied (or accumulated) already: only the bookkeeping or the answer failed
             log.error("worker %d: its gradient was taken, but answering it failed: %s", self.member.rank, exc)
-            self.on_error(InternalServerError(
-                f"the gradient was taken (do not send it again), but the server failed after: {exc}"
-            ))
+            self.on_error(
+                InternalServerError(
+                    f"the gradient was taken (do not send it again), but the server failed after: {exc}"
+                )
+            )
             return
         if exc is False:  # the kernel refused it: say where
             exc = refusal(self.owner.table, self.owner.kernels, self.member.gradient, self.member.grad_dtype)
@@ -241,16 +318,22 @@ def refusal(table: ParameterTable, kernels, grad: np.ndarray, dtype: int) -> Non
     how many elements and the first one; or, every element finite, that the update would
     make a weight or the optimizer's state overflow (computed on the refusal only)."""
     layout = table.layout
-    bad = [(name, shape, offset, size)
-           for name, shape, offset, size in zip(layout.names, layout.shapes, layout.offsets, layout.sizes)
-           if not kernels.all_finite(grad[offset : offset + size], dtype)]
+    bad = [
+        (name, shape, offset, size)
+        for name, shape, offset, size in zip(layout.names, layout.shapes, layout.offsets, layout.sizes)
+        if not kernels.all_finite(grad[offset : offset + size], dtype)
+    ]
     if not bad:
-        compensated = (f", compensated for its delay (--compensation {table.compensation.describe()})"
-                       if table.compensation is not None else "")
+        compensated = (
+            f", compensated for its delay (--compensation {table.compensation.describe()})"
+            if table.compensation is not None
+            else ""
+        )
         return NonFiniteGradient(
             f"the gradient is finite, but the update{compensated} would make a weight or the optimizer's state "
             "NaN or infinity (an overflow: a learning rate or a gradient too large?); it was rejected and changed "
-            "nothing")
+            "nothing"
+        )
     described = []
     for name, shape, offset, size in bad[:_NAMED_TENSORS]:
         values = grad[offset : offset + size]
@@ -262,8 +345,9 @@ def refusal(table: ParameterTable, kernels, grad: np.ndarray, dtype: int) -> Non
         first = ", ".join(str(int(i)) for i in np.unravel_index(int(where[0]), shape)) if shape else ""
         described.append(f"{name!r} ({len(where)} of {size} elements; {name}[{first}] is {values[where[0]]})")
     more = f" and {len(bad) - _NAMED_TENSORS} more tensors" if len(bad) > _NAMED_TENSORS else ""
-    return NonFiniteGradient(f"the gradient holds NaN or infinity in {', '.join(described)}{more}; it was rejected "
-                             "and changed nothing")
+    return NonFiniteGradient(
+        f"the gradient holds NaN or infinity in {', '.join(described)}{more}; it was rejected and changed nothing"
+    )
 
 
 class AggregateJob(Job):
@@ -276,30 +360,35 @@ class AggregateJob(Job):
         self.owner = owner
         self.scale = scale
         self.hyper = hyper
-        self.slot = None
-        self.w_in = None
+        self.slot: _Slot | None = None
+        self.w_in: np.ndarray | None = None
         self.reported = False
 
     def prepare(self) -> int:
-        if not self.owner.aggregate.dense:  # a round of rows alone
+        if not self._sum().dense:  # a round of rows alone
             return 0
         table = self.owner.table
         self.slot = table.begin_update()
-        self.w_in = table.current_array()
-        return len(self.w_in)
+        w_in = self.w_in = table.current_array()
+        return len(w_in)
 
     def run(self) -> bool:
-        owner = self.owner
-        if self.slot is None:
+        owner, slot, w_in = self.owner, self.slot, self.w_in
+        if slot is None:
             return True
+        assert w_in is not None, "prepare chose the weights it reads with its slot"
         compensation = owner.table.compensation
         if compensation is not None:
             compensation.begin()
-        ok = owner.table.optimizer.step(self.slot.array, self.w_in, owner.aggregate.current, self.scale,
-                                        groups=self.hyper)
+        ok = owner.table.optimizer.step(slot.array, w_in, self._sum().current, self.scale, groups=self.hyper)
         if ok and compensation is not None:
-            compensation.stepped(self.slot.array, self.w_in, 0, len(self.w_in))
+            compensation.stepped(slot.array, w_in, 0, len(w_in))
         return ok
+
+    def _sum(self) -> Aggregate:
+        aggregate = self.owner.aggregate
+        assert aggregate is not None, "an aggregate update comes of a policy that keeps a running sum"
+        return aggregate
 
     def commit(self, result: object) -> None:
         owner, table = self.owner, self.owner.table
@@ -340,8 +429,9 @@ class AggregateJob(Job):
             self.owner.aggregate_committed(False)
 
 
-def _accumulate(kernels, aggregate: Aggregate, grad, scale: float, first: bool, dtype: int, start: int,
-                stop: int) -> bool:
+def _accumulate(
+    kernels, aggregate: Aggregate, grad, scale: float, first: bool, dtype: int, start: int, stop: int
+) -> bool:
     """The round's running sum plus ``scale * grad`` on ``[start, stop)``, into the spare."""
     current = None if first else aggregate.current[start:stop]
     return kernels.accumulate(aggregate.spare[start:stop], current, grad[start:stop], scale, first, dtype)
@@ -361,14 +451,14 @@ class StreamingPush:
 
     __slots__ = ("table", "lane", "member", "plan", "hyper", "slot", "w_in", "filled", "active")
 
-    def __init__(self, table: ParameterTable, lane: UpdateLane, member: MemberView, plan: Plan) -> None:
+    def __init__(self, table: ParameterTable, lane: UpdateLane, member: Member, plan: Plan) -> None:
         self.table = table
         self.lane = lane
         self.member = member
         self.plan = plan
         self.hyper = member.hyper
-        self.slot = None
-        self.w_in = None
+        self.slot: _Slot | None = None
+        self.w_in: np.ndarray | None = None
         self.filled = 0
         self.active = False
 
@@ -383,14 +473,21 @@ class StreamingPush:
 
     @property
     def complete(self) -> bool:
-        return self.active and self.filled == len(self.member.grad)
+        return self.active and self.filled == len(self.member.gradient)
 
     def feed(self, stop: int) -> None:
         """Elements ``[0, stop)`` of the gradient have arrived."""
         if self.active and stop > self.filled:
-            member = self.member
+            member, slot = self.member, self.slot
+            assert slot is not None, "active: start claimed its slot"
             ok = self.table.optimizer.step_slice(
-                self.slot.array, self.w_in, member.gradient, self.plan.scale, self.filled, stop, member.grad_dtype,
+                slot.array,
+                self.w_in,
+                member.gradient,
+                self.plan.scale,
+                self.filled,
+                stop,
+                member.grad_dtype,
                 self.hyper,
             )
             self.filled = stop
@@ -399,7 +496,7 @@ class StreamingPush:
 
     def cancel(self) -> None:
         """Give the slot back (called by the lane, which has already dropped the reservation)."""
-        if self.active:
+        if self.active and self.slot is not None:
             self.active = False
             self.table.abandon(self.slot)
 

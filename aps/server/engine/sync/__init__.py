@@ -13,8 +13,21 @@ from .softsync import Softsync
 from .ssp import SSP
 
 __all__ = [
-    "ASP", "BSP", "CLOSED_ROUND", "CUTOFF", "DSSP", "POLICIES", "RESUMED", "STALE", "Outcome", "Plan", "PlanKind", "SSP", "Softsync",
-    "SyncPolicy", "make_policy",
+    "ASP",
+    "BSP",
+    "CLOSED_ROUND",
+    "CUTOFF",
+    "DSSP",
+    "POLICIES",
+    "RESUMED",
+    "STALE",
+    "Outcome",
+    "Plan",
+    "PlanKind",
+    "SSP",
+    "Softsync",
+    "SyncPolicy",
+    "make_policy",
 ]
 
 POLICIES: dict[str, type[SyncPolicy]] = {cls.name: cls for cls in (BSP, ASP, SSP, DSSP, Softsync)}

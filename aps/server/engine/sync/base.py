@@ -11,6 +11,7 @@ Clocks, the live set and staleness-bounded gate decisions live in the native
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from enum import Enum
 from typing import ClassVar
@@ -73,8 +74,8 @@ class Outcome:
         self.aggregate_scale = aggregate_scale
 
 
-class SyncPolicy:
-    """Base class of the sync policies (see the module docstring)."""
+class SyncPolicy(ABC):
+    """The family of sync policies (see the module docstring)."""
 
     name: ClassVar[str] = ""
     #: True when the policy sums gradients into an aggregate buffer.
@@ -151,11 +152,16 @@ class SyncPolicy:
             raise ValueError(f"the checkpoint's sync policy is {state.get('name')!r}, this server runs {self.name}")
         columns = [state[key] for key in ("clocks", "live", "held", "credits")]
         if any(len(column) != self.num_workers for column in columns):
-            raise ValueError(f"the checkpoint holds {len(columns[0])} workers' clocks, this server has "
-                             f"{self.num_workers} workers")
+            raise ValueError(
+                f"the checkpoint holds {len(columns[0])} workers' clocks, this server has {self.num_workers} workers"
+            )
         # (a checkpoint without released_max: the window takes the strictest value it may)
-        self.window.restore(int(state["min_clock"]), int(state["last_r_star"]), int(state["controller_calls"]),
-                            int(state.get("released_max", -1)))
+        self.window.restore(
+            int(state["min_clock"]),
+            int(state["last_r_star"]),
+            int(state["controller_calls"]),
+            int(state.get("released_max", -1)),
+        )
         self.dropped = int(state.get("dropped", 0))
         self.dropped_stale = int(state.get("dropped_stale", 0))
         self.dropped_cutoff = int(state.get("dropped_cutoff", 0))
@@ -166,7 +172,7 @@ class SyncPolicy:
             if live
         }
 
-    def forget_restored(self) -> None:
+    def forget_restored(self) -> None:  # noqa: B027  (a hook: only BSP keeps a round to forget)
         """Training started without some ranks of the checkpoint (an elastic run): they come
         back as new arrivals, not into the round the checkpoint caught open."""
 
@@ -174,6 +180,7 @@ class SyncPolicy:
         """``rank`` leaves the live set; nobody waits for it any more."""
         return Outcome(self.window.leave(rank))
 
+    @abstractmethod
     def plan(self, rank: int, grad_version: int, version: int, clock: int = -1) -> Plan:
         """What to do with a gradient ``rank`` computed on ``grad_version`` when the server is at ``version``.
 
@@ -181,7 +188,6 @@ class SyncPolicy:
         it may predate the rank's connection (a worker that reconnected); -1: the
         rank's own clock. A bounded policy drops a gradient older than its bound
         allows (:meth:`admits`)."""
-        raise NotImplementedError
 
     def admits(self, rank: int, clock: int = -1) -> bool:
         """False when a gradient ``rank`` computed in iteration ``clock`` is older than
@@ -215,11 +221,11 @@ class SyncPolicy:
         elif plan.reason == CUTOFF:
             self.dropped_cutoff += 1
 
+    @abstractmethod
     def commit(self, rank: int, plan: Plan, now: float) -> Outcome:
         """The gradient was accepted and ``plan`` carried out; count the push."""
-        raise NotImplementedError
 
-    def aggregate_applied(self) -> None:
+    def aggregate_applied(self) -> None:  # noqa: B027  (a hook: the policies that sum gradients close a round)
         """The update requested by ``Outcome.aggregate_scale`` has been published."""
 
     def describe(self) -> str:
@@ -227,7 +233,8 @@ class SyncPolicy:
 
 
 class ApplyOnArrival(SyncPolicy):
-    """Policies that apply every gradient on arrival, alone (ASP, SSP, DSSP).
+    """The family of policies that apply every gradient on arrival, alone (ASP, SSP, DSSP:
+    they differ only in their window's bounds, which the configuration sets).
 
     The gradient is scaled by ``alpha(tau) / lr`` (``--lr-staleness``) and,
     with ``--async-scale mean``, by ``1 / P`` over the live workers.

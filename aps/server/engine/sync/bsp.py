@@ -91,8 +91,12 @@ class BSP(SyncPolicy):
     def state(self) -> dict:
         if self._closed:
             raise RuntimeError("BSP state taken while a round's update is pending")
-        return {**super().state(), "contributed": sorted(self._contributed), "pushed": sorted(self._pushed),
-                "round_held": sorted(self._held)}
+        return {
+            **super().state(),
+            "contributed": sorted(self._contributed),
+            "pushed": sorted(self._pushed),
+            "round_held": sorted(self._held),
+        }
 
     def restore(self, state: dict) -> dict[int, tuple[int, bool, int]]:
         placements = super().restore(state)
@@ -105,8 +109,9 @@ class BSP(SyncPolicy):
         held = {int(r) for r in state["round_held"]}
         return {rank: (clock, rank in held, credit) for rank, (clock, _, credit) in placements.items()}
 
-    def forget_open_round(self, placements: dict[int, tuple[int, bool, int]]
-                          ) -> tuple[dict[int, tuple[int, bool, int]], set[int]]:
+    def forget_open_round(
+        self, placements: dict[int, tuple[int, bool, int]]
+    ) -> tuple[dict[int, tuple[int, bool, int]], set[int]]:
         """Right after :meth:`restore`: leave out the round the checkpoint caught open (a
         shard resumed beside shards that kept their rounds, docs/algorithms.md "Sharded
         resume": its workers do not take their iterations again, so the round's gradients
@@ -114,8 +119,10 @@ class BSP(SyncPolicy):
         closed round, with every other rank. Returns the placements and the ranks whose
         gradient was left out (their last push is no longer applied)."""
         dropped = set(self._contributed)
-        out = {rank: ((clock - 1, False, credit) if rank in dropped else (clock, held, credit))
-               for rank, (clock, held, credit) in placements.items()}
+        out = {
+            rank: ((clock - 1, False, credit) if rank in dropped else (clock, held, credit))
+            for rank, (clock, held, credit) in placements.items()
+        }
         self._contributed, self._restored_present, self._members = set(), set(), set()
         return out, dropped
 
@@ -156,4 +163,3 @@ class BSP(SyncPolicy):
         released = sorted(self._held)
         self._held.clear()
         return Outcome(released, aggregate_scale=1.0 / len(self._contributed))
-

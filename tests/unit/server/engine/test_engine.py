@@ -29,9 +29,9 @@ def test_init_waits_for_every_worker_then_starts():
     h = Harness(workers=3, sync="asp")
     h.join(0, np.arange(3, dtype=np.float32))
     h.join(1)
-    assert not h.engine.started and h.workers[0].waiting
+    assert not h.engine.roster.started and h.workers[0].waiting
     h.join(2)
-    assert h.engine.started
+    assert h.engine.roster.started
     # The first worker's values are the initial weights, for everyone.
     for w in h.workers:
         assert not w.waiting and w.weights.tolist() == [0.0, 1.0, 2.0]
@@ -40,24 +40,24 @@ def test_init_waits_for_every_worker_then_starts():
 def test_join_validation():
     h = Harness(workers=2, sync="asp")
     with pytest.raises(WorkerCountMismatch):
-        h.engine.join(0, 3, h.layout, np.zeros(2, np.float32), None, None)
+        h.engine.membership.join(0, 3, h.layout, np.zeros(2, np.float32), None, None)
     with pytest.raises(RankOutOfRange):
-        h.engine.join(2, 2, h.layout, np.zeros(2, np.float32), None, None)
+        h.engine.membership.join(2, 2, h.layout, np.zeros(2, np.float32), None, None)
     h.join(0)
     with pytest.raises(RankTaken):
         h.join(0)
     errors = []
-    h.engine.join(1, 2, Layout(("w",), ((3,),)), np.zeros(3, np.float32), None, errors.append)
-    assert isinstance(errors[0], LayoutMismatch) and 1 not in h.engine.members
+    h.engine.membership.join(1, 2, Layout(("w",), ((3,),)), np.zeros(3, np.float32), None, errors.append)
+    assert isinstance(errors[0], LayoutMismatch) and 1 not in h.engine.roster.members
     h.join(1)  # the seat is free again
-    assert h.engine.started
+    assert h.engine.roster.started
 
 
 def test_non_finite_initial_weights_are_refused():
     h = Harness(workers=1, sync="asp")
     errors = []
-    h.engine.join(0, 1, h.layout, np.array([np.nan], np.float32), None, errors.append)
-    assert isinstance(errors[0], NonFiniteGradient) and h.engine.table is None
+    h.engine.membership.join(0, 1, h.layout, np.array([np.nan], np.float32), None, errors.append)
+    assert isinstance(errors[0], NonFiniteGradient) and h.engine.model.table is None
 
 
 def test_bsp_equals_large_batch_sgd():
@@ -160,15 +160,15 @@ def test_non_finite_gradient_changes_nothing(kernels):
     h = Harness(kernels=kernels, workers=1, sync="asp", momentum=0.9)
     h.join_all(np.ones(1, np.float32))
     h.push(0, np.array([0.5], np.float32))
-    before = (h.engine.version, h.window.clock(0), h.engine.weights.copy(), h.engine.table.optimizer.momentum_buffer.copy())
+    before = (h.engine.version, h.window.clock(0), h.engine.weights.copy(), h.engine.model.table.optimizer.momentum_buffer.copy())
     for bad in (np.nan, np.inf, -np.inf):
         h.push(0, np.array([bad], np.float32))
         assert isinstance(h.workers[0].errors[-1], NonFiniteGradient)
-    after = (h.engine.version, h.window.clock(0), h.engine.weights, h.engine.table.optimizer.momentum_buffer)
+    after = (h.engine.version, h.window.clock(0), h.engine.weights, h.engine.model.table.optimizer.momentum_buffer)
     assert before[:2] == after[:2]
     np.testing.assert_array_equal(before[2], after[2])
     np.testing.assert_array_equal(before[3], after[3])
-    assert h.engine.rejected == 3
+    assert h.engine.stats.rejected == 3
     h.push(0, np.array([0.5], np.float32))  # and it keeps working
     assert h.engine.version == 2
 
@@ -177,9 +177,9 @@ def test_requests_need_a_joined_member():
     h = Harness(workers=2, sync="asp")
     stranger = Member(1)
     with pytest.raises(NotInitialized):
-        h.engine.pull(stranger, None)
+        h.engine.training.pull(stranger, None)
     with pytest.raises(NotInitialized):
-        h.engine.push(stranger, 0, None, None)
+        h.engine.training.push(stranger, 0, None, None)
 
 
 def test_a_gradient_from_the_future_is_refused():
@@ -187,14 +187,14 @@ def test_a_gradient_from_the_future_is_refused():
     h.join_all()
     with pytest.raises(OutOfOrder):
         h.push(0, e(0, 2), version=7)
-    assert h.engine.version == 0 and h.engine.pushes == 0
+    assert h.engine.version == 0 and h.engine.training.pushes == 0
 
 
 def test_offloaded_kernels_keep_order():
     """Kernels finishing later (a helper thread) still commit in arrival order."""
     pending = []
     h = Harness(workers=2, sync="asp", offload=lambda kernel, done: pending.append((kernel, done)))
-    h.engine._lane._threshold = 0
+    h.engine.lane._threshold = 0
     h.join_all()
     h.push(0, e(0, 2), then_pull=True)
     h.push(1, e(1, 2), then_pull=True)
@@ -213,14 +213,14 @@ class TestStreamingPush:
 
     def stream_in(self, h, rank, grad, pieces=4, finish=True):
         member = h.workers[rank].member
-        stream = h.engine.begin_streaming_push(member, h.workers[rank].version)
+        stream = h.engine.training.begin_streaming_push(member, h.workers[rank].version)
         assert stream is not None
         bounds = np.linspace(0, self.N, pieces + 1).astype(int)
         for start, stop in zip(bounds[:-1], bounds[1:]):
             member.grad[start:stop] = grad[start:stop]
             stream.feed(int(stop))
         if finish:
-            h.engine.push(member, h.workers[rank].version, h.workers[rank].results.append, h.workers[rank].errors.append, stream=stream)
+            h.engine.training.push(member, h.workers[rank].version, h.workers[rank].results.append, h.workers[rank].errors.append, stream=stream)
         return stream
 
     def test_equals_the_ordinary_path(self, kernels):
@@ -247,7 +247,7 @@ class TestStreamingPush:
         h.push(1, np.full(self.N, 2.0, np.float32))  # arrives first: not blocked by the stream
         assert not stream.active and h.engine.version == 1
         w0 = h.workers[0]
-        h.engine.push(w0.member, 0, w0.results.append, w0.errors.append, stream=stream)
+        h.engine.training.push(w0.member, 0, w0.results.append, w0.errors.append, stream=stream)
         assert h.engine.version == 2 and h.engine.idle
         np.testing.assert_array_equal(h.engine.weights, np.full(self.N, -3.0))
         assert w0.results[0].staleness == 1
@@ -258,30 +258,30 @@ class TestStreamingPush:
         stream = self.stream_in(h, 0, np.ones(self.N, np.float32), pieces=2, finish=False)
         stream.abort()  # the connection died mid-frame
         assert h.engine.idle and h.engine.version == 0 and (h.engine.weights == 0).all()
-        slots = h.engine.table.slot_count
+        slots = h.engine.model.table.slot_count
         self.stream_in(h, 0, np.ones(self.N, np.float32))
-        assert h.engine.version == 1 and h.engine.table.slot_count == slots
+        assert h.engine.version == 1 and h.engine.model.table.slot_count == slots
 
     def test_a_bad_piece_ends_the_stream_and_the_gradient_is_refused(self):
         h = Harness(workers=1, sync="asp", numel=self.N, momentum=0.9)
         h.join_all()
         member = h.workers[0].member
-        stream = h.engine.begin_streaming_push(member, 0)
+        stream = h.engine.training.begin_streaming_push(member, 0)
         member.grad[:] = 1.0
         member.grad[self.N // 3] = np.nan
         stream.feed(self.N // 2)
         assert not stream.active and h.engine.idle  # the lane is free again at once
         errors = []
-        h.engine.push(member, 0, None, errors.append, stream=stream)
+        h.engine.training.push(member, 0, None, errors.append, stream=stream)
         assert isinstance(errors[0], NonFiniteGradient)
-        assert h.engine.version == 0 and h.engine.rejected == 1 and (h.engine.weights == 0).all()
-        assert (h.engine.table.optimizer.momentum_buffer == 0).all()
+        assert h.engine.version == 0 and h.engine.stats.rejected == 1 and (h.engine.weights == 0).all()
+        assert (h.engine.model.table.optimizer.momentum_buffer == 0).all()
 
     @pytest.mark.parametrize("options", [{"sync": "bsp"}, {"sync": "softsync"}])
     def test_not_for_aggregating_policies(self, options):
         h = Harness(workers=1, numel=self.N, **options)
         h.join_all()
-        assert h.engine.begin_streaming_push(h.workers[0].member, 0) is None
+        assert h.engine.training.begin_streaming_push(h.workers[0].member, 0) is None
 
     @pytest.mark.parametrize("options", [{"momentum": 0.9, "nesterov": True}, {"optimizer": "adam", "lr": 1e-2}])
     def test_stateful_optimizers_stream_too(self, kernels, options):
@@ -309,7 +309,7 @@ class TestStreamingPush:
         h.join_all()
         h.push(0, np.ones(self.N, np.float32))
         assert h.held(0)
-        assert h.engine.begin_streaming_push(h.workers[0].member, 0) is None
+        assert h.engine.training.begin_streaming_push(h.workers[0].member, 0) is None
 
 
 def test_softsync_numerics_by_hand():
@@ -388,7 +388,7 @@ def test_inverse_learning_rate_keeps_momentum_consistent():
     h.push(1, np.array([1.0], np.float32))  # tau 1 (v0 at v1): d = 1, buf = 0.5 + 1 = 1.5, w = -2.5
     h.push(1, np.array([2.0], np.float32), version=0)  # tau 2: d = 1, buf = 0.75 + 1 = 1.75, w = -4.25
     np.testing.assert_allclose(h.engine.weights, [-4.25])
-    np.testing.assert_allclose(h.engine.table.optimizer.momentum_buffer, [1.75])
+    np.testing.assert_allclose(h.engine.model.table.optimizer.momentum_buffer, [1.75])
 
 
 def test_bsp_counts_each_rank_once_per_round_across_a_rejoin():
@@ -501,7 +501,7 @@ def test_a_push_from_before_a_reconnect_beyond_the_bound_is_dropped_and_counted(
     assert 3 not in map(int, stats["workers"][1]["staleness_hist"])  # it is not counted as applied
     # It goes on from the newest weights; its next gradient is taken.
     h.pull(1)
-    assert h.workers[1].version == h.engine.decided_version
+    assert h.workers[1].version == h.engine.training.decided_version
     h.push(1, e(1, 4), request_id=6, clock=h.window.clock(1))
     assert not h.workers[1].results[-1].dropped and h.policy.dropped == 1
 
@@ -564,16 +564,16 @@ def test_a_stale_push_is_not_streamed():
     h.join_all()
     version, clock = away_while_the_others_train(h, 1, 3)
     member = h.workers[1].member
-    assert h.engine.begin_streaming_push(member, version, 5, clock) is None
+    assert h.engine.training.begin_streaming_push(member, version, 5, clock) is None
     assert h.engine.idle and h.engine.version == 3
     h.pull(1)
-    stream = h.engine.begin_streaming_push(member, h.workers[1].version, 6, h.window.clock(1))
+    stream = h.engine.training.begin_streaming_push(member, h.workers[1].version, 6, h.window.clock(1))
     assert stream is not None
     stream.abort()
 
 
 def test_the_mark_and_the_stale_count_survive_a_checkpoint():
-    from tests.unit.server.test_resume import checkpoint_of
+    from tests.unit.server.engine.test_resume import checkpoint_of
 
     h = Harness(workers=2, numel=2, sync="ssp", staleness=1)
     h.join_all()
@@ -583,11 +583,20 @@ def test_the_mark_and_the_stale_count_survive_a_checkpoint():
     checkpoint = checkpoint_of(h)
     assert checkpoint.manifest["policy"]["released_max"] == h.window.released_max == 5
     resumed = Harness(workers=2, numel=2, sync="ssp", staleness=1)
-    resumed.engine.restore(checkpoint)
+    resumed.engine.durability.restore(checkpoint)
     assert resumed.window.released_max == 5
     assert (resumed.policy.dropped, resumed.policy.dropped_stale) == (1, 1)
     old = json.loads(json.dumps(checkpoint.manifest))
     del old["policy"]["released_max"]  # written before the mark was kept: the strictest value
     older = Harness(workers=2, numel=2, sync="ssp", staleness=1)
-    older.engine.restore(type(checkpoint)(checkpoint.path, old, checkpoint.weights, checkpoint.state))
+    older.engine.durability.restore(type(checkpoint)(checkpoint.path, old, checkpoint.weights, checkpoint.state))
     assert older.window.released_max == old["policy"]["min_clock"] + 1
+
+
+def test_the_engine_is_its_parts_wired_to_the_same_records():
+    engine = Harness(workers=1, sync="asp").engine
+    parts = (engine.training, engine.membership, engine.loads, engine.durability)
+    assert all(part.model is engine.model and part.roster is engine.roster and part.lane is engine.lane
+               for part in parts)
+    assert engine.membership.gate is engine.training and engine.loads.training is engine.training
+    assert engine.durability.membership is engine.membership and engine.durability.loads is engine.loads

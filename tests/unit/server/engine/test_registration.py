@@ -15,30 +15,30 @@ from tests.harness import Harness
 def test_joins_without_values_wait_for_the_registering_worker():
     h = Harness(workers=3, numel=4, sync="asp")
     engine, layout = h.engine, h.layout
-    assert engine.claim_registration(layout, "conn-0")
-    assert not engine.claim_registration(layout, "conn-1")  # one registrar at a time
+    assert engine.membership.claim_registration(layout, "conn-0")
+    assert not engine.membership.claim_registration(layout, "conn-1")  # one registrar at a time
     with pytest.raises(LayoutMismatch):  # checked against the model on its way
-        engine.check_join(1, 3, Layout(("v",), ((4,),)))
+        engine.membership.check_join(1, 3, Layout(("v",), ((4,),)))
     errors = []
     for rank in (1, 2):  # they arrive first, without values
-        h.workers[rank].member = engine.join(rank, 3, layout, None, h._ready(h.workers[rank]), errors.append)
-    assert engine.table is None and not errors
+        h.workers[rank].member = engine.membership.join(rank, 3, layout, None, h._ready(h.workers[rank]), errors.append)
+    assert engine.model.table is None and not errors
     h.join(0, np.full(4, 5.0, np.float32))  # the registrar's values arrive
-    assert not errors and engine.started
+    assert not errors and engine.roster.started
     assert all(w.weights.tolist() == [5.0] * 4 for w in h.workers)
 
 
 def test_a_registrar_that_leaves_lets_the_waiting_joins_fail_clearly():
     h = Harness(workers=2, numel=4, sync="asp")
     engine = h.engine
-    assert engine.claim_registration(h.layout, "conn-0")
+    assert engine.membership.claim_registration(h.layout, "conn-0")
     errors = []
-    engine.join(1, 2, h.layout, None, h._ready(h.workers[1]), errors.append)
-    engine.release_registration("conn-0")  # its connection died before its values arrived
+    engine.membership.join(1, 2, h.layout, None, h._ready(h.workers[1]), errors.append)
+    engine.membership.release_registration("conn-0")  # its connection died before its values arrived
     assert isinstance(errors[0], InternalServerError) and "init again" in str(errors[0])
-    assert 1 not in engine.members  # the rank is free again
+    assert 1 not in engine.roster.members  # the rank is free again
     h.join_all()  # and a fresh start works
-    assert engine.started
+    assert engine.roster.started
 
 
 def test_layout_comparison_is_linear_in_the_number_of_tensors():

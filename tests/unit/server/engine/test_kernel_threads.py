@@ -83,14 +83,14 @@ def test_the_round_sum_on_several_threads_equals_one_thread(threads):
     for count in (1, 3):
         h = Harness(workers=3, sync="bsp", numel=N, lr=0.1, kernel_threads=count)
         h.join_all(w0)
-        threads_used = h.engine.table.optimizer.threads
+        threads_used = h.engine.model.table.optimizer.threads
         assert threads_used.count == count
         threads_used.MIN_ELEMENTS = 1000
         for r in range(3):
             h.push(r, grads[r], then_pull=True)
         assert h.engine.version == 1
         finals.append(h.engine.weights.copy())
-        h.engine.table.close()
+        h.engine.model.table.close()
     np.testing.assert_array_equal(finals[0], finals[1])
 
 

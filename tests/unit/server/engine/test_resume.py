@@ -43,10 +43,10 @@ OPTIMIZERS = [
 def checkpoint_of(harness: Harness) -> Checkpoint:
     """What the checkpointer would write and read back: the manifest through JSON, copies of the arrays."""
     engine = harness.engine
-    manifest, arrays = engine.checkpoint_state()
+    manifest, arrays = engine.durability.checkpoint_state()
     manifest = json.loads(json.dumps(manifest))
-    layout = engine.layout
-    weights = {name: view.copy() for name, view in layout.views(engine.table.current_array()).items()}
+    layout = engine.model.layout
+    weights = {name: view.copy() for name, view in layout.views(engine.model.table.current_array()).items()}
     state = {}
     for key, flat in arrays.items():
         if key == "aggregate" or key.startswith(("tables/", "round/")):
@@ -82,10 +82,10 @@ class Driver:
 
 def observe(h: Harness):
     window = h.window.state()
-    return (h.engine.version, h.engine.pushes, h.policy.dropped, window[0], window[2], window[3], window[4],
+    return (h.engine.version, h.engine.training.pushes, h.policy.dropped, window[0], window[2], window[3], window[4],
             tuple(h.policy.is_held(r) for r in range(h.P)), tuple(w.waiting for w in h.workers),
-            h.engine.table.current_array().tobytes(),
-            tuple(value.tobytes() for rows in h.engine.rows.values() for value in rows.arrays().values()))
+            h.engine.model.table.current_array().tobytes(),
+            tuple(value.tobytes() for rows in h.engine.model.rows.values() for value in rows.arrays().values()))
 
 
 @pytest.mark.parametrize("optimizer", OPTIMIZERS, ids=lambda o: o["optimizer"])
@@ -106,13 +106,13 @@ def test_a_resumed_engine_goes_on_exactly_as_the_original(setting, optimizer, se
     waiting = [w.waiting for w in original.workers]
 
     resumed = Harness(**options)
-    resumed.engine.restore(checkpoint)
+    resumed.engine.durability.restore(checkpoint)
     assert resumed.engine.version == original.engine.version
-    assert not resumed.engine.started
+    assert not resumed.engine.roster.started
     for rank in range(resumed.P):  # everyone reconnects; those whose pull was held ask again
         resumed.join(rank, rejoin=True)
         assert not resumed.workers[rank].errors
-    assert resumed.engine.started
+    assert resumed.engine.roster.started
     for rank in range(resumed.P):
         resumed.workers[rank].version = original.workers[rank].version
         if waiting[rank]:
@@ -133,22 +133,22 @@ def test_restore_refuses_a_checkpoint_of_another_policy_or_size():
     original.join_all()
     checkpoint = checkpoint_of(original)
     with pytest.raises(CheckpointError, match="sync policy is 'ssp'"):
-        Harness(workers=2, sync="asp").engine.restore(checkpoint)
+        Harness(workers=2, sync="asp").engine.durability.restore(checkpoint)
     with pytest.raises(CheckpointError, match="3 workers"):
-        Harness(workers=3, sync="ssp", staleness=1).engine.restore(checkpoint)
+        Harness(workers=3, sync="ssp", staleness=1).engine.durability.restore(checkpoint)
     with pytest.raises(CheckpointError, match="sgd"):
-        Harness(workers=2, sync="ssp", staleness=1, optimizer="adam").engine.restore(checkpoint)
+        Harness(workers=2, sync="ssp", staleness=1, optimizer="adam").engine.durability.restore(checkpoint)
     engine = Harness(workers=2, sync="ssp", staleness=1).engine
     del checkpoint.state  # nothing half-restored is kept
     checkpoint.state = {}
-    Harness(workers=2, sync="ssp", staleness=1, momentum=0.0).engine.restore(checkpoint)  # sgd without state: fine
+    Harness(workers=2, sync="ssp", staleness=1, momentum=0.0).engine.durability.restore(checkpoint)  # sgd without state: fine
     momentum = checkpoint_of(_momentum_harness())
     momentum.state = {}
     with pytest.raises(CheckpointError, match="momentum_buffer"):
         engine_m = Harness(workers=2, sync="ssp", staleness=1, momentum=0.9).engine
-        engine_m.restore(momentum)
-    assert engine_m.table is None and engine_m.layout is None
-    assert engine.table is None
+        engine_m.durability.restore(momentum)
+    assert engine_m.model.table is None and engine_m.model.layout is None
+    assert engine.model.table is None
 
 
 def test_a_checkpoint_keeps_the_tables_rows_and_their_state_exactly():
@@ -156,15 +156,15 @@ def test_a_checkpoint_keeps_the_tables_rows_and_their_state_exactly():
     original = Harness(workers=1, sync="asp")
     original.layout = Layout(original.layout.names, original.layout.shapes, tables)
     original.join_all()
-    rows = original.engine.rows["items"]
+    rows = original.engine.model.rows["items"]
     rows.push(np.array([5, 7, 5]), np.ones((3, 4), np.float32))
     rows.push(np.array([10**8]), np.full((1, 4), 2.0, np.float32))
     checkpoint = checkpoint_of(original)
     assert checkpoint.manifest["table_steps"] == {"items": 2, "empty": 0}
     restored = Harness(workers=1, sync="asp").engine
-    restored.restore(checkpoint)
-    assert restored.layout.tables == tables and len(restored.rows["empty"]) == 0
-    again = restored.rows["items"]
+    restored.durability.restore(checkpoint)
+    assert restored.model.layout.tables == tables and len(restored.model.rows["empty"]) == 0
+    again = restored.model.rows["items"]
     assert again.steps == 2
     for key, value in rows.arrays().items():
         assert np.array_equal(again.arrays()[key], value), key
@@ -185,13 +185,13 @@ def test_a_checkpoint_with_bad_tables_is_refused_and_nothing_is_kept(change, mes
     original = Harness(workers=1, sync="asp")
     original.layout = Layout(original.layout.names, original.layout.shapes, tables)
     original.join_all()
-    original.engine.rows["items"].push(np.array([1, 2]), np.ones((2, 4), np.float32))
+    original.engine.model.rows["items"].push(np.array([1, 2]), np.ones((2, 4), np.float32))
     checkpoint = checkpoint_of(original)
     change(checkpoint)
     engine = Harness(workers=1, sync="asp").engine
     with pytest.raises(CheckpointError, match=message):
-        engine.restore(checkpoint)
-    assert engine.table is None and engine.rows == {}
+        engine.durability.restore(checkpoint)
+    assert engine.model.table is None and engine.model.rows == {}
 
 
 def _momentum_harness() -> Harness:
@@ -207,17 +207,17 @@ def test_a_push_sent_again_is_answered_and_not_applied_twice():
     grad = np.ones(h.numel, np.float32)
     member.grad[:] = grad
     results = []
-    h.engine.push(member, 0, results.append, pytest.fail, request_id=7, clock=0)
+    h.engine.training.push(member, 0, results.append, pytest.fail, request_id=7, clock=0)
     h.leave(0)  # the reply was lost with the connection; the worker reconnects
     w0 = h.workers[0]
-    member = w0.member = h.engine.join(0, 1, h.layout, None, h._ready(w0), w0.errors.append, rejoin=True)
+    member = w0.member = h.engine.membership.join(0, 1, h.layout, None, h._ready(w0), w0.errors.append, rejoin=True)
     member.grad[:] = grad
-    h.engine.push(member, 0, results.append, pytest.fail, request_id=7, clock=0)  # the same push again
+    h.engine.training.push(member, 0, results.append, pytest.fail, request_id=7, clock=0)  # the same push again
     assert [r.version for r in results] == [1, 1] and h.engine.version == 1
     assert h.engine.stats.duplicates == 1
-    np.testing.assert_array_equal(h.engine.table.current_array(), -grad)
-    h.engine.push(member, 1, results.append, pytest.fail, request_id=0, clock=1)  # id 0 names no request
-    h.engine.push(member, 2, results.append, pytest.fail, request_id=0, clock=1)
+    np.testing.assert_array_equal(h.engine.model.table.current_array(), -grad)
+    h.engine.training.push(member, 1, results.append, pytest.fail, request_id=0, clock=1)  # id 0 names no request
+    h.engine.training.push(member, 2, results.append, pytest.fail, request_id=0, clock=1)
     assert h.engine.version == 3
 
 
@@ -229,16 +229,16 @@ def test_a_bsp_push_sent_again_after_a_rejoin_counts_its_worker_present_once():
     w0, w1 = h.workers
     g0, g1 = np.full(h.numel, 1.0, np.float32), np.full(h.numel, 3.0, np.float32)
     w0.member.grad[:] = g0
-    h.engine.push(w0.member, 0, lambda r: None, pytest.fail, request_id=5, clock=0)
+    h.engine.training.push(w0.member, 0, lambda r: None, pytest.fail, request_id=5, clock=0)
     h.leave(0)  # the reply was lost with the connection
-    w0.member = h.engine.join(0, 2, h.layout, None, h._ready(w0), w0.errors.append, rejoin=True)
+    w0.member = h.engine.membership.join(0, 2, h.layout, None, h._ready(w0), w0.errors.append, rejoin=True)
     assert h.policy.clock(0) == 1  # it goes on from the clock it had
     w0.member.grad[:] = g0
-    h.engine.push(w0.member, 0, lambda r: None, pytest.fail, request_id=5, clock=0)
+    h.engine.training.push(w0.member, 0, lambda r: None, pytest.fail, request_id=5, clock=0)
     assert h.engine.version == 0  # the round still waits for rank 1
     h.push(1, g1)
     assert h.engine.version == 1
-    np.testing.assert_allclose(h.engine.table.current_array(), -(g0 + g1) / 2)  # lr 1, the mean of two
+    np.testing.assert_allclose(h.engine.model.table.current_array(), -(g0 + g1) / 2)  # lr 1, the mean of two
 
 
 def test_reconnect_attempts_come_fast_at_first_then_back_off_with_jitter():
@@ -278,15 +278,15 @@ def test_new_worker_processes_after_a_resume_start_afresh(sync, options):
     know nothing of; a rank whose gradient is in the open round pushes again (dropped)."""
     original, checkpoint = resumed_pair(sync, **options)
     resumed = Harness(workers=2, sync=sync, **options)
-    resumed.engine.restore(checkpoint)
+    resumed.engine.durability.restore(checkpoint)
     resumed.join_all()
-    assert resumed.engine.started and not resumed.held(0)
+    assert resumed.engine.roster.started and not resumed.held(0)
     for rank in (0, 1):
         resumed.push(rank, np.full(resumed.numel, 2.0, np.float32), then_pull=True)
     assert not any(w.errors for w in resumed.workers), [w.errors for w in resumed.workers]
     if sync == "bsp":  # rank 0's first gradient (ones) and rank 1's (twos) make the round; the resent one is dropped
         assert resumed.engine.version == 1 and resumed.policy.dropped == 1
-        np.testing.assert_allclose(resumed.engine.table.current_array(), -1.5)
+        np.testing.assert_allclose(resumed.engine.model.table.current_array(), -1.5)
 
 
 @pytest.mark.parametrize("sync", ["bsp", "softsync"])
@@ -294,11 +294,11 @@ def test_no_update_is_formed_before_the_workers_are_back(sync):
     """A rank that comes back and leaves again before the start does not close the round."""
     original, checkpoint = resumed_pair(sync, **({"softsync_n": 1} if sync == "softsync" else {}))
     resumed = Harness(workers=2, sync=sync, **({"softsync_n": 1} if sync == "softsync" else {}))
-    resumed.engine.restore(checkpoint)
+    resumed.engine.durability.restore(checkpoint)
     resumed.join(0, rejoin=True)
     resumed.leave(0)
     resumed.join(1, rejoin=True)
-    assert resumed.engine.version == 0 and not resumed.engine.started
+    assert resumed.engine.version == 0 and not resumed.engine.roster.started
 
 
 def test_a_resumed_run_waits_only_for_the_ranks_that_were_live():
@@ -308,11 +308,11 @@ def test_a_resumed_run_waits_only_for_the_ranks_that_were_live():
     h.leave(2)  # rank 2 was gone before the checkpoint
     checkpoint = checkpoint_of(h)
     resumed = Harness(workers=3, sync="asp")
-    resumed.engine.restore(checkpoint)
+    resumed.engine.durability.restore(checkpoint)
     resumed.join(0, rejoin=True)
-    assert resumed.engine.join_progress() == (1, 2, [1]) and not resumed.engine.started
+    assert resumed.engine.membership.join_progress() == (1, 2, [1]) and not resumed.engine.roster.started
     resumed.join(1, rejoin=True)
-    assert resumed.engine.started
+    assert resumed.engine.roster.started
     resumed.join(2)  # and rank 2 may come back later, as any joining worker
     assert resumed.live(2) and not resumed.workers[2].errors
 
@@ -340,7 +340,7 @@ def test_a_dssp_worker_that_reconnects_keeps_its_grant():
     assert granted and window.gap(0) > 0, (window.gap(0), window.credit(0))
     clock, credit = window.clock(0), window.credit(0)
     h.leave(0)
-    h.workers[0].member = h.engine.join(0, 2, h.layout, None, h._ready(h.workers[0]), h.workers[0].errors.append,
+    h.workers[0].member = h.engine.membership.join(0, 2, h.layout, None, h._ready(h.workers[0]), h.workers[0].errors.append,
                                         rejoin=True)
     assert window.clock(0) == clock and window.credit(0) == credit and not h.held(0)
     h.push(0, np.ones(h.numel, np.float32))
@@ -353,12 +353,12 @@ def test_a_fresh_process_is_never_taken_for_a_duplicate():
     h.join_all()
     member = h.workers[0].member
     member.grad[:] = 1.0
-    h.engine.push(member, 0, lambda r: None, pytest.fail, request_id=2, clock=0)
+    h.engine.training.push(member, 0, lambda r: None, pytest.fail, request_id=2, clock=0)
     h.leave(0)
     h.join(0)  # fresh: not a REJOIN
     member = h.workers[0].member
     member.grad[:] = 1.0
-    h.engine.push(member, 1, lambda r: None, pytest.fail, request_id=2, clock=0)
+    h.engine.training.push(member, 1, lambda r: None, pytest.fail, request_id=2, clock=0)
     assert h.engine.version == 2 and h.engine.stats.duplicates == 0
 
 
@@ -375,7 +375,7 @@ def test_a_bsp_shard_resumed_alone_leaves_out_the_round_its_checkpoint_caught_op
     original.push(1, np.full(3, 2.0, np.float32), then_pull=True)  # round 2 open, rank 1's gradient in it
     assert original.engine.version == 1
     resumed = Harness(**options)
-    resumed.engine.restore(checkpoint_of(original))
+    resumed.engine.durability.restore(checkpoint_of(original))
     for rank in range(3):
         resumed.join(rank, rejoin=True)
     clocks = [resumed.policy.clock(rank) for rank in range(3)]
@@ -388,7 +388,7 @@ def test_a_bsp_shard_resumed_alone_leaves_out_the_round_its_checkpoint_caught_op
         resumed.push(rank, np.full(3, 4.0, np.float32), then_pull=True)
     # the round closes on the three new gradients only: -1 (round 1) - 4 (round 2)
     assert resumed.engine.version == 2
-    assert np.array_equal(resumed.engine.table.current_array(), np.full(3, -5.0, np.float32))
+    assert np.array_equal(resumed.engine.model.table.current_array(), np.full(3, -5.0, np.float32))
 
 
 def _lost_iterations(sync: str, shards: int, **options) -> tuple[Harness, Harness]:
@@ -405,8 +405,8 @@ def _lost_iterations(sync: str, shards: int, **options) -> tuple[Harness, Harnes
         original.push(rank, one, then_pull=True)
     assert [original.policy.clock(r) for r in (0, 1)] == [3, 2]
     resumed = Harness(workers=2, sync=sync, shards=shards, numel=4, **options)
-    resumed.engine.restore(checkpoint)
-    assert [resumed.engine._placements[r][0] for r in (0, 1)] == [1, 1]
+    resumed.engine.durability.restore(checkpoint)
+    assert [resumed.engine.membership._placements[r][0] for r in (0, 1)] == [1, 1]
     return original, resumed
 
 
@@ -418,7 +418,7 @@ def test_a_shard_resumed_older_counts_a_rejoining_ranks_lost_iterations_as_done(
     one order; the push each had in flight, computed on weights this shard no longer holds,
     is dropped and ends its iteration. Nothing of the lost iterations is applied."""
     original, h = _lost_iterations(sync, 2, **options)
-    weights = h.engine.table.current_array().copy()
+    weights = h.engine.model.table.current_array().copy()
     h.join(0, rejoin=True, clock=3)
     h.join(1, rejoin=True, clock=2)
     assert [h.policy.clock(r) for r in (0, 1)] == [3, 2]
@@ -431,7 +431,7 @@ def test_a_shard_resumed_older_counts_a_rejoining_ranks_lost_iterations_as_done(
     assert result.dropped and h.policy.clock(1) == 3 and h.policy.dropped == 1
     ranks = h.engine.stats_snapshot()["workers"]
     assert [(w["dropped"], w["dropped_resumed"], w["dropped_stale"]) for w in ranks] == [(0, 0, 0), (1, 1, 0)]
-    np.testing.assert_array_equal(h.engine.table.current_array(), weights)
+    np.testing.assert_array_equal(h.engine.model.table.current_array(), weights)
     # a push from the rank's own weights goes on as any other
     h.pull(0)
     h.push(0, np.ones(4, np.float32), request_id=10, clock=3)
@@ -456,12 +456,12 @@ def test_a_rejoining_worker_that_says_a_clock_beyond_2_53_is_refused_and_seats_n
     """The clock a resumed shard takes from a rejoining worker is bounded: the window's int64
     arithmetic (clock + 1 at each push, the slowest clock) must never wrap."""
     from aps.errors import MalformedFrame
-    from aps.server.engine.engine import MAX_CLOCK
+    from aps.server.engine.membership import MAX_CLOCK
 
     _, h = _lost_iterations("ssp", 2, staleness=1)
     for clock in (MAX_CLOCK + 1, (1 << 64) - 1):
         with pytest.raises(MalformedFrame, match="a clock is at most 2"):
             h.join(0, rejoin=True, clock=clock)
-        assert 0 not in h.engine.members and not h.policy.window.state()[1][0]
+        assert 0 not in h.engine.roster.members and not h.policy.window.state()[1][0]
     h.join(0, rejoin=True, clock=MAX_CLOCK)  # the bound itself is taken
     assert h.policy.clock(0) == MAX_CLOCK

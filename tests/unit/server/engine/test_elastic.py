@@ -20,27 +20,27 @@ def elastic(**options):
 def test_training_starts_at_min_and_later_workers_join_the_running_model():
     h = elastic(workers="2:4", sync="asp")
     h.join(0)
-    assert not h.engine.started and h.engine.join_progress() == (1, 2, [])
+    assert not h.engine.roster.started and h.engine.membership.join_progress() == (1, 2, [])
     h.join(1)
-    assert h.engine.started and not h.workers[0].waiting and not h.workers[1].waiting
+    assert h.engine.roster.started and not h.workers[0].waiting and not h.workers[1].waiting
     h.push(0, ONES, then_pull=True)
     h.join(3)  # a third worker, under rank 3: answered at once with the newest weights
     assert not h.workers[3].waiting and h.workers[3].version == 1
-    assert h.engine.members[3].joined_running
+    assert h.engine.roster.members[3].joined_running
 
 
 def test_an_elastic_server_takes_any_count_up_to_max_and_a_fixed_one_its_own_or_none():
     h = elastic(workers="2:4")
     for count in (0, 1, 3, 4):
-        h.engine.check_join(0, count)
+        h.engine.membership.check_join(0, count)
     with pytest.raises(WorkerCountMismatch, match="2:4"):
-        h.engine.check_join(0, 5)
+        h.engine.membership.check_join(0, 5)
     with pytest.raises(RankOutOfRange):
-        h.engine.check_join(4, 4)
+        h.engine.membership.check_join(4, 4)
     fixed = elastic(workers=3)
-    fixed.engine.check_join(0, 0)  # (a worker that did not say: it takes the server's count)
+    fixed.engine.membership.check_join(0, 0)  # (a worker that did not say: it takes the server's count)
     with pytest.raises(WorkerCountMismatch):
-        fixed.engine.check_join(0, 2)
+        fixed.engine.membership.check_join(0, 2)
 
 
 def test_a_free_rank_is_assigned_never_used_ones_first_then_the_longest_gone():
@@ -48,19 +48,19 @@ def test_a_free_rank_is_assigned_never_used_ones_first_then_the_longest_gone():
     layout = h.layout
     seated = []
     for _ in range(3):
-        member = h.engine.join(ANY_RANK, 0, layout, np.zeros(4, np.float32), lambda snap, clock: snap.release(),
+        member = h.engine.membership.join(ANY_RANK, 0, layout, np.zeros(4, np.float32), lambda snap, clock: snap.release(),
                                pytest.fail)
         seated.append(member)
     assert [m.rank for m in seated] == [0, 1, 2]
-    h.engine.leave(seated[1])
-    h.engine.leave(seated[0])
-    assert h.engine.assign_rank() == 3  # never seated
+    h.engine.membership.leave(seated[1])
+    h.engine.membership.leave(seated[0])
+    assert h.engine.membership.assign_rank() == 3  # never seated
     h.join(3)
-    assert h.engine.assign_rank() == 1  # left before rank 0 did
+    assert h.engine.membership.assign_rank() == 1  # left before rank 0 did
     h.join(1)
     h.join(0)
     with pytest.raises(RankTaken, match="every rank"):
-        h.engine.check_join(ANY_RANK, 0)
+        h.engine.membership.check_join(ANY_RANK, 0)
 
 
 def test_bsp_a_worker_joining_a_round_under_way_waits_for_it_and_takes_part_in_the_next():
@@ -141,19 +141,19 @@ def test_a_newcomer_starts_at_the_slowest_live_clock(sync):
 def test_below_min_every_pull_waits_and_a_join_lets_them_go(sync):
     h = elastic(workers="2:3", sync=sync)
     changes = []
-    h.engine.on_quorum = changes.append
+    h.engine.membership.on_quorum = changes.append
     h.join(0)
     h.join(1)
     h.join(2)
     h.leave(2)
-    assert not h.engine.below_quorum and changes == []
+    assert not h.engine.roster.below_quorum and changes == []
     h.leave(1)
-    assert h.engine.below_quorum and changes == [True]
+    assert h.engine.roster.below_quorum and changes == [True]
     assert h.engine.stats_snapshot()["server"]["quorum_holds"] == 1
     h.push(0, ONES, then_pull=True)  # (a push is taken: its worker had its weights)
     assert h.workers[0].waiting
     h.join(1)
-    assert not h.engine.below_quorum and changes == [True, False]
+    assert not h.engine.roster.below_quorum and changes == [True, False]
     assert not h.workers[0].waiting
 
 
@@ -161,16 +161,16 @@ def test_a_fixed_size_run_never_holds_for_a_quorum():
     h = elastic(workers=2, sync="asp")
     h.join_all()
     h.leave(1)
-    assert not h.engine.below_quorum
+    assert not h.engine.roster.below_quorum
     h.push(0, ONES, then_pull=True)
     assert not h.workers[0].waiting
 
 
 def resumed_from(original: Harness, **options) -> Harness:
-    from tests.unit.server.test_resume import checkpoint_of
+    from tests.unit.server.engine.test_resume import checkpoint_of
 
     resumed = elastic(**options)
-    resumed.engine.restore(checkpoint_of(original))
+    resumed.engine.durability.restore(checkpoint_of(original))
     return resumed
 
 
@@ -184,9 +184,9 @@ def test_a_resumed_elastic_run_waits_for_its_ranks_then_for_any_min_and_late_ran
     resumed = resumed_from(original, workers="2:3", sync="ssp", staleness=2)
     resumed.join(0, rejoin=True, clock=4)
     resumed.join(1, rejoin=True, clock=4)
-    assert not resumed.engine.started and resumed.engine.join_progress() == (2, 3, [2])  # the checkpoint's ranks
-    resumed.engine.give_up_waiting()  # (the server calls it after --quorum-timeout)
-    assert resumed.engine.started and not resumed.workers[0].waiting
+    assert not resumed.engine.roster.started and resumed.engine.membership.join_progress() == (2, 3, [2])  # the checkpoint's ranks
+    resumed.engine.membership.give_up_waiting()  # (the server calls it after --quorum-timeout)
+    assert resumed.engine.roster.started and not resumed.workers[0].waiting
     for _ in range(6):
         for rank in (0, 1):
             resumed.push(rank, ONES, then_pull=True)
@@ -203,8 +203,8 @@ def test_bsp_a_late_rank_of_the_checkpoints_open_round_is_not_held_without_a_rou
     original.push(2, ONES)  # rank 2's gradient is in the open round
     resumed = resumed_from(original, workers="1:3", sync="bsp")
     resumed.join(0, rejoin=True, clock=0)
-    resumed.engine.give_up_waiting()
-    assert resumed.engine.started
+    resumed.engine.membership.give_up_waiting()
+    assert resumed.engine.roster.started
     resumed.push(0, ONES, then_pull=True)  # the round closes on 0 alone (with rank 2's gradient kept in it)
     resumed.leave(0)
     resumed.join(2, rejoin=True, clock=1)

@@ -132,7 +132,7 @@ def run_two_speeds(window, fast, slow, pushes=60):
 def test_dssp_never_releases_beyond_the_upper_bound(Window, fast, slow):
     """A literal reading of DSSP's step 4 lets the fast worker, its credits spent,
     ask the controller again and run ever further ahead (gaps 3, 4, 5, ... here);
-    the grant is cut to the room left below s_U (docs/design.md)."""
+    the grant is cut to the room left below s_U (docs/design/engine.md)."""
     releases = run_two_speeds(joined(Window, 2, 0, 2), fast, slow)
     gaps = [gap for _, rank, gap in releases if rank == 0]
     assert max(gaps) == 2  # it runs beyond s_L = 0 ...

@@ -29,19 +29,19 @@ class Faults:
         self.fired = 0
         self.before = None
         engine = h.engine
-        self._saved = (engine.kernels, engine.aggregate)
+        self._saved = (engine.training.kernels, engine.model.aggregate)
         self._wrapped = []
-        table, optimizer = engine.table, engine.table.optimizer
+        table, optimizer = engine.model.table, engine.model.table.optimizer
         if step == "prepare":
             self._wrap(table, "begin_update")
             self._wrap(engine.policy, "plan")
         elif step == "kernel":
             self._wrap(optimizer, "step")
-            engine.kernels = _Proxy(engine.kernels, self, "accumulate")
+            engine.training.kernels = _Proxy(engine.training.kernels, self, "accumulate")
         else:
             self._wrap(table, "publish")
-            if engine.aggregate is not None:
-                engine.aggregate = _Proxy(engine.aggregate, self, "adopt")
+            if engine.model.aggregate is not None:
+                engine.model.aggregate = _Proxy(engine.model.aggregate, self, "adopt")
 
     def _wrap(self, obj, name):
         original = getattr(obj, name)
@@ -56,17 +56,17 @@ class Faults:
     def remove(self) -> None:
         for obj, name in self._wrapped:
             del obj.__dict__[name]
-        self.h.engine.kernels, self.h.engine.aggregate = self._saved
+        self.h.engine.training.kernels, self.h.engine.model.aggregate = self._saved
 
     def trip(self, name: str) -> None:
         # Only the job kind under test: aggregate jobs call publish/begin_update/step with the running sum.
-        aggregate_call = self.h.engine._pending_aggregates > 0 and name not in ("adopt", "plan", "accumulate")
+        aggregate_call = self.h.engine.training._pending_aggregates > 0 and name not in ("adopt", "plan", "accumulate")
         if (self.job == "aggregate") != aggregate_call:
             return
         self.calls += 1
         if self.calls % self.n == 0:
             engine = self.h.engine
-            buffer = engine.table.optimizer.momentum_buffer
+            buffer = engine.model.table.optimizer.momentum_buffer
             self.before = (engine.version, engine.weights.copy(), None if buffer is None else buffer.copy())
             self.fired += 1
             raise Injected(f"{self.step} #{self.calls}")
@@ -113,7 +113,7 @@ def drive(h: Harness, steps: int, faults: Faults | None = None):
                     assert h.engine.version == version
                     np.testing.assert_array_equal(h.engine.weights, weights)
                     if buffer is not None:
-                        np.testing.assert_array_equal(h.engine.table.optimizer.momentum_buffer, buffer)
+                        np.testing.assert_array_equal(h.engine.model.table.optimizer.momentum_buffer, buffer)
                     faults.before = None
                 h.pull(rank)
             elif len(w.results) > results and not w.results[-1].dropped:
@@ -140,8 +140,8 @@ def test_a_failing_gradient_job_leaves_nothing_behind(options, step, every):
     accepted = drive(h, 12, faults)
     assert faults.fired >= 3
     engine = h.engine
-    assert engine.idle and engine.decided_version == engine.version  # nothing stuck in the lane
-    assert engine.rejected == faults.fired  # each failure counted once, and answered once
+    assert engine.idle and engine.training.decided_version == engine.version  # nothing stuck in the lane
+    assert engine.stats.rejected == faults.fired  # each failure counted once, and answered once
     assert sum(len(w.errors) for w in h.workers) == faults.fired
     if options["sync"] in ("asp", "ssp", "dssp"):
         # the weights are exactly those of the gradients that were accepted, in commit order
@@ -164,7 +164,7 @@ def test_a_failing_aggregate_update_ends_its_round_and_the_next_one_closes(optio
     assert faults.fired == 1
     engine = h.engine
     assert engine.version == 0 and (engine.weights == 0).all()  # nothing of it was applied
-    assert engine.decided_version == 0 and engine.idle  # the round is over all the same
+    assert engine.training.decided_version == 0 and engine.idle  # the round is over all the same
     assert not any(w.waiting for w in h.workers)  # nobody waits for it
     faults.n = 10 ** 9  # no more failures
     drive(h, 2)  # the next rounds close and apply
@@ -174,18 +174,18 @@ def test_a_failing_aggregate_update_ends_its_round_and_the_next_one_closes(optio
 def test_a_join_that_cannot_allocate_is_refused_and_the_rank_stays_free():
     h = Harness(workers=2, numel=N, sync="asp")
     engine = h.engine
-    real = engine._create_table
+    real = engine.model.create
 
     def out_of_memory(layout, values):
         raise MemoryError("no room for the model")
 
-    engine._create_table = out_of_memory
+    engine.model.create = out_of_memory
     h.join(0)
     assert isinstance(h.workers[0].errors[0], InternalServerError)
-    assert "MemoryError" in str(h.workers[0].errors[0]) and engine.table is None and 0 not in engine.members
-    engine._create_table = real
+    assert "MemoryError" in str(h.workers[0].errors[0]) and engine.model.table is None and 0 not in engine.roster.members
+    engine.model.create = real
     h.join_all()  # the rank can be taken again, and training starts
-    assert engine.started and not h.workers[0].waiting and engine.layout == Layout(("w",), ((N,),))
+    assert engine.roster.started and not h.workers[0].waiting and engine.model.layout == Layout(("w",), ((N,),))
 
 
 def test_a_waiter_that_fails_does_not_keep_the_others_waiting():

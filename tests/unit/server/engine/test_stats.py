@@ -92,7 +92,7 @@ def test_each_connected_rank_shows_the_optimizer_values_its_pushes_are_applied_w
 
     # Rank 0 sets its own (two groups: neighbours with equal values are one), as a HYPER request does.
     groups = [HyperGroup(2, 0.1, 0.0, 0.9, 0.0), HyperGroup(4, 0.1, 0.0, 0.9, 0.0), HyperGroup(8, 0.001, 1e-4, 0.9, 0.0)]
-    h.engine.set_hyperparameters(h.workers[0].member, groups)
+    h.engine.training.set_hyperparameters(h.workers[0].member, groups)
     rows = h.engine.stats_snapshot()["workers"]
     assert rows[0]["hyperparameters_own"] is True and rows[0]["hyperparameters"] == [
         {"stop": 4, "lr": 0.1, "weight_decay": 0.0, "momentum": 0.9, "dampening": 0.0},
@@ -128,7 +128,7 @@ def test_counters_start_at_zero_with_the_process_and_the_run_totals_are_carried_
     assert (server["rejected"], server["duplicates"]) == (1, 2)
 
     resumed = Harness(workers=1, sync="asp", numel=4)
-    resumed.engine.restore(checkpoint_of(original))
+    resumed.engine.durability.restore(checkpoint_of(original))
     server = resumed.engine.stats_snapshot()["server"]
     assert server["version"] == 5 and (server["rejected"], server["duplicates"]) == (1, 2)  # the run's
     counters = server["counters"]
@@ -139,7 +139,7 @@ def test_counters_start_at_zero_with_the_process_and_the_run_totals_are_carried_
         resumed.push(0, np.ones(4, np.float32))
     server = resumed.engine.stats_snapshot()["server"]
     assert server["version"] == 8 and server["counters"]["updates"] == 3 and server["counters"]["pushes"] == 3
-    assert resumed.engine.checkpoint_state()[0]["counters"] == {"rejected": 1, "duplicates": 2}  # carried on
+    assert resumed.engine.durability.checkpoint_state()[0]["counters"] == {"rejected": 1, "duplicates": 2}  # carried on
 
 
 @pytest.mark.parametrize("counters", [[1], "x", {"rejected": "many"}, {"duplicates": -1}])
@@ -181,13 +181,13 @@ def test_each_table_shows_its_rows_and_bytes_held_and_the_rows_pulled_and_pushed
     h = tables_harness()
     tables = h.engine.stats_snapshot()["server"]["tables"]
     assert list(tables) == ["items", "users"]  # in their declared order
-    assert tables["items"] == {"dim": 8, "optimizer": "sgd", "rows": 0, "bytes": h.engine.rows["items"].nbytes,
+    assert tables["items"] == {"dim": 8, "optimizer": "sgd", "rows": 0, "bytes": h.engine.model.rows["items"].nbytes,
                                "rows_pulled": 0, "rows_pushed": 0, "rows_evicted": 0}
     pull_rows(h, 0, [5, 7, 5, 10**8])  # a duplicate: counted; a pull makes no row
     tables = h.engine.stats_snapshot()["server"]["tables"]
     assert (tables["items"]["rows"], tables["items"]["rows_pulled"], tables["items"]["rows_pushed"]) == (0, 4, 0)
     first_bytes = tables["items"]["bytes"]
-    assert first_bytes == h.engine.rows["items"].nbytes
+    assert first_bytes == h.engine.model.rows["items"].nbytes
     assert tables["users"]["rows"] == tables["users"]["rows_pulled"] == 0
     assert h.engine.stats_snapshot()["server"]["table_memory"]["bytes"] == 0
     push_rows(h, 0, np.arange(1000, 1200), 8)  # 200 new rows
@@ -197,8 +197,8 @@ def test_each_table_shows_its_rows_and_bytes_held_and_the_rows_pulled_and_pushed
     assert (tables["items"]["rows"], tables["items"]["rows_pulled"], tables["items"]["rows_pushed"]) == (200, 4, 200)
     assert tables["items"]["bytes"] >= first_bytes + 200 * 8 * 4  # grows with the rows (values)
     assert snapshot["table_memory"] == {"bytes": 200 * (8 * 4 + 36) + 2 * (2 * 4 * 4 + 36),
-                                        "limit": h.engine.table_memory.limit, "default": True,
-                                        "available_at_start": h.engine.table_memory.available}
+                                        "limit": h.engine.model.table_memory.limit, "default": True,
+                                        "available_at_start": h.engine.model.table_memory.available}
     assert snapshot["table_memory"]["limit"] > 0  # (the default: half the memory available at start)
     assert (tables["users"]["rows"], tables["users"]["rows_pulled"], tables["users"]["rows_pushed"]) == (2, 0, 3)
     assert tables["users"]["bytes"] >= 2 * 2 * 4 * 4  # values and Adagrad's state
@@ -236,7 +236,7 @@ def test_the_table_counters_start_at_zero_with_the_process_and_the_rows_held_go_
     assert (before["rows"], before["rows_pulled"], before["rows_pushed"]) == (50, 60, 50)
 
     resumed = Harness(workers=1, sync="asp", numel=4, tables=tuple(original.layout.tables))
-    resumed.engine.restore(checkpoint_of(original))
+    resumed.engine.durability.restore(checkpoint_of(original))
     after = resumed.engine.stats_snapshot()["server"]["tables"]["items"]
     assert after["rows"] == 50 and after["bytes"] > 0  # what the server holds: the checkpoint's rows
     assert (after["rows_pulled"], after["rows_pushed"], after["rows_evicted"]) == (0, 0, 0)  # this process's counts
@@ -254,7 +254,7 @@ def test_the_rows_evicted_are_counted():
     h.join_all()
     for start in range(0, 2000, 100):
         ids = np.arange(start, start + 100)
-        h.engine.rows.check([(0, ids, np.zeros((100, 16), np.float32))], [])  # (as a session does: room made)
+        h.engine.model.rows.check([(0, ids, np.zeros((100, 16), np.float32))], [])  # (as a session does: room made)
         push_rows(h, 0, ids, 16)
     items = h.engine.stats_snapshot()["server"]["tables"]["items"]
     assert items["rows_pushed"] == 2000 and items["rows_evicted"] > 0

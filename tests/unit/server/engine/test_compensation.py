@@ -187,7 +187,7 @@ def test_the_engine_compensates_a_stale_gradient_for_the_weights_it_meets(kernel
             np.testing.assert_allclose(h.engine.weights, e.w, rtol=1e-6, atol=1e-7)
         else:
             np.testing.assert_array_equal(h.engine.weights, e.w)
-        compensated = h.engine.table.compensation
+        compensated = h.engine.model.table.compensation
         if kind == "gap":
             np.testing.assert_array_equal(compensated.state_arrays()["compensation_step_scale"],
                                           scale * F(0.99) + F(1 - 0.99) * np.abs(e.w - before))
@@ -225,7 +225,7 @@ def test_the_weights_kept_are_one_lease_per_worker_let_go_when_it_leaves_or_past
     for _ in range(200):
         h.push(1, G1, then_pull=True)
         h.push(0, G1, then_pull=True)
-    assert h.engine.table.slot_count <= 3 + 3  # at most one kept per worker, plus the table's own
+    assert h.engine.model.table.slot_count <= 3 + 3  # at most one kept per worker, plus the table's own
     h.leave(1)
     assert members[1].pulled is None
 
@@ -238,7 +238,7 @@ def test_compensation_state_goes_through_a_checkpoint_and_the_run_continues_exac
         h.push(0, G1, then_pull=True)
 
     h = run_stale(_core, "dc-adaptive:0.5", "momentum")
-    manifest, arrays = h.engine.checkpoint_state()
+    manifest, arrays = h.engine.durability.checkpoint_state()
     assert manifest["compensation"] == {"kind": "dc-adaptive:0.5", "steps": 3}
     assert set(arrays) == {"momentum_buffer", "compensation_mean_square"}
     saved = {key: value.copy() for key, value in arrays.items()}
@@ -250,19 +250,19 @@ def test_compensation_state_goes_through_a_checkpoint_and_the_run_continues_exac
     resumed = Harness(workers=2, sync="asp", numel=5, compensation="dc-adaptive:0.5", **OPTIMIZERS["momentum"])
     resumed.join_all(weights)
     engine = resumed.engine
-    engine.table.optimizer.load_state({"momentum_buffer": saved["momentum_buffer"]}, 3)
-    engine.table.compensation.load_state({"compensation_mean_square": saved["compensation_mean_square"]}, 3)
+    engine.model.table.optimizer.load_state({"momentum_buffer": saved["momentum_buffer"]}, 3)
+    engine.model.table.compensation.load_state({"compensation_mean_square": saved["compensation_mean_square"]}, 3)
     for rank in (0, 1):  # (rejoined: they pull the weights they compute on)
         resumed.pull(rank)
     second_part(resumed)
     np.testing.assert_array_equal(resumed.engine.weights, h.engine.weights)
-    np.testing.assert_array_equal(engine.table.compensation.state_arrays()["compensation_mean_square"],
-                                  h.engine.table.compensation.state_arrays()["compensation_mean_square"])
+    np.testing.assert_array_equal(engine.model.table.compensation.state_arrays()["compensation_mean_square"],
+                                  h.engine.model.table.compensation.state_arrays()["compensation_mean_square"])
     with pytest.raises(ValueError, match="keeps"):
-        engine.table.compensation.load_state({"momentum_buffer": saved["momentum_buffer"]}, 1)
+        engine.model.table.compensation.load_state({"momentum_buffer": saved["momentum_buffer"]}, 1)
     for bad in (np.inf, -1e-7):  # (a negative mean square makes every gradient NaN; a negative step scale, 0)
         with pytest.raises(ValueError, match="finite values >= 0"):
-            engine.table.compensation.load_state({"compensation_mean_square": np.full(5, bad, F)}, 1)
+            engine.model.table.compensation.load_state({"compensation_mean_square": np.full(5, bad, F)}, 1)
 
 
 @pytest.mark.parametrize("value, message", [
@@ -286,7 +286,7 @@ def test_bsp_refuses_it_and_the_sync_description_says_it():
         ServerConfig(sync="bsp", compensation="gap")
     assert "compensation=dc:0.04" in ServerConfig(sync="dssp", compensation="dc:0.04").describe_sync()
     assert ServerConfig(sync="asp", compensation="dc:.5") == ServerConfig(sync="asp", compensation="dc:0.5")
-    assert Engine(ServerConfig(sync="asp")).table is None  # (none made before a model)
+    assert Engine(ServerConfig(sync="asp")).model.table is None  # (none made before a model)
 
 
 def test_softsync_compensates_each_gradient_of_a_group_against_the_weights_it_is_applied_to():
@@ -318,7 +318,7 @@ def test_a_push_queued_before_its_worker_left_is_still_compensated():
 
     h = Harness(workers=3, sync="asp", numel=5, compensation="dc:0.5", lr=0.1,
                 offload=lambda run, done: pending.append((run, done)))
-    h.engine._lane._threshold = 0  # every update offloaded: the lane stays busy until drained
+    h.engine.lane._threshold = 0  # every update offloaded: the lane stays busy until drained
     h.join_all(W0)
     h.push(1, G1, then_pull=True)
     drain()
