@@ -12,13 +12,11 @@ import asyncio
 import errno
 import logging
 import os
-import pathlib
 import shutil
 import signal
 import sys
 import tempfile
 import threading
-import uuid
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
@@ -31,29 +29,24 @@ from .engine import Engine
 from .engine.lane import run_kernel
 from .engine.optim import check_kernel_values
 from ..checkpoint import (
-    Checkpoint,
     checkpoint_key,
-    find_resumable,
-    is_checkpoint,
     list_checkpoints,
-    lock_run_directory,
     read_checkpoint,
-    read_lineage,
     read_manifest,
 )
 from ..wire.tokens import new_token, remove_token_file, token_path, write_token_file
-from ..config import (RESUME_LATEST, RUN_OPTIONS, RUN_OPTIONS_SINCE, ServerConfig, generates_token,
+from ..config import (ServerConfig, generates_token,
                       parse_compensation, resolve_token)
 from ..errors import APSError, CheckpointError, CheckpointFailed, ConfigurationError, ShuttingDown
-from ..wire.protocol import encode_claim, encode_join_progress
+from ..wire.protocol import encode_join_progress
 from ..wire.net import server_context
 from ..wire.net import connect_failure, format_address
 from ..wire.segments import Segment, default_socket_path, shm_available
 from .admission import Connections
 from .connection import Connection
 from .shm import ShmTransport, UnixListener
+from .resume import REWOUND_LINEAGE, Resume
 from .tcp import TcpTransport
-from .twin import serving_run
 
 __all__ = ["Server", "new_event_loop"]
 
@@ -65,8 +58,6 @@ _JOIN_PROGRESS_EVERY_S = 2.0
 _JOIN_PROGRESS_COALESCE_S = 0.2
 # A rewind's reply leaves before the process restarts.
 _REWIND_REPLY_S = 0.1
-# The environment variable a rewinding server hands its lineage on in (see _carry_rewound_lineage).
-_REWOUND_LINEAGE = "_APS_REWOUND_LINEAGE"
 
 
 def _busy_hint(exc: OSError, flag: str) -> str:
@@ -124,7 +115,7 @@ class Server:
         self._unix_directory: str | None = None  # a private directory made for the Unix socket (see _listen_unix)
         self._port: int | None = None
         self._rewinding: tuple[int, str] | None = None  # (version, path): what a REWIND restarts this process from
-        self._run_lock = None  # the lock on the directory the run was resumed from (see _checkpoint_to_resume)
+        self._resume = Resume(self._given, None)  # (its key is known at start)
         #: The Unix socket co-located workers reach the server by ("" without one).
         self.unix_path = ""
         #: The command that started this server (``aps serve`` sets it): with it, the server
@@ -170,11 +161,13 @@ class Server:
         # A token of the operator's (given, so the same at every start) signs the run's
         # checkpoints, and a resume reads only those it signed (--resume-unsigned aside).
         self._checkpoint_key = None if token is None or generated else checkpoint_key(token)
+        self._resume = Resume(self._given, self._checkpoint_key)
+        # Before anything starts: a bad checkpoint changes nothing.
+        self.config, checkpoint = self._resume.find(self.config)
         try:
-            checkpoint = self._checkpoint_to_resume()  # before anything starts: a bad one changes nothing
             _check_kernel_values(self.config)  # (the run's values: a resumed run's are the checkpoint's)
         except BaseException:
-            self._release_run_lock()
+            self._resume.release()
             raise
         loop = self._loop = asyncio.get_running_loop()
         self._stopping = asyncio.Event()
@@ -190,24 +183,19 @@ class Server:
         try:
             if checkpoint is not None:
                 self.engine.durability.restore(checkpoint)
-                if config.fork_run:
-                    self._fork(checkpoint)
-                else:
-                    self._carry_journal(checkpoint)
-                    self._carry_rewound_lineage()
-                    await self._refuse_a_live_twin(checkpoint, token)
+                await self._resume.take_up(self.engine, checkpoint, config, token)
             if config.checkpoint_dir is not None:
-                if self._run_lock is not None and _same_directory(self._run_lock.name, config.checkpoint_dir):
+                if self._resume.holds(config.checkpoint_dir):
                     # The checkpointer takes the same lock on the same file (a second flock of
                     # one file conflicts even within a process): it holds the directory from now.
-                    self._release_run_lock()
+                    self._resume.release()
                 self.checkpointer = Checkpointer(config, self.engine, key=self._checkpoint_key)
                 self.checkpointer.start()
                 self.engine.request_checkpoint = self.checkpointer.request
                 self.engine.request_rewind = self._request_rewind
         except BaseException:
             self._executor.shutdown(wait=False)
-            self._release_run_lock()
+            self._resume.release()
             if self.engine.model.table is not None:
                 self.engine.model.table.close()
             raise
@@ -334,7 +322,7 @@ class Server:
         command = [*self.restart_command, "--port", str(self._port), "--resume", path]
         if self.http is not None and self.http.port is not None:
             command += ["--http-port", str(self.http.port)]
-        os.environ[_REWOUND_LINEAGE] = self.engine.durability.lineage_text
+        os.environ[REWOUND_LINEAGE] = self.engine.durability.lineage_text
         sys.stdout.flush()
         sys.stderr.flush()
         os.execv(command[0], command)
@@ -405,114 +393,8 @@ class Server:
         if self.checkpointer is not None:
             await self.checkpointer.close_without_checkpoint()
             self.checkpointer = None
-        self._release_run_lock()
+        self._resume.release()
         self._executor.shutdown(wait=False)
-
-    def _release_run_lock(self) -> None:
-        if self._run_lock is not None:
-            self._run_lock.close()
-            self._run_lock = None
-
-    async def _refuse_a_live_twin(self, checkpoint: Checkpoint, token: bytes | None) -> None:
-        """Refuse to resume a run that a live server still serves: the one that wrote the
-        checkpoint, asked where it served (aps.server.twin). A copy of a live run's checkpoints
-        resumed elsewhere would be a second server of one run, under one run id."""
-        served_at = checkpoint.manifest.get("served_at")
-        # (this server's token is proved only to an address a checkpoint signed with it gave)
-        signed = self._checkpoint_key is not None and not self.config.resume_unsigned
-        config = self.config
-        claim = encode_claim(self.engine.durability.run_id, config.shard, config.shards)
-        info = await asyncio.to_thread(serving_run, served_at, token if signed else None, claim)
-        if info is not None and info.run_id == self.engine.durability.run_id:
-            raise CheckpointError(
-                f"run {self.engine.durability.run_id} is still served at {served_at} (incarnation "
-                f"{info.incarnations[-1] if info.incarnations else '?'}), by the server whose checkpoint "
-                f"{checkpoint.path} is: resuming it here would make two servers of one run. Stop that server first "
-                "(then resume from its newest checkpoint), or give --fork-run to go on from the checkpoint as a new "
-                "run with a run id of its own")
-
-    def _carry_journal(self, checkpoint: Checkpoint) -> None:
-        """The incarnations that served the run from the checkpoint's directory after it was
-        written (they died before a checkpoint of their own) are ancestors too: their workers
-        follow this server (aps.checkpoint.read_lineage)."""
-        engine = self.engine
-        saved = engine.durability.lineage[:-1]
-        journal = read_lineage(checkpoint.path.parent, key=self._checkpoint_key, run_id=engine.durability.run_id)
-        if saved and saved[-1] in journal:
-            incarnation = engine.durability.incarnation
-            later = [i for i in journal[journal.index(saved[-1]) + 1:] if i not in saved and i != incarnation]
-            engine.durability.carry_lineage([*saved, *later])
-
-    def _carry_rewound_lineage(self) -> None:
-        """A server that rewound (REWIND: the same process, started again from an older
-        checkpoint of its own) goes on from its own lineage, not the older checkpoint's: its
-        workers were last served by it."""
-        saved = os.environ.pop(_REWOUND_LINEAGE, None)
-        if saved:
-            self.engine.durability.carry_lineage(saved.split(","))
-
-    def _fork(self, checkpoint: Checkpoint) -> None:
-        """``--fork-run``: the resumed state goes on under a new run id, so that workers of the
-        original run (whose server may be live) are refused here (RunChanged), and this
-        run's checkpoints are its own. Shards record their runs again as workers join."""
-        engine = self.engine
-        durability = engine.durability
-        original, durability.run_id, durability.shard_runs = durability.run_id, uuid.uuid4().hex, None
-        durability.lineage = [durability.incarnation]
-        log.warning("--fork-run: checkpoint %s of run %s goes on as a new run, %s (workers of the original run "
-                    "are not served here)", checkpoint.path, original, engine.durability.run_id)
-
-    def _checkpoint_to_resume(self) -> Checkpoint | None:
-        """The checkpoint ``--resume`` names (None: a new run), with the run's options
-        taken from it into :attr:`config`. Raises CheckpointError."""
-        config = self.config
-        if config.resume is None:
-            return None
-        where = config.checkpoint_dir if config.resume == RESUME_LATEST else config.resume
-        if config.checkpoint_dir is None:
-            log.warning("--resume without --checkpoint-dir: this run writes no checkpoints of its own")
-        if not config.fork_run:
-            # One run, one live server: the directory the run is resumed from is held while this
-            # server runs, and refused while a live server holds it (one writing there, or one that
-            # resumed from it), before anything is read. A killed server's lock is gone with it.
-            source = pathlib.Path(where)
-            source = source.parent if is_checkpoint(source) else source
-            self._run_lock = lock_run_directory(source, advice=(
-                f": a second server resuming it (--resume {where}) would make two copies of one run, under one run "
-                "id. Stop that server first (then resume from its newest checkpoint), or give --fork-run to go on "
-                "from the checkpoint as a new run with a run id of its own"))
-        checkpoint = find_resumable(where, key=None if config.resume_unsigned else self._checkpoint_key)
-        if checkpoint is None:
-            if config.resume != RESUME_LATEST:
-                raise CheckpointError(f"--resume {where}: no checkpoint there")
-            log.warning("--resume: %s holds no checkpoint yet: starting a new run", where)
-            return None
-        saved = checkpoint.manifest.get("config")
-        if not isinstance(saved, dict):
-            raise CheckpointError(f"checkpoint {checkpoint.path} has no configuration in its manifest")
-        given = self._given
-        if given is None:  # the Python API: what differs from the defaults was given
-            defaults = ServerConfig()
-            given = {name for name in RUN_OPTIONS if getattr(config, name) != getattr(defaults, name)}
-        saved = {**RUN_OPTIONS_SINCE, **saved}  # (options newer than the checkpoint: it had their former value)
-        changes = {}
-        for name in RUN_OPTIONS:
-            if name not in saved:
-                raise CheckpointError(f"checkpoint {checkpoint.path} does not say its --{name.replace('_', '-')}")
-            value = tuple(saved[name]) if isinstance(saved[name], list) else saved[name]
-            if name in given and getattr(config, name) != value:
-                flag = "--" + name.replace("_", "-")
-                raise CheckpointError(
-                    f"{flag} {_show(getattr(config, name))} conflicts with checkpoint {checkpoint.path}, whose run "
-                    f"has {flag} {_show(value)}: leave {flag} out to go on with the run's value (or start a new run "
-                    "without --resume)"
-                )
-            changes[name] = value
-        try:
-            self.config = config.replace(**changes)
-        except ConfigurationError as exc:
-            raise CheckpointError(f"checkpoint {checkpoint.path} holds an invalid configuration: {exc}") from None
-        return checkpoint
 
     async def wait_stopped(self) -> None:
         """Wait until :meth:`stop` is called."""
@@ -647,7 +529,7 @@ class Server:
             # connections go (their leaving would empty the live set it saves).
             await self.checkpointer.close()
             self.checkpointer = None
-        self._release_run_lock()
+        self._resume.release()
         for conn in connections:
             conn.close()
         if self._listener is not None:
@@ -835,18 +717,6 @@ def _raise_descriptor_limit(connections: int) -> None:
 def _remove_directory(directory: str) -> None:
     """Remove a directory this server made, and what it left there (a socket file)."""
     shutil.rmtree(directory, ignore_errors=True)
-
-
-def _same_directory(lock_file: str, directory: str) -> bool:
-    """Whether ``lock_file`` (``DIR/.lock``) is the lock file of ``directory``."""
-    try:
-        return os.path.samefile(os.path.dirname(lock_file), directory)
-    except OSError:
-        return os.path.abspath(os.path.dirname(lock_file)) == os.path.abspath(directory)
-
-
-def _show(value: Any) -> str:
-    return ",".join(str(v) for v in value) if isinstance(value, tuple) else str(value)
 
 
 def _print_address(address: str) -> None:
