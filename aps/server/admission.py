@@ -31,6 +31,7 @@ class Waiting(Protocol):
 
     def serve_parked(self) -> None: ...
 
+
 #: Strangers (connections that have not joined as workers) get at most this share of the
 #: event loop's time for their requests, all of them together; members' frames go first.
 STRANGER_SHARE = 0.10

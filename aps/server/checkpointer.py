@@ -29,7 +29,7 @@ import logging
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, TextIO
 
 import numpy as np
 
@@ -48,6 +48,8 @@ from ..checkpoint import (
 from ..errors import CheckpointError, CheckpointFailed
 
 if TYPE_CHECKING:
+    from collections.abc import Callable
+
     from .engine import Engine
     from ..config import ServerConfig
     from .engine.table import Snapshot
@@ -78,7 +80,9 @@ class CaptureJob(Job):
 
     __slots__ = ("engine", "buffers", "done", "manifest", "snapshot", "pairs", "loop_seconds")
 
-    def __init__(self, engine: Engine, buffers: dict[str, np.ndarray], done) -> None:
+    def __init__(
+        self, engine: Engine, buffers: dict[str, np.ndarray], done: Callable[[Capture | BaseException], None]
+    ) -> None:
         self.engine = engine
         self.buffers = buffers
         self.done = done
@@ -117,6 +121,7 @@ class CaptureJob(Job):
             self.fail(result if isinstance(result, BaseException) else CheckpointFailed("copying the state failed"))
             return
         snapshot, self.snapshot = self.snapshot, None
+        assert self.manifest is not None and snapshot is not None, "commit follows a prepare that set both"
         self.done(Capture(self.manifest, snapshot, {name: buffer for name, buffer, _ in self.pairs}, self.loop_seconds))
 
     def fail(self, exc: BaseException) -> None:
@@ -138,7 +143,8 @@ class Checkpointer:
         self.config = config
         self.engine = engine
         self._key = key  # what its checkpoints are signed with (checkpoint_key of the operator's token)
-        self.directory = config.checkpoint_dir
+        assert config.checkpoint_dir is not None, "a server makes its checkpointer only with --checkpoint-dir"
+        self.directory: str = config.checkpoint_dir
         self._buffers: dict[str, np.ndarray] = {}
         self._executor: ThreadPoolExecutor | None = None
         self._timer: asyncio.Task | None = None
@@ -148,7 +154,7 @@ class Checkpointer:
         self._due = time.monotonic()  # when the next timed checkpoint starts
         self._last_version = 0  # the version of the last checkpoint taken
         self._last_start = float("-inf")  # when the last one was begun
-        self._lock = None  # the directory's lock file, held while the server runs
+        self._lock: TextIO | None = None  # the directory's lock file, held while the server runs
         self._by_round = False  # checkpoints at rounds (a sharded BSP run), see start()
         self._pending: asyncio.TimerHandle | None = None  # a request spaced out (_REQUEST_SPACING_S)
         # Counted from 0 by this process (as /metrics exports them).
@@ -192,11 +198,11 @@ class Checkpointer:
                 there, or it holds checkpoints of another run and this one is new.
         """
         check_writable(self.directory)
-        self._lock = lock_directory(self.directory)
+        lock = self._lock = lock_directory(self.directory)
         try:
             self._take_directory()
         except BaseException:
-            self._lock.close()
+            lock.close()
             self._lock = None
             raise
         self._sequence = next_sequence(self.directory)
@@ -220,18 +226,22 @@ class Checkpointer:
             return
         if self._busy or self._pending is not None:
             self.skipped += 1
-            log.warning("checkpoint at round %d skipped: the one before is still being written (the disk is slower "
-                        "than --checkpoint-every-updates %d rounds); a shard that resumes older can only be joined "
-                        "by the others at a round that every shard has a checkpoint of", version,
-                        self.config.checkpoint_every_updates)
+            log.warning(
+                "checkpoint at round %d skipped: the one before is still being written (the disk is slower "
+                "than --checkpoint-every-updates %d rounds); a shard that resumes older can only be joined "
+                "by the others at a round that every shard has a checkpoint of",
+                version,
+                self.config.checkpoint_every_updates,
+            )
             return
         self._begin("periodic", None)
 
     def _take_directory(self) -> None:
         engine = self.engine
         for leftover in remove_temporaries(self.directory, every=True):  # ours alone now: all are stale
-            log.warning("removed %s, a checkpoint that was never finished (the server stopped while writing it)",
-                        leftover)
+            log.warning(
+                "removed %s, a checkpoint that was never finished (the server stopped while writing it)", leftover
+            )
         if engine.durability.resumed_from is None:
             found = list_checkpoints(self.directory)
             if found:
@@ -242,12 +252,17 @@ class Checkpointer:
         # (a fork is a new run: its journal starts with it, as its lineage does)
         durability = engine.durability
         try:
-            record_incarnation(self.directory, durability.incarnation,
-                               new_run=durability.lineage == [durability.incarnation], key=self._key,
-                               run_id=durability.run_id)
+            record_incarnation(
+                self.directory,
+                durability.incarnation,
+                new_run=durability.lineage == [durability.incarnation],
+                key=self._key,
+                run_id=durability.run_id,
+            )
         except CheckpointError as exc:  # (a record: a full disk must not keep the server from starting)
-            log.warning("%s: a server resumed from here before this one checkpoints will not be one its workers "
-                        "follow", exc)
+            log.warning(
+                "%s: a server resumed from here before this one checkpoints will not be one its workers follow", exc
+            )
 
     def request(self, reason: str = "request") -> asyncio.Future:
         """Write a checkpoint as soon as possible; the future gets ``{"path", "version"}``
@@ -305,8 +320,11 @@ class Checkpointer:
             except (CheckpointError, CheckpointFailed) as exc:
                 log.error("no checkpoint at shutdown: %s", exc)
             except TimeoutError:
-                log.error("the checkpoint at shutdown is not written after %.0f s (a hung disk?): stopping without "
-                          "it; the newest complete checkpoint is still intact", _SHUTDOWN_WAIT_S)
+                log.error(
+                    "the checkpoint at shutdown is not written after %.0f s (a hung disk?): stopping without "
+                    "it; the newest complete checkpoint is still intact",
+                    _SHUTDOWN_WAIT_S,
+                )
                 self._release()
                 return
         while self._busy:
@@ -356,7 +374,6 @@ class Checkpointer:
                 continue
             self._begin("periodic", None)
 
-
     def _begin(self, reason: str, future: asyncio.Future | None) -> None:
         loop = asyncio.get_running_loop()
         self._busy = True
@@ -366,16 +383,31 @@ class Checkpointer:
             if isinstance(capture, BaseException):
                 self._finished(reason, future, capture, started, self.engine.version)
                 return
+            executor = self._executor
+            if executor is None:  # stopped meanwhile: a shutdown that gave up waiting for a hung disk
+                capture.snapshot.release()
+                self._finished(
+                    reason,
+                    future,
+                    CheckpointFailed("the checkpoint writer has stopped"),
+                    started,
+                    capture.manifest["version"],
+                )
+                return
             began = time.perf_counter()
             from .._version import __version__
 
             self._last_version = capture.manifest["version"]
-            capture.manifest.update(reason=reason, sequence=self._sequence, aps_version=__version__,
-                                    created=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-                                    created_unix=time.time())
+            capture.manifest.update(
+                reason=reason,
+                sequence=self._sequence,
+                aps_version=__version__,
+                created=datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+                created_unix=time.time(),
+            )
             name = checkpoint_name(self._sequence, capture.manifest["version"])
             self._sequence += 1
-            work = self._executor.submit(self._write, name, capture)
+            work = executor.submit(self._write, name, capture)
             capture.loop_seconds += time.perf_counter() - began
 
             def written(fut) -> None:
@@ -392,6 +424,7 @@ class Checkpointer:
     def _write(self, name: str, capture: Capture) -> str:
         """On the writer thread: the files, then the pruning."""
         layout = self.engine.model.layout
+        assert layout is not None, "a capture is taken only of a model (CaptureJob.prepare)"
         weights = layout.views(capture.snapshot.array)
         state: dict[str, np.ndarray] = {}
         for key, flat in capture.state.items():
@@ -414,8 +447,9 @@ class Checkpointer:
         self.written += 1
         finished = time.monotonic()
         if self.failed_in_a_row:
-            log.warning("checkpoints are written again (%s, version %d) after %d failed", result, version,
-                        self.failed_in_a_row)
+            log.warning(
+                "checkpoints are written again (%s, version %d) after %d failed", result, version, self.failed_in_a_row
+            )
         self.failed_in_a_row = 0
         self._last_written = (time.time(), version)
         self.engine.stats.checkpoint = {
@@ -430,8 +464,13 @@ class Checkpointer:
             "failed": self.failed,
             "skipped": self.skipped,
         }
-        log.log(logging.DEBUG if reason == "periodic" else logging.INFO, "checkpoint %s (version %d) written in %.2f s",
-                result, capture.manifest["version"], finished - started)
+        log.log(
+            logging.DEBUG if reason == "periodic" else logging.INFO,
+            "checkpoint %s (version %d) written in %.2f s",
+            result,
+            capture.manifest["version"],
+            finished - started,
+        )
         self._finished(reason, future, {"path": result, "version": version}, started, version)
 
     def _finished(self, reason: str, future: asyncio.Future | None, result, started: float, version: int) -> None:
@@ -442,15 +481,24 @@ class Checkpointer:
             self._last_version = -1  # the next one is due even if nothing changed
             if not isinstance(result, (CheckpointError, CheckpointFailed)):
                 # the first of a run of failures with its traceback; the others in a line each
-                log.error("checkpoint of version %d failed: %s: %s", version, type(result).__name__, result,
-                          exc_info=result if self.failed_in_a_row == 1 else None)
+                log.error(
+                    "checkpoint of version %d failed: %s: %s",
+                    version,
+                    type(result).__name__,
+                    result,
+                    exc_info=result if self.failed_in_a_row == 1 else None,
+                )
                 result = CheckpointFailed(f"the checkpoint failed: {type(result).__name__}: {result}")
             else:
                 log.error("checkpoint of version %d failed: %s", version, result)
             if isinstance(result, CheckpointError):  # a server error travels on the wire
                 result = CheckpointFailed(str(result))
-            self.last_error = {"error": str(result)[:_ERROR_CHARS], "unix": time.time(), "version": version,
-                               "reason": reason}
+            self.last_error = {
+                "error": str(result)[:_ERROR_CHARS],
+                "unix": time.time(),
+                "version": version,
+                "reason": reason,
+            }
         if future is not None and not future.done():
             if isinstance(result, BaseException):
                 future.set_exception(result)

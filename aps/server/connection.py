@@ -75,8 +75,15 @@ class Connection:
             else is served; None: no authentication.
     """
 
-    def __init__(self, engine: Engine, transport: Transport, max_payload: int, registry: set,
-                 unix_path: str = "", token: bytes | None = None) -> None:
+    def __init__(
+        self,
+        engine: Engine,
+        transport: Transport,
+        max_payload: int,
+        registry: set,
+        unix_path: str = "",
+        token: bytes | None = None,
+    ) -> None:
         self.engine = engine
         self.transport = transport
         self.registry = registry
@@ -144,10 +151,13 @@ class Connection:
         if len(self.registry) >= limit:
             strangers = [c for c in self.registry if not c.trusted and not c.lost]
             if not strangers:
-                _refusals.warning(self.loop.time(), "refused a connection from %s: --max-connections %d reached",
-                                  self.peer, limit)
-                payload = encode_error(ServerOverloaded.code, f"the server has {limit} connections already "
-                                       "(--max-connections); try again later")
+                _refusals.warning(
+                    self.loop.time(), "refused a connection from %s: --max-connections %d reached", self.peer, limit
+                )
+                payload = encode_error(
+                    ServerOverloaded.code,
+                    f"the server has {limit} connections already (--max-connections); try again later",
+                )
                 self.transport.write(pack_header(Op.ERROR, 0, 0, 0, 0, 0, len(payload)) + payload)
                 self._silenced = True
                 self.close()
@@ -219,8 +229,9 @@ class Connection:
         self._lost = True
         self.reader.detach()
         if self._unlogged and not was_member:
-            _strangers.warning(self.loop.time(), "%s: closed; %d more warnings about it were not logged",
-                               self._who(), self._unlogged)
+            _strangers.warning(
+                self.loop.time(), "%s: closed; %d more warnings about it were not logged", self._who(), self._unlogged
+            )
         self.transport.release_leases()
         self.registry.discard(self)
 
@@ -376,9 +387,11 @@ class Connection:
             self._bad_in_row += 1
             if self._bad_in_row >= MAX_BAD_FRAMES:
                 self.warn("%d refused frames in a row: closing the connection", self._bad_in_row, force=True)
-                self.fatal(error.__class__(
-                    f"{error.message} ({self._bad_in_row} refused frames in a row: closing the connection)"
-                ))
+                self.fatal(
+                    error.__class__(
+                        f"{error.message} ({self._bad_in_row} refused frames in a row: closing the connection)"
+                    )
+                )
                 return
             # An error is a reply like any other: the next frame waits until it has left,
             # so a peer that sends bad frames and reads nothing fills no queue.
@@ -416,8 +429,9 @@ class Connection:
     def can_reply(self) -> bool:
         return self.transport.can_write() and not self._silenced
 
-    def reply(self, request: Request, op: int, *, clock: int = 0, version: int = 0, flags: int = 0,
-              payload: bytes = b"") -> None:
+    def reply(
+        self, request: Request, op: int, *, clock: int = 0, version: int = 0, flags: int = 0, payload: bytes = b""
+    ) -> None:
         if self.can_reply():
             live = self.engine.policy.num_live if self.member is not None else 0  # (said to workers only)
             frame = pack_header(op, flags, 0, request.rid, clock, version, len(payload), live) + payload
@@ -431,14 +445,33 @@ class Connection:
             self.transport.write_parts(parts, fds)
         self.done()
 
-    def reply_weights(self, request: Request, op: int, snap: Snapshot, clock: int, flags: int, rows: tuple,
-                      fds: tuple, narrowed: np.ndarray | None = None) -> None:
+    def reply_weights(
+        self,
+        request: Request,
+        op: int,
+        snap: Snapshot,
+        clock: int,
+        flags: int,
+        rows: tuple,
+        fds: tuple,
+        narrowed: np.ndarray | None = None,
+    ) -> None:
         if not self.can_reply():
             snap.release()
         else:
             try:
-                self.transport.send_weights(op, request.rid, snap, clock, flags, self.engine.policy.num_live, rows,
-                                            fds, narrowed, request.weights_dtype)
+                self.transport.send_weights(
+                    op,
+                    request.rid,
+                    snap,
+                    clock,
+                    flags,
+                    self.engine.policy.num_live,
+                    rows,
+                    fds,
+                    narrowed,
+                    request.weights_dtype,
+                )
             except Exception:  # out of descriptors, say: this connection cannot be answered
                 log.exception("%s: sending weights failed; dropping the connection", self._who())
                 snap.release()
@@ -535,8 +568,12 @@ class Connection:
         now = self.loop.time()
         if now - self._warn_window >= WARNING_WINDOW_S:
             if self._unlogged:
-                log.warning("%s: %d more warnings about it in the last %.0f s were not logged",
-                            self._who(), self._unlogged, now - self._warn_window)
+                log.warning(
+                    "%s: %d more warnings about it in the last %.0f s were not logged",
+                    self._who(),
+                    self._unlogged,
+                    now - self._warn_window,
+                )
             self._warn_window, self._warned, self._unlogged = now, 0, 0
         if self._warned < WARNINGS_PER_WINDOW or force:
             self._warned += 1

@@ -43,6 +43,7 @@ import ssl
 import time
 from collections import deque
 from collections.abc import Callable
+from typing import Literal, cast
 from urllib.parse import urlsplit
 
 from aiohttp import WSCloseCode, web
@@ -108,9 +109,26 @@ CLOSE_UNAUTHORIZED, CLOSE_TOO_MANY = 4401, 4429
 #: What a viewer gets of each worker (the per-gradient histograms stay out of the frames; its
 #: groups of optimizer values too: the frames carry their learning rates' ``lr_range``).
 _VIEWER_WORKER_KEYS = (
-    "rank", "live", "clock", "gap", "held", "credit", "pushes", "dropped", "rejected", "staleness_mean", "pulls",
-    "waits", "wait_s_total", "wait_s_mean", "wait_s_max", "r_star_hist", "max_release_gap", "last_interval_s",
-    "hyperparameters_own", "reported",
+    "rank",
+    "live",
+    "clock",
+    "gap",
+    "held",
+    "credit",
+    "pushes",
+    "dropped",
+    "rejected",
+    "staleness_mean",
+    "pulls",
+    "waits",
+    "wait_s_total",
+    "wait_s_mean",
+    "wait_s_max",
+    "r_star_hist",
+    "max_release_gap",
+    "last_interval_s",
+    "hyperparameters_own",
+    "reported",
 )
 
 
@@ -130,12 +148,20 @@ class HttpSide:
             curves; None: nothing.
     """
 
-    def __init__(self, config: ServerConfig, snapshot: Callable[[], dict], token: bytes | None, *,
-                 totals: Callable[[], dict] | None = None,
-                 events_after: Callable[[int], list[dict]] | None = None,
-                 tls: ssl.SSLContext | None = None, ready: Callable[[], str | None] = lambda: None,
-                 scalars: Scalars | None = None, throttle: AuthThrottle | None = None,
-                 auth_counts: dict[str, int] | None = None) -> None:
+    def __init__(
+        self,
+        config: ServerConfig,
+        snapshot: Callable[[], dict],
+        token: bytes | None,
+        *,
+        totals: Callable[[], dict] | None = None,
+        events_after: Callable[[int], list[dict]] | None = None,
+        tls: ssl.SSLContext | None = None,
+        ready: Callable[[], str | None] = lambda: None,
+        scalars: Scalars | None = None,
+        throttle: AuthThrottle | None = None,
+        auth_counts: dict[str, int] | None = None,
+    ) -> None:
         self.config = config
         # Wrong tokens are throttled as the TCP side's failed handshakes are, by the same
         # principals, in the same table and counters (the server's, when it hands them over).
@@ -181,10 +207,15 @@ class HttpSide:
         --token-file, or it is in ``token_file``, the file the server made it in."""
         if self._token is None:
             return None
-        where = (f"the first line of {token_file}" if token_file is not None
-                 else "the value of --token (or of the --token-file's first line)")
-        return (f"aps: the dashboard asks for the server's token: enter it on the page, or open "
-                f"{url}#token=TOKEN with {where}; the page takes it out of the address bar")
+        where = (
+            f"the first line of {token_file}"
+            if token_file is not None
+            else "the value of --token (or of the --token-file's first line)"
+        )
+        return (
+            f"aps: the dashboard asks for the server's token: enter it on the page, or open "
+            f"{url}#token=TOKEN with {where}; the page takes it out of the address bar"
+        )
 
     def _snapshot(self) -> dict:
         """The statistics, read at most once per SNAPSHOT_MAX_AGE_S whoever asks."""
@@ -218,16 +249,30 @@ class HttpSide:
         quiet = logging.getLogger("aps.http")
         if not any(isinstance(f, _OneLine) for f in quiet.filters):
             quiet.addFilter(_OneLine())
-        self._runner = web.AppRunner(self.app(), access_log=None, handle_signals=False, logger=quiet,
-                                     keepalive_timeout=KEEPALIVE_S, lingering_time=0, shutdown_timeout=1.0,
-                                     max_line_size=MAX_LINE_BYTES, max_field_size=MAX_LINE_BYTES,
-                                     max_headers=MAX_HEADERS)
+        self._runner = web.AppRunner(
+            self.app(),
+            access_log=None,
+            handle_signals=False,
+            logger=quiet,
+            keepalive_timeout=KEEPALIVE_S,
+            lingering_time=0,
+            shutdown_timeout=1.0,
+            max_line_size=MAX_LINE_BYTES,
+            max_field_size=MAX_LINE_BYTES,
+            max_headers=MAX_HEADERS,
+        )
         await self._runner.setup()
+        assert self._runner.server is not None, "aiohttp's runner has its server once set up"
         try:
             self._connections = _Connections(self._runner.server, MAX_CONNECTIONS)
             self._listener = await asyncio.get_running_loop().create_server(
-                self._connections, self.config.host, self.config.http_port, reuse_address=True, ssl=self._tls,
-                ssl_handshake_timeout=self.config.handshake_timeout if self._tls is not None else None)
+                self._connections,
+                self.config.host,
+                self.config.http_port,
+                reuse_address=True,
+                ssl=self._tls,
+                ssl_handshake_timeout=self.config.handshake_timeout if self._tls is not None else None,
+            )
         except BaseException:
             self._connections = None
             await self._runner.cleanup()
@@ -271,16 +316,20 @@ class HttpSide:
         if self._token is None and self._loopback and not _local_name(request.host):
             # Listening on loopback without a token: a page of another site that had its name
             # resolve to 127.0.0.1 (DNS rebinding) would otherwise read the run.
-            return web.json_response({"error": f"unknown Host {request.host!r}: use an address, or localhost"},
-                                     status=403)
+            return web.json_response(
+                {"error": f"unknown Host {request.host!r}: use an address, or localhost"}, status=403
+            )
         # The page and its files hold no data; the WebSocket proves the token itself.
         if self._token is not None and not _is_public(request.path):
             given = request.headers.get("Authorization", "")
             scheme, _, credential = given.partition(" ")
             if scheme.lower() != "bearer" or not await self._proved(credential.strip(), request.transport):
-                return web.json_response({"error": "this server needs its token: Authorization: Bearer TOKEN"},
-                                         status=401, headers={"WWW-Authenticate": 'Bearer realm="aps"'})
-        if conn is not None and (self._token is None or not _is_public(request.path)):
+                return web.json_response(
+                    {"error": "this server needs its token: Authorization: Bearer TOKEN"},
+                    status=401,
+                    headers={"WWW-Authenticate": 'Bearer realm="aps"'},
+                )
+        if conn is not None and self._connections is not None and (self._token is None or not _is_public(request.path)):
             self._connections.proved(conn)  # (a dashboard proves itself with its token message)
         response = await handler(request)
         if not response.prepared:  # (a WebSocket's answer went out already)
@@ -333,8 +382,9 @@ class HttpSide:
     async def _readyz(self, request: web.Request) -> web.Response:
         """Readiness: 200 while the server accepts workers, else 503 saying why."""
         reason = self._ready()
-        return web.Response(text="ready\n" if reason is None else f"not ready: {reason}\n",
-                            status=200 if reason is None else 503)
+        return web.Response(
+            text="ready\n" if reason is None else f"not ready: {reason}\n", status=200 if reason is None else 503
+        )
 
     async def _metrics(self, request: web.Request) -> web.Response:
         now = time.monotonic()
@@ -411,20 +461,22 @@ class HttpSide:
             sender.cancel()
         return ws
 
-    async def _admit(self, ws: web.WebSocketResponse, transport, conn: _Connection | None = None) -> _Viewer | None:
+    async def _admit(
+        self, ws: web.WebSocketResponse, transport: asyncio.Transport | None, conn: _Connection | None = None
+    ) -> _Viewer | None:
         """Read the token message; send the hello and return the new viewer, or refuse (None)."""
         try:
             message = await asyncio.wait_for(ws.receive(), HELLO_TIMEOUT_S)
             data = message.data if message.type == web.WSMsgType.TEXT else ""
             said = json.loads(data) if data.lstrip().startswith("{") else None  # no deep nesting to parse
             token = said.get("token", "") if isinstance(said, dict) else None
-        except (asyncio.TimeoutError, ValueError, RecursionError):
+        except (TimeoutError, ValueError, RecursionError):
             token = None
         if not isinstance(token, str) or not await self._proved(token, transport):
-            what = "this server needs its token" if self._token is not None else "send {\"token\": \"\"} first"
+            what = "this server needs its token" if self._token is not None else 'send {"token": ""} first'
             await _refuse(ws, CLOSE_UNAUTHORIZED, what)
             return None
-        if conn is not None:
+        if conn is not None and self._connections is not None:
             self._connections.proved(conn)
         if len(self._viewers) >= MAX_VIEWERS:
             await _refuse(ws, CLOSE_TOO_MANY, f"too many dashboards open (at most {MAX_VIEWERS})")
@@ -443,13 +495,20 @@ class HttpSide:
             # workers yet" beside a version of 192 until the first frame, half a second later).
             frame = self._build_frame()
             hello = {
-                "type": "hello", "run_id": frame["server"].get("run_id"), "aps_version": __version__,
-                "config": self.config.public(), "history": history, "events": events, "history_every_s": 1,
-                "rate_window_s": RATE_WINDOW_S, "server": frame["server"], "workers": frame["workers"],
+                "type": "hello",
+                "run_id": frame["server"].get("run_id"),
+                "aps_version": __version__,
+                "config": self.config.public(),
+                "history": history,
+                "events": events,
+                "history_every_s": 1,
+                "rate_window_s": RATE_WINDOW_S,
+                "server": frame["server"],
+                "workers": frame["workers"],
                 "warnings": frame["warnings"],
             }
             await asyncio.wait_for(ws.send_str(f'{_dumps(hello)[:-1]}, "curves": {curves}}}'), SEND_TIMEOUT_S)
-        except (asyncio.TimeoutError, ConnectionError, RuntimeError):
+        except (TimeoutError, ConnectionError, RuntimeError):
             self._viewers.discard(viewer)
             viewer.transport_abort()
             return None
@@ -478,10 +537,12 @@ class HttpSide:
                     viewer.point_seq = points[-1]["seq"]
                 if events:
                     viewer.event_seq = events[-1]["seq"]
-                text = (frame["text"][:-1] + f', "points": {_dumps(points)}, "events": {_dumps(events)}, '
-                        f'"scalars": {_dumps(scalars)}}}')
+                text = (
+                    frame["text"][:-1] + f', "points": {_dumps(points)}, "events": {_dumps(events)}, '
+                    f'"scalars": {_dumps(scalars)}}}'
+                )
                 await asyncio.wait_for(viewer.ws.send_str(text), SEND_TIMEOUT_S)
-        except asyncio.TimeoutError:
+        except TimeoutError:
             log.info("a dashboard took no frame for %g s: cut off", SEND_TIMEOUT_S)
             viewer.transport_abort()
         except (ConnectionError, RuntimeError):  # closed meanwhile
@@ -495,8 +556,10 @@ class HttpSide:
         server = stats["server"]
         if server.get("tables"):
             server = {**server, "tables": self._row_rates.rated(server)}  # (the shared snapshot stays as it is)
-        workers = [{**{key: w.get(key) for key in _VIEWER_WORKER_KEYS}, "lr_range": lr_range(w.get("hyperparameters"))}
-                   for w in stats["workers"]]
+        workers = [
+            {**{key: w.get(key) for key in _VIEWER_WORKER_KEYS}, "lr_range": lr_range(w.get("hyperparameters"))}
+            for w in stats["workers"]
+        ]
         warnings = stats.get("warnings", [])
         text = _dumps({"type": "stats", "server": server, "workers": workers, "warnings": warnings})
         return {"server": server, "workers": workers, "warnings": warnings, "text": text}
@@ -511,11 +574,11 @@ class HttpSide:
 
     async def _close_viewers(self, app: web.Application) -> None:
         """The server stops: each dashboard is told so (close code 1001, "going away")."""
+
         async def close(viewer: _Viewer) -> None:
             try:
-                await asyncio.wait_for(viewer.ws.close(code=WSCloseCode.GOING_AWAY, message=b"the server stopped"),
-                                       1.0)
-            except (asyncio.TimeoutError, ConnectionError, RuntimeError):
+                await asyncio.wait_for(viewer.ws.close(code=WSCloseCode.GOING_AWAY, message=b"the server stopped"), 1.0)
+            except (TimeoutError, ConnectionError, RuntimeError):
                 pass
             viewer.transport_abort()
 
@@ -558,17 +621,21 @@ class HttpSide:
         staleness_n = totals["staleness_n"] - before["staleness_n"]
         pulls = totals["pulls"] - before["pulls"]
         self._point_seq += 1
-        self._history.append({
-            "seq": self._point_seq,
-            "t": time.time(),
-            "version": totals["version"],
-            # over the last RATE_WINDOW_S seconds, as the statistics' updates_per_s: a chart and a
-            # header beside it showing 0.0 and 1.2 at one moment tell a reader nothing
-            "updates_per_s": max(0, totals["version"] - version_then) / max(now - since, 1e-6),
-            "staleness_mean": (totals["staleness_sum"] - before["staleness_sum"]) / staleness_n if staleness_n else None,
-            "gate_wait_ms": 1e3 * (totals["wait_s"] - before["wait_s"]) / pulls if pulls else None,
-            "live": totals["live"],
-        })
+        self._history.append(
+            {
+                "seq": self._point_seq,
+                "t": time.time(),
+                "version": totals["version"],
+                # over the last RATE_WINDOW_S seconds, as the statistics' updates_per_s: a chart and a
+                # header beside it showing 0.0 and 1.2 at one moment tell a reader nothing
+                "updates_per_s": max(0, totals["version"] - version_then) / max(now - since, 1e-6),
+                "staleness_mean": (totals["staleness_sum"] - before["staleness_sum"]) / staleness_n
+                if staleness_n
+                else None,
+                "gate_wait_ms": 1e3 * (totals["wait_s"] - before["wait_s"]) / pulls if pulls else None,
+                "live": totals["live"],
+            }
+        )
 
 
 class _Viewer:
@@ -576,7 +643,7 @@ class _Viewer:
 
     __slots__ = ("ws", "transport", "wake", "point_seq", "event_seq", "scalar_seq")
 
-    def __init__(self, ws: web.WebSocketResponse, transport: asyncio.BaseTransport | None) -> None:
+    def __init__(self, ws: web.WebSocketResponse, transport: asyncio.Transport | None) -> None:
         self.ws = ws
         self.transport = transport
         self.wake = asyncio.Event()
@@ -591,7 +658,9 @@ class _Viewer:
 
 #: On every answer: no framing by other sites, no content sniffing, nothing loaded from elsewhere.
 _SECURITY_HEADERS = {
-    "Content-Security-Policy": "default-src 'self'; img-src 'self' data:; frame-ancestors 'none'; base-uri 'none'; form-action 'self'",
+    "Content-Security-Policy": (
+        "default-src 'self'; img-src 'self' data:; frame-ancestors 'none'; base-uri 'none'; form-action 'self'"
+    ),
     "X-Content-Type-Options": "nosniff",
     "X-Frame-Options": "DENY",
     "Referrer-Policy": "no-referrer",
@@ -630,8 +699,12 @@ class _OneLine(logging.Filter):
 
     def filter(self, record: logging.LogRecord) -> bool:
         error = record.exc_info[1] if record.exc_info else None
-        self._limit.warning(time.monotonic(), "HTTP side: %s%s", record.getMessage(),
-                            f": {type(error).__name__}: {str(error)[:200]}" if error is not None else "")
+        self._limit.warning(
+            time.monotonic(),
+            "HTTP side: %s%s",
+            record.getMessage(),
+            f": {type(error).__name__}: {str(error)[:200]}" if error is not None else "",
+        )
         return False
 
 
@@ -639,7 +712,7 @@ async def _refuse(ws: web.WebSocketResponse, code: int, error: str) -> None:
     try:
         await asyncio.wait_for(ws.send_str(json.dumps({"type": "error", "code": code, "error": error})), 1.0)
         await asyncio.wait_for(ws.close(code=code, message=error.encode()[:120]), 1.0)
-    except (asyncio.TimeoutError, ConnectionError, RuntimeError):
+    except (TimeoutError, ConnectionError, RuntimeError):
         pass
 
 
@@ -698,11 +771,13 @@ class _Connections:
     def __call__(self) -> asyncio.BaseProtocol:
         now = time.monotonic()
         if len(self.open) >= self._limit:
-            idle = next((c for c in self.open if not c.proven and not c.busy), None) \
-                or next((c for c in self.open if not c.busy), None)
+            idle = next((c for c in self.open if not c.proven and not c.busy), None) or next(
+                (c for c in self.open if not c.busy), None
+            )
             if idle is None:
-                self._log.warning(now, "HTTP side: %d connections, each in a request: one more refused (503)",
-                                  len(self.open))
+                self._log.warning(
+                    now, "HTTP side: %d connections, each in a request: one more refused (503)", len(self.open)
+                )
                 return _Refusal()
             self._evict(idle, now, f"{self._limit} connections open: the oldest between requests was closed")
         conn = _Connection(self._server(), self, now)
@@ -723,8 +798,12 @@ class _Connections:
         for conn in old:
             conn.shut(abort=True)
         if old:
-            self._log.warning(now, "HTTP side: %d connection(s) that made no request closed: strangers have %d "
-                              "places", len(old), MAX_UNPROVEN)
+            self._log.warning(
+                now,
+                "HTTP side: %d connection(s) that made no request closed: strangers have %d places",
+                len(old),
+                MAX_UNPROVEN,
+            )
         if self.unproven > MAX_UNPROVEN:  # the younger ones get their grace, then the same
             self._trim = asyncio.get_running_loop().call_later(UNPROVEN_GRACE_S, self._trim_unproven)
 
@@ -766,8 +845,12 @@ class _Connections:
             for conn in late:
                 conn.shut(abort=True)
             if late:
-                self._log.warning(now, "HTTP side: %d connection(s) closed: no complete request within %g s",
-                                  len(late), HEADER_TIMEOUT_S)
+                self._log.warning(
+                    now,
+                    "HTTP side: %d connection(s) closed: no complete request within %g s",
+                    len(late),
+                    HEADER_TIMEOUT_S,
+                )
             if self.freed_bytes >= TRIM_AFTER_BYTES and now - last_trim >= TRIM_EVERY_S:
                 self.freed_bytes, last_trim = 0, now
                 _give_memory_back()
@@ -822,6 +905,7 @@ class _Connection(asyncio.Protocol):
 
     def _answer(self, status: bytes) -> None:
         """Refuse what it sends (aiohttp never sees it), and close."""
+        assert self.transport is not None, "bytes arrive only after connection_made"
         self.transport.write(b"HTTP/1.1 " + status + b"\r\nConnection: close\r\nContent-Length: 0\r\n\r\n")
         self.shut(abort=False)
 
@@ -874,18 +958,21 @@ def _give_memory_back() -> None:
         _MALLOC_TRIM = False
         try:
             libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
-            _MALLOC_TRIM = libc.malloc_trim
-            _MALLOC_TRIM.argtypes, _MALLOC_TRIM.restype = [ctypes.c_size_t], ctypes.c_int
+            trim = libc.malloc_trim
+            trim.argtypes, trim.restype = [ctypes.c_size_t], ctypes.c_int
+            _MALLOC_TRIM = trim
         except (OSError, AttributeError):  # not glibc (musl, macOS): nothing to do
             _MALLOC_TRIM = False
     if _MALLOC_TRIM:
         _MALLOC_TRIM(0)
 
 
-_MALLOC_TRIM = None
+#: glibc's malloc_trim (False: there is none; None: not looked for yet).
+_MALLOC_TRIM: Callable[[int], int] | Literal[False] | None = None
 
 
 class _Refusal(asyncio.Protocol):
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        transport = cast(asyncio.Transport, transport)  # (a listener's: a stream transport)
         transport.write(b"HTTP/1.1 503 Service Unavailable\r\nConnection: close\r\nContent-Length: 0\r\n\r\n")
         transport.close()

@@ -94,9 +94,11 @@ def _ask_kernel(peer: tuple, local: tuple) -> int:
     with socket.socket(socket.AF_NETLINK, socket.SOCK_DGRAM, _NETLINK_SOCK_DIAG) as diag:
         diag.settimeout(1.0)
         for family, source, destination in families:
-            request = (_REQUEST.pack(family, socket.IPPROTO_TCP, 0, 0xFFFFFFFF)
-                       + _SOCKID.pack(peer[1], local[1], source, destination)
-                       + _SOCKID_TAIL.pack(0, _NO_COOKIE, _NO_COOKIE))
+            request = (
+                _REQUEST.pack(family, socket.IPPROTO_TCP, 0, 0xFFFFFFFF)
+                + _SOCKID.pack(peer[1], local[1], source, destination)
+                + _SOCKID_TAIL.pack(0, _NO_COOKIE, _NO_COOKIE)
+            )
             diag.send(_NLMSG.pack(_NLMSG.size + len(request), _SOCK_DIAG_BY_FAMILY, _NLM_F_REQUEST, 1, 0) + request)
             answer = diag.recv(8192)
             _, kind, _, _, _ = _NLMSG.unpack_from(answer)
@@ -107,7 +109,7 @@ def _ask_kernel(peer: tuple, local: tuple) -> int:
                 raise OSError(-code, "sock_diag refused the question")
             if kind != _SOCK_DIAG_BY_FAMILY or len(answer) < _NLMSG.size + _MESSAGE.size:
                 raise OSError(errno.EPROTO, "sock_diag answered something else")
-            _, state, _, _, _, _, _, uid, inode = _MESSAGE.unpack_from(answer, _NLMSG.size)
+            _, _, _, _, _, _, _, uid, inode = _MESSAGE.unpack_from(answer, _NLMSG.size)
             return uid if inode else GONE  # (TIME_WAIT, orphaned: no process holds it)
     return GONE  # (asked in every family: no such socket, it is closed and gone)
 

@@ -11,15 +11,12 @@ from __future__ import annotations
 import asyncio
 import errno
 import logging
-import os
-import shutil
 import signal
 import sys
-import tempfile
 import threading
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
-from typing import Any
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import numpy as np
 
@@ -30,42 +27,44 @@ from .engine.lane import run_kernel
 from .engine.optim import check_kernel_values
 from ..checkpoint import (
     checkpoint_key,
-    list_checkpoints,
-    read_checkpoint,
-    read_manifest,
 )
 from ..wire.tokens import new_token, remove_token_file, token_path, write_token_file
-from ..config import (ServerConfig, generates_token,
-                      parse_compensation, resolve_token)
-from ..errors import APSError, CheckpointError, CheckpointFailed, ConfigurationError, ShuttingDown
+from ..config import ServerConfig, generates_token, parse_compensation, resolve_token
+from ..errors import APSError, CheckpointFailed, ConfigurationError, ShuttingDown
 from ..wire.protocol import encode_join_progress
 from ..wire.net import server_context
 from ..wire.net import connect_failure, format_address
-from ..wire.segments import Segment, default_socket_path, shm_available
+from ..wire.segments import Segment, shm_available
 from .admission import Connections
 from .connection import Connection
-from .shm import ShmTransport, UnixListener
-from .resume import REWOUND_LINEAGE, Resume
+from .shm import ShmTransport, UnixListener, listen_unix
+from .resume import Resume, Rewind
 from .tcp import TcpTransport
+
+if TYPE_CHECKING:
+    from .engine.engine import Answer
+    from .http import HttpSide
 
 __all__ = ["Server", "new_event_loop"]
 
 log = logging.getLogger("aps.server")
 
+_T = TypeVar("_T")
+
 # Workers waiting in INIT hear who has joined soon after each change (changes
 # close together are told once) and every few seconds in any case.
 _JOIN_PROGRESS_EVERY_S = 2.0
 _JOIN_PROGRESS_COALESCE_S = 0.2
-# A rewind's reply leaves before the process restarts.
-_REWIND_REPLY_S = 0.1
 
 
 def _busy_hint(exc: OSError, flag: str) -> str:
     """What to do about a port in use: the likely cause and the way out."""
     if exc.errno != errno.EADDRINUSE:
         return ""
-    return (f" (another aps server may be running there: stop it, choose another {flag}, or give {flag} 0 to "
-            "pick a free port, printed when it starts)")
+    return (
+        f" (another aps server may be running there: stop it, choose another {flag}, or give {flag} 0 to "
+        "pick a free port, printed when it starts)"
+    )
 
 
 def new_event_loop() -> asyncio.AbstractEventLoop:
@@ -101,9 +100,9 @@ class Server:
         # or with a config object, the fields that differ from the defaults.
         self._given = given if given is not None else (set(options) if options or config is None else None)
         self.checkpointer: Checkpointer | None = None
-        self.http = None  # the HTTP side (aps.server.http.HttpSide), with --http-port
+        self.http: HttpSide | None = None  # the HTTP side, with --http-port
         self.engine: Engine | None = None
-        self.connections: set = Connections()
+        self.connections = Connections()
         self._loop: asyncio.AbstractEventLoop | None = None
         self._listener: asyncio.base_events.Server | None = None
         self._executor: ThreadPoolExecutor | None = None
@@ -112,9 +111,7 @@ class Server:
         self._progress: asyncio.Task | None = None
         self._quorum_deadline: asyncio.TimerHandle | None = None  # (elastic: see _quorum_changed)
         self._unix: UnixListener | None = None
-        self._unix_directory: str | None = None  # a private directory made for the Unix socket (see _listen_unix)
         self._port: int | None = None
-        self._rewinding: tuple[int, str] | None = None  # (version, path): what a REWIND restarts this process from
         self._resume = Resume(self._given, None)  # (its key is known at start)
         #: The Unix socket co-located workers reach the server by ("" without one).
         self.unix_path = ""
@@ -170,43 +167,55 @@ class Server:
             self._resume.release()
             raise
         loop = self._loop = asyncio.get_running_loop()
-        self._stopping = asyncio.Event()
-        self._executor = ThreadPoolExecutor(1, thread_name_prefix="aps-update")
+        stopping = self._stopping = asyncio.Event()
+        executor = self._executor = ThreadPoolExecutor(1, thread_name_prefix="aps-update")
         config = self.config
         shared = config.unix_socket != "none" and shm_available()
         allocate = (
             (lambda numel, populate=False: Segment.create(numel, "aps-slot", shared_read_only=True, populate=populate))
-            if shared else None
+            if shared
+            else None
         )
-        self.engine = Engine(config, offload=self._offload, allocate=allocate, background=self._background)
-        self.engine.membership.on_quorum = self._quorum_changed
+        engine = self.engine = Engine(config, offload=self._offload, allocate=allocate, background=self._background)
+        engine.membership.on_quorum = self._quorum_changed
         try:
             if checkpoint is not None:
-                self.engine.durability.restore(checkpoint)
-                await self._resume.take_up(self.engine, checkpoint, config, token)
+                engine.durability.restore(checkpoint)
+                await self._resume.take_up(engine, checkpoint, config, token)
             if config.checkpoint_dir is not None:
                 if self._resume.holds(config.checkpoint_dir):
                     # The checkpointer takes the same lock on the same file (a second flock of
                     # one file conflicts even within a process): it holds the directory from now.
                     self._resume.release()
-                self.checkpointer = Checkpointer(config, self.engine, key=self._checkpoint_key)
+                self.checkpointer = Checkpointer(config, engine, key=self._checkpoint_key)
                 self.checkpointer.start()
-                self.engine.request_checkpoint = self.checkpointer.request
-                self.engine.request_rewind = self._request_rewind
+                engine.request_checkpoint = self.checkpointer.request
+                rewind = Rewind(
+                    engine,
+                    config.checkpoint_dir,
+                    lambda: self.restart_command,
+                    self._stop_listening,
+                    self._restart_options,
+                )
+                engine.request_rewind = rewind.request
         except BaseException:
-            self._executor.shutdown(wait=False)
+            executor.shutdown(wait=False)
             self._resume.release()
-            if self.engine.model.table is not None:
-                self.engine.model.table.close()
+            if engine.model.table is not None:
+                engine.model.table.close()
             raise
         max_payload = config.max_frame_bytes
-        engine, traffic = self.engine, self.engine.stats.traffic
+        traffic = engine.stats.traffic
         tls = server_context(config.tls_cert, config.tls_key, config.tls_ca) if config.tls_cert else None
         try:
             self._listener = await loop.create_server(
-                lambda: TcpTransport(traffic["tcp"], config.heartbeat_timeout,
-                                     lambda transport: Connection(engine, transport, max_payload, self.connections,
-                                                                  self.unix_path, token)),
+                lambda: TcpTransport(
+                    traffic["tcp"],
+                    config.heartbeat_timeout,
+                    lambda transport: Connection(
+                        engine, transport, max_payload, self.connections, self.unix_path, token
+                    ),
+                ),
                 config.host,
                 config.port,
                 reuse_address=True,
@@ -215,21 +224,31 @@ class Server:
             )
         except OSError as exc:
             await self._abandon_start()
-            raise ConfigurationError(f"cannot listen on {config.host}:{config.port}: "
-                                     f"{connect_failure(config.host, exc)}{_busy_hint(exc, '--port')}") from None
-        self._port = self._listener.sockets[0].getsockname()[1]
-        self.engine.durability.address = self.address
+            raise ConfigurationError(
+                f"cannot listen on {config.host}:{config.port}: "
+                f"{connect_failure(config.host, exc)}{_busy_hint(exc, '--port')}"
+            ) from None
+        port = self._port = self._listener.sockets[0].getsockname()[1]
+        engine.durability.address = self.address
         try:
-            self._publish_token(token if generated else None)
+            self._publish_token(port, token if generated else None)
         except ConfigurationError:
             self._listener.close()
             await self._abandon_start()
             raise
         if shared:
             try:
-                self._unix = self._listen_unix(lambda sock: ShmTransport(
-                    sock, traffic["shm"], max_payload, self._table_slots,
-                    lambda transport: Connection(engine, transport, max_payload, self.connections, token=token)))
+                self._unix = listen_unix(
+                    config.unix_socket,
+                    port,
+                    lambda sock: ShmTransport(
+                        sock,
+                        traffic["shm"],
+                        max_payload,
+                        self._table_slots,
+                        lambda transport: Connection(engine, transport, max_payload, self.connections, token=token),
+                    ),
+                )
             except ConfigurationError:
                 self._listener.close()
                 await self._abandon_start()
@@ -238,26 +257,33 @@ class Server:
         if config.http_port is not None:
             from .http import HttpSide
 
-            stats = self.engine.stats
+            stats = engine.stats
             # The token guards the HTTP side too, made here or given: what the run is (its id, its
             # workers, its curves) is no business of the host's other users.
-            self.http = HttpSide(config, self.engine.stats_snapshot, token, tls=tls,
-                                 totals=lambda: self.engine.stats_totals(), events_after=stats.events_after,
-                                 ready=lambda: "the server is stopping" if self._stopping.is_set() else None,
-                                 scalars=self.engine.scalars, throttle=self.connections.guard.throttle,
-                                 auth_counts=stats.auth)
+            http = self.http = HttpSide(
+                config,
+                engine.stats_snapshot,
+                token,
+                tls=tls,
+                totals=engine.stats_totals,
+                events_after=stats.events_after,
+                ready=lambda: "the server is stopping" if stopping.is_set() else None,
+                scalars=engine.scalars,
+                throttle=self.connections.guard.throttle,
+                auth_counts=stats.auth,
+            )
             try:
-                await self.http.start()
+                await http.start()
             except OSError as exc:
                 self._listener.close()
                 self._close_unix()
                 await self._abandon_start()
                 raise ConfigurationError(
                     f"cannot listen on {config.host}:{config.http_port} (--http-port): "
-                    f"{connect_failure(config.host, exc)}{_busy_hint(exc, '--http-port')}") from None
+                    f"{connect_failure(config.host, exc)}{_busy_hint(exc, '--http-port')}"
+                ) from None
         self._watchdog = loop.create_task(self._watch_connections(self.config.heartbeat_timeout))
-        self._progress = loop.create_task(self._report_join_progress())
-        engine = self.engine
+        self._progress = loop.create_task(self._report_join_progress(engine))
         resumed = engine.durability.resumed_from is not None
         if resumed and config.elastic and not (config.shards > 1 and config.sync == "bsp"):
             # A resumed elastic run waits for its checkpoint's ranks this long, then for any MIN
@@ -267,124 +293,60 @@ class Server:
             "listening on %s%s%s: %s workers, sync %s, optimizer %s lr=%g; %s",
             self.address,
             f" and {self.unix_path} (shared memory)" if self.unix_path else "",
-            (f" (a token is required: made for this run, in {self.token_file}, where this user's workers and "
-             "aps status find it)" if self.token_file else " (a token is required)") if token is not None
+            (
+                f" (a token is required: made for this run, in {self.token_file}, where this user's workers and "
+                "aps status find it)"
+                if self.token_file
+                else " (a token is required)"
+            )
+            if token is not None
             else " (no token: anyone who reaches the port can join)",
             self.config.describe_workers(),
             self.config.sync,
             self.config.optimizer,
             self.config.lr,
-            self.engine.model.table_memory.describe(),
+            engine.model.table_memory.describe(),
         )
 
-    # Rewinding (REWIND: a sharded BSP worker brings every shard back to one round) ----------
-    def _request_rewind(self, version: int | None) -> asyncio.Future:
-        return asyncio.get_running_loop().create_task(self._rewind(version))
-
-    async def _rewind(self, version: int | None) -> dict:
-        """With ``version`` None: the versions of this run's checkpoints. Else restart this
-        process from the checkpoint of this run at ``version`` (after the reply has gone):
-        every worker loses its connection and rejoins, as after a crash and ``--resume``."""
-        engine, directory = self.engine, self.config.checkpoint_dir
-        found = await asyncio.to_thread(_run_checkpoints, directory, engine.durability.run_id)
-        if version is None:
-            return {"versions": sorted(found), "version": engine.version}
-        if self._rewinding is not None:  # another worker asked first
-            if self._rewinding[0] != version:
-                raise CheckpointFailed(f"this server is restarting from version {self._rewinding[0]} already")
-            return {"rewound": True, "version": version, "path": self._rewinding[1]}
-        if version == engine.version:
-            return {"rewound": False, "version": version}
-        if version > engine.version:
-            raise CheckpointFailed(f"cannot rewind to version {version}: this server is at {engine.version}")
-        if version not in found:
-            raise CheckpointFailed(f"no checkpoint of this run at version {version} in {directory}")
-        if self.restart_command is None:
-            raise CheckpointFailed("this server cannot rewind: only an `aps serve` process restarts itself")
-        path = found[version]
-        try:
-            await asyncio.to_thread(read_checkpoint, path)  # intact, or the process would not come back
-        except CheckpointError as exc:
-            raise CheckpointFailed(f"cannot rewind to version {version}: {exc}") from None
-        if self._rewinding is not None:  # another worker's request won meanwhile
-            return await self._rewind(version)
-        self._rewinding = (version, path)
-        # No new connection reaches this process: the next ones reach the restarted one.
+    def _stop_listening(self) -> bool:
+        """No new connection reaches this process (a rewind restarts it); False: it was stopping."""
+        if self._listener is None:
+            return False
         self._listener.close()
         self._close_unix()
-        log.warning("rewinding to version %d (from %d): restarting from %s", version, engine.version, path)
-        asyncio.get_running_loop().call_later(_REWIND_REPLY_S, self._restart, path)
-        return {"rewound": True, "version": version, "path": path}
+        return True
 
-    def _restart(self, path: str) -> None:
-        """Replace this process with ``aps serve`` resumed from ``path``, on the same ports (the
-        descriptors close on exec; so does the checkpoint directory's lock)."""
-        command = [*self.restart_command, "--port", str(self._port), "--resume", path]
+    def _restart_options(self) -> list[str]:
+        """What a restarted process is told to listen on: the same ports."""
+        options = ["--port", str(self._port)]
         if self.http is not None and self.http.port is not None:
-            command += ["--http-port", str(self.http.port)]
-        os.environ[REWOUND_LINEAGE] = self.engine.durability.lineage_text
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os.execv(command[0], command)
+            options += ["--http-port", str(self.http.port)]
+        return options
 
     def _table_slots(self) -> set[int]:
         """The ids of the weights table's snapshot slots now (a shared-memory worker's mapped ones go)."""
+        assert self.engine is not None, "the shared-memory listener starts after the engine"
         table = self.engine.model.table
         return table.slot_ids() if table is not None else set()
 
-    def _listen_unix(self, on_connection: Callable) -> UnixListener | None:
-        """The Unix socket co-located workers reach the server by (shared memory): at
-        ``--unix-socket PATH`` (or a ConfigurationError saying why not); with ``auto``, in this
-        user's private directory (:func:`default_socket_path`), else, when that cannot be
-        used (another local user made it first, say), in a fresh private directory beside it;
-        else none, with a warning: co-located workers then use TCP."""
-        config = self.config
-        if config.unix_socket != "auto":
-            try:
-                return UnixListener(config.unix_socket, on_connection)
-            except (OSError, ConfigurationError) as exc:
-                raise ConfigurationError(f"cannot listen on {config.unix_socket}: {exc}") from None
-        path = default_socket_path(self._port)
-        try:
-            return UnixListener(path, on_connection, sweep=True)
-        except (OSError, ConfigurationError) as exc:
-            refused = exc
-        base = os.path.dirname(os.path.dirname(path))
-        directory = None
-        try:
-            directory = tempfile.mkdtemp(prefix=f"aps-{os.getuid()}-", dir=base)  # (made private, 0700, ours)
-            listener = UnixListener(os.path.join(directory, f"{self._port}.sock"), on_connection)
-        except (OSError, ConfigurationError) as exc:
-            if directory is not None:
-                _remove_directory(directory)
-            log.warning("cannot use %s (%s), nor a new private directory in %s (%s): no shared memory; workers on "
-                        "this host use TCP", path, refused, base, exc)
-            return None
-        log.warning("cannot use %s (%s): the Unix socket for shared memory is %s instead (workers learn it when they "
-                    "connect)", path, refused, listener.path)
-        self._unix_directory = directory
-        return listener
-
     def _close_unix(self) -> None:
-        """Stop listening on the Unix socket; remove the directory made for it, if any."""
+        """Stop listening on the Unix socket (and remove the directory made for it, if any)."""
         if self._unix is not None:
             self._unix.close()
             self._unix = None
-        if self._unix_directory is not None:
-            _remove_directory(self._unix_directory)
-            self._unix_directory = None
 
-    def _publish_token(self, token: bytes | None) -> None:
+    def _publish_token(self, port: int, token: bytes | None) -> None:
         """Write the token this server made to its file (see :mod:`aps.wire.tokens`); without
         one, remove a file left at this address by a server that is gone (this one
         holds the port now: that token is no one's)."""
         if token is not None:
-            self.token_file = write_token_file(self.config.host, self._port, token.decode("utf-8"))
+            self.token_file = write_token_file(self.config.host, port, token.decode("utf-8"))
         else:
-            remove_token_file(token_path(self.config.host, self._port), None)
+            remove_token_file(token_path(self.config.host, port), None)
 
     def _unpublish_token(self) -> None:
         if self.token_file is not None:
+            assert self._token is not None, "a token file is written only with the token made for it"
             remove_token_file(self.token_file, self._token.decode("utf-8"))
             self.token_file = None
 
@@ -394,10 +356,13 @@ class Server:
             await self.checkpointer.close_without_checkpoint()
             self.checkpointer = None
         self._resume.release()
+        assert self._executor is not None, "a start is abandoned after its executor was made"
         self._executor.shutdown(wait=False)
 
     async def wait_stopped(self) -> None:
         """Wait until :meth:`stop` is called."""
+        if self._stopping is None:
+            raise APSError("the server is not running")
         await self._stopping.wait()
 
     def stats(self, timeout: float = 10.0) -> dict:
@@ -409,7 +374,7 @@ class Server:
             histogram, time waited at the gate, DSSP ``r*`` histogram and last
             iteration interval.
         """
-        return self._on_loop(lambda: self.engine.stats_snapshot(), timeout)
+        return self._on_loop(lambda engine: engine.stats_snapshot(), timeout)
 
     def weights(self, timeout: float = 10.0) -> tuple[int, np.ndarray | None]:
         """A copy of the current weights (flat float32, in the model's order) and their version.
@@ -417,8 +382,8 @@ class Server:
         Safe from any thread; ``(0, None)`` before the first worker joined.
         """
 
-        def grab() -> tuple[int, np.ndarray | None]:
-            table = self.engine.model.table
+        def grab(engine: Engine) -> tuple[int, np.ndarray | None]:
+            table = engine.model.table
             return (0, None) if table is None else (table.version, table.current_array().copy())
 
         return self._on_loop(grab, timeout)
@@ -444,23 +409,26 @@ class Server:
         except RuntimeError:
             running = None
         if running is loop:
-            raise APSError("Server.checkpoint() waits for the write, so it cannot run on the server's own loop: "
-                           "call it from another thread, or await server.checkpointer.request()")
+            raise APSError(
+                "Server.checkpoint() waits for the write, so it cannot run on the server's own loop: "
+                "call it from another thread, or await server.checkpointer.request()"
+            )
         return asyncio.run_coroutine_threadsafe(request(), loop).result(timeout)
 
-    def _on_loop(self, fn, timeout: float):
-        loop = self._loop
-        if loop is None or self.engine is None:
+    def _on_loop(self, fn: Callable[[Engine], _T], timeout: float) -> _T:
+        """``fn(engine)`` on the server's loop, from any thread."""
+        loop, engine = self._loop, self.engine
+        if loop is None or engine is None:
             raise APSError("the server is not running")
         try:
             running = asyncio.get_running_loop()
         except RuntimeError:
             running = None
         if running is loop:
-            return fn()
+            return fn(engine)
 
-        async def call():
-            return fn()
+        async def call() -> _T:
+            return fn(engine)
 
         return asyncio.run_coroutine_threadsafe(call(), loop).result(timeout)
 
@@ -481,29 +449,44 @@ class Server:
         if deadline is not None:
             deadline.cancel()
         if below:
+            assert self._loop is not None, "the engine that calls this is made in start, on the loop"
             self._quorum_deadline = self._loop.call_later(self.config.quorum_timeout, self._quorum_expired)
 
     def _quorum_expired(self) -> None:
         self._quorum_deadline = None
         engine, timeout = self.engine, self.config.quorum_timeout
+        assert engine is not None, "the quorum's deadline is set by the engine, made in start"
         if not engine.roster.below_quorum:
             return
-        if engine.request_checkpoint is None:
-            log.warning("training has held for %.0f s with %d of MIN=%d workers live; no --checkpoint-dir, so no "
-                        "checkpoint: still waiting", timeout, engine.policy.num_live, engine.membership.quorum)
+        request_checkpoint = engine.request_checkpoint
+        if request_checkpoint is None:
+            log.warning(
+                "training has held for %.0f s with %d of MIN=%d workers live; no --checkpoint-dir, so no "
+                "checkpoint: still waiting",
+                timeout,
+                engine.policy.num_live,
+                engine.membership.quorum,
+            )
             return
-        log.warning("training has held for %.0f s with %d of MIN=%d workers live: checkpointing, then still waiting",
-                    timeout, engine.policy.num_live, engine.membership.quorum)
+        log.warning(
+            "training has held for %.0f s with %d of MIN=%d workers live: checkpointing, then still waiting",
+            timeout,
+            engine.policy.num_live,
+            engine.membership.quorum,
+        )
 
-        def written(future) -> None:
+        def written(future: Answer) -> None:
             exc = future.exception()
             if exc is not None:
                 log.error("the checkpoint taken while training holds failed: %s", exc)
             else:
-                log.warning("checkpoint %s written at version %d while training holds; waiting for workers",
-                            future.result()["path"], future.result()["version"])
+                log.warning(
+                    "checkpoint %s written at version %d while training holds; waiting for workers",
+                    future.result()["path"],
+                    future.result()["version"],
+                )
 
-        engine.request_checkpoint("quorum").add_done_callback(written)
+        request_checkpoint("quorum").add_done_callback(written)
 
     async def close(self) -> None:
         """Stop listening, tell every connection and close it, stop the helper thread."""
@@ -552,10 +535,14 @@ class Server:
         (they wait for it); without, nothing can take the run up again (their calls end)."""
         directory = self.config.checkpoint_dir if self.checkpointer is not None else None
         if directory is None:
-            return ShuttingDown("the server is shutting down, for good: it keeps no checkpoints (no "
-                                "--checkpoint-dir), so no server can take this run up again"), False
-        return ShuttingDown(f"the server is shutting down; it checkpoints to {directory}, and a server resumed from "
-                            f"there (aps serve --checkpoint-dir {directory} --resume) takes its workers back"), True
+            return ShuttingDown(
+                "the server is shutting down, for good: it keeps no checkpoints (no "
+                "--checkpoint-dir), so no server can take this run up again"
+            ), False
+        return ShuttingDown(
+            f"the server is shutting down; it checkpoints to {directory}, and a server resumed from "
+            f"there (aps serve --checkpoint-dir {directory} --resume) takes its workers back"
+        ), True
 
     async def serve(self, announce: Callable[[str], None] | None = None) -> None:
         """Start, call ``announce(address)``, serve until :meth:`stop`, then close."""
@@ -601,9 +588,10 @@ class Server:
     # Internals ------------------------------------------------------------
     def _announce(self, address: str) -> None:
         _print_address(address)
-        if self.http_address is not None:
-            sys.stdout.write(f"aps: dashboard on {self.http_address}\n")
-            if (hint := self.http.token_hint(self.http_address, self.token_file)) is not None:
+        dashboard = self.http_address
+        if self.http is not None and dashboard is not None:
+            sys.stdout.write(f"aps: dashboard on {dashboard}\n")
+            if (hint := self.http.token_hint(dashboard, self.token_file)) is not None:
                 sys.stdout.write(hint + "\n")
         if self.token_file is not None:
             sys.stdout.write(f"aps: token in {self.token_file} (workers and aps status of this user find it)\n")
@@ -621,9 +609,8 @@ class Server:
             for conn in list(self.connections):
                 conn.watch(now, timeout)
 
-    async def _report_join_progress(self) -> None:
+    async def _report_join_progress(self, engine: Engine) -> None:
         """Until training starts, tell the workers waiting in INIT who has joined."""
-        engine = self.engine
         changed = asyncio.Event()
         engine.membership.on_membership_change = changed.set
         try:
@@ -642,7 +629,7 @@ class Server:
         finally:
             engine.membership.on_membership_change = None
 
-    def _background(self, work, done) -> None:
+    def _background(self, work: Callable[[], object], done: Callable[[object], None]) -> None:
         """``work()`` on the loop's default executor (not the update lane's thread), then
         ``done`` on the loop with its result or the exception it raised."""
 
@@ -653,14 +640,16 @@ class Server:
                 log.warning("background work failed: %s: %s", type(exc).__name__, exc)
                 return exc
 
+        assert self._loop is not None, "the engine that calls this is made in start, on the loop"
         future = self._loop.run_in_executor(None, run)
         future.add_done_callback(lambda fut: None if fut.cancelled() else done(fut.result()))
 
-    def _offload(self, kernel, done) -> None:
-        loop = self._loop
-        future = self._executor.submit(run_kernel, kernel)
+    def _offload(self, kernel: Callable[[], object], done: Callable[[object], None]) -> None:
+        loop, executor = self._loop, self._executor
+        assert loop is not None and executor is not None, "the engine that calls this is made in start, after both"
+        future = executor.submit(run_kernel, kernel)
 
-        def finished(fut) -> None:
+        def finished(fut: Future[object]) -> None:
             try:
                 loop.call_soon_threadsafe(done, fut.result())
             except RuntimeError:  # the loop is closed: shutting down
@@ -673,24 +662,15 @@ def _check_kernel_values(config: ServerConfig) -> None:
     """Refuse (ConfigurationError) a learning rate, momentum, betas, eps, weight decay or
     compensation LAMBDA the update kernels cannot compute with in their float32, before
     anything listens: such a run would refuse every gradient as not finite."""
-    check_kernel_values(config.optimizer, lr=config.lr, momentum=config.momentum, weight_decay=config.weight_decay,
-                        betas=config.betas, eps=config.eps)
+    check_kernel_values(
+        config.optimizer,
+        lr=config.lr,
+        momentum=config.momentum,
+        weight_decay=config.weight_decay,
+        betas=config.betas,
+        eps=config.eps,
+    )
     check_lambda(*parse_compensation(config.compensation))
-
-
-def _run_checkpoints(directory: str, run_id: str) -> dict[int, str]:
-    """The complete checkpoints of run ``run_id`` in ``directory``, by version (the newest
-    of a version when there are several)."""
-    found: dict[int, str] = {}
-    for path in reversed(list_checkpoints(directory)):  # oldest first: the newest of a version wins
-        try:
-            manifest = read_manifest(path)
-        except CheckpointError:
-            continue
-        version = manifest.get("version")
-        if manifest.get("run_id") == run_id and isinstance(version, int) and not isinstance(version, bool):
-            found[version] = str(path)
-    return found
 
 
 def _raise_descriptor_limit(connections: int) -> None:
@@ -710,13 +690,9 @@ def _raise_descriptor_limit(connections: int) -> None:
             resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
             soft = target
     if soft != resource.RLIM_INFINITY and soft < connections + 64:
-        log.warning("the descriptor limit (%d) is below --max-connections %d: some connections will fail",
-                    soft, connections)
-
-
-def _remove_directory(directory: str) -> None:
-    """Remove a directory this server made, and what it left there (a socket file)."""
-    shutil.rmtree(directory, ignore_errors=True)
+        log.warning(
+            "the descriptor limit (%d) is below --max-connections %d: some connections will fail", soft, connections
+        )
 
 
 def _print_address(address: str) -> None:

@@ -33,9 +33,11 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import shutil
 import socket
 import stat
 import sys
+import tempfile
 from collections import deque
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
@@ -45,7 +47,7 @@ import numpy as np
 from ..errors import AuthenticationError, ConfigurationError, FrameTooLarge, MalformedFrame, ServerError
 from ..wire.protocol import HEADER_SIZE, DType, Flag, Header, InitRequest, Op, encode_slot, pack_header
 from ..wire.rows import ROWS_REF_BYTES, decode_rows_ref, encode_rows_ref, padded
-from ..wire.segments import ANCILLARY_SPACE, Room, fds_from, map_received, scm_rights
+from ..wire.segments import ANCILLARY_SPACE, Room, default_socket_path, fds_from, map_received, scm_rights
 from .admission import RateLimitedLog
 
 if TYPE_CHECKING:
@@ -54,7 +56,7 @@ if TYPE_CHECKING:
     from .engine.table import Snapshot
     from .transport import Receiver
 
-__all__ = ["ShmTransport", "UnixListener"]
+__all__ = ["ShmTransport", "UnixListener", "listen_unix"]
 
 log = logging.getLogger("aps.server")
 
@@ -74,7 +76,7 @@ class UnixListener:
     directory are removed too (servers on port 0 get a new name every time).
     """
 
-    def __init__(self, path: str, on_connection: Callable[[socket.socket], None], *, sweep: bool = False) -> None:
+    def __init__(self, path: str, on_connection: Callable[[socket.socket], object], *, sweep: bool = False) -> None:
         self.path = path
         self._on_connection = on_connection
         directory = os.path.dirname(path)
@@ -101,6 +103,8 @@ class UnixListener:
         self.sock.setblocking(False)
         self._loop = asyncio.get_running_loop()
         self._paused: asyncio.TimerHandle | None = None
+        #: A private directory made for the socket, removed on close (see :func:`listen_unix`).
+        self.owned_directory: str | None = None
         self._loop.add_reader(self.sock.fileno(), self._accept)
 
     def _accept(self) -> None:
@@ -112,8 +116,13 @@ class UnixListener:
             except OSError as exc:
                 # Out of descriptors (or memory): the pending connection stays pending and
                 # the socket stays readable, so retrying at once would spin. Pause instead.
-                _accept_failures.warning(self._loop.time(), "%s: accepting a connection failed (%s): "
-                                         "pausing the listener for %.1f s", self.path, exc, ACCEPT_RETRY_S)
+                _accept_failures.warning(
+                    self._loop.time(),
+                    "%s: accepting a connection failed (%s): pausing the listener for %.1f s",
+                    self.path,
+                    exc,
+                    ACCEPT_RETRY_S,
+                )
                 self._loop.remove_reader(self.sock.fileno())
                 self._paused = self._loop.call_later(ACCEPT_RETRY_S, self._resume)
                 return
@@ -134,6 +143,53 @@ class UnixListener:
             os.unlink(self.path)
         except FileNotFoundError:
             pass
+        if self.owned_directory is not None:
+            shutil.rmtree(self.owned_directory, ignore_errors=True)
+            self.owned_directory = None
+
+
+def listen_unix(where: str, port: int, on_connection: Callable[[socket.socket], object]) -> UnixListener | None:
+    """The Unix socket co-located workers reach the server by (shared memory), ``where``
+    ``--unix-socket`` says: at a path (or a ConfigurationError saying why not); with ``auto``,
+    in this user's private directory (:func:`~aps.wire.segments.default_socket_path`), else,
+    when that cannot be used (another local user made it first, say), in a fresh private
+    directory beside it (removed when the listener closes); else none, with a warning:
+    co-located workers then use TCP."""
+    if where != "auto":
+        try:
+            return UnixListener(where, on_connection)
+        except (OSError, ConfigurationError) as exc:
+            raise ConfigurationError(f"cannot listen on {where}: {exc}") from None
+    path = default_socket_path(port)
+    try:
+        return UnixListener(path, on_connection, sweep=True)
+    except (OSError, ConfigurationError) as exc:
+        refused = exc
+    base = os.path.dirname(os.path.dirname(path))
+    directory = None
+    try:
+        directory = tempfile.mkdtemp(prefix=f"aps-{os.getuid()}-", dir=base)  # (made private, 0700, ours)
+        listener = UnixListener(os.path.join(directory, f"{port}.sock"), on_connection)
+    except (OSError, ConfigurationError) as exc:
+        if directory is not None:
+            shutil.rmtree(directory, ignore_errors=True)
+        log.warning(
+            "cannot use %s (%s), nor a new private directory in %s (%s): no shared memory; workers on this "
+            "host use TCP",
+            path,
+            refused,
+            base,
+            exc,
+        )
+        return None
+    log.warning(
+        "cannot use %s (%s): the Unix socket for shared memory is %s instead (workers learn it when they connect)",
+        path,
+        refused,
+        listener.path,
+    )
+    listener.owned_directory = directory
+    return listener
 
 
 def _sweep_stale_sockets(directory: str, keep: str) -> None:
@@ -180,8 +236,14 @@ class ShmTransport:
     compressed = False
     rows_shared = True  # (Tables.intake copies the ids, reads the gradient rows in place)
 
-    def __init__(self, sock: socket.socket, traffic: Traffic, max_payload: int, table_slots: Callable[[], set],
-                 connect: Callable[[ShmTransport], Receiver]) -> None:
+    def __init__(
+        self,
+        sock: socket.socket,
+        traffic: Traffic,
+        max_payload: int,
+        table_slots: Callable[[], set],
+        connect: Callable[[ShmTransport], Receiver],
+    ) -> None:
         self.sock = sock
         self.traffic = traffic
         self.peer = f"unix:{sock.fileno()}"
@@ -231,8 +293,12 @@ class ShmTransport:
             self.receiver.fatal(AuthenticationError("descriptors sent before the handshake"), warn=False)
             return
         if msg_flags & socket.MSG_CTRUNC or len(self._fds) > _MAX_HELD_FDS:
-            self.receiver.fatal(MalformedFrame("too many file descriptors: a request carries one at most (INIT "
-                                               "its gradient segment, a request with rows a new rows segment)"))
+            self.receiver.fatal(
+                MalformedFrame(
+                    "too many file descriptors: a request carries one at most (INIT "
+                    "its gradient segment, a request with rows a new rows segment)"
+                )
+            )
             return
         if not nbytes:
             self._teardown(None)
@@ -343,9 +409,19 @@ class ShmTransport:
         if header.op == _LEAVE:  # (any other request may come while the worker reads its weights)
             self.release_leases()
 
-    def send_weights(self, op: int, rid: int, snap: Snapshot, clock: int, flags: int, live: int,
-                     rows: tuple = (), fds: Sequence[int] = (), narrowed: np.ndarray | None = None,
-                     dtype: int = DType.FLOAT32) -> None:
+    def send_weights(
+        self,
+        op: int,
+        rid: int,
+        snap: Snapshot,
+        clock: int,
+        flags: int,
+        live: int,
+        rows: tuple = (),
+        fds: Sequence[int] = (),
+        narrowed: np.ndarray | None = None,
+        dtype: int = DType.FLOAT32,
+    ) -> None:
         segment = snap.segment
         slots = self._table_slots()
         dropped = [sid for sid in self._sent_slots if sid not in slots]
@@ -374,8 +450,10 @@ class ShmTransport:
     # Rows -----------------------------------------------------------------------------
     def check_rows_frame(self, header: Header, rows_at: int) -> None:
         if header.length - rows_at != ROWS_REF_BYTES:
-            raise MalformedFrame(f"over shared memory a request's rows are in its rows segment: the frame carries "
-                                 f"a {ROWS_REF_BYTES}-byte rows reference, not {header.length - rows_at} bytes")
+            raise MalformedFrame(
+                f"over shared memory a request's rows are in its rows segment: the frame carries "
+                f"a {ROWS_REF_BYTES}-byte rows reference, not {header.length - rows_at} bytes"
+            )
 
     def rows_payload(self, payload: memoryview) -> np.ndarray:
         """The request's rows, in the worker's rows segment (mapped when its descriptor
@@ -400,8 +478,9 @@ class ShmTransport:
             raise FrameTooLarge(f"{length} bytes of rows; at most {self._max_payload} (--max-frame-bytes)")
         rows_in = self._rows_in
         if rows_in is None or length > len(rows_in):
-            raise MalformedFrame(f"{length} bytes of rows in a segment of "
-                                 f"{'none' if rows_in is None else len(rows_in)} mapped bytes")
+            raise MalformedFrame(
+                f"{length} bytes of rows in a segment of {'none' if rows_in is None else len(rows_in)} mapped bytes"
+            )
         self.traffic.bytes_in += length
         return rows_in[:length]
 

@@ -49,8 +49,7 @@ class TcpTransport(asyncio.BufferedProtocol):
     rows_shared = False
     rows_room = None
 
-    def __init__(self, traffic: Traffic, heartbeat_timeout: float,
-                 connect: Callable[[TcpTransport], Receiver]) -> None:
+    def __init__(self, traffic: Traffic, heartbeat_timeout: float, connect: Callable[[TcpTransport], Receiver]) -> None:
         self.transport: asyncio.Transport | None = None
         self.traffic = traffic
         self.peer = "?"
@@ -157,9 +156,19 @@ class TcpTransport(asyncio.BufferedProtocol):
     def reply_rows(self, read: list[np.ndarray]) -> tuple[tuple, tuple[int, ...]]:
         return tuple(reply_rows_parts(read)), ()
 
-    def send_weights(self, op: int, rid: int, snap: Snapshot, clock: int, flags: int, live: int,
-                     rows: tuple = (), fds: Sequence[int] = (), narrowed: np.ndarray | None = None,
-                     dtype: int = DType.FLOAT32) -> None:
+    def send_weights(
+        self,
+        op: int,
+        rid: int,
+        snap: Snapshot,
+        clock: int,
+        flags: int,
+        live: int,
+        rows: tuple = (),
+        fds: Sequence[int] = (),
+        narrowed: np.ndarray | None = None,
+        dtype: int = DType.FLOAT32,
+    ) -> None:
         transport = self.transport
         assert transport is not None
         data = snap.bytes

@@ -40,8 +40,11 @@ class Transport(Protocol):
     rows_shared: bool
     #: Output is waiting for the socket to take it (it says so to its receiver when it has left).
     writing: bool
-    #: Where a reply's rows are gathered (``room(nbytes)``: a uint8 array); None: new arrays.
-    rows_room: Callable[[int], np.ndarray] | None
+
+    @property
+    def rows_room(self) -> Callable[[int], np.ndarray] | None:
+        """Where a reply's rows are gathered (``room(nbytes)``: a uint8 array); None: new arrays."""
+        ...
 
     def can_write(self) -> bool:
         """Whether anything written now would leave."""
@@ -97,9 +100,19 @@ class Transport(Protocol):
         """What a reply carries for the rows ``read``: buffers, and descriptors to pass."""
         ...
 
-    def send_weights(self, op: int, rid: int, snap: Snapshot, clock: int, flags: int, live: int,
-                     rows: tuple = (), fds: Sequence[int] = (), narrowed: np.ndarray | None = None,
-                     dtype: int = 0) -> None:
+    def send_weights(
+        self,
+        op: int,
+        rid: int,
+        snap: Snapshot,
+        clock: int,
+        flags: int,
+        live: int,
+        rows: tuple = (),
+        fds: Sequence[int] = (),
+        narrowed: np.ndarray | None = None,
+        dtype: int = 0,
+    ) -> None:
         """Send the weights of ``snap`` (then ``rows`` and ``fds``), keeping or releasing the
         lease as the transport needs; ``narrowed``: send these 16-bit words of them instead,
         as ``dtype`` (a compressed pull, TCP)."""

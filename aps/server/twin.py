@@ -36,8 +36,9 @@ _REPLY_MAX = 16 << 10
 _ANY = {"0.0.0.0": "127.0.0.1", "::": "::1", "": "127.0.0.1"}
 
 
-def serving_run(address: object, token: bytes | None, claim: bytes = b"",
-                timeout: float = PROBE_TIMEOUT_S) -> ServerInfo | None:
+def serving_run(
+    address: object, token: bytes | None, claim: bytes = b"", timeout: float = PROBE_TIMEOUT_S
+) -> ServerInfo | None:
     """What the server at ``address`` (``tcp://HOST:PORT``) says of itself, when one answers
     there and proves it knows ``token`` (or the token its user's file keeps for exactly that
     address, when the two users are one); None when none answers, it cannot be asked (TLS),

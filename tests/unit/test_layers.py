@@ -119,6 +119,19 @@ def test_the_jobs_and_the_statistics_do_not_import_the_engine_even_for_types(pac
         assert "aps.server.engine.engine" not in graph.find_modules_directly_imported_by(module), module
 
 
+def test_the_engine_contract_names_every_module_of_the_server_outside_the_engine():
+    """"The engine does no I/O" forbids the rest of the server module by module: a new module
+    of the server is forbidden to the engine too."""
+    import tomllib
+
+    contracts = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["importlinter"]["contracts"]
+    (contract,) = [c for c in contracts if c["name"].startswith("The engine does no I/O")]
+    server = ROOT / "aps" / "server"
+    modules = {f"aps.server.{p.stem}" for p in server.glob("*.py") if p.stem != "__init__"}
+    modules |= {f"aps.server.{p.name}" for p in server.iterdir() if (p / "__init__.py").exists() and p.name != "engine"}
+    assert modules - set(contract["forbidden_modules"]) == set()
+
+
 def _server_classes() -> dict[str, tuple[str, list[str]]]:
     """Every class of aps/server: its module and the names of its bases."""
     classes = {}

@@ -38,6 +38,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 from types import ModuleType
+from typing import Any, Protocol, Self
 
 import numpy as np
 
@@ -54,7 +55,19 @@ from .stats import EngineView, RankView, ServerStats, TableView
 from .sync import make_policy
 from .training import Training
 
-__all__ = ["Engine", "Member", "PushResult", "Seat"]
+__all__ = ["Answer", "Engine", "Member", "PushResult", "Seat"]
+
+
+class Answer(Protocol):
+    """What the server's ``request_checkpoint`` and ``request_rewind`` return: an answer to come
+    (an asyncio future, which the engine does not name: it knows no event loop). Its callback
+    runs once it is done, with a result or an exception."""
+
+    def add_done_callback(self, fn: Callable[[Self], object], /) -> None: ...
+
+    def result(self) -> Any: ...
+
+    def exception(self) -> BaseException | None: ...
 
 
 class Engine:
@@ -111,12 +124,13 @@ class Engine:
             self.scalars,
             self.lane,
         )
-        #: ``request_checkpoint(reason)`` -> a future of the path; set by a server that writes checkpoints.
-        self.request_checkpoint: Callable[[str], object] | None = None
-        #: ``request_rewind(version)`` -> a future of ``{"versions"|"rewound", "version"}``: the
+        #: ``request_checkpoint(reason)`` -> an answer of ``{"path", "version"}``; set by a server that
+        #: writes checkpoints.
+        self.request_checkpoint: Callable[[str], Answer] | None = None
+        #: ``request_rewind(version)`` -> an answer of ``{"versions"|"rewound", "version"}``: the
         #: checkpoints this run can rewind to (version None), or a rewind to one of them (REWIND,
         #: docs/algorithms.md "Sharded resume"); set by a server that can restart itself.
-        self.request_rewind: Callable[[int | None], object] | None = None
+        self.request_rewind: Callable[[int | None], Answer] | None = None
 
     # What reads every part ---------------------------------------------------
     @property

@@ -12,9 +12,7 @@ __all__ = ["HANDLERS", "Exchange", "Handler", "Request"]
 
 #: The handler of each request op.
 HANDLERS: dict[int, Handler] = {
-    handler.op: handler
-    for module in (handshake, training, state, run)
-    for handler in module.HANDLERS
+    handler.op: handler for module in (handshake, training, state, run) for handler in module.HANDLERS
 }
 if set(HANDLERS) != set(REQUEST_OPS):
     raise ImportError(f"request ops without a handler: {sorted(set(REQUEST_OPS) - set(HANDLERS))}")

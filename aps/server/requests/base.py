@@ -68,8 +68,19 @@ def op_name(op: int) -> str:
 class Request:
     """One request, from its header to its reply (see the module docstring)."""
 
-    __slots__ = ("header", "handler", "error", "stream", "rows_at", "grad_shift", "weights_dtype", "intake",
-                 "dropped", "rank", "seat_notice")
+    __slots__ = (
+        "header",
+        "handler",
+        "error",
+        "stream",
+        "rows_at",
+        "grad_shift",
+        "weights_dtype",
+        "intake",
+        "dropped",
+        "rank",
+        "seat_notice",
+    )
 
     def __init__(self, header: Header, handler: Handler | None) -> None:
         self.header = header
@@ -147,8 +158,9 @@ class Exchange(Protocol):
         """Whether a reply would reach the worker (the connection is open, the server not stopping)."""
         ...
 
-    def reply(self, request: Request, op: int, *, clock: int = 0, version: int = 0, flags: int = 0,
-              payload: bytes = b"") -> None:
+    def reply(
+        self, request: Request, op: int, *, clock: int = 0, version: int = 0, flags: int = 0, payload: bytes = b""
+    ) -> None:
         """Answer ``request`` with a small frame (its end)."""
         ...
 
@@ -156,8 +168,17 @@ class Exchange(Protocol):
         """Answer the current request with a frame in parts, ``nbytes`` in all (its end)."""
         ...
 
-    def reply_weights(self, request: Request, op: int, snap: Snapshot, clock: int, flags: int, rows: tuple,
-                      fds: tuple, narrowed: np.ndarray | None = None) -> None:
+    def reply_weights(
+        self,
+        request: Request,
+        op: int,
+        snap: Snapshot,
+        clock: int,
+        flags: int,
+        rows: tuple,
+        fds: tuple,
+        narrowed: np.ndarray | None = None,
+    ) -> None:
         """Answer ``request`` with the weights of ``snap`` (its end)."""
         ...
 
@@ -236,6 +257,8 @@ def check_gradient_dtype(transport: Transport, request: Request) -> None:
     its element size on the request."""
     dtype = request.header.dtype
     if dtype != FLOAT32 and not (dtype in HALF and transport.compressed):
-        raise DTypeMismatch(f"gradient dtype is {dtype_name(dtype)}; the model is float32"
-                            + (f" (16-bit gradients cross TCP only, not {transport.kind})" if dtype in HALF else ""))
+        raise DTypeMismatch(
+            f"gradient dtype is {dtype_name(dtype)}; the model is float32"
+            + (f" (16-bit gradients cross TCP only, not {transport.kind})" if dtype in HALF else "")
+        )
     request.grad_shift = 2 if dtype == FLOAT32 else 1

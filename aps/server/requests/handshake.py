@@ -38,8 +38,7 @@ def refuse(conn: Exchange, what: str) -> NoReturn:
     """The peer failed the handshake: log it (rate-limited, with its address), count it,
     raise the AuthenticationError that closes the connection."""
     conn.engine.stats.auth["failures"] += 1
-    _auth_failures.warning(conn.loop.time(), "%s: authentication failed: %s; closing the connection",
-                           conn.peer, what)
+    _auth_failures.warning(conn.loop.time(), "%s: authentication failed: %s; closing the connection", conn.peer, what)
     raise AuthenticationError(
         f"authentication failed: {what}; the server needs its token (aps.Worker(token=...) or $APS_TOKEN)"
     )
@@ -59,9 +58,19 @@ class Hello(Handler):
                 refuse(conn, "HELLO after HELLO without AUTH")
         shake.client_nonce = bytes(payload)
         shake.server_nonce = os.urandom(NONCE_BYTES)  # fresh for every HELLO: no proof is reused
-        conn.reply(request, Op.HELLO_REPLY, payload=encode_hello_reply(
-            not shake.authenticated, shake.server_nonce, host_identity(), conn.unix_path, engine.durability.run_id,
-            engine.durability.shard_description, engine.durability.lineage_text))
+        conn.reply(
+            request,
+            Op.HELLO_REPLY,
+            payload=encode_hello_reply(
+                not shake.authenticated,
+                shake.server_nonce,
+                host_identity(),
+                conn.unix_path,
+                engine.durability.run_id,
+                engine.durability.shard_description,
+                engine.durability.lineage_text,
+            ),
+        )
 
 
 class Auth(Handler):
@@ -89,10 +98,13 @@ class Auth(Handler):
         proof = bytes(payload)
         if wait is None:
             engine.stats.auth["refused"] += 1
-            _auth_failures.warning(conn.loop.time(), "%s: refused an AUTH attempt: %s has too many waiting",
-                                   conn.peer, key)
-            conn.fatal(ServerOverloaded(f"too many authentication attempts from {key} after failed ones: try "
-                                        "again later"), warn=False)
+            _auth_failures.warning(
+                conn.loop.time(), "%s: refused an AUTH attempt: %s has too many waiting", conn.peer, key
+            )
+            conn.fatal(
+                ServerOverloaded(f"too many authentication attempts from {key} after failed ones: try again later"),
+                warn=False,
+            )
         elif wait > 0:
             engine.stats.auth["throttled"] += 1
             conn.loop.call_later(wait, self.check, conn, request, proof)
@@ -117,8 +129,13 @@ class Auth(Handler):
                 conn.fatal(exc, warn=False)
             return
         shake.throttle.succeeded(key)
-        said = encode_hello(host_identity(), conn.unix_path, engine.durability.run_id, engine.durability.shard_description,
-                            engine.durability.lineage_text)
+        said = encode_hello(
+            host_identity(),
+            conn.unix_path,
+            engine.durability.run_id,
+            engine.durability.shard_description,
+            engine.durability.lineage_text,
+        )
         proof = auth_proof(token, "server", shake.server_nonce, shake.client_nonce, claim + said)
         shake.server_nonce = b""  # one AUTH per nonce
         conn.reply(request, Op.AUTH_REPLY, payload=proof + said)

@@ -69,7 +69,8 @@ class InitIntake:
                 raise ServerOverloaded(
                     f"the server is reading {LAYOUT_BUDGET >> 20} MiB of INIT layout blocks already (a layout "
                     f"block of {self.block_bytes} bytes is large: it describes tensors, not their values); "
-                    "try again later")
+                    "try again later"
+                )
             guard.layout_free -= size
             self._charged += size
             piece = mmap.mmap(-1, size)
@@ -96,9 +97,13 @@ class InitIntake:
                     "to join a model the server has)"
                 )
             engine.membership.check_join(request.rank, request.num_workers, request.layout)
-            if values == 0 and request.layout.nbytes and engine.model.table is None and not engine.membership.registering:
-                raise NotInitialized("this INIT carries no initial values and the server has no model yet: send "
-                                     "them")
+            if (
+                values == 0
+                and request.layout.nbytes
+                and engine.model.table is None
+                and not engine.membership.registering
+            ):
+                raise NotInitialized("this INIT carries no initial values and the server has no model yet: send them")
             self.request = request
         return self.request
 
@@ -133,8 +138,11 @@ class StateIntake:
             self.kept = engine.loads.check_state(head)
             expected = head.nbytes if header.flags & _CHECK else head.payload_bytes
             if header.length != expected:
-                what = "its description alone (CHECK)" if header.flags & _CHECK else \
-                    f"{len(head.arrays)} arrays of {head.numel} float32 after a {head.nbytes}-byte head"
+                what = (
+                    "its description alone (CHECK)"
+                    if header.flags & _CHECK
+                    else f"{len(head.arrays)} arrays of {head.numel} float32 after a {head.nbytes}-byte head"
+                )
                 raise PayloadSizeMismatch(f"LOAD_STATE payload of {header.length} bytes; {what} take {expected}")
             self.head, self._numel = head, head.numel
             self.arrays = {name: [] for name in head.arrays}
@@ -142,19 +150,20 @@ class StateIntake:
 
     def next_part(self, engine: Engine, header: Header, got: int) -> memoryview | None:
         """Where the payload's bytes from ``got`` on go (None: read and drop them)."""
-        if self.head is None:
+        head = self.head
+        if head is None:
             if self.rest is None:
                 size = state_head_bytes(self.fixed) - STATE_FIXED
                 if size > 0:
                     self.rest = bytearray(min(size, header.length - got))
                     return memoryview(self.rest)
-            self.check(engine, header)
+            head = self.check(engine, header)
             if self.kept:
                 return None
-        offset = (got - self.head.nbytes) // 4  # elements of the arrays received so far
+        offset = (got - head.nbytes) // 4  # elements of the arrays received so far
         index, start = divmod(offset, self._numel)
         piece = np.empty(min(self.PIECE, self._numel - start), np.float32)
-        self.arrays[self.head.arrays[index]].append(piece)
+        self.arrays[head.arrays[index]].append(piece)
         return piece.data.cast("B")
 
 

@@ -70,8 +70,9 @@ def request_rows(conn: Exchange, member: Member, request: Request, payload: memo
     return pushed
 
 
-def rows_of_reply(conn: Exchange, request: Request, op: int, snap: Snapshot, clock: int,
-                  flags: int) -> tuple[tuple, tuple] | None:
+def rows_of_reply(
+    conn: Exchange, request: Request, op: int, snap: Snapshot, clock: int, flags: int
+) -> tuple[tuple, tuple] | None:
     """A reply's rows (what the transport carries them as); None when the reply has been sent
     already: rows alone, or the error that reading them failed with."""
     member = conn.member
@@ -86,8 +87,9 @@ def rows_of_reply(conn: Exchange, request: Request, op: int, snap: Snapshot, clo
         rows, fds = conn.transport.reply_rows(read or [])
     except (ServerError, OSError) as exc:  # (no room for a reply segment, say)
         snap.release()
-        conn.fail(request, exc if isinstance(exc, ServerError) else InternalServerError(f"sending the rows failed: "
-                                                                                        f"{exc}"))
+        conn.fail(
+            request, exc if isinstance(exc, ServerError) else InternalServerError(f"sending the rows failed: {exc}")
+        )
         return None
     if request.dense_reply:
         return rows, fds

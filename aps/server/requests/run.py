@@ -14,8 +14,7 @@ from ...wire.scalars import MAX_LOG_BYTES, decode_log
 from .base import CHECK, Handler
 
 if TYPE_CHECKING:
-    from concurrent.futures import Future
-
+    from ..engine.engine import Answer
     from .base import Exchange, Request
 
 __all__ = ["HANDLERS", "MAX_SHARDS_BYTES", "Checkpoint", "Claim", "Log", "Rewind", "Shards", "Stats"]
@@ -43,8 +42,9 @@ class Checkpoint(Handler):
         ask = conn.engine.request_checkpoint
         if ask is None:
             raise CheckpointFailed("this server writes no checkpoints (start it with --checkpoint-dir)")
-        ask("request").add_done_callback(functools.partial(_answered, conn, request, Op.CHECKPOINT_REPLY,
-                                                           "the checkpoint"))
+        ask("request").add_done_callback(
+            functools.partial(_answered, conn, request, Op.CHECKPOINT_REPLY, "the checkpoint")
+        )
 
 
 class Rewind(Handler):
@@ -56,13 +56,15 @@ class Rewind(Handler):
         conn.require_member()
         ask = conn.engine.request_rewind
         if ask is None:
-            raise CheckpointFailed("this server cannot rewind to a checkpoint: it writes none (--checkpoint-dir), "
-                                   "or it is not an `aps serve` process (only those restart themselves)")
+            raise CheckpointFailed(
+                "this server cannot rewind to a checkpoint: it writes none (--checkpoint-dir), "
+                "or it is not an `aps serve` process (only those restart themselves)"
+            )
         version = None if request.header.flags & CHECK else request.header.version
         ask(version).add_done_callback(functools.partial(_answered, conn, request, Op.REWIND_REPLY, "the rewind"))
 
 
-def _answered(conn: Exchange, request: Request, op: int, what: str, future: Future) -> None:
+def _answered(conn: Exchange, request: Request, op: int, what: str, future: Answer) -> None:
     if conn.lost:
         return
     exc = future.exception()

@@ -43,12 +43,14 @@ class Hyper(Handler):
             raise NotInitialized("HYPER before a successful INIT: the groups are checked against the model")
         if length > MAX_HYPER_BYTES:
             raise InvalidHyperparameters(
-                f"HYPER of {length} bytes: at most {MAX_HYPER_GROUPS} groups ({MAX_HYPER_BYTES} bytes) are accepted")
+                f"HYPER of {length} bytes: at most {MAX_HYPER_GROUPS} groups ({MAX_HYPER_BYTES} bytes) are accepted"
+            )
         return memoryview(bytearray(length)) if length else None
 
     def handle(self, conn: Exchange, request: Request, payload: memoryview) -> None:
-        conn.engine.training.set_hyperparameters(conn.require_member(), decode_hyper(payload),
-                                        check_only=bool(request.header.flags & CHECK))
+        conn.engine.training.set_hyperparameters(
+            conn.require_member(), decode_hyper(payload), check_only=bool(request.header.flags & CHECK)
+        )
         conn.reply(request, Op.HYPER_REPLY)
 
 
@@ -58,8 +60,9 @@ class State(Handler):
     op = Op.STATE
 
     def handle(self, conn: Exchange, request: Request, payload: memoryview) -> None:
-        conn.engine.loads.read_optimizer_state(conn.require_member(), functools.partial(_send_state, conn, request),
-                                         functools.partial(conn.fail, request))
+        conn.engine.loads.read_optimizer_state(
+            conn.require_member(), functools.partial(_send_state, conn, request), functools.partial(conn.fail, request)
+        )
 
 
 def _send_state(conn: Exchange, request: Request, copy: StateCopy) -> None:
@@ -99,8 +102,13 @@ class LoadState(Handler):
         if request.header.flags & CHECK or intake.kept:  # (CHECK: a sharded worker asks every shard first)
             _state_loaded(conn, request, not intake.kept)
             return
-        conn.engine.loads.load_optimizer_state(member, head, intake.arrays, functools.partial(_state_loaded, conn, request),
-                                         functools.partial(conn.fail, request))
+        conn.engine.loads.load_optimizer_state(
+            member,
+            head,
+            intake.arrays,
+            functools.partial(_state_loaded, conn, request),
+            functools.partial(conn.fail, request),
+        )
 
 
 def _state_loaded(conn: Exchange, request: Request, loaded: bool) -> None:
@@ -123,8 +131,11 @@ class LoadWeights(Handler):
         numel = table.numel
         expected = WEIGHTS_DIGEST_BYTES + (0 if header.flags & CHECK else 4 * numel)
         if header.length != expected:
-            what = "its digest alone (CHECK)" if header.flags & CHECK else \
-                f"a {WEIGHTS_DIGEST_BYTES}-byte digest and {numel} float32 weights"
+            what = (
+                "its digest alone (CHECK)"
+                if header.flags & CHECK
+                else f"a {WEIGHTS_DIGEST_BYTES}-byte digest and {numel} float32 weights"
+            )
             raise PayloadSizeMismatch(f"LOAD_WEIGHTS payload of {header.length} bytes; {what} take {expected}")
         intake = request.intake = WeightsIntake(numel)
         return intake.digest
@@ -143,8 +154,14 @@ class LoadWeights(Handler):
             _weights_loaded(conn, request, not intake.kept)
             return
         assert intake.values is not None
-        conn.engine.loads.load_weights(member, bytes(intake.digest), intake.values, header.version,
-                                 functools.partial(_weights_loaded, conn, request), functools.partial(conn.fail, request))
+        conn.engine.loads.load_weights(
+            member,
+            bytes(intake.digest),
+            intake.values,
+            header.version,
+            functools.partial(_weights_loaded, conn, request),
+            functools.partial(conn.fail, request),
+        )
 
 
 def _weights_loaded(conn: Exchange, request: Request, loaded: bool) -> None:

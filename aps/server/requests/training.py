@@ -90,8 +90,9 @@ class Init(Handler):
         try:
             init = intake.check(engine, header.length)  # checked already, unless there were no values
             if init.rank == ANY_RANK and not header.flags & Flag.SEAT:
-                raise MalformedFrame("an INIT asking for any rank must ask for its seat (Flag.SEAT): it would not "
-                                     "learn its rank")
+                raise MalformedFrame(
+                    "an INIT asking for any rank must ask for its seat (Flag.SEAT): it would not learn its rank"
+                )
             request.seat_notice = bool(header.flags & Flag.SEAT)
             rank = request.rank = engine.membership.assign_rank() if init.rank == ANY_RANK else init.rank
             values, intake.values = intake.values, None  # the engine's now: not kept here while INIT waits
@@ -211,7 +212,9 @@ def gradient_destination(conn: Exchange, request: Request) -> memoryview | None:
     dest = conn.transport.gradient_destination(member, header)
     least = conn.engine.config.stream_min_bytes
     if dest is not None and least and header.length >= least:
-        request.stream = conn.engine.training.begin_streaming_push(member, header.version, header.request_id, header.clock)
+        request.stream = conn.engine.training.begin_streaming_push(
+            member, header.version, header.request_id, header.clock
+        )
     return dest
 
 
@@ -221,8 +224,17 @@ def push(conn: Exchange, request: Request, payload: memoryview, answered) -> Non
     member = conn.require_member()
     header = request.header
     rows = request_rows(conn, member, request, payload)
-    conn.engine.training.push(member, header.version, answered, functools.partial(conn.fail, request), stream=request.stream,
-                     request_id=header.request_id, clock=header.clock, rows=rows, dense=request.dense_reply)
+    conn.engine.training.push(
+        member,
+        header.version,
+        answered,
+        functools.partial(conn.fail, request),
+        stream=request.stream,
+        request_id=header.request_id,
+        clock=header.clock,
+        rows=rows,
+        dense=request.dense_reply,
+    )
     request.stream = None
 
 
@@ -272,8 +284,11 @@ def reply_weights(conn: Exchange, request: Request, op: int, snap: Snapshot, clo
             return
         (rows, fds), flags = reply, flags | Flag.ROWS
     if request.weights_dtype != FLOAT32 and op != Op.INIT_REPLY and conn.can_reply():
-        conn.engine.model.narrowed.get(snap, request.weights_dtype,
-                                 functools.partial(conn.reply_weights, request, op, snap, clock, flags, rows, fds))
+        conn.engine.model.narrowed.get(
+            snap,
+            request.weights_dtype,
+            functools.partial(conn.reply_weights, request, op, snap, clock, flags, rows, fds),
+        )
         return
     conn.reply_weights(request, op, snap, clock, flags, rows, fds)
 
