@@ -60,7 +60,7 @@ def test_the_cpu_only_warning_and_alternative_come_before_the_commands():
     section = _section(README, "Two commands")
     cpu = section.index("https://download.pytorch.org/whl/cpu")
     demo = section.index("aps demo\n```")
-    tests = section.index('pytest -n 3 -m "not slow"')
+    tests = section.index('pytest -n 4 -m "not slow"')
     assert section.index("CUDA") < cpu < demo < tests
 
 
