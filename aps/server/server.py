@@ -112,7 +112,7 @@ class Server:
         self._quorum_deadline: asyncio.TimerHandle | None = None  # (elastic: see _quorum_changed)
         self._unix: UnixListener | None = None
         self._port: int | None = None
-        self._resume = Resume(self._given, None)  # (its key is known at start)
+        self._resume = Resume(self._given, None)  # (its key, the token's, is set at start)
         #: The Unix socket co-located workers reach the server by ("" without one).
         self.unix_path = ""
         #: The command that started this server (``aps serve`` sets it): with it, the server
@@ -158,7 +158,7 @@ class Server:
         # A token of the operator's (given, so the same at every start) signs the run's
         # checkpoints, and a resume reads only those it signed (--resume-unsigned aside).
         self._checkpoint_key = None if token is None or generated else checkpoint_key(token)
-        self._resume = Resume(self._given, self._checkpoint_key)
+        self._resume.key = self._checkpoint_key
         # Before anything starts: a bad checkpoint changes nothing.
         self.config, checkpoint = self._resume.find(self.config)
         try:

@@ -111,7 +111,7 @@ class Transport(Protocol):
         rows: tuple = (),
         fds: Sequence[int] = (),
         narrowed: np.ndarray | None = None,
-        dtype: int = 0,
+        dtype: int = 1,  # DType.FLOAT32
     ) -> None:
         """Send the weights of ``snap`` (then ``rows`` and ``fds``), keeping or releasing the
         lease as the transport needs; ``narrowed``: send these 16-bit words of them instead,
