@@ -6,6 +6,7 @@ Submodules: ``workers`` (worker-process bodies), ``netns`` (network namespaces),
 
 from __future__ import annotations
 
+import contextlib
 import multiprocessing as mp
 import os
 import queue
@@ -469,7 +470,10 @@ class SteadyCluster:
         self.stop.set()
         for p in self.procs:
             if p.is_alive() and p.pid is not None:  # (alive: started, with a pid)
-                os.kill(p.pid, signal.SIGCONT)
+                # it may have ended since, and been reaped by a handler another test's library left behind
+                # (multiprocessing then still calls it alive): nothing to wake
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(p.pid, signal.SIGCONT)
             p.join(10)
             if p.is_alive():
                 p.kill()
