@@ -364,6 +364,44 @@ class ServerConfig:
             "it comes from"
         ),
     )
+    replicas: str | None = field(
+        default=None,
+        metadata=_opt(
+            "run as one replica of a replica set: every replica's address, comma-separated (each "
+            "replica is given the same list, its own address as --advertise). One is primary, the others "
+            "backups that hold every acknowledged update and take over within --failover-timeout of "
+            "losing it (docs/replicas.md); needs --coordinator and a token of the operator's",
+            metavar="ADDR,ADDR,...",
+        ),
+    )
+    advertise: str | None = field(
+        default=None,
+        metadata=_opt("this replica's address in --replicas (default HOST:PORT)", metavar="HOST:PORT"),
+    )
+    coordinator: str | None = field(
+        default=None,
+        metadata=_opt(
+            "the etcd that decides which replica is primary (its client URL, etcd://HOST:PORT)", metavar="URL"
+        ),
+    )
+    replica_set: str = field(
+        default="aps",
+        metadata=_opt("the replica set's name in the coordinator (one per shard)", metavar="NAME"),
+    )
+    failover_timeout: float = field(
+        default=0.5,
+        metadata=_opt(
+            "a backup takes over once its primary has said nothing for this long (it beats 4 times as often)",
+            metavar="SECONDS",
+        ),
+    )
+    replica_timeout: float = field(
+        default=2.0,
+        metadata=_opt(
+            "a backup that holds no new state for this long leaves the set (replies wait for it until then)",
+            metavar="SECONDS",
+        ),
+    )
     log_level: str = field(default="info", metadata=_opt("logging level", choices=LOG_LEVELS))
 
     def __post_init__(self) -> None:
@@ -504,6 +542,21 @@ class ServerConfig:
             raise ConfigurationError(f"--checkpoint-every-updates must be >= 0, got {self.checkpoint_every_updates}")
         if self.checkpoint_keep < 1:
             raise ConfigurationError(f"--checkpoint-keep must be at least 1, got {self.checkpoint_keep}")
+        if self.replicas is not None:
+            if self.coordinator is None:
+                raise ConfigurationError(
+                    "--replicas needs --coordinator etcd://HOST:PORT (who is primary is decided there)"
+                )
+            if self.token is None and self.token_file is None:
+                raise ConfigurationError(
+                    "--replicas needs a token of the operator's (--token, --token-file or APS_TOKEN), the same for "
+                    "every replica: they prove it to each other, and a backup that takes over serves the workers "
+                    "with it"
+                )
+            if self.port == 0 and self.advertise is None:
+                raise ConfigurationError("a replica's --port is part of its address in --replicas: give it")
+        if not 0 < self.failover_timeout <= 60 or not 0 < self.replica_timeout <= 600:
+            raise ConfigurationError("--failover-timeout is in (0, 60] s and --replica-timeout in (0, 600] s")
         if self.resume == RESUME_LATEST and self.checkpoint_dir is None:
             raise ConfigurationError("--resume without a PATH resumes from --checkpoint-dir: give one of them")
         if self.fork_run and self.resume is None:

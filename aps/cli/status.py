@@ -13,7 +13,7 @@ from ..client.tcp import control_request
 from ..wire.net import parse_address
 from ._args import ADDRESS_DEFAULT, add_token_arguments, number, require, server_address, token_advice, token_from_args
 
-__all__ = ["checkpoint_alarm", "fetch_stats", "format_lr", "format_stats", "register"]
+__all__ = ["checkpoint_alarm", "fetch_stats", "format_lr", "format_stats", "register", "replica_alarm"]
 
 
 def register(commands) -> None:
@@ -157,6 +157,31 @@ def checkpoint_alarm(server: dict, now: float | None = None) -> str | None:
     return text
 
 
+def replica_alarm(server: dict) -> str | None:
+    """The alarm line for a replica set's primary running without a listed backup (None
+    otherwise, and for a server without --replicas)."""
+    status = server.get("replicas")
+    if not status or status.get("listed"):
+        return None
+    joining = status.get("joining") or []
+    return "RUNNING WITHOUT BACKUPS: a crash of this primary loses what its last checkpoint does not hold" + (
+        f" (catching up: {', '.join(joining)})" if joining else ""
+    )
+
+
+def _replica_lines(server: dict) -> list[str]:
+    """The replica set: this primary's term, its backups and how far behind each is."""
+    status = server.get("replicas")
+    if not status:
+        return []
+    lag = status.get("lag") or {}
+    backups = ", ".join(f"{b} (lag {lag.get(b, 0)})" for b in status.get("listed", [])) or "none"
+    return [
+        f"replica set: primary at term {status['term']}{' (took over)' if status.get('took_over') else ''}, "
+        f"backups {backups}; captures {status['captures']}, replies held {status['held_replies']}"
+    ]
+
+
 def _checkpoint_lines(server: dict) -> list[str]:
     """The last checkpoint (or that none is written yet) and where the run resumed from."""
     lines = []
@@ -211,7 +236,7 @@ def format_stats(stats: dict) -> str:
     uptime = int(s["uptime_s"])
     lines = [
         f"aps {s['address']}{_shard(s)}  sync {s['sync']}  optimizer {s['optimizer']}",
-        *(f"!! {alarm}" for alarm in [checkpoint_alarm(s)] if alarm is not None),  # where it is seen first
+        *(f"!! {alarm}" for alarm in [checkpoint_alarm(s), replica_alarm(s)] if alarm is not None),  # seen first
         f"version {s['version']}  updates/s {s['updates_per_s']:.1f} (mean {s['updates_per_s_mean']:.1f})  "
         f"live {s['live']}/{s['workers']}{'' if s['started'] else ' (waiting for workers)'}  "
         f"pushes {s['pushes']}  rejected {s['rejected']}  "
@@ -220,6 +245,7 @@ def format_stats(stats: dict) -> str:
         f"out {_fmt_bytes(s['bytes_out'])}{_by_transport(s, 'bytes_out')}  "
         f"server memory {_fmt_bytes(s['process']['rss_bytes'])}  cpu {s['process']['cpu_s']:.1f} s",
         *_checkpoint_lines(s),
+        *_replica_lines(s),
         *_table_lines(s),
         "",
         f"{'rank':>4} {'live':>4} {'clock':>7} {'gap':>4} {'max':>4} {'held':>4} {'pushes':>7} {'dropped':>7} "

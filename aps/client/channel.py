@@ -74,14 +74,14 @@ def run(steps: Steps) -> Any:
                 value = BlockingConnection(
                     channel._parsed.host,
                     channel._parsed.port,
-                    channel._connect_timeout,
-                    channel.server_timeout,
+                    channel.connect_patience,
+                    channel.silence_limit,
                     channel._tls,
                 )
             elif kind == HANDSHAKE:
-                value = handshake(step[2], step[3], step[1]._connect_timeout, found=step[4], claim=step[1].claim())
+                value = handshake(step[2], step[3], step[1].connect_patience, found=step[4], claim=step[1].claim())
             elif kind == CONNECT_SHM:
-                value = ShmConnection(step[2], step[1]._connect_timeout)
+                value = ShmConnection(step[2], step[1].connect_patience)
             else:  # pragma: no cover - a step this driver does not know is a bug
                 raise AssertionError(f"unknown step {step!r}")
         except BaseException as exc:  # handed to the steps, which decide
@@ -127,13 +127,13 @@ async def arun(steps: Steps) -> Any:
                 value = await AsyncConnection.open(
                     channel._parsed.host,
                     channel._parsed.port,
-                    channel._connect_timeout,
-                    channel.server_timeout,
+                    channel.connect_patience,
+                    channel.silence_limit,
                     channel._tls,
                 )
             elif kind == HANDSHAKE:
                 value = await handshake_async(
-                    step[2], step[3], step[1]._connect_timeout, found=step[4], claim=step[1].claim()
+                    step[2], step[3], step[1].connect_patience, found=step[4], claim=step[1].claim()
                 )
             else:  # pragma: no cover - CONNECT_SHM: an asyncio channel speaks TCP only
                 raise AssertionError(f"unknown step {step!r}")

@@ -41,8 +41,8 @@ from ..errors import (
     error_from_code,
 )
 from ..layout import Layout
-from ..wire.net import client_context, parse_address
-from ..wire.protocol import Flag, Op, encode_claim, encode_hyper, host_identity
+from ..wire.net import Address, client_context, parse_address
+from ..wire.protocol import Flag, Op, ServerInfo, encode_claim, encode_hyper, host_identity
 from ..wire.segments import shm_available
 from .arguments import _check_heartbeat, _check_reconnect, _check_transport, from_env, _refuse_one_shard, _with_scheme
 from .core import _DROPPED, COMPRESSION, _ClientCore, _compression
@@ -132,6 +132,10 @@ class _ChannelSteps:
         self._parsed = _with_scheme(parse_address(address), tls)
         self._tls = client_context(tls if tls is not None else self._parsed.scheme == "tls")
         self.address = str(self._parsed)
+        #: The server's replica set, as its handshake said (empty: it has none), and how long
+        #: its primary may be silent before the worker turns to the others (None: no set).
+        self._replicas: list[Address] = []
+        self._replica_patience: float | None = None
         self._core = _ClientCore(rank, num_workers)
         self._core.compression, self._core.compress_pulls = narrow, bool(compress_pulls)
         self._core.zero_copy = bool(zero_copy)
@@ -428,6 +432,9 @@ class _ChannelSteps:
         """Reconnect and rejoin under this rank, with backoff, within ``reconnect_timeout``."""
         attempt = _Reconnecting(self, lost, self.reconnect_timeout)
         taken_since = None  # (when a rejoin first found this worker's rank taken)
+        # Within a replica set the primary that was lost has most likely been replaced: the
+        # others first (a backup refuses at once; the whole set is tried in turn).
+        self._next_replica()
         while True:
             try:
                 yield LOCKED, self, self._reopen(lost, attempt, self._requested_transport)
@@ -446,10 +453,63 @@ class _ChannelSteps:
                 break
             except APSError as exc:
                 lost = exc
-                if (yield SLEEP, self, attempt.failed(exc)):  # close() was called meanwhile
+                wait = attempt.failed(exc)
+                if self._next_replica():  # another replica of the set may have taken over: try it at once
+                    wait = min(wait, 0.02)
+                if (yield SLEEP, self, wait):  # close() was called meanwhile
                     attempt.check_closed()
         attempt.done()
         self._start_heartbeat()
+
+    def _learn_replicas(self, info: ServerInfo) -> None:
+        """The addresses of the server's replica set (``aps serve --replicas``), if it has one:
+        after a failover the worker finds the new primary among them by itself."""
+        given = (server_options(info) or {}).get("replicas")
+        if not isinstance(given, list) or not all(isinstance(a, str) for a in given) or len(given) > 64:
+            return
+        replicas = []
+        for address in given:
+            try:
+                parsed = parse_address(address if "://" in address else f"{self._parsed.scheme}://{address}")
+            except (APSError, ValueError):
+                continue
+            replicas.append(parsed._replace(scheme=self._parsed.scheme))
+        if len(replicas) > 1:
+            self._replicas = replicas
+            failover = (server_options(info) or {}).get("failover_timeout")
+            if isinstance(failover, (int, float)) and not isinstance(failover, bool) and 0 < failover <= 60:
+                # It says it is alive 4 times in that (ALIVE while it holds a request): silent twice as
+                # long, it has stopped or is cut off, and a backup has taken over meanwhile.
+                self._replica_patience = max(0.2, 2.0 * float(failover))
+
+    @property
+    def silence_limit(self) -> float | None:
+        """Seconds without a byte from the server, while a reply is due, before it is taken
+        for gone: ``server_timeout``, or less from a replica set's primary."""
+        patience, limit = self._replica_patience, self.server_timeout
+        if patience is None:
+            return limit
+        return patience if limit is None else min(limit, patience)
+
+    @property
+    def connect_patience(self) -> float | None:
+        """How long a connection and its handshake may take: ``connect_timeout``, or within a
+        replica set the primary's patience (a stopped primary's kernel still accepts)."""
+        patience, limit = self._replica_patience, self._connect_timeout
+        if patience is None or not self._core.ever_joined:
+            return limit
+        return patience if limit is None else min(limit, patience)
+
+    def _next_replica(self) -> bool:
+        """Turn to the next address of the replica set (False: the server has none); from the
+        last one a full turn has passed, and the caller's backoff applies."""
+        replicas = self._replicas
+        if not replicas:
+            return False
+        at = next((i for i, r in enumerate(replicas) if (r.host, r.port) == (self._parsed.host, self._parsed.port)), -1)
+        self._parsed = replicas[(at + 1) % len(replicas)]
+        self.address = str(self._parsed)
+        return at + 1 < len(replicas)
 
     def _may_reseat(self) -> bool:
         """Whether this worker may take another rank when its own is taken: the server had
@@ -525,12 +585,12 @@ class _ChannelSteps:
                 if turn is not None:
                     turn.done()  # sent or failed: the next shard's turn
             if waiting is None:
-                yield RECEIVE, conn, core, timeout, self.server_timeout
+                yield RECEIVE, conn, core, timeout, self.silence_limit
             else:
                 patience = _Patience(timeout, waiting)  # saying now and then what the wait is for
                 while True:
                     try:
-                        yield RECEIVE, conn, core, patience.next_wait(), self.server_timeout
+                        yield RECEIVE, conn, core, patience.next_wait(), self.silence_limit
                         break
                     except ServerSilent:
                         raise
@@ -601,6 +661,7 @@ class _ChannelSteps:
             self._check_same_shard(info)
             self._core.check_run(info.run_id, self.address, info.incarnations)
             self.server_info = info
+            self._learn_replicas(info)
             if not self._as_shard:
                 _refuse_one_shard(info, self.address)
         except BaseException:

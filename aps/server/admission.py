@@ -11,6 +11,7 @@ import ctypes.util
 import logging
 import time
 from collections import OrderedDict, deque
+from collections.abc import Callable
 from typing import Protocol
 
 __all__ = ["AuthThrottle", "Connections", "RateLimitedLog", "StrangerGuard"]
@@ -238,12 +239,22 @@ class StrangerGuard:
         _malloc_trim(0)
 
 
+class ReplyGate(Protocol):
+    """What holds a reply until a failover can no longer take it back (a replica set's primary:
+    :class:`aps.server.replicas.Replicator`)."""
+
+    def hold(self, send: Callable[[], None]) -> None:
+        """Call ``send`` once every backup holds the state as of now (maybe at once)."""
+
+
 class Connections(set):
-    """The open connections of one server, and what they share (:attr:`guard`)."""
+    """The open connections of one server, and what they share (:attr:`guard`, :attr:`replication`)."""
 
     def __init__(self, *args) -> None:
         super().__init__(*args)
         self.guard = StrangerGuard()
+        #: Replies wait here until the backups hold what they tell; None: sent at once.
+        self.replication: ReplyGate | None = None
 
 
 def _find_malloc_trim():

@@ -52,9 +52,10 @@ if TYPE_CHECKING:
 
     from .engine import Engine
     from ..config import ServerConfig
+    from ..layout import Layout
     from .engine.table import Snapshot
 
-__all__ = ["Checkpointer"]
+__all__ = ["Checkpointer", "checkpoint_arrays"]
 
 log = logging.getLogger("aps.server")
 
@@ -129,6 +130,21 @@ class CaptureJob(Job):
             self.snapshot.release()
             self.snapshot = None
         self.done(exc)
+
+
+def checkpoint_arrays(
+    layout: Layout, weights: np.ndarray, flat_state: dict[str, np.ndarray]
+) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray]]:
+    """The files' arrays of a capture: the flat weights and each flat optimizer state cut
+    into the model's tensors (``key/tensor``); the aggregate, the tables' rows, an open
+    round's rows and the curves as they are."""
+    state: dict[str, np.ndarray] = {}
+    for key, flat in flat_state.items():
+        if key == "aggregate" or key.startswith(("tables/", "round/", "scalars/")):  # (as they are)
+            state[key] = flat
+        else:
+            state.update((f"{key}/{tensor}", view) for tensor, view in layout.views(flat).items())
+    return layout.views(weights), state
 
 
 class Checkpointer:
@@ -425,13 +441,7 @@ class Checkpointer:
         """On the writer thread: the files, then the pruning."""
         layout = self.engine.model.layout
         assert layout is not None, "a capture is taken only of a model (CaptureJob.prepare)"
-        weights = layout.views(capture.snapshot.array)
-        state: dict[str, np.ndarray] = {}
-        for key, flat in capture.state.items():
-            if key == "aggregate" or key.startswith(("tables/", "round/", "scalars/")):  # (as they are)
-                state[key] = flat
-            else:
-                state.update((f"{key}/{tensor}", view) for tensor, view in layout.views(flat).items())
+        weights, state = checkpoint_arrays(layout, capture.snapshot.array, capture.state)
         path = write_checkpoint(self.directory, name, capture.manifest, weights, state, key=self._key)
         for old in prune(self.directory, self.config.checkpoint_keep, self.engine.durability.run_id):
             log.debug("removed old checkpoint %s", old)

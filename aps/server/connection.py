@@ -16,6 +16,7 @@ import asyncio
 import logging
 import time
 from collections import Counter
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from ..errors import (
@@ -31,7 +32,7 @@ from ..errors import (
 )
 from ..wire.framing import FrameReader
 from ..wire.protocol import HANDSHAKE_OPS, Flag, Header, Op, encode_error, is_known_op, pack_header
-from .admission import StrangerGuard, _refusals, _strangers
+from .admission import ReplyGate, StrangerGuard, _refusals, _strangers
 from .handshake import Handshake
 from .requests import HANDLERS, Request
 from .requests.base import op_name
@@ -58,6 +59,9 @@ WARNING_WINDOW_S = 60.0
 #: it tells the worker this often that it is alive (an ALIVE notice), or every
 #: third of the heartbeat timeout if that is shorter.
 ALIVE_EVERY_S = 5.0
+#: The replies a replica set's primary sends without waiting for its backups: they tell
+#: nothing a failover could take back (the handshake, a PING, the statistics).
+_UNGATED = frozenset({Op.HELLO, Op.AUTH, Op.PING, Op.STATS})
 
 
 class Connection:
@@ -89,6 +93,7 @@ class Connection:
         self.registry = registry
         self.unix_path = unix_path
         self.guard: StrangerGuard = getattr(registry, "guard", None) or StrangerGuard()
+        self.replication: ReplyGate | None = getattr(registry, "replication", None)
         self.handshake = Handshake(token, self.guard.throttle)
         self.traffic = engine.stats.traffic[transport.kind]
         self.reader = FrameReader(self, max_payload=max_payload)
@@ -283,6 +288,9 @@ class Connection:
                 return
         if self._open_request:
             every = min(ALIVE_EVERY_S, timeout / 3) if timeout > 0 else ALIVE_EVERY_S
+            config = self.engine.config
+            if config.replicas is not None:  # (its workers turn to the backups after 2 --failover-timeout)
+                every = min(every, config.failover_timeout / 2)
             if now - self._last_notice >= every and not self.transport.writing:
                 self.notice(Op.ALIVE)
             return
@@ -429,21 +437,37 @@ class Connection:
     def can_reply(self) -> bool:
         return self.transport.can_write() and not self._silenced
 
+    def _when_replicated(self, send: Callable[[], None]) -> None:
+        """``send()`` now, or (a replica set's primary) once the backups hold what it tells:
+        a worker is never told of an update a failover could take back. A PING's and the
+        STATS' replies tell nothing of the kind; errors change nothing."""
+        gate, request = self.replication, self.request
+        if gate is None or request is None or request.op in _UNGATED:
+            send()
+        else:
+            gate.hold(send)
+
     def reply(
         self, request: Request, op: int, *, clock: int = 0, version: int = 0, flags: int = 0, payload: bytes = b""
     ) -> None:
-        if self.can_reply():
-            live = self.engine.policy.num_live if self.member is not None else 0  # (said to workers only)
-            frame = pack_header(op, flags, 0, request.rid, clock, version, len(payload), live) + payload
-            self.traffic.bytes_out += len(frame)
-            self.transport.write(frame)
-        self.done()
+        def send() -> None:
+            if self.can_reply():
+                live = self.engine.policy.num_live if self.member is not None else 0  # (said to workers only)
+                frame = pack_header(op, flags, 0, request.rid, clock, version, len(payload), live) + payload
+                self.traffic.bytes_out += len(frame)
+                self.transport.write(frame)
+            self.done()
+
+        self._when_replicated(send)
 
     def reply_parts(self, parts: tuple, nbytes: int, fds: tuple = ()) -> None:
-        if self.can_reply():
-            self.traffic.bytes_out += nbytes
-            self.transport.write_parts(parts, fds)
-        self.done()
+        def send() -> None:
+            if self.can_reply():
+                self.traffic.bytes_out += nbytes
+                self.transport.write_parts(parts, fds)
+            self.done()
+
+        self._when_replicated(send)
 
     def reply_weights(
         self,
@@ -455,6 +479,19 @@ class Connection:
         rows: tuple,
         fds: tuple,
         narrowed: np.ndarray | None = None,
+    ) -> None:
+        self._when_replicated(lambda: self._send_weights(request, op, snap, clock, flags, rows, fds, narrowed))
+
+    def _send_weights(
+        self,
+        request: Request,
+        op: int,
+        snap: Snapshot,
+        clock: int,
+        flags: int,
+        rows: tuple,
+        fds: tuple,
+        narrowed: np.ndarray | None,
     ) -> None:
         if not self.can_reply():
             snap.release()

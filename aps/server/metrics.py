@@ -175,6 +175,7 @@ class StatsCollector:
         yield staleness
         yield waits
         yield from _checkpoint_metrics(server.get("checkpoints"))
+        yield from _replica_metrics(server.get("replicas"))
         events = CounterMetricFamily(
             "aps_membership_events",
             "Membership events by kind: joined, rejoined "
@@ -195,6 +196,50 @@ class StatsCollector:
         yield CounterMetricFamily(
             "aps_server_cpu_seconds", "CPU time of the server process (user and system).", value=process["cpu_s"]
         )
+
+
+def _replica_metrics(status: dict | None) -> Iterator:
+    """The replica set's families (nothing for a server without --replicas)."""
+    if not status:
+        return
+    yield GaugeMetricFamily(
+        "aps_replica_term", "The replica set's term (the coordinator's revision of its record).", value=status["term"]
+    )
+    backups = GaugeMetricFamily(
+        "aps_replica_backups",
+        "Backups by state: listed (they hold every acknowledged update), joining (catching up), connected.",
+        labels=["state"],
+    )
+    for state in ("listed", "joining", "connected"):
+        backups.add_metric([state], len(status[state]))
+    yield backups
+    yield GaugeMetricFamily(
+        "aps_replica_without_backups",
+        "1 while the primary runs with no backup listed: its crash loses what its last checkpoint does not hold.",
+        value=float(not status["listed"]),
+    )
+    lag = GaugeMetricFamily(
+        "aps_replica_lag_captures", "Captures shipped that a backup has not acknowledged yet.", labels=["backup"]
+    )
+    for backup, behind in status["lag"].items():
+        lag.add_metric([backup], behind)
+    yield lag
+    yield CounterMetricFamily(
+        "aps_replica_captures", "States captured and shipped to the backups by this process.", value=status["captures"]
+    )
+    yield CounterMetricFamily(
+        "aps_replica_capture_seconds",
+        "Time the update lane spent capturing the state for the backups.",
+        value=status["capture_seconds"],
+    )
+    yield GaugeMetricFamily(
+        "aps_replica_held_replies", "Replies waiting for the backups to hold their state.", value=status["held_replies"]
+    )
+    yield GaugeMetricFamily(
+        "aps_replica_took_over",
+        "1 when this process became primary by taking over from a lost one.",
+        value=status["took_over"],
+    )
 
 
 def _checkpoint_metrics(status: dict | None) -> Iterator:

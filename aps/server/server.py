@@ -39,6 +39,7 @@ from .admission import Connections
 from .connection import Connection
 from .shm import ShmTransport, UnixListener, listen_unix
 from .resume import Resume, Rewind
+from .replicas import ReplicaSet, Replicator
 from .tcp import TcpTransport
 
 if TYPE_CHECKING:
@@ -123,6 +124,9 @@ class Server:
         self.token_file: str | None = None
         self._token: bytes | None = None
         self._checkpoint_key: bytes | None = None
+        #: This server's replica set (--replicas) and, as its primary, what replicates its state.
+        self.replica_set: ReplicaSet | None = None
+        self.replicator: Replicator | None = None
 
     @property
     def address(self) -> str:
@@ -159,6 +163,14 @@ class Server:
         # checkpoints, and a resume reads only those it signed (--resume-unsigned aside).
         self._checkpoint_key = None if token is None or generated else checkpoint_key(token)
         self._resume.key = self._checkpoint_key
+        if self.config.replicas is not None:
+            # One replica of a set: primary now, or a backup until the primary is lost; a backup
+            # that takes over resumes from the state it held (aps.server.replicas).
+            assert token is not None, "ServerConfig requires a token of the operator's with --replicas"
+            self.replica_set = ReplicaSet(self.config, token)
+            held = await self.replica_set.take_role(self._checkpoint_key)
+            if held is not None:
+                self.config = self.config.replace(resume=held, fork_run=False)
         # Before anything starts: a bad checkpoint changes nothing.
         self.config, checkpoint = self._resume.find(self.config)
         try:
@@ -204,6 +216,11 @@ class Server:
             if engine.model.table is not None:
                 engine.model.table.close()
             raise
+        if self.replica_set is not None:
+            self.replicator = self.replica_set.replicator(engine, self._deposed)
+            self.connections.replication = self.replicator
+            engine.stats.replica_status = self.replicator.status
+            self.replicator.start()
         max_payload = config.max_frame_bytes
         traffic = engine.stats.traffic
         tls = server_context(config.tls_cert, config.tls_key, config.tls_ca) if config.tls_cert else None
@@ -442,6 +459,10 @@ class Server:
         except RuntimeError:  # the loop closed meanwhile
             pass
 
+    def _deposed(self, why: str) -> None:
+        """Another replica of the set took over (aps.server.replicas): this one stops."""
+        self.stop()
+
     def _quorum_changed(self, below: bool) -> None:
         """An elastic run went below MIN live workers (training holds: after --quorum-timeout
         seconds, the server checkpoints and goes on waiting) or back to MIN."""
@@ -506,6 +527,12 @@ class Server:
             log.info("telling the workers: %s", notice.message)
         for conn in connections:
             conn.announce_shutdown(notice, resumable)
+        if self.replicator is not None:
+            await self.replicator.close()
+        if self.checkpointer is not None and self.replicator is not None and self.replicator.deposed:
+            # (what it holds may be behind what the new primary acknowledged: no checkpoint of it)
+            await self.checkpointer.close_without_checkpoint()
+            self.checkpointer = None
         if self.checkpointer is not None:
             # After the announcement (nothing more is answered: a push taken from now on
             # is in the checkpoint, or is sent again after the restart) and before the
@@ -603,6 +630,8 @@ class Server:
         (see Connection.watch)."""
         loop = asyncio.get_running_loop()
         period = min(1.0, timeout / 4) if timeout > 0 else 1.0
+        if self.config.replicas is not None:  # (ALIVE twice per --failover-timeout: Connection.watch)
+            period = min(period, self.config.failover_timeout / 4)
         while True:
             await asyncio.sleep(max(0.05, period))
             now = loop.time()

@@ -95,6 +95,14 @@ EXAMPLES = {
     "resume": ("/var/aps/checkpoint-00000001-v10", "/var/aps/checkpoint-00000001-v10", {}),
     "fork_run": ("1", True, {"APS_RESUME": "/var/aps/checkpoint-00000001-v10"}),
     "resume_unsigned": ("1", True, {"APS_RESUME": "/var/aps/checkpoint-00000001-v10"}),
+    "replicas": ("10.0.0.1:7070,10.0.0.2:7070", "10.0.0.1:7070,10.0.0.2:7070",
+                 {"APS_PORT": "7070", "APS_ADVERTISE": "10.0.0.1:7070", "APS_COORDINATOR": "etcd://10.0.0.9:2379",
+                  "APS_TOKEN": "Zq3vN8wLk2pR7sT1yU5xC9bM4dF6gH0j"}),
+    "advertise": ("10.0.0.1:7070", "10.0.0.1:7070", {}),
+    "coordinator": ("etcd://10.0.0.9:2379", "etcd://10.0.0.9:2379", {}),
+    "replica_set": ("run-7-shard-0", "run-7-shard-0", {}),
+    "failover_timeout": ("0.25", 0.25, {}),
+    "replica_timeout": ("5", 5.0, {}),
     "log_level": ("debug", "debug", {}),
 }
 

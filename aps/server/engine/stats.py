@@ -268,6 +268,8 @@ class ServerStats:
         self.carried = dict.fromkeys(CARRIED_COUNTERS, 0)
         #: Returns the checkpointer's state (``Checkpointer.status``); None: no --checkpoint-dir.
         self.checkpoint_status: Callable[[], dict] | None = None
+        #: The replica set's state (aps.server.replicas: role, term, backups, lag), set by a replica.
+        self.replica_status: Callable[[], dict] | None = None
         #: The version when training started (a resumed run starts at its checkpoint's).
         self.start_version = 0
         #: The last checkpoint written, as the checkpointer reports it (None before the first).
@@ -466,6 +468,7 @@ class ServerStats:
                 "resumed_from": engine.resumed_from,
                 "checkpoint": self.checkpoint,
                 "checkpoints": self.checkpoint_status() if self.checkpoint_status is not None else None,
+                "replicas": self.replica_status() if self.replica_status is not None else None,
                 "bytes_in": self.bytes_in,
                 "bytes_out": self.bytes_out,
                 "transports": {

@@ -1,0 +1,100 @@
+"""A real etcd for tests: ``with Etcd(tmp_path) as etcd: etcd.url`` (Debian's ``etcd-server``).
+
+On loopback, on ports the kernel picks free, its data in the directory given; stopped
+(by its process id) and its data left for the test's own directory to remove.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import time
+import urllib.request
+from pathlib import Path
+
+__all__ = ["Etcd", "etcd_available"]
+
+
+def etcd_available() -> bool:
+    return shutil.which("etcd") is not None
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+class Etcd:
+    """One etcd member, alone in its cluster."""
+
+    def __init__(self, directory: str | os.PathLike, timeout: float = 20.0) -> None:
+        self.directory = Path(directory)
+        self.directory.mkdir(parents=True, exist_ok=True)
+        self.timeout = timeout
+        self.proc: subprocess.Popen | None = None
+        self.client_port = self.peer_port = 0
+
+    @property
+    def url(self) -> str:
+        """Its client URL, as ``--coordinator`` takes it."""
+        return f"etcd://127.0.0.1:{self.client_port}"
+
+    def start(self) -> Etcd:
+        for _ in range(5):  # (a port picked free may be taken before etcd binds it)
+            self.client_port, self.peer_port = _free_port(), _free_port()
+            client, peer = f"http://127.0.0.1:{self.client_port}", f"http://127.0.0.1:{self.peer_port}"
+            log = open(self.directory / "etcd.log", "ab")
+            self.proc = subprocess.Popen(
+                [
+                    "etcd",
+                    "--name",
+                    "aps-test",
+                    "--data-dir",
+                    str(self.directory / "data"),
+                    "--listen-client-urls",
+                    client,
+                    "--advertise-client-urls",
+                    client,
+                    "--listen-peer-urls",
+                    peer,
+                    "--initial-advertise-peer-urls",
+                    peer,
+                    "--initial-cluster",
+                    f"aps-test={peer}",
+                    "--log-level",
+                    "warn",
+                ],
+                stdout=log,
+                stderr=log,
+            )
+            log.close()
+            deadline = time.monotonic() + self.timeout
+            while time.monotonic() < deadline and self.proc.poll() is None:
+                try:
+                    with urllib.request.urlopen(f"{client}/health", timeout=1) as response:
+                        if b"true" in response.read():
+                            return self
+                except OSError:
+                    time.sleep(0.05)
+            self.stop()
+        raise RuntimeError(f"etcd did not start: {(self.directory / 'etcd.log').read_text()[-2000:]}")
+
+    def stop(self) -> None:
+        proc, self.proc = self.proc, None
+        if proc is not None and proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)
+            try:
+                proc.wait(10)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+
+    def __enter__(self) -> Etcd:
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()

@@ -1,0 +1,122 @@
+"""Replica sets (aps serve --replicas): real replicas, a real etcd deciding who is primary,
+and ledger workers (each (rank, slot) pushes into a weight of its own, SGD lr=1, so every
+weight counts its applications): a primary killed mid-run loses no acknowledged update and
+applies none twice, a backup takes over and the workers follow it by themselves, a replica
+killed and started again catches up from the live one, and a deposed primary answers nothing.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+
+import pytest
+
+from aps.server.coordinator import Coordinator, Record
+from aps.server.replica_link import LinkRefused, connect_backup
+from aps.testing.etcd import Etcd, etcd_available
+from aps.testing.replicas import ReplicaCluster
+
+pytestmark = pytest.mark.skipif(not etcd_available(), reason="etcd (Debian's etcd-server) is not installed")
+
+TOOK_OVER = "took over from"
+
+
+@pytest.fixture
+def etcd(tmp_path):
+    with Etcd(tmp_path / "etcd") as running:
+        yield running
+
+
+@pytest.mark.parametrize("sync", ["asp", "bsp"])
+def test_killed_primaries_lose_no_acknowledged_update_and_apply_none_twice(etcd, tmp_path, sync):
+    cluster = ReplicaCluster(tmp_path / "run", etcd.url, sync=sync)
+    try:
+        cluster.start_replica(0)
+        cluster.wait_log(0, "primary at term")
+        cluster.start_replica(1)
+        cluster.wait_log(0, "holds the whole state")
+        cluster.start_workers(first=0)
+        cluster.wait_acks(100)
+        cluster.kill(0)  # mid-run: pushes in flight, captures on the wire
+        took = cluster.wait_log(1, TOOK_OVER)
+        cluster.wait_acks(100)
+        # the killed replica comes back as a backup of the new primary, and catches up from it
+        cluster.start_replica(0)
+        cluster.wait_log(0, "following primary")
+        cluster.wait_log(1, "holds the whole state")
+        cluster.wait_acks(100)
+        cluster.kill(1)  # a second failover, back to the first replica
+        took_again = cluster.wait_log(0, TOOK_OVER)
+        cluster.wait_acks(100)
+        ledger = cluster.finish(primary=0)
+    finally:
+        cluster.close()
+    print(f"took over {took:.2f} s and {took_again:.2f} s after the kills; {ledger['acknowledged']} acknowledged")
+    assert ledger["applied_twice"] == 0, ledger["twice_at"]
+    assert ledger["lost"] == 0, ledger["lost_at"]
+    assert ledger["phantom"] == 0
+    assert ledger["acknowledged"] >= 400
+
+
+def test_a_stopped_primary_is_deposed_and_answers_nothing_when_it_wakes(etcd, tmp_path):
+    cluster = ReplicaCluster(tmp_path / "run", etcd.url)
+    try:
+        cluster.start_replica(0)
+        cluster.wait_log(0, "primary at term")
+        cluster.start_replica(1)
+        cluster.wait_log(0, "holds the whole state")
+        cluster.start_workers(first=0)
+        cluster.wait_acks(50)
+        cluster.kill(0, signal.SIGSTOP)  # stopped, not dead: it wakes up thinking it is primary
+        took = cluster.wait_log(1, TOOK_OVER)
+        back = took + cluster.wait_acks(1)  # the workers found the new primary (after 2 --failover-timeout)
+        cluster.wait_acks(50)
+        cluster.kill(0, signal.SIGCONT)
+        cluster.wait_log(0, "was deposed")
+        assert cluster.procs[0].wait(30) is not None  # it stopped by itself
+        cluster.wait_acks(50)
+        ledger = cluster.finish(primary=1)
+    finally:
+        cluster.close()
+    print(f"took over {took:.2f} s after the stop; the workers pushed again {back:.2f} s after it")
+    assert ledger["applied_twice"] == 0 and ledger["lost"] == 0, ledger
+
+
+def test_a_peer_without_the_token_or_not_the_primary_is_refused_by_a_backup(etcd, tmp_path):
+    cluster = ReplicaCluster(tmp_path / "run", etcd.url)
+    try:
+        cluster.start_replica(0)
+        cluster.wait_log(0, "primary at term")
+        cluster.start_replica(1)
+        cluster.wait_log(1, "following primary")
+        host, port = cluster.addresses[1].split(":")
+
+        async def knock(token: bytes, primary: str) -> str:
+            reader, writer = await asyncio.open_connection(host, int(port))
+            try:
+                await connect_backup(reader, writer, token, {"set": cluster.name, "primary": primary, "term": 1}, 5)
+                return "accepted"
+            except LinkRefused as exc:
+                return str(exc)
+            finally:
+                writer.close()
+
+        wrong = asyncio.run(knock(b"not the token", cluster.addresses[0]))
+        impostor = asyncio.run(knock(cluster.token.encode(), "127.0.0.1:1"))
+
+        async def record() -> Record | None:
+            coordinator = Coordinator(etcd.url, cluster.name)
+            try:
+                return await coordinator.read()
+            finally:
+                await coordinator.close()
+
+        after = asyncio.run(record())
+        log = cluster.log(1)
+    finally:
+        cluster.close()
+    assert wrong != "accepted" and impostor != "accepted", (wrong, impostor)
+    assert "not the primary" in impostor
+    assert after is not None and after.primary == cluster.addresses[0], after  # nothing changed
+    assert TOOK_OVER not in log
