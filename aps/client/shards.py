@@ -258,7 +258,10 @@ def in_shard_order(workers: list) -> list:
     for index in range(1, count):
         worker, description = by_index[index]
         for name, value in first.items():
-            if name not in ("shard", "runs", "registered", "heartbeat_timeout") and description.get(name) != value:
+            if (
+                name not in ("shard", "runs", "registered", "heartbeat_timeout", "replicas", "failover_timeout")
+                and description.get(name) != value
+            ):
                 flag = "--" + name.replace("_", "-")
                 raise ConfigurationError(
                     f"shard {index} at {worker.address} was started with {flag} {description.get(name)}, shard 0 "

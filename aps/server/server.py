@@ -192,7 +192,8 @@ class Server:
         engine.membership.on_quorum = self._quorum_changed
         try:
             if checkpoint is not None:
-                engine.durability.restore(checkpoint)
+                taken_over = self.replica_set is not None and self.replica_set.failovers > 0
+                engine.durability.restore(checkpoint, taken_over=taken_over)
                 await self._resume.take_up(engine, checkpoint, config, token)
             if config.checkpoint_dir is not None:
                 if self._resume.holds(config.checkpoint_dir):

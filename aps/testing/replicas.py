@@ -60,6 +60,11 @@ class ReplicaCluster:
     def log(self, index: int) -> str:
         return "".join((self.dir / f"replica{index}.{n}.err").read_text() for n in range(self.starts.get(index, 0)))
 
+    def out(self, index: int) -> str:
+        """What replica ``index`` printed in its newest start (``aps: serving on ...`` once primary)."""
+        n = self.starts.get(index, 0) - 1
+        return (self.dir / f"replica{index}.{n}.out").read_text() if n >= 0 else ""
+
     def start_replica(self, index: int, *more: str) -> subprocess.Popen:
         n = self.starts.get(index, 0)
         self.starts[index] = n + 1

@@ -9,8 +9,13 @@ from __future__ import annotations
 
 import asyncio
 import signal
+import threading
+import time
 
+import numpy as np
 import pytest
+
+import aps
 
 from aps.server.coordinator import Coordinator, Record
 from aps.server.replica_link import LinkRefused, connect_backup
@@ -120,3 +125,79 @@ def test_a_peer_without_the_token_or_not_the_primary_is_refused_by_a_backup(etcd
     assert "not the primary" in impostor
     assert after is not None and after.primary == cluster.addresses[0], after  # nothing changed
     assert TOOK_OVER not in log
+
+
+NUMEL, STEPS = 4096, 120
+
+
+def _train(address: str, env_token: str | None, results: dict, errors: list, clocks: list) -> list[threading.Thread]:
+    """Two BSP workers pushing seeded gradients (the same for a (rank, clock) in every run)."""
+
+    def run(rank: int) -> None:
+        try:
+            with aps.Worker(address, rank, 2, transport="tcp", token=env_token, reconnect_timeout=60) as worker:
+                worker.init({"w": np.zeros(NUMEL, np.float32)})
+                weights = None
+                while worker.clock < STEPS:
+                    clocks[rank] = worker.clock
+                    rng = np.random.default_rng(1000 * rank + worker.clock)
+                    weights = worker.push_pull(rng.standard_normal(NUMEL).astype(np.float32))
+                results[rank] = np.array(weights["w"], np.float32)
+        except BaseException as exc:  # reported by the test
+            errors.append(exc)
+
+    threads = [threading.Thread(target=run, args=(rank,), daemon=True) for rank in range(2)]
+    for thread in threads:
+        thread.start()
+    return threads
+
+
+def _wait_clock(clocks: list, clock: int, errors: list, timeout: float = 60) -> None:
+    deadline = time.monotonic() + timeout
+    while min(clocks) < clock:
+        assert not errors, errors
+        assert time.monotonic() < deadline, f"clocks {clocks}, waiting for {clock}"
+        time.sleep(0.01)
+
+
+def test_a_sharded_bsp_run_with_replicas_equals_the_unsharded_one_bit_for_bit_across_failovers(
+        etcd, tmp_path, server_process):
+    optimizer = ("--lr", "0.05", "--momentum", "0.9")
+    shards = [ReplicaCluster(tmp_path / f"shard{i}", etcd.url, sync="bsp",
+                             extra=("--shards", "2", "--shard", str(i), *optimizer)) for i in range(2)]
+    shards[1].token, shards[1].env = shards[0].token, shards[0].env  # one run, one token
+    results: dict[int, np.ndarray] = {}
+    errors: list[BaseException] = []
+    clocks = [0, 0]
+    try:
+        for shard in shards:
+            shard.start_replica(0)
+        for shard in shards:
+            shard.wait_log(0, "primary at term")
+            shard.start_replica(1)
+        for shard in shards:
+            shard.wait_log(0, "holds the whole state")
+        address = ",".join(f"tcp://{shard.addresses[0]}" for shard in shards)
+        threads = _train(address, shards[0].token, results, errors, clocks)
+        for at, index in ((30, 0), (60, 1), (90, 0)):  # kill -9 a shard's primary; the killed one comes back a backup
+            _wait_clock(clocks, at, errors)
+            shard = shards[index]
+            primary = next(i for i, proc in shard.procs.items() if "serving on" in shard.out(i))
+            shard.kill(primary)
+            shard.wait_log(1 - primary, TOOK_OVER)
+            shard.start_replica(primary)
+            shard.wait_log(1 - primary, "holds the whole state")
+        for thread in threads:
+            thread.join(120)
+        assert not errors, errors
+        replicated = results[0]
+        assert np.array_equal(results[0], results[1])
+    finally:
+        for shard in shards:
+            shard.close()
+    single = server_process("--workers", "2", "--sync", "bsp", *optimizer)
+    results.clear()
+    for thread in _train(single.address, single.token.decode(), results, errors, [0, 0]):
+        thread.join(120)
+    assert not errors, errors
+    assert np.array_equal(replicated, results[0]), np.abs(replicated - results[0]).max()

@@ -189,11 +189,16 @@ class Durability:
         }
         return manifest, arrays
 
-    def restore(self, checkpoint: Checkpoint) -> None:
+    def restore(self, checkpoint: Checkpoint, *, taken_over: bool = False) -> None:
         """Take up the state of ``checkpoint`` (an :class:`aps.checkpoint.Checkpoint`) before
         anyone joins: weights, optimizer state, version, the policy's clocks and rounds,
         and what each rank's last push was. Training starts again once every worker
-        has rejoined. Raises CheckpointError (and keeps nothing) if it does not fit."""
+        has rejoined. Raises CheckpointError (and keeps nothing) if it does not fit.
+
+        ``taken_over``: the state a backup of a replica set held when its primary was lost
+        (aps.server.replicas), as new as anything a worker was told: a shard of a sharded
+        run keeps its open round, which the other shards hold too (a shard resumed from a
+        checkpoint leaves it out)."""
         model, roster, loads = self.model, self.roster, self.loads
         if model.table is not None or roster.members:
             raise CheckpointError("a checkpoint is restored before anyone joins")
@@ -241,7 +246,7 @@ class Durability:
             placements = self.policy.restore(manifest["policy"])
             seats = {int(rank): Seat.from_json(seat) for rank, seat in manifest["seats"].items()}
             forget = getattr(self.policy, "forget_open_round", None)
-            if self.config.shards > 1 and forget is not None:
+            if self.config.shards > 1 and forget is not None and not taken_over:
                 # A shard resumes alone (docs/algorithms.md, "Sharded resume"): its open round is left out.
                 placements, dropped = forget(placements)
                 for rank in dropped:
