@@ -120,9 +120,9 @@ def failovers(directory: Path, etcd: Etcd, count: int) -> dict:
                 time.sleep(0.01)
             line = [x for x in cluster.log(backup).splitlines() if "took over from" in x][-1]
             took.append(float(line.split(", ")[-2].split(" s after")[0]))
+            listed = cluster.log(backup).count("holds the whole state")
             cluster.start_replica(primary)
-            cluster.wait_log(primary, "following primary", timeout=60)
-            cluster.wait_log(backup, "holds the whole state", timeout=60)
+            cluster.wait_count(backup, "holds the whole state", listed + 1, timeout=60)  # whole again
             cluster.wait_acks(50)
             print(f"failover {n + 1}: pushes again {times[-1]:.3f} s after the kill", flush=True)
             primary = backup

@@ -340,6 +340,10 @@ class Replicator:
                 continue
             parts = encode_state(number, manifest, arrays)
             for link in list(self.links.values()):
+                if link.writer.transport.get_write_buffer_size() > 0:
+                    # Still reading an earlier state: each one is whole, so it skips to a newer one
+                    # once it has drained (what the primary holds for a slow backup stays bounded).
+                    continue
                 try:
                     write_frame(link.writer, STAT, *parts)
                     link.sent = time.monotonic()

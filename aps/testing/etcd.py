@@ -14,6 +14,10 @@ import subprocess
 import time
 import urllib.request
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from .netns import Host
 
 __all__ = ["Etcd", "etcd_available"]
 
@@ -31,24 +35,39 @@ def _free_port() -> int:
 class Etcd:
     """One etcd member, alone in its cluster."""
 
-    def __init__(self, directory: str | os.PathLike, timeout: float = 20.0) -> None:
+    def __init__(self, directory: str | os.PathLike, timeout: float = 20.0, host: Host | None = None) -> None:
         self.directory = Path(directory)
         self.directory.mkdir(parents=True, exist_ok=True)
         self.timeout = timeout
+        self.host = host  # (a host of an aps.testing.netns.Network: etcd runs inside it)
+        self.address = host.address if host is not None else "127.0.0.1"
         self.proc: subprocess.Popen | None = None
         self.client_port = self.peer_port = 0
 
     @property
     def url(self) -> str:
         """Its client URL, as ``--coordinator`` takes it."""
-        return f"etcd://127.0.0.1:{self.client_port}"
+        return f"etcd://{self.address}:{self.client_port}"
+
+    def _ready(self, client: str) -> bool:
+        if self.host is not None:  # (unreachable from here: its log says when it serves)
+            return b"ready to serve client requests" in (self.directory / "etcd.log").read_bytes()
+        try:
+            with urllib.request.urlopen(f"{client}/health", timeout=1) as response:
+                return b"true" in response.read()
+        except OSError:
+            return False
 
     def start(self) -> Etcd:
+        popen = self.host.popen if self.host is not None else subprocess.Popen
         for _ in range(5):  # (a port picked free may be taken before etcd binds it)
-            self.client_port, self.peer_port = _free_port(), _free_port()
-            client, peer = f"http://127.0.0.1:{self.client_port}", f"http://127.0.0.1:{self.peer_port}"
+            if self.host is None:
+                self.client_port, self.peer_port = _free_port(), _free_port()
+            else:  # (a namespace of its own: every port is free)
+                self.client_port, self.peer_port = 2379, 2380
+            client, peer = f"http://{self.address}:{self.client_port}", f"http://{self.address}:{self.peer_port}"
             log = open(self.directory / "etcd.log", "ab")
-            self.proc = subprocess.Popen(
+            self.proc = popen(
                 [
                     "etcd",
                     "--name",
@@ -66,7 +85,7 @@ class Etcd:
                     "--initial-cluster",
                     f"aps-test={peer}",
                     "--log-level",
-                    "warn",
+                    "info",
                 ],
                 stdout=log,
                 stderr=log,
@@ -74,12 +93,9 @@ class Etcd:
             log.close()
             deadline = time.monotonic() + self.timeout
             while time.monotonic() < deadline and self.proc.poll() is None:
-                try:
-                    with urllib.request.urlopen(f"{client}/health", timeout=1) as response:
-                        if b"true" in response.read():
-                            return self
-                except OSError:
-                    time.sleep(0.05)
+                if self._ready(client):
+                    return self
+                time.sleep(0.05)
             self.stop()
         raise RuntimeError(f"etcd did not start: {(self.directory / 'etcd.log').read_text()[-2000:]}")
 

@@ -13,10 +13,14 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from .ledger import LedgerLayout, analyse_ledger
+
+if TYPE_CHECKING:
+    from .netns import Host
 
 __all__ = ["ReplicaCluster"]
 
@@ -42,12 +46,20 @@ class ReplicaCluster:
         slots: int = 20000,
         sync: str = "asp",
         extra: tuple[str, ...] = (),
+        hosts: list[Host] | None = None,
+        worker_host: Host | None = None,
     ) -> None:
         self.dir = Path(directory)
         self.dir.mkdir(parents=True, exist_ok=True)
         self.coordinator = coordinator
-        self.ports = [_free_port() for _ in range(replicas)]
-        self.addresses = [f"127.0.0.1:{p}" for p in self.ports]
+        # Each replica on loopback, or in a host of its own (aps.testing.netns), as the workers are.
+        self.hosts, self.worker_host = hosts, worker_host
+        if hosts is not None:
+            self.ports = [7450] * replicas
+            self.addresses = [f"{host.address}:7450" for host in hosts]
+        else:
+            self.ports = [_free_port() for _ in range(replicas)]
+            self.addresses = [f"127.0.0.1:{p}" for p in self.ports]
         self.token = secrets.token_hex(16)
         self.env = dict(os.environ, APS_TOKEN=self.token)
         self.workers, self.sync, self.extra = workers, sync, extra
@@ -74,7 +86,7 @@ class ReplicaCluster:
             "aps",
             "serve",
             "--host",
-            "127.0.0.1",
+            self.addresses[index].rsplit(":", 1)[0],
             "--port",
             str(self.ports[index]),
             "--replicas",
@@ -96,7 +108,9 @@ class ReplicaCluster:
         ]
         out_path, err_path = self.dir / f"replica{index}.{n}.out", self.dir / f"replica{index}.{n}.err"
         with open(out_path, "w") as out, open(err_path, "w") as err:
-            proc = subprocess.Popen(argv, stdout=out, stderr=err, env=self.env, stdin=subprocess.DEVNULL)
+            popen = self.hosts[index].popen if self.hosts is not None else subprocess.Popen
+            env = self.env if self.hosts is None else {**self.env, "XDG_RUNTIME_DIR": self.hosts[index].runtime_dir}
+            proc = popen(argv, stdout=out, stderr=err, env=env, stdin=subprocess.DEVNULL)
         self.procs[index] = proc
         return proc
 
@@ -108,6 +122,14 @@ class ReplicaCluster:
             tail = self.log(index)[-3000:]
             assert proc.poll() is None or text in self.log(index), f"replica {index} exited:\n{tail}"
             assert time.monotonic() - start < timeout, f"replica {index} never said {text!r}:\n{tail}"
+            time.sleep(0.02)
+        return time.monotonic() - start
+
+    def wait_count(self, index: int, text: str, count: int, timeout: float = 30.0) -> float:
+        """Seconds until replica ``index``'s logs (every start) say ``text`` ``count`` times."""
+        start = time.monotonic()
+        while self.log(index).count(text) < count:
+            assert time.monotonic() - start < timeout, f"replica {index} said {text!r} fewer than {count} times"
             time.sleep(0.02)
         return time.monotonic() - start
 
@@ -142,7 +164,7 @@ class ReplicaCluster:
             if self.sync == "bsp":
                 argv.append("--bsp")
             with open(self.dir / f"w{rank}.err", "a") as err:
-                self.worker_procs.append(subprocess.Popen(argv, env=self.env, stderr=err, stdin=subprocess.DEVNULL))
+                self.worker_procs.append(self._popen(argv, env=self.env, stderr=err, stdin=subprocess.DEVNULL))
 
     def acked(self) -> np.ndarray:
         acked = np.zeros((1, self.workers, self.layout.slots), bool)
@@ -170,6 +192,10 @@ class ReplicaCluster:
             time.sleep(0.05)
         return time.monotonic() - start
 
+    def _popen(self, argv: list[str], **kwargs) -> subprocess.Popen:
+        """A worker-side process: on loopback, or in the workers' host."""
+        return (self.worker_host.popen if self.worker_host is not None else subprocess.Popen)(argv, **kwargs)
+
     def kill(self, index: int, signum: int = signal.SIGKILL) -> None:
         os.kill(self.procs[index].pid, signum)
         if signum == signal.SIGKILL:
@@ -181,7 +207,7 @@ class ReplicaCluster:
         for proc in self.worker_procs:
             proc.wait(60)
         out = self.dir / "final.npy"
-        subprocess.run(
+        pull = self._popen(
             [
                 PY,
                 "-m",
@@ -199,10 +225,12 @@ class ReplicaCluster:
                 str(out),
             ],
             env=self.env,
-            timeout=120,
-            check=True,
             stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE,
         )
+        _, err = pull.communicate(timeout=120)
+        if pull.returncode != 0:
+            raise RuntimeError(f"pulling the final ledger failed: {err.decode()[-2000:]}")
         return analyse_ledger(np.load(out), self.layout, self.acked(), self.sync == "bsp")
 
     def close(self) -> None:

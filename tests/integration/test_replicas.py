@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import signal
+import subprocess
 import threading
 import time
 
@@ -20,6 +21,7 @@ import aps
 from aps.server.coordinator import Coordinator, Record
 from aps.server.replica_link import LinkRefused, connect_backup
 from aps.testing.etcd import Etcd, etcd_available
+from aps.testing.netns import Network, require_netns
 from aps.testing.replicas import ReplicaCluster
 
 pytestmark = pytest.mark.skipif(not etcd_available(), reason="etcd (Debian's etcd-server) is not installed")
@@ -85,6 +87,31 @@ def test_a_stopped_primary_is_deposed_and_answers_nothing_when_it_wakes(etcd, tm
     finally:
         cluster.close()
     print(f"took over {took:.2f} s after the stop; the workers pushed again {back:.2f} s after it")
+    assert ledger["applied_twice"] == 0 and ledger["lost"] == 0, ledger
+
+
+def test_a_backup_that_stops_acknowledging_leaves_the_set_and_comes_back_after_catching_up(etcd, tmp_path):
+    cluster = ReplicaCluster(tmp_path / "run", etcd.url)
+    try:
+        cluster.start_replica(0)
+        cluster.wait_log(0, "primary at term")
+        cluster.start_replica(1)
+        cluster.wait_log(0, "holds the whole state")
+        cluster.start_workers(first=0)
+        cluster.wait_acks(50)
+        cluster.kill(1, signal.SIGSTOP)  # it holds every acknowledged update so far, and says nothing
+        cluster.wait_log(0, "running without backups")  # after --replica-timeout: the primary goes on alone
+        cluster.wait_acks(50)
+        assert TOOK_OVER not in cluster.log(1)
+        cluster.kill(1, signal.SIGCONT)
+        cluster.wait_count(0, "holds the whole state", 2, timeout=60)  # linked again, and whole again
+        cluster.wait_acks(50)
+        cluster.kill(0)  # it can take over again: it holds everything
+        cluster.wait_log(1, TOOK_OVER)
+        cluster.wait_acks(50)
+        ledger = cluster.finish(primary=1)
+    finally:
+        cluster.close()
     assert ledger["applied_twice"] == 0 and ledger["lost"] == 0, ledger
 
 
@@ -160,6 +187,7 @@ def _wait_clock(clocks: list, clock: int, errors: list, timeout: float = 60) -> 
         time.sleep(0.01)
 
 
+@pytest.mark.slow  # (four replicas, three failovers, and the unsharded run beside them)
 def test_a_sharded_bsp_run_with_replicas_equals_the_unsharded_one_bit_for_bit_across_failovers(
         etcd, tmp_path, server_process):
     optimizer = ("--lr", "0.05", "--momentum", "0.9")
@@ -201,3 +229,47 @@ def test_a_sharded_bsp_run_with_replicas_equals_the_unsharded_one_bit_for_bit_ac
         thread.join(120)
     assert not errors, errors
     assert np.array_equal(replicated, results[0]), np.abs(replicated - results[0]).max()
+
+
+@pytest.mark.slow  # (four hosts, a partition and its healing each: 7-17 s)
+@pytest.mark.parametrize("cut", ["primary", "backup", "coordinator"])
+def test_a_partition_loses_no_acknowledged_update_and_leaves_one_primary(tmp_path, cut):
+    """Each replica, the coordinator and the workers on hosts of their own (network namespaces);
+    one host's link is cut for a while: the primary's (the backup takes over, the workers
+    follow, the old primary is deposed when it is back), the backup's (the primary goes on
+    without it, then it catches up and is listed again), the coordinator's (nothing changes)."""
+    require_netns()
+    with Network() as net:
+        e, a, b, w = (net.add_host(name) for name in ("etcd", "a", "b", "workers"))
+        with Etcd(tmp_path / "etcd", host=e) as etcd:
+            cluster = ReplicaCluster(tmp_path / "run", etcd.url, hosts=[a, b], worker_host=w)
+            try:
+                cluster.start_replica(0)
+                cluster.wait_log(0, "primary at term")
+                cluster.start_replica(1)
+                cluster.wait_log(0, "holds the whole state")
+                cluster.start_workers(first=0)
+                cluster.wait_acks(50)
+                host = {"primary": a, "backup": b, "coordinator": e}[cut]
+                link = ["ip", "-n", net.bridge_netns, "link", "set", host.bridge_port]
+                subprocess.run([*link, "down"], check=True)
+                try:
+                    if cut == "primary":
+                        cluster.wait_log(1, TOOK_OVER)
+                    elif cut == "backup":
+                        cluster.wait_log(0, "running without backups")
+                    cluster.wait_acks(50)  # training goes on meanwhile
+                finally:
+                    subprocess.run([*link, "up"], check=True)
+                if cut == "primary":
+                    cluster.wait_log(0, "was deposed")
+                    assert cluster.procs[0].wait(30) is not None
+                elif cut == "backup":
+                    cluster.wait_count(0, "holds the whole state", 2, timeout=60)
+                cluster.wait_acks(50)
+                ledger = cluster.finish(primary=1 if cut == "primary" else 0)
+                logs = cluster.log(0) + cluster.log(1)
+            finally:
+                cluster.close()
+    assert ledger["applied_twice"] == 0 and ledger["lost"] == 0, ledger
+    assert logs.count(TOOK_OVER) == (1 if cut == "primary" else 0)
