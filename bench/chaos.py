@@ -9,7 +9,7 @@ checkpoint, or from an older one), network cuts (network namespaces), a full
 checkpoint disk, and strangers flooding a shard with connections that never
 authenticate. The model is a ledger (SGD lr=1, one weight per (shard, rank, clock)), so
 the final weights say whether any gradient was applied twice or lost beyond what the
-crashes allow. Reports faults injected and survived by kind, applied twice, lost
+crashes allow (with ``--replicas 2``, each shard a replica set: none may be lost). Reports faults injected and survived by kind, applied twice, lost
 against the bound, stalls beyond the documented deadline, server RSS growth: a table
 and JSON (see docs/design/tools.md, "Chaos soak"). Needs root for namespaces and tmpfs
 (without, cuts and disk-full are left out and the report says so). Example::
@@ -47,6 +47,9 @@ def print_table(rows: list[dict]) -> None:
             where = ", ".join(f"shard {p['shard']}: {p['applied_twice']}" for p in r["ledger"]["per_shard"])
             print(f"  {r['sync']}: applied twice on {where}; {len(r['crashes'])} shard resumes, "
                   f"{r['older_resumes']} from an older checkpoint; first at {r['ledger']['twice_at'][:3]}")
+        if r.get("replicas", 1) > 1:
+            print(f"  {r['sync']}: {r['replicas']} replicas a shard: {r['failovers']} failovers, taking over in "
+                  f"{r['failover_s']} s; {r['no_takeover']} without a takeover")
         for note in r["notes"] + r["cleanup_errors"]:
             print(f"  {r['sync']}: {note}")
 
@@ -68,6 +71,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--step-time", type=float, default=0.02, help="seconds each worker sleeps per step")
     parser.add_argument("--checkpoint-every-updates", type=int, default=40)
     parser.add_argument("--max-fault", type=float, default=6.0, help="longest stop, cut, full disk or flood (s)")
+    parser.add_argument("--replicas", type=int, default=1,
+                        help="replicas a shard (aps serve --replicas, a real etcd): none acknowledged may be lost")
     parser.add_argument("--keep-run-dir", action="store_true", help="keep the logs and checkpoints")
     parser.add_argument("--quiet", action="store_true", help="no line per fault")
     parser.add_argument("--out", help="also write the JSON report to this file")
@@ -81,7 +86,7 @@ def main(argv: list[str] | None = None) -> int:
                                 workers=args.workers, transport=args.transport, network=args.network,
                                 step_time=args.step_time, checkpoint_every_updates=args.checkpoint_every_updates,
                                 max_fault_s=args.max_fault, kinds=tuple(args.faults), keep_run_dir=args.keep_run_dir,
-                                quiet=args.quiet)
+                                quiet=args.quiet, replicas=args.replicas)
             rows.append(run_soak(config))
     except KeyboardInterrupt:
         print("\ninterrupted: every process stopped, namespaces and mounts removed", file=sys.stderr)

@@ -110,6 +110,11 @@ def run(args: argparse.Namespace) -> int:
 
     if config.shard != 0:
         raise ConfigurationError("aps launch starts every shard itself: give --shards K, not --shard")
+    if config.replicas is not None:
+        raise ConfigurationError(
+            "aps launch runs its servers inside its own process: the replicas of a replica set run as processes "
+            "(and on hosts) of their own, each an aps serve --replicas (docs/guide/replicas.md)"
+        )
     if config.shards > 1 and config.port and config.http_port and abs(config.port - config.http_port) < config.shards:
         raise ConfigurationError(
             f"with --shards {config.shards}, the shards listen on --port {config.port} and up, "

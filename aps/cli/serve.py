@@ -37,4 +37,10 @@ def run(args: argparse.Namespace) -> int:
     server = Server(config, given=set(given_options(args)))
     # The same command again, so that the server can restart itself from a checkpoint (REWIND).
     server.restart_command = [sys.executable, *sys.orig_argv[1:]]
-    return server.run()
+    from ..server.replicas import SetRetired
+
+    try:
+        return server.run()
+    except SetRetired as exc:  # (a backup whose primary ended the run: nothing went wrong)
+        print(f"aps: {exc}", flush=True)
+        return 0

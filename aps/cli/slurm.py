@@ -54,6 +54,13 @@ def register(commands) -> None:
         default=10.0,
         help="seconds a shard waits with no worker live, once training ran, before it stops (default 10)",
     )
+    parser.add_argument(
+        "--replica-count",
+        type=int,
+        default=1,
+        help="replicas a shard (default 1): more makes each shard a replica set (aps serve --replicas) of that "
+        "many tasks, which needs --coordinator etcd://HOST:PORT (docs/guide/replicas.md)",
+    )
     parser.add_argument("script", help="the training script each worker task runs")
     parser.add_argument("script_args", nargs=argparse.REMAINDER, help="arguments for the script")
     parser.set_defaults(run=run)
@@ -96,9 +103,15 @@ class SlurmStep:
         #: This task's index among the tasks of its node.
         self.local = self.nodes[: self.procid].count(self.nodes[self.procid])
 
-    def addresses(self, shards: int, port: int) -> list[str]:
-        """Every shard's address: shard ``I`` is task ``I``, on its node's port ``port + I``."""
-        return [f"tcp://{self.nodes[index]}:{port + index}" for index in range(shards)]
+    def addresses(self, shards: int, port: int, replicas: int = 1) -> list[str]:
+        """Every shard's address: shard ``I`` is task ``I`` (its first replica, task ``I * R``, with
+        ``replicas`` R), on its node's port ``port + task``."""
+        return [f"tcp://{self.nodes[index * replicas]}:{port + index * replicas}" for index in range(shards)]
+
+    def replica_set(self, shard: int, port: int, replicas: int) -> list[str]:
+        """The addresses of shard ``shard``'s replicas: tasks ``shard * R .. shard * R + R - 1``."""
+        tasks = range(shard * replicas, (shard + 1) * replicas)
+        return [f"{self.nodes[task]}:{port + task}" for task in tasks]
 
 
 def _hostnames(environ: Mapping[str, str]) -> list[str]:
@@ -123,46 +136,66 @@ def run(args: argparse.Namespace) -> int:
     environ = os.environ
     step = SlurmStep(environ, _hostnames(environ))
     shards = args.shards or 1
+    replicas = args.replica_count
+    require(replicas >= 1, f"--replica-count must be at least 1, got {replicas}")
+    serving = shards * replicas
     require(
-        1 <= shards < step.ntasks, f"--shards {shards} needs at least {shards + 1} tasks; the step has {step.ntasks}"
+        1 <= serving < step.ntasks,
+        f"--shards {shards} with --replica-count {replicas} needs at least {serving + 1} tasks; the step has "
+        f"{step.ntasks}",
     )
     require(args.linger > 0, f"--linger must be > 0 seconds, got {args.linger:g}")
     port = 7450 if args.port is None else args.port
     require(port > 0, "--port must be a fixed port under Slurm (the workers are told it)")
-    if step.procid < shards:
-        return _serve(args, step, shards, port)
+    if step.procid < serving:
+        return _serve(args, step, shards, port, replicas)
     node = step.nodes[step.procid]
     env = dict(
         environ,
-        APS_ADDRESS=",".join(step.addresses(shards, port)),
-        RANK=str(step.procid - shards),
-        # (the shards, tasks 0..K-1, come first on their nodes)
-        LOCAL_RANK=str(step.local - step.nodes[:shards].count(node)),
+        APS_ADDRESS=",".join(step.addresses(shards, port, replicas)),
+        RANK=str(step.procid - serving),
+        # (the shards' replicas, tasks 0..K*R-1, come first on their nodes)
+        LOCAL_RANK=str(step.local - step.nodes[:serving].count(node)),
     )
     if isinstance(args.workers, tuple):  # --workers MIN:MAX: elastic, any count up to MAX
         env.pop("WORLD_SIZE", None)
     else:
-        env["WORLD_SIZE"] = str(args.workers if args.workers is not None else step.ntasks - shards)
+        env["WORLD_SIZE"] = str(args.workers if args.workers is not None else step.ntasks - serving)
     sys.stdout.flush()
     os.execvpe(sys.executable, [sys.executable, args.script, *args.script_args], env)
     return 1  # (not reached)
 
 
-def _serve(args: argparse.Namespace, step: SlurmStep, shards: int, port: int) -> int:
+def _serve(args: argparse.Namespace, step: SlurmStep, shards: int, port: int, replicas: int = 1) -> int:
+    from ..server.replicas import SetRetired
     from ..server.server import Server
 
-    index = step.procid
-    args.shard, args.shards, args.port = index, shards, port + index
+    task = step.procid
+    index, replica = divmod(task, replicas)
+    args.shard, args.shards, args.port = index, shards, port + task
     if args.host is None:
         args.host = "0.0.0.0"
     if args.workers is None:
-        args.workers = step.ntasks - shards
-    if args.checkpoint_dir is not None and shards > 1:
-        args.checkpoint_dir = os.path.join(args.checkpoint_dir, f"shard-{index}")
+        args.workers = step.ntasks - shards * replicas
+    if args.checkpoint_dir is not None and (shards > 1 or replicas > 1):
+        args.checkpoint_dir = os.path.join(
+            args.checkpoint_dir, f"shard-{index}" + (f"-replica-{replica}" if replicas > 1 else "")
+        )
+    if replicas > 1:
+        args.replicas = ",".join(step.replica_set(index, port, replicas))
+        args.advertise = f"{step.nodes[task]}:{port + task}"
+        if args.replica_set in (None, "aps"):  # (one set a shard and a job)
+            args.replica_set = f"slurm-{os.environ.get('SLURM_JOB_ID', 'job')}-shard-{index}"
     config = config_from_args(args)
-    with Server(config).run_in_background() as background:
+    background = Server(config).run_in_background()
+    try:
+        background.start(timeout=None if replicas > 1 else 30.0)  # (a backup starts serving when it takes over)
+    except SetRetired as exc:
+        print(f"aps: shard {index} replica {replica}: {exc}", flush=True)
+        return 0
+    with background:
         print(
-            f"aps: shard {index} of {shards} serving on {step.nodes[index]}:{config.port} "
+            f"aps: shard {index} of {shards} serving on {step.nodes[task]}:{config.port} "
             f"({config.describe_workers()} workers)",
             flush=True,
         )
@@ -175,6 +208,7 @@ def _serve(args: argparse.Namespace, step: SlurmStep, shards: int, port: int) ->
                 continue
             idle_since = idle_since or time.monotonic()
             if time.monotonic() - idle_since >= args.linger:
+                server.retire_replicas = True  # (the run is over: its backups stop too)
                 break
         if config.checkpoint_dir is not None:
             print(f"aps: shard {index}: final checkpoint {server.checkpoint()}", flush=True)

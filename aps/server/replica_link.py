@@ -14,6 +14,8 @@ Frames are ``kind (4 bytes) | length (8 bytes, big-endian) | body``:
   bytes follow (docs/protocol.md, "Replication");
 - ``BEAT``: the primary is alive (sent when nothing else was for a quarter of
   ``--failover-timeout``);
+- ``BYE ``: the primary retires the set (its run is over): the backup stops instead of
+  taking over;
 - ``ACK `` (backup to primary): ``number (8)``: the newest capture it holds.
 """
 
@@ -32,6 +34,7 @@ import numpy as np
 __all__ = [
     "ACK",
     "BEAT",
+    "BYE",
     "LinkRefused",
     "STAT",
     "accept_primary",
@@ -43,7 +46,7 @@ __all__ = [
 ]
 
 MAGIC = b"APSR\x01"
-STAT, BEAT, ACK = b"STAT", b"BEAT", b"ACK "
+STAT, BEAT, ACK, BYE = b"STAT", b"BEAT", b"ACK ", b"BYE "
 _FRAME = struct.Struct(">4sQ")
 _U32 = struct.Struct(">I")
 _U64 = struct.Struct(">Q")
@@ -120,7 +123,7 @@ def write_frame(writer: asyncio.StreamWriter, kind: bytes, *parts: bytes | memor
 async def read_frame(reader: asyncio.StreamReader) -> tuple[bytes, bytes]:
     """The next frame (kind, body); raises LinkRefused on a frame no aps peer sends."""
     kind, length = _FRAME.unpack(await reader.readexactly(_FRAME.size))
-    if kind not in (STAT, BEAT, ACK) or length > _MAX_FRAME:
+    if kind not in (STAT, BEAT, ACK, BYE) or length > _MAX_FRAME:
         raise LinkRefused(f"a frame of kind {kind!r} and {length} bytes")
     return kind, await reader.readexactly(length) if length else b""
 

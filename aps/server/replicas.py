@@ -35,7 +35,7 @@ import numpy as np
 
 from ..checkpoint import checkpoint_name, next_sequence, write_checkpoint
 from ..checkpoint.format import _coerce_layout
-from ..errors import ConfigurationError
+from ..errors import APSError, ConfigurationError
 from ..wire.net import parse_address
 from .checkpointer import checkpoint_arrays
 from .coordinator import Coordinator, CoordinatorUnavailable, Record
@@ -43,6 +43,7 @@ from .engine.lane import CallJob
 from .replica_link import (
     ACK,
     BEAT,
+    BYE,
     STAT,
     LinkRefused,
     accept_primary,
@@ -59,7 +60,7 @@ if TYPE_CHECKING:
     from ..config import ServerConfig
     from .engine import Engine
 
-__all__ = ["Replicator", "ReplicaSet", "Standby"]
+__all__ = ["ReplicaSet", "Replicator", "SetRetired", "Standby"]
 
 log = logging.getLogger("aps.server")
 
@@ -88,6 +89,10 @@ def _host_port(address: str) -> tuple[str, int]:
     parsed = parse_address(address if "://" in address else f"tcp://{address}")
     assert parsed.port is not None
     return parsed.host, parsed.port
+
+
+class SetRetired(APSError):
+    """The primary retired the replica set (its run is over): this backup stops instead of taking over."""
 
 
 class ReplicaSet:
@@ -221,13 +226,19 @@ class Replicator:
             loop.create_task(self._keep_linked(address)) for address in self.set.others
         ]
 
-    async def close(self) -> None:
+    async def close(self, *, retire: bool = False) -> None:
+        """Stop replicating. ``retire``: the run is over (``aps slurm`` once its workers are done):
+        the backups are told to stop too (BYE), where otherwise one takes over."""
         for task in self._tasks:
             task.cancel()
         for task in self._tasks:
             with contextlib.suppress(BaseException):
                 await task
         for link in list(self.links.values()):
+            if retire:
+                with contextlib.suppress(Exception):
+                    write_frame(link.writer, BYE)
+                    await asyncio.wait_for(link.writer.drain(), _HANDSHAKE_S)
             link.close()
         await self.set.coordinator.close()
 
@@ -466,6 +477,7 @@ class Standby:
         self.link: asyncio.StreamWriter | None = None
         self.heard = 0.0
         self.lost_at: float | None = None
+        self.retired = False
 
     async def run(self) -> str | None:
         host, port = self.config.host, self.config.port
@@ -475,6 +487,8 @@ class Standby:
         try:
             while True:
                 await asyncio.sleep(self.config.failover_timeout / 4)
+                if self.retired:
+                    raise SetRetired(f"replica set {self.config.replica_set}: its primary retired it (the run is over)")
                 if self.link is not None and time.monotonic() - self.heard > self.config.failover_timeout:
                     await asyncio.sleep(0.05)  # (a backup that was stopped itself reads what waited for it first)
                 if self.link is not None and time.monotonic() - self.heard > self.config.failover_timeout:
@@ -538,6 +552,10 @@ class Standby:
                     write_frame(writer, ACK, encode_ack(number))
                 elif kind == BEAT:
                     write_frame(writer, ACK, encode_ack(self.held[0] if self.held else 0))
+                elif kind == BYE:
+                    log.info("replica set: primary %s retired the set (its run is over): this backup stops", primary)
+                    self.retired = True
+                    return
         except (asyncio.IncompleteReadError, ConnectionError, LinkRefused, OSError) as exc:
             if self.link is writer:
                 log.warning("replica set: the link to primary %s broke (%s)", primary, type(exc).__name__)

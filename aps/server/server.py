@@ -127,6 +127,8 @@ class Server:
         #: This server's replica set (--replicas) and, as its primary, what replicates its state.
         self.replica_set: ReplicaSet | None = None
         self.replicator: Replicator | None = None
+        #: Set before stopping when the run is over (aps slurm): the backups stop too, none takes over.
+        self.retire_replicas = False
 
     @property
     def address(self) -> str:
@@ -529,7 +531,7 @@ class Server:
         for conn in connections:
             conn.announce_shutdown(notice, resumable)
         if self.replicator is not None:
-            await self.replicator.close()
+            await self.replicator.close(retire=self.retire_replicas)
         if self.checkpointer is not None and self.replicator is not None and self.replicator.deposed:
             # (what it holds may be behind what the new primary acknowledged: no checkpoint of it)
             await self.checkpointer.close_without_checkpoint()
@@ -744,7 +746,7 @@ class _Background:
     def address(self) -> str:
         return self.server.address
 
-    def start(self, timeout: float = 30.0) -> _Background:
+    def start(self, timeout: float | None = 30.0) -> _Background:
         self._thread.start()
         if not self._ready.wait(timeout):
             raise APSError("the server did not start in time")

@@ -192,6 +192,8 @@ class SoakConfig:
     rss_every_s: float = 2.0
     rss_warmup_s: float = 15.0
     quiet: bool = False
+    #: Replicas a shard (aps serve --replicas; more than 1: aps.testing.chaos_replicas, with a real etcd).
+    replicas: int = 1
 
     @property
     def call_bound(self) -> float:
@@ -566,6 +568,10 @@ class Soak:
     def _fault_shard_kill_older(self, fault: Fault) -> None:
         self._fault_shard_kill(fault, older=True)
 
+    def cut_host_count(self) -> int:
+        """The hosts a cut may take: the shards' and the workers'."""
+        return self.cfg.shards + self.cfg.workers
+
     def rng_pick(self, low: int, high: int) -> int:
         return self._rng.randint(low, high)
 
@@ -680,9 +686,11 @@ class Soak:
         token) and wait for the real one: the impostor is sent nothing, the ledger holds."""
         self._fault_shard_kill(fault, meanwhile=lambda: self._squat(fault))
 
-    def _squat(self, fault: Fault) -> None:
+    def _squat(self, fault: Fault, shard: ShardProc | None = None, place: Place | None = None) -> None:
+        """Another user starts a server on ``shard``'s port (default: the fault's shard), in its ``place``."""
         index = fault.target
-        shard, place = self._shard(index), self.shard_places[index]
+        shard = self._shard(index) if shard is None else shard
+        place = self.shard_places[index] if place is None else place
         argv = [PY, "-m", "aps", "serve", "--host", place.address, "--port", str(shard.port), "--insecure"]
         argv += ["--workers", str(self.cfg.workers), "--sync", "asp", "--lr", "1000"]
         try:
@@ -713,7 +721,7 @@ class Soak:
             kinds,
             cfg.workers,
             cfg.shards,
-            cut_hosts=cfg.shards + cfg.workers,
+            cut_hosts=self.cut_host_count(),
             gap=cfg.gap,
             max_fault_s=cfg.max_fault_s,
         )
@@ -906,7 +914,12 @@ def _rss(pid: int) -> int | None:
 def run_soak(config: SoakConfig) -> dict:
     """Run one soak; returns its report (``cleanup_errors`` included). Everything started is
     stopped and removed before this returns or raises."""
-    soak = Soak(config)
+    if config.replicas > 1:
+        from .chaos_replicas import ReplicatedSoak
+
+        soak: Soak = ReplicatedSoak(config)
+    else:
+        soak = Soak(config)
     try:
         report = soak.run()
     finally:

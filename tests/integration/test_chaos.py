@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 
 from aps.testing.chaos import SoakConfig, run_soak
+from aps.testing.etcd import etcd_available
 from aps.testing.ledger import LedgerLayout, analyse_ledger
 
 RSS_FLAT_MIB = 64
@@ -83,3 +84,23 @@ def test_chaos_soak(sync, transport, seed, tmp_path):
     assert report["recovered_at_end"], summary
     assert report["stalls"] == 0 and report["slowest_call_s"] < report["call_bound_s"], summary
     assert report["applied_twice"] == 0, summary
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not etcd_available(), reason="etcd (Debian's etcd-server) is not installed")
+@pytest.mark.parametrize("sync, seed", [("bsp", 21), ("asp", 22)])
+def test_chaos_soak_with_replica_sets_loses_no_acknowledged_gradient(sync, seed, tmp_path):
+    """Every shard a primary and a backup: its kills, stops, cuts and squatters lose nothing acknowledged."""
+    config = SoakConfig(sync=sync, seconds=40.0, seed=seed, shards=2, workers=3, transport="tcp", replicas=2,
+                        checkpoint_every_updates=30, max_fault_s=3.0, gap=(0.3, 1.0), rss_warmup_s=10.0,
+                        run_dir=str(tmp_path / "run"), quiet=True)
+    report = run_soak(config)
+    summary = {key: report[key] for key in ("faults_by_kind", "applied_twice", "lost", "failovers", "failover_s",
+                                            "no_takeover", "stalls", "worker_error_samples", "unexpected_exits",
+                                            "notes", "cleanup_errors")}
+    assert report["cleanup_errors"] == [], summary
+    assert report["faults_injected"] >= 5, summary
+    assert report["applied_twice"] == 0 and report["ledger"]["phantom"] == 0, summary
+    assert report["lost"] == 0, summary  # (not a bound: none)
+    assert report["faults_survived"] == report["faults_injected"], summary
+    assert report["no_takeover"] == 0, summary
