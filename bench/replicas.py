@@ -75,10 +75,7 @@ def steady(directory: Path, etcd: Etcd, sizes: list[float], seconds: float, repe
             cluster = ReplicaCluster(directory / f"steady-{mib}-{repeat}", etcd.url, workers=1, sync="asp",
                                      extra=("--lr", "0.01"))
             try:
-                cluster.start_replica(0)
-                cluster.wait_log(0, "primary at term")
-                cluster.start_replica(1)
-                cluster.wait_log(0, "holds the whole state")
+                cluster.start_set()
                 replicated.append(_rate(f"tcp://{cluster.addresses[0]}", numel, seconds, cluster.env))
                 proc, address = _single(directory, cluster.env)
                 try:
@@ -99,10 +96,7 @@ def failovers(directory: Path, etcd: Etcd, count: int) -> dict:
     cluster = ReplicaCluster(directory / "failover", etcd.url, workers=2, sync="asp", slots=200000)
     times, took = [], []
     try:
-        cluster.start_replica(0)
-        cluster.wait_log(0, "primary at term")
-        cluster.start_replica(1)
-        cluster.wait_log(0, "holds the whole state")
+        cluster.start_set()
         cluster.start_workers(first=0)
         cluster.wait_acks(50)
         primary = 0

@@ -125,6 +125,14 @@ class ReplicaCluster:
             time.sleep(0.02)
         return time.monotonic() - start
 
+    def start_set(self) -> None:
+        """Replica 0 as primary, then the others, until the primary has listed every backup."""
+        self.start_replica(0)
+        self.wait_log(0, "primary at term")
+        for index in range(1, len(self.addresses)):
+            self.start_replica(index)
+        self.wait_count(0, "holds the whole state", len(self.addresses) - 1)
+
     def wait_count(self, index: int, text: str, count: int, timeout: float = 30.0) -> float:
         """Seconds until replica ``index``'s logs (every start) say ``text`` ``count`` times."""
         start = time.monotonic()

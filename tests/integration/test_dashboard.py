@@ -408,3 +408,35 @@ def test_what_the_workers_log_is_drawn_per_rank_with_their_processes(browser, mo
         for thread in threads:
             thread.join(10)
         server.stop()
+
+
+def test_a_replica_set_running_without_its_backup_is_an_alarm_on_the_dashboard(browser, tmp_path):
+    """A primary whose backup is not there (yet): the page shows the set and raises the
+    alarm; once the backup holds the whole state, the alarm ends and the set counts two."""
+    from aps.testing.etcd import Etcd, etcd_available
+    from aps.testing.replicas import ReplicaCluster
+
+    if not etcd_available():
+        pytest.skip("etcd (Debian's etcd-server) is not installed")
+    with Etcd(tmp_path / "etcd") as etcd:
+        cluster = ReplicaCluster(tmp_path / "run", etcd.url, extra=("--http-port", "0"))
+        try:
+            cluster.start_replica(0)
+            cluster.wait_log(0, "primary at term")
+            wait_for(lambda: "dashboard on" in cluster.out(0), 10, "the dashboard's address")
+            url = cluster.out(0).split("dashboard on ", 1)[1].split()[0]
+            browser.get(f"{url}#token={cluster.token}")
+            wait_until(lambda: browser.execute_script("return document.body.dataset.state") == "live", 15,
+                       "the page to connect")
+            alarm = browser.find_element("id", "replica-alarm")
+            wait_until(alarm.is_displayed, 15, "the alarm of a set without backups")
+            assert "Running without backups" in alarm.text
+            assert text_of(browser, "replicas").startswith("1 · term")
+            cluster.start_replica(1)
+            cluster.wait_log(0, "holds the whole state")
+            wait_until(lambda: not alarm.is_displayed(), 15, "the alarm to end")
+            assert text_of(browser, "replicas").startswith("2 · term")
+            errors = [entry for entry in browser.get_log("browser") if entry["level"] == "SEVERE"]
+            assert not errors, errors
+        finally:
+            cluster.close()

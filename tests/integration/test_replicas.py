@@ -39,10 +39,7 @@ def etcd(tmp_path):
 def test_killed_primaries_lose_no_acknowledged_update_and_apply_none_twice(etcd, tmp_path, sync):
     cluster = ReplicaCluster(tmp_path / "run", etcd.url, sync=sync)
     try:
-        cluster.start_replica(0)
-        cluster.wait_log(0, "primary at term")
-        cluster.start_replica(1)
-        cluster.wait_log(0, "holds the whole state")
+        cluster.start_set()
         cluster.start_workers(first=0)
         cluster.wait_acks(100)
         cluster.kill(0)  # mid-run: pushes in flight, captures on the wire
@@ -69,10 +66,7 @@ def test_killed_primaries_lose_no_acknowledged_update_and_apply_none_twice(etcd,
 def test_a_stopped_primary_is_deposed_and_answers_nothing_when_it_wakes(etcd, tmp_path):
     cluster = ReplicaCluster(tmp_path / "run", etcd.url)
     try:
-        cluster.start_replica(0)
-        cluster.wait_log(0, "primary at term")
-        cluster.start_replica(1)
-        cluster.wait_log(0, "holds the whole state")
+        cluster.start_set()
         cluster.start_workers(first=0)
         cluster.wait_acks(50)
         cluster.kill(0, signal.SIGSTOP)  # stopped, not dead: it wakes up thinking it is primary
@@ -93,10 +87,7 @@ def test_a_stopped_primary_is_deposed_and_answers_nothing_when_it_wakes(etcd, tm
 def test_a_backup_that_stops_acknowledging_leaves_the_set_and_comes_back_after_catching_up(etcd, tmp_path):
     cluster = ReplicaCluster(tmp_path / "run", etcd.url)
     try:
-        cluster.start_replica(0)
-        cluster.wait_log(0, "primary at term")
-        cluster.start_replica(1)
-        cluster.wait_log(0, "holds the whole state")
+        cluster.start_set()
         cluster.start_workers(first=0)
         cluster.wait_acks(50)
         cluster.kill(1, signal.SIGSTOP)  # it holds every acknowledged update so far, and says nothing
@@ -244,10 +235,7 @@ def test_a_partition_loses_no_acknowledged_update_and_leaves_one_primary(tmp_pat
         with Etcd(tmp_path / "etcd", host=e) as etcd:
             cluster = ReplicaCluster(tmp_path / "run", etcd.url, hosts=[a, b], worker_host=w)
             try:
-                cluster.start_replica(0)
-                cluster.wait_log(0, "primary at term")
-                cluster.start_replica(1)
-                cluster.wait_log(0, "holds the whole state")
+                cluster.start_set()
                 cluster.start_workers(first=0)
                 cluster.wait_acks(50)
                 host = {"primary": a, "backup": b, "coordinator": e}[cut]

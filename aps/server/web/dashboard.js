@@ -485,6 +485,21 @@
     $("checkpoint-alarm").hidden = !alarm || state !== "live";
     $("checkpoint").parentElement.dataset.alarm = alarm ? "failing" : "";
 
+    const replicas = isObject(s.replicas) ? s.replicas : null, replicaAlarmText = replicaAlarm(replicas);
+    $("replicas-box").hidden = !replicas;
+    setText("replica-alarm", replicaAlarmText);
+    $("replica-alarm").hidden = !replicaAlarmText || state !== "live";
+    $("replicas-box").dataset.alarm = replicaAlarmText ? "alone" : "";
+    if (replicas) {
+      const listed = Array.isArray(replicas.listed) ? replicas.listed : [];
+      const lag = isObject(replicas.lag) ? replicas.lag : {};
+      setText("replicas", `${fmtInt(listed.length + 1)} · term ${fmtInt(replicas.term)}`,
+        ["primary (this server)", ...listed.map((b) => `backup ${b} (lag ${fmtInt(lag[b] || 0)})`)].join("\n"));
+      setText("replicas-detail", [replicas.took_over ? "took over" : "",
+        Array.isArray(replicas.joining) && replicas.joining.length ? `${replicas.joining.length} catching up` : ""]
+        .filter(Boolean).join(" · "));
+    }
+
     const cp = s.checkpoint, counts = isObject(s.checkpoints) ? s.checkpoints : {};
     const failed = isNum(counts.failed) ? counts.failed : isObject(cp) ? cp.failed : 0;
     if (isObject(cp)) {
@@ -496,6 +511,17 @@
       setText("checkpoint", app.server ? "none" : DASH, "");
       setText("checkpoint-detail", failed ? `${failed} failed` : "");
     }
+  }
+
+  /**
+   * The alarm for a replica set's primary with no backup listed, as `aps status` words it
+   * ("" with a backup, or for a server without --replicas).
+   */
+  function replicaAlarm(status) {
+    if (!isObject(status) || (Array.isArray(status.listed) && status.listed.length)) return "";
+    const joining = Array.isArray(status.joining) ? status.joining : [];
+    return "Running without backups: a crash of this primary loses what its last checkpoint does not hold"
+      + (joining.length ? ` (catching up: ${joining.join(", ")}).` : ".");
   }
 
   /**

@@ -164,3 +164,60 @@ def test_the_entrypoint_refuses_a_shard_it_cannot_tell():
                                                                           "HOSTNAME": "server"},
                             capture_output=True, text=True, timeout=30)
     assert result.returncode == 2 and "ends in no ordinal" in result.stderr
+
+
+# The replica sets' manifests (examples/deploy/kubernetes/replicated) -----------------------
+REPLICATED = sorted((DEPLOY / "kubernetes" / "replicated").glob("*.yaml"))
+ENTRYPOINT_VARIABLES = {"APS_REPLICA_COUNT", "APS_REPLICA_DOMAIN"}
+
+
+def replicated() -> dict[str, list[dict]]:
+    found: dict[str, list[dict]] = {}
+    for path in REPLICATED:
+        for document in yaml.safe_load_all(path.read_text()):
+            found.setdefault(document["kind"], []).append(document)
+    return found
+
+
+@pytest.mark.parametrize("path", REPLICATED, ids=lambda path: path.name)
+def test_every_replicated_manifest_is_valid_against_the_kubernetes_schemas(path):
+    for document in yaml.safe_load_all(path.read_text()):
+        kubernetes_validate.validate(document, KUBERNETES, strict=True)
+
+
+def test_each_pod_of_the_replicated_statefulset_is_a_replica_of_its_shard_and_its_coordinator_is_there(tmp_path):
+    server = next(s for s in replicated()["StatefulSet"] if s["metadata"]["name"] == "aps")
+    (only,) = server["spec"]["template"]["spec"]["containers"]
+    variables = {item["name"]: item["value"] for item in only["env"]}
+    twins = {env_name(name) for name in ServerConfig.__dataclass_fields__}
+    assert set(variables) <= twins | ENTRYPOINT_VARIABLES, set(variables) - twins - ENTRYPOINT_VARIABLES
+    count, shards = int(variables["APS_REPLICA_COUNT"]), int(variables["APS_SHARDS"])
+    assert server["spec"]["replicas"] == count * shards
+    etcd = next(s for s in replicated()["Service"] if s["metadata"]["name"] == "aps-etcd")
+    assert variables["APS_COORDINATOR"] == f"etcd://aps-etcd-0.{etcd['metadata']['name']}:{etcd['spec']['ports'][0]['port']}"
+    token = tmp_path / "token"
+    token.write_text(STRONG + "\n")
+    sets = {}
+    for ordinal in range(server["spec"]["replicas"]):
+        fake = tmp_path / "aps"
+        fake.write_text('#!/bin/sh\nenv | grep -E "^APS_" | sort\n')
+        fake.chmod(0o755)
+        result = subprocess.run(["sh", str(DEPLOY / "entrypoint.sh")], capture_output=True, text=True, timeout=30,
+                                env={"PATH": f"{tmp_path}:/usr/bin:/bin", "HOSTNAME": f"aps-{ordinal}", **variables})
+        assert result.returncode == 0, result.stderr
+        said = dict(line.split("=", 1) for line in result.stdout.splitlines())
+        said.update(APS_TOKEN_FILE=str(token), APS_CHECKPOINT_DIR=str(tmp_path / "checkpoints"))
+        config = config_from_args(None, {k: v for k, v in said.items() if k not in ENTRYPOINT_VARIABLES})
+        assert config.shard == ordinal // count and config.advertise == f"aps-{ordinal}.aps:7450"
+        assert config.advertise in config.replicas.split(",")
+        sets.setdefault(config.replica_set, set()).add(config.replicas)
+    # one set a shard, every replica of it given the same list
+    assert len(sets) == shards and all(len(lists) == 1 for lists in sets.values())
+
+
+def test_the_entrypoint_refuses_replicas_it_cannot_place(tmp_path):
+    for environ, says in (({"APS_REPLICA_COUNT": "2", "HOSTNAME": "server"}, "ordinal"),
+                          ({"APS_REPLICA_COUNT": "2", "HOSTNAME": "aps-1"}, "APS_REPLICA_DOMAIN")):
+        result = subprocess.run(["sh", str(DEPLOY / "entrypoint.sh")], env={"PATH": "/usr/bin:/bin", **environ},
+                                capture_output=True, text=True, timeout=30)
+        assert result.returncode == 2 and says in result.stderr, result.stderr
