@@ -26,6 +26,7 @@ import sys
 from aps.cli._args import ArgumentParser, choice_list, command_line
 from aps.lab.bench import machine_info, write_report
 from aps.testing.chaos import FAULT_KINDS, POLICIES, SoakConfig, run_soak
+from aps.testing.chaos_replicas import run_replicated_soak
 
 
 def _terminate(signum, frame):
@@ -87,7 +88,7 @@ def main(argv: list[str] | None = None) -> int:
                                 step_time=args.step_time, checkpoint_every_updates=args.checkpoint_every_updates,
                                 max_fault_s=args.max_fault, kinds=tuple(args.faults), keep_run_dir=args.keep_run_dir,
                                 quiet=args.quiet, replicas=args.replicas)
-            rows.append(run_soak(config))
+            rows.append(run_replicated_soak(config) if args.replicas > 1 else run_soak(config))
     except KeyboardInterrupt:
         print("\ninterrupted: every process stopped, namespaces and mounts removed", file=sys.stderr)
         if not rows:

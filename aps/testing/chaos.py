@@ -911,15 +911,11 @@ def _rss(pid: int) -> int | None:
         return None
 
 
-def run_soak(config: SoakConfig) -> dict:
-    """Run one soak; returns its report (``cleanup_errors`` included). Everything started is
-    stopped and removed before this returns or raises."""
-    if config.replicas > 1:
-        from .chaos_replicas import ReplicatedSoak
-
-        soak: Soak = ReplicatedSoak(config)
-    else:
-        soak = Soak(config)
+def run_soak(config: SoakConfig, kind: type[Soak] = Soak) -> dict:
+    """Run one soak (``kind``: :class:`Soak`, or ``aps.testing.chaos_replicas.ReplicatedSoak``
+    for ``config.replicas`` > 1); returns its report (``cleanup_errors`` included). Everything
+    started is stopped and removed before this returns or raises."""
+    soak = kind(config)
     try:
         report = soak.run()
     finally:

@@ -25,11 +25,11 @@ import signal
 import socket
 import time
 
-from .chaos import PY, LEDGER_OPTIONS, POLICIES, Fault, Soak, SoakConfig
+from .chaos import PY, LEDGER_OPTIONS, POLICIES, Fault, Soak, SoakConfig, run_soak
 from .etcd import Etcd
 from .places import Place, ShardProc
 
-__all__ = ["ReplicatedSoak"]
+__all__ = ["ReplicatedSoak", "run_replicated_soak"]
 
 _PORT = 7450  # every replica's port in a namespace of its own
 
@@ -294,3 +294,10 @@ def _wait(condition, timeout: float, what: str) -> None:
         if time.monotonic() > deadline:
             raise RuntimeError(f"waited {timeout} s for {what}")
         time.sleep(0.05)
+
+
+def run_replicated_soak(config: SoakConfig) -> dict:
+    """:func:`aps.testing.chaos.run_soak` with every shard a replica set (``config.replicas``)."""
+    if config.replicas < 2:
+        raise ValueError("a replicated soak has 2 or more replicas a shard")
+    return run_soak(config, ReplicatedSoak)

@@ -141,7 +141,7 @@ class ReplicaCluster:
             time.sleep(0.02)
         return time.monotonic() - start
 
-    def start_workers(self, first: int = 0) -> None:
+    def start_workers(self, first: int = 0, transport: str = "tcp") -> None:
         for rank in range(self.workers):
             argv = [
                 PY,
@@ -168,6 +168,8 @@ class ReplicaCluster:
                 "0.5",
                 "--server-timeout",
                 "5",
+                "--transport",
+                transport,
             ]
             if self.sync == "bsp":
                 argv.append("--bsp")

@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 
 from aps.testing.chaos import SoakConfig, run_soak
+from aps.testing.chaos_replicas import run_replicated_soak
 from aps.testing.etcd import etcd_available
 from aps.testing.ledger import LedgerLayout, analyse_ledger
 
@@ -94,7 +95,7 @@ def test_chaos_soak_with_replica_sets_loses_no_acknowledged_gradient(sync, seed,
     config = SoakConfig(sync=sync, seconds=40.0, seed=seed, shards=2, workers=3, transport="tcp", replicas=2,
                         checkpoint_every_updates=30, max_fault_s=3.0, gap=(0.3, 1.0), rss_warmup_s=10.0,
                         run_dir=str(tmp_path / "run"), quiet=True)
-    report = run_soak(config)
+    report = run_replicated_soak(config)
     summary = {key: report[key] for key in ("faults_by_kind", "applied_twice", "lost", "failovers", "failover_s",
                                             "no_takeover", "stalls", "worker_error_samples", "unexpected_exits",
                                             "notes", "cleanup_errors")}

@@ -35,12 +35,12 @@ def etcd(tmp_path):
         yield running
 
 
-@pytest.mark.parametrize("sync", ["asp", "bsp"])
-def test_killed_primaries_lose_no_acknowledged_update_and_apply_none_twice(etcd, tmp_path, sync):
+@pytest.mark.parametrize("sync, transport", [("asp", "tcp"), ("bsp", "tcp"), ("ssp", "shm")])
+def test_killed_primaries_lose_no_acknowledged_update_and_apply_none_twice(etcd, tmp_path, sync, transport):
     cluster = ReplicaCluster(tmp_path / "run", etcd.url, sync=sync)
     try:
         cluster.start_set()
-        cluster.start_workers(first=0)
+        cluster.start_workers(first=0, transport=transport)
         cluster.wait_acks(100)
         cluster.kill(0)  # mid-run: pushes in flight, captures on the wire
         took = cluster.wait_log(1, TOOK_OVER)
