@@ -31,6 +31,7 @@ from .errors import (
     ServerSilent,
     ServerUnproven,
     ShuttingDown,
+    NotPrimary,
     TableMemoryFull,
     TableMismatch,
 )
@@ -71,6 +72,7 @@ __all__ = [
     "ServerUnproven",
     "ShuttingDown",
     "Table",
+    "NotPrimary",
     "TableMemoryFull",
     "TableMismatch",
     "Worker",

@@ -37,6 +37,7 @@ __all__ = [
     "WeightsRefused",
     "TableMismatch",
     "InvalidIds",
+    "NotPrimary",
     "TableMemoryFull",
     "LayoutMismatch",
     "MalformedFrame",
@@ -88,6 +89,7 @@ class ErrorCode(IntEnum):
     TABLE_MISMATCH = 24
     INVALID_IDS = 25
     TABLE_MEMORY_FULL = 26
+    NOT_PRIMARY = 27
 
 
 class APSError(Exception):
@@ -367,6 +369,23 @@ class InvalidIds(ServerError, ValueError, code=ErrorCode.INVALID_IDS):
     integers), or gradient rows of another dimension: refused, and nothing changed.
 
     Troubleshooting: docs/guide/troubleshooting.md."""
+
+
+class NotPrimary(ServerError, APSConnectionError, code=ErrorCode.NOT_PRIMARY):
+    """The address is a backup of a replica set (``aps serve --replicas``), which serves no
+    worker: the message names its primary (:attr:`primary`), where a worker goes by itself
+    (and where that server must still prove it knows the token). Seen only when the
+    primary it names cannot be reached either.
+
+    Troubleshooting: docs/guide/troubleshooting.md#a-worker-is-sent-to-a-backup."""
+
+    SAYS = "it is a backup of its replica set; its primary is at "
+
+    @property
+    def primary(self) -> str | None:
+        """``HOST:PORT`` of the primary, as the backup named it (None: it named none)."""
+        _, found, address = self.message.rpartition(self.SAYS)
+        return address.strip() or None if found else None
 
 
 class TableMemoryFull(ServerError, MemoryError, code=ErrorCode.TABLE_MEMORY_FULL):

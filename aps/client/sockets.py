@@ -16,6 +16,7 @@ from ..errors import (
     AuthenticationError,
     ConfigurationError,
     MalformedFrame,
+    NotPrimary,
     ServerError,
     ServerOverloaded,
     ServerSilent,
@@ -242,6 +243,8 @@ def _handshake_steps(token: bytes | None, address: str, found: bool, claim: byte
     client_nonce = os.urandom(NONCE_BYTES)
     try:
         hello = yield Op.HELLO, client_nonce
+    except NotPrimary:
+        raise  # (a backup names its primary: where the token must be proved all the same)
     except ServerError as exc:
         raise _unproven(exc, token, address) from None
     _, server_nonce, info = decode_hello_reply(hello)

@@ -33,6 +33,7 @@ from ..errors import (
     ConfigurationError,
     InitTimeout,
     NotInitialized,
+    NotPrimary,
     RankTaken,
     ServerError,
     ServerSilent,
@@ -82,6 +83,8 @@ _SEAT_PATIENCE_MAX = 300.0
 _FAREWELL_S = 0.5  # how long to look for the server's last words when a send fails
 #: Seconds without a byte from the server, while a reply is due, after which it is taken to be gone.
 DEFAULT_SERVER_TIMEOUT = 60.0
+#: How many times a connection follows a backup to the primary it names before it gives up.
+_MAX_REDIRECTS = 3
 #: Seconds a worker keeps trying to get back to a lost server (``reconnect_timeout``).
 DEFAULT_RECONNECT_TIMEOUT = 300.0
 
@@ -637,6 +640,33 @@ class _ChannelSteps:
                 return
 
     def _open(self, transport: str) -> Steps:
+        """Connect (:meth:`_open_here`), following a backup of a replica set to the primary it
+        names (NotPrimary), a few times at most."""
+        for _ in range(_MAX_REDIRECTS):
+            try:
+                return (yield from self._open_here(transport))
+            except NotPrimary as exc:
+                if exc.primary is None or not self._follow(exc.primary):
+                    raise
+        raise APSConnectionError(
+            f"the replica set of {self.address} sent this worker from backup to backup {_MAX_REDIRECTS} times: "
+            "its primary is changing, or its replicas disagree on who it is"
+        )
+
+    def _follow(self, primary: str) -> bool:
+        """Turn to ``primary`` (``HOST:PORT``, as a backup named it); False if it cannot be read."""
+        try:
+            parsed = parse_address(f"{self._parsed.scheme}://{primary}")
+        except (APSError, ValueError):
+            return False
+        log.info(
+            "rank %s: %s is a backup of its replica set; its primary is at %s", self._core.rank, self.address, primary
+        )
+        self._parsed = parsed
+        self.address = str(parsed)
+        return True
+
+    def _open_here(self, transport: str) -> Steps:
         """Connect by ``transport``: shared memory when asked or when ``auto`` finds the
         server on this host, TCP otherwise."""
         host, port = self._parsed.host, self._parsed.port

@@ -35,8 +35,9 @@ import numpy as np
 
 from ..checkpoint import checkpoint_name, next_sequence, write_checkpoint
 from ..checkpoint.format import _coerce_layout
-from ..errors import APSError, ConfigurationError
+from ..errors import APSError, ConfigurationError, ErrorCode, NotPrimary, ServerError
 from ..wire.net import parse_address
+from ..wire.protocol import HEADER_SIZE, Op, encode_error, pack_header, unpack_header
 from .checkpointer import checkpoint_arrays
 from .coordinator import Coordinator, CoordinatorUnavailable, Record
 from .engine.lane import CallJob
@@ -66,6 +67,7 @@ log = logging.getLogger("aps.server")
 
 _RETRY_S = 0.25  # between attempts to reach a backup, or the coordinator
 _HANDSHAKE_S = 5.0
+_WORKER_FIRST_S = 0.05  # how long a backup waits for a new connection to speak first (a worker's HELLO)
 
 
 def _peers(config: ServerConfig) -> tuple[str, list[str]]:
@@ -515,6 +517,18 @@ class Standby:
             self.lost_at = time.monotonic()
 
     async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        # A primary waits for this backup's greeting; a worker speaks first (its HELLO): it is
+        # told where the primary is (NOT_PRIMARY), and follows.
+        try:
+            first = await asyncio.wait_for(reader.readexactly(HEADER_SIZE), _WORKER_FIRST_S)
+        except TimeoutError:
+            first = None
+        except (asyncio.IncompleteReadError, ConnectionError):
+            writer.close()
+            return
+        if first is not None:
+            await self._redirect(first, writer)
+            return
         try:
             hello, answer = await accept_primary(reader, writer, self.set.token, _HANDSHAKE_S)
             primary = hello.get("primary")
@@ -562,6 +576,24 @@ class Standby:
                 self._lose()
         finally:
             writer.close()
+
+    async def _redirect(self, first: bytes, writer: asyncio.StreamWriter) -> None:
+        """A worker knocked (its first frame's header is ``first``): name the primary, close."""
+        try:
+            header = unpack_header(first)
+        except ServerError:  # (not an aps frame at all)
+            writer.close()
+            return
+        primary = self.held_from if self.link is not None else None
+        if primary is None:
+            with contextlib.suppress(CoordinatorUnavailable):
+                record = await self.set.coordinator.read()
+                primary = record.primary if record is not None and record.primary != self.set.me else None
+        payload = encode_error(ErrorCode.NOT_PRIMARY, NotPrimary.SAYS + (primary or ""))
+        writer.write(pack_header(Op.ERROR, 0, 0, header.request_id, 0, 0, len(payload)) + payload)
+        with contextlib.suppress(Exception):
+            await asyncio.wait_for(writer.drain(), _HANDSHAKE_S)
+        writer.close()
 
     async def _take_over(self) -> str | None:
         """Become primary, if the record still lists this backup under its primary."""

@@ -35,12 +35,13 @@ def etcd(tmp_path):
         yield running
 
 
-@pytest.mark.parametrize("sync, transport", [("asp", "tcp"), ("bsp", "tcp"), ("ssp", "shm")])
-def test_killed_primaries_lose_no_acknowledged_update_and_apply_none_twice(etcd, tmp_path, sync, transport):
+@pytest.mark.parametrize("sync, transport, given", [("asp", "tcp", 0), ("bsp", "tcp", 1), ("ssp", "shm", 1)])
+def test_killed_primaries_lose_no_acknowledged_update_and_apply_none_twice(etcd, tmp_path, sync, transport, given):
+    """``given``: the replica the workers are pointed at (1: the backup, which names its primary)."""
     cluster = ReplicaCluster(tmp_path / "run", etcd.url, sync=sync)
     try:
         cluster.start_set()
-        cluster.start_workers(first=0, transport=transport)
+        cluster.start_workers(first=given, transport=transport)
         cluster.wait_acks(100)
         cluster.kill(0)  # mid-run: pushes in flight, captures on the wire
         took = cluster.wait_log(1, TOOK_OVER)

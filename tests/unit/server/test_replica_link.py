@@ -111,3 +111,13 @@ def test_a_coordinator_that_is_not_there_changes_nothing_and_says_so():
 def test_replica_options_that_cannot_work_are_refused(options, says):
     with pytest.raises(ConfigurationError, match=says):
         ServerConfig(**options)
+
+
+def test_a_backups_answer_names_its_primary_and_is_a_connection_error():
+    import aps
+    from aps.errors import ErrorCode, error_from_code
+
+    said = error_from_code(ErrorCode.NOT_PRIMARY, aps.NotPrimary.SAYS + "10.0.0.2:7450")
+    assert isinstance(said, aps.NotPrimary) and isinstance(said, ConnectionError)
+    assert said.primary == "10.0.0.2:7450"
+    assert error_from_code(ErrorCode.NOT_PRIMARY, aps.NotPrimary.SAYS).primary is None
