@@ -382,8 +382,15 @@ class _ChannelSteps:
         """Open a new connection and rejoin under the same rank (see :meth:`aps.Worker.reconnect`)."""
         deadline = time.monotonic() + _REJOIN_PATIENCE
         taken_since = None
+        tried = 0  # (replicas of the server's set tried in turn, when its address is down)
         while True:
-            yield LOCKED, self, self._reopen(None, None, self.transport)
+            try:
+                yield LOCKED, self, self._reopen(None, None, self.transport)
+            except APSConnectionError:
+                tried += 1
+                if tried >= len(self._replicas) or not self._next_replica():
+                    raise
+                continue
             try:
                 yield from self._rejoin(timeout)
                 weights = self._core.weights

@@ -132,7 +132,11 @@ class ReplicaSet:
                 await asyncio.sleep(_RETRY_S * 4)
                 continue
             standby = Standby(self, key)
-            path = await standby.run()
+            try:
+                path = await standby.run()
+            except BaseException:  # (retired, or the process stops: nothing asks etcd any more)
+                await self.coordinator.close()
+                raise
             self.failovers += 1
             return path
 
@@ -177,6 +181,7 @@ class Replicator:
         self._record_lock = asyncio.Lock()
         self._tasks: list[asyncio.Task] = []
         self.deposed = False
+        self.closing = False
         self.captures = 0
         self.capture_seconds = 0.0
 
@@ -229,18 +234,21 @@ class Replicator:
         ]
 
     async def close(self, *, retire: bool = False) -> None:
-        """Stop replicating. ``retire``: the run is over (``aps slurm`` once its workers are done):
-        the backups are told to stop too (BYE), where otherwise one takes over."""
+        """Stop replicating: the links close, and a listed backup takes over (a primary stopped
+        on purpose, say by its pod's eviction, hands its shard over). ``retire``: the run is
+        over (``aps slurm`` once its workers are done): the backups are told to stop too (BYE)."""
+        self.closing = True  # (from now on a link that goes unlists nobody: the record stays)
+        if retire:
+            for link in list(self.links.values()):
+                with contextlib.suppress(Exception):
+                    write_frame(link.writer, BYE)
+                    await asyncio.wait_for(link.writer.drain(), _HANDSHAKE_S)
         for task in self._tasks:
             task.cancel()
         for task in self._tasks:
             with contextlib.suppress(BaseException):
                 await task
         for link in list(self.links.values()):
-            if retire:
-                with contextlib.suppress(Exception):
-                    write_frame(link.writer, BYE)
-                    await asyncio.wait_for(link.writer.drain(), _HANDSHAKE_S)
             link.close()
         await self.set.coordinator.close()
 
@@ -282,7 +290,7 @@ class Replicator:
                     del self.links[address]
                 link.close()
                 log.warning("replica set: the link to backup %s is gone", address)
-                if address in self.gated and not self.deposed:
+                if address in self.gated and not self.deposed and not self.closing:
                     await self._drop(address)
 
     async def _read_acks(self, link: _Link) -> None:

@@ -563,6 +563,12 @@ class Server:
         """What the workers are told as the server stops, and whether it can be resumed: with
         --checkpoint-dir it checkpoints now, and a server resumed from there takes them back
         (they wait for it); without, nothing can take the run up again (their calls end)."""
+        replicator = self.replicator
+        if replicator is not None and not self.retire_replicas and not replicator.deposed and replicator.listed:
+            return ShuttingDown(
+                "the server is shutting down; a backup of its replica set takes over, and its workers "
+                f"follow it ({', '.join(sorted(replicator.listed))})"
+            ), True
         directory = self.config.checkpoint_dir if self.checkpointer is not None else None
         if directory is None:
             return ShuttingDown(

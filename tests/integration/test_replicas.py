@@ -85,6 +85,24 @@ def test_a_stopped_primary_is_deposed_and_answers_nothing_when_it_wakes(etcd, tm
     assert ledger["applied_twice"] == 0 and ledger["lost"] == 0, ledger
 
 
+def test_a_primary_stopped_on_purpose_hands_its_shard_over(etcd, tmp_path):
+    """SIGTERM (a pod evicted, a node drained): the primary stops cleanly and a backup takes
+    over; the workers, told the server is shutting down, follow it."""
+    cluster = ReplicaCluster(tmp_path / "run", etcd.url)
+    try:
+        cluster.start_set()
+        cluster.start_workers(first=0)
+        cluster.wait_acks(50)
+        cluster.kill(0, signal.SIGTERM)
+        assert cluster.procs[0].wait(30) == 0
+        cluster.wait_log(1, TOOK_OVER)
+        cluster.wait_acks(50)
+        ledger = cluster.finish(primary=1)
+    finally:
+        cluster.close()
+    assert ledger["applied_twice"] == 0 and ledger["lost"] == 0, ledger
+
+
 def test_a_backup_that_stops_acknowledging_leaves_the_set_and_comes_back_after_catching_up(etcd, tmp_path):
     cluster = ReplicaCluster(tmp_path / "run", etcd.url)
     try:

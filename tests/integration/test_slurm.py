@@ -48,3 +48,30 @@ def test_the_sbatch_template_trains_two_shards_and_four_workers_as_by_hand(tmp_p
         diff = np.abs(slurm[name] - hand[name]).max()
         assert diff <= 1e-4 * np.abs(hand[name]).max(), (name, diff)
 
+
+
+def test_the_sbatch_template_runs_a_replicated_shard_and_its_backup_retires_with_the_run(tmp_path):
+    """APS_REPLICA_COUNT=2: tasks 0 and 1 are one shard's primary and backup (an etcd on the
+    controller decides), tasks 2-5 the workers; when they are done the primary retires the set,
+    so the backup stops too instead of taking over, and the job completes."""
+    require_slurm()
+    from aps.testing.etcd import Etcd, etcd_available
+
+    if not etcd_available():
+        pytest.skip("etcd (Debian's etcd-server) is not installed")
+    python = sys.executable
+    train = f"examples/digits_mlp.py --epochs 2 --save {tmp_path / 'slurm.npz'}"
+    with SlurmCluster(nodes=3, cpus_per_node=2) as cluster:
+        with Etcd(tmp_path / "etcd", host=cluster.controller) as etcd:
+            env = {"APS": f"{python} -m aps", "TRAIN": train, "APS_SHARDS": "1", "APS_REPLICA_COUNT": "2",
+                   "APS_SERVE_ARGS": f"{SERVE} --coordinator {etcd.url}",
+                   "PATH": f"{os.path.dirname(python)}:{os.environ['PATH']}"}
+            job = cluster.sbatch(str(TEMPLATE), f"--output={tmp_path}/aps-%j.out", env=env, cwd=str(ROOT))
+            state = cluster.wait(job, timeout=240)
+            output = Path(cluster.output_path(job)).read_text()
+    assert state == "COMPLETED", output[-4000:]
+    assert "shard 0 of 1 serving on node1:7450" in output, output[-4000:]
+    assert "backup of replica set slurm-" in output and "retired it (the run is over)" in output, output[-4000:]
+    ranks = sorted(line.split(":")[0] for line in output.splitlines() if line.startswith("rank "))
+    assert ranks == ["rank 0", "rank 1", "rank 2", "rank 3"], output[-4000:]
+    assert sorted(np.load(tmp_path / "slurm.npz")) == ["b1", "b2", "w1", "w2"]
