@@ -410,6 +410,7 @@ def test_what_the_workers_log_is_drawn_per_rank_with_their_processes(browser, mo
         server.stop()
 
 
+@pytest.mark.slow  # (etcd, two replicas and a browser: the slow call)
 def test_a_replica_set_running_without_its_backup_is_an_alarm_on_the_dashboard(browser, tmp_path):
     """A primary whose backup is not there (yet): the page shows the set and raises the
     alarm; once the backup holds the whole state, the alarm ends and the set counts two."""

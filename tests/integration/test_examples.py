@@ -58,6 +58,7 @@ def test_cifar_resnet_on_fake_data_under_aps_launch(tmp_path):
         assert re.search(rf"rank {rank} epoch 1: 2 steps, test accuracy [0-9.]+, weights version 2\b", log), log
 
 
+@pytest.mark.slow  # (torch and torchvision imported in a fresh process to say it: about 14 s)
 def test_cifar_resnet_without_data_says_what_is_missing(tmp_path):
     done = run([sys.executable, os.path.join(EXAMPLES, "cifar_resnet.py"), "--address", "tcp://127.0.0.1:9",
                 "--rank", "0", "--workers", "1", "--data-dir", str(tmp_path)])

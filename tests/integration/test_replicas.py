@@ -35,7 +35,11 @@ def etcd(tmp_path):
         yield running
 
 
-@pytest.mark.parametrize("sync, transport, given", [("asp", "tcp", 0), ("bsp", "tcp", 1), ("ssp", "shm", 1)])
+@pytest.mark.parametrize("sync, transport, given", [
+    ("asp", "tcp", 0),
+    pytest.param("bsp", "tcp", 1, marks=pytest.mark.slow),  # (the slow call: many processes, two kills each)
+    pytest.param("ssp", "shm", 1, marks=pytest.mark.slow),
+])
 def test_killed_primaries_lose_no_acknowledged_update_and_apply_none_twice(etcd, tmp_path, sync, transport, given):
     """``given``: the replica the workers are pointed at (1: the backup, which names its primary)."""
     cluster = ReplicaCluster(tmp_path / "run", etcd.url, sync=sync)
@@ -64,6 +68,7 @@ def test_killed_primaries_lose_no_acknowledged_update_and_apply_none_twice(etcd,
     assert ledger["acknowledged"] >= 400
 
 
+@pytest.mark.slow  # (a replica set, its workers and a fault: the slow call)
 def test_a_stopped_primary_is_deposed_and_answers_nothing_when_it_wakes(etcd, tmp_path):
     cluster = ReplicaCluster(tmp_path / "run", etcd.url)
     try:
@@ -85,6 +90,7 @@ def test_a_stopped_primary_is_deposed_and_answers_nothing_when_it_wakes(etcd, tm
     assert ledger["applied_twice"] == 0 and ledger["lost"] == 0, ledger
 
 
+@pytest.mark.slow  # (a replica set, its workers and a fault: the slow call)
 def test_a_primary_stopped_on_purpose_hands_its_shard_over(etcd, tmp_path):
     """SIGTERM (a pod evicted, a node drained): the primary stops cleanly and a backup takes
     over; the workers, told the server is shutting down, follow it."""
@@ -103,6 +109,7 @@ def test_a_primary_stopped_on_purpose_hands_its_shard_over(etcd, tmp_path):
     assert ledger["applied_twice"] == 0 and ledger["lost"] == 0, ledger
 
 
+@pytest.mark.slow  # (a replica set, its workers and a fault: the slow call)
 def test_a_backup_that_stops_acknowledging_leaves_the_set_and_comes_back_after_catching_up(etcd, tmp_path):
     cluster = ReplicaCluster(tmp_path / "run", etcd.url)
     try:
@@ -125,6 +132,7 @@ def test_a_backup_that_stops_acknowledging_leaves_the_set_and_comes_back_after_c
     assert ledger["applied_twice"] == 0 and ledger["lost"] == 0, ledger
 
 
+@pytest.mark.slow  # (a replica set, its workers and a fault: the slow call)
 def test_a_peer_without_the_token_or_not_the_primary_is_refused_by_a_backup(etcd, tmp_path):
     cluster = ReplicaCluster(tmp_path / "run", etcd.url)
     try:

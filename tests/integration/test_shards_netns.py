@@ -228,6 +228,7 @@ def test_a_killed_shard_then_a_restarted_one(network, tmp_path):
         assert np.array_equal(flat[lo:hi], newest.flat_weights()), index
 
 
+@pytest.mark.slow  # (shards and workers on namespaced hosts over shaped links: about 10 s)
 def test_sharded_run_on_1_gbit_links(network, tmp_path):
     """Every host's link at 1 Gbit/s: a 4 MiB model on two shards, two workers (ASP) finish,
     and no worker moved its gradients faster than its link allows."""

@@ -112,6 +112,7 @@ class Marks:
         return (steps - before) / (when - then)
 
 
+@pytest.mark.slow  # (strangers pipelining requests beside two transports' training: about 12 s each)
 def test_pipelining_strangers_do_not_slow_training(server_process, transport):
     """Four connections pipelining PINGs cut training to 0.39 of its rate and held a stats
     request 3.2 s; now they share a tenth of the loop, after the members.
