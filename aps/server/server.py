@@ -9,6 +9,7 @@ sockets meanwhile.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import errno
 import logging
 import signal
@@ -39,7 +40,7 @@ from .admission import Connections
 from .connection import Connection
 from .shm import ShmTransport, UnixListener, listen_unix
 from .resume import Resume, Rewind
-from .replicas import ReplicaSet, Replicator
+from .replicas import ReplicaSet, Replicator, SetRetired
 from .tcp import TcpTransport
 
 if TYPE_CHECKING:
@@ -170,7 +171,7 @@ class Server:
             # that takes over resumes from the state it held (aps.server.replicas).
             assert token is not None, "ServerConfig requires a token of the operator's with --replicas"
             self.replica_set = ReplicaSet(self.config, token)
-            held = await self.replica_set.take_role(self._checkpoint_key)
+            held = await self._take_role(self.replica_set)
             if held is not None:
                 self.config = self.config.replace(resume=held, fork_run=False)
         # Before anything starts: a bad checkpoint changes nothing.
@@ -181,7 +182,9 @@ class Server:
             self._resume.release()
             raise
         loop = self._loop = asyncio.get_running_loop()
-        stopping = self._stopping = asyncio.Event()
+        if self.replica_set is None or self._stopping is None:  # (a replica made it in _take_role)
+            self._stopping = asyncio.Event()
+        stopping = self._stopping
         executor = self._executor = ThreadPoolExecutor(1, thread_name_prefix="aps-update")
         config = self.config
         shared = config.unix_socket != "none" and shm_available()
@@ -461,6 +464,22 @@ class Server:
             loop.call_soon_threadsafe(stopping.set)
         except RuntimeError:  # the loop closed meanwhile
             pass
+
+    async def _take_role(self, replica_set: ReplicaSet) -> str | None:
+        """The replica's role (ReplicaSet.take_role), given up when the server is asked to stop
+        while it waits as a backup (SIGTERM, Ctrl-C: SetRetired, a clean exit)."""
+        self._loop = asyncio.get_running_loop()
+        stopping = self._stopping = asyncio.Event()
+        role = asyncio.ensure_future(replica_set.take_role(self._checkpoint_key))
+        stop = asyncio.ensure_future(stopping.wait())
+        done, _ = await asyncio.wait({role, stop}, return_when=asyncio.FIRST_COMPLETED)
+        stop.cancel()
+        if role in done:
+            return role.result()
+        role.cancel()
+        with contextlib.suppress(BaseException):
+            await role
+        raise SetRetired(f"replica set {self.config.replica_set}: this backup was stopped")
 
     def _deposed(self, why: str) -> None:
         """Another replica of the set took over (aps.server.replicas): this one stops."""

@@ -68,6 +68,19 @@ def test_killed_primaries_lose_no_acknowledged_update_and_apply_none_twice(etcd,
     assert ledger["acknowledged"] >= 400
 
 
+def test_a_backup_stops_when_told_to_and_the_primary_goes_on_without_it(etcd, tmp_path):
+    cluster = ReplicaCluster(tmp_path / "run", etcd.url)
+    try:
+        cluster.start_set()
+        cluster.kill(1, signal.SIGTERM)  # an operator's Ctrl-C or a pod's stop, while it is a backup
+        assert cluster.procs[1].wait(20) == 0
+        assert "this backup was stopped" in cluster.out(1)
+        cluster.wait_log(0, "running without backups")
+        assert TOOK_OVER not in cluster.log(1)
+    finally:
+        cluster.close()
+
+
 @pytest.mark.slow  # (a replica set, its workers and a fault: the slow call)
 def test_a_stopped_primary_is_deposed_and_answers_nothing_when_it_wakes(etcd, tmp_path):
     cluster = ReplicaCluster(tmp_path / "run", etcd.url)
