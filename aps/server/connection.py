@@ -13,6 +13,7 @@ fills. It keeps nothing of any op: what a request needs is on the request.
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import time
 from collections import Counter
@@ -437,37 +438,38 @@ class Connection:
     def can_reply(self) -> bool:
         return self.transport.can_write() and not self._silenced
 
-    def _when_replicated(self, send: Callable[[], None]) -> None:
-        """``send()`` now, or (a replica set's primary) once the backups hold what it tells:
+    def _when_replicated(self, send: Callable[..., None], *args: object) -> None:
+        """``send(*args)`` now, or (a replica set's primary) once the backups hold what it tells:
         a worker is never told of an update a failover could take back. A PING's and the
-        STATS' replies tell nothing of the kind; errors change nothing."""
+        STATS' replies tell nothing of the kind; errors change nothing. (No closure is made
+        for a reply that is sent at once: the push/pull path pays nothing without replicas.)"""
         gate, request = self.replication, self.request
         if gate is None or request is None or request.op in _UNGATED:
-            send()
+            send(*args)
         else:
-            gate.hold(send)
+            gate.hold(functools.partial(send, *args))
 
     def reply(
         self, request: Request, op: int, *, clock: int = 0, version: int = 0, flags: int = 0, payload: bytes = b""
     ) -> None:
-        def send() -> None:
-            if self.can_reply():
-                live = self.engine.policy.num_live if self.member is not None else 0  # (said to workers only)
-                frame = pack_header(op, flags, 0, request.rid, clock, version, len(payload), live) + payload
-                self.traffic.bytes_out += len(frame)
-                self.transport.write(frame)
-            self.done()
+        self._when_replicated(self._send_reply, request, op, clock, version, flags, payload)
 
-        self._when_replicated(send)
+    def _send_reply(self, request: Request, op: int, clock: int, version: int, flags: int, payload: bytes) -> None:
+        if self.can_reply():
+            live = self.engine.policy.num_live if self.member is not None else 0  # (said to workers only)
+            frame = pack_header(op, flags, 0, request.rid, clock, version, len(payload), live) + payload
+            self.traffic.bytes_out += len(frame)
+            self.transport.write(frame)
+        self.done()
 
     def reply_parts(self, parts: tuple, nbytes: int, fds: tuple = ()) -> None:
-        def send() -> None:
-            if self.can_reply():
-                self.traffic.bytes_out += nbytes
-                self.transport.write_parts(parts, fds)
-            self.done()
+        self._when_replicated(self._send_parts, parts, nbytes, fds)
 
-        self._when_replicated(send)
+    def _send_parts(self, parts: tuple, nbytes: int, fds: tuple) -> None:
+        if self.can_reply():
+            self.traffic.bytes_out += nbytes
+            self.transport.write_parts(parts, fds)
+        self.done()
 
     def reply_weights(
         self,
@@ -480,7 +482,7 @@ class Connection:
         fds: tuple,
         narrowed: np.ndarray | None = None,
     ) -> None:
-        self._when_replicated(lambda: self._send_weights(request, op, snap, clock, flags, rows, fds, narrowed))
+        self._when_replicated(self._send_weights, request, op, snap, clock, flags, rows, fds, narrowed)
 
     def _send_weights(
         self,
