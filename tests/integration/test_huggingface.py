@@ -99,9 +99,14 @@ def test_aps_trainer_workers_read_their_own_part_of_the_data_and_learn(server_pr
     for epoch in range(10):
         parts = [set(r["seen"][epoch * half:(epoch + 1) * half]) for r in results]
         assert not parts[0] & parts[1] and len(parts[0] | parts[1]) == size, "each epoch split, each sample once"
+    # Learned context, not only how often each character comes: the last few losses are well
+    # under the text's unigram entropy (3.0 nats), the best a model of character counts can do
+    # (they start near 3.2; here they end at 2.1-2.45 over runs, as ASP's order of
+    # updates moves them).
+    counts = np.unique(list(hw.TEXT), return_counts=True)[1] / len(hw.TEXT)
+    unigram = float(-(counts * np.log(counts)).sum())
     for r in results:
-        # (from about ln 26; its last few, as ASP's order of updates moves one loss or another)
-        assert sum(r["losses"][-3:]) / 3 < 0.75 * r["losses"][0], r["losses"]
+        assert sum(r["losses"][-3:]) / 3 < 0.9 * unigram, (unigram, r["losses"])
     stats = fetch_stats(server.address)
     assert stats["warnings"] == [] and {"loss", "lr"} <= set(stats["workers"][1]["reported"]["scalars"])
 
