@@ -34,12 +34,14 @@ def _free_port() -> int:
 
 
 class ReplicaCluster:
-    """``replicas`` replicas of one unsharded set, and ``workers`` ledger workers."""
+    """``replicas`` replicas of one unsharded set, and ``workers`` ledger workers. With no
+    ``coordinator`` it is one plain server (``replicas`` 1), the checkpoint-only baseline
+    the benchmarks set beside a replica set (its checkpoint options in ``extra``)."""
 
     def __init__(
         self,
         directory: Path,
-        coordinator: str,
+        coordinator: str | None,
         *,
         replicas: int = 2,
         workers: int = 2,
@@ -89,12 +91,7 @@ class ReplicaCluster:
             self.addresses[index].rsplit(":", 1)[0],
             "--port",
             str(self.ports[index]),
-            "--replicas",
-            ",".join(self.addresses),
-            "--coordinator",
-            self.coordinator,
-            "--replica-set",
-            self.name,
+            *self._replica_flags(),
             "--workers",
             str(self.workers),
             "--sync",
@@ -113,6 +110,13 @@ class ReplicaCluster:
             proc = popen(argv, stdout=out, stderr=err, env=env, stdin=subprocess.DEVNULL)
         self.procs[index] = proc
         return proc
+
+    def _replica_flags(self) -> list[str]:
+        if self.coordinator is None:
+            if len(self.addresses) != 1:
+                raise ValueError("a cluster without a coordinator is one server")
+            return []
+        return ["--replicas", ",".join(self.addresses), "--coordinator", self.coordinator, "--replica-set", self.name]
 
     def wait_log(self, index: int, text: str, timeout: float = 30.0) -> float:
         """Seconds until replica ``index``'s log says ``text`` (AssertionError after ``timeout``)."""

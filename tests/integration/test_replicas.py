@@ -8,8 +8,11 @@ killed and started again catches up from the live one, and a deposed primary ans
 from __future__ import annotations
 
 import asyncio
+import json
+import pathlib
 import signal
 import subprocess
+import sys
 import threading
 import time
 
@@ -35,11 +38,14 @@ def etcd(tmp_path):
         yield running
 
 
-@pytest.mark.parametrize("sync, transport, given", [
-    ("asp", "tcp", 0),
-    pytest.param("bsp", "tcp", 1, marks=pytest.mark.slow),  # (the slow call: many processes, two kills each)
-    pytest.param("ssp", "shm", 1, marks=pytest.mark.slow),
-])
+@pytest.mark.parametrize(
+    "sync, transport, given",
+    [
+        ("asp", "tcp", 0),
+        pytest.param("bsp", "tcp", 1, marks=pytest.mark.slow),  # (the slow call: many processes, two kills each)
+        pytest.param("ssp", "shm", 1, marks=pytest.mark.slow),
+    ],
+)
 def test_killed_primaries_lose_no_acknowledged_update_and_apply_none_twice(etcd, tmp_path, sync, transport, given):
     """``given``: the replica the workers are pointed at (1: the backup, which names its primary)."""
     cluster = ReplicaCluster(tmp_path / "run", etcd.url, sync=sync)
@@ -220,10 +226,15 @@ def _wait_clock(clocks: list, clock: int, errors: list, timeout: float = 60) -> 
 
 @pytest.mark.slow  # (four replicas, three failovers, and the unsharded run beside them)
 def test_a_sharded_bsp_run_with_replicas_equals_the_unsharded_one_bit_for_bit_across_failovers(
-        etcd, tmp_path, server_process):
+    etcd, tmp_path, server_process
+):
     optimizer = ("--lr", "0.05", "--momentum", "0.9")
-    shards = [ReplicaCluster(tmp_path / f"shard{i}", etcd.url, sync="bsp",
-                             extra=("--shards", "2", "--shard", str(i), *optimizer)) for i in range(2)]
+    shards = [
+        ReplicaCluster(
+            tmp_path / f"shard{i}", etcd.url, sync="bsp", extra=("--shards", "2", "--shard", str(i), *optimizer)
+        )
+        for i in range(2)
+    ]
     shards[1].token, shards[1].env = shards[0].token, shards[0].env  # one run, one token
     results: dict[int, np.ndarray] = {}
     errors: list[BaseException] = []
@@ -301,3 +312,45 @@ def test_a_partition_loses_no_acknowledged_update_and_leaves_one_primary(tmp_pat
                 cluster.close()
     assert ledger["applied_twice"] == 0 and ledger["lost"] == 0, ledger
     assert logs.count(TOOK_OVER) == (1 if cut == "primary" else 0)
+
+
+@pytest.mark.slow  # (the benchmark at its smallest: a replica set, a failover and a checkpoint-only kill, ~60 s)
+def test_the_replica_benchmark_sets_its_four_figures_beside_a_checkpoint_only_run(tmp_path):
+    out = tmp_path / "replicas.json"
+    bench = subprocess.run(
+        [
+            sys.executable,
+            "bench/replicas.py",
+            "--sizes",
+            "0.25",
+            "--repeats",
+            "1",
+            "--seconds",
+            "1",
+            "--failovers",
+            "1",
+            "--kills",
+            "1",
+            "--checkpoint-every",
+            "1",
+            "--out",
+            str(out),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=pathlib.Path(__file__).parents[2],
+    )
+    assert bench.returncode == 0, bench.stderr[-3000:]
+    report = json.loads(out.read_text())
+    figures = report["four_figures"]
+    assert set(figures) == {"replica_set", "checkpoint_only"}
+    for side in figures.values():
+        assert set(side) == {"blocking_ms", "interval_s", "time_lost_s_per_failure", "acknowledged_lost"}
+        assert side["blocking_ms"] > 0 and side["interval_s"] > 0 and side["time_lost_s_per_failure"] > 0
+    # The replica set loses nothing acknowledged; the checkpoint-only server loses what came after
+    # its newest checkpoint (it was killed a second or more after one), and neither applies twice.
+    assert figures["replica_set"]["acknowledged_lost"] == 0 == report["failover"]["applied_twice"]
+    assert figures["checkpoint_only"]["acknowledged_lost"] > 0 == report["checkpoint_only"]["applied_twice"]
+    assert figures["checkpoint_only"]["interval_s"] == 1.0
+    assert report["steady"][0]["ratio"] > 0
