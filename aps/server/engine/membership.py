@@ -54,6 +54,10 @@ class Gate(Protocol):
     def skips_lost_iterations(self) -> bool:
         """A rejoining rank of a shard resumed older goes on at its own clock (its lost iterations count)."""
 
+    @property
+    def rejoins_at_own_clock(self) -> bool:
+        """A rank that reconnects goes on at the clock it had here, behind the round if it missed some."""
+
     def wait(self, member: Member, on_ready: ReadyCallback, *, gate: bool) -> None:
         """Answer ``on_ready`` once ``member`` may go on (``gate``: held by the policy, as a pull)."""
 
@@ -408,6 +412,10 @@ class Membership:
                 # so every shard's gate orders the ranks alike. Not held: it had its last push's answer.
                 return policy.join(rank, member.rejoin_clock, False, placement[2])
             return policy.join(rank, *placement)
+        if seat is not None and self.gate.rejoins_at_own_clock:
+            # docs/algorithms.md, "Sharded BSP across reconnects": the rounds that closed here without
+            # it drop its next pushes, one each, so its iterations fall into the same rounds on every shard.
+            return policy.join(rank, seat.clock, False, seat.credit)
         window = policy.window
         if seat is not None and seat.clock > window.min_clock:
             # (held only behind a live worker: the slowest clock of workers gone holds nobody)

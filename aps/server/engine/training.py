@@ -110,6 +110,13 @@ class Training:
         (``Membership._place``; docs/algorithms.md, "Sharded resume")."""
         return self.config.shards > 1 and self.policy.name != "bsp"
 
+    @property
+    def rejoins_at_own_clock(self) -> bool:
+        """A reconnecting rank goes on at its own clock (``Membership._place``): a shard of a sharded
+        BSP run, where the rounds it missed must be the same on every shard (docs/algorithms.md,
+        "Sharded BSP across reconnects")."""
+        return self.config.shards > 1 and self.policy.name == "bsp"
+
     # Iterations ------------------------------------------------------------
     def pull(self, member: Member, on_ready: ReadyCallback) -> None:
         """Answer with the weights once the policy releases ``member``."""

@@ -28,6 +28,15 @@ class BSP(SyncPolicy):
     after pushing and rejoined before its round closed pushes again like the
     others (so clocks stay in lockstep), but that second gradient is dropped:
     its first one is in the round already.
+
+    Clocks count rounds: the open round's members push at its clock (the round
+    clock), a worker held for a round under way goes on at the next one's, and
+    a push from a clock behind the round clock is for a round that closed
+    without it: dropped, its worker released at once. A shard of a sharded run
+    seats a worker that reconnects at its own clock (``Membership._place``), so
+    the rounds it missed there are dropped one push at a time and its
+    iterations fall into the same rounds on every shard (docs/algorithms.md,
+    "Sharded BSP across reconnects").
     """
 
     name = "bsp"
@@ -44,6 +53,7 @@ class BSP(SyncPolicy):
         # Restored from a checkpoint: ranks whose gradient is in the open round and that had not
         # left; they count as present (and held) again once they reconnect.
         self._restored_present: set[int] = set()
+        self.round_clock = 0  # the clock the open round's members push at
 
     def is_held(self, rank: int) -> bool:
         return rank in self._held
@@ -52,7 +62,12 @@ class BSP(SyncPolicy):
         # A closed round, an older round, or a second gradient from a rank that
         # already contributed to this one (it left and rejoined): dropped. (BSP's
         # window is unbounded: this is its whole staleness rule.)
-        if self._closed or grad_version != version or rank in self._contributed:
+        if (
+            self._closed
+            or grad_version != version
+            or rank in self._contributed
+            or self.window.clock(rank) < self.round_clock  # (a round it missed, which closed without it)
+        ):
             return Plan(PlanKind.DROP, staleness=version - grad_version, reason=CLOSED_ROUND)
         return Plan(PlanKind.ACCUMULATE, first=not self._contributed)
 
@@ -96,6 +111,7 @@ class BSP(SyncPolicy):
             "contributed": sorted(self._contributed),
             "pushed": sorted(self._pushed),
             "round_held": sorted(self._held),
+            "round_clock": self.round_clock,
         }
 
     def restore(self, state: dict) -> dict[int, tuple[int, bool, int]]:
@@ -107,6 +123,11 @@ class BSP(SyncPolicy):
         self._members = set(placements) if self._contributed else set()  # (the workers live in the checkpoint)
         # BSP holds at its own gate (the window is unbounded): the placement's flag says so.
         held = {int(r) for r in state["round_held"]}
+        # (a checkpoint from before the round clock was kept: the open round's clock is its
+        # slowest member's, the clock of those that had not pushed into it)
+        self.round_clock = int(
+            state.get("round_clock", min((c for c, _, _ in placements.values()), default=int(state["min_clock"])))
+        )
         return {rank: (clock, rank in held, credit) for rank, (clock, _, credit) in placements.items()}
 
     def forget_open_round(
@@ -133,18 +154,24 @@ class BSP(SyncPolicy):
             self._pushed.add(rank)
             if held:
                 self._held.add(rank)
-        elif self._contributed and rank not in self._members and not self.resuming:
-            if any(self.window.is_live(member) for member in self._members):
-                # A round is under way without it: it waits for that round's update, and joins the next.
-                self._held.add(rank)
-            else:  # every member of the round left: nobody else would close it, so it takes part
-                self._members.add(rank)
+        elif clock < 0:  # a new arrival: at the round clock, or the next round's
+            clock = self.round_clock
+            if self._closed:  # the round closed and its update is pending (its weights are the INIT's): the next
+                clock += 1
+            elif self._contributed and rank not in self._members and not self.resuming:
+                if any(self.window.is_live(member) for member in self._members):
+                    # A round is under way without it: it waits for that round's update, and joins the next.
+                    self._held.add(rank)
+                    clock += 1
+                else:  # every member of the round left: nobody else would close it, so it takes part
+                    self._members.add(rank)
         return self.window.join(rank, clock, False, credit)
 
     def forget_restored(self) -> None:
         self._restored_present.clear()
 
     def aggregate_applied(self) -> None:
+        self.round_clock += 1
         self._closed = False
         self._contributed.clear()
         self._pushed.clear()

@@ -35,6 +35,7 @@ class Gate:
         self.calls: list[tuple] = []
         self.decided_version = 0
         self.skips_lost_iterations = False
+        self.rejoins_at_own_clock = False
 
     def wait(self, member, on_ready, *, gate):
         self.calls.append(("wait", member.rank, gate))

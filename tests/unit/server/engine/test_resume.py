@@ -465,3 +465,64 @@ def test_a_rejoining_worker_that_says_a_clock_beyond_2_53_is_refused_and_seats_n
         assert 0 not in h.engine.roster.members and not h.policy.window.state()[1][0]
     h.join(0, rejoin=True, clock=MAX_CLOCK)  # the bound itself is taken
     assert h.policy.clock(0) == MAX_CLOCK
+
+
+@pytest.mark.parametrize("sharded", [True, False])
+def test_a_bsp_worker_back_on_two_shards_lands_in_the_same_rounds_on_both(sharded):
+    """docs/algorithms.md, "Sharded BSP across reconnects": rank 0's connections drop while
+    ranks 1 and 2 push round 1. Shard A has it back before their gradients come, so its round 1
+    waits for rank 0; shard B saw them first, and closed round 1 without it. Rank 0's next
+    gradient goes into round 1 on A and is dropped on B (a round it missed), so its following
+    one is in round 2 on both. (One server seats it at the round clock instead: nothing to align.)"""
+    g = {(r, i): np.full(3, float(1 + r + 3 * i), np.float32) for r in range(3) for i in range(3)}
+    options = {"workers": 3, "numel": 3, "sync": "bsp", "shards": 2 if sharded else 1}
+    a, b = Harness(**options, shard=0), Harness(**options, shard=1 if sharded else 0)
+    for h in (a, b):
+        h.join_all()
+        for rank in range(3):
+            h.push(rank, g[rank, 0], then_pull=True)
+        assert h.engine.version == 1
+    a.leave(0)
+    a.join(0, rejoin=True, clock=1)
+    for rank in (1, 2):
+        a.push(rank, g[rank, 1], then_pull=True)
+        b.push(rank, g[rank, 1], then_pull=True)
+    assert a.engine.version == 1  # waiting for rank 0
+    b.leave(0)
+    assert b.engine.version == 2  # closed without it
+    b.join(0, rejoin=True, clock=1)
+    if not sharded:
+        assert b.policy.clock(0) == 2  # at the round clock, as a new arrival
+        return
+    assert b.policy.clock(0) == 1 and b.policy.round_clock == 2  # at its own clock, one round behind
+    for h in (a, b):
+        h.push(0, g[0, 1], then_pull=True)
+    assert a.engine.version == 2 and b.engine.version == 2
+    assert b.workers[0].results[-1].dropped and b.policy.clock(0) == 2  # dropped on B, where round 1 is over
+    for h in (a, b):
+        for rank in range(3):
+            h.push(rank, g[rank, 2], then_pull=True)
+        assert h.engine.version == 3 and not any(w.errors for w in h.workers)
+    mean = lambda *keys: sum(g[k] for k in keys) / len(keys)  # noqa: E731
+    first, last = mean((0, 0), (1, 0), (2, 0)), mean((0, 2), (1, 2), (2, 2))
+    np.testing.assert_array_equal(a.engine.model.table.current_array(), -(first + mean((0, 1), (1, 1), (2, 1)) + last))
+    np.testing.assert_array_equal(b.engine.model.table.current_array(), -(first + mean((1, 1), (2, 1)) + last))
+
+
+def test_a_bsp_worker_that_joins_a_round_under_way_goes_on_at_the_next_rounds_clock():
+    """Held until the round closes, it takes part in the next: its clock is that round's, so
+    its first gradient is in it (not taken for one of a round it missed)."""
+    h = Harness(workers=3, numel=3, sync="bsp")
+    h.join_all()
+    for rank in range(3):
+        h.push(rank, np.ones(3, np.float32), then_pull=True)
+    h.leave(2)
+    h.push(0, np.full(3, 2.0, np.float32), then_pull=True)  # round 1 under way without rank 2
+    h.join(2)  # a new process for rank 2
+    assert h.held(2) and h.policy.clock(2) == 2 and h.policy.round_clock == 1
+    h.push(1, np.full(3, 4.0, np.float32), then_pull=True)
+    assert h.engine.version == 2 and not h.held(2) and h.policy.round_clock == 2
+    for rank in range(3):
+        h.push(rank, np.full(3, 6.0, np.float32), then_pull=True)
+    assert h.engine.version == 3 and not any(r.dropped for w in h.workers for r in w.results)
+    np.testing.assert_array_equal(h.engine.model.table.current_array(), np.full(3, -1.0 - 3.0 - 6.0, np.float32))
