@@ -22,6 +22,76 @@ settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "aps"))
 
 _runtime_dir: str | None = None
 
+#: The longest scenarios of the main suite that run in the slow call instead (``-m slow``), so
+#: the main suite stays under 8 minutes on the project's 2-core machine: most are one variant
+#: of a scenario whose sibling stays in the main suite (another transport, driver or policy),
+#: the others whole scenarios that take 5-14 s each. Nothing is dropped: .ci/run runs both calls.
+SLOW_IN_THE_MAIN_SUITE = {
+    "tests/integration/test_huggingface.py::test_a_trainer_checkpoint_carries_the_servers_state_and_resumes_exactly",
+    "tests/integration/test_huggingface.py::test_the_trainer_with_an_aps_optimizer_equals_its_own_sgd",
+    "tests/integration/test_replicas.py::test_killed_primaries_lose_no_acknowledged_update_and_apply_none_twice"
+    "[asp-tcp-0]",
+    "tests/integration/test_lightning.py::test_a_checkpoint_carries_the_servers_state_and_resumes_exactly",
+    "tests/integration/test_lightning.py::test_one_bsp_worker_equals_lightning_with_its_own_sgd"
+    "[accumulated-and-clipped]",
+    "tests/integration/test_sharded_resume.py::test_a_sharded_bsp_run_equals_the_unsharded_one_across_a_shard_crash"
+    "[shm-blocking]",
+    "tests/integration/test_sharded_resume.py::test_a_sharded_bsp_run_equals_the_unsharded_one_across_a_shard_crash"
+    "[tcp-asyncio]",
+    *(
+        "tests/integration/test_sharded_resume.py::"
+        f"test_a_shard_resumed_from_an_older_checkpoint_makes_no_shard_apply_an_iteration_twice[{variant}]"
+        for variant in ("shm-bsp", "tcp-ssp", "tcp-asp", "shm-asp", "shm-ssp")
+    ),
+    "tests/unit/lab/test_virtual.py::test_the_same_seed_gives_identical_curves_and_another_does_not",
+    "tests/unit/lab/test_virtual.py::test_an_experiment_runs_every_cluster_of_its_preset",
+    "tests/integration/test_resume_guard.py::test_a_checkpoint_is_signed_with_the_runs_token_and_a_forged_one_is_refused",
+    "tests/integration/test_torch.py::test_p_bsp_workers_equal_large_batch_torch_sgd[shm]",
+    "tests/integration/test_torch.py::test_a_sharded_model_trains_as_the_unsharded_one[tcp]",
+    "tests/unit/test_stub.py::test_stubtest",
+    "tests/unit/test_packaging.py::test_requires_python_is_what_the_code_needs",
+    "tests/integration/test_clean_exit.py::test_a_torch_script_whose_optimizer_is_local_to_main_has_left_when_main_returns",
+    "tests/integration/test_shards.py::test_shards_resumed_from_different_runs_are_told_apart",
+    "tests/integration/test_shards.py::test_an_asyncio_sharded_bsp_run_equals_the_unsharded_one",
+    "tests/integration/test_shards.py::test_a_sharded_bsp_run_equals_the_unsharded_one[3]",
+    "tests/integration/test_shards_netns.py::test_sharded_bsp_across_hosts_equals_one_server",
+    "tests/integration/test_cli.py::test_bench_runs_and_writes_json",
+    "tests/integration/test_cli.py::test_bench_measures_what_applying_gradients_while_they_arrive_is_worth",
+    "tests/integration/test_cli.py::test_status_without_a_token_names_its_flags",
+    "tests/integration/test_durability.py::test_conflicting_flags_and_bad_checkpoints_refuse_to_start",
+    "tests/integration/test_durability.py::test_interrupted_and_resumed_equals_uninterrupted_bit_for_bit[adam]",
+    "tests/integration/test_durability.py::test_interrupted_and_resumed_equals_uninterrupted_bit_for_bit[dc-adaptive]",
+    "tests/integration/test_stalls.py::test_a_frozen_worker_is_dropped_and_the_others_go_on[64MiB-tcp-bsp]",
+    "tests/integration/test_stalls.py::test_a_frozen_worker_is_dropped_and_the_others_go_on[64MiB-tcp-ssp]",
+    "tests/integration/test_dashboard.py::test_each_embedding_table_shows_its_rows_held_and_rows_per_second",
+    "tests/integration/test_dashboard.py::test_the_dashboard_asks_for_the_token_or_takes_it_from_the_address",
+    "tests/integration/test_dashboard.py::test_a_failing_checkpoint_is_an_alarm_on_the_dashboard",
+    "tests/integration/test_dashboard.py::test_what_the_workers_log_is_drawn_per_rank_with_their_processes",
+    "tests/integration/test_membership.py::test_a_killed_worker_leaves_at_once_and_nobody_waits_for_it[shm]",
+    "tests/integration/test_membership.py::test_a_waiting_worker_says_who_is_missing[shm]",
+    "tests/integration/test_membership.py::"
+    "test_a_push_whose_connection_was_found_lost_before_it_went_out_says_the_weights_it_was_computed_on[shm]",
+    "tests/integration/test_membership.py::"
+    "test_a_push_whose_connection_was_found_lost_before_it_went_out_says_the_clock_it_was_computed_in[shm]",
+    "tests/integration/test_example_dlrm.py::test_dlrm_under_asp_learns_the_clicks",
+    "tests/integration/test_auth.py::test_parallel_guesses_take_their_turns",
+    "tests/integration/test_checkpoint_alarm.py::"
+    "test_a_disk_that_fills_after_some_checkpoints_says_how_old_the_last_good_one_is",
+    "tests/integration/test_rows.py::test_the_servers_memory_follows_the_rows_touched[shm]",
+    "tests/integration/test_rows.py::test_three_shards_equal_one_under_bsp[blocking-shm]",
+    "tests/integration/test_elastic_sampler.py::test_counters_are_kept_in_checkpoints",
+    "tests/integration/test_limits.py::test_slow_and_silent_peers_are_closed_at_the_handshake_deadline[shm]",
+    "tests/integration/test_torch_optim.py::test_schedulers_with_param_groups_equal_torch_optim_exactly[LambdaLR]",
+    "tests/integration/test_torch_like.py::test_the_torch_optim_call_trains_as_torch_optim_does[shm]",
+}
+
+
+@pytest.hookimpl(tryfirst=True)  # (before -m selects by marker)
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        if item.nodeid in SLOW_IN_THE_MAIN_SUITE:
+            item.add_marker(pytest.mark.slow)
+
 
 def pytest_configure(config):
     """Give this test process (each pytest-xdist worker has its own) a private runtime
