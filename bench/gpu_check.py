@@ -85,6 +85,21 @@ def _copy_ms(device: torch.device, host: torch.Tensor, reps: int = 20) -> dict:
     }
 
 
+def _timed_steps(model: torch.nn.Module, opt, rank: int, steps: int, device: torch.device) -> list[float]:
+    """``steps`` steps of ``opt`` on worker ``rank``'s batches; the seconds each took."""
+    times = []
+    for step in range(steps):
+        x, y = (t.to(device) for t in digits_batches(rank, WORKERS, step, BATCH))
+        _sync(device)
+        began = time.perf_counter()
+        opt.zero_grad()
+        F.cross_entropy(model(x), y).backward()
+        opt.step()
+        _sync(device)
+        times.append(time.perf_counter() - began)
+    return times
+
+
 def gpu_worker(address: str, rank: int, steps: int, transport: str, device_name: str):
     """One aps worker on ``device_name``: its final weights, step times and staging."""
     import aps.torch
@@ -94,17 +109,8 @@ def gpu_worker(address: str, rank: int, steps: int, transport: str, device_name:
     device = torch.device(device_name)
     digits()  # (loaded before joining)
     model = workloads.make_model(8, seed=0).to(device)
-    times = []
     with aps.torch.Optimizer(model, address, rank, WORKERS, transport=transport, staging=True) as opt:
-        for step in range(steps):
-            x, y = (t.to(device) for t in digits_batches(rank, WORKERS, step, BATCH))
-            _sync(device)
-            began = time.perf_counter()
-            opt.zero_grad()
-            F.cross_entropy(model(x), y).backward()
-            opt.step()
-            _sync(device)
-            times.append(time.perf_counter() - began)
+        times = _timed_steps(model, opt, rank, steps, device)
         flat = opt._flat
         assert flat is not None, "the optimizer is attached"
         staging = {
@@ -128,18 +134,7 @@ def reference(steps: int, device: torch.device) -> tuple[list[np.ndarray], list[
         opt.step()
     weights = [p.detach().cpu().numpy().copy() for p in model.parameters()]
     alone = workloads.make_model(8, seed=0).to(device)
-    opt = torch.optim.SGD(alone.parameters(), lr=LR, momentum=MOMENTUM)
-    times = []
-    for step in range(steps):
-        x, y = (t.to(device) for t in digits_batches(0, WORKERS, step, BATCH))
-        _sync(device)
-        began = time.perf_counter()
-        opt.zero_grad()
-        F.cross_entropy(alone(x), y).backward()
-        opt.step()
-        _sync(device)
-        times.append(time.perf_counter() - began)
-    return weights, times
+    return weights, _timed_steps(alone, torch.optim.SGD(alone.parameters(), lr=LR, momentum=MOMENTUM), 0, steps, device)
 
 
 def check(transport: str, steps: int, device: torch.device, want: list[np.ndarray], tolerance: float) -> dict:

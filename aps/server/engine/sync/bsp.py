@@ -125,9 +125,12 @@ class BSP(SyncPolicy):
         held = {int(r) for r in state["round_held"]}
         # (a checkpoint from before the round clock was kept: the open round's clock is its
         # slowest member's, the clock of those that had not pushed into it)
-        self.round_clock = int(
+        round_clock = int(
             state.get("round_clock", min((c for c, _, _ in placements.values()), default=int(state["min_clock"])))
         )
+        if not 0 <= round_clock <= 2**53:
+            raise ValueError(f"its round clock {round_clock} is not a clock (0 to 2**53)")
+        self.round_clock = round_clock
         return {rank: (clock, rank in held, credit) for rank, (clock, _, credit) in placements.items()}
 
     def forget_open_round(

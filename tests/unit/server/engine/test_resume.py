@@ -526,3 +526,15 @@ def test_a_bsp_worker_that_joins_a_round_under_way_goes_on_at_the_next_rounds_cl
         h.push(rank, np.full(3, 6.0, np.float32), then_pull=True)
     assert h.engine.version == 3 and not any(r.dropped for w in h.workers for r in w.results)
     np.testing.assert_array_equal(h.engine.model.table.current_array(), np.full(3, -1.0 - 3.0 - 6.0, np.float32))
+
+
+@pytest.mark.parametrize("round_clock", [-1, 2**53 + 1])
+def test_a_bsp_checkpoint_whose_round_clock_is_no_clock_is_refused_and_nothing_is_kept(round_clock):
+    original = Harness(workers=2, sync="bsp")
+    original.join_all()
+    checkpoint = checkpoint_of(original)
+    checkpoint.manifest["policy"]["round_clock"] = round_clock
+    resumed = Harness(workers=2, sync="bsp")
+    with pytest.raises(CheckpointError, match="round clock"):
+        resumed.engine.durability.restore(checkpoint)
+    assert resumed.engine.model.table is None
