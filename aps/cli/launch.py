@@ -5,6 +5,7 @@
     aps launch --workers 4 --sync dssp --step-time 0.05 --slowdown 1,1,1,3 train.py --epochs 5
     aps launch --workers 4 --sync ssp --example mnist --epochs 3   (--example comes last)
     aps launch --workers 4 --shards 2 --sync bsp --example digits   (two servers, half the model each)
+    aps launch --workers 2 --replica-count 2 --sync bsp --example digits   (a primary and a backup)
 
 Each worker runs the script with ``APS_ADDRESS``, ``RANK``, ``WORLD_SIZE`` and
 ``LOCAL_RANK`` set (as ``torchrun`` would), one torch thread
@@ -14,7 +15,8 @@ result, as a training script prints it). With
 ``--step-time T --slowdown ...`` each worker's iterations are padded to its
 multiple of ``T`` by ``aps.torch.Optimizer`` (``APS_STEP_TIME``,
 ``APS_SLOWDOWN``, ``APS_JITTER``): emulated devices of different speeds, by
-sleeping rather than by burning CPU. Ctrl-C, SIGTERM, SIGHUP or any worker
+sleeping rather than by burning CPU. With ``--replica-count R`` each shard is a replica set of R server processes
+(:mod:`aps.cli.replica_sets`): kill one and training goes on. Ctrl-C, SIGTERM, SIGHUP or any worker
 exiting with an error stops every worker (each in its own process group,
 children included: SIGTERM, then SIGKILL after a grace period or a second
 signal) and the server, and exits with 128 + the signal's number (130 for
@@ -24,18 +26,23 @@ Ctrl-C) or the failing worker's status; no process is left behind.
 from __future__ import annotations
 
 import argparse
+import functools
 import os
+import secrets
 import signal
 import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from concurrent.futures import CancelledError
 
 from ..errors import APSError, ConfigurationError
 from ..wire.protocol import describe_join_progress
 from ..server.server import Server
 from ..config import RESUME_LATEST, ServerConfig, resolve_token
+from ..lab.processes import die_with_parent
+from .replica_sets import LocalReplicaSets
 from ._args import add_server_arguments, config_from_args, number, parse_speeds, require
 
 __all__ = ["register", "run"]
@@ -60,6 +67,15 @@ def register(commands) -> None:
     )
     parser.add_argument("--slowdown", default="", help="per-worker multiples of T, e.g. 1,1,1,3 (default all 1)")
     parser.add_argument("--jitter", type=number, default=0.0, help="random variation of emulated iteration times")
+    parser.add_argument(
+        "--replica-count",
+        type=int,
+        default=1,
+        metavar="R",
+        help="replicas a shard (default 1): more runs each shard as a replica set of R server processes, a "
+        "primary and its backups; one that dies is started again and rejoins as a backup. Who is primary is "
+        "decided in --coordinator etcd://HOST:PORT, or in a private etcd started for the run (docs/guide/replicas.md)",
+    )
     parser.add_argument("--log-dir", help="where worker-RANK.log go (default: a new temporary directory, printed)")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
     parser.add_argument(
@@ -90,6 +106,10 @@ def run(args: argparse.Namespace) -> int:
         args.port = 0
     if args.http_port is None and not args.no_dashboard:
         args.http_port = 0
+    if args.replicas is not None or args.advertise is not None:
+        raise ConfigurationError(
+            "aps launch starts every replica itself: give --replica-count R, not --replicas or --advertise"
+        )
     config = config_from_args(args)
     token = resolve_token(config)
     workers = config.workers
@@ -110,11 +130,11 @@ def run(args: argparse.Namespace) -> int:
 
     if config.shard != 0:
         raise ConfigurationError("aps launch starts every shard itself: give --shards K, not --shard")
-    if config.replicas is not None:
-        raise ConfigurationError(
-            "aps launch runs its servers inside its own process: the replicas of a replica set run as processes "
-            "(and on hosts) of their own, each an aps serve --replicas (docs/guide/replicas.md)"
-        )
+    require(args.replica_count >= 1, f"--replica-count must be at least 1, got {args.replica_count}")
+    if args.replica_count == 1 and config.coordinator is not None:
+        raise ConfigurationError("--coordinator decides who is primary of a replica set: give --replica-count too")
+    if args.replica_count > 1 and token is None:  # (the replicas prove it to each other, the workers to them)
+        token = secrets.token_hex(16).encode()
     if config.shards > 1 and config.port and config.http_port and abs(config.port - config.http_port) < config.shards:
         raise ConfigurationError(
             f"with --shards {config.shards}, the shards listen on --port {config.port} and up, "
@@ -128,17 +148,28 @@ def run(args: argparse.Namespace) -> int:
         )
     stop = _Signals()
     backgrounds: list = []
+    sets: LocalReplicaSets | None = None
     procs: list[subprocess.Popen] = []
     try:
-        for index in range(config.shards):
-            backgrounds.append(Server(_shard_config(config, index)).run_in_background().start())
-        address = ",".join(background.address for background in backgrounds)
         shards = f" ({config.shards} shards)" if config.shards > 1 else ""
-        print(f"aps: serving on {address}{shards}; {workers} workers; logs in {args.log_dir}", flush=True)
-        for index, background in enumerate(backgrounds):
-            if background.server.http_address is not None:
-                which = f" (shard {index})" if config.shards > 1 else ""
-                print(f"aps: dashboard on {background.server.http_address}{which}", flush=True)
+        if args.replica_count > 1:
+            assert token is not None
+            sets = LocalReplicaSets(config, args.replica_count, args.log_dir, token.decode(), _say)
+            address = ",".join(sets.start().addresses)
+            print(f"aps: serving on {address}{shards}; {workers} workers; logs in {args.log_dir}", flush=True)
+            for line in sets.describe():
+                print(line, flush=True)
+            stats = sets.stats
+        else:
+            for index in range(config.shards):
+                backgrounds.append(Server(_shard_config(config, index)).run_in_background().start())
+            address = ",".join(background.address for background in backgrounds)
+            print(f"aps: serving on {address}{shards}; {workers} workers; logs in {args.log_dir}", flush=True)
+            for index, background in enumerate(backgrounds):
+                if background.server.http_address is not None:
+                    which = f" (shard {index})" if config.shards > 1 else ""
+                    print(f"aps: dashboard on {background.server.http_address}{which}", flush=True)
+            stats = _embedded_stats(backgrounds[0].server)
         for rank in range(workers):
             if stop.received:
                 break
@@ -167,9 +198,11 @@ def run(args: argparse.Namespace) -> int:
                         stderr=subprocess.STDOUT,
                         stdin=subprocess.DEVNULL,
                         start_new_session=True,
+                        # (a launcher killed with SIGKILL leaves no worker behind: SIGTERM reaches it)
+                        preexec_fn=functools.partial(die_with_parent, os.getpid()),
                     )
                 )
-        status = _watch(procs, backgrounds[0].server, args, stop)
+        status = _watch(procs, stats, args, stop, sets)
         if stop.received:
             name = signal.Signals(stop.received).name
             print(f"\naps: {name}: stopping the workers and the server", file=sys.stderr, flush=True)
@@ -179,7 +212,23 @@ def run(args: argparse.Namespace) -> int:
         _stop_all(procs, stop)
         for background in backgrounds:
             background.stop()
+        if sets is not None:
+            sets.stop()
         stop.restore()
+
+
+def _say(line: str) -> None:
+    print(line, flush=True)
+
+
+def _embedded_stats(server: Server) -> Callable[..., dict | None]:
+    def stats(shard: int = 0, timeout: float = 2.0) -> dict | None:
+        try:
+            return server.stats(timeout=timeout)
+        except (APSError, RuntimeError, TimeoutError, CancelledError):  # the server is stopping
+            return None
+
+    return stats
 
 
 def _shard_config(config: ServerConfig, index: int) -> ServerConfig:
@@ -224,9 +273,12 @@ class _Signals:
             signal.signal(signum, handler)
 
 
-def _watch(procs: list[subprocess.Popen], server: Server, args, stop: _Signals) -> int:
-    """Wait for every worker; stop at the first failure or signal. Returns the exit status."""
-    monitor = _Monitor(server, len(procs), args.log_dir, bar=not args.no_progress)
+def _watch(procs: list[subprocess.Popen], stats: Callable[..., dict | None], args, stop: _Signals, sets=None) -> int:
+    """Wait for every worker, and keep the replica sets (if any) whole; stop at the first
+    failure or signal. Returns the exit status."""
+    monitor = _Monitor(stats, len(procs), args.log_dir, bar=not args.no_progress)
+    if sets is not None:
+        sets.say = monitor.say
     finished: set[int] = set()
     try:
         while not stop.received:
@@ -247,6 +299,8 @@ def _watch(procs: list[subprocess.Popen], server: Server, args, stop: _Signals) 
                 print(f"\naps: all {len(procs)} workers finished; logs in {args.log_dir}", flush=True)
                 return 0
             monitor.tick()
+            if sets is not None:
+                sets.supervise()
             time.sleep(0.1)
         return 128 + stop.received
     finally:
@@ -262,8 +316,8 @@ class _Monitor:
     FIRST_NOTE_S = 5.0
     NOTE_EVERY_S = 30.0
 
-    def __init__(self, server: Server, workers: int, log_dir: str, *, bar: bool) -> None:
-        self.server = server
+    def __init__(self, stats: Callable[..., dict | None], workers: int, log_dir: str, *, bar: bool) -> None:
+        self.stats = stats
         self.log_dir = log_dir
         self.bar = _progress(workers) if bar else None
         self.started = False
@@ -275,9 +329,8 @@ class _Monitor:
         if self.bar is None and (self.started or now < self._check_at):
             return
         self._check_at = now + 1.0
-        try:
-            stats = self.server.stats(timeout=2.0)
-        except (APSError, RuntimeError, TimeoutError, CancelledError):  # the server is stopping
+        stats = self.stats(timeout=2.0)
+        if stats is None:  # (the server is stopping, or a replica set is between primaries)
             return
         self.started = stats["server"]["started"]
         if not self.started and now >= self._note_at:

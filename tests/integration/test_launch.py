@@ -117,6 +117,30 @@ def test_interrupting_the_launcher_leaves_no_process_behind(tmp_path, signum):
     assert_all_gone(pids)
 
 
+@pytest.mark.parametrize("replicas", [1, 2], ids=["embedded-server", "replica-set"])
+def test_a_launcher_killed_with_sigkill_leaves_no_server_or_worker_behind(tmp_path, replicas):
+    """SIGKILL gives the launcher no chance to stop anything: the kernel tells its workers, its
+    replicas and its etcd (SIGTERM, PR_SET_PDEATHSIG), and each stops."""
+    if replicas > 1 and shutil.which("etcd") is None:
+        pytest.skip("needs etcd (Debian's etcd-server)")
+    pid_dir = tmp_path / "pids"
+    pid_dir.mkdir()
+    proc = launch("--workers", "2", "--sync", "asp", "--replica-count", str(replicas),
+                  os.path.join(SCRIPTS, "stubborn.py"), log_dir=tmp_path, env={"PID_DIR": str(pid_dir)})
+    pids = read_pids(pid_dir, 2)
+    workers, grandchildren = pids[0::2], pids[1::2]  # (each worker's own child is the script's to stop)
+    started = {child.pid for child in psutil.Process(proc.pid).children()} - set(workers)
+    assert len(started) == 0 if replicas == 1 else len(started) >= 3, started  # the replicas and etcd
+    proc.kill()
+    proc.communicate()
+    try:
+        assert_all_gone(workers + sorted(started), timeout=20)
+    finally:
+        for pid in grandchildren:
+            if not gone(pid):
+                os.kill(pid, signal.SIGKILL)
+
+
 def test_workers_that_ignore_sigterm_are_killed_and_a_second_signal_hurries(tmp_path):
     pid_dir = tmp_path / "pids"
     pid_dir.mkdir()
@@ -148,6 +172,11 @@ def test_bad_launch_arguments_are_refused(tmp_path, capsys):
         (["--workers", "2", "--shards", "3", "--port", "7450", "--http-port", "7451", "--example", "digits"],
          "keep them at least 3 apart"),
         (["--workers", "2", "--shards", "2", "--shard", "1", "--example", "digits"], "give --shards K, not --shard"),
+        (["--workers", "2", "--replica-count", "0", "--example", "digits"], "--replica-count must be at least 1"),
+        (["--workers", "2", "--replicas", "127.0.0.1:7450,127.0.0.1:7451", "--example", "digits"],
+         "give --replica-count R, not --replicas or --advertise"),
+        (["--workers", "2", "--coordinator", "etcd://127.0.0.1:2379", "--example", "digits"],
+         "give --replica-count too"),
     ]:
         # through the command's entry point in this process: refused before anything starts
         with pytest.raises(SystemExit) as exited:
@@ -156,6 +185,19 @@ def test_bad_launch_arguments_are_refused(tmp_path, capsys):
         assert exited.value.code == 2 and message in err, (args, err)
     code, out, err = finish(launch("--workers", "2", log_dir=tmp_path), timeout=30)  # and as a process of its own
     assert code == 2 and "give a training script, or --example NAME" in err, err
+
+
+def test_launch_with_replicas_and_no_etcd_says_what_it_needs(tmp_path, capsys, monkeypatch):
+    from aps.cli import main
+    from aps.lab import etcd
+
+    monkeypatch.setattr(etcd, "etcd_available", lambda: False)
+    with pytest.raises(SystemExit) as exited:
+        main(["launch", "--no-progress", "--log-dir", str(tmp_path), "--workers", "2", "--replica-count", "2",
+              "--example", "digits"])
+    err = capsys.readouterr().err
+    assert exited.value.code == 2 and "--replica-count needs a coordinator: --coordinator etcd://HOST:PORT" in err
+    assert os.listdir(tmp_path) == []  # refused before anything started
 
 
 @pytest.mark.slow  # (a launched run that waits 7 s for a late worker)
@@ -218,3 +260,55 @@ def test_launch_prints_each_workers_last_line_as_it_finishes(tmp_path):
     for rank in range(2):
         assert f"aps: worker {rank} finished: rank {rank}: final loss 0.0{rank}\n" in out, out
     assert out.index("finished: rank") < out.index("all 2 workers finished")
+
+
+@pytest.mark.slow  # (a launched example run with two replica sets and a private etcd: about 30 s)
+@pytest.mark.skipif(shutil.which("etcd") is None, reason="needs etcd (Debian's etcd-server)")
+def test_launch_with_replicas_trains_through_the_death_of_a_primary(tmp_path):
+    """--replica-count 2 with two shards: four server processes and a private etcd. kill -9 of
+    shard 0's primary mid-run: its backup takes over, the launcher starts the dead replica
+    again (it rejoins as a backup), the workers finish every iteration, and nothing is left."""
+    proc = launch("--workers", "2", "--shards", "2", "--replica-count", "2", "--sync", "bsp", "--lr", "0.05",
+                  "--step-time", "0.05", "--example", "digits", "--epochs", "4", log_dir=tmp_path)
+    lines = []
+    while not any(line.startswith("aps: shard 1 replica set:") for line in lines):
+        line = proc.stdout.readline()
+        assert line, f"aps launch ended early:\n{''.join(lines)}\n{proc.stderr.read()}"
+        lines.append(line)
+    text = "".join(lines)
+    assert re.search(r"^aps: coordinator: a private etcd on etcd://127\.0\.0\.1:\d+", text, re.M), text
+    assert re.search(r"^aps: serving on tcp://127\.0\.0\.1:\d+,tcp://127\.0\.0\.1:\d+ \(2 shards\)", text, re.M)
+    sets = {int(m[1]): m[2] for m in re.finditer(r"^aps: shard (\d) replica set: (.*)$", text, re.M)}
+    pids = {shard: [int(pid) for pid in re.findall(r"pid (\d+)", members)] for shard, members in sets.items()}
+    primary = int(re.search(r"pid (\d+) \(primary\)", sets[0])[1])
+    assert all(len(p) == 2 for p in pids.values()) and primary in pids[0], sets
+    worker_log = tmp_path / "worker-0.log"
+    deadline = time.monotonic() + 90
+    while "epoch 1:" not in (worker_log.read_text() if worker_log.exists() else ""):  # training is under way
+        assert time.monotonic() < deadline and proc.poll() is None, "the workers never finished an epoch"
+        time.sleep(0.1)
+    os.kill(primary, signal.SIGKILL)
+    started = set()  # every process the launcher started (etcd, the replicas, the one started again)
+    while proc.poll() is None and time.monotonic() < deadline + 90:
+        try:
+            started |= {child.pid for child in psutil.Process(proc.pid).children(recursive=True)}
+        except psutil.NoSuchProcess:
+            break
+        time.sleep(0.2)
+    code, out, err = finish(proc, timeout=60)
+    assert code == 0, f"{out}\n{err}"
+    assert re.search(r"aps: shard 0 replica \d \(127\.0\.0\.1:\d+\) exited with status -9: starting it again; "
+                     r"it rejoins as a backup", out), out
+    for rank in range(2):  # every iteration of 4 epochs, each worker half of the 1,437 training digits a batch of 32
+        log = (tmp_path / f"worker-{rank}.log").read_text()
+        assert re.search(rf"rank {rank}: 88 iterations", log), log
+    assert "epoch 4: test accuracy" in (tmp_path / "worker-0.log").read_text()
+    assert "back at tcp://127.0.0.1:" in (tmp_path / "worker-0.log").read_text() + (tmp_path / "worker-1.log").read_text()
+    dead = pids[0].index(primary)
+    survivor = (tmp_path / f"shard-0-replica-{1 - dead}.log").read_text()
+    assert "waiting for its primary" in survivor and "took over from" in survivor, survivor
+    back = (tmp_path / f"shard-0-replica-{dead}.log").read_text()  # (both its starts)
+    assert "following primary" in back.split("primary at term")[-1], back  # back as a backup
+    assert survivor.count("holds the whole state") >= 1, survivor  # the dead replica, back and caught up
+    assert "its primary retired it (the run is over)" in back, back  # stopped in order at the end: no failover
+    assert_all_gone(started | {pid for p in pids.values() for pid in p})

@@ -1,0 +1,128 @@
+"""A private etcd, one member alone in its cluster: ``with Etcd(directory) as etcd: etcd.url``
+(Debian's ``etcd-server``). ``aps launch --replica-count`` starts one when given no
+``--coordinator``, and the tests start theirs (:mod:`aps.testing.etcd`).
+
+On loopback, on ports the kernel picks free, its data in the directory given; stopped
+(by its process id) and its data left for the caller to remove.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import time
+import urllib.request
+from pathlib import Path
+from typing import Any, Protocol
+
+from .processes import die_with_parent
+
+__all__ = ["Etcd", "etcd_available"]
+
+
+class Host(Protocol):
+    """A host of a test's network (:class:`aps.testing.netns.Host`): etcd runs inside it."""
+
+    address: str
+
+    def popen(self, argv: list[str], **kwargs: Any) -> subprocess.Popen: ...
+
+
+def etcd_available() -> bool:
+    return shutil.which("etcd") is not None
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+class Etcd:
+    """One etcd member, alone in its cluster."""
+
+    def __init__(self, directory: str | os.PathLike, timeout: float = 20.0, host: Host | None = None) -> None:
+        self.directory = Path(directory)
+        self.directory.mkdir(parents=True, exist_ok=True)
+        self.timeout = timeout
+        self.host = host  # (a host of an aps.testing.netns.Network: etcd runs inside it)
+        self.address = host.address if host is not None else "127.0.0.1"
+        self.proc: subprocess.Popen | None = None
+        self.client_port = self.peer_port = 0
+
+    @property
+    def url(self) -> str:
+        """Its client URL, as ``--coordinator`` takes it."""
+        return f"etcd://{self.address}:{self.client_port}"
+
+    def _ready(self, client: str) -> bool:
+        if self.host is not None:  # (unreachable from here: its log says when it serves)
+            return b"ready to serve client requests" in (self.directory / "etcd.log").read_bytes()
+        try:
+            with urllib.request.urlopen(f"{client}/health", timeout=1) as response:
+                return b"true" in response.read()
+        except OSError:
+            return False
+
+    def start(self) -> Etcd:
+        popen = self.host.popen if self.host is not None else subprocess.Popen
+        for _ in range(5):  # (a port picked free may be taken before etcd binds it)
+            if self.host is None:
+                self.client_port, self.peer_port = _free_port(), _free_port()
+            else:  # (a namespace of its own: every port is free)
+                self.client_port, self.peer_port = 2379, 2380
+            client, peer = f"http://{self.address}:{self.client_port}", f"http://{self.address}:{self.peer_port}"
+            log = open(self.directory / "etcd.log", "ab")
+            self.proc = popen(
+                [
+                    "etcd",
+                    "--name",
+                    "aps-test",
+                    "--data-dir",
+                    str(self.directory / "data"),
+                    "--listen-client-urls",
+                    client,
+                    "--advertise-client-urls",
+                    client,
+                    "--listen-peer-urls",
+                    peer,
+                    "--initial-advertise-peer-urls",
+                    peer,
+                    "--initial-cluster",
+                    f"aps-test={peer}",
+                    "--log-level",
+                    "info",
+                ],
+                stdout=log,
+                stderr=log,
+                # (it ends with whoever started it, even one killed with SIGKILL)
+                preexec_fn=functools.partial(die_with_parent, os.getpid()) if self.host is None else None,
+            )
+            log.close()
+            deadline = time.monotonic() + self.timeout
+            while time.monotonic() < deadline and self.proc.poll() is None:
+                if self._ready(client):
+                    return self
+                time.sleep(0.05)
+            self.stop()
+        raise RuntimeError(f"etcd did not start: {(self.directory / 'etcd.log').read_text()[-2000:]}")
+
+    def stop(self) -> None:
+        proc, self.proc = self.proc, None
+        if proc is not None and proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)
+            try:
+                proc.wait(10)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+
+    def __enter__(self) -> Etcd:
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
