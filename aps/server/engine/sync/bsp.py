@@ -36,7 +36,8 @@ class BSP(SyncPolicy):
     seats a worker that reconnects at its own clock (``Membership._place``), so
     the rounds it missed there are dropped one push at a time and its
     iterations fall into the same rounds on every shard (docs/algorithms.md,
-    "Sharded BSP across reconnects").
+    "Sharded BSP across reconnects"). There a new arrival joins the round under
+    way rather than wait for its close ("Sharded BSP: a worker that joins").
     """
 
     name = "bsp"
@@ -54,6 +55,10 @@ class BSP(SyncPolicy):
         # left; they count as present (and held) again once they reconnect.
         self._restored_present: set[int] = set()
         self.round_clock = 0  # the clock the open round's members push at
+        # A shard of a sharded run seats a new arrival in the round under way (docs/algorithms.md,
+        # "Sharded BSP: a worker that joins"): held there for its close, it would wait on one shard
+        # for a round that another shard's round, waiting for it, keeps open.
+        self._joins_round_under_way = config.shards > 1
 
     def is_held(self, rank: int) -> bool:
         return rank in self._held
@@ -162,7 +167,9 @@ class BSP(SyncPolicy):
             if self._closed:  # the round closed and its update is pending (its weights are the INIT's): the next
                 clock += 1
             elif self._contributed and rank not in self._members and not self.resuming:
-                if any(self.window.is_live(member) for member in self._members):
+                if self._joins_round_under_way:
+                    self._members.add(rank)  # the round waits for its first gradient
+                elif any(self.window.is_live(member) for member in self._members):
                     # A round is under way without it: it waits for that round's update, and joins the next.
                     self._held.add(rank)
                     clock += 1

@@ -538,3 +538,36 @@ def test_a_bsp_checkpoint_whose_round_clock_is_no_clock_is_refused_and_nothing_i
     with pytest.raises(CheckpointError, match="round clock"):
         resumed.engine.durability.restore(checkpoint)
     assert resumed.engine.model.table is None
+
+
+@pytest.mark.parametrize("sharded", [True, False])
+def test_two_new_bsp_workers_reaching_two_shards_in_opposite_orders_both_train(sharded):
+    """docs/algorithms.md, "Sharded BSP: a worker that joins": new processes for ranks 2 and 3
+    reach shard A before and after round 1's first gradient, and shard B the other way round.
+    Were the late one held for the round's close, A's round would wait for rank 2, which waits
+    for B's INIT reply, held until B's round closes, which waits for rank 3, which waits for A's:
+    neither would ever push. A shard of a sharded run seats each in the round under way, so
+    both INITs are answered at once and the round closes on all four gradients on both shards.
+    (One server holds the late one for the round's close, as before.)"""
+    options = {"workers": 4, "numel": 3, "sync": "bsp", "shards": 2 if sharded else 1}
+    a, b = Harness(**options, shard=0), Harness(**options, shard=1 if sharded else 0)
+    for h, (early, late) in ((a, (2, 3)), (b, (3, 2))):
+        h.join_all()
+        for rank in range(4):
+            h.push(rank, np.ones(3, np.float32), then_pull=True)
+        h.leave(2)
+        h.leave(3)  # their processes died; new ones come
+        h.join(early)
+        for rank in (0, 1):
+            h.push(rank, np.full(3, 2.0, np.float32), then_pull=True)
+        h.join(late)
+        if not sharded:
+            assert h.held(late) and h.workers[late].waiting  # its INIT waits for the round's close
+            return
+        assert not h.workers[early].waiting and not h.workers[late].waiting  # both INITs answered
+        assert h.policy.clock(late) == h.policy.clock(early) == h.policy.round_clock == 1
+    for h in (a, b):
+        for rank in (2, 3):
+            h.push(rank, np.full(3, 6.0, np.float32), then_pull=True)
+        assert h.engine.version == 2 and not any(w.errors for w in h.workers)
+        np.testing.assert_array_equal(h.engine.model.table.current_array(), np.full(3, -1.0 - 4.0, np.float32))
