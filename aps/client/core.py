@@ -78,6 +78,7 @@ _FLOAT32 = int(DType.FLOAT32)
 _SHM = int(Flag.SHM)
 _NARROW = int(Flag.NARROW)
 _ROWS = int(Flag.ROWS)
+_SKIP = int(Flag.SKIP)
 _NONE = int(DType.NONE)
 #: ``compression=`` names and the element types they send.
 COMPRESSION = {"bf16": int(DType.BFLOAT16), "fp16": int(DType.FLOAT16)}
@@ -370,6 +371,18 @@ class _ClientCore:
             *wire,
         ]
         self._push = (op, self._request_id, clock, version, buffers, flags, dtype)
+        return frames
+
+    def skip_request(self) -> list:
+        """PUSH_PULL with SKIP: no gradient; this worker takes no part in the server's open BSP
+        round (docs/algorithms.md, "Sharded BSP: a worker that joins"), and the reply brings
+        the round's weights. Sent again after a reconnect as a push is."""
+        self._require_layout()
+        clock, version = self._computed_clock, self._computed_version
+        flags, dtype = self._weights_request()
+        flags, dtype = flags | _SKIP, dtype or _FLOAT32
+        frames = [pack_header(Op.PUSH_PULL, flags, dtype, self._next_request(Op.PUSH_PULL), clock, version, 0)]
+        self._push = (Op.PUSH_PULL, self._request_id, clock, version, [], flags, dtype)
         return frames
 
     def _rows_wire(self, parts: list) -> list:

@@ -278,6 +278,11 @@ class _ChannelSteps:
         )
         return self._core.weights
 
+    def _skip_round(self) -> Steps:
+        """Take no part in this shard's open BSP round (Flag.SKIP); returns its weights."""
+        yield from self._call("push_pull", self._core.skip_request)
+        return self._core.weights
+
     def _ping(self) -> Steps:
         return (yield from self._call("ping", lambda: self._core.simple_request(Op.PING))).version
 

@@ -153,6 +153,7 @@ class _Workers(WorkerFacts):
             return (yield from channel._init(pieces[index], timeout, tables))
 
         yield from self._each(init)
+        yield from self._one_round()
         if not self._one:
             # A shard may have come back meanwhile (init reconnects): check again; then the run
             # id of every shard, for every shard to keep (its checkpoints keep them), so that
@@ -410,6 +411,35 @@ class _Workers(WorkerFacts):
             log.error("rank %s: a shard refused to go back to round %d: %s", self.rank, cut, exc)
             return
         self._clock_offsets = [0] * len(self._channels)  # one round again: they count alike
+
+    def _one_round(self) -> Steps:
+        """After a new worker's INIT under sharded BSP: a shard that seated it in the round
+        before the one the others did (its INIT reached that shard before the round closed
+        there, and the others after) has it skip that round, so that its gradients fall into
+        the same rounds on every shard (docs/algorithms.md, "Sharded BSP: a worker that
+        joins"). Clocks more than one apart are shards that count rounds apart (a shard
+        resumed older without a common checkpoint): each goes on from where it is."""
+        if self._one or (self.server_options or {}).get("sync") != "bsp":
+            return
+        clocks = [channel.clock for channel in self._channels]
+        if max(clocks) - min(clocks) != 1:
+            return
+        behind = {index for index, clock in enumerate(clocks) if clock < max(clocks)}
+        log.info(
+            "rank %s: seated at clock %d on shard(s) %s and %d on the others: it takes no part in round %d there",
+            self.rank,
+            min(clocks),
+            ", ".join(map(str, sorted(behind))),
+            max(clocks),
+            min(clocks),
+        )
+
+        def skip(index: int, channel: Any, turn: Any) -> Steps:
+            if index in behind:
+                yield from channel._skip_round()
+
+        self._clock_offsets = [0] * len(self._channels)  # (one round again: they count alike)
+        yield from self._each(skip)
 
     # The whole model and its slices (K > 1) ----------------------------------
     def _slice(self, flat: np.ndarray, index: int) -> np.ndarray:

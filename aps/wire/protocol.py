@@ -205,6 +205,11 @@ class Flag(IntFlag):
     #: LEAVE: this worker's training is done, the run is ending: an elastic server holds
     #: the workers still training below MIN no more (docs/algorithms.md, "Elastic membership").
     FINISHED = 4
+    #: PUSH_PULL (no payload): a sharded BSP worker that a shard seated in the round before the
+    #: one the other shards seated it in takes no part in this shard's open round: it is there
+    #: without a gradient, and its reply is the round's weights (docs/algorithms.md, "Sharded
+    #: BSP: a worker that joins").
+    SKIP = 4
     #: INIT: the worker reconnects after losing its connection (its header's
     #: clock is the clock it had); it goes on from there, and a push it sends
     #: again is recognised (docs/protocol.md, "Reconnecting").

@@ -404,3 +404,16 @@ def test_compressed_push_and_narrowed_pull_by_hand(server_process):
     assert header.dtype == DType.FLOAT16
     assert np.frombuffer(payload, np.float16).tolist() == applied.astype(np.float16).tolist()
     raw.close()
+
+
+def test_a_push_that_skips_a_round_is_refused_unless_bsp_and_empty(cluster):
+    """Flag.SKIP (a sharded BSP worker taking no part in a round) is for BSP only, and carries
+    nothing; anything else is refused and changes nothing."""
+    skip = {"flags": int(Flag.SKIP), "dtype": int(DType.FLOAT32)}
+    cluster.raw.frame(Op.PUSH_PULL, **skip)
+    assert_error(cluster.raw, ErrorCode.MALFORMED_FRAME, "only a BSP round can be skipped; this server runs asp",
+                 server=cluster.server)
+    cluster.raw.frame(Op.PUSH_PULL, np.ones(N, np.float32).tobytes(), **skip)
+    assert_error(cluster.raw, ErrorCode.MALFORMED_FRAME, "carries nothing: no gradient, no rows")
+    cluster.raw.frame(Op.PING)
+    assert cluster.raw.reply()[0].op == Op.PING_REPLY

@@ -277,3 +277,145 @@ def test_an_asyncio_connect_given_up_on_closes_the_shards_that_answered(server_p
 
         asyncio.run(main())
     gc.collect()  # a socket left open would warn here (warnings are errors)
+
+
+class _HoldingProxy:
+    """A TCP relay to ``target`` on loopback whose client-to-server bytes wait while ``hold`` is set."""
+
+    def __init__(self, target: str) -> None:
+        import socket
+
+        host, port = target.removeprefix("tcp://").rsplit(":", 1)
+        self.target = (host, int(port))
+        self.listener = socket.create_server(("127.0.0.1", 0))
+        self.address = f"tcp://127.0.0.1:{self.listener.getsockname()[1]}"
+        self.hold = threading.Event()
+        self.released = threading.Event()
+        self.released.set()
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self) -> None:
+        import socket
+
+        while True:
+            try:
+                client, _ = self.listener.accept()
+            except OSError:
+                return
+            server = socket.create_connection(self.target)
+            threading.Thread(target=self._relay, args=(client, server, True), daemon=True).start()
+            threading.Thread(target=self._relay, args=(server, client, False), daemon=True).start()
+
+    def _relay(self, source, sink, held: bool) -> None:
+        try:
+            while data := source.recv(1 << 16):
+                if held:
+                    self.released.wait()
+                sink.sendall(data)
+        except OSError:
+            pass
+        finally:
+            for sock in (source, sink):
+                try:
+                    sock.shutdown(2)
+                except OSError:
+                    pass
+
+    def pause(self) -> None:
+        self.released.clear()
+
+    def go_on(self) -> None:
+        self.released.set()
+
+    def close(self) -> None:
+        self.go_on()
+        self.listener.close()
+
+
+def test_a_new_bsp_worker_seated_a_round_apart_on_two_shards_skips_one_and_the_run_equals_the_unsharded_one(
+    server_process,
+):
+    """docs/algorithms.md, "Sharded BSP: a worker that joins". Rank 2's process ends after round
+    0; rank 0 pushes round 1; a new process for rank 2 starts, and its INIT reaches shard A at
+    once (A seats it in round 1, under way) and shard B only after rank 1's gradient of round 1
+    has closed that round there (B seats it at clock 2): its bytes to B go through a relay
+    held meanwhile. The worker sees its clocks one apart and skips A's round 1 (Flag.SKIP), which
+    then closes on ranks 0 and 1 as B's did. The run equals the unsharded one, where the new
+    process joins after round 1, bit for bit."""
+    import time
+
+    import secrets
+
+    token = secrets.token_urlsafe(32)
+    options = ("--workers", "3", "--sync", "bsp", "--lr", "1", "--momentum", "0.5", "--token", token)
+    start = {name: np.linspace(-1, 1, value.size, dtype=np.float32).reshape(value.shape)
+             for name, value in PARAMS.items()}
+
+    def each(ranks, call):
+        errors: list[BaseException] = []
+
+        def one(rank):
+            try:
+                call(rank)
+            except BaseException as exc:  # reported by joined()
+                errors.append(exc)
+
+        threads = [threading.Thread(target=one, args=(rank,)) for rank in ranks]
+        for thread in threads:
+            thread.start()
+        return threads, errors
+
+    def joined(threads, errors):
+        for thread in threads:
+            thread.join(60)
+        assert not errors and not any(t.is_alive() for t in threads), errors
+
+    def wait_for(condition):
+        deadline = time.monotonic() + 30
+        while not condition():
+            assert time.monotonic() < deadline
+            time.sleep(0.02)
+
+    def run(address: str, new_address: str, proxy: _HoldingProxy | None = None) -> dict[str, np.ndarray]:
+        clients = [aps.Worker(address, rank, 3, transport="tcp", reconnect=False, token=token) for rank in range(3)]
+        joined(*each(range(3), lambda rank: (clients[rank].init(start), clients[rank].push_pull(gradient(rank, 0)))))
+        clients[2].close()  # its process ends
+        round_1 = [each((0,), lambda rank: clients[0].push_pull(gradient(0, 1)))]
+        first = address.split(",")[0]
+        rank_0_in = lambda: fetch_stats(first, token=token)["workers"][0]["clock"] == 2  # noqa: E731
+        wait_for(rank_0_in)
+        clients[2] = aps.Worker(new_address, 2, 3, transport="tcp", reconnect=False, token=token)
+        if proxy is not None:
+            proxy.pause()
+        new = each((2,), lambda rank: clients[2].init(start))
+        # Seated on A in round 1 (nothing else can close it now); one server holds it for
+        # round 1's close, and seats it in round 2.
+        wait_for(lambda: fetch_stats(first, token=token)["workers"][2]["live"])
+        round_1.append(each((1,), lambda rank: clients[1].push_pull(gradient(1, 1))))
+        if proxy is not None:
+            wait_for(lambda: fetch_stats(address.split(",")[1], token=token)["server"]["version"] == 2)
+            proxy.go_on()  # B closed round 1 without it: its INIT there now
+        for threads in round_1:
+            joined(*threads)
+        joined(*new)
+        if proxy is not None:
+            assert [channel.clock for channel in clients[2].shards] == [2, 2]  # it skipped A's round 1
+            assert clients[2].clock == 2
+        joined(*each(range(3), lambda rank: clients[rank].push_pull(gradient(rank, 2))))
+        weights = {name: np.array(value) for name, value in clients[0].weights.items()}
+        for client in clients:
+            client.close()
+        return weights
+
+    one = server_process(*options).address
+    reference = run(one, one)
+    servers = shards(server_process, 2, *options)
+    proxy = _HoldingProxy(servers[1].address)
+    try:
+        address = ",".join(s.address for s in servers)
+        sharded = run(address, f"{servers[0].address},{proxy.address}", proxy)
+    finally:
+        proxy.close()
+    assert "takes no part in this shard's round at clock 1" in servers[0].log()
+    for name in PARAMS:
+        assert np.array_equal(sharded[name], reference[name]), name

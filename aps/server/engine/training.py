@@ -136,6 +136,7 @@ class Training:
         clock: int | None = None,
         rows: list | None = None,
         dense: bool = True,
+        skip: bool = False,
     ) -> None:
         """Handle the gradient in ``member.grad``, computed on weights of ``grad_version``.
 
@@ -152,7 +153,9 @@ class Training:
 
         ``rows``: the rows it pushes to the model's tables (sections checked by
         ``Tables.check``), taken or dropped with the dense gradient, in one
-        transaction; ``dense`` False: it carries no dense gradient (rows alone).
+        transaction; ``dense`` False: it carries no dense gradient (rows alone). ``skip``: it
+        carries nothing: its worker takes no part in the open BSP round (Flag.SKIP,
+        ``SyncPolicy.plan_skip``).
         """
         if self.is_duplicate(member, request_id, clock):
             if stream is not None:
@@ -166,9 +169,8 @@ class Training:
             if stream is not None:
                 stream.abort()
             raise
-        job = PushJob(
-            self, member, grad_version, self._now(), on_done, on_error, self._gradient_clock(member, clock), rows, dense
-        )
+        computed_in = self._gradient_clock(member, clock)
+        job = PushJob(self, member, grad_version, self._now(), on_done, on_error, computed_in, rows, dense, skip)
         if stream is not None:
             if stream.complete:
                 # The update is computed and the lane was reserved for it all
@@ -304,6 +306,13 @@ class Training:
         ws = stats.workers[rank]
         ws.pushes += 1
         dropped = plan.kind is PlanKind.DROP
+        if plan.kind is PlanKind.SKIP:
+            log.info(
+                "worker %d takes no part in this shard's round at clock %d: another shard seated it in the next "
+                '(docs/algorithms.md, "Sharded BSP: a worker that joins")',
+                rank,
+                policy.clock(rank) - 1,
+            )
         if dropped:
             ws.dropped += 1
             if plan.reason == RESUMED:

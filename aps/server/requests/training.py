@@ -155,13 +155,17 @@ class Push(Handler):
 
 
 class PushPull(Handler):
-    """PUSH_PULL: a push, then the weights once the policy lets this worker go on."""
+    """PUSH_PULL: a push, then the weights once the policy lets this worker go on. With
+    Flag.SKIP it carries nothing: the worker takes no part in the open BSP round."""
 
     op = Op.PUSH_PULL
     carries_rows = True
 
     def admit(self, conn: Exchange, request: Request) -> memoryview | None:
         check_narrowing(conn, request)
+        if request.header.flags & Flag.SKIP:
+            check_skip(conn, request)
+            return None
         return push_destination(conn, request)
 
     def more(self, conn: Exchange, request: Request, got: int) -> memoryview | None:
@@ -192,6 +196,18 @@ def check_narrowing(conn: Exchange, request: Request) -> None:
             raise DTypeMismatch(f"a narrowed pull is BFLOAT16 or FLOAT16, not {dtype_name(header.dtype)}")
         if not conn.transport.compressed:
             raise DTypeMismatch(f"narrowed weights cross TCP only, not {conn.transport.kind}")
+
+
+def check_skip(conn: Exchange, request: Request) -> None:
+    """A PUSH_PULL with Flag.SKIP: no payload, no rows, no shared gradient, under BSP."""
+    header, member = request.header, conn.member
+    if member is None or member.grad is None:
+        raise NotInitialized(f"{op_name(header.op)} before a successful INIT")
+    if header.length or header.flags & (Flag.ROWS | Flag.SHM):
+        raise MalformedFrame("a PUSH_PULL that skips a round carries nothing: no gradient, no rows")
+    policy = conn.engine.policy
+    if not policy.skips_rounds:
+        raise MalformedFrame(f"only a BSP round can be skipped; this server runs {policy.name}")
 
 
 def push_destination(conn: Exchange, request: Request) -> memoryview | None:
@@ -234,6 +250,7 @@ def push(conn: Exchange, request: Request, payload: memoryview, answered) -> Non
         clock=header.clock,
         rows=rows,
         dense=request.dense_reply,
+        skip=header.op == Op.PUSH_PULL and bool(header.flags & Flag.SKIP),
     )
     request.stream = None
 

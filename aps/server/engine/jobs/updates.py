@@ -124,7 +124,8 @@ class PushJob(Job):
     staleness bound (-1: its rank's clock; see ``SyncPolicy.plan``). ``rows``: the rows
     it pushes to the model's tables (checked sections, aps.wire.rows), applied, kept for
     the round or dropped with the dense gradient, in its commit on the loop (pulls make
-    rows there); ``dense`` False: it carries rows alone, no dense gradient.
+    rows there); ``dense`` False: it carries rows alone, no dense gradient. ``skip``: it
+    carries nothing, its worker takes no part in the open round (``SyncPolicy.plan_skip``).
     """
 
     __slots__ = (
@@ -143,6 +144,7 @@ class PushJob(Job):
         "clock",
         "rows",
         "dense",
+        "skip",
         "then",
     )
 
@@ -157,6 +159,7 @@ class PushJob(Job):
         clock: int = -1,
         rows: list | None = None,
         dense: bool = True,
+        skip: bool = False,
     ) -> None:
         self.owner = owner
         self.member = member
@@ -172,14 +175,19 @@ class PushJob(Job):
         self.hyper = member.hyper
         self.clock = clock
         self.rows = rows or []
-        self.dense = dense
+        self.dense = dense and not skip
+        self.skip = skip
         #: With delay compensation: a lease on the weights the gradient was computed on.
         self.then: Snapshot | None = None
 
     def prepare(self) -> int:
         table = self.owner.table
         # Planned at its turn in the lane: the bound is checked against the state it is applied in.
-        plan = self.plan = self.owner.policy.plan(self.member.rank, self.grad_version, table.version, self.clock)
+        policy, rank = self.owner.policy, self.member.rank
+        if self.skip:
+            self.plan = policy.plan_skip(rank, self.grad_version, table.version)
+            return 0
+        plan = self.plan = policy.plan(rank, self.grad_version, table.version, self.clock)
         if not self.dense:
             return 0
         compensated = table.compensation is not None and plan.kind is not PlanKind.DROP

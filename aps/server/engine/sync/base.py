@@ -26,6 +26,7 @@ class PlanKind(Enum):
     APPLY = "apply"  # one update with this gradient alone
     ACCUMULATE = "accumulate"  # add to the aggregate buffer
     DROP = "drop"  # count it, apply nothing
+    SKIP = "skip"  # (BSP) its worker is in the round without a gradient
 
 
 #: Why a gradient is dropped (Plan.reason): it arrived for a BSP round that closed already,
@@ -118,6 +119,14 @@ class SyncPolicy(ABC):
         starts at the slowest live clock; ``clock >= 0`` places it there (see
         ``StalenessWindow.join``)."""
         return self.window.join(rank, clock, held, credit)
+
+    #: True when a worker may take no part in a round (Flag.SKIP): BSP only.
+    skips_rounds: ClassVar[bool] = False
+
+    def plan_skip(self, rank: int, grad_version: int, version: int) -> Plan:
+        """``rank``'s push of no gradient (Flag.SKIP): only a policy that :attr:`skips_rounds`
+        takes one (the request handler refuses it otherwise)."""
+        raise NotImplementedError(f"{self.name} has no rounds to skip")
 
     def resume_push(self, rank: int) -> Outcome:
         """``rank`` sent again a push that was committed already (it lost the reply and

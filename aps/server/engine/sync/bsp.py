@@ -42,6 +42,7 @@ class BSP(SyncPolicy):
 
     name = "bsp"
     aggregates = True
+    skips_rounds = True
 
     def __init__(self, config: ServerConfig, window_type: type = _core.StalenessWindow) -> None:
         super().__init__(config, window_type)
@@ -76,6 +77,12 @@ class BSP(SyncPolicy):
             return Plan(PlanKind.DROP, staleness=version - grad_version, reason=CLOSED_ROUND)
         return Plan(PlanKind.ACCUMULATE, first=not self._contributed)
 
+    def plan_skip(self, rank: int, grad_version: int, version: int) -> Plan:
+        """A push of no gradient: its worker is in the open round without one (it is in the
+        next round on another shard), or, where it would be dropped, released at once."""
+        plan = self.plan(rank, grad_version, version)
+        return plan if plan.kind is PlanKind.DROP else Plan(PlanKind.SKIP)
+
     def commit(self, rank: int, plan: Plan, now: float) -> Outcome:
         self.window.push(rank, now)
         if plan.kind is PlanKind.DROP:
@@ -87,6 +94,10 @@ class BSP(SyncPolicy):
                 self._held.add(rank)
                 return self._maybe_close()
             return Outcome([rank])
+        if plan.kind is PlanKind.SKIP:  # there, without a gradient: it waits for the round like the others
+            self._pushed.add(rank)
+            self._held.add(rank)
+            return self._maybe_close()
         if not self._contributed:  # the round's first gradient: its members are the live workers now
             window = self.window
             self._members = {r for r in range(self.num_workers) if window.is_live(r)}
@@ -188,9 +199,18 @@ class BSP(SyncPolicy):
         self._members.clear()
 
     def _maybe_close(self) -> Outcome:
-        if self._closed or not self._contributed or self.resuming:
+        if self._closed or self.resuming:
             return Outcome()
         window = self.window
+        if not self._contributed:
+            if self._pushed and all(not window.is_live(r) or r in self._pushed for r in range(self.num_workers)):
+                # Every live worker is here without a gradient (those that would have given one
+                # left): no update to make; they go on, and the round stays open for their next.
+                released = sorted(self._held)
+                self._pushed.clear()
+                self._held.clear()
+                return Outcome(released)
+            return Outcome()
         live = sum(1 for rank in self._members if window.is_live(rank))
         if live == 0 and window.num_live == 0:
             return Outcome()  # nobody is left to wait for it: it stays open for those who come back

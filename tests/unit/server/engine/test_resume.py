@@ -571,3 +571,61 @@ def test_two_new_bsp_workers_reaching_two_shards_in_opposite_orders_both_train(s
             h.push(rank, np.full(3, 6.0, np.float32), then_pull=True)
         assert h.engine.version == 2 and not any(w.errors for w in h.workers)
         np.testing.assert_array_equal(h.engine.model.table.current_array(), np.full(3, -1.0 - 4.0, np.float32))
+
+
+def _skip(h: Harness, rank: int) -> None:
+    """Rank ``rank``'s PUSH_PULL with Flag.SKIP: no gradient, then the round's weights."""
+    worker = h.workers[rank]
+
+    def done(result):
+        worker.results.append(result)
+        h.pull(rank)
+
+    h.engine.training.push(worker.member, worker.version, done, worker.errors.append, dense=False, skip=True)
+
+
+def test_a_new_bsp_worker_seated_a_round_apart_on_two_shards_skips_the_earlier_and_both_shards_agree():
+    """docs/algorithms.md, "Sharded BSP: a worker that joins": a new process for rank 2 reaches
+    shard B after B closed round 1 without it, and shard A before round 1's first gradient
+    there: B seats it at clock 2, A in round 1. It skips A's round 1 (Flag.SKIP, as aps.Worker
+    does when its shards' clocks differ by one): A closes that round on ranks 0 and 1 alone,
+    as B did, and from then on both shards take the same gradients into the same rounds."""
+    g = {(r, i): np.full(3, float(1 + r + 3 * i), np.float32) for r in range(3) for i in range(3)}
+    a, b = (Harness(workers=3, numel=3, sync="bsp", shards=2, shard=s) for s in (0, 1))
+    for h in (a, b):
+        h.join_all()
+        for rank in range(3):
+            h.push(rank, g[rank, 0], then_pull=True)
+        h.leave(2)  # its process died
+    for rank in (0, 1):
+        b.push(rank, g[rank, 1], then_pull=True)
+    assert b.engine.version == 2 and b.policy.round_clock == 2
+    a.join(2)  # before round 1's first gradient on A
+    b.join(2)  # after round 1 closed on B
+    assert (a.policy.clock(2), b.policy.clock(2)) == (1, 2)
+    for rank in (0, 1):
+        a.push(rank, g[rank, 1], then_pull=True)
+    assert a.engine.version == 1  # waiting for rank 2
+    _skip(a, 2)
+    assert a.engine.version == 2 and a.policy.clock(2) == 2 and not a.workers[2].waiting
+    assert not a.workers[2].results[-1].dropped and a.policy.dropped == 0
+    for h in (a, b):
+        for rank in range(3):
+            h.push(rank, g[rank, 2], then_pull=True)
+        assert h.engine.version == 3 and not any(w.errors for w in h.workers)
+    np.testing.assert_array_equal(a.engine.model.table.current_array(), b.engine.model.table.current_array())
+    mean = lambda *keys: sum(g[k] for k in keys) / len(keys)  # noqa: E731
+    expected = -(mean((0, 0), (1, 0), (2, 0)) + mean((0, 1), (1, 1)) + mean((0, 2), (1, 2), (2, 2)))
+    np.testing.assert_array_equal(a.engine.model.table.current_array(), expected)
+
+
+def test_a_skip_into_a_closed_round_is_dropped_and_one_with_nobody_else_live_lets_its_worker_go():
+    h = Harness(workers=2, numel=2, sync="bsp", shards=2, backup_workers=1)
+    h.join_all()
+    h.push(0, np.ones(2, np.float32), then_pull=True)  # closes round 0 alone (one backup worker)
+    assert h.engine.version == 1
+    _skip(h, 1)  # rank 1's round is over: dropped, released at once
+    assert h.workers[1].results[-1].dropped and h.policy.clock(1) == 1 and not h.workers[1].waiting
+    h.leave(0)
+    _skip(h, 1)  # nobody else is live to give the round a gradient: it goes on, nothing applied
+    assert not h.workers[1].waiting and h.engine.version == 1 and h.policy.clock(1) == 2
