@@ -273,6 +273,14 @@ class ServerConfig:
             metavar="N",
         ),
     )
+    kernel_isa: str | None = field(
+        default=None,
+        metadata=_opt(
+            "the instruction set the update kernels run on, each giving the same results bit for bit "
+            "(default: the widest this processor runs; aps status and /metrics say which)",
+            choices=("baseline", "avx2", "avx512"),
+        ),
+    )
     table_memory: int | None = field(
         default=None,
         metadata=_opt(

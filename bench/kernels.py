@@ -10,7 +10,10 @@ with one thread and with every thread (``torch.set_num_threads``; aps's
 kernels run on ``--kernel-threads``, 1 by default, and on every thread). Where
 ``deepspeed`` is installed, ``DeepSpeedCPUAdam`` (its AVX-512/AVX2 CPU Adam,
 compiled at first use; it runs on torch's threads) is timed for Adam and
-AdamW too. ``ratio`` is the peer's time over aps's: 1.0 or more means the
+AdamW too. aps's passes run on each instruction set this processor runs
+(``--isas``; ``aps serve --kernel-isa``: Adam, AdamW and a round's sum are
+compiled for several, the same results bit for bit); ``aps`` is the default
+one, the widest. ``ratio`` is the peer's time over aps's: 1.0 or more means the
 server's pass is at least as fast. Windows of ``--updates`` updates are
 interleaved over ``--repeats``; medians. Example:
 ``python bench/kernels.py --out bench/results/kernels.json``.
@@ -27,6 +30,7 @@ import time
 import numpy as np
 import torch
 
+from aps import _core
 from aps.cli._args import ArgumentParser
 from aps.lab.bench import machine_info, write_report
 from aps.layout import line_aligned
@@ -88,11 +92,18 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--repeats", type=int, default=5, help="windows per configuration (default 5)")
     parser.add_argument("--kernel-threads", type=int, default=1,
                         help="threads of aps's passes (aps serve --kernel-threads; default 1)")
+    parser.add_argument("--isas", default=",".join(_core.kernel_isas()),
+                        help="instruction sets of aps's passes, comma-separated (default: every one this processor "
+                        f"runs, {','.join(_core.kernel_isas())}); the last is the one called aps")
     parser.add_argument("--out", help="also write the JSON report to this file")
     args = parser.parse_args(argv)
+    isas = args.isas.split(",")
+    for isa in isas:
+        _core.set_kernel_isa(isa)  # (refuses one this processor cannot run)
     threads = os.cpu_count() or 1
     ours = KernelThreads(args.kernel_threads)
-    report: dict = {**machine_info(), "threads": threads, "kernel_threads": args.kernel_threads, "updates": args.updates,
+    report: dict = {**machine_info(), "threads": threads, "kernel_threads": args.kernel_threads, "isa": isas[-1],
+                    "isas": isas, "fused_multiply_add": _core.fused_multiply_add(), "updates": args.updates,
                     "repeats": args.repeats, "deepspeed": DeepSpeedCPUAdam is not None, "results": []}
     for size in (int(s) for s in args.sizes.split(",")):
         numel = (size << 20) // 4
@@ -102,14 +113,17 @@ def main(argv: list[str] | None = None) -> int:
                 setups["deepspeed"] = torch_setup(name, numel, deepspeed=True)
             for update in setups.values():
                 update()  # (pages touched, state made)
-            times: dict[str, list[float]] = {"aps": []}
+            times: dict[str, list[float]] = {}
             for _ in range(args.repeats):
-                times["aps"].append(timed(setups["aps"], args.updates))
+                for isa in isas:
+                    _core.set_kernel_isa(isa)
+                    times.setdefault(f"aps-{isa}", []).append(timed(setups["aps"], args.updates))
                 for peer in (p for p in setups if p != "aps"):
                     for count in sorted({1, threads}):
                         torch.set_num_threads(count)
                         times.setdefault(f"{peer}-{count}", []).append(timed(setups[peer], args.updates))
             medians = {key: statistics.median(values) for key, values in times.items()}
+            medians["aps"] = medians.pop(f"aps-{isas[-1]}")
             row = {"optimizer": name, "mib": size, "ms": {key: round(v * 1e3, 3) for key, v in medians.items()},
                    "ratio": {key: round(v / medians["aps"], 3) for key, v in medians.items() if key != "aps"}}
             report["results"].append(row)

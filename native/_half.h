@@ -209,7 +209,37 @@ static inline int aps_streamable(const float *out, const float *in) {
 #endif
 }
 
+#if defined(APS_WIDE_DISPATCH)
+/* The copy out, as wide as the kernels run (an out 32 or 64 bytes aligned, as the server's buffers are). */
+static __attribute__((target("avx"))) void aps_stream_avx(float *out, const float *tile, ptrdiff_t m) {
+    ptrdiff_t j = 0;
+    for (; j + 8 <= m; j += 8)
+        _mm256_stream_ps(out + j, _mm256_load_ps(tile + j));
+    for (; j < m; j++)
+        out[j] = tile[j];
+}
+
+static __attribute__((target("avx512f"))) void aps_stream_avx512(float *out, const float *tile, ptrdiff_t m) {
+    ptrdiff_t j = 0;
+    for (; j + 16 <= m; j += 16)
+        _mm512_stream_ps(out + j, _mm512_load_ps(tile + j));
+    for (; j < m; j++)
+        out[j] = tile[j];
+}
+#endif
+
 static inline void aps_stream(float *out, const float *tile, ptrdiff_t m) {
+#if defined(APS_WIDE_DISPATCH)
+    int isa = aps_kernel_isa();
+    if (isa == APS_ISA_AVX512 && ((uintptr_t)out & 63u) == 0) {
+        aps_stream_avx512(out, tile, m);
+        return;
+    }
+    if (isa != APS_ISA_BASELINE && ((uintptr_t)out & 31u) == 0) {
+        aps_stream_avx(out, tile, m);
+        return;
+    }
+#endif
 #if defined(__SSE2__)
     ptrdiff_t j = 0;
     for (; j + 4 <= m; j += 4)

@@ -113,133 +113,107 @@ static inline int aps_sgd(float *w_out, const float *w_in, const float *g, float
     return aps_sgd_unfused(w_out, w_in, g, buf_out, buf_in, n, a, s, wd, mu, keep, nesterov, first);
 }
 
-/* Adam / AdamW (decoupled weight decay), as torch.optim.Adam[W]. The scalars
- * are computed by the caller in double, as torch computes them on the host.
- * The loop body is specialized on its three switches (always inlined with
- * constant arguments below) so that each variant vectorizes. */
-static inline __attribute__((always_inline)) int aps_adam_loop(
-        float *w_out, const float *w_in, const float *g, float *m_out, const float *m_in, float *v_out,
-        const float *v_in, ptrdiff_t n, float s, float neg_step_size, float bias2_sqrt, float w1, float w1c,
-        float b2, float c2, float eps, float wd, float shrink, const int decoupled, const int decay,
-        const int lerp_low) {
-    int bad = 0;
-    ptrdiff_t i;
-    APS_IVDEP
-    for (i = 0; i < n; i++) {
-        float gi = g[i], gs = gi * s, wv = w_in[i], mi, vi;
-        if (decoupled && decay)
-            wv = wv * shrink;
-        if (!decoupled && decay)
-            gs = gs + wd * wv;
-        /* torch.lerp(m, g, w): m + w * (g - m) for |w| < 0.5, else g - (g - m) * (1 - w) */
-        if (lerp_low)
-            mi = m_in[i] + w1 * (gs - m_in[i]);
-        else
-            mi = gs - (gs - m_in[i]) * w1c;
-        vi = v_in[i] * b2 + c2 * gs * gs;
-        float denom = sqrtf(vi) / bias2_sqrt + eps;
-        float wo = wv + neg_step_size * (mi / denom);
-        bad |= APS_BAD(gi) | APS_BAD(wo);
-        m_out[i] = mi;
-        v_out[i] = vi;
-        w_out[i] = wo;
-    }
-    return !bad;
+/* Instruction sets the kernels of _wide.inc are compiled for, widest last. */
+enum { APS_ISA_BASELINE = 0, APS_ISA_AVX2 = 1, APS_ISA_AVX512 = 2 };
+
+#define APS_SUFFIX(name) name##_baseline
+#define APS_TARGET
+#include "_wide.inc"
+#undef APS_SUFFIX
+#undef APS_TARGET
+
+#if defined(APS_FMA_DISPATCH)
+#define APS_WIDE_DISPATCH 1
+#define APS_SUFFIX(name) name##_avx2
+#define APS_TARGET __attribute__((target("avx2")))
+#include "_wide.inc"
+#undef APS_SUFFIX
+#undef APS_TARGET
+#define APS_SUFFIX(name) name##_avx512
+#define APS_TARGET __attribute__((target("avx512f,avx512vl,prefer-vector-width=512")))
+#include "_wide.inc"
+#undef APS_SUFFIX
+#undef APS_TARGET
+#endif
+
+/* 1 when this processor runs the instruction set ``isa``. */
+static inline int aps_isa_supported(int isa) {
+    if (isa == APS_ISA_BASELINE)
+        return 1;
+#if defined(APS_WIDE_DISPATCH)
+    __builtin_cpu_init();
+    if (isa == APS_ISA_AVX2)
+        return __builtin_cpu_supports("avx2");
+    if (isa == APS_ISA_AVX512)
+        return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512vl");
+#endif
+    return 0;
 }
+
+/* The instruction set the kernels of _wide.inc run: the widest this processor
+ * has, unless aps_set_kernel_isa chose one (APS_KERNEL_ISA). */
+static int aps_isa_chosen = -1;
+
+static inline int aps_kernel_isa(void) {
+    int isa = aps_isa_chosen;
+    if (isa < 0) { /* a benign race: every thread computes the same answer */
+        isa = aps_isa_supported(APS_ISA_AVX512) ? APS_ISA_AVX512
+              : aps_isa_supported(APS_ISA_AVX2) ? APS_ISA_AVX2
+                                                 : APS_ISA_BASELINE;
+        aps_isa_chosen = isa;
+    }
+    return isa;
+}
+
+/* Run the kernels of _wide.inc on ``isa`` from now on; 0 when this processor cannot (nothing changes). */
+static inline int aps_set_kernel_isa(int isa) {
+    if (isa < APS_ISA_BASELINE || isa > APS_ISA_AVX512 || !aps_isa_supported(isa))
+        return 0;
+    aps_isa_chosen = isa;
+    return 1;
+}
+
+/* ``return kernel(args)`` in the variant of the instruction set chosen. */
+#if defined(APS_WIDE_DISPATCH)
+#define APS_ON_ISA(kernel, args) \
+    switch (aps_kernel_isa()) { \
+    case APS_ISA_AVX512: return kernel##_avx512 args; \
+    case APS_ISA_AVX2: return kernel##_avx2 args; \
+    default: return kernel##_baseline args; \
+    }
+#else
+#define APS_ON_ISA(kernel, args) return kernel##_baseline args;
+#endif
 
 static inline int aps_adam(float *w_out, const float *w_in, const float *g, float *m_out, const float *m_in,
                            float *v_out, const float *v_in, ptrdiff_t n, float s, float neg_step_size,
                            float bias2_sqrt, float w1, int lerp_low, float w1c, float b2, float c2, float eps,
                            float wd, float shrink, int decoupled, int decay) {
-#define APS_ADAM(D, W, L) \
-    aps_adam_loop(w_out, w_in, g, m_out, m_in, v_out, v_in, n, s, neg_step_size, bias2_sqrt, w1, w1c, b2, c2, \
-                  eps, wd, shrink, D, W, L)
-    switch ((decoupled ? 4 : 0) | (decay ? 2 : 0) | (lerp_low ? 1 : 0)) {
-    case 0: return APS_ADAM(0, 0, 0);
-    case 1: return APS_ADAM(0, 0, 1);
-    case 2: return APS_ADAM(0, 1, 0);
-    case 3: return APS_ADAM(0, 1, 1);
-    case 4: return APS_ADAM(1, 0, 0);
-    case 5: return APS_ADAM(1, 0, 1);
-    case 6: return APS_ADAM(1, 1, 0);
-    default: return APS_ADAM(1, 1, 1);
-    }
-#undef APS_ADAM
+    APS_ON_ISA(aps_adam, (w_out, w_in, g, m_out, m_in, v_out, v_in, n, s, neg_step_size, bias2_sqrt, w1, lerp_low,
+                          w1c, b2, c2, eps, wd, shrink, decoupled, decay))
 }
 
-/* out = s*g (first) or in + s*g: summing a round's gradients, out of place. */
 static inline int aps_accumulate(float *out, const float *in, const float *g, float s, int first, ptrdiff_t n) {
-    int bad = 0;
-    ptrdiff_t i;
-    if (first) {
-        APS_IVDEP
-        for (i = 0; i < n; i++) {
-            float gi = g[i], o = gi * s;
-            bad |= APS_BAD(gi) | APS_BAD(o);
-            out[i] = o;
-        }
-    } else {
-        APS_IVDEP
-        for (i = 0; i < n; i++) {
-            float gi = g[i], o = in[i] + gi * s;
-            bad |= APS_BAD(gi) | APS_BAD(o);
-            out[i] = o;
-        }
-    }
-    return !bad;
+    APS_ON_ISA(aps_accumulate, (out, in, g, s, first, n))
 }
 
-/* Delay compensation of a stale gradient (docs/algorithms.md, "Delay
- * compensation"), out of place, one pass: g was computed on the weights
- * w_then and is applied to w. kind 1 (DC-ASGD): out = g + lam*((g*g)*(w -
- * w_then)). kind 2 (DC-ASGD's adaptive variant): the mean square
- * ms' = ms*decay + keep*(g*g) is written to s_out, and lam becomes
- * lam / sqrt(ms' + eps). kind 3 (gap-aware): the gap |w - w_then| over the
- * typical step c = s_in*corr (bias-corrected, see aps_step_scale) plus eps,
- * and out = g / max(1, gap). Returns 1 when every gradient element and every
- * output is finite. out may be g. */
 static inline int aps_compensate(float *out, const float *g, const float *w, const float *w_then, float *s_out,
                                  const float *s_in, ptrdiff_t n, int kind, float lam, float decay, float keep,
                                  float eps, float corr) {
-    int bad = 0;
-    ptrdiff_t i;
-    if (kind == 1) {
-        APS_IVDEP
-        for (i = 0; i < n; i++) {
-            float gi = g[i], d = w[i] - w_then[i], o = gi + lam * ((gi * gi) * d);
-            bad |= APS_BAD(gi) | APS_BAD(o);
-            out[i] = o;
-        }
-    } else if (kind == 2) {
-        APS_IVDEP
-        for (i = 0; i < n; i++) {
-            float gi = g[i], d = w[i] - w_then[i], ms = s_in[i] * decay + keep * (gi * gi);
-            float o = gi + (lam / sqrtf(ms + eps)) * ((gi * gi) * d);
-            bad |= APS_BAD(gi) | APS_BAD(o);
-            s_out[i] = ms;
-            out[i] = o;
-        }
-    } else {
-        APS_IVDEP
-        for (i = 0; i < n; i++) {
-            float gi = g[i], gap = fabsf(w[i] - w_then[i]) / (s_in[i] * corr + eps);
-            float o = gi / (gap > 1.0f ? gap : 1.0f);
-            bad |= APS_BAD(gi) | APS_BAD(o);
-            out[i] = o;
-        }
-    }
-    return !bad;
+    APS_ON_ISA(aps_compensate, (out, g, w, w_then, s_out, s_in, n, kind, lam, decay, keep, eps, corr))
 }
 
-/* Gap-aware's running step scale, after an update from w_in to w_out:
- * c_out = c_in*decay + keep*|w_out - w_in| (an exponential mean of each
- * parameter's step; its bias is corrected where it is read). */
 static inline void aps_step_scale(float *c_out, const float *c_in, const float *w_out, const float *w_in,
                                   ptrdiff_t n, float decay, float keep) {
-    ptrdiff_t i;
-    APS_IVDEP
-    for (i = 0; i < n; i++)
-        c_out[i] = c_in[i] * decay + keep * fabsf(w_out[i] - w_in[i]);
+#if defined(APS_WIDE_DISPATCH)
+    int isa = aps_kernel_isa();
+    if (isa == APS_ISA_AVX512)
+        aps_step_scale_avx512(c_out, c_in, w_out, w_in, n, decay, keep);
+    else if (isa == APS_ISA_AVX2)
+        aps_step_scale_avx2(c_out, c_in, w_out, w_in, n, decay, keep);
+    else
+#endif
+        aps_step_scale_baseline(c_out, c_in, w_out, w_in, n, decay, keep);
 }
 
 #endif

@@ -28,6 +28,9 @@ cdef extern from "_kernels.h" nogil:
                  float wd, float shrink, int decoupled, int decay)
     int aps_accumulate(float* out, const float* inp, const float* g, float s, int first, Py_ssize_t n)
     int aps_fused_multiply_add()
+    int aps_kernel_isa()
+    int aps_set_kernel_isa(int isa)
+    int aps_isa_supported(int isa)
     int aps_compensate(float* out, const float* g, const float* w, const float* w_then, float* s_out,
                        const float* s_in, Py_ssize_t n, int kind, float lam, float decay, float keep, float eps,
                        float corr)
@@ -62,6 +65,32 @@ BFLOAT16 = APS_BFLOAT16
 #: From this many elements on, an update out of place writes its results with
 #: streaming stores, around the cache (native/_half.h).
 STREAM_MIN = APS_STREAM_MIN
+
+
+#: The instruction sets the kernels whose results do not depend on the vector
+#: width (Adam, AdamW, a round's sum, delay compensation) are compiled for,
+#: narrowest first: each gives the same results bit for bit (native/_wide.inc).
+KERNEL_ISAS = ("baseline", "avx2", "avx512")
+
+
+def kernel_isa():
+    """The instruction set those kernels run on: the widest this processor has, or
+    the one :func:`set_kernel_isa` chose."""
+    return KERNEL_ISAS[aps_kernel_isa()]
+
+
+def kernel_isas():
+    """The instruction sets of :data:`KERNEL_ISAS` this processor runs."""
+    return tuple(name for index, name in enumerate(KERNEL_ISAS) if aps_isa_supported(index))
+
+
+def set_kernel_isa(name):
+    """Run those kernels on ``name`` (one of :data:`KERNEL_ISAS`) from now on, in
+    this process. Raises ValueError for a name this processor cannot run."""
+    if name not in KERNEL_ISAS:
+        raise ValueError(f"unknown instruction set {name!r}: one of {', '.join(KERNEL_ISAS)}")
+    if not aps_set_kernel_isa(KERNEL_ISAS.index(name)):
+        raise ValueError(f"this processor cannot run {name}: it runs {', '.join(kernel_isas())}")
 
 
 def fused_multiply_add():

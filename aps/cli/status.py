@@ -235,7 +235,8 @@ def format_stats(stats: dict) -> str:
     s = stats["server"]
     uptime = int(s["uptime_s"])
     lines = [
-        f"aps {s['address']}{_shard(s)}  sync {s['sync']}  optimizer {s['optimizer']}",
+        f"aps {s['address']}{_shard(s)}  sync {s['sync']}  optimizer {s['optimizer']}"
+        + (f"  kernels {s['kernels']['isa']}" if s.get("kernels") else ""),
         *(f"!! {alarm}" for alarm in [checkpoint_alarm(s), replica_alarm(s)] if alarm is not None),  # seen first
         f"version {s['version']}  updates/s {s['updates_per_s']:.1f} (mean {s['updates_per_s_mean']:.1f})  "
         f"live {s['live']}/{s['workers']}{'' if s['started'] else ' (waiting for workers)'}  "

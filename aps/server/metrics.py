@@ -189,6 +189,16 @@ class StatsCollector:
         yield from _auth_metrics(server)
         yield from _table_metrics(server.get("tables"), server.get("table_memory"))
         yield from _report_metrics(workers, stats.get("warnings", ()))
+        kernels = server.get("kernels")
+        if kernels:
+            isa = GaugeMetricFamily(
+                "aps_kernel_isa_info",
+                "The instruction set the update kernels run on (APS_KERNEL_ISA), and whether SGD rounds "
+                "x*y + z once (a fused multiply-add, as torch does on this machine) (always 1).",
+                labels=["isa", "fused_multiply_add"],
+            )
+            isa.add_metric([kernels["isa"], str(kernels["fused_multiply_add"]).lower()], 1.0)
+            yield isa
         process = server["process"]
         yield GaugeMetricFamily(
             "aps_server_resident_memory_bytes", "Resident memory of the server process.", value=process["rss_bytes"]

@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 import numpy as np
 
+from .. import _core
 from .checkpointer import Checkpointer
 from .engine.compensation import check_lambda
 from .engine import Engine
@@ -98,6 +99,11 @@ class Server:
         elif options:
             config = config.replace(**options)
         self.config = config
+        if config.kernel_isa is not None:  # (one for the process: the kernels are the process's)
+            try:
+                _core.set_kernel_isa(config.kernel_isa)
+            except ValueError as exc:
+                raise ConfigurationError(f"--kernel-isa {config.kernel_isa}: {exc}") from None
         # The options given (resume checks them against the checkpoint): the keywords passed,
         # or with a config object, the fields that differ from the defaults.
         self._given = given if given is not None else (set(options) if options or config is None else None)

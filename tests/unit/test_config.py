@@ -79,6 +79,7 @@ EXAMPLES = {
     "stream_min_bytes": ("0", 0, {}),
     "table_memory": ("64M", 64 << 20, {}),
     "kernel_threads": ("2", 2, {}),
+    "kernel_isa": ("avx2", "avx2", {}),
     "max_connections": ("64", 64, {}),
     "token": ("Zq3u9P0vB4h1xkTn7sWc2yLr8GdJ5mEaQiFo6XtKbHw", "Zq3u9P0vB4h1xkTn7sWc2yLr8GdJ5mEaQiFo6XtKbHw", {}),
     "token_file": ("/etc/aps/token", "/etc/aps/token", {}),

@@ -30,6 +30,9 @@ def vec(*values):
 # is checked against the stub's return type. A function without one fails the test.
 FUNCTION_SAMPLES = {
     "fused_multiply_add": lambda: ((), {}),
+    "kernel_isa": lambda: ((), {}),
+    "kernel_isas": lambda: ((), {}),
+    "set_kernel_isa": lambda: ((_core.kernel_isa(),), {}),  # (the one running: nothing changes)
     "all_finite": lambda: ((vec(1, 2),), {}),
     "accumulate": lambda: ((vec(0, 0), vec(1, 2), vec(3, 4)), {"scale": 0.5}),
     "sgd_step": lambda: (

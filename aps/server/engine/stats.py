@@ -19,6 +19,8 @@ from typing import TYPE_CHECKING, Any
 
 import psutil
 
+from ... import _core
+
 if TYPE_CHECKING:
     from .optim import HyperGroups
 
@@ -436,6 +438,8 @@ class ServerStats:
                 "shards": engine.shards,
                 "sync": engine.sync,
                 "optimizer": engine.optimizer,
+                # what the update kernels run on: their instruction set (APS_KERNEL_ISA) and SGD's rounding
+                "kernels": {"isa": _core.kernel_isa(), "fused_multiply_add": _core.fused_multiply_add()},
                 "workers": engine.workers,
                 "min_workers": engine.min_workers or engine.workers,
                 "live": engine.live,
