@@ -34,14 +34,19 @@ Address, rank and worker count default to ``APS_ADDRESS``, ``RANK`` and
 launch --step-time T --slowdown ...``, ``step()`` also pads each iteration to
 this worker's multiple of ``T`` to emulate GPUs of different speeds: the
 padding is sleep, not work.
+
+:class:`LocalSGD` is the other way to train: the user's own optimizer steps
+locally, and every H steps the server's optimizer (the outer one) takes the
+workers' pseudo-gradients (DiLoCo under BSP, asynchronous local SGD otherwise).
 """
 
 from __future__ import annotations
 
 from .checkpoint import load_state_dict
 from .embedding import Embedding, EmbeddingBag
+from .local_sgd import LocalSGD
 from .optimizer import Optimizer
 from .pacing import Pacer
 from .sampler import ElasticSampler
 
-__all__ = ["ElasticSampler", "Embedding", "EmbeddingBag", "Optimizer", "Pacer", "load_state_dict"]
+__all__ = ["ElasticSampler", "Embedding", "EmbeddingBag", "LocalSGD", "Optimizer", "Pacer", "load_state_dict"]

@@ -1,0 +1,166 @@
+"""Local SGD with the outer optimizer on the server: :class:`LocalSGD` (DiLoCo under BSP,
+asynchronous local SGD under ASP, SSP and DSSP).
+
+::
+
+    model = Net()
+    inner = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    opt = aps.torch.LocalSGD(model, inner, every=50)  # APS_ADDRESS, RANK, WORLD_SIZE
+    for x, y in loader:
+        opt.zero_grad()
+        loss_fn(model(x), y).backward()
+        opt.step()  # the inner step, here; every 50th also syncs with the server
+
+Each worker takes ``every`` steps of its own inner optimizer, locally: no round
+trip. Then it pushes its *pseudo-gradient*, the weights it started from (the
+global weights it last received) minus the weights it has now, and takes the
+server's new global weights; its inner optimizer keeps its state, as DiLoCo
+does. The server's optimizer is the *outer* optimizer and its sync policy says
+how the pseudo-gradients meet: under BSP each round averages every worker's
+and takes one outer step, DiLoCo (Douillard et al., 2023) with ``aps serve
+--sync bsp --optimizer sgd --lr 0.7 --momentum 0.9 --nesterov``; under ASP,
+SSP or DSSP each is applied as it comes, asynchronous local SGD (Liu et al.,
+2024), with the staleness bounds holding in units of syncs. With ``every=1``
+and an outer SGD step of learning rate 1, a BSP run is model averaging after
+every inner step.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+import torch
+
+from ..client.worker import Worker
+from ..errors import ConfigurationError
+
+__all__ = ["LocalSGD"]
+
+
+class LocalSGD:
+    """An inner ``torch.optim`` optimizer stepped locally, and every ``every`` steps a sync with
+    the server, whose optimizer is the outer one (see the module docstring).
+
+    Args:
+        model: the model; its trainable float32 parameters are the weights the workers share
+            (buffers, such as BatchNorm's statistics, stay local).
+        inner: the inner optimizer over the model's parameters (any ``torch.optim`` optimizer,
+            with any scheduler of the user's).
+        every: inner steps between syncs (DiLoCo's H).
+        address, rank, num_workers, token, transport, reconnect: as :class:`aps.Worker`
+            takes them (default ``APS_ADDRESS``, ``RANK``, ``WORLD_SIZE``).
+        worker: an existing :class:`aps.Worker` to use instead of connecting.
+        init_timeout: seconds to wait for every worker to join.
+
+    Joining takes the global weights (the first worker's, at the start of a run; the
+    server's newest, for a worker that joins a run under way) into the model.
+    """
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        inner: torch.optim.Optimizer,
+        *,
+        every: int,
+        address: str | None = None,
+        rank: int | None = None,
+        num_workers: int | None = None,
+        token: str | None = None,
+        transport: str = "auto",
+        reconnect: bool = True,
+        worker: Worker | None = None,
+        init_timeout: float | None = 300.0,
+    ) -> None:
+        if isinstance(every, bool) or not isinstance(every, int) or every < 1:
+            raise ConfigurationError(f"every must be a whole number of inner steps, at least 1, got {every!r}")
+        self.model, self.inner, self.every = model, inner, every
+        self._params = {name: p for name, p in model.named_parameters() if p.requires_grad}
+        if not self._params:
+            raise ConfigurationError("the model has no trainable parameters")
+        owned = {id(p) for group in inner.param_groups for p in group["params"]}
+        for name, p in self._params.items():
+            if p.dtype != torch.float32:
+                raise ConfigurationError(f"parameter {name} is {p.dtype}: LocalSGD shares float32 weights")
+            if id(p) not in owned:
+                raise ConfigurationError(f"parameter {name} is not one the inner optimizer steps")
+        self.worker = (
+            worker
+            if worker is not None
+            else Worker(address, rank, num_workers, transport, token=token, reconnect=reconnect)
+        )
+        self._own_worker = worker is None
+        #: Inner steps taken since the run began (this worker's), and syncs made.
+        self.steps = 0
+        self.syncs = 0
+        weights = self.worker.init(self._local(), timeout=init_timeout)
+        #: The global weights this worker last received: where its inner steps started from.
+        self._anchor = {name: np.array(weights[name], np.float32) for name in self._params}
+        self._load(self._anchor)
+
+    # The training loop's calls --------------------------------------------
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        self.inner.zero_grad(set_to_none=set_to_none)
+
+    def step(self, closure: Callable[[], Any] | None = None) -> Any:
+        """The inner optimizer's step; every ``every``-th also syncs (:meth:`sync`)."""
+        loss = self.inner.step(closure) if closure is not None else self.inner.step()
+        self.steps += 1
+        if self.steps % self.every == 0:
+            self.sync()
+        return loss
+
+    def sync(self) -> None:
+        """Push the pseudo-gradient (the anchor minus the weights now) and take the server's
+        new global weights into the model (the inner optimizer's state is kept)."""
+        local = self._local()
+        pseudo = {name: self._anchor[name] - local[name] for name in self._params}
+        weights = self.worker.push_pull(pseudo)
+        self._anchor = {name: np.array(weights[name], np.float32) for name in self._params}
+        self._load(self._anchor)
+        self.syncs += 1
+
+    # Checkpoints -------------------------------------------------------------
+    def state_dict(self) -> dict[str, Any]:
+        """The inner optimizer's state, the step count and the anchor (the global weights
+        the current inner steps started from)."""
+        return {
+            "inner": self.inner.state_dict(),
+            "steps": self.steps,
+            "syncs": self.syncs,
+            "every": self.every,
+            "anchor": {name: torch.from_numpy(value.copy()) for name, value in self._anchor.items()},
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Back to a :meth:`state_dict`: the inner optimizer's state, the step count and the anchor."""
+        anchor = state["anchor"]
+        if set(anchor) != set(self._params):
+            raise ConfigurationError("the state's anchor names other parameters than the model's")
+        for name, value in anchor.items():
+            if tuple(value.shape) != tuple(self._params[name].shape):
+                raise ConfigurationError(f"the state's anchor of {name} has shape {tuple(value.shape)}")
+        self.inner.load_state_dict(state["inner"])
+        self.steps, self.syncs = int(state["steps"]), int(state["syncs"])
+        self._anchor = {name: value.detach().cpu().numpy().astype(np.float32) for name, value in anchor.items()}
+
+    def close(self) -> None:
+        """Leave the run (when this object made its worker)."""
+        if self._own_worker:
+            self.worker.close()
+
+    def __enter__(self) -> LocalSGD:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # The model's weights, as numpy ---------------------------------------------
+    def _local(self) -> dict[str, np.ndarray]:
+        return {name: p.detach().cpu().numpy().astype(np.float32, copy=False) for name, p in self._params.items()}
+
+    def _load(self, weights: dict[str, np.ndarray]) -> None:
+        with torch.no_grad():
+            for name, p in self._params.items():
+                p.copy_(torch.from_numpy(weights[name]).reshape(p.shape))
