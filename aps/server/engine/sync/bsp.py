@@ -48,6 +48,7 @@ class BSP(SyncPolicy):
         super().__init__(config, window_type)
         self.backup = config.backup_workers
         self._contributed: set[int] = set()  # ranks whose gradient is in the open round
+        self._skipped: set[int] = set()  # ranks in the open round without a gradient (Flag.SKIP)
         self._pushed: set[int] = set()  # the live ones among them
         self._closed = False  # the round closed; its update is pending
         self._held: set[int] = set()
@@ -95,6 +96,7 @@ class BSP(SyncPolicy):
                 return self._maybe_close()
             return Outcome([rank])
         if plan.kind is PlanKind.SKIP:  # there, without a gradient: it waits for the round like the others
+            self._skipped.add(rank)
             self._pushed.add(rank)
             self._held.add(rank)
             return self._maybe_close()
@@ -113,7 +115,8 @@ class BSP(SyncPolicy):
         return self._maybe_close()
 
     def resume_push(self, rank: int) -> Outcome:
-        if rank in self._contributed and not self._closed and rank not in self._pushed:
+        took_part = rank in self._contributed or rank in self._skipped  # (its gradient, or its SKIP)
+        if took_part and not self._closed and rank not in self._pushed:
             self._pushed.add(rank)
             self._held.add(rank)
             return self._maybe_close()
@@ -125,6 +128,7 @@ class BSP(SyncPolicy):
         return {
             **super().state(),
             "contributed": sorted(self._contributed),
+            "skipped": sorted(self._skipped),
             "pushed": sorted(self._pushed),
             "round_held": sorted(self._held),
             "round_clock": self.round_clock,
@@ -134,6 +138,7 @@ class BSP(SyncPolicy):
         placements = super().restore(state)
         ranks = range(self.num_workers)
         self._contributed = {int(r) for r in state["contributed"] if int(r) in ranks}
+        self._skipped = {int(r) for r in state.get("skipped", ()) if int(r) in ranks}
         self._restored_present = {int(r) for r in state["pushed"] if int(r) in placements}
         self._pushed, self._held, self._closed = set(), set(), False
         self._members = set(placements) if self._contributed else set()  # (the workers live in the checkpoint)
@@ -163,7 +168,9 @@ class BSP(SyncPolicy):
             rank: ((clock - 1, False, credit) if rank in dropped else (clock, held, credit))
             for rank, (clock, held, credit) in placements.items()
         }
-        self._contributed, self._restored_present, self._members = set(), set(), set()
+        # (a rank that skipped it keeps its clock: its next gradient goes into the round taken again,
+        # beside the contributors' next ones, as on the shards where that round closed without it)
+        self._contributed, self._skipped, self._restored_present, self._members = set(), set(), set(), set()
         return out, dropped
 
     def join(self, rank: int, clock: int = -1, held: bool = False, credit: int = 0) -> int:
@@ -195,22 +202,16 @@ class BSP(SyncPolicy):
         self.round_clock += 1
         self._closed = False
         self._contributed.clear()
+        self._skipped.clear()
         self._pushed.clear()
         self._members.clear()
 
     def _maybe_close(self) -> Outcome:
-        if self._closed or self.resuming:
+        # (a round of SKIPs alone waits for a gradient: those who would give one come back, or
+        # join, as after any round whose members all left)
+        if self._closed or not self._contributed or self.resuming:
             return Outcome()
         window = self.window
-        if not self._contributed:
-            if self._pushed and all(not window.is_live(r) or r in self._pushed for r in range(self.num_workers)):
-                # Every live worker is here without a gradient (those that would have given one
-                # left): no update to make; they go on, and the round stays open for their next.
-                released = sorted(self._held)
-                self._pushed.clear()
-                self._held.clear()
-                return Outcome(released)
-            return Outcome()
         live = sum(1 for rank in self._members if window.is_live(rank))
         if live == 0 and window.num_live == 0:
             return Outcome()  # nobody is left to wait for it: it stays open for those who come back

@@ -573,15 +573,17 @@ def test_two_new_bsp_workers_reaching_two_shards_in_opposite_orders_both_train(s
         np.testing.assert_array_equal(h.engine.model.table.current_array(), np.full(3, -1.0 - 4.0, np.float32))
 
 
-def _skip(h: Harness, rank: int) -> None:
+def _skip(h: Harness, rank: int, request_id: int | None = None, clock: int | None = None) -> None:
     """Rank ``rank``'s PUSH_PULL with Flag.SKIP: no gradient, then the round's weights."""
     worker = h.workers[rank]
+    worker.waiting = True
 
     def done(result):
         worker.results.append(result)
         h.pull(rank)
 
-    h.engine.training.push(worker.member, worker.version, done, worker.errors.append, dense=False, skip=True)
+    h.engine.training.push(worker.member, worker.version, done, worker.errors.append, dense=False, skip=True,
+                           request_id=request_id, clock=clock)
 
 
 def test_a_new_bsp_worker_seated_a_round_apart_on_two_shards_skips_the_earlier_and_both_shards_agree():
@@ -619,13 +621,82 @@ def test_a_new_bsp_worker_seated_a_round_apart_on_two_shards_skips_the_earlier_a
     np.testing.assert_array_equal(a.engine.model.table.current_array(), expected)
 
 
-def test_a_skip_into_a_closed_round_is_dropped_and_one_with_nobody_else_live_lets_its_worker_go():
+def _one_round_apart() -> tuple[Harness, Harness, dict]:
+    """Two shards A and B, three workers: rank 2's process ended after round 0, ranks 0 and 1
+    pushed round 1 to both (B closed it), and a new rank 2 is seated at clock 1 on A (in round 1,
+    which waits for it) and at clock 2 on B."""
+    g = {(r, i): np.full(3, float(1 + r + 3 * i), np.float32) for r in range(3) for i in range(4)}
+    a, b = (Harness(workers=3, numel=3, sync="bsp", shards=2, shard=s) for s in (0, 1))
+    for h in (a, b):
+        h.join_all()
+        for rank in range(3):
+            h.push(rank, g[rank, 0], then_pull=True)
+        h.leave(2)
+    for rank in (0, 1):
+        b.push(rank, g[rank, 1], then_pull=True)
+    a.join(2)
+    b.join(2)
+    for rank in (0, 1):
+        a.push(rank, g[rank, 1], then_pull=True)
+    assert (a.policy.clock(2), b.policy.clock(2), a.engine.version, b.engine.version) == (1, 2, 1, 2)
+    return a, b, g
+
+
+def test_a_skip_sent_again_after_a_reconnect_counts_its_worker_present_once():
+    """Rank 2's SKIP closes A's round 1, and its reply is lost with its connection: it rejoins at
+    its own clock and sends the SKIP again (same request id and clock), a duplicate, answered as
+    one without taking part in the next round, and the shards agree from then on."""
+    a, b, g = _one_round_apart()
+    _skip(a, 2, request_id=7, clock=1)
+    assert a.engine.version == 2 and a.policy.clock(2) == 2  # closed on ranks 0 and 1, as B's
+    a.leave(2)  # (its connection went with the reply)
+    a.join(2, rejoin=True, clock=1)
+    _skip(a, 2, request_id=7, clock=1)  # sent again: a duplicate
+    assert not a.workers[2].waiting and a.policy.clock(2) == 2 and a.engine.version == 2
+    for h in (a, b):
+        for rank in range(3):
+            h.push(rank, g[rank, 2], then_pull=True)
+        assert h.engine.version == 3 and not any(w.errors for w in h.workers)
+    np.testing.assert_array_equal(a.engine.model.table.current_array(), b.engine.model.table.current_array())
+
+
+def test_a_skip_sent_again_before_its_round_closed_counts_its_worker_present_again():
+    """As above, but rank 0 had not pushed round 1 to A yet: rank 2's SKIP, its connection gone and
+    back, the SKIP again (a duplicate) counts it present again, and round 1 closes only once rank
+    0's gradient is in, without rank 2's."""
+    g = {(r, i): np.full(3, float(1 + r + 3 * i), np.float32) for r in range(3) for i in range(3)}
+    a = Harness(workers=3, numel=3, sync="bsp", shards=2, shard=0)
+    a.join_all()
+    for rank in range(3):
+        a.push(rank, g[rank, 0], then_pull=True)
+    a.push(1, g[1, 1], then_pull=True)
+    _skip(a, 2, request_id=7, clock=1)
+    a.leave(2)
+    a.join(2, rejoin=True, clock=1)
+    _skip(a, 2, request_id=7, clock=1)  # a duplicate: present again, held for the round
+    assert a.held(2) and a.workers[2].waiting and a.engine.version == 1
+    a.push(0, g[0, 1], then_pull=True)
+    assert a.engine.version == 2 and not a.workers[2].waiting and a.policy.clock(2) == 2
+    mean = lambda *keys: sum(g[k] for k in keys) / len(keys)  # noqa: E731
+    expected = -(mean((0, 0), (1, 0), (2, 0)) + mean((0, 1), (1, 1)))
+    np.testing.assert_array_equal(a.engine.model.table.current_array(), expected)
+
+
+def test_a_skip_into_a_closed_round_is_dropped_and_a_round_of_skips_alone_waits_for_a_gradient():
+    """A SKIP for a round that closed already (one backup worker) is dropped, its worker released at
+    once. A round with nothing in it but a SKIP waits, even when every other worker's connection
+    is gone, as any round does for those who come back: here rank 0 rejoins and pushes, and the
+    round closes on its gradient."""
     h = Harness(workers=2, numel=2, sync="bsp", shards=2, backup_workers=1)
     h.join_all()
     h.push(0, np.ones(2, np.float32), then_pull=True)  # closes round 0 alone (one backup worker)
     assert h.engine.version == 1
     _skip(h, 1)  # rank 1's round is over: dropped, released at once
     assert h.workers[1].results[-1].dropped and h.policy.clock(1) == 1 and not h.workers[1].waiting
-    h.leave(0)
-    _skip(h, 1)  # nobody else is live to give the round a gradient: it goes on, nothing applied
-    assert not h.workers[1].waiting and h.engine.version == 1 and h.policy.clock(1) == 2
+    h.leave(0)  # (its connection drops for a moment)
+    _skip(h, 1)
+    assert h.workers[1].waiting and h.engine.version == 1  # nothing to close the round with
+    h.join(0, rejoin=True, clock=1)
+    h.push(0, np.full(2, 2.0, np.float32), then_pull=True)
+    assert h.engine.version == 2 and not h.workers[1].waiting and h.policy.clock(1) == 2
+    np.testing.assert_array_equal(h.engine.model.table.current_array(), np.full(2, -3.0, np.float32))
