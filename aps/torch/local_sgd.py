@@ -49,8 +49,12 @@ class LocalSGD:
         inner: the inner optimizer over the model's parameters (any ``torch.optim`` optimizer,
             with any scheduler of the user's).
         every: inner steps between syncs (DiLoCo's H).
-        address, rank, num_workers, token, transport, reconnect: as :class:`aps.Worker`
-            takes them (default ``APS_ADDRESS``, ``RANK``, ``WORLD_SIZE``).
+        address: the server (default ``APS_ADDRESS``), as :class:`aps.Worker` takes it.
+        rank: this worker's rank (default ``RANK``).
+        num_workers: the number of workers (default ``WORLD_SIZE``).
+        token: the server's token, if it has one (see :class:`aps.Worker`).
+        transport: ``"auto"``, ``"shm"`` or ``"tcp"`` (see :class:`aps.Worker`).
+        reconnect: get back to a lost server by itself (see :class:`aps.Worker`).
         worker: an existing :class:`aps.Worker` to use instead of connecting.
         init_timeout: seconds to wait for every worker to join.
 
