@@ -586,13 +586,11 @@ def _skip(h: Harness, rank: int, request_id: int | None = None, clock: int | Non
                            request_id=request_id, clock=clock)
 
 
-def test_a_new_bsp_worker_seated_a_round_apart_on_two_shards_skips_the_earlier_and_both_shards_agree():
-    """docs/algorithms.md, "Sharded BSP: a worker that joins": a new process for rank 2 reaches
-    shard B after B closed round 1 without it, and shard A before round 1's first gradient
-    there: B seats it at clock 2, A in round 1. It skips A's round 1 (Flag.SKIP, as aps.Worker
-    does when its shards' clocks differ by one): A closes that round on ranks 0 and 1 alone,
-    as B did, and from then on both shards take the same gradients into the same rounds."""
-    g = {(r, i): np.full(3, float(1 + r + 3 * i), np.float32) for r in range(3) for i in range(3)}
+def _one_round_apart() -> tuple[Harness, Harness, dict]:
+    """Two shards A and B, three workers: rank 2's process ended after round 0, ranks 0 and 1
+    pushed round 1 to both (B closed it), and a new rank 2 is seated at clock 1 on A (in round 1,
+    which waits for it) and at clock 2 on B."""
+    g = {(r, i): np.full(3, float(1 + r + 3 * i), np.float32) for r in range(3) for i in range(4)}
     a, b = (Harness(workers=3, numel=3, sync="bsp", shards=2, shard=s) for s in (0, 1))
     for h in (a, b):
         h.join_all()
@@ -604,10 +602,19 @@ def test_a_new_bsp_worker_seated_a_round_apart_on_two_shards_skips_the_earlier_a
     assert b.engine.version == 2 and b.policy.round_clock == 2
     a.join(2)  # before round 1's first gradient on A
     b.join(2)  # after round 1 closed on B
-    assert (a.policy.clock(2), b.policy.clock(2)) == (1, 2)
     for rank in (0, 1):
         a.push(rank, g[rank, 1], then_pull=True)
-    assert a.engine.version == 1  # waiting for rank 2
+    assert (a.policy.clock(2), b.policy.clock(2), a.engine.version, b.engine.version) == (1, 2, 1, 2)  # A waits
+    return a, b, g
+
+
+def test_a_new_bsp_worker_seated_a_round_apart_on_two_shards_skips_the_earlier_and_both_shards_agree():
+    """docs/algorithms.md, "Sharded BSP: a worker that joins": a new process for rank 2 reaches
+    shard B after B closed round 1 without it, and shard A before round 1's first gradient
+    there: B seats it at clock 2, A in round 1. It skips A's round 1 (Flag.SKIP, as aps.Worker
+    does when its shards' clocks differ by one): A closes that round on ranks 0 and 1 alone,
+    as B did, and from then on both shards take the same gradients into the same rounds."""
+    a, b, g = _one_round_apart()
     _skip(a, 2)
     assert a.engine.version == 2 and a.policy.clock(2) == 2 and not a.workers[2].waiting
     assert not a.workers[2].results[-1].dropped and a.policy.dropped == 0
@@ -619,27 +626,6 @@ def test_a_new_bsp_worker_seated_a_round_apart_on_two_shards_skips_the_earlier_a
     mean = lambda *keys: sum(g[k] for k in keys) / len(keys)  # noqa: E731
     expected = -(mean((0, 0), (1, 0), (2, 0)) + mean((0, 1), (1, 1)) + mean((0, 2), (1, 2), (2, 2)))
     np.testing.assert_array_equal(a.engine.model.table.current_array(), expected)
-
-
-def _one_round_apart() -> tuple[Harness, Harness, dict]:
-    """Two shards A and B, three workers: rank 2's process ended after round 0, ranks 0 and 1
-    pushed round 1 to both (B closed it), and a new rank 2 is seated at clock 1 on A (in round 1,
-    which waits for it) and at clock 2 on B."""
-    g = {(r, i): np.full(3, float(1 + r + 3 * i), np.float32) for r in range(3) for i in range(4)}
-    a, b = (Harness(workers=3, numel=3, sync="bsp", shards=2, shard=s) for s in (0, 1))
-    for h in (a, b):
-        h.join_all()
-        for rank in range(3):
-            h.push(rank, g[rank, 0], then_pull=True)
-        h.leave(2)
-    for rank in (0, 1):
-        b.push(rank, g[rank, 1], then_pull=True)
-    a.join(2)
-    b.join(2)
-    for rank in (0, 1):
-        a.push(rank, g[rank, 1], then_pull=True)
-    assert (a.policy.clock(2), b.policy.clock(2), a.engine.version, b.engine.version) == (1, 2, 1, 2)
-    return a, b, g
 
 
 def test_a_skip_sent_again_after_a_reconnect_counts_its_worker_present_once():
