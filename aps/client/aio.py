@@ -6,20 +6,24 @@ asyncio programs: the same steps (:class:`aps.client.worker._Workers`, each serv
 from __future__ import annotations
 
 import asyncio
+import logging
 import ssl
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import numpy as np
 
-from ..errors import ConfigurationError
+from ..errors import APSError, ConfigurationError
 from .arguments import _check_transport
 from .channel import AsyncChannel, arun
-from .shards import _AsyncTurn, in_shard_order, server_addresses
+from .pipeline import Pipeline, check_pipeline, pipelines_allowed
+from .shards import _AsyncTurn, check_fp16_range, in_shard_order, server_addresses
 from .steps import DEFAULT_RECONNECT_TIMEOUT, DEFAULT_SERVER_TIMEOUT, Steps
 from .worker import _Workers
 
 __all__ = ["AsyncWorker"]
+
+log = logging.getLogger("aps.worker")
 
 
 class AsyncWorker(_Workers):
@@ -29,11 +33,20 @@ class AsyncWorker(_Workers):
     It speaks TCP (``transport="auto"`` means TCP here): asyncio's socket
     calls cannot pass the file descriptors the shared-memory transport needs.
     A sharded model's shards get every request at once (one task each).
+
+    With ``pipeline=N`` (N > 1), :meth:`push` returns once its gradient is sent, while
+    fewer than N pushes are unanswered on each server's connection: the server answers
+    them in order, and applies them one by one as they come. A refused push raises at the
+    worker's next call (:meth:`flush` waits for every answer); every other call waits for
+    the answers first. Only under a policy that never holds a worker after a push: ASP,
+    and softsync without ``--staleness`` (else ConfigurationError at connect). See
+    docs/guide/start.md, "Pipelined pushes".
     """
 
     def __init__(self, channels: list[AsyncChannel]) -> None:  # see connect()
         self._setup(channels)
         self._lock = asyncio.Lock()  # one sharded request at a time
+        self._pipelines = [channel.pipeline for channel in channels if channel.pipeline is not None]
 
     @classmethod
     async def connect(
@@ -53,9 +66,12 @@ class AsyncWorker(_Workers):
         reconnect_timeout: float | None = DEFAULT_RECONNECT_TIMEOUT,
         compression: str | None = None,
         compress_pulls: bool = False,
+        pipeline: int = 1,
     ) -> AsyncWorker:
-        """Connect to the server (every shard's, at once) and return the worker."""
+        """Connect to the server (every shard's, at once) and return the worker (``pipeline``:
+        how many pushes may be in flight on each server's connection; see the class)."""
         _check_transport(transport)
+        depth = check_pipeline(pipeline)
         if transport == "shm":
             raise ConfigurationError("AsyncWorker speaks TCP only; use aps.Worker for shared memory")
         options = dict(
@@ -78,6 +94,12 @@ class AsyncWorker(_Workers):
         ]
         try:
             channels = list(await asyncio.gather(*tasks))
+            if depth > 1:
+                for channel in channels:
+                    refused = pipelines_allowed(channel.server_options)
+                    if refused is not None:
+                        raise ConfigurationError(f"pipeline={depth} at {channel.address}: {refused}")
+                    channel.pipeline = Pipeline(channel, depth)
             return cls(in_shard_order(channels) if sharded else channels)
         except BaseException:
             # One failed, or the caller gave up (a timeout, a cancel): the others too, and
@@ -98,27 +120,62 @@ class AsyncWorker(_Workers):
         self, params: Mapping[str, Any], *, tables: Mapping[str, Any] | None = None, timeout: float | None = 300.0
     ) -> Mapping[str, np.ndarray]:
         """See :meth:`aps.Worker.init`."""
+        await self.flush()
         return await arun(self._init(params, timeout, tables))
 
     async def pull(self, *, rows: Mapping[str, Any] | None = None, out: Mapping[str, np.ndarray] | None = None):
         """See :meth:`aps.Worker.pull`."""
+        await self.flush()
         return await arun(self._pull(rows, out))
 
     async def pull_rows(
         self, table: str | Mapping[str, Any], ids: Any = None, *, out: Any = None, keep_version: bool = False
     ) -> Any:
         """See :meth:`aps.Worker.pull_rows`."""
+        await self.flush()
         return await arun(self._pull_rows(table, ids, out, versioned=not keep_version))
 
     async def push_rows(self, table: str | Mapping[str, Any], ids: Any = None, grads: Any = None) -> None:
         """See :meth:`aps.Worker.push_rows`."""
+        await self.flush()
         await arun(self._push_rows(table, ids, grads))
 
     async def push(
         self, grads: Mapping[str, np.ndarray] | np.ndarray, *, rows: Mapping[str, Any] | None = None
     ) -> None:
-        """See :meth:`aps.Worker.push`."""
+        """See :meth:`aps.Worker.push`; pipelined (``pipeline=N``): returns once sent."""
+        if self._pipelines and rows is None:
+            await self._pipelined_push(grads)
+            return
+        await self.flush()
         await arun(self._push(grads, False, rows))
+
+    async def flush(self) -> None:
+        """Wait until every pipelined push is answered; raise the first that was refused
+        since the last call (or the loss of the server, if the worker could not get back to
+        it). Nothing to do without ``pipeline``."""
+        if not self._pipelines:
+            return
+        await asyncio.gather(*(pipeline.drain() for pipeline in self._pipelines))
+        for pipeline in self._pipelines:
+            pipeline.raise_failure()
+
+    @property
+    def in_flight(self) -> int:
+        """Pipelined pushes sent and not answered yet (the most of any server's connection)."""
+        return max((pipeline.in_flight for pipeline in self._pipelines), default=0)
+
+    async def _pipelined_push(self, grads: Mapping[str, np.ndarray] | np.ndarray) -> None:
+        self._check_open()
+        if self._one:
+            await self._pipelines[0].push(grads)
+            return
+        pieces = self._gradient_pieces(grads)
+        check_fp16_range(pieces, self._channels)
+        results = await asyncio.gather(
+            *(pipeline.push(piece) for pipeline, piece in zip(self._pipelines, pieces)), return_exceptions=True
+        )
+        self._failed([result for result in results if isinstance(result, BaseException)])
 
     async def push_pull(
         self,
@@ -129,38 +186,49 @@ class AsyncWorker(_Workers):
         out: Mapping[str, np.ndarray] | None = None,
     ):
         """See :meth:`aps.Worker.push_pull`."""
+        await self.flush()
         return await arun(self._push(grads, True, rows, pull_rows, out))
 
     async def ping(self) -> int:
         """See :meth:`aps.Worker.ping`."""
+        await self.flush()
         return await arun(self._ping())
 
     async def log(self, scalars: Mapping[str, Any], step: int | None = None, *, batch: Any = None) -> None:
         """See :meth:`aps.Worker.log`."""
+        await self.flush()
         await arun(self._log(scalars, step, batch))
 
     async def claim(self, name: str, count: int = 1) -> int:
         """See :meth:`aps.Worker.claim`."""
+        await self.flush()
         return await arun(self._claim(name, count))
 
     async def set_hyperparameters(self, groups: Sequence[Mapping[str, float]]) -> None:
         """See :meth:`aps.Worker.set_hyperparameters`."""
+        await self.flush()
         await arun(self._set_hyperparameters(groups))
 
     async def optimizer_state(self) -> dict[str, Any]:
         """See :meth:`aps.Worker.optimizer_state`."""
+        await self.flush()
         return await arun(self._optimizer_state())
 
     async def load_optimizer_state(self, state: Mapping[str, Any]) -> bool:
         """See :meth:`aps.Worker.load_optimizer_state`."""
+        await self.flush()
         return await arun(self._load_optimizer_state(state))
 
     async def load_weights(self, params: Mapping[str, Any] | np.ndarray) -> bool:
         """See :meth:`aps.Worker.load_weights`."""
+        await self.flush()
         return await arun(self._load_weights(params))
 
     async def reconnect(self, *, timeout: float | None = 60.0) -> Mapping[str, np.ndarray]:
         """See :meth:`aps.Worker.reconnect`."""
+        for pipeline in self._pipelines:  # (what became of them was raised, or is moot now)
+            await pipeline.drain()
+            pipeline.forget_failure()
         return await arun(self._reconnect(timeout))
 
     async def close(self) -> None:
@@ -172,6 +240,11 @@ class AsyncWorker(_Workers):
         await self._close(finished)
 
     async def _close(self, finished: bool = False) -> None:
+        if self._pipelines and not self._closing:
+            try:
+                await self.flush()
+            except APSError as exc:  # closing all the same: say what the last pushes met
+                log.warning("rank %s: closing with a pipelined push refused or lost: %s", self.rank, exc)
         if not self._closing:
             await arun(self._log_rest())
         self._closing = True

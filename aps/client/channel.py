@@ -19,6 +19,7 @@ import weakref
 from typing import Any
 
 from ..errors import APSError
+from .pipeline import Pipeline
 from .shm import ShmConnection
 from .sockets import handshake, handshake_async
 from .steps import CONNECT, CONNECT_SHM, EACH, HANDSHAKE, LOCKED, RECEIVE, SEND, SLEEP, TURN, Steps, _ChannelSteps
@@ -113,8 +114,12 @@ async def arun(steps: Steps) -> Any:
                 core = step[2]
                 await step[1].receive(core.reader, core.has_reply, step[3], step[4])
             elif kind == LOCKED:
-                async with step[1]._lock:
+                channel = step[1]
+                await channel.acquire()
+                try:
                     value = await arun(step[2])
+                finally:
+                    channel._lock.release()
             elif kind == EACH:
                 value = await step[1]._fan_out(step[2], step[3])
             elif kind == TURN:
@@ -309,8 +314,24 @@ class AsyncChannel(_OneServer):
         super().__init__(*args, **options)
         self._requested_transport = "tcp"  # asyncio's sockets cannot pass the descriptors shm needs
         self._lock = asyncio.Lock()
+        #: Its pushes in flight (``AsyncWorker.connect(pipeline=N)``, N > 1), or None.
+        self.pipeline: Pipeline | None = None
         self._heartbeat_task: asyncio.Task | None = None
         self._closed = False
+
+    async def acquire(self) -> None:
+        """Take the lock for a request of the steps, once every push in flight is answered (the
+        answers come first on the connection; a push is only sent under the lock, so none is
+        sent after). Waits outside the lock: the pipeline's reader may need it to reconnect.
+        The reader itself takes it at once (it reconnects with pushes in flight)."""
+        pipeline = self.pipeline
+        while True:
+            if pipeline is not None and pipeline.in_flight and not pipeline.is_reader():
+                await pipeline.drain()
+            await self._lock.acquire()
+            if pipeline is None or not pipeline.in_flight or pipeline.is_reader():
+                return
+            self._lock.release()
 
     def _start_heartbeat(self) -> None:
         """Start the heartbeat task, unless there is none to run or it still runs."""

@@ -373,6 +373,25 @@ class _ClientCore:
         self._push = (op, self._request_id, clock, version, buffers, flags, dtype)
         return frames
 
+    def pipelined_push(self, grads: Any, clock: int) -> tuple[list, int]:
+        """A dense PUSH sent while earlier ones are unanswered (an asyncio worker's pipeline):
+        its frames and request id; ``clock`` is the clock it counts at (this worker's clock
+        plus the pushes in flight), the version the weights held. Nothing is kept for a
+        resend here: the pipeline keeps its own copy."""
+        self._require_layout()
+        flags, dtype, buffers = self._dense_push(grads, False)
+        rid = self._next_request(Op.PUSH)
+        header = pack_header(Op.PUSH, flags, dtype, rid, clock, self.version, sum(len(b) for b in buffers))
+        return [header, *buffers], rid
+
+    def push_acknowledged(self, header: Header) -> None:
+        """A pipelined push was answered (``header``, its PUSH_REPLY): its clock, as
+        :meth:`finish` takes a push's."""
+        self.clock = header.clock
+        if header.live:
+            self.live = header.live
+        self.dropped = bool(header.flags & _DROPPED)
+
     def skip_request(self) -> list:
         """PUSH_PULL with SKIP: no gradient; this worker takes no part in the server's open BSP
         round (docs/algorithms.md, "Sharded BSP: a worker that joins"), and the reply brings

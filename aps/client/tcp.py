@@ -138,6 +138,17 @@ class AsyncConnection(ClientSocket):
         set_keepalive(sock, keepalive)
         return cls(sock, f"tcp://{host}:{port}")
 
+    def send_now(self, data: bytes) -> bytes:
+        """Write what the socket takes of ``data`` without waiting; what is left (a pipelined
+        push's frame: the rest goes by :meth:`send`)."""
+        try:
+            sent = self.sock.send(data)
+        except (BlockingIOError, InterruptedError):
+            return data
+        except OSError as exc:
+            raise self._lost(exc) from None
+        return data[sent:] if sent < len(data) else b""
+
     async def send(self, buffers: Sequence) -> None:
         loop = asyncio.get_running_loop()
         views = [memoryview(b).cast("B") for b in buffers if len(b)]
@@ -202,6 +213,10 @@ class AsyncTlsConnection(AsyncConnection):
         set_nodelay(sock)
         set_keepalive(sock, keepalive)
         return cls(reader, writer, address)
+
+    def send_now(self, data: bytes) -> bytes:
+        self._writer.write(data)  # (buffered by the stream: its drain is the next send's)
+        return b""
 
     async def send(self, buffers: Sequence) -> None:
         try:

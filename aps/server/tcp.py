@@ -32,6 +32,10 @@ if TYPE_CHECKING:
 
 __all__ = ["TcpTransport"]
 
+#: Replies up to this size written while one read's requests are handled are held back and
+#: written together at the end of it (a header, an error; not weights).
+CORKED_BYTES = 4096
+
 log = logging.getLogger("aps.server")
 
 
@@ -59,6 +63,7 @@ class TcpTransport(asyncio.BufferedProtocol):
         self._addresses: tuple = (None, None)  # (peer, local): whom failed AUTHs count against
         self._vectored = type(asyncio.get_event_loop()).__module__.startswith("uvloop")
         self._leases: list[Snapshot] = []
+        self._corked: list[bytes] | None = None  # small replies held back while a read is handled
         self.receiver = connect(self)
 
     # asyncio callbacks ----------------------------------------------------
@@ -81,7 +86,22 @@ class TcpTransport(asyncio.BufferedProtocol):
         return self.receiver.get_buffer()
 
     def buffer_updated(self, nbytes: int) -> None:
-        self.receiver.bytes_arrived(nbytes)
+        # Replies written while these bytes are handled (several requests of a pipelining
+        # worker, answered at once) go out in one write at the end, not a write each.
+        self._corked = []
+        try:
+            self.receiver.bytes_arrived(nbytes)
+        finally:
+            self._uncork()
+            self._corked = None
+
+    def _uncork(self) -> None:
+        """Write the small replies held back so far (see buffer_updated)."""
+        corked = self._corked
+        if corked:
+            self._corked = []
+            if self.transport is not None and not self.transport.is_closing():
+                self.transport.write(corked[0] if len(corked) == 1 else b"".join(corked))
 
     def eof_received(self) -> bool:
         return False
@@ -98,6 +118,7 @@ class TcpTransport(asyncio.BufferedProtocol):
 
     # Transport ------------------------------------------------------------------
     def close(self) -> None:
+        self._uncork()  # (an error frame before the close goes out first)
         if self.transport is not None and not self.transport.is_closing():
             self.transport.close()
 
@@ -106,17 +127,24 @@ class TcpTransport(asyncio.BufferedProtocol):
             self.transport.abort()
 
     def unsent(self) -> int:
-        return self.transport.get_write_buffer_size() if self.transport is not None else 0
+        held = sum(len(data) for data in self._corked) if self._corked else 0
+        return held + (self.transport.get_write_buffer_size() if self.transport is not None else 0)
 
     def can_write(self) -> bool:
         return self.transport is not None and not self.transport.is_closing()
 
     def write(self, data: bytes | memoryview, fds: Sequence[int] = ()) -> None:
         assert self.transport is not None
+        corked = self._corked
+        if corked is not None and len(data) <= CORKED_BYTES:
+            corked.append(bytes(data))
+            return
+        self._uncork()
         self.transport.write(data)
 
     def write_parts(self, parts: tuple, fds: Sequence[int] = ()) -> None:
         assert self.transport is not None
+        self._uncork()
         if self._vectored:
             self.transport.writelines(parts)
         else:
@@ -171,6 +199,7 @@ class TcpTransport(asyncio.BufferedProtocol):
     ) -> None:
         transport = self.transport
         assert transport is not None
+        self._uncork()
         data = snap.bytes
         if narrowed is not None:
             data = narrowed.data.cast("B")  # its own copy: no lease

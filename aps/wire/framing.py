@@ -122,6 +122,16 @@ class FrameReader:
         if parse:
             self._parse()
 
+    def hand_to(self, handler: FrameHandler) -> None:
+        """Deliver the frames from the next one on to ``handler`` (an asyncio worker's pipeline
+        takes its acknowledgements this way, then hands the reader back). Only between frames:
+        a frame whose header was parsed is its handler's to the end."""
+        if self._header is not None:
+            raise RuntimeError("a frame is being read: its handler keeps it")
+        self._handler = handler
+        self._progress = getattr(handler, "payload_progress", None)
+        self._more = getattr(handler, "frame_more", None)
+
     def detach(self) -> None:
         """The connection is gone: let go of the handler and every buffer at once
         (a reader and its handler refer to each other; without this, a dropped

@@ -66,8 +66,13 @@ class Seat:
         self.result: PushResult | None = None
 
     def is_duplicate(self, request_id: int | None, clock: int | None) -> bool:
-        # Request id 0 names no request (aps.Worker never uses it): never a duplicate.
-        return bool(request_id) and request_id == self.push_id and clock == self.push_clock
+        # Request id 0 names no request (aps.Worker never uses it): never a duplicate. A push
+        # whose clock is below the last one taken was taken before it: a worker numbers its
+        # pushes in the order it sends them, and sends again, in that order, only the ones
+        # never answered (an asyncio worker's pipeline: several; docs/protocol.md, "Duplicates").
+        if not request_id or clock is None or self.push_clock < 0:
+            return False
+        return (request_id == self.push_id and clock == self.push_clock) or 0 <= clock < self.push_clock
 
     def to_json(self) -> dict:
         result = self.result

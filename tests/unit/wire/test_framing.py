@@ -194,3 +194,20 @@ def test_a_payload_taken_in_parts_arrives_whole_or_is_discarded(frames, cuts, st
             assert rest == payload[head:] and last == payload[head:]
         else:  # the rest was read and dropped
             assert rest is None
+
+
+def test_a_reader_handed_to_another_handler_delivers_it_the_next_frames():
+    """An asyncio worker's pipeline takes the reader for its answers between frames, and hands
+    it back: a half-read frame stays with the handler that began it."""
+    first, second = Recorder(), Recorder()
+    reader = FrameReader(first)
+    data = stream_of([(Op.PUSH, b"abc"), (Op.PUSH, b"defg"), (Op.PULL, b"")])
+    one = len(pack_header(Op.PUSH, length=3)) + 3
+    feed(reader, data[: one + HEADER_SIZE + 2], [])  # the first frame, and part of the second
+    with pytest.raises(RuntimeError, match="being read"):
+        reader.hand_to(second)
+    feed(reader, data[one + HEADER_SIZE + 2 : one + HEADER_SIZE + 4], [])
+    reader.hand_to(second)
+    feed(reader, data[one + HEADER_SIZE + 4 :], [])
+    assert [f[2] for f in first.frames] == [b"abc", b"defg"]
+    assert [f[0] for f in second.frames] == [Op.PULL] and second.progress == []

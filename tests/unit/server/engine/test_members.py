@@ -28,6 +28,18 @@ def test_a_seat_goes_through_a_checkpoint_as_it_was_and_recognises_its_last_push
     assert not Seat().is_duplicate(0, -1)  # request id 0 names no request
 
 
+def test_a_push_numbered_below_the_last_one_taken_was_taken_before_it():
+    """A pipeline's pushes sent again after a reconnect: those the server took already are
+    numbered below the last one taken (any request id); the ones after it are new."""
+    seat = Seat()
+    seat.push_id, seat.push_clock = 41, 6
+    assert seat.is_duplicate(38, 3) and seat.is_duplicate(40, 5)
+    assert not seat.is_duplicate(42, 7) and not seat.is_duplicate(43, 6)  # (a new push, a new id)
+    assert not seat.is_duplicate(0, 3)  # (id 0 names no request)
+    forgotten = Seat()  # (a new process for the rank: nothing is a duplicate)
+    assert not forgotten.is_duplicate(38, 3)
+
+
 def test_a_member_receives_a_push_in_the_buffer_of_its_element_type():
     member = Member(0)
     member.grad = np.zeros(4, np.float32)
