@@ -25,6 +25,9 @@ __all__ = ["AsyncWorker"]
 
 log = logging.getLogger("aps.worker")
 
+#: Seconds close() waits for the answers to pipelined pushes before it leaves all the same.
+CLOSE_FLUSH_S = 5.0
+
 
 class AsyncWorker(_Workers):
     """The asyncio twin of :class:`aps.Worker`: same arguments, awaitable methods.
@@ -38,15 +41,15 @@ class AsyncWorker(_Workers):
     fewer than N pushes are unanswered on each server's connection: the server answers
     them in order, and applies them one by one as they come. A refused push raises at the
     worker's next call (:meth:`flush` waits for every answer); every other call waits for
-    the answers first. Only under a policy that never holds a worker after a push: ASP,
-    and softsync without ``--staleness`` (else ConfigurationError at connect). See
-    docs/guide/start.md, "Pipelined pushes".
+    the answers first. Under SSP and DSSP a push that finds the worker held at the gate
+    waits there (the worker runs at most the bound ahead); BSP refuses a pipeline
+    (ConfigurationError at connect). See docs/guide/start.md, "Pipelined pushes".
     """
 
     def __init__(self, channels: list[AsyncChannel]) -> None:  # see connect()
         self._setup(channels)
         self._lock = asyncio.Lock()  # one sharded request at a time
-        self._pipelines = [channel.pipeline for channel in channels if channel.pipeline is not None]
+        self._pipelines = [pipeline for channel in channels if (pipeline := getattr(channel, "pipeline", None))]
 
     @classmethod
     async def connect(
@@ -170,11 +173,16 @@ class AsyncWorker(_Workers):
         if self._one:
             await self._pipelines[0].push(grads)
             return
-        pieces = self._gradient_pieces(grads)
-        check_fp16_range(pieces, self._channels)
-        results = await asyncio.gather(
-            *(pipeline.push(piece) for pipeline, piece in zip(self._pipelines, pieces)), return_exceptions=True
-        )
+        for pipeline in self._pipelines:  # (an earlier refusal: raised before any shard takes this one)
+            pipeline.raise_failure()
+        # One sharded push at a time: the pieces lie in the worker's one gradient buffer until
+        # every shard's pipeline has taken its own (copied into its frame).
+        async with self._lock:
+            pieces = self._gradient_pieces(grads)
+            check_fp16_range(pieces, self._channels)
+            results = await asyncio.gather(
+                *(pipeline.push(piece) for pipeline, piece in zip(self._pipelines, pieces)), return_exceptions=True
+            )
         self._failed([result for result in results if isinstance(result, BaseException)])
 
     async def push_pull(
@@ -226,9 +234,11 @@ class AsyncWorker(_Workers):
 
     async def reconnect(self, *, timeout: float | None = 60.0) -> Mapping[str, np.ndarray]:
         """See :meth:`aps.Worker.reconnect`."""
-        for pipeline in self._pipelines:  # (what became of them was raised, or is moot now)
+        for pipeline in self._pipelines:
             await pipeline.drain()
-            pipeline.forget_failure()
+            failure = pipeline.take_failure()  # (moot now: said, not raised)
+            if failure is not None:
+                log.warning("rank %s: before reconnect(): %s", self.rank, failure)
         return await arun(self._reconnect(timeout))
 
     async def close(self) -> None:
@@ -241,10 +251,12 @@ class AsyncWorker(_Workers):
 
     async def _close(self, finished: bool = False) -> None:
         if self._pipelines and not self._closing:
+            for channel in self._channels:  # (a reconnect in progress gives up: no call waits on one)
+                channel._closing = True
             try:
-                await self.flush()
-            except APSError as exc:  # closing all the same: say what the last pushes met
-                log.warning("rank %s: closing with a pipelined push refused or lost: %s", self.rank, exc)
+                await asyncio.wait_for(self.flush(), CLOSE_FLUSH_S)
+            except (APSError, TimeoutError) as exc:  # closing all the same: say what the last pushes met
+                log.warning("rank %s: closing with pipelined pushes refused, lost or unanswered: %r", self.rank, exc)
         if not self._closing:
             await arun(self._log_rest())
         self._closing = True

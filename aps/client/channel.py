@@ -119,7 +119,7 @@ async def arun(steps: Steps) -> Any:
                 try:
                     value = await arun(step[2])
                 finally:
-                    channel._lock.release()
+                    channel.release()
             elif kind == EACH:
                 value = await step[1]._fan_out(step[2], step[3])
             elif kind == TURN:
@@ -316,6 +316,10 @@ class AsyncChannel(_OneServer):
         self._lock = asyncio.Lock()
         #: Its pushes in flight (``AsyncWorker.connect(pipeline=N)``, N > 1), or None.
         self.pipeline: Pipeline | None = None
+        #: Requests of the steps waiting for the pushes in flight to be answered (pushes wait
+        #: for them in turn, so that a pull is not put off for ever by a task that pushes).
+        self.requests_waiting = 0
+        self._request_turn = asyncio.Event()
         self._heartbeat_task: asyncio.Task | None = None
         self._closed = False
 
@@ -325,13 +329,35 @@ class AsyncChannel(_OneServer):
         sent after). Waits outside the lock: the pipeline's reader may need it to reconnect.
         The reader itself takes it at once (it reconnects with pushes in flight)."""
         pipeline = self.pipeline
-        while True:
-            if pipeline is not None and pipeline.in_flight and not pipeline.is_reader():
-                await pipeline.drain()
+        if pipeline is None or pipeline.is_reader():
             await self._lock.acquire()
-            if pipeline is None or not pipeline.in_flight or pipeline.is_reader():
-                return
-            self._lock.release()
+            return
+        self.requests_waiting += 1
+        try:
+            while True:
+                if pipeline.in_flight:
+                    await pipeline.drain()
+                await self._lock.acquire()
+                if not pipeline.in_flight:
+                    return
+                self._lock.release()
+        finally:
+            self.requests_waiting -= 1
+
+    def release(self) -> None:
+        """Let go of the lock a request of the steps held; pipelined pushes go on."""
+        self._lock.release()
+        self._request_turn.set()
+        self._request_turn = asyncio.Event()
+
+    async def request_passed(self) -> None:
+        """(A pipelined push.) Wait until no request of the steps holds the lock or waits for it."""
+        while self._lock.locked() or self.requests_waiting:
+            await self._request_turn.wait()
+
+    async def recover(self, lost: APSError) -> None:
+        """Get back to the server after ``lost`` (as a call does: reconnect, rejoin)."""
+        await arun(self._recover(lost))
 
     def _start_heartbeat(self) -> None:
         """Start the heartbeat task, unless there is none to run or it still runs."""
@@ -361,8 +387,8 @@ class AsyncChannel(_OneServer):
             # shutdown wakes its pending read at once (the call then drops the connection);
             # closing the socket under it would not: the loop stops watching a closed descriptor.
             self._conn.shutdown()
-        async with self._lock:
-            pass
+        await self._lock.acquire()
+        self.release()
         if self._conn is None:
             return
         await arun(self._leave(5.0, finished))

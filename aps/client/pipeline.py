@@ -23,20 +23,17 @@ import logging
 import time
 from collections import deque
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from ..errors import APSError, ConfigurationError, MalformedFrame, ProtocolError, ShuttingDown, error_from_code
-from ..wire.protocol import Flag, Header, Op, decode_error
-
-if TYPE_CHECKING:
-    from .channel import AsyncChannel
+from ..wire.protocol import MAX_IN_FLIGHT, Flag, Header, Op, decode_error
 
 __all__ = ["MAX_PIPELINE", "Pipeline", "check_pipeline", "pipelines_allowed"]
 
 log = logging.getLogger("aps.worker")
 
 #: The most pushes one connection may keep in flight.
-MAX_PIPELINE = 1024
+MAX_PIPELINE = MAX_IN_FLIGHT
 _MAX_ERROR_PAYLOAD = 1 << 20
 _ALIVE, _ERROR, _PUSH_REPLY = int(Op.ALIVE), int(Op.ERROR), int(Op.PUSH_REPLY)
 
@@ -50,26 +47,25 @@ def check_pipeline(depth: Any) -> int:
 
 def pipelines_allowed(options: dict[str, Any] | None) -> str | None:
     """Why a server run with ``options`` (its handshake's) cannot take pipelined pushes, or None
-    when it can: only a policy that never holds a worker at its gate takes a push sent before
-    the answer to the one before (ASP, and softsync without a staleness bound); BSP, SSP and
-    DSSP hold a worker after a push, and refuse its next push until it has pulled."""
+    when it can: every policy but BSP, whose round takes one gradient per worker computed on
+    the round's weights (a push sent before the answer to the one before was computed on
+    older weights: the round would drop it). Under SSP and DSSP a pipelined push that finds
+    its worker held at the gate waits there (Flag.GATE): the worker runs at most the bound ahead."""
     if options is None:
         return "the server did not say its sync policy (an older server)"
-    sync = options.get("sync")
-    if sync == "asp" or (sync == "softsync" and options.get("staleness") is None):
-        return None
-    bound = options.get("staleness")
-    described = f"{sync}" + ("" if bound is None or sync not in ("softsync",) else f" with --staleness {bound}")
-    return (
-        f"the server runs {described}, which holds a worker at its gate after a push and refuses "
-        "its next push until it has pulled; pipelined pushes need asp, or softsync without --staleness"
-    )
+    if options.get("sync") == "bsp":
+        return (
+            "the server runs bsp, whose rounds take one gradient per worker computed on the round's "
+            "weights; pipelined pushes need asp, ssp, dssp or softsync"
+        )
+    return None
 
 
 @dataclass(slots=True)
 class _Sent:
     request_id: int
     clock: int
+    version: int  # of the weights it was computed on
     frame: bytes  # the whole frame, sent again as it is after a reconnect
 
 
@@ -82,8 +78,8 @@ class Pipeline:
         depth: how many may be unanswered at once.
     """
 
-    def __init__(self, channel: AsyncChannel, depth: int) -> None:
-        self._channel = channel
+    def __init__(self, channel: Any, depth: int) -> None:
+        self._channel = channel  # (an AsyncChannel: typed loosely, the channel module imports this one)
         self.depth = depth
         self._sent: deque[_Sent] = deque()
         self._changed = asyncio.Event()
@@ -92,8 +88,12 @@ class Pipeline:
         self._reading: asyncio.Task | None = None
         self._recovering = False
         self._failure: BaseException | None = None
-        #: Pushes sent, answered, refused, and sent again after a reconnect (for the curious).
-        self.counts = {"sent": 0, "answered": 0, "refused": 0, "resent": 0}
+        # The clock of the next push: one above the last one sent, whatever the answers said
+        # meanwhile (the server tells a push sent again from a new one by its request id and
+        # clock, both of which only go up: docs/protocol.md, "Duplicates").
+        self._next_clock = 0
+        #: Pushes sent, answered, refused, sent again after a reconnect, and given up (for the curious).
+        self.counts = {"sent": 0, "answered": 0, "refused": 0, "resent": 0, "dropped": 0}
 
     @property
     def in_flight(self) -> int:
@@ -113,19 +113,22 @@ class Pipeline:
         channel = self._channel
         while True:
             self.raise_failure()
-            if len(self._sent) >= self.depth:
-                await self._next_change()
-            elif channel._lock.locked() and not self._recovering:
-                async with channel._lock:  # a request of the steps is on the connection: after it
-                    pass
+            if len(self._sent) >= self.depth or self._recovering:
+                await self._next_change()  # (room; or the reconnect done: nothing is built meanwhile)
+            elif channel._lock.locked() or channel.requests_waiting:
+                await channel.request_passed()  # a request of the steps goes first
+            elif channel._conn is None:
+                lost = channel._disconnected()
+                if not channel._reconnects("push", lost):
+                    raise lost
+                await channel.recover(lost)  # (as any call of a dropped worker does)
             else:
                 break
-        if channel._conn is None and not self._recovering:
-            raise channel._disconnected()
         core = channel._core
-        clock = core.clock + len(self._sent)
+        clock = max(self._next_clock, core.clock + len(self._sent))
+        self._next_clock = clock + 1
         frames, request_id = core.pipelined_push(grads, clock)
-        sent = _Sent(request_id, clock, b"".join(frames))  # (the gradient's buffer is the caller's again)
+        sent = _Sent(request_id, clock, core.version, b"".join(frames))  # (the gradient's buffer is the caller's)
         self._sent.append(sent)
         self.counts["sent"] += 1
         frame, conn = sent.frame, channel._conn
@@ -177,9 +180,11 @@ class Pipeline:
         if failure is not None:
             raise failure
 
-    def forget_failure(self) -> None:
-        """Drop what went wrong without raising it (the worker reconnects by hand)."""
-        self._failure = None
+    def take_failure(self) -> BaseException | None:
+        """What went wrong since the last call, taken without raising it (the worker
+        reconnects by hand: it is logged there)."""
+        failure, self._failure = self._failure, None
+        return failure
 
     async def _next_change(self) -> None:
         event = self._changed
@@ -229,8 +234,6 @@ class Pipeline:
     async def _recover(self, lost: APSError) -> bool:
         """Reconnect and rejoin (as any call does), then send every unanswered push again;
         False if that failed (then the pipeline failed with the reason)."""
-        from .channel import arun
-
         channel = self._channel
         log.warning(
             "rank %s: lost %s with %d push(es) in flight (%s); reconnecting",
@@ -245,16 +248,55 @@ class Pipeline:
             await asyncio.gather(sender, return_exceptions=True)
         self._recovering = True
         try:
-            await arun(channel._recover(lost))
+            await channel.recover(lost)
         except APSError as exc:
             self._recovering = False
             self._fail(exc)
             return False
         self._recovering = False
+        self._after_rejoin()
         self._queued = [sent.frame for sent in self._sent]  # in order, before anything new
         self.counts["resent"] += len(self._sent)
+        self._changed_now()
         self._start()
         return True
+
+    def _after_rejoin(self) -> None:
+        """Which unanswered pushes go again, by the rules a call's push follows
+        (:func:`aps.client.recovery._after_recovery`): none under a new rank (its old rank's
+        record is not this seat's: one taken before would be applied twice), and none computed
+        on weights newer than the server's (it resumed from an older checkpoint), but to a
+        shard under an asynchronous policy (which drops it and counts its iteration, as the
+        other shards count it)."""
+        channel, core = self._channel, self._channel._core
+        if core.reseated:
+            core.reseated = False
+            self._give_up(
+                len(self._sent), "they are not sent again under the new rank (the server may have applied some)"
+            )
+            self._sent.clear()
+            return
+        sync = (channel.server_options or {}).get("sync")
+        if channel._as_shard and sync not in (None, "bsp"):
+            return
+        newer = [sent for sent in self._sent if sent.version > core.version]
+        if newer:
+            self._give_up(
+                len(newer),
+                f"they were computed on weights newer than the server's (version {core.version}: it resumed "
+                "from an older checkpoint)",
+            )
+            self._sent = deque(sent for sent in self._sent if sent.version <= core.version)
+
+    def _give_up(self, count: int, why: str) -> None:
+        self.counts["dropped"] += count
+        log.warning(
+            "rank %s: %d pipelined push(es) unanswered when %s was lost are dropped: %s",
+            self._channel.rank,
+            count,
+            self._channel.address,
+            why,
+        )
 
     def _fail(self, exc: BaseException) -> None:
         """Every push in flight is lost with ``exc`` (raised at the next call)."""

@@ -33,8 +33,10 @@ if TYPE_CHECKING:
 __all__ = ["TcpTransport"]
 
 #: Replies up to this size written while one read's requests are handled are held back and
-#: written together at the end of it (a header, an error; not weights).
+#: written together at the end of it (a header, an error; not weights), up to CORK_LIMIT
+#: bytes of them (then they go, and the transport's flow control holds the next requests).
 CORKED_BYTES = 4096
+CORK_LIMIT = 64 << 10
 
 log = logging.getLogger("aps.server")
 
@@ -64,6 +66,7 @@ class TcpTransport(asyncio.BufferedProtocol):
         self._vectored = type(asyncio.get_event_loop()).__module__.startswith("uvloop")
         self._leases: list[Snapshot] = []
         self._corked: list[bytes] | None = None  # small replies held back while a read is handled
+        self._corked_bytes = 0
         self.receiver = connect(self)
 
     # asyncio callbacks ----------------------------------------------------
@@ -99,7 +102,7 @@ class TcpTransport(asyncio.BufferedProtocol):
         """Write the small replies held back so far (see buffer_updated)."""
         corked = self._corked
         if corked:
-            self._corked = []
+            self._corked, self._corked_bytes = [], 0
             if self.transport is not None and not self.transport.is_closing():
                 self.transport.write(corked[0] if len(corked) == 1 else b"".join(corked))
 
@@ -127,8 +130,7 @@ class TcpTransport(asyncio.BufferedProtocol):
             self.transport.abort()
 
     def unsent(self) -> int:
-        held = sum(len(data) for data in self._corked) if self._corked else 0
-        return held + (self.transport.get_write_buffer_size() if self.transport is not None else 0)
+        return self._corked_bytes + (self.transport.get_write_buffer_size() if self.transport is not None else 0)
 
     def can_write(self) -> bool:
         return self.transport is not None and not self.transport.is_closing()
@@ -136,8 +138,9 @@ class TcpTransport(asyncio.BufferedProtocol):
     def write(self, data: bytes | memoryview, fds: Sequence[int] = ()) -> None:
         assert self.transport is not None
         corked = self._corked
-        if corked is not None and len(data) <= CORKED_BYTES:
+        if corked is not None and len(data) <= CORKED_BYTES and self._corked_bytes + len(data) <= CORK_LIMIT:
             corked.append(bytes(data))
+            self._corked_bytes += len(data)
             return
         self._uncork()
         self.transport.write(data)

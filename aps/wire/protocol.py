@@ -210,6 +210,11 @@ class Flag(IntFlag):
     #: without a gradient, and its reply is the round's weights (docs/algorithms.md, "Sharded
     #: BSP: a worker that joins").
     SKIP = 4
+    #: PUSH (a dense gradient, no rows): if the policy holds this worker at its gate (its last
+    #: push took it past the SSP/DSSP bound), the push waits there until the gate lets the
+    #: worker go on, then is applied, instead of being refused: a worker that pipelines its
+    #: pushes (docs/protocol.md, "Pipelining") runs at most the bound ahead.
+    GATE = 4
     #: INIT: the worker reconnects after losing its connection (its header's
     #: clock is the clock it had); it goes on from there, and a push it sends
     #: again is recognised (docs/protocol.md, "Reconnecting").
@@ -627,6 +632,19 @@ MAX_COUNTER = 1 << 53
 
 #: INIT's rank field asking the server for a free rank (``aps.Worker(rank=None)`` without $RANK).
 ANY_RANK = 0xFFFFFFFF
+
+#: The most pushes a worker keeps in flight on one connection (``AsyncWorker(pipeline=N)``):
+#: a push sent again after a reconnect is at most this many requests before the last one taken.
+MAX_IN_FLIGHT = 1024
+
+
+def request_before(request_id: int, later: int, window: int = MAX_IN_FLIGHT) -> bool:
+    """Whether request ``request_id`` was sent before request ``later``, at most ``window``
+    requests before it (request ids count up by one from 1 to 2**32-1, then start again at 1)."""
+    behind = (later - request_id) % 0xFFFFFFFF
+    return 0 < behind <= window
+
+
 _SEATED = struct.Struct("<III")
 
 

@@ -49,7 +49,7 @@ _PEOPLE_MAKE = frozenset({"dictionary", "spatial", "sequence", "repeat"})
 #: it takes at most 72).
 _ESTIMATED_CHARS = 64
 #: What a refusal tells the operator to do.
-HOW_TO_MAKE_ONE = "make one with `aps token` (or python -c 'import secrets; print(secrets.token_urlsafe(32))')"
+HOW_TO_MAKE_ONE = "make one with `aps token`"
 
 _LOOPBACK_NAMES = ("127.0.0.1", "localhost", "::1")
 _HEX = frozenset(string.hexdigits.lower())
@@ -65,8 +65,12 @@ _CLASSES = (
 
 
 def new_token() -> str:
-    """A new random token: 32 bytes from the OS's generator, URL-safe base64 (43 characters, 256 bits)."""
-    return secrets.token_urlsafe(32)
+    """A new random token: 32 bytes from the OS's generator, URL-safe base64 (43 characters, 256 bits),
+    never starting with ``-`` (``aps serve --token -x...`` would read it as an option)."""
+    while True:
+        token = secrets.token_urlsafe(32)
+        if not token.startswith("-"):
+            return token
 
 
 def token_bits(token: str) -> float:

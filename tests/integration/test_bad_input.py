@@ -417,3 +417,17 @@ def test_a_push_that_skips_a_round_is_refused_unless_bsp_and_empty(cluster):
     assert_error(cluster.raw, ErrorCode.MALFORMED_FRAME, "carries nothing: no gradient, no rows")
     cluster.raw.frame(Op.PING)
     assert cluster.raw.reply()[0].op == Op.PING_REPLY
+
+
+def test_a_push_that_waits_at_the_gate_carries_a_dense_gradient_alone(cluster):
+    """Flag.GATE (a pipelined push waits at the SSP/DSSP gate rather than being refused) is for a
+    dense gradient alone; with rows it is refused and changes nothing. On a worker the policy
+    does not hold (ASP holds none) it is an ordinary push."""
+    gate = {"flags": int(Flag.GATE | Flag.ROWS), "dtype": int(DType.FLOAT32)}
+    cluster.raw.frame(Op.PUSH, np.ones(N, np.float32).tobytes(), **gate)
+    assert_error(cluster.raw, ErrorCode.MALFORMED_FRAME, "carries a dense gradient alone, no rows",
+                 server=cluster.server)
+    if cluster.raw.transport == "tcp":
+        cluster.raw.frame(Op.PUSH, np.zeros(N, np.float32).tobytes(), flags=int(Flag.GATE), dtype=int(DType.FLOAT32))
+        header, _ = cluster.raw.reply()
+        assert header.op == Op.PUSH_REPLY and header.clock == 1

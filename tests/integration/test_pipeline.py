@@ -59,15 +59,51 @@ def test_a_refused_push_is_raised_at_the_next_call_and_the_others_are_applied(se
     asyncio.run(main())
 
 
-@pytest.mark.parametrize("options", [("--sync", "bsp"), ("--sync", "ssp"), ("--sync", "softsync", "--staleness", "2")])
-def test_policies_that_hold_a_worker_after_a_push_refuse_a_pipeline(server_process, options):
-    server = server_process("--workers", "1", *options)
+def test_bsp_refuses_a_pipeline(server_process):
+    """A BSP round takes one gradient per worker, computed on the round's weights."""
+    server = server_process("--workers", "1", "--sync", "bsp")
 
     async def main() -> None:
-        with pytest.raises(aps.ConfigurationError, match="pipelined pushes need asp"):
+        with pytest.raises(aps.ConfigurationError, match="pipelined pushes need asp, ssp, dssp or softsync"):
             await aps.AsyncWorker.connect(server.address, 0, 1, pipeline=4)
 
     asyncio.run(main())
+
+
+@pytest.mark.parametrize("sync", ["ssp", "dssp"])
+def test_under_ssp_a_pipelining_worker_runs_at_most_the_bound_ahead(server_process, sync):
+    """Its push that finds it held at the gate waits there (Flag.GATE) instead of being refused:
+    it gets ahead of the slow worker by the bound and no further, and every push is applied."""
+    bound, pushes = 2, 30
+    server = server_process("--workers", "2", "--sync", sync, "--staleness", str(bound), "--lr", "1")
+
+    async def main() -> None:
+        fast = await aps.AsyncWorker.connect(server.address, 0, 2, pipeline=16)
+        slow = await aps.AsyncWorker.connect(server.address, 1, 2)
+        params = {"w": np.zeros(N, np.float32)}
+        await asyncio.gather(fast.init(params), slow.init(params))
+        ones = np.ones(N, np.float32)
+
+        async def run_ahead() -> None:
+            for _ in range(pushes):
+                await fast.push(ones)
+            await fast.flush()
+
+        task = asyncio.ensure_future(run_ahead())
+        ahead = []
+        for done in range(pushes):
+            await asyncio.sleep(0.02)
+            ahead.append(fast.clock - done)  # (its pushes answered, beyond the slow worker's)
+            await slow.push_pull(ones)
+        await task
+        weights = await fast.pull()
+        await asyncio.gather(fast.close(), slow.close())
+        upper = bound if sync == "ssp" else 15  # (DSSP: up to its upper bound, default 15)
+        assert max(ahead) <= upper + 1, ahead
+        assert max(ahead) >= bound, ahead  # (it did run ahead: the bound was met, not missed)
+        np.testing.assert_array_equal(weights["w"], np.full(N, -2.0 * pushes, np.float32))
+
+    asyncio.run(asyncio.wait_for(main(), 60))
 
 
 @pytest.mark.parametrize("depth", [0, -1, 1025, 2.5, True])
@@ -150,5 +186,41 @@ def test_a_connection_lost_with_pushes_in_flight_applies_each_exactly_once(serve
         assert relay.connections >= 2 and counts["resent"] > 0, (relay.connections, counts)
         assert worker.version == pushes
         np.testing.assert_array_equal(weights["w"], np.full(N, -float(pushes), np.float32))
+
+    asyncio.run(asyncio.wait_for(main(), 60))
+
+
+def test_pushes_from_several_tasks_and_a_pull_between_them_are_each_applied_once(server_process):
+    """Tasks push at once through one worker (sharded: each shard's pipeline takes its piece)
+    while another pulls: the pull waits for the answers in flight and is not put off for ever;
+    every push is applied once, on every shard."""
+    shards = [
+        server_process("--shard", str(i), "--shards", "2", "--workers", "1", "--sync", "asp", "--lr", "1")
+        for i in range(2)
+    ]
+    tasks, each = 4, 50
+
+    async def main() -> None:
+        worker = await aps.AsyncWorker.connect([s.address for s in shards], 0, 1, pipeline=8)
+        async with worker:
+            await worker.init({"w": np.zeros(N, np.float32), "b": np.zeros(3, np.float32)})
+            grads = {"w": np.ones(N, np.float32), "b": np.ones(3, np.float32)}
+            pulled: list[int] = []
+
+            async def pusher() -> None:
+                for _ in range(each):
+                    await worker.push(grads)
+
+            async def puller() -> None:
+                for _ in range(5):
+                    await asyncio.sleep(0.01)
+                    await worker.pull()
+                    pulled.append(worker.version)
+
+            await asyncio.gather(*(pusher() for _ in range(tasks)), puller())
+            weights = await worker.pull()
+            assert len(pulled) == 5
+            for name in ("w", "b"):
+                np.testing.assert_array_equal(weights[name], np.full_like(weights[name], -float(tasks * each)))
 
     asyncio.run(asyncio.wait_for(main(), 60))

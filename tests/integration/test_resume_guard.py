@@ -11,7 +11,6 @@ import json
 import os
 import pathlib
 import re
-import secrets
 import shutil
 import time
 
@@ -19,13 +18,20 @@ import numpy as np
 import pytest
 
 import aps
-from aps.checkpoint import (LINEAGE_FILE, MANIFEST_FILE, MANIFEST_MAC_FILE, MANIFEST_SUM_FILE, MODEL_FILE, list_checkpoints,
-                            read_checkpoint)
+from aps.checkpoint import (
+    LINEAGE_FILE,
+    MANIFEST_FILE,
+    MANIFEST_MAC_FILE,
+    MANIFEST_SUM_FILE,
+    MODEL_FILE,
+    list_checkpoints,
+    read_checkpoint,
+)
 from aps.cli.checkpoint import request_checkpoint
 from aps.cli.status import fetch_stats
 from aps.errors import RunChanged
-
 from aps.testing import TOKEN, ServerProcess
+from aps.wire.tokens import new_token
 
 
 def refused_to_start(*flags: str, timeout: float = 30.0) -> str:
@@ -270,7 +276,7 @@ def test_a_checkpoint_is_signed_with_the_runs_token_and_a_forged_one_is_refused(
     a key derived from the token, in manifest.hmac). A manifest altered and given a matching
     SHA-256, as anyone can compute one, is refused; so is a checkpoint signed with another
     token, or not signed; --resume-unsigned takes the unsigned one when asked."""
-    token, other = TOKEN, secrets.token_urlsafe(32)
+    token, other = TOKEN, new_token()
     _, path = signed_run(tmp_path / "run", token)
     assert (pathlib.Path(path) / MANIFEST_MAC_FILE).exists()
     resumed = ServerProcess("--checkpoint-dir", str(tmp_path / "run"), "--resume", "--token", token)

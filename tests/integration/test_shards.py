@@ -14,8 +14,8 @@ import aps
 from aps.cli.status import fetch_stats
 from aps.errors import ConfigurationError
 from aps.layout import shard_bounds
-
 from aps.testing import ServerProcess
+from aps.wire.tokens import new_token
 
 PARAMS = {"conv": np.zeros((3, 5, 7), np.float32), "bias": np.zeros(5, np.float32), "fc": np.zeros((9, 11), np.float32)}
 
@@ -220,9 +220,8 @@ def test_a_worker_given_one_shard_only_is_refused(server_process):
 def test_the_shards_record_is_checked_and_kept(server_process):
     from aps.client.channel import run
     from aps.errors import LayoutMismatch, MalformedFrame
-    from aps.wire.protocol import Op
-
     from aps.testing import RawClient
+    from aps.wire.protocol import Op
 
     servers = shards(server_process, 2, "--workers", "1")
     with aps.Worker([s.address for s in servers], 0, 1, transport="tcp", reconnect=False) as worker:
@@ -344,9 +343,8 @@ def test_a_new_bsp_worker_seated_a_round_apart_on_two_shards_skips_one_and_the_r
     process joins after round 1, bit for bit."""
     import time
 
-    import secrets
-
-    token = secrets.token_urlsafe(32)
+    
+    token = new_token()  # (never starting with "-", which --token would take for an option)
     options = ("--workers", "3", "--sync", "bsp", "--lr", "1", "--momentum", "0.5", "--token", token)
     start = {name: np.linspace(-1, 1, value.size, dtype=np.float32).reshape(value.shape)
              for name, value in PARAMS.items()}

@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from ... import _core
+from ...wire.protocol import request_before
 from .optim import HyperGroups
 
 if TYPE_CHECKING:
@@ -67,12 +68,15 @@ class Seat:
 
     def is_duplicate(self, request_id: int | None, clock: int | None) -> bool:
         # Request id 0 names no request (aps.Worker never uses it): never a duplicate. A push
-        # whose clock is below the last one taken was taken before it: a worker numbers its
-        # pushes in the order it sends them, and sends again, in that order, only the ones
-        # never answered (an asyncio worker's pipeline: several; docs/protocol.md, "Duplicates").
-        if not request_id or clock is None or self.push_clock < 0:
+        # sent before the last one taken, by request id (a few at most before it) and by clock,
+        # was taken before it: a worker numbers its requests and its pushes in the order it
+        # sends them, and sends again, in that order, only the pushes never answered (an asyncio
+        # worker's pipeline: several; docs/protocol.md, "Duplicates").
+        if not request_id or clock is None or self.push_clock < 0 or self.push_id <= 0:
             return False
-        return (request_id == self.push_id and clock == self.push_clock) or 0 <= clock < self.push_clock
+        if request_id == self.push_id:
+            return clock == self.push_clock
+        return request_before(request_id, self.push_id) and 0 <= clock < self.push_clock
 
     def to_json(self) -> dict:
         result = self.result

@@ -144,14 +144,35 @@ class Push(Handler):
     op = Op.PUSH
     carries_rows = True
 
-    def admit(self, conn: Exchange, request: Request) -> memoryview | None:
-        return push_destination(conn, request)
-
     def more(self, conn: Exchange, request: Request, got: int) -> memoryview | None:
         return rows_room(request, got)
 
+    def admit(self, conn: Exchange, request: Request) -> memoryview | None:
+        if request.header.flags & Flag.GATE and request.rows:
+            raise MalformedFrame("a PUSH that waits at the gate (GATE) carries a dense gradient alone, no rows")
+        return push_destination(conn, request)
+
     def handle(self, conn: Exchange, request: Request, payload: memoryview) -> None:
+        member = conn.require_member()
+        if request.header.flags & Flag.GATE and conn.engine.policy.is_held(member.rank):
+            # Held after its last push: this one waits at the gate as a pull would (its
+            # gradient stays in the worker's receive buffer: the next frame waits its turn).
+            member.dense_wanted = False  # (the weights it is released with are not pulled)
+            conn.engine.training.wait(member, functools.partial(_released_then_push, conn, request, payload), gate=True)
+            return
         push(conn, request, payload, functools.partial(_pushed, conn, request))
+
+
+def _released_then_push(conn: Exchange, request: Request, payload: memoryview, snap: Snapshot, clock: int) -> None:
+    """A push that waited at the gate (Flag.GATE): the worker may go on; apply it now."""
+    snap.release()
+    if conn.member is None:  # the connection went away meanwhile
+        conn.done()
+        return
+    try:
+        push(conn, request, payload, functools.partial(_pushed, conn, request))
+    except ServerError as exc:
+        conn.fail(request, exc)
 
 
 class PushPull(Handler):

@@ -28,23 +28,22 @@ def test_a_seat_goes_through_a_checkpoint_as_it_was_and_recognises_its_last_push
     assert not Seat().is_duplicate(0, -1)  # request id 0 names no request
 
 
-def test_a_push_numbered_below_the_last_one_taken_was_taken_before_it():
-    """A pipeline's pushes sent again after a reconnect: those the server took already are
-    numbered below the last one taken (any request id); the ones after it are new."""
+def test_a_push_sent_before_the_last_one_taken_was_taken_before_it():
+    """A pipeline's pushes sent again after a reconnect: those the server took already were
+    sent before the last one taken, by request id (at most MAX_IN_FLIGHT before) and by
+    clock; the ones after it are new, and a new process's requests (ids from 1 again, clocks
+    from where it was seated) are not mistaken for old ones."""
     seat = Seat()
     seat.push_id, seat.push_clock = 41, 6
     assert seat.is_duplicate(38, 3) and seat.is_duplicate(40, 5)
-    assert not seat.is_duplicate(42, 7) and not seat.is_duplicate(43, 6)  # (a new push, a new id)
+    assert not seat.is_duplicate(42, 7) and not seat.is_duplicate(43, 6)  # (sent after it)
+    assert not seat.is_duplicate(40, 6) and not seat.is_duplicate(40, 9)  # (a clock not below)
     assert not seat.is_duplicate(0, 3)  # (id 0 names no request)
+    far = Seat()
+    far.push_id, far.push_clock = 5000, 600
+    assert not far.is_duplicate(3, 2)  # (ids from 1 again: more than MAX_IN_FLIGHT before)
+    wrapped = Seat()
+    wrapped.push_id, wrapped.push_clock = 2, 50  # (ids went past 2**32-1 and start at 1 again)
+    assert wrapped.is_duplicate(0xFFFFFFFE, 48) and wrapped.is_duplicate(1, 49)
     forgotten = Seat()  # (a new process for the rank: nothing is a duplicate)
     assert not forgotten.is_duplicate(38, 3)
-
-
-def test_a_member_receives_a_push_in_the_buffer_of_its_element_type():
-    member = Member(0)
-    member.grad = np.zeros(4, np.float32)
-    member.grad_bytes = memoryview(member.grad).cast("B")
-    assert member.receive_gradient(_core.FLOAT32).nbytes == 16 and member.gradient is member.grad
-    words = member.receive_gradient(_core.BFLOAT16)
-    assert words.nbytes == 8 and member.gradient is member.grad16 and member.grad_dtype == _core.BFLOAT16
-    assert member.receive_gradient(_core.FLOAT16).obj is words.obj  # made once
