@@ -189,7 +189,9 @@ static inline int aps_all_finite_16(const uint16_t *x, ptrdiff_t n, int dtype) {
  * spare optimizer state): ordinary stores first read every line they write
  * (read-for-ownership), a third more memory traffic for SGD with momentum
  * and Adam, and the results are read next by a socket, another process or
- * the next update, not by this core. So from APS_STREAM_MIN elements on, a
+ * the next update, not by this core. So from APS_STREAM_MIN elements on
+ * (native/_kernels.h: below it, the arrays of an update stay in the caches
+ * and ordinary stores are faster), a
  * kernel computes tiles of APS_STREAM_TILE elements into L1-resident scratch
  * (the same arithmetic, the same loop: bit for bit the direct call) and
  * copies each tile out with streaming stores, which skip that read. The
@@ -198,7 +200,6 @@ static inline int aps_all_finite_16(const uint16_t *x, ptrdiff_t n, int dtype) {
  * costs one pass over L1. Outputs that are their inputs (in place), or not
  * 16-byte aligned, are written directly. */
 #define APS_STREAM_TILE 128
-#define APS_STREAM_MIN (1 << 18)
 
 static inline int aps_streamable(const float *out, const float *in) {
 #if defined(__SSE2__)

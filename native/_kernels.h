@@ -36,6 +36,14 @@
 #define APS_IVDEP
 #endif
 
+/* From this many elements (2 MiB of float32) on, an update out of place writes its outputs
+ * around the cache (native/_half.h, "Large updates"); below it the arrays of one update (five
+ * to seven of them) stay in the last-level cache, and streaming them out to memory costs more
+ * than the read-for-ownership it saves: measured on a 32 MiB L3, SGD with momentum and Adam
+ * on 1 MiB went from 0.66-1.06 to 1.23-1.30 times torch's fused step; from 4 MiB on, streaming
+ * is as fast or faster (docs/science/performance.md). */
+#define APS_STREAM_MIN (1 << 19)
+
 /* The SGD kernels (native/_sgd.inc, and the embedding tables' in native/_rows.inc) come in two flavours that differ in one
  * thing: how x*y + z is rounded where torch.optim computes it with
  * ``add(..., alpha=)`` (weight decay, momentum, Nesterov, the weight update).
