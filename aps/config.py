@@ -389,7 +389,9 @@ class ServerConfig:
     coordinator: str | None = field(
         default=None,
         metadata=_opt(
-            "the etcd that decides which replica is primary (its client URL, etcd://HOST:PORT)", metavar="URL"
+            "the etcd that decides which replica is primary (its client URL, etcd://HOST:PORT, or "
+            "unix:///PATH for its Unix socket)",
+            metavar="URL",
         ),
     )
     replica_set: str = field(

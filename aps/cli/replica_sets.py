@@ -3,8 +3,9 @@
 Each replica is an ``aps serve --replicas ...`` of its own, a process the
 launcher starts (and a session of its own, so that Ctrl-C reaches the
 launcher, which stops them in order). Who is primary is decided in etcd:
-``--coordinator URL``, or a private etcd the launcher starts in the log
-directory when none is given. A replica that dies while the workers train
+``--coordinator URL``, or, when none is given, a private etcd the launcher
+starts (its data in the log directory, its Unix socket in a directory only this
+user may enter: see :mod:`aps.lab.etcd`). A replica that dies while the workers train
 (``kill -9`` it to watch a failover) is started again: it catches up from the
 live replica and joins its set as a backup. When the run ends the backups are
 stopped first, then the primaries, so that nothing fails over on the way out.
@@ -153,7 +154,9 @@ class LocalReplicaSets:
                 "--replica-count needs a coordinator: --coordinator etcd://HOST:PORT, or etcd installed "
                 "(Debian's etcd-server) for the private one aps launch starts (docs/guide/replicas.md)"
             )
-        self.etcd = Etcd(os.path.join(self.log_dir, "etcd")).start()
+        # On Unix sockets in a directory only this user may enter: on loopback, any user of the
+        # host could rewrite who is primary (etcd 3.4 has no authentication to set up in passing).
+        self.etcd = Etcd(os.path.join(self.log_dir, "etcd"), unix=True).start()
         self.say(f"aps: coordinator: a private etcd on {self.etcd.url} (its log in {self.log_dir}/etcd)")
         return str(self.etcd.url)
 
@@ -271,6 +274,7 @@ class LocalReplicaSets:
             replica.process.join()
         if self.etcd is not None:
             self.etcd.stop()
+            self.etcd.remove_sockets()
 
 
 def _signal(pid: int, signum: int) -> None:

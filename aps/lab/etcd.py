@@ -2,8 +2,11 @@
 (Debian's ``etcd-server``). ``aps launch --replica-count`` starts one when given no
 ``--coordinator``, and the tests start theirs (:mod:`aps.testing.etcd`).
 
-On loopback, on ports the kernel picks free, its data in the directory given; stopped
-(by its process id) and its data left for the caller to remove.
+On loopback, on ports the kernel picks free, or (``unix=True``, the launcher's) on Unix
+sockets in a directory of its own that only this user may enter: etcd 3.4 has no
+authentication a launcher could set up in passing, and on loopback any user of the host
+could rewrite who is primary. Its data in the directory given; stopped (by its process id)
+and its data left for the caller to remove.
 """
 
 from __future__ import annotations
@@ -14,6 +17,7 @@ import shutil
 import signal
 import socket
 import subprocess
+import tempfile
 import time
 import urllib.request
 from pathlib import Path
@@ -36,6 +40,25 @@ def etcd_available() -> bool:
     return shutil.which("etcd") is not None
 
 
+#: Its sockets' names in :attr:`Etcd.socket_dir` (etcd 3.4 takes a Unix socket as "host:port").
+_CLIENT_SOCKET, _PEER_SOCKET = "client.sock:2379", "peer.sock:2380"
+
+
+def _unix_health(path: Path) -> bool:
+    """Whether the etcd on Unix socket ``path`` says it is healthy (GET /health)."""
+    try:
+        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
+            sock.settimeout(1)
+            sock.connect(str(path))
+            sock.sendall(b"GET /health HTTP/1.0\r\nHost: localhost\r\n\r\n")
+            answer = b""
+            while chunk := sock.recv(4096):
+                answer += chunk
+        return b'"true"' in answer or b"true" in answer.split(b"\r\n\r\n", 1)[-1]
+    except OSError:
+        return False
+
+
 def _free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
@@ -45,7 +68,9 @@ def _free_port() -> int:
 class Etcd:
     """One etcd member, alone in its cluster."""
 
-    def __init__(self, directory: str | os.PathLike, timeout: float = 20.0, host: Host | None = None) -> None:
+    def __init__(
+        self, directory: str | os.PathLike, timeout: float = 20.0, host: Host | None = None, unix: bool = False
+    ) -> None:
         self.directory = Path(directory)
         self.directory.mkdir(parents=True, exist_ok=True)
         self.timeout = timeout
@@ -53,15 +78,22 @@ class Etcd:
         self.address = host.address if host is not None else "127.0.0.1"
         self.proc: subprocess.Popen | None = None
         self.client_port = self.peer_port = 0
+        #: The directory of its Unix sockets (``unix=True``): made 0700, short enough for a
+        #: socket's path (108 bytes), whatever ``directory`` is; removed by :meth:`stop`.
+        self.socket_dir: Path | None = Path(tempfile.mkdtemp(prefix="aps-etcd-")) if unix else None
 
     @property
     def url(self) -> str:
         """Its client URL, as ``--coordinator`` takes it."""
+        if self.socket_dir is not None:
+            return f"unix://{self.socket_dir / _CLIENT_SOCKET}"
         return f"etcd://{self.address}:{self.client_port}"
 
     def _ready(self, client: str) -> bool:
         if self.host is not None:  # (unreachable from here: its log says when it serves)
             return b"ready to serve client requests" in (self.directory / "etcd.log").read_bytes()
+        if self.socket_dir is not None:
+            return _unix_health(self.socket_dir / _CLIENT_SOCKET)
         try:
             with urllib.request.urlopen(f"{client}/health", timeout=1) as response:
                 return b"true" in response.read()
@@ -71,11 +103,14 @@ class Etcd:
     def start(self) -> Etcd:
         popen = self.host.popen if self.host is not None else subprocess.Popen
         for _ in range(5):  # (a port picked free may be taken before etcd binds it)
-            if self.host is None:
-                self.client_port, self.peer_port = _free_port(), _free_port()
-            else:  # (a namespace of its own: every port is free)
-                self.client_port, self.peer_port = 2379, 2380
-            client, peer = f"http://{self.address}:{self.client_port}", f"http://{self.address}:{self.peer_port}"
+            if self.socket_dir is not None:  # (sockets in its directory: etcd names them by a "host:port")
+                client, peer = f"unix://{_CLIENT_SOCKET}", f"unix://{_PEER_SOCKET}"
+            else:
+                if self.host is None:
+                    self.client_port, self.peer_port = _free_port(), _free_port()
+                else:  # (a namespace of its own: every port is free)
+                    self.client_port, self.peer_port = 2379, 2380
+                client, peer = f"http://{self.address}:{self.client_port}", f"http://{self.address}:{self.peer_port}"
             log = open(self.directory / "etcd.log", "ab")
             self.proc = popen(
                 [
@@ -83,7 +118,7 @@ class Etcd:
                     "--name",
                     "aps-test",
                     "--data-dir",
-                    str(self.directory / "data"),
+                    str((self.directory / "data").absolute()),
                     "--listen-client-urls",
                     client,
                     "--advertise-client-urls",
@@ -99,6 +134,7 @@ class Etcd:
                 ],
                 stdout=log,
                 stderr=log,
+                cwd=self.socket_dir,  # (None: this one's; its Unix sockets are made where it runs)
                 # (it ends with whoever started it, even one killed with SIGKILL)
                 preexec_fn=functools.partial(die_with_parent, os.getpid()) if self.host is None else None,
             )
@@ -120,6 +156,14 @@ class Etcd:
             except subprocess.TimeoutExpired:
                 proc.kill()
                 proc.wait()
+        if self.socket_dir is not None and proc is not None:
+            for name in (_CLIENT_SOCKET, _PEER_SOCKET):  # (the directory stays for a start again)
+                (self.socket_dir / name).unlink(missing_ok=True)
+
+    def remove_sockets(self) -> None:
+        """Remove the sockets' directory (stopped: the caller is done with this etcd)."""
+        if self.socket_dir is not None and self.proc is None:
+            shutil.rmtree(self.socket_dir, ignore_errors=True)
 
     def __enter__(self) -> Etcd:
         return self.start()

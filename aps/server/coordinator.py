@@ -76,14 +76,20 @@ def _b64(text: str | bytes) -> str:
 
 
 class Coordinator:
-    """The replica set ``name``'s record in the etcd at ``url`` (``etcd://HOST:PORT`` or
-    ``http://HOST:PORT``: its client URL)."""
+    """The replica set ``name``'s record in the etcd at ``url``: its client URL,
+    ``etcd://HOST:PORT`` (or ``http://``), or ``unix:///PATH``, the Unix socket it listens
+    on (``aps launch --replica-count``'s private etcd: only its user can connect)."""
 
     def __init__(self, url: str, name: str) -> None:
         scheme, sep, rest = url.partition("://")
-        if not sep or scheme not in ("etcd", "http") or not rest:
-            raise ConfigurationError(f"--coordinator takes etcd://HOST:PORT (an etcd's client URL), got {url!r}")
-        self.url = f"http://{rest.rstrip('/')}"
+        if not sep or scheme not in ("etcd", "http", "unix") or not rest or (scheme == "unix" and rest[0] != "/"):
+            raise ConfigurationError(
+                f"--coordinator takes etcd://HOST:PORT (an etcd's client URL) or unix:///PATH (its Unix socket), "
+                f"got {url!r}"
+            )
+        self._socket = rest if scheme == "unix" else None
+        self.url = "http://localhost" if scheme == "unix" else f"http://{rest.rstrip('/')}"
+        self.where = url if scheme == "unix" else self.url  # (what errors name)
         self.name = name
         self.key = f"/aps/replica-sets/{name}"
         self._session: aiohttp.ClientSession | None = None
@@ -95,15 +101,16 @@ class Coordinator:
 
     async def _call(self, path: str, body: dict) -> dict:
         if self._session is None:
-            self._session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=_TIMEOUT_S))
+            connector = aiohttp.UnixConnector(path=self._socket) if self._socket is not None else None
+            self._session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=_TIMEOUT_S), connector=connector)
         try:
             async with self._session.post(f"{self.url}/v3/{path}", json=body) as response:
                 answer = await response.json(content_type=None)
                 if response.status != 200 or not isinstance(answer, dict):
-                    raise CoordinatorUnavailable(f"etcd at {self.url} answered {response.status}: {answer}")
+                    raise CoordinatorUnavailable(f"etcd at {self.where} answered {response.status}: {answer}")
                 return answer
-        except (aiohttp.ClientError, TimeoutError, ValueError) as exc:
-            raise CoordinatorUnavailable(f"etcd at {self.url}: {type(exc).__name__}: {exc}") from None
+        except (aiohttp.ClientError, OSError, TimeoutError, ValueError) as exc:
+            raise CoordinatorUnavailable(f"etcd at {self.where}: {type(exc).__name__}: {exc}") from None
 
     async def read(self) -> Record | None:
         """The record, or None when there is none."""

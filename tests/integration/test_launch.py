@@ -276,7 +276,9 @@ def test_launch_with_replicas_trains_through_the_death_of_a_primary(tmp_path):
         assert line, f"aps launch ended early:\n{''.join(lines)}\n{proc.stderr.read()}"
         lines.append(line)
     text = "".join(lines)
-    assert re.search(r"^aps: coordinator: a private etcd on etcd://127\.0\.0\.1:\d+", text, re.M), text
+    # (on a Unix socket in a directory of its own, not on a loopback port another user could reach)
+    coordinator = re.search(r"^aps: coordinator: a private etcd on unix://(/\S+/aps-etcd-\w+)/client\.sock:2379", text, re.M)
+    assert coordinator, text
     assert re.search(r"^aps: serving on tcp://127\.0\.0\.1:\d+,tcp://127\.0\.0\.1:\d+ \(2 shards\)", text, re.M)
     sets = {int(m[1]): m[2] for m in re.finditer(r"^aps: shard (\d) replica set: (.*)$", text, re.M)}
     pids = {shard: [int(pid) for pid in re.findall(r"pid (\d+)", members)] for shard, members in sets.items()}
@@ -312,3 +314,4 @@ def test_launch_with_replicas_trains_through_the_death_of_a_primary(tmp_path):
     assert survivor.count("holds the whole state") >= 1, survivor  # the dead replica, back and caught up
     assert "its primary retired it (the run is over)" in back, back  # stopped in order at the end: no failover
     assert_all_gone(started | {pid for p in pids.values() for pid in p})
+    assert not os.path.exists(coordinator[1])  # (the etcd's socket directory is gone with it)

@@ -328,3 +328,44 @@ def test_a_relay_on_a_dead_shards_port_opens_nothing_on_the_live_shard(server_pr
     worker.close()
     assert len(answers) == 1 and not isinstance(answers[0], BaseException), answers
     assert re.search(r"a proof meant for (run|shard) \S+: not opened", shards[0].log())
+
+
+@pytest.mark.skipif(shutil.which("etcd") is None, reason="needs etcd (Debian's etcd-server)")
+def test_another_user_cannot_reach_the_private_etcd_of_aps_launch(tmp_path, nobody_home):
+    """``aps launch --replica-count``'s own etcd (who is primary of each replica set) listens on
+    a Unix socket in a directory only its user may enter: this user's replicas reach it,
+    ``nobody`` cannot connect, so cannot rewrite the record (on loopback it could, and stop a
+    primary or stall a failover)."""
+    import asyncio
+    import socket
+    import stat
+
+    from aps.lab.etcd import Etcd
+    from aps.server.coordinator import Coordinator, Record
+
+    etcd = Etcd(tmp_path / "etcd", unix=True).start()
+    try:
+        assert etcd.url.startswith("unix:///") and etcd.socket_dir is not None
+        assert stat.S_IMODE(os.stat(etcd.socket_dir).st_mode) == 0o700
+        path = etcd.url[len("unix://"):]
+
+        async def write_and_read() -> Record | None:
+            coordinator = Coordinator(etcd.url, "shard-0")
+            try:
+                assert await coordinator.swap(0, Record("127.0.0.1:7000")) is not None
+                return await coordinator.read()
+            finally:
+                await coordinator.close()
+
+        assert asyncio.run(write_and_read()).primary == "127.0.0.1:7000"  # this user's replicas reach it
+        probe = subprocess.run(
+            as_second_user([sys.executable, "-c",
+                            "import socket, sys; socket.socket(socket.AF_UNIX).connect(sys.argv[1])", path]),
+            env=nobody_home, capture_output=True, text=True, timeout=60)
+        assert probe.returncode != 0 and "PermissionError" in probe.stderr, probe.stderr
+        with socket.socket(socket.AF_UNIX) as mine:  # (and the socket is there: refused, not missing)
+            mine.connect(path)
+    finally:
+        etcd.stop()
+        etcd.remove_sockets()
+    assert not os.path.exists(etcd.socket_dir)
