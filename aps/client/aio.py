@@ -257,6 +257,11 @@ class AsyncWorker(_Workers):
                 await asyncio.wait_for(self.flush(), CLOSE_FLUSH_S)
             except (APSError, TimeoutError) as exc:  # closing all the same: say what the last pushes met
                 log.warning("rank %s: closing with pipelined pushes refused, lost or unanswered: %r", self.rank, exc)
+            for pipeline in self._pipelines:
+                # Still unanswered (held at the gate, a silent server): given up, and the connection
+                # dropped without a LEAVE, which would wait behind them (the server counts this worker
+                # as disconnected).
+                await pipeline.abandon()
         if not self._closing:
             await arun(self._log_rest())
         self._closing = True

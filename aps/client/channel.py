@@ -343,12 +343,17 @@ class AsyncChannel(_OneServer):
                 self._lock.release()
         finally:
             self.requests_waiting -= 1
+            if not self.requests_waiting and not self._lock.locked():  # (cancelled while waiting)
+                self._turn_now()
+
+    def _turn_now(self) -> None:
+        self._request_turn.set()
+        self._request_turn = asyncio.Event()
 
     def release(self) -> None:
         """Let go of the lock a request of the steps held; pipelined pushes go on."""
         self._lock.release()
-        self._request_turn.set()
-        self._request_turn = asyncio.Event()
+        self._turn_now()
 
     async def request_passed(self) -> None:
         """(A pipelined push.) Wait until no request of the steps holds the lock or waits for it."""

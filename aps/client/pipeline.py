@@ -180,6 +180,19 @@ class Pipeline:
         if failure is not None:
             raise failure
 
+    async def abandon(self) -> None:
+        """Give up the pushes still in flight (the worker closes): its tasks stopped, the
+        connection dropped (nothing may be sent behind them). Nothing to do when none is."""
+        if not self._sent:
+            return
+        tasks = [task for task in (self._sending, self._reading) if task is not None]
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        if self._sent:
+            self._fail(APSError("the worker was closed with pushes in flight"))
+        self._failure = None  # (said by the caller)
+
     def take_failure(self) -> BaseException | None:
         """What went wrong since the last call, taken without raising it (the worker
         reconnects by hand: it is logged there)."""

@@ -42,6 +42,7 @@ def etcd_available() -> bool:
 
 #: Its sockets' names in :attr:`Etcd.socket_dir` (etcd 3.4 takes a Unix socket as "host:port").
 _CLIENT_SOCKET, _PEER_SOCKET = "client.sock:2379", "peer.sock:2380"
+_SOCKET_PATH_MAX = 108  # (sun_path, with its terminating NUL)
 
 
 def _unix_health(path: Path) -> bool:
@@ -78,9 +79,19 @@ class Etcd:
         self.address = host.address if host is not None else "127.0.0.1"
         self.proc: subprocess.Popen | None = None
         self.client_port = self.peer_port = 0
-        #: The directory of its Unix sockets (``unix=True``): made 0700, short enough for a
-        #: socket's path (108 bytes), whatever ``directory`` is; removed by :meth:`stop`.
-        self.socket_dir: Path | None = Path(tempfile.mkdtemp(prefix="aps-etcd-")) if unix else None
+        self.unix = unix
+        #: The directory of its Unix sockets (``unix=True``), made by :meth:`start`: 0700, in
+        #: the temporary directory, or in /tmp when that one's path is too long for a socket's
+        #: (108 bytes); removed by :meth:`remove_sockets`.
+        self.socket_dir: Path | None = None
+
+    def _make_socket_dir(self) -> Path:
+        for where in (None, "/tmp"):
+            path = Path(tempfile.mkdtemp(prefix="aps-etcd-", dir=where))
+            if len(str(path / _CLIENT_SOCKET).encode()) < _SOCKET_PATH_MAX:
+                return path
+            path.rmdir()
+        raise RuntimeError("no directory for etcd's Unix socket has a path short enough (108 bytes)")
 
     @property
     def url(self) -> str:
@@ -102,7 +113,9 @@ class Etcd:
 
     def start(self) -> Etcd:
         popen = self.host.popen if self.host is not None else subprocess.Popen
-        for _ in range(5):  # (a port picked free may be taken before etcd binds it)
+        if self.unix and self.socket_dir is None:
+            self.socket_dir = self._make_socket_dir()
+        for _ in range(1 if self.unix else 5):  # (a port picked free may be taken before etcd binds it)
             if self.socket_dir is not None:  # (sockets in its directory: etcd names them by a "host:port")
                 client, peer = f"unix://{_CLIENT_SOCKET}", f"unix://{_PEER_SOCKET}"
             else:
@@ -145,6 +158,7 @@ class Etcd:
                     return self
                 time.sleep(0.05)
             self.stop()
+        self.remove_sockets()
         raise RuntimeError(f"etcd did not start: {(self.directory / 'etcd.log').read_text()[-2000:]}")
 
     def stop(self) -> None:
@@ -164,6 +178,7 @@ class Etcd:
         """Remove the sockets' directory (stopped: the caller is done with this etcd)."""
         if self.socket_dir is not None and self.proc is None:
             shutil.rmtree(self.socket_dir, ignore_errors=True)
+            self.socket_dir = None
 
     def __enter__(self) -> Etcd:
         return self.start()

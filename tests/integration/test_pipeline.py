@@ -224,3 +224,52 @@ def test_pushes_from_several_tasks_and_a_pull_between_them_are_each_applied_once
                 np.testing.assert_array_equal(weights[name], np.full_like(weights[name], -float(tasks * each)))
 
     asyncio.run(asyncio.wait_for(main(), 60))
+
+
+def test_closing_with_a_push_held_at_the_gate_gives_it_up_and_the_others_train_on(server_process, monkeypatch):
+    """SSP with bound 0 and a slow worker that does not push: the fast one's third pipelined push
+    waits at the gate. close() waits for it a while (CLOSE_FLUSH_S), then gives it up and drops
+    the connection (a LEAVE would wait behind it); the server serves the slow worker on."""
+    from aps.client import aio
+
+    monkeypatch.setattr(aio, "CLOSE_FLUSH_S", 0.5)
+    server = server_process("--workers", "2", "--sync", "ssp", "--staleness", "0", "--lr", "1",
+                            "--heartbeat-timeout", "2")
+
+    async def main() -> None:
+        fast = await aps.AsyncWorker.connect(server.address, 0, 2, pipeline=8)
+        slow = await aps.AsyncWorker.connect(server.address, 1, 2)
+        params = {"w": np.zeros(N, np.float32)}
+        await asyncio.gather(fast.init(params), slow.init(params))
+        ones = np.ones(N, np.float32)
+        for _ in range(3):
+            await fast.push(ones)
+        await asyncio.sleep(0.3)
+        assert fast.in_flight >= 1  # (held: the slow worker has not pushed)
+        await asyncio.wait_for(fast.close(), 10)
+        await slow.push_pull(ones)  # (the server goes on)
+        await slow.close()
+
+    asyncio.run(asyncio.wait_for(main(), 60))
+
+
+def test_a_push_that_would_wait_at_the_gate_is_refused_under_bsp(server_process):
+    """Flag.GATE is for the policies that hold a worker after a push; a BSP round takes gradients
+    of its own weights only (a raw client's GATE push is refused, and changes nothing)."""
+    from aps.errors import ErrorCode
+    from aps.testing import RawClient
+    from aps.wire.protocol import DType, Flag, Op
+
+    server = server_process("--workers", "1", "--sync", "bsp", "--lr", "1")
+    raw = RawClient.to(server, "tcp")
+    try:
+        raw.init(0, 1, {"w": np.zeros(N, np.float32)})
+        assert raw.reply()[0].op == Op.INIT_REPLY
+        raw.frame(Op.PUSH, np.ones(N, np.float32).tobytes(), flags=int(Flag.GATE), dtype=int(DType.FLOAT32))
+        code, message = raw.error()
+        assert code == ErrorCode.MALFORMED_FRAME and "not bsp" in message, message
+        raw.frame(Op.PULL, dtype=int(DType.FLOAT32))
+        header, payload = raw.reply()
+        assert header.op == Op.PULL_REPLY and header.version == 0
+    finally:
+        raw.close()

@@ -347,6 +347,7 @@ def test_another_user_cannot_reach_the_private_etcd_of_aps_launch(tmp_path, nobo
     try:
         assert etcd.url.startswith("unix:///") and etcd.socket_dir is not None
         assert stat.S_IMODE(os.stat(etcd.socket_dir).st_mode) == 0o700
+        socket_dir = etcd.socket_dir
         path = etcd.url[len("unix://"):]
 
         async def write_and_read() -> Record | None:
@@ -368,4 +369,4 @@ def test_another_user_cannot_reach_the_private_etcd_of_aps_launch(tmp_path, nobo
     finally:
         etcd.stop()
         etcd.remove_sockets()
-    assert not os.path.exists(etcd.socket_dir)
+    assert not os.path.exists(socket_dir)

@@ -16,7 +16,15 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from ...errors import DTypeMismatch, MalformedFrame, NotInitialized, OutOfOrder, ServerError, ServerOverloaded
+from ...errors import (
+    DTypeMismatch,
+    InternalServerError,
+    MalformedFrame,
+    NotInitialized,
+    OutOfOrder,
+    ServerError,
+    ServerOverloaded,
+)
 from ...wire.protocol import ANY_RANK, INIT_HEAD_BYTES, MAX_LAYOUT_BYTES, Flag, Op, encode_seated
 from .base import FLOAT32, HALF, NARROW, Handler, check_gradient_dtype, dtype_name, op_name, read_whole
 from .intake import InitIntake
@@ -148,17 +156,25 @@ class Push(Handler):
         return rows_room(request, got)
 
     def admit(self, conn: Exchange, request: Request) -> memoryview | None:
-        if request.header.flags & Flag.GATE and request.rows:
-            raise MalformedFrame("a PUSH that waits at the gate (GATE) carries a dense gradient alone, no rows")
+        if request.header.flags & Flag.GATE:
+            if request.rows:
+                raise MalformedFrame("a PUSH that waits at the gate (GATE) carries a dense gradient alone, no rows")
+            if conn.engine.policy.name == "bsp":  # (a round takes gradients of its own weights: no pipelining)
+                raise MalformedFrame("a PUSH that waits at the gate (GATE) is for asp, ssp, dssp or softsync, not bsp")
         return push_destination(conn, request)
 
     def handle(self, conn: Exchange, request: Request, payload: memoryview) -> None:
         member = conn.require_member()
-        if request.header.flags & Flag.GATE and conn.engine.policy.is_held(member.rank):
+        header, training = request.header, conn.engine.training
+        if (
+            header.flags & Flag.GATE
+            and conn.engine.policy.is_held(member.rank)
+            and not training.is_duplicate(member, header.request_id, header.clock)  # (answered at once)
+        ):
             # Held after its last push: this one waits at the gate as a pull would (its
             # gradient stays in the worker's receive buffer: the next frame waits its turn).
             member.dense_wanted = False  # (the weights it is released with are not pulled)
-            conn.engine.training.wait(member, functools.partial(_released_then_push, conn, request, payload), gate=True)
+            training.wait(member, functools.partial(_released_then_push, conn, request, payload), gate=True)
             return
         push(conn, request, payload, functools.partial(_pushed, conn, request))
 
@@ -173,6 +189,9 @@ def _released_then_push(conn: Exchange, request: Request, payload: memoryview, s
         push(conn, request, payload, functools.partial(_pushed, conn, request))
     except ServerError as exc:
         conn.fail(request, exc)
+    except Exception as exc:  # (answered all the same: the worker must not wait for ever)
+        log.exception("applying a push released from the gate failed")
+        conn.fail(request, InternalServerError(f"internal error: {exc}"))
 
 
 class PushPull(Handler):

@@ -1,0 +1,28 @@
+"""The private etcd's Unix-socket directory (aps.lab.etcd): private, and short enough for a
+socket's path whatever the temporary directory is."""
+
+import os
+import stat
+import tempfile
+from pathlib import Path
+
+from aps.lab.etcd import _CLIENT_SOCKET, Etcd
+
+
+def test_the_socket_directory_is_private_and_its_path_fits_a_socket(tmp_path, monkeypatch):
+    etcd = Etcd(tmp_path / "etcd", unix=True)
+    made = etcd._make_socket_dir()
+    try:
+        assert stat.S_IMODE(os.stat(made).st_mode) == 0o700
+        assert made.parent == Path(tempfile.gettempdir())
+    finally:
+        made.rmdir()
+    deep = tmp_path / ("d" * 60) / ("e" * 60)  # (a TMPDIR as long as some clusters give)
+    deep.mkdir(parents=True)
+    monkeypatch.setattr(tempfile, "tempdir", str(deep))
+    made = etcd._make_socket_dir()
+    try:
+        assert str(made).startswith("/tmp/aps-etcd-") and len(str(made / _CLIENT_SOCKET)) < 108
+    finally:
+        made.rmdir()
+    assert os.listdir(deep) == []  # (the one too long for a socket was removed)
