@@ -51,8 +51,8 @@ def pipelines_allowed(options: dict[str, Any] | None) -> str | None:
     the round's weights (a push sent before the answer to the one before was computed on
     older weights: the round would drop it). Under SSP and DSSP a pipelined push that finds
     its worker held at the gate waits there (Flag.GATE): the worker runs at most the bound ahead."""
-    if options is None:
-        return "the server did not say its sync policy (an older server)"
+    if options is None or not options.get("pipelining"):
+        return "the server does not say it takes pipelined pushes (an older aps serve): upgrade it"
     if options.get("sync") == "bsp":
         return (
             "the server runs bsp, whose rounds take one gradient per worker computed on the round's "

@@ -235,6 +235,12 @@ def shard_groups(groups: list[HyperGroup], start: int, stop: int) -> list[HyperG
     return local
 
 
+#: What a shard's description says of itself alone, not options every shard must share.
+_NOT_SHARED = frozenset(
+    {"shard", "runs", "registered", "heartbeat_timeout", "pipelining", "replicas", "failover_timeout"}
+)
+
+
 def in_shard_order(workers: list) -> list:
     """``workers`` by their server's shard index, after checking that the servers are
     the shards ``0..K-1`` of one model, started with the same options."""
@@ -258,10 +264,7 @@ def in_shard_order(workers: list) -> list:
     for index in range(1, count):
         worker, description = by_index[index]
         for name, value in first.items():
-            if (
-                name not in ("shard", "runs", "registered", "heartbeat_timeout", "replicas", "failover_timeout")
-                and description.get(name) != value
-            ):
+            if name not in _NOT_SHARED and description.get(name) != value:
                 flag = "--" + name.replace("_", "-")
                 raise ConfigurationError(
                     f"shard {index} at {worker.address} was started with {flag} {description.get(name)}, shard 0 "

@@ -273,3 +273,4 @@ def test_a_push_that_would_wait_at_the_gate_is_refused_under_bsp(server_process)
         assert header.op == Op.PULL_REPLY and header.version == 0
     finally:
         raw.close()
+

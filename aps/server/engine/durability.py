@@ -327,14 +327,16 @@ class Durability:
         """What the handshake tells workers of this shard (JSON): its index, the options all
         the shards share (ServerConfig.shard_description), the shards' recorded run ids,
         whether the model is registered, and its --heartbeat-timeout (how long a silent
-        connection keeps its rank: a worker reseated by the server waits that long), and its replica
-        set's addresses."""
+        connection keeps its rank: a worker reseated by the server waits that long), that it takes
+        pipelined pushes, and its replica set's addresses."""
         return json.dumps(
             {
                 **self.config.shard_description(),
                 "runs": self.shard_runs,
                 "registered": self.model.table is not None,
                 "heartbeat_timeout": self.config.heartbeat_timeout,
+                # it takes pipelined pushes (AsyncWorker(pipeline=N): a PUSH with Flag.GATE waits at the gate)
+                "pipelining": True,
                 # its replica set's addresses (--replicas): where a worker looks for it after a failover
                 **(
                     {"replicas": self.config.replicas.split(","), "failover_timeout": self.config.failover_timeout}
