@@ -81,12 +81,15 @@ class Etcd:
         self.client_port = self.peer_port = 0
         self.unix = unix
         #: The directory of its Unix sockets (``unix=True``), made by :meth:`start`: 0700, in
-        #: the temporary directory, or in /tmp when that one's path is too long for a socket's
-        #: (108 bytes); removed by :meth:`remove_sockets`.
+        #: ``directory``, or in the temporary directory or /tmp when that path is too long for a
+        #: socket's (108 bytes); removed by :meth:`remove_sockets`.
         self.socket_dir: Path | None = None
 
     def _make_socket_dir(self) -> Path:
-        for where in (None, "/tmp"):
+        # In its own directory (the launcher's log directory: nothing is left elsewhere by a
+        # launcher killed with SIGKILL), else in the temporary directory, else in /tmp, the
+        # first whose path is short enough for a socket's.
+        for where in (str(self.directory), None, "/tmp"):
             path = Path(tempfile.mkdtemp(prefix="aps-etcd-", dir=where))
             if len(str(path / _CLIENT_SOCKET).encode()) < _SOCKET_PATH_MAX:
                 return path

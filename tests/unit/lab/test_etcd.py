@@ -10,19 +10,26 @@ from aps.lab.etcd import _CLIENT_SOCKET, Etcd
 
 
 def test_the_socket_directory_is_private_and_its_path_fits_a_socket(tmp_path, monkeypatch):
+    """In the etcd's own directory (the launcher's log directory) when its path fits a socket's,
+    else in the temporary directory, else in /tmp; 0700 wherever it is."""
     etcd = Etcd(tmp_path / "etcd", unix=True)
     made = etcd._make_socket_dir()
     try:
-        assert stat.S_IMODE(os.stat(made).st_mode) == 0o700
-        assert made.parent == Path(tempfile.gettempdir())
+        assert stat.S_IMODE(os.stat(made).st_mode) == 0o700 and made.parent == tmp_path / "etcd"
     finally:
         made.rmdir()
-    deep = tmp_path / ("d" * 60) / ("e" * 60)  # (a TMPDIR as long as some clusters give)
+    deep = tmp_path / ("d" * 60) / ("e" * 60)  # (a log directory, and a TMPDIR, as long as some clusters give)
     deep.mkdir(parents=True)
+    far = Etcd(deep, unix=True)
+    made = far._make_socket_dir()
+    try:
+        assert made.parent == Path(tempfile.gettempdir()) and len(str(made / _CLIENT_SOCKET)) < 108
+    finally:
+        made.rmdir()
     monkeypatch.setattr(tempfile, "tempdir", str(deep))
-    made = etcd._make_socket_dir()
+    made = far._make_socket_dir()
     try:
         assert str(made).startswith("/tmp/aps-etcd-") and len(str(made / _CLIENT_SOCKET)) < 108
     finally:
         made.rmdir()
-    assert os.listdir(deep) == []  # (the one too long for a socket was removed)
+    assert os.listdir(deep) == []  # (the ones too long for a socket were removed)
