@@ -40,8 +40,9 @@ def etcd_available() -> bool:
     return shutil.which("etcd") is not None
 
 
-#: Its sockets' names in :attr:`Etcd.socket_dir` (etcd 3.4 takes a Unix socket as "host:port").
-_CLIENT_SOCKET, _PEER_SOCKET = "client.sock:2379", "peer.sock:2380"
+#: Its sockets' names in :attr:`Etcd.socket_dir` (etcd 3.4 takes a Unix socket as "host:port"),
+#: short: the whole path must fit a socket's 108 bytes.
+_CLIENT_SOCKET, _PEER_SOCKET = "etcd:1", "peer:2"
 _SOCKET_PATH_MAX = 108  # (sun_path, with its terminating NUL)
 
 

@@ -277,7 +277,7 @@ def test_launch_with_replicas_trains_through_the_death_of_a_primary(tmp_path):
         lines.append(line)
     text = "".join(lines)
     # (on a Unix socket in a directory of its own, not on a loopback port another user could reach)
-    coordinator = re.search(r"^aps: coordinator: a private etcd on unix://(/\S+/aps-etcd-\w+)/client\.sock:2379", text, re.M)
+    coordinator = re.search(r"^aps: coordinator: a private etcd on unix://(/\S+/aps-etcd-\w+)/etcd:1", text, re.M)
     assert coordinator, text
     assert re.search(r"^aps: serving on tcp://127\.0\.0\.1:\d+,tcp://127\.0\.0\.1:\d+ \(2 shards\)", text, re.M)
     sets = {int(m[1]): m[2] for m in re.finditer(r"^aps: shard (\d) replica set: (.*)$", text, re.M)}
