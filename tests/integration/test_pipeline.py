@@ -70,6 +70,15 @@ def test_bsp_refuses_a_pipeline(server_process):
     asyncio.run(main())
 
 
+async def _fast_and_slow(address: str, depth: int) -> tuple[aps.AsyncWorker, aps.AsyncWorker]:
+    """Rank 0 pipelining ``depth`` pushes, rank 1 one at a time, both joined to a 2-worker run."""
+    fast = await aps.AsyncWorker.connect(address, 0, 2, pipeline=depth)
+    slow = await aps.AsyncWorker.connect(address, 1, 2)
+    params = {"w": np.zeros(N, np.float32)}
+    await asyncio.gather(fast.init(params), slow.init(params))
+    return fast, slow
+
+
 @pytest.mark.parametrize("sync", ["ssp", "dssp"])
 def test_under_ssp_a_pipelining_worker_runs_at_most_the_bound_ahead(server_process, sync):
     """Its push that finds it held at the gate waits there (Flag.GATE) instead of being refused:
@@ -78,10 +87,7 @@ def test_under_ssp_a_pipelining_worker_runs_at_most_the_bound_ahead(server_proce
     server = server_process("--workers", "2", "--sync", sync, "--staleness", str(bound), "--lr", "1")
 
     async def main() -> None:
-        fast = await aps.AsyncWorker.connect(server.address, 0, 2, pipeline=16)
-        slow = await aps.AsyncWorker.connect(server.address, 1, 2)
-        params = {"w": np.zeros(N, np.float32)}
-        await asyncio.gather(fast.init(params), slow.init(params))
+        fast, slow = await _fast_and_slow(server.address, 16)
         ones = np.ones(N, np.float32)
 
         async def run_ahead() -> None:
@@ -148,7 +154,10 @@ class _CuttingRelay:
                 for w in (client_w, server_w):
                     w.close()
 
-        tasks = [asyncio.ensure_future(pump(client_r, server_w, None)), asyncio.ensure_future(pump(server_r, client_w, cut))]
+        tasks = [
+            asyncio.ensure_future(pump(client_r, server_w, None)),
+            asyncio.ensure_future(pump(server_r, client_w, cut)),
+        ]
         self._tasks.update(tasks)
         await asyncio.gather(*tasks, return_exceptions=True)
 
@@ -237,10 +246,7 @@ def test_closing_with_a_push_held_at_the_gate_gives_it_up_and_the_others_train_o
                             "--heartbeat-timeout", "2")
 
     async def main() -> None:
-        fast = await aps.AsyncWorker.connect(server.address, 0, 2, pipeline=8)
-        slow = await aps.AsyncWorker.connect(server.address, 1, 2)
-        params = {"w": np.zeros(N, np.float32)}
-        await asyncio.gather(fast.init(params), slow.init(params))
+        fast, slow = await _fast_and_slow(server.address, 8)
         ones = np.ones(N, np.float32)
         for _ in range(3):
             await fast.push(ones)
@@ -269,7 +275,7 @@ def test_a_push_that_would_wait_at_the_gate_is_refused_under_bsp(server_process)
         code, message = raw.error()
         assert code == ErrorCode.MALFORMED_FRAME and "not bsp" in message, message
         raw.frame(Op.PULL, dtype=int(DType.FLOAT32))
-        header, payload = raw.reply()
+        header, _ = raw.reply()
         assert header.op == Op.PULL_REPLY and header.version == 0
     finally:
         raw.close()
