@@ -5,10 +5,12 @@ from __future__ import annotations
 import os
 import shutil
 import tempfile
+from pathlib import Path
 
 import pytest
 from hypothesis import HealthCheck, settings
 
+import aps
 from aps import _core, _reference
 from aps.testing.drivers import DRIVERS, connect
 
@@ -21,6 +23,22 @@ settings.register_profile("ci", parent=settings.get_profile("aps"), print_blob=T
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "aps"))
 
 _runtime_dir: str | None = None
+
+#: .ci/run runs the suites against the installed wheel (APS_TESTS_INSTALLED=1, from a directory
+#: outside the checkout, `--import-mode=append`): the package must then come from the virtual
+#: environment's site-packages, never from the checkout beside the tests.
+CHECKOUT = Path(__file__).resolve().parents[1]
+
+
+def _check_installed() -> None:
+    if os.environ.get("APS_TESTS_INSTALLED"):
+        for module in (aps, _core):
+            where = Path(module.__file__ or "").resolve()
+            if where.is_relative_to(CHECKOUT):
+                raise pytest.UsageError(
+                    f"APS_TESTS_INSTALLED is set, yet {module.__name__} comes from the checkout ({where}), "
+                    "not the installed wheel: run pytest from outside the checkout with --import-mode=append"
+                )
 
 #: The longest scenarios of the main suite that run in the slow call instead (``-m slow``), so
 #: the main suite stays under 8 minutes on the project's 2-core machine: most are one variant
@@ -108,7 +126,10 @@ SLOW_IN_THE_MAIN_SUITE = {
 @pytest.hookimpl(tryfirst=True)  # (before -m selects by marker)
 def pytest_collection_modifyitems(config, items):
     for item in items:
-        if item.nodeid in SLOW_IN_THE_MAIN_SUITE:
+        # (the id from the root: pytest names a test from the directory it runs in, which is
+        # outside the checkout when the suite runs against the installed wheel)
+        test_id = item.path.relative_to(config.rootpath).as_posix() + item.nodeid[item.nodeid.index("::") :]
+        if test_id in SLOW_IN_THE_MAIN_SUITE:
             item.add_marker(pytest.mark.slow)
 
 
@@ -116,6 +137,7 @@ def pytest_configure(config):
     """Give this test process (each pytest-xdist worker has its own) a private runtime
     directory: the servers it starts put their Unix sockets there ($XDG_RUNTIME_DIR), so
     one process's socket sweep never meets another's servers, whatever runs beside it."""
+    _check_installed()
     global _runtime_dir
     if _runtime_dir is None:
         _runtime_dir = tempfile.mkdtemp(prefix=f"aps-tests-{os.environ.get('PYTEST_XDIST_WORKER', 'main')}-")

@@ -6,11 +6,13 @@ caches the exposition for a second) and yields every family docs/metrics.md list
 
 from __future__ import annotations
 
+import platform
 import time
 from collections.abc import Callable, Iterator
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 
+from .._version import __version__
 from .engine.stats import MEMBERSHIP_EVENTS, WAIT_BUCKETS_S
 
 __all__ = ["MAX_EXPORTED_GROUPS", "STALENESS_BUCKETS", "StatsCollector"]
@@ -35,6 +37,13 @@ class StatsCollector:
         # come back lower than a dead process last exported: as counters they would read as a
         # reset, and rate() and increase() would count them again). The version is a gauge.
         counters = server.get("counters") or {}
+        build = GaugeMetricFamily(
+            "aps_build_info",
+            "The aps release this server runs (`aps --version`) and its Python (always 1).",
+            labels=["version", "python"],
+        )
+        build.add_metric([__version__, platform.python_version()], 1.0)
+        yield build
         yield GaugeMetricFamily(
             "aps_version",
             "Version of the weights: updates published in the whole run (a resumed run starts at its checkpoint's).",

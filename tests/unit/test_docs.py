@@ -65,9 +65,15 @@ def test_the_cpu_only_warning_and_alternative_come_before_the_commands():
 
 
 def test_the_test_command_is_what_ci_runs():
+    """.ci/run runs the README's suite, with its arguments and its extra, on the installed wheel."""
     ci = (ROOT / ".ci" / "run").read_text()
     test_command = next(c for c in _two_commands() if "pytest" in c and "pip install -e" in c)
-    assert test_command.strip().splitlines()[-1] in ci
+    install, arguments = re.fullmatch(
+        r"python3 -m venv \.venv && \.venv/bin/pip install -e '\.\[(\w+)\]' && \.venv/bin/python -m pytest (.+)",
+        test_command.strip().splitlines()[-1],
+    ).groups()
+    assert f"\ninstalled_pytest {arguments} || rc=$?\n" in ci
+    assert f'pip install --only-binary aps-server "$wheel[{install},' in ci
 
 
 def test_the_readme_says_how_to_run_the_fast_tests_and_one_area():
