@@ -69,7 +69,6 @@ from .users import as_second_user, second_user_env, second_user_unavailable
 if TYPE_CHECKING:
     from .netns import Network
 
-ROOT = Path(__file__).resolve().parents[1]
 PY = sys.executable
 
 #: Every fault kind, in the order the report lists them.
@@ -220,7 +219,6 @@ class Soak:
             "APS_TOKEN": self.token,
             "PYTHONUNBUFFERED": "1",
             "OMP_NUM_THREADS": "1",
-            "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep),
         }
         self._own_dir = config.run_dir is None
         self.dir = Path(config.run_dir) if config.run_dir else Path(__import__("tempfile").mkdtemp(prefix="aps-chaos-"))
@@ -645,11 +643,9 @@ class Soak:
             out.unlink()
 
     def _second_user_env(self) -> dict:
-        """The second user's environment: a home of its own (removed at cleanup), this
-        package on its path, no token."""
+        """The second user's environment: a home of its own (removed at cleanup), no token."""
         env = second_user_env()
         self.second_user_homes.append(env["HOME"])
-        env["PYTHONPATH"] = self.env["PYTHONPATH"]
         return env
 
     def _fault_guesser(self, fault: Fault) -> None:

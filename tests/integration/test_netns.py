@@ -12,7 +12,6 @@ import subprocess
 import sys
 import threading
 import time
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -21,7 +20,6 @@ from aps.testing.netns import (PREFIX, Network, NetnsError, cleanup_stale, list_
                                tbf_params)
 
 PY = sys.executable
-ROOT = str(Path(__file__).resolve().parents[2])
 
 ECHO_SERVER = """
 import socket
@@ -152,17 +150,17 @@ def test_hosts_are_isolated(network):
     assert "198.18.0.1/24" in a.ip("-o", "addr")
 
 
-def test_mtu_and_environment(network):
+def test_mtu_and_environment(network, tmp_path):
     a = network.add_host("a")
     assert a.mtu() == 1500 and a.mtu(bridge_side=True) == 1500
     # ip netns exec passes the environment through (PYTHONPATH included), and the
     # pid of the Popen is the command's own
-    env = {**os.environ, "PYTHONPATH": ROOT, "APS_NETNS_PROBE": "carried"}
+    env = {**os.environ, "PYTHONPATH": str(tmp_path), "APS_NETNS_PROBE": "carried"}
     code = ("import os, sys, aps.testing.netns; print(os.environ['APS_NETNS_PROBE'], os.getpid(), "
-            "os.readlink('/proc/self/ns/net') != os.readlink(f'/proc/{sys.argv[1]}/ns/net'))")
-    proc = python(a, code, str(os.getpid()), env=env, cwd="/")
-    probe, pid, other_ns = finish(proc).split()
-    assert (probe, int(pid), other_ns) == ("carried", proc.pid, "True")
+            "os.readlink('/proc/self/ns/net') != os.readlink(f'/proc/{sys.argv[1]}/ns/net'), sys.argv[2] in sys.path)")
+    proc = python(a, code, str(os.getpid()), str(tmp_path), env=env, cwd="/")
+    probe, pid, other_ns, on_path = finish(proc).split()
+    assert (probe, int(pid), other_ns, on_path) == ("carried", proc.pid, "True", "True")
 
 
 def test_jumbo_mtu():
