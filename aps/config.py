@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import os
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -25,6 +26,7 @@ __all__ = [
     "generates_token",
     "parse_workers",
     "resolve_token",
+    "usable_cores",
 ]
 
 SYNC_CHOICES = ("bsp", "asp", "ssp", "dssp", "softsync")
@@ -687,3 +689,9 @@ def is_loopback(host: str) -> bool:
 def env_name(field_name: str) -> str:
     """The environment variable twin of an option: ``max_staleness`` -> ``APS_MAX_STALENESS``."""
     return "APS_" + field_name.upper()
+
+
+def usable_cores() -> int:
+    """The cores this process may run on: its affinity on Linux, every core elsewhere (macOS)."""
+    affinity = getattr(os, "sched_getaffinity", None)
+    return len(affinity(0)) if affinity is not None else os.cpu_count() or 1

@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from ..config import ServerConfig
+from ..config import ServerConfig, usable_cores
 from ..errors import ConfigurationError
 from ..server.server import Server
 from ..server.engine.stats import merge_counts
@@ -287,7 +287,7 @@ def startup_seconds(workers: int, cores: int | None = None, load: float = 0.0) -
     """The time before the first run starts: the evaluator's start-up, then ``workers`` worker
     processes starting at once on ``cores`` cores (default: those this process may use), while
     ``load`` other runnable processes (the load average) share those cores."""
-    cores = max(1, len(os.sched_getaffinity(0)) if cores is None else cores)
+    cores = max(1, usable_cores() if cores is None else cores)
     share = max(1.0, (load + 1) / cores)  # the start-up's own process among the others
     return _PROCESS_START_S * (1 + max(1.0, workers / cores)) * share
 

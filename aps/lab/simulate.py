@@ -30,7 +30,7 @@ import numpy as np
 
 from . import compare
 from .clock import IterationTimes, SimulationError, Stragglers, VirtualCluster
-from ..config import ServerConfig
+from ..config import ServerConfig, usable_cores
 from ..errors import ConfigurationError
 from ..layout import Layout
 from .settings import Setting, command_line, describe_speeds, parse_setting, parse_speeds, require
@@ -485,7 +485,7 @@ def compare_virtual(args) -> int:
         train=args.dataset,
         seeds=3 if args.repeats is None else args.repeats,
         seed=args.seed,
-        jobs=len(os.sched_getaffinity(0)),
+        jobs=usable_cores(),
         lr=args.lr,
         momentum=args.momentum,
         batch_size=args.batch_size,

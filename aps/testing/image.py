@@ -81,7 +81,8 @@ __all__ = [
     "require_podman",
 ]
 
-#: The repository's root (its ``Dockerfile`` and build context).
+#: The repository's root (its ``Dockerfile`` and build context), when this package runs from a
+#: checkout (an installed one is given the checkout: ``build_image(context=...)``).
 ROOT = Path(__file__).resolve().parents[2]
 #: The base image's tag in podman's store.
 BASE_TAG = "localhost/aps-base:bookworm"

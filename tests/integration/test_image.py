@@ -15,6 +15,7 @@ import socket
 import time
 import urllib.error
 import urllib.request
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -22,6 +23,8 @@ import pytest
 import aps
 from aps.testing import TOKEN
 from aps.testing.image import LABEL, SESSION, Container, build_image, leftover_containers, podman, require_podman
+
+ROOT = Path(__file__).resolve().parents[2]  # (the checkout: its Dockerfile and build context)
 
 # Under pytest-xdist each worker running a test here builds the image (module fixture): the
 # builds take turns (a lock), and the second is a cached one (seconds).
@@ -65,7 +68,7 @@ def wait_for_port(port: int, container: Container, timeout: float = 60.0) -> Non
 def image():
     require_podman()
     started = time.monotonic()
-    size = build_image(TAG)
+    size = build_image(TAG, context=ROOT)
     print(f"image {TAG}: {size} bytes ({size / 1e6:.0f} MB), base and build in {time.monotonic() - started:.0f} s")
     return TAG, size
 

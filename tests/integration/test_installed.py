@@ -22,6 +22,7 @@ import pytest
 import aps
 from aps import _core
 from aps.client.worker import Worker
+from aps.wire.segments import shm_available
 
 from .test_http import get, http_address, samples
 
@@ -60,6 +61,8 @@ def test_the_native_kernels_load_and_match_their_python_twin():
 
 @pytest.mark.parametrize("transport", ["tcp", "shm"])
 def test_a_server_and_a_worker_train(server_process, transport):
+    if transport == "shm" and not shm_available():
+        pytest.skip("shared memory is Linux's (memfd and Unix sockets' descriptor passing)")
     server = server_process("--workers", "1", "--sync", "asp", "--lr", "0.5", "--http-port", "0")
     base = http_address(server)
     with Worker(server.address, 0, 1, transport=transport) as worker:

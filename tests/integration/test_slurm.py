@@ -25,7 +25,7 @@ def test_the_sbatch_template_trains_two_shards_and_four_workers_as_by_hand(tmp_p
     python = sys.executable
     train = f"examples/digits_mlp.py --epochs 2 --save {tmp_path / 'slurm.npz'}"
     with SlurmCluster(nodes=3, cpus_per_node=2) as cluster:
-        env = {"APS": f"{python} -m aps", "TRAIN": train, "APS_SERVE_ARGS": SERVE,
+        env = {"APS": f"{python} -P -m aps", "TRAIN": train, "APS_SERVE_ARGS": SERVE,
                "PATH": f"{os.path.dirname(python)}:{os.environ['PATH']}"}
         job = cluster.sbatch(str(TEMPLATE), f"--output={tmp_path}/aps-%j.out", env=env, cwd=str(ROOT))
         state = cluster.wait(job, timeout=240)
@@ -35,7 +35,7 @@ def test_the_sbatch_template_trains_two_shards_and_four_workers_as_by_hand(tmp_p
     ranks = sorted(line.split(":")[0] for line in output.splitlines() if line.startswith("rank "))
     assert ranks == ["rank 0", "rank 1", "rank 2", "rank 3"], output[-4000:]
     by_hand = subprocess.run(
-        [python, "-m", "aps", "launch", "--workers", "4", "--shards", "2", *SERVE.split()[:4], "--no-dashboard",
+        [python, "-P", "-m", "aps", "launch", "--workers", "4", "--shards", "2", *SERVE.split()[:4], "--no-dashboard",
          "--log-dir", str(tmp_path / "logs"), "examples/digits_mlp.py", "--epochs", "2", "--save",
          str(tmp_path / "hand.npz")], cwd=ROOT, capture_output=True, text=True, timeout=240)
     assert by_hand.returncode == 0, by_hand.stdout[-3000:] + by_hand.stderr[-3000:]

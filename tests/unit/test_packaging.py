@@ -11,7 +11,8 @@ from packaging.version import Version
 
 ROOT = Path(__file__).resolve().parents[2]
 PACKAGE = ROOT / "aps"
-PROJECT = tomllib.loads((ROOT / "pyproject.toml").read_text(encoding="utf-8"))["project"]
+PYPROJECT = tomllib.loads((ROOT / "pyproject.toml").read_text(encoding="utf-8"))
+PROJECT = PYPROJECT["project"]
 
 # vermin, run by the interpreter running the tests; its console script is `vermin:main`.
 VERMIN = [sys.executable, "-c", "from vermin import main; main()"]
@@ -86,7 +87,10 @@ def test_running_python_and_classifiers_match_requires_python():
     assert SpecifierSet(PROJECT["requires-python"]).contains(version), (version, PROJECT["requires-python"])
     major, lower = declared_lower_bound()
     assert running.major == major
-    # The minor versions classified are the ones tested: the lower bound up to this interpreter.
+    # The minor versions classified are the ones a release builds wheels for and tests them on
+    # (cibuildwheel's `build`), from the lower bound on; this interpreter is one of them.
     pattern = re.compile(r"Programming Language :: Python :: (\d+)\.(\d+)")
     classified = {tuple(map(int, m.groups())) for c in PROJECT["classifiers"] if (m := pattern.fullmatch(c))}
-    assert classified == {(major, minor) for minor in range(lower, running.minor + 1)}, sorted(classified)
+    built = {(int(b[2]), int(b[3:].rstrip("-*"))) for b in PYPROJECT["tool"]["cibuildwheel"]["build"]}
+    assert classified == built, (sorted(classified), sorted(built))
+    assert min(classified) == (major, lower) and (running.major, running.minor) in classified, sorted(classified)

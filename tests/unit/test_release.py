@@ -105,7 +105,8 @@ def test_cibuildwheel_builds_the_platforms_the_anchors_ship():
 
 def test_the_wheels_are_tested_installed_and_the_light_suite_needs_no_torch():
     config = PYPROJECT["tool"]["cibuildwheel"]
-    assert config["test-environment"] == {"APS_TESTS_INSTALLED": "1"}
+    assert config["test-environment"]["APS_TESTS_INSTALLED"] == "1"
+    assert config["test-environment"]["PIP_EXTRA_INDEX_URL"] == "https://download.pytorch.org/whl/cpu"
     assert "--import-mode=append" in config["test-command"] and "-m 'not slow'" in config["test-command"]
     (light,) = config["overrides"]
     assert set(light["select"]) == {"*-musllinux*", "*-macosx*"} and not light["test-extras"]
@@ -124,8 +125,11 @@ def test_the_release_workflow_builds_tests_and_publishes_with_trusted_publishing
              for name, job in jobs.items()}
     assert "cibuildwheel" in steps["wheels"] and "python -m build --sdist" in steps["sdist"]
     assert set(jobs["wheels"]["strategy"]["matrix"]["os"]) >= {"ubuntu-latest", "ubuntu-24.04-arm", "macos-latest"}
+    wheels = next(s for s in jobs["wheels"]["steps"] if "cibuildwheel" in str(s.get("run", "")))
+    assert wheels["env"]["CIBW_ARCHS"] == "native"  # (each wheel built, and tested, on its own architecture)
     publish = jobs["publish"]
     assert set(publish["needs"]) == {"sdist", "wheels"}
+    assert publish["if"].startswith("github.event_name == 'push' && ")  # (never from a run by hand)
     assert publish["permissions"] == {"id-token": "write", "attestations": "write", "contents": "read"}
     assert "pypa/gh-action-pypi-publish" in steps["publish"] and "attest-build-provenance" in steps["publish"]
     assert publish["environment"]["url"] == f"https://pypi.org/p/{DISTRIBUTION}"

@@ -31,7 +31,6 @@ import bisect
 import concurrent.futures
 import functools
 import math
-import os
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
 from types import ModuleType
@@ -40,7 +39,7 @@ from typing import cast
 import numpy as np
 
 from ... import _core
-from ...config import OPTIMIZER_STATE
+from ...config import OPTIMIZER_STATE, usable_cores
 from ...errors import ConfigurationError, InvalidHyperparameters
 from ...layout import line_aligned
 from ...wire.protocol import MAX_HYPER_GROUPS, HyperGroup, check_stops
@@ -138,7 +137,7 @@ def default_kernel_threads() -> int:
     """Threads for one large update when ``--kernel-threads`` is 0 (auto): half the cores this
     process may run on (the other half left to the event loop, the transports and co-located
     workers), at most 8 (the memory bandwidth of a socket is spent by then); 1 on two cores."""
-    return max(1, min(8, len(os.sched_getaffinity(0)) // 2))
+    return max(1, min(8, usable_cores() // 2))
 
 
 class KernelThreads:
