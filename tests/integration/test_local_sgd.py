@@ -3,6 +3,8 @@ server's optimizer (the outer one) applied to the workers' mean (BSP: DiLoCo).""
 
 from __future__ import annotations
 
+import subprocess
+import sys
 import threading
 
 import numpy as np
@@ -13,7 +15,8 @@ torch = pytest.importorskip("torch")
 import aps  # noqa: E402
 import aps.torch  # noqa: E402
 from aps.cli.status import fetch_stats  # noqa: E402
-from aps.errors import ConfigurationError  # noqa: E402
+from aps.errors import ConfigurationError, NonFiniteGradient  # noqa: E402
+from aps.testing import wait_for  # noqa: E402
 
 SHAPES = {"weight": (3, 4), "bias": (3,)}
 
@@ -127,6 +130,118 @@ def test_a_bad_h_is_refused_before_connecting(every):
     net = model()
     with pytest.raises(ConfigurationError, match="every must be a whole number"):
         aps.torch.LocalSGD(net, torch.optim.SGD(net.parameters(), lr=0.1), every=every, address="tcp://127.0.0.1:1")
+
+
+#: Rank 1 of a BSP run, killed mid-H: it joins, takes one inner step of H (argv: address, H,
+#: a file to write once it has), and waits to be killed before it syncs.
+DOOMED = r"""
+import pathlib, sys, time
+import torch
+import aps.torch
+address, every, ready = sys.argv[1], int(sys.argv[2]), pathlib.Path(sys.argv[3])
+net = torch.nn.Linear(4, 3)
+opt = aps.torch.LocalSGD(net, torch.optim.SGD(net.parameters(), lr=0.5), every=every, address=address, rank=1,
+                         num_workers=2, transport="tcp")
+for p in net.parameters():
+    p.grad = torch.full_like(p, 64.0)
+opt.step()
+ready.write_text(str(opt.steps))
+time.sleep(120)
+"""
+
+
+def inner_steps(net, opt, rank: int, steps: range) -> None:
+    for step in steps:
+        opt.zero_grad()
+        for name, p in net.named_parameters():
+            p.grad = torch.from_numpy(grads(rank, step)[name])
+        opt.step()
+
+
+def after_inner_steps(weights: dict, rank: int, steps: range) -> dict:
+    """What inner SGD of learning rate 1/2 makes of ``weights`` (exact: dyadic values)."""
+    weights = {name: value.copy() for name, value in weights.items()}
+    for step in steps:
+        for name in weights:
+            weights[name] = weights[name] - np.float32(0.5) * grads(rank, step)[name]
+    return weights
+
+
+def test_a_worker_killed_mid_h_leaves_nothing_of_its_steps_and_rejoins_from_the_global_weights(
+    server_process, tmp_path
+):
+    """BSP, H = 3, the outer step SGD of learning rate 1 (a round's mean): rank 1 dies after
+    one inner step; the round goes on with rank 0 alone, nothing of rank 1's step reaches the
+    server; rank 1's new process takes the global weights at join and the next round is the
+    mean of both, bit for bit."""
+    every = 3
+    server = server_process("--workers", "2", "--sync", "bsp", "--lr", "1")
+    ready = tmp_path / "ready"
+    doomed = subprocess.Popen([sys.executable, "-c", DOOMED, server.address, str(every), str(ready)],
+                              stdin=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    try:
+        first = model()
+        opt0 = aps.torch.LocalSGD(first, torch.optim.SGD(first.parameters(), lr=0.5), every=every,
+                                  address=server.address, rank=0, num_workers=2, transport="tcp")
+        wait_for(ready.exists, timeout=60, what="rank 1's inner step")
+        assert ready.read_text() == "1"  # mid-H: one step of three, nothing pushed
+    finally:
+        doomed.kill()
+        doomed.communicate(timeout=10)
+    server.wait_for_log("worker 1 disconnected")
+    start = {name: p.detach().numpy().copy() for name, p in first.named_parameters()}
+    inner_steps(first, opt0, 0, range(every))  # the round: rank 0 alone
+    alone = after_inner_steps(start, 0, range(every))
+    for name, p in first.named_parameters():
+        np.testing.assert_array_equal(p.detach().numpy(), alone[name])
+    assert fetch_stats(server.address)["server"]["pushes"] == 1  # (rank 1's step: never pushed)
+
+    again = torch.nn.Linear(4, 3)  # its own initial weights: not used, the run is under way
+    opt1 = aps.torch.LocalSGD(again, torch.optim.SGD(again.parameters(), lr=0.5), every=every,
+                              address=server.address, rank=1, num_workers=2, transport="tcp")
+    for name, p in again.named_parameters():
+        np.testing.assert_array_equal(p.detach().numpy(), alone[name])
+    assert opt1.steps == 0 and opt1.syncs == 0
+    nets, opts = [first, again], [opt0, opt1]
+    in_threads([lambda r=r: inner_steps(nets[r], opts[r], r, range(every, 2 * every)) for r in range(2)])
+    both = [after_inner_steps(alone, rank, range(every, 2 * every)) for rank in range(2)]
+    expected = {name: (both[0][name] + both[1][name]) / 2 for name in alone}
+    for net in nets:
+        for name, p in net.named_parameters():
+            np.testing.assert_array_equal(p.detach().numpy(), expected[name])
+    assert fetch_stats(server.address)["server"]["pushes"] == 3
+    for opt in opts:
+        opt.close()
+
+
+def test_a_pseudo_gradient_that_is_not_finite_is_refused_and_changes_nothing(server_process):
+    """An inner step that diverged (a NaN in the weights) makes a pseudo-gradient the server
+    refuses: the sync raises, the global weights and version stay, and the other worker's
+    syncs go on."""
+    server = server_process("--workers", "2", "--sync", "asp", "--lr", "1")
+    nets = [model(), model()]
+    opts: list = [None, None]
+
+    def join(rank):
+        opts[rank] = aps.torch.LocalSGD(nets[rank], torch.optim.SGD(nets[rank].parameters(), lr=0.5), every=1,
+                                        address=server.address, rank=rank, num_workers=2, transport="tcp")
+
+    in_threads([lambda r=r: join(r) for r in range(2)])
+    start = {name: p.detach().numpy().copy() for name, p in nets[0].named_parameters()}
+    opts[0].zero_grad()
+    for p in nets[0].parameters():
+        p.grad = torch.full_like(p, float("nan"))
+    with pytest.raises(NonFiniteGradient):
+        opts[0].step()
+    stats = fetch_stats(server.address)["server"]
+    assert stats["version"] == 0 and stats["pushes"] == 0
+    inner_steps(nets[1], opts[1], 1, range(1))  # rank 1 syncs on the weights nothing changed
+    expected = after_inner_steps(start, 1, range(1))
+    for name, p in nets[1].named_parameters():
+        np.testing.assert_array_equal(p.detach().numpy(), expected[name])
+    assert fetch_stats(server.address)["server"]["version"] == 1
+    for opt in opts:
+        opt.close()
 
 
 @pytest.mark.slow  # (ten epochs of two workers)
