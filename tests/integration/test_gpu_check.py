@@ -17,8 +17,8 @@ ROOT = pathlib.Path(__file__).parents[2]
 def test_the_gpu_check_runs_on_the_cpu_and_its_workers_equal_torch(tmp_path):
     out = tmp_path / "gpu.json"
     run = subprocess.run(
-        [sys.executable, "bench/gpu_check.py", "--device", "cpu", "--steps", "40", "--out", str(out)],
-        cwd=ROOT, capture_output=True, text=True, timeout=300,
+        [sys.executable, str(ROOT / "bench" / "gpu_check.py"), "--device", "cpu", "--steps", "40", "--out", str(out)],
+        cwd=tmp_path, capture_output=True, text=True, timeout=300,  # (never the checkout: its `aps` for -m's)
     )
     assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-3000:]
     report = json.loads(out.read_text())

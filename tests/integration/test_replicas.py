@@ -320,7 +320,7 @@ def test_the_replica_benchmark_sets_its_four_figures_beside_a_checkpoint_only_ru
     bench = subprocess.run(
         [
             sys.executable,
-            "bench/replicas.py",
+            str(pathlib.Path(__file__).parents[2] / "bench" / "replicas.py"),
             "--sizes",
             "0.25",
             "--repeats",
@@ -339,7 +339,7 @@ def test_the_replica_benchmark_sets_its_four_figures_beside_a_checkpoint_only_ru
         capture_output=True,
         text=True,
         timeout=300,
-        cwd=pathlib.Path(__file__).parents[2],
+        cwd=tmp_path,  # (its servers' `python -m aps` would take the checkout's package from the checkout)
     )
     assert bench.returncode == 0, bench.stderr[-3000:]
     report = json.loads(out.read_text())

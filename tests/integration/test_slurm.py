@@ -23,11 +23,11 @@ SERVE = "--sync bsp --lr 0.05 --linger 2"
 def test_the_sbatch_template_trains_two_shards_and_four_workers_as_by_hand(tmp_path):
     require_slurm()
     python = sys.executable
-    train = f"examples/digits_mlp.py --epochs 2 --save {tmp_path / 'slurm.npz'}"
+    train = f"{ROOT / 'examples' / 'digits_mlp.py'} --epochs 2 --save {tmp_path / 'slurm.npz'}"
     with SlurmCluster(nodes=3, cpus_per_node=2) as cluster:
-        env = {"APS": f"{python} -P -m aps", "TRAIN": train, "APS_SERVE_ARGS": SERVE,
+        env = {"APS": f"{python} -m aps", "TRAIN": train, "APS_SERVE_ARGS": SERVE,
                "PATH": f"{os.path.dirname(python)}:{os.environ['PATH']}"}
-        job = cluster.sbatch(str(TEMPLATE), f"--output={tmp_path}/aps-%j.out", env=env, cwd=str(ROOT))
+        job = cluster.sbatch(str(TEMPLATE), f"--output={tmp_path}/aps-%j.out", env=env, cwd=str(tmp_path))
         state = cluster.wait(job, timeout=240)
         output = Path(cluster.output_path(job)).read_text()
         assert state == "COMPLETED", output[-4000:]
@@ -35,9 +35,9 @@ def test_the_sbatch_template_trains_two_shards_and_four_workers_as_by_hand(tmp_p
     ranks = sorted(line.split(":")[0] for line in output.splitlines() if line.startswith("rank "))
     assert ranks == ["rank 0", "rank 1", "rank 2", "rank 3"], output[-4000:]
     by_hand = subprocess.run(
-        [python, "-P", "-m", "aps", "launch", "--workers", "4", "--shards", "2", *SERVE.split()[:4], "--no-dashboard",
-         "--log-dir", str(tmp_path / "logs"), "examples/digits_mlp.py", "--epochs", "2", "--save",
-         str(tmp_path / "hand.npz")], cwd=ROOT, capture_output=True, text=True, timeout=240)
+        [python, "-m", "aps", "launch", "--workers", "4", "--shards", "2", *SERVE.split()[:4], "--no-dashboard",
+         "--log-dir", str(tmp_path / "logs"), str(ROOT / "examples" / "digits_mlp.py"), "--epochs", "2", "--save",
+         str(tmp_path / "hand.npz")], cwd=tmp_path, capture_output=True, text=True, timeout=240)
     assert by_hand.returncode == 0, by_hand.stdout[-3000:] + by_hand.stderr[-3000:]
     slurm, hand = np.load(tmp_path / "slurm.npz"), np.load(tmp_path / "hand.npz")
     assert sorted(slurm) == sorted(hand) == ["b1", "b2", "w1", "w2"]
@@ -60,13 +60,13 @@ def test_the_sbatch_template_runs_a_replicated_shard_and_its_backup_retires_with
     if not etcd_available():
         pytest.skip("etcd (Debian's etcd-server) is not installed")
     python = sys.executable
-    train = f"examples/digits_mlp.py --epochs 2 --save {tmp_path / 'slurm.npz'}"
+    train = f"{ROOT / 'examples' / 'digits_mlp.py'} --epochs 2 --save {tmp_path / 'slurm.npz'}"
     with SlurmCluster(nodes=3, cpus_per_node=2) as cluster:
         with Etcd(tmp_path / "etcd", host=cluster.controller) as etcd:
             env = {"APS": f"{python} -m aps", "TRAIN": train, "APS_SHARDS": "1", "APS_REPLICA_COUNT": "2",
                    "APS_SERVE_ARGS": f"{SERVE} --coordinator {etcd.url}",
                    "PATH": f"{os.path.dirname(python)}:{os.environ['PATH']}"}
-            job = cluster.sbatch(str(TEMPLATE), f"--output={tmp_path}/aps-%j.out", env=env, cwd=str(ROOT))
+            job = cluster.sbatch(str(TEMPLATE), f"--output={tmp_path}/aps-%j.out", env=env, cwd=str(tmp_path))
             state = cluster.wait(job, timeout=240)
             output = Path(cluster.output_path(job)).read_text()
     assert state == "COMPLETED", output[-4000:]
