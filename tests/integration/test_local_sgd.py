@@ -52,6 +52,23 @@ def in_threads(calls) -> None:
     assert not errors and not any(t.is_alive() for t in threads), errors
 
 
+def inner_steps(net, opt, rank: int, steps: range) -> None:
+    for step in steps:
+        opt.zero_grad()
+        for name, p in net.named_parameters():
+            p.grad = torch.from_numpy(grads(rank, step)[name])
+        opt.step()
+
+
+def after_inner_steps(weights: dict, rank: int, steps: range) -> dict:
+    """What inner SGD of learning rate 1/2 makes of ``weights`` (exact: dyadic values)."""
+    weights = {name: value.copy() for name, value in weights.items()}
+    for step in steps:
+        for name in weights:
+            weights[name] = weights[name] - np.float32(0.5) * grads(rank, step)[name]
+    return weights
+
+
 @pytest.mark.parametrize("every", [1, 3])
 def test_local_sgd_under_bsp_with_an_outer_sgd_step_of_1_is_model_averaging_every_h_steps(server_process, every):
     """Two workers, inner SGD with learning rate 1/2, H = ``every``; the server takes an SGD
@@ -69,25 +86,10 @@ def test_local_sgd_under_bsp_with_an_outer_sgd_step_of_1_is_model_averaging_ever
     in_threads([lambda r=r: join(r) for r in range(2)])
     steps = 2 * every
 
-    def train(rank):
-        net, opt = nets[rank], opts[rank]
-        for step in range(steps):
-            opt.zero_grad()
-            for name, p in net.named_parameters():
-                p.grad = torch.from_numpy(grads(rank, step)[name])
-            opt.step()
-
-    in_threads([lambda r=r: train(r) for r in range(2)])
-    start = {name: p.detach().numpy().copy() for name, p in model().named_parameters()}
-    expected = dict(start)
+    in_threads([lambda r=r: inner_steps(nets[r], opts[r], r, range(steps)) for r in range(2)])
+    expected = {name: p.detach().numpy().copy() for name, p in model().named_parameters()}
     for sync in range(steps // every):
-        local = []
-        for rank in range(2):
-            w = {name: v.copy() for name, v in expected.items()}
-            for step in range(sync * every, (sync + 1) * every):
-                for name in w:
-                    w[name] = w[name] - np.float32(0.5) * grads(rank, step)[name]
-            local.append(w)
+        local = [after_inner_steps(expected, rank, range(sync * every, (sync + 1) * every)) for rank in range(2)]
         expected = {name: (local[0][name] + local[1][name]) / 2 for name in expected}
     for net in nets:
         for name, p in net.named_parameters():
@@ -103,11 +105,7 @@ def test_the_state_dict_carries_the_inner_optimizers_state_the_steps_and_the_anc
     net = model()
     inner = torch.optim.Adam(net.parameters(), lr=0.01)
     with aps.torch.LocalSGD(net, inner, every=2, address=server.address, rank=0, num_workers=1) as opt:
-        for step in range(3):  # one sync, then one step past it
-            opt.zero_grad()
-            for name, p in net.named_parameters():
-                p.grad = torch.from_numpy(grads(0, step)[name])
-            opt.step()
+        inner_steps(net, opt, 0, range(3))  # one sync, then one step past it
         state = opt.state_dict()
         assert state["steps"] == 3 and state["syncs"] == 1 and state["every"] == 2
         assert set(state["inner"]["state"]) == {0, 1}  # Adam's moments, kept across the sync
@@ -148,23 +146,6 @@ opt.step()
 ready.write_text(str(opt.steps))
 time.sleep(120)
 """
-
-
-def inner_steps(net, opt, rank: int, steps: range) -> None:
-    for step in steps:
-        opt.zero_grad()
-        for name, p in net.named_parameters():
-            p.grad = torch.from_numpy(grads(rank, step)[name])
-        opt.step()
-
-
-def after_inner_steps(weights: dict, rank: int, steps: range) -> dict:
-    """What inner SGD of learning rate 1/2 makes of ``weights`` (exact: dyadic values)."""
-    weights = {name: value.copy() for name, value in weights.items()}
-    for step in steps:
-        for name in weights:
-            weights[name] = weights[name] - np.float32(0.5) * grads(rank, step)[name]
-    return weights
 
 
 def test_a_worker_killed_mid_h_leaves_nothing_of_its_steps_and_rejoins_from_the_global_weights(
