@@ -79,6 +79,22 @@ def adam_step(
     scale: float = ...,
     grad_dtype: int = ...,
 ) -> bool: ...
+def delayed_nesterov_step(
+    w_out: np.ndarray,
+    w_in: np.ndarray,
+    grad: np.ndarray,
+    m_out: np.ndarray | None,
+    m_in: np.ndarray,
+    delta_out: np.ndarray,
+    delta_in: np.ndarray,
+    step: int,
+    lr: float,
+    momentum: float,
+    period: int,
+    c: float = ...,
+    scale: float = ...,
+    grad_dtype: int = ...,
+) -> bool: ...
 def dssp_controller(
     fast_newest: float, fast_previous: float, slow_newest: float, slow_previous: float, r_max: int
 ) -> int: ...

@@ -28,6 +28,7 @@ __all__ = [
     "adam_step",
     "all_finite",
     "compensate",
+    "delayed_nesterov_step",
     "dssp_controller",
     "fused_multiply_add",
     "mix64",
@@ -263,6 +264,57 @@ def adam_step(
     result = w + _F32(-(lr / bias1)) * (m / denom)
     w_out[:] = result
     return _finite(raw, result)
+
+
+@np.errstate(all="ignore")
+def delayed_nesterov_step(
+    w_out: np.ndarray,
+    w_in: np.ndarray,
+    grad: np.ndarray,
+    m_out: np.ndarray | None,
+    m_in: np.ndarray,
+    delta_out: np.ndarray,
+    delta_in: np.ndarray,
+    step: int,
+    lr: float,
+    momentum: float,
+    period: int,
+    c: float = 0.0,
+    scale: float = 1.0,
+    grad_dtype: int = FLOAT32,
+) -> bool:
+    """One push of delayed Nesterov, out of place (see the native twin for the formula)."""
+    n = len(w_in)
+    if step < 1:
+        raise ValueError("step counts from 1")
+    if not 1 <= period <= 1 << 24:
+        raise ValueError(f"period must be in 1..{1 << 24}, got {period}")
+    milestone = step % period == 0
+    arrays = (("w_out", w_out), ("grad", grad), ("m_in", m_in), ("delta_out", delta_out), ("delta_in", delta_in))
+    for what, arr in arrays:
+        _check_len(what, len(arr), n)
+    if milestone:
+        if m_out is None:
+            raise ValueError("a milestone writes the momentum: m_out is needed")
+        _check_len("m_out", len(m_out), n)
+    raw = widened(grad, grad_dtype)
+    fused = fused_multiply_add()
+    d = raw * _F32(scale)
+    w, m_prev, sum_prev, big_n = np.array(w_in, _F32), np.array(m_in, _F32), np.array(delta_in, _F32), _F32(period)
+    if milestone:
+        m = m_prev * _F32(momentum) + (sum_prev + d) / big_n
+        k = _F32((1.0 + c * (1.0 - period)) * momentum)
+        result = _madd(_madd(m, k, d / big_n, fused), _F32(-lr), w, fused)
+        assert m_out is not None
+        m_out[:] = m
+        delta_out[:] = 0.0
+        w_out[:] = result
+        return _finite(raw, m, result)
+    total = sum_prev + d
+    result = _madd(_madd(m_prev, _F32(c * momentum), d / big_n, fused), _F32(-lr), w, fused)
+    delta_out[:] = total
+    w_out[:] = result
+    return _finite(raw, total, result)
 
 
 def dssp_controller(

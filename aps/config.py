@@ -34,20 +34,22 @@ LR_STALENESS_CHOICES = ("none", "inverse")
 ASYNC_SCALE_CHOICES = ("sum", "mean")
 DEFAULT_STALENESS = 3
 DEFAULT_MAX_STALENESS = 15
-OPTIMIZER_CHOICES = ("sgd", "adam", "adamw")
+OPTIMIZER_CHOICES = ("sgd", "adam", "adamw", "delayed-nesterov")
 #: The arrays of each optimizer's state, in order, as STATE replies and checkpoints name them
 #: (torch.optim's names): what a worker checks a state against before sending it.
 OPTIMIZER_STATE: dict[str, tuple[str, ...]] = {
     "sgd": ("momentum_buffer",),
     "adam": ("exp_avg", "exp_avg_sq"),
     "adamw": ("exp_avg", "exp_avg_sq"),
+    # (delta: the sum of the pushes since the momentum last moved)
+    "delayed-nesterov": ("momentum_buffer", "delta"),
 }
 LOG_LEVELS = ("debug", "info", "warning", "error")
 DEFAULT_PORT = 7450
 #: The most workers a server takes (a reply header says how many are live in 16 bits).
 MAX_WORKERS = 65535
 #: Options that must be finite (any float option must be a number: NaN is refused for all).
-_FINITE_OPTIONS = ("lr", "momentum", "weight_decay", "eps", "checkpoint_every")
+_FINITE_OPTIONS = ("lr", "momentum", "momentum_activation", "weight_decay", "eps", "checkpoint_every")
 #: The optimizer's options, with what torch.optim requires of each (its optimizers refuse the rest).
 _OPTIMIZER_RANGES = (("lr", ">= 0"), ("momentum", ">= 0"), ("weight_decay", ">= 0"), ("eps", ">= 0"))
 #: ``--resume`` without a path: the newest complete checkpoint in ``--checkpoint-dir``.
@@ -67,6 +69,8 @@ RUN_OPTIONS = (
     "lr",
     "momentum",
     "nesterov",
+    "momentum_period",
+    "momentum_activation",
     "weight_decay",
     "betas",
     "eps",
@@ -76,7 +80,12 @@ RUN_OPTIONS = (
     "compensation",
 )
 #: Run options newer than some checkpoints: a manifest that does not say one had it at this value.
-RUN_OPTIONS_SINCE = {"staleness_cutoff": None, "compensation": "none"}
+RUN_OPTIONS_SINCE = {
+    "staleness_cutoff": None,
+    "compensation": "none",
+    "momentum_period": 0,
+    "momentum_activation": 0.0,
+}
 #: The options every shard of a model must share: workers check them across shards.
 SHARED_OPTIONS = (*(name for name in RUN_OPTIONS if name != "shard"), "min_workers")
 
@@ -220,6 +229,22 @@ class ServerConfig:
     lr: float = field(default=0.01, metadata=_opt("learning rate"))
     momentum: float = field(default=0.0, metadata=_opt("SGD momentum"))
     nesterov: bool = field(default=False, metadata=_opt("use Nesterov momentum (SGD)"))
+    momentum_period: int = field(
+        default=0,
+        metadata=_opt(
+            "delayed-nesterov: the momentum moves every N pushes, by their mean (a BSP round is one "
+            "push); 0: --workers",
+            metavar="N",
+        ),
+    )
+    momentum_activation: float = field(
+        default=0.0,
+        metadata=_opt(
+            "delayed-nesterov: the share c of the momentum applied at each push between its moves, "
+            "the rest (1 - cN + c) when it moves; at most 1/(N-1)",
+            metavar="C",
+        ),
+    )
     weight_decay: float = field(default=0.0, metadata=_opt("weight decay (L2 for sgd/adam, decoupled for adamw)"))
     betas: tuple[float, float] = field(
         default=(0.9, 0.999), metadata=_opt("Adam coefficients beta1,beta2", metavar="B1,B2")
@@ -595,12 +620,48 @@ class ServerConfig:
                 raise ConfigurationError(
                     f"--betas: beta{index + 1} must be in [0, 1) (as torch.optim requires), got {beta}"
                 )
-        if self.optimizer != "sgd" and (self.momentum or self.nesterov):
+        delayed = self.optimizer == "delayed-nesterov"
+        if self.optimizer not in ("sgd", "delayed-nesterov") and (self.momentum or self.nesterov):
             raise ConfigurationError(
                 f"--momentum and --nesterov apply to --optimizer sgd, not {self.optimizer} (Adam's momentum is --betas)"
             )
         if self.nesterov and not self.momentum > 0.0:
             raise ConfigurationError("--nesterov needs a --momentum > 0 (as torch.optim.SGD requires)")
+        if not delayed and (self.momentum_period or self.momentum_activation):
+            raise ConfigurationError(
+                "--momentum-period and --momentum-activation apply to --optimizer delayed-nesterov, "
+                f"not {self.optimizer}"
+            )
+        if delayed:
+            self._validate_delayed_nesterov()
+
+    def _validate_delayed_nesterov(self) -> None:
+        if self.nesterov:
+            raise ConfigurationError("--nesterov applies to sgd: delayed-nesterov is Nesterov's step by construction")
+        if self.weight_decay:
+            raise ConfigurationError("delayed-nesterov takes no --weight-decay")
+        if isinstance(self.momentum_period, bool) or not 0 <= self.momentum_period <= 1 << 24:
+            raise ConfigurationError(
+                f"--momentum-period must be in 0..{1 << 24} (0: --workers), got {self.momentum_period}"
+            )
+        kind = parse_compensation(self.compensation)[0]
+        if kind in ("dc", "dc-adaptive"):
+            raise ConfigurationError(
+                f"--compensation {kind} does not apply to delayed-nesterov: its pushes are pseudo-gradients (the sum "
+                "of a worker's local steps), and DC-ASGD's correction is a Taylor step of one gradient at the weights "
+                "it was computed on; gap (a penalty on parameters that moved) or none"
+            )
+        period, c = self.delayed_period, self.momentum_activation
+        if not (math.isfinite(c) and 0.0 <= c and c * (period - 1) <= 1.0):
+            raise ConfigurationError(
+                f"--momentum-activation must be in [0, 1/(N-1)] for a period N of {period}, so that the share of "
+                f"the momentum applied when it moves, 1 - cN + c, is not negative; got {c}"
+            )
+
+    @property
+    def delayed_period(self) -> int:
+        """delayed-nesterov's period N: ``--momentum-period``, or ``--workers`` when 0."""
+        return self.momentum_period or self.workers
 
     def public(self) -> dict[str, Any]:
         """Every option but the token, by field name (what may be shown or saved)."""

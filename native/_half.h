@@ -321,6 +321,27 @@ static inline int aps_adam_any(float *w_out, const float *w_in, const void *g, i
                         neg_step_size, bias2_sqrt, w1, lerp_low, w1c, b2, c2, eps, wd, shrink, decoupled, decay))
 }
 
+static inline int aps_delayed_nesterov_any(float *w_out, const float *w_in, const void *g, int dtype, float *m_out,
+                                           const float *m_in, float *delta_out, const float *delta_in, ptrdiff_t n,
+                                           float a, float s, float beta, float k, float cb, float period,
+                                           int milestone) {
+    /* (m_out is NULL between milestones: the momentum is read, not written) */
+#if defined(__SSE2__)
+    if (n >= APS_STREAM_MIN && aps_streamable(w_out, w_in) && aps_streamable(m_out, m_in) &&
+        aps_streamable(delta_out, delta_in)) {
+        APS_TILES(aps_delayed_nesterov(t0, w_in + i, gi, m_out == NULL ? NULL : t1, m_in + i, t2, delta_in + i, m, a,
+                                       s, beta, k, cb, period, milestone),
+                  aps_stream(w_out + i, t0, m);
+                  if (m_out != NULL) aps_stream(m_out + i, t1, m); aps_stream(delta_out + i, t2, m))
+    }
+#endif
+    if (dtype == APS_FLOAT32)
+        return aps_delayed_nesterov(w_out, w_in, (const float *)g, m_out, m_in, delta_out, delta_in, n, a, s, beta,
+                                    k, cb, period, milestone);
+    APS_BLOCKS(aps_delayed_nesterov(w_out + i, w_in + i, scratch, APS_AT(m_out), m_in + i, delta_out + i,
+                                    delta_in + i, m, a, s, beta, k, cb, period, milestone))
+}
+
 static inline int aps_accumulate_any(float *out, const float *in, const void *g, int dtype, float s, int first,
                                      ptrdiff_t n) {
 #if defined(__SSE2__)

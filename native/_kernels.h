@@ -121,6 +121,18 @@ static inline int aps_sgd(float *w_out, const float *w_in, const float *g, float
     return aps_sgd_unfused(w_out, w_in, g, buf_out, buf_in, n, a, s, wd, mu, keep, nesterov, first);
 }
 
+static inline int aps_delayed_nesterov(float *w_out, const float *w_in, const float *g, float *m_out,
+                                       const float *m_in, float *delta_out, const float *delta_in, ptrdiff_t n,
+                                       float a, float s, float beta, float k, float cb, float period, int milestone) {
+#if defined(APS_FMA_DISPATCH)
+    if (aps_fused_multiply_add())
+        return aps_delayed_nesterov_fused(w_out, w_in, g, m_out, m_in, delta_out, delta_in, n, a, s, beta, k, cb,
+                                          period, milestone);
+#endif
+    return aps_delayed_nesterov_unfused(w_out, w_in, g, m_out, m_in, delta_out, delta_in, n, a, s, beta, k, cb,
+                                        period, milestone);
+}
+
 /* Instruction sets the kernels of _wide.inc are compiled for, widest last. */
 enum { APS_ISA_BASELINE = 0, APS_ISA_AVX2 = 1, APS_ISA_AVX512 = 2 };
 

@@ -27,6 +27,9 @@ cdef extern from "_kernels.h" nogil:
                  float bias2_sqrt, float w1, int lerp_low, float w1c, float b2, float c2, float eps,
                  float wd, float shrink, int decoupled, int decay)
     int aps_accumulate(float* out, const float* inp, const float* g, float s, int first, Py_ssize_t n)
+    int aps_delayed_nesterov(float* w_out, const float* w_in, const float* g, float* m_out, const float* m_in,
+                             float* delta_out, const float* delta_in, Py_ssize_t n, float a, float s, float beta,
+                             float k, float cb, float period, int milestone)
     int aps_fused_multiply_add()
     int aps_kernel_isa()
     int aps_set_kernel_isa(int isa)
@@ -56,6 +59,9 @@ cdef extern from "_half.h" nogil:
                      float bias2_sqrt, float w1, int lerp_low, float w1c, float b2, float c2, float eps,
                      float wd, float shrink, int decoupled, int decay)
     int aps_accumulate_any(float* out, const float* inp, const void* g, int dtype, float s, int first, Py_ssize_t n)
+    int aps_delayed_nesterov_any(float* w_out, const float* w_in, const void* g, int dtype, float* m_out,
+                                 const float* m_in, float* delta_out, const float* delta_in, Py_ssize_t n, float a,
+                                 float s, float beta, float k, float cb, float period, int milestone)
 
 #: Element types of a gradient, as aps.protocol.DType numbers them: float32, or
 #: 16-bit words holding IEEE half (fp16) or bfloat16 values (compressed pushes).
@@ -316,6 +322,53 @@ def adam_step(float[::1] w_out not None, const float[::1] w_in not None,
                       neg_step_size, bias2_sqrt, w1, lerp_low, w1c, <float> beta2, <float> (1.0 - beta2),
                       <float> eps, <float> weight_decay, <float> (1.0 - lr * weight_decay), decoupled,
                       weight_decay != 0.0)
+    return bool(ok)
+
+
+def delayed_nesterov_step(float[::1] w_out not None, const float[::1] w_in not None, grad not None,
+                          float[::1] m_out, const float[::1] m_in not None, float[::1] delta_out not None,
+                          const float[::1] delta_in not None, long step, double lr, double momentum,
+                          long period, double c=0.0, float scale=1.0, int grad_dtype=APS_FLOAT32) -> bool:
+    """One push of delayed Nesterov (Liu et al., 2024, Algorithm 3), out of place.
+
+    ``step`` is the 1-based count of pushes after this one, ``period`` is N, ``c``
+    the share of the momentum applied between milestones. With ``d = scale * grad``:
+    when ``step`` is a multiple of ``period`` (a milestone), ``m_out = momentum * m_in
+    + (delta_in + d) / period``, ``delta_out = 0`` and ``w_out = w_in - lr * ((1 -
+    c*period + c) * momentum * m_out + d / period)``; otherwise ``delta_out =
+    delta_in + d`` and ``w_out = w_in - lr * (c * momentum * m_in + d / period)``, and
+    ``m_out`` (which may be None) is not written. Returns False (the outputs are then
+    scratch) when ``grad``, a new state value or a new weight is not finite. Outputs
+    may alias their inputs. ``grad`` is float32, or 16-bit words of ``grad_dtype``.
+    """
+    cdef Py_ssize_t n = w_in.shape[0]
+    cdef _Gradient g = _Gradient(grad, grad_dtype)
+    if step < 1:
+        raise ValueError("step counts from 1")
+    if period < 1 or period > (1 << 24):
+        raise ValueError(f"period must be in 1..{1 << 24}, got {period}")
+    cdef int milestone = step % period == 0
+    _check_len("w_out", w_out.shape[0], n)
+    _check_len("grad", g.n, n)
+    _check_len("m_in", m_in.shape[0], n)
+    _check_len("delta_out", delta_out.shape[0], n)
+    _check_len("delta_in", delta_in.shape[0], n)
+    if milestone:
+        if m_out is None:
+            raise ValueError("a milestone writes the momentum: m_out is needed")
+        _check_len("m_out", m_out.shape[0], n)
+    if n == 0:
+        return True
+    cdef float* mo = &m_out[0] if milestone else NULL
+    # Scalars in double on the host, then float32, as torch.optim computes its
+    # own; (1 + c*(1 - N)) is 1 exactly for N = 1 (torch's Nesterov step).
+    cdef float k = <float> ((1.0 + c * (1.0 - <double> period)) * momentum)
+    cdef float cb = <float> (c * momentum)
+    cdef int ok
+    with nogil:
+        ok = aps_delayed_nesterov_any(&w_out[0], &w_in[0], g.data, g.dtype, mo, &m_in[0], &delta_out[0],
+                                      &delta_in[0], n, <float> -lr, scale, <float> momentum, k, cb,
+                                      <float> period, milestone)
     return bool(ok)
 
 

@@ -71,8 +71,8 @@ def server_hyperparameters(info: ServerInfo | None) -> dict[str, float] | None:
         return None
     try:
         common = {"lr": float(described["lr"]), "weight_decay": float(described["weight_decay"])}
-        if described["optimizer"] == "sgd":
-            # aps serve has no dampening option: its SGD runs with none.
+        if described["optimizer"] in ("sgd", "delayed-nesterov"):
+            # aps serve has no dampening option: its SGD runs with none (delayed Nesterov takes none).
             return {**common, "momentum": float(described["momentum"]), "dampening": 0.0}
         beta1, beta2 = described["betas"]
         return {**common, "momentum": float(beta1), "dampening": float(beta2)}

@@ -110,6 +110,11 @@ class ServerOptimizer:
     """
 
     def __init__(self, options: Mapping[str, Any] | None) -> None:
+        if options is not None and options.get("optimizer") == "delayed-nesterov":
+            raise ConfigurationError(
+                "the server runs delayed-nesterov, an outer optimizer for local SGD: use aps.torch.LocalSGD "
+                "with it (aps.torch.Optimizer mirrors sgd, adam and adamw)"
+            )
         if options is None or options.get("optimizer") not in ("sgd", "adam", "adamw"):
             raise ConfigurationError(
                 "the server did not say which optimizer it runs (an older aps?): "

@@ -20,7 +20,8 @@ how the pseudo-gradients meet: under BSP each round averages every worker's
 and takes one outer step, DiLoCo (Douillard et al., 2023) with ``aps serve
 --sync bsp --optimizer sgd --lr 0.7 --momentum 0.9 --nesterov``; under ASP,
 SSP or DSSP each is applied as it comes, asynchronous local SGD (Liu et al.,
-2024), with the staleness bounds holding in units of syncs. With ``every=1``
+2024), with the staleness bounds holding in units of syncs and ``--optimizer
+delayed-nesterov`` its outer step (the momentum moved every N pushes). With ``every=1``
 and an outer SGD step of learning rate 1, a BSP run is model averaging after
 every inner step.
 """

@@ -143,7 +143,10 @@ def one_worker_run(tmp_path, optimizer_flags, steps, interrupt_at=None, lose=3):
     ["--optimizer", "adam", "--lr", "0.01"],
     ["--optimizer", "sgd", "--lr", "0.05", "--momentum", "0.9", "--compensation", "dc-adaptive:0.5"],
     ["--optimizer", "adam", "--lr", "0.01", "--compensation", "gap"],
-], ids=["sgd-momentum", "adam", "dc-adaptive", "gap"])
+    # (a period of 5: the checkpoint at clock 12 is mid-period, its sum of pushes not empty)
+    ["--optimizer", "delayed-nesterov", "--lr", "0.05", "--momentum", "0.9", "--momentum-period", "5",
+     "--momentum-activation", "0.1"],
+], ids=["sgd-momentum", "adam", "dc-adaptive", "gap", "delayed-nesterov"])
 def test_interrupted_and_resumed_equals_uninterrupted_bit_for_bit(tmp_path, optimizer_flags):
     """(Compensated: the running mean square or step scale the run ends with, too.)"""
     straight, version, state = one_worker_run(tmp_path / "a", optimizer_flags, 30)

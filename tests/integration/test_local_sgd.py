@@ -14,6 +14,7 @@ torch = pytest.importorskip("torch")
 
 import aps  # noqa: E402
 import aps.torch  # noqa: E402
+from aps import _reference  # noqa: E402
 from aps.cli.status import fetch_stats  # noqa: E402
 from aps.errors import ConfigurationError, NonFiniteGradient  # noqa: E402
 from aps.testing import wait_for  # noqa: E402
@@ -52,6 +53,21 @@ def in_threads(calls) -> None:
     assert not errors and not any(t.is_alive() for t in threads), errors
 
 
+def two_workers(server, every: int) -> tuple[list, list]:
+    """Ranks 0 and 1 of a two-worker run joined together, each a :func:`model` with inner SGD
+    of learning rate 1/2 and ``LocalSGD`` every ``every`` steps, over TCP."""
+    nets = [model() for _ in range(2)]
+    opts: list = [None, None]
+
+    def join(rank):
+        inner = torch.optim.SGD(nets[rank].parameters(), lr=0.5)
+        opts[rank] = aps.torch.LocalSGD(nets[rank], inner, every=every, address=server.address, rank=rank,
+                                        num_workers=2, transport="tcp")
+
+    in_threads([lambda r=r: join(r) for r in range(2)])
+    return nets, opts
+
+
 def inner_steps(net, opt, rank: int, steps: range) -> None:
     for step in steps:
         opt.zero_grad()
@@ -75,15 +91,7 @@ def test_local_sgd_under_bsp_with_an_outer_sgd_step_of_1_is_model_averaging_ever
     step of learning rate 1 on the mean pseudo-gradient: the global weights are the mean of
     the workers' after each H inner steps, bit for bit, and only every H-th step pushes."""
     server = server_process("--workers", "2", "--sync", "bsp", "--lr", "1")
-    nets = [model() for _ in range(2)]
-    opts: list = [None, None]
-
-    def join(rank):
-        inner = torch.optim.SGD(nets[rank].parameters(), lr=0.5)
-        opts[rank] = aps.torch.LocalSGD(nets[rank], inner, every=every, address=server.address, rank=rank,
-                                        num_workers=2, transport="tcp")
-
-    in_threads([lambda r=r: join(r) for r in range(2)])
+    nets, opts = two_workers(server, every)
     steps = 2 * every
 
     in_threads([lambda r=r: inner_steps(nets[r], opts[r], r, range(steps)) for r in range(2)])
@@ -121,6 +129,53 @@ def test_the_state_dict_carries_the_inner_optimizers_state_the_steps_and_the_anc
         adam = restored.inner.state_dict()["state"]
         for key, moments in state["inner"]["state"].items():
             assert torch.equal(adam[key]["exp_avg"], moments["exp_avg"])
+
+
+def test_asynchronous_local_sgd_with_delayed_nesterov_applies_algorithm_3_push_by_push(server_process):
+    """ASP, two workers taking turns, H = 2, the outer optimizer delayed Nesterov with a period
+    of 2 (the momentum moves at every second push, by the mean of the two) and c = 1/4: the
+    server's weights after each sync are the formula applied to the pseudo-gradients in the
+    order they came, bit for bit (the twin computes it as the server's kernel does)."""
+    lr, beta, period, c, every = 0.7, 0.9, 2, 0.25, 2
+    server = server_process("--workers", "2", "--sync", "asp", "--optimizer", "delayed-nesterov", "--lr", str(lr),
+                            "--momentum", str(beta), "--momentum-period", str(period),
+                            "--momentum-activation", str(c))
+    nets, opts = two_workers(server, every)
+    start = {name: p.detach().numpy().copy() for name, p in model().named_parameters()}
+    weights = dict(start)
+    momentum = {name: np.zeros_like(value) for name, value in start.items()}
+    delta = {name: np.zeros_like(value) for name, value in start.items()}
+    anchors = [dict(start), dict(start)]
+    pushes = 0
+    for turn in range(3):
+        for rank in range(2):
+            steps = range(turn * every, (turn + 1) * every)
+            inner_steps(nets[rank], opts[rank], rank, steps)
+            local = after_inner_steps(anchors[rank], rank, steps)
+            pushes += 1
+            for name in weights:
+                w_out, m_out, d_out = (np.empty_like(weights[name]) for _ in range(3))
+                assert _reference.delayed_nesterov_step(
+                    w_out, weights[name], anchors[rank][name] - local[name], m_out, momentum[name], d_out,
+                    delta[name], pushes, lr, beta, period, c)
+                weights[name], delta[name] = w_out, d_out
+                if pushes % period == 0:
+                    momentum[name] = m_out
+            anchors[rank] = dict(weights)
+            for name, p in nets[rank].named_parameters():  # the new global weights, taken at the sync
+                np.testing.assert_array_equal(p.detach().numpy(), weights[name])
+    assert any(np.any(value) for value in momentum.values())
+    assert fetch_stats(server.address)["server"]["pushes"] == 6
+    for opt in opts:
+        opt.close()
+
+
+def test_aps_torch_optimizer_refuses_a_delayed_nesterov_server_and_names_local_sgd(server_process):
+    server = server_process("--workers", "1", "--sync", "asp", "--optimizer", "delayed-nesterov", "--lr", "0.7",
+                            "--momentum", "0.9")
+    net = model()
+    with pytest.raises(ConfigurationError, match="use aps.torch.LocalSGD"):
+        aps.torch.Optimizer(net.parameters(), address=server.address, rank=0, num_workers=1)
 
 
 @pytest.mark.parametrize("every", [0, -1, 1.5, True])
@@ -200,14 +255,7 @@ def test_a_pseudo_gradient_that_is_not_finite_is_refused_and_changes_nothing(ser
     refuses: the sync raises, the global weights and version stay, and the other worker's
     syncs go on."""
     server = server_process("--workers", "2", "--sync", "asp", "--lr", "1")
-    nets = [model(), model()]
-    opts: list = [None, None]
-
-    def join(rank):
-        opts[rank] = aps.torch.LocalSGD(nets[rank], torch.optim.SGD(nets[rank].parameters(), lr=0.5), every=1,
-                                        address=server.address, rank=rank, num_workers=2, transport="tcp")
-
-    in_threads([lambda r=r: join(r) for r in range(2)])
+    nets, opts = two_workers(server, 1)
     start = {name: p.detach().numpy().copy() for name, p in nets[0].named_parameters()}
     opts[0].zero_grad()
     for p in nets[0].parameters():

@@ -196,6 +196,10 @@ def test_large_updates_written_around_the_cache_equal_the_direct_path(dtype, off
         "adamw": (lambda wo, mo, vo, w, g, m, v: _core.adam_step(wo, w, g, mo, m, vo, v, 3, 1e-3, weight_decay=0.01,
                                                                  decoupled=True, grad_dtype=code), 3, (w, g, m, v)),
         "accumulate": (lambda o, a, g: _core.accumulate(o, a, g, 0.5, False, code), 1, (m, g)),
+        "delayed nesterov milestone": (lambda wo, mo, do, w, g, m, d: _core.delayed_nesterov_step(
+            wo, w, g, mo, m, do, d, 6, 0.7, 0.9, 3, 0.25, 0.5, code), 3, (w, g, m, v)),
+        "delayed nesterov between": (lambda wo, do, w, g, m, d: _core.delayed_nesterov_step(
+            wo, w, g, None, m, do, d, 5, 0.7, 0.9, 3, 0.25, 0.5, code), 2, (w, g, m, v)),
     }
     for name, (kernel, count, inputs) in calls.items():
         whole, parts = outputs(count), outputs(count)

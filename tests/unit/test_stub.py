@@ -43,6 +43,10 @@ FUNCTION_SAMPLES = {
         (vec(0, 0), vec(1, 2), vec(0.5, -0.5), vec(0, 0), vec(0, 0), vec(0, 0), vec(0, 0), 1, 1e-3),
         {},
     ),
+    "delayed_nesterov_step": lambda: (
+        (vec(0, 0), vec(1, 2), vec(0.5, -0.5), vec(0, 0), vec(0, 0), vec(0, 0), vec(0, 0), 2, 0.7, 0.9, 2),
+        {"c": 0.25},
+    ),
     "compensate": lambda: (
         (vec(0, 0), vec(1, 2), vec(1, 1), vec(0, 1), vec(0, 0), vec(1, 1), _core.COMPENSATE_DC_ADAPTIVE),
         {"lam": 0.5, "decay": 0.95, "eps": 1e-7},

@@ -101,6 +101,8 @@ class Model:
             weight_decay=config.weight_decay,
             betas=config.betas,
             eps=config.eps,
+            period=config.delayed_period,
+            c=config.momentum_activation,
             kernels=self.kernels,
             threads=KernelThreads(config.kernel_threads or default_kernel_threads()),
         )

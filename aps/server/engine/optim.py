@@ -49,6 +49,7 @@ __all__ = [
     "Adam",
     "AdamRule",
     "AdamW",
+    "DelayedNesterov",
     "HyperGroups",
     "KernelThreads",
     "Optimizer",
@@ -99,7 +100,7 @@ def check_kernel_values(
     ``lr / (1 - beta1)`` at its first step, the largest it takes; AdamW's decay ``lr *
     weight_decay``). The ranges torch.optim checks are :class:`aps.config.ServerConfig`'s."""
     given = {"lr": lr, "weight_decay": weight_decay}
-    if name == "sgd":
+    if name in ("sgd", DelayedNesterov.name):
         given["momentum"] = momentum
     else:
         given.update(beta1=betas[0], beta2=betas[1], eps=eps)
@@ -653,7 +654,126 @@ class AdamW(AdamRule):
         super().__init__(numel, lr, betas, eps, weight_decay, kernels)
 
 
-OPTIMIZERS: dict[str, type[Optimizer]] = {"sgd": SGD, "adam": Adam, "adamw": AdamW}
+class DelayedNesterov(Optimizer):
+    """Delayed Nesterov, the outer optimizer of asynchronous local SGD (Liu et al., 2024,
+    "Asynchronous Local-SGD Training for Language Modeling", Algorithm 3).
+
+    Each push ``d`` (the scaled gradient: a worker's pseudo-gradient) moves the weights by
+    ``d / N`` at once; the momentum moves only every ``period`` (N) pushes, by the mean of
+    the period's pushes, which :attr:`delta` sums meanwhile. Between those milestones a share
+    ``c`` (the paper's momentum activation) of the momentum is applied at each push, and at
+    the milestone the rest (``1 - cN + c``), so a period applies the momentum once in all.
+    Under asynchronous training this keeps one fast worker's burst of pushes from driving the
+    momentum alone. With N = 1 it is ``torch.optim.SGD``'s Nesterov step, bit for bit.
+
+    The step count is the push count (a BSP round is one push). No weight decay or
+    dampening: a HYPER group gives a learning rate and a momentum only.
+    """
+
+    name = "delayed-nesterov"
+    state_names = OPTIMIZER_STATE["delayed-nesterov"]
+
+    def __init__(
+        self,
+        numel: int,
+        lr: float,
+        momentum: float = 0.9,
+        period: int = 1,
+        c: float = 0.0,
+        kernels: ModuleType = _core,
+    ) -> None:
+        super().__init__(numel, lr, kernels)
+        _require(momentum >= 0.0, f"invalid momentum {momentum}: must be >= 0")
+        _require(1 <= period <= MAX_PERIOD, f"invalid period {period}: must be in 1..{MAX_PERIOD}")
+        _require(
+            0.0 <= c and c * (period - 1) <= 1.0,
+            f"invalid momentum activation {c} for a period of {period}: must be in [0, 1/(N-1)] so that the "
+            "milestone's share 1 - cN + c is not negative",
+        )
+        self.momentum = float(momentum)
+        self.period = int(period)
+        self.c = float(c)
+        self._m = [line_aligned(numel), line_aligned(numel)]
+        self._delta = [line_aligned(numel), line_aligned(numel)]
+
+    @property
+    def momentum_buffer(self) -> np.ndarray:
+        return self._m[0]
+
+    @property
+    def delta(self) -> np.ndarray:
+        """The sum of the pushes since the last milestone."""
+        return self._delta[0]
+
+    @property
+    def milestone(self) -> bool:
+        """The next step moves the momentum (it ends a period)."""
+        return (self.steps + 1) % self.period == 0
+
+    @functools.cached_property
+    def defaults(self) -> HyperGroup:
+        return HyperGroup(self.numel, self.lr, 0.0, self.momentum, 0.0)
+
+    def _check_group(self, index: int, group: HyperGroup) -> None:
+        if group.weight_decay != 0.0 or group.dampening != 0.0:
+            raise InvalidHyperparameters(
+                f"group {index}: weight decay {group.weight_decay}, dampening {group.dampening}: "
+                f"{self.name} takes a learning rate and a momentum only (both others must be 0)"
+            )
+
+    def _step_range(self, w_out, w_in, grad, scale, start, stop, grad_dtype, values):
+        milestone = self.milestone
+        return self._kernels.delayed_nesterov_step(
+            w_out[start:stop],
+            w_in[start:stop],
+            grad[start:stop],
+            self._m[1][start:stop] if milestone else None,
+            self._m[0][start:stop],
+            self._delta[1][start:stop],
+            self._delta[0][start:stop],
+            self.steps + 1,
+            values.lr,
+            values.momentum,
+            self.period,
+            self.c,
+            scale,
+            grad_dtype,
+        )
+
+    def commit(self) -> None:
+        if self.milestone:  # (between milestones the momentum is read, not written: the current one stays)
+            self._m.reverse()
+        self._delta.reverse()
+        super().commit()
+
+    def hyperparameters(self) -> dict:
+        return {"lr": self.lr, "momentum": self.momentum, "period": self.period, "c": self.c}
+
+    def state_arrays(self) -> dict[str, np.ndarray]:
+        return {"momentum_buffer": self._m[0], "delta": self._delta[0]}
+
+    def state_problem(self, arrays, steps):
+        problem = super().state_problem(arrays, steps)
+        if problem is None and steps % self.period == 0 and any(np.any(part) for part in arrays["delta"]):
+            return (
+                f"steps is {steps}, a multiple of the period {self.period}, but delta (the sum of the pushes "
+                "since the last milestone) is not zero: a milestone empties it"
+            )
+        return problem
+
+    def describe(self) -> str:
+        return f"{self.name} lr={self.lr:g} momentum={self.momentum:g} period={self.period} c={self.c:g}"
+
+
+#: The longest period of :class:`DelayedNesterov` (the kernels divide by it in float32, exactly).
+MAX_PERIOD = 1 << 24
+
+OPTIMIZERS: dict[str, type[Optimizer]] = {
+    "sgd": SGD,
+    "adam": Adam,
+    "adamw": AdamW,
+    DelayedNesterov.name: DelayedNesterov,
+}
 
 
 def make_optimizer(
@@ -666,11 +786,14 @@ def make_optimizer(
     weight_decay: float = 0.0,
     betas: tuple[float, float] = (0.9, 0.999),
     eps: float = 1e-8,
+    period: int = 1,
+    c: float = 0.0,
     kernels: ModuleType = _core,
     threads: KernelThreads = ONE_THREAD,
 ) -> Optimizer:
-    """The optimizer called ``name`` (``sgd``, ``adam`` or ``adamw``) for ``numel`` parameters,
-    its large steps run on ``threads``."""
+    """The optimizer called ``name`` (``sgd``, ``adam``, ``adamw`` or ``delayed-nesterov``,
+    whose ``period`` and ``c`` these are) for ``numel`` parameters, its large steps run on
+    ``threads``."""
     optimizer: Optimizer
     if name in OPTIMIZERS:
         check_kernel_values(name, lr=lr, momentum=momentum, weight_decay=weight_decay, betas=betas, eps=eps)
@@ -680,6 +803,10 @@ def make_optimizer(
         _require(momentum == 0.0 and not nesterov, f"--momentum/--nesterov apply to sgd, not {name}")
         rule = Adam if name == "adam" else AdamW
         optimizer = rule(numel, lr, betas=betas, eps=eps, weight_decay=weight_decay, kernels=kernels)
+    elif name == DelayedNesterov.name:
+        _require(not nesterov, f"--nesterov applies to sgd: {name} is Nesterov's step by construction")
+        _require(weight_decay == 0.0, f"{name} takes no weight decay")
+        optimizer = DelayedNesterov(numel, lr, momentum=momentum, period=period, c=c, kernels=kernels)
     else:
         raise ConfigurationError(f"unknown optimizer {name!r}: choose from {', '.join(OPTIMIZERS)}")
     optimizer.threads = threads

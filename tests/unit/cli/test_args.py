@@ -140,7 +140,7 @@ def test_a_prefix_of_a_flag_is_refused(capsys):
 def test_serve_help_lists_the_choices():
     serve = dict(subparsers())["serve"]
     text = serve.format_help()
-    for flag, choices in [("--sync", "{bsp,asp,ssp,dssp,softsync}"), ("--optimizer", "{sgd,adam,adamw}"),
+    for flag, choices in [("--sync", "{bsp,asp,ssp,dssp,softsync}"), ("--optimizer", "{sgd,adam,adamw,delayed-nesterov}"),
                           ("--lr-staleness", "{none,inverse}")]:
         assert f"{flag} {choices}" in text, text
 
