@@ -232,8 +232,8 @@ class ServerConfig:
     momentum_period: int = field(
         default=0,
         metadata=_opt(
-            "delayed-nesterov: the momentum moves every N pushes, by their mean (a BSP round is one "
-            "push); 0: --workers",
+            "delayed-nesterov: the momentum moves every N updates, by their mean; 0: one round's updates "
+            "(--workers under asp, ssp and dssp; n under softsync; 1 under bsp, a round being one update)",
             metavar="N",
         ),
     )
@@ -640,10 +640,11 @@ class ServerConfig:
             raise ConfigurationError("--nesterov applies to sgd: delayed-nesterov is Nesterov's step by construction")
         if self.weight_decay:
             raise ConfigurationError("delayed-nesterov takes no --weight-decay")
-        if isinstance(self.momentum_period, bool) or not 0 <= self.momentum_period <= 1 << 24:
-            raise ConfigurationError(
-                f"--momentum-period must be in 0..{1 << 24} (0: --workers), got {self.momentum_period}"
-            )
+        period = self.momentum_period
+        if isinstance(period, bool) or not isinstance(period, int) or not 0 <= period <= 1 << 24:
+            raise ConfigurationError(f"--momentum-period must be a whole number in 0..{1 << 24}, got {period!r}")
+        if not self.momentum > 0.0:
+            raise ConfigurationError("delayed-nesterov needs a --momentum > 0 (the paper's outer momentum is 0.9)")
         kind = parse_compensation(self.compensation)[0]
         if kind in ("dc", "dc-adaptive"):
             raise ConfigurationError(
@@ -660,8 +661,15 @@ class ServerConfig:
 
     @property
     def delayed_period(self) -> int:
-        """delayed-nesterov's period N: ``--momentum-period``, or ``--workers`` when 0."""
-        return self.momentum_period or self.workers
+        """delayed-nesterov's period N: ``--momentum-period``, or when 0 the updates of one round:
+        ``--workers`` (MAX, elastic) under asp, ssp and dssp, n under softsync, 1 under bsp."""
+        if self.momentum_period:
+            return self.momentum_period
+        if self.sync == "bsp":
+            return 1
+        if self.sync == "softsync":
+            return self.softsync_n or 1
+        return self.workers
 
     def public(self) -> dict[str, Any]:
         """Every option but the token, by field name (what may be shown or saved)."""

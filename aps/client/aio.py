@@ -207,6 +207,11 @@ class AsyncWorker(_Workers):
         await self.flush()
         await arun(self._log(scalars, step, batch))
 
+    async def pace(self, steps: int) -> dict[int, float]:
+        """See :meth:`aps.Worker.pace`."""
+        await self.flush()
+        return await arun(self._pace(steps))
+
     async def claim(self, name: str, count: int = 1) -> int:
         """See :meth:`aps.Worker.claim`."""
         await self.flush()

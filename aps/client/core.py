@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 from collections.abc import Mapping
 from types import MappingProxyType
 from typing import Any
@@ -36,6 +37,7 @@ from ..layout import Layout, check_floating
 from ..tables import Table, check_tables
 from ..wire.framing import FrameReader
 from ..wire.rows import ROWS_REF_BYTES, encode_rows, padded, reply_rows_bytes
+from ..wire.scalars import MAX_STEP
 from ..wire.protocol import (
     MAX_STATE_HEAD_BYTES,
     DType,
@@ -65,7 +67,10 @@ _COUNTED_REPLIES = _WEIGHT_REPLIES | {Op.PUSH_REPLY}
 _PUSH_REPLIES = frozenset({Op.PUSH_REPLY, Op.PUSH_PULL_REPLY})
 _ERROR = int(Op.ERROR)
 _REWIND_REPLY = int(Op.REWIND_REPLY)
-_MAX_REWIND_REPLY = 1 << 20
+_PACE_REPLY = int(Op.PACE_REPLY)
+#: The replies that carry a small JSON object (REWIND's checkpoint versions, PACE's rates), at most this long.
+_JSON_REPLIES = frozenset({_REWIND_REPLY, _PACE_REPLY})
+_MAX_JSON_REPLY = 1 << 20
 _REPLY = int(Op.REPLY)
 _INIT_REPLY = int(Op.INIT_REPLY)
 _JOIN_PROGRESS = int(Op.JOIN_PROGRESS)
@@ -192,7 +197,7 @@ class _ClientCore:
         #: the connection, so the worker sends them again when it reconnects.
         self.hyperparameters: bytes | None = None
         self._state_reply: memoryview | None = None  # the last STATE reply's payload, until taken
-        self._rewind_reply: bytes | None = None  # the last REWIND reply's payload, until taken
+        self._json_reply: bytes | None = None  # the last REWIND or PACE reply's payload, until taken
         #: The rows of the call in flight (until the call ends): what its request pulls, and
         #: where the reply's rows land (a pull sent again after a reconnect asks the same).
         self._rows: RowsCall | None = None
@@ -527,23 +532,46 @@ class _ClientCore:
     def rewind_request(self, version: int | None) -> list:
         """REWIND: the versions of the run's checkpoints (``version`` None, Flag.CHECK), or a
         restart from the one at ``version`` (in the header's version field)."""
-        self._rewind_reply = None
+        self._json_reply = None
         if version is None:
             return [pack_header(Op.REWIND, Flag.CHECK, 0, self._next_request(Op.REWIND), self.clock, 0, 0)]
         return [pack_header(Op.REWIND, 0, 0, self._next_request(Op.REWIND), self.clock, version, 0)]
 
     def take_rewind(self) -> dict[str, Any]:
         """What the last REWIND reply said (JSON)."""
-        payload, self._rewind_reply = self._rewind_reply, None
+        return self._take_json("REWIND")
+
+    def _take_json(self, what: str) -> dict[str, Any]:
+        payload, self._json_reply = self._json_reply, None
         if payload is None:
-            raise ProtocolError("a REWIND reply without its payload")
+            raise ProtocolError(f"a {what} reply without its payload")
         try:
             info = json.loads(payload)
-        except ValueError:
-            raise ProtocolError("a REWIND reply that is not JSON") from None
+        except (ValueError, RecursionError):
+            raise ProtocolError(f"a {what} reply that is not JSON") from None
         if not isinstance(info, dict):
-            raise ProtocolError("a REWIND reply that is not a JSON object")
+            raise ProtocolError(f"a {what} reply that is not a JSON object")
         return info
+
+    def pace_request(self, steps: int) -> list:
+        """PACE: this worker has taken ``steps`` local steps in all (in the header's version)."""
+        if isinstance(steps, bool) or not isinstance(steps, (int, np.integer)) or not 0 <= steps <= MAX_STEP:
+            raise ConfigurationError(f"a step count is 0 to 2**53, not {steps!r}")
+        self._json_reply = None
+        return [pack_header(Op.PACE, 0, 0, self._next_request(Op.PACE), self.clock, int(steps), 0)]
+
+    def take_rates(self) -> dict[int, float]:
+        """The step rate of each live worker, by rank, that the last PACE reply gave."""
+        rates = self._take_json("PACE").get("rates")
+        if not isinstance(rates, dict):
+            raise ProtocolError("a PACE reply without its rates by rank")
+        try:
+            taken = {int(rank): float(rate) for rank, rate in rates.items()}
+        except (TypeError, ValueError):
+            raise ProtocolError("a PACE reply without its rates by rank") from None
+        if not all(math.isfinite(rate) and rate > 0.0 for rate in taken.values()):
+            raise ProtocolError("a PACE reply with a rate that is not a positive number")
+        return taken
 
     def take_rewind_versions(self) -> list[int]:
         """The checkpoint versions the last REWIND (CHECK) reply listed."""
@@ -723,9 +751,9 @@ class _ClientCore:
             if header.length > limit:
                 raise MalformedFrame(f"STATE reply of {header.length} bytes; at most {limit} are expected")
             return np.empty(header.length, np.uint8).data if header.length else None  # 8-aligned
-        if header.op == _REWIND_REPLY:  # a small JSON object (the versions of the run's checkpoints)
-            if header.length > _MAX_REWIND_REPLY:
-                raise MalformedFrame(f"REWIND reply of {header.length} bytes")
+        if header.op in _JSON_REPLIES:  # a small JSON object (checkpoint versions, step rates)
+            if header.length > _MAX_JSON_REPLY:
+                raise MalformedFrame(f"{Op(header.op).name} of {header.length} bytes")
             return memoryview(bytearray(header.length))
         if header.length:
             raise MalformedFrame(f"unexpected {header.length}-byte payload on op {header.op}")
@@ -812,8 +840,8 @@ class _ClientCore:
             self._hold_own_views()  # (they came over a socket)
         if header.flags & _ROWS and shm is not None and header.op in _WEIGHT_REPLIES:
             self._rows_from_segment(shm)
-        elif header.op == _REWIND_REPLY and header.request_id == self._request_id:
-            self._rewind_reply = bytes(payload)
+        elif header.op in _JSON_REPLIES and header.request_id == self._request_id:
+            self._json_reply = bytes(payload)
         self._reply = header
         self._payload = payload
 

@@ -308,6 +308,11 @@ class _ChannelSteps:
         """The run's counter ``name`` before ``count`` was added (CLAIM)."""
         return (yield from self._call("claim", lambda: self._core.claim_request(name, count))).version
 
+    def _pace(self, steps: int) -> Steps:
+        """Every live worker's step rate, once this one has said it took ``steps`` in all (PACE)."""
+        yield from self._call("pace", lambda: self._core.pace_request(steps))
+        return self._core.take_rates()
+
     def _log(self, payload: bytes) -> Steps:
         """Send what the training loop logged (LOG)."""
         yield from self._call("log", lambda: self._core.log_request(payload))

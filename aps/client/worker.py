@@ -271,6 +271,9 @@ class _Workers(WorkerFacts):
         self._require_layout("claim")
         return (yield from self._channels[0]._claim(name, count))  # (a sharded run's counters: shard 0's)
 
+    def _pace(self, steps: int) -> Steps:  # (a sharded run's paces: shard 0's)
+        return (yield from self._channels[0]._pace(steps))
+
     def _log(self, scalars: Mapping[str, Any], step: int | None, batch: Any) -> Steps:
         self._require_layout("log")
         if self._logbook.add(scalars, self.clock if step is None else step, batch):
@@ -793,18 +796,22 @@ class Worker(ThreadedFanOut, _Workers):
         return run(self._ping())
 
     def log(self, scalars: Mapping[str, Any], step: int | None = None, *, batch: Any = None) -> None:
-        """Report the training loop's scalars (``{"loss": 0.41, "lr": 0.1}``: numbers, numpy
-        scalars, one-element tensors) at ``step`` (default: this worker's :attr:`clock`).
+        """Report the training loop's scalars (``{"loss": 0.41, "lr": 0.1}``: numbers, numpy scalars,
+        one-element tensors) at ``step`` (default: this worker's :attr:`clock`).
 
-        The server keeps them per rank as curves over the run, drawn on its dashboard beside
-        this process's CPU and memory, and exports the newest in ``/metrics``. No round trip:
-        they are sent about once a second, and on :meth:`close` (or at exit). ``batch`` (the step's input:
-        an array, or bytes) sends a digest of it, by which the server warns when two ranks
-        train on the same data. At most 32 names a worker, each 1 to 64 characters of
-        ``A-Z a-z 0-9 _ . : / -``; a bad one raises ``ValueError`` and nothing is kept.
-        """
+        The server keeps them per rank as curves over the run, drawn on its dashboard beside this
+        process's CPU and memory, and exports the newest in ``/metrics``. No round trip: they are
+        sent about once a second, and on :meth:`close` (or at exit). ``batch`` (the step's input: an
+        array, or bytes) sends a digest of it, by which the server warns when two ranks train on the
+        same data. At most 32 names a worker, each 1 to 64 characters of ``A-Z a-z 0-9 _ . : / -``;
+        a bad one raises ``ValueError`` and nothing is kept."""
         run(self._log(scalars, step, batch))
         _LOGGING.add(self)  # (its last points go out at exit, if it is never closed)
+
+    def pace(self, steps: int) -> dict[int, float]:
+        """Say this worker took ``steps`` local steps in all; every live worker's step rate by rank,
+        measured by the server (docs/protocol.md, "Step rates"; :class:`aps.torch.LocalSGD`)."""
+        return run(self._pace(steps))
 
     def claim(self, name: str, count: int = 1) -> int:
         """Add ``count`` to the run's counter ``name`` (0 at first; adding 0 reads it) and return

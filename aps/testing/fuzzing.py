@@ -113,6 +113,9 @@ def valid_frame(rng: random.Random, token: bytes | None) -> bytes:
             ]
         )
         return pack_header(Op.LOG, 0, 0, 6, 0, 0, len(payload)) + payload
+    if kind == 5 and rng.random() < 0.3:  # a step count: sound, or past 2**53, or with a payload
+        count, payload = rng.choice([(7, b""), (1 << 60, b""), (7, b"x")])
+        return pack_header(Op.PACE, 0, 0, 7, 0, count, len(payload)) + payload
     if kind == 6:  # per-group optimizer values, sound or not
         stops = sorted(rng.sample(range(1, 2 * N), rng.randrange(1, 4)))
         groups = [

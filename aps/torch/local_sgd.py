@@ -28,6 +28,7 @@ every inner step.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from typing import Any
 
@@ -49,7 +50,12 @@ class LocalSGD:
             (buffers, such as BatchNorm's statistics, stay local).
         inner: the inner optimizer over the model's parameters (any ``torch.optim`` optimizer,
             with any scheduler of the user's).
-        every: inner steps between syncs (DiLoCo's H).
+        every: inner steps between syncs (DiLoCo's H); with ``dynamic``, the fastest worker's.
+        dynamic: dynamic local updates (Liu et al., 2024): after each sync the worker takes
+            ``ceil(every * own rate / fastest rate)`` inner steps (at least 1) before the next,
+            the rates being every live worker's inner steps per second as the server measures
+            them (:meth:`aps.Worker.pace`), so that uneven workers sync at about the same
+            wall-clock interval. Off by default: every worker takes ``every`` steps.
         address: the server (default ``APS_ADDRESS``), as :class:`aps.Worker` takes it.
         rank: this worker's rank (default ``RANK``).
         num_workers: the number of workers (default ``WORLD_SIZE``).
@@ -77,10 +83,15 @@ class LocalSGD:
         reconnect: bool = True,
         worker: Worker | None = None,
         init_timeout: float | None = 300.0,
+        dynamic: bool = False,
     ) -> None:
         if isinstance(every, bool) or not isinstance(every, int) or every < 1:
             raise ConfigurationError(f"every must be a whole number of inner steps, at least 1, got {every!r}")
-        self.model, self.inner, self.every = model, inner, every
+        self.model, self.inner, self.every, self.dynamic = model, inner, every, bool(dynamic)
+        #: Inner steps between the last sync and the next (``every``, or less under ``dynamic``).
+        self.current_every = every
+        #: Inner steps taken since the last sync.
+        self.since_sync = 0
         self._params = {name: p for name, p in model.named_parameters() if p.requires_grad}
         if not self._params:
             raise ConfigurationError("the model has no trainable parameters")
@@ -112,7 +123,8 @@ class LocalSGD:
         """The inner optimizer's step; every ``every``-th also syncs (:meth:`sync`)."""
         loss = self.inner.step(closure) if closure is not None else self.inner.step()
         self.steps += 1
-        if self.steps % self.every == 0:
+        self.since_sync += 1
+        if self.since_sync >= self.current_every:
             self.sync()
         return loss
 
@@ -125,6 +137,19 @@ class LocalSGD:
         self._anchor = {name: np.array(weights[name], np.float32) for name in self._params}
         self._load(self._anchor)
         self.syncs += 1
+        self.since_sync = 0
+        if self.dynamic:
+            self.current_every = self._paced()
+
+    def _paced(self) -> int:
+        """The inner steps until the next sync under dynamic local updates: ``every`` times this
+        worker's step rate over the fastest live worker's, rounded up (``every`` until the
+        server has measured this worker's rate)."""
+        rates = self.worker.pace(self.steps)
+        own = rates.get(self.worker.rank) if self.worker.rank is not None else None
+        if own is None:
+            return self.every
+        return max(1, min(self.every, math.ceil(self.every * own / max(rates.values()))))
 
     # Checkpoints -------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
@@ -135,6 +160,8 @@ class LocalSGD:
             "steps": self.steps,
             "syncs": self.syncs,
             "every": self.every,
+            "since_sync": self.since_sync,
+            "current_every": self.current_every,
             "anchor": {name: torch.from_numpy(value.copy()) for name, value in self._anchor.items()},
         }
 
@@ -148,6 +175,9 @@ class LocalSGD:
                 raise ConfigurationError(f"the state's anchor of {name} has shape {tuple(value.shape)}")
         self.inner.load_state_dict(state["inner"])
         self.steps, self.syncs = int(state["steps"]), int(state["syncs"])
+        # (a state saved before dynamic local updates: every worker synced every ``every`` steps)
+        self.since_sync = int(state.get("since_sync", self.steps % int(state.get("every", self.every))))
+        self.current_every = int(state.get("current_every", self.every))
         self._anchor = {name: value.detach().cpu().numpy().astype(np.float32) for name, value in anchor.items()}
 
     def close(self) -> None:

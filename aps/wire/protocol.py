@@ -121,6 +121,10 @@ class Op(IntEnum):
     #: What the worker's training loop reports (aps.Worker.log): its scalars, its process's
     #: CPU time and memory, its batches' digests; a JSON object (aps.wire.scalars), after INIT.
     LOG = 18
+    #: How many local steps this worker has taken (the header's ``version``, at most 2**53), for
+    #: the server to measure its step rate; the reply: every live worker's measured rate, UTF-8
+    #: JSON ``{"rates": {"RANK": steps_per_second}}`` (aps.torch.LocalSGD's dynamic local updates).
+    PACE = 19
 
     REPLY = 0x80
     INIT_REPLY = 0x81
@@ -141,6 +145,7 @@ class Op(IntEnum):
     REWIND_REPLY = 0x90
     CLAIM_REPLY = 0x91
     LOG_REPLY = 0x92
+    PACE_REPLY = 0x93
     #: Not a reply: a notice the server sends just before an INIT_REPLY (same request id) to an
     #: INIT that asked for it (Flag.SEAT):
     #: the rank the worker was seated under (it may have asked for ANY_RANK) and the
@@ -175,6 +180,7 @@ REQUEST_OPS = frozenset(
         Op.REWIND,
         Op.CLAIM,
         Op.LOG,
+        Op.PACE,
     }
 )
 #: What a connection may ask before it has authenticated (when the server has a token).

@@ -6,6 +6,7 @@ from __future__ import annotations
 import subprocess
 import sys
 import threading
+import time
 
 import numpy as np
 import pytest
@@ -176,6 +177,49 @@ def test_aps_torch_optimizer_refuses_a_delayed_nesterov_server_and_names_local_s
     net = model()
     with pytest.raises(ConfigurationError, match="use aps.torch.LocalSGD"):
         aps.torch.Optimizer(net.parameters(), address=server.address, rank=0, num_workers=1)
+
+
+@pytest.mark.parametrize("dynamic", [True, False], ids=["dynamic", "fixed"])
+def test_dynamic_local_updates_give_a_slow_worker_fewer_steps_so_both_sync_about_as_often(server_process, dynamic):
+    """ASP, H = 20, rank 1's inner steps ten times as slow as rank 0's: with dynamic local updates
+    rank 1 takes about H/10 steps between syncs once the server has measured both rates, rank 0
+    keeps H; without, both take H."""
+    server = server_process("--workers", "2", "--sync", "asp", "--lr", "1")
+    nets = [model() for _ in range(2)]
+    opts: list = [None, None]
+
+    def join(rank):
+        inner = torch.optim.SGD(nets[rank].parameters(), lr=0.01)
+        opts[rank] = aps.torch.LocalSGD(nets[rank], inner, every=20, address=server.address, rank=rank,
+                                        num_workers=2, transport="tcp", dynamic=dynamic)
+
+    in_threads([lambda r=r: join(r) for r in range(2)])
+    done = threading.Event()
+    seen: list[list[int]] = [[], []]
+
+    def train(rank, pause, until):
+        opt = opts[rank]
+        while not done.is_set() and opt.syncs < until:
+            opt.zero_grad()
+            for p in nets[rank].parameters():
+                p.grad = torch.ones_like(p)
+            time.sleep(pause)
+            syncs = opt.syncs
+            opt.step()
+            if opt.syncs > syncs:
+                seen[rank].append(opt.current_every)
+        done.set()
+
+    in_threads([lambda: train(0, 0.004, 10**6), lambda: train(1, 0.04, 4)])
+    assert all(count == 20 for count in seen[0]) and len(seen[0]) >= 4
+    if dynamic:
+        # (its first two syncs take 20 steps each: the server measures a rate over two reports)
+        assert 1 <= seen[1][-1] <= 5, seen
+        assert opts[1].state_dict()["current_every"] == seen[1][-1]
+    else:
+        assert seen[1] == [20] * 4
+    for opt in opts:
+        opt.close()
 
 
 @pytest.mark.parametrize("every", [0, -1, 1.5, True])

@@ -70,8 +70,10 @@ EXAMPLES = {
     "lr": ("0.5", 0.5, {}),
     "momentum": ("0.9", 0.9, {}),
     "nesterov": ("1", True, {"APS_MOMENTUM": "0.9"}),
-    "momentum_period": ("4", 4, {"APS_OPTIMIZER": "delayed-nesterov"}),
-    "momentum_activation": ("0.25", 0.25, {"APS_OPTIMIZER": "delayed-nesterov", "APS_WORKERS": "4"}),
+    "momentum_period": ("4", 4, {"APS_OPTIMIZER": "delayed-nesterov", "APS_MOMENTUM": "0.9"}),
+    "momentum_activation": (
+        "0.25", 0.25, {"APS_OPTIMIZER": "delayed-nesterov", "APS_MOMENTUM": "0.9", "APS_WORKERS": "4"}
+    ),
     "weight_decay": ("0.001", 0.001, {}),
     "betas": ("0.5,0.6", (0.5, 0.6), {}),
     "eps": ("1e-6", 1e-6, {}),

@@ -156,6 +156,8 @@ def test_the_optimizer_steps_as_the_formula_and_commits_only_what_it_wrote():
 
 @pytest.mark.parametrize("at", [0, 2], ids=["between", "milestone"])
 def test_a_refused_step_changes_nothing(at):
+    """(The state lives in the spare until a commit: what shows a refusal changed nothing is that
+    the next good step is the one it would have been.)"""
     opt = optimizer()
     w, *grads = vectors(6, 64, 5)
     for g in grads[:at]:
@@ -221,20 +223,87 @@ def test_a_state_with_a_sum_at_a_milestone_is_refused():
 
 
 def test_groups_take_a_learning_rate_and_a_momentum_only():
+    """Five steps (a milestone at the third, then two between with c > 0: each group's momentum
+    moves its momentum buffer and is applied) equal each group's range run alone."""
     opt = optimizer()
-    groups = opt.check_groups([HyperGroup(32, 0.5, 0.0, 0.8, 0.0), HyperGroup(64, 0.7, 0.0, 0.9, 0.0)])
-    w, g = vectors(9, 64, 2)
-    out = np.empty_like(w)
-    assert opt.step(out, w, g, groups=groups)
-    expected = np.empty_like(w)
-    first = run(_reference, w[:32], [g[:32]], 0.5, 0.8, 3, 0.25)[0]
-    second = run(_reference, w[32:], [g[32:]], 0.7, 0.9, 3, 0.25)[0]
-    expected[:32], expected[32:] = first, second
-    np.testing.assert_array_equal(out, expected)
+    groups = opt.check_groups([HyperGroup(32, 0.5, 0.0, 0.5, 0.0), HyperGroup(64, 0.7, 0.0, 0.9, 0.0)])
+    w, *grads = vectors(9, 64, 6)
+    weights = w
+    for g in grads:
+        out = np.empty_like(weights)
+        assert opt.step(out, weights, g, groups=groups)
+        opt.commit()
+        weights = out
+    first = run(_reference, w[:32], [g[:32] for g in grads], 0.5, 0.5, 3, 0.25)
+    second = run(_reference, w[32:], [g[32:] for g in grads], 0.7, 0.9, 3, 0.25)
+    for got, a, b in zip((weights, opt.momentum_buffer, opt.delta), first, second):
+        np.testing.assert_array_equal(got, np.concatenate([a, b]))
+    server_values = run(_reference, w, grads, 0.7, 0.9, 3, 0.25)[0]
+    assert not np.array_equal(weights[:32], server_values[:32])  # (the first group's values were used)
     with pytest.raises(InvalidHyperparameters, match="learning rate and a momentum only"):
         opt.check_groups([HyperGroup(64, 0.5, 0.01, 0.9, 0.0)])
     with pytest.raises(InvalidHyperparameters, match="learning rate and a momentum only"):
         opt.check_groups([HyperGroup(64, 0.5, 0.0, 0.9, 0.1)])
+
+
+def test_a_step_in_pieces_and_on_threads_equals_one_call():
+    from aps.server.engine.optim import KernelThreads
+
+    n = 5000
+    w, *grads = vectors(10, n, 5)
+    whole, pieces, threaded = optimizer(n), optimizer(n), optimizer(n)
+    threaded.threads = KernelThreads(3)
+    threaded.threads.MIN_ELEMENTS = 16
+    results = []
+    for opt, cuts in ((whole, [0, n]), (pieces, [0, 17, 1000, 4096, n]), (threaded, [0, n])):
+        weights = w
+        for g in grads:
+            out = np.empty_like(weights)
+            assert all(opt.step_slice(out, weights, g, 1.0, lo, hi) for lo, hi in zip(cuts, cuts[1:]))
+            opt.commit()
+            weights = out
+        results.append((weights, opt.momentum_buffer.copy(), opt.delta.copy()))
+    threaded.threads.close()
+    for other in results[1:]:
+        for a, b in zip(results[0], other):
+            np.testing.assert_array_equal(a, b)
+
+
+@pytest.mark.parametrize("kernels", [_core, _reference], ids=["native", "twin"])
+@pytest.mark.parametrize("step", [5, 6], ids=["between", "milestone"])
+def test_in_place_equals_out_of_place(kernels, step):
+    w, g, m, delta = vectors(11, 300, 4)
+    outs = [np.empty(300, np.float32) for _ in range(3)]
+    assert kernels.delayed_nesterov_step(outs[0], w, g, outs[1], m, outs[2], delta, step, 0.7, 0.9, 3, 0.25)
+    wi, mi, di = w.copy(), m.copy(), delta.copy()
+    assert kernels.delayed_nesterov_step(wi, wi, g, mi, mi, di, di, step, 0.7, 0.9, 3, 0.25)
+    np.testing.assert_array_equal(wi, outs[0])
+    np.testing.assert_array_equal(di, outs[2])
+    np.testing.assert_array_equal(mi, outs[1] if step == 6 else m)
+
+
+@pytest.mark.parametrize("kernels", [_core, _reference], ids=["native", "twin"])
+@pytest.mark.parametrize("dtype", [_core.FLOAT16, _core.BFLOAT16])
+def test_a_16_bit_gradient_that_is_not_finite_is_refused(kernels, dtype):
+    w, g, m, delta = vectors(12, 64, 4)
+    g[40] = np.inf
+    words = np.empty(64, np.uint16)
+    _core.narrow(words, g, dtype)
+    outs = [np.zeros(64, np.float32) for _ in range(3)]
+    for step in (5, 6):
+        assert kernels.delayed_nesterov_step(outs[0], w, words, outs[1], m, outs[2], delta, step, 0.7, 0.9, 3,
+                                             grad_dtype=dtype) is False
+
+
+def test_a_worker_fills_in_the_servers_learning_rate_and_momentum():
+    import json
+
+    from aps.client.payloads import server_hyperparameters
+    from aps.wire.protocol import ServerInfo
+
+    described = ServerConfig(workers=2, optimizer="delayed-nesterov", lr=0.7, momentum=0.9).shard_description()
+    info = ServerInfo("host", "", "run", shard=json.dumps(described))
+    assert server_hyperparameters(info) == {"lr": 0.7, "weight_decay": 0.0, "momentum": 0.9, "dampening": 0.0}
 
 
 def test_the_optimizer_refuses_values_it_cannot_run():
@@ -251,22 +320,30 @@ def test_the_optimizer_refuses_values_it_cannot_run():
 
 
 def test_server_options():
-    config = ServerConfig(workers=4, optimizer="delayed-nesterov", lr=0.7, momentum=0.9)
-    assert config.delayed_period == 4  # 0: the number of workers
-    assert ServerConfig(workers=4, optimizer="delayed-nesterov", momentum_period=2).delayed_period == 2
-    assert ServerConfig(optimizer="delayed-nesterov", sync="asp", compensation="gap").compensation == "gap"
+    options = {"optimizer": "delayed-nesterov", "lr": 0.7, "momentum": 0.9, "sync": "asp"}
+    # the period by default: one round's updates
+    assert ServerConfig(workers=4, **options).delayed_period == 4
+    assert ServerConfig(workers=6, min_workers=2, **{**options, "sync": "ssp"}).delayed_period == 6
+    assert ServerConfig(workers=4, **{**options, "sync": "bsp"}).delayed_period == 1
+    assert ServerConfig(workers=4, softsync_n=2, **{**options, "sync": "softsync"}).delayed_period == 2
+    assert ServerConfig(workers=4, momentum_period=2, **options).delayed_period == 2
+    assert ServerConfig(compensation="gap", **options).compensation == "gap"
     refused = [
         ({"optimizer": "sgd", "momentum_period": 2}, "apply to --optimizer delayed-nesterov"),
         ({"optimizer": "adam", "momentum_activation": 0.1}, "apply to --optimizer delayed-nesterov"),
-        ({"optimizer": "delayed-nesterov", "momentum": 0.9, "nesterov": True}, "by construction"),
-        ({"optimizer": "delayed-nesterov", "weight_decay": 0.1}, "no --weight-decay"),
-        ({"optimizer": "delayed-nesterov", "workers": 4, "momentum_activation": 0.5}, r"1/\(N-1\)"),
-        ({"optimizer": "delayed-nesterov", "momentum_activation": -0.1}, r"1/\(N-1\)"),
-        ({"optimizer": "delayed-nesterov", "momentum_period": -1}, "0..16777216"),
-        ({"optimizer": "delayed-nesterov", "momentum_activation": float("inf")}, "finite|1/"),
-        ({"optimizer": "delayed-nesterov", "sync": "asp", "compensation": "dc:0.5"}, "pseudo-gradients"),
-        ({"optimizer": "delayed-nesterov", "sync": "asp", "compensation": "dc-adaptive:0.5"}, "pseudo-gradients"),
+        ({**options, "nesterov": True}, "by construction"),
+        ({**options, "weight_decay": 0.1}, "no --weight-decay"),
+        ({"optimizer": "delayed-nesterov"}, "needs a --momentum > 0"),
+        ({**options, "workers": 4, "momentum_activation": 0.5}, r"1/\(N-1\)"),
+        ({**options, "momentum_activation": -0.1}, r"1/\(N-1\)"),
+        ({**options, "momentum_period": -1}, "0..16777216"),
+        ({**options, "momentum_period": 2.5}, "whole number"),
+        ({**options, "momentum_period": "3"}, "whole number"),
+        ({**options, "momentum_activation": float("inf")}, "finite|1/"),
+        ({**options, "compensation": "dc:0.5"}, "pseudo-gradients"),
+        ({**options, "compensation": "dc-adaptive:0.5"}, "pseudo-gradients"),
+        ({**options, "sync": "bsp", "workers": 4, "momentum_period": 4, "momentum_activation": 0.5}, r"1/\(N-1\)"),
     ]
-    for options, message in refused:
+    for given, message in refused:
         with pytest.raises(ConfigurationError, match=message):
-            ServerConfig(**options)
+            ServerConfig(**given)

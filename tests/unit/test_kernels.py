@@ -221,5 +221,7 @@ def test_a_large_refused_update_touches_no_input(where):
     assert _core.sgd_step(scratch[0], w, g, scratch[1], m, 0.1, momentum=0.9) is False
     assert _core.adam_step(scratch[0], w, g, scratch[1], m, scratch[2], v, 3, 1e-3) is False
     assert _core.accumulate(scratch[0], m, g, 1.0, False) is False
+    for step in (5, 6):  # delayed Nesterov, between milestones and at one
+        assert _core.delayed_nesterov_step(scratch[0], w, g, scratch[1], m, scratch[2], v, step, 0.7, 0.9, 3) is False
     for a, b in zip((w, g, m, v), before):
         np.testing.assert_array_equal(a, b)

@@ -19,7 +19,8 @@ narrow Protocols each part declares: ``membership.Gate``, ``loads.Taken``,
 - :attr:`Engine.loads` (:mod:`.loads`): reading and loading the optimizer's state and the weights;
 - :attr:`Engine.durability` (:mod:`.durability`): checkpoints, the run's identity, the claims;
 - :attr:`Engine.lane` (:mod:`.lane`), :attr:`Engine.policy` (:mod:`.sync`),
-  :attr:`Engine.stats` (:mod:`.stats`) and :attr:`Engine.scalars` (:mod:`.scalars`).
+  :attr:`Engine.stats` (:mod:`.stats`), :attr:`Engine.scalars` (:mod:`.scalars`) and
+  :attr:`Engine.paces` (:mod:`.paces`).
 
 Ordering. Every change of state (a join, a leave, a gradient's plan and
 commit, an aggregate update) goes through one FIFO, the update lane, and runs
@@ -50,6 +51,7 @@ from .loads import Loads
 from .members import Member, PushResult, Roster, Seat
 from .membership import Membership
 from .model import Model
+from .paces import Paces
 from .scalars import Scalars
 from .stats import EngineView, RankView, ServerStats, TableView
 from .sync import make_policy
@@ -104,6 +106,7 @@ class Engine:
         self.policy = make_policy(config, window_type or kernels.StalenessWindow)
         self.stats = ServerStats(config.workers, now)
         self.scalars = Scalars()  #: what the workers' training loops report (LOG)
+        self.paces = Paces(now)  #: the workers' step rates (PACE)
         self.lane = UpdateLane(offload, offload_threshold)
         self.model = Model(config, self.policy, kernels, allocate, background)
         self.roster = Roster()

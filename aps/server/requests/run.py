@@ -1,6 +1,6 @@
 """The requests about the run rather than a training step: its statistics (STATS), a
 checkpoint (CHECKPOINT), a rewind to one (REWIND), the shards' run ids (SHARDS), a counter
-(CLAIM) and the scalars a worker logs (LOG)."""
+(CLAIM), the scalars a worker logs (LOG) and its pace (PACE)."""
 
 from __future__ import annotations
 
@@ -10,14 +10,14 @@ from typing import TYPE_CHECKING
 
 from ...errors import CheckpointFailed, InternalServerError, MalformedFrame, ServerError
 from ...wire.protocol import MAX_COUNTER_NAME, Op
-from ...wire.scalars import MAX_LOG_BYTES, decode_log
+from ...wire.scalars import MAX_LOG_BYTES, MAX_STEP, decode_log
 from .base import CHECK, Handler
 
 if TYPE_CHECKING:
     from ..engine.engine import Answer
     from .base import Exchange, Request
 
-__all__ = ["HANDLERS", "MAX_SHARDS_BYTES", "Checkpoint", "Claim", "Log", "Rewind", "Shards", "Stats"]
+__all__ = ["HANDLERS", "MAX_SHARDS_BYTES", "Checkpoint", "Claim", "Log", "Pace", "Rewind", "Shards", "Stats"]
 
 #: A SHARDS request (the shards' run ids, JSON) is at most this long.
 MAX_SHARDS_BYTES = 16 << 10
@@ -121,5 +121,22 @@ class Log(Handler):
         conn.reply(request, Op.LOG_REPLY)
 
 
+class Pace(Handler):
+    """PACE: the worker's local step count; the reply, every live worker's measured step rate."""
+
+    op = Op.PACE
+
+    def handle(self, conn: Exchange, request: Request, payload: memoryview) -> None:
+        member = conn.require_member()
+        steps = request.header.version
+        if steps > MAX_STEP:
+            raise MalformedFrame(f"a step count is at most 2**53, got {steps}")
+        paces = conn.engine.paces
+        paces.report(member.rank, steps)
+        rates = paces.rates(conn.engine.roster.members)
+        answer = {"rates": {str(rank): rate for rank, rate in rates.items()}}
+        conn.reply(request, Op.PACE_REPLY, payload=json.dumps(answer).encode())
+
+
 #: This module's handlers (aps.server.requests.HANDLERS gathers them).
-HANDLERS = (Stats(), Checkpoint(), Rewind(), Shards(), Claim(), Log())
+HANDLERS = (Stats(), Checkpoint(), Rewind(), Shards(), Claim(), Log(), Pace())

@@ -78,3 +78,29 @@ def test_replies_the_core_cannot_take():
         core.frame_buffer(slot)  # (over TCP)
     with pytest.raises(MalformedFrame, match="unexpected shared-memory weights reply"):
         core.frame_received(slot, memoryview(bytes(24)))
+
+
+def _pace_reply(core, payload: bytes):
+    request = unpack_header(core.pace_request(42)[0])
+    assert (request.op, request.version) == (Op.PACE, 42)
+    reply = unpack_header(pack_header(Op.PACE_REPLY, 0, 0, request.request_id, 0, 0, len(payload)))
+    target = core.frame_buffer(reply)
+    target[:] = payload
+    core.frame_received(reply, target)
+    return core.take_rates()
+
+
+def test_a_pace_reply_gives_the_rates_by_rank_and_a_lying_one_is_refused():
+    core = _ClientCore(0, 2)
+    core.init_request(MODEL)
+    assert _pace_reply(core, b'{"rates": {"0": 12.5, "1": 5}}') == {0: 12.5, 1: 5.0}
+    assert _pace_reply(core, b'{"rates": {}}') == {}
+    for lie in (b"[]", b'{"rates": [1]}', b'{"rates": {"x": 1}}', b'{"rates": {"0": -1}}', b'{"rates": {"0": 0}}',
+                b'{"rates": {"0": "1e999"}}', b"{", b'{"rates": {"0": null}}'):
+        with pytest.raises(ProtocolError, match="PACE reply"):
+            _pace_reply(core, lie)
+    with pytest.raises(MalformedFrame, match="PACE_REPLY of"):
+        core.frame_buffer(unpack_header(pack_header(Op.PACE_REPLY, 0, 0, 1, 0, 0, (1 << 20) + 1)))
+    for bad in (-1, (1 << 53) + 1, 1.5, True):
+        with pytest.raises(Exception, match="step count"):
+            core.pace_request(bad)

@@ -28,6 +28,7 @@ def _zeros():
     ("adam", {"lr": 0.1, "eps": 1e-50}, "--eps is 1e-50, which is 0 in float32"),
     ("adam", {"lr": 1e36, "betas": (0.99999, 0.999)}, "first step size lr / \\(1 - beta1\\) = 1e\\+41"),
     ("adamw", {"lr": 1e30, "weight_decay": 1e30}, "decay factor 1 - lr \\* weight_decay"),
+    ("delayed-nesterov", {"lr": 0.1, "momentum": 1e300}, "--momentum is 1e\\+300, beyond float32"),
 ])
 def test_values_beyond_float32_are_refused_naming_the_flag(name, values, message):
     with pytest.raises(ConfigurationError, match=message):

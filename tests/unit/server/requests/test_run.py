@@ -1,5 +1,5 @@
 """The requests about the run (aps.server.requests.run): STATS, CHECKPOINT, REWIND, SHARDS,
-CLAIM and LOG.
+CLAIM, LOG and PACE.
 
 Seams: ``admit`` (the limit of each small payload, read whole); ``handle``: the engine call and
 the reply (op, request id, version, payload) and who may ask (members only, but STATS and
@@ -50,7 +50,8 @@ class Asked:
 
 
 @pytest.mark.parametrize("op, limit", [(Op.SHARDS, MAX_SHARDS_BYTES), (Op.CLAIM, MAX_COUNTER_NAME),
-                                       (Op.LOG, MAX_LOG_BYTES), (Op.STATS, 0), (Op.CHECKPOINT, 0), (Op.REWIND, 0)])
+                                       (Op.LOG, MAX_LOG_BYTES), (Op.STATS, 0), (Op.CHECKPOINT, 0), (Op.REWIND, 0),
+                                       (Op.PACE, 0)])
 def test_each_payload_is_read_whole_within_its_limit(conn, op, limit):
     if limit:
         assert len(admit(conn, pack_header(op, 0, 0, 1, 0, 0, limit))) == limit
@@ -58,7 +59,7 @@ def test_each_payload_is_read_whole_within_its_limit(conn, op, limit):
         admit(conn, pack_header(op, 0, 0, 1, 0, 0, limit + 1))
 
 
-@pytest.mark.parametrize("op", [Op.REWIND, Op.SHARDS, Op.CLAIM, Op.LOG])
+@pytest.mark.parametrize("op", [Op.REWIND, Op.SHARDS, Op.CLAIM, Op.LOG, Op.PACE])
 def test_members_only(conn, op):
     conn.feed(frame(op, b"x" if op in (Op.CLAIM, Op.LOG, Op.SHARDS) else b"", rid=12))
     assert isinstance(conn.last, Error) and isinstance(conn.last.exc, NotInitialized) and conn.last.rid == 12
@@ -196,3 +197,23 @@ def test_a_malformed_log_is_refused_and_records_nothing(conn, engine, payload):
     before = engine.scalars.seq
     conn.feed(frame(Op.LOG, payload, rid=15))
     assert isinstance(conn.last.exc, MalformedFrame) and conn.last.rid == 15 and engine.scalars.seq == before
+
+
+# PACE ---------------------------------------------------------------------------------------------------
+def test_pace_answers_with_the_live_workers_measured_rates(conn, engine):
+    join(conn, N)
+    clock = iter([10.0, 12.0, 13.0])
+    engine.paces._now = lambda: next(clock)
+    conn.feed(frame(Op.PACE, version=100, rid=16))
+    assert conn.last == Reply(Op.PACE_REPLY, 16, payload=b'{"rates": {}}')  # (one report: nothing to measure)
+    conn.feed(frame(Op.PACE, version=140, rid=17))
+    assert json.loads(conn.last.payload) == {"rates": {"0": 20.0}}  # 40 steps in 2 s
+    conn.feed(frame(Op.PACE, version=170, rid=18))
+    assert json.loads(conn.last.payload) == {"rates": {"0": 25.0}}  # half the newest (30/s), half the older
+
+
+def test_a_step_count_past_2_53_is_refused(conn, engine):
+    join(conn, N)
+    conn.feed(frame(Op.PACE, version=(1 << 53) + 1, rid=19))
+    assert isinstance(conn.last.exc, MalformedFrame) and "2**53" in conn.last.exc.message
+    assert engine.paces.rates([0]) == {}
