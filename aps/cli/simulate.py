@@ -54,8 +54,9 @@ def register(commands) -> None:
         type=sync_setting,
         metavar="SETTING",
         help=f"bsp[:K], asp, ssp:S, dssp:S_L:S_U, softsync:N[:S], each with +cutoff:R (--staleness-cutoff), "
-        f"+dc:LAMBDA, +dc-adaptive:LAMBDA or +gap (--compensation) and +inverse (lr/tau) suffixes "
-        f"(repeatable; default {' '.join(DEFAULT_SETTINGS)})",
+        f"+dc:LAMBDA, +dc-adaptive:LAMBDA or +gap (--compensation) and +inverse (lr/tau) suffixes, and "
+        f"local SGD's +local:H (H steps between syncs, DiLoCo's outer step), +dn (delayed Nesterov) and "
+        f"+dylu (dynamic local updates) (repeatable; default {' '.join(DEFAULT_SETTINGS)})",
     )
     parser.add_argument(
         "--stragglers",
@@ -91,7 +92,8 @@ def register(commands) -> None:
         help="a paper's experiment at its own scale: "
         "zhang (30 learners, n-softsync, fixed lr and lr/tau) or zhao (4 and 16 heterogeneous workers, "
         "persistent and on/off stragglers, BSP/ASP/SSP/DSSP with and without lr/tau) or compensation "
-        "(both papers' clusters: ASP, ASP lr/tau, DC-ASGD, gap-aware, a cut-off and DSSP), 3 seeds each; "
+        "(both papers' clusters: ASP, ASP lr/tau, DC-ASGD, gap-aware, a cut-off and DSSP) or local-sgd (BSP "
+        "every step, DiLoCo, asynchronous local SGD with delayed Nesterov and dynamic local updates), 3 seeds each; "
         "--train mnist unless --train digits is given (a quick look); --sync, --lr, --momentum, "
         "--batch-size, --lr-staleness, --eval-every, --target, --seeds, --seed, --jobs and --out still "
         "apply (default: none)",

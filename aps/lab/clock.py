@@ -12,7 +12,8 @@ machine or its load.
 
 A worker's gradient is computed (by ``compute``) when it is released, on
 exactly the weights its pull returned, and applied when its push arrives in
-virtual time: staleness as a server makes it. Without ``compute`` the
+virtual time: staleness as a server makes it. Under local SGD (``local``) a
+worker takes several iterations between syncs and pushes its pseudo-gradient. Without ``compute`` the
 gradients are zeros: the run measures synchronization only (``aps
 simulate``); with it, training (``aps simulate --train``).
 """
@@ -28,11 +29,12 @@ from dataclasses import dataclass
 import numpy as np
 
 from ..server.engine import Engine
+from ..server.engine.paces import Paces
 from ..config import ServerConfig
 from ..errors import APSError
 from ..layout import Layout
 
-__all__ = ["IterationTimes", "SimulationError", "Stragglers", "VirtualCluster"]
+__all__ = ["IterationTimes", "LocalSteps", "SimulationError", "Stragglers", "VirtualCluster"]
 
 
 class SimulationError(APSError):
@@ -118,9 +120,34 @@ class IterationTimes:
         return value
 
 
-#: ``compute(rank, weights, grad_out)``: the gradient of worker ``rank`` on ``weights`` (the
-#: flat snapshot its pull returned, read-only) into ``grad_out`` (flat float32).
-Compute = Callable[[int, np.ndarray, np.ndarray], None]
+#: ``compute(rank, weights, grad_out, steps)``: what worker ``rank`` pushes after ``steps``
+#: iterations from ``weights`` (the flat snapshot its pull returned, read-only), into
+#: ``grad_out`` (flat float32): a gradient (one step), or local SGD's pseudo-gradient.
+Compute = Callable[[int, np.ndarray, np.ndarray, int], None]
+
+
+class LocalSteps:
+    """How many iterations each worker of a local SGD run takes between syncs: ``every``, or
+    with ``dynamic`` (dynamic local updates) ``ceil(every * own rate / fastest rate)``, the rates
+    measured as a server measures them (:class:`aps.server.engine.paces.Paces`) on the virtual
+    clock from each sync's step count."""
+
+    def __init__(self, every: int, count: int, dynamic: bool, now: Callable[[], float]) -> None:
+        self.every, self.dynamic = every, dynamic
+        self.steps = [0] * count  # each worker's iterations so far
+        self.current = [every] * count  # and how many it takes before its next sync
+        self._paces = Paces(now)
+
+    def synced(self, rank: int, steps: int) -> None:
+        """``rank`` synced after ``steps`` iterations: its next number."""
+        self.steps[rank] += steps
+        if not self.dynamic:
+            return
+        self._paces.report(rank, self.steps[rank])
+        rates = self._paces.rates(range(len(self.steps)))
+        own = rates.get(rank)
+        if own is not None:
+            self.current[rank] = max(1, min(self.every, math.ceil(self.every * own / max(rates.values()))))
 
 
 class VirtualCluster:
@@ -144,6 +171,7 @@ class VirtualCluster:
         layout: Layout,
         values: np.ndarray,
         compute: Compute | None = None,
+        local: tuple[int, bool] | None = None,
     ) -> None:
         self.config = config
         self.times = times
@@ -151,6 +179,9 @@ class VirtualCluster:
         self.now = 0.0
         self.engine = Engine(config, now=lambda: self.now)
         count = len(times.base)
+        #: Local SGD (``local``: inner steps between syncs, dynamic or not): each push is a sync.
+        self.local = None if local is None else LocalSteps(local[0], count, local[1], lambda: self.now)
+        self._steps = [1] * count  # the iterations of each worker's push in flight
         if count != config.workers:
             raise ValueError(f"{count} iteration speeds for {config.workers} workers")
         self._window = self.engine.policy.window
@@ -193,6 +224,8 @@ class VirtualCluster:
     def _committed(self, rank: int):
         def done(result) -> None:
             self.per_worker[rank] += 1
+            if self.local is not None:
+                self.local.synced(rank, self._steps[rank])
             if not result.dropped:
                 self.staleness.append(result.staleness)
             self.engine.training.pull(self.members[rank], self._ready[rank])
@@ -202,13 +235,17 @@ class VirtualCluster:
     def _start(self, rank: int, snapshot) -> None:
         """``rank`` holds the weights of ``snapshot``: compute on them, push when its iteration ends."""
         self._version[rank] = snapshot.version
+        steps = self._steps[rank] = 1 if self.local is None else self.local.current[rank]
         if self.compute is not None:  # (its member by rank: the last join releases everyone before it returns)
             grad = self.engine.roster.members[rank].grad
             assert grad is not None  # its join made its gradient buffer
-            self.compute(rank, snapshot.array, grad)
+            self.compute(rank, snapshot.array, grad, steps)
         snapshot.release()
+        end = self.now
+        for _ in range(steps):  # (each iteration its own time: a straggling spell may begin midway)
+            end += self.times.draw(rank, end)
         self._sequence += 1
-        heapq.heappush(self._events, (self.now + self.times.draw(rank, self.now), self._sequence, rank))
+        heapq.heappush(self._events, (end, self._sequence, rank))
 
     # Running ---------------------------------------------------------------
     @property

@@ -44,7 +44,8 @@ LABELS = {"bsp": "BSP", "asp": "ASP", "ssp": "SSP", "dssp": "DSSP", "softsync": 
 
 def label(setting: str, lr_staleness: str = "none") -> str:
     """A readable name: ``dssp:3:15`` -> ``DSSP [3,15]``, ``ssp:3`` -> ``SSP s=3``, and the
-    suffixes: ``asp+cutoff:8+gap+inverse`` -> ``ASP cut-off 8 gap lr/tau``."""
+    suffixes: ``asp+cutoff:8+gap+inverse`` -> ``ASP cut-off 8 gap lr/tau``, ``asp+local:10+dn+dylu``
+    -> ``ASP local H=10 delayed Nesterov dynamic H``."""
     body, *extras = setting.split("+")
     text = _base_label(body)
     for extra in extras:
@@ -55,6 +56,12 @@ def label(setting: str, lr_staleness: str = "none") -> str:
             text += f" cut-off {value}"
         elif key in ("dc", "dc-adaptive"):
             text += f" {'DC' if key == 'dc' else 'DC-a'} {value}"
+        elif key == "local":
+            text += f" local H={value}"
+        elif extra == "dn":
+            text += " delayed Nesterov"
+        elif extra == "dylu":
+            text += " dynamic H"
         else:
             text += f" {extra}"
     return text + (" lr/tau" if lr_staleness == "inverse" else "")
@@ -133,6 +140,7 @@ def _pool_main(rank: int, workers: int, dataset_name: str, seed: int, conn) -> N
                 transport=order.get("transport", "auto"),
                 compression=None if compression == "none" else compression.split("+")[0],
                 compress_pulls=compression.endswith("+pulls"),
+                local=order.get("local"),
             )
             conn.send(result)
         except Exception as exc:  # reported, and the comparison stops
@@ -236,13 +244,11 @@ def _server_config(setting: str, lr_staleness: str, workers: int, args) -> Serve
     return ServerConfig(
         workers=workers,
         port=0,
-        lr=args.lr,
-        momentum=args.momentum,
-        lr_staleness=lr_staleness,
         log_level="warning",
         token=os.environ.get("APS_TOKEN") or None,
         http_port=getattr(args, "http_port", None),
-        **options,
+        # (a local SGD setting says its outer step's: --lr and --momentum are then the inner SGD's)
+        **{"lr": args.lr, "momentum": args.momentum, "lr_staleness": lr_staleness, **options},
     )
 
 
@@ -307,6 +313,17 @@ def estimate_seconds(runs: int, budget: float, workers: int, cores: int | None =
     return startup_seconds(workers, cores, load) + runs * (budget + _OVERHEAD_S)
 
 
+def _local_order(run: Run, args) -> tuple[int, bool, float, float] | None:
+    """What a worker runs under a local SGD setting (aps.workloads.train's ``local``): H, dynamic,
+    and the inner SGD's learning rate and momentum (--lr, --momentum); None for the others."""
+    parsed = parse_setting(run.setting)
+    if parsed.local_every is None:
+        return None
+    if run.compression != "none":
+        raise ConfigurationError(f"{run.setting}: local SGD pushes float32 pseudo-gradients (no --compression)")
+    return parsed.local_every, parsed.dynamic, args.lr, args.momentum
+
+
 def _run_one(run: Run, pool: _Pool, evaluate, args, out=sys.stdout, bar=None) -> None:
     config = _server_config(run.setting, run.lr_staleness, len(run.speeds), args)
     eval_every = args.eval_every or max(0.5, args.budget / 25)
@@ -323,6 +340,7 @@ def _run_one(run: Run, pool: _Pool, evaluate, args, out=sys.stdout, bar=None) ->
                 "batch_size": args.batch_size,
                 "compression": run.compression,
                 "transport": args.transport,
+                "local": _local_order(run, args),
             }
         )
         deadline = time.monotonic() + _START_TIMEOUT

@@ -84,10 +84,19 @@ SETTING_FORM = "bsp[:K], asp, ssp:S, dssp:S_L:S_U or softsync:N[:S]"
 
 @dataclass(frozen=True)
 class Setting:
-    """One sync configuration: its text (``ssp:3``) and its ``ServerConfig`` options."""
+    """One sync configuration: its text (``ssp:3``) and its ``ServerConfig`` options; for local
+    SGD (``+local:H``), the inner steps between syncs and whether they are dynamic (``+dylu``)."""
 
     label: str
     options: dict = field(hash=False, compare=False)
+    local_every: int | None = None
+    dynamic: bool = False
+
+
+#: The outer step of local SGD settings: DiLoCo's (Douillard et al., 2023: SGD, learning rate
+#: 0.7, Nesterov momentum 0.9), and with ``+dn`` delayed Nesterov (Liu et al., 2024) at the same.
+DILOCO_OUTER = {"optimizer": "sgd", "lr": 0.7, "momentum": 0.9, "nesterov": True}
+DELAYED_NESTEROV_OUTER = {"optimizer": "delayed-nesterov", "lr": 0.7, "momentum": 0.9}
 
 
 def parse_setting(text: str) -> Setting:
@@ -117,9 +126,16 @@ def parse_setting(text: str) -> Setting:
             options["staleness"] = numbers[1]
     else:
         raise ConfigurationError(f"bad sync setting {text!r}: use {SETTING_FORM}")
+    local_every, outer, dynamic = None, DILOCO_OUTER, False
     for extra in extras:
         key, _, value = extra.partition(":")
-        if extra == "inverse" and "lr_staleness" not in options:
+        if key == "local" and value.isdigit() and int(value) >= 1 and local_every is None:
+            local_every = int(value)
+        elif extra == "dn" and outer is DILOCO_OUTER:
+            outer = DELAYED_NESTEROV_OUTER
+        elif extra == "dylu" and not dynamic:
+            dynamic = True
+        elif extra == "inverse" and "lr_staleness" not in options:
             options["lr_staleness"] = "inverse"
         elif key == "cutoff" and value.isdigit() and "staleness_cutoff" not in options:
             options["staleness_cutoff"] = int(value)
@@ -128,10 +144,15 @@ def parse_setting(text: str) -> Setting:
             options["compensation"] = extra
         else:
             raise ConfigurationError(
-                f"bad sync setting {text!r}: the suffixes are +inverse, +cutoff:R and one "
-                "compensation (+dc:LAMBDA, +dc-adaptive:LAMBDA or +gap), once each"
+                f"bad sync setting {text!r}: the suffixes are +inverse, +cutoff:R, one compensation "
+                "(+dc:LAMBDA, +dc-adaptive:LAMBDA or +gap), and local SGD's +local:H with +dn "
+                "(delayed Nesterov) and +dylu (dynamic local updates), once each"
             )
-    return Setting(label, options)
+    if local_every is None:
+        if outer is not DILOCO_OUTER or dynamic:
+            raise ConfigurationError(f"bad sync setting {text!r}: +dn and +dylu go with +local:H (local SGD)")
+        return Setting(label, options)
+    return Setting(label, {**options, **outer}, local_every, dynamic)
 
 
 def require(condition: bool, message: str) -> None:

@@ -153,6 +153,22 @@ EXPERIMENTS["compensation"] = Experiment(
     lr_staleness="none",
     target=0.9,
 )
+# Local SGD (docs/science/papers.md, "Local SGD"): BSP every step against DiLoCo (H = 10 and 50,
+# BSP rounds of pseudo-gradients with Nesterov's outer step) and asynchronous local SGD (ASP, H = 10,
+# delayed Nesterov; and with dynamic local updates), on 4 workers one 2.5x slower and on 4 with on/off
+# stragglers. --lr and --momentum are the inner SGD's in the local settings (the outer step is 0.7
+# with momentum 0.9) and the server's for BSP every step.
+EXPERIMENTS["local-sgd"] = Experiment(
+    title="Local SGD: BSP every step, DiLoCo (H = 10, 50) and asynchronous local SGD with delayed Nesterov "
+    "and dynamic local updates, on uneven workers",
+    clusters=(
+        ClusterSpec("4 workers, one 2.5x slower", (1.0, 1.0, 1.0, 2.5), jitter=0.1, budget=400, eval_every=10.0),
+        dataclasses.replace(EXPERIMENTS["zhao"].clusters[1], budget=400.0, eval_every=10.0),  # (on/off stragglers)
+    ),
+    sync=("bsp", "bsp+local:10", "bsp+local:50", "asp+local:10+dn", "asp+local:10+dn+dylu"),
+    lr_staleness="none",
+    target=0.9,
+)
 #: What a preset sets, and so may not be given with --experiment.
 _CLUSTER_OPTIONS = ("speeds", "workers", "hetero", "jitter", "stragglers", "budget", "iterations")
 #: What only training uses (refused without --train or --experiment rather than ignored).
@@ -334,9 +350,8 @@ def run_training(
         try:
             ServerConfig(
                 workers=len(cluster.speeds),
-                lr=args.lr,
-                momentum=args.momentum,
-                **{"lr_staleness": mode, **setting.options},
+                # (a local SGD setting says its outer step's: --lr and --momentum are the inner's)
+                **{"lr": args.lr, "momentum": args.momentum, "lr_staleness": mode, **setting.options},
             )
         except ConfigurationError as exc:
             raise ConfigurationError(f"--sync {setting.label}: {exc}") from None

@@ -46,9 +46,21 @@ __all__ = [
 class VirtualTrainer:
     """The model, the data and the gradient computation of a virtual run."""
 
-    def __init__(self, dataset: Dataset, workers: int, *, batch_size: int, init_seed: int, seed: int) -> None:
+    def __init__(
+        self,
+        dataset: Dataset,
+        workers: int,
+        *,
+        batch_size: int,
+        init_seed: int,
+        seed: int,
+        inner: tuple[float, float] | None = None,
+    ) -> None:
         self.dataset = dataset
         self.batch_size = batch_size
+        #: Local SGD: the inner SGD's learning rate and momentum (None: each push is one gradient).
+        self.inner = inner
+        self._inner_state: dict[int, tuple[np.ndarray, np.ndarray]] = {}  # per worker: momentum, scratch
         self.model = make_model(dataset.side, seed=init_seed)
         self.params = [p for p in self.model.parameters() if p.requires_grad]
         named = {name: p.detach().numpy().copy() for name, p in self.model.named_parameters() if p.requires_grad}
@@ -81,8 +93,32 @@ class VirtualTrainer:
         self._at[rank] += size
         return x[index], y[index]
 
-    def compute(self, rank: int, weights: np.ndarray, grad_out: np.ndarray) -> None:
-        """Worker ``rank``'s gradient of the mean cross-entropy of its next batch, on ``weights``."""
+    def compute(self, rank: int, weights: np.ndarray, grad_out: np.ndarray, steps: int = 1) -> None:
+        """What worker ``rank`` pushes from ``weights``: the gradient of the mean cross-entropy of
+        its next batch; under local SGD, its pseudo-gradient after ``steps`` inner SGD steps
+        (``weights`` minus where they took it; the inner momentum kept across syncs, as DiLoCo
+        keeps its inner optimizer's state)."""
+        if self.inner is None:
+            if steps != 1:
+                raise ValueError("a worker without local SGD pushes one gradient an iteration")
+            self._gradient(rank, weights, grad_out)
+            return
+        lr, momentum = (np.float32(value) for value in self.inner)
+        if rank not in self._inner_state:
+            self._inner_state[rank] = (np.zeros_like(weights), np.empty_like(weights))
+        buf, grad = self._inner_state[rank]
+        local = weights.copy()
+        for _ in range(steps):
+            self._gradient(rank, local, grad)
+            if momentum:
+                buf *= momentum
+                buf += grad
+                local -= lr * buf
+            else:
+                local -= lr * grad
+        np.subtract(weights, local, out=grad_out)
+
+    def _gradient(self, rank: int, weights: np.ndarray, grad_out: np.ndarray) -> None:
         start = time.perf_counter()
         np.copyto(self._flat_np, weights)
         x, y = self._batch(rank)
@@ -151,17 +187,31 @@ def train_virtual(
         raise ValueError("give iterations, or a virtual-time budget")
     data = load(dataset, seed=init_seed) if isinstance(dataset, str) else dataset
     workers = len(speeds)
-    trainer = VirtualTrainer(data, workers, batch_size=batch_size, init_seed=init_seed, seed=seed)
+    local = setting.local_every
+    trainer = VirtualTrainer(
+        data,
+        workers,
+        batch_size=batch_size,
+        init_seed=init_seed,
+        seed=seed,
+        inner=None if local is None else (lr, momentum),
+    )
     config = ServerConfig(
         workers=workers,
-        lr=lr,
-        momentum=momentum,
         heartbeat_timeout=0,
-        **{"lr_staleness": lr_staleness, **setting.options},
-    )  # (a +inverse setting says its own)
+        # (a +inverse setting says its own; a local SGD setting, its outer optimizer: lr and momentum are the inner's)
+        **{"lr": lr, "momentum": momentum, "lr_staleness": lr_staleness, **setting.options},
+    )
     times = IterationTimes(speeds, jitter, stragglers, seed)
     wall = time.perf_counter()
-    cluster = VirtualCluster(config, times, trainer.layout, trainer.initial, trainer.compute)
+    cluster = VirtualCluster(
+        config,
+        times,
+        trainer.layout,
+        trainer.initial,
+        trainer.compute,
+        local=None if local is None else (local, setting.dynamic),
+    )
     if eval_every is None:
         if budget is not None:
             horizon = budget
@@ -222,6 +272,17 @@ def train_virtual(
         "dataset": data.name,
         "lr": lr,
         "momentum": momentum,
+        **(
+            {
+                "local_every": local,
+                "dynamic": setting.dynamic,
+                "outer": f"{config.optimizer} lr={config.lr:g} momentum={config.momentum:g}",
+                "steps": sum(cluster.local.steps) if cluster.local is not None else None,
+                "syncs_per_worker": cluster.per_worker,
+            }
+            if local is not None
+            else {}
+        ),
         "batch_size": batch_size,
         "seed": seed,
         "init_seed": init_seed,

@@ -21,7 +21,7 @@ import torch
 from torch.nn import functional as F
 
 from ..errors import NonFiniteGradient
-from ..torch import Optimizer, Pacer
+from ..torch import LocalSGD, Optimizer, Pacer
 from .data import DATASETS, Dataset, load, shard
 from .models import accuracy, make_model
 
@@ -46,6 +46,7 @@ def train(
     transport: str = "auto",
     compression: str | None = None,
     compress_pulls: bool = False,
+    local: tuple[int, bool, float, float] | None = None,
 ) -> dict:
     """Train on this worker's shard until ``epochs`` are done, the monotonic
     ``deadline`` passes, or ``duration`` seconds after every worker joined.
@@ -58,19 +59,36 @@ def train(
     raises :class:`aps.errors.NonFiniteGradient`, or with
     ``stop_on_divergence`` stops and reports ``"diverged": True``.
     ``transport``, ``compression`` and ``compress_pulls`` go to the worker
-    (see :class:`aps.Worker`).
+    (see :class:`aps.Worker`). ``local``: local SGD instead, ``(H, dynamic, inner lr, inner
+    momentum)``: :class:`aps.torch.LocalSGD` with an inner ``torch.optim.SGD``.
     """
     model = make_model(dataset.side, seed=seed)
-    optimizer = Optimizer(
-        model,
-        address,
-        rank,
-        workers,
-        pacer=pacer,
-        transport=transport,
-        compression=compression,
-        compress_pulls=compress_pulls,
-    )
+    optimizer: Optimizer | LocalSGD
+    if local is None:
+        optimizer = Optimizer(
+            model,
+            address,
+            rank,
+            workers,
+            pacer=pacer,
+            transport=transport,
+            compression=compression,
+            compress_pulls=compress_pulls,
+        )
+    else:
+        every, dynamic, inner_lr, inner_momentum = local
+        inner = torch.optim.SGD(model.parameters(), lr=inner_lr, momentum=inner_momentum)
+        optimizer = LocalSGD(
+            model,
+            inner,
+            every=every,
+            dynamic=dynamic,
+            address=address,
+            rank=rank,
+            num_workers=workers,
+            transport=transport,
+        )
+    paced = pacer if local is not None else None  # (aps.torch.Optimizer paces its own steps)
     rank, workers = optimizer.worker.rank, optimizer.worker.num_workers
     assert rank is not None and workers is not None  # the worker has joined: its init gave it both
     if duration is not None:  # the clock starts when everyone has joined
@@ -89,6 +107,8 @@ def train(
             batch = order[start : start + batch_size]
             optimizer.zero_grad()
             F.cross_entropy(model(x[batch]), y[batch]).backward()
+            if paced is not None:
+                paced.wait()
             try:
                 optimizer.step()
             except NonFiniteGradient:
@@ -97,9 +117,11 @@ def train(
                 diverged = True
                 break
             iterations += 1
+            if paced is not None:
+                paced.restart()
             if on_epoch is not None and iterations % steps_per_epoch == 0:
                 on_epoch(iterations // steps_per_epoch, optimizer, model)
-        return {"rank": rank, "iterations": iterations, "version": optimizer.version, "diverged": diverged}
+        return {"rank": rank, "iterations": iterations, "version": optimizer.worker.version, "diverged": diverged}
     finally:
         optimizer.close()
 

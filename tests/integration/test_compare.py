@@ -179,3 +179,21 @@ def test_demo_on_a_virtual_clock_runs_the_same_comparison_for_several_seeds(tmp_
     refused = subprocess.run([sys.executable, "-m", "aps", "demo", "--virtual", "--compression", "bf16"],
                              capture_output=True, text=True, timeout=60)
     assert refused.returncode == 2 and "--virtual does not model wire compression" in refused.stderr
+
+
+@pytest.mark.slow
+def test_compare_runs_local_sgd_settings_with_real_local_sgd_workers(tmp_path):
+    """asp+local:4+dn: the server runs delayed Nesterov and each worker process LocalSGD, pushing
+    once every 4 of its iterations (the pushes a quarter of the iterations, about)."""
+    out = tmp_path / "results"
+    done = subprocess.run(
+        [sys.executable, "-m", "aps", "compare", "--workers", "2", "--speeds", "1,2", "--paradigms", "asp+local:4+dn",
+         "--clusters", "heterogeneous", "--lr-staleness", "none", "--budget", "2", "--step-time", "0.02",
+         "--dataset", "digits", "--target", "0.3", "--out", str(out)],
+        capture_output=True, text=True, timeout=240,
+    )
+    assert done.returncode == 0, done.stderr
+    (record,) = json.loads((out / "results.json").read_text())
+    assert record["label"] == "ASP local H=4 delayed Nesterov" and record["diverged"] is False
+    pushes = record["iterations_per_s"] * 2
+    assert pushes > 0 and 3 * pushes <= record["iterations"] <= 4 * pushes + 8

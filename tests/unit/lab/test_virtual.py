@@ -30,7 +30,8 @@ def test_each_gradient_is_computed_on_the_weights_its_pull_returned():
     """ASP, speeds 1 and 2.5, gradient = the weights it was computed on, lr 0.5: the sequence by hand."""
     seen = []
 
-    def compute(rank, weights, grad):
+    def compute(rank, weights, grad, steps):
+        assert steps == 1
         seen.append((rank, float(weights[0])))
         grad[:] = weights
 
@@ -231,8 +232,8 @@ def test_the_presets_are_valid_and_the_simulate_flags_that_would_be_ignored_are_
             assert (cluster.budget is None) != (cluster.iterations is None), (name, cluster.name)
             for text in experiment.sync:
                 for mode in ("none", "inverse"):  # every server the preset would start
-                    ServerConfig(workers=len(cluster.speeds), lr=experiment.lr,
-                                 **{"lr_staleness": mode, **parse_setting(text).options})
+                    ServerConfig(workers=len(cluster.speeds),
+                                 **{"lr": experiment.lr, "lr_staleness": mode, **parse_setting(text).options})
     for argv, message in [
         (["--lr", "0.1"], "--lr applies to training: add --train"),
         (["--seeds", "3", "--budget", "5"], "--budget, --seeds apply to training"),

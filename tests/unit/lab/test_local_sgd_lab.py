@@ -1,0 +1,93 @@
+"""Local SGD on the virtual clock: the settings that ask for it, how many steps each worker
+takes between syncs (fixed, or dynamic from the rates a server would measure), and the
+pseudo-gradients the virtual workers push."""
+
+import numpy as np
+import pytest
+
+from aps.errors import ConfigurationError
+from aps.lab.clock import IterationTimes, LocalSteps, VirtualCluster
+from aps.lab.settings import DELAYED_NESTEROV_OUTER, DILOCO_OUTER, parse_setting
+from aps.config import ServerConfig
+from aps.layout import Layout
+
+
+def test_local_settings_carry_the_steps_the_outer_step_and_dynamic():
+    diloco = parse_setting("bsp+local:50")
+    assert (diloco.local_every, diloco.dynamic) == (50, False)
+    assert diloco.options == {"sync": "bsp", **DILOCO_OUTER}
+    async_local = parse_setting("asp+local:10+dn+dylu")
+    assert (async_local.local_every, async_local.dynamic) == (10, True)
+    assert async_local.options == {"sync": "asp", **DELAYED_NESTEROV_OUTER}
+    assert parse_setting("asp").local_every is None
+    for bad in ("asp+dn", "asp+dylu", "asp+local:0", "asp+local:x", "asp+local:2+local:3", "asp+local:2+dn+dn"):
+        with pytest.raises(ConfigurationError, match="bad sync setting"):
+            parse_setting(bad)
+
+
+def test_dynamic_steps_follow_the_rates_a_server_measures():
+    now = [0.0]
+    steps = LocalSteps(20, 2, True, lambda: now[0])
+    for t in (1.0, 2.0):  # rank 0: 20 steps a second; rank 1: 20 steps every 2.5 s
+        now[0] = t
+        steps.synced(0, steps.current[0])
+    for t in (2.5, 5.0):
+        now[0] = t
+        steps.synced(1, steps.current[1])
+    assert steps.current == [20, 8]  # ceil(20 * 8 / 20)
+    fixed = LocalSteps(20, 2, False, lambda: now[0])
+    fixed.synced(1, 20)
+    assert fixed.current == [20, 20] and fixed.steps == [0, 20]
+
+
+def test_each_sync_takes_the_time_of_its_steps():
+    """Synchronization only (no gradients): under ASP each worker syncs every H of its iterations."""
+    config = ServerConfig(workers=2, sync="asp", heartbeat_timeout=0, optimizer="delayed-nesterov", lr=0.7,
+                          momentum=0.9)
+    times = IterationTimes([1.0, 2.0])
+    cluster = VirtualCluster(config, times, Layout(("w",), ((1,),)), np.zeros(1, np.float32), local=(5, False))
+    while cluster.next_time <= 40.0:
+        cluster.step()
+    assert cluster.per_worker == [8, 4]  # every 5 s and every 10 s
+    assert cluster.local.steps == [40, 20]
+
+
+def test_a_virtual_worker_pushes_the_pseudo_gradient_of_its_inner_steps():
+    from aps.lab.virtual import VirtualTrainer
+    from aps.workloads.data import load
+
+    data = load("digits", seed=0)
+    local = VirtualTrainer(data, 2, batch_size=16, init_seed=0, seed=3, inner=(0.1, 0.0))
+    plain = VirtualTrainer(data, 2, batch_size=16, init_seed=0, seed=3)
+    weights = local.initial.copy()
+    pseudo = np.empty_like(weights)
+    local.compute(1, weights, pseudo, 3)
+    expected, grad = weights.copy(), np.empty_like(weights)
+    for _ in range(3):  # the same batches, in order: inner SGD by hand
+        plain.compute(1, expected, grad)
+        expected -= np.float32(0.1) * grad
+    np.testing.assert_array_equal(pseudo, weights - expected)
+    with pytest.raises(ValueError, match="one gradient an iteration"):
+        plain.compute(0, weights, grad, 2)
+
+
+def test_local_settings_are_named_for_what_they_run():
+    from aps.lab.compare import label
+
+    assert label("bsp+local:50") == "BSP local H=50"
+    assert label("asp+local:10+dn+dylu") == "ASP local H=10 delayed Nesterov dynamic H"
+
+
+def test_a_real_comparison_starts_the_outer_step_and_tells_the_workers_their_inner_one():
+    from types import SimpleNamespace
+
+    from aps.lab.compare import Run, _local_order, _server_config
+
+    args = SimpleNamespace(lr=0.05, momentum=0.5, http_port=None)
+    config = _server_config("asp+local:10+dn+dylu", "none", 4, args)
+    assert (config.optimizer, config.lr, config.momentum, config.sync) == ("delayed-nesterov", 0.7, 0.9, "asp")
+    assert _local_order(Run("asp+local:10+dn+dylu", "none", "c", [1.0] * 4), args) == (10, True, 0.05, 0.5)
+    assert _local_order(Run("asp", "none", "c", [1.0] * 4), args) is None
+    assert _server_config("asp", "none", 4, args).lr == 0.05
+    with pytest.raises(ConfigurationError, match="no --compression"):
+        _local_order(Run("bsp+local:10", "none", "c", [1.0] * 4, compression="bf16"), args)
