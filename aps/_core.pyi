@@ -5,9 +5,14 @@ from typing import Any, Self
 import numpy as np
 from typing_extensions import disjoint_base
 
+from aps.wire.quantized import Quantized
+
 FLOAT32: int
 FLOAT16: int
 BFLOAT16: int
+INT8Q: int
+INT4Q: int
+QBLOCK: int
 STREAM_MIN: int
 
 COMPENSATE_DC: int
@@ -36,12 +41,12 @@ def compensate(
 def step_scale(c_out: np.ndarray, c_in: np.ndarray, w_out: np.ndarray, w_in: np.ndarray, decay: float) -> None: ...
 def use_f16c(allowed: bool = ...) -> bool: ...
 def narrow(out: np.ndarray, x: np.ndarray, dtype: int) -> int: ...
-def widen(out: np.ndarray, x: np.ndarray, dtype: int) -> None: ...
-def all_finite(x: np.ndarray, dtype: int = ...) -> bool: ...
+def widen(out: np.ndarray, x: np.ndarray | Quantized, dtype: int) -> None: ...
+def all_finite(x: np.ndarray | Quantized, dtype: int = ...) -> bool: ...
 def accumulate(
     out: np.ndarray,
     inp: np.ndarray | None,
-    grad: np.ndarray,
+    grad: np.ndarray | Quantized,
     scale: float = ...,
     first: bool = ...,
     grad_dtype: int = ...,
@@ -49,7 +54,7 @@ def accumulate(
 def sgd_step(
     w_out: np.ndarray,
     w_in: np.ndarray,
-    grad: np.ndarray,
+    grad: np.ndarray | Quantized,
     buf_out: np.ndarray | None,
     buf_in: np.ndarray | None,
     lr: float,
@@ -64,7 +69,7 @@ def sgd_step(
 def adam_step(
     w_out: np.ndarray,
     w_in: np.ndarray,
-    grad: np.ndarray,
+    grad: np.ndarray | Quantized,
     m_out: np.ndarray,
     m_in: np.ndarray,
     v_out: np.ndarray,
@@ -82,7 +87,7 @@ def adam_step(
 def delayed_nesterov_step(
     w_out: np.ndarray,
     w_in: np.ndarray,
-    grad: np.ndarray,
+    grad: np.ndarray | Quantized,
     m_out: np.ndarray | None,
     m_in: np.ndarray,
     delta_out: np.ndarray,

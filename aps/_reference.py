@@ -12,6 +12,8 @@ import math
 
 import numpy as np
 
+from .wire.quantized import BLOCK, Quantized, dequantize
+
 __all__ = [
     "BFLOAT16",
     "COMPENSATE_DC",
@@ -22,6 +24,9 @@ __all__ = [
     "INIT_NORMAL",
     "INIT_UNIFORM",
     "INIT_ZEROS",
+    "INT4Q",
+    "INT8Q",
+    "QBLOCK",
     "RowIndex",
     "StalenessWindow",
     "accumulate",
@@ -48,7 +53,9 @@ __all__ = [
 
 _F32 = np.float32
 #: Element types of a gradient (aps.wire.protocol.DType's numbers).
-FLOAT32, FLOAT16, BFLOAT16 = 1, 3, 4
+FLOAT32, FLOAT16, BFLOAT16, INT8Q, INT4Q = 1, 3, 4, 8, 9
+#: Elements per scale of a quantized gradient.
+QBLOCK = BLOCK
 
 
 def use_f16c(allowed: bool = True) -> bool:
@@ -78,10 +85,15 @@ def narrow(out: np.ndarray, x: np.ndarray, dtype: int) -> int:
     return int((~np.isfinite(widened(out, dtype)) & np.isfinite(x)).sum())
 
 
-def widened(x: np.ndarray, dtype: int) -> np.ndarray:
-    """A float32 copy of ``x``: float32 already, or 16-bit words of ``dtype``."""
+def widened(x: np.ndarray | Quantized, dtype: int) -> np.ndarray:
+    """A float32 copy of ``x``: float32 already, 16-bit words of ``dtype``, or a quantized
+    gradient (INT8Q, INT4Q: ``code * scale``)."""
     if dtype == FLOAT32:
         return np.array(x, dtype=_F32)
+    if dtype in (INT8Q, INT4Q):
+        if not isinstance(x, Quantized) or x.dtype != dtype:
+            raise TypeError(f"a gradient of dtype {dtype} is a Quantized of that dtype")
+        return dequantize(x)
     _check_16(dtype)
     words = np.asarray(x, dtype=np.uint16)
     if dtype == FLOAT16:
@@ -89,10 +101,11 @@ def widened(x: np.ndarray, dtype: int) -> np.ndarray:
     return (words.astype(np.uint32) << 16).view(_F32)
 
 
-def widen(out: np.ndarray, x: np.ndarray, dtype: int) -> None:
-    """``out`` = ``x`` (16-bit words of ``dtype``) as float32."""
+def widen(out: np.ndarray, x: np.ndarray | Quantized, dtype: int) -> None:
+    """``out`` = ``x`` (16-bit words, or a quantized gradient, of ``dtype``) as float32."""
+    if dtype == FLOAT32:
+        raise ValueError("widen from FLOAT16, BFLOAT16, INT8Q or INT4Q, not FLOAT32")
     _check_len("out", len(out), len(x))
-    _check_16(dtype)
     out[:] = widened(x, dtype)
 
 

@@ -21,7 +21,33 @@
 #include "_kernels.h"
 
 /* Element types, as aps.protocol.DType numbers them. */
-enum { APS_FLOAT32 = 1, APS_FLOAT16 = 3, APS_BFLOAT16 = 4 };
+enum { APS_FLOAT32 = 1, APS_FLOAT16 = 3, APS_BFLOAT16 = 4, APS_INT8Q = 8, APS_INT4Q = 9 };
+
+/* Block-quantized gradients (aps/wire/quantized.py): element e of the payload is
+ * code[e] * scales[e / APS_QBLOCK], the codes signed bytes (APS_INT8Q) or signed nibbles, two
+ * to a byte, the lower the even element (APS_INT4Q). A kernel's gradient argument of such a
+ * type points at one of these: the payload's scales and codes, and the element its first
+ * value is (a slice of a gradient starts further in). */
+#define APS_QBLOCK 256
+typedef struct {
+    const float *scales;
+    const uint8_t *codes;
+    ptrdiff_t start;
+} aps_quantized;
+
+static inline void aps_dequantize(float *out, const aps_quantized *q, ptrdiff_t i, ptrdiff_t m, int dtype) {
+    ptrdiff_t j, e = q->start + i;
+    if (dtype == APS_INT8Q) {
+        const int8_t *codes = (const int8_t *)q->codes;
+        for (j = 0; j < m; j++, e++)
+            out[j] = (float)codes[e] * q->scales[e / APS_QBLOCK];
+        return;
+    }
+    for (j = 0; j < m; j++, e++) {
+        unsigned byte = q->codes[e >> 1], nibble = (e & 1) ? byte >> 4 : byte & 15u;
+        out[j] = (float)((int)(nibble ^ 8u) - 8) * q->scales[e / APS_QBLOCK];
+    }
+}
 
 /* Elements widened at a time: 16 KiB of float32 scratch, on the stack. */
 #define APS_WIDEN_BLOCK 4096
@@ -132,6 +158,15 @@ static inline void aps_widen(float *out, const uint16_t *in, ptrdiff_t n, int dt
         out[i] = aps_fp16_to_float_portable(in[i]);
 }
 
+/* Elements i..i+m of a gradient that is not float32 (16-bit words, or a quantized payload's
+ * descriptor), as float32 into out. */
+static inline void aps_widen_at(float *out, const void *g, ptrdiff_t i, ptrdiff_t m, int dtype) {
+    if (dtype == APS_INT8Q || dtype == APS_INT4Q)
+        aps_dequantize(out, (const aps_quantized *)g, i, m, dtype);
+    else
+        aps_widen(out, (const uint16_t *)g + i, m, dtype);
+}
+
 /* out[i] = in[i] rounded to 16 bits; returns how many finite elements became
  * infinite (overflowed: fp16 tops out at 65504). */
 static inline ptrdiff_t aps_narrow(uint16_t *out, const float *in, ptrdiff_t n, int dtype) {
@@ -166,17 +201,34 @@ static inline int aps_all_finite_16(const uint16_t *x, ptrdiff_t n, int dtype) {
     return !bad;
 }
 
+/* 1 when no element of a gradient that is not float32 is NaN or infinite once widened. */
+static inline int aps_all_finite_any(const void *g, ptrdiff_t n, int dtype) {
+    if (dtype != APS_INT8Q && dtype != APS_INT4Q)
+        return aps_all_finite_16((const uint16_t *)g, n, dtype);
+    float scratch[APS_WIDEN_BLOCK];
+    ptrdiff_t i, j, m;
+    for (i = 0; i < n; i += m) {
+        int bad = 0;
+        m = n - i < APS_WIDEN_BLOCK ? n - i : APS_WIDEN_BLOCK;
+        aps_dequantize(scratch, (const aps_quantized *)g, i, m, dtype);
+        for (j = 0; j < m; j++)
+            bad |= APS_BAD(scratch[j]);
+        if (bad)
+            return 0;
+    }
+    return 1;
+}
+
 /* The update kernels of _kernels.h for a gradient of any element type: a
  * float32 gradient goes straight to the kernel, a 16-bit one block by block
  * through an L1-resident scratch. A refused block ends the call (the outputs
  * are scratch then anyway). */
 #define APS_BLOCKS(CALL)                                                     \
     float scratch[APS_WIDEN_BLOCK] __attribute__((aligned(64)));             \
-    const uint16_t *h = (const uint16_t *)g;                                 \
     ptrdiff_t i, m;                                                          \
     for (i = 0; i < n; i += m) {                                             \
         m = n - i < APS_WIDEN_BLOCK ? n - i : APS_WIDEN_BLOCK;               \
-        aps_widen(scratch, h + i, m, dtype);                                 \
+        aps_widen_at(scratch, g, i, m, dtype);                               \
         if (!(CALL))                                                         \
             return 0;                                                        \
     }                                                                        \
@@ -268,7 +320,7 @@ static inline void aps_stream(float *out, const float *tile, ptrdiff_t m) {
         if (dtype == APS_FLOAT32)                                            \
             gi = (const float *)g + i;                                       \
         else                                                                 \
-            aps_widen(tg, (const uint16_t *)g + i, m, dtype);                \
+            aps_widen_at(tg, g, i, m, dtype);                                \
         ok = (CALL);                                                         \
         if (ok) {                                                            \
             OUT;                                                             \

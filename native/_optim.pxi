@@ -16,7 +16,7 @@
 # (tests/unit/test_kernels_torch.py).
 
 from libc.math cimport sqrt, pow
-from libc.stdint cimport uint16_t, uint32_t
+from libc.stdint cimport uint8_t, uint16_t, uint32_t
 
 cdef extern from "_kernels.h" nogil:
     int aps_sgd_plain(float* out, const float* w, const float* g, float a, float s, Py_ssize_t n)
@@ -45,7 +45,16 @@ cdef extern from "_half.h" nogil:
         APS_FLOAT32
         APS_FLOAT16
         APS_BFLOAT16
+        APS_INT8Q
+        APS_INT4Q
+        APS_QBLOCK
         APS_STREAM_MIN
+    ctypedef struct aps_quantized:
+        const float* scales
+        const uint8_t* codes
+        Py_ssize_t start
+    int aps_all_finite_any(const void* g, Py_ssize_t n, int dtype)
+    void aps_widen_at(float* out, const void* g, Py_ssize_t i, Py_ssize_t m, int dtype)
     int aps_f16c_allowed
     int aps_use_f16c()
     void aps_widen(float* out, const uint16_t* inp, Py_ssize_t n, int dtype)
@@ -68,6 +77,11 @@ cdef extern from "_half.h" nogil:
 FLOAT32 = APS_FLOAT32
 FLOAT16 = APS_FLOAT16
 BFLOAT16 = APS_BFLOAT16
+#: Block-quantized gradients (aps.wire.quantized.Quantized): int8 and 4-bit codes, a float32
+#: scale per QBLOCK elements, decoded as the kernels read them.
+INT8Q = APS_INT8Q
+INT4Q = APS_INT4Q
+QBLOCK = APS_QBLOCK
 #: From this many elements on, an update out of place writes its results with
 #: streaming stores, around the cache (native/_half.h).
 STREAM_MIN = APS_STREAM_MIN
@@ -111,9 +125,13 @@ cdef enum:
 
 
 cdef class _Gradient:
-    """A kernel's gradient argument: float32 values, or 16-bit words of ``dtype``."""
+    """A kernel's gradient argument: float32 values, 16-bit words of ``dtype``, or elements
+    ``[start, stop)`` of a quantized payload (an ``aps.wire.quantized.Quantized``)."""
     cdef const float[::1] f32
     cdef const uint16_t[::1] u16
+    cdef const float[::1] qscales
+    cdef const uint8_t[::1] qcodes
+    cdef aps_quantized q
     cdef const void* data
     cdef Py_ssize_t n
     cdef int dtype
@@ -130,8 +148,22 @@ cdef class _Gradient:
             self.u16 = grad
             self.n = self.u16.shape[0]
             self.data = &self.u16[0] if self.n else NULL
+        elif dtype == APS_INT8Q or dtype == APS_INT4Q:
+            if getattr(grad, "dtype", None) != dtype:
+                raise TypeError(f"a gradient of dtype {dtype} is a Quantized of that dtype")
+            self.qscales, self.qcodes = grad.scales, grad.codes
+            start, stop = grad.start, grad.stop
+            codes_needed = stop if dtype == APS_INT8Q else (stop + 1) // 2
+            if not (0 <= start <= stop and self.qcodes.shape[0] >= codes_needed
+                    and self.qscales.shape[0] * APS_QBLOCK >= stop):
+                raise ValueError("the quantized gradient's range is outside its payload")
+            self.n = stop - start
+            self.q.scales = &self.qscales[0] if self.qscales.shape[0] else NULL
+            self.q.codes = &self.qcodes[0] if self.qcodes.shape[0] else NULL
+            self.q.start = start
+            self.data = &self.q
         else:
-            raise ValueError(f"unknown gradient dtype {dtype}: FLOAT32, FLOAT16 or BFLOAT16")
+            raise ValueError(f"unknown gradient dtype {dtype}: FLOAT32, FLOAT16, BFLOAT16, INT8Q or INT4Q")
 
 
 def use_f16c(bint allowed=True) -> bool:
@@ -158,15 +190,16 @@ def narrow(uint16_t[::1] out not None, const float[::1] x not None, int dtype) -
     return overflowed
 
 
-def widen(float[::1] out not None, const uint16_t[::1] x not None, int dtype) -> None:
-    """``out = x`` as float32 (exact), ``x`` holding FLOAT16 or BFLOAT16 values."""
-    cdef Py_ssize_t n = x.shape[0]
-    _check_len("out", out.shape[0], n)
-    if dtype != APS_FLOAT16 and dtype != APS_BFLOAT16:
-        raise ValueError(f"widen from FLOAT16 or BFLOAT16, not dtype {dtype}")
-    if n:
+def widen(float[::1] out not None, x not None, int dtype) -> None:
+    """``out = x`` as float32, ``x`` holding FLOAT16 or BFLOAT16 values (exact), or a quantized
+    gradient of INT8Q or INT4Q (``code * scale``)."""
+    if dtype == APS_FLOAT32:
+        raise ValueError("widen from FLOAT16, BFLOAT16, INT8Q or INT4Q, not FLOAT32")
+    cdef _Gradient g = _Gradient(x, dtype)
+    _check_len("out", out.shape[0], g.n)
+    if g.n:
         with nogil:
-            aps_widen(&out[0], &x[0], n, dtype)
+            aps_widen_at(&out[0], g.data, 0, g.n, g.dtype)
 
 
 cdef inline int _check_len(str what, Py_ssize_t got, Py_ssize_t want) except -1:
@@ -198,8 +231,8 @@ cdef bint _all_finite(const float* x, Py_ssize_t n) noexcept nogil:
 
 
 def all_finite(x not None, int dtype=APS_FLOAT32) -> bool:
-    """True when no element of the vector ``x`` (float32, or 16-bit words of ``dtype``)
-    is NaN or infinite."""
+    """True when no element of the vector ``x`` (float32, 16-bit words or a quantized
+    gradient of ``dtype``) is NaN or infinite."""
     cdef _Gradient g = _Gradient(x, dtype)
     cdef bint ok = True
     if g.n:
@@ -207,7 +240,7 @@ def all_finite(x not None, int dtype=APS_FLOAT32) -> bool:
             if g.dtype == APS_FLOAT32:
                 ok = _all_finite(<const float*> g.data, g.n)
             else:
-                ok = aps_all_finite_16(<const uint16_t*> g.data, g.n, g.dtype)
+                ok = aps_all_finite_any(g.data, g.n, g.dtype)
     return ok
 
 

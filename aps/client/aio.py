@@ -207,10 +207,10 @@ class AsyncWorker(_Workers):
         await self.flush()
         await arun(self._log(scalars, step, batch))
 
-    async def pace(self, steps: int) -> dict[int, float]:
+    async def pace(self, steps: int, seconds: float) -> tuple[float | None, float | None]:
         """See :meth:`aps.Worker.pace`."""
         await self.flush()
-        return await arun(self._pace(steps))
+        return await arun(self._pace(steps, seconds))
 
     async def claim(self, name: str, count: int = 1) -> int:
         """See :meth:`aps.Worker.claim`."""

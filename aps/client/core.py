@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import logging
 import math
+import struct
 from collections.abc import Mapping
 from types import MappingProxyType
 from typing import Any
@@ -37,6 +38,7 @@ from ..layout import Layout, check_floating
 from ..tables import Table, check_tables
 from ..wire.framing import FrameReader
 from ..wire.rows import ROWS_REF_BYTES, encode_rows, padded, reply_rows_bytes
+from ..wire.quantized import quantize
 from ..wire.scalars import MAX_STEP
 from ..wire.protocol import (
     MAX_STATE_HEAD_BYTES,
@@ -86,8 +88,14 @@ _ROWS = int(Flag.ROWS)
 _SKIP = int(Flag.SKIP)
 _NONE = int(DType.NONE)
 #: ``compression=`` names and the element types they send.
-COMPRESSION = {"bf16": int(DType.BFLOAT16), "fp16": int(DType.FLOAT16)}
-_HALF = frozenset(COMPRESSION.values())
+COMPRESSION = {
+    "bf16": int(DType.BFLOAT16),
+    "fp16": int(DType.FLOAT16),
+    "int8": int(DType.INT8Q),
+    "int4": int(DType.INT4Q),
+}
+_HALF = frozenset({int(DType.BFLOAT16), int(DType.FLOAT16)})
+_QUANTIZED = frozenset({int(DType.INT8Q), int(DType.INT4Q)})
 _MAX_ERROR_PAYLOAD = 1 << 20
 _STATE_REPLY = int(Op.STATE_REPLY)
 _MAX_STATE_ARRAYS = 4  # a STATE reply holds at most this many model-sized arrays (Adam has 2)
@@ -101,9 +109,23 @@ def _compression(compression: str | None, compress_pulls: bool) -> int:
             raise ConfigurationError("compress_pulls needs compression='bf16' or 'fp16'")
         return _FLOAT32
     try:
-        return COMPRESSION[compression]
+        dtype = COMPRESSION[compression]
     except (KeyError, TypeError):
-        raise ConfigurationError(f"unknown compression {compression!r}: choose 'bf16', 'fp16' or None") from None
+        raise ConfigurationError(
+            f"unknown compression {compression!r}: choose 'bf16', 'fp16', 'int8', 'int4' or None"
+        ) from None
+    if compress_pulls and dtype in _QUANTIZED:
+        raise ConfigurationError("compress_pulls needs compression='bf16' or 'fp16' (pulls are not quantized)")
+    return dtype
+
+
+def _rate(value: Any) -> float | None:
+    """A step rate of a PACE reply: None (not measured yet) or a positive finite number."""
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not (math.isfinite(value) and value > 0):
+        raise ProtocolError(f"a PACE reply with a rate that is not a positive number: {value!r}")
+    return float(value)
 
 
 class _ClientCore:
@@ -181,6 +203,9 @@ class _ClientCore:
         self.compression = _FLOAT32
         self.compress_pulls = False
         self._half_grad: np.ndarray | None = None  # the narrowed gradient being sent
+        #: int8 and 4-bit compression's error feedback: what quantizing the pushes so far left out,
+        #: added to the next (flat float32, this worker's part of the model), or None before the first.
+        self.residual: np.ndarray | None = None
         self._half_weights: np.ndarray | None = None  # narrowed weights being received
         #: The half buffers are the caller's model (see Worker.half_buffers): a push of
         #: ``_half_grad`` goes as it is, and every weights reply ends in ``_half_weights``.
@@ -362,7 +387,7 @@ class _ClientCore:
         op = Op.PUSH_PULL if then_pull else Op.PUSH
         flags, dtype, buffers = 0, _NONE, list[Any]()
         if rows is None or rows.dense:
-            flags, dtype, buffers = self._dense_push(grads, then_pull)
+            flags, dtype, buffers = self._dense_push(grads, then_pull, quantize=rows is None)
         if rows is not None:
             dims = layout.table_dims
             buffers += encode_rows(rows.push, dims, True)
@@ -420,8 +445,9 @@ class _ClientCore:
             self._fds += (fd,)
         return [ref]
 
-    def _dense_push(self, grads: Any, then_pull: bool) -> tuple[int, int, list]:
-        """(flags, dtype, payload buffers) of a push's dense gradient."""
+    def _dense_push(self, grads: Any, then_pull: bool, quantize: bool = True) -> tuple[int, int, list]:
+        """(flags, dtype, payload buffers) of a push's dense gradient (``quantize``: int8 and 4-bit
+        compression apply; a push with rows sends its dense part in float32)."""
         # The caller's own 16-bit gradient (half_views, over TCP only): sent as it is.
         already_half = self.half_views and grads is self._half_grad
         buffers = [] if already_half else self._gradient_buffers(grads)
@@ -435,10 +461,28 @@ class _ClientCore:
                     offset += len(view)
             return _SHM, _FLOAT32, []
         flags, _ = self._weights_request() if then_pull else (0, 0)
+        if self.compressing and self.compression in _QUANTIZED:
+            if not quantize:
+                return flags, _FLOAT32, buffers
+            return flags, self.compression, [self._quantized(buffers).data]
         if self.compressing:
             half = self._half_grad if already_half and self._half_grad is not None else self._narrowed(buffers)
             return flags, self.compression, [half.data.cast("B")]
         return flags, _FLOAT32, buffers
+
+    def _quantized(self, buffers: list) -> np.ndarray:
+        """The gradient in ``buffers`` plus the error feedback, block-quantized (aps.wire.quantized);
+        the new error feedback is what that left out (kept only when the sum is finite: a push
+        the server will refuse changes nothing here either)."""
+        values = np.concatenate([np.frombuffer(view, np.float32) for view in buffers])
+        residual = self.residual
+        if residual is None:
+            residual = self.residual = np.zeros(len(values), np.float32)
+        wanted = values + residual
+        payload, sent = quantize(wanted, self.compression)
+        if np.isfinite(wanted).all():
+            np.subtract(wanted, sent, out=residual)
+        return payload
 
     def _narrowed(self, buffers: list) -> np.ndarray:
         """The gradient in ``buffers`` rounded to the compression's 16 bits (to nearest
@@ -553,25 +597,21 @@ class _ClientCore:
             raise ProtocolError(f"a {what} reply that is not a JSON object")
         return info
 
-    def pace_request(self, steps: int) -> list:
-        """PACE: this worker has taken ``steps`` local steps in all (in the header's version)."""
+    def pace_request(self, steps: int, seconds: float) -> list:
+        """PACE: this worker has taken ``steps`` local steps in all (in the header's version), in
+        ``seconds`` of its own time (the payload)."""
         if isinstance(steps, bool) or not isinstance(steps, (int, np.integer)) or not 0 <= steps <= MAX_STEP:
             raise ConfigurationError(f"a step count is 0 to 2**53, not {steps!r}")
+        if not (isinstance(seconds, (int, float)) and 0.0 <= seconds <= MAX_STEP):
+            raise ConfigurationError(f"the seconds the steps took are 0 to 2**53, not {seconds!r}")
         self._json_reply = None
-        return [pack_header(Op.PACE, 0, 0, self._next_request(Op.PACE), self.clock, int(steps), 0)]
+        payload = struct.pack("<d", float(seconds))
+        return [pack_header(Op.PACE, 0, 0, self._next_request(Op.PACE), self.clock, int(steps), len(payload)), payload]
 
-    def take_rates(self) -> dict[int, float]:
-        """The step rate of each live worker, by rank, that the last PACE reply gave."""
-        rates = self._take_json("PACE").get("rates")
-        if not isinstance(rates, dict):
-            raise ProtocolError("a PACE reply without its rates by rank")
-        try:
-            taken = {int(rank): float(rate) for rank, rate in rates.items()}
-        except (TypeError, ValueError):
-            raise ProtocolError("a PACE reply without its rates by rank") from None
-        if not all(math.isfinite(rate) and rate > 0.0 for rate in taken.values()):
-            raise ProtocolError("a PACE reply with a rate that is not a positive number")
-        return taken
+    def take_pace(self) -> tuple[float | None, float | None]:
+        """This worker's step rate and the fastest live worker's, as the last PACE reply gave them."""
+        answer = self._take_json("PACE")
+        return _rate(answer.get("rate")), _rate(answer.get("fastest"))
 
     def take_rewind_versions(self) -> list[int]:
         """The checkpoint versions the last REWIND (CHECK) reply listed."""

@@ -28,6 +28,41 @@ class WorkerFacts:
     _grads: Mapping[str, np.ndarray]
     _flat_weights: np.ndarray | None
     _flat_grad: np.ndarray | None
+    _bounds: tuple[int, ...]
+
+    @property
+    def compression_residual(self) -> np.ndarray | None:
+        """The error feedback of ``compression="int8"`` or ``"int4"``: what quantizing the pushes
+        so far left out, added to the next push (flat float32, the model's order; a copy). None
+        before the first quantized push. Save it with a checkpoint and give it back with
+        :meth:`load_compression_residual` (:class:`aps.torch.LocalSGD`'s ``state_dict`` does)."""
+        parts = [channel._core.residual for channel in self._channels]
+        if all(part is None for part in parts):
+            return None
+        sizes = [stop - start for start, stop in zip(self._bounds, self._bounds[1:])] if len(parts) > 1 else None
+        return np.concatenate(
+            [
+                part.copy() if part is not None else np.zeros(sizes[index] if sizes else 0, np.float32)
+                for index, part in enumerate(parts)
+            ]
+        )
+
+    def load_compression_residual(self, residual: np.ndarray | None) -> None:
+        """Take back a :attr:`compression_residual` (None: start from none). Raises ValueError for
+        an array of another size than the model's, or one that is not finite."""
+        if residual is None:
+            for channel in self._channels:
+                channel._core.residual = None
+            return
+        layout = self._layout if len(self._channels) > 1 else self._channels[0]._core.layout
+        values = np.asarray(residual, np.float32).ravel()
+        if layout is None or len(values) != layout.numel:
+            raise ValueError(f"a residual of {len(values)} values; the model has {layout.numel if layout else '?'}")
+        if not np.isfinite(values).all():
+            raise ValueError("a residual that is not finite")
+        bounds = self._bounds if len(self._channels) > 1 else (0, len(values))
+        for channel, start, stop in zip(self._channels, bounds, bounds[1:]):
+            channel._core.residual = values[start:stop].copy()
 
     @property
     def shards(self) -> Sequence:

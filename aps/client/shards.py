@@ -237,7 +237,7 @@ def shard_groups(groups: list[HyperGroup], start: int, stop: int) -> list[HyperG
 
 #: What a shard's description says of itself alone, not options every shard must share.
 _NOT_SHARED = frozenset(
-    {"shard", "runs", "registered", "heartbeat_timeout", "pipelining", "replicas", "failover_timeout"}
+    {"shard", "runs", "registered", "heartbeat_timeout", "pipelining", "pace", "replicas", "failover_timeout"}
 )
 
 

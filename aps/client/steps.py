@@ -308,10 +308,11 @@ class _ChannelSteps:
         """The run's counter ``name`` before ``count`` was added (CLAIM)."""
         return (yield from self._call("claim", lambda: self._core.claim_request(name, count))).version
 
-    def _pace(self, steps: int) -> Steps:
-        """Every live worker's step rate, once this one has said it took ``steps`` in all (PACE)."""
-        yield from self._call("pace", lambda: self._core.pace_request(steps))
-        return self._core.take_rates()
+    def _pace(self, steps: int, seconds: float) -> Steps:
+        """This worker's step rate and the fastest live worker's, once it has said it took
+        ``steps`` in all in ``seconds`` (PACE)."""
+        yield from self._call("pace", lambda: self._core.pace_request(steps, seconds))
+        return self._core.take_pace()
 
     def _log(self, payload: bytes) -> Steps:
         """Send what the training loop logged (LOG)."""

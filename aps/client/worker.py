@@ -271,8 +271,8 @@ class _Workers(WorkerFacts):
         self._require_layout("claim")
         return (yield from self._channels[0]._claim(name, count))  # (a sharded run's counters: shard 0's)
 
-    def _pace(self, steps: int) -> Steps:  # (a sharded run's paces: shard 0's)
-        return (yield from self._channels[0]._pace(steps))
+    def _pace(self, steps: int, seconds: float) -> Steps:  # (a sharded run's paces: shard 0's)
+        return (yield from self._channels[0]._pace(steps, seconds))
 
     def _log(self, scalars: Mapping[str, Any], step: int | None, batch: Any) -> Steps:
         self._require_layout("log")
@@ -563,13 +563,12 @@ class Worker(ThreadedFanOut, _Workers):
             and :class:`aps.APSConnectionError` when time is up. False: every
             lost connection raises at once (call :meth:`reconnect` yourself).
         reconnect_timeout: see ``reconnect``.
-        compression: ``"bf16"`` or ``"fp16"``: over TCP, send gradients as 16-bit
-            values (rounded to nearest even; the server widens them to float32
-            in its update kernel, and the update stays float32), halving the
-            bytes a push moves (default: ``$APS_COMPRESSION``, else None: float32).
-            fp16 keeps 3 more bits of precision but overflows beyond 65504 (such a
-            push raises :class:`aps.NonFiniteGradient`, nothing sent); bf16 has
-            float32's range. Over shared memory gradients stay float32.
+        compression: ``"bf16"``/``"fp16"``: over TCP, send gradients as 16-bit values (rounded
+            to nearest even; widened to float32 in the server's update kernel), half the bytes;
+            ``"int8"``/``"int4"``: block-quantized, with error feedback (:attr:`compression_residual`),
+            a quarter and an eighth (default: ``$APS_COMPRESSION``, else None: float32). fp16
+            overflows beyond 65504 (such a push raises :class:`aps.NonFiniteGradient`, nothing
+            sent); bf16 has float32's range. Over shared memory gradients stay float32.
         compress_pulls: with ``compression``, the weights come back as 16-bit
             values too (the server keeps float32 master weights; the worker
             computes on weights rounded to 16 bits: see docs/design/wire.md, "Wire
@@ -808,10 +807,10 @@ class Worker(ThreadedFanOut, _Workers):
         run(self._log(scalars, step, batch))
         _LOGGING.add(self)  # (its last points go out at exit, if it is never closed)
 
-    def pace(self, steps: int) -> dict[int, float]:
-        """Say this worker took ``steps`` local steps in all; every live worker's step rate by rank,
-        measured by the server (docs/protocol.md, "Step rates"; :class:`aps.torch.LocalSGD`)."""
-        return run(self._pace(steps))
+    def pace(self, steps: int, seconds: float) -> tuple[float | None, float | None]:
+        """Say this worker took ``steps`` local steps in all in ``seconds``: its step rate and the
+        fastest live worker's, as the server keeps them (docs/protocol.md, "Step rates")."""
+        return run(self._pace(steps, seconds))
 
     def claim(self, name: str, count: int = 1) -> int:
         """Add ``count`` to the run's counter ``name`` (0 at first; adding 0 reads it) and return

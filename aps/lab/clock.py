@@ -129,25 +129,26 @@ Compute = Callable[[int, np.ndarray, np.ndarray, int], None]
 class LocalSteps:
     """How many iterations each worker of a local SGD run takes between syncs: ``every``, or
     with ``dynamic`` (dynamic local updates) ``ceil(every * own rate / fastest rate)``, the rates
-    measured as a server measures them (:class:`aps.server.engine.paces.Paces`) on the virtual
-    clock from each sync's step count."""
+    kept as a server keeps them (:class:`aps.server.engine.paces.Paces`) from each sync's step
+    count and the virtual seconds the steps took."""
 
-    def __init__(self, every: int, count: int, dynamic: bool, now: Callable[[], float]) -> None:
+    def __init__(self, every: int, count: int, dynamic: bool) -> None:
         self.every, self.dynamic = every, dynamic
         self.steps = [0] * count  # each worker's iterations so far
+        self.seconds = [0.0] * count  # and the virtual time they took (not its waits)
         self.current = [every] * count  # and how many it takes before its next sync
-        self._paces = Paces(now)
+        self._paces = Paces()
 
-    def synced(self, rank: int, steps: int) -> None:
-        """``rank`` synced after ``steps`` iterations: its next number."""
+    def synced(self, rank: int, steps: int, seconds: float) -> None:
+        """``rank`` synced after ``steps`` iterations that took ``seconds``: its next number."""
         self.steps[rank] += steps
+        self.seconds[rank] += seconds
         if not self.dynamic:
             return
-        self._paces.report(rank, self.steps[rank])
-        rates = self._paces.rates(range(len(self.steps)))
-        own = rates.get(rank)
-        if own is not None:
-            self.current[rank] = max(1, min(self.every, math.ceil(self.every * own / max(rates.values()))))
+        self._paces.report(rank, self.steps[rank], self.seconds[rank])
+        own, fastest = self._paces.answer(rank, range(len(self.steps)))
+        if own is not None and fastest is not None:
+            self.current[rank] = max(1, min(self.every, math.ceil(self.every * min(1.0, own / fastest))))
 
 
 class VirtualCluster:
@@ -180,8 +181,9 @@ class VirtualCluster:
         self.engine = Engine(config, now=lambda: self.now)
         count = len(times.base)
         #: Local SGD (``local``: inner steps between syncs, dynamic or not): each push is a sync.
-        self.local = None if local is None else LocalSteps(local[0], count, local[1], lambda: self.now)
+        self.local = None if local is None else LocalSteps(local[0], count, local[1])
         self._steps = [1] * count  # the iterations of each worker's push in flight
+        self._took = [0.0] * count  # and the virtual seconds they took
         if count != config.workers:
             raise ValueError(f"{count} iteration speeds for {config.workers} workers")
         self._window = self.engine.policy.window
@@ -225,7 +227,7 @@ class VirtualCluster:
         def done(result) -> None:
             self.per_worker[rank] += 1
             if self.local is not None:
-                self.local.synced(rank, self._steps[rank])
+                self.local.synced(rank, self._steps[rank], self._took[rank])
             if not result.dropped:
                 self.staleness.append(result.staleness)
             self.engine.training.pull(self.members[rank], self._ready[rank])
@@ -244,6 +246,7 @@ class VirtualCluster:
         end = self.now
         for _ in range(steps):  # (each iteration its own time: a straggling spell may begin midway)
             end += self.times.draw(rank, end)
+        self._took[rank] = end - self.now
         self._sequence += 1
         heapq.heappush(self._events, (end, self._sequence, rank))
 

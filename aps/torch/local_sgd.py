@@ -29,6 +29,7 @@ every inner step.
 from __future__ import annotations
 
 import math
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -53,9 +54,14 @@ class LocalSGD:
         every: inner steps between syncs (DiLoCo's H); with ``dynamic``, the fastest worker's.
         dynamic: dynamic local updates (Liu et al., 2024): after each sync the worker takes
             ``ceil(every * own rate / fastest rate)`` inner steps (at least 1) before the next,
-            the rates being every live worker's inner steps per second as the server measures
-            them (:meth:`aps.Worker.pace`), so that uneven workers sync at about the same
-            wall-clock interval. Off by default: every worker takes ``every`` steps.
+            the rates being inner steps per second of the worker's own time (between syncs,
+            which the worker times and the server keeps for every live worker:
+            :meth:`aps.Worker.pace`), so that uneven workers sync at about the same wall-clock
+            interval. Off by default: every worker takes ``every`` steps.
+        compression: ``"int8"`` or ``"int4"`` push the pseudo-gradients block-quantized, with
+            error feedback (what quantizing left out is added to the next; in ``state_dict``),
+            4 and 8 times fewer bytes than float32; ``"bf16"``/``"fp16"`` as :class:`aps.Worker`
+            takes them; None (default) float32. Over TCP only (shared memory moves no bytes).
         address: the server (default ``APS_ADDRESS``), as :class:`aps.Worker` takes it.
         rank: this worker's rank (default ``RANK``).
         num_workers: the number of workers (default ``WORLD_SIZE``).
@@ -84,6 +90,7 @@ class LocalSGD:
         worker: Worker | None = None,
         init_timeout: float | None = 300.0,
         dynamic: bool = False,
+        compression: str | None = None,
     ) -> None:
         if isinstance(every, bool) or not isinstance(every, int) or every < 1:
             raise ConfigurationError(f"every must be a whole number of inner steps, at least 1, got {every!r}")
@@ -101,16 +108,27 @@ class LocalSGD:
                 raise ConfigurationError(f"parameter {name} is {p.dtype}: LocalSGD shares float32 weights")
             if id(p) not in owned:
                 raise ConfigurationError(f"parameter {name} is not one the inner optimizer steps")
-        self.worker = (
-            worker
-            if worker is not None
-            else Worker(address, rank, num_workers, transport, token=token, reconnect=reconnect)
-        )
-        self._own_worker = worker is None
+        if worker is None:
+            worker = Worker(
+                address, rank, num_workers, transport, token=token, reconnect=reconnect, compression=compression
+            )
+            self._own_worker = True
+        else:
+            self._own_worker = False
+        self.worker = worker
         #: Inner steps taken since the run began (this worker's), and syncs made.
         self.steps = 0
         self.syncs = 0
         weights = self.worker.init(self._local(), timeout=init_timeout)
+        if self.dynamic and not (self.worker.server_options or {}).get("pace"):
+            self.close()
+            raise ConfigurationError(
+                "dynamic local updates need a server that keeps step rates (PACE; an older aps serve "
+                "does not): upgrade it, or leave dynamic off"
+            )
+        #: Seconds of this worker's own time its inner steps took (between syncs), and since when
+        #: the steps under way have run.
+        self._busy, self._since = 0.0, time.monotonic()
         #: The global weights this worker last received: where its inner steps started from.
         self._anchor = {name: np.array(weights[name], np.float32) for name in self._params}
         self._load(self._anchor)
@@ -120,7 +138,7 @@ class LocalSGD:
         self.inner.zero_grad(set_to_none=set_to_none)
 
     def step(self, closure: Callable[[], Any] | None = None) -> Any:
-        """The inner optimizer's step; every ``every``-th also syncs (:meth:`sync`)."""
+        """The inner optimizer's step; the ``current_every``-th since the last sync also syncs (:meth:`sync`)."""
         loss = self.inner.step(closure) if closure is not None else self.inner.step()
         self.steps += 1
         self.since_sync += 1
@@ -131,6 +149,7 @@ class LocalSGD:
     def sync(self) -> None:
         """Push the pseudo-gradient (the anchor minus the weights now) and take the server's
         new global weights into the model (the inner optimizer's state is kept)."""
+        self._busy += time.monotonic() - self._since
         local = self._local()
         pseudo = {name: self._anchor[name] - local[name] for name in self._params}
         weights = self.worker.push_pull(pseudo)
@@ -140,16 +159,16 @@ class LocalSGD:
         self.since_sync = 0
         if self.dynamic:
             self.current_every = self._paced()
+        self._since = time.monotonic()
 
     def _paced(self) -> int:
         """The inner steps until the next sync under dynamic local updates: ``every`` times this
         worker's step rate over the fastest live worker's, rounded up (``every`` until the
         server has measured this worker's rate)."""
-        rates = self.worker.pace(self.steps)
-        own = rates.get(self.worker.rank) if self.worker.rank is not None else None
-        if own is None:
+        own, fastest = self.worker.pace(self.steps, self._busy)
+        if own is None or fastest is None:
             return self.every
-        return max(1, min(self.every, math.ceil(self.every * own / max(rates.values()))))
+        return max(1, min(self.every, math.ceil(self.every * min(1.0, own / fastest))))
 
     # Checkpoints -------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
@@ -163,6 +182,7 @@ class LocalSGD:
             "since_sync": self.since_sync,
             "current_every": self.current_every,
             "anchor": {name: torch.from_numpy(value.copy()) for name, value in self._anchor.items()},
+            "residual": None if (residual := self.worker.compression_residual) is None else torch.from_numpy(residual),
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -177,8 +197,12 @@ class LocalSGD:
         self.steps, self.syncs = int(state["steps"]), int(state["syncs"])
         # (a state saved before dynamic local updates: every worker synced every ``every`` steps)
         self.since_sync = int(state.get("since_sync", self.steps % int(state.get("every", self.every))))
-        self.current_every = int(state.get("current_every", self.every))
+        # This object's ``every`` holds; a dynamic run goes on with the number it had come to.
+        saved = int(state.get("current_every", self.every))
+        self.current_every = max(1, min(self.every, saved)) if self.dynamic else self.every
         self._anchor = {name: value.detach().cpu().numpy().astype(np.float32) for name, value in anchor.items()}
+        residual = state.get("residual")
+        self.worker.load_compression_residual(None if residual is None else residual.detach().cpu().numpy())
 
     def close(self) -> None:
         """Leave the run (when this object made its worker)."""

@@ -60,6 +60,7 @@ __all__ = [
     "decode_join_progress",
     "ANY_RANK",
     "MAX_COUNTER",
+    "PACE_BYTES",
     "MAX_COUNTER_NAME",
     "MAX_COUNTERS",
     "decode_seated",
@@ -121,9 +122,10 @@ class Op(IntEnum):
     #: What the worker's training loop reports (aps.Worker.log): its scalars, its process's
     #: CPU time and memory, its batches' digests; a JSON object (aps.wire.scalars), after INIT.
     LOG = 18
-    #: How many local steps this worker has taken (the header's ``version``, at most 2**53), for
-    #: the server to measure its step rate; the reply: every live worker's measured rate, UTF-8
-    #: JSON ``{"rates": {"RANK": steps_per_second}}`` (aps.torch.LocalSGD's dynamic local updates).
+    #: How many local steps this worker has taken (the header's ``version``, at most 2**53) and
+    #: the seconds they took (the payload, a little-endian float64), for the server to keep its
+    #: step rate; the reply: UTF-8 JSON ``{"rate": R, "fastest": F}``, its rate and the fastest
+    #: live worker's, null until measured (aps.torch.LocalSGD's dynamic local updates).
     PACE = 19
 
     REPLY = 0x80
@@ -246,8 +248,9 @@ class Flag(IntFlag):
 
 class DType(IntEnum):
     """Element type of an array payload. aps models are float32; gradients and
-    weights may cross TCP as BFLOAT16 or FLOAT16 (wire compression); the other
-    codes exist so a peer can say what it sent and get a precise error back."""
+    weights may cross TCP as BFLOAT16 or FLOAT16 (wire compression), and gradients
+    as INT8Q or INT4Q (block-quantized); the other codes exist so a peer can say
+    what it sent and get a precise error back."""
 
     NONE = 0
     FLOAT32 = 1
@@ -257,6 +260,10 @@ class DType(IntEnum):
     INT32 = 5
     INT64 = 6
     UINT8 = 7
+    #: A block-quantized gradient (aps.wire.quantized): float32 scales, then int8 codes.
+    INT8Q = 8
+    #: The same with 4-bit codes, two to a byte.
+    INT4Q = 9
 
     @classmethod
     def of(cls, dtype: np.dtype) -> DType:
@@ -635,6 +642,9 @@ MAX_COUNTER_NAME = 256
 MAX_COUNTERS = 4096
 #: The most a counter may hold (and a CLAIM add): exact in a float64, as JSON keeps it.
 MAX_COUNTER = 1 << 53
+
+#: A PACE's payload: the seconds the worker's steps took, a float64.
+PACE_BYTES = 8
 
 #: INIT's rank field asking the server for a free rank (``aps.Worker(rank=None)`` without $RANK).
 ANY_RANK = 0xFFFFFFFF

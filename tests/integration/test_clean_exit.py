@@ -219,7 +219,8 @@ def test_a_dropped_worker_whose_server_is_gone_is_freed_at_once(server_process):
         start = time.monotonic()
         del worker
         gc.collect()
-        assert ref() is None and time.monotonic() - start < aps.client.channel.DROP_LEAVE_S + 1.0
+        # (bounded by the goodbye's limit, not by a timeout of tens of seconds; the margin is for a loaded machine)
+        assert ref() is None and time.monotonic() - start < aps.client.channel.DROP_LEAVE_S + 3.0
     finally:
         server.proc.send_signal(signal.SIGCONT)
 

@@ -182,10 +182,12 @@ def test_sharded_worker_compresses_every_shard(server_process):
 
 
 def test_bad_compression_options():
-    with pytest.raises(aps.ConfigurationError, match="unknown compression 'int8'"):
-        aps.Worker("tcp://127.0.0.1:1", 0, 1, compression="int8")
+    with pytest.raises(aps.ConfigurationError, match="unknown compression 'int16'"):
+        aps.Worker("tcp://127.0.0.1:1", 0, 1, compression="int16")
     with pytest.raises(aps.ConfigurationError, match="compress_pulls needs compression"):
         aps.Worker("tcp://127.0.0.1:1", 0, 1, compress_pulls=True)
+    with pytest.raises(aps.ConfigurationError, match="pulls are not quantized"):
+        aps.Worker("tcp://127.0.0.1:1", 0, 1, compression="int8", compress_pulls=True)
 
 
 @pytest.mark.parametrize("driver", ["blocking", "asyncio"])

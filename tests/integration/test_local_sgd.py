@@ -179,12 +179,15 @@ def test_aps_torch_optimizer_refuses_a_delayed_nesterov_server_and_names_local_s
         aps.torch.Optimizer(net.parameters(), address=server.address, rank=0, num_workers=1)
 
 
-@pytest.mark.parametrize("dynamic", [True, False], ids=["dynamic", "fixed"])
-def test_dynamic_local_updates_give_a_slow_worker_fewer_steps_so_both_sync_about_as_often(server_process, dynamic):
-    """ASP, H = 20, rank 1's inner steps ten times as slow as rank 0's: with dynamic local updates
-    rank 1 takes about H/10 steps between syncs once the server has measured both rates, rank 0
-    keeps H; without, both take H."""
-    server = server_process("--workers", "2", "--sync", "asp", "--lr", "1")
+@pytest.mark.parametrize("sync, dynamic", [("asp", True), ("bsp", True), ("asp", False)],
+                         ids=["asp-dynamic", "bsp-dynamic", "asp-fixed"])
+def test_dynamic_local_updates_give_a_slow_worker_fewer_steps_so_both_sync_about_as_often(
+    server_process, sync, dynamic
+):
+    """H = 20, rank 1's inner steps ten times as slow as rank 0's: with dynamic local updates
+    rank 1 takes about H/10 steps between syncs once the server has its rate and rank 0's (its
+    own time: under BSP not the waits at the barrier), rank 0 keeps H; without, both take H."""
+    server = server_process("--workers", "2", "--sync", sync, "--lr", "1")
     nets = [model() for _ in range(2)]
     opts: list = [None, None]
 
@@ -210,8 +213,9 @@ def test_dynamic_local_updates_give_a_slow_worker_fewer_steps_so_both_sync_about
                 seen[rank].append(opt.current_every)
         done.set()
 
-    in_threads([lambda: train(0, 0.004, 10**6), lambda: train(1, 0.04, 4)])
-    assert all(count == 20 for count in seen[0]) and len(seen[0]) >= 4
+    # (under BSP each round waits for both: rank 0 stops at rank 1's count of syncs)
+    in_threads([lambda: train(0, 0.004, 4 if sync == "bsp" else 10**6), lambda: train(1, 0.04, 4)])
+    assert all(count == 20 for count in seen[0]) and len(seen[0]) >= 4, seen
     if dynamic:
         # (its first two syncs take 20 steps each: the server measures a rate over two reports)
         assert 1 <= seen[1][-1] <= 5, seen
@@ -220,6 +224,39 @@ def test_dynamic_local_updates_give_a_slow_worker_fewer_steps_so_both_sync_about
         assert seen[1] == [20] * 4
     for opt in opts:
         opt.close()
+
+
+def test_a_state_dict_gives_back_where_the_syncs_stood_and_the_residual_of_int8_pushes(server_process):
+    server = server_process("--workers", "1", "--sync", "asp", "--lr", "1")
+    net = model()
+    with aps.torch.LocalSGD(net, torch.optim.SGD(net.parameters(), lr=0.5), every=3, address=server.address, rank=0,
+                            num_workers=1, transport="tcp", compression="int8") as opt:
+        inner_steps(net, opt, 0, range(4))  # one sync, one step past it
+        state = opt.state_dict()
+        assert (state["since_sync"], state["current_every"]) == (1, 3)
+        assert state["residual"] is not None and state["residual"].shape == (15,)
+        residual = opt.worker.compression_residual
+        assert residual is not None and residual.any()  # (what int8 left out of the pseudo-gradient)
+    fresh = model()
+    with aps.torch.LocalSGD(fresh, torch.optim.SGD(fresh.parameters(), lr=0.5), every=3, address=server.address,
+                            rank=0, num_workers=1, transport="tcp", compression="int8") as restored:
+        restored.load_state_dict(state)
+        assert (restored.since_sync, restored.current_every) == (1, 3)
+        np.testing.assert_array_equal(restored.worker.compression_residual, residual)
+        older = {key: value for key, value in state.items() if key not in ("since_sync", "current_every", "residual")}
+        restored.load_state_dict({**older, "current_every": 1})  # (fixed H: this object's every holds)
+        assert (restored.since_sync, restored.current_every) == (1, 3)
+        assert restored.worker.compression_residual is None
+
+
+def test_dynamic_local_updates_need_a_server_that_keeps_step_rates(server_process, monkeypatch):
+    server = server_process("--workers", "1", "--sync", "asp", "--lr", "1")
+    net = model()
+    worker = aps.Worker(server.address, 0, 1)
+    monkeypatch.setattr(type(worker), "server_options", property(lambda self: {"sync": "asp"}))  # an older server
+    with pytest.raises(ConfigurationError, match="dynamic local updates need a server that keeps step rates"):
+        aps.torch.LocalSGD(net, torch.optim.SGD(net.parameters(), lr=0.5), every=3, worker=worker, dynamic=True)
+    worker.close()
 
 
 @pytest.mark.parametrize("every", [0, -1, 1.5, True])

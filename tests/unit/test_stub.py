@@ -633,6 +633,9 @@ def test_stubtest(tmp_path):
     stubs.mkdir(parents=True)
     shutil.copy(STUB, stubs / "_core.pyi")
     (stubs / "__init__.pyi").write_text("")
+    (stubs / "wire").mkdir()  # (the one type of the package the stub names, for itself)
+    (stubs / "wire" / "__init__.pyi").write_text("")
+    (stubs / "wire" / "quantized.pyi").write_text("class Quantized: ...\n")
     (tmp_path / "mypy.ini").write_text("[mypy]\n")
     # What Cython adds to every module it compiles.
     cython = ["__reduce_cython__", "__setstate_cython__", "__test__"]

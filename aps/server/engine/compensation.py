@@ -29,6 +29,7 @@ import numpy as np
 from ... import _core
 from ...config import format_compensation
 from ...errors import ConfigurationError
+from ...wire.quantized import Quantized
 from ...layout import line_aligned
 
 __all__ = ["Compensation", "check_lambda"]
@@ -104,7 +105,7 @@ class Compensation:
         self._written = False
 
     def gradient(
-        self, grad: np.ndarray, dtype: int, w: np.ndarray, w_then: np.ndarray, start: int, stop: int
+        self, grad: np.ndarray | Quantized, dtype: int, w: np.ndarray, w_then: np.ndarray, start: int, stop: int
     ) -> np.ndarray | None:
         """The scratch vector, its ``[start, stop)`` the gradient ``grad`` (float32, or 16-bit
         words of ``dtype``) compensated for ``w_then -> w``; None when it is not finite."""
@@ -141,7 +142,7 @@ class Compensation:
         optimizer,
         w_out: np.ndarray,
         w_in: np.ndarray,
-        grad: np.ndarray,
+        grad: np.ndarray | Quantized,
         dtype: int,
         w_then: np.ndarray,
         scale: float,

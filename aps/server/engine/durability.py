@@ -337,6 +337,8 @@ class Durability:
                 "heartbeat_timeout": self.config.heartbeat_timeout,
                 # it takes pipelined pushes (AsyncWorker(pipeline=N): a PUSH with Flag.GATE waits at the gate)
                 "pipelining": True,
+                # it keeps step rates (PACE: LocalSGD's dynamic local updates)
+                "pace": True,
                 # its replica set's addresses (--replicas): where a worker looks for it after a failover
                 **(
                     {"replicas": self.config.replicas.split(","), "failover_timeout": self.config.failover_timeout}

@@ -106,7 +106,7 @@ class Engine:
         self.policy = make_policy(config, window_type or kernels.StalenessWindow)
         self.stats = ServerStats(config.workers, now)
         self.scalars = Scalars()  #: what the workers' training loops report (LOG)
-        self.paces = Paces(now)  #: the workers' step rates (PACE)
+        self.paces = Paces()  #: the workers' step rates (PACE)
         self.lane = UpdateLane(offload, offload_threshold)
         self.model = Model(config, self.policy, kernels, allocate, background)
         self.roster = Roster()

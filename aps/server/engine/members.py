@@ -14,6 +14,7 @@ import numpy as np
 
 from ... import _core
 from ...wire.protocol import request_before
+from ...wire.quantized import QUANTIZED, Quantized, quantized_nbytes
 from .optim import HyperGroups
 
 if TYPE_CHECKING:
@@ -109,8 +110,9 @@ class Member:
         rank: the worker's rank.
         grad: the flat float32 buffer its pushes are received into.
         grad16: the buffer of its compressed pushes (16-bit words), made at the first one.
+        gradq: the buffer of its quantized pushes (aps.wire.quantized), made at the first one.
         grad_dtype: the element type of the push being received (a ``_core`` dtype:
-            FLOAT32 in ``grad``, BFLOAT16 or FLOAT16 in ``grad16``).
+            FLOAT32 in ``grad``, BFLOAT16 or FLOAT16 in ``grad16``, INT8Q or INT4Q in ``gradq``).
         hyper: the per-group optimizer values its pushes are applied with (set by a
             HYPER request); None: the server's own. They belong to the connection:
             a worker that reconnects sends them again.
@@ -122,6 +124,7 @@ class Member:
         "grad_bytes",
         "grad16",
         "grad16_bytes",
+        "gradq",
         "grad_dtype",
         "connected",
         "joined",
@@ -148,6 +151,7 @@ class Member:
         self.grad_bytes: memoryview | None = None
         self.grad16: np.ndarray | None = None
         self.grad16_bytes: memoryview | None = None
+        self.gradq: np.ndarray | None = None
         self.grad_dtype = _core.FLOAT32
         self.connected = True
         self.joined = False
@@ -189,14 +193,22 @@ class Member:
         assert self.grad is not None and grad_bytes is not None, "a member receives pushes once joined"
         if dtype == _core.FLOAT32:
             return grad_bytes
+        if dtype in QUANTIZED:
+            if self.gradq is None:  # (sized for int8, the larger: a 4-bit push takes the start of it)
+                self.gradq = np.zeros(quantized_nbytes(len(self.grad), _core.INT8Q), np.uint8)
+            return memoryview(self.gradq[: quantized_nbytes(len(self.grad), dtype)]).cast("B")  # type: ignore[arg-type]  # numpy arrays are buffers; its stubs do not say so
         if grad16_bytes is None:
             self.grad16 = np.zeros(len(self.grad), np.uint16)
             grad16_bytes = self.grad16_bytes = memoryview(self.grad16).cast("B")  # type: ignore[arg-type]  # numpy arrays are buffers; its stubs do not say so
         return grad16_bytes
 
     @property
-    def gradient(self) -> np.ndarray:
+    def gradient(self) -> np.ndarray | Quantized:
         """The push received last, as its kernel takes it (see :attr:`grad_dtype`)."""
+        if self.grad_dtype in QUANTIZED:
+            assert self.grad is not None and self.gradq is not None, "a member's gradient is read once it pushed"
+            n = len(self.grad)
+            return Quantized(self.gradq[: quantized_nbytes(n, self.grad_dtype)], n, self.grad_dtype)
         gradient = self.grad if self.grad_dtype == _core.FLOAT32 else self.grad16
         assert gradient is not None, "a member's gradient is read once it pushed"
         return gradient

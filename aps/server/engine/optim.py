@@ -41,6 +41,7 @@ import numpy as np
 from ... import _core
 from ...config import OPTIMIZER_STATE, usable_cores
 from ...errors import ConfigurationError, InvalidHyperparameters
+from ...wire.quantized import Quantized
 from ...layout import line_aligned
 from ...wire.protocol import MAX_HYPER_GROUPS, HyperGroup, check_stops
 
@@ -242,7 +243,7 @@ class Optimizer(ABC):
         self,
         w_out: np.ndarray,
         w_in: np.ndarray,
-        grad: np.ndarray,
+        grad: np.ndarray | Quantized,
         scale: float = 1.0,
         grad_dtype: int = _core.FLOAT32,
         groups: HyperGroups | None = None,

@@ -43,6 +43,8 @@ FLOAT32 = int(DType.FLOAT32)
 NONE = int(DType.NONE)
 #: Element types a gradient or the weights may cross TCP as (wire compression).
 HALF = frozenset({int(DType.BFLOAT16), int(DType.FLOAT16)})
+#: Element types a gradient alone (no rows) may cross TCP as: block-quantized (aps.wire.quantized).
+QUANTIZED = frozenset({int(DType.INT8Q), int(DType.INT4Q)})
 GRADIENT_OPS = frozenset({Op.PUSH, Op.PUSH_PULL})
 #: Requests answered with the weights, which may ask for them narrowed (Flag.NARROW).
 PULL_OPS = frozenset({Op.PULL, Op.PUSH_PULL})
@@ -256,9 +258,12 @@ def check_gradient_dtype(transport: Transport, request: Request) -> None:
     """Refuse a gradient whose element type the model or the transport does not take; note
     its element size on the request."""
     dtype = request.header.dtype
-    if dtype != FLOAT32 and not (dtype in HALF and transport.compressed):
+    if dtype != FLOAT32 and not ((dtype in HALF or dtype in QUANTIZED) and transport.compressed):
         raise DTypeMismatch(
             f"gradient dtype is {dtype_name(dtype)}; the model is float32"
             + (f" (16-bit gradients cross TCP only, not {transport.kind})" if dtype in HALF else "")
+            + (f" (quantized gradients cross TCP only, not {transport.kind})" if dtype in QUANTIZED else "")
         )
+    if dtype in QUANTIZED and request.rows:
+        raise DTypeMismatch(f"a push with rows carries a float32 gradient, not {dtype_name(dtype)}")
     request.grad_shift = 2 if dtype == FLOAT32 else 1

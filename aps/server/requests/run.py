@@ -6,10 +6,11 @@ from __future__ import annotations
 
 import functools
 import json
+import struct
 from typing import TYPE_CHECKING
 
 from ...errors import CheckpointFailed, InternalServerError, MalformedFrame, ServerError
-from ...wire.protocol import MAX_COUNTER_NAME, Op
+from ...wire.protocol import MAX_COUNTER_NAME, PACE_BYTES, Op
 from ...wire.scalars import MAX_LOG_BYTES, MAX_STEP, decode_log
 from .base import CHECK, Handler
 
@@ -122,20 +123,24 @@ class Log(Handler):
 
 
 class Pace(Handler):
-    """PACE: the worker's local step count; the reply, every live worker's measured step rate."""
+    """PACE: the worker's local steps and the seconds they took; the reply, its measured step
+    rate and the fastest live worker's (aps.server.engine.paces)."""
 
     op = Op.PACE
+    payload_limit = PACE_BYTES
 
     def handle(self, conn: Exchange, request: Request, payload: memoryview) -> None:
         member = conn.require_member()
         steps = request.header.version
-        if steps > MAX_STEP:
-            raise MalformedFrame(f"a step count is at most 2**53, got {steps}")
-        paces = conn.engine.paces
-        paces.report(member.rank, steps)
-        rates = paces.rates(conn.engine.roster.members)
-        answer = {"rates": {str(rank): rate for rank, rate in rates.items()}}
-        conn.reply(request, Op.PACE_REPLY, payload=json.dumps(answer).encode())
+        if len(payload) != PACE_BYTES:
+            raise MalformedFrame(f"PACE carries the seconds its steps took, a float64: {PACE_BYTES} bytes")
+        (seconds,) = struct.unpack("<d", payload)
+        if steps > MAX_STEP or not 0.0 <= seconds <= MAX_STEP:
+            raise MalformedFrame(f"PACE's steps and seconds are each 0 to 2**53, got {steps} and {seconds}")
+        engine = conn.engine
+        engine.paces.report(member.rank, steps, seconds)
+        rate, fastest = engine.paces.answer(member.rank, engine.roster.members)
+        conn.reply(request, Op.PACE_REPLY, payload=json.dumps({"rate": rate, "fastest": fastest}).encode())
 
 
 #: This module's handlers (aps.server.requests.HANDLERS gathers them).

@@ -20,13 +20,15 @@ from ...errors import (
     DTypeMismatch,
     InternalServerError,
     MalformedFrame,
+    NonFiniteGradient,
     NotInitialized,
     OutOfOrder,
     ServerError,
     ServerOverloaded,
 )
 from ...wire.protocol import ANY_RANK, INIT_HEAD_BYTES, MAX_LAYOUT_BYTES, Flag, Op, encode_seated
-from .base import FLOAT32, HALF, NARROW, Handler, check_gradient_dtype, dtype_name, op_name, read_whole
+from ...wire.quantized import Quantized, scales_problem
+from .base import FLOAT32, HALF, NARROW, QUANTIZED, Handler, check_gradient_dtype, dtype_name, op_name, read_whole
 from .intake import InitIntake
 from .rows import request_rows, rows_destination, rows_of_reply, rows_room
 
@@ -267,7 +269,8 @@ def gradient_destination(conn: Exchange, request: Request) -> memoryview | None:
     check_gradient_dtype(conn.transport, request)
     dest = conn.transport.gradient_destination(member, header)
     least = conn.engine.config.stream_min_bytes
-    if dest is not None and least and header.length >= least:
+    # (a quantized gradient is applied whole: its scales are checked first, in push)
+    if dest is not None and least and header.length >= least and header.dtype not in QUANTIZED:
         request.stream = conn.engine.training.begin_streaming_push(
             member, header.version, header.request_id, header.clock
         )
@@ -279,6 +282,8 @@ def push(conn: Exchange, request: Request, payload: memoryview, answered) -> Non
     """Hand the push of ``request`` to the engine (its stream, if it streams, is the engine's then)."""
     member = conn.require_member()
     header = request.header
+    if header.dtype in QUANTIZED and not request.rows:
+        check_scales(member.gradient)
     rows = request_rows(conn, member, request, payload)
     conn.engine.training.push(
         member,
@@ -293,6 +298,19 @@ def push(conn: Exchange, request: Request, payload: memoryview, answered) -> Non
         skip=header.op == Op.PUSH_PULL and bool(header.flags & Flag.SKIP),
     )
     request.stream = None
+
+
+def check_scales(gradient: np.ndarray | Quantized) -> None:
+    """Refuse a quantized gradient whose scales are not each finite and above 0 (nothing is
+    applied): NonFiniteGradient for a NaN or an infinity (what a sender's NaN makes),
+    MalformedFrame for the rest."""
+    assert isinstance(gradient, Quantized), "a quantized push's gradient"
+    problem = scales_problem(gradient)
+    if problem is None:
+        return
+    if not np.isfinite(gradient.scales).all():
+        raise NonFiniteGradient(f"{problem}; it was rejected and changed nothing")
+    raise MalformedFrame(problem)
 
 
 def _pushed(conn: Exchange, request: Request, result: PushResult) -> None:

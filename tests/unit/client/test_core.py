@@ -4,6 +4,8 @@ receives into, and replies it cannot take."""
 
 from __future__ import annotations
 
+import struct
+
 import numpy as np
 import pytest
 
@@ -81,26 +83,27 @@ def test_replies_the_core_cannot_take():
 
 
 def _pace_reply(core, payload: bytes):
-    request = unpack_header(core.pace_request(42)[0])
-    assert (request.op, request.version) == (Op.PACE, 42)
+    request, seconds = core.pace_request(42, 2.5)
+    request = unpack_header(request)
+    assert (request.op, request.version, request.length, bytes(seconds)) == (Op.PACE, 42, 8, struct.pack("<d", 2.5))
     reply = unpack_header(pack_header(Op.PACE_REPLY, 0, 0, request.request_id, 0, 0, len(payload)))
     target = core.frame_buffer(reply)
     target[:] = payload
     core.frame_received(reply, target)
-    return core.take_rates()
+    return core.take_pace()
 
 
-def test_a_pace_reply_gives_the_rates_by_rank_and_a_lying_one_is_refused():
+def test_a_pace_reply_gives_the_rates_and_a_lying_one_is_refused():
     core = _ClientCore(0, 2)
     core.init_request(MODEL)
-    assert _pace_reply(core, b'{"rates": {"0": 12.5, "1": 5}}') == {0: 12.5, 1: 5.0}
-    assert _pace_reply(core, b'{"rates": {}}') == {}
-    for lie in (b"[]", b'{"rates": [1]}', b'{"rates": {"x": 1}}', b'{"rates": {"0": -1}}', b'{"rates": {"0": 0}}',
-                b'{"rates": {"0": "1e999"}}', b"{", b'{"rates": {"0": null}}'):
+    assert _pace_reply(core, b'{"rate": 12.5, "fastest": 20}') == (12.5, 20.0)
+    assert _pace_reply(core, b'{"rate": null, "fastest": null}') == (None, None)
+    for lie in (b"[]", b'{"rate": [1]}', b'{"rate": "1"}', b'{"rate": -1}', b'{"fastest": 0}', b'{"rate": true}',
+                b'{"rate": 1e999}', b"{"):
         with pytest.raises(ProtocolError, match="PACE reply"):
             _pace_reply(core, lie)
     with pytest.raises(MalformedFrame, match="PACE_REPLY of"):
         core.frame_buffer(unpack_header(pack_header(Op.PACE_REPLY, 0, 0, 1, 0, 0, (1 << 20) + 1)))
-    for bad in (-1, (1 << 53) + 1, 1.5, True):
-        with pytest.raises(Exception, match="step count"):
-            core.pace_request(bad)
+    for steps, seconds in ((-1, 1.0), ((1 << 53) + 1, 1.0), (1.5, 1.0), (True, 1.0), (1, -1.0), (1, float("nan"))):
+        with pytest.raises(Exception, match="step count|seconds"):
+            core.pace_request(steps, seconds)

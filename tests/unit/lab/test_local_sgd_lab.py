@@ -25,19 +25,27 @@ def test_local_settings_carry_the_steps_the_outer_step_and_dynamic():
             parse_setting(bad)
 
 
-def test_dynamic_steps_follow_the_rates_a_server_measures():
-    now = [0.0]
-    steps = LocalSteps(20, 2, True, lambda: now[0])
-    for t in (1.0, 2.0):  # rank 0: 20 steps a second; rank 1: 20 steps every 2.5 s
-        now[0] = t
-        steps.synced(0, steps.current[0])
-    for t in (2.5, 5.0):
-        now[0] = t
-        steps.synced(1, steps.current[1])
+def test_dynamic_steps_follow_the_rates_a_server_keeps():
+    steps = LocalSteps(20, 2, True)
+    for _ in range(2):  # rank 0: 20 steps a second; rank 1: 20 steps in 2.5 s
+        steps.synced(0, steps.current[0], 1.0)
+        steps.synced(1, steps.current[1], 2.5)
     assert steps.current == [20, 8]  # ceil(20 * 8 / 20)
-    fixed = LocalSteps(20, 2, False, lambda: now[0])
-    fixed.synced(1, 20)
+    fixed = LocalSteps(20, 2, False)
+    fixed.synced(1, 20, 2.5)
     assert fixed.current == [20, 20] and fixed.steps == [0, 20]
+
+
+@pytest.mark.parametrize("sync", ["bsp", "asp"])
+def test_dynamic_local_updates_give_the_slow_worker_fewer_steps_under_every_policy(sync):
+    """(Its rate counts its own time, not its waits at a BSP barrier.)"""
+    config = ServerConfig(workers=2, sync=sync, heartbeat_timeout=0, optimizer="sgd", lr=0.7, momentum=0.9,
+                          nesterov=True)
+    cluster = VirtualCluster(config, IterationTimes([1.0, 2.5]), Layout(("w",), ((1,),)), np.zeros(1, np.float32),
+                             local=(10, True))
+    while cluster.next_time <= 200.0:
+        cluster.step()
+    assert cluster.local.current == [10, 4]  # ceil(10 / 2.5)
 
 
 def test_each_sync_takes_the_time_of_its_steps():

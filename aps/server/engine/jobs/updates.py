@@ -31,6 +31,7 @@ import numpy as np
 from ..lane import Job, UpdateLane
 from ....errors import InternalServerError, NonFiniteGradient
 from ....layout import line_aligned
+from ....wire.quantized import Quantized
 from ..sync import Plan, PlanKind, SyncPolicy
 from ..table import ParameterTable
 
@@ -320,7 +321,7 @@ class PushJob(Job):
 _NAMED_TENSORS = 3
 
 
-def refusal(table: ParameterTable, kernels, grad: np.ndarray, dtype: int) -> NonFiniteGradient:
+def refusal(table: ParameterTable, kernels, grad: np.ndarray | Quantized, dtype: int) -> NonFiniteGradient:
     """The error for a dense gradient ``grad`` (float32, or 16-bit words of ``dtype``) the
     kernel refused: the tensors of the model's layout it holds NaN or infinity in, each with
     how many elements and the first one; or, every element finite, that the update would
@@ -344,11 +345,10 @@ def refusal(table: ParameterTable, kernels, grad: np.ndarray, dtype: int) -> Non
         )
     described = []
     for name, shape, offset, size in bad[:_NAMED_TENSORS]:
-        values = grad[offset : offset + size]
+        piece = grad[offset : offset + size]
+        values = piece if isinstance(piece, np.ndarray) and dtype == kernels.FLOAT32 else np.empty(size, np.float32)
         if dtype != kernels.FLOAT32:
-            wide = np.empty(size, np.float32)
-            kernels.widen(wide, values, dtype)
-            values = wide
+            kernels.widen(values, piece, dtype)
         where = np.flatnonzero(~np.isfinite(values))
         first = ", ".join(str(int(i)) for i in np.unravel_index(int(where[0]), shape)) if shape else ""
         described.append(f"{name!r} ({len(where)} of {size} elements; {name}[{first}] is {values[where[0]]})")

@@ -1,72 +1,63 @@
-"""The workers' step rates, measured on the server's clock from their step counts."""
-
-import pytest
+"""The workers' step rates, from their step counts and the seconds the steps took."""
 
 from aps.server.engine.paces import Paces
 
 
-class Clock:
-    def __init__(self):
-        self.t = 100.0
-
-    def __call__(self):
-        return self.t
-
-
-@pytest.fixture
-def clock():
-    return Clock()
-
-
-def test_a_rate_needs_two_reports_and_then_follows_the_newest_interval_by_half(clock):
-    paces = Paces(clock)
-    paces.report(3, 0)
+def test_a_rate_needs_two_reports_and_then_follows_the_newest_interval_by_half():
+    paces = Paces()
+    paces.report(3, 0, 0.0)
     assert paces.rates([3]) == {}
-    clock.t += 2.0
-    paces.report(3, 20)
+    paces.report(3, 20, 2.0)
     assert paces.rates([3]) == {3: 10.0}
-    clock.t += 1.0
-    paces.report(3, 40)  # 20/s now
+    paces.report(3, 40, 3.0)  # 20/s now
     assert paces.rates([3]) == {3: 15.0}
-    clock.t += 4.0
-    paces.report(3, 60)  # a straggler for a while: 5/s
+    paces.report(3, 60, 7.0)  # a straggler for a while: 5/s
     assert paces.rates([3]) == {3: 10.0}
 
 
-def test_only_the_ranks_asked_for_are_answered(clock):
-    paces = Paces(clock)
+def test_only_the_ranks_asked_for_are_answered():
+    paces = Paces()
     for rank in (0, 1):
-        paces.report(rank, 0)
-    clock.t += 1.0
-    paces.report(0, 10)
-    paces.report(1, 4)
+        paces.report(rank, 0, 0.0)
+    paces.report(0, 10, 1.0)
+    paces.report(1, 4, 1.0)
     assert paces.rates([0, 1, 2]) == {0: 10.0, 1: 4.0}
-    assert paces.rates([1]) == {1: 4.0}
+    assert paces.answer(1, [0, 1, 2]) == (4.0, 10.0)
+    assert paces.answer(1, [1]) == (4.0, 4.0)
+    assert paces.answer(2, [0, 1, 2]) == (None, 10.0)
+    assert Paces().answer(0, [0]) == (None, None)
 
 
-def test_a_count_that_goes_down_is_another_process_and_starts_again(clock):
-    paces = Paces(clock)
-    paces.report(0, 50)
-    clock.t += 1.0
-    paces.report(0, 60)
+def test_a_count_that_goes_down_is_another_process_and_starts_again():
+    paces = Paces()
+    paces.report(0, 50, 5.0)
+    paces.report(0, 60, 6.0)
     assert paces.rates([0]) == {0: 10.0}
-    clock.t += 1.0
-    paces.report(0, 5)  # a new process under rank 0
+    paces.report(0, 5, 0.5)  # a new process under rank 0
     assert paces.rates([0]) == {}
-    clock.t += 0.5
-    paces.report(0, 15)
+    paces.report(0, 15, 1.0)
     assert paces.rates([0]) == {0: 20.0}
 
 
-def test_a_report_with_nothing_to_measure_over_changes_nothing(clock):
-    paces = Paces(clock)
-    paces.report(0, 0)
-    clock.t += 1.0
-    paces.report(0, 10)
-    clock.t += 5.0
-    paces.report(0, 10)  # no step since: not a rate of 0 (the interval goes on)
-    paces.report(0, 10)
+def test_a_report_with_nothing_to_measure_over_changes_nothing():
+    paces = Paces()
+    paces.report(0, 0, 0.0)
+    paces.report(0, 10, 1.0)
+    paces.report(0, 10, 6.0)  # no step since: not a rate of 0 (the interval goes on)
     assert paces.rates([0]) == {0: 10.0}
-    clock.t += 5.0
-    paces.report(0, 110)  # 100 steps over the whole 10 s since the last count
-    assert paces.rates([0]) == {0: 10.0}
+    paces.report(0, 30, 3.0)  # 20 steps in the 2 s since the last count that moved
+    assert paces.rates([0]) == {0: 10.0 / 2 + 10.0 / 2}
+    paces.report(0, 32, 0.5)  # (the seconds went down: another process)
+    assert paces.rates([0]) == {}
+
+
+def test_a_rate_no_one_could_run_is_not_the_fastest():
+    """One worker that says it took 2**53 steps in a millisecond does not make the others sync
+    after every step: the fastest is taken among rates within PLAUSIBLE times the lower median."""
+    paces = Paces()
+    for rank, steps in ((0, 10), (1, 25), (2, 1 << 53)):
+        paces.report(rank, 0, 0.0)
+        paces.report(rank, steps, 1.0 if rank < 2 else 1e-3)
+    assert paces.answer(0, [0, 1, 2]) == (10.0, 25.0)
+    assert paces.answer(2, [0, 1, 2])[1] == 25.0
+    assert paces.answer(0, [0, 2]) == (10.0, 10.0)  # (two: the lower median is the slower one)

@@ -9,6 +9,7 @@ REWIND's CHECK (the versions, not a rewind); malformed SHARDS, CLAIM and LOG pay
 
 import asyncio
 import json
+import struct
 
 import numpy as np
 import pytest
@@ -51,7 +52,7 @@ class Asked:
 
 @pytest.mark.parametrize("op, limit", [(Op.SHARDS, MAX_SHARDS_BYTES), (Op.CLAIM, MAX_COUNTER_NAME),
                                        (Op.LOG, MAX_LOG_BYTES), (Op.STATS, 0), (Op.CHECKPOINT, 0), (Op.REWIND, 0),
-                                       (Op.PACE, 0)])
+                                       (Op.PACE, 8)])
 def test_each_payload_is_read_whole_within_its_limit(conn, op, limit):
     if limit:
         assert len(admit(conn, pack_header(op, 0, 0, 1, 0, 0, limit))) == limit
@@ -61,7 +62,7 @@ def test_each_payload_is_read_whole_within_its_limit(conn, op, limit):
 
 @pytest.mark.parametrize("op", [Op.REWIND, Op.SHARDS, Op.CLAIM, Op.LOG, Op.PACE])
 def test_members_only(conn, op):
-    conn.feed(frame(op, b"x" if op in (Op.CLAIM, Op.LOG, Op.SHARDS) else b"", rid=12))
+    conn.feed(frame(op, b"x" if op in (Op.CLAIM, Op.LOG, Op.SHARDS) else b"\0" * 8 if op == Op.PACE else b"", rid=12))
     assert isinstance(conn.last, Error) and isinstance(conn.last.exc, NotInitialized) and conn.last.rid == 12
 
 
@@ -200,20 +201,27 @@ def test_a_malformed_log_is_refused_and_records_nothing(conn, engine, payload):
 
 
 # PACE ---------------------------------------------------------------------------------------------------
-def test_pace_answers_with_the_live_workers_measured_rates(conn, engine):
-    join(conn, N)
-    clock = iter([10.0, 12.0, 13.0])
-    engine.paces._now = lambda: next(clock)
-    conn.feed(frame(Op.PACE, version=100, rid=16))
-    assert conn.last == Reply(Op.PACE_REPLY, 16, payload=b'{"rates": {}}')  # (one report: nothing to measure)
-    conn.feed(frame(Op.PACE, version=140, rid=17))
-    assert json.loads(conn.last.payload) == {"rates": {"0": 20.0}}  # 40 steps in 2 s
-    conn.feed(frame(Op.PACE, version=170, rid=18))
-    assert json.loads(conn.last.payload) == {"rates": {"0": 25.0}}  # half the newest (30/s), half the older
+def _seconds(value):
+    return struct.pack("<d", value)
 
 
-def test_a_step_count_past_2_53_is_refused(conn, engine):
+def test_pace_answers_with_its_rate_and_the_fastest_live_workers(conn, engine):
     join(conn, N)
-    conn.feed(frame(Op.PACE, version=(1 << 53) + 1, rid=19))
-    assert isinstance(conn.last.exc, MalformedFrame) and "2**53" in conn.last.exc.message
-    assert engine.paces.rates([0]) == {}
+    conn.feed(frame(Op.PACE, _seconds(10.0), version=100, rid=16))
+    assert conn.last == Reply(Op.PACE_REPLY, 16, payload=b'{"rate": null, "fastest": null}')  # (one report)
+    conn.feed(frame(Op.PACE, _seconds(12.0), version=140, rid=17))
+    assert json.loads(conn.last.payload) == {"rate": 20.0, "fastest": 20.0}  # 40 steps in 2 s
+    conn.feed(frame(Op.PACE, _seconds(13.0), version=170, rid=18))
+    assert json.loads(conn.last.payload) == {"rate": 25.0, "fastest": 25.0}  # half the newest (30/s), half the older
+
+
+@pytest.mark.parametrize("payload, version, message", [
+    (b"", 1, "8 bytes"), (b"\0" * 7, 1, "8 bytes"), (struct.pack("<d", 1.0), (1 << 53) + 1, "2\\*\\*53"),
+    (struct.pack("<d", float("nan")), 1, "2\\*\\*53"), (struct.pack("<d", -1.0), 1, "2\\*\\*53"),
+    (struct.pack("<d", float("inf")), 1, "2\\*\\*53"),
+])
+def test_a_pace_out_of_range_is_refused_and_kept_nowhere(conn, engine, payload, version, message):
+    join(conn, N)
+    conn.feed(frame(Op.PACE, payload, version=version, rid=19))
+    assert isinstance(conn.last.exc, MalformedFrame) and conn.last.rid == 19
+    assert engine.paces.rates([0]) == {} and not engine.paces._paces

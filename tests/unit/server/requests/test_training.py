@@ -20,6 +20,7 @@ from aps.errors import (
     DTypeMismatch,
     LayoutMismatch,
     MalformedFrame,
+    NonFiniteGradient,
     NotInitialized,
     OutOfOrder,
     PayloadSizeMismatch,
@@ -30,6 +31,7 @@ from aps.errors import (
 from aps.layout import Layout
 from aps.server.engine import Engine
 from aps.server.requests import HANDLERS, Request
+from aps.server.requests.base import check_gradient_dtype
 from aps.server.requests.intake import InitIntake
 from aps.wire.protocol import ANY_RANK, DType, Flag, Op, decode_seated, encode_init, pack_header, unpack_header
 
@@ -334,3 +336,56 @@ def test_leave_ends_the_membership(conn, engine):
     assert conn.last == Reply(Op.LEAVE_REPLY, 30) and conn.member is None and 0 not in engine.roster.members
     conn.feed(frame(Op.LEAVE, rid=31))
     assert isinstance(conn.last.exc, NotInitialized)
+
+
+# Quantized pushes -------------------------------------------------------------------------------
+def _quantized(values: np.ndarray, dtype: int) -> tuple[bytes, np.ndarray]:
+    from aps.wire.quantized import quantize
+
+    payload, decoded = quantize(values, dtype)
+    return payload.tobytes(), decoded
+
+
+@pytest.mark.parametrize("dtype", [DType.INT8Q, DType.INT4Q])
+def test_a_quantized_push_is_applied_as_its_decoded_values(conn, engine, dtype):
+    n = 1000  # (four blocks, the last short)
+    join(conn, n)
+    values = np.random.default_rng(int(dtype)).standard_normal(n).astype(np.float32)
+    payload, decoded = _quantized(values, dtype)
+    request, room = admit(conn, frame(Op.PUSH, payload, dtype=dtype, rid=21))
+    assert len(room) == len(payload) and request.stream is None
+    conn.feed(frame(Op.PUSH, payload, dtype=dtype, rid=22))
+    assert conn.last == Reply(Op.PUSH_REPLY, 22, clock=1, version=1, flags=0)
+    np.testing.assert_array_equal(engine.weights, -decoded)  # (lr 1, SGD)
+
+
+@pytest.mark.parametrize("scale, error, message", [
+    (0.0, MalformedFrame, "scale 2 .* is 0.0"), (-1.0, MalformedFrame, "scale 2 .* is -1.0"),
+    (np.inf, NonFiniteGradient, "scale 2 .* is inf.*changed nothing"),
+    (np.nan, NonFiniteGradient, "scale 2 .* is nan.*changed nothing"),
+])
+def test_a_quantized_push_with_a_scale_not_finite_and_above_0_is_refused_and_changes_nothing(
+    conn, engine, scale, error, message
+):
+    n = 1000
+    join(conn, n)
+    payload, _ = _quantized(np.ones(n, np.float32), DType.INT8Q)
+    scales = bytearray(payload)
+    scales[8:12] = np.float32(scale).tobytes()
+    conn.feed(frame(Op.PUSH_PULL, bytes(scales), dtype=DType.INT8Q, rid=23))
+    assert isinstance(conn.last, Error) and isinstance(conn.last.exc, error) and conn.last.rid == 23
+    assert __import__("re").search(message, conn.last.exc.message), conn.last.exc.message
+    assert engine.version == 0 and not engine.weights.any()
+    conn.feed(frame(Op.PUSH, payload, dtype=DType.INT8Q, rid=24))  # (and the connection serves on)
+    assert conn.last.op == Op.PUSH_REPLY and engine.version == 1
+
+
+def test_a_quantized_push_over_shared_memory_or_with_rows_is_refused(loop, engine):
+    shm = FakeExchange(engine, loop, FakeTransport(kind="shm", compressed=False))
+    join(shm, 1000)
+    payload, _ = _quantized(np.ones(1000, np.float32), DType.INT4Q)
+    with pytest.raises(DTypeMismatch, match="quantized gradients cross TCP only, not shm"):
+        admit(shm, frame(Op.PUSH, payload, dtype=DType.INT4Q))
+    request = Request(unpack_header(frame(Op.PUSH, payload, dtype=DType.INT8Q, flags=Flag.ROWS)), HANDLERS[Op.PUSH])
+    with pytest.raises(DTypeMismatch, match="a push with rows carries a float32 gradient, not int8q"):
+        check_gradient_dtype(FakeTransport(), request)
