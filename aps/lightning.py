@@ -24,6 +24,12 @@ What each worker does for Lightning:
 There is no process group: ``reduce``, ``all_gather`` and ``broadcast`` return what they
 are given, and ``barrier`` waits for nobody (the server's sync policy is what keeps the
 workers together), so ``self.log(..., sync_dist=True)`` logs the worker's own value.
+
+Local SGD (DiLoCo, asynchronous local SGD): ``Strategy(..., local_every=H)`` keeps the
+module's optimizer as the *inner* one, stepping locally, and syncs with the server every H
+steps through :class:`aps.torch.LocalSGD` (whose ``dynamic`` and ``compression`` it takes
+too); the server's optimizer is then the outer one, whatever it is, and checkpoints hold
+the inner optimizer's state, the steps and the anchor (``LocalSGD.state_dict``).
 """
 
 from __future__ import annotations
@@ -38,7 +44,7 @@ from lightning.pytorch.strategies import ParallelStrategy
 
 from .client.arguments import from_env
 from .errors import ConfigurationError
-from .torch import Optimizer
+from .torch import LocalSGD, Optimizer
 from .torch.reporting import Reporter
 
 __all__ = ["Strategy"]
@@ -104,8 +110,12 @@ class Strategy(ParallelStrategy):
             They must be what the server was started for (``aps serve --workers``).
         device: where the model trains (``"cpu"``, ``"cuda:0"``...): one device per worker.
         report: send each step's loss, learning rate and logged scalars to the server.
-        **options: anything else :class:`aps.torch.Optimizer` takes (``transport``,
-            ``token``, ``compression``, ``init_timeout``...).
+        local_every: local SGD: the module's optimizer steps locally and the worker syncs
+            every this many steps (:class:`aps.torch.LocalSGD`); None (default): the server
+            takes every step.
+        **options: anything else :class:`aps.torch.Optimizer` (or, with ``local_every``,
+            :class:`aps.torch.LocalSGD`) takes (``transport``, ``token``, ``compression``,
+            ``init_timeout``, ``dynamic``...).
     """
 
     strategy_name = "aps"
@@ -118,6 +128,7 @@ class Strategy(ParallelStrategy):
         num_workers: int | None = None,
         device: str | torch.device = "cpu",
         report: bool = True,
+        local_every: int | None = None,
         **options: Any,
     ) -> None:
         address, rank, num_workers = from_env(address, rank, num_workers)
@@ -128,8 +139,9 @@ class Strategy(ParallelStrategy):
         self._device = torch.device(device)
         super().__init__(parallel_devices=[self._device], cluster_environment=_Seat(rank, num_workers))
         self._address, self._rank, self._num_workers, self._options = address, rank, num_workers, options
-        self._report = report
-        self._servers: dict[int, Optimizer] = {}  # id(torch optimizer) -> the aps optimizer taking its steps
+        self._report, self._local_every = report, local_every
+        #: id(torch optimizer) -> the aps optimizer taking its steps (LocalSGD: the one syncing it)
+        self._servers: dict[int, Optimizer | LocalSGD] = {}
         self._reporter: Reporter | None = None
 
     # Where this worker sits ------------------------------------------------------------
@@ -183,7 +195,21 @@ class Strategy(ParallelStrategy):
         if self._report and self._servers:
             self._reporter = Reporter(next(iter(self._servers.values())).worker)
 
-    def _serve(self, optimizer: torch.optim.Optimizer) -> Optimizer:
+    def _serve(self, optimizer: torch.optim.Optimizer) -> Optimizer | LocalSGD:
+        if self._local_every is not None:
+            if self._servers:
+                raise ConfigurationError("local SGD (local_every) takes one optimizer: the model's inner one")
+            module = self.lightning_module
+            assert module is not None  # (optimizers are set up for a module)
+            return LocalSGD(
+                module,
+                optimizer,
+                every=self._local_every,
+                address=self._address,
+                rank=self._rank,
+                num_workers=self._num_workers,
+                **self._options,
+            )
         kind = _SERVED.get(type(optimizer))
         if kind is None:
             raise ConfigurationError(
@@ -215,6 +241,10 @@ class Strategy(ParallelStrategy):
         served = self._servers.get(id(inner))
         if served is None:  # an aps.torch.Optimizer of the module's own
             return super().optimizer_step(optimizer, closure, model, **kwargs)
+        if isinstance(served, LocalSGD):  # the inner step, Lightning's, and every H steps the sync
+            result = super().optimizer_step(optimizer, closure, model, **kwargs)
+            served.stepped()
+            return result
         _copy_values(inner, served)
         result = super().optimizer_step(served, closure, model, **kwargs)
         inner._opt_called = True  # (what torch's schedulers look for: the step was taken)
@@ -236,6 +266,8 @@ class Strategy(ParallelStrategy):
         served = self._servers.get(id(getattr(optimizer, "optimizer", optimizer)))
         if served is None:
             return super().optimizer_state(optimizer)
+        if isinstance(served, LocalSGD):
+            return served.state_dict()  # (each worker's own: its inner optimizer, steps and anchor)
         if not self.is_global_zero:
             return {}  # (only rank 0's is written)
         _copy_values(getattr(optimizer, "optimizer", optimizer), served)  # (the scheduler's since the last step)
@@ -248,7 +280,8 @@ class Strategy(ParallelStrategy):
                 optimizer.load_state_dict(state)
                 continue
             served.load_state_dict(state)  # (the server takes it once, whichever workers load it)
-            _copy_values(served, optimizer)
+            if not isinstance(served, LocalSGD):
+                _copy_values(served, optimizer)
 
     def teardown(self) -> None:
         self._reporter = None  # (a worker sends what it has left to log when it closes)

@@ -140,11 +140,17 @@ class LocalSGD:
     def step(self, closure: Callable[[], Any] | None = None) -> Any:
         """The inner optimizer's step; the ``current_every``-th since the last sync also syncs (:meth:`sync`)."""
         loss = self.inner.step(closure) if closure is not None else self.inner.step()
+        self.stepped()
+        return loss
+
+    def stepped(self) -> None:
+        """Count an inner step taken by the inner optimizer itself (what :meth:`step` does after
+        it: a trainer that steps the optimizer its own way, Lightning's AMP, calls this), and
+        sync when it is due."""
         self.steps += 1
         self.since_sync += 1
         if self.since_sync >= self.current_every:
             self.sync()
-        return loss
 
     def sync(self) -> None:
         """Push the pseudo-gradient (the anchor minus the weights now) and take the server's

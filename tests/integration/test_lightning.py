@@ -102,6 +102,28 @@ def test_a_checkpoint_carries_the_servers_state_and_resumes_exactly(server_proce
         assert torch.equal(value, dict(second.named_parameters())[name]), f"{name} differs after the resume"
 
 
+@pytest.mark.filterwarnings("ignore:Checkpoint directory .* exists and is not empty")
+def test_local_sgd_steps_the_modules_optimizer_locally_and_syncs_every_h_steps(server_process, tmp_path):
+    """local_every=3: the module's own SGD (its scheduler too) steps locally, the worker syncs
+    every third step with the server, whose optimizer is the outer one (here SGD of learning
+    rate 1: the worker's own progress, applied), and the checkpoint holds the inner optimizer's
+    state, the steps and the anchor."""
+    server = server_process("--workers", "1", "--sync", "bsp", "--optimizer", "sgd", "--lr", "1")
+    module = lw.Digits()
+    checkpoints = L.pytorch.callbacks.ModelCheckpoint(dirpath=tmp_path, save_last=True)
+    lw.trainer(aps.lightning.Strategy(server.address, local_every=3), epochs=2, enable_checkpointing=True,
+               callbacks=[checkpoints]).fit(module, lw.loader(shuffle=True))
+    steps = 2 * len(lw.loader())
+    assert fetch_stats(server.address)["server"]["version"] == steps // 3  # one outer step a sync
+    assert lw.accuracy(module) > 0.8, lw.accuracy(module)
+    state = torch.load(tmp_path / "last.ckpt", weights_only=False)["optimizer_states"][0]
+    assert state["steps"] == steps and state["syncs"] == steps // 3 and state["every"] == 3
+    assert state["inner"]["param_groups"][0]["lr"] == pytest.approx(0.025), "the module's scheduler, twice"
+    assert set(state["anchor"]) == {name for name, _ in module.named_parameters()}
+    with pytest.raises(aps.ConfigurationError, match="every must be a whole number"):
+        lw.trainer(aps.lightning.Strategy(server.address, local_every=0), epochs=1).fit(lw.Digits(), lw.loader())
+
+
 def test_misuse_is_refused_saying_what_to_do(server_process):
     server = server_process("--workers", "1", "--sync", "bsp", *SGD)
     with pytest.raises(aps.ConfigurationError, match="SGD, Adam or AdamW"):

@@ -218,7 +218,7 @@ def test_dynamic_local_updates_give_a_slow_worker_fewer_steps_so_both_sync_about
     assert all(count == 20 for count in seen[0]) and len(seen[0]) >= 4, seen
     if dynamic:
         # (its first two syncs take 20 steps each: the server measures a rate over two reports)
-        assert 1 <= seen[1][-1] <= 5, seen
+        assert 1 <= seen[1][-1] <= 10, seen  # (about 2: ten times as slow; a loaded machine narrows the gap)
         assert opts[1].state_dict()["current_every"] == seen[1][-1]
     else:
         assert seen[1] == [20] * 4
