@@ -25,6 +25,14 @@ worker processes need what :class:`Trainer` and :class:`TrainingArguments` add::
   ``train(resume_from_checkpoint=...)`` loads it back into the server, once whichever workers load it;
 - each step's loss and learning rate, with a digest of its batch, and what the Trainer logs
   go to the server (:meth:`aps.Worker.log`).
+
+Local SGD (DiLoCo, asynchronous local SGD): ``Trainer(..., aps_local_every=H)`` keeps the
+Trainer's own optimizer (``args.optim``, AdamW by default, with its scheduler) as the *inner*
+one, stepping locally, and syncs with the server every H optimizer steps through
+:class:`aps.torch.LocalSGD` (``aps_options`` may add its ``dynamic`` and ``compression``); the
+server's optimizer is the outer one, whatever it is. Checkpoints are the Trainer's own (the
+model, the inner optimizer); a worker that resumes takes the server's global weights at join,
+as any worker joining a run under way does.
 """
 
 from __future__ import annotations
@@ -44,7 +52,7 @@ from torch.utils.data import DistributedSampler
 
 from .client.arguments import from_env
 from .errors import ConfigurationError
-from .torch import Optimizer
+from .torch import LocalSGD, Optimizer
 from .torch.reporting import Reporter
 
 __all__ = ["Trainer", "TrainingArguments"]
@@ -124,7 +132,10 @@ class Trainer(transformers.Trainer):
         aps_address: the server; default ``APS_ADDRESS``.
         aps_rank: this worker's rank; default ``RANK`` (0 when unset).
         aps_workers: the run's workers; default ``WORLD_SIZE`` (1 when unset).
-        aps_options: what else :class:`aps.torch.Optimizer` takes (``transport``, ``token``...).
+        aps_options: what else :class:`aps.torch.Optimizer` (or, with ``aps_local_every``,
+            :class:`aps.torch.LocalSGD`) takes (``transport``, ``token``, ``dynamic``...).
+        aps_local_every: local SGD: the Trainer's own optimizer steps locally and the worker
+            syncs every this many optimizer steps; None (default): the server takes every step.
 
     ``args`` are best :class:`TrainingArguments`; those of ``transformers`` that a launcher
     made set up for several processes are set up again as one process's (a warning says so),
@@ -140,6 +151,7 @@ class Trainer(transformers.Trainer):
         aps_rank: int | None = None,
         aps_workers: int | None = None,
         aps_options: dict[str, Any] | None = None,
+        aps_local_every: int | None = None,
         **kwargs: Any,
     ) -> None:
         address, rank, workers = from_env(aps_address, aps_rank, aps_workers)
@@ -149,8 +161,13 @@ class Trainer(transformers.Trainer):
             raise ConfigurationError(f"rank {self.aps_rank} is not one of {self.aps_workers} workers")
         self._aps_options = dict(aps_options or {})
         self._reporter: Reporter | None = None
+        #: Local SGD: the LocalSGD syncing the Trainer's own optimizer (made with it).
+        self.aps_local: LocalSGD | None = None
+        self._local_every = aps_local_every
         args = TrainingArguments(output_dir="tmp_trainer") if args is None else _alone(args)
         super().__init__(model, args, *rest, **kwargs)
+        if aps_local_every is not None:
+            self.add_callback(_Synced(self))
         if isinstance(self.optimizer, Optimizer):
             self._reporter = Reporter(self.optimizer.worker)
 
@@ -166,6 +183,19 @@ class Trainer(transformers.Trainer):
         model = self.model if model is None else model
         if model is None:
             raise ConfigurationError("the Trainer has no model to optimize")
+        if self._local_every is not None:  # the Trainer's own optimizer, the inner one of local SGD
+            inner = super().create_optimizer(model)
+            self.aps_local = LocalSGD(
+                model,
+                inner,
+                every=self._local_every,
+                address=self.aps_address,
+                rank=self.aps_rank,
+                num_workers=self.aps_workers,
+                **self._aps_options,
+            )
+            self._reporter = Reporter(self.aps_local.worker)
+            return inner
         kind = _OPTIM.get(str(getattr(self.args.optim, "value", self.args.optim)))
         if kind is None:
             raise ConfigurationError(
@@ -231,3 +261,20 @@ class Trainer(transformers.Trainer):
     def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
         if self.aps_rank == 0:
             super().save_model(output_dir, _internal_call)
+
+
+class _Synced(transformers.TrainerCallback):
+    """Local SGD: each optimizer step the Trainer takes is counted, and every H-th syncs."""
+
+    def __init__(self, trainer: Trainer) -> None:
+        self._trainer = trainer
+
+    def on_optimizer_step(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        local = self._trainer.aps_local
+        if local is not None:
+            local.stepped()
+
+    def on_train_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        local, self._trainer.aps_local = self._trainer.aps_local, None
+        if local is not None:
+            local.close()

@@ -130,6 +130,26 @@ def test_a_trainer_checkpoint_carries_the_servers_state_and_resumes_exactly(serv
     _same(whole.model, second.model)
 
 
+def test_local_sgd_steps_the_trainers_own_optimizer_and_syncs_every_h_steps(server_process, tmp_path):
+    """aps_local_every=2: the Trainer's own SGD (and its schedule) steps locally, every second
+    optimizer step syncs with the server (outer SGD of learning rate 1: the worker's progress,
+    applied), and the model the Trainer ends with is the server's."""
+    server = server_process("--workers", "1", "--sync", "bsp", "--optimizer", "sgd", "--lr", "1")
+    trainer = aps.huggingface.Trainer(model=hw.model(), args=hw.arguments(str(tmp_path), optim="sgd"),
+                                      train_dataset=hw.Blocks(), data_collator=hw.collate,
+                                      aps_address=server.address, aps_local_every=2,
+                                      aps_options={"transport": "tcp", "compression": "int8"})
+    trainer.train()
+    steps = trainer.state.global_step
+    assert isinstance(trainer.optimizer.optimizer if hasattr(trainer.optimizer, "optimizer") else trainer.optimizer,
+                      torch.optim.SGD)
+    stats = fetch_stats(server.address)
+    assert stats["server"]["version"] == steps // 2 and steps >= 4
+    assert trainer.aps_local is None  # (closed at the end of training)
+    losses = [entry["loss"] for entry in trainer.state.log_history if "loss" in entry]
+    assert losses[-1] < losses[0], losses
+
+
 def test_misuse_is_refused_saying_what_to_do(server_process, tmp_path):
     server = server_process("--workers", "1", "--sync", "bsp", *SGD)
     with pytest.raises(aps.ConfigurationError, match="rank 3 is not one of 2"):
