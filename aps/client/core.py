@@ -472,15 +472,15 @@ class _ClientCore:
 
     def _quantized(self, buffers: list) -> np.ndarray:
         """The gradient in ``buffers`` plus the error feedback, block-quantized (aps.wire.quantized);
-        the new error feedback is what that left out (kept only when the sum is finite: a push
-        the server will refuse changes nothing here either)."""
+        the new error feedback is what that left out (kept only when the sum and what is sent are
+        finite: a push the server will refuse changes nothing here either)."""
         values = np.concatenate([np.frombuffer(view, np.float32) for view in buffers])
         residual = self.residual
         if residual is None:
             residual = self.residual = np.zeros(len(values), np.float32)
         wanted = values + residual
         payload, sent = quantize(wanted, self.compression)
-        if np.isfinite(wanted).all():
+        if np.isfinite(wanted).all() and np.isfinite(sent).all():
             np.subtract(wanted, sent, out=residual)
         return payload
 

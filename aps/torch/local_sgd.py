@@ -108,6 +108,8 @@ class LocalSGD:
                 raise ConfigurationError(f"parameter {name} is {p.dtype}: LocalSGD shares float32 weights")
             if id(p) not in owned:
                 raise ConfigurationError(f"parameter {name} is not one the inner optimizer steps")
+        if worker is not None and compression is not None:
+            raise ConfigurationError("give compression to the Worker (LocalSGD(worker=...) uses it as it is)")
         if worker is None:
             worker = Worker(
                 address, rank, num_workers, transport, token=token, reconnect=reconnect, compression=compression

@@ -6,8 +6,8 @@ A payload of ``n`` elements is ``ceil(n / BLOCK)`` little-endian float32 scales,
 ``n`` signed bytes (INT8), or ``ceil(n / 2)`` bytes of two signed 4-bit codes each, the lower
 nibble the even element (INT4). Element ``i`` is ``code[i] * scale[i // BLOCK]`` in float32.
 The encoder picks each block's scale as its largest magnitude over the largest code (127 or
-7), and 1 for a block of zeros, so that every scale is finite and above 0: a receiver refuses
-any other (:func:`scales_problem`).
+7), and 1 for a block of zeros (or of values so small that the scale would round to 0), so
+that every scale is finite and above 0: a receiver refuses any other (:func:`scales_problem`).
 
 :class:`Quantized` is a payload seen as a gradient: it has a length and slices by element, as
 the update kernels take gradients (``grad[start:stop]``), and the kernels decode its elements
@@ -67,7 +67,7 @@ class Quantized:
         self.start, self.stop = start, n if stop is None else stop
 
     def __len__(self) -> int:
-        return self.stop - self.start
+        return max(0, self.stop - self.start)
 
     def __getitem__(self, index: slice) -> Quantized:
         if not isinstance(index, slice) or index.step not in (None, 1):
@@ -89,8 +89,15 @@ def scales_problem(gradient: Quantized) -> str | None:
     return None
 
 
+def _check_range(gradient: Quantized) -> None:
+    codes = len(gradient.codes) if gradient.dtype == DType.INT8Q else 2 * len(gradient.codes)
+    if not 0 <= gradient.start <= gradient.stop <= min(codes, BLOCK * len(gradient.scales)):
+        raise ValueError("the quantized gradient's range is outside its payload")
+
+
 def _codes_of(gradient: Quantized) -> np.ndarray:
     """The signed codes of ``gradient``'s elements, as int8."""
+    _check_range(gradient)
     index = np.arange(gradient.start, gradient.stop)
     if gradient.dtype == DType.INT8Q:
         return gradient.codes[gradient.start : gradient.stop].view(np.int8)
@@ -101,9 +108,10 @@ def _codes_of(gradient: Quantized) -> np.ndarray:
 
 def dequantize(gradient: Quantized) -> np.ndarray:
     """``gradient``'s elements in float32: ``code * scale``, as the kernels decode them."""
+    codes = _codes_of(gradient)
     index = np.arange(gradient.start, gradient.stop)
     with np.errstate(over="ignore", invalid="ignore"):
-        return _codes_of(gradient).astype(np.float32) * gradient.scales[index // BLOCK]
+        return codes.astype(np.float32) * gradient.scales[index // BLOCK]
 
 
 def quantize(values: np.ndarray, dtype: int) -> tuple[np.ndarray, np.ndarray]:
@@ -117,10 +125,19 @@ def quantize(values: np.ndarray, dtype: int) -> tuple[np.ndarray, np.ndarray]:
     blocks = _blocks(n)
     padded = np.zeros(blocks * BLOCK, np.float32)
     padded[:n] = values
-    with np.errstate(over="ignore", invalid="ignore", divide="ignore"):
+    with np.errstate(over="ignore", invalid="ignore", divide="ignore", under="ignore"):
         largest = np.abs(padded.reshape(blocks, BLOCK)).max(axis=1) if blocks else np.zeros(0, np.float32)
-        scales = np.where(largest > 0, largest / np.float32(top), np.float32(1)).astype(np.float32)
-        # (a NaN anywhere in a block makes its scale NaN: refused by the receiver)
+        scales = (largest / np.float32(top)).astype(np.float32)
+        # A block whose largest value is a few subnormals has a scale that rounds to 0: it is sent
+        # as zeros (scale 1), its values left to the sender's error feedback; so is a block of zeros.
+        scales[scales == 0] = 1.0
+        # Near float32's largest value, top * scale may round past it: the scale a step lower.
+        for _ in range(4):
+            over = np.isfinite(scales) & ~np.isfinite(scales * np.float32(top))
+            if not over.any():
+                break
+            scales[over] = np.nextafter(scales[over], np.float32(0))
+        # (a NaN or an infinity anywhere in a block makes its scale so: refused by the receiver)
         scales[~np.isfinite(largest)] = largest[~np.isfinite(largest)]
         codes = np.clip(np.rint(padded / np.repeat(scales, BLOCK)), -top, top)
         codes = np.nan_to_num(codes).astype(np.int8)[:n]

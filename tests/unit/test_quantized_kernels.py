@@ -115,14 +115,15 @@ def test_a_gradient_that_is_not_a_quantized_one_of_its_dtype_is_refused(kernels)
         kernels.all_finite(q, _core.INT4Q)
 
 
-def test_a_range_outside_its_payload_is_refused_before_the_kernel_reads():
+@pytest.mark.parametrize("kernels", [_core, _reference], ids=["native", "twin"])
+def test_a_range_outside_its_payload_is_refused_before_the_kernel_reads(kernels):
     q = payload_of(np.ones(300, np.float32), _core.INT4Q)
-    out = np.empty(300, np.float32)
-    for start, stop in ((0, 301), (-1, 10), (20, 10)):
+    out = np.empty(600, np.float32)
+    for start, stop in ((0, 301), (-1, 10), (20, 10), (0, 513)):
         bad = q[0:300]
         bad.start, bad.stop = start, stop
         with pytest.raises(ValueError, match="outside its payload"):
-            _core.widen(out[: max(0, stop - start)], bad, _core.INT4Q)
+            kernels.widen(out[: max(0, stop - start)], bad, _core.INT4Q)
 
 
 def test_the_payload_sizes_and_their_checks():
@@ -137,3 +138,20 @@ def test_the_payload_sizes_and_their_checks():
     assert "scale 2" in scales_problem(q)
     with pytest.raises(TypeError, match="range of elements"):
         q[::2]
+
+
+@pytest.mark.parametrize("dtype", KINDS)
+def test_every_scale_the_encoder_makes_is_finite_and_above_0_and_decodes_finite(dtype):
+    """A block of a few subnormals (whose scale would round to 0) goes as zeros of scale 1; a
+    block at float32's largest value gets the scale a step lower, so that the largest code
+    times it is still finite."""
+    top = np.finfo(np.float32).max
+    tiny = np.float32(3e-45)  # (two subnormal steps: over 127 or 7 it rounds to 0)
+    values = np.concatenate([np.full(BLOCK, tiny), np.full(BLOCK, top), -np.full(BLOCK, top), np.zeros(7)])
+    values = values.astype(np.float32)
+    payload, decoded = quantize(values, dtype)
+    q = Quantized(payload, len(values), dtype)
+    assert scales_problem(q) is None and np.isfinite(decoded).all()
+    assert q.scales[0] == 1.0 and not decoded[:BLOCK].any()
+    assert decoded[BLOCK] > top * 0.99 and decoded[2 * BLOCK] < -top * 0.99
+    assert _core.all_finite(q, dtype)

@@ -12,8 +12,11 @@ A rate is a running mean over report intervals, the newest weighing :attr:`Paces
 a worker that slows down (a straggler that comes and goes) is seen within two or three
 syncs. A count that goes down is another process under the rank: its rate starts again. The
 fastest is taken among the plausible rates only: a rate more than :attr:`Paces.PLAUSIBLE`
-times the lower median is left out, so that one worker that reports nonsense (a bug, or a
-step count of another unit) cannot make every other worker sync after every step. Rates are
+times the upper median is left out, so that of three workers or more, one that reports
+nonsense (a bug, a step count of another unit) cannot make every other sync after every step;
+an honest straggler, however slow, is never the reason a rate is left out (workers hold the
+run's token: a majority of them lying is not what this guards against). Intervals shorter
+than :attr:`Paces.SHORTEST` seconds are not measured over, so every rate is finite. Rates are
 measurements, not run state: they are not in checkpoints, and a resumed or taken over server
 measures them again. One record a rank (at most the run's MAX workers).
 """
@@ -39,8 +42,10 @@ class Paces:
 
     #: The weight of the newest interval in a rank's rate.
     NEWEST = 0.5
-    #: A rate above this many times the lower median of the live ranks' is not believed.
-    PLAUSIBLE = 10.0
+    #: A rate above this many times the upper median of the live ranks' is not believed.
+    PLAUSIBLE = 100.0
+    #: The shortest interval, in seconds, a rate is measured over (shorter: wait for more).
+    SHORTEST = 1e-6
 
     def __init__(self) -> None:
         self._paces: dict[int, _Pace] = {}
@@ -51,8 +56,8 @@ class Paces:
         if pace is None or steps < pace.steps or seconds < pace.seconds:  # (first, or another process)
             self._paces[rank] = _Pace(steps, seconds)
             return
-        if steps == pace.steps or seconds == pace.seconds:
-            return  # nothing to measure over
+        if steps == pace.steps or seconds - pace.seconds < self.SHORTEST:
+            return  # nothing to measure over yet
         rate = (steps - pace.steps) / (seconds - pace.seconds)
         pace.rate = rate if pace.rate is None else self.NEWEST * rate + (1.0 - self.NEWEST) * pace.rate
         pace.steps, pace.seconds = steps, seconds
@@ -68,5 +73,5 @@ class Paces:
         rates = self.rates(ranks)
         if not rates:
             return None, None
-        ceiling = self.PLAUSIBLE * statistics.median_low(rates.values())
+        ceiling = self.PLAUSIBLE * statistics.median_high(rates.values())
         return rates.get(rank), max(rate for rate in rates.values() if rate <= ceiling)

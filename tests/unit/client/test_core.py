@@ -107,3 +107,22 @@ def test_a_pace_reply_gives_the_rates_and_a_lying_one_is_refused():
     for steps, seconds in ((-1, 1.0), ((1 << 53) + 1, 1.0), (1.5, 1.0), (True, 1.0), (1, -1.0), (1, float("nan"))):
         with pytest.raises(Exception, match="step count|seconds"):
             core.pace_request(steps, seconds)
+
+
+def test_int8_error_feedback_stays_finite_and_every_push_goes():
+    """A block that gets a gradient once and zeros after: its residual shrinks to subnormals,
+    and every push still has scales the server takes; a gradient at float32's largest value
+    leaves a finite residual."""
+    from aps.wire.quantized import Quantized, scales_problem
+
+    core = _ClientCore(0, 1)
+    core.compression = int(DType.INT8Q)
+    core.init_request({"w": np.zeros(512, np.float32)})
+    gradient = np.zeros(512, np.float32)
+    gradient[300] = 1.0
+    for push in range(60):
+        payload = core._quantized([(gradient if push == 0 else np.zeros(512, np.float32)).data.cast("B")])
+        assert scales_problem(Quantized(payload, 512, DType.INT8Q)) is None, push
+        assert np.isfinite(core.residual).all()
+    core._quantized([np.full(512, np.finfo(np.float32).max, np.float32).data.cast("B")])
+    assert np.isfinite(core.residual).all()

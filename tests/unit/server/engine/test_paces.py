@@ -52,12 +52,30 @@ def test_a_report_with_nothing_to_measure_over_changes_nothing():
 
 
 def test_a_rate_no_one_could_run_is_not_the_fastest():
-    """One worker that says it took 2**53 steps in a millisecond does not make the others sync
-    after every step: the fastest is taken among rates within PLAUSIBLE times the lower median."""
+    """Of three workers or more, one that says it took 2**53 steps in a millisecond does not make
+    the others sync after every step: the fastest is taken among rates within PLAUSIBLE times
+    the upper median. (Of two, there is nothing to tell the liar by.)"""
     paces = Paces()
     for rank, steps in ((0, 10), (1, 25), (2, 1 << 53)):
         paces.report(rank, 0, 0.0)
         paces.report(rank, steps, 1.0 if rank < 2 else 1e-3)
     assert paces.answer(0, [0, 1, 2]) == (10.0, 25.0)
     assert paces.answer(2, [0, 1, 2])[1] == 25.0
-    assert paces.answer(0, [0, 2]) == (10.0, 10.0)  # (two: the lower median is the slower one)
+    assert paces.answer(0, [0, 2])[1] == (1 << 53) / 1e-3
+
+
+def test_an_honest_straggler_however_slow_leaves_the_fastest_as_it_is():
+    paces = Paces()
+    for rank, steps in ((0, 300), (1, 1)):  # 300 times as slow
+        paces.report(rank, 0, 0.0)
+        paces.report(rank, steps, 1.0)
+    assert paces.answer(1, [0, 1]) == (1.0, 300.0)
+
+
+def test_an_interval_too_short_to_measure_gives_no_rate_and_every_rate_is_finite():
+    paces = Paces()
+    paces.report(0, 0, 0.0)
+    paces.report(0, 1 << 53, 5e-324)  # (the smallest float64 after 0: an infinite rate)
+    assert paces.rates([0]) == {} and paces.answer(0, [0]) == (None, None)
+    paces.report(0, 1 << 53, 1.0)
+    assert paces.rates([0]) == {0: float(1 << 53)}

@@ -389,3 +389,15 @@ def test_a_quantized_push_over_shared_memory_or_with_rows_is_refused(loop, engin
     request = Request(unpack_header(frame(Op.PUSH, payload, dtype=DType.INT8Q, flags=Flag.ROWS)), HANDLERS[Op.PUSH])
     with pytest.raises(DTypeMismatch, match="a push with rows carries a float32 gradient, not int8q"):
         check_gradient_dtype(FakeTransport(), request)
+
+
+def test_a_large_quantized_push_is_applied_whole_once_its_scales_are_checked(loop):
+    engine = Engine(ServerConfig(workers=1, sync="asp", lr=1.0, stream_min_bytes=1024))
+    conn = FakeExchange(engine, loop)
+    join(conn, 4096)
+    payload, _ = _quantized(np.ones(4096, np.float32), DType.INT8Q)
+    request, _ = admit(conn, frame(Op.PUSH, payload, dtype=DType.INT8Q))
+    assert len(payload) >= 1024 and request.stream is None
+    request, _ = admit(conn, push_frame(Op.PUSH, 4096))  # (float32 of the same model: streamed)
+    assert request.stream is not None
+    request.stream.abort()
