@@ -38,7 +38,7 @@ from ..layout import Layout, check_floating
 from ..tables import Table, check_tables
 from ..wire.framing import FrameReader
 from ..wire.rows import ROWS_REF_BYTES, encode_rows, padded, reply_rows_bytes
-from ..wire.quantized import quantize
+from ..wire.quantized import QUANTIZED, quantize
 from ..wire.scalars import MAX_STEP
 from ..wire.protocol import (
     MAX_STATE_HEAD_BYTES,
@@ -95,7 +95,7 @@ COMPRESSION = {
     "int4": int(DType.INT4Q),
 }
 _HALF = frozenset({int(DType.BFLOAT16), int(DType.FLOAT16)})
-_QUANTIZED = frozenset({int(DType.INT8Q), int(DType.INT4Q)})
+_QUANTIZED = frozenset(QUANTIZED)
 _MAX_ERROR_PAYLOAD = 1 << 20
 _STATE_REPLY = int(Op.STATE_REPLY)
 _MAX_STATE_ARRAYS = 4  # a STATE reply holds at most this many model-sized arrays (Adam has 2)

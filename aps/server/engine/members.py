@@ -125,6 +125,7 @@ class Member:
         "grad16",
         "grad16_bytes",
         "gradq",
+        "gradq_view",
         "grad_dtype",
         "connected",
         "joined",
@@ -152,6 +153,7 @@ class Member:
         self.grad16: np.ndarray | None = None
         self.grad16_bytes: memoryview | None = None
         self.gradq: np.ndarray | None = None
+        self.gradq_view: Quantized | None = None  # the quantized push being received, as the kernels take it
         self.grad_dtype = _core.FLOAT32
         self.connected = True
         self.joined = False
@@ -194,9 +196,12 @@ class Member:
         if dtype == _core.FLOAT32:
             return grad_bytes
         if dtype in QUANTIZED:
+            n = len(self.grad)
             if self.gradq is None:  # (sized for int8, the larger: a 4-bit push takes the start of it)
-                self.gradq = np.zeros(quantized_nbytes(len(self.grad), _core.INT8Q), np.uint8)
-            return memoryview(self.gradq[: quantized_nbytes(len(self.grad), dtype)]).cast("B")  # type: ignore[arg-type]  # numpy arrays are buffers; its stubs do not say so
+                self.gradq = np.zeros(quantized_nbytes(n, _core.INT8Q), np.uint8)
+            payload = self.gradq[: quantized_nbytes(n, dtype)]
+            self.gradq_view = Quantized(payload, n, dtype)
+            return memoryview(payload).cast("B")  # type: ignore[arg-type]  # numpy arrays are buffers; its stubs do not say so
         if grad16_bytes is None:
             self.grad16 = np.zeros(len(self.grad), np.uint16)
             grad16_bytes = self.grad16_bytes = memoryview(self.grad16).cast("B")  # type: ignore[arg-type]  # numpy arrays are buffers; its stubs do not say so
@@ -206,9 +211,8 @@ class Member:
     def gradient(self) -> np.ndarray | Quantized:
         """The push received last, as its kernel takes it (see :attr:`grad_dtype`)."""
         if self.grad_dtype in QUANTIZED:
-            assert self.grad is not None and self.gradq is not None, "a member's gradient is read once it pushed"
-            n = len(self.grad)
-            return Quantized(self.gradq[: quantized_nbytes(n, self.grad_dtype)], n, self.grad_dtype)
+            assert self.gradq_view is not None, "a member's gradient is read once it pushed"
+            return self.gradq_view
         gradient = self.grad if self.grad_dtype == _core.FLOAT32 else self.grad16
         assert gradient is not None, "a member's gradient is read once it pushed"
         return gradient

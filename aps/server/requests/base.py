@@ -18,6 +18,7 @@ from abc import ABC, abstractmethod
 from typing import TYPE_CHECKING, Any, ClassVar, Protocol
 
 from ...errors import DTypeMismatch, MalformedFrame
+from ...wire import quantized
 from ...wire.protocol import DType, Flag, Header, Op
 from .intake import InitIntake
 
@@ -44,7 +45,7 @@ NONE = int(DType.NONE)
 #: Element types a gradient or the weights may cross TCP as (wire compression).
 HALF = frozenset({int(DType.BFLOAT16), int(DType.FLOAT16)})
 #: Element types a gradient alone (no rows) may cross TCP as: block-quantized (aps.wire.quantized).
-QUANTIZED = frozenset({int(DType.INT8Q), int(DType.INT4Q)})
+QUANTIZED = frozenset(quantized.QUANTIZED)
 GRADIENT_OPS = frozenset({Op.PUSH, Op.PUSH_PULL})
 #: Requests answered with the weights, which may ask for them narrowed (Flag.NARROW).
 PULL_OPS = frozenset({Op.PULL, Op.PUSH_PULL})
