@@ -56,7 +56,8 @@ def register(commands) -> None:
         help=f"bsp[:K], asp, ssp:S, dssp:S_L:S_U, softsync:N[:S], each with +cutoff:R (--staleness-cutoff), "
         f"+dc:LAMBDA, +dc-adaptive:LAMBDA or +gap (--compensation) and +inverse (lr/tau) suffixes, and "
         f"local SGD's +local:H (H steps between syncs, DiLoCo's outer step), +dn (delayed Nesterov) and "
-        f"+dylu (dynamic local updates) (repeatable; default {' '.join(DEFAULT_SETTINGS)})",
+        f"+dylu (dynamic local updates), and +int8 or +int4 (pushes quantized with error feedback) "
+        f"(repeatable; default {' '.join(DEFAULT_SETTINGS)})",
     )
     parser.add_argument(
         "--stragglers",

@@ -1,5 +1,5 @@
 """The asyncio worker: :class:`AsyncWorker`, the same client as :class:`aps.Worker` for
-asyncio programs: the same steps (:class:`aps.client.worker._Workers`, each server's in
+asyncio programs: the same steps (:class:`aps.client.verbs._Workers`, each server's in
 :mod:`aps.client.steps`), run on the asyncio loop (:func:`aps.client.channel.arun`), TCP only.
 """
 
@@ -19,7 +19,7 @@ from .channel import AsyncChannel, arun
 from .pipeline import Pipeline, check_pipeline, pipelines_allowed
 from .shards import _AsyncTurn, check_fp16_range, in_shard_order, server_addresses
 from .steps import DEFAULT_RECONNECT_TIMEOUT, DEFAULT_SERVER_TIMEOUT, Steps
-from .worker import _Workers
+from .verbs import _Workers
 
 __all__ = ["AsyncWorker"]
 

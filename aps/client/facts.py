@@ -1,6 +1,6 @@
 """What a worker is, read from its channels (one per server, in shard order): its rank and
 count, the servers' address, options and versions, its clock, the model's layout and the
-views of its weights and gradients. A base of :class:`aps.client.worker._Workers`, so of
+views of its weights and gradients. A base of :class:`aps.client.verbs._Workers`, so of
 :class:`aps.Worker` and :class:`aps.AsyncWorker` alike; for a model over K > 1 servers the
 views are the worker's own (the whole model), for one server its channel's.
 """

@@ -319,9 +319,19 @@ def _local_order(run: Run, args) -> tuple[int, bool, float, float] | None:
     parsed = parse_setting(run.setting)
     if parsed.local_every is None:
         return None
-    if run.compression != "none":
-        raise ConfigurationError(f"{run.setting}: local SGD pushes float32 pseudo-gradients (no --compression)")
+    if run.compression.endswith("+pulls"):
+        raise ConfigurationError(f"{run.setting}: local SGD compresses its pushes only (no {run.compression})")
     return parsed.local_every, parsed.dynamic, args.lr, args.momentum
+
+
+def _compression(run: Run) -> str:
+    """What a run's workers push: its setting's ``+int8``/``+int4``, else ``--compression``'s."""
+    quantized = parse_setting(run.setting).compression
+    if quantized is None:
+        return run.compression
+    if run.compression != "none":
+        raise ConfigurationError(f"{run.setting} quantizes its pushes: it takes no --compression {run.compression}")
+    return quantized
 
 
 def _run_one(run: Run, pool: _Pool, evaluate, args, out=sys.stdout, bar=None) -> None:
@@ -338,7 +348,7 @@ def _run_one(run: Run, pool: _Pool, evaluate, args, out=sys.stdout, bar=None) ->
                 "step_time": args.step_time,
                 "jitter": args.jitter,
                 "batch_size": args.batch_size,
-                "compression": run.compression,
+                "compression": _compression(run),
                 "transport": args.transport,
                 "local": _local_order(run, args),
             }
@@ -386,6 +396,8 @@ def _run_one(run: Run, pool: _Pool, evaluate, args, out=sys.stdout, bar=None) ->
         "staleness_hist": {str(k): n for k, n in merge_counts(w["staleness_hist"] for w in workers).items()},
         # (--compensation: the gradients the server compensated)
         "compensated": sum(w.get("compensated", 0) for w in workers),
+        # (the bytes the server received, its handshakes and joins included)
+        "bytes_pushed": stats["server"]["bytes_in"],
     }
     best = max(acc for _, acc in run.curve)
     if bar is not None:
@@ -410,7 +422,7 @@ def summarize(run: Run, target: float, budget: float) -> dict:
         "sync": run.setting,
         "label": _run_label(run),
         "lr_staleness": run.lr_staleness,
-        "compression": run.compression,
+        "compression": _compression(run),
         "cluster": run.cluster,
         "speeds": run.speeds,
         "repeat": run.repeat,
@@ -469,9 +481,10 @@ def markdown(records: list[dict], target: float, *, virtual: bool = False) -> st
         head = f"| paradigm | {'virtual ' if virtual else ''}time to {target:g} |" + (
             " reached |" if repeats > 1 else ""
         )
+        counted = all("bytes_pushed" in r for r in records)
         lines += [
-            head + " best accuracy | iterations/s | mean wait | mean staleness |",
-            "|---|---:|" + ("---:|" if repeats > 1 else "") + "---:|---:|---:|---:|",
+            head + " best accuracy | iterations/s | mean wait | mean staleness |" + (" MB pushed |" if counted else ""),
+            "|---|---:|" + ("---:|" if repeats > 1 else "") + "---:|---:|---:|---:|" + ("---:|" if counted else ""),
         ]
         rows = [(name, rows) for (c, name), rows in groups.items() if c == cluster]
         rows.sort(key=lambda item: (_median_time(item[1]) is None, _median_time(item[1]) or 0))
@@ -496,6 +509,8 @@ def markdown(records: list[dict], target: float, *, virtual: bool = False) -> st
                 ),
                 f"{statistics.fmean(r['mean_staleness'] for r in runs):.2f}",
             ]
+            if counted:
+                cells.append(f"{statistics.fmean(r['bytes_pushed'] for r in runs) / 1e6:.2f}")
             lines.append("| " + " | ".join(cells) + " |")
         lines.append("")
     return "\n".join(lines)
@@ -677,7 +692,8 @@ def compare(args, out=sys.stdout) -> list[dict]:
     plan = _plan(args)
     # Compression applies over TCP only: with it in the comparison, every run's workers use TCP,
     # so that its rows differ from the others in the compression alone.
-    args.transport = "tcp" if plan.compressions != ["none"] else "auto"
+    quantized = any(parse_setting(setting).compression for setting in plan.paradigms)
+    args.transport = "tcp" if plan.compressions != ["none"] or quantized else "auto"
     runs = [
         Run(setting, mode, cluster, speeds, repeat, compression)
         for repeat in range(args.repeats)  # repeats outermost: slow drifts of a shared machine hit every paradigm alike

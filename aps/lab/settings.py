@@ -85,24 +85,30 @@ SETTING_FORM = "bsp[:K], asp, ssp:S, dssp:S_L:S_U or softsync:N[:S]"
 @dataclass(frozen=True)
 class Setting:
     """One sync configuration: its text (``ssp:3``) and its ``ServerConfig`` options; for local
-    SGD (``+local:H``), the inner steps between syncs and whether they are dynamic (``+dylu``)."""
+    SGD (``+local:H``), the inner steps between syncs and whether they are dynamic (``+dylu``);
+    and the pushes' compression (``+int8``, ``+int4``: block-quantized with error feedback)."""
 
     label: str
     options: dict = field(hash=False, compare=False)
     local_every: int | None = None
     dynamic: bool = False
+    compression: str | None = None
 
 
 #: The outer step of local SGD settings: DiLoCo's (Douillard et al., 2023: SGD, learning rate
 #: 0.7, Nesterov momentum 0.9), and with ``+dn`` delayed Nesterov (Liu et al., 2024) at the same.
 DILOCO_OUTER = {"optimizer": "sgd", "lr": 0.7, "momentum": 0.9, "nesterov": True}
 DELAYED_NESTEROV_OUTER = {"optimizer": "delayed-nesterov", "lr": 0.7, "momentum": 0.9}
+#: The suffixes that quantize every push (``aps.Worker(compression=...)``).
+QUANTIZED_COMPRESSIONS = ("int8", "int4")
 
 
 def parse_setting(text: str) -> Setting:
     """``bsp[:K]``, ``asp``, ``ssp:S``, ``dssp:S_L:S_U``, ``softsync:N[:S]``; append
     ``+inverse`` for ``--lr-staleness inverse``, ``+cutoff:R`` for ``--staleness-cutoff R``, and
-    ``+dc:LAMBDA``, ``+dc-adaptive:LAMBDA`` or ``+gap`` for ``--compensation`` (``asp+cutoff:8+gap``)."""
+    ``+dc:LAMBDA``, ``+dc-adaptive:LAMBDA`` or ``+gap`` for ``--compensation`` (``asp+cutoff:8+gap``);
+    ``+local:H`` for local SGD, with ``+dn`` and ``+dylu``; ``+int8`` or ``+int4`` for pushes
+    block-quantized with error feedback (``bsp+local:50+int4``)."""
     label = text.strip()
     body, *extras = label.split("+")
     name, *args = body.split(":")
@@ -126,7 +132,7 @@ def parse_setting(text: str) -> Setting:
             options["staleness"] = numbers[1]
     else:
         raise ConfigurationError(f"bad sync setting {text!r}: use {SETTING_FORM}")
-    local_every, outer, dynamic = None, DILOCO_OUTER, False
+    local_every, outer, dynamic, compression = None, DILOCO_OUTER, False, None
     for extra in extras:
         key, _, value = extra.partition(":")
         if key == "local" and value.isdigit() and int(value) >= 1 and local_every is None:
@@ -135,6 +141,8 @@ def parse_setting(text: str) -> Setting:
             outer = DELAYED_NESTEROV_OUTER
         elif extra == "dylu" and not dynamic:
             dynamic = True
+        elif extra in QUANTIZED_COMPRESSIONS and compression is None:
+            compression = extra
         elif extra == "inverse" and "lr_staleness" not in options:
             options["lr_staleness"] = "inverse"
         elif key == "cutoff" and value.isdigit() and "staleness_cutoff" not in options:
@@ -146,13 +154,14 @@ def parse_setting(text: str) -> Setting:
             raise ConfigurationError(
                 f"bad sync setting {text!r}: the suffixes are +inverse, +cutoff:R, one compensation "
                 "(+dc:LAMBDA, +dc-adaptive:LAMBDA or +gap), and local SGD's +local:H with +dn "
-                "(delayed Nesterov) and +dylu (dynamic local updates), once each"
+                "(delayed Nesterov) and +dylu (dynamic local updates), and +int8 or +int4 (quantized "
+                "pushes), once each"
             )
     if local_every is None:
         if outer is not DILOCO_OUTER or dynamic:
             raise ConfigurationError(f"bad sync setting {text!r}: +dn and +dylu go with +local:H (local SGD)")
-        return Setting(label, options)
-    return Setting(label, {**options, **outer}, local_every, dynamic)
+        return Setting(label, options, compression=compression)
+    return Setting(label, {**options, **outer}, local_every, dynamic, compression)
 
 
 def require(condition: bool, message: str) -> None:

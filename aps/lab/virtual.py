@@ -29,6 +29,8 @@ from .settings import Setting
 from ..config import ServerConfig
 from ..errors import NonFiniteGradient
 from ..layout import Layout
+from ..wire.protocol import DType
+from ..wire.quantized import quantize
 from ..workloads.data import Dataset, load, shard
 from ..workloads.models import accuracy, make_model
 
@@ -55,12 +57,19 @@ class VirtualTrainer:
         init_seed: int,
         seed: int,
         inner: tuple[float, float] | None = None,
+        compression: str | None = None,
     ) -> None:
         self.dataset = dataset
         self.batch_size = batch_size
         #: Local SGD: the inner SGD's learning rate and momentum (None: each push is one gradient).
         self.inner = inner
         self._inner_state: dict[int, tuple[np.ndarray, np.ndarray]] = {}  # per worker: momentum, scratch
+        #: ``"int8"``/``"int4"``: each push block-quantized with error feedback, as aps.Worker sends
+        #: it (the engine applies what the server decodes); None: float32.
+        self.compression = None if compression is None else int({"int8": DType.INT8Q, "int4": DType.INT4Q}[compression])
+        self._residuals: dict[int, np.ndarray] = {}  # per worker: the error feedback
+        #: The bytes the pushes' payloads would take on the wire, all workers together.
+        self.pushed_bytes = 0
         self.model = make_model(dataset.side, seed=init_seed)
         self.params = [p for p in self.model.parameters() if p.requires_grad]
         named = {name: p.detach().numpy().copy() for name, p in self.model.named_parameters() if p.requires_grad}
@@ -102,7 +111,21 @@ class VirtualTrainer:
             if steps != 1:
                 raise ValueError("a worker without local SGD pushes one gradient an iteration")
             self._gradient(rank, weights, grad_out)
+        else:
+            self._local_steps(rank, weights, grad_out, steps)
+        if self.compression is None:
+            self.pushed_bytes += grad_out.nbytes
             return
+        residual = self._residuals.setdefault(rank, np.zeros_like(grad_out))
+        wanted = grad_out + residual
+        payload, sent = quantize(wanted, self.compression)
+        if np.isfinite(wanted).all() and np.isfinite(sent).all():
+            np.subtract(wanted, sent, out=residual)
+        grad_out[:] = sent  # what the server's kernels decode from the payload
+        self.pushed_bytes += payload.nbytes
+
+    def _local_steps(self, rank: int, weights: np.ndarray, grad_out: np.ndarray, steps: int) -> None:
+        assert self.inner is not None  # (compute calls this under local SGD only)
         lr, momentum = (np.float32(value) for value in self.inner)
         if rank not in self._inner_state:
             self._inner_state[rank] = (np.zeros_like(weights), np.empty_like(weights))
@@ -195,6 +218,7 @@ def train_virtual(
         init_seed=init_seed,
         seed=seed,
         inner=None if local is None else (lr, momentum),
+        compression=setting.compression,
     )
     config = ServerConfig(
         workers=workers,
@@ -294,6 +318,8 @@ def train_virtual(
         "diverged": diverged,
         "simulated_s": end,
         "pushes": cluster.pushes,
+        "compression": setting.compression,
+        "bytes_pushed": trainer.pushed_bytes,
         "gradients_applied": len(cluster.staleness),
         "updates": cluster.engine.version,
         "iterations_per_s": cluster.pushes / end if end > 0 else 0.0,

@@ -36,8 +36,10 @@ from typing import Any
 import numpy as np
 import torch
 
+from ..client.shards import server_addresses
 from ..client.worker import Worker
 from ..errors import ConfigurationError
+from .streaming import Fragments
 
 __all__ = ["LocalSGD"]
 
@@ -70,6 +72,13 @@ class LocalSGD:
         reconnect: get back to a lost server by itself (see :class:`aps.Worker`).
         worker: an existing :class:`aps.Worker` to use instead of connecting.
         init_timeout: seconds to wait for every worker to join.
+        streaming: with ``address`` naming the K shards of a sharded model, sync one shard's
+            fragment at a time (Streaming DiLoCo): each fragment every ``every`` steps, the
+            K of them spread evenly over each period (:mod:`aps.torch.streaming`), so each
+            sync moves 1/K of the bytes. Not with ``dynamic`` or ``worker``.
+        clock: the worker's own time, in seconds, that dynamic local updates measure its step
+            rate by (default ``time.monotonic``; a virtual clock in a simulation, or one that
+            counts only the compute of a worker that shares its host).
 
     Joining takes the global weights (the first worker's, at the start of a run; the
     server's newest, for a worker that joins a run under way) into the model.
@@ -91,10 +100,13 @@ class LocalSGD:
         init_timeout: float | None = 300.0,
         dynamic: bool = False,
         compression: str | None = None,
+        clock: Callable[[], float] = time.monotonic,
+        streaming: bool = False,
     ) -> None:
         if isinstance(every, bool) or not isinstance(every, int) or every < 1:
             raise ConfigurationError(f"every must be a whole number of inner steps, at least 1, got {every!r}")
         self.model, self.inner, self.every, self.dynamic = model, inner, every, bool(dynamic)
+        self._clock = clock
         #: Inner steps between the last sync and the next (``every``, or less under ``dynamic``).
         self.current_every = every
         #: Inner steps taken since the last sync.
@@ -110,6 +122,14 @@ class LocalSGD:
                 raise ConfigurationError(f"parameter {name} is not one the inner optimizer steps")
         if worker is not None and compression is not None:
             raise ConfigurationError("give compression to the Worker (LocalSGD(worker=...) uses it as it is)")
+        #: Streaming: the fragments, one per shard (None: the whole model syncs at once).
+        self.fragments: Fragments | None = None
+        self.steps = 0
+        self.syncs = 0
+        self._busy, self._since = 0.0, clock()
+        if streaming:
+            self._stream(address, rank, num_workers, token, transport, reconnect, worker, init_timeout, compression)
+            return
         if worker is None:
             worker = Worker(
                 address, rank, num_workers, transport, token=token, reconnect=reconnect, compression=compression
@@ -118,9 +138,6 @@ class LocalSGD:
         else:
             self._own_worker = False
         self.worker = worker
-        #: Inner steps taken since the run began (this worker's), and syncs made.
-        self.steps = 0
-        self.syncs = 0
         weights = self.worker.init(self._local(), timeout=init_timeout)
         if self.dynamic and not (self.worker.server_options or {}).get("pace"):
             self.close()
@@ -130,10 +147,35 @@ class LocalSGD:
             )
         #: Seconds of this worker's own time its inner steps took (between syncs), and since when
         #: the steps under way have run.
-        self._busy, self._since = 0.0, time.monotonic()
+        self._busy, self._since = 0.0, clock()
         #: The global weights this worker last received: where its inner steps started from.
         self._anchor = {name: np.array(weights[name], np.float32) for name in self._params}
         self._load(self._anchor)
+
+    def _stream(self, address, rank, num_workers, token, transport, reconnect, worker, init_timeout, compression):
+        addresses = server_addresses(address)
+        if len(addresses) < 2 or worker is not None or self.dynamic:
+            raise ConfigurationError(
+                "streaming syncs the fragments of a sharded model in turn: give the address of every "
+                "shard (two or more), and no worker= or dynamic=True"
+            )
+
+        def connect(one: str) -> Worker:
+            return Worker(
+                one,
+                rank,
+                num_workers,
+                transport,
+                token=token,
+                reconnect=reconnect,
+                compression=compression,
+                fragment=True,
+            )
+
+        self.fragments = Fragments(self._params, addresses, self.every, connect, init_timeout)
+        self.worker = self.fragments.workers[0]
+        self._own_worker = True
+        self._anchor = self.fragments.layout.views(self.fragments.anchor)
 
     # The training loop's calls --------------------------------------------
     def zero_grad(self, set_to_none: bool = True) -> None:
@@ -151,13 +193,25 @@ class LocalSGD:
         sync when it is due."""
         self.steps += 1
         self.since_sync += 1
-        if self.since_sync >= self.current_every:
+        if self.fragments is not None:
+            for index in self.fragments.due(self.steps, self.every):
+                self.fragments.sync(index)
+                self.syncs += 1
+                self.since_sync = 0
+        elif self.since_sync >= self.current_every:
             self.sync()
 
     def sync(self) -> None:
         """Push the pseudo-gradient (the anchor minus the weights now) and take the server's
-        new global weights into the model (the inner optimizer's state is kept)."""
-        self._busy += time.monotonic() - self._since
+        new global weights into the model (the inner optimizer's state is kept); streaming,
+        every fragment's in turn."""
+        if self.fragments is not None:
+            for index in range(len(self.fragments.workers)):
+                self.fragments.sync(index)
+                self.syncs += 1
+            self.since_sync = 0
+            return
+        self._busy += self._clock() - self._since
         local = self._local()
         pseudo = {name: self._anchor[name] - local[name] for name in self._params}
         weights = self.worker.push_pull(pseudo)
@@ -167,7 +221,7 @@ class LocalSGD:
         self.since_sync = 0
         if self.dynamic:
             self.current_every = self._paced()
-        self._since = time.monotonic()
+        self._since = self._clock()
 
     def _paced(self) -> int:
         """The inner steps until the next sync under dynamic local updates: ``every`` times this
@@ -190,7 +244,7 @@ class LocalSGD:
             "since_sync": self.since_sync,
             "current_every": self.current_every,
             "anchor": {name: torch.from_numpy(value.copy()) for name, value in self._anchor.items()},
-            "residual": None if (residual := self.worker.compression_residual) is None else torch.from_numpy(residual),
+            "residual": None if (residual := self._residual()) is None else torch.from_numpy(residual),
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -208,13 +262,26 @@ class LocalSGD:
         # This object's ``every`` holds; a dynamic run goes on with the number it had come to.
         saved = int(state.get("current_every", self.every))
         self.current_every = max(1, min(self.every, saved)) if self.dynamic else self.every
-        self._anchor = {name: value.detach().cpu().numpy().astype(np.float32) for name, value in anchor.items()}
         residual = state.get("residual")
-        self.worker.load_compression_residual(None if residual is None else residual.detach().cpu().numpy())
+        residual = None if residual is None else residual.detach().cpu().numpy()
+        if self.fragments is not None:
+            for name, value in anchor.items():
+                self._anchor[name][...] = value.detach().cpu().numpy()  # (views of the fragments' flat anchor)
+            self.fragments.load_residual(residual)
+            return
+        self._anchor = {name: value.detach().cpu().numpy().astype(np.float32) for name, value in anchor.items()}
+        self.worker.load_compression_residual(residual)
+
+    def _residual(self) -> np.ndarray | None:
+        if self.fragments is not None:
+            return self.fragments.residual()
+        return self.worker.compression_residual
 
     def close(self) -> None:
         """Leave the run (when this object made its worker)."""
-        if self._own_worker:
+        if self.fragments is not None:
+            self.fragments.close()
+        elif self._own_worker:
             self.worker.close()
 
     def __enter__(self) -> LocalSGD:

@@ -20,7 +20,7 @@ import numpy as np
 import torch
 from torch.nn import functional as F
 
-from ..errors import NonFiniteGradient
+from ..errors import ConfigurationError, NonFiniteGradient
 from ..torch import LocalSGD, Optimizer, Pacer
 from .data import DATASETS, Dataset, load, shard
 from .models import accuracy, make_model
@@ -76,6 +76,8 @@ def train(
             compress_pulls=compress_pulls,
         )
     else:
+        if compress_pulls:
+            raise ConfigurationError("local SGD compresses its pushes only (no compress_pulls)")
         every, dynamic, inner_lr, inner_momentum = local
         inner = torch.optim.SGD(model.parameters(), lr=inner_lr, momentum=inner_momentum)
         optimizer = LocalSGD(
@@ -87,6 +89,7 @@ def train(
             rank=rank,
             num_workers=workers,
             transport=transport,
+            compression=compression,
         )
     paced = pacer if local is not None else None  # (aps.torch.Optimizer paces its own steps)
     rank, workers = optimizer.worker.rank, optimizer.worker.num_workers

@@ -226,6 +226,32 @@ def test_dynamic_local_updates_give_a_slow_worker_fewer_steps_so_both_sync_about
         opt.close()
 
 
+def test_dynamic_local_updates_measure_the_workers_own_clock(server_process):
+    """``clock=``: a worker's time as the caller counts it (here virtual: rank 1's steps take 2.5
+    s, rank 0's 1 s, taken one at a time in the order they end), so the steps between syncs
+    come out exactly: ceil(10 / 2.5) = 4 for rank 1, 10 for rank 0."""
+    server = server_process("--workers", "2", "--sync", "asp", "--lr", "1")
+    nets = [model() for _ in range(2)]
+    now, took = [0.0, 0.0], [1.0, 2.5]
+    opts: list = [None, None]
+
+    def join(rank):
+        inner = torch.optim.SGD(nets[rank].parameters(), lr=0.01)
+        opts[rank] = aps.torch.LocalSGD(nets[rank], inner, every=10, address=server.address, rank=rank,
+                                        num_workers=2, transport="tcp", dynamic=True, clock=lambda: now[rank])
+
+    in_threads([lambda r=r: join(r) for r in range(2)])
+    for _ in range(120):
+        rank = min((0, 1), key=lambda r: (now[r] + took[r], r))
+        now[rank] += took[rank]
+        for p in nets[rank].parameters():
+            p.grad = torch.ones_like(p)
+        opts[rank].step()
+    assert (opts[0].current_every, opts[1].current_every) == (10, 4)
+    for opt in opts:
+        opt.close()
+
+
 def test_a_state_dict_gives_back_where_the_syncs_stood_and_the_residual_of_int8_pushes(server_process):
     server = server_process("--workers", "1", "--sync", "asp", "--lr", "1")
     net = model()

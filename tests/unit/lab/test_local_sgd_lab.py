@@ -97,5 +97,53 @@ def test_a_real_comparison_starts_the_outer_step_and_tells_the_workers_their_inn
     assert _local_order(Run("asp+local:10+dn+dylu", "none", "c", [1.0] * 4), args) == (10, True, 0.05, 0.5)
     assert _local_order(Run("asp", "none", "c", [1.0] * 4), args) is None
     assert _server_config("asp", "none", 4, args).lr == 0.05
-    with pytest.raises(ConfigurationError, match="no --compression"):
-        _local_order(Run("bsp+local:10", "none", "c", [1.0] * 4, compression="bf16"), args)
+    assert _local_order(Run("bsp+local:10", "none", "c", [1.0] * 4, compression="bf16"), args) == (10, False, 0.05, 0.5)
+    with pytest.raises(ConfigurationError, match="compresses its pushes only"):
+        _local_order(Run("bsp+local:10", "none", "c", [1.0] * 4, compression="bf16+pulls"), args)
+
+
+def test_quantized_settings_push_int8_or_int4_under_any_policy_and_once():
+    from aps.lab.compare import Run, _compression, label
+
+    assert parse_setting("bsp+local:50+int4").compression == "int4"
+    assert parse_setting("asp+int8").compression == "int8" and parse_setting("asp").compression is None
+    assert label("bsp+local:50+int8") == "BSP local H=50 int8"
+    for bad in ("asp+int8+int4", "asp+int8+int8", "asp+int2"):
+        with pytest.raises(ConfigurationError, match="bad sync setting"):
+            parse_setting(bad)
+    assert _compression(Run("asp+int4", "none", "c", [1.0])) == "int4"
+    assert _compression(Run("asp", "none", "c", [1.0], compression="bf16")) == "bf16"
+    with pytest.raises(ConfigurationError, match="takes no --compression"):
+        _compression(Run("asp+int4", "none", "c", [1.0], compression="bf16"))
+
+
+@pytest.mark.parametrize("inner", [None, (0.1, 0.0)])
+@pytest.mark.parametrize("compression", ["int8", "int4"])
+def test_a_virtual_worker_pushes_what_the_server_decodes_and_keeps_the_rest_for_the_next(inner, compression):
+    """Error feedback as aps.Worker does it: each push is the quantized (gradient + residual),
+    decoded as the server's kernels decode it; the residual is what that left out; the bytes
+    are the payloads'."""
+    from aps.lab.virtual import VirtualTrainer
+    from aps.wire.protocol import DType
+    from aps.wire.quantized import Quantized, dequantize, quantize, quantized_nbytes
+    from aps.workloads.data import load
+
+    dtype = int(DType.INT8Q if compression == "int8" else DType.INT4Q)
+    data = load("digits", seed=0)
+    quantized = VirtualTrainer(data, 2, batch_size=16, init_seed=0, seed=3, inner=inner, compression=compression)
+    plain = VirtualTrainer(data, 2, batch_size=16, init_seed=0, seed=3, inner=inner)
+    weights = plain.initial.copy()
+    residual = np.zeros_like(weights)
+    for _ in range(3):
+        sent, exact = np.empty_like(weights), np.empty_like(weights)
+        quantized.compute(1, weights, sent)
+        plain.compute(1, weights, exact)
+        payload, decoded = quantize(exact + residual, dtype)
+        np.testing.assert_array_equal(sent, decoded)
+        np.testing.assert_array_equal(dequantize(Quantized(payload, len(weights), dtype)), decoded)
+        residual = exact + residual - decoded
+        assert residual.any()
+        np.testing.assert_array_equal(quantized._residuals[1], residual)
+        weights = weights - np.float32(0.1) * sent
+    assert quantized.pushed_bytes == 3 * quantized_nbytes(len(weights), dtype)
+    assert plain.pushed_bytes == 3 * 4 * len(weights)

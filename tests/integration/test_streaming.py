@@ -1,0 +1,124 @@
+"""Streaming local SGD: the fragments of a sharded model synced in turn, one shard each
+(``aps.torch.LocalSGD(..., streaming=True)`` against ``aps serve --shard I --shards K``)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+
+import aps.torch  # noqa: E402
+from aps.cli.status import fetch_stats  # noqa: E402
+from aps.errors import ConfigurationError  # noqa: E402
+
+from .test_local_sgd import in_threads  # noqa: E402
+
+EVERY = 4
+
+
+def model() -> torch.nn.Module:
+    """40 weights and 5 biases: 45 elements, cut by the two shards inside the weight."""
+    net = torch.nn.Linear(8, 5)
+    with torch.no_grad():
+        net.weight.copy_(torch.arange(40, dtype=torch.float32).reshape(5, 8) / 8)
+        net.bias.copy_(torch.arange(5, dtype=torch.float32) / 4)
+    return net
+
+
+def flat_grad(rank: int, step: int) -> np.ndarray:
+    """Dyadic values: the sums and halves below are exact in float32."""
+    return np.random.default_rng(100 * rank + step).integers(-8, 9, 45).astype(np.float32) / 16
+
+
+def shards(server_process, *options: str) -> list:
+    return [server_process("--workers", "2", "--sync", "bsp", "--lr", "1", "--shard", str(i), "--shards", "2",
+                           *options) for i in range(2)]
+
+
+def join(servers: list, every: int = EVERY, **options) -> tuple[list, list]:
+    nets = [model() for _ in range(2)]
+    opts: list = [None, None]
+    address = ",".join(s.address for s in reversed(servers))  # (any order: each server says which shard it is)
+
+    def one(rank):
+        inner = torch.optim.SGD(nets[rank].parameters(), lr=0.5)
+        opts[rank] = aps.torch.LocalSGD(nets[rank], inner, every=every, address=address, rank=rank, num_workers=2,
+                                        transport="tcp", streaming=True, **options)
+
+    in_threads([lambda r=r: one(r) for r in range(2)])
+    return nets, opts
+
+
+def steps(net, opt, rank: int, which: range) -> None:
+    for step in which:
+        opt.zero_grad()
+        g = torch.from_numpy(flat_grad(rank, step))
+        net.weight.grad, net.bias.grad = g[:40].reshape(5, 8).clone(), g[40:].clone()
+        opt.step()
+
+
+def flat(net) -> np.ndarray:
+    return np.concatenate([net.weight.detach().numpy().ravel(), net.bias.detach().numpy()])
+
+
+def test_each_fragment_averages_every_h_steps_at_its_own_offset_and_moves_only_its_bytes(server_process):
+    """Two workers, inner SGD of learning rate 1/2, H = 4, an outer SGD step of learning rate 1
+    on each shard: fragment 0 (elements 0-15 on shard 0) is the workers' mean after steps 2
+    and 6, fragment 1 (16-44 on shard 1) after steps 4 and 8, each rank's other fragment
+    untouched by a sync; bit for bit. Each shard took 2 pushes per worker, of its range alone."""
+    servers = shards(server_process)
+    nets, opts = join(servers)
+    assert opts[0].fragments.bounds == (0, 16, 45) and opts[0].fragments.offsets == [2, 0]
+    in_threads([lambda r=r: steps(nets[r], opts[r], r, range(8)) for r in range(2)])
+    local = [flat(model()), flat(model())]
+    anchor = local[0].copy()  # (the global weights each fragment's inner steps start from)
+    for step in range(8):
+        for rank in range(2):
+            local[rank] = local[rank] - np.float32(0.5) * flat_grad(rank, step)
+        done = step + 1
+        for lo, hi, offset in ((0, 16, 2), (16, 45, 0)):
+            if done % EVERY == offset:
+                mean = (local[0][lo:hi] + local[1][lo:hi]) / 2
+                local[0][lo:hi] = local[1][lo:hi] = anchor[lo:hi] = mean
+    for rank in range(2):
+        np.testing.assert_array_equal(flat(nets[rank]), local[rank])
+    assert [o.syncs for o in opts] == [4, 4]
+    for index, server in enumerate(servers):
+        stats = fetch_stats(server.address)["server"]
+        assert stats["pushes"] == 4, index
+    state = opts[0].state_dict()
+    np.testing.assert_array_equal(np.concatenate([state["anchor"]["weight"].numpy().ravel(),
+                                                  state["anchor"]["bias"].numpy()]), anchor)
+    assert not np.array_equal(anchor[:16], local[0][:16])  # (fragment 0 took two steps since its sync)
+    for opt in opts:
+        opt.close()
+
+
+def test_int8_fragments_keep_their_own_residual_and_give_it_back(server_process):
+    servers = shards(server_process)
+    nets, opts = join(servers, compression="int8")
+    in_threads([lambda r=r: steps(nets[r], opts[r], r, range(2)) for r in range(2)])  # fragment 0 synced
+    state = opts[0].state_dict()
+    residual = state["residual"].numpy()
+    assert residual.shape == (45,) and residual[:16].any() and not residual[16:].any()  # (fragment 1: no push yet)
+    opts[0].load_state_dict({**state, "residual": torch.ones(45)})
+    np.testing.assert_array_equal(opts[0].fragments.workers[1].compression_residual, np.ones(29, np.float32))
+    opts[0].load_state_dict({**state, "anchor": {name: value + 1 for name, value in state["anchor"].items()}})
+    np.testing.assert_array_equal(opts[0].fragments.anchor[:40], state["anchor"]["weight"].numpy().ravel() + 1)
+    opts[0].load_state_dict(state)
+    np.testing.assert_array_equal(opts[0].state_dict()["residual"].numpy(), residual)
+    np.testing.assert_array_equal(opts[0].fragments.anchor[40:], state["anchor"]["bias"].numpy())
+    for opt in opts:
+        opt.close()
+
+
+def test_streaming_needs_the_shards_and_no_dynamic_h(server_process):
+    one = server_process("--workers", "1", "--sync", "asp")
+    net = model()
+    inner = torch.optim.SGD(net.parameters(), lr=0.5)
+    with pytest.raises(ConfigurationError, match="give the address of every shard"):
+        aps.torch.LocalSGD(net, inner, every=4, address=one.address, rank=0, num_workers=1, streaming=True)
+    with pytest.raises(ConfigurationError, match="no worker= or dynamic=True"):
+        aps.torch.LocalSGD(net, inner, every=4, address=f"{one.address},{one.address}", rank=0, num_workers=1,
+                           streaming=True, dynamic=True)
