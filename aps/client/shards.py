@@ -276,6 +276,19 @@ def in_shard_order(workers: list) -> list:
     return ordered
 
 
+def check_fragment(channel, index: int | None, count: int) -> None:
+    """``channel``'s server is shard ``index`` (None: any) of ``count`` (two or more): the worker
+    of one fragment of streaming local SGD (:mod:`aps.torch.streaming`), whose layout is that
+    shard's range alone, may reach one shard of a sharded model."""
+    described = _description(channel)
+    shard = described.get("shard") if index is None else index
+    if count < 2 or (described.get("shard"), described.get("shards")) != (shard, count):
+        raise ConfigurationError(
+            f"the server at {channel.address} is shard {described.get('shard')} of {described.get('shards')}, "
+            f"not shard {index} of {count}"
+        )
+
+
 def _description(worker) -> dict:
     """What ``worker``'s server said of its shard in the handshake."""
     text = worker.server_info.shard

@@ -26,7 +26,7 @@ from ..errors import ConfigurationError
 from ..tables import Table
 from .channel import Channel, run
 from .fanout import ThreadedFanOut
-from .shards import _ShardThreads, in_shard_order, server_addresses
+from .shards import _ShardThreads, check_fragment, in_shard_order, server_addresses
 from .steps import DEFAULT_RECONNECT_TIMEOUT, DEFAULT_SERVER_TIMEOUT
 from .verbs import _Workers
 
@@ -128,11 +128,6 @@ class Worker(ThreadedFanOut, _Workers):
             due within that time then costs no wake-up of this process: a 4 KiB
             push_pull in about two thirds of the time, for a core kept busy
             while waiting. For hosts with a core to spare per worker.
-        fragment: the one server at ``address`` may be one shard of a sharded model, of which
-            this worker trains that shard's range alone, as a model of its own (streaming
-            local SGD, :class:`aps.torch.LocalSGD` with ``streaming=True``, opens one such
-            worker per shard). Without it a worker refuses one shard: it would train the
-            whole model on it.
 
     Raises:
         ConfigurationError: bad address, rank or transport; servers that are not
@@ -167,7 +162,7 @@ class Worker(ThreadedFanOut, _Workers):
         compress_pulls: bool = False,
         zero_copy: bool = False,
         spin: float = 0.0,
-        fragment: bool = False,
+        _fragment: tuple[int | None, int] | None = None,
     ) -> None:
         self._pool: _ShardThreads | None = None
         if compression is None:
@@ -187,7 +182,7 @@ class Worker(ThreadedFanOut, _Workers):
         addresses = server_addresses(address)
         if zero_copy and len(addresses) > 1:
             raise ConfigurationError("zero_copy needs one server: a sharded worker joins its shards' weights")
-        if fragment and len(addresses) > 1:
+        if _fragment is not None and len(addresses) > 1:
             raise ConfigurationError("a fragment's worker has one server: give one shard's address")
         channels: list[Channel] = []
         try:
@@ -198,7 +193,7 @@ class Worker(ThreadedFanOut, _Workers):
                         rank,
                         num_workers,
                         transport,
-                        as_shard=len(addresses) > 1 or fragment,
+                        as_shard=len(addresses) > 1 or _fragment is not None,
                         zero_copy=zero_copy,
                         spin=spin,
                         **options,
@@ -206,6 +201,8 @@ class Worker(ThreadedFanOut, _Workers):
                 )
             if len(channels) > 1:
                 channels = in_shard_order(channels)
+            elif _fragment is not None:  # (streaming local SGD's worker of one shard: aps.torch.streaming)
+                check_fragment(channels[0], *_fragment)
         except BaseException:
             for channel in channels:
                 channel.close()

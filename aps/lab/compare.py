@@ -359,6 +359,7 @@ def _run_one(run: Run, pool: _Pool, evaluate, args, out=sys.stdout, bar=None) ->
             if time.monotonic() > deadline:
                 raise RuntimeError(f"the workers did not all join within {_START_TIMEOUT:g} s")
             time.sleep(0.02)
+        joined_bytes = server.stats()["server"]["bytes_in"]  # (the workers' joins: their whole models)
         # evaluate at started, started + eval_every, ... and once more at the end of the budget
         stop = started + args.budget
         next_eval = started
@@ -396,8 +397,9 @@ def _run_one(run: Run, pool: _Pool, evaluate, args, out=sys.stdout, bar=None) ->
         "staleness_hist": {str(k): n for k, n in merge_counts(w["staleness_hist"] for w in workers).items()},
         # (--compensation: the gradients the server compensated)
         "compensated": sum(w.get("compensated", 0) for w in workers),
-        # (the bytes the server received, its handshakes and joins included)
-        "bytes_pushed": stats["server"]["bytes_in"],
+        # (the bytes the server received once every worker had joined: the pushes, and the
+        # pulls' and heartbeats' few)
+        "bytes_pushed": stats["server"]["bytes_in"] - joined_bytes,
     }
     best = max(acc for _, acc in run.curve)
     if bar is not None:

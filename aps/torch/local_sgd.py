@@ -160,7 +160,7 @@ class LocalSGD:
                 "shard (two or more), and no worker= or dynamic=True"
             )
 
-        def connect(one: str) -> Worker:
+        def connect(one: str, fragment: tuple[int | None, int]) -> Worker:
             return Worker(
                 one,
                 rank,
@@ -169,7 +169,7 @@ class LocalSGD:
                 token=token,
                 reconnect=reconnect,
                 compression=compression,
-                fragment=True,
+                _fragment=fragment,
             )
 
         self.fragments = Fragments(self._params, addresses, self.every, connect, init_timeout)
@@ -194,7 +194,7 @@ class LocalSGD:
         self.steps += 1
         self.since_sync += 1
         if self.fragments is not None:
-            for index in self.fragments.due(self.steps, self.every):
+            for index in self.fragments.step():
                 self.fragments.sync(index)
                 self.syncs += 1
                 self.since_sync = 0

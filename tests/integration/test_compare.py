@@ -184,16 +184,22 @@ def test_demo_on_a_virtual_clock_runs_the_same_comparison_for_several_seeds(tmp_
 @pytest.mark.slow
 def test_compare_runs_local_sgd_settings_with_real_local_sgd_workers(tmp_path):
     """asp+local:4+dn: the server runs delayed Nesterov and each worker process LocalSGD, pushing
-    once every 4 of its iterations (the pushes a quarter of the iterations, about)."""
+    once every 4 of its iterations (the pushes a quarter of the iterations, about); with +int8
+    each push is about a quarter of the bytes, as the server counted them."""
     out = tmp_path / "results"
     done = subprocess.run(
-        [sys.executable, "-m", "aps", "compare", "--workers", "2", "--speeds", "1,2", "--paradigms", "asp+local:4+dn",
+        [sys.executable, "-m", "aps", "compare", "--workers", "2", "--speeds", "1,2", "--paradigms",
+         "asp+local:4+dn,asp+local:4+dn+int8",
          "--clusters", "heterogeneous", "--lr-staleness", "none", "--budget", "2", "--step-time", "0.02",
          "--dataset", "digits", "--target", "0.3", "--out", str(out)],
         capture_output=True, text=True, timeout=240,
     )
     assert done.returncode == 0, done.stderr
-    (record,) = json.loads((out / "results.json").read_text())
+    record, quantized = json.loads((out / "results.json").read_text())
     assert record["label"] == "ASP local H=4 delayed Nesterov" and record["diverged"] is False
     pushes = record["iterations_per_s"] * 2
     assert pushes > 0 and 3 * pushes <= record["iterations"] <= 4 * pushes + 8
+    assert quantized["label"] == "ASP local H=4 delayed Nesterov int8" and quantized["compression"] == "int8"
+    per_push = [r["bytes_pushed"] / (r["iterations_per_s"] * 2) for r in (record, quantized)]
+    assert 3.0 < per_push[0] / per_push[1] < 4.2, per_push
+    assert "MB pushed" in (out / "results.md").read_text()

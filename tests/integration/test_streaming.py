@@ -3,11 +3,14 @@
 
 from __future__ import annotations
 
+import json
+
 import numpy as np
 import pytest
 
 torch = pytest.importorskip("torch")
 
+import aps  # noqa: E402
 import aps.torch  # noqa: E402
 from aps.cli.status import fetch_stats  # noqa: E402
 from aps.errors import ConfigurationError  # noqa: E402
@@ -122,3 +125,66 @@ def test_streaming_needs_the_shards_and_no_dynamic_h(server_process):
     with pytest.raises(ConfigurationError, match="no worker= or dynamic=True"):
         aps.torch.LocalSGD(net, inner, every=4, address=f"{one.address},{one.address}", rank=0, num_workers=1,
                            streaming=True, dynamic=True)
+
+
+def test_a_fragments_worker_has_one_server_which_is_the_shard_it_means(server_process):
+    """(A plain worker still refuses one shard: it would train the whole model on it.)"""
+    servers = shards(server_process)
+    plain = server_process("--workers", "2", "--sync", "bsp")
+    with pytest.raises(ConfigurationError, match="one shard's address"):
+        aps.Worker(",".join(s.address for s in servers), 0, 2, _fragment=(0, 2))
+    with pytest.raises(ConfigurationError, match="give the worker every shard's address"):
+        aps.Worker(servers[0].address, 0, 2)
+    with pytest.raises(ConfigurationError, match="is shard 1 of 2, not shard 0 of 2"):
+        aps.Worker(servers[1].address, 0, 2, _fragment=(0, 2))
+    with pytest.raises(ConfigurationError, match="not shard None of 2|of 1, not"):
+        aps.Worker(plain.address, 0, 2, _fragment=(None, 2))
+    worker = aps.Worker(servers[1].address, 0, 2, _fragment=(1, 2))
+    assert json.loads(worker.server_info.shard)["shard"] == 1
+    worker.close()
+
+
+def test_a_rank_that_joins_mid_period_takes_the_runs_place_in_it(server_process):
+    """Both ranks take 6 steps (fragment 0 synced at 2 and 6, fragment 1 at 4); rank 1's process
+    ends and rank 0 takes a step alone; a new rank 1 joins: from the shards' clocks it is at
+    step 6, so both push fragment 1 at step 8 and fragment 0 at 10 (counting from 0 it would
+    push fragment 0 at its step 2 while rank 0 waits at fragment 1: both stuck)."""
+    servers = shards(server_process)
+    nets, opts = join(servers)
+    in_threads([lambda r=r: steps(nets[r], opts[r], r, range(6)) for r in range(2)])
+    opts[1].close()
+    steps(nets[0], opts[0], 0, range(6, 7))
+    new = model()
+    address = ",".join(s.address for s in servers)
+    fresh = aps.torch.LocalSGD(new, torch.optim.SGD(new.parameters(), lr=0.5), every=EVERY, address=address, rank=1,
+                               num_workers=2, transport="tcp", streaming=True, init_timeout=30)
+    assert fresh.fragments.position == 6 and fresh.steps == 0
+    in_threads([lambda: steps(nets[0], opts[0], 0, range(7, 11)), lambda: steps(new, fresh, 1, range(4))])
+    assert (opts[0].syncs, fresh.syncs) == (5, 2)
+    np.testing.assert_array_equal(fresh.fragments.anchor, opts[0].fragments.anchor)  # (both took 8's and 10's)
+    for opt in (opts[0], fresh):
+        opt.close()
+
+
+def test_parameters_in_another_memory_format_sync_in_their_logical_order(server_process):
+    servers = [server_process("--workers", "1", "--sync", "asp", "--lr", "1", "--shard", str(i), "--shards", "2")
+               for i in range(2)]
+    conv = torch.nn.Conv2d(4, 8, 3).to(memory_format=torch.channels_last)
+    assert not conv.weight.is_contiguous()
+    opt = aps.torch.LocalSGD(conv, torch.optim.SGD(conv.parameters(), lr=0.5), every=2, rank=0, num_workers=1,
+                             address=",".join(s.address for s in servers), transport="tcp", streaming=True)
+    before = opt.fragments.range(0, opt.fragments.layout.numel)
+    np.testing.assert_array_equal(before[:288], conv.weight.detach().reshape(-1).numpy())
+    for _ in range(2):
+        opt.zero_grad()
+        conv.weight.grad = torch.ones_like(conv.weight)
+        conv.bias.grad = torch.ones_like(conv.bias)
+        opt.step()
+    # An outer SGD step of 1 on one worker: the global weights are the local ones when each
+    # fragment synced (fragment 0 after step 1, fragment 1 after step 2), in the logical order.
+    cut = opt.fragments.bounds[1]
+    after = [before - np.float32(0.5), before - np.float32(0.5) - np.float32(0.5)]
+    np.testing.assert_allclose(opt.fragments.anchor[:cut], after[0][:cut], rtol=1e-6)
+    np.testing.assert_allclose(opt.fragments.anchor[cut:], after[1][cut:], rtol=1e-6)
+    np.testing.assert_allclose(conv.weight.detach().reshape(-1).numpy(), after[1][:288], rtol=1e-6)
+    opt.close()
