@@ -119,7 +119,7 @@ def warm_start(task: Task, steps: int, path: str) -> dict:
     steps of BSP every step (its own run: a server, four workers, another data seed), saved
     to ``path``; returns that run's record."""
     record = run_one(Method("warm-up", "bsp", None), replace(task, steps=steps), seed=1000, keep=path)
-    return record
+    return {**record, "steps": steps}
 
 
 class _Run:
@@ -280,9 +280,9 @@ def _first_time_at(curve: list[dict], loss: float) -> float | None:
     return next((p["time"] for p in curve if p["loss"] <= loss), None)
 
 
-def summarize(records: list[dict]) -> dict:
-    """Per method over seeds: final held-out loss, bytes, and each against BSP's; and the
-    virtual time each takes to reach the same seed's BSP final loss."""
+def summarize(records: list[dict], levels: list[float] = ()) -> dict:
+    """Per method over seeds: final held-out loss, bytes, and each against BSP's; the virtual
+    time each takes to reach the same seed's BSP final loss, and each of ``levels``."""
     by_method: dict[str, list[dict]] = {}
     for r in records:
         by_method.setdefault(r["method"], []).append(r)
@@ -303,18 +303,26 @@ def summarize(records: list[dict]) -> dict:
             reached = [t for t in times if t is not None]
             every_seed = bool(times) and len(reached) == len(times)
             row["time_to_bsp_loss_median"] = statistics.median(reached) if every_seed else None
+        row["time_to_level"] = {str(level): [_first_time_at(r["curve"], level) for r in runs] for level in levels}
         summary[name] = row
     return summary
 
 
-def markdown(summary: dict, task: Task) -> str:
+def markdown(summary: dict) -> str:
+    levels = list(next(iter(summary.values()))["time_to_level"]) if summary else []
     lines = ["| method | held-out loss (nats/byte, median; range) | vs BSP | bytes pushed | fewer bytes | "
-             "virtual s to BSP's final loss (per seed) |", "|---|---|---|---|---|---|"]
+             "virtual s to BSP's final loss (per seed) |" + "".join(f" virtual s to {lv} |" for lv in levels),
+             "|---|---|---|---|---|---|" + "---|" * len(levels)]
+
+    def seconds(times: list) -> str:
+        return ", ".join("never" if t is None else f"{t:.0f}" for t in times)
+
     for name, row in summary.items():
         lo, hi = row["final_loss_range"]
-        times = ", ".join("never" if t is None else f"{t:.0f}" for t in row.get("time_to_bsp_loss", []))
         lines.append(f"| {name} | {row['final_loss']:.4f} ({lo:.4f}-{hi:.4f}) | {row.get('loss_vs_bsp', 0):+.2%} | "
-                     f"{row['bytes_pushed'] / 1e6:.1f} MB | {row.get('fewer_bytes_than_bsp', 1):.1f}x | {times} |")
+                     f"{row['bytes_pushed'] / 1e6:.1f} MB | {row.get('fewer_bytes_than_bsp', 1):.1f}x | "
+                     f"{seconds(row.get('time_to_bsp_loss', []))} |"
+                     + "".join(f" {seconds(row['time_to_level'][lv])} |" for lv in levels))
     return "\n".join(lines) + "\n"
 
 
@@ -328,7 +336,7 @@ def plot(records: list[dict], path: str, title: str) -> None:
     methods = list(dict.fromkeys(r["method"] for r in records))
     colors = dict(zip(methods, plt.rcParams["axes.prop_cycle"].by_key()["color"]))
     for r in records:
-        points = [p for p in r["curve"] if p["bytes"] > 0]
+        points = r["curve"][1:]  # (the start pushed nothing: no point on a log scale)
         label = r["method"] if r["seed"] == min(x["seed"] for x in records if x["method"] == r["method"]) else None
         by_bytes.plot([p["bytes"] / 1e6 for p in points], [p["loss"] for p in points], color=colors[r["method"]],
                       label=label, alpha=0.8, marker="." if len(points) < 12 else None)
@@ -364,7 +372,20 @@ def main(argv: list[str] | None = None) -> int:
                         "setting: a pretrained model), the same for all (default 0: from scratch)")
     parser.add_argument("--jobs", type=int, default=1, help="runs at once, each its own process and server")
     parser.add_argument("--out", help="a folder for results.json, results.md and loss.png")
+    parser.add_argument("--levels", default="",
+                        help="held-out losses to time each method to, comma-separated (e.g. 2.2,2.1)")
+    parser.add_argument("--replot", action="store_true",
+                        help="only summarize and draw again from the results.json in --out (with --levels)")
     args = parser.parse_args(argv)
+    levels = [float(level) for level in args.levels.split(",") if level.strip()]
+    if args.replot:
+        if not args.out:
+            raise SystemExit("--replot needs --out")
+        with open(os.path.join(args.out, "results.json")) as f:
+            report = json.load(f)
+        report["summary"] = summarize(report["records"], levels)
+        write(args.out, report, markdown(report["summary"]))
+        return 0
     methods = [parse_method(m.strip()) for m in args.methods.split(",")]
     seeds = [int(s) for s in args.seeds.split(",")]
     task = Task(args.width, args.layers, args.heads, args.context, args.batch, args.steps, args.lr,
@@ -391,24 +412,30 @@ def main(argv: list[str] | None = None) -> int:
             records.append(record)
             print(f"{record['method']:>16} seed {record['seed']}: loss {record['final_loss']:.4f}, "
                   f"{record['bytes_pushed'] / 1e6:.1f} MB pushed, {record['wall_s']:.0f} s", flush=True)
-    summary = summarize(records)
-    table = markdown(summary, task)
+    summary = summarize(records, levels)
+    table = markdown(summary)
     print(table)
     if args.out:
         os.makedirs(args.out, exist_ok=True)
-        report = {"command": command_line(), "machine": machine_info(), "task": asdict(task),
+        title = (f"ByteLM ({parameters / 1e6:.2f}M parameters) on the stdlib, 4 workers, "
+                 f"{tokens / 1e6:.1f}M bytes each run, seeds {args.seeds}"
+                 + (f", from {args.warm_steps} steps of BSP" if args.warm_steps else ""))
+        report = {"command": command_line(), "machine": machine_info(), "task": asdict(task), "title": title,
                   "parameters": parameters, "speeds": SPEEDS, "workers": WORKERS, "warm_start": warm,
                   "summary": summary, "records": records}
-        with open(os.path.join(args.out, "results.json"), "w") as f:
-            json.dump(report, f, indent=1)
-        with open(os.path.join(args.out, "results.md"), "w") as f:
-            warmed = f"Every run starts from {args.warm_steps} steps of BSP every step.\n\n" if warm else ""
-            f.write(f"`{command_line()}`\n\n{warmed}{table}")
-        plot(records, os.path.join(args.out, "loss.png"),
-             f"ByteLM ({parameters / 1e6:.2f}M parameters) on the stdlib, 4 workers, "
-             f"{tokens / 1e6:.1f}M bytes each run, seeds {args.seeds}"
-             + (f", from {args.warm_steps} steps of BSP" if args.warm_steps else ""))
+        write(args.out, report, table)
     return 0
+
+
+def write(out: str, report: dict, table: str) -> None:
+    """results.json, results.md and loss.png in ``out``."""
+    with open(os.path.join(out, "results.json"), "w") as f:
+        json.dump(report, f, indent=1)
+    with open(os.path.join(out, "results.md"), "w") as f:
+        warm = report.get("warm_start")
+        warmed = f"Every run starts from {warm['steps']} steps of BSP every step.\n\n" if warm else ""
+        f.write(f"`{report['command']}`\n\n{warmed}{table}")
+    plot(report["records"], os.path.join(out, "loss.png"), report["title"])
 
 
 if __name__ == "__main__":

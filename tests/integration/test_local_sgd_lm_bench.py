@@ -41,3 +41,10 @@ def test_the_benchmark_counts_bytes_on_the_server_and_keeps_the_budget(tmp_path)
     assert 10 < runs["async-10"]["curve"][-1]["time"] < 50
     summary = report["summary"]
     assert summary["diloco-10"]["fewer_bytes_than_bsp"] == pytest.approx(10, rel=0.01)
+    again = subprocess.run(  # (summarized again, timed to a loss every run reaches: its start)
+        [sys.executable, str(ROOT / "bench" / "local_sgd_lm.py"), "--replot", "--levels", str(start + 1),
+         "--out", str(out)], cwd=tmp_path, capture_output=True, text=True, timeout=120,
+    )
+    assert again.returncode == 0, again.stderr[-3000:]
+    times = json.loads((out / "results.json").read_text())["summary"]["bsp"]["time_to_level"]
+    assert times == {str(start + 1): [0.0]} and f"virtual s to {start + 1}" in (out / "results.md").read_text()
