@@ -285,7 +285,7 @@ def check_fragment(channel, index: int | None, count: int) -> None:
     if count < 2 or (described.get("shard"), described.get("shards")) != (shard, count):
         raise ConfigurationError(
             f"the server at {channel.address} is shard {described.get('shard')} of {described.get('shards')}, "
-            f"not shard {index} of {count}"
+            + (f"not one of {count} shards" if index is None else f"not shard {index} of {count}")
         )
 
 
