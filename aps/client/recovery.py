@@ -223,10 +223,18 @@ class _WaitingForServer(_Retrying):
 
 
 def _after_recovery(
-    core: _ClientCore, kind: str, request, address: str = "", as_shard: bool = False, sync: str | None = None
+    core: _ClientCore,
+    kind: str,
+    request,
+    address: str = "",
+    as_shard: bool = False,
+    sync: str | None = None,
+    *,
+    fragment: bool = False,
 ):
     """What finishes a call of ``kind`` once its worker has rejoined: ``(kind, request)``,
-    or ``(None, None)`` when nothing is left to send. ``sync``: the server's policy."""
+    or ``(None, None)`` when nothing is left to send. ``sync``: the server's policy;
+    ``fragment``: the server is the shard of one fragment of streaming local SGD."""
     if kind == "init":
         return None, None  # the rejoin was the init
     if core.reseated:
@@ -247,30 +255,45 @@ def _after_recovery(
             if as_shard and sync not in (None, "bsp"):
                 # docs/algorithms.md, "Sharded resume": sent all the same, so that this shard
                 # drops it and counts its iteration, as the other shards count it.
-                _note_dropped_after_resume(core, address, as_shard, sent=True)
+                _note_dropped_after_resume(core, address, as_shard, sent=True, fragment=fragment)
                 return kind, core.resend_push
-            _note_dropped_after_resume(core, address, as_shard)
+            _note_dropped_after_resume(core, address, as_shard, fragment=fragment)
             return ("pull", core.pull_request) if kind == "push_pull" else (None, None)
         if core.has_pending_push:
             return kind, core.resend_push
     return kind, request
 
 
-def _note_dropped_after_resume(core: _ClientCore, address: str, as_shard: bool, sent: bool = False) -> None:
+def _note_dropped_after_resume(
+    core: _ClientCore, address: str, as_shard: bool, sent: bool = False, fragment: bool = False
+) -> None:
     """The server came back older than the weights the push in flight was computed on
-    (``sent``: it goes to the shard all the same, which drops it and counts its iteration)."""
+    (``sent``: it goes to the shard all the same, which drops it and counts its iteration;
+    ``fragment``: the shard holds one fragment of streaming local SGD, synced on its own)."""
     if sent:
         log.warning(
             "rank %s: the shard at %s resumed from a checkpoint at version %d, before the weights this "
-            "gradient was computed on (version %d): it drops its piece of the gradient and counts the "
-            "iteration, as the other shards do (they keep theirs)",
+            "gradient was computed on (version %d): it drops %s and counts the iteration%s",
+            core.rank,
+            address,
+            core.version,
+            core.pending_push_version,
+            "this fragment's pseudo-gradient" if fragment else "its piece of the gradient",
+            "" if fragment else ", as the other shards do (they keep theirs)",
+        )
+        return
+    if fragment:
+        # (each fragment's shard syncs on its own: the others are not taken back with it)
+        log.warning(
+            "rank %s: the shard at %s resumed from a checkpoint at version %d, before the global weights "
+            "this fragment's pseudo-gradient was computed on (version %d): it is dropped, and this fragment "
+            "goes on from that shard's weights (the other fragments keep theirs)",
             core.rank,
             address,
             core.version,
             core.pending_push_version,
         )
-        return
-    if as_shard:
+    elif as_shard:
         # docs/algorithms.md, "Sharded resume": the other shards keep what they applied (or, under
         # BSP, come back to one round with it).
         log.warning(

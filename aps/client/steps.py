@@ -127,6 +127,7 @@ class _ChannelSteps:
         self.reconnect_timeout = _check_reconnect(reconnect, reconnect_timeout)
         self._closing = False
         self._as_shard = as_shard  # one of a sharded worker's servers
+        self._fragment = False  # (as_shard) the server of one fragment of streaming local SGD: aps.torch.streaming
         self._token = client_token(token)
         self._proven: bytes | None = None  # the token the server proved at the last handshake
         if isinstance(address, (list, tuple)) and len(address) == 1:
@@ -434,7 +435,13 @@ class _ChannelSteps:
                     raise
                 yield from self._recover(exc)
             kind, request = _after_recovery(
-                self._core, kind, request, self.address, self._as_shard, (self.server_options or {}).get("sync")
+                self._core,
+                kind,
+                request,
+                self.address,
+                self._as_shard,
+                (self.server_options or {}).get("sync"),
+                fragment=self._fragment,
             )
             if kind is None:
                 return None

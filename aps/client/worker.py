@@ -203,6 +203,7 @@ class Worker(ThreadedFanOut, _Workers):
                 channels = in_shard_order(channels)
             elif _fragment is not None:  # (streaming local SGD's worker of one shard: aps.torch.streaming)
                 check_fragment(channels[0], *_fragment)
+                channels[0]._fragment = True
         except BaseException:
             for channel in channels:
                 channel.close()
