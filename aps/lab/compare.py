@@ -389,7 +389,9 @@ def _run_one(run: Run, pool: _Pool, evaluate, args, out=sys.stdout, bar=None) ->
     run.stats = {
         "updates": stats["server"]["version"],
         "iterations": sum(r["iterations"] for r in results),
-        "iterations_per_s": stats["server"]["pushes"] / args.budget,
+        # (the workers' batches, inner steps under local SGD: a push is a sync there)
+        "iterations_per_s": sum(r["iterations"] for r in results) / args.budget,
+        "pushes": stats["server"]["pushes"],
         "mean_wait_s": sum(w["wait_s_total"] for w in workers) / pulls if pulls else 0.0,
         "mean_staleness": (sum(m * n for m, n in applied) / sum(n for _, n in applied)) if applied else 0.0,
         "max_gap": max((w["max_release_gap"] or 0) for w in workers),

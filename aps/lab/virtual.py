@@ -322,7 +322,10 @@ def train_virtual(
         "bytes_pushed": trainer.pushed_bytes,
         "gradients_applied": len(cluster.staleness),
         "updates": cluster.engine.version,
-        "iterations_per_s": cluster.pushes / end if end > 0 else 0.0,
+        # (a worker's iterations: its batches, so that a local SGD setting counts its inner steps, not its syncs)
+        "iterations_per_s": (cluster.pushes if cluster.local is None else sum(cluster.local.steps)) / end
+        if end > 0
+        else 0.0,
         "mean_wait_s": figures["mean_wait"],
         **figures,
         "slow_time_s": list(times.slow_time),
