@@ -41,6 +41,9 @@ def test_the_benchmark_counts_bytes_on_the_server_and_keeps_the_budget(tmp_path)
     assert 10 < runs["async-10"]["curve"][-1]["time"] < 50
     summary = report["summary"]
     assert summary["diloco-10"]["fewer_bytes_than_bsp"] == pytest.approx(10, rel=0.01)
+    # each run against the same seed's BSP run
+    assert summary["diloco-10"]["loss_vs_bsp_per_seed"] == [runs["diloco-10"]["final_loss"] / runs["bsp"]["final_loss"]
+                                                            - 1]
     again = subprocess.run(  # (summarized again, timed to a loss every run reaches: its start)
         [sys.executable, str(ROOT / "bench" / "local_sgd_lm.py"), "--replot", "--levels", str(start + 1),
          "--out", str(out)], cwd=tmp_path, capture_output=True, text=True, timeout=120,
