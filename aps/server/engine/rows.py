@@ -401,7 +401,8 @@ class Tables(dict):
             for rows in tables:
                 rows.now = self._now
             for table, ids, _ in pulled:  # (the rows it reads stay: a pull makes none)
-                tables[table].touch(ids, pushed=False)
+                if tables[table].evicts:  # (a table that never evicts keeps no times)
+                    tables[table].touch(ids, pushed=False)
             self._fit([(tables[table], ids) for table, ids, _ in pushed])
 
     def _fit(self, pushed: list[tuple[RowTable, np.ndarray]]) -> None:
@@ -411,9 +412,14 @@ class Tables(dict):
         the limit (an eviction pays for many requests); else TableMemoryFull, with nothing
         dropped. A request that makes no row (a pull, a push of rows held) always fits.
         Requests in flight (one per worker at most) may pass the limit by the rows they make,
-        never more."""
-        need = sum(rows.touch(ids) * rows.row_cost for rows, ids in pushed)
+        never more. The rows of a table that never evicts are looked up only when the push
+        would not fit were every id it names a new row: then they are counted."""
         held = self.used
+        need = sum(rows.touch(ids) * rows.row_cost for rows, ids in pushed if rows.evicts)
+        others = [(rows, ids) for rows, ids in pushed if not rows.evicts]
+        if held + need + sum(len(ids) * rows.row_cost for rows, ids in others) <= self.limit:
+            return  # (fits however many rows it makes: the common case, costing no look-up)
+        need += sum(rows.touch(ids) * rows.row_cost for rows, ids in others)
         if not need or held + need <= self.limit:
             return
         target = held + need - self.limit + self.limit // 8
