@@ -13,7 +13,8 @@ windows per worker, ``4 x --steps`` in all):
   Nesterov momentum 0.9 at learning rate 0.7 as the server's outer one), with
   ``-int8``/``-int4`` pseudo-gradients quantized with error feedback;
 - ``async-H``: asynchronous local SGD (ASP, delayed Nesterov on the server,
-  dynamic local updates: every worker's H from its step rate).
+  dynamic local updates: every worker's H from its step rate);
+- ``-lrX`` after either: the outer learning rate X instead of 0.7.
 
 Each run is a real ``aps serve`` process and real :class:`aps.torch.LocalSGD`
 workers over TCP in this process; the bytes are what that server counted
@@ -68,6 +69,7 @@ class Method:
     every: int | None  # None: BSP every step with AdamW on the server
     compression: str | None = None
     dynamic: bool = False
+    outer_lr: float | None = None  # (-lrX) the outer step's learning rate, else the papers' 0.7
 
     def server_options(self, lr: float) -> list[str]:
         if self.every is None:
@@ -75,22 +77,31 @@ class Method:
             outer = ["--optimizer", "adamw", "--lr", str(lr), "--betas", betas,
                      "--weight-decay", str(INNER["weight_decay"])]
         else:
-            outer = DELAYED_NESTEROV if self.sync == "asp" else DILOCO
+            outer = list(DELAYED_NESTEROV if self.sync == "asp" else DILOCO)
+            if self.outer_lr is not None:
+                outer[outer.index("--lr") + 1] = str(self.outer_lr)
         return ["--sync", self.sync, *outer, "--log-level", "warning"]
 
 
 def parse_method(text: str) -> Method:
-    """``bsp``, ``diloco-H[-int8|-int4]`` or ``async-H``."""
+    """``bsp``, ``diloco-H[-int8|-int4][-lrX]`` or ``async-H[-int8|-int4][-lrX]`` (``-lrX``:
+    the outer learning rate, 0.7 without it)."""
     kind, *rest = text.split("-")
     if kind == "bsp" and not rest:
         return Method(text, "bsp", None)
+    outer_lr = None
+    if rest and rest[-1].startswith("lr"):
+        try:
+            outer_lr = float(rest.pop()[2:])
+        except ValueError:
+            raise SystemExit(f"bad method {text!r}: -lrX takes a number") from None
     if kind in ("diloco", "async") and rest and rest[0].isdigit() and int(rest[0]) >= 1:
         compression = rest[1] if len(rest) == 2 and rest[1] in ("int8", "int4") else None
         if len(rest) == 1 or compression is not None:
             if kind == "async":
-                return Method(text, "asp", int(rest[0]), compression, dynamic=True)
-            return Method(text, "bsp", int(rest[0]), compression)
-    raise SystemExit(f"bad method {text!r}: bsp, diloco-H[-int8|-int4] or async-H")
+                return Method(text, "asp", int(rest[0]), compression, dynamic=True, outer_lr=outer_lr)
+            return Method(text, "bsp", int(rest[0]), compression, outer_lr=outer_lr)
+    raise SystemExit(f"bad method {text!r}: bsp, diloco-H[-int8|-int4][-lrX] or async-H[-int8|-int4][-lrX]")
 
 
 @dataclass(frozen=True)
@@ -272,6 +283,7 @@ def run_one(method: Method, task: Task, seed: int, keep: str | None = None) -> d
         run.close()
     return {"method": method.name, "seed": seed, "curve": run.curve, "bytes_pushed": pushed,
             "final_loss": run.curve[-1]["loss"], "wall_s": time.perf_counter() - started,
+            "server_options": method.server_options(task.lr),
             "corpus": {"train_bytes": len(run.corpus.train), "held_out_bytes": len(run.corpus.held_out),
                        "train_files": run.corpus.train_files, "held_out_files": run.corpus.held_out_files}}
 
@@ -322,9 +334,10 @@ def markdown(summary: dict) -> str:
 
     for name, row in summary.items():
         lo, hi = row["final_loss_range"]
-        paired = row.get("loss_vs_bsp_per_seed") or [0.0]
-        versus = f"{row['loss_vs_bsp']:+.2%}" + (f" ({min(paired):+.2%} to {max(paired):+.2%})" if len(paired) > 1 else "")
-        versus = "" if name == "bsp" else versus
+        paired = row.get("loss_vs_bsp_per_seed") or []
+        versus = "" if name == "bsp" or not paired else f"{row['loss_vs_bsp']:+.2%}"
+        if versus and len(paired) > 1:
+            versus += f" ({min(paired):+.2%} to {max(paired):+.2%})"
         lines.append(f"| {name} | {row['final_loss']:.4f} ({lo:.4f}-{hi:.4f}) | {versus} | "
                      f"{row['bytes_pushed'] / 1e6:.1f} MB | {row.get('fewer_bytes_than_bsp', 1):.1f}x | "
                      f"{seconds(row.get('time_to_bsp_loss', []))} |"
@@ -418,11 +431,14 @@ def main(argv: list[str] | None = None) -> int:
             records.append(record)
             print(f"{record['method']:>16} seed {record['seed']}: loss {record['final_loss']:.4f}, "
                   f"{record['bytes_pushed'] / 1e6:.1f} MB pushed, {record['wall_s']:.0f} s", flush=True)
+    if args.out:  # (the runs first, so that nothing can lose them: --replot summarizes them again)
+        os.makedirs(args.out, exist_ok=True)
+        with open(os.path.join(args.out, "results.json"), "w") as f:
+            json.dump({"command": command_line(), "task": asdict(task), "warm_start": warm, "records": records}, f)
     summary = summarize(records, levels)
     table = markdown(summary)
     print(table)
     if args.out:
-        os.makedirs(args.out, exist_ok=True)
         title = (f"ByteLM ({parameters / 1e6:.2f}M parameters) on the stdlib, 4 workers, "
                  f"{tokens / 1e6:.1f}M bytes each run, seeds {args.seeds}"
                  + (f", from {args.warm_steps} steps of BSP" if args.warm_steps else ""))
@@ -441,7 +457,7 @@ def write(out: str, report: dict, table: str) -> None:
         warm = report.get("warm_start")
         warmed = f"Every run starts from {warm['steps']} steps of BSP every step.\n\n" if warm else ""
         f.write(f"`{report['command']}`\n\n{warmed}{table}")
-    plot(report["records"], os.path.join(out, "loss.png"), report["title"])
+    plot(report["records"], os.path.join(out, "loss.png"), report.get("title", ""))
 
 
 if __name__ == "__main__":

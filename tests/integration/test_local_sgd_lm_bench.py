@@ -19,7 +19,7 @@ def test_the_benchmark_counts_bytes_on_the_server_and_keeps_the_budget(tmp_path)
     run = subprocess.run(
         [sys.executable, str(ROOT / "bench" / "local_sgd_lm.py"), "--steps", "20", "--width", "32", "--layers", "1",
          "--heads", "2", "--context", "32", "--batch", "4", "--held-out", "16", "--evaluations", "4", "--seeds", "0",
-         "--methods", "bsp,diloco-10,diloco-10-int8,diloco-10-int4,async-10", "--warm-steps", "4", "--out", str(out)],
+         "--methods", "bsp,diloco-10,diloco-10-int8,diloco-10-int4,async-10,async-10-lr0.35", "--warm-steps", "4", "--out", str(out)],
         cwd=tmp_path, capture_output=True, text=True, timeout=300,  # (never the checkout: its `aps` for -m's)
     )
     assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-3000:]
@@ -39,6 +39,9 @@ def test_the_benchmark_counts_bytes_on_the_server_and_keeps_the_budget(tmp_path)
     # 80 steps ends sooner (the fast workers take more of them), at a sync.
     assert runs["bsp"]["curve"][-1]["time"] == 50.0 and runs["diloco-10"]["curve"][-1]["time"] == 50.0
     assert 10 < runs["async-10"]["curve"][-1]["time"] < 50
+    options = runs["async-10-lr0.35"]["server_options"]  # (-lrX: the outer step's learning rate)
+    assert options[options.index("--lr") + 1] == "0.35" and "delayed-nesterov" in options
+    assert "0.7" in runs["async-10"]["server_options"]
     summary = report["summary"]
     assert summary["diloco-10"]["fewer_bytes_than_bsp"] == pytest.approx(10, rel=0.01)
     # each run against the same seed's BSP run
