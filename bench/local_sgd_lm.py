@@ -353,7 +353,8 @@ def plot(records: list[dict], path: str, title: str) -> None:
 
     fig, (by_bytes, by_time) = plt.subplots(1, 2, figsize=(12, 4.6))
     methods = list(dict.fromkeys(r["method"] for r in records))
-    colors = dict(zip(methods, plt.rcParams["axes.prop_cycle"].by_key()["color"]))
+    palette = plt.rcParams["axes.prop_cycle"].by_key()["color"] if len(methods) <= 10 else plt.get_cmap("tab20").colors
+    colors = dict(zip(methods, palette))  # (distinct up to 20 methods)
     for r in records:
         points = r["curve"][1:]  # (the start pushed nothing: no point on a log scale)
         label = r["method"] if r["seed"] == min(x["seed"] for x in records if x["method"] == r["method"]) else None
