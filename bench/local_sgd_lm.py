@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import heapq
 import json
+import math
 import os
 import statistics
 import sys
@@ -94,7 +95,9 @@ def parse_method(text: str) -> Method:
         try:
             outer_lr = float(rest.pop()[2:])
         except ValueError:
-            raise SystemExit(f"bad method {text!r}: -lrX takes a number") from None
+            outer_lr = math.nan
+        if not (math.isfinite(outer_lr) and outer_lr > 0):
+            raise SystemExit(f"bad method {text!r}: -lrX takes a learning rate above 0 (e.g. -lr0.5; no exponent)")
     if kind in ("diloco", "async") and rest and rest[0].isdigit() and int(rest[0]) >= 1:
         compression = rest[1] if len(rest) == 2 and rest[1] in ("int8", "int4") else None
         if len(rest) == 1 or compression is not None:
@@ -354,7 +357,7 @@ def plot(records: list[dict], path: str, title: str) -> None:
     fig, (by_bytes, by_time) = plt.subplots(1, 2, figsize=(12, 4.6))
     methods = list(dict.fromkeys(r["method"] for r in records))
     palette = plt.rcParams["axes.prop_cycle"].by_key()["color"] if len(methods) <= 10 else plt.get_cmap("tab20").colors
-    colors = dict(zip(methods, palette))  # (distinct up to 20 methods)
+    colors = {method: palette[i % len(palette)] for i, method in enumerate(methods)}  # (distinct up to 20)
     for r in records:
         points = r["curve"][1:]  # (the start pushed nothing: no point on a log scale)
         label = r["method"] if r["seed"] == min(x["seed"] for x in records if x["method"] == r["method"]) else None
@@ -424,7 +427,13 @@ def main(argv: list[str] | None = None) -> int:
     print(f"ByteLM {parameters:,} parameters; {tokens:,} training bytes per run; "
           f"{len(methods)} methods x {len(seeds)} seeds", flush=True)
     jobs = [(m, task, s) for s in seeds for m in methods]
-    records = []
+    title = (f"ByteLM ({parameters / 1e6:.2f}M parameters) on the stdlib, 4 workers, "
+             f"{tokens / 1e6:.1f}M bytes each run, seeds {args.seeds}"
+             + (f", from {args.warm_steps} steps of BSP" if args.warm_steps else ""))
+    report = {"command": command_line(), "machine": machine_info(), "task": asdict(task), "title": title,
+              "parameters": parameters, "speeds": SPEEDS, "workers": WORKERS, "warm_start": warm, "summary": None,
+              "records": []}
+    records = report["records"]
     with ProcessPoolExecutor(max_workers=args.jobs) as pool:
         futures = [pool.submit(run_one, *job) for job in jobs]
         for future in futures:
@@ -432,20 +441,14 @@ def main(argv: list[str] | None = None) -> int:
             records.append(record)
             print(f"{record['method']:>16} seed {record['seed']}: loss {record['final_loss']:.4f}, "
                   f"{record['bytes_pushed'] / 1e6:.1f} MB pushed, {record['wall_s']:.0f} s", flush=True)
-    if args.out:  # (the runs first, so that nothing can lose them: --replot summarizes them again)
-        os.makedirs(args.out, exist_ok=True)
-        with open(os.path.join(args.out, "results.json"), "w") as f:
-            json.dump({"command": command_line(), "task": asdict(task), "warm_start": warm, "records": records}, f)
-    summary = summarize(records, levels)
-    table = markdown(summary)
+            if args.out:  # (each run as it ends, so that nothing can lose it: --replot summarizes them again)
+                os.makedirs(args.out, exist_ok=True)
+                with open(os.path.join(args.out, "results.json"), "w") as f:
+                    json.dump(report, f, indent=1)
+    report["summary"] = summarize(records, levels)
+    table = markdown(report["summary"])
     print(table)
     if args.out:
-        title = (f"ByteLM ({parameters / 1e6:.2f}M parameters) on the stdlib, 4 workers, "
-                 f"{tokens / 1e6:.1f}M bytes each run, seeds {args.seeds}"
-                 + (f", from {args.warm_steps} steps of BSP" if args.warm_steps else ""))
-        report = {"command": command_line(), "machine": machine_info(), "task": asdict(task), "title": title,
-                  "parameters": parameters, "speeds": SPEEDS, "workers": WORKERS, "warm_start": warm,
-                  "summary": summary, "records": records}
         write(args.out, report, table)
     return 0
 

@@ -47,7 +47,8 @@ def register(commands) -> None:
         help="draw each worker's mean iteration time from a lognormal distribution (default: all 1)",
     )
     parser.add_argument("--jitter", type=number, help="lognormal spread of each iteration's time (default 0)")
-    parser.add_argument("--iterations", type=int, help="total iterations, all workers together (default 10000)")
+    parser.add_argument("--iterations", type=int, help="total iterations, all workers together (default 10000; with --train, batches: "
+                        "a local SGD setting's inner steps)")
     parser.add_argument(
         "--sync",
         action="append",
@@ -183,6 +184,11 @@ def run(args: argparse.Namespace) -> int:
             None if args.budget else args.iterations,
         )
         return run_training(args, [cluster], settings)
+    local = [item.label for item in settings if item.local_every is not None]
+    require(
+        not local,
+        f"--sync {', '.join(local)}: local SGD trains a model between its syncs: add --train mnist|digits",
+    )
     results = []
     for item in settings:
         try:

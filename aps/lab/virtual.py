@@ -266,7 +266,9 @@ def train_virtual(
         while next_eval <= limit:  # the weights as they are before the next push arrives
             evaluate(next_eval)
             next_eval += eval_every
-        if (budget is not None and upcoming > budget) or (iterations is not None and cluster.pushes >= iterations):
+        # (iterations: batches, all workers together; a local SGD setting's are its inner steps)
+        done = cluster.pushes if cluster.local is None else sum(cluster.local.steps)
+        if (budget is not None and upcoming > budget) or (iterations is not None and done >= iterations):
             break
         if stop_at_target and reached_at is not None:
             break

@@ -230,41 +230,47 @@ def test_a_shard_killed_and_resumed_mid_run_leaves_both_ranks_training_in_step(s
     threads = [threading.Thread(target=run, args=(rank,), daemon=True) for rank in range(2)]
     for thread in threads:
         thread.start()
-    if which == "cut":
-        # rank 1's connection to shard 1 breaks while it waits; rank 0's next sync there closes
-        # the round without it; then rank 1 goes on, and its sync of that round is dropped
-        wait_for(lambda: done[1] == 42 or errors, timeout=60, what="rank 1 at step 42")
-        version = fetch_stats(servers[1].address)["server"]["version"]
-        opts[1].fragments.workers[1]._channels[0]._conn.sock.shutdown(socket.SHUT_RDWR)
-        at_kill = list(done)
-        wait_for(lambda: fetch_stats(servers[1].address)["server"]["version"] > version, timeout=30,
-                 what="a round of shard 1 closed without rank 1")
-        resume_rank_1.set()
-    else:
-        wait_for(lambda: len(list_checkpoints(dirs[1])) >= 3 or errors, timeout=60,
-                 what="three checkpoints of shard 1")
+    try:
+        if which == "cut":
+            # rank 1's connection to shard 1 breaks while it waits; rank 0's next sync there closes
+            # the round without it; then rank 1 goes on, and its sync of that round is dropped
+            wait_for(lambda: done[1] == 42 or errors, timeout=60, what="rank 1 at step 42")
+            version = fetch_stats(servers[1].address)["server"]["version"]
+            opts[1].fragments.workers[1]._channels[0]._conn.sock.shutdown(socket.SHUT_RDWR)
+            at_kill = list(done)
+            wait_for(lambda: fetch_stats(servers[1].address)["server"]["version"] > version, timeout=30,
+                     what="a round of shard 1 closed without rank 1")
+            resume_rank_1.set()
+        else:
+            wait_for(lambda: len(list_checkpoints(dirs[1])) >= 3 or errors, timeout=60,
+                     what="three checkpoints of shard 1")
+            assert not errors, errors
+            killed = servers[1]
+            port = killed.port
+            killed.signal(signal.SIGKILL)
+            killed.proc.wait(10)
+            at_kill = list(done)
+            written = list_checkpoints(dirs[1])  # (newest first)
+            resume = written[0] if which == "newest" else written[1]
+            servers[1] = server_process(*options, "--shard", "1", "--checkpoint-dir", str(dirs[1]), "--port", str(port),
+                                        "--resume", str(resume))
+        for thread in threads:
+            thread.join(90)
         assert not errors, errors
-        killed = servers[1]
-        port = killed.port
-        killed.signal(signal.SIGKILL)
-        killed.proc.wait(10)
-        at_kill = list(done)
-        written = list_checkpoints(dirs[1])  # (newest first)
-        resume = written[0] if which == "newest" else written[1]
-        servers[1] = server_process(*options, "--shard", "1", "--checkpoint-dir", str(dirs[1]), "--port", str(port),
-                                    "--resume", str(resume))
-    for thread in threads:
-        thread.join(90)
-    assert not errors, errors
-    assert done == [total, total], f"stuck at steps {done}"
-    assert max(at_kill) < total - 2 * EVERY, at_kill  # (mid-run)
-    assert opts[0].syncs == opts[1].syncs
-    np.testing.assert_array_equal(opts[0].fragments.anchor, opts[1].fragments.anchor)
-    if which == "older":  # (both ranks were past it: each dropped the sync in flight, and said so)
-        assert caplog.text.count("this fragment's pseudo-gradient was computed on") == 2, caplog.text
-    if which == "cut":
-        events = fetch_stats(servers[1].address)["server"]["membership_events"]
-        assert events["rejoined"] == 1 and events["disconnected"] == 1, events
-        assert fetch_stats(servers[1].address)["server"]["dropped"] == 1  # (rank 1's sync of the closed round)
-    for opt in opts:
-        opt.close()
+        assert done == [total, total], f"stuck at steps {done}"
+        assert max(at_kill) < total - 2 * EVERY, at_kill  # (mid-run)
+        assert opts[0].syncs == opts[1].syncs
+        np.testing.assert_array_equal(opts[0].fragments.anchor, opts[1].fragments.anchor)
+        if which == "older":  # (both ranks were past it: each dropped the sync in flight, and said so)
+            assert caplog.text.count("this fragment's pseudo-gradient was computed on") == 2, caplog.text
+        if which == "cut":
+            events = fetch_stats(servers[1].address)["server"]["membership_events"]
+            assert events["rejoined"] == 1 and events["disconnected"] == 1, events
+            assert fetch_stats(servers[1].address)["server"]["dropped"] == 1  # (rank 1's sync of the closed round)
+    finally:  # (whatever failed: rank 1 goes on, and every worker closes within bounds, not retrying for minutes)
+        resume_rank_1.set()
+        closers = [threading.Thread(target=opt.close, daemon=True) for opt in opts]
+        for closer in closers:
+            closer.start()
+        for closer in closers:
+            closer.join(15)

@@ -152,7 +152,8 @@ def test_a_virtual_worker_pushes_what_the_server_decodes_and_keeps_the_rest_for_
 def test_a_local_settings_iterations_per_second_are_its_inner_steps_not_its_syncs():
     from aps.lab.virtual import train_virtual
 
-    record = train_virtual(parse_setting("asp+local:5"), [1.0, 2.0], dataset="digits", iterations=12, seed=0)
+    # (--iterations counts them too: 60 inner steps are 12 syncs of 5)
+    record = train_virtual(parse_setting("asp+local:5"), [1.0, 2.0], dataset="digits", iterations=60, seed=0)
     assert record["pushes"] == 12 and record["steps"] == 5 * 12
     assert record["iterations_per_s"] == pytest.approx(60 / record["simulated_s"])
     plain = train_virtual(parse_setting("asp"), [1.0, 2.0], dataset="digits", iterations=12, seed=0)

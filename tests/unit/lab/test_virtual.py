@@ -240,6 +240,7 @@ def test_the_presets_are_valid_and_the_simulate_flags_that_would_be_ignored_are_
         (["--train", "digits", "--json"], "--json prints the synchronization-only table"),
         (["--train", "digits", "--budget", "5", "--iterations", "10"], "give --budget or --iterations, not both"),
         (["--experiment", "zhang", "--jitter", "0.2"], "--experiment zhang sets the clusters"),
+        (["--sync", "asp", "--sync", "bsp+local:10"], "local SGD trains a model between its syncs: add --train"),
     ]:
         with pytest.raises(SystemExit) as refused:
             main(["simulate", *argv])
