@@ -47,8 +47,12 @@ def register(commands) -> None:
         help="draw each worker's mean iteration time from a lognormal distribution (default: all 1)",
     )
     parser.add_argument("--jitter", type=number, help="lognormal spread of each iteration's time (default 0)")
-    parser.add_argument("--iterations", type=int, help="total iterations, all workers together (default 10000; with --train, batches: "
-                        "a local SGD setting's inner steps)")
+    parser.add_argument(
+        "--iterations",
+        type=int,
+        help="total iterations, all workers together (default 10000; with --train, batches: "
+        "a local SGD setting's inner steps)",
+    )
     parser.add_argument(
         "--sync",
         action="append",
