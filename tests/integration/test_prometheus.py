@@ -23,6 +23,7 @@ import urllib.request
 import pytest
 
 from aps.cli.status import fetch_stats
+from aps.server.http import METRICS_MAX_AGE_S, SNAPSHOT_MAX_AGE_S
 from aps.wire.tokens import token_path
 from aps.testing import workers as _workers
 
@@ -147,8 +148,10 @@ def test_a_real_prometheus_counts_the_updates_of_a_killed_and_resumed_run_once(t
         worker.join(30)
         assert worker.exitcode == 0
         final = fetch_stats(server.address)["server"]
-        # (the worker's goodbye: nothing moves now) let Prometheus scrape the final figures twice
-        first_final = time.time()
+        # (the worker's goodbye: nothing moves now) let Prometheus scrape the final figures twice:
+        # /metrics serves one exposition for a second, made from a statistics snapshot up to half a
+        # second old, so a scrape is sure to see them only once both have passed
+        first_final = time.time() + METRICS_MAX_AGE_S + SNAPSHOT_MAX_AGE_S
         wait_for(lambda: sum(t > first_final for t, _ in prometheus.samples("aps_updates_total")) >= 2, 15,
                  "two scrapes of the final figures", every=0.2)
 
