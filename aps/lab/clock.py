@@ -272,6 +272,11 @@ class VirtualCluster:
             raise SimulationError(str(self._errors[0]))
 
     @property
+    def batches(self) -> int:
+        """The iterations the workers took, all together: one a push, or under local SGD its inner steps."""
+        return self.pushes if self.local is None else sum(self.local.steps)
+
+    @property
     def error(self) -> BaseException | None:
         """What stopped the run, if the engine refused a push (e.g. ``NonFiniteGradient``)."""
         return self._errors[0] if self._errors else None

@@ -386,11 +386,11 @@ def _run_one(run: Run, pool: _Pool, evaluate, args, out=sys.stdout, bar=None) ->
     applied = [
         (w["staleness_mean"], sum(w["staleness_hist"].values())) for w in workers if w["staleness_mean"] is not None
     ]
+    iterations = sum(r["iterations"] for r in results)  # (the workers' count: a push is a sync under local SGD)
     run.stats = {
         "updates": stats["server"]["version"],
-        "iterations": sum(r["iterations"] for r in results),
-        # (the workers' batches, inner steps under local SGD: a push is a sync there)
-        "iterations_per_s": sum(r["iterations"] for r in results) / args.budget,
+        "iterations": iterations,
+        "iterations_per_s": iterations / args.budget,  # (the workers' batches: inner steps under local SGD)
         "pushes": stats["server"]["pushes"],
         "mean_wait_s": sum(w["wait_s_total"] for w in workers) / pulls if pulls else 0.0,
         "mean_staleness": (sum(m * n for m, n in applied) / sum(n for _, n in applied)) if applied else 0.0,

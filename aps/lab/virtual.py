@@ -266,9 +266,7 @@ def train_virtual(
         while next_eval <= limit:  # the weights as they are before the next push arrives
             evaluate(next_eval)
             next_eval += eval_every
-        # (iterations: batches, all workers together; a local SGD setting's are its inner steps)
-        done = cluster.pushes if cluster.local is None else sum(cluster.local.steps)
-        if (budget is not None and upcoming > budget) or (iterations is not None and done >= iterations):
+        if (budget is not None and upcoming > budget) or (iterations is not None and cluster.batches >= iterations):
             break
         if stop_at_target and reached_at is not None:
             break
@@ -303,7 +301,7 @@ def train_virtual(
                 "local_every": local,
                 "dynamic": setting.dynamic,
                 "outer": f"{config.optimizer} lr={config.lr:g} momentum={config.momentum:g}",
-                "steps": sum(cluster.local.steps) if cluster.local is not None else None,
+                "steps": cluster.batches,
                 "syncs_per_worker": cluster.per_worker,
             }
             if local is not None
@@ -324,10 +322,7 @@ def train_virtual(
         "bytes_pushed": trainer.pushed_bytes,
         "gradients_applied": len(cluster.staleness),
         "updates": cluster.engine.version,
-        # (a worker's iterations: its batches, so that a local SGD setting counts its inner steps, not its syncs)
-        "iterations_per_s": (cluster.pushes if cluster.local is None else sum(cluster.local.steps)) / end
-        if end > 0
-        else 0.0,
+        "iterations_per_s": cluster.batches / end if end > 0 else 0.0,  # (local SGD: inner steps, not syncs)
         "mean_wait_s": figures["mean_wait"],
         **figures,
         "slow_time_s": list(times.slow_time),
