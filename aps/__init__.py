@@ -6,6 +6,8 @@ synchronization paradigm (BSP, ASP, SSP), and rows of embedding tables (:class:`
 by id.
 """
 
+from typing import TYPE_CHECKING
+
 from .checkpoint import Checkpoint, load_checkpoint
 from .config import ServerConfig
 from .errors import (
@@ -37,11 +39,24 @@ from .errors import (
 )
 from .layout import Layout
 from .tables import Table
-from .server.server import Server
 from .client.aio import AsyncWorker
 from .client.worker import Worker
 
 from ._version import __version__
+
+if TYPE_CHECKING:
+    from .server.server import Server
+
+
+def __getattr__(name: str) -> object:
+    # The server (aiohttp, the HTTP page, the coordinator, replicas) is loaded when first named:
+    # a worker process that never runs one starts without it (about half of `import aps`).
+    if name == "Server":
+        from .server.server import Server
+
+        return Server
+    raise AttributeError(f"module 'aps' has no attribute {name!r}")
+
 
 __all__ = [
     "APSConnectionError",

@@ -132,6 +132,30 @@ def test_the_server_never_imports_torch():
     subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
 
 
+def test_a_worker_process_starts_without_the_server():
+    """`import aps` (what every worker process pays) leaves the server, its HTTP stack and the
+    coordinator unloaded until `aps.Server` is named; naming it loads it."""
+    import subprocess
+    import sys
+
+    code = (
+        "import sys, aps\n"
+        "w = aps.Worker; a = aps.AsyncWorker\n"
+        "heavy = [m for m in ('aps.server.server', 'aps.server.http', 'aiohttp') if m in sys.modules]\n"
+        "assert not heavy, heavy\n"
+        "assert aps.Server.__module__ == 'aps.server.server' and 'aps.server.server' in sys.modules\n"
+        "from aps import Server\n"
+        "assert Server is aps.Server\n"
+        "try:\n"
+        "    aps.NoSuchThing\n"
+        "except AttributeError as exc:\n"
+        "    assert 'NoSuchThing' in str(exc)\n"
+        "else:\n"
+        "    raise AssertionError('an unknown name must raise AttributeError')\n"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
+
+
 def test_views_cannot_be_replaced(server, client):
     with client(server.address) as worker:
         worker.init({"w": np.zeros(3, np.float32)})

@@ -267,6 +267,10 @@ class Optimizer(ABC):
     ) -> bool:
         """The part ``[start, stop)`` of :meth:`step` (for a gradient still arriving): one
         kernel call per group range it covers (cut further across :attr:`threads`)."""
+        threads = self.threads
+        if groups is None and (threads.count == 1 or stop - start < threads.MIN_ELEMENTS):
+            # (the common case, one range on this thread: no partial, no hand-off, for small pushes)
+            return self._step_range(w_out, w_in, grad, scale, start, stop, grad_dtype, self.defaults)
         ranges = [(start, stop, self.defaults)] if groups is None else groups.ranges(start, stop)
         for lo, hi, values in ranges:
             kernel = functools.partial(self._range_kernel, w_out, w_in, grad, scale, grad_dtype, values)

@@ -49,9 +49,13 @@ QUANTIZED = frozenset(quantized.QUANTIZED)
 GRADIENT_OPS = frozenset({Op.PUSH, Op.PUSH_PULL})
 #: Requests answered with the weights, which may ask for them narrowed (Flag.NARROW).
 PULL_OPS = frozenset({Op.PULL, Op.PUSH_PULL})
+# (plain ints: an IntFlag's `&` makes a new IntFlag, a cost on every request)
 ROWS = int(Flag.ROWS)
 NARROW = int(Flag.NARROW)
 CHECK = int(Flag.CHECK)
+GATE = int(Flag.GATE)
+SKIP = int(Flag.SKIP)
+DROPPED = int(Flag.DROPPED)
 
 
 def dtype_name(code: int) -> str:
@@ -83,6 +87,8 @@ class Request:
         "dropped",
         "rank",
         "seat_notice",
+        "rows",
+        "dense_reply",
     )
 
     def __init__(self, header: Header, handler: Handler | None) -> None:
@@ -106,6 +112,10 @@ class Request:
         self.rank = -1
         #: The INIT asked for a SEATED notice before its reply.
         self.seat_notice = False
+        #: It carries rows (and its reply does).
+        self.rows = bool(header.flags & ROWS)
+        #: Its reply carries the dense weights (a request with rows whose dtype is NONE: rows alone).
+        self.dense_reply = not self.rows or header.dtype != NONE
 
     @property
     def op(self) -> int:
@@ -114,16 +124,6 @@ class Request:
     @property
     def rid(self) -> int:
         return self.header.request_id
-
-    @property
-    def rows(self) -> bool:
-        """It carries rows (and its reply does)."""
-        return bool(self.header.flags & ROWS)
-
-    @property
-    def dense_reply(self) -> bool:
-        """Its reply carries the dense weights (a request with rows whose dtype is NONE: rows alone)."""
-        return not self.rows or self.header.dtype != NONE
 
     def end_intake(self, engine: Engine, owner: object) -> None:
         """What was read of it is let go of: an INIT's pieces give back what they drew from the

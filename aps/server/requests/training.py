@@ -28,7 +28,20 @@ from ...errors import (
 )
 from ...wire.protocol import ANY_RANK, INIT_HEAD_BYTES, MAX_LAYOUT_BYTES, Flag, Op, encode_seated
 from ...wire.quantized import Quantized, scales_problem
-from .base import FLOAT32, HALF, NARROW, QUANTIZED, Handler, check_gradient_dtype, dtype_name, op_name, read_whole
+from .base import (
+    DROPPED,
+    FLOAT32,
+    GATE,
+    HALF,
+    NARROW,
+    QUANTIZED,
+    SKIP,
+    Handler,
+    check_gradient_dtype,
+    dtype_name,
+    op_name,
+    read_whole,
+)
 from .intake import InitIntake
 from .rows import request_rows, rows_destination, rows_of_reply, rows_room
 
@@ -158,7 +171,7 @@ class Push(Handler):
         return rows_room(request, got)
 
     def admit(self, conn: Exchange, request: Request) -> memoryview | None:
-        if request.header.flags & Flag.GATE:
+        if request.header.flags & GATE:
             if request.rows:
                 raise MalformedFrame("a PUSH that waits at the gate (GATE) carries a dense gradient alone, no rows")
             if conn.engine.policy.name == "bsp":  # (a round takes gradients of its own weights: no pipelining)
@@ -169,7 +182,7 @@ class Push(Handler):
         member = conn.require_member()
         header, training = request.header, conn.engine.training
         if (
-            header.flags & Flag.GATE
+            header.flags & GATE
             and conn.engine.policy.is_held(member.rank)
             and not training.is_duplicate(member, header.request_id, header.clock)  # (answered at once)
         ):
@@ -205,7 +218,7 @@ class PushPull(Handler):
 
     def admit(self, conn: Exchange, request: Request) -> memoryview | None:
         check_narrowing(conn, request)
-        if request.header.flags & Flag.SKIP:
+        if request.header.flags & SKIP:
             check_skip(conn, request)
             return None
         return push_destination(conn, request)
@@ -295,7 +308,7 @@ def push(conn: Exchange, request: Request, payload: memoryview, answered) -> Non
         clock=header.clock,
         rows=rows,
         dense=request.dense_reply,
-        skip=header.op == Op.PUSH_PULL and bool(header.flags & Flag.SKIP),
+        skip=header.op == Op.PUSH_PULL and bool(header.flags & SKIP),
     )
     request.stream = None
 
@@ -314,7 +327,7 @@ def check_scales(gradient: np.ndarray | Quantized) -> None:
 
 
 def _pushed(conn: Exchange, request: Request, result: PushResult) -> None:
-    flags = Flag.DROPPED if result.dropped else 0
+    flags = DROPPED if result.dropped else 0
     conn.reply(request, Op.PUSH_REPLY, clock=result.clock, version=result.version, flags=flags)
 
 
@@ -345,7 +358,7 @@ def _join_failed(conn: Exchange, request: Request, exc: ServerError) -> None:
 
 
 def _weights_ready(conn: Exchange, request: Request, op: int, snap: Snapshot, clock: int) -> None:
-    reply_weights(conn, request, op, snap, clock, Flag.DROPPED if request.dropped else 0)
+    reply_weights(conn, request, op, snap, clock, DROPPED if request.dropped else 0)
 
 
 def reply_weights(conn: Exchange, request: Request, op: int, snap: Snapshot, clock: int, flags: int) -> None:
