@@ -86,6 +86,7 @@ _SHM = int(Flag.SHM)
 _NARROW = int(Flag.NARROW)
 _ROWS = int(Flag.ROWS)
 _SKIP = int(Flag.SKIP)
+_GATE = int(Flag.GATE)
 _NONE = int(DType.NONE)
 #: ``compression=`` names and the element types they send.
 COMPRESSION = {
@@ -410,7 +411,7 @@ class _ClientCore:
         resend here: the pipeline keeps its own copy."""
         self._require_layout()
         flags, dtype, buffers = self._dense_push(grads, False)
-        flags |= Flag.GATE  # (held past the SSP/DSSP bound: it waits at the gate, not refused)
+        flags |= _GATE  # (held past the SSP/DSSP bound: it waits at the gate, not refused)
         rid = self._next_request(Op.PUSH)
         header = pack_header(Op.PUSH, flags, dtype, rid, clock, self.version, sum(len(b) for b in buffers))
         return [header, *buffers], rid
