@@ -58,6 +58,10 @@ def __getattr__(name: str) -> object:
     raise AttributeError(f"module 'aps' has no attribute {name!r}")
 
 
+def __dir__() -> list[str]:
+    return sorted({*globals(), "Server"})
+
+
 __all__ = [
     "APSConnectionError",
     "APSError",

@@ -143,6 +143,7 @@ def test_a_worker_process_starts_without_the_server():
         "w = aps.Worker; a = aps.AsyncWorker\n"
         "heavy = [m for m in ('aps.server.server', 'aps.server.http', 'aiohttp') if m in sys.modules]\n"
         "assert not heavy, heavy\n"
+        "assert 'Server' in dir(aps) and 'Worker' in dir(aps)\n"
         "assert aps.Server.__module__ == 'aps.server.server' and 'aps.server.server' in sys.modules\n"
         "from aps import Server\n"
         "assert Server is aps.Server\n"
