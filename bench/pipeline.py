@@ -147,9 +147,9 @@ def _floor_server(ports) -> None:
 def _floor_client(port: int, depth: int, nbytes: int, seconds: float, go, results) -> None:
     """Pushes of ``nbytes`` to the bare handler, ``depth`` in flight, for ``seconds``."""
     import socket
-    import struct
 
-    header = struct.Struct("<IHBBBHxIQQQ")
+    from aps.wire.protocol import HEADER_SIZE, Op, pack_header
+
     sock = socket.create_connection(("127.0.0.1", port))
     sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
     payload = np.full(nbytes // 4, 1e-9, np.float32).tobytes()
@@ -159,11 +159,11 @@ def _floor_client(port: int, depth: int, nbytes: int, seconds: float, go, result
         sent = answered = pending = 0
         while answered < count:
             while sent < count and sent - answered < depth:
-                sock.sendall(header.pack(0x31535041, 1, 4, 0, 0, 0, sent, 0, 0, nbytes) + payload)
+                sock.sendall(pack_header(Op.PUSH, 0, 0, sent, 0, 0, nbytes) + payload)
                 sent += 1
             pending += sock.recv_into(answers)
-            answered += pending // header.size
-            pending %= header.size
+            answered += pending // HEADER_SIZE
+            pending %= HEADER_SIZE
 
     push(200)
     results.put(("ready", 0))

@@ -274,7 +274,7 @@ class Optimizer(ABC):
         ranges = [(start, stop, self.defaults)] if groups is None else groups.ranges(start, stop)
         for lo, hi, values in ranges:
             kernel = functools.partial(self._range_kernel, w_out, w_in, grad, scale, grad_dtype, values)
-            if not self.threads.run(kernel, lo, hi):
+            if not threads.run(kernel, lo, hi):
                 return False
         return True
 
